@@ -1,0 +1,3 @@
+"""dmuon_clip."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""dmuon_fsdp."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""dmuon_ns."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""dmuon_ownership."""
+
+__all__: list[str] = []

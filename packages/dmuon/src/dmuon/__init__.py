@@ -1,0 +1,3 @@
+"""dmuon: distributed Muon for PyTorch FSDP2 (re-exports only)."""
+
+__all__: list[str] = []
