@@ -1,0 +1,171 @@
+"""The owner step: momentum, Nesterov, Newton–Schulz batched by shape, lr scaling, weight decay,
+and the AdamW step for everything else. Small pure functions over plain tensors; the optimizer
+decides which tensors they see.
+
+[Note: one Newton–Schulz call per shape]
+After the reduce, an owner holds the full gradients of every matrix it owns. Matrices of one
+shape are stacked into a single ``(batch, m, n)`` tensor and orthogonalised by one dmuon-ns
+call (``orthogonalize_batch``), so a rank that owns twelve ``(1024, 4096)`` projections issues
+one batched NS instead of twelve. NS acts on each matrix of the batch independently, so the
+result equals twelve separate calls up to the rounding of batched matrix products.
+``orthogonalize_batch`` is the only place where the optimizer invokes NS: a test patches it to
+count invocations per matrix across the world.
+
+[Note: momentum convention]
+``buf = momentum * buf + grad`` (no ``1 - momentum`` damping) and the Nesterov input
+``grad + momentum * buf``. ``torch.optim.Muon`` keeps an exponential moving average instead
+(``buf.lerp_(grad, 1 - momentum)``); its buffer is exactly ``(1 - momentum)`` times ours, and
+because NS first divides by the Frobenius norm the orthogonalised updates agree (up to the
+``eps`` of that normalisation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Any
+
+import torch
+from dmuon_ns import NewtonSchulz
+from torch import Tensor
+from torch.optim.adamw import adamw as _functional_adamw
+
+__all__ = [
+    "LrScaling",
+    "adamw_step",
+    "lr_scale",
+    "make_newton_schulz",
+    "momentum_update",
+    "orthogonalize",
+    "orthogonalize_batch",
+    "weight_decay_and_update",
+]
+
+
+class LrScaling(StrEnum):
+    """How the Muon learning rate is scaled per matrix of shape ``(m, n)``."""
+
+    # 0.2·√max(m, n): the update's RMS matches AdamW's, so AdamW learning rates carry over
+    # (Moonlight, arXiv:2502.16982); torch.optim.Muon's "match_rms_adamw".
+    MOONLIGHT = "moonlight"
+    # √max(1, m/n): Keller Jordan's original scaling; torch.optim.Muon's "original".
+    SPECTRAL = "spectral"
+    NONE = "none"
+
+
+def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
+    """The factor that multiplies the Muon learning rate for a matrix of ``shape``."""
+    if len(shape) != 2:
+        raise ValueError(f"lr_scale needs a 2-D shape (m, n), got {tuple(shape)}")
+    m, n = int(shape[0]), int(shape[1])
+    scaling = LrScaling(scaling)
+    if scaling is LrScaling.MOONLIGHT:
+        return 0.2 * math.sqrt(max(m, n))
+    if scaling is LrScaling.SPECTRAL:
+        return math.sqrt(max(1.0, m / n))
+    return 1.0
+
+
+def momentum_update(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Advance ``buf`` in place (``buf = momentum * buf + grad``) and return the NS input:
+    ``grad + momentum * buf`` with Nesterov, ``buf`` itself without (do not modify it)."""
+    buf.mul_(momentum).add_(grad)
+    if nesterov:
+        return grad.add(buf, alpha=momentum)
+    return buf
+
+
+def make_newton_schulz(ns_backend: str | NewtonSchulz, ns_steps: int) -> NewtonSchulz:
+    """The NS object the optimizer uses: ``"gram"``/``"direct"`` build one with ``ns_steps``
+    iterations; a ``NewtonSchulz`` instance is used as given (it carries its own steps)."""
+    if isinstance(ns_backend, NewtonSchulz):
+        return ns_backend
+    if ns_backend not in ("gram", "direct"):
+        raise ValueError(
+            f"ns_backend must be 'gram', 'direct' or a dmuon_ns.NewtonSchulz instance,"
+            f" got {ns_backend!r}"
+        )
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+        raise ValueError(f"ns_steps must be a positive int (5 is standard), got {ns_steps!r}")
+    return NewtonSchulz(backend=ns_backend, steps=ns_steps)
+
+
+def orthogonalize_batch(ns: NewtonSchulz, batch: Tensor) -> Tensor:
+    """NS of every matrix of a ``(batch, m, n)`` stack; see [Note: one Newton–Schulz call per
+    shape]."""
+    return ns(batch)
+
+
+def orthogonalize(ns: NewtonSchulz, inputs: Sequence[Tensor]) -> list[Tensor]:
+    """NS of every 2-D tensor in ``inputs`` (any mix of shapes), one ``orthogonalize_batch``
+    call per distinct (shape, dtype, device); results in input order."""
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, x in enumerate(inputs):
+        if x.ndim != 2:
+            raise ValueError(f"orthogonalize takes 2-D matrices, got shape {tuple(x.shape)}")
+        buckets.setdefault((tuple(x.shape), x.dtype, x.device), []).append(i)
+    out: list[Tensor | None] = [None] * len(inputs)
+    for indices in buckets.values():
+        batch = torch.stack([inputs[i] for i in indices])
+        result = orthogonalize_batch(ns, batch)
+        for j, i in enumerate(indices):
+            out[i] = result[j]
+    return [t for t in out if t is not None]
+
+
+def weight_decay_and_update(
+    param: Tensor, update: Tensor, *, lr: float, weight_decay: float, scale: float
+) -> None:
+    """Decoupled weight decay ``p *= 1 - lr * wd`` then ``p -= lr * scale * update``, in
+    place. The decay uses the unscaled ``lr``, as in torch.optim.Muon."""
+    if weight_decay != 0.0:
+        param.mul_(1.0 - lr * weight_decay)
+    param.add_(update.to(param.dtype), alpha=-lr * scale)
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim.Adam keeps ``step`` in float64 only when that is the default dtype.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def init_adamw_state(param: Tensor) -> dict[str, Tensor]:
+    """Fresh AdamW state laid out as torch.optim.AdamW lays it out (step on the CPU)."""
+    return {
+        "step": torch.tensor(0.0, dtype=_scalar_dtype()),
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }
+
+
+def adamw_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict[str, Tensor]],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step through torch's functional AdamW, so the numbers (and the single-tensor /
+    foreach choice) are those of ``torch.optim.AdamW`` with the same hyperparameters."""
+    if not params:
+        return
+    _functional_adamw(
+        params,
+        grads,
+        [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states],
+        [],
+        [s["step"] for s in states],
+        foreach=None,
+        has_complex=any(torch.is_complex(p) for p in params),
+        amsgrad=False,
+        beta1=betas[0],
+        beta2=betas[1],
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+    )

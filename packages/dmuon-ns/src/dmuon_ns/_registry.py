@@ -1,0 +1,229 @@
+"""The NS kernel registry and the one place that decides which kernel runs.
+
+[Note: kernel precedence]
+``resolve()`` applies, first match wins:
+
+1. an explicit ``kernel=`` other than ``"auto"``;
+2. the environment override ``DMUON_NS_KERNEL`` (read here and nowhere else; ``"auto"`` or
+   empty means unset);
+3. ``deterministic=True``, which means the plain torch kernel (cuBLAS products, no autotune
+   whose choice could differ between runs or machines);
+4. auto: on CUDA every available kernel in ``AUTO_PRIORITY`` order, for ``_autotune`` to pick
+   from per problem; on any other device the torch kernel, because the accelerated kernels are
+   CUDA kernels (the Triton interpreter on CPU exists for tests, which ask for it by name).
+
+A kernel named by 1 or 2 that cannot run on the device is an error carrying the kernel's own
+``unavailable_reason`` (an install hint), never a silent fallback: whoever names a kernel wants
+to measure or rely on it. Auto always runs something and says what (``get_ns_backend``).
+
+[Note: optional kernels load lazily]
+The Triton and quack kernels live in modules that import heavy optional dependencies. Importing
+``dmuon_ns`` imports neither; the first ``resolve()`` (or status query) that needs them imports
+each inside a ``try``. A module that fails to import leaves its kernel unavailable with the
+error as the reason, so a broken optional install can never break the torch path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from dmuon_ns._torch_kernel import TORCH_KERNEL
+
+__all__ = [
+    "AUTO_PRIORITY",
+    "KERNEL_ENV",
+    "NSKernel",
+    "NSKernelUnavailableError",
+    "Resolution",
+    "kernel_names",
+    "kernel_status",
+    "register_kernel",
+    "resolve",
+]
+
+logger = logging.getLogger(__name__)
+
+KERNEL_ENV = "DMUON_NS_KERNEL"
+
+# Optional kernels: name -> (module that registers it on import, install hint).
+_OPTIONAL_KERNELS: dict[str, tuple[str, str]] = {
+    "triton": ("dmuon_ns._triton_backend", "pip install 'dmuon-ns[triton]'"),
+    "quack": ("dmuon_ns._quack_backend", "pip install 'dmuon-ns[cute]'"),
+}
+# Order in which auto offers candidates to the autotuner (first = preferred on a tie).
+AUTO_PRIORITY: tuple[str, ...] = ("quack", "triton", "torch")
+
+
+@runtime_checkable
+class NSKernel(Protocol):
+    """What a kernel implements. ``x`` is (batch, m, n) with m ≤ n, contiguous, fp16/bf16,
+    already normalised; the result has the same shape and dtype. ``coefficients`` has exactly
+    one row per step."""
+
+    name: str
+
+    def unavailable_reason(self, device: torch.device) -> str | None: ...
+
+    def gram(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        restart_iterations: Sequence[int],
+    ) -> Tensor: ...
+
+    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor: ...
+
+
+class NSKernelUnavailableError(RuntimeError):
+    """A kernel asked for by name (``kernel=`` or ``DMUON_NS_KERNEL``) cannot run here."""
+
+
+class Resolution(NamedTuple):
+    """The outcome of ``resolve``: the kernels to run (one, or several auto candidates in
+    priority order), the rule that chose them and a human-readable reason."""
+
+    kernels: tuple[NSKernel, ...]
+    rule: str  # "kernel=", "DMUON_NS_KERNEL", "deterministic", "auto"
+    reason: str
+
+
+_lock = threading.Lock()
+_kernels: dict[str, NSKernel] = {TORCH_KERNEL.name: TORCH_KERNEL}
+_import_failures: dict[str, str] = {}
+_optional_loaded = False
+_cache: dict[tuple[str, bool, torch.device, str | None], Resolution] = {}
+
+
+def register_kernel(kernel: NSKernel) -> None:
+    """Make ``kernel`` available under ``kernel.name`` (replacing a kernel of that name)."""
+    name = getattr(kernel, "name", None)
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(
+            f"register_kernel: kernel.name must be a non-empty string other than 'auto',"
+            f" got {name!r}"
+        )
+    if not isinstance(kernel, NSKernel):
+        raise ValueError(
+            f"register_kernel: kernel {name!r} must implement unavailable_reason(device),"
+            " gram(x, coefficients, restart_iterations) and direct(x, coefficients)"
+        )
+    with _lock:
+        if name in _kernels and _kernels[name] is not kernel:
+            logger.debug("dmuon-ns: kernel %r replaced by %r", name, kernel)
+        _kernels[name] = kernel
+        _import_failures.pop(name, None)
+        _cache.clear()
+
+
+def kernel_names() -> tuple[str, ...]:
+    """Every kernel name ``kernel=`` accepts (registered or loadable), without importing."""
+    with _lock:
+        return tuple(dict.fromkeys([*AUTO_PRIORITY, *_OPTIONAL_KERNELS, *_kernels]))
+
+
+def _load_optional() -> None:
+    global _optional_loaded
+    if _optional_loaded:
+        return
+    for name, (module, hint) in _OPTIONAL_KERNELS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            reason = f"{module} could not be imported ({err}); install with {hint}"
+        except Exception as err:
+            logger.warning("dmuon-ns: optional kernel module %s failed to import", module)
+            logger.debug("import failure of %s", module, exc_info=True)
+            reason = f"{module} failed to import ({type(err).__name__}: {err})"
+        else:
+            if name in _kernels:
+                continue
+            reason = f"{module} imported but registered no kernel named {name!r}"
+        with _lock:
+            _import_failures[name] = reason
+    _optional_loaded = True
+
+
+def _unavailable(name: str, device: torch.device) -> str | None:
+    kernel = _kernels.get(name)
+    if kernel is None:
+        return _import_failures.get(name, f"kernel {name!r} is not registered")
+    return kernel.unavailable_reason(device)
+
+
+def kernel_status(device: torch.device) -> dict[str, str | None]:
+    """name -> reason it cannot run on ``device`` (``None`` when it can), for every kernel."""
+    _load_optional()
+    return {name: _unavailable(name, device) for name in kernel_names()}
+
+
+def resolve(kernel: str, deterministic: bool, device: torch.device) -> Resolution:
+    """Decide which kernel(s) run on ``device`` (see the precedence note)."""
+    env = os.environ.get(KERNEL_ENV) or None
+    if env is not None and env.strip().lower() == "auto":
+        env = None
+    key = (kernel, deterministic, device, env)
+    cached = _cache.get(key)
+    if cached is not None:
+        return cached
+    resolution = _resolve(kernel, deterministic, device, env)
+    with _lock:
+        _cache[key] = resolution
+    return resolution
+
+
+def _resolve(kernel: str, deterministic: bool, device: torch.device, env: str | None) -> Resolution:
+    if kernel != "auto":
+        return _named(kernel, "kernel=", f"kernel={kernel!r} was asked for", device)
+    if env is not None:
+        name = env.strip().lower()
+        return _named(name, KERNEL_ENV, f"{KERNEL_ENV}={env!r} overrides auto", device)
+    if deterministic:
+        return Resolution((TORCH_KERNEL,), "deterministic", "deterministic=True runs plain torch")
+    if device.type != "cuda":
+        return Resolution(
+            (TORCH_KERNEL,),
+            "auto",
+            f"auto on {device.type}: the accelerated kernels need CUDA, plain torch runs",
+        )
+    _load_optional()
+    candidates = tuple(
+        _kernels[name]
+        for name in dict.fromkeys([*AUTO_PRIORITY, *_kernels])
+        if name in _kernels and _unavailable(name, device) is None
+    )
+    if not candidates:
+        candidates = (TORCH_KERNEL,)
+    names = ", ".join(k.name for k in candidates)
+    if len(candidates) == 1:
+        reason = f"auto: {names} is the only kernel available here"
+    else:
+        reason = f"auto: autotuned per shape among {names}"
+    return Resolution(candidates, "auto", reason)
+
+
+def _named(name: str, rule: str, why: str, device: torch.device) -> Resolution:
+    known = kernel_names()
+    if name not in known:
+        source = "kernel" if rule == "kernel=" else f"the {KERNEL_ENV} environment variable"
+        raise ValueError(
+            f"{source}: unknown NS kernel {name!r}; known kernels are 'auto', "
+            + ", ".join(repr(k) for k in known)
+        )
+    if name in _OPTIONAL_KERNELS:
+        _load_optional()
+    reason = _unavailable(name, device)
+    if reason is not None:
+        fix = "pass kernel='auto'" if rule == "kernel=" else f"unset {KERNEL_ENV}"
+        raise NSKernelUnavailableError(
+            f"NS kernel {name!r} ({why}) cannot run on {device}: {reason}. Install what it"
+            f" needs, or {fix} to let dmuon-ns pick an available kernel."
+        )
+    return Resolution((_kernels[name],), rule, why)

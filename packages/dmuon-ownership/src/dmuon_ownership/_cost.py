@@ -1,0 +1,88 @@
+"""How much optimizer work one parameter puts on its owner.
+
+[Note: the cost model]
+
+The planner balances the time owners spend in ``optimizer.step()``. For a Muon matrix that time
+is dominated by Newton–Schulz (NS); for an AdamW parameter it is an elementwise pass. Both are
+expressed in one unit, *FLOP-equivalents*, so that one plan can mix routes.
+
+NS on an (m, n) matrix, transposed so that m <= n (the NS front end does this), ``s`` steps:
+
+* direct NS, per step: ``A = X Xᵀ`` (2m²n), ``B = bA + cA²`` (2m³), ``X = aX + BX`` (2m²n)::
+
+      direct(m, n) = s · (4m²n + 2m³)
+
+* Gram NS iterates on the m × m Gram matrix instead of the m × n iterate: form ``R = X Xᵀ``
+  once (2m²n), run every step on m × m (``R²``, ``Q ← QZ``, ``R ← ZRZ``: about 8m³), then
+  apply ``X ← QX`` at the end (2m²n). Each restart (default: one, at iteration 2) applies
+  ``QX`` and forms ``XXᵀ`` again (4m²n)::
+
+      gram(m, n) = 4m²n · (1 + restarts) + 8m³ · s
+
+The runtime uses direct NS for square matrices (no Gram gain there: 30m³ against 48m³ at
+s = 5) and Gram NS otherwise, so :func:`ns_cost` charges the variant that actually runs. Leading
+dimensions beyond the last two multiply the cost (a batch of matrices).
+
+GEMM FLOPs are an honest proxy of NS time because every term is a large matmul on tensor cores;
+the exact constant does not matter for the plan, only the *ratios* between shapes, which
+follow m²n and m³ as above (a 14336 × 4096 MLP matrix costs 2.3× a 4096 × 4096 one, not the
+3.5× its element count suggests).
+
+Elementwise work (Muon's momentum and update; AdamW's whole step) is memory bound. It is
+converted to FLOP-equivalents with a machine balance of 256 FLOP per HBM byte (A100: ~156,
+H100: ~295 fp16 tensor-core FLOP/byte): AdamW touches ~28 bytes per element (read param,
+grad, two moments; write param, two moments, all fp32), Muon's elementwise part ~20 bytes.
+For a 4096 × 4096 Muon matrix that elementwise part is ~6 % of its NS cost; for AdamW items it
+is the whole cost, which is therefore proportional to the element count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from ._route import Route, parse_route
+
+__all__ = ["CostFn", "elementwise_cost", "ns_cost", "ns_flops"]
+
+#: ``cost(shape, route) -> float``: the work one item puts on its owner (any consistent unit).
+CostFn = Callable[[tuple[int, ...], Route], float]
+
+_MACHINE_BALANCE = 256  # FLOP per HBM byte, see [Note: the cost model]
+_BYTES_PER_ELEMENT = {Route.MUON: 20, Route.ADAMW: 28, Route.SHARDED_ADAMW: 28}
+
+
+def ns_flops(m: int, n: int, steps: int = 5, *, restarts: int = 1) -> int:
+    """FLOPs of one Newton–Schulz orthogonalisation of an (m, n) matrix; see the module Note."""
+    if steps < 1 or restarts < 0:
+        raise ValueError(f"ns_flops: need steps >= 1 and restarts >= 0, got {steps}, {restarts}")
+    m, n = min(m, n), max(m, n)
+    if m == n:
+        return steps * (4 * m * m * n + 2 * m**3)
+    return 4 * m * m * n * (1 + restarts) + 8 * m**3 * steps
+
+
+def elementwise_cost(numel: int, route: Route) -> int:
+    """FLOP-equivalents of the elementwise optimizer pass over ``numel`` elements."""
+    return _BYTES_PER_ELEMENT[route] * _MACHINE_BALANCE * numel
+
+
+def ns_cost(
+    shape: Sequence[int], route: str = Route.MUON, *, steps: int = 5, restarts: int = 1
+) -> float:
+    """Optimizer work of one parameter on its owner, in FLOP-equivalents.
+
+    ``"muon"``: Newton–Schulz FLOPs of the matrix (batch × :func:`ns_flops` over the last two
+    dims) plus the elementwise momentum/update pass. ``"adamw"`` / ``"sharded_adamw"``: the
+    elementwise AdamW pass only, proportional to the element count.
+    The result is an integer held in a float, so it is exact and identical on every rank.
+    """
+    resolved = parse_route(route, "ns_cost: route")
+    numel = math.prod(shape)
+    total = elementwise_cost(numel, resolved)
+    if resolved is Route.MUON:
+        if len(shape) < 2:
+            raise ValueError(f"ns_cost: route 'muon' needs a matrix, got shape {tuple(shape)}")
+        batch = math.prod(shape[:-2])
+        total += batch * ns_flops(shape[-2], shape[-1], steps, restarts=restarts)
+    return float(total)

@@ -1,0 +1,161 @@
+"""A small Llama-style decoder for the demo and the benchmarks.
+
+Parameter names follow the Hugging Face Llama layout (``layers.N.self_attn.q_proj.weight``,
+``layers.N.mlp.gate_proj.weight``, ...) so that the usual predicate
+``lambda n, p: "proj" in n and p.ndim == 2`` selects exactly the attention and MLP matrices,
+and the default hook boundary (the nearest ``layers.N`` ancestor) is one decoder layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["LlamaConfig", "TinyLlama", "muon_predicate", "next_token_loss"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of the model. ``intermediate`` is the SwiGLU width (gate/up output)."""
+
+    vocab: int = 256
+    hidden: int = 128
+    intermediate: int = 384
+    layers: int = 4
+    heads: int = 4
+    seq_len: int = 64
+    rope_theta: float = 10_000.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "intermediate", "layers", "heads", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"LlamaConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads});"
+                " pick a head count that divides the hidden size"
+            )
+        if (self.hidden // self.heads) % 2:
+            raise ValueError(
+                f"LlamaConfig: the head dim hidden/heads = {self.hidden // self.heads} must be even"
+                " for rotary embeddings; change hidden or heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def muon_predicate(name: str, param: nn.Parameter) -> bool:
+    """The predicate the demo hands to ``dedicate_params``: every 2-D projection matrix."""
+    return "proj" in name and param.ndim == 2
+
+
+def _rope_tables(cfg: LlamaConfig) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / cfg.rope_theta ** (
+        torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+    )
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (batch, heads, seq, head_dim); rotate the two halves of the head dim as Llama does.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, h = x.shape
+
+        def split(y: Tensor) -> Tensor:
+            return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+
+        q = _apply_rope(split(self.q_proj(x)), cos, sin)
+        k = _apply_rope(split(self.k_proj(x)), cos, sin)
+        v = split(self.v_proj(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden, eps=1e-6)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden, eps=1e-6)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TinyLlama(nn.Module):
+    """Embedding, ``layers`` of pre-norm decoder layers, final RMSNorm, untied LM head."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=1e-6)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        cos, sin = _rope_tables(cfg)
+        # Not persistent: derived from the config, so they stay out of state dicts.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.cfg.hidden**-0.5
+        for name, p in self.named_parameters():
+            if p.ndim == 2:
+                nn.init.normal_(p, std=std)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    # Residual-branch outputs start small so that deep stacks begin near identity.
+                    p.div_((2 * self.cfg.layers) ** 0.5)
+            else:
+                nn.init.ones_(p)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens: (batch, seq) int64 → logits (batch, seq, vocab)."""
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.lm_head(self.norm(x))
+
+
+def next_token_loss(model: nn.Module, tokens: Tensor) -> Tensor:
+    """Mean next-token cross entropy; ``tokens`` holds seq_len + 1 tokens per row.
+
+    A free function rather than a method: FSDP2 and dmuon hook ``forward``, so the model must
+    be called, not a side method of it."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
