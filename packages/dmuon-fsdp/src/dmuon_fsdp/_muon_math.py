@@ -22,7 +22,7 @@ because NS first divides by the Frobenius norm the orthogonalised updates agree 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -34,11 +34,13 @@ from torch.optim.adamw import adamw as _functional_adamw
 __all__ = [
     "LrScaling",
     "adamw_step",
+    "init_adamw_state",
     "lr_scale",
     "make_newton_schulz",
     "momentum_update",
     "orthogonalize",
     "orthogonalize_batch",
+    "step_dtype",
     "weight_decay_and_update",
 ]
 
@@ -91,13 +93,13 @@ def make_newton_schulz(ns_backend: str | NewtonSchulz, ns_steps: int) -> NewtonS
     return NewtonSchulz(backend=ns_backend, steps=ns_steps)
 
 
-def orthogonalize_batch(ns: NewtonSchulz, batch: Tensor) -> Tensor:
+def orthogonalize_batch(ns: Callable[[Tensor], Tensor], batch: Tensor) -> Tensor:
     """NS of every matrix of a ``(batch, m, n)`` stack; see [Note: one Newton–Schulz call per
     shape]."""
     return ns(batch)
 
 
-def orthogonalize(ns: NewtonSchulz, inputs: Sequence[Tensor]) -> list[Tensor]:
+def orthogonalize(ns: Callable[[Tensor], Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
     """NS of every 2-D tensor in ``inputs`` (any mix of shapes), one ``orthogonalize_batch``
     call per distinct (shape, dtype, device); results in input order."""
     buckets: dict[tuple[Any, ...], list[int]] = {}
@@ -124,7 +126,7 @@ def weight_decay_and_update(
     param.add_(update.to(param.dtype), alpha=-lr * scale)
 
 
-def _scalar_dtype() -> torch.dtype:
+def step_dtype() -> torch.dtype:
     # torch.optim.Adam keeps ``step`` in float64 only when that is the default dtype.
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
@@ -132,7 +134,7 @@ def _scalar_dtype() -> torch.dtype:
 def init_adamw_state(param: Tensor) -> dict[str, Tensor]:
     """Fresh AdamW state laid out as torch.optim.AdamW lays it out (step on the CPU)."""
     return {
-        "step": torch.tensor(0.0, dtype=_scalar_dtype()),
+        "step": torch.tensor(0.0, dtype=step_dtype()),
         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
     }

@@ -278,9 +278,8 @@ def _torch_error(
     reference: Tensor,
 ) -> float:
     """Error of the plain-torch kernel when it is not among the candidates."""
-    from dmuon_ns._registry import get_kernel  # deferred: the registry imports this module
+    from dmuon_ns._torch_kernel import TORCH_KERNEL as kernel
 
-    kernel = get_kernel("torch")
     out = kernel.gram(sample, coeffs, restarts) if op == "gram" else kernel.direct(sample, coeffs)
     return _relative_error(out, reference, sample.shape)
 

@@ -44,6 +44,7 @@ __all__ = [
     "NSKernelUnavailableError",
     "Resolution",
     "kernel_names",
+    "kernel_override",
     "kernel_status",
     "register_kernel",
     "resolve",
@@ -164,11 +165,21 @@ def kernel_status(device: torch.device) -> dict[str, str | None]:
     return {name: _unavailable(name, device) for name in kernel_names()}
 
 
-def resolve(kernel: str, deterministic: bool, device: torch.device) -> Resolution:
-    """Decide which kernel(s) run on ``device`` (see the precedence note)."""
-    env = os.environ.get(KERNEL_ENV) or None
-    if env is not None and env.strip().lower() == "auto":
-        env = None
+def kernel_override() -> str | None:
+    """The value of ``DMUON_NS_KERNEL`` (the only place it is read); ``None`` when unset,
+    empty or ``"auto"``."""
+    env = os.environ.get(KERNEL_ENV, "").strip()
+    if not env or env.lower() == "auto":
+        return None
+    return env
+
+
+def resolve(
+    kernel: str, deterministic: bool, device: torch.device, *, use_env: bool = True
+) -> Resolution:
+    """Decide which kernel(s) run on ``device`` (see the precedence note). ``use_env=False``
+    answers as if ``DMUON_NS_KERNEL`` were unset (for status reports)."""
+    env = kernel_override() if use_env else None
     key = (kernel, deterministic, device, env)
     cached = _cache.get(key)
     if cached is not None:
@@ -183,7 +194,7 @@ def _resolve(kernel: str, deterministic: bool, device: torch.device, env: str | 
     if kernel != "auto":
         return _named(kernel, "kernel=", f"kernel={kernel!r} was asked for", device)
     if env is not None:
-        name = env.strip().lower()
+        name = env.lower()
         return _named(name, KERNEL_ENV, f"{KERNEL_ENV}={env!r} overrides auto", device)
     if deterministic:
         return Resolution((TORCH_KERNEL,), "deterministic", "deterministic=True runs plain torch")

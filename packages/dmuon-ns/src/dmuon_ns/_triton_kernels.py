@@ -22,8 +22,7 @@ copy); accumulation is fp32; any size works (tails are masked). On CPU the kerne
 Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported).
 """
 
-from __future__ import annotations
-
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,8 @@ import triton.language as tl
 from torch import Tensor
 
 __all__ = ["TileConfig", "matmul", "sym_matmul"]
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ def _sym_kernel(
     b_ptr,
     c_ptr,
     out_ptr,
+    out2_ptr,
+    NB,
     M,
     K,
     s_ab,
@@ -76,10 +79,14 @@ def _sym_kernel(
     alpha,
     beta,
     diag,
+    diag2,
     HAS_C: tl.constexpr,
     HAS_DIAG: tl.constexpr,
+    HAS_OUT2: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -100,10 +107,13 @@ def _sym_kernel(
     mask_i = offs_i < M
     mask_j = offs_j < M
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
+    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
+        k_ok = (kt * BLOCK_K + offs_k) < K
         a = tl.load(a_ptrs, mask=mask_i[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & mask_j[None, :], other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
@@ -115,15 +125,44 @@ def _sym_kernel(
     if HAS_C:
         c_ptrs = c_ptr + batch * s_cb + offs_i[:, None] * s_cm + offs_j[None, :] * s_cn
         acc += beta * tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+    is_diag = offs_i[:, None] == offs_j[None, :]
     if HAS_DIAG:
-        acc += tl.where(offs_i[:, None] == offs_j[None, :], diag, 0.0)
-    out = acc.to(out_ptr.dtype.element_ty)
-    out_base = out_ptr + batch * s_ob
-    tl.store(out_base + offs_i[:, None] * s_om + offs_j[None, :] * s_on, out, mask=mask)
-    if i != j:
-        mask_t = mask_j[:, None] & mask_i[None, :]
-        out_t = tl.trans(out)
-        tl.store(out_base + offs_j[:, None] * s_om + offs_i[None, :] * s_on, out_t, mask=mask_t)
+        acc += tl.where(is_diag, diag, 0.0)
+    _store_mirrored(
+        out_ptr + batch * s_ob, acc, offs_i, offs_j, mask_i, mask_j, s_om, s_on, i != j, INTERPRET
+    )
+    if HAS_OUT2:
+        acc2 = acc + tl.where(is_diag, diag2, 0.0)
+        _store_mirrored(
+            out2_ptr + batch * s_ob,
+            acc2,
+            offs_i,
+            offs_j,
+            mask_i,
+            mask_j,
+            s_om,
+            s_on,
+            i != j,
+            INTERPRET,
+        )
+
+
+@triton.jit
+def _store_mirrored(
+    base, acc, offs_i, offs_j, mask_i, mask_j, s_om, s_on, off_diagonal, INTERPRET: tl.constexpr
+):
+    out = _to_storage(acc, base, INTERPRET)
+    tl.store(
+        base + offs_i[:, None] * s_om + offs_j[None, :] * s_on,
+        out,
+        mask=mask_i[:, None] & mask_j[None, :],
+    )
+    if off_diagonal:
+        tl.store(
+            base + offs_j[:, None] * s_om + offs_i[None, :] * s_on,
+            tl.trans(out),
+            mask=mask_j[:, None] & mask_i[None, :],
+        )
 
 
 @triton.jit
@@ -132,6 +171,7 @@ def _mm_kernel(
     b_ptr,
     c_ptr,
     out_ptr,
+    NB,
     M,
     N,
     K,
@@ -154,6 +194,8 @@ def _mm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    K_TILES: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -173,10 +215,13 @@ def _mm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
+    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
+        k_ok = (kt * BLOCK_K + offs_k) < K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
@@ -187,7 +232,81 @@ def _mm_kernel(
         c_ptrs = c_ptr + batch * s_cb + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
         acc += beta * tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + batch * s_ob + offs_m[:, None] * s_om + offs_n[None, :] * s_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, _to_storage(acc, out_ptr, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _to_storage(acc, ptr, INTERPRET: tl.constexpr):
+    """Round the fp32 tile to the storage dtype of ``ptr``, to nearest even.
+
+    Triton's interpreter truncates fp32 → bf16 (compiled code rounds to nearest even), so
+    there the rounding is done on the bits first and the final cast is exact.
+    """
+    if INTERPRET:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            acc = bits.to(tl.float32, bitcast=True)
+    return acc.to(ptr.dtype.element_ty)
+
+
+# [Note: tile autotuning]
+# On the GPU each product picks its tiles with Triton's autotuner, once per (batch, M, K
+# or N, epilogue, dtype): small Gram sides need small tiles to give the chip enough programs,
+# large ones want 128-wide tiles and deep pipelines. The lists are short because every entry
+# is compiled once per epilogue variant on first use.
+_SYM_CONFIGS = [
+    triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
+]
+_MM_CONFIGS = [
+    triton.Config(
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3
+    ),
+    triton.Config(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4
+    ),
+    triton.Config(
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4
+    ),
+]
+_sym_tuned = triton.autotune(
+    configs=_SYM_CONFIGS, key=["NB", "M", "K", "HAS_C", "HAS_DIAG", "HAS_OUT2"]
+)(_sym_kernel)
+_mm_tuned = triton.autotune(configs=_MM_CONFIGS, key=["NB", "M", "N", "K", "HAS_C"])(_mm_kernel)
+# Small tiles for the CPU interpreter, which spends milliseconds per operation of every program.
+_INTERPRETER_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=1)
+
+
+def _sym_grid(m: int, batch: int):  # type: ignore[no-untyped-def]
+    def grid(meta):  # type: ignore[no-untyped-def]
+        tiles = triton.cdiv(m, meta["BLOCK"])
+        return (tiles * (tiles + 1) // 2, batch)
+
+    return grid
+
+
+def _mm_grid(m: int, n: int, batch: int):  # type: ignore[no-untyped-def]
+    def grid(meta):  # type: ignore[no-untyped-def]
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), batch)
+
+    return grid
+
+
+def _static_k_tiles(k: int, block_k: int) -> int:
+    """The K-loop trip count as a compile-time constant, in Triton's interpreter only.
+
+    [Note: interpreter loop bounds]
+    Under ``TRITON_INTERPRET=1`` with NumPy 2.4, ``range()`` over a runtime kernel argument
+    fails (the interpreter converts a 1-element array with ``int()``). Passing the trip count
+    as a constexpr there sidesteps it; compiled kernels get 0 and loop over the runtime ``K``,
+    so one binary serves every K. The same interpreter multiplies bf16 blocks wrongly (NumPy
+    has no bf16), so there ``INTERPRET`` widens both operands first; the products of two fp16 or
+    bf16 numbers are exact in fp32, so only the summation order differs from the tensor cores.
+    """
+    return triton.cdiv(k, block_k) if _INTERPRETING else 0
 
 
 def _check_operands(a: Tensor, b: Tensor, c: Tensor | None, out_shape: tuple[int, ...]) -> None:
@@ -209,8 +328,9 @@ def sym_matmul(
     alpha: float = 1.0,
     beta: float = 0.0,
     diag: float = 0.0,
+    diag2: float | None = None,
     config: TileConfig | None = None,
-) -> Tensor:
+) -> tuple[Tensor, Tensor | None]:
     """``alpha·a·b + beta·c + diag·I`` for a product ``a·b`` known to be symmetric.
 
     ``a`` is (batch, m, k), ``b`` is (batch, k, m) (any strides, e.g. ``a.mT`` for a Gram
@@ -219,17 +339,18 @@ def sym_matmul(
     """
     batch, m, k = a.shape
     _check_operands(a, b, c, (batch, m, m))
-    cfg = config or TileConfig()
     out = torch.empty((batch, m, m), dtype=a.dtype, device=a.device)
+    out2 = torch.empty_like(out) if diag2 is not None else None
     if batch == 0 or m == 0:
-        return out
-    tiles = triton.cdiv(m, cfg.block_m)
+        return out, out2
     c_arg = c if c is not None else out
-    _sym_kernel[(tiles * (tiles + 1) // 2, batch)](
+    args = (
         a,
         b,
         c_arg,
         out,
+        out2 if out2 is not None else out,
+        batch,
         m,
         k,
         *a.stride(),
@@ -239,14 +360,25 @@ def sym_matmul(
         float(alpha),
         float(beta),
         float(diag),
-        HAS_C=c is not None,
-        HAS_DIAG=diag != 0.0,
-        BLOCK=cfg.block_m,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        float(diag2 or 0.0),
     )
-    return out
+    flags = dict(HAS_C=c is not None, HAS_DIAG=diag != 0.0, HAS_OUT2=out2 is not None)
+    if config is None and not _INTERPRETING:
+        _sym_tuned[_sym_grid(m, batch)](*args, **flags, K_TILES=0, INTERPRET=False)
+    else:
+        cfg = config or _INTERPRETER_CONFIG
+        tiles = triton.cdiv(m, cfg.block_m)
+        _sym_kernel[(tiles * (tiles + 1) // 2, batch)](
+            *args,
+            **flags,
+            BLOCK=cfg.block_m,
+            BLOCK_K=cfg.block_k,
+            K_TILES=_static_k_tiles(k, cfg.block_k),
+            INTERPRET=_INTERPRETING,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return out, out2
 
 
 def matmul(
@@ -258,21 +390,23 @@ def matmul(
     beta: float = 0.0,
     config: TileConfig | None = None,
 ) -> Tensor:
-    """``alpha·a·b + beta·c`` for ``a`` (batch, m, k) and ``b`` (batch, k, n), any strides."""
+    """``alpha·a·b + beta·c`` for ``a`` (batch, m, k) and ``b`` (batch, k, n), any strides.
+
+    ``config`` fixes the tiles, as for ``sym_matmul``.
+    """
     batch, m, k = a.shape
     n = b.shape[2]
     _check_operands(a, b, c, (batch, m, n))
-    cfg = config or TileConfig()
     out = torch.empty((batch, m, n), dtype=a.dtype, device=a.device)
     if batch == 0 or m == 0 or n == 0:
         return out
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     c_arg = c if c is not None else out
-    _mm_kernel[(tiles, batch)](
+    args = (
         a,
         b,
         c_arg,
         out,
+        batch,
         m,
         n,
         k,
@@ -282,12 +416,22 @@ def matmul(
         *out.stride(),
         float(alpha),
         float(beta),
-        HAS_C=c is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
+    if config is None and not _INTERPRETING:
+        _mm_tuned[_mm_grid(m, n, batch)](*args, HAS_C=c is not None, K_TILES=0, INTERPRET=False)
+    else:
+        cfg = config or _INTERPRETER_CONFIG
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        _mm_kernel[(tiles, batch)](
+            *args,
+            HAS_C=c is not None,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            K_TILES=_static_k_tiles(k, cfg.block_k),
+            INTERPRET=_INTERPRETING,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return out

@@ -1,3 +1,39 @@
-"""dmuon_ownership."""
+"""dmuon_ownership: pure planning for dedicated-owner optimizers.
 
-__all__: list[str] = []
+Describe parameters as :class:`WorkItem`, get a frozen :class:`Plan` from :func:`plan_owners`
+(identical on every rank for identical inputs; compare :meth:`Plan.fingerprint`), and resolve
+each parameter's route and dtypes with :func:`resolve_param_policy`. Standard library only.
+"""
+
+from ._cost import CostFn, elementwise_cost, ns_cost, ns_flops
+from ._items import Owner, WorkItem
+from ._lpt import plan_owners
+from ._plan import Plan, Unit, UnknownParamError, validate_plan
+from ._policy import (
+    POLICY_FIELDS,
+    ParamPolicy,
+    ResolvedPolicy,
+    resolve_param_policy,
+    validate_param_policy,
+)
+from ._route import Route
+
+__all__ = [
+    "POLICY_FIELDS",
+    "CostFn",
+    "Owner",
+    "ParamPolicy",
+    "Plan",
+    "ResolvedPolicy",
+    "Route",
+    "Unit",
+    "UnknownParamError",
+    "WorkItem",
+    "elementwise_cost",
+    "ns_cost",
+    "ns_flops",
+    "plan_owners",
+    "resolve_param_policy",
+    "validate_param_policy",
+    "validate_plan",
+]

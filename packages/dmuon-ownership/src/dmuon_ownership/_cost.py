@@ -32,7 +32,7 @@ Elementwise work (Muon's momentum and update; AdamW's whole step) is memory boun
 converted to FLOP-equivalents with a machine balance of 256 FLOP per HBM byte (A100: ~156,
 H100: ~295 fp16 tensor-core FLOP/byte): AdamW touches ~28 bytes per element (read param,
 grad, two moments; write param, two moments, all fp32), Muon's elementwise part ~20 bytes.
-For a 4096 × 4096 Muon matrix that elementwise part is ~6 % of its NS cost; for AdamW items it
+For a 4096 × 4096 Muon matrix that elementwise part is ~4 % of its NS cost; for AdamW items it
 is the whole cost, which is therefore proportional to the element count.
 """
 

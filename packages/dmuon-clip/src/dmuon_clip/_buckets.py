@@ -1,0 +1,370 @@
+"""Segmented clipping: several buckets, each with its own norm and coefficient, one collective.
+
+[Note: one collective for all buckets]
+Every bucket's local sum of ``|g|^p`` (max ``|g|`` for the inf-norm) is written into one fp32
+vector, ordered so that the buckets with ``reduce=True`` come first; a single all-reduce (SUM, or
+MAX for the inf-norm) over that prefix makes them global, the ``reduce=False`` buckets stay local.
+Norms, coefficients and flags are then computed on the device and the grads scaled in place, so a
+call never waits for the host. Which tensors went through the fused kernel and which through
+torch's foreach ops changes only how the local sums are formed, never the collective, so ranks
+that fall back differently still match. Every rank must pass the same bucket names in the same
+order with the same ``reduce`` flags.
+
+[Note: non-finite norms]
+A bucket whose norm is NaN or inf gets ``found_inf=True`` and coefficient 1: its grads are left
+exactly as they are (multiplying by a NaN coefficient would turn every finite entry into NaN, the
+silent corruption SPEC section 5 forbids). Other buckets are clipped normally: their sums never mix
+with the bad one. The combined ``total_norm`` is then non-finite too.
+
+[Note: accumulator precision]
+Sums are accumulated in fp32 whatever the grads' dtype (fp16/bf16 per-tensor norms are taken with
+an fp32 output, not rounded to the grads' dtype as ``torch.nn.utils.clip_grad_norm_`` does), and
+the collective is always fp32, so ranks that hold grads of different dtypes, or none, still agree
+on the reduced dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.profiler import record_function
+
+from dmuon_clip import _fastpath
+from dmuon_clip._types import (
+    GradClipBucket,
+    GradClipBucketStats,
+    SegmentedGradClipResult,
+    SupportsMuonGradsForClip,
+)
+
+__all__ = [
+    "clip_grad_norm_buckets_",
+    "try_clip_optimizer_grad_norm_buckets_",
+    "validate_max_norm",
+    "validate_norm_type",
+]
+
+logger = logging.getLogger(__name__)
+
+# The same epsilon as torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6).
+_EPS = 1e-6
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def validate_norm_type(norm_type: float) -> float:
+    p = float(norm_type)
+    if not (p > 0.0):  # rejects NaN too
+        raise ValueError(
+            f"norm_type must be a positive number or float('inf'), got {norm_type!r}; use 2.0 "
+            "for the Euclidean norm"
+        )
+    return p
+
+
+def validate_max_norm(max_norm: float | None, what: str = "max_norm") -> float | None:
+    if max_norm is None:
+        return None
+    value = float(max_norm)
+    if not (0.0 <= value < math.inf):
+        raise ValueError(
+            f"{what} must be a finite number >= 0 (or None to measure without clipping), "
+            f"got {max_norm!r}"
+        )
+    return value
+
+
+class _Plan(NamedTuple):
+    buckets: tuple[GradClipBucket, ...]  # slot order: reduce=True first, then the local ones
+    slot_of: tuple[int, ...]  # bucket index (as given) -> slot
+    max_norms: tuple[float | None, ...]  # per slot
+    n_reduce: int
+    norm_type: float
+    device: torch.device
+
+
+def _resolve_device(device: torch.device | str | None, buckets: Sequence[GradClipBucket]) -> torch.device:
+    if device is None:
+        first = next((g for b in buckets for g in b.grads), None)
+        resolved = first.device if first is not None else torch.device("cpu")
+    else:
+        resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _make_plan(
+    buckets: Sequence[GradClipBucket],
+    max_norm: float | None | Mapping[str, float | None],
+    norm_type: float,
+    device: torch.device | str | None,
+) -> _Plan:
+    buckets = tuple(buckets)
+    names = [b.name for b in buckets]
+    for b in buckets:
+        if not isinstance(b, GradClipBucket):
+            raise ValueError(f"buckets must hold GradClipBucket objects, got {type(b).__name__}")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"bucket names must be unique; {duplicates} appear more than once")
+    if isinstance(max_norm, Mapping):
+        missing = [n for n in names if n not in max_norm]
+        extra = sorted(set(max_norm) - set(names))
+        if missing or extra:
+            raise ValueError(
+                f"max_norm as a mapping needs exactly one entry per bucket; missing {missing}, "
+                f"unknown {extra} (the buckets are {names})"
+            )
+        per_bucket = [validate_max_norm(max_norm[n], f"max_norm[{n!r}]") for n in names]
+    else:
+        per_bucket = [validate_max_norm(max_norm)] * len(buckets)
+    order = [i for i, b in enumerate(buckets) if b.reduce] + [
+        i for i, b in enumerate(buckets) if not b.reduce
+    ]
+    slot_of = [0] * len(buckets)
+    for slot, i in enumerate(order):
+        slot_of[i] = slot
+    return _Plan(
+        buckets=tuple(buckets[i] for i in order),
+        slot_of=tuple(slot_of),
+        max_norms=tuple(per_bucket[i] for i in order),
+        n_reduce=sum(1 for b in buckets if b.reduce),
+        norm_type=validate_norm_type(norm_type),
+        device=_resolve_device(device, buckets),
+    )
+
+
+def _group(tensors: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype, bool], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype, t.is_sparse), []).append(t)
+    return groups
+
+
+def _torch_local_sum(tensors: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
+    """This rank's ``sum |g|^p`` (``max |g|`` for p = inf) of some tensors, fp32 0-dim on ``device``."""
+    norms: list[Tensor] = []
+    for (_, dtype, sparse), group in _group(tensors).items():
+        if sparse:
+            norms += [torch.linalg.vector_norm(g.coalesce().values(), p).float() for g in group]
+        elif dtype in _KERNEL_DTYPES:
+            norms += torch._foreach_norm(group, p, dtype=torch.float32)
+        else:
+            norms += [n.float() for n in torch._foreach_norm(group, p)]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    stacked = torch.stack([n.to(device) for n in norms])
+    if p == math.inf:
+        # See [Note: NaN under the inf-norm] in _kernels.py: NaN must not vanish in a max.
+        return torch.where(stacked.isnan(), math.inf, stacked).max()
+    if p == 2.0:
+        return stacked.square().sum()
+    return stacked.pow(p).sum()
+
+
+def _torch_scale_(tensors: Sequence[Tensor], coef: Tensor) -> None:
+    for (dev, _, sparse), group in _group(tensors).items():
+        c = coef.to(dev)
+        if sparse:
+            for g in group:
+                g.mul_(c)
+        else:
+            torch._foreach_mul_(group, c)
+
+
+def _torch_finalize(
+    sums: Tensor, max_norms: Tensor, p: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The torch twin of ``_kernels.finalize``: same formula, same order of operations."""
+    if p == math.inf:
+        totals = sums
+        combined = sums.max() if sums.numel() else sums.new_zeros(())
+    elif p == 2.0:
+        totals = sums.sqrt()
+        combined = sums.sum().sqrt()
+    else:
+        totals = sums.pow(1.0 / p)
+        combined = sums.sum().pow(1.0 / p)
+    found_inf = ~torch.isfinite(totals)
+    coef = torch.clamp(torch.reciprocal(totals + _EPS) * max_norms, max=1.0)
+    clipped = ~found_inf & (max_norms >= 0.0) & (coef < 1.0)
+    applied = torch.where(clipped, coef, 1.0)
+    return totals, applied, clipped, found_inf, combined
+
+
+def _all_reduce(sums: Tensor, n_reduce: int, p: float, process_group: Any) -> None:
+    if process_group is None or n_reduce == 0:
+        return
+    op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
+    with record_function("dmuon::clip_all_reduce"):
+        dist.all_reduce(sums[:n_reduce], op=op, group=process_group)
+
+
+def clip_grad_norm_buckets_(
+    buckets: Sequence[GradClipBucket],
+    max_norm: float | None | Mapping[str, float | None],
+    *,
+    norm_type: float = 2.0,
+    process_group: Any = None,
+    device: torch.device | str | None = None,
+) -> SegmentedGradClipResult:
+    """Clip each bucket by its own norm, in place, with one collective for all reducing buckets.
+
+    Per bucket this is ``torch.nn.utils.clip_grad_norm_`` (coefficient ``min(max_norm /
+    (norm + 1e-6), 1)``) with two differences: a non-finite norm leaves the bucket's grads untouched
+    and sets ``found_inf`` ([Note: non-finite norms]), and nothing waits for the host.
+
+    Args:
+        buckets: the segments; names unique; identical names / order / ``reduce`` on every rank.
+        max_norm: one threshold for every bucket, or a mapping ``{bucket name: threshold}``
+            with exactly one entry per bucket; ``None`` (globally or for one bucket) measures
+            without scaling.
+        norm_type: ``p`` of the p-norm, ``> 0`` or ``float('inf')``.
+        process_group: the group ``reduce=True`` buckets are reduced over; ``None`` means not
+            distributed: no collective at all.
+        device: where the accumulators live; default: the first grad's device (CPU if there is
+            none). With NCCL it must be this rank's CUDA device, also on ranks without grads.
+    """
+    with torch.no_grad(), record_function("dmuon::clip_grad_norm_buckets"):
+        plan = _make_plan(buckets, max_norm, norm_type, device)
+        reason = _fastpath.unavailable_reason(plan.device, plan.norm_type)
+        if reason is None:
+            return _run(plan, process_group, use_kernel=True)
+        return _run(plan, process_group, use_kernel=False, reason=reason)
+
+
+def _run(
+    plan: _Plan, process_group: Any, *, use_kernel: bool, reason: str | None = None
+) -> SegmentedGradClipResult:
+    p, device = plan.norm_type, plan.device
+    n = len(plan.buckets)
+    inf_norm = p == math.inf
+    kernel_tensors: list[tuple[int, Tensor]] = []
+    fallback: list[list[Tensor]] = [[] for _ in range(n)]
+    for slot, bucket in enumerate(plan.buckets):
+        for g in bucket.grads:
+            if use_kernel and _fastpath.kernel_accepts(g, device):
+                kernel_tensors.append((slot, g))
+            elif g.numel() > 0:
+                fallback[slot].append(g)
+    n_fallback = sum(len(f) for f in fallback)
+    if use_kernel and n_fallback:
+        reason = (
+            f"{n_fallback} tensor(s) outside the kernel's contract (dense, contiguous, "
+            "16-byte aligned fp16/bf16/fp32 on the accumulator device) went through torch"
+        )
+        logger.debug("clip_grad_norm_buckets_: %s", reason)
+
+    max_norm_table = _fastpath.upload(
+        [-1.0 if m is None else m for m in plan.max_norms], torch.float32, device
+    )
+    with record_function("dmuon::clip_local_norms"):
+        kernel_plan = None
+        if kernel_tensors:
+            sums, kernel_plan = _fastpath.partial_sums(kernel_tensors, n, device, inf_norm)
+            if n_fallback:
+                extra = torch.stack([_torch_local_sum(f, p, device) for f in fallback])
+                sums = torch.maximum(sums, extra) if inf_norm else sums + extra
+        elif n:
+            sums = torch.stack([_torch_local_sum(f, p, device) for f in fallback])
+        else:
+            sums = torch.zeros(0, dtype=torch.float32, device=device)
+    _all_reduce(sums, plan.n_reduce, p, process_group)
+    with record_function("dmuon::clip_scale"):
+        if use_kernel:
+            totals, coefs, clipped, found_inf, combined = _fastpath.finalize(
+                sums, max_norm_table, inf_norm
+            )
+        else:
+            totals, coefs, clipped, found_inf, combined = _torch_finalize(sums, max_norm_table, p)
+        if kernel_plan is not None:
+            _fastpath.scale_(kernel_plan, coefs)
+        for slot, tensors in enumerate(fallback):
+            if tensors and plan.max_norms[slot] is not None:
+                _torch_scale_(tensors, coefs[slot])
+
+    stats = []
+    for i in range(len(plan.slot_of)):
+        slot = plan.slot_of[i]
+        bucket = plan.buckets[slot]
+        stats.append(
+            GradClipBucketStats(
+                name=bucket.name,
+                total_norm=totals[slot],
+                max_norm=plan.max_norms[slot],
+                clip_coef=coefs[slot],
+                clipped=clipped[slot],
+                param_count=len(bucket.grads),
+                found_inf=found_inf[slot],
+                fastpath=use_kernel and not fallback[slot],
+            )
+        )
+    return SegmentedGradClipResult(
+        total_norm=combined,
+        bucket_stats=tuple(stats),
+        fastpath=use_kernel and n_fallback == 0,
+        fallback_reason=reason if not (use_kernel and n_fallback == 0) else None,
+    )
+
+
+def try_clip_optimizer_grad_norm_buckets_(
+    optimizer: SupportsMuonGradsForClip,
+    *,
+    regular_grads: Sequence[Tensor | None],
+    adamw_grads: Sequence[Tensor | None],
+    max_norm: float | None | Mapping[str, float | None],
+    process_group: Any = None,
+) -> SegmentedGradClipResult | None:
+    """Clip the three segments of a dmuon step, ``"regular"`` (ordinary ``param.grad``),
+    ``"muon"`` (``optimizer.muon_grads_for_clip()``) and ``"adamw"``, each by its own 2-norm,
+    in one fused call; ``None`` when the fast path is unavailable.
+
+    The rule: returns ``None``, having touched no gradient and issued no collective, when triton
+    is not installed, or when any tensor of the three segments (or, with no tensors, the Muon
+    accumulator device) is not on one and the same CUDA device (the CPU counts while Triton
+    interprets, ``TRITON_INTERPRET=1``). Otherwise it clips, and tensors outside the kernel's
+    contract (non-contiguous, float64, ...) go through torch inside the call, as reported by
+    ``fallback_reason``. ``optimizer.muon_grads_for_clip()`` is called either way (it only waits
+    for pending reduces).
+
+    Groups: the Muon segment is reduced over the optimizer's group. ``process_group=None`` keeps
+    the regular and AdamW norms rank-local (replicated grads, as under DDP); a group reduces them
+    over it (each rank passes its disjoint shard, e.g. FSDP2's ``grad.to_local()``) and must then
+    be the Muon group itself, since one collective serves all three segments. ``None`` entries in
+    the grad lists (params without a grad) are skipped. ``max_norm`` is a float, ``None``, or a
+    mapping with the keys ``"regular"``, ``"muon"``, ``"adamw"``.
+    """
+    muon = optimizer.muon_grads_for_clip()
+    muon_group = muon.process_group
+    if process_group is not None and muon_group is not None and process_group is not muon_group:
+        raise ValueError(
+            "process_group must be None or the group of optimizer.muon_grads_for_clip() (one "
+            "collective serves all three segments); clip the regular/AdamW grads separately "
+            "when they are sharded over another group"
+        )
+    group = muon_group if muon_group is not None else process_group
+    regular = [g for g in regular_grads if g is not None]
+    adamw = [g for g in adamw_grads if g is not None]
+    every = [*regular, *muon.grads, *adamw]
+    devices = {g.device for g in every} or {torch.device(muon.device)}
+    if len(devices) != 1:
+        logger.debug("try_clip_optimizer_grad_norm_buckets_: grads on several devices %s", devices)
+        return None
+    (device,) = devices
+    device = _resolve_device(device, ())
+    if _fastpath.unavailable_reason(device, 2.0) is not None:
+        return None
+    buckets = [
+        GradClipBucket("regular", regular, reduce=process_group is not None),
+        GradClipBucket("muon", muon.grads, reduce=muon_group is not None),
+        GradClipBucket("adamw", adamw, reduce=process_group is not None),
+    ]
+    return clip_grad_norm_buckets_(
+        buckets, max_norm, norm_type=2.0, process_group=group, device=device
+    )

@@ -1,0 +1,62 @@
+"""``clip_grad_norm_`` for dmuon's dedicated Muon gradients.
+
+[Note: where the Muon clip sits]
+dmuon's Muon gradients do not live in ``param.grad``: after backward each matrix's averaged
+gradient is on its owner only. The clip therefore asks the optimizer for them
+(``muon_grads_for_clip()`` waits for pending reduces and TP gathers) and scales them in place
+before ``step()`` runs momentum and Newton-Schulz. Since NS fixes the scale of the update, this
+clip guards the momentum buffer against outliers and non-finite gradients more than it sets the
+step size. dmuon-clip duck-types the optimizer and never imports dmuon-fsdp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.profiler import record_function
+
+from dmuon_clip._buckets import validate_max_norm, validate_norm_type
+from dmuon_clip._strategy import get_muon_grad_clip_strategy
+from dmuon_clip._types import MuonGradClipStats, SupportsMuonGradsForClip
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    optimizer: SupportsMuonGradsForClip,
+    max_norm: float | None,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    strategy: str = "global_norm",
+) -> MuonGradClipStats:
+    """Clip dmuon's Muon gradients in place (see [Note: where the Muon clip sits]).
+
+    With the default ``"global_norm"`` strategy the norm is taken over every Muon matrix of every
+    owner with one collective, and the coefficient is ``torch.nn.utils.clip_grad_norm_``'s,
+    ``min(max_norm / (total_norm + 1e-6), 1)``. ``max_norm=None`` measures without scaling. A
+    non-finite norm sets ``found_inf`` and leaves the grads untouched. The returned stats are
+    device tensors: nothing here waits for the GPU, except ``error_if_nonfinite=True``, which
+    reads ``found_inf`` on the host (a sync) and raises ``RuntimeError`` on every rank alike; the
+    built-in strategies have not scaled anything by then.
+    """
+    max_norm = validate_max_norm(max_norm)
+    norm_type = validate_norm_type(norm_type)
+    fn = get_muon_grad_clip_strategy(strategy)
+    if not callable(getattr(optimizer, "muon_grads_for_clip", None)):
+        raise TypeError(
+            f"{type(optimizer).__name__} has no muon_grads_for_clip(); dmuon_clip.clip_grad_norm_ "
+            "takes dmuon's Muon optimizer; clip plain param.grad with "
+            "torch.nn.utils.clip_grad_norm_"
+        )
+    with record_function("dmuon::clip_grad_norm"):
+        muon = optimizer.muon_grads_for_clip()
+        stats = fn(list(muon.grads), max_norm, norm_type, muon.process_group, torch.device(muon.device))
+    if error_if_nonfinite and bool(stats.found_inf):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the Muon gradients is non-finite "
+            f"({float(stats.total_norm)}), so it cannot be clipped; the gradients were left "
+            "as they are. Pass error_if_nonfinite=False to get found_inf in the stats instead"
+            + (" (inf-norm: a NaN is reported as inf)" if norm_type == math.inf else "")
+        )
+    return stats

@@ -1,0 +1,154 @@
+"""Muon clipping strategies: a registry of named functions and the two built in.
+
+A strategy is ``fn(grads, max_norm, norm_type, process_group, device) -> MuonGradClipStats``: it
+receives the full averaged Muon gradients this rank owns, scales them in place, and returns
+device-tensor stats without a host sync. ``"global_norm"`` (the default) clips all Muon matrices
+by their joint norm across owners; ``"per_matrix"`` clips each matrix by its own norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dmuon_clip._buckets import clip_grad_norm_buckets_, validate_max_norm, validate_norm_type
+from dmuon_clip._types import GradClipBucket, MuonGradClipStats
+
+__all__ = [
+    "MuonGradClipStrategy",
+    "get_muon_grad_clip_strategy",
+    "register_muon_grad_clip_strategy",
+    "registered_muon_grad_clip_strategies",
+    "unregister_muon_grad_clip_strategy",
+]
+
+MuonGradClipStrategy = Callable[
+    [list[Tensor], float | None, float, Any, torch.device], MuonGradClipStats
+]
+
+_STRATEGIES: dict[str, MuonGradClipStrategy] = {}
+
+
+def register_muon_grad_clip_strategy(
+    name: str, fn: MuonGradClipStrategy, *, overwrite: bool = False
+) -> None:
+    """Make ``fn`` available as ``clip_grad_norm_(..., strategy=name)``.
+
+    Raises ``ValueError`` when ``name`` is taken (pass ``overwrite=True`` to replace it), empty,
+    or ``fn`` is not callable."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"strategy name must be a non-empty string, got {name!r}")
+    if not callable(fn):
+        raise ValueError(
+            f"strategy {name!r} must be callable as fn(grads, max_norm, norm_type, "
+            f"process_group, device) -> MuonGradClipStats, got {type(fn).__name__}"
+        )
+    if name in _STRATEGIES and not overwrite:
+        raise ValueError(
+            f"a Muon grad clip strategy named {name!r} is already registered; pass "
+            "overwrite=True to replace it, or pick another name"
+        )
+    _STRATEGIES[name] = fn
+
+
+def unregister_muon_grad_clip_strategy(name: str) -> None:
+    """Remove a registered strategy (``ValueError`` if there is none by that name)."""
+    if name not in _STRATEGIES:
+        raise ValueError(
+            f"no Muon grad clip strategy named {name!r}; registered: {sorted(_STRATEGIES)}"
+        )
+    del _STRATEGIES[name]
+
+
+def registered_muon_grad_clip_strategies() -> tuple[str, ...]:
+    """The names ``clip_grad_norm_(strategy=...)`` accepts, sorted."""
+    return tuple(sorted(_STRATEGIES))
+
+
+def get_muon_grad_clip_strategy(name: str) -> MuonGradClipStrategy:
+    try:
+        return _STRATEGIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown Muon grad clip strategy {name!r}; registered: {sorted(_STRATEGIES)} "
+            "(add one with register_muon_grad_clip_strategy)"
+        ) from None
+
+
+def global_norm_strategy(
+    grads: Sequence[Tensor],
+    max_norm: float | None,
+    norm_type: float,
+    process_group: Any,
+    device: torch.device,
+) -> MuonGradClipStats:
+    """All Muon matrices clipped by their joint p-norm over every owner: one bucket, one
+    collective (sum of ``|g|^p``; max for the inf-norm) over ``process_group``."""
+    bucket = GradClipBucket("muon", grads, reduce=process_group is not None)
+    result = clip_grad_norm_buckets_(
+        [bucket], max_norm, norm_type=norm_type, process_group=process_group, device=device
+    )
+    stats = result.bucket_stats[0]
+    return MuonGradClipStats(
+        total_norm=stats.total_norm,
+        clip_coef=stats.clip_coef,
+        clipped=stats.clipped,
+        found_inf=stats.found_inf,
+        param_count=stats.param_count,
+    )
+
+
+def per_matrix_strategy(
+    grads: Sequence[Tensor],
+    max_norm: float | None,
+    norm_type: float,
+    process_group: Any,
+    device: torch.device,
+) -> MuonGradClipStats:
+    """Each matrix clipped by its own p-norm (``min(max_norm / (norm + 1e-6), 1)``); a matrix with
+    a non-finite norm is left untouched. A whole matrix lives on its owner, so no collective runs
+    and the stats are rank-local: ``total_norm`` is the joint norm of this rank's matrices before
+    clipping, ``clip_coef`` the smallest factor applied, ``clipped`` / ``found_inf`` whether any
+    local matrix was clipped / non-finite."""
+    del process_group  # whole matrices are local to their owner
+    max_norm = validate_max_norm(max_norm)
+    p = validate_norm_type(norm_type)
+    dev = torch.device(device)
+    grads = list(grads)
+    if not grads:
+        zero = torch.zeros((), dtype=torch.float32, device=dev)
+        false = torch.zeros((), dtype=torch.bool, device=dev)
+        return MuonGradClipStats(zero, torch.ones_like(zero), false, false.clone(), 0)
+    with torch.no_grad():
+        norms = torch.stack(
+            [torch.linalg.vector_norm(g, p, dtype=torch.float32).to(dev) for g in grads]
+        )
+        finite = torch.isfinite(norms)
+        if p == math.inf:
+            total = torch.where(norms.isnan(), math.inf, norms).max()
+        else:
+            total = norms.pow(p).sum().pow(1.0 / p)
+        if max_norm is None:
+            coefs = torch.ones_like(norms)
+            clipped = torch.zeros_like(finite)
+        else:
+            coefs = torch.clamp(torch.reciprocal(norms + 1e-6) * max_norm, max=1.0)
+            clipped = finite & (coefs < 1.0)
+            coefs = torch.where(clipped, coefs, 1.0)
+            for g, c in zip(grads, coefs.unbind()):
+                g.mul_(c.to(g.device))
+    return MuonGradClipStats(
+        total_norm=total,
+        clip_coef=coefs.min(),
+        clipped=clipped.any(),
+        found_inf=~finite.all(),
+        param_count=len(grads),
+    )
+
+
+register_muon_grad_clip_strategy("global_norm", global_norm_strategy)
+register_muon_grad_clip_strategy("per_matrix", per_matrix_strategy)

@@ -1,0 +1,134 @@
+"""The values dmuon-clip takes and returns, and the optimizer protocol it duck-types."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GradClipBucket",
+    "GradClipBucketStats",
+    "MuonClipGradsLike",
+    "MuonGradClipStats",
+    "SegmentedGradClipResult",
+    "SupportsMuonGradsForClip",
+]
+
+
+class MuonClipGradsLike(Protocol):
+    """What ``optimizer.muon_grads_for_clip()`` returns (ARCHITECTURE.md, dmuon-fsdp contract).
+
+    ``grads``: the full averaged gradients this rank owns (possibly none). ``process_group``:
+    the group whose ranks together own every Muon matrix exactly once; ``None`` when not
+    distributed. ``device``: where the norm accumulator lives (it must be a device the group's
+    backend can reduce, e.g. CUDA for NCCL)."""
+
+    @property
+    def grads(self) -> Sequence[Tensor]: ...
+
+    @property
+    def process_group(self) -> Any: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+class SupportsMuonGradsForClip(Protocol):
+    """An optimizer that hands its dedicated Muon gradients to dmuon-clip (dmuon's ``Muon``)."""
+
+    def muon_grads_for_clip(self) -> MuonClipGradsLike: ...
+
+
+@dataclass(frozen=True)
+class MuonGradClipStats:
+    """The outcome of :func:`dmuon_clip.clip_grad_norm_`; every tensor lives on the device of
+    the accumulator, so reading them is the only host sync.
+
+    ``total_norm``: fp32 0-dim, the norm before clipping. ``clip_coef``: fp32 0-dim, the factor the
+    grads were multiplied by (1.0 when nothing was clipped, when measuring only, or when the norm
+    is non-finite). ``clipped`` / ``found_inf``: bool 0-dim. ``param_count``: a Python ``int``,
+    the number of gradient tensors this rank clipped (rank-local; no collective counts them)."""
+
+    total_norm: Tensor
+    clip_coef: Tensor
+    clipped: Tensor
+    found_inf: Tensor
+    param_count: int
+
+
+@dataclass(frozen=True)
+class GradClipBucket:
+    """One segment of a segmented clip: its own norm, its own coefficient.
+
+    ``reduce=True`` sums (or, for the inf-norm, maxes) the bucket's norm over ``process_group``:
+    use it when each rank holds a disjoint part of the bucket (FSDP shards, Muon owners).
+    ``reduce=False`` keeps the norm rank-local (replicated grads, DDP)."""
+
+    name: str
+    grads: Sequence[Tensor]
+    reduce: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"GradClipBucket name must be a non-empty string, got {self.name!r}")
+        grads = tuple(self.grads)
+        for i, g in enumerate(grads):
+            if not isinstance(g, Tensor):
+                raise ValueError(
+                    f"GradClipBucket {self.name!r}: grads[{i}] is {type(g).__name__}, not a "
+                    "Tensor; drop parameters whose .grad is None before building the bucket"
+                )
+            if _is_dtensor(g):
+                raise ValueError(
+                    f"GradClipBucket {self.name!r}: grads[{i}] is a DTensor; pass its local "
+                    "shard (grad.to_local()) and set reduce=True with the shard group as "
+                    "process_group, so the norm costs one collective instead of one per tensor"
+                )
+        object.__setattr__(self, "grads", grads)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    # A DTensor's norm would issue its own collectives behind our back (one per tensor).
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+@dataclass(frozen=True)
+class GradClipBucketStats:
+    """Per-bucket outcome of a segmented clip. Tensors are 0-dim on the accumulator device:
+    ``total_norm`` and ``clip_coef`` fp32 (``clip_coef`` is the factor applied, 1.0 when not
+    clipped, measuring only, or non-finite), ``clipped`` and ``found_inf`` bool. ``max_norm`` is
+    the bucket's threshold (``None``: measured only). ``param_count`` is the Python ``int`` number
+    of tensors in the bucket on this rank. ``fastpath`` is ``True`` when the fused kernel handled
+    every tensor of the bucket."""
+
+    name: str
+    total_norm: Tensor
+    max_norm: float | None
+    clip_coef: Tensor
+    clipped: Tensor
+    param_count: int
+    found_inf: Tensor
+    fastpath: bool
+
+
+@dataclass(frozen=True)
+class SegmentedGradClipResult:
+    """``total_norm``: fp32 0-dim norm over every bucket combined (as if all grads were one
+    vector). ``bucket_stats``: one entry per bucket, in the order given. ``fastpath``: the fused
+    kernel handled every tensor. ``fallback_reason``: why it did not (``None`` when it did)."""
+
+    total_norm: Tensor
+    bucket_stats: tuple[GradClipBucketStats, ...]
+    fastpath: bool
+    fallback_reason: str | None
+
+    def __getitem__(self, name: str) -> GradClipBucketStats:
+        for stats in self.bucket_stats:
+            if stats.name == name:
+                return stats
+        names = [s.name for s in self.bucket_stats]
+        raise KeyError(f"no bucket named {name!r}; the buckets are {names}")

@@ -1,0 +1,26 @@
+"""A stand-in for dmuon's Muon optimizer: only the clip protocol (ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class MuonClipGrads(NamedTuple):
+    grads: list[Tensor]
+    process_group: Any
+    device: torch.device
+
+
+class FakeMuon:
+    def __init__(self, grads: list[Tensor], process_group: Any = None, device: Any = "cpu"):
+        self.grads = grads
+        self.process_group = process_group
+        self.device = torch.device(device)
+        self.calls = 0
+
+    def muon_grads_for_clip(self) -> MuonClipGrads:
+        self.calls += 1
+        return MuonClipGrads(self.grads, self.process_group, self.device)

@@ -1,0 +1,158 @@
+"""clip_grad_norm_ for Muon grads (single process) and the strategy registry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _fake import FakeMuon
+from _reference import assert_close, torch_clip
+
+import dmuon_clip
+from dmuon_clip import (
+    MuonGradClipStats,
+    clip_grad_norm_,
+    register_muon_grad_clip_strategy,
+    registered_muon_grad_clip_strategies,
+    try_clip_optimizer_grad_norm_buckets_,
+    unregister_muon_grad_clip_strategy,
+)
+
+RTOL = 1e-6  # a few fp32 ulps: a different summation order than torch's
+
+
+def _matrices(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(m, n, generator=gen) for m, n in [(8, 4), (16, 16), (3, 12)]]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("max_norm", [0.3, 100.0, None])
+def test_global_norm_matches_torch(norm_type: float, max_norm: float | None) -> None:
+    grads = _matrices()
+    total, ref = torch_clip(grads, max_norm, norm_type)
+    before = [g.clone() for g in grads]
+    opt = FakeMuon(grads)
+    stats = clip_grad_norm_(opt, max_norm, norm_type)
+    assert opt.calls == 1
+    assert isinstance(stats, MuonGradClipStats) and stats.param_count == 3
+    assert_close(stats.total_norm, total, rtol=RTOL)
+    assert stats.total_norm.dtype == torch.float32 and stats.clipped.dtype == torch.bool
+    expected = before if max_norm is None else ref
+    for got, want in zip(grads, expected):
+        assert_close(got, want, rtol=RTOL)
+    assert bool(stats.clipped) == (max_norm is not None and float(total) > max_norm)
+
+
+def test_nonfinite_is_reported_not_applied_and_can_raise() -> None:
+    grads = _matrices()
+    grads[1][0, 0] = math.nan
+    before = [g.clone() for g in grads]
+    stats = clip_grad_norm_(FakeMuon(grads), 1.0)
+    assert bool(stats.found_inf) and not bool(stats.clipped) and float(stats.clip_coef) == 1.0
+    for got, old in zip(grads, before):
+        assert_close(got, old, rtol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(FakeMuon(grads), 1.0, error_if_nonfinite=True)
+    for got, old in zip(grads, before):
+        assert_close(got, old, rtol=0, equal_nan=True)
+
+
+def test_no_owned_grads() -> None:
+    stats = clip_grad_norm_(FakeMuon([]), 1.0)
+    assert float(stats.total_norm) == 0.0 and stats.param_count == 0
+    assert float(stats.clip_coef) == 1.0 and not bool(stats.clipped)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_per_matrix_strategy_clips_each_matrix_alone(norm_type: float) -> None:
+    grads = _matrices(1)
+    grads[0].mul_(0.01)  # below the threshold: left alone
+    refs = [torch_clip([g], 1.0, norm_type) for g in grads]
+    stats = clip_grad_norm_(FakeMuon(grads), 1.0, norm_type, strategy="per_matrix")
+    for got, (_, ref) in zip(grads, refs):
+        assert_close(got, ref[0], rtol=RTOL)
+    assert bool(stats.clipped) and not bool(stats.found_inf)
+    smallest = min(min(1.0, 1.0 / (float(t) + 1e-6)) for t, _ in refs)
+    assert float(stats.clip_coef) == pytest.approx(smallest, rel=RTOL)
+
+
+def test_per_matrix_strategy_leaves_a_nonfinite_matrix_alone() -> None:
+    grads = _matrices(2)
+    grads[2][1, 1] = math.inf
+    bad_before = grads[2].clone()
+    _, ref = torch_clip([grads[0]], 0.5)
+    stats = clip_grad_norm_(FakeMuon(grads), 0.5, strategy="per_matrix")
+    assert bool(stats.found_inf) and bool(stats.clipped)
+    assert torch.equal(grads[2], bad_before)
+    assert_close(grads[0], ref[0], rtol=RTOL)
+
+
+def test_registry() -> None:
+    assert {"global_norm", "per_matrix"} <= set(registered_muon_grad_clip_strategies())
+    with pytest.raises(ValueError, match=r"unknown Muon grad clip strategy 'nope'.*global_norm"):
+        clip_grad_norm_(FakeMuon(_matrices()), 1.0, strategy="nope")
+    with pytest.raises(ValueError, match="already registered; pass overwrite=True"):
+        register_muon_grad_clip_strategy("global_norm", lambda *a: None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be callable"):
+        register_muon_grad_clip_strategy("x", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no Muon grad clip strategy named 'never'"):
+        unregister_muon_grad_clip_strategy("never")
+
+    seen = []
+
+    def halve(grads, max_norm, norm_type, process_group, device):
+        seen.append((len(grads), max_norm, norm_type, process_group, device))
+        torch._foreach_mul_(grads, 0.5)
+        z = torch.zeros((), device=device)
+        return MuonGradClipStats(z, z + 0.5, z.bool() | True, z.bool(), len(grads))
+
+    register_muon_grad_clip_strategy("halve", halve)
+    try:
+        grads = _matrices()
+        before = [g.clone() for g in grads]
+        stats = clip_grad_norm_(FakeMuon(grads, device="cpu"), 2.0, 3.0, strategy="halve")
+        assert seen == [(3, 2.0, 3.0, None, torch.device("cpu"))]
+        assert float(stats.clip_coef) == 0.5
+        assert all(torch.equal(g, b * 0.5) for g, b in zip(grads, before))
+        with pytest.raises(ValueError, match="already registered"):
+            register_muon_grad_clip_strategy("halve", halve)
+        register_muon_grad_clip_strategy("halve", halve, overwrite=True)
+    finally:
+        unregister_muon_grad_clip_strategy("halve")
+    assert "halve" not in registered_muon_grad_clip_strategies()
+
+
+def test_optimizer_without_the_protocol() -> None:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    with pytest.raises(TypeError, match="torch.nn.utils.clip_grad_norm_"):
+        clip_grad_norm_(opt, 1.0)  # type: ignore[arg-type]
+
+
+def test_try_clip_returns_none_on_cpu_and_touches_nothing(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    muon = _matrices(0)
+    regular, adamw = _matrices(1), _matrices(2)
+    before = [g.clone() for g in [*muon, *regular, *adamw]]
+    result = try_clip_optimizer_grad_norm_buckets_(
+        FakeMuon(muon), regular_grads=regular, adamw_grads=adamw, max_norm=0.1
+    )
+    assert result is None
+    assert all(torch.equal(a, b) for a, b in zip([*muon, *regular, *adamw], before))
+
+
+def test_try_clip_group_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="process_group must be None or the group"):
+        try_clip_optimizer_grad_norm_buckets_(
+            FakeMuon([], process_group=object()),
+            regular_grads=[],
+            adamw_grads=[],
+            max_norm=1.0,
+            process_group=object(),
+        )
+
+
+def test_public_surface() -> None:
+    for name in dmuon_clip.__all__:
+        assert hasattr(dmuon_clip, name), name

@@ -1,0 +1,78 @@
+"""Model-level entry points of the runtime: thin functions over :func:`get_runtime`."""
+
+from __future__ import annotations
+
+from dmuon_ownership import Owner
+from torch import nn
+
+from ._comm import DedicatedCommContext
+from ._param import DedicatedParam
+from ._runtime import get_runtime
+
+__all__ = [
+    "broadcast_all_updates",
+    "broadcast_all_updates_async",
+    "get_comm_ctx",
+    "get_dedicated_params",
+    "get_owned_params",
+    "prepare_muon_grads",
+    "wait_all_reduces",
+    "wait_all_replicate_broadcasts",
+]
+
+
+def get_dedicated_params(model: nn.Module) -> list[DedicatedParam]:
+    """Every dedicated parameter of ``model``, in plan order (the same list on every rank)."""
+    return list(get_runtime(model).params)
+
+
+def get_owned_params(model: nn.Module, rank: int | tuple[int, int]) -> list[DedicatedParam]:
+    """The dedicated parameters whose global owner is ``rank``: a global rank (int), or a grid
+    coordinate ``(shard, replicate)`` in HSDP."""
+    runtime = get_runtime(model)
+    if isinstance(rank, tuple):
+        if len(rank) != 2 or not all(isinstance(x, int) for x in rank):
+            raise ValueError(
+                f"rank must be an int (global rank) or a (shard, replicate) pair, got {rank!r}"
+            )
+        coord = Owner(*rank)
+    elif isinstance(rank, int) and not isinstance(rank, bool):
+        coord = runtime.layout.coord_of(rank)
+    else:
+        raise TypeError(
+            f"rank must be an int (global rank) or a (shard, replicate) pair, got {rank!r}"
+        )
+    return [dp for dp in runtime.params if dp.owner == coord]
+
+
+def get_comm_ctx(model: nn.Module) -> DedicatedCommContext:
+    """The streams, process groups and byte counter of ``model``'s runtime."""
+    return get_runtime(model).comm_ctx
+
+
+def wait_all_reduces(model: nn.Module) -> None:
+    """Wait until the owners' averaged gradients (``DedicatedParam.grad``) are final."""
+    get_runtime(model).wait_all_reduces()
+
+
+def prepare_muon_grads(model: nn.Module) -> list[DedicatedParam]:
+    """Wait for pending reduces and return the owned parameters whose gradient is set."""
+    runtime = get_runtime(model)
+    runtime.wait_all_reduces()
+    return [dp for dp in runtime.owned if dp.grad is not None]
+
+
+def broadcast_all_updates(model: nn.Module) -> None:
+    """After the owners changed their weights: publish them and wait (``after_step(False)``)."""
+    get_runtime(model).after_step(async_=False)
+
+
+def broadcast_all_updates_async(model: nn.Module) -> None:
+    """Like :func:`broadcast_all_updates`, but the HSDP publish is only launched; each
+    boundary's next forward waits for its own part."""
+    get_runtime(model).after_step(async_=True)
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """Wait for every pending HSDP publish (e.g. before reading or saving weights)."""
+    get_runtime(model).wait_all_replicate_broadcasts()

@@ -1,0 +1,110 @@
+"""The comm context: every stream and process group dmuon's runtime uses, in one object.
+
+[Note: isolated and shared process groups]
+
+dmuon keeps collectives in flight across phase boundaries (a prefetched broadcast, a reduce
+still running when backward returns, an HSDP publish hidden behind the next forward). A
+collective on a process group must be issued in the same order on every member; if the
+trainer issues its own collective (a loss all-reduce, a metrics gather, a checkpoint barrier)
+on the *same* group while dmuon's work is queued, the two orders can differ across ranks. With
+``"isolated"`` (the default) dmuon clones its groups with ``dist.new_group`` over exactly the
+ranks of the caller's mesh, so nothing the trainer does can interleave with them. ``"shared"``
+reuses the mesh's own groups (fewer communicators, e.g. when NCCL communicator memory is
+tight) and leaves the ordering to the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ._collectives import CommCounter
+from ._mesh import MeshLayout
+
+__all__ = ["DedicatedCommContext", "ProcessGroupPolicy"]
+
+
+class ProcessGroupPolicy(StrEnum):
+    """Where dmuon's collectives run; see [Note: isolated and shared process groups]."""
+
+    ISOLATED = "isolated"
+    SHARED = "shared"
+
+    @classmethod
+    def parse(cls, value: object) -> ProcessGroupPolicy:
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(p.value) for p in cls)
+            raise ValueError(
+                f"process_group_policy={value!r} is not one of {allowed}; use 'isolated' "
+                "(dmuon's own cloned groups, the default) or 'shared' (the mesh's groups)"
+            ) from None
+
+
+@dataclass(eq=False)
+class DedicatedCommContext:
+    """Streams, groups and the byte counter of one dedicated runtime.
+
+    ``shard_group`` is this rank's replicate row, ``replicate_group`` its shard column (``None``
+    on a 1-D mesh), ``world_group`` spans the whole grid. Streams are ``None`` off CUDA.
+    """
+
+    layout: MeshLayout
+    policy: ProcessGroupPolicy
+    shard_group: ProcessGroup
+    replicate_group: ProcessGroup | None
+    world_group: ProcessGroup
+    # High priority: a forward (or Z3 backward) of the boundary waits for its broadcast.
+    broadcast_stream: torch.cuda.Stream | None = None
+    # High priority: the shard-axis reduce frees the local gradient memory of a boundary.
+    reduce_stream: torch.cuda.Stream | None = None
+    # Default priority, separate from ``reduce_stream`` so the replicate stage of one boundary
+    # overlaps the shard stage of the next one (HSDP).
+    replicate_reduce_stream: torch.cuda.Stream | None = None
+    # Default priority: the HSDP publish is hidden behind the next forward and only gates the
+    # first broadcast of its boundary.
+    publish_stream: torch.cuda.Stream | None = None
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    @classmethod
+    def build(cls, layout: MeshLayout, policy: ProcessGroupPolicy) -> DedicatedCommContext:
+        """Collective over the default group when ``policy`` is isolated (``new_group`` must
+        be entered by every rank for every group, in the same order)."""
+        coord = layout.coord
+        if policy is ProcessGroupPolicy.ISOLATED:
+            rows = [dist.new_group(list(layout.row(r))) for r in range(layout.replicate_size)]
+            shard_group = rows[coord.replicate]
+            replicate_group = None
+            if layout.is_hsdp:
+                cols = [dist.new_group(list(layout.column(s))) for s in range(layout.shard_size)]
+                replicate_group = cols[coord.shard]
+            world_group = dist.new_group(sorted(g for row in layout.rank_of for g in row))
+        else:
+            shard_group = layout.shard_mesh.get_group()
+            replicate_group = (
+                None if layout.replicate_mesh is None else layout.replicate_mesh.get_group()
+            )
+            world_group = dist.group.WORLD
+        assert world_group is not None
+        streams: dict[str, torch.cuda.Stream] = {}
+        if layout.device.type == "cuda":
+            high = -1  # the highest priority CUDA exposes through torch
+            streams = {
+                "broadcast_stream": torch.cuda.Stream(layout.device, priority=high),
+                "reduce_stream": torch.cuda.Stream(layout.device, priority=high),
+                "replicate_reduce_stream": torch.cuda.Stream(layout.device),
+                "publish_stream": torch.cuda.Stream(layout.device),
+            }
+        return cls(layout, policy, shard_group, replicate_group, world_group, **streams)
+
+    def barrier(self) -> None:
+        """Barrier on every dmuon-owned group (the debug fence)."""
+        groups = [self.shard_group, self.replicate_group, self.world_group]
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.barrier(group=group)

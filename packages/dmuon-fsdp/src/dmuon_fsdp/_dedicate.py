@@ -1,0 +1,291 @@
+"""``dedicate_params``: select the Muon-target parameters, plan owners, build the runtime.
+
+[Note: what dedicate_params does, in order]
+
+1. validate the arguments and the call order (before ``fully_shard``);
+2. resolve the mesh into a shard × replicate grid (:mod:`._mesh`, collective);
+3. select trainable parameters with ``predicate(fqn, param)``, route them with
+   ``param_policy`` (``"sharded_adamw"`` ones stay with FSDP2), and find each one's hook
+   boundary;
+4. plan owners with dmuon-ownership (pure, identical on every rank) and prove it by comparing
+   ``plan.fingerprint()`` across ranks once;
+5. build the comm context (isolated groups are created here, collectively), pack each
+   boundary's parameters per owner, free the peers' storage, publish the owners' weights to
+   their shard column (HSDP);
+6. register hooks, install the FSDP2 integration, attach the runtime to the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dmuon_ownership import (
+    ParamPolicy,
+    Plan,
+    Route,
+    WorkItem,
+    plan_owners,
+    validate_param_policy,
+)
+from torch import nn
+
+from ._comm import DedicatedCommContext, ProcessGroupPolicy
+from ._fsdp_integration import check_call_order, install_patch
+from ._group import DedicatedGroup
+from ._mesh import MeshLayout, resolve_layout
+from ._param import DEDICATED_ATTR, DedicatedParam, Role
+from ._runtime import RUNTIME_ATTR, DedicateConfig, DedicatedRuntime
+
+__all__ = ["dedicate_params"]
+
+logger = logging.getLogger(__name__)
+
+Predicate = Callable[[str, nn.Parameter], bool]
+BoundaryPredicate = Callable[[nn.Module], bool]
+
+# The one environment variable of the runtime: turns the debug fence on without a code change.
+_FENCE_ENV = "DMUON_ISOLATED_PG_BARRIER"
+_LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+$")
+_DTYPE_FIELDS = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "output_dtype")
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: Any,
+    predicate: Predicate,
+    *,
+    reshard_after_forward: bool = True,
+    replicate_mesh: Any = None,
+    hook_boundary_predicate: BoundaryPredicate | None = None,
+    hook_boundary_strict: bool = True,
+    param_policy: Mapping[str, Any] | ParamPolicy | None = None,
+    process_group_policy: str = "isolated",
+    small_param_threshold: int = 5_000_000,
+    debug_fence: bool = False,
+) -> DedicatedRuntime:
+    """Give each selected matrix parameter of ``model`` one owner rank (SPEC sections 3-4).
+
+    Call it after building the model (and after tensor parallelism), before ``fully_shard``.
+    ``mesh`` is the 1-D data-parallel (shard) mesh, or a 2-D mesh named
+    ``('replicate', 'shard')``; for HSDP pass ``hsdp['shard']`` and
+    ``replicate_mesh=hsdp['replicate']``. ``predicate(fqn, param)`` selects parameters;
+    ``param_policy`` routes them (``"muon"``, ``"adamw"``, or ``"sharded_adamw"``, which
+    leaves the parameter to FSDP2). Returns the :class:`DedicatedRuntime`, also reachable as
+    ``get_runtime(model)``. Collective: every rank must call it with the same arguments.
+    """
+    config = _make_config(
+        model,
+        predicate,
+        reshard_after_forward,
+        hook_boundary_predicate,
+        hook_boundary_strict,
+        process_group_policy,
+        small_param_threshold,
+        debug_fence,
+    )
+    policy = validate_param_policy(param_policy)
+    selected = [
+        (fqn, p) for fqn, p in model.named_parameters() if p.requires_grad and predicate(fqn, p)
+    ]
+    check_call_order(model, selected)
+    layout = resolve_layout(mesh, replicate_mesh)
+
+    modules = dict(model.named_modules())
+    items: list[WorkItem] = []
+    routes: dict[str, Route] = {}
+    for fqn, param in selected:
+        resolved = policy.resolve(fqn)
+        if resolved.route is Route.SHARDED_ADAMW:
+            continue  # stays an ordinary FSDP2 parameter
+        _check_param(fqn, param, resolved)
+        boundary = _boundary_of(fqn, modules, hook_boundary_predicate, hook_boundary_strict)
+        routes[fqn] = resolved.route
+        items.append(
+            WorkItem(fqn, tuple(param.shape), boundary, resolved.route, param.element_size())
+        )
+    plan = plan_owners(
+        items,
+        layout.shard_size,
+        layout.replicate_size,
+        small_param_threshold=small_param_threshold,
+    )
+    _check_fingerprint(plan)
+
+    comm = DedicatedCommContext.build(layout, config.process_group_policy)
+    params, groups = _build_groups(model, modules, plan, routes, layout, comm)
+    runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
+    if layout.is_hsdp:
+        # Column replicas start from the owner's weight, whatever their own init was.
+        runtime.after_step(async_=False)
+    install_patch()
+    setattr(model, RUNTIME_ATTR, runtime)
+    comm.counter.reset()
+    if dist.get_rank() == 0:
+        logger.info("dedicate_params: %s", plan.summary())
+    return runtime
+
+
+def _make_config(
+    model: object,
+    predicate: object,
+    reshard_after_forward: object,
+    hook_boundary_predicate: object,
+    hook_boundary_strict: object,
+    process_group_policy: object,
+    small_param_threshold: object,
+    debug_fence: object,
+) -> DedicateConfig:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, RUNTIME_ATTR, None) is not None:
+        raise RuntimeError(
+            f"dedicate_params was already called on this {type(model).__name__}; call it once "
+            "per model"
+        )
+    if not callable(predicate):
+        raise TypeError(
+            "predicate must be a callable (fqn, param) -> bool, e.g. "
+            "lambda n, p: 'proj' in n and p.ndim == 2"
+        )
+    if hook_boundary_predicate is not None and not callable(hook_boundary_predicate):
+        raise TypeError(
+            "hook_boundary_predicate must be None or a callable (module) -> bool, e.g. "
+            "lambda m: hasattr(m, '_is_action_layer')"
+        )
+    for name, value in (
+        ("reshard_after_forward", reshard_after_forward),
+        ("hook_boundary_strict", hook_boundary_strict),
+        ("debug_fence", debug_fence),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if (
+        not isinstance(small_param_threshold, int)
+        or isinstance(small_param_threshold, bool)
+        or small_param_threshold < 0
+    ):
+        raise ValueError(
+            f"small_param_threshold must be an int >= 0 (elements), got {small_param_threshold!r}"
+        )
+    assert isinstance(reshard_after_forward, bool)
+    assert isinstance(hook_boundary_strict, bool)
+    assert isinstance(debug_fence, bool)
+    return DedicateConfig(
+        reshard_after_forward=reshard_after_forward,
+        hook_boundary_strict=hook_boundary_strict,
+        process_group_policy=ProcessGroupPolicy.parse(process_group_policy),
+        small_param_threshold=small_param_threshold,
+        debug_fence=debug_fence or os.environ.get(_FENCE_ENV, "0") == "1",
+    )
+
+
+def _check_param(fqn: str, param: nn.Parameter, resolved: Any) -> None:
+    if resolved.route is Route.MUON and param.ndim != 2:
+        raise ValueError(
+            f"predicate selected {fqn!r} (shape {tuple(param.shape)}) for the Muon route, but "
+            "Muon needs a 2-D matrix; exclude it in the predicate (e.g. add `and p.ndim == 2`) "
+            "or route it to 'adamw' with param_policy"
+        )
+    for field_name in _DTYPE_FIELDS:
+        value = getattr(resolved, field_name)
+        if value is not None and getattr(torch, value) != param.dtype:
+            raise ValueError(
+                f"param_policy sets {field_name}={value!r} for {fqn!r}, but the dmuon-fsdp "
+                f"runtime communicates and steps dedicated parameters in their own dtype "
+                f"({param.dtype}); cast the model to {value} before dedicate_params or drop "
+                f"{field_name} from the policy"
+            )
+
+
+def _boundary_of(
+    fqn: str,
+    modules: Mapping[str, nn.Module],
+    predicate: BoundaryPredicate | None,
+    strict: bool,
+) -> str:
+    """The lowest ancestor module of parameter ``fqn`` that is a hook boundary."""
+    parts = fqn.split(".")[:-1]
+    ancestors = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+    for name in ancestors:
+        if predicate is None:
+            if _LAYER_NAME.search(name):
+                return name
+        elif predicate(modules[name]):
+            return name
+    if strict:
+        rule = (
+            "hook_boundary_predicate matches none of its ancestors"
+            if predicate is not None
+            else "it has no 'layers.N' or 'blocks.N' ancestor"
+        )
+        raise ValueError(
+            f"dedicated parameter {fqn!r} has no hook boundary: {rule} "
+            f"({', '.join(repr(a) for a in ancestors)}); pass hook_boundary_predicate="
+            "lambda m: ... that matches one of them, exclude the parameter in the predicate, "
+            "or pass hook_boundary_strict=False to hook it at the root module"
+        )
+    return ""
+
+
+def _check_fingerprint(plan: Plan) -> None:
+    mine = plan.fingerprint()
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differing = sorted({str(f) for f in everyone} - {mine})
+    if differing:
+        raise RuntimeError(
+            f"dmuon's owner plan differs across ranks (this rank {mine[:12]}, others "
+            f"{[d[:12] for d in differing]}): every rank must build the same model and call "
+            "dedicate_params with the same predicate, policy and meshes"
+        )
+
+
+def _build_groups(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    plan: Plan,
+    routes: Mapping[str, Route],
+    layout: MeshLayout,
+    comm: DedicatedCommContext,
+) -> tuple[list[DedicatedParam], list[DedicatedGroup]]:
+    named = dict(model.named_parameters())
+    coord = layout.coord
+    params: list[DedicatedParam] = []
+    # boundary -> (owner, dtype) -> members, both in plan order
+    members: dict[str, dict[tuple[Any, torch.dtype], list[DedicatedParam]]] = defaultdict(dict)
+    for unit in plan.units:
+        if unit.owner == coord:
+            role = Role.OWNER
+        elif unit.owner.shard == coord.shard and layout.is_hsdp:
+            role = Role.REPLICA
+        else:
+            role = Role.PEER
+        for fqn in unit.names:
+            param = named[fqn]
+            module_name, _, attr = fqn.rpartition(".")
+            dp = DedicatedParam(
+                fqn=fqn,
+                param=param,
+                module=modules[module_name],
+                name=attr,
+                boundary=unit.boundary,
+                owner=unit.owner,
+                role=role,
+                route=str(routes[fqn]),
+            )
+            setattr(param, DEDICATED_ATTR, True)
+            params.append(dp)
+            members[unit.boundary].setdefault((unit.owner, param.dtype), []).append(dp)
+    groups = [
+        DedicatedGroup.build(name, modules[name], list(members[name].values()), comm)
+        for name in modules
+        if name in members
+    ]
+    return params, groups

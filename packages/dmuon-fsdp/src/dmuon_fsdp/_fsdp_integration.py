@@ -1,0 +1,107 @@
+"""How a later ``fully_shard`` leaves dedicated parameters alone.
+
+[Note: FSDP2 integration through ignored_params]
+
+``fully_shard(module, ignored_params=...)`` already knows how to leave parameters out: they
+are not sharded, not moved, not reduced, and a submodule whose parameters are all ignored is
+not managed at all. dmuon reuses exactly that machinery instead of re-implementing any of it:
+:func:`install_patch` wraps the two functions of ``torch.distributed.fsdp._fully_shard.
+_fsdp_init`` that receive ``ignored_params`` (``_get_managed_modules`` and
+``_get_managed_states``, both looked up as module globals by ``_get_modules_and_states``, the
+one entry point of ``fully_shard`` and of ``replicate`` in torch 2.11 to 2.13) so that every
+parameter marked as dedicated joins the caller's ``ignored_params``. The wrapper changes
+nothing for unmarked parameters, so a model without dmuon behaves exactly as before.
+
+The patch is installed by :func:`dedicate_params` (never at import), is idempotent, and is
+checked at the first forward: a dedicated parameter that is no longer registered on its module
+(FSDP2 replaced it with a DTensor) raises instead of training silently wrong.
+
+Call order matters and is enforced (SPEC section 4): ``dedicate_params`` raises when any module
+of the model is already an FSDP module, or when a selected parameter is already a DTensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._param import DEDICATED_ATTR
+
+__all__ = ["check_call_order", "install_patch", "is_dedicated"]
+
+_TARGETS = ("_get_managed_modules", "_get_managed_states")
+_WRAPPED_ATTR = "_dmuon_wrapped"
+
+
+def is_dedicated(param: nn.Parameter) -> bool:
+    return bool(getattr(param, DEDICATED_ATTR, False))
+
+
+def _dedicated_in(modules: Iterable[nn.Module], recurse: bool) -> set[nn.Parameter]:
+    return {p for m in modules for p in m.parameters(recurse=recurse) if is_dedicated(p)}
+
+
+def _wrap(fn: Callable[..., Any], recurse: bool) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(modules: Any, ignored_params: set[nn.Parameter] | None = None, *args: Any, **kwargs: Any) -> Any:
+        roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+        dedicated = _dedicated_in(roots, recurse)
+        if dedicated:
+            ignored_params = set(ignored_params or ()) | dedicated
+        return fn(modules, ignored_params, *args, **kwargs)
+
+    setattr(wrapper, _WRAPPED_ATTR, True)
+    return wrapper
+
+
+def install_patch() -> None:
+    """Make ``fully_shard`` (and ``replicate``) skip dedicated parameters; idempotent.
+
+    :func:`dedicate_params` calls it; see [Note: FSDP2 integration through ignored_params].
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    missing = [name for name in _TARGETS if not callable(getattr(_fsdp_init, name, None))]
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no {', '.join(missing)} in "
+            "torch.distributed.fsdp._fully_shard._fsdp_init, which dmuon's FSDP2 integration "
+            "wraps; use torch 2.11 to 2.13"
+        )
+    for name in _TARGETS:
+        fn = getattr(_fsdp_init, name)
+        if getattr(fn, _WRAPPED_ATTR, False):
+            continue
+        # Managed modules are found from the roots down; managed states per module.
+        setattr(_fsdp_init, name, _wrap(fn, recurse=name == "_get_managed_modules"))
+
+
+def is_installed() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    return all(getattr(getattr(_fsdp_init, n, None), _WRAPPED_ATTR, False) for n in _TARGETS)
+
+
+def check_call_order(model: nn.Module, selected: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """Raise when FSDP2 (or any DTensor wrapper) got to the model before dedicate_params."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            where = f"module {name!r}" if name else "the root module"
+            raise RuntimeError(
+                f"fully_shard was already applied to {where}: call "
+                "dmuon.dedicate_params(model, mesh, predicate) before fully_shard (order: "
+                "dedicate_params -> fully_shard(layers) -> fully_shard(model) -> Muon)"
+            )
+    for fqn, param in selected:
+        if isinstance(param, DTensor):
+            raise RuntimeError(
+                f"parameter {fqn!r} is already a DTensor (FSDP2 manages it): dedicate it before "
+                "fully_shard, i.e. call dmuon.dedicate_params(model, mesh, predicate) first"
+            )

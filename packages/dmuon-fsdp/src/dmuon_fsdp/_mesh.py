@@ -1,0 +1,154 @@
+"""Mesh validation: turn the user's mesh arguments into a shard × replicate grid of ranks.
+
+[Note: the grid]
+
+dmuon sees the data-parallel ranks as a grid of ``G`` shards × ``R`` replicas. A rank's
+coordinate is ``Owner(shard, replicate)``: its local rank in the shard mesh and in the
+replicate mesh (``replicate = 0`` on a 1-D mesh). The global rank of every coordinate is learnt
+once at setup with one ``all_gather_object`` over the default group, which also proves that the
+two meshes are orthogonal (every coordinate appears exactly once) and that ``G · R`` covers
+the world; the groups of :mod:`._comm` are then built from this table, never from guesses
+about how a ``DeviceMesh`` lays ranks out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from dmuon_ownership import Owner
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MeshLayout", "resolve_layout"]
+
+_HSDP_HINT = (
+    "build it with init_device_mesh(device, (replicate, shard), "
+    "mesh_dim_names=('replicate', 'shard')) and call "
+    "dedicate_params(model, hsdp['shard'], ..., replicate_mesh=hsdp['replicate'])"
+)
+
+
+@dataclass(frozen=True, eq=False)
+class MeshLayout:
+    """This rank's place on the grid and the global rank of every grid coordinate."""
+
+    shard_size: int
+    replicate_size: int
+    coord: Owner
+    rank_of: tuple[tuple[int, ...], ...]  # rank_of[replicate][shard] -> global rank
+    device: torch.device
+    shard_mesh: DeviceMesh
+    replicate_mesh: DeviceMesh | None
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_mesh is not None
+
+    def global_rank(self, owner: Owner) -> int:
+        return self.rank_of[owner.replicate][owner.shard]
+
+    def row(self, replicate: int) -> tuple[int, ...]:
+        """Global ranks of one replicate row (one shard group), in shard order."""
+        return self.rank_of[replicate]
+
+    def column(self, shard: int) -> tuple[int, ...]:
+        """Global ranks of one shard column (one replicate group), in replicate order."""
+        return tuple(row[shard] for row in self.rank_of)
+
+    def coord_of(self, rank: int) -> Owner:
+        for r, row in enumerate(self.rank_of):
+            for s, g in enumerate(row):
+                if g == rank:
+                    return Owner(s, r)
+        raise ValueError(
+            f"rank {rank} is not on dmuon's {self.shard_size} x {self.replicate_size} grid; "
+            "pass a global rank in range(world_size) or an Owner(shard, replicate)"
+        )
+
+
+def _check_1d(mesh: object, argument: str) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}; "
+            "build one with init_device_mesh"
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{argument} must be a 1-D DeviceMesh, got a {mesh.ndim}-D mesh "
+            f"(dims {mesh.mesh_dim_names}); pass one named dimension of it, e.g. mesh['shard']"
+        )
+    return mesh
+
+
+def _split_2d(mesh: DeviceMesh, replicate_mesh: object) -> tuple[DeviceMesh, DeviceMesh]:
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"mesh is an unnamed 2-D DeviceMesh; dmuon cannot tell replicate from shard: {_HSDP_HINT}")
+    if set(names) != {"replicate", "shard"}:
+        raise ValueError(f"mesh is a 2-D DeviceMesh with dims {names}, expected ('replicate', 'shard'): {_HSDP_HINT}")
+    if replicate_mesh is not None:
+        raise ValueError(f"replicate_mesh was given together with a 2-D mesh: {_HSDP_HINT}")
+    return mesh["shard"], mesh["replicate"]
+
+
+def resolve_layout(mesh: object, replicate_mesh: object = None) -> MeshLayout:
+    """Validate ``mesh`` (1-D shard mesh, or a 2-D mesh named ('replicate', 'shard')) and
+    ``replicate_mesh``; collective over the default group (see [Note: the grid])."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "dedicate_params needs torch.distributed: call dist.init_process_group(...) first"
+        )
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
+        shard_mesh, rep_mesh = _split_2d(mesh, replicate_mesh)
+    else:
+        shard_mesh = _check_1d(mesh, "mesh")
+        rep_mesh = None if replicate_mesh is None else _check_1d(replicate_mesh, "replicate_mesh")
+    if rep_mesh is not None and rep_mesh.device_type != shard_mesh.device_type:
+        raise ValueError(
+            f"replicate_mesh is on {rep_mesh.device_type!r} but mesh is on "
+            f"{shard_mesh.device_type!r}; take both from one mesh: {_HSDP_HINT}"
+        )
+    shard_size = shard_mesh.size()
+    replicate_size = 1 if rep_mesh is None else rep_mesh.size()
+    world = dist.get_world_size()
+    if shard_size * replicate_size != world:
+        raise ValueError(
+            f"mesh sizes do not multiply to the world size: shard {shard_size} x replicate "
+            f"{replicate_size} != {world} ranks; dmuon's data-parallel grid must cover every "
+            "rank (pass the full data-parallel mesh, or replicate_mesh for HSDP)"
+        )
+    coord = Owner(
+        shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank()
+    )
+    gathered: list[object] = [None] * world
+    dist.all_gather_object(gathered, (coord.shard, coord.replicate, dist.get_rank()))
+    table: list[list[int | None]] = [[None] * shard_size for _ in range(replicate_size)]
+    for entry in gathered:
+        assert isinstance(entry, tuple)
+        s, r, rank = entry
+        if table[r][s] is not None:
+            raise ValueError(
+                f"replicate_mesh does not match mesh: ranks {table[r][s]} and {rank} both sit at "
+                f"(shard={s}, replicate={r}); the two meshes must be the two dimensions of one "
+                f"2-D mesh: {_HSDP_HINT}"
+            )
+        table[r][s] = rank
+    rank_of = tuple(tuple(int(g) for g in row if g is not None) for row in table)
+    mine = tuple(int(g) for g in shard_mesh.mesh.tolist())
+    if mine != rank_of[coord.replicate]:
+        raise ValueError(
+            f"replicate_mesh does not match mesh: this rank's shard group is {mine} but the "
+            f"grid row is {rank_of[coord.replicate]}: {_HSDP_HINT}"
+        )
+    if shard_mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(shard_mesh.device_type)
+    return MeshLayout(
+        shard_size, replicate_size, coord, rank_of, device, shard_mesh, rep_mesh
+    )

@@ -1,0 +1,39 @@
+"""``no_sync``: gradient accumulation without communication, for dmuon and FSDP2 together.
+
+Inside the context dmuon issues no gradient reduce: every rank keeps accumulating its local
+gradient in ``param.grad`` (Z2 also keeps its broadcast weights, so later micro-batches do not
+broadcast again), and FSDP2 modules of the model skip their reduce-scatter
+(``set_requires_gradient_sync(False)``). The first backward after the context reduces the
+accumulated sum, so k micro-batches under ``no_sync`` plus one synced micro-batch give the
+gradient of their union (the mean over micro-batches if each loss is divided by k + 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from ._runtime import get_runtime
+
+__all__ = ["no_sync"]
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Skip gradient synchronisation for the backward passes run inside the context."""
+    from torch.distributed.fsdp import FSDPModule
+
+    runtime = get_runtime(model)
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    previous = runtime.sync_grads
+    runtime.sync_grads = False
+    for module in fsdp_modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        runtime.sync_grads = previous
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(True, recurse=False)

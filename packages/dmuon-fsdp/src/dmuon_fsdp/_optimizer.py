@@ -1,0 +1,283 @@
+"""``Muon``: one ``torch.optim.Optimizer`` that steps dmuon's dedicated matrices with Muon on
+their owners and every other trainable parameter with AdamW on every rank.
+
+[Note: what the optimizer's param groups hold]
+``param_groups`` hold the model's own parameters, the same objects on every rank: the FSDP2
+DTensor parameters and the dedicated ``nn.Parameter`` objects (which keep their full shape on
+every rank, see [Note: storage of a dedicated parameter]). State is keyed by those objects, so
+schedulers, ``state_dict()`` round trips and ``param_names`` work as with any optimizer. What
+a step *touches* for a dedicated parameter is different: the owner's ``DedicatedParam.full``
+(the authoritative weight) and ``DedicatedParam.grad`` (the averaged full gradient). Other
+ranks skip dedicated parameters; their state stays empty.
+
+[Note: step order]
+``step()`` first waits for the pending gradient reductions (owned gradients are final after
+that), then runs Muon on the owned ``muon``-route matrices (momentum per matrix, one NS call
+per shape, then decay and update), then AdamW over every ``adamw`` subgroup (FSDP2 shards on
+all ranks, owned dedicated AdamW-route weights on their owners), and last tells the runtime
+that owned weights changed (``after_step``), which drops weights kept by peers (Z2) and, in
+HSDP, publishes the new weights to replicate peers (asynchronously when
+``replicate_async``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from dmuon_ns import NewtonSchulz
+from torch import Tensor, nn
+from torch.autograd.profiler import record_function
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from . import _muon_math
+from ._muon_math import LrScaling, adamw_step, init_adamw_state, lr_scale, momentum_update
+from ._param import DedicatedParam
+from ._param_groups import ADAMW, MUON, GroupDefaults, build_param_groups
+from ._runtime import DedicatedRuntime, get_runtime
+
+__all__ = ["Muon", "MuonClipGrads"]
+
+
+class MuonClipGrads(NamedTuple):
+    """What ``Muon.muon_grads_for_clip()`` hands to dmuon-clip (ARCHITECTURE.md)."""
+
+    grads: list[Tensor]  # full averaged gradients of the Muon matrices this rank owns
+    process_group: ProcessGroup | None  # ranks that together own every matrix once
+    device: torch.device  # where the norm accumulator lives
+
+
+def _number(value: Any, name: str, *, low: float = 0.0, below: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (below is not None and value >= below):
+        bound = f"in [{low}, {below})" if below is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return float(value)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for dmuon's dedicated matrices (owner only), AdamW for everything else.
+
+    ``model`` is the model after ``dedicate_params`` and ``fully_shard``. Groups are ``muon``
+    and ``adamw``, or with semantic ``param_groups`` ``<name>/muon`` and ``<name>/adamw``
+    (see :mod:`._param_groups`). Muon math: ``buf = momentum * buf + grad``; NS input
+    ``grad + momentum * buf`` (Nesterov) or ``buf``; update ``NS(input)`` scaled by
+    ``lr * s(m, n)`` with ``s`` from ``lr_scaling`` (``"moonlight"``: ``0.2·√max(m, n)``,
+    ``"spectral"``: ``√max(1, m/n)``, ``"none"``: 1); decoupled decay ``p *= 1 - lr * wd``
+    before the update. AdamW matches ``torch.optim.AdamW``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        nesterov: bool = True,
+        ns_backend: str | NewtonSchulz = "gram",
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_weight_decay: float = 0.01,
+        adamw_eps: float = 1e-8,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
+        replicate_async: bool = True,
+        lr_scaling: LrScaling | str = LrScaling.MOONLIGHT,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"Muon takes the wrapped model (an nn.Module), got {type(model).__name__};"
+                " build it as dmuon.Muon(model, lr=...), not from a parameter list"
+            )
+        if not isinstance(adamw_betas, Sequence) or len(adamw_betas) != 2:
+            raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r}")
+        if lr_scaling not in LrScaling._value2member_map_:
+            raise ValueError(
+                f"lr_scaling must be one of {[s.value for s in LrScaling]}, got {lr_scaling!r}"
+            )
+        group_defaults = GroupDefaults(
+            lr=_number(lr, "lr"),
+            weight_decay=_number(weight_decay, "weight_decay"),
+            momentum=_number(momentum, "momentum", below=1.0),
+            nesterov=bool(nesterov),
+            adamw_lr=_number(adamw_lr, "adamw_lr"),
+            adamw_betas=(
+                _number(adamw_betas[0], "adamw_betas[0]", below=1.0),
+                _number(adamw_betas[1], "adamw_betas[1]", below=1.0),
+            ),
+            adamw_eps=_number(adamw_eps, "adamw_eps"),
+            adamw_weight_decay=_number(adamw_weight_decay, "adamw_weight_decay"),
+        )
+        self._ns = _muon_math.make_newton_schulz(ns_backend, ns_steps)
+        self._runtime: DedicatedRuntime = get_runtime(model)
+        self._model = model
+        self._dedicated: dict[int, DedicatedParam] = {id(dp.param): dp for dp in self._runtime.params}
+        self.lr_scaling = LrScaling(lr_scaling)
+        self.replicate_async = bool(replicate_async)
+        groups = build_param_groups(
+            model.named_parameters(), self._dedicated, param_groups, group_defaults
+        )
+        self._constructing = True
+        super().__init__(groups, {})
+        self._constructing = False
+        # For introspection only: every group carries its own values, so nothing is merged.
+        self.defaults = {
+            "lr": group_defaults.lr,
+            "momentum": group_defaults.momentum,
+            "weight_decay": group_defaults.weight_decay,
+            "nesterov": group_defaults.nesterov,
+            "ns_steps": self._ns.steps,
+            "adamw_lr": group_defaults.adamw_lr,
+            "adamw_betas": group_defaults.adamw_betas,
+            "adamw_eps": group_defaults.adamw_eps,
+            "adamw_weight_decay": group_defaults.adamw_weight_decay,
+        }
+
+    # -- structure ----------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_constructing", False):
+            raise ValueError(
+                "Muon builds its param groups from the model at construction; pass every"
+                " group as Muon(model, param_groups=[...]) instead of add_param_group()"
+            )
+        super().add_param_group(param_group)
+
+    @property
+    def runtime(self) -> DedicatedRuntime:
+        return self._runtime
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    @property
+    def newton_schulz(self) -> NewtonSchulz:
+        return self._ns
+
+    def dedicated_param(self, param: Tensor) -> DedicatedParam | None:
+        """The ``DedicatedParam`` behind ``param``, or ``None`` for FSDP2 parameters."""
+        return self._dedicated.get(id(param))
+
+    def _owned_muon(self) -> Iterable[tuple[dict[str, Any], Tensor, DedicatedParam]]:
+        for group in self.param_groups:
+            if group["optimizer"] != MUON:
+                continue
+            for p in group["params"]:
+                dp = self._dedicated[id(p)]
+                if dp.is_owner:
+                    yield group, p, dp
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Muon on owned matrices, AdamW on the rest; see [Note: step order]."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with record_function("dmuon::optimizer_step"):
+            self._runtime.wait_all_reduces()
+            with record_function("dmuon::muon_step"):
+                self._muon_step()
+            with record_function("dmuon::adamw_step"):
+                self._adamw_step()
+            self._runtime.after_step(async_=self.replicate_async)
+        return loss
+
+    def _muon_step(self) -> None:
+        inputs: list[Tensor] = []
+        targets: list[tuple[dict[str, Any], DedicatedParam]] = []
+        for group, p, dp in self._owned_muon():
+            if dp.grad is None:
+                continue
+            assert dp.full is not None, f"{dp.fqn}: the owner holds no full weight"
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = torch.zeros_like(dp.full)
+            inputs.append(momentum_update(buf, dp.grad, group["momentum"], group["nesterov"]))
+            targets.append((group, dp))
+        updates = _muon_math.orthogonalize(self._ns, inputs)
+        for (group, dp), update in zip(targets, updates):
+            assert dp.full is not None
+            _muon_math.weight_decay_and_update(
+                dp.full,
+                update,
+                lr=float(group["lr"]),
+                weight_decay=float(group["weight_decay"]),
+                scale=lr_scale(dp.shape, self.lr_scaling),
+            )
+
+    def _adamw_step(self) -> None:
+        for group in self.param_groups:
+            if group["optimizer"] != ADAMW:
+                continue
+            # DTensor and plain tensors go to separate calls: foreach kernels take one kind.
+            batches: dict[bool, tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]]]] = {}
+            for p in group["params"]:
+                dp = self._dedicated.get(id(p))
+                if dp is None:
+                    target, grad = p, p.grad
+                else:
+                    if not dp.is_owner:
+                        continue
+                    target, grad = dp.full, dp.grad
+                if grad is None or target is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(init_adamw_state(target))
+                params, grads, states = batches.setdefault(isinstance(target, DTensor), ([], [], []))
+                params.append(target)
+                grads.append(grad)
+                states.append(state)
+            beta1, beta2 = group["betas"]
+            for params, grads, states in batches.values():
+                adamw_step(
+                    params,
+                    grads,
+                    states,
+                    lr=float(group["lr"]),
+                    betas=(float(beta1), float(beta2)),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the grads of every parameter, dedicated ones' owner gradients included (those
+        always become ``None``: the runtime writes a fresh averaged gradient each backward)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for dp in self._runtime.params:
+            dp.grad = None
+
+    # -- the dmuon-clip protocol --------------------------------------------------------------
+
+    def muon_grads_for_clip(self) -> MuonClipGrads:
+        """The owned Muon gradients, final (pending reduces waited), for global-norm clipping;
+        scaling them in place changes what the next ``step()`` reads."""
+        self._runtime.wait_all_reduces()
+        grads = [dp.grad for _, _, dp in self._owned_muon() if dp.grad is not None]
+        if grads:
+            device = grads[0].device
+        elif self._runtime.params:
+            device = self._runtime.params[0].param.device
+        else:
+            device = torch.device("cpu")
+        group = self._runtime.world_group if dist.is_available() and dist.is_initialized() else None
+        return MuonClipGrads(grads=grads, process_group=group, device=device)
+
+    def muon_param_names(self) -> list[str]:
+        """FQNs of every Muon-route matrix, in group order (the same on every rank)."""
+        return [
+            name
+            for group in self.param_groups
+            if group["optimizer"] == MUON
+            for name in group["param_names"]
+        ]

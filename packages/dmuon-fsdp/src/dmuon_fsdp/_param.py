@@ -1,0 +1,81 @@
+"""One dedicated parameter: the ``nn.Parameter`` the module keeps, its owner and its storage.
+
+[Note: storage of a dedicated parameter]
+
+The module keeps its registered ``nn.Parameter`` object for the whole run (so
+``named_parameters()``, ``state_dict()`` keys and parameter identity in the optimizer never
+change). Only ``param.data`` is swapped, once, at setup: it becomes a view into the packed
+buffer of its (boundary, owner) unit (see :mod:`._group`). On the sender of the unit (the
+owner, and in HSDP every rank of the owner's shard column) that buffer always holds the
+weight; everywhere else its storage is resized to zero between uses, so the parameter keeps
+its full shape but holds no memory. Resizing the *storage* (not reassigning ``.data``) is
+what lets autograd's saved tensors, which alias that storage, see the weight again when it is
+re-broadcast before backward. ``param.data = view`` keeps the parameter's own version
+counter, so writes into the buffer never bump the counter autograd checks on the parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+from dmuon_ownership import Owner
+from torch import nn
+
+__all__ = ["DedicatedParam", "Role"]
+
+# Marks a parameter dmuon manages; the FSDP2 integration excludes marked parameters.
+DEDICATED_ATTR = "_dmuon_dedicated"
+
+
+class Role(StrEnum):
+    """This rank's relation to a parameter."""
+
+    OWNER = "owner"  # the global owner: authoritative weight, gradient, optimizer step
+    REPLICA = "replica"  # HSDP: same shard column as the owner; keeps a published copy
+    PEER = "peer"  # receives the weight for forward/backward, holds nothing in between
+
+
+@dataclass(eq=False)
+class DedicatedParam:
+    """A parameter whose optimizer step runs only on its global owner.
+
+    ``full`` is the owner's authoritative full weight (the tensor the optimizer updates in
+    place; ``None`` on other ranks); ``grad`` is the owner's averaged full gradient after a
+    synced backward (``None`` elsewhere and after ``zero_grad``).
+    """
+
+    fqn: str
+    param: nn.Parameter
+    module: nn.Module
+    name: str  # attribute name on ``module``
+    boundary: str  # FQN of the hook boundary module ("" for the root)
+    owner: Owner
+    role: Role
+    route: str
+    offset: int = 0  # element offset inside the unit's packed buffer
+    full: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    shape: torch.Size = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = self.param.shape
+
+    @property
+    def is_owner(self) -> bool:
+        return self.role is Role.OWNER
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param.dtype
+
+    def __repr__(self) -> str:
+        return (
+            f"DedicatedParam({self.fqn!r}, shape={tuple(self.shape)}, owner={tuple(self.owner)}, "
+            f"role={self.role.value}, route={self.route!r})"
+        )

@@ -1,0 +1,310 @@
+"""Semantic parameter groups: user groups built from the wrapped model, split into
+``<name>/muon`` and ``<name>/adamw`` optimizer subgroups.
+
+[Note: what a user group decides]
+A user group (``{"params": [...], "group_name": "base", "lr": ...}``) only carries
+hyperparameters. Which subgroup a parameter lands in is decided by its route: dedicated
+parameters whose route is ``"muon"`` go to ``<name>/muon``, everything else (FSDP2 parameters,
+dedicated ``"adamw"`` parameters) to ``<name>/adamw``. Only an explicit ``dmuon_route`` (or its
+aliases ``dmuon_optimizer`` / ``matrix_optimizer``) in a group overrides the routes of that
+group's dedicated parameters, all of them at once. ``lr`` and ``weight_decay`` apply to both
+subgroups unless ``muon_lr``/``adamw_lr`` or ``muon_weight_decay``/``adamw_weight_decay``
+override them. Both subgroups always exist, even empty, so that the visible group names (and a
+scheduler's or checkpoint's view of them) do not depend on which rank owns what.
+
+[Note: validating against the wrapped model]
+Every trainable parameter of the model must appear in exactly one user group, and every tensor
+in a group must be a parameter of the model as it is now. The usual mistake is building the
+groups before ``fully_shard``: FSDP2 replaces each parameter with a new DTensor parameter, so
+the old tensors are "stale" and the new ones "missing". A stale tensor has no name of its own;
+the error names the model parameters of the same shape that no group covers, which is almost
+always the one it was meant to be.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ADAMW",
+    "MUON",
+    "GroupDefaults",
+    "RoutedParam",
+    "build_param_groups",
+]
+
+MUON = "muon"
+ADAMW = "adamw"
+
+_ROUTE_KEYS = ("dmuon_route", "dmuon_optimizer", "matrix_optimizer")
+_ALLOWED_KEYS = frozenset(
+    {
+        "params",
+        "group_name",
+        "lr",
+        "weight_decay",
+        "muon_lr",
+        "adamw_lr",
+        "muon_weight_decay",
+        "adamw_weight_decay",
+        "momentum",
+        "nesterov",
+        "adamw_betas",
+        "adamw_eps",
+        *_ROUTE_KEYS,
+    }
+)
+
+
+class _DedicatedLike(Protocol):
+    fqn: str
+    route: str
+    shape: Any
+
+
+@dataclass(frozen=True)
+class GroupDefaults:
+    """Optimizer-wide hyperparameters, the values a user group does not override."""
+
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    adamw_lr: float
+    adamw_betas: tuple[float, float]
+    adamw_eps: float
+    adamw_weight_decay: float
+
+
+@dataclass(frozen=True)
+class RoutedParam:
+    """A trainable parameter of the wrapped model and how the optimizer treats it."""
+
+    fqn: str
+    param: Tensor
+    optimizer: str  # MUON or ADAMW
+    dedicated: bool
+
+
+def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
+    if value < low:
+        raise ValueError(f"{where}: {key} must be >= {low}, got {value!r}")
+    return float(value)
+
+
+def _check_betas(value: Any, where: str) -> tuple[float, float]:
+    if not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {value!r}")
+    b1, b2 = (_check_number(v, "adamw_betas", where) for v in value)
+    if not (b1 < 1.0 and b2 < 1.0):
+        raise ValueError(f"{where}: adamw_betas must lie in [0, 1), got {value!r}")
+    return (b1, b2)
+
+
+def _forced_route(group: Mapping[str, Any], where: str) -> str | None:
+    given = {k: group[k] for k in _ROUTE_KEYS if k in group}
+    if not given:
+        return None
+    values = {str(v) for v in given.values()}
+    if len(values) != 1:
+        raise ValueError(f"{where}: {sorted(given)} disagree ({given}); set only one of them")
+    route = values.pop()
+    if route not in (MUON, ADAMW):
+        raise ValueError(
+            f"{where}: {next(iter(given))}={route!r} is not a route the optimizer can force;"
+            f" use 'muon' or 'adamw' (communication routes are set by dedicate_params' param_policy)"
+        )
+    return route
+
+
+def _describe(fqn: str, dedicated: Mapping[int, _DedicatedLike], p: Tensor) -> str:
+    dp = dedicated.get(id(p))
+    shape = tuple(dp.shape) if dp is not None else tuple(p.shape)
+    return f"{fqn!r} {shape}"
+
+
+def _route_of(
+    fqn: str, p: Tensor, dedicated: Mapping[int, _DedicatedLike], forced: str | None, where: str
+) -> RoutedParam:
+    dp = dedicated.get(id(p))
+    if dp is None:
+        return RoutedParam(fqn, p, ADAMW, dedicated=False)
+    route = forced if forced is not None else (MUON if dp.route == MUON else ADAMW)
+    if route == MUON and len(tuple(dp.shape)) != 2:
+        raise ValueError(
+            f"{where}: forces route 'muon' on {fqn!r} of shape {tuple(dp.shape)}, but Muon needs"
+            " a 2-D matrix; move this parameter to a group without a route override"
+        )
+    return RoutedParam(fqn, p, route, dedicated=True)
+
+
+def _user_params(
+    group: Mapping[str, Any], where: str
+) -> list[tuple[str | None, Tensor]]:
+    if "params" not in group:
+        raise ValueError(f"{where} has no 'params'; give a list of the model's parameters")
+    raw = group["params"]
+    if isinstance(raw, Tensor):
+        raw = [raw]
+    if isinstance(raw, set | frozenset):
+        raise ValueError(f"{where}: 'params' must be an ordered list, not a set")
+    out: list[tuple[str | None, Tensor]] = []
+    for item in raw:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Tensor):
+            out.append((str(item[0]), item[1]))
+        elif isinstance(item, Tensor):
+            out.append((None, item))
+        else:
+            raise ValueError(
+                f"{where}: 'params' holds a {type(item).__name__}; give tensors or"
+                " (name, tensor) pairs from model.named_parameters()"
+            )
+    return out
+
+
+def build_param_groups(
+    named_params: Iterable[tuple[str, Tensor]],
+    dedicated: Mapping[int, _DedicatedLike],
+    user_groups: Sequence[Mapping[str, Any]] | None,
+    defaults: GroupDefaults,
+) -> list[dict[str, Any]]:
+    """The optimizer's param groups: ``muon`` and ``adamw`` without user groups, otherwise
+    ``<name>/muon`` and ``<name>/adamw`` per user group (see [Note: what a user group decides]).
+
+    ``named_params`` are the wrapped model's parameters (``model.named_parameters()``);
+    ``dedicated`` maps ``id(param)`` of each dedicated parameter to its ``DedicatedParam``.
+    Each returned dict holds ``params``, ``param_names`` (FQNs), ``group_name``, ``optimizer``
+    (``"muon"``/``"adamw"``) and that optimizer's hyperparameters.
+    """
+    trainable: dict[int, tuple[str, Tensor]] = {}
+    for fqn, p in named_params:
+        if p.requires_grad and id(p) not in trainable:
+            trainable[id(p)] = (fqn, p)
+
+    is_default = user_groups is None
+    if user_groups is None:
+        user_groups = [{"params": [p for _, p in trainable.values()]}]
+    elif isinstance(user_groups, Mapping) or not isinstance(user_groups, Sequence):
+        raise ValueError(
+            "param_groups must be a list of dicts like"
+            " [{'params': [...], 'group_name': 'base', 'lr': ...}], got"
+            f" {type(user_groups).__name__}"
+        )
+    elif len(user_groups) == 0:
+        raise ValueError("param_groups is empty; pass None for the default groups or list groups")
+
+    seen: dict[int, str] = {}
+    names: set[str] = set()
+    stale: list[tuple[str, str | None, Tensor]] = []
+    parsed: list[tuple[str | None, Mapping[str, Any], list[RoutedParam]]] = []
+    for index, group in enumerate(user_groups):
+        if not isinstance(group, Mapping):
+            raise ValueError(f"param_groups[{index}] must be a dict, got {type(group).__name__}")
+        name = group.get("group_name")
+        where = f"param_groups[{index}]" + (f" ({name!r})" if name is not None else "")
+        if name is not None:
+            name = str(name)
+            if "/" in name or not name:
+                raise ValueError(f"{where}: group_name must be non-empty and contain no '/'")
+            if name in names:
+                raise ValueError(f"{where}: group_name {name!r} is used twice; names must be unique")
+            names.add(name)
+        unknown = sorted(set(group) - _ALLOWED_KEYS)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key(s) {unknown}; allowed: {sorted(_ALLOWED_KEYS)}"
+            )
+        forced = _forced_route(group, where)
+        routed: list[RoutedParam] = []
+        for given_name, p in _user_params(group, where):
+            entry = trainable.get(id(p))
+            if entry is None:
+                if not p.requires_grad:
+                    continue  # frozen parameters are never stepped
+                stale.append((where, given_name, p))
+                continue
+            fqn = entry[0]
+            if id(p) in seen:
+                raise ValueError(
+                    f"{where}: parameter {fqn!r} is also in {seen[id(p)]}; every trainable"
+                    " parameter must be in exactly one group — remove one of the two"
+                )
+            seen[id(p)] = where
+            routed.append(_route_of(fqn, p, dedicated, forced, where))
+        parsed.append((name, group, routed))
+
+    missing = [fqn for key, (fqn, _) in trainable.items() if key not in seen]
+    if stale:
+        where, given_name, p = stale[0]
+        shape = tuple(p.shape)
+        candidates = [
+            _describe(fqn, dedicated, q)
+            for key, (fqn, q) in trainable.items()
+            if key not in seen
+            and tuple(dedicated[key].shape if key in dedicated else q.shape) == shape
+        ]
+        label = f"{given_name!r}" if given_name is not None else f"a tensor of shape {shape}"
+        hint = f" (it looks like the pre-wrapping {', '.join(candidates[:3])})" if candidates else ""
+        raise ValueError(
+            f"{where} holds {label}, which is not a parameter of the wrapped model{hint};"
+            " build param_groups from model.named_parameters() after dedicate_params() and"
+            " fully_shard()"
+        )
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"param_groups is missing trainable parameter(s) {shown}{more}; every trainable"
+            " parameter must be in exactly one group — add them to a group (or set"
+            " requires_grad=False to freeze them)"
+        )
+
+    out: list[dict[str, Any]] = []
+    for index, (name, group, routed) in enumerate(parsed):
+        where = f"param_groups[{index}]"
+        base = "" if is_default else f"{name if name is not None else f'group{index}'}/"
+        lr = group.get("lr")
+        wd = group.get("weight_decay")
+        muon_lr = group.get("muon_lr", lr if lr is not None else defaults.lr)
+        adamw_lr = group.get("adamw_lr", lr if lr is not None else defaults.adamw_lr)
+        muon_wd = group.get("muon_weight_decay", wd if wd is not None else defaults.weight_decay)
+        adamw_wd = group.get(
+            "adamw_weight_decay", wd if wd is not None else defaults.adamw_weight_decay
+        )
+        muon_group = {
+            "params": [r.param for r in routed if r.optimizer == MUON],
+            "param_names": [r.fqn for r in routed if r.optimizer == MUON],
+            "group_name": f"{base}{MUON}",
+            "optimizer": MUON,
+            "lr": _check_number(muon_lr, "muon_lr", where),
+            "weight_decay": _check_number(muon_wd, "muon_weight_decay", where),
+            "momentum": _check_number(group.get("momentum", defaults.momentum), "momentum", where),
+            "nesterov": bool(group.get("nesterov", defaults.nesterov)),
+        }
+        if muon_group["momentum"] >= 1.0:
+            raise ValueError(f"{where}: momentum must lie in [0, 1), got {muon_group['momentum']}")
+        adamw_group = {
+            "params": [r.param for r in routed if r.optimizer == ADAMW],
+            "param_names": [r.fqn for r in routed if r.optimizer == ADAMW],
+            "group_name": f"{base}{ADAMW}",
+            "optimizer": ADAMW,
+            "lr": _check_number(adamw_lr, "adamw_lr", where),
+            "weight_decay": _check_number(adamw_wd, "adamw_weight_decay", where),
+            "betas": _check_betas(group.get("adamw_betas", defaults.adamw_betas), where),
+            "eps": _check_number(group.get("adamw_eps", defaults.adamw_eps), "adamw_eps", where),
+        }
+        out += [muon_group, adamw_group]
+    return out
+
+
+def default_trainable(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """The wrapped model's trainable parameters, deduplicated, in ``named_parameters`` order."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

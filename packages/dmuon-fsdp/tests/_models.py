@@ -1,0 +1,113 @@
+"""A tiny Llama-like model for the runtime tests (and anyone else's): token embedding, N
+blocks under ``layers.N`` with attention ``q/k/v/o_proj`` and a SwiGLU MLP
+``gate/up/down_proj`` (bias-free ``nn.Linear``), RMSNorm, and an untied head.
+
+Everything is float32 and seeded, so two builds with the same seed are identical: the tests
+compare a dmuon model against a plain single-process copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+VOCAB = 32
+DIM = 16
+HEADS = 2
+HIDDEN = 24
+SEQ = 8
+
+
+def muon_predicate(name: str, param: nn.Parameter) -> bool:
+    return "proj" in name and param.ndim == 2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.mlp_norm = RMSNorm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(
+        self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM, hidden: int = HIDDEN
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, HEADS, hidden) for _ in range(n_layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def build(seed: int = 0, n_layers: int = 2) -> TinyLlama:
+    torch.manual_seed(seed)
+    return TinyLlama(n_layers)
+
+
+def batch(step: int, rows: int, seq: int = SEQ, vocab: int = VOCAB) -> Tensor:
+    """Deterministic token batch for ``step`` (same on every rank; shard it by rows)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (rows, seq + 1), generator=g)
+
+
+def loss_fn(model: nn.Module, tokens: Tensor) -> Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def muon_numel(model: nn.Module) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if muon_predicate(n, p))

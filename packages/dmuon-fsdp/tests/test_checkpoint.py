@@ -1,0 +1,177 @@
+"""Checkpoints: resume reproduces the uninterrupted run bit for bit, the model dictionary loads
+into a plain model, and bad checkpoints raise before anything is modified."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import build
+from _reference import Hyper, lm_loss, make_batch
+from dmuon_testing.distributed import run_distributed
+from test_training import ROWS, SEQ, VOCAB, setup_model, train_steps
+
+from dmuon_fsdp import (
+    Muon,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+HYPER = Hyper(weight_decay=0.02)
+TOTAL, SPLIT = 6, 3
+
+
+def _resume(rank: int, world_size: int, reshard: bool):
+    model, _ = setup_model(world_size, reshard=reshard)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    uninterrupted = train_steps(model, optimizer, rank, world_size, TOTAL)
+
+    model, _ = setup_model(world_size, reshard=reshard)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    first = train_steps(model, optimizer, rank, world_size, SPLIT)
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+
+    # A fresh model with other initial weights and a fresh optimizer, then the checkpoint.
+    resumed, _ = setup_model(world_size, reshard=reshard, seed=123)
+    resumed_opt = Muon(resumed, **HYPER.muon_kwargs())
+    set_model_state_dict(resumed, model_sd)
+    set_optimizer_state_dict(resumed, resumed_opt, optim_sd)
+    second = train_steps(resumed, resumed_opt, rank, world_size, TOTAL - SPLIT, start=SPLIT)
+
+    # The flat dictionary loads into a plain single-process model and computes the same loss.
+    plain = build(7)
+    plain.load_state_dict(model_sd, strict=True)
+    tokens = make_batch(SPLIT, ROWS, SEQ, VOCAB)
+    plain_loss = float(lm_loss(plain, tokens).detach())
+    # And a round trip through the plain model's own state_dict reproduces the dictionary.
+    again, _ = setup_model(world_size, reshard=reshard, seed=5)
+    set_model_state_dict(again, plain.state_dict())
+    round_trip = get_model_state_dict(again)
+    same = all(torch.equal(round_trip[k], v) for k, v in model_sd.items())
+    # Momentum and Adam moments are complete full tensors.
+    kinds = {k: sorted(v) for k, v in optim_sd["state"].items()}
+    return uninterrupted, first + second, plain_loss, same, kinds, sorted(optim_sd["param_groups"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world_size", "reshard"), [(2, True), (4, False)], ids=["w2-z3", "w4-z2"])
+def test_resume_is_bit_exact(world_size, reshard):
+    results = run_distributed(_resume, world_size, reshard)
+    uninterrupted, resumed, plain_loss, same, kinds, groups = results[0]
+    assert resumed == uninterrupted, "resume must reproduce the uninterrupted run bit for bit"
+    assert same
+    # The plain model's loss on the next global batch is the one dmuon's step SPLIT reported.
+    assert plain_loss == pytest.approx(uninterrupted[SPLIT], rel=1e-5)
+    assert groups == ["adamw", "muon"]
+    model = build(0)
+    for name, p in model.named_parameters():
+        want = ["momentum_buffer"] if ("proj" in name and p.ndim == 2) else [
+            "exp_avg",
+            "exp_avg_sq",
+            "step",
+        ]
+        assert kinds[name] == want, name
+
+
+def _snapshot(model, optimizer):
+    return get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _bad_checkpoints(rank: int, world_size: int):
+    model, runtime = setup_model(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    train_steps(model, optimizer, rank, world_size, 2)
+    model_sd, optim_sd = _snapshot(model, optimizer)
+    # Something different to load, so that a partial write would show.
+    other = {k: v + 1.0 if v.is_floating_point() else v for k, v in model_sd.items()}
+    proj = next(dp.fqn for dp in runtime.params)
+    norm = "layers.0.attn_norm.weight"
+
+    bad_models = {
+        "missing": ({k: v for k, v in other.items() if k != proj}, f"missing key.*{proj}"),
+        "unexpected": ({**other, "layers.9.extra": torch.zeros(1)}, "unexpected key.*layers.9.extra"),
+        "shape": ({**other, norm: torch.zeros(3)}, f"{norm}.*shape \\(3,\\)"),
+        "shape_dedicated": ({**other, proj: torch.zeros(2, 2)}, f"{proj}.*shape \\(2, 2\\)"),
+    }
+    errors = {}
+    for label, (sd, match) in bad_models.items():
+        with pytest.raises(ValueError, match=match) as info:
+            set_model_state_dict(model, sd)
+        errors[label] = str(info.value)
+
+    state = optim_sd["state"]
+    groups = optim_sd["param_groups"]
+    bad_optims = {
+        "group_missing": (
+            {"state": state, "param_groups": {"muon": groups["muon"]}},
+            "missing key.*'adamw'",
+        ),
+        "state_unexpected": (
+            {"state": {**state, "layers.7.q_proj.weight": {}}, "param_groups": groups},
+            "unexpected key.*layers.7.q_proj.weight",
+        ),
+        "field_missing": (
+            {"state": {**state, proj: {}}, "param_groups": groups},
+            f"missing key.*{proj}.momentum_buffer",
+        ),
+        "shape": (
+            {
+                "state": {**state, norm: {**state[norm], "exp_avg": torch.zeros(5)}},
+                "param_groups": groups,
+            },
+            f"{norm}.*'exp_avg'.*shape \\(5,\\)",
+        ),
+        "top": ({"state": state}, "missing key.*param_groups"),
+    }
+    for label, (sd, match) in bad_optims.items():
+        with pytest.raises(ValueError, match=match) as info:
+            set_optimizer_state_dict(model, optimizer, sd)
+        errors[label] = str(info.value)
+
+    # Nothing was modified by any failed call.
+    after_model, after_optim = _snapshot(model, optimizer)
+    assert _equal(after_model, model_sd)
+    assert _equal(after_optim, optim_sd)
+    return errors
+
+
+@pytest.mark.distributed
+def test_bad_checkpoints_raise_before_modifying():
+    errors = run_distributed(_bad_checkpoints, 2)[0]
+    assert "dmuon.get_model_state_dict" in errors["missing"]
+
+
+def _same_rank_round_trip(rank: int, world_size: int):
+    model, _ = setup_model(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    train_steps(model, optimizer, rank, world_size, 2)
+    sd = optimizer.state_dict()
+    fresh = Muon(model, **HYPER.muon_kwargs())
+    fresh.load_state_dict(sd)
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            assert torch.equal(fresh.state[p][key], value)
+            assert type(fresh.state[p][key]) is type(value)
+    names = [g["group_name"] for g in fresh.param_groups]
+    assert names == ["muon", "adamw"]
+    # The restored optimizer continues exactly like the original would.
+    a = train_steps(model, fresh, rank, world_size, 1, start=2)
+    return a
+
+
+@pytest.mark.distributed
+def test_torch_state_dict_round_trip_same_ranks():
+    results = run_distributed(_same_rank_round_trip, 2)
+    assert results[0] == results[1]

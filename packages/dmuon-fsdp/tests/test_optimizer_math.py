@@ -1,0 +1,157 @@
+"""The owner-step math against torch.optim.Muon / torch.optim.AdamW where the math coincides."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from dmuon_ns import NewtonSchulz
+from torch.optim import _muon as torch_muon_module
+
+from dmuon_fsdp import _muon_math
+from dmuon_fsdp._muon_math import (
+    LrScaling,
+    adamw_step,
+    init_adamw_state,
+    lr_scale,
+    make_newton_schulz,
+    momentum_update,
+    orthogonalize,
+    weight_decay_and_update,
+)
+
+
+def _polar64(x: torch.Tensor) -> torch.Tensor:
+    """The exact orthogonal polar factor U Vᵀ in float64: scale-invariant, so it makes
+    torch.optim.Muon's EMA momentum and ours produce the same update."""
+    u, _, vh = torch.linalg.svd(x.double(), full_matrices=False)
+    return (u @ vh).to(x.dtype)
+
+
+def _our_muon_steps(params, grads_per_step, *, lr, momentum, nesterov, wd, scaling):
+    bufs = [torch.zeros_like(p) for p in params]
+    for grads in grads_per_step:
+        inputs = [momentum_update(b, g, momentum, nesterov) for b, g in zip(bufs, grads)]
+        updates = orthogonalize(lambda batch: torch.stack([_polar64(m) for m in batch]), inputs)
+        for p, u in zip(params, updates):
+            scale = lr_scale(p.shape, scaling)
+            weight_decay_and_update(p, u, lr=lr, weight_decay=wd, scale=scale)
+
+
+@pytest.mark.parametrize(
+    ("nesterov", "scaling", "torch_scaling"),
+    [
+        (True, "moonlight", "match_rms_adamw"),
+        (False, "moonlight", "match_rms_adamw"),
+        (True, "spectral", "original"),
+    ],
+)
+def test_muon_update_matches_torch_muon(monkeypatch, nesterov, scaling, torch_scaling):
+    monkeypatch.setattr(
+        torch_muon_module, "_zeropower_via_newtonschulz", lambda g, *a, **k: _polar64(g)
+    )
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(16, 8), (8, 24), (12, 12)]
+    ref = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in shapes]
+    ours = [p.detach().clone() for p in ref]
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes] for _ in range(4)]
+    opt = torch.optim.Muon(
+        ref,
+        lr=0.03,
+        weight_decay=0.1,
+        momentum=0.9,
+        nesterov=nesterov,
+        adjust_lr_fn=torch_scaling,
+    )
+    for step_grads in grads:
+        for p, g in zip(ref, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    _our_muon_steps(
+        ours, grads, lr=0.03, momentum=0.9, nesterov=nesterov, wd=0.1, scaling=scaling
+    )
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a.detach(), rtol=1e-9, atol=1e-9)
+
+
+def test_momentum_formulas():
+    buf = torch.tensor([1.0, 2.0])
+    grad = torch.tensor([0.5, -1.0])
+    out = momentum_update(buf, grad, 0.9, nesterov=True)
+    # buf = 0.9 * [1, 2] + [0.5, -1] = [1.4, 0.8]; nesterov input = grad + 0.9 * buf
+    torch.testing.assert_close(buf, torch.tensor([1.4, 0.8]))
+    torch.testing.assert_close(out, torch.tensor([0.5 + 0.9 * 1.4, -1.0 + 0.9 * 0.8]))
+    out = momentum_update(buf, grad, 0.9, nesterov=False)
+    assert out is buf
+
+
+def test_lr_scale():
+    assert lr_scale((64, 256), "moonlight") == pytest.approx(0.2 * 16)
+    assert lr_scale((256, 64), LrScaling.SPECTRAL) == pytest.approx(2.0)
+    assert lr_scale((64, 256), "spectral") == 1.0
+    assert lr_scale((64, 256), "none") == 1.0
+    with pytest.raises(ValueError, match="2-D shape"):
+        lr_scale((4,), "moonlight")
+    with pytest.raises(ValueError, match="not a valid LrScaling"):
+        lr_scale((4, 4), "bogus")
+
+
+def test_weight_decay_is_decoupled_and_unscaled():
+    p = torch.ones(2, 2)
+    weight_decay_and_update(p, torch.ones(2, 2), lr=0.1, weight_decay=0.5, scale=3.0)
+    torch.testing.assert_close(p, torch.full((2, 2), (1 - 0.05) - 0.3))
+
+
+def test_orthogonalize_batches_by_shape(monkeypatch):
+    calls = []
+    real = _muon_math.orthogonalize_batch
+
+    def counting(ns, batch):
+        calls.append(tuple(batch.shape))
+        return real(ns, batch)
+
+    monkeypatch.setattr(_muon_math, "orthogonalize_batch", counting)
+    ns = make_newton_schulz("gram", 5)
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(16, 32), (32, 16), (16, 32), (16, 32), (8, 8)]
+    inputs = [torch.randn(s, generator=gen) for s in shapes]
+    out = orthogonalize(ns, inputs)
+    assert sorted(calls) == sorted([(3, 16, 32), (1, 32, 16), (1, 8, 8)])
+    for x, y in zip(inputs, out):
+        assert y.shape == x.shape
+        # One matrix alone gives the same bits as inside a batch (the torch kernel on CPU).
+        assert torch.equal(y, ns(x))
+        # And it is close to orthogonal: singular values near 1.
+        s = torch.linalg.svdvals(y.double())
+        assert float(s.max()) < 1.3 and float(s.min()) > 0.5
+
+
+def test_make_newton_schulz():
+    ns = make_newton_schulz("direct", 7)
+    assert ns.backend == "direct" and ns.steps == 7
+    custom = NewtonSchulz(backend="gram", steps=3)
+    assert make_newton_schulz(custom, 5) is custom
+    with pytest.raises(ValueError, match="ns_backend"):
+        make_newton_schulz("cholesky", 5)
+    with pytest.raises(ValueError, match="ns_steps"):
+        make_newton_schulz("gram", 0)
+
+
+def test_adamw_step_matches_torch_adamw():
+    gen = torch.Generator().manual_seed(2)
+    ref = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)), torch.nn.Parameter(torch.randn(7))]
+    ours = [p.detach().clone() for p in ref]
+    states = [init_adamw_state(p) for p in ours]
+    opt = torch.optim.AdamW(ref, lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in ref]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        adamw_step(ours, grads, states, lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
+    for a, b, s in zip(ref, ours, states):
+        assert torch.equal(a.detach(), b)
+        assert torch.equal(opt.state[a]["exp_avg_sq"], s["exp_avg_sq"])
+        assert float(s["step"]) == 5.0
+    assert math.isfinite(float(ours[0].sum()))

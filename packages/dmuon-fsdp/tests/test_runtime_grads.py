@@ -1,0 +1,78 @@
+"""The 1-D runtime against a plain single-process model: same loss, same averaged gradients,
+no full storage on peers, Z2 == Z3 bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import batch, build, loss_fn, muon_predicate
+from dmuon_testing.distributed import run_distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dmuon_fsdp import Role, dedicate_params
+
+ROWS = 8
+
+
+def _setup(world_size: int, reshard: bool, n_layers: int = 2):
+    model = build(0, n_layers)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, runtime
+
+
+def _local(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return tokens.chunk(world_size)[rank]
+
+
+def _grads_match_reference(rank: int, world_size: int, reshard: bool) -> None:
+    model, runtime = _setup(world_size, reshard)
+    ref = build(0)
+    tokens = batch(0, ROWS)
+    loss = loss_fn(model, _local(tokens, rank, world_size))
+    loss.backward()
+    runtime.wait_all_reduces()
+    ref_loss = loss_fn(ref, tokens)
+    ref_loss.backward()
+
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total / world_size, ref_loss.detach(), rtol=1e-6, atol=1e-6)
+    ref_params = dict(ref.named_parameters())
+    for dp in runtime.params:
+        assert dp.param.grad is None, f"{dp.fqn}: param.grad must be dropped"
+        if dp.is_owner:
+            assert dp.grad is not None and dp.full is not None
+            torch.testing.assert_close(dp.grad, ref_params[dp.fqn].grad, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(dp.full, ref_params[dp.fqn].detach(), rtol=0, atol=0)
+        else:
+            assert dp.grad is None and dp.full is None
+            # Peers hold no storage between steps (shape kept, memory gone).
+            assert dp.role is Role.PEER
+            assert dp.param.untyped_storage().size() == 0
+            assert dp.param.shape == ref_params[dp.fqn].shape
+    # Everything else is ordinary FSDP2 and got its usual gradient.
+    dedicated = {dp.fqn for dp in runtime.params}
+    for name, param in model.named_parameters():
+        if name in dedicated:
+            assert not isinstance(param, DTensor)
+            continue
+        assert isinstance(param, DTensor), name
+        torch.testing.assert_close(
+            param.grad.full_tensor(), ref_params[name].grad, rtol=1e-5, atol=1e-7
+        )
+    expected = {n for n, p in ref.named_parameters() if muon_predicate(n, p)}
+    assert dedicated == expected
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("reshard", [True, False], ids=["z3", "z2"])
+def test_grads_match_single_process(world_size: int, reshard: bool) -> None:
+    run_distributed(_grads_match_reference, world_size, reshard)

@@ -1,0 +1,147 @@
+"""End to end: dmuon's Muon on FSDP2 against a single-process reference trainer, NS counted
+once per matrix per step across the world, and the dmuon-clip gradient protocol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import build, muon_predicate
+from _reference import Hyper, lm_loss, make_batch, shard, train_reference
+from dmuon_testing.distributed import run_distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_fsdp import Muon, _muon_math, dedicate_params
+
+ROWS = 8
+STEPS = 10
+HYPER = Hyper()
+VOCAB = 32
+SEQ = 8
+
+
+def setup_model(world_size: int, *, reshard: bool = True, seed: int = 0, n_layers: int = 2):
+    model = build(seed, n_layers)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, runtime
+
+
+def global_loss(loss: torch.Tensor, world_size: int) -> float:
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return float(total) / world_size
+
+
+def train_steps(model, optimizer, rank, world_size, steps, start=0, scheduler=None):
+    losses = []
+    for step in range(start, start + steps):
+        optimizer.zero_grad()
+        tokens = shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size)
+        loss = lm_loss(model, tokens)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(global_loss(loss, world_size))
+    return losses
+
+
+def _muon_names(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if muon_predicate(n, p)]
+
+
+def _train_vs_reference(rank: int, world_size: int, reshard: bool):
+    model, runtime = setup_model(world_size, reshard=reshard)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    # Count NS per matrix: patch the optimizer's single NS call site on this rank.
+    counted: list[int] = []
+    real = _muon_math.orthogonalize_batch
+
+    def counting(ns, batch):
+        counted.append(batch.shape[0])
+        return real(ns, batch)
+
+    _muon_math.orthogonalize_batch = counting
+    try:
+        losses = train_steps(model, optimizer, rank, world_size, STEPS)
+    finally:
+        _muon_math.orthogonalize_batch = real
+    owned_muon = sum(1 for dp in runtime.owned if dp.route == "muon")
+    ref = None
+    if rank == 0:
+        plain = build(0)
+        ref = train_reference(plain, _muon_names(plain), HYPER, STEPS, ROWS, SEQ, VOCAB)
+    return losses, ref, sum(counted), owned_muon, len(runtime.params)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("world_size", "reshard", "rtol"),
+    [(1, True, 1e-4), (2, False, 2e-3), (4, True, 2e-3)],
+    ids=["w1-z3", "w2-z2", "w4-z3"],
+)
+def test_losses_match_single_process_reference(world_size, reshard, rtol):
+    results = run_distributed(_train_vs_reference, world_size, reshard)
+    losses = results[0][0]
+    ref = results[0][1]
+    assert all(r[0] == losses for r in results), "ranks disagree on the global loss"
+    assert len(losses) == STEPS >= 8
+    for step, (got, want) in enumerate(zip(losses, ref)):
+        assert abs(got - want) <= rtol * abs(want), f"step {step}: dmuon {got} vs reference {want}"
+    assert losses[-1] < 0.85 * losses[0], f"loss did not fall: {losses}"
+    # Newton–Schulz ran exactly once per Muon matrix per step, summed over the world, and
+    # each rank ran it for exactly the matrices it owns.
+    n_matrices = results[0][4]
+    assert sum(r[2] for r in results) == n_matrices * STEPS
+    for r in results:
+        assert r[2] == r[3] * STEPS
+
+
+def _clip_protocol(rank: int, world_size: int):
+    model, runtime = setup_model(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    tokens = make_batch(0, ROWS, SEQ, VOCAB)
+    lm_loss(model, shard(tokens, rank, world_size)).backward()
+    clip = optimizer.muon_grads_for_clip()
+    owned = {id(dp.grad): dp.fqn for dp in runtime.owned if dp.route == "muon"}
+    assert len(clip.grads) == len(owned)
+    assert all(id(g) in owned for g in clip.grads), "grads must be the owners' own tensors"
+    assert clip.device == torch.device("cpu")
+    assert clip.process_group is runtime.world_group
+    sq = torch.stack([g.double().pow(2).sum() for g in clip.grads]).sum() if clip.grads else None
+    total = sq if sq is not None else torch.zeros((), dtype=torch.float64)
+    dist.all_reduce(total, group=clip.process_group)
+    names = sorted(owned.values())
+    # Clipping scales in place and the next step reads the scaled tensors.
+    for g in clip.grads:
+        g.mul_(0.0)
+    before = {dp.fqn: dp.full.clone() for dp in runtime.owned}
+    optimizer.step()
+    for dp in runtime.owned:
+        # Zero gradient, zero momentum: NS(0) = 0 and weight decay is the only change.
+        factor = 1 - HYPER.lr * HYPER.weight_decay
+        torch.testing.assert_close(dp.full, before[dp.fqn] * factor, rtol=0, atol=1e-7)
+    # The norm over owners equals the full-batch norm of the Muon matrices in one process.
+    ref = build(0)
+    lm_loss(ref, tokens).backward()
+    want = sum(
+        float(p.grad.double().pow(2).sum()) for n, p in ref.named_parameters() if muon_predicate(n, p)
+    )
+    return names, float(total), want
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_muon_grads_for_clip_protocol(world_size):
+    results = run_distributed(_clip_protocol, world_size)
+    all_names = [n for names, _, _ in results for n in names]
+    assert len(all_names) == len(set(all_names)), "a matrix's grad was returned on two ranks"
+    model = build(0)
+    assert sorted(all_names) == sorted(_muon_names(model)), "every matrix exactly once"
+    for _, total, want in results:
+        assert total == pytest.approx(want, rel=1e-5)

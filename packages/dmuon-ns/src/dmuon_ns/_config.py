@@ -1,0 +1,137 @@
+"""``NewtonSchulz``: one validated, immutable description of how to orthogonalize.
+
+[Note: Gram or direct, per matrix]
+``backend="gram"`` runs Gram NS on every non-square matrix and direct NS on square ones:
+with m = n the Gram form does the same products as the direct one plus its bookkeeping, so it
+cannot win. ``backend="direct"`` always runs the direct form. Both compute the same
+polynomial of the same normalised input; they differ only in rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, overload
+
+import torch
+from torch import Tensor
+
+from dmuon_ns._coefficients import Coefficients, coefficients_for_steps, validate_coefficients
+from dmuon_ns._orthogonalize import orthogonalize, orthogonalize_many
+from dmuon_ns._registry import kernel_names
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["DEFAULT_RESTART_ITERATIONS", "NSBackend", "NewtonSchulz"]
+
+DEFAULT_RESTART_ITERATIONS: tuple[int, ...] = (2,)
+_ITERATION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class NSBackend(StrEnum):
+    """Which NS algorithm runs (the kernel that runs it is chosen separately)."""
+
+    GRAM = "gram"
+    DIRECT = "direct"
+
+
+@dataclass(frozen=True)
+class NewtonSchulz:
+    """How to orthogonalize: algorithm, kernel, coefficients, steps, precision.
+
+    Call it on a tensor (2-D or batched over leading dims) or on a list of tensors::
+
+        ns = NewtonSchulz(backend="gram", steps=5)
+        update = ns(momentum)
+
+    ``coefficients`` defaults to ``POLAR_EXPRESS_COEFFICIENTS`` (a set shorter than ``steps``
+    repeats its last row); ``restart_iterations`` defaults to ``(2,)`` (the Gram form's
+    restarts, ignored by the direct form; see ``_torch_kernel``). ``kernel`` is ``"auto"`` or a
+    registered kernel name; ``deterministic=True`` means the plain torch kernel unless a kernel
+    is named (precedence in ``_registry``). ``cuda_graphs`` replays CUDA inputs through a
+    captured graph per problem shape.
+    """
+
+    backend: NSBackend | str = NSBackend.GRAM
+    kernel: str = "auto"
+    coefficients: Sequence[Sequence[float]] | None = None
+    restart_iterations: Sequence[int] | None = None
+    deterministic: bool = False
+    steps: int = 5
+    dtype: torch.dtype = torch.float16
+    cuda_graphs: bool = True
+    eps: float = 1e-7
+    # Derived at construction: exactly one coefficient row per step, and the restarts in use.
+    step_coefficients: Coefficients = field(init=False, repr=False, compare=False)
+    restarts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        backend = self.backend
+        if not isinstance(backend, str) or backend not in NSBackend._value2member_map_:
+            raise ValueError(f"backend must be 'gram' or 'direct', got {backend!r}")
+        set_ = object.__setattr__
+        set_(self, "backend", NSBackend(backend))
+        if not isinstance(self.kernel, str):
+            raise ValueError(f"kernel must be a string such as 'auto', got {self.kernel!r}")
+        known = kernel_names()
+        if self.kernel != "auto" and self.kernel not in known:
+            raise ValueError(
+                f"kernel: unknown NS kernel {self.kernel!r}; known kernels are 'auto', "
+                + ", ".join(repr(k) for k in known)
+            )
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be a positive int, got {self.steps!r}")
+        if self.dtype not in _ITERATION_DTYPES:
+            raise ValueError(
+                f"dtype is the iteration dtype and must be torch.float16 or torch.bfloat16,"
+                f" got {self.dtype!r}"
+            )
+        eps = self.eps
+        if (
+            isinstance(eps, bool)
+            or not isinstance(eps, int | float)
+            or not (math.isfinite(eps) and eps > 0)
+        ):
+            raise ValueError(
+                f"eps must be a positive finite float (it keeps a zero matrix at zero), got {eps!r}"
+            )
+        coefficients = validate_coefficients(self.coefficients)
+        set_(self, "coefficients", coefficients)
+        set_(self, "step_coefficients", coefficients_for_steps(coefficients, self.steps))
+        restarts = _validate_restarts(self.restart_iterations, self.steps)
+        set_(self, "restart_iterations", restarts)
+        set_(self, "restarts", restarts)
+        set_(self, "deterministic", bool(self.deterministic))
+        set_(self, "cuda_graphs", bool(self.cuda_graphs))
+
+    @overload
+    def __call__(self, g: Tensor) -> Tensor: ...
+    @overload
+    def __call__(self, g: list[Tensor] | tuple[Tensor, ...]) -> list[Tensor]: ...
+    def __call__(self, g: Tensor | list[Tensor] | tuple[Tensor, ...]) -> Tensor | list[Tensor]:
+        """Orthogonalize ``g``; a list comes back as a list, in order."""
+        if isinstance(g, list | tuple):
+            return orthogonalize_many(self, g)
+        return orthogonalize(self, g)
+
+
+def _validate_restarts(restarts: Iterable[int] | None, steps: int) -> tuple[int, ...]:
+    if restarts is None:
+        # The default restart only applies where it falls inside the iteration.
+        return tuple(i for i in DEFAULT_RESTART_ITERATIONS if 0 < i < steps)
+    if isinstance(restarts, str | bytes) or not isinstance(restarts, Sequence):
+        raise ValueError(
+            f"restart_iterations must be a sequence of ints such as [2], got {restarts!r}"
+        )
+    out = []
+    for i in restarts:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 < i < steps:
+            raise ValueError(
+                f"restart_iterations entries must be ints in [1, steps - 1] = [1, {steps - 1}]"
+                f" (a restart at i recomputes the Gram matrix before step i), got {restarts!r}"
+            )
+        out.append(i)
+    return tuple(sorted(set(out)))

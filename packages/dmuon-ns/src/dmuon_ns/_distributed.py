@@ -1,0 +1,78 @@
+"""Gram NS of a matrix whose columns are spread over several processes (tensor parallel).
+
+[Note: distributed Gram NS]
+Rank i holds ``Xᵢ = X[:, colsᵢ]`` of an (m, n) matrix, m ≤ n. Everything Gram NS needs from
+``X`` is its Gram matrix, and ``X·Xᵀ = Σᵢ Xᵢ·Xᵢᵀ``: each rank forms its local m×m product and
+one all-reduce sums them, so O(m²) travels instead of the O(m·n) of gathering ``X``.
+
+* The Frobenius norm comes for free: ``‖X‖²_F = trace(X·Xᵀ)``. The first Gram matrix is
+  therefore taken from the raw input in fp32 (no normalisation before the reduce), and both
+  the norm and the normalised ``R = X·Xᵀ / (‖X‖ + eps)²`` follow from the reduced sum.
+* The m×m iteration (``_torch_kernel.gram_iterations``) then runs identically on every rank:
+  same reduced ``R``, same coefficients, same products, hence the same ``Q`` everywhere.
+* A restart needs the Gram matrix of ``Q·X``, which is again a sum of local products, so each
+  restart costs one more all-reduce.
+* Each rank returns ``Q·Xᵢ``, its own columns of the result.
+
+Reductions run in fp32 (summing half-precision partial products would add a rounding per
+rank); the result matches the single-process Gram NS up to that rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from dmuon_ns._config import NewtonSchulz
+from dmuon_ns._prepare import check_matrix
+from dmuon_ns._torch_kernel import gram_iterations
+
+__all__ = ["gram_newton_schulz_distributed"]
+
+
+def gram_newton_schulz_distributed(
+    x_local: Tensor,
+    all_reduce: Callable[[Tensor], object],
+    *,
+    steps: int = 5,
+    coefficients: Sequence[Sequence[float]] | None = None,
+    restart_iterations: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float16,
+    eps: float = 1e-7,
+) -> Tensor:
+    """Gram NS of the matrix whose column block ``x_local`` (..., m, n_local) this rank holds.
+
+    ``all_reduce(t)`` must sum the fp32 tensor ``t`` in place over every rank holding a block
+    of the same matrix (e.g. ``lambda t: dist.all_reduce(t, group=tp_group)``); every rank must
+    call this function with the same ``m``, leading dims and arguments. The whole matrix should
+    be wide (m ≤ n): the Gram side is m×m. Returns this rank's block of the result, in
+    ``x_local``'s shape and dtype. See the module note.
+    """
+    check_matrix(x_local, "x_local")
+    # The config object validates the arguments exactly as the front end does.
+    config = NewtonSchulz(
+        coefficients=coefficients,
+        restart_iterations=restart_iterations,
+        steps=steps,
+        dtype=dtype,
+        eps=eps,
+    )
+    rows, cols = x_local.shape[-2], x_local.shape[-1]
+    with torch.profiler.record_function("dmuon::newton_schulz_distributed"):
+        x32 = x_local.reshape(-1, rows, cols).float()
+        r32 = torch.bmm(x32, x32.mT)
+        all_reduce(r32)
+        trace = r32.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0.0)
+        scale = 1.0 / (trace.sqrt() + config.eps)  # (batch,)
+        x = (x32 * scale[:, None, None]).to(config.dtype)
+        r = (r32 * (scale * scale)[:, None, None]).to(config.dtype)
+
+        def reduced_gram(t: Tensor) -> Tensor:
+            partial = torch.bmm(t, t.mT).float()
+            all_reduce(partial)
+            return partial.to(t.dtype)
+
+        y = gram_iterations(x, r, config.step_coefficients, config.restarts, reduced_gram)
+        return y.to(x_local.dtype).reshape(x_local.shape)

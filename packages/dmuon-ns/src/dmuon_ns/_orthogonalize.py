@@ -1,0 +1,70 @@
+"""The front end's pipeline: check, prepare, resolve the kernel, dispatch, restore.
+
+[Note: lists of matrices]
+``orthogonalize_many`` groups the inputs by (shape, dtype, device) and runs each group as one
+batched call: one launch per product for all of a rank's same-shape matrices instead of one
+per matrix. Results come back in input order. Every kernel treats batch entries
+independently, so a matrix gets the same result alone, in a batch or in a list (bit for bit
+with the torch kernel on CPU; on GPU up to the BLAS library's batch-dependent tiling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from dmuon_ns import _dispatch
+from dmuon_ns._prepare import check_matrix, prepare, restore
+from dmuon_ns._registry import resolve
+
+if TYPE_CHECKING:
+    from dmuon_ns._config import NewtonSchulz
+
+__all__ = ["op_for", "orthogonalize", "orthogonalize_many"]
+
+
+def op_for(config: NewtonSchulz, rows: int, cols: int) -> str:
+    """ "gram" or "direct" for an (rows, cols) matrix under ``config`` (see ``_config``)."""
+    if config.backend == "gram" and rows != cols:
+        return "gram"
+    return "direct"
+
+
+def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
+    """NS of one tensor (2-D or batched) under ``config``, in ``g``'s shape and dtype."""
+    check_matrix(g, what)
+    with torch.profiler.record_function("dmuon::newton_schulz"):
+        prepared = prepare(g, config.dtype, config.eps)
+        op = op_for(config, g.shape[-2], g.shape[-1])
+        resolution = resolve(config.kernel, config.deterministic, g.device)
+        restarts = config.restarts if op == "gram" else ()
+        y = _dispatch.run(
+            resolution,
+            prepared.x,
+            op,
+            config.step_coefficients,
+            restarts,
+            cuda_graphs=config.cuda_graphs,
+        )
+        return restore(y, prepared)
+
+
+def orthogonalize_many(config: NewtonSchulz, gs: Sequence[Tensor]) -> list[Tensor]:
+    """NS of every tensor in ``gs``; same-shape tensors run as one batch (see the note)."""
+    groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
+    for i, g in enumerate(gs):
+        check_matrix(g, f"G[{i}]")
+        groups.setdefault((g.shape, g.dtype, g.device), []).append(i)
+    out: list[Tensor | None] = [None] * len(gs)
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = orthogonalize(config, gs[members[0]], f"G[{members[0]}]")
+            continue
+        stacked = torch.stack([gs[i] for i in members])
+        result = orthogonalize(config, stacked)
+        for j, i in enumerate(members):
+            out[i] = result[j]
+    return [t for t in out if t is not None]

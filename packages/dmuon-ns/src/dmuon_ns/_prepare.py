@@ -1,0 +1,74 @@
+"""Input checks and the shape/dtype work around every kernel call.
+
+[Note: what the front end does before a kernel sees the input]
+1. flatten leading dims into one batch dim;
+2. move the small side first (a tall (r, c), r > c, is transposed to (c, r)), so that the
+   Gram matrix ``X·Xᵀ`` is the small one and the direct form's products are cheapest;
+3. divide each matrix by its Frobenius norm + eps, computed in fp32 (half-precision sums of
+   squares overflow easily); the Frobenius norm bounds the spectral norm, so every singular
+   value lands in [0, 1], where the NS polynomials are designed to work;
+4. cast to the iteration dtype, contiguous (the one copy of the input).
+
+``restore`` undoes 1 and 2 and casts back to the input dtype. A zero matrix stays zero:
+0 / (0 + eps) = 0, and every NS polynomial maps 0 to 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["Prepared", "check_matrix", "prepare", "restore"]
+
+
+class Prepared(NamedTuple):
+    x: Tensor  # (batch, m, n), m <= n, contiguous, iteration dtype, normalised
+    shape: torch.Size  # the input's shape
+    dtype: torch.dtype  # the input's dtype
+    transposed: bool  # the input was tall and x holds its transpose
+
+
+def check_matrix(g: object, what: str = "G") -> Tensor:
+    """Raise ``ValueError`` unless ``g`` is a real floating tensor of ≥ 2 dims, non-empty."""
+    if not isinstance(g, Tensor):
+        raise ValueError(
+            f"{what} must be a torch.Tensor (or a list of them), got {type(g).__name__}"
+        )
+    if g.ndim < 2:
+        raise ValueError(
+            f"{what} must have at least 2 dims (a matrix or a batch of matrices), got shape"
+            f" {tuple(g.shape)}; reshape it to (rows, cols) first"
+        )
+    if g.is_complex() or not g.is_floating_point():
+        raise ValueError(
+            f"{what} must have a real floating dtype (float16, bfloat16, float32, float64),"
+            f" got {g.dtype}; cast it with .float() first"
+        )
+    if g.shape[-1] == 0 or g.shape[-2] == 0:
+        raise ValueError(
+            f"{what} is an empty matrix of shape {tuple(g.shape)}; NS needs at least one row"
+            " and one column"
+        )
+    return g
+
+
+def prepare(g: Tensor, dtype: torch.dtype, eps: float) -> Prepared:
+    """Steps 1-4 of the note above (``g`` already passed ``check_matrix``)."""
+    rows, cols = g.shape[-2], g.shape[-1]
+    x = g.reshape(-1, rows, cols)
+    transposed = rows > cols
+    if transposed:
+        x = x.mT
+    x = x.float()
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    x = (x / (norm + eps)).to(dtype, memory_format=torch.contiguous_format)
+    return Prepared(x, g.shape, g.dtype, transposed)
+
+
+def restore(y: Tensor, prepared: Prepared) -> Tensor:
+    """The kernel's (batch, m, n) result in the input's shape and dtype."""
+    if prepared.transposed:
+        y = y.mT
+    return y.to(prepared.dtype).reshape(prepared.shape)

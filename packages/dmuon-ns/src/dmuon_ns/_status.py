@@ -1,0 +1,82 @@
+"""What NS will run here, in words (``get_ns_backend``) and as data (``get_backend_status``).
+
+Both answer for one device: the one given, else the current CUDA device when there is one,
+else the CPU. They query the device when called, never at import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dmuon_ns._config import NewtonSchulz
+from dmuon_ns._registry import NSKernelUnavailableError, kernel_override, kernel_status, resolve
+
+__all__ = ["get_backend_status", "get_ns_backend"]
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sm(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def get_backend_status(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Availability of every NS kernel on ``device`` and what ``kernel="auto"`` runs there.
+
+    Returns ``{"device": str, "sm": int | None, "env_override": str | None,
+    "auto_choice": str, "auto_candidates": [str, ...], "auto_reason": str,
+    "kernels": {name: {"available": bool, "reason": str | None}}}``. ``auto_choice`` is the
+    kernel auto runs, or ``"autotune"`` when it times several candidates per shape (the
+    verdicts are in ``dmuon_ns._autotune``). It describes ``kernel="auto"`` without
+    ``DMUON_NS_KERNEL`` (``env_override`` shows that variable).
+    """
+    dev = _device(device)
+    reasons = kernel_status(dev)
+    auto = resolve("auto", False, dev, use_env=False)
+    names = [k.name for k in auto.kernels]
+    return {
+        "device": str(dev),
+        "sm": _sm(dev),
+        "env_override": kernel_override(),
+        "auto_choice": names[0] if len(names) == 1 else "autotune",
+        "auto_candidates": names,
+        "auto_reason": auto.reason,
+        "kernels": {
+            name: {"available": reason is None, "reason": reason}
+            for name, reason in reasons.items()
+        },
+    }
+
+
+def get_ns_backend(
+    config: NewtonSchulz | None = None, device: torch.device | str | None = None
+) -> str:
+    """One line: the algorithm, the kernel that runs, the device (SM or "cpu") and why.
+
+    For ``config`` (default ``NewtonSchulz()``) on ``device``; e.g. ``"gram NS (direct for
+    square) | kernel torch | cpu | auto on cpu: the accelerated kernels need CUDA, plain torch
+    runs"``.
+    """
+    config = config if config is not None else NewtonSchulz()
+    dev = _device(device)
+    sm = _sm(dev)
+    where = f"sm{sm}" if sm is not None else dev.type
+    algorithm = "gram NS (direct for square)" if config.backend == "gram" else "direct NS"
+    try:
+        resolution = resolve(config.kernel, config.deterministic, dev)
+    except NSKernelUnavailableError as err:
+        return f"{algorithm} | kernel {config.kernel} unavailable | {where} | {err}"
+    names = [k.name for k in resolution.kernels]
+    kernel = names[0] if len(names) == 1 else "auto(" + "|".join(names) + ")"
+    return f"{algorithm} | kernel {kernel} | {where} | {resolution.reason}"

@@ -1,0 +1,87 @@
+"""Every bad input gets a ValueError that names the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon_ns import NewtonSchulz, gram_newton_schulz_distributed, newton_schulz
+
+
+@pytest.mark.parametrize(
+    ("g", "match"),
+    [
+        (torch.randn(8), r"G must have at least 2 dims .* got shape \(8,\)"),
+        (torch.tensor(1.0), "at least 2 dims"),
+        (torch.ones(4, 4, dtype=torch.int64), "real floating dtype .* got torch.int64"),
+        (torch.ones(4, 4, dtype=torch.bool), "real floating dtype"),
+        (torch.ones(4, 4, dtype=torch.complex64), "real floating dtype .* got torch.complex64"),
+        (torch.ones(0, 4), r"empty matrix of shape \(0, 4\)"),
+        (torch.ones(3, 4, 0), r"empty matrix of shape \(3, 4, 0\)"),
+        ([[1.0, 2.0]], "must be a torch.Tensor"),
+    ],
+)
+def test_bad_tensors(g, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        newton_schulz(g)
+
+
+def test_bad_tensor_in_a_list_is_named_by_index() -> None:
+    with pytest.raises(ValueError, match=r"G\[1\] must have at least 2 dims"):
+        newton_schulz([torch.randn(4, 4), torch.randn(4)])
+    with pytest.raises(ValueError, match=r"G\[0\] must have a real floating dtype"):
+        NewtonSchulz()([torch.ones(2, 3, dtype=torch.int32)])
+
+
+def test_empty_batch_is_not_an_error() -> None:
+    out = newton_schulz(torch.ones(0, 4, 6))
+    assert out.shape == (0, 4, 6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "svd"}, "backend must be 'gram' or 'direct', got 'svd'"),
+        ({"kernel": "cublas"}, "unknown NS kernel 'cublas'; known kernels are 'auto', .*'torch'"),
+        ({"kernel": 3}, "kernel must be a string"),
+        ({"coefficients": [(1.0, 2.0)]}, r"coefficients\[0\] must be a triple"),
+        ({"coefficients": [(1.0, 2.0, 3.0), (4.0, 5.0)]}, r"coefficients\[1\] must be a triple"),
+        ({"steps": 0}, "steps must be a positive int, got 0"),
+        ({"steps": 2.5}, "steps must be a positive int"),
+        ({"steps": True}, "steps must be a positive int"),
+        ({"restart_iterations": [0]}, r"restart_iterations entries must be ints in \[1, steps - 1\]"),
+        ({"restart_iterations": [5]}, r"\[1, 4\]"),
+        ({"restart_iterations": [1.5]}, "restart_iterations entries must be ints"),
+        ({"restart_iterations": 2}, "restart_iterations must be a sequence"),
+        ({"dtype": torch.float32}, "dtype is the iteration dtype and must be torch.float16"),
+        ({"eps": 0.0}, "eps must be a positive finite float"),
+        ({"eps": float("nan")}, "eps must be a positive finite float"),
+    ],
+)
+def test_bad_config(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        NewtonSchulz(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        newton_schulz(torch.randn(4, 8), **kwargs)
+
+
+def test_default_restart_fits_short_iterations() -> None:
+    assert NewtonSchulz(steps=2).restarts == ()
+    assert NewtonSchulz(steps=3).restarts == (2,)
+    assert NewtonSchulz(restart_iterations=[3, 1, 3]).restarts == (1, 3)
+
+
+def test_config_is_frozen_and_hashable() -> None:
+    ns = NewtonSchulz(coefficients=[[1, 2, 3]], restart_iterations=[1])
+    assert ns.coefficients == ((1.0, 2.0, 3.0),)
+    assert ns == NewtonSchulz(coefficients=((1.0, 2.0, 3.0),), restart_iterations=(1,))
+    assert len({ns, NewtonSchulz(coefficients=[[1, 2, 3]], restart_iterations=[1])}) == 1
+    with pytest.raises(AttributeError):
+        ns.steps = 3  # type: ignore[misc]
+
+
+def test_distributed_entry_point_validates_too() -> None:
+    with pytest.raises(ValueError, match="x_local must have at least 2 dims"):
+        gram_newton_schulz_distributed(torch.randn(4), lambda t: None)
+    with pytest.raises(ValueError, match=r"coefficients\[0\] must be a triple"):
+        gram_newton_schulz_distributed(torch.randn(4, 8), lambda t: None, coefficients=[(1,)])

@@ -1,0 +1,264 @@
+"""Accuracy of every front-end function against the float64 reference, batching, lists and
+numerical robustness, on the torch kernel (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dmuon_ns
+from dmuon_ns import (
+    POLAR_EXPRESS_COEFFICIENTS,
+    QUINTIC_COEFFICIENTS,
+    YOU_COEFFICIENTS,
+    NewtonSchulz,
+    direct_newton_schulz,
+    gram_newton_schulz,
+    newton_schulz,
+)
+from dmuon_ns._coefficients import coefficients_for_steps
+from dmuon_ns.testing import (
+    orthogonality_error,
+    reference_newton_schulz,
+    relative_error,
+    singular_values,
+)
+
+TOLERANCE = 1.5e-2
+# Ours may be at most this many times worse than the plain fp16 implementation below.
+RATIO = 3.0
+SHAPES = {
+    "tall": (128, 48),
+    "wide": (48, 128),
+    "square": (64, 64),
+    "batched": (2, 3, 24, 72),
+    "batched_tall": (3, 80, 40),
+}
+
+
+def _plain_fp16(g: torch.Tensor, backend: str, steps: int = 5, restarts=(2,), coeffs=None):
+    """The same algorithm as plainly as it can be written: fp16 products, nothing fused."""
+    rows, cols = g.shape[-2:]
+    x = g.reshape(-1, rows, cols).float()
+    if rows > cols:
+        x = x.mT
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)).half()
+    eye = torch.eye(x.shape[-2], dtype=torch.float16)
+    rows_abc = coefficients_for_steps(coeffs or POLAR_EXPRESS_COEFFICIENTS, steps)
+    if backend == "gram" and rows != cols:
+        r, q = x @ x.mT, eye.expand(x.shape[0], -1, -1)
+        for i, (a, b, c) in enumerate(rows_abc):
+            if i in restarts:
+                x, q = q @ x, eye.expand(x.shape[0], -1, -1)
+                r = x @ x.mT
+            z = a * eye + b * r + c * (r @ r)
+            q, r = z @ q, z @ r @ z
+        x = q @ x
+    else:
+        for a, b, c in rows_abc:
+            r = x @ x.mT
+            x = a * x + (b * r + c * (r @ r)) @ x
+    if rows > cols:
+        x = x.mT
+    return x.reshape(g.shape)
+
+
+FUNCTIONS = {
+    "newton_schulz": (lambda g, **kw: newton_schulz(g, **kw), "gram"),
+    "gram_newton_schulz": (lambda g, **kw: gram_newton_schulz(g, **kw), "gram"),
+    "direct_newton_schulz": (lambda g, **kw: direct_newton_schulz(g, **kw), "direct"),
+    "NewtonSchulz(gram)": (lambda g, **kw: NewtonSchulz(**kw)(g), "gram"),
+    "NewtonSchulz(direct)": (lambda g, **kw: NewtonSchulz(backend="direct", **kw)(g), "direct"),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("fn", list(FUNCTIONS), ids=list(FUNCTIONS))
+def test_matches_float64_reference(fn: str, shape: tuple[int, ...]) -> None:
+    call, backend = FUNCTIONS[fn]
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(hash(shape) % 1000))
+    out = call(g)
+    assert out.shape == g.shape and out.dtype == g.dtype
+    reference = reference_newton_schulz(g, backend=backend)
+    err = relative_error(out, reference)
+    plain = relative_error(_plain_fp16(g, backend), reference)
+    assert err <= TOLERANCE, f"{fn} {shape}: error {err:.2e}"
+    assert err <= RATIO * plain, f"{fn} {shape}: error {err:.2e} vs plain fp16 {plain:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("coefficients", "steps", "restarts"),
+    [
+        (YOU_COEFFICIENTS, 5, [2]),
+        (QUINTIC_COEFFICIENTS, 5, [3]),
+        (POLAR_EXPRESS_COEFFICIENTS, 8, [2, 5]),
+        (POLAR_EXPRESS_COEFFICIENTS, 4, []),
+    ],
+)
+def test_coefficients_steps_and_restarts(coefficients, steps, restarts) -> None:
+    g = torch.randn(40, 120, generator=torch.Generator().manual_seed(steps))
+    kw = {"coefficients": coefficients, "steps": steps, "restart_iterations": restarts}
+    out = gram_newton_schulz(g, **kw)
+    reference = reference_newton_schulz(g, **kw)
+    plain = relative_error(
+        _plain_fp16(g, "gram", steps, tuple(restarts), coefficients), reference
+    )
+    err = relative_error(out, reference)
+    assert err <= TOLERANCE and err <= RATIO * plain
+
+
+def test_restarts_change_the_rounding_not_the_math() -> None:
+    g = torch.randn(32, 128, generator=torch.Generator().manual_seed(3))
+    a = reference_newton_schulz(g, restart_iterations=[])
+    b = reference_newton_schulz(g, restart_iterations=[1, 2, 3, 4])
+    assert relative_error(a, b) < 1e-12
+    fast_a = gram_newton_schulz(g, restart_iterations=[])
+    fast_b = gram_newton_schulz(g, restart_iterations=[1, 3])
+    assert not torch.equal(fast_a, fast_b)
+
+
+def test_reference_agrees_with_svd() -> None:
+    """The reference equals U·p(Σ)·Vᵀ, p the composed scalar polynomials (independent check)."""
+    g = torch.randn(2, 24, 56, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    sigma = s / (torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)[..., 0] + 1e-7)
+    for a, b, c in coefficients_for_steps(POLAR_EXPRESS_COEFFICIENTS, 5):
+        sigma = a * sigma + b * sigma**3 + c * sigma**5
+    expected = u @ torch.diag_embed(sigma) @ vh
+    for backend in ("gram", "direct"):
+        assert relative_error(reference_newton_schulz(g, backend=backend), expected) < 1e-12
+        # Tall input: same result, transposed.
+        tall = reference_newton_schulz(g.mT, backend=backend)
+        assert relative_error(tall, expected.mT) < 1e-12
+
+
+def test_batched_equals_per_matrix_bitwise() -> None:
+    g = torch.randn(4, 40, 72, generator=torch.Generator().manual_seed(6))
+    for backend in ("gram", "direct"):
+        batched = newton_schulz(g, backend=backend)
+        single = torch.stack([newton_schulz(m, backend=backend) for m in g])
+        assert torch.equal(batched, single)
+    square = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(newton_schulz(square), torch.stack([newton_schulz(m) for m in square]))
+
+
+def test_list_input_equals_per_matrix() -> None:
+    gen = torch.Generator().manual_seed(8)
+    items = [
+        torch.randn(32, 64, generator=gen),
+        torch.randn(64, 32, generator=gen),
+        torch.randn(32, 64, generator=gen),
+        torch.randn(16, 16, generator=gen).to(torch.bfloat16),
+        torch.randn(2, 16, 48, generator=gen),
+    ]
+    ns = NewtonSchulz()
+    out = ns(items)
+    assert isinstance(out, list) and len(out) == len(items)
+    for got, g in zip(out, items, strict=True):
+        assert got.shape == g.shape and got.dtype == g.dtype
+        assert torch.equal(got, ns(g))
+    assert newton_schulz(tuple(items[:2]))[1].shape == (64, 32)
+    assert ns([]) == []
+
+
+def test_output_dtype_follows_input_and_bf16_iteration() -> None:
+    g = torch.randn(24, 64, generator=torch.Generator().manual_seed(9))
+    reference = reference_newton_schulz(g)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        out = newton_schulz(g.to(dtype))
+        assert out.dtype == dtype
+        assert relative_error(out, reference) <= TOLERANCE
+    bf16 = newton_schulz(g, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.float32
+    # bf16 carries 3 fewer mantissa bits than fp16: looser, but still close.
+    assert relative_error(bf16, reference) <= 8 * TOLERANCE
+
+
+def test_zero_input_gives_zeros() -> None:
+    for shape in [(16, 48), (48, 16), (16, 16), (2, 8, 24)]:
+        for backend in ("gram", "direct"):
+            out = newton_schulz(torch.zeros(shape), backend=backend)
+            assert torch.equal(out, torch.zeros(shape))
+
+
+def test_one_zero_matrix_in_a_batch() -> None:
+    g = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(10))
+    g[1] = 0
+    out = newton_schulz(g)
+    assert torch.equal(out[1], torch.zeros(16, 40))
+    assert torch.equal(out[0], newton_schulz(g[0]))
+
+
+def _inputs(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    m, n = shape
+    if kind == "random":
+        return torch.randn(shape, generator=gen)
+    if kind == "low_rank":
+        return torch.randn(m, 3, generator=gen) @ torch.randn(3, n, generator=gen)
+    # Ill-conditioned: singular values from 1 down to 1e-8, and a huge overall scale.
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+    s = torch.logspace(0, -8, k, dtype=torch.float64)
+    return (1e4 * u @ torch.diag(s) @ v.T).float()
+
+
+@pytest.mark.parametrize("kind", ["random", "low_rank", "ill_conditioned"])
+@pytest.mark.parametrize("shape", [(24, 96), (96, 24), (40, 40)])
+def test_finite_on_hard_inputs(kind: str, shape: tuple[int, int]) -> None:
+    g = _inputs(kind, shape, seed=11)
+    reference = reference_newton_schulz(g)
+    for backend in ("gram", "direct"):
+        out = newton_schulz(g, backend=backend)
+        assert torch.isfinite(out).all(), f"{kind} {shape} {backend}"
+        # The top of the spectrum is orthogonalized: σ_max near 1, never blown up.
+        top = singular_values(out)[0]
+        assert 0.5 < top < 1.3
+        # Tiny and zero singular values are where fp16 and float64 legitimately differ (the
+        # polynomials amplify rounding noise there), so the bar is the plain fp16 algorithm.
+        plain = relative_error(_plain_fp16(g, backend), reference)
+        assert relative_error(out, reference) <= RATIO * plain
+
+
+def test_orthogonalizes_well_conditioned_input() -> None:
+    g = torch.randn(32, 128, generator=torch.Generator().manual_seed(12))
+    assert orthogonality_error(g / g.norm()) > 0.9
+    assert orthogonality_error(newton_schulz(g, steps=8)) < 0.05
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    batch=st.integers(1, 3),
+    backend=st.sampled_from(["gram", "direct"]),
+)
+def test_any_shape(rows: int, cols: int, batch: int, backend: str) -> None:
+    g = torch.randn(batch, rows, cols, generator=torch.Generator().manual_seed(rows * 41 + cols))
+    out = newton_schulz(g, backend=backend)
+    assert out.shape == g.shape and torch.isfinite(out).all()
+    reference = reference_newton_schulz(g, backend=backend)
+    plain = relative_error(_plain_fp16(g, backend), reference)
+    assert relative_error(out, reference) <= max(RATIO * plain, 1e-3)
+
+
+def test_public_names() -> None:
+    expected = {
+        "newton_schulz",
+        "gram_newton_schulz",
+        "direct_newton_schulz",
+        "gram_newton_schulz_distributed",
+        "NewtonSchulz",
+        "POLAR_EXPRESS_COEFFICIENTS",
+        "YOU_COEFFICIENTS",
+        "QUINTIC_COEFFICIENTS",
+        "get_ns_backend",
+        "get_backend_status",
+        "register_kernel",
+        "NSKernel",
+    }
+    assert expected <= set(dmuon_ns.__all__)
+    assert all(hasattr(dmuon_ns, name) for name in dmuon_ns.__all__)

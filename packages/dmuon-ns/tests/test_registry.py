@@ -1,0 +1,184 @@
+"""Kernel registry: precedence, the environment override, unavailable kernels, status."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from torch import Tensor
+
+import dmuon_ns
+from dmuon_ns import (
+    NewtonSchulz,
+    NSKernelUnavailableError,
+    get_backend_status,
+    get_ns_backend,
+    newton_schulz,
+    register_kernel,
+)
+from dmuon_ns import _registry
+from dmuon_ns._torch_kernel import TORCH_KERNEL
+
+CPU = torch.device("cpu")
+
+
+class RecordingKernel:
+    """Delegates to the torch kernel and records what the front end hands it."""
+
+    def __init__(self, name: str, unavailable: str | None = None) -> None:
+        self.name = name
+        self.unavailable = unavailable
+        self.calls: list[tuple[str, tuple[int, ...], torch.dtype, int, tuple[int, ...]]] = []
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return self.unavailable
+
+    def _check(self, x: Tensor) -> None:
+        assert x.ndim == 3 and x.shape[-2] <= x.shape[-1] and x.is_contiguous()
+        norms = torch.linalg.vector_norm(x.float(), dim=(-2, -1))
+        assert bool((norms <= 1.001).all())
+
+    def gram(
+        self, x: Tensor, coefficients: Sequence[tuple[float, float, float]], restarts: Sequence[int]
+    ) -> Tensor:
+        self._check(x)
+        self.calls.append(("gram", tuple(x.shape), x.dtype, len(coefficients), tuple(restarts)))
+        return TORCH_KERNEL.gram(x, coefficients, restarts)
+
+    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor:
+        self._check(x)
+        self.calls.append(("direct", tuple(x.shape), x.dtype, len(coefficients), ()))
+        return TORCH_KERNEL.direct(x, coefficients)
+
+
+@pytest.fixture
+def fake() -> Iterator[RecordingKernel]:
+    kernel = RecordingKernel("fake")
+    register_kernel(kernel)
+    yield kernel
+    _registry._kernels.pop("fake", None)
+    _registry._cache.clear()
+
+
+@pytest.fixture
+def broken() -> Iterator[RecordingKernel]:
+    kernel = RecordingKernel("broken", unavailable="needs the frobnicator; pip install frob")
+    register_kernel(kernel)
+    yield kernel
+    _registry._kernels.pop("broken", None)
+    _registry._cache.clear()
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_registry.KERNEL_ENV, raising=False)
+
+
+def test_registered_kernel_gets_the_prepared_input(fake: RecordingKernel) -> None:
+    g = torch.randn(2, 80, 24, dtype=torch.float64)
+    out = newton_schulz(g, kernel="fake", steps=7)
+    assert out.dtype == torch.float64 and out.shape == g.shape
+    assert fake.calls == [("gram", (2, 24, 80), torch.float16, 7, (2,))]
+    newton_schulz(torch.randn(16, 16), kernel="fake", dtype=torch.bfloat16)
+    assert fake.calls[-1] == ("direct", (1, 16, 16), torch.bfloat16, 5, ())
+    # Same math as the torch kernel: same result.
+    assert torch.equal(out, newton_schulz(g, kernel="torch", steps=7))
+
+
+def test_precedence(fake: RecordingKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _registry.resolve("auto", False, CPU).rule == "auto"
+    assert _registry.resolve("auto", True, CPU).rule == "deterministic"
+    assert _registry.resolve("fake", True, CPU).kernels == (fake,)
+    monkeypatch.setenv("DMUON_NS_KERNEL", "fake")
+    # The environment beats deterministic=True and auto ...
+    for deterministic in (False, True):
+        resolution = _registry.resolve("auto", deterministic, CPU)
+        assert resolution.kernels == (fake,) and resolution.rule == "DMUON_NS_KERNEL"
+    # ... and an explicit kernel= beats the environment.
+    resolution = _registry.resolve("torch", False, CPU)
+    assert resolution.kernels == (TORCH_KERNEL,) and resolution.rule == "kernel="
+    newton_schulz(torch.randn(8, 24))
+    assert len(fake.calls) == 1
+    newton_schulz(torch.randn(8, 24), kernel="torch")
+    assert len(fake.calls) == 1
+    monkeypatch.setenv("DMUON_NS_KERNEL", "auto")
+    assert _registry.resolve("auto", True, CPU).rule == "deterministic"
+
+
+def test_unknown_kernel_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DMUON_NS_KERNEL", "cublaslt")
+    with pytest.raises(ValueError, match="DMUON_NS_KERNEL environment variable: unknown NS kernel"):
+        newton_schulz(torch.randn(4, 8))
+
+
+def test_unavailable_kernel_fails_fast(broken: RecordingKernel, monkeypatch) -> None:
+    with pytest.raises(NSKernelUnavailableError, match="pip install frob.*kernel='auto'"):
+        newton_schulz(torch.randn(4, 8), kernel="broken")
+    monkeypatch.setenv("DMUON_NS_KERNEL", "broken")
+    with pytest.raises(NSKernelUnavailableError, match="needs the frobnicator.*unset DMUON_NS"):
+        newton_schulz(torch.randn(4, 8))
+    assert broken.calls == []
+
+
+def test_optional_kernels_unavailable_on_cpu() -> None:
+    for name in ("triton", "quack"):
+        with pytest.raises(NSKernelUnavailableError, match=f"NS kernel '{name}'"):
+            newton_schulz(torch.randn(4, 8), kernel=name)
+
+
+def test_register_kernel_validates() -> None:
+    with pytest.raises(ValueError, match="kernel.name must be a non-empty string other than 'auto'"):
+        register_kernel(RecordingKernel("auto"))
+    with pytest.raises(ValueError, match="must implement unavailable_reason"):
+        register_kernel(type("K", (), {"name": "k"})())  # type: ignore[arg-type]
+
+
+def test_backend_status_on_cpu(broken: RecordingKernel) -> None:
+    status = get_backend_status("cpu")
+    assert status["sm"] is None and status["device"] == "cpu"
+    assert status["auto_choice"] == "torch" and status["auto_candidates"] == ["torch"]
+    assert "need CUDA" in status["auto_reason"]
+    kernels = status["kernels"]
+    assert kernels["torch"] == {"available": True, "reason": None}
+    assert kernels["broken"] == {
+        "available": False,
+        "reason": "needs the frobnicator; pip install frob",
+    }
+    for name in ("triton", "quack"):
+        assert kernels[name]["available"] is False
+        assert isinstance(kernels[name]["reason"], str) and kernels[name]["reason"]
+
+
+def test_backend_status_reports_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DMUON_NS_KERNEL", "torch")
+    status = get_backend_status("cpu")
+    assert status["env_override"] == "torch" and status["auto_choice"] == "torch"
+
+
+def test_ns_backend_line() -> None:
+    line = get_ns_backend(device="cpu")
+    assert line.startswith("gram NS") and "kernel torch" in line and "| cpu |" in line
+    assert "need CUDA" in line
+    line = get_ns_backend(NewtonSchulz(backend="direct", deterministic=True), "cpu")
+    assert line.startswith("direct NS") and "deterministic=True" in line
+    line = get_ns_backend(NewtonSchulz(kernel="triton"), "cpu")
+    assert "kernel triton unavailable" in line
+    assert "\n" not in line
+
+
+def test_import_does_no_work() -> None:
+    """Importing dmuon_ns loads no optional kernel module and queries no device."""
+    code = (
+        "import sys, torch\n"
+        "torch.cuda.is_available = lambda: (_ for _ in ()).throw(AssertionError('queried'))\n"
+        "import dmuon_ns\n"
+        "bad = [m for m in sys.modules if m.startswith(('triton', 'quack', 'cutlass'))"
+        " or m in ('dmuon_ns._triton_backend', 'dmuon_ns._quack_backend',"
+        " 'dmuon_ns._autotune', 'dmuon_ns._graphs')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert dmuon_ns.__version__

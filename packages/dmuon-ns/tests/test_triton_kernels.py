@@ -1,0 +1,131 @@
+"""The Triton products and the "triton" kernel at small, odd sizes.
+
+Without a GPU they run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here, before
+anything imports Triton (no other test module imports it at collection time). With a GPU the
+same tests run compiled on it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, newton_schulz  # noqa: E402
+from dmuon_ns._torch_kernel import TORCH_KERNEL  # noqa: E402
+from dmuon_ns._triton_backend import TRITON_KERNEL  # noqa: E402
+from dmuon_ns._triton_kernels import (  # noqa: E402
+    _INTERPRETING,
+    TileConfig,
+    matmul,
+    sym_matmul,
+)
+from dmuon_ns.testing import reference_newton_schulz, relative_error  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+COEFFS = tuple(tuple(row) for row in POLAR_EXPRESS_COEFFICIENTS[:5])
+# 16-wide tiles: a 33-row output spans three tile rows, so the triangle mapping, the mirrored
+# stores and the masked tails are all exercised.
+SMALL = TileConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1, group_m=2)
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def test_the_interpreter_is_really_in_use_without_a_gpu():
+    assert _INTERPRETING == (not ON_GPU)
+    assert TRITON_KERNEL.unavailable_reason(DEVICE) is None
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def _err(actual, expected):
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gram_product_is_symmetric_and_matches_float64(dtype):
+    x = _rand(3, 33, 70, dtype=dtype)
+    r, extra = sym_matmul(x, x.mT, config=SMALL)
+    assert extra is None
+    assert r.dtype == dtype and r.shape == (3, 33, 33)
+    assert torch.equal(r, r.mT)
+    expected = x.double() @ x.double().mT
+    # One rounding of the fp32 sum to the storage dtype: half an ulp, relative.
+    assert _err(r, expected) < (2e-3 if dtype == torch.float16 else 1.5e-2)
+    # Element-exact against the same sums rounded once by torch (fp32 accumulate).
+    assert torch.allclose(r.float(), (x.float() @ x.float().mT).to(dtype).float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_symmetric_epilogue_and_second_output(dtype):
+    base = _rand(3, 45, 45, dtype=torch.float32)
+    s = ((base + base.mT) / 8).to(dtype)
+    t = ((base @ base.mT) / 200).to(dtype)  # symmetric and commuting with nothing in particular
+    out, out2 = sym_matmul(s, s, c=t, alpha=0.7, beta=-1.3, diag=0.25, diag2=2.5, config=SMALL)
+    eye = torch.eye(45, dtype=torch.float64, device=DEVICE)
+    sd, td = s.double(), t.double()
+    expected = 0.7 * sd @ sd - 1.3 * td + 0.25 * eye
+    assert torch.equal(out, out.mT)
+    assert out2 is not None and torch.equal(out2, out2.mT)
+    tol = 3e-3 if dtype == torch.float16 else 2e-2
+    assert _err(out, expected) < tol
+    assert _err(out2, expected + 2.5 * eye) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plain_product_with_epilogue_and_strided_operands(dtype):
+    a = _rand(3, 33, 47, dtype=dtype)
+    b = _rand(3, 70, 47, dtype=dtype).mT  # (3, 47, 70), not contiguous
+    c = _rand(3, 33, 70, dtype=dtype)
+    out = matmul(a, b, c=c, alpha=1.5, beta=-0.5, config=SMALL)
+    expected = 1.5 * a.double() @ b.double() - 0.5 * c.double()
+    assert out.shape == (3, 33, 70)
+    assert _err(out, expected) < (2e-3 if dtype == torch.float16 else 1.5e-2)
+
+
+def test_bad_operands_raise():
+    x = _rand(2, 8, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="do not multiply"):
+        matmul(x, x, config=SMALL)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        sym_matmul(x.float(), x.float().mT, config=SMALL)
+    with pytest.raises(ValueError, match="must be 3-D"):
+        matmul(x[0], x[0].mT, config=SMALL)
+    with pytest.raises(ValueError, match="power of two"):
+        TileConfig(block_k=24)
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "shape"),
+    [("gram", torch.float16, (3, 33, 70)), ("direct", torch.bfloat16, (2, 33, 70))],
+)
+def test_triton_kernel_matches_reference_as_well_as_torch(op, dtype, shape):
+    g = torch.randn(*shape, device=DEVICE)
+    x = (g / torch.linalg.matrix_norm(g, keepdim=True)).to(dtype)
+    if op == "gram":
+        ours = TRITON_KERNEL.gram(x, COEFFS, (2,))
+        plain = TORCH_KERNEL.gram(x, COEFFS, (2,))
+    else:
+        ours = TRITON_KERNEL.direct(x, COEFFS)
+        plain = TORCH_KERNEL.direct(x, COEFFS)
+    reference = reference_newton_schulz(x.float(), backend=op)
+    assert ours.shape == x.shape and ours.dtype == dtype
+    assert torch.isfinite(ours).all()
+    ours_err, plain_err = relative_error(ours, reference), relative_error(plain, reference)
+    assert ours_err <= 2 * plain_err, (ours_err, plain_err)
+
+
+def test_front_end_runs_the_triton_kernel_by_name():
+    g = torch.randn(70, 33, device=DEVICE)  # tall: the front end transposes it
+    out = newton_schulz(g, kernel="triton")
+    reference = reference_newton_schulz(g)
+    assert out.shape == g.shape
+    assert relative_error(out, reference) < 1.5e-2

@@ -1,0 +1,219 @@
+"""Per-parameter routing and dtype policy: ``{"defaults": {...}, "overrides": [...]}``.
+
+[Note: name matching]
+
+An override applies to a parameter when any of its ``name`` tokens matches the parameter's
+fully-qualified name (FQN). A token matches *whole dotted components*, not substrings: the
+token is split at dots and must equal a contiguous run of the FQN's components. So
+``"q_proj"`` matches ``"model.layers.0.self_attn.q_proj.weight"`` and ``"layers.0.mlp"``
+matches ``"model.layers.0.mlp.up_proj.weight"``, but ``"v_proj"`` does not match
+``"...self_attn.qkv_proj.weight"`` and ``"head"`` does not match ``"lm_head.weight"``.
+
+Why components: the seed's type-split example names modules (``q_proj`` … ``down_proj``,
+``embed_tokens``, ``lm_head``), and substring matching would silently misroute common layouts
+(``v_proj`` ⊂ ``qkv_proj``, ``up_proj`` ⊂ ``gate_up_proj``, ``head`` ⊂ ``lm_head``). Where a
+pattern is wanted, say so: each dotted part is an ``fnmatch`` pattern (``"*proj"``,
+``"layers.1?"``), so ``"*proj*"`` gives the substring behaviour explicitly. Matching is case
+sensitive. :meth:`ParamPolicy.unmatched_tokens` lists tokens that match none of a model's
+names, which catches typos that would otherwise be silent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from ._route import Route, normalize_dtype, parse_route
+
+__all__ = [
+    "POLICY_FIELDS",
+    "ParamPolicy",
+    "ResolvedPolicy",
+    "resolve_param_policy",
+    "validate_param_policy",
+]
+
+_DTYPE_FIELDS = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "output_dtype")
+POLICY_FIELDS: tuple[str, ...] = ("route", *_DTYPE_FIELDS, "cast_forward_inputs")
+_TOP_KEYS = ("defaults", "overrides")
+_OVERRIDE_KEYS = ("name", "set")
+
+
+def _quoted(names: Iterable[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def _normalize_field(field_name: str, value: object, where: str) -> object:
+    if field_name == "route":
+        return parse_route(value, where)
+    if field_name == "cast_forward_inputs":
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: must be True or False, got {value!r}")
+        return value
+    return normalize_dtype(value, where)
+
+
+@dataclass(frozen=True)
+class ResolvedPolicy:
+    """One parameter's route and dtypes. Dtypes are ``"bfloat16"``, ``"float16"``,
+    ``"float32"`` or ``None`` (the runtime's default: the parameter's own dtype)."""
+
+    route: Route = Route.MUON
+    param_dtype: str | None = None
+    grad_dtype: str | None = None
+    master_dtype: str | None = None
+    optim_dtype: str | None = None
+    output_dtype: str | None = None
+    # FSDP2's MixedPrecisionPolicy casts forward inputs by default too.
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in POLICY_FIELDS:
+            value = _normalize_field(name, getattr(self, name), f"ResolvedPolicy.{name}")
+            object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True)
+class _Override:
+    tokens: tuple[str, ...]
+    values: tuple[tuple[str, Any], ...]
+
+    def matches(self, components: Sequence[str]) -> bool:
+        return any(_token_matches(token, components) for token in self.tokens)
+
+
+def _token_matches(token: str, components: Sequence[str]) -> bool:
+    parts = token.split(".")
+    span = len(parts)
+    return any(
+        all(fnmatchcase(components[start + i], part) for i, part in enumerate(parts))
+        for start in range(len(components) - span + 1)
+    )
+
+
+def _parse_fields(raw: object, where: str) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"{where} must be a dict of fields ({_quoted(POLICY_FIELDS)}), got {type(raw).__name__}"
+        )
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in POLICY_FIELDS:
+            raise ValueError(
+                f"{where}: unknown field {key!r}; allowed fields: {_quoted(POLICY_FIELDS)}"
+            )
+        out[key] = _normalize_field(key, value, f"{where}[{key!r}]")
+    return out
+
+
+def _parse_tokens(raw: object, where: str) -> tuple[str, ...]:
+    tokens = (raw,) if isinstance(raw, str) else raw
+    if not isinstance(tokens, list | tuple) or not tokens:
+        raise ValueError(
+            f"{where} must be a non-empty list of module-name tokens such as ['q_proj'], "
+            f"got {raw!r}"
+        )
+    for token in tokens:
+        if not isinstance(token, str) or not token or "" in token.split("."):
+            raise ValueError(
+                f"{where}: bad token {token!r}; a token is a non-empty dotted module name "
+                "such as 'q_proj' or 'layers.0.mlp' (each part may be an fnmatch pattern)"
+            )
+    return tuple(tokens)
+
+
+@dataclass(frozen=True)
+class ParamPolicy:
+    """A validated policy; build it once with :meth:`from_dict` and resolve many names."""
+
+    defaults: ResolvedPolicy = ResolvedPolicy()
+    overrides: tuple[_Override, ...] = ()
+
+    @classmethod
+    def from_dict(cls, policy: Mapping[str, Any] | ParamPolicy | None) -> ParamPolicy:
+        if policy is None:
+            return cls()
+        if isinstance(policy, ParamPolicy):
+            return policy
+        if not isinstance(policy, Mapping):
+            raise ValueError(
+                "param_policy must be a dict with keys 'defaults' and/or 'overrides' (or None), "
+                f"got {type(policy).__name__}"
+            )
+        for key in policy:
+            if key not in _TOP_KEYS:
+                raise ValueError(
+                    f"param_policy: unknown key {key!r}; allowed keys: {_quoted(_TOP_KEYS)}"
+                )
+        defaults = ResolvedPolicy(
+            **_parse_fields(policy.get("defaults", {}), "param_policy['defaults']")
+        )
+        raw_overrides = policy.get("overrides", [])
+        if not isinstance(raw_overrides, list | tuple):
+            raise ValueError(
+                "param_policy['overrides'] must be a list of {'name': [...], 'set': {...}} "
+                f"dicts, got {type(raw_overrides).__name__}"
+            )
+        overrides = []
+        for index, raw in enumerate(raw_overrides):
+            where = f"param_policy['overrides'][{index}]"
+            if not isinstance(raw, Mapping):
+                raise ValueError(
+                    f"{where} must be a dict {{'name': [...], 'set': {{...}}}}, got "
+                    f"{type(raw).__name__}"
+                )
+            for key in raw:
+                if key not in _OVERRIDE_KEYS:
+                    raise ValueError(
+                        f"{where}: unknown key {key!r}; allowed keys: {_quoted(_OVERRIDE_KEYS)}"
+                    )
+            for key in _OVERRIDE_KEYS:
+                if key not in raw:
+                    raise ValueError(
+                        f"{where}: missing key {key!r}; an override needs 'name' and 'set'"
+                    )
+            tokens = _parse_tokens(raw["name"], f"{where}['name']")
+            values = _parse_fields(raw["set"], f"{where}['set']")
+            overrides.append(_Override(tokens, tuple(values.items())))
+        return cls(defaults, tuple(overrides))
+
+    def resolve(self, name: str) -> ResolvedPolicy:
+        """The defaults, then every matching override in order (each sets only its fields)."""
+        components = name.split(".")
+        fields: dict[str, Any] = {}
+        for override in self.overrides:
+            if override.matches(components):
+                fields.update(override.values)
+        return dataclasses.replace(self.defaults, **fields) if fields else self.defaults
+
+    def unmatched_tokens(self, names: Iterable[str]) -> tuple[str, ...]:
+        """Override tokens that match none of ``names`` (likely typos), in policy order."""
+        split = [name.split(".") for name in names]
+        out: list[str] = []
+        for override in self.overrides:
+            for token in override.tokens:
+                if token not in out and not any(_token_matches(token, c) for c in split):
+                    out.append(token)
+        return tuple(out)
+
+
+def validate_param_policy(policy: Mapping[str, Any] | ParamPolicy | None) -> ParamPolicy:
+    """Check a policy once up front; returns the parsed :class:`ParamPolicy`.
+
+    Raises ``ValueError`` naming the offending key or value and the allowed ones.
+    """
+    return ParamPolicy.from_dict(policy)
+
+
+def resolve_param_policy(
+    name: str, policy: Mapping[str, Any] | ParamPolicy | None
+) -> ResolvedPolicy:
+    """Route and dtypes of parameter ``name`` (its FQN) under ``policy``.
+
+    ``None`` gives the default: route ``"muon"``, no dtype changes. For many names, parse once
+    with :func:`validate_param_policy` and pass the :class:`ParamPolicy`.
+    """
+    return ParamPolicy.from_dict(policy).resolve(name)

@@ -1,0 +1,222 @@
+"""Routing policy: the seed's type-split example, matching rules, and every error message."""
+
+import pytest
+
+from dmuon_ownership import (
+    POLICY_FIELDS,
+    ParamPolicy,
+    ResolvedPolicy,
+    Route,
+    resolve_param_policy,
+    validate_param_policy,
+)
+
+
+class FakeDtype:
+    """Stands in for a torch dtype: this package never imports torch."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+BF16 = FakeDtype("bfloat16")
+
+MATRICES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# seeds/002 ("Type-Split Routing"), with torch.bfloat16 duck-typed.
+TYPE_SPLIT = {
+    "defaults": {"route": "adamw", "param_dtype": BF16},
+    "overrides": [
+        {"name": MATRICES, "set": {"route": "muon"}},
+        {"name": ["embed_tokens", "lm_head"], "set": {"route": "sharded_adamw"}},
+    ],
+}
+
+LLAMA_NAMES = [
+    "model.embed_tokens.weight",
+    *(f"model.layers.0.self_attn.{m}.weight" for m in MATRICES[:4]),
+    *(f"model.layers.0.mlp.{m}.weight" for m in MATRICES[4:]),
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+]
+
+
+def test_seed_type_split_routing() -> None:
+    policy = validate_param_policy(TYPE_SPLIT)
+    for name in LLAMA_NAMES:
+        resolved = resolve_param_policy(name, TYPE_SPLIT)
+        assert resolved == policy.resolve(name)
+        # Overrides only set the route: every parameter keeps the default bf16 param dtype.
+        assert resolved.param_dtype == "bfloat16"
+        assert resolved.grad_dtype is None and resolved.cast_forward_inputs is True
+        component = name.split(".")[-2]
+        if component in MATRICES:
+            assert resolved.route is Route.MUON, name
+        elif component in ("embed_tokens", "lm_head"):
+            assert resolved.route is Route.SHARDED_ADAMW, name
+        else:
+            assert resolved.route is Route.ADAMW, name
+    assert policy.unmatched_tokens(LLAMA_NAMES) == ()
+
+
+def test_default_is_muon_with_no_dtype_changes() -> None:
+    assert resolve_param_policy("any.weight", None) == ResolvedPolicy()
+    assert resolve_param_policy("any.weight", {}).route is Route.MUON
+    assert ResolvedPolicy().route == "muon"
+    assert POLICY_FIELDS[0] == "route" and len(POLICY_FIELDS) == 7
+
+
+def test_overrides_apply_in_order_and_set_only_their_fields() -> None:
+    policy = {
+        "defaults": {"grad_dtype": "fp32", "output_dtype": "bf16"},
+        "overrides": [
+            {"name": ["layers"], "set": {"route": "adamw", "param_dtype": "float16"}},
+            {
+                "name": ["layers.1"],
+                "set": {"param_dtype": "bfloat16", "cast_forward_inputs": False},
+            },
+            {"name": "norm", "set": {"route": "sharded_adamw", "optim_dtype": None}},
+        ],
+    }
+    assert resolve_param_policy("layers.0.norm.weight", policy) == ResolvedPolicy(
+        route=Route.SHARDED_ADAMW,
+        param_dtype="float16",
+        grad_dtype="float32",
+        output_dtype="bfloat16",
+    )
+    assert resolve_param_policy("layers.1.attn.weight", policy) == ResolvedPolicy(
+        route="adamw",  # type: ignore[arg-type]
+        param_dtype="bfloat16",
+        grad_dtype="float32",
+        output_dtype="bfloat16",
+        cast_forward_inputs=False,
+    )
+    # "layers.1" is a dotted run of components: it does not match layers.10.
+    assert resolve_param_policy("layers.10.attn.weight", policy).param_dtype == "float16"
+
+
+def test_tokens_match_whole_components_or_explicit_patterns() -> None:
+    def route(name: str, token: str) -> Route:
+        return resolve_param_policy(
+            name,
+            {
+                "defaults": {"route": "adamw"},
+                "overrides": [{"name": [token], "set": {"route": "muon"}}],
+            },
+        ).route
+
+    assert route("model.layers.0.self_attn.q_proj.weight", "q_proj") is Route.MUON
+    assert route("model.layers.0.self_attn.qkv_proj.weight", "v_proj") is Route.ADAMW
+    assert route("model.layers.0.mlp.gate_up_proj.weight", "up_proj") is Route.ADAMW
+    assert route("lm_head.weight", "head") is Route.ADAMW
+    assert route("model.layers.0.self_attn.qkv_proj.weight", "*proj") is Route.MUON
+    assert route("model.layers.0.mlp.gate_up_proj.weight", "*up_proj*") is Route.MUON
+    assert route("model.layers.0.mlp.up.weight", "layers.?.mlp") is Route.MUON
+    assert route("model.layers.0.mlp.up.weight", "mlp.layers") is Route.ADAMW
+    assert route("Model.Q_PROJ.weight", "q_proj") is Route.ADAMW  # case sensitive
+    policy = ParamPolicy.from_dict(
+        {"overrides": [{"name": ["q_proj", "qproj", "layers.0"], "set": {"route": "adamw"}}]}
+    )
+    assert policy.unmatched_tokens(["a.layers.0.q_proj.weight"]) == ("qproj",)
+    assert ParamPolicy.from_dict(policy) is policy
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        (
+            [],
+            r"param_policy must be a dict with keys 'defaults' and/or 'overrides' \(or None\), got list",
+        ),
+        (
+            {"override": []},
+            r"param_policy: unknown key 'override'; allowed keys: 'defaults', 'overrides'",
+        ),
+        (
+            {"defaults": {"rout": "muon"}},
+            r"param_policy\['defaults'\]: unknown field 'rout'; allowed fields: 'route', 'param_dtype', ",
+        ),
+        (
+            {"defaults": ["route"]},
+            r"param_policy\['defaults'\] must be a dict of fields \('route', ",
+        ),
+        (
+            {"defaults": {"route": "sgd"}},
+            r"param_policy\['defaults'\]\['route'\]: unknown route 'sgd'; use one of 'muon', 'adamw', 'sharded_adamw'",
+        ),
+        ({"defaults": {"route": None}}, r"\['route'\]: unknown route None; use one of"),
+        (
+            {"defaults": {"param_dtype": "int8"}},
+            r"param_policy\['defaults'\]\['param_dtype'\]: unsupported dtype 'int8'; use torch.bfloat16 / torch.float16 / torch.float32, one of the names 'bfloat16', 'bf16'",
+        ),
+        (
+            {"defaults": {"grad_dtype": FakeDtype("float64")}},
+            r"\['grad_dtype'\]: unsupported dtype <.*FakeDtype",
+        ),
+        (
+            {"defaults": {"master_dtype": float}},
+            r"\['master_dtype'\]: unsupported dtype <class 'float'>",
+        ),
+        (
+            {"defaults": {"cast_forward_inputs": "yes"}},
+            r"param_policy\['defaults'\]\['cast_forward_inputs'\]: must be True or False, got 'yes'",
+        ),
+        (
+            {"overrides": {"name": ["x"]}},
+            r"param_policy\['overrides'\] must be a list of \{'name': \[...\], 'set': \{...\}\} dicts, got dict",
+        ),
+        (
+            {"overrides": ["x"]},
+            r"param_policy\['overrides'\]\[0\] must be a dict \{'name': \[...\], 'set': \{...\}\}, got str",
+        ),
+        (
+            {"overrides": [{"name": ["x"], "set": {}, "when": 1}]},
+            r"param_policy\['overrides'\]\[0\]: unknown key 'when'; allowed keys: 'name', 'set'",
+        ),
+        (
+            {"overrides": [{"name": ["x"]}]},
+            r"param_policy\['overrides'\]\[0\]: missing key 'set'; an override needs 'name' and 'set'",
+        ),
+        (
+            {"overrides": [{"name": [], "set": {}}]},
+            r"param_policy\['overrides'\]\[0\]\['name'\] must be a non-empty list of module-name tokens",
+        ),
+        (
+            {"overrides": [{"name": ["a..b"], "set": {}}]},
+            r"\['name'\]: bad token 'a..b'; a token is a non-empty dotted module name",
+        ),
+        ({"overrides": [{"name": [3], "set": {}}]}, r"\['name'\]: bad token 3"),
+        (
+            {
+                "overrides": [
+                    {"name": ["x"], "set": {"route": "muon"}},
+                    {"name": ["y"], "set": {"dtype": "bf16"}},
+                ]
+            },
+            r"param_policy\['overrides'\]\[1\]\['set'\]: unknown field 'dtype'; allowed fields: 'route', ",
+        ),
+        (
+            {"overrides": [{"name": ["x"], "set": {"optim_dtype": "fp8"}}]},
+            r"param_policy\['overrides'\]\[0\]\['set'\]\['optim_dtype'\]: unsupported dtype 'fp8'",
+        ),
+    ],
+)
+def test_policy_errors(policy: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        validate_param_policy(policy)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        resolve_param_policy("x.weight", policy)  # type: ignore[arg-type]
+
+
+def test_resolved_policy_validates_its_fields() -> None:
+    assert ResolvedPolicy(param_dtype=BF16).param_dtype == "bfloat16"  # type: ignore[arg-type]
+    assert ResolvedPolicy(grad_dtype="HALF").grad_dtype == "float16"
+    with pytest.raises(ValueError, match=r"ResolvedPolicy.route: unknown route 'x'"):
+        ResolvedPolicy(route="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"ResolvedPolicy.output_dtype: unsupported dtype 'int4'"):
+        ResolvedPolicy(output_dtype="int4")

@@ -1,0 +1,276 @@
+"""``dmuon-demo``: dmuon next to FSDP2 + AdamW on a small Llama-style model, on N local ranks.
+
+    dmuon-demo                          # 4 ranks (gloo on CPU, NCCL with 4 GPUs), 40 steps
+    dmuon-demo --replicate 2 --zero 2   # HSDP on a (2, 2) mesh, keep weights after forward
+    dmuon-demo --plot loss.png          # both loss curves (needs matplotlib)
+    torchrun --nproc-per-node 8 -m dmuon._demo --torchrun   # one process per GPU, NCCL
+
+The command starts its own ranks with torch.multiprocessing, trains the baseline and then
+dmuon in the same processes on the same data from the same initial weights, prints one line
+per step from rank 0 and a comparison table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from dmuon._demo_data import MarkovStream
+from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
+from dmuon._demo_train import DemoOptions, RunKind, RunResult, StepEvent, train_rank
+from dmuon._launch import choose_backend, spawn, torchrun_world
+
+__all__ = ["main"]
+
+_LABELS = {RunKind.ADAMW: "FSDP2 + AdamW", RunKind.DMUON: "dmuon (Muon + AdamW)"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dmuon-demo",
+        description="Train a small Llama-style model twice on a learnable synthetic token stream:"
+        " FSDP2 + AdamW, then dmuon (dedicated-owner Muon for the projection matrices).",
+    )
+    p.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks to start (default 4)")
+    p.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        help="HSDP replicas R: mesh (R, nproc/R) named ('replicate', 'shard') (default 1)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        default=3,
+        help="3: free gathered weights after forward (default); 2: keep them until backward",
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="save both loss curves (needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
+    p.add_argument("--only", choices=[k.value for k in RunKind], help="run one of the two")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if 1 GPU/rank"
+    )
+    p.add_argument(
+        "--torchrun",
+        action="store_true",
+        help="join the world torchrun started instead of spawning --nproc ranks",
+    )
+    size = p.add_argument_group("model and data")
+    size.add_argument("--hidden", type=int, default=128)
+    size.add_argument("--intermediate", type=int, default=None, help="default 3 x hidden")
+    size.add_argument("--layers", type=int, default=4)
+    size.add_argument("--heads", type=int, default=4)
+    size.add_argument("--vocab", type=int, default=256)
+    size.add_argument("--seq-len", type=int, default=64)
+    size.add_argument("--batch-size", type=int, default=16, help="global batch (default 16)")
+    size.add_argument("--lr", type=float, default=0.02, help="Muon lr (default 0.02)")
+    size.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW lr (default 3e-3)")
+    return p
+
+
+def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
+    """Turn parsed arguments into options, with errors that say what to change."""
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if world_size < 1:
+        raise ValueError(f"--nproc must be >= 1, got {world_size}")
+    if args.replicate < 1:
+        raise ValueError(f"--replicate must be >= 1, got {args.replicate}")
+    if world_size % args.replicate:
+        raise ValueError(
+            f"--replicate {args.replicate} must divide the number of ranks ({world_size}):"
+            f" the HSDP mesh is (replicate, ranks / replicate); try --replicate"
+            f" {_largest_divisor_below(world_size, args.replicate)} or --nproc"
+            f" {args.replicate * max(1, world_size // args.replicate)}"
+        )
+    if args.zero not in (2, 3):
+        raise ValueError(f"--zero must be 2 or 3, got {args.zero}")
+    if args.batch_size % world_size:
+        raise ValueError(
+            f"--batch-size {args.batch_size} must be divisible by the number of ranks"
+            f" ({world_size}) so that every rank gets the same rows; try --batch-size"
+            f" {world_size * max(1, args.batch_size // world_size)}"
+        )
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise ValueError(f"--plot needs a .png file name, got {args.plot!r}")
+    for name in ("lr", "adamw_lr"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    model = LlamaConfig(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        intermediate=args.intermediate or 3 * args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        seq_len=args.seq_len,
+    )
+    runs = (RunKind(args.only),) if args.only else (RunKind.ADAMW, RunKind.DMUON)
+    return DemoOptions(
+        model=model,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        replicate=args.replicate,
+        zero=args.zero,
+        seed=args.seed,
+        lr=args.lr,
+        adamw_lr=args.adamw_lr,
+        runs=runs,
+    )
+
+
+def _largest_divisor_below(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+class _Progress:
+    """Prints rank 0's step events as they arrive."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+
+    def __call__(self, event: StepEvent) -> None:
+        print(
+            f"step {event.step:>{len(str(event.steps))}}/{event.steps}  {event.run.value:<5}"
+            f" loss {event.loss:.4f}  {event.seconds:.2f} s/it",
+            file=self.out,
+            flush=True,
+        )
+
+
+def _muon_bytes(result: RunResult, opts: DemoOptions, world_size: int) -> tuple[int, str]:
+    """Per-rank wire bytes per step for the Muon-target matrices, from the SPEC section 1
+    formulas (rounds × (N-1)/N × P_M, plus the replicate axis under HSDP)."""
+    shard = world_size // opts.replicate
+    p_m = result.muon_numel * result.muon_itemsize
+    if result.run is RunKind.DMUON:
+        rounds = 3 if opts.zero == 3 else 2  # Z3: 2 broadcasts + 1 reduce; Z2: 1 + 1
+        shard_bytes = rounds * (shard - 1) / shard * p_m
+        # Replicate axis: one reduce and one publish round, P_M / G per replicate group.
+        repl_bytes = 2 * (opts.replicate - 1) / opts.replicate * p_m / shard
+    else:
+        rounds = 3 if opts.zero == 3 else 2  # all-gather (fwd, Z3 bwd) + reduce-scatter
+        shard_bytes = rounds * (shard - 1) / shard * p_m
+        # HSDP: all-reduce of each rank's 1/G gradient shard over the replicas (2 rounds).
+        repl_bytes = 2 * (opts.replicate - 1) / opts.replicate * p_m / shard
+    return round(shard_bytes + repl_bytes), "SPEC §1 formula"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(
+    results: Sequence[RunResult], opts: DemoOptions, world_size: int, stream: MarkovStream
+) -> str:
+    rows = [("run", "final loss", "mean step", "Muon-param bytes/step/rank", "bytes from")]
+    for r in results:
+        timed = r.seconds[1:] or r.seconds  # the first step pays for warm-up
+        moved, source = _muon_bytes(r, opts, world_size)
+        rows.append(
+            (
+                _LABELS[r.run],
+                f"{r.losses[-1]:.4f}",
+                f"{statistics.mean(timed):.3f} s",
+                _fmt_bytes(moved),
+                source,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(
+        f"(start ≈ ln(vocab) = {stream.uniform_loss:.3f}; best possible on this stream"
+        f" {stream.loss_floor():.3f}; mean step excludes step 1)"
+    )
+    return "\n".join(lines)
+
+
+def _plot(path: str, results: Sequence[RunResult], opts: DemoOptions) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        ax.plot(range(1, len(r.losses) + 1), r.losses, label=_LABELS[r.run])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats)")
+    ax.set_title(f"dmuon demo: {opts.model.layers} layers, hidden {opts.model.hidden}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _header(opts: DemoOptions, world_size: int, device_type: str, backend: str) -> str:
+    m = opts.model
+    n_params = sum(p.numel() for p in TinyLlama(m).parameters())
+    n_muon = sum(p.numel() for n, p in TinyLlama(m).named_parameters() if muon_predicate(n, p))
+    mesh = (
+        f"({world_size},) 'shard'"
+        if opts.replicate == 1
+        else f"({opts.replicate}, {world_size // opts.replicate}) ('replicate', 'shard')"
+    )
+    return (
+        f"dmuon demo: {world_size} ranks on {device_type} ({backend}), mesh {mesh}, Z{opts.zero}\n"
+        f"model: {m.layers} layers, hidden {m.hidden}, intermediate {m.intermediate},"
+        f" {m.heads} heads, vocab {m.vocab}, seq {m.seq_len}; {n_params:,} params,"
+        f" {n_muon:,} in Muon-target matrices\n"
+        f"data: sparse Markov stream (seed {opts.seed}), global batch {opts.batch_size};"
+        f" {opts.steps} steps per run"
+    )
+
+
+def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
+    """Entry point of ``dmuon-demo``; returns the process exit code."""
+    out = out or sys.stdout
+    parser = _parser()
+    args = parser.parse_args(argv)
+    torchrun = args.torchrun or ("TORCHELASTIC_RUN_ID" in os.environ and argv is None)
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else args.nproc
+    try:
+        opts = _options(args, world_size)
+        if torchrun:
+            device_type, backend = choose_backend(
+                args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            )
+        else:
+            device_type, backend = choose_backend(args.device, world_size)
+    except ValueError as err:
+        parser.error(str(err))  # exits with status 2 and the usage line
+
+    stream = MarkovStream(opts.model.vocab, opts.model.seq_len, seed=opts.seed)
+    progress = _Progress(out)
+    if torchrun:
+        results = torchrun_world(train_rank, (opts,), device=args.device, on_event=progress)
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        print(_header(opts, world_size, device_type, backend), file=out, flush=True)
+        results = spawn(
+            train_rank,
+            world_size,
+            (opts,),
+            device_type=device_type,
+            backend=backend,
+            on_event=progress,
+        )[0]
+    print(_table(results, opts, world_size, stream), file=out, flush=True)
+    if args.plot:
+        _plot(args.plot, results, opts)
+        print(f"loss curves saved to {args.plot}", file=out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""What each demo rank runs: the FSDP2 + AdamW baseline, then dmuon, on the same data.
+
+Both runs start from the same weights (every rank seeds the same generator before building
+the model) and see the same global batches (``MarkovStream`` is a function of the step), so
+their curves differ only by the optimizer and its distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon._demo_data import MarkovStream
+from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate, next_token_loss
+from dmuon._launch import RankContext
+
+__all__ = ["DemoOptions", "RunKind", "RunResult", "StepEvent", "train_rank"]
+
+
+class RunKind(StrEnum):
+    ADAMW = "adamw"  # FSDP2 + torch.optim.AdamW on every parameter
+    DMUON = "dmuon"  # dedicate_params → fully_shard → dmuon.Muon
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """Everything a rank needs; validated by the CLI before any process starts."""
+
+    model: LlamaConfig
+    steps: int = 40
+    batch_size: int = 16  # global, split evenly over the ranks
+    replicate: int = 1
+    zero: int = 3
+    seed: int = 0
+    lr: float = 0.02
+    adamw_lr: float = 3e-3
+    runs: tuple[RunKind, ...] = (RunKind.ADAMW, RunKind.DMUON)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Rank 0's live report of one finished step."""
+
+    run: RunKind
+    step: int  # 1-based
+    steps: int
+    loss: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run: RunKind
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    muon_numel: int = 0
+    muon_itemsize: int = 4
+
+
+def build_mesh(device_type: str, world_size: int, replicate: int) -> DeviceMesh:
+    if replicate == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device_type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _build(opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, device: torch.device):
+    torch.manual_seed(opts.seed)
+    model = TinyLlama(opts.model).to(device)
+    reshard = opts.zero == 3
+    if kind is RunKind.DMUON:
+        import dmuon
+
+        if opts.replicate == 1:
+            dmuon.dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+        else:
+            dmuon.dedicate_params(
+                model,
+                mesh["shard"],
+                muon_predicate,
+                reshard_after_forward=reshard,
+                replicate_mesh=mesh["replicate"],
+            )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    optimizer: torch.optim.Optimizer
+    if kind is RunKind.DMUON:
+        optimizer = dmuon.Muon(model, lr=opts.lr, adamw_lr=opts.adamw_lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=opts.adamw_lr, weight_decay=0.01)
+    return model, optimizer
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_run(
+    ctx: RankContext, opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, stream: MarkovStream
+) -> RunResult:
+    model, optimizer = _build(opts, kind, mesh, ctx.device)
+    muon = [p for n, p in TinyLlama(opts.model).named_parameters() if muon_predicate(n, p)]
+    result = RunResult(
+        kind, muon_numel=sum(p.numel() for p in muon), muon_itemsize=muon[0].element_size()
+    )
+    for step in range(opts.steps):
+        tokens = stream.shard(step, opts.batch_size, ctx.rank, ctx.world_size).to(ctx.device)
+        _sync(ctx.device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = next_token_loss(model, tokens)
+        loss.backward()
+        optimizer.step()
+        # Every rank holds the same number of rows, so the mean of the rank means is the loss
+        # of the global batch. (gloo has no AVG reduction, hence SUM and divide.)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        mean = total.item() / ctx.world_size
+        seconds = time.perf_counter() - start
+        result.losses.append(mean)
+        result.seconds.append(seconds)
+        ctx.emit(StepEvent(kind, step + 1, opts.steps, mean, seconds))
+    return result
+
+
+def train_rank(ctx: RankContext, opts: DemoOptions) -> list[RunResult]:
+    """One rank of the demo: every requested run, one after the other, on one mesh."""
+    mesh = build_mesh(ctx.device.type, ctx.world_size, opts.replicate)
+    stream = MarkovStream(opts.model.vocab, opts.model.seq_len, seed=opts.seed)
+    return [train_run(ctx, opts, kind, mesh, stream) for kind in opts.runs]
