@@ -91,6 +91,11 @@ def _methods() -> dict[str, Callable[[list[Tensor] | Tensor], list[Tensor] | Ten
     methods["torch.optim.Muon NS"] = muon
 
     try:
+        # gram-newton-schulz compiles its call; keep one static graph per shape rather than a
+        # dynamic-shape recompile, as a user benchmarking fixed shapes would.
+        dynamo_config = importlib.import_module("torch._dynamo").config
+        dynamo_config.automatic_dynamic_shapes = False
+        dynamo_config.cache_size_limit = 64
         from gram_newton_schulz import GramNewtonSchulz
 
         gns = GramNewtonSchulz(ns_use_kernels=True)
@@ -185,7 +190,7 @@ def main() -> None:
                 first_s = time.perf_counter() - t0
                 err = _error(out, refs_muon if name.startswith("torch.optim") else refs)
                 ms = triton.testing.do_bench(
-                    lambda fn=fn: fn(g), warmup=25, rep=args.rep_ms, return_mode="median"
+                    lambda fn=fn, g=g: fn(g), warmup=25, rep=args.rep_ms, return_mode="median"
                 )
             except Exception as exc:
                 print(f"# {spec} {name} failed: {exc!r}", flush=True)
@@ -196,7 +201,10 @@ def main() -> None:
             record = {"shape": spec, "method": name, "ms": ms, "err": err, "first_s": first_s}
             log.write(json.dumps(record) + "\n")
             log.flush()
-            print(f"{spec:>14} {name:<28} {ms:9.3f} ms  err {err:.3e}  first {first_s:.1f}s", flush=True)
+            print(
+                f"{spec:>14} {name:<28} {ms:9.3f} ms  err {err:.3e}  first {first_s:.1f}s",
+                flush=True,
+            )
         rows.append((spec, results))
         del g, refs, refs_muon
         torch.cuda.empty_cache()

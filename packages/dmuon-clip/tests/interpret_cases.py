@@ -13,19 +13,19 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _fake import FakeMuon  # noqa: E402
-from _reference import assert_close, float64_norm, torch_clip  # noqa: E402
+import pytest
+import torch
+import torch.distributed as dist
+from _fake import FakeMuon
+from _reference import assert_close, float64_norm, torch_clip
 
-from dmuon_clip import (  # noqa: E402
+from dmuon_clip import (
     GradClipBucket,
+    _fastpath,
     clip_grad_norm_,
     clip_grad_norm_buckets_,
     try_clip_optimizer_grad_norm_buckets_,
 )
-from dmuon_clip import _fastpath  # noqa: E402
 
 RTOL = 1e-6  # fp32 vs torch: a different summation order, a few ulps
 

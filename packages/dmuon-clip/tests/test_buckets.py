@@ -98,7 +98,8 @@ def test_fallback_inputs_sparse_noncontiguous_float64_empty() -> None:
     dense = torch.randn(6, 5, dtype=torch.float64)
     strided = torch.randn(5, 8).t()
     sparse = torch.sparse_coo_tensor(
-        torch.tensor([[0, 1, 1], [2, 0, 0]]), torch.tensor([3.0, -4.0, 1.0]),
+        torch.tensor([[0, 1, 1], [2, 0, 0]]),
+        torch.tensor([3.0, -4.0, 1.0]),
         (2, 3),
         check_invariants=True,
     )
@@ -145,7 +146,7 @@ def test_bad_arguments_name_the_fix() -> None:
         clip_grad_norm_buckets_([GradClipBucket("x", g)], -1.0)
     with pytest.raises(ValueError, match=r"max_norm\['x'\] must be a finite"):
         clip_grad_norm_buckets_([GradClipBucket("x", g)], {"x": math.inf})
-    with pytest.raises(ValueError, match="drop parameters whose .grad is None"):
+    with pytest.raises(ValueError, match=r"drop parameters whose \.grad is None"):
         GradClipBucket("x", [torch.ones(1), None])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="non-empty string"):
         GradClipBucket("", g)

@@ -3,6 +3,7 @@ full-batch gradient, with one collective; a non-finite bucket on one rank is fla
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -10,9 +11,9 @@ import torch
 import torch.distributed as dist
 from _fake import FakeMuon
 from _reference import assert_close, float64_norm, torch_clip
-from dmuon_testing.distributed import run_distributed
 
 from dmuon_clip import GradClipBucket, clip_grad_norm_, clip_grad_norm_buckets_
+from dmuon_testing.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -25,7 +26,7 @@ def _model() -> torch.nn.Sequential:
     torch.manual_seed(0)
     dims = [6, 12, 12, 8, 8, 3]
     layers: list[torch.nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
         layers.append(torch.nn.Linear(a, b, bias=False))
         if i < len(dims) - 2:
             layers.append(torch.nn.Tanh())
@@ -67,7 +68,8 @@ def _muon_body(rank: int, world_size: int, norm_type: float, max_norm: float | N
             owned_idx.append(i)
     owned = [local[i] for i in owned_idx]
     for i, g in zip(owned_idx, owned):
-        assert_close(g, full[i], rtol=1e-12)  # the averaged grad is the full-batch grad
+        # The averaged grad is the full-batch grad up to float64 summation order.
+        assert float((g - full[i]).abs().max()) <= 1e-12 * float(full[i].abs().max())
 
     counter = _CountingAllReduce()
     dist.all_reduce = counter  # type: ignore[assignment]

@@ -99,9 +99,14 @@ def build(seed: int = 0, n_layers: int = 2) -> TinyLlama:
 
 
 def batch(step: int, rows: int, seq: int = SEQ, vocab: int = VOCAB) -> Tensor:
-    """Deterministic token batch for ``step`` (same on every rank; shard it by rows)."""
+    """Deterministic, learnable token batch for ``step`` (same on every rank; shard it by
+    rows): each row follows ``t[i+1] = (3·t[i] + 1) mod vocab`` from a random start."""
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    start = torch.randint(0, vocab, (rows, 1), generator=g)
+    cols = [start]
+    for _ in range(seq):
+        cols.append((3 * cols[-1] + 1) % vocab)
+    return torch.cat(cols, dim=1)
 
 
 def loss_fn(model: nn.Module, tokens: Tensor) -> Tensor:

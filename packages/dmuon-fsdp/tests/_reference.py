@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from dmuon_ns import NewtonSchulz
 from torch import Tensor, nn
+
+from dmuon_ns import NewtonSchulz
 
 
 @dataclass(frozen=True)

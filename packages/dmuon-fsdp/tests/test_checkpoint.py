@@ -7,7 +7,6 @@ import pytest
 import torch
 from _models import build
 from _reference import Hyper, lm_loss, make_batch
-from dmuon_testing.distributed import run_distributed
 from test_training import ROWS, SEQ, VOCAB, setup_model, train_steps
 
 from dmuon_fsdp import (
@@ -17,6 +16,7 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper(weight_decay=0.02)
 TOTAL, SPLIT = 6, 3
@@ -67,11 +67,15 @@ def test_resume_is_bit_exact(world_size, reshard):
     assert groups == ["adamw", "muon"]
     model = build(0)
     for name, p in model.named_parameters():
-        want = ["momentum_buffer"] if ("proj" in name and p.ndim == 2) else [
-            "exp_avg",
-            "exp_avg_sq",
-            "step",
-        ]
+        want = (
+            ["momentum_buffer"]
+            if ("proj" in name and p.ndim == 2)
+            else [
+                "exp_avg",
+                "exp_avg_sq",
+                "step",
+            ]
+        )
         assert kinds[name] == want, name
 
 
@@ -101,7 +105,10 @@ def _bad_checkpoints(rank: int, world_size: int):
 
     bad_models = {
         "missing": ({k: v for k, v in other.items() if k != proj}, f"missing key.*{proj}"),
-        "unexpected": ({**other, "layers.9.extra": torch.zeros(1)}, "unexpected key.*layers.9.extra"),
+        "unexpected": (
+            {**other, "layers.9.extra": torch.zeros(1)},
+            "unexpected key.*layers.9.extra",
+        ),
         "shape": ({**other, norm: torch.zeros(3)}, f"{norm}.*shape \\(3,\\)"),
         "shape_dedicated": ({**other, proj: torch.zeros(2, 2)}, f"{proj}.*shape \\(2, 2\\)"),
     }

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from dmuon_ns import NewtonSchulz
 from torch.optim import _muon as torch_muon_module
 
 from dmuon_fsdp import _muon_math
@@ -20,6 +19,7 @@ from dmuon_fsdp._muon_math import (
     orthogonalize,
     weight_decay_and_update,
 )
+from dmuon_ns import NewtonSchulz
 
 
 def _polar64(x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +68,7 @@ def test_muon_update_matches_torch_muon(monkeypatch, nesterov, scaling, torch_sc
         for p, g in zip(ref, step_grads):
             p.grad = g.clone()
         opt.step()
-    _our_muon_steps(
-        ours, grads, lr=0.03, momentum=0.9, nesterov=nesterov, wd=0.1, scaling=scaling
-    )
+    _our_muon_steps(ours, grads, lr=0.03, momentum=0.9, nesterov=nesterov, wd=0.1, scaling=scaling)
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a.detach(), rtol=1e-9, atol=1e-9)
 

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 from _models import build, muon_predicate
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
-from dmuon_testing.distributed import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import Muon, _muon_math, dedicate_params
+from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
 STEPS = 10
@@ -130,7 +130,9 @@ def _clip_protocol(rank: int, world_size: int):
     ref = build(0)
     lm_loss(ref, tokens).backward()
     want = sum(
-        float(p.grad.double().pow(2).sum()) for n, p in ref.named_parameters() if muon_predicate(n, p)
+        float(p.grad.double().pow(2).sum())
+        for n, p in ref.named_parameters()
+        if muon_predicate(n, p)
     )
     return names, float(total), want
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dmuon_testing.distributed import run_distributed
 
 from dmuon_ns import gram_newton_schulz, gram_newton_schulz_distributed
 from dmuon_ns.testing import reference_newton_schulz, relative_error
+from dmuon_testing.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -30,9 +30,7 @@ def _body(rank: int, world_size: int, shape, seed, restarts, zero) -> tuple[torc
         calls.append(tuple(t.shape))
         dist.all_reduce(t)
 
-    out = gram_newton_schulz_distributed(
-        block, all_reduce, steps=6, restart_iterations=restarts
-    )
+    out = gram_newton_schulz_distributed(block, all_reduce, steps=6, restart_iterations=restarts)
     assert out.shape == block.shape and out.dtype == block.dtype
     return out, len(calls)
 

@@ -49,7 +49,10 @@ def test_empty_batch_is_not_an_error() -> None:
         ({"steps": 0}, "steps must be a positive int, got 0"),
         ({"steps": 2.5}, "steps must be a positive int"),
         ({"steps": True}, "steps must be a positive int"),
-        ({"restart_iterations": [0]}, r"restart_iterations entries must be ints in \[1, steps - 1\]"),
+        (
+            {"restart_iterations": [0]},
+            r"restart_iterations entries must be ints in \[1, steps - 1\]",
+        ),
         ({"restart_iterations": [5]}, r"\[1, 4\]"),
         ({"restart_iterations": [1.5]}, "restart_iterations entries must be ints"),
         ({"restart_iterations": 2}, "restart_iterations must be a sequence"),

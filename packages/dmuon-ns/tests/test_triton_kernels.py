@@ -61,7 +61,9 @@ def test_gram_product_is_symmetric_and_matches_float64(dtype):
     # One rounding of the fp32 sum to the storage dtype: half an ulp, relative.
     assert _err(r, expected) < (2e-3 if dtype == torch.float16 else 1.5e-2)
     # Element-exact against the same sums rounded once by torch (fp32 accumulate).
-    assert torch.allclose(r.float(), (x.float() @ x.float().mT).to(dtype).float(), rtol=1e-2, atol=1e-3)
+    assert torch.allclose(
+        r.float(), (x.float() @ x.float().mT).to(dtype).float(), rtol=1e-2, atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,7 @@
 """dmuon-clip: gradient clipping for dmuon's Muon parameters and a fused segmented clip.
 
-    stats = dmuon_clip.clip_grad_norm_(optimizer, max_norm=1.0)          # Muon grads only
-    result = dmuon_clip.clip_grad_norm_buckets_(buckets, max_norm=1.0)   # per-bucket norms
+``clip_grad_norm_(optimizer, max_norm)`` clips the Muon grads only;
+``clip_grad_norm_buckets_(buckets, max_norm)`` clips several buckets, each by its own norm.
 """
 
 from dmuon_clip._buckets import clip_grad_norm_buckets_, try_clip_optimizer_grad_norm_buckets_

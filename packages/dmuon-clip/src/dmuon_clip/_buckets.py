@@ -88,7 +88,9 @@ class _Plan(NamedTuple):
     device: torch.device
 
 
-def _resolve_device(device: torch.device | str | None, buckets: Sequence[GradClipBucket]) -> torch.device:
+def _resolve_device(
+    device: torch.device | str | None, buckets: Sequence[GradClipBucket]
+) -> torch.device:
     if device is None:
         first = next((g for b in buckets for g in b.grads), None)
         resolved = first.device if first is not None else torch.device("cpu")
@@ -101,7 +103,7 @@ def _resolve_device(device: torch.device | str | None, buckets: Sequence[GradCli
 
 def _make_plan(
     buckets: Sequence[GradClipBucket],
-    max_norm: float | None | Mapping[str, float | None],
+    max_norm: float | Mapping[str, float | None] | None,
     norm_type: float,
     device: torch.device | str | None,
 ) -> _Plan:
@@ -208,7 +210,7 @@ def _all_reduce(sums: Tensor, n_reduce: int, p: float, process_group: Any) -> No
 
 def clip_grad_norm_buckets_(
     buckets: Sequence[GradClipBucket],
-    max_norm: float | None | Mapping[str, float | None],
+    max_norm: float | Mapping[str, float | None] | None,
     *,
     norm_type: float = 2.0,
     process_group: Any = None,
@@ -318,7 +320,7 @@ def try_clip_optimizer_grad_norm_buckets_(
     *,
     regular_grads: Sequence[Tensor | None],
     adamw_grads: Sequence[Tensor | None],
-    max_norm: float | None | Mapping[str, float | None],
+    max_norm: float | Mapping[str, float | None] | None,
     process_group: Any = None,
 ) -> SegmentedGradClipResult | None:
     """Clip the three segments of a dmuon step, ``"regular"`` (ordinary ``param.grad``),

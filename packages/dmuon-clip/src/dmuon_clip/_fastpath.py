@@ -84,7 +84,9 @@ def kernel_accepts(t: Tensor, device: torch.device) -> bool:
     )
 
 
-def upload(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+def upload(
+    values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device
+) -> Tensor:
     """A small host-side table on ``device`` without a host sync: a pageable copy would block, so
     the values go through pinned memory with ``non_blocking=True`` (the pinned block stays
     reserved until the copy has run). Cached, because the same table comes back every step."""

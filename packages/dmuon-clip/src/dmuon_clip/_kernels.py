@@ -139,7 +139,8 @@ if triton is not None:
             total = tl.sqrt_rn(sums)
             combined = tl.sqrt_rn(tl.sum(sums))
         finite = (total - total) == 0.0
-        coef = tl.minimum(tl.div_rn(1.0, total + 1e-6) * max_norm, 1.0)
+        one = tl.full([BLOCK_S], 1.0, tl.float32)  # div_rn does not broadcast a scalar
+        coef = tl.minimum(tl.div_rn(one, total + 1e-6) * max_norm, 1.0)
         active = finite & (max_norm >= 0.0)
         clipped = active & (coef < 1.0)
         applied = tl.where(clipped, coef, 1.0)

@@ -51,7 +51,9 @@ def clip_grad_norm_(
         )
     with record_function("dmuon::clip_grad_norm"):
         muon = optimizer.muon_grads_for_clip()
-        stats = fn(list(muon.grads), max_norm, norm_type, muon.process_group, torch.device(muon.device))
+        stats = fn(
+            list(muon.grads), max_norm, norm_type, muon.process_group, torch.device(muon.device)
+        )
     if error_if_nonfinite and bool(stats.found_inf):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the Muon gradients is non-finite "

@@ -171,7 +171,9 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> 
                     if dp.full is not None:
                         dp.full.copy_(value)
                 elif isinstance(target, DTensor):
-                    target.to_local().copy_(_shard_like(value, target).to_local())
+                    local = _shard_like(value, target)
+                    assert isinstance(local, DTensor)
+                    target.to_local().copy_(local.to_local())
                 else:
                     target.copy_(value)
         # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
@@ -220,7 +222,10 @@ def get_optimizer_state_dict(
         if dedicated_entries:
             device = dedicated_entries[0][3].param.device
             flags = torch.tensor(
-                [1 if dp.is_owner and optimizer.state.get(p) else 0 for _, p, _, dp in dedicated_entries],
+                [
+                    1 if dp.is_owner and optimizer.state.get(p) else 0
+                    for _, p, _, dp in dedicated_entries
+                ],
                 dtype=torch.int32,
                 device=device,
             )
@@ -251,7 +256,11 @@ def get_optimizer_state_dict(
                 if not local:
                     continue
                 state[name] = {
-                    field: (local[field].detach().clone() if field == "step" else _offload(_to_full(local[field]), cpu_offload))
+                    field: (
+                        local[field].detach().clone()
+                        if field == "step"
+                        else _offload(_to_full(local[field]), cpu_offload)
+                    )
                     for field in _STATE_FIELDS[group["optimizer"]]
                 }
         groups = {

@@ -36,9 +36,7 @@ def summarize_param_groups(model: nn.Module, optimizer: Muon) -> list[dict[str, 
     """One dict per optimizer group: name, optimizer, hyperparameters, and the parameters it
     holds (all ranks) and steps (this rank), with element counts."""
     if not isinstance(optimizer, Muon):
-        raise ValueError(
-            f"optimizer must be a dmuon.Muon, got {type(optimizer).__name__}"
-        )
+        raise ValueError(f"optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
     if optimizer.model is not model:
         raise ValueError("optimizer was built on a different model object than the one given")
     out = []
@@ -119,9 +117,7 @@ def summarize_comm_plan(model: nn.Module) -> dict[str, Any]:
         "imbalance_pct": 100.0 * (max(loads) / mean - 1.0) if mean > 0 else 0.0,
         # Payloads summed over the whole world, before the (n - 1) / n wire factor.
         "payload_bytes_per_step": per_step,
-        "boundaries": [
-            {"name": group.fqn, "packs": _pack_info(group)} for group in runtime.groups
-        ],
+        "boundaries": [{"name": group.fqn, "packs": _pack_info(group)} for group in runtime.groups],
     }
 
 

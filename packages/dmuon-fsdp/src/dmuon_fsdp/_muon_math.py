@@ -27,9 +27,10 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from dmuon_ns import NewtonSchulz
 from torch import Tensor
 from torch.optim.adamw import adamw as _functional_adamw
+
+from dmuon_ns import NewtonSchulz
 
 __all__ = [
     "LrScaling",

@@ -28,11 +28,12 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from dmuon_ns import NewtonSchulz
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
+
+from dmuon_ns import NewtonSchulz
 
 from . import _muon_math
 from ._muon_math import LrScaling, adamw_step, init_adamw_state, lr_scale, momentum_update
@@ -116,7 +117,9 @@ class Muon(torch.optim.Optimizer):
         self._ns = _muon_math.make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
         self._model = model
-        self._dedicated: dict[int, DedicatedParam] = {id(dp.param): dp for dp in self._runtime.params}
+        self._dedicated: dict[int, DedicatedParam] = {
+            id(dp.param): dp for dp in self._runtime.params
+        }
         self.lr_scaling = LrScaling(lr_scaling)
         self.replicate_async = bool(replicate_async)
         groups = build_param_groups(
@@ -234,7 +237,9 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state.update(init_adamw_state(target))
-                params, grads, states = batches.setdefault(isinstance(target, DTensor), ([], [], []))
+                params, grads, states = batches.setdefault(
+                    isinstance(target, DTensor), ([], [], [])
+                )
                 params.append(target)
                 grads.append(grad)
                 states.append(state)

@@ -28,7 +28,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
 from torch import Tensor
 
 __all__ = [
@@ -146,9 +145,7 @@ def _route_of(
     return RoutedParam(fqn, p, route, dedicated=True)
 
 
-def _user_params(
-    group: Mapping[str, Any], where: str
-) -> list[tuple[str | None, Tensor]]:
+def _user_params(group: Mapping[str, Any], where: str) -> list[tuple[str | None, Tensor]]:
     if "params" not in group:
         raise ValueError(f"{where} has no 'params'; give a list of the model's parameters")
     raw = group["params"]
@@ -215,13 +212,13 @@ def build_param_groups(
             if "/" in name or not name:
                 raise ValueError(f"{where}: group_name must be non-empty and contain no '/'")
             if name in names:
-                raise ValueError(f"{where}: group_name {name!r} is used twice; names must be unique")
+                raise ValueError(
+                    f"{where}: group_name {name!r} is used twice; names must be unique"
+                )
             names.add(name)
         unknown = sorted(set(group) - _ALLOWED_KEYS)
         if unknown:
-            raise ValueError(
-                f"{where}: unknown key(s) {unknown}; allowed: {sorted(_ALLOWED_KEYS)}"
-            )
+            raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_ALLOWED_KEYS)}")
         forced = _forced_route(group, where)
         routed: list[RoutedParam] = []
         for given_name, p in _user_params(group, where):
@@ -252,7 +249,9 @@ def build_param_groups(
             and tuple(dedicated[key].shape if key in dedicated else q.shape) == shape
         ]
         label = f"{given_name!r}" if given_name is not None else f"a tensor of shape {shape}"
-        hint = f" (it looks like the pre-wrapping {', '.join(candidates[:3])})" if candidates else ""
+        hint = (
+            f" (it looks like the pre-wrapping {', '.join(candidates[:3])})" if candidates else ""
+        )
         raise ValueError(
             f"{where} holds {label}, which is not a parameter of the wrapped model{hint};"
             " build param_groups from model.named_parameters() after dedicate_params() and"
@@ -279,6 +278,9 @@ def build_param_groups(
         adamw_wd = group.get(
             "adamw_weight_decay", wd if wd is not None else defaults.adamw_weight_decay
         )
+        momentum = _check_number(group.get("momentum", defaults.momentum), "momentum", where)
+        if momentum >= 1.0:
+            raise ValueError(f"{where}: momentum must lie in [0, 1), got {momentum}")
         muon_group = {
             "params": [r.param for r in routed if r.optimizer == MUON],
             "param_names": [r.fqn for r in routed if r.optimizer == MUON],
@@ -286,11 +288,9 @@ def build_param_groups(
             "optimizer": MUON,
             "lr": _check_number(muon_lr, "muon_lr", where),
             "weight_decay": _check_number(muon_wd, "muon_weight_decay", where),
-            "momentum": _check_number(group.get("momentum", defaults.momentum), "momentum", where),
+            "momentum": momentum,
             "nesterov": bool(group.get("nesterov", defaults.nesterov)),
         }
-        if muon_group["momentum"] >= 1.0:
-            raise ValueError(f"{where}: momentum must lie in [0, 1), got {muon_group['momentum']}")
         adamw_group = {
             "params": [r.param for r in routed if r.optimizer == ADAMW],
             "param_names": [r.fqn for r in routed if r.optimizer == ADAMW],
@@ -304,7 +304,3 @@ def build_param_groups(
         out += [muon_group, adamw_group]
     return out
 
-
-def default_trainable(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
-    """The wrapped model's trainable parameters, deduplicated, in ``named_parameters`` order."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -15,7 +15,7 @@ from dmuon_ns._coefficients import (
     YOU_COEFFICIENTS,
     YOU_SIX_STEP_COEFFICIENTS,
 )
-from dmuon_ns._config import NSBackend, NewtonSchulz
+from dmuon_ns._config import NewtonSchulz, NSBackend
 from dmuon_ns._distributed import gram_newton_schulz_distributed
 from dmuon_ns._newton_schulz import direct_newton_schulz, gram_newton_schulz, newton_schulz
 from dmuon_ns._registry import KERNEL_ENV, NSKernel, NSKernelUnavailableError, register_kernel

@@ -93,7 +93,7 @@ def validate_coefficients(
                 f"{name}[{i}] must be a triple (a, b, c) of floats, got {row!r};"
                 " each row gives one step's quintic a·x + b·x³ + c·x⁵"
             )
-        values = []
+        values: list[float] = []
         for value in row:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name}[{i}] must hold real numbers, got {row!r}")

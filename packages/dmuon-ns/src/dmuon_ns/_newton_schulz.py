@@ -12,7 +12,7 @@ from typing import overload
 import torch
 from torch import Tensor
 
-from dmuon_ns._config import NSBackend, NewtonSchulz
+from dmuon_ns._config import NewtonSchulz, NSBackend
 
 __all__ = ["direct_newton_schulz", "gram_newton_schulz", "newton_schulz"]
 
@@ -78,6 +78,30 @@ def newton_schulz(
     return config(G)
 
 
+@overload
+def gram_newton_schulz(
+    G: Tensor,
+    *,
+    steps: int = ...,
+    coefficients: Sequence[Sequence[float]] | None = ...,
+    kernel: str = ...,
+    restart_iterations: Sequence[int] | None = ...,
+    dtype: torch.dtype = ...,
+    eps: float = ...,
+    deterministic: bool = ...,
+) -> Tensor: ...
+@overload
+def gram_newton_schulz(
+    G: list[Tensor] | tuple[Tensor, ...],
+    *,
+    steps: int = ...,
+    coefficients: Sequence[Sequence[float]] | None = ...,
+    kernel: str = ...,
+    restart_iterations: Sequence[int] | None = ...,
+    dtype: torch.dtype = ...,
+    eps: float = ...,
+    deterministic: bool = ...,
+) -> list[Tensor]: ...
 def gram_newton_schulz(
     G: TensorOrList,
     *,
@@ -103,6 +127,28 @@ def gram_newton_schulz(
     )
 
 
+@overload
+def direct_newton_schulz(
+    G: Tensor,
+    *,
+    steps: int = ...,
+    coefficients: Sequence[Sequence[float]] | None = ...,
+    kernel: str = ...,
+    dtype: torch.dtype = ...,
+    eps: float = ...,
+    deterministic: bool = ...,
+) -> Tensor: ...
+@overload
+def direct_newton_schulz(
+    G: list[Tensor] | tuple[Tensor, ...],
+    *,
+    steps: int = ...,
+    coefficients: Sequence[Sequence[float]] | None = ...,
+    kernel: str = ...,
+    dtype: torch.dtype = ...,
+    eps: float = ...,
+    deterministic: bool = ...,
+) -> list[Tensor]: ...
 def direct_newton_schulz(
     G: TensorOrList,
     *,

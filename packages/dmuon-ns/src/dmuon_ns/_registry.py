@@ -43,6 +43,7 @@ __all__ = [
     "NSKernel",
     "NSKernelUnavailableError",
     "Resolution",
+    "clear_resolution_cache",
     "kernel_names",
     "kernel_override",
     "kernel_status",
@@ -121,6 +122,14 @@ def register_kernel(kernel: NSKernel) -> None:
             logger.debug("dmuon-ns: kernel %r replaced by %r", name, kernel)
         _kernels[name] = kernel
         _import_failures.pop(name, None)
+        _cache.clear()
+
+
+def clear_resolution_cache() -> None:
+    """Forget cached ``resolve`` answers. Availability is assumed fixed for a process; tests
+    that change what a kernel's ``unavailable_reason`` depends on (``TRITON_INTERPRET``, say)
+    call this."""
+    with _lock:
         _cache.clear()
 
 

@@ -309,11 +309,17 @@ def _static_k_tiles(k: int, block_k: int) -> int:
     return triton.cdiv(k, block_k) if _INTERPRETING else 0
 
 
-def _check_operands(a: Tensor, b: Tensor, c: Tensor | None, out_shape: tuple[int, ...]) -> None:
+def _check_operands(a: Tensor, b: Tensor, c: Tensor | None, *, symmetric: bool) -> None:
     if a.ndim != 3 or b.ndim != 3:
         raise ValueError(f"a and b must be 3-D (batch, rows, cols), got {a.ndim}-D and {b.ndim}-D")
     if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply")
+    if symmetric and b.shape[2] != a.shape[1]:
+        raise ValueError(
+            f"a symmetric product needs a square result, got a {tuple(a.shape)}"
+            f" and b {tuple(b.shape)}"
+        )
+    out_shape = (a.shape[0], a.shape[1], b.shape[2])
     if a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype:
         raise ValueError(f"a and b must both be float16 or bfloat16, got {a.dtype} and {b.dtype}")
     if c is not None and tuple(c.shape) != out_shape:
@@ -337,8 +343,8 @@ def sym_matmul(
     matrix), ``c`` (batch, m, m) symmetric or ``None``. Only the lower triangle of tiles is
     computed; see the module notes.
     """
+    _check_operands(a, b, c, symmetric=True)
     batch, m, k = a.shape
-    _check_operands(a, b, c, (batch, m, m))
     out = torch.empty((batch, m, m), dtype=a.dtype, device=a.device)
     out2 = torch.empty_like(out) if diag2 is not None else None
     if batch == 0 or m == 0:
@@ -394,9 +400,9 @@ def matmul(
 
     ``config`` fixes the tiles, as for ``sym_matmul``.
     """
+    _check_operands(a, b, c, symmetric=False)
     batch, m, k = a.shape
     n = b.shape[2]
-    _check_operands(a, b, c, (batch, m, n))
     out = torch.empty((batch, m, n), dtype=a.dtype, device=a.device)
     if batch == 0 or m == 0 or n == 0:
         return out

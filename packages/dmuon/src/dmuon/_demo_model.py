@@ -141,6 +141,9 @@ class TinyLlama(nn.Module):
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     # Residual-branch outputs start small so that deep stacks begin near identity.
                     p.div_((2 * self.cfg.layers) ** 0.5)
+                elif name == "lm_head.weight":
+                    # Near-zero logits: training starts at the uniform guess, loss ≈ ln(vocab).
+                    p.mul_(std)
             else:
                 nn.init.ones_(p)
 

@@ -56,11 +56,17 @@ class StepEvent:
 
 @dataclass(frozen=True)
 class RunResult:
+    """One rank's record of one run. ``shard_bytes`` / ``replicate_bytes`` are the payload
+    bytes of the dmuon collectives this rank took part in, per step, as dmuon's own
+    ``CommCounter`` counted them (empty for the baseline, whose FSDP2 traffic is not counted)."""
+
     run: RunKind
+    muon_numel: int
+    muon_itemsize: int
     losses: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
-    muon_numel: int = 0
-    muon_itemsize: int = 4
+    shard_bytes: list[int] = field(default_factory=list)
+    replicate_bytes: list[int] = field(default_factory=list)
 
 
 def build_mesh(device_type: str, world_size: int, replicate: int) -> DeviceMesh:
@@ -112,7 +118,14 @@ def train_run(
     result = RunResult(
         kind, muon_numel=sum(p.numel() for p in muon), muon_itemsize=muon[0].element_size()
     )
+    counter = None
+    if kind is RunKind.DMUON:
+        import dmuon
+
+        counter = dmuon.get_comm_ctx(model).counter
     for step in range(opts.steps):
+        if counter is not None:
+            counter.reset()
         tokens = stream.shard(step, opts.batch_size, ctx.rank, ctx.world_size).to(ctx.device)
         _sync(ctx.device)
         start = time.perf_counter()
@@ -128,6 +141,9 @@ def train_run(
         seconds = time.perf_counter() - start
         result.losses.append(mean)
         result.seconds.append(seconds)
+        if counter is not None:
+            result.shard_bytes.append(counter.bytes("shard"))
+            result.replicate_bytes.append(counter.bytes("replicate"))
         ctx.emit(StepEvent(kind, step + 1, opts.steps, mean, seconds))
     return result
 

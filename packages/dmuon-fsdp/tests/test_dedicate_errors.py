@@ -1,0 +1,172 @@
+"""Every misuse of dedicate_params that SPEC section 5 lists gets an error naming the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import MLP, Attention, batch, build, loss_fn, muon_predicate
+from dmuon_testing.distributed import run_distributed
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dmuon_fsdp import dedicate_params, get_owned_params, get_runtime
+
+
+def _mesh(world_size: int):
+    return init_device_mesh("cpu", (world_size,))
+
+
+def _fully_shard_first(rank: int, world_size: int) -> None:
+    model = build(0)
+    mesh = _mesh(world_size)
+    fully_shard(model.layers[0], mesh=mesh)
+    with pytest.raises(RuntimeError, match=r"fully_shard was already applied to module 'layers\.0'.*dedicate_params.*before fully_shard"):
+        dedicate_params(model, mesh, muon_predicate)
+
+
+def _dtensor_param(rank: int, world_size: int) -> None:
+    model = build(0)
+    mesh = _mesh(world_size)
+    mlp = model.layers[0].mlp
+    mlp.up_proj.weight = nn.Parameter(distribute_tensor(mlp.up_proj.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(RuntimeError, match=r"'layers\.0\.mlp\.up_proj\.weight' is already a DTensor.*dedicate_params.*first"):
+        dedicate_params(model, mesh, muon_predicate)
+
+
+def _non_matrix(rank: int, world_size: int) -> None:
+    model = build(0)
+    with pytest.raises(ValueError, match=r"'layers\.0\.attn_norm\.weight' \(shape \(16,\)\).*2-D matrix.*p\.ndim == 2"):
+        dedicate_params(model, _mesh(world_size), lambda n, p: "layers" in n)
+
+
+def _strict_boundary(rank: int, world_size: int) -> None:
+    model = build(0)
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' has no hook boundary.*hook_boundary_predicate.*hook_boundary_strict=False"):
+        dedicate_params(model, _mesh(world_size), lambda n, p: p.ndim == 2 and "embed" not in n)
+    # The same with a predicate that matches nothing above it.
+    model = build(0)
+    with pytest.raises(ValueError, match=r"hook_boundary_predicate matches none of its ancestors"):
+        dedicate_params(
+            model, _mesh(world_size), muon_predicate, hook_boundary_predicate=lambda m: False
+        )
+
+
+def _non_strict_root_boundary(rank: int, world_size: int) -> None:
+    model, ref = build(0), build(0)
+    runtime = dedicate_params(
+        model, _mesh(world_size), lambda n, p: p.ndim == 2 and "embed" not in n,
+        hook_boundary_strict=False,
+    )
+    boundaries = {dp.fqn: dp.boundary for dp in runtime.params}
+    assert boundaries["lm_head.weight"] == ""
+    assert boundaries["layers.1.mlp.up_proj.weight"] == "layers.1"
+    loss_fn(model, batch(0, 4)).backward()
+    loss_fn(ref, batch(0, 4)).backward()
+    runtime.wait_all_reduces()
+    for dp in runtime.owned:
+        torch.testing.assert_close(dp.grad, ref.get_parameter(dp.fqn).grad)
+
+
+def _boundary_predicate_lowest(rank: int, world_size: int) -> None:
+    model = build(0)
+    runtime = dedicate_params(
+        model,
+        _mesh(world_size),
+        muon_predicate,
+        hook_boundary_predicate=lambda m: isinstance(m, (MLP, Attention, type(model.layers[0]))),
+    )
+    boundaries = {dp.boundary for dp in runtime.params}
+    assert boundaries == {f"layers.{i}.{m}" for i in range(2) for m in ("attn", "mlp")}
+
+
+def _bad_arguments(rank: int, world_size: int) -> None:
+    mesh = _mesh(world_size)
+    with pytest.raises(ValueError, match=r"process_group_policy='private' is not one of 'isolated', 'shared'"):
+        dedicate_params(build(0), mesh, muon_predicate, process_group_policy="private")
+    with pytest.raises(TypeError, match=r"predicate must be a callable"):
+        dedicate_params(build(0), mesh, "proj")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"reshard_after_forward must be a bool"):
+        dedicate_params(build(0), mesh, muon_predicate, reshard_after_forward=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"mesh must be a torch.distributed DeviceMesh"):
+        dedicate_params(build(0), [0], muon_predicate)
+    with pytest.raises(ValueError, match=r"param_dtype='bfloat16'.*cast the model"):
+        dedicate_params(
+            build(0), mesh, muon_predicate,
+            param_policy={"defaults": {"route": "muon", "param_dtype": torch.bfloat16}},
+        )
+    with pytest.raises(ValueError, match=r"has no dmuon runtime.*dedicate_params"):
+        get_runtime(build(0))
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    with pytest.raises(RuntimeError, match=r"already called on this TinyLlama"):
+        dedicate_params(model, mesh, muon_predicate)
+    with pytest.raises(ValueError, match=r"rank must be an int .* or a \(shard, replicate\) pair"):
+        get_owned_params(model, (0, 0, 0))  # type: ignore[arg-type]
+    assert len(get_owned_params(model, rank)) == len(get_runtime(model).owned)
+
+
+def _routes(rank: int, world_size: int) -> None:
+    model = build(0)
+    mesh = _mesh(world_size)
+    runtime = dedicate_params(
+        model,
+        mesh,
+        lambda n, p: "layers" in n,
+        param_policy={
+            "defaults": {"route": "adamw"},
+            "overrides": [{"name": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "set": {"route": "muon"}},
+                          {"name": ["mlp_norm"], "set": {"route": "sharded_adamw"}}],
+        },
+    )
+    routes = {dp.fqn: dp.route for dp in runtime.params}
+    assert routes["layers.0.attn.q_proj.weight"] == "muon"
+    assert routes["layers.0.attn_norm.weight"] == "adamw"  # 1-D is fine off the Muon route
+    assert "layers.0.mlp_norm.weight" not in routes  # left to FSDP2
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(model.layers[0].mlp_norm.weight, DTensor)
+    assert not isinstance(model.layers[0].attn_norm.weight, DTensor)
+
+
+def _mesh_errors(rank: int, world_size: int) -> None:
+    unnamed = init_device_mesh("cpu", (2, 2))
+    with pytest.raises(ValueError, match=r"unnamed 2-D DeviceMesh.*mesh_dim_names=\('replicate', 'shard'\)"):
+        dedicate_params(build(0), unnamed, muon_predicate)
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"replicate_mesh does not match mesh"):
+        dedicate_params(build(0), hsdp["shard"], muon_predicate, replicate_mesh=hsdp["shard"])
+    with pytest.raises(ValueError, match=r"do not multiply to the world size: shard 2 x replicate 1 != 4"):
+        dedicate_params(build(0), hsdp["shard"], muon_predicate)
+    with pytest.raises(ValueError, match=r"replicate_mesh must be a 1-D DeviceMesh"):
+        dedicate_params(build(0), hsdp["shard"], muon_predicate, replicate_mesh=hsdp)
+    # A named 2-D mesh is accepted as a shorthand for (mesh['shard'], replicate_mesh=mesh['replicate']).
+    runtime = dedicate_params(build(0), hsdp, muon_predicate)
+    assert runtime.layout.shard_size == 2 and runtime.layout.replicate_size == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "body",
+    [
+        _fully_shard_first,
+        _dtensor_param,
+        _non_matrix,
+        _strict_boundary,
+        _non_strict_root_boundary,
+        _boundary_predicate_lowest,
+        _bad_arguments,
+        _routes,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_dedicate_errors_and_options(body) -> None:
+    run_distributed(body, 2)
+
+
+@pytest.mark.distributed
+def test_mesh_errors() -> None:
+    run_distributed(_mesh_errors, 4)

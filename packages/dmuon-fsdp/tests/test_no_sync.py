@@ -1,0 +1,77 @@
+"""``no_sync``: micro-batches accumulate locally and one synced backward reduces their sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import batch, build, loss_fn, muon_numel, muon_predicate
+from dmuon_testing.distributed import run_distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_fsdp import dedicate_params, no_sync
+
+MICRO = 4
+ROWS = 4  # rows per micro-batch on each rank
+
+
+def _wrapped(world_size: int, reshard: bool):
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, runtime
+
+
+def _accumulate_vs_large_batch(rank: int, world_size: int, reshard: bool) -> dict:
+    tokens = batch(0, ROWS * MICRO * world_size).chunk(world_size)[rank]
+    micro = tokens.chunk(MICRO)
+
+    acc_model, acc = _wrapped(world_size, reshard)
+    acc.counter.reset()
+    for i, part in enumerate(micro):
+        if i < MICRO - 1:
+            with no_sync(acc_model):
+                (loss_fn(acc_model, part) / MICRO).backward()
+            # Nothing was reduced: the local gradient stays on the parameter.
+            assert all(dp.param.grad is not None for dp in acc.params)
+            assert all(dp.grad is None for dp in acc.owned)
+        else:
+            (loss_fn(acc_model, part) / MICRO).backward()
+    acc.wait_all_reduces()
+    counts = {
+        "broadcast": acc.counter.bytes("shard", "broadcast"),
+        "reduce": acc.counter.bytes("shard", "reduce"),
+    }
+
+    big_model, big = _wrapped(world_size, reshard)
+    loss_fn(big_model, tokens).backward()
+    big.wait_all_reduces()
+
+    big_grads = {dp.fqn: dp.grad for dp in big.owned}
+    for dp in acc.owned:
+        assert dp.param.grad is None
+        torch.testing.assert_close(dp.grad, big_grads[dp.fqn], rtol=1e-5, atol=1e-7)
+    # FSDP2's parameters accumulated without reduce-scatter and merged the same way.
+    big_params = dict(big_model.named_parameters())
+    dedicated = {dp.fqn for dp in acc.params}
+    for name, param in acc_model.named_parameters():
+        if name not in dedicated:
+            torch.testing.assert_close(
+                param.grad.full_tensor(), big_params[name].grad.full_tensor(), rtol=1e-5, atol=1e-7
+            )
+    return counts
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("reshard", [True, False], ids=["z3", "z2"])
+def test_no_sync_matches_one_large_batch(reshard: bool) -> None:
+    world_size = 2
+    counts = run_distributed(_accumulate_vs_large_batch, world_size, reshard)
+    p_m = muon_numel(build(0)) * 4
+    # Z2 keeps the weights over the accumulation: one broadcast round for all micro-batches;
+    # Z3 broadcasts twice per micro-batch. One reduce round either way.
+    rounds = 2 * MICRO if reshard else 1
+    assert counts[0] == {"broadcast": rounds * p_m, "reduce": p_m}

@@ -1,0 +1,214 @@
+"""Semantic param groups: the split into ``<name>/muon`` and ``<name>/adamw``, overrides, route
+forcing, schedulers, and the construction errors for stale / duplicate / missing params."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _models import build, muon_predicate
+from _reference import Hyper, train_reference
+from test_training import ROWS, SEQ, VOCAB, setup_model, train_steps
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_fsdp import (
+    Muon,
+    collect_forward_unshard_profile,
+    dedicate_params,
+    summarize_comm_plan,
+    summarize_param_groups,
+)
+from dmuon_testing.distributed import run_distributed
+
+HYPER = Hyper()
+
+
+def _split(model):
+    head, body = [], []
+    for name, p in model.named_parameters():
+        (head if name.startswith(("lm_head", "norm", "layers.1")) else body).append(p)
+    return body, head
+
+
+def _semantic_equals_default(rank: int, world_size: int):
+    model, _ = setup_model(world_size)
+    default = train_steps(model, Muon(model, **HYPER.muon_kwargs()), rank, world_size, 3)
+    model, _ = setup_model(world_size)
+    body, head = _split(model)
+    groups = [{"params": body, "group_name": "body"}, {"params": head, "group_name": "head"}]
+    optimizer = Muon(model, **HYPER.muon_kwargs(), param_groups=groups)
+    names = [g["group_name"] for g in optimizer.param_groups]
+    semantic = train_steps(model, optimizer, rank, world_size, 3)
+    return default, semantic, names
+
+
+@pytest.mark.distributed
+def test_semantic_groups_with_default_values_equal_default_groups():
+    default, semantic, names = run_distributed(_semantic_equals_default, 2)[0]
+    assert names == ["body/muon", "body/adamw", "head/muon", "head/adamw"]
+    assert semantic == default
+
+
+def _overrides_and_scheduler(rank: int, world_size: int):
+    model, runtime = setup_model(world_size)
+    body, head = _split(model)
+    groups = [
+        {"params": body, "group_name": "body", "lr": 0.5, "adamw_lr": 0.25, "momentum": 0.8},
+        {
+            "params": head,
+            "group_name": "head",
+            "muon_weight_decay": 0.3,
+            "adamw_betas": (0.5, 0.6),
+            "adamw_eps": 1e-5,
+        },
+    ]
+    optimizer = Muon(model, lr=0.01, adamw_lr=0.002, param_groups=groups)
+    by_name = {g["group_name"]: g for g in optimizer.param_groups}
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    train_steps(model, optimizer, rank, world_size, 2, scheduler=scheduler)
+    summary = summarize_param_groups(model, optimizer)
+    plan = summarize_comm_plan(model)
+    profile = collect_forward_unshard_profile(model)
+    json.dumps([summary, plan, profile])  # JSON-friendly
+    return (
+        {name: {k: v for k, v in g.items() if k not in ("params",)} for name, g in by_name.items()},
+        summary,
+        plan,
+        profile,
+        sorted(dp.fqn for dp in runtime.owned),
+    )
+
+
+@pytest.mark.distributed
+def test_overrides_scheduler_and_diagnostics():
+    results = run_distributed(_overrides_and_scheduler, 2)
+    groups, summary, plan, profile, _ = results[0]
+    body_muon, body_adamw = groups["body/muon"], groups["body/adamw"]
+    head_muon, head_adamw = groups["head/muon"], groups["head/adamw"]
+    # lr applies to both subgroups unless overridden; the scheduler scaled each by 0.25.
+    assert body_muon["lr"] == pytest.approx(0.5 * 0.25)
+    assert body_adamw["lr"] == pytest.approx(0.25 * 0.25)
+    assert head_muon["lr"] == pytest.approx(0.01 * 0.25)
+    assert head_adamw["lr"] == pytest.approx(0.002 * 0.25)
+    assert body_muon["initial_lr"] == 0.5 and head_adamw["initial_lr"] == 0.002
+    assert body_muon["momentum"] == 0.8 and head_muon["momentum"] == 0.95
+    assert head_muon["weight_decay"] == 0.3 and body_muon["weight_decay"] == 0.0
+    assert head_adamw["betas"] == (0.5, 0.6) and head_adamw["eps"] == 1e-5
+    assert body_adamw["betas"] == (0.9, 0.999) and body_adamw["weight_decay"] == 0.01
+    assert all(n.startswith(("lm_head", "norm", "layers.1")) for n in head_muon["param_names"])
+    assert "layers.1.attn.q_proj.weight" in head_muon["param_names"]
+    assert "layers.0.mlp.up_proj.weight" in body_muon["param_names"]
+    assert "embed_tokens.weight" in body_adamw["param_names"]
+
+    # Diagnostics: every rank steps its own share; together they cover every parameter once.
+    stepped = [
+        n for r in results for g in r[1] if g["optimizer"] == "muon" for n in g["stepped_here"]
+    ]
+    model = build(0)
+    muon_names = sorted(n for n, p in model.named_parameters() if muon_predicate(n, p))
+    assert sorted(stepped) == muon_names
+    assert sorted(n for r in results for n in r[4]) == muon_names
+    assert {s["name"]: s["hyperparameters"]["lr"] for s in summary}["body/muon"] == pytest.approx(
+        0.125
+    )
+    assert plan["world_size"] == 2 and plan["num_params"] == len(muon_names)
+    assert sum(len(p["params"]) for b in plan["boundaries"] for p in b["packs"]) == len(muon_names)
+    muon_bytes = 4 * sum(p.numel() for n, p in model.named_parameters() if muon_predicate(n, p))
+    assert plan["payload_bytes_per_step"] == {
+        "shard/broadcast": 2 * muon_bytes,
+        "shard/reduce": muon_bytes,
+    }
+    assert [b["name"] for b in profile["boundaries"]] == ["layers.0", "layers.1"]
+    for r in results:
+        received = sum(b["recv_bytes_per_broadcast"] for b in r[3]["boundaries"])
+        sent = sum(b["send_bytes_per_broadcast"] for b in r[3]["boundaries"])
+        assert received + sent == muon_bytes
+
+
+def _forced_route(rank: int, world_size: int):
+    model, _ = setup_model(world_size)
+    body, head = _split(model)
+    groups = [
+        {"params": body, "group_name": "body"},
+        {"params": head, "group_name": "head", "dmuon_route": "adamw"},
+    ]
+    optimizer = Muon(model, **HYPER.muon_kwargs(), param_groups=groups)
+    head_muon = next(g for g in optimizer.param_groups if g["group_name"] == "head/muon")
+    losses = train_steps(model, optimizer, rank, world_size, 4)
+    ref = None
+    if rank == 0:
+        plain = build(0)
+        muon = [
+            n
+            for n, p in plain.named_parameters()
+            if muon_predicate(n, p) and not n.startswith("layers.1")
+        ]
+        ref = train_reference(plain, muon, HYPER, 4, ROWS, SEQ, VOCAB)
+    return len(head_muon["params"]), losses, ref
+
+
+@pytest.mark.distributed
+def test_forced_adamw_route_matches_reference():
+    n_head_muon, losses, ref = run_distributed(_forced_route, 2)[0]
+    assert n_head_muon == 0
+    assert losses == pytest.approx(ref, rel=2e-3)
+
+
+def _errors(rank: int, world_size: int):
+    # Stale: groups built before fully_shard hold the pre-wrapping parameters.
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, muon_predicate)
+    stale = [p for n, p in model.named_parameters() if n == "layers.0.attn_norm.weight"]
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    current = [p for n, p in model.named_parameters() if n != "layers.0.attn_norm.weight"]
+    messages = {}
+    cases = {
+        "stale": (
+            [{"params": current + stale, "group_name": "all"}],
+            "not a parameter of the wrapped model.*layers.0.attn_norm.weight.*after"
+            " dedicate_params\\(\\) and fully_shard\\(\\)",
+        ),
+        "duplicate": (
+            [
+                {"params": current, "group_name": "a"},
+                {"params": current[:1], "group_name": "b"},
+            ],
+            "'embed_tokens.weight' is also in param_groups\\[0\\] \\('a'\\).*exactly one group",
+        ),
+        "missing": (
+            [{"params": current, "group_name": "a"}],
+            "missing trainable parameter.*'layers.0.attn_norm.weight'.*add them to a group",
+        ),
+        "unknown_key": (
+            [{"params": current, "group_name": "a", "betas": (0.9, 0.9)}],
+            "unknown key.*'betas'",
+        ),
+        "bad_route": (
+            [{"params": current, "dmuon_route": "sgd"}],
+            "dmuon_route='sgd'.*use 'muon' or 'adamw'",
+        ),
+    }
+    for label, (groups, match) in cases.items():
+        with pytest.raises(ValueError, match=match) as info:
+            Muon(model, param_groups=groups)
+        messages[label] = str(info.value)
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        Muon(model, lr=-1.0)
+    with pytest.raises(ValueError, match="lr_scaling"):
+        Muon(model, lr_scaling="sqrt")
+    with pytest.raises(ValueError, match=r"an nn\.Module"):
+        Muon(list(model.parameters()))  # type: ignore[arg-type]
+    optimizer = Muon(model)
+    with pytest.raises(ValueError, match=r"Muon\(model, param_groups=\[\.\.\.\]\)"):
+        optimizer.add_param_group({"params": []})
+    return messages
+
+
+@pytest.mark.distributed
+def test_bad_param_groups_raise_at_construction():
+    run_distributed(_errors, 2)
