@@ -125,7 +125,10 @@ def test_registry() -> None:
 
 
 def test_optimizer_without_the_protocol() -> None:
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    class PlainOptimizer:  # e.g. a torch.optim optimizer: no dmuon protocol
+        def step(self) -> None: ...
+
+    opt = PlainOptimizer()
     with pytest.raises(TypeError, match=r"torch\.nn\.utils\.clip_grad_norm_"):
         clip_grad_norm_(opt, 1.0)  # type: ignore[arg-type]
 

@@ -15,7 +15,7 @@ from _models import batch, build, loss_fn, muon_predicate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dmuon_fsdp import Axis, CommKind, dedicate_params
+from dmuon_fsdp import Axis, CommKind, Role, dedicate_params
 
 LR = 0.5
 ROWS = 8
@@ -28,6 +28,7 @@ class RunResult:
     bytes_per_step: list[dict[str, int]] = field(default_factory=list)
     calls_per_step: list[dict[str, int]] = field(default_factory=list)
     owned: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> final full weight
+    replicas: dict[str, torch.Tensor] = field(default_factory=dict)  # HSDP column copies
 
 
 def make_mesh(world_size: int, replicate: int):
@@ -91,6 +92,9 @@ def sgd_run(
         result.calls_per_step.append({f"{a}/{k}": counter.calls(a, k) for a, k in keys})
     runtime.drain()
     result.owned = {dp.fqn: dp.full.clone() for dp in runtime.owned if dp.full is not None}
+    result.replicas = {
+        dp.fqn: dp.param.detach().clone() for dp in runtime.params if dp.role is Role.REPLICA
+    }
     return result
 
 

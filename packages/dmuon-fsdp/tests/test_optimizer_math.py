@@ -153,3 +153,39 @@ def test_adamw_step_matches_torch_adamw():
         assert torch.equal(opt.state[a]["exp_avg_sq"], s["exp_avg_sq"])
         assert float(s["step"]) == 5.0
     assert math.isfinite(float(ours[0].sum()))
+
+
+@pytest.mark.parametrize(("max_batch_bytes", "calls"), [(None, 3), (2 * 16 * 32 * 4, 4)])
+def test_muon_step_batches_and_matches_per_matrix_math(monkeypatch, max_batch_bytes, calls):
+    seen = []
+    real = _muon_math.orthogonalize_batch
+
+    def counting(ns, batch):
+        seen.append(batch.shape[0])
+        return real(ns, batch)
+
+    monkeypatch.setattr(_muon_math, "orthogonalize_batch", counting)
+    ns = make_newton_schulz("gram", 5)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(16, 32), (32, 16), (16, 32), (16, 32), (8, 8)]
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    bufs = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    expected = []
+    for i, (w, b, g) in enumerate(zip(weights, bufs, grads)):
+        w, b = w.clone(), b.clone()
+        nesterov = i != 1
+        x = momentum_update(b, g, 0.9, nesterov)
+        weight_decay_and_update(
+            w, ns(x), lr=0.1, weight_decay=0.2, scale=lr_scale(w.shape, "moonlight")
+        )
+        expected.append((w, b))
+    items = [
+        _muon_math.MuonItem(w, g, b, 0.9, i != 1, 0.1, 0.2, lr_scale(w.shape, "moonlight"))
+        for i, (w, b, g) in enumerate(zip(weights, bufs, grads))
+    ]
+    _muon_math.muon_step(items, ns, max_batch_bytes=max_batch_bytes)
+    assert len(seen) == calls and sum(seen) == len(shapes)
+    for (w, b), item in zip(expected, items):
+        assert torch.equal(item.weight, w)
+        assert torch.equal(item.buf, b)

@@ -21,10 +21,27 @@ VOCAB = 32
 SEQ = 8
 
 
-def setup_model(world_size: int, *, reshard: bool = True, seed: int = 0, n_layers: int = 2):
+def setup_model(
+    world_size: int, *, reshard: bool = True, seed: int = 0, n_layers: int = 2, replicate: int = 1
+):
+    """The tiny model under dmuon + FSDP2: 1-D over ``world_size`` ranks, or HSDP with
+    ``replicate`` replicas of ``world_size // replicate`` shards."""
     model = build(seed, n_layers)
-    mesh = init_device_mesh("cpu", (world_size,))
-    runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    if replicate == 1:
+        mesh = shard_mesh = init_device_mesh("cpu", (world_size,))
+        replicate_mesh = None
+    else:
+        mesh = init_device_mesh(
+            "cpu", (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard")
+        )
+        shard_mesh, replicate_mesh = mesh["shard"], mesh["replicate"]
+    runtime = dedicate_params(
+        model,
+        shard_mesh,
+        muon_predicate,
+        reshard_after_forward=reshard,
+        replicate_mesh=replicate_mesh,
+    )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

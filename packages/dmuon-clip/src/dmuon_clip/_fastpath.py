@@ -90,7 +90,7 @@ def upload(
     """A small host-side table on ``device`` without a host sync: a pageable copy would block, so
     the values go through pinned memory with ``non_blocking=True`` (the pinned block stays
     reserved until the copy has run). Cached, because the same table comes back every step."""
-    key = (tuple(values), dtype, device)
+    key = (tuple(values), dtype, device, _stream_id(device))
     cached = _upload_cache.get(key)
     if cached is not None:
         _upload_cache.move_to_end(key)
@@ -102,6 +102,14 @@ def upload(
         out = host.pin_memory().to(device, non_blocking=True)
     _remember(_upload_cache, key, out)
     return out
+
+
+def _stream_id(device: torch.device) -> int | None:
+    # Cached device tables were written on the stream current at upload; a call on another stream
+    # gets its own copy rather than racing that upload (or outliving it in the allocator's view).
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).stream_id
 
 
 def _remember(cache: OrderedDict, key: tuple, value: Any) -> None:
@@ -127,7 +135,12 @@ class KernelPlan(NamedTuple):
 
 def _build_plan(slot_tensors: Sequence[tuple[int, Tensor]], device: torch.device) -> KernelPlan:
     chunk = _CHUNK
-    key = (chunk, device, *((s, t.data_ptr(), t.numel(), t.dtype) for s, t in slot_tensors))
+    key = (
+        chunk,
+        device,
+        _stream_id(device),
+        *((s, t.data_ptr(), t.numel(), t.dtype) for s, t in slot_tensors),
+    )
     cached = _table_cache.get(key)
     if cached is not None:
         _table_cache.move_to_end(key)

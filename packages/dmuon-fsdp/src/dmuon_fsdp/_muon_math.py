@@ -11,6 +11,15 @@ result equals twelve separate calls up to the rounding of batched matrix product
 ``orthogonalize_batch`` is the only place where the optimizer invokes NS: a test patches it to
 count invocations per matrix across the world.
 
+The NS inputs are written straight into the stack (no per-matrix temporary), and the stack
+lives only while its NS runs. Its transient memory is a few times the stack itself (the fp32
+input, NS's normalised copy and fp16 iterates, the fp32 result), which for the large matrices
+of a big model would be several GiB if every same-shape matrix went into one stack. So
+``max_batch_bytes`` caps one stack's input size: a shape whose matrices exceed it runs in a
+few calls. Batching pays off for small matrices (launch-bound), which always fit; a
+``(14336, 4096)`` matrix already fills the GPU on its own. ``None`` lifts the cap (exactly one
+call per shape).
+
 [Note: momentum convention]
 ``buf = momentum * buf + grad`` (no ``1 - momentum`` damping) and the Nesterov input
 ``grad + momentum * buf``. ``torch.optim.Muon`` keeps an exponential moving average instead
@@ -24,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,11 +43,13 @@ from dmuon_ns import NewtonSchulz
 
 __all__ = [
     "LrScaling",
+    "MuonItem",
     "adamw_step",
     "init_adamw_state",
     "lr_scale",
     "make_newton_schulz",
     "momentum_update",
+    "muon_step",
     "orthogonalize",
     "orthogonalize_batch",
     "step_dtype",
@@ -115,6 +126,58 @@ def orthogonalize(ns: Callable[[Tensor], Tensor], inputs: Sequence[Tensor]) -> l
         for j, i in enumerate(indices):
             out[i] = result[j]
     return [t for t in out if t is not None]
+
+
+class MuonItem(NamedTuple):
+    """One owned matrix for :func:`muon_step`: where to read and write, and its hyperparameters."""
+
+    weight: Tensor  # updated in place
+    grad: Tensor
+    buf: Tensor  # momentum buffer, updated in place
+    momentum: float
+    nesterov: bool
+    lr: float
+    weight_decay: float
+    scale: float  # lr_scale of the matrix's shape
+
+
+def muon_step(
+    items: Sequence[MuonItem], ns: Callable[[Tensor], Tensor], *, max_batch_bytes: int | None
+) -> None:
+    """The Muon update of every item: momentum, NS batched by shape (see [Note: one
+    Newton–Schulz call per shape]), decoupled weight decay and the scaled update."""
+    buckets: dict[tuple[Any, ...], list[MuonItem]] = {}
+    for item in items:
+        if item.weight.ndim != 2:
+            raise ValueError(f"Muon updates 2-D matrices, got shape {tuple(item.weight.shape)}")
+        item.buf.mul_(item.momentum).add_(item.grad)
+        buckets.setdefault((tuple(item.buf.shape), item.buf.dtype, item.buf.device), []).append(
+            item
+        )
+    for (shape, dtype, device), members in buckets.items():
+        per_matrix = members[0].buf.numel() * members[0].buf.element_size()
+        chunk = len(members)
+        if max_batch_bytes is not None:
+            chunk = max(1, min(chunk, max_batch_bytes // max(per_matrix, 1)))
+        for start in range(0, len(members), chunk):
+            part = members[start : start + chunk]
+            batch = torch.empty((len(part), *shape), dtype=dtype, device=device)
+            for i, item in enumerate(part):
+                if item.nesterov:
+                    torch.add(item.grad, item.buf, alpha=item.momentum, out=batch[i])
+                else:
+                    batch[i].copy_(item.buf)
+            updates = orthogonalize_batch(ns, batch)
+            del batch
+            for i, item in enumerate(part):
+                weight_decay_and_update(
+                    item.weight,
+                    updates[i],
+                    lr=item.lr,
+                    weight_decay=item.weight_decay,
+                    scale=item.scale,
+                )
+            del updates
 
 
 def weight_decay_and_update(

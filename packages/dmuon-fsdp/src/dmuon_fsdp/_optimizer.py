@@ -36,12 +36,15 @@ from torch.distributed.tensor import DTensor
 from dmuon_ns import NewtonSchulz
 
 from . import _muon_math
-from ._muon_math import LrScaling, adamw_step, init_adamw_state, lr_scale, momentum_update
+from ._muon_math import LrScaling, adamw_step, init_adamw_state, lr_scale
 from ._param import DedicatedParam
 from ._param_groups import ADAMW, MUON, GroupDefaults, build_param_groups
 from ._runtime import DedicatedRuntime, get_runtime
 
-__all__ = ["Muon", "MuonClipGrads"]
+__all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads"]
+
+# Cap on one batched NS input; see [Note: one Newton–Schulz call per shape] in _muon_math.
+DEFAULT_NS_BATCH_BYTES = 512 * 2**20
 
 
 class MuonClipGrads(NamedTuple):
@@ -70,7 +73,8 @@ class Muon(torch.optim.Optimizer):
     ``grad + momentum * buf`` (Nesterov) or ``buf``; update ``NS(input)`` scaled by
     ``lr * s(m, n)`` with ``s`` from ``lr_scaling`` (``"moonlight"``: ``0.2·√max(m, n)``,
     ``"spectral"``: ``√max(1, m/n)``, ``"none"``: 1); decoupled decay ``p *= 1 - lr * wd``
-    before the update. AdamW matches ``torch.optim.AdamW``.
+    before the update. Same-shape matrices share one NS call, up to ``ns_batch_bytes`` of input
+    per call (``None``: one call per shape). AdamW matches ``torch.optim.AdamW``.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class Muon(torch.optim.Optimizer):
         param_groups: Sequence[Mapping[str, Any]] | None = None,
         replicate_async: bool = True,
         lr_scaling: LrScaling | str = LrScaling.MOONLIGHT,
+        ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -122,6 +127,16 @@ class Muon(torch.optim.Optimizer):
         }
         self.lr_scaling = LrScaling(lr_scaling)
         self.replicate_async = bool(replicate_async)
+        if ns_batch_bytes is not None and (
+            isinstance(ns_batch_bytes, bool)
+            or not isinstance(ns_batch_bytes, int)
+            or ns_batch_bytes < 1
+        ):
+            raise ValueError(
+                f"ns_batch_bytes must be a positive int (bytes of one NS batch) or None for one"
+                f" NS call per shape, got {ns_batch_bytes!r}"
+            )
+        self.ns_batch_bytes = ns_batch_bytes
         groups = build_param_groups(
             model.named_parameters(), self._dedicated, param_groups, group_defaults
         )
@@ -195,8 +210,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self) -> None:
-        inputs: list[Tensor] = []
-        targets: list[tuple[dict[str, Any], DedicatedParam]] = []
+        items: list[_muon_math.MuonItem] = []
         for group, p, dp in self._owned_muon():
             if dp.grad is None:
                 continue
@@ -205,18 +219,19 @@ class Muon(torch.optim.Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = state["momentum_buffer"] = torch.zeros_like(dp.full)
-            inputs.append(momentum_update(buf, dp.grad, group["momentum"], group["nesterov"]))
-            targets.append((group, dp))
-        updates = _muon_math.orthogonalize(self._ns, inputs)
-        for (group, dp), update in zip(targets, updates):
-            assert dp.full is not None
-            _muon_math.weight_decay_and_update(
-                dp.full,
-                update,
-                lr=float(group["lr"]),
-                weight_decay=float(group["weight_decay"]),
-                scale=lr_scale(dp.shape, self.lr_scaling),
+            items.append(
+                _muon_math.MuonItem(
+                    weight=dp.full,
+                    grad=dp.grad,
+                    buf=buf,
+                    momentum=float(group["momentum"]),
+                    nesterov=bool(group["nesterov"]),
+                    lr=float(group["lr"]),
+                    weight_decay=float(group["weight_decay"]),
+                    scale=lr_scale(dp.shape, self.lr_scaling),
+                )
             )
+        _muon_math.muon_step(items, self._ns, max_batch_bytes=self.ns_batch_bytes)
 
     def _adamw_step(self) -> None:
         for group in self.param_groups:

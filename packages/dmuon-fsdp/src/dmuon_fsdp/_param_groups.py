@@ -303,4 +303,3 @@ def build_param_groups(
         }
         out += [muon_group, adamw_group]
     return out
-

@@ -25,6 +25,7 @@ or unwritable cache degrades to the in-memory one with a single warning.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
@@ -134,6 +135,9 @@ def choose(
         raise ValueError("candidates must name at least one kernel (the 'torch' kernel)")
     if len(candidates) == 1:
         return candidates[0]
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Inside someone else's capture nothing may synchronise: take the priority choice.
+        return candidates[0]
     coeffs = tuple((float(a), float(b), float(c)) for a, b, c in coefficients)
     restarts = tuple(int(i) for i in restart_iterations)
     key = _problem_key(op, x, coeffs, restarts)
@@ -165,10 +169,7 @@ def choose(
 def _problem_key(
     op: str, x: Tensor, coeffs: tuple[tuple[float, float, float], ...], restarts: tuple[int, ...]
 ) -> str:
-    if x.device.type == "cuda":
-        device = torch.cuda.get_device_name(x.device)
-    else:
-        device = x.device.type
+    device = _device_name(x.device)
     shape = "x".join(str(s) for s in x.shape)
     dtype = str(x.dtype).removeprefix("torch.")
     return (
@@ -177,7 +178,16 @@ def _problem_key(
     )
 
 
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+@functools.cache
 def _package_version() -> str:
+    # Cached: the problem key is built on every NS call, and a metadata lookup scans sys.path.
     try:
         return importlib.metadata.version("dmuon-ns")
     except importlib.metadata.PackageNotFoundError:
@@ -205,9 +215,9 @@ def _tune(
         for kernel in candidates:
             try:
                 out = run(kernel)
-            except Exception as err:  # a broken backend must never break "auto"
-                logger.warning("dmuon-ns autotune: kernel %r failed: %r", kernel.name, err)
-                rejected[kernel.name] = f"raised {type(err).__name__}: {err}"
+            except Exception as exc:  # a broken backend must never break "auto"
+                logger.warning("dmuon-ns autotune: kernel %r failed: %r", kernel.name, exc)
+                rejected[kernel.name] = f"raised {type(exc).__name__}: {exc}"
                 continue
             errors[kernel.name] = _relative_error(out, reference, sample.shape)
 
@@ -215,19 +225,21 @@ def _tune(
         if torch_error is None or not math.isfinite(torch_error):
             torch_error = _torch_error(sample, op, coeffs, restarts, reference)
         bound = max(_ERROR_FACTOR * torch_error, _ERROR_FLOOR)
-        for name, err in errors.items():
+        for name, error in errors.items():
             if name == "torch":
                 continue
-            if not math.isfinite(err):
+            if not math.isfinite(error):
                 rejected[name] = "non-finite output"
-            elif err > bound:
-                rejected[name] = f"error {err:.3g} > {_ERROR_FACTOR:g} x torch's {torch_error:.3g}"
+            elif error > bound:
+                rejected[name] = (
+                    f"error {error:.3g} > {_ERROR_FACTOR:g} x torch's {torch_error:.3g}"
+                )
 
         times: dict[str, float] = {}
         for kernel in candidates:
             if kernel.name in rejected or kernel.name not in errors:
                 continue
-            times[kernel.name] = _median_ms(lambda k=kernel: run(k), sample.device)
+            times[kernel.name] = _median_ms(_as_run(functools.partial(run, kernel), sample.device))
 
     if not times:
         # Nothing survived (even torch failed): fall back to the first candidate by priority,
@@ -284,10 +296,40 @@ def _torch_error(
     return _relative_error(out, reference, sample.shape)
 
 
-def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
+def _as_run(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[], object], str]:
+    """How the candidate will really run: replayed from a CUDA graph where it can be captured.
+
+    [Note: timing as it runs]
+    The dispatcher replays kernels from CUDA graphs by default, so launch overhead, which
+    dominates small problems and differs a lot between backends (Python-side launch work of
+    Triton and CuTe DSL against cuBLAS), must not decide the choice. Each candidate is
+    captured after its warm-up and its replays are timed; one that cannot be captured is
+    timed eagerly, as it would then run.
+    """
+    if device.type != "cuda":
+        return fn, device.type
+    fn()  # warm-up outside capture: compilation, library autotuning, allocator growth
+    torch.cuda.synchronize(device)
+    try:
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:
+        logger.debug("dmuon-ns autotune: timing eagerly, capture failed: %r", err)
+        return fn, "cuda"
+    return graph.replay, "cuda"
+
+
+def _median_ms(runnable: tuple[Callable[[], object], str]) -> float:
+    fn, device_type = runnable
     fn()  # warm-up: compilation and allocator growth stay out of the numbers
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device_type == "cuda":
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -301,7 +343,7 @@ def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
     reps = int(min(_MAX_REPS, max(_MIN_REPS, _TARGET_SECONDS * 1e3 / max(first, 1e-3))))
     samples: list[float] = []
     for _ in range(reps):
-        if device.type == "cuda":
+        if device_type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
