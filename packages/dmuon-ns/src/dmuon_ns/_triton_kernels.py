@@ -132,7 +132,10 @@ def _sym_kernel(
         out_ptr + batch * s_ob, acc, offs_i, offs_j, mask_i, mask_j, s_om, s_on, i != j, INTERPRET
     )
     if HAS_OUT2:
-        acc2 = acc + tl.where(is_diag, diag2, 0.0)
+        # From the *rounded* first output: the Gram iteration needs Q built from exactly the Z'
+        # that updates R (see the note in _triton_backend).
+        rounded = _to_storage(acc, out_ptr, INTERPRET).to(tl.float32)
+        acc2 = rounded + tl.where(is_diag, diag2, 0.0)
         _store_mirrored(
             out2_ptr + batch * s_ob,
             acc2,
@@ -341,7 +344,10 @@ def sym_matmul(
 
     ``a`` is (batch, m, k), ``b`` is (batch, k, m) (any strides, e.g. ``a.mT`` for a Gram
     matrix), ``c`` (batch, m, m) symmetric or ``None``. Only the lower triangle of tiles is
-    computed; see the module notes.
+    computed; see the module notes. With ``diag2`` given, a second output ``out + diag2·I``
+    (the Gram iteration's first ``Q = Z' + aI``) is formed from the rounded first output in
+    the same launch; otherwise the second result is ``None``. ``config`` fixes the tiles; by
+    default the GPU autotunes them (see the tile note) and the interpreter uses 64-wide ones.
     """
     _check_operands(a, b, c, symmetric=True)
     batch, m, k = a.shape
