@@ -91,13 +91,11 @@ def _entry(
         ctx = RankContext(rank, world_size, device, emit)
         result = fn(ctx, *args)
         events.put(("done", rank, result))
-        import sys; print(f"[{time.time():.1f}] rank {rank} put done", file=sys.stderr, flush=True)
     except BaseException:
         events.put(("error", rank, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        import sys; print(f"[{time.time():.1f}] rank {rank} destroyed", file=sys.stderr, flush=True)
 
 
 def spawn(
@@ -157,7 +155,6 @@ def spawn(
             deadline = time.monotonic() + (10 if finished else 0)
             for proc in procs:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
-                import sys; print(f"[{time.time():.1f}] joined alive={proc.is_alive()}", file=sys.stderr, flush=True)
                 if proc.is_alive():
                     proc.terminate()
                     proc.join()
