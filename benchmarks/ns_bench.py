@@ -212,7 +212,8 @@ def main() -> None:
     from dmuon_ns import _autotune
 
     for key, verdict in _autotune.verdicts().items():
-        print(f"# autotune {key.split('|torch=')[0]} -> {verdict['kernel']} {verdict['times_ms']}")
+        problem = "|".join(key.split("|")[:3])  # op|shape|dtype; the full key is in the log
+        print(f"# autotune {problem} -> {verdict['kernel']} {verdict['times_ms']}")
         log.write(json.dumps({"autotune": key, "verdict": verdict}) + "\n")
     log.close()
 

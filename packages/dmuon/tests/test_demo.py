@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dmuon._demo import main
 
 TINY = ["--hidden", "32", "--intermediate", "64", "--layers", "2", "--heads", "2"]

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from dmuon._demo_data import MarkovStream
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate, next_token_loss
 
@@ -46,7 +47,11 @@ def test_stream_is_learnable_and_its_floor_is_right() -> None:
     counts = torch.ones(64, 64, dtype=torch.float64)  # add-one smoothing
     for step in range(40):
         x = s.batch(step, 32)
-        counts.index_put_((x[:, :-1].flatten(), x[:, 1:].flatten()), torch.ones(1, dtype=torch.float64), accumulate=True)
+        counts.index_put_(
+            (x[:, :-1].flatten(), x[:, 1:].flatten()),
+            torch.ones(1, dtype=torch.float64),
+            accumulate=True,
+        )
     bigram = counts / counts.sum(dim=1, keepdim=True)
     held_out = torch.cat([s.batch(step, 32) for step in range(1000, 1010)])
     prev, nxt = held_out[:, :-1].flatten(), held_out[:, 1:].flatten()

@@ -152,7 +152,8 @@ def choose(
     if cached is not None and cached.get("kernel") in by_name:
         return by_name[cached["kernel"]]
 
-    verdict = _tune(candidates, x, op, coeffs, restarts)
+    with torch.profiler.record_function("dmuon::ns_autotune"):
+        verdict = _tune(candidates, x, op, coeffs, restarts)
     logger.info(
         "dmuon-ns autotune %s: chose %r (times ms %s, rejected %s)",
         key,

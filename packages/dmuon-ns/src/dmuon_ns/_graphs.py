@@ -96,7 +96,8 @@ def _capture_or_eager(
     fn: Callable[[Tensor], Tensor], x: Tensor, key: Hashable
 ) -> _Captured | _Eager:
     try:
-        return _capture(fn, x)
+        with torch.profiler.record_function("dmuon::ns_graph_capture"):
+            return _capture(fn, x)
     except Exception as err:  # any capture problem degrades to eager for this key only
         message = (
             f"dmuon-ns: CUDA-graph capture failed for {key!r} ({type(err).__name__}: {err}); "

@@ -37,8 +37,8 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Launch parameters. ``block`` is the square output tile of the symmetric kernel and
-    the ``block_m`` × ``block_n`` tile of the plain one."""
+    """Fixed launch parameters (tests, the interpreter). The symmetric kernel uses square
+    ``block_m`` × ``block_m`` output tiles; the plain one ``block_m`` × ``block_n``."""
 
     block_m: int = 128
     block_n: int = 128

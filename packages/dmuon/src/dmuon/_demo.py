@@ -262,6 +262,12 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
     torchrun = args.torchrun or ("TORCHELASTIC_RUN_ID" in os.environ and argv is None)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else args.nproc
     try:
+        if torchrun and not {"RANK", "WORLD_SIZE"} <= os.environ.keys():
+            raise ValueError(
+                "--torchrun: RANK and WORLD_SIZE are not set; start the demo with"
+                " `torchrun --nproc-per-node N -m dmuon._demo --torchrun`, or drop --torchrun"
+                " to let it spawn --nproc ranks itself"
+            )
         opts = _options(args, world_size)
         if torchrun:
             device_type, backend = choose_backend(
@@ -275,13 +281,13 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
     stream = MarkovStream(opts.model.vocab, opts.model.seq_len, seed=opts.seed)
     progress = _Progress(out)
     per_rank: list[list[RunResult]]
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(_header(opts, world_size, device_type, backend), file=out, flush=True)
     if torchrun:
-        mine = torchrun_world(train_rank, (opts,), device=args.device, on_event=progress)
+        per_rank = torchrun_world(train_rank, (opts,), device=args.device, on_event=progress)
         if int(os.environ["RANK"]) != 0:
             return 0
-        per_rank = [mine]  # the other ranks' byte counts stay on their hosts
     else:
-        print(_header(opts, world_size, device_type, backend), file=out, flush=True)
         per_rank = spawn(
             train_rank,
             world_size,
@@ -289,7 +295,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
             device_type=device_type,
             backend=backend,
             on_event=progress,
-        )
+        )[0]
     print(_table(per_rank, opts, world_size, stream), file=out, flush=True)
     if args.plot:
         _plot(args.plot, per_rank[0], opts)

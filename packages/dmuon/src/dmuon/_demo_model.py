@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LlamaConfig", "TinyLlama", "muon_predicate", "next_token_loss"]
+__all__ = ["LlamaConfig", "LlamaStack", "TinyLlama", "muon_predicate", "next_token_loss"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class LlamaConfig:
     intermediate: int = 384
     layers: int = 4
     heads: int = 4
+    kv_heads: int | None = None  # grouped-query attention; None: as many as ``heads``
     seq_len: int = 64
     rope_theta: float = 10_000.0
 
@@ -38,6 +39,11 @@ class LlamaConfig:
                 f"LlamaConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads});"
                 " pick a head count that divides the hidden size"
             )
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise ValueError(
+                f"LlamaConfig.kv_heads ({self.kv_heads}) must be >= 1 and divide heads"
+                f" ({self.heads}); use a divisor of heads or None"
+            )
         if (self.hidden // self.heads) % 2:
             raise ValueError(
                 f"LlamaConfig: the head dim hidden/heads = {self.hidden // self.heads} must be even"
@@ -47,6 +53,10 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
 
 
 def muon_predicate(name: str, param: nn.Parameter) -> bool:
@@ -73,22 +83,24 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.head_dim
+        kv_width = cfg.n_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, kv_width, bias=False)
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, t, h = x.shape
 
-        def split(y: Tensor) -> Tensor:
-            return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        def split(y: Tensor, heads: int) -> Tensor:
+            return y.view(b, t, heads, self.head_dim).transpose(1, 2)
 
-        q = _apply_rope(split(self.q_proj(x)), cos, sin)
-        k = _apply_rope(split(self.k_proj(x)), cos, sin)
-        v = split(self.v_proj(x))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q = _apply_rope(split(self.q_proj(x), self.heads), cos, sin)
+        k = _apply_rope(split(self.k_proj(x), self.kv_heads), cos, sin)
+        v = split(self.v_proj(x), self.kv_heads)
+        gqa = self.kv_heads != self.heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, h))
 
 
@@ -116,6 +128,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@torch.no_grad()
+def _init_weights(model: nn.Module, cfg: LlamaConfig) -> None:
+    std = cfg.hidden**-0.5
+    for name, p in model.named_parameters():
+        if p.ndim == 2:
+            nn.init.normal_(p, std=std)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                # Residual-branch outputs start small so that deep stacks begin near identity.
+                p.div_((2 * cfg.layers) ** 0.5)
+            elif name == "lm_head.weight":
+                # Near-zero logits: training starts at the uniform guess, loss ≈ ln(vocab).
+                p.mul_(std)
+        else:
+            nn.init.ones_(p)
+
+
 class TinyLlama(nn.Module):
     """Embedding, ``layers`` of pre-norm decoder layers, final RMSNorm, untied LM head."""
 
@@ -132,20 +160,8 @@ class TinyLlama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        std = self.cfg.hidden**-0.5
-        for name, p in self.named_parameters():
-            if p.ndim == 2:
-                nn.init.normal_(p, std=std)
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    # Residual-branch outputs start small so that deep stacks begin near identity.
-                    p.div_((2 * self.cfg.layers) ** 0.5)
-                elif name == "lm_head.weight":
-                    # Near-zero logits: training starts at the uniform guess, loss ≈ ln(vocab).
-                    p.mul_(std)
-            else:
-                nn.init.ones_(p)
+        _init_weights(self, self.cfg)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens: (batch, seq) int64 → logits (batch, seq, vocab)."""
@@ -153,6 +169,27 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.lm_head(self.norm(x))
+
+
+class LlamaStack(nn.Module):
+    """The decoder layers and final norm alone, on hidden states (no embedding, no head): the
+    "Llama-style stack" that the step benchmark times."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden, eps=1e-6)
+        cos, sin = _rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        _init_weights(self, cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (batch, seq, hidden) → (batch, seq, hidden)."""
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.norm(x)
 
 
 def next_token_loss(model: nn.Module, tokens: Tensor) -> Tensor:

@@ -148,8 +148,13 @@ def train_run(
     return result
 
 
-def train_rank(ctx: RankContext, opts: DemoOptions) -> list[RunResult]:
-    """One rank of the demo: every requested run, one after the other, on one mesh."""
+def train_rank(ctx: RankContext, opts: DemoOptions) -> list[list[RunResult]]:
+    """One rank of the demo: every requested run, one after the other, on one mesh. Returns
+    every rank's results (``[rank][run]``), gathered, so that rank 0 can report byte counts
+    of the whole world even when it is one of many torchrun processes."""
     mesh = build_mesh(ctx.device.type, ctx.world_size, opts.replicate)
     stream = MarkovStream(opts.model.vocab, opts.model.seq_len, seed=opts.seed)
-    return [train_run(ctx, opts, kind, mesh, stream) for kind in opts.runs]
+    mine = [train_run(ctx, opts, kind, mesh, stream) for kind in opts.runs]
+    everyone: list[object] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone  # type: ignore[return-value]

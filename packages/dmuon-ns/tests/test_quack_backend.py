@@ -1,0 +1,54 @@
+"""The quack kernel without a GPU: its install hints, and its iteration (run on the batched
+torch products it uses for small Gram sides) against the torch kernel, bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS
+from dmuon_ns import _quack_backend as quack_backend
+from dmuon_ns._quack_backend import QUACK_KERNEL
+from dmuon_ns._torch_kernel import TORCH_KERNEL
+from dmuon_ns._triton_backend import TRITON_KERNEL
+
+COEFFS = tuple(tuple(row) for row in POLAR_EXPRESS_COEFFICIENTS[:5])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("quack") is not None, reason="quack is installed")
+def test_missing_quack_names_the_extra():
+    reason = QUACK_KERNEL.unavailable_reason(torch.device("cpu"))
+    assert reason is not None and "pip install 'dmuon-ns[cute]'" in reason
+
+
+def test_quack_needs_cuda(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    reason = QUACK_KERNEL.unavailable_reason(torch.device("cpu"))
+    assert reason is not None and "SM90" in reason
+
+
+def test_triton_without_gpu_or_interpreter_says_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = TRITON_KERNEL.unavailable_reason(torch.device("cpu"))
+    if importlib.util.find_spec("triton") is None:
+        assert reason is not None and "pip install 'dmuon-ns[triton]'" in reason
+    else:
+        assert reason is not None and "needs a CUDA device" in reason
+
+
+@pytest.mark.parametrize("restarts", [(2,), (), (1, 3)])
+def test_gram_iteration_is_the_torch_kernels(restarts, monkeypatch):
+    monkeypatch.setattr(quack_backend, "_ops_for", lambda x: quack_backend._TORCH_OPS)
+    g = torch.randn(2, 24, 56)
+    x = (g / torch.linalg.matrix_norm(g, keepdim=True)).to(torch.bfloat16)
+    expected = TORCH_KERNEL.gram(x, COEFFS, restarts)
+    assert torch.equal(QUACK_KERNEL.gram(x, COEFFS, restarts), expected)
+
+
+def test_direct_iteration_is_the_torch_kernels(monkeypatch):
+    monkeypatch.setattr(quack_backend, "_ops_for", lambda x: quack_backend._TORCH_OPS)
+    g = torch.randn(2, 24, 24)
+    x = (g / torch.linalg.matrix_norm(g, keepdim=True)).to(torch.bfloat16)
+    assert torch.equal(QUACK_KERNEL.direct(x, COEFFS), TORCH_KERNEL.direct(x, COEFFS))
