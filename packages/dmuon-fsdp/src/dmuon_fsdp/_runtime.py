@@ -32,7 +32,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
-from ._collectives import CommCounter, is_complete
+from ._collectives import CommCounter
 from ._comm import DedicatedCommContext, ProcessGroupPolicy
 from ._group import DedicatedGroup, GroupState, Pack, PendingReduce, finish_reduce, issue_stage2
 from ._mesh import MeshLayout
@@ -169,14 +169,19 @@ class DedicatedRuntime:
             self._advance_stage2(block=False)
 
     def _advance_stage2(self, block: bool) -> None:
-        """Issue the replicate-axis stage of queued reductions in FIFO order, so every member
-        of a replicate group issues them in the same order. Without ``block`` it stops at the
-        first one whose shard stage has not completed (CPU; on CUDA nothing blocks)."""
-        for pending in self._reduces:
-            if not pending.needs_stage2 or pending.stage2 is not None:
-                continue
-            if not block and not is_complete(pending.stage1):
-                break
+        """Issue the replicate-axis stage of queued reductions, in FIFO order.
+
+        The issue points are deterministic (never "when the shard stage happens to be done"),
+        so every member of a replicate group issues the same sequence even when that group is
+        shared with FSDP2 (``process_group_policy="shared"``): without ``block`` every queued
+        reduction but the newest gets its second stage (its shard stage was issued one pack
+        earlier, so waiting for it rarely blocks on CPU and never blocks the host on CUDA);
+        with ``block`` all of them do.
+        """
+        queued = [p for p in self._reduces if p.needs_stage2 and p.stage2 is None]
+        if not block:
+            queued = queued[:-1]
+        for pending in queued:
             issue_stage2(self.comm_ctx, pending)
 
     def finish_backward(self) -> None:

@@ -7,7 +7,7 @@
 3. divide each matrix by its Frobenius norm + eps, computed in fp32 (half-precision sums of
    squares overflow easily); the Frobenius norm bounds the spectral norm, so every singular
    value lands in [0, 1], where the NS polynomials are designed to work;
-4. cast to the iteration dtype, contiguous (the one copy of the input).
+4. cast to the iteration dtype, contiguous (the one copy of the input, written by the division).
 
 ``restore`` undoes 1 and 2 and casts back to the input dtype. A zero matrix stays zero:
 0 / (0 + eps) = 0, and every NS polynomial maps 0 to 0.
@@ -61,10 +61,14 @@ def prepare(g: Tensor, dtype: torch.dtype, eps: float) -> Prepared:
     transposed = rows > cols
     if transposed:
         x = x.mT
-    x = x.float()
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    x = (x / (norm + eps)).to(dtype, memory_format=torch.contiguous_format)
-    return Prepared(x, g.shape, g.dtype, transposed)
+    # Two passes over the input, none over an fp32 copy of it: the norm reads ``x`` once and
+    # accumulates in fp32; the division reads it again, computes in fp32 (type promotion with
+    # the fp32 norm) and writes the iteration dtype in the small-side-first layout.
+    acc = torch.promote_types(x.dtype, torch.float32)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    torch.div(x, norm.add_(eps), out=out)
+    return Prepared(out, g.shape, g.dtype, transposed)
 
 
 def restore(y: Tensor, prepared: Prepared) -> Tensor:

@@ -13,6 +13,7 @@ per step from rank 0 and a comparison table at the end.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -86,7 +87,7 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
             f"--replicate {args.replicate} must divide the number of ranks ({world_size}):"
             f" the HSDP mesh is (replicate, ranks / replicate); try --replicate"
             f" {_largest_divisor_below(world_size, args.replicate)} or --nproc"
-            f" {args.replicate * max(1, world_size // args.replicate)}"
+            f" {args.replicate * -(-world_size // args.replicate)}"
         )
     if args.zero not in (2, 3):
         raise ValueError(f"--zero must be 2 or 3, got {args.zero}")
@@ -98,6 +99,11 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
         )
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot needs a .png file name, got {args.plot!r}")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        # Checked before training rather than found missing after it.
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install 'dmuon[demo]'"
+        )
     for name in ("lr", "adamw_lr"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -281,7 +287,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
     stream = MarkovStream(opts.model.vocab, opts.model.seq_len, seed=opts.seed)
     progress = _Progress(out)
     per_rank: list[list[RunResult]]
-    if int(os.environ.get("RANK", "0")) == 0:
+    if not torchrun or int(os.environ["RANK"]) == 0:
         print(_header(opts, world_size, device_type, backend), file=out, flush=True)
     if torchrun:
         per_rank = torchrun_world(train_rank, (opts,), device=args.device, on_event=progress)
