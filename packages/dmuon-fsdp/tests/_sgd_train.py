@@ -31,12 +31,12 @@ class RunResult:
     replicas: dict[str, torch.Tensor] = field(default_factory=dict)  # HSDP column copies
 
 
-def make_mesh(world_size: int, replicate: int):
+def make_mesh(world_size: int, replicate: int, device: str = "cpu"):
     if replicate == 1:
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh(device, (world_size,))
         return mesh, mesh, None
     hsdp = init_device_mesh(
-        "cpu", (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard")
+        device, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard")
     )
     return hsdp, hsdp["shard"], hsdp["replicate"]
 
@@ -51,9 +51,11 @@ def sgd_run(
     async_: bool = True,
     process_group_policy: str = "isolated",
     n_layers: int = 2,
+    device: str = "cpu",
+    debug_fence: bool = False,
 ) -> RunResult:
-    model = build(0, n_layers)
-    fsdp_mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate)
+    model = build(0, n_layers).to(device)
+    fsdp_mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate, device)
     runtime = dedicate_params(
         model,
         shard_mesh,
@@ -61,6 +63,7 @@ def sgd_run(
         reshard_after_forward=reshard,
         replicate_mesh=replicate_mesh,
         process_group_policy=process_group_policy,
+        debug_fence=debug_fence,
     )
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh)
@@ -72,7 +75,7 @@ def sgd_run(
     result = RunResult()
     for step in range(steps):
         counter.reset()
-        tokens = batch(step, ROWS).chunk(world_size)[rank]
+        tokens = batch(step, ROWS).chunk(world_size)[rank].to(device)
         loss = loss_fn(model, tokens)
         loss.backward()
         runtime.wait_all_reduces()
@@ -91,9 +94,9 @@ def sgd_run(
         result.bytes_per_step.append({f"{a}/{k}": counter.bytes(a, k) for a, k in keys})
         result.calls_per_step.append({f"{a}/{k}": counter.calls(a, k) for a, k in keys})
     runtime.drain()
-    result.owned = {dp.fqn: dp.full.clone() for dp in runtime.owned if dp.full is not None}
+    result.owned = {dp.fqn: dp.full.cpu() for dp in runtime.owned if dp.full is not None}
     result.replicas = {
-        dp.fqn: dp.param.detach().clone() for dp in runtime.params if dp.role is Role.REPLICA
+        dp.fqn: dp.param.detach().cpu() for dp in runtime.params if dp.role is Role.REPLICA
     }
     return result
 
@@ -107,16 +110,18 @@ def merge_owned(results: list[RunResult]) -> dict[str, torch.Tensor]:
     return merged
 
 
-def reference_sgd(steps: int, n_layers: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_sgd(
+    steps: int, n_layers: int = 2, device: str = "cpu"
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same training on one process with the full batch."""
-    model = build(0, n_layers)
+    model = build(0, n_layers).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
-        loss = loss_fn(model, batch(step, ROWS))
+        loss = loss_fn(model, batch(step, ROWS).to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    weights = {n: p.detach().clone() for n, p in model.named_parameters() if muon_predicate(n, p)}
+    weights = {n: p.detach().cpu() for n, p in model.named_parameters() if muon_predicate(n, p)}
     return losses, weights

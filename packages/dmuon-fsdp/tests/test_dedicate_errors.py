@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import MLP, Attention, batch, build, loss_fn, muon_predicate
-from dmuon_testing.distributed import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dmuon_fsdp import dedicate_params, get_owned_params, get_runtime
+from dmuon_testing.distributed import run_distributed
 
 
 def _mesh(world_size: int):
@@ -22,7 +22,10 @@ def _fully_shard_first(rank: int, world_size: int) -> None:
     model = build(0)
     mesh = _mesh(world_size)
     fully_shard(model.layers[0], mesh=mesh)
-    with pytest.raises(RuntimeError, match=r"fully_shard was already applied to module 'layers\.0'.*dedicate_params.*before fully_shard"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"fully_shard was already applied to module 'layers\.0'.*dedicate_params.*before fully_shard",
+    ):
         dedicate_params(model, mesh, muon_predicate)
 
 
@@ -30,20 +33,31 @@ def _dtensor_param(rank: int, world_size: int) -> None:
     model = build(0)
     mesh = _mesh(world_size)
     mlp = model.layers[0].mlp
-    mlp.up_proj.weight = nn.Parameter(distribute_tensor(mlp.up_proj.weight.detach(), mesh, [Shard(0)]))
-    with pytest.raises(RuntimeError, match=r"'layers\.0\.mlp\.up_proj\.weight' is already a DTensor.*dedicate_params.*first"):
+    mlp.up_proj.weight = nn.Parameter(
+        distribute_tensor(mlp.up_proj.weight.detach(), mesh, [Shard(0)])
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"'layers\.0\.mlp\.up_proj\.weight' is already a DTensor.*dedicate_params.*first",
+    ):
         dedicate_params(model, mesh, muon_predicate)
 
 
 def _non_matrix(rank: int, world_size: int) -> None:
     model = build(0)
-    with pytest.raises(ValueError, match=r"'layers\.0\.attn_norm\.weight' \(shape \(16,\)\).*2-D matrix.*p\.ndim == 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"'layers\.0\.attn_norm\.weight' \(shape \(16,\)\).*2-D matrix.*p\.ndim == 2",
+    ):
         dedicate_params(model, _mesh(world_size), lambda n, p: "layers" in n)
 
 
 def _strict_boundary(rank: int, world_size: int) -> None:
     model = build(0)
-    with pytest.raises(ValueError, match=r"'lm_head\.weight' has no hook boundary.*hook_boundary_predicate.*hook_boundary_strict=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"'lm_head\.weight' has no hook boundary.*hook_boundary_predicate.*hook_boundary_strict=False",
+    ):
         dedicate_params(model, _mesh(world_size), lambda n, p: p.ndim == 2 and "embed" not in n)
     # The same with a predicate that matches nothing above it.
     model = build(0)
@@ -56,7 +70,9 @@ def _strict_boundary(rank: int, world_size: int) -> None:
 def _non_strict_root_boundary(rank: int, world_size: int) -> None:
     model, ref = build(0), build(0)
     runtime = dedicate_params(
-        model, _mesh(world_size), lambda n, p: p.ndim == 2 and "embed" not in n,
+        model,
+        _mesh(world_size),
+        lambda n, p: p.ndim == 2 and "embed" not in n,
         hook_boundary_strict=False,
     )
     boundaries = {dp.fqn: dp.boundary for dp in runtime.params}
@@ -83,7 +99,9 @@ def _boundary_predicate_lowest(rank: int, world_size: int) -> None:
 
 def _bad_arguments(rank: int, world_size: int) -> None:
     mesh = _mesh(world_size)
-    with pytest.raises(ValueError, match=r"process_group_policy='private' is not one of 'isolated', 'shared'"):
+    with pytest.raises(
+        ValueError, match=r"process_group_policy='private' is not one of 'isolated', 'shared'"
+    ):
         dedicate_params(build(0), mesh, muon_predicate, process_group_policy="private")
     with pytest.raises(TypeError, match=r"predicate must be a callable"):
         dedicate_params(build(0), mesh, "proj")  # type: ignore[arg-type]
@@ -93,7 +111,9 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         dedicate_params(build(0), [0], muon_predicate)
     with pytest.raises(ValueError, match=r"param_dtype='bfloat16'.*cast the model"):
         dedicate_params(
-            build(0), mesh, muon_predicate,
+            build(0),
+            mesh,
+            muon_predicate,
             param_policy={"defaults": {"route": "muon", "param_dtype": torch.bfloat16}},
         )
     with pytest.raises(ValueError, match=r"has no dmuon runtime.*dedicate_params"):
@@ -116,8 +136,21 @@ def _routes(rank: int, world_size: int) -> None:
         lambda n, p: "layers" in n,
         param_policy={
             "defaults": {"route": "adamw"},
-            "overrides": [{"name": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "set": {"route": "muon"}},
-                          {"name": ["mlp_norm"], "set": {"route": "sharded_adamw"}}],
+            "overrides": [
+                {
+                    "name": [
+                        "q_proj",
+                        "k_proj",
+                        "v_proj",
+                        "o_proj",
+                        "gate_proj",
+                        "up_proj",
+                        "down_proj",
+                    ],
+                    "set": {"route": "muon"},
+                },
+                {"name": ["mlp_norm"], "set": {"route": "sharded_adamw"}},
+            ],
         },
     )
     routes = {dp.fqn: dp.route for dp in runtime.params}
@@ -134,12 +167,16 @@ def _routes(rank: int, world_size: int) -> None:
 
 def _mesh_errors(rank: int, world_size: int) -> None:
     unnamed = init_device_mesh("cpu", (2, 2))
-    with pytest.raises(ValueError, match=r"unnamed 2-D DeviceMesh.*mesh_dim_names=\('replicate', 'shard'\)"):
+    with pytest.raises(
+        ValueError, match=r"unnamed 2-D DeviceMesh.*mesh_dim_names=\('replicate', 'shard'\)"
+    ):
         dedicate_params(build(0), unnamed, muon_predicate)
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     with pytest.raises(ValueError, match=r"replicate_mesh does not match mesh"):
         dedicate_params(build(0), hsdp["shard"], muon_predicate, replicate_mesh=hsdp["shard"])
-    with pytest.raises(ValueError, match=r"do not multiply to the world size: shard 2 x replicate 1 != 4"):
+    with pytest.raises(
+        ValueError, match=r"do not multiply to the world size: shard 2 x replicate 1 != 4"
+    ):
         dedicate_params(build(0), hsdp["shard"], muon_predicate)
     with pytest.raises(ValueError, match=r"replicate_mesh must be a 1-D DeviceMesh"):
         dedicate_params(build(0), hsdp["shard"], muon_predicate, replicate_mesh=hsdp)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from _models import build, muon_numel
 from _sgd_train import RunResult, merge_owned, sgd_run
+
 from dmuon_testing.distributed import run_distributed
 
 STEPS = 10
@@ -21,6 +22,7 @@ def _runs(rank: int, world_size: int) -> dict[str, RunResult]:
         "hsdp_shared": sgd_run(
             rank, world_size, steps=STEPS, replicate=2, process_group_policy="shared"
         ),
+        "hsdp_fence": sgd_run(rank, world_size, steps=STEPS, replicate=2, debug_fence=True),
     }
 
 
@@ -33,7 +35,7 @@ def test_hsdp_matches_1d_async_sync_z2_z3_and_bytes() -> None:
     # Bit for bit: the publish mode, Z2/Z3 and the group policy change when bytes move, never
     # which values are summed in which order.
     base = runs["hsdp_async"][0].losses
-    for key in ("hsdp_sync", "hsdp_z2", "hsdp_shared"):
+    for key in ("hsdp_sync", "hsdp_z2", "hsdp_shared", "hsdp_fence"):
         assert runs[key][0].losses == base, key
         for name, value in weights["hsdp_async"].items():
             assert torch.equal(weights[key][name], value), (key, name)
@@ -62,7 +64,7 @@ def test_hsdp_matches_1d_async_sync_z2_z3_and_bytes() -> None:
     for key, broadcast_rounds in (("hsdp_async", 2), ("hsdp_z2", 1)):
         results = runs[key]
         for step in range(STEPS):
-            for rank, result in enumerate(results):
+            for result in results:
                 step_bytes = result.bytes_per_step[step]
                 assert step_bytes["shard/broadcast"] == broadcast_rounds * p_m
                 assert step_bytes["shard/reduce"] == p_m

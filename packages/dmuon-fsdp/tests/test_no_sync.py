@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import batch, build, loss_fn, muon_numel, muon_predicate
-from dmuon_testing.distributed import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import dedicate_params, no_sync
+from dmuon_testing.distributed import run_distributed
 
 MICRO = 4
 ROWS = 4  # rows per micro-batch on each rank

@@ -206,9 +206,63 @@ def _errors(rank: int, world_size: int):
     optimizer = Muon(model)
     with pytest.raises(ValueError, match=r"Muon\(model, param_groups=\[\.\.\.\]\)"):
         optimizer.add_param_group({"params": []})
+
+    # Wrong call order: an optimizer built before fully_shard holds replaced parameters.
+    early = build(0)
+    dedicate_params(early, mesh, muon_predicate)
+    too_early = Muon(early)
+    for layer in early.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(early, mesh=mesh)
+    with pytest.raises(ValueError, match=r"built before fully_shard.*-> Muon\(model\)"):
+        too_early.step()
     return messages
 
 
 @pytest.mark.distributed
 def test_bad_param_groups_raise_at_construction():
     run_distributed(_errors, 2)
+
+
+def _policy_routes(rank: int, world_size: int):
+    # Type-split routing: every layer parameter is dedicated; projections take Muon, the
+    # norms ride dmuon's owner broadcast/reduce with AdamW on their owner.
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(
+        model,
+        mesh,
+        lambda n, p: n.startswith("layers."),
+        param_policy={
+            "defaults": {"route": "adamw"},
+            "overrides": [{"name": ["*proj"], "set": {"route": "muon"}}],
+        },
+    )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    adamw_dedicated = sorted(dp.fqn for dp in runtime.params if dp.route == "adamw")
+    muon_group = next(g for g in optimizer.param_groups if g["group_name"] == "muon")
+    losses = train_steps(model, optimizer, rank, world_size, 4)
+    owned_with_adam_state = sorted(
+        dp.fqn for dp in runtime.owned if dp.route == "adamw" and optimizer.state[dp.param]
+    )
+    ref = None
+    if rank == 0:
+        plain = build(0)
+        muon = [n for n, p in plain.named_parameters() if muon_predicate(n, p)]
+        ref = train_reference(plain, muon, HYPER, 4, ROWS, SEQ, VOCAB)
+    return losses, ref, adamw_dedicated, sorted(muon_group["param_names"]), owned_with_adam_state
+
+
+@pytest.mark.distributed
+def test_policy_adamw_route_steps_on_owner_and_matches_reference():
+    results = run_distributed(_policy_routes, 2)
+    losses, ref, adamw_dedicated, muon_names, _ = results[0]
+    assert "layers.0.attn_norm.weight" in adamw_dedicated
+    assert all("proj" in n for n in muon_names) and len(muon_names) == 14
+    # Each dedicated AdamW parameter has Adam state on exactly one rank: its owner.
+    stepped = sorted(n for r in results for n in r[4])
+    assert stepped == adamw_dedicated
+    assert losses == pytest.approx(ref, rel=2e-3)

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import batch, build, loss_fn, muon_predicate
-from dmuon_testing.distributed import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import Role, dedicate_params
+from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from _models import build, muon_numel
 from _sgd_train import RunResult, merge_owned, reference_sgd, sgd_run
+
 from dmuon_testing.distributed import run_distributed
 
 STEPS = 3

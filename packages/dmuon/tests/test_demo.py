@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import math
 import re
@@ -54,14 +55,17 @@ def test_demo_runs_both_and_prints_the_table() -> None:
 def test_demo_hsdp_z2_with_plot(tmp_path: Path) -> None:
     plot = tmp_path / "loss.png"
     argv = ["--steps", "2", "--nproc", "2", "--replicate", "2", "--zero", "2", "--only", "dmuon"]
-    text = _run([*argv, "--plot", str(plot), *TINY])
+    # matplotlib is an optional extra (dmuon[demo]); without it only the plot is left out.
+    with_plot = importlib.util.find_spec("matplotlib") is not None
+    text = _run([*argv, *(["--plot", str(plot)] if with_plot else []), *TINY])
     assert "mesh (2, 1) ('replicate', 'shard'), Z2" in text
     assert len(_losses(text)["dmuon"]) == 2 and not _losses(text)["adamw"]
     # HSDP adds one reduce and one publish round on the replicate axis (G = 1 here).
     m = re.search(r"counted: shard (\S+)·P_M, replicate (\S+)·P_M", text)
     assert m is not None, text
     assert float(m.group(2)) == pytest.approx(2.0, rel=0.01)
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if with_plot:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(
@@ -91,3 +95,17 @@ def test_cuda_without_gpus_is_refused(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         main(["--device", "cuda", "--nproc", "2"])
     assert "--device cuda needs one GPU per rank" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_before_training(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    with pytest.raises(SystemExit):
+        main(["--plot", "loss.png"])
+    assert "pip install 'dmuon[demo]'" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dmuon_ownership import Owner
 from torch import nn
+
+from dmuon_ownership import Owner
 
 from ._comm import DedicatedCommContext
 from ._param import DedicatedParam

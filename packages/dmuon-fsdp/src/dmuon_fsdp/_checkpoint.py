@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._muon_math import step_dtype
 from ._optimizer import Muon
 from ._param import DedicatedParam
 from ._param_groups import ADAMW, MUON
@@ -244,8 +245,8 @@ def get_optimizer_state_dict(
                 entry = {}
                 for field in _STATE_FIELDS[group["optimizer"]]:
                     if field == "step":
-                        step = local["step"].to(dp.param.device) if local else None
-                        t = _broadcast_from_owner(runtime, dp, step, (), torch.float32)
+                        step = local["step"].to(step_dtype()) if local else None
+                        t = _broadcast_from_owner(runtime, dp, step, (), step_dtype())
                         entry[field] = t.cpu()
                     else:
                         t = _broadcast_from_owner(runtime, dp, local.get(field), dp.shape, dp.dtype)

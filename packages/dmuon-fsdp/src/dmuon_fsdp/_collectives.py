@@ -35,7 +35,6 @@ __all__ = [
     "CommCounter",
     "CommKind",
     "broadcast",
-    "is_complete",
     "reduce_sum",
     "wait",
 ]
@@ -89,7 +88,10 @@ class CommCounter:
     def snapshot(self) -> dict[str, dict[str, int]]:
         """JSON-friendly ``{"shard/broadcast": {"bytes": ..., "calls": ...}, ...}``."""
         return {
-            f"{axis}/{kind}": {"bytes": self._bytes[(axis, kind)], "calls": self._calls[(axis, kind)]}
+            f"{axis}/{kind}": {
+                "bytes": self._bytes[(axis, kind)],
+                "calls": self._calls[(axis, kind)],
+            }
             for (axis, kind) in sorted(self._bytes)
         }
 
@@ -147,12 +149,6 @@ def reduce_sum(
     """Sum ``tensor`` over ``group`` in place into global rank ``dst`` (others: undefined)."""
     counter.record(axis, CommKind.REDUCE, tensor.numel() * tensor.element_size())
     return _issue(tensor, stream, "reduce", dst=dst, op=dist.ReduceOp.SUM, group=group)
-
-
-def is_complete(result: CollectiveResult) -> bool:
-    """Whether waiting would return at once (CPU); CUDA results count as complete because
-    waiting on them only orders streams."""
-    return result.work is None or result.work.is_completed()
 
 
 def wait(result: CollectiveResult) -> torch.Tensor:

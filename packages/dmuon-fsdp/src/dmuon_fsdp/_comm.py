@@ -36,8 +36,10 @@ class ProcessGroupPolicy(StrEnum):
 
     @classmethod
     def parse(cls, value: object) -> ProcessGroupPolicy:
+        if not isinstance(value, str):
+            value = repr(value)  # never a member: reported below
         try:
-            return cls(value)
+            return cls(str(value))
         except ValueError:
             allowed = ", ".join(repr(p.value) for p in cls)
             raise ValueError(
@@ -91,16 +93,14 @@ class DedicatedCommContext:
             )
             world_group = dist.group.WORLD
         assert world_group is not None
-        streams: dict[str, torch.cuda.Stream] = {}
+        ctx = cls(layout, policy, shard_group, replicate_group, world_group)
         if layout.device.type == "cuda":
             high = -1  # the highest priority CUDA exposes through torch
-            streams = {
-                "broadcast_stream": torch.cuda.Stream(layout.device, priority=high),
-                "reduce_stream": torch.cuda.Stream(layout.device, priority=high),
-                "replicate_reduce_stream": torch.cuda.Stream(layout.device),
-                "publish_stream": torch.cuda.Stream(layout.device),
-            }
-        return cls(layout, policy, shard_group, replicate_group, world_group, **streams)
+            ctx.broadcast_stream = torch.cuda.Stream(layout.device, priority=high)
+            ctx.reduce_stream = torch.cuda.Stream(layout.device, priority=high)
+            ctx.replicate_reduce_stream = torch.cuda.Stream(layout.device)
+            ctx.publish_stream = torch.cuda.Stream(layout.device)
+        return ctx
 
     def barrier(self) -> None:
         """Barrier on every dmuon-owned group (the debug fence)."""

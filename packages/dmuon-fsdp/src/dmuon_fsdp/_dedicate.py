@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from dmuon_ownership import (
     ParamPolicy,
     Plan,
@@ -34,7 +36,6 @@ from dmuon_ownership import (
     plan_owners,
     validate_param_policy,
 )
-from torch import nn
 
 from ._comm import DedicatedCommContext, ProcessGroupPolicy
 from ._fsdp_integration import check_call_order, install_patch

@@ -47,7 +47,9 @@ def _dedicated_in(modules: Iterable[nn.Module], recurse: bool) -> set[nn.Paramet
 
 def _wrap(fn: Callable[..., Any], recurse: bool) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def wrapper(modules: Any, ignored_params: set[nn.Parameter] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(
+        modules: Any, ignored_params: set[nn.Parameter] | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
         dedicated = _dedicated_in(roots, recurse)
         if dedicated:

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
-from dmuon_ownership import Owner
 from torch import nn
+
+from dmuon_ownership import Owner
 
 from ._collectives import Axis, CollectiveResult, CommKind, broadcast, reduce_sum, wait
 from ._comm import DedicatedCommContext
@@ -174,7 +175,9 @@ class DedicatedGroup:
             else:
                 pack.alloc()
             self._broadcasts.append(
-                broadcast(pack.buffer, pack.sender, comm.shard_group, stream, comm.counter, Axis.SHARD)
+                broadcast(
+                    pack.buffer, pack.sender, comm.shard_group, stream, comm.counter, Axis.SHARD
+                )
             )
         self.state = GroupState.BROADCASTING
 
@@ -255,6 +258,19 @@ class DedicatedGroup:
                 dp.param.grad = None
         return flat
 
+    def keep_local_grads(self, pack: Pack) -> None:
+        """A world of one rank: the local gradient is already the average, so it becomes
+        ``DedicatedParam.grad`` without a copy (``.grad`` is still dropped)."""
+        for dp in pack.params:
+            grad = dp.param.grad
+            dp.param.grad = None
+            if grad is None:
+                grad = torch.zeros_like(dp.param)
+            if dp.grad is None:
+                dp.grad = grad
+            else:
+                dp.grad.add_(grad)
+
     def reduce_pack(self, pack: Pack) -> PendingReduce:
         """Stage one of [Note: gradient reduction]: sum over the shard group into the row's
         sender. Stage two is issued by the runtime in FIFO order (:func:`issue_stage2`)."""
@@ -316,4 +332,3 @@ def _event_after(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record(stream)
     return event
-

@@ -92,14 +92,18 @@ class BoundaryHooks:
             if group.state is GroupState.BROADCASTING:
                 group.to_ready()
 
-    def _post_forward(self, group: DedicatedGroup, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(
+        self, group: DedicatedGroup, module: nn.Module, args: Any, output: Any
+    ) -> None:
         with record_function("dmuon::post_forward"):
             if self.runtime.reshard_after_forward:
                 group.to_freed()
             if not torch.is_grad_enabled():
                 return
             tensors = [
-                t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
             ]
             if tensors:
                 group.needs_backward = True

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from dmuon_ownership import Owner
 from torch.distributed.device_mesh import DeviceMesh
+
+from dmuon_ownership import Owner
 
 __all__ = ["MeshLayout", "resolve_layout"]
 
@@ -88,9 +89,13 @@ def _check_1d(mesh: object, argument: str) -> DeviceMesh:
 def _split_2d(mesh: DeviceMesh, replicate_mesh: object) -> tuple[DeviceMesh, DeviceMesh]:
     names = mesh.mesh_dim_names
     if names is None:
-        raise ValueError(f"mesh is an unnamed 2-D DeviceMesh; dmuon cannot tell replicate from shard: {_HSDP_HINT}")
+        raise ValueError(
+            f"mesh is an unnamed 2-D DeviceMesh; dmuon cannot tell replicate from shard: {_HSDP_HINT}"
+        )
     if set(names) != {"replicate", "shard"}:
-        raise ValueError(f"mesh is a 2-D DeviceMesh with dims {names}, expected ('replicate', 'shard'): {_HSDP_HINT}")
+        raise ValueError(
+            f"mesh is a 2-D DeviceMesh with dims {names}, expected ('replicate', 'shard'): {_HSDP_HINT}"
+        )
     if replicate_mesh is not None:
         raise ValueError(f"replicate_mesh was given together with a 2-D mesh: {_HSDP_HINT}")
     return mesh["shard"], mesh["replicate"]
@@ -103,6 +108,7 @@ def resolve_layout(mesh: object, replicate_mesh: object = None) -> MeshLayout:
         raise RuntimeError(
             "dedicate_params needs torch.distributed: call dist.init_process_group(...) first"
         )
+    rep_mesh: DeviceMesh | None
     if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
         shard_mesh, rep_mesh = _split_2d(mesh, replicate_mesh)
     else:
@@ -122,9 +128,7 @@ def resolve_layout(mesh: object, replicate_mesh: object = None) -> MeshLayout:
             f"{replicate_size} != {world} ranks; dmuon's data-parallel grid must cover every "
             "rank (pass the full data-parallel mesh, or replicate_mesh for HSDP)"
         )
-    coord = Owner(
-        shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank()
-    )
+    coord = Owner(shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank())
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, (coord.shard, coord.replicate, dist.get_rank()))
     table: list[list[int | None]] = [[None] * shard_size for _ in range(replicate_size)]
@@ -149,6 +153,4 @@ def resolve_layout(mesh: object, replicate_mesh: object = None) -> MeshLayout:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(shard_mesh.device_type)
-    return MeshLayout(
-        shard_size, replicate_size, coord, rank_of, device, shard_mesh, rep_mesh
-    )
+    return MeshLayout(shard_size, replicate_size, coord, rank_of, device, shard_mesh, rep_mesh)

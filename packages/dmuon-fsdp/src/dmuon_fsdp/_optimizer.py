@@ -140,6 +140,7 @@ class Muon(torch.optim.Optimizer):
         groups = build_param_groups(
             model.named_parameters(), self._dedicated, param_groups, group_defaults
         )
+        self._checked_params = False
         self._constructing = True
         super().__init__(groups, {})
         self._constructing = False
@@ -200,6 +201,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._checked_params:
+            self._check_params_current()
         with record_function("dmuon::optimizer_step"):
             self._runtime.wait_all_reduces()
             with record_function("dmuon::muon_step"):
@@ -208,6 +211,20 @@ class Muon(torch.optim.Optimizer):
                 self._adamw_step()
             self._runtime.after_step(async_=self.replicate_async)
         return loss
+
+    def _check_params_current(self) -> None:
+        """Catch an optimizer built before ``fully_shard``: FSDP2 then replaced the parameters
+        it holds, and stepping the old tensors would silently train nothing."""
+        current = {id(p) for p in self._model.parameters()}
+        for group in self.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                if id(p) not in current:
+                    raise ValueError(
+                        f"Muon holds {name!r}, which is no longer a parameter of the model (was"
+                        " the optimizer built before fully_shard?); build it last:"
+                        " dedicate_params -> fully_shard (layers, then root) -> Muon(model)"
+                    )
+        self._checked_params = True
 
     def _muon_step(self) -> None:
         items: list[_muon_math.MuonItem] = []

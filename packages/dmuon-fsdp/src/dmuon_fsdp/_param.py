@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
-from dmuon_ownership import Owner
 from torch import nn
+
+from dmuon_ownership import Owner
 
 __all__ = ["DedicatedParam", "Role"]
 

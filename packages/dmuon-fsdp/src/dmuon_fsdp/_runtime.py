@@ -27,10 +27,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from dmuon_ownership import Owner, Plan
 from torch import nn
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
+
+from dmuon_ownership import Owner, Plan
 
 from ._collectives import CommCounter
 from ._comm import DedicatedCommContext, ProcessGroupPolicy
@@ -165,6 +166,9 @@ class DedicatedRuntime:
 
     def launch_reduce(self, group: DedicatedGroup, pack: Pack) -> None:
         with record_function("dmuon::reduce"):
+            if self.layout.world_size == 1:
+                group.keep_local_grads(pack)
+                return
             self._reduces.append(group.reduce_pack(pack))
             self._advance_stage2(block=False)
 
