@@ -30,6 +30,7 @@ import argparse
 import gc
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -237,13 +238,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = p.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    wanted = {v for v in args.variants.split(",") if v}
+    unknown = sorted(wanted - set(VARIANTS))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    # Always in VARIANTS order, dmuon last: whatever a variant leaves behind in the process
+    # then cannot inflate the peak memory of a variant measured after it.
+    variants = [v for v in VARIANTS if v in wanted]
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible; use --device cpu for a smoke test")
 
+    configs = args.config or ["2048x8192x16", "4096x14336x8"]
+    if len(configs) > 1:
+        # One process per config, so that nothing one config leaves allocated (a dmuon model
+        # that outlives ``del``, CUDA graphs, allocator state) counts in another's peak.
+        rest = [a for a in (argv if argv is not None else sys.argv[1:])]
+        rest = [
+            a for i, a in enumerate(rest) if a != "--config" and rest[i - 1 : i] != ["--config"]
+        ]
+        for name in configs:
+            done = subprocess.run([sys.executable, __file__, *rest, "--config", name], check=False)
+            if done.returncode:
+                return done.returncode
+        return 0
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -264,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" dmuon NS: {dmuon.get_ns_backend()}",
                 flush=True,
             )
-            for name in args.config or ["2048x8192x16", "4096x14336x8"]:
+            for name in configs:
                 cfg = CONFIGS[name]
                 cfg = LlamaConfig(**{**cfg.__dict__, "seq_len": min(args.seq_len, args.tokens)})
                 results: dict[str, Measured] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 VOCAB = 32
@@ -78,9 +79,15 @@ class Block(nn.Module):
 
 class TinyLlama(nn.Module):
     def __init__(
-        self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM, hidden: int = HIDDEN
+        self,
+        n_layers: int = 2,
+        vocab: int = VOCAB,
+        dim: int = DIM,
+        hidden: int = HIDDEN,
+        checkpoint: bool = False,
     ) -> None:
         super().__init__()
+        self.checkpoint = checkpoint  # non-reentrant activation checkpointing per layer
         self.embed_tokens = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, HEADS, hidden) for _ in range(n_layers))
         self.norm = RMSNorm(dim)
@@ -89,13 +96,16 @@ class TinyLlama(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x)
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return self.lm_head(self.norm(x))
 
 
-def build(seed: int = 0, n_layers: int = 2) -> TinyLlama:
+def build(seed: int = 0, n_layers: int = 2, checkpoint: bool = False) -> TinyLlama:
     torch.manual_seed(seed)
-    return TinyLlama(n_layers)
+    return TinyLlama(n_layers, checkpoint=checkpoint)
 
 
 def batch(step: int, rows: int, seq: int = SEQ, vocab: int = VOCAB) -> Tensor:

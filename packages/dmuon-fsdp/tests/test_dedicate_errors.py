@@ -207,3 +207,26 @@ def test_dedicate_errors_and_options(body) -> None:
 @pytest.mark.distributed
 def test_mesh_errors() -> None:
     run_distributed(_mesh_errors, 4)
+
+
+def test_install_patch_is_idempotent_and_only_touches_marked_params() -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    from dmuon_fsdp import install_patch
+    from dmuon_fsdp._fsdp_integration import is_installed
+
+    install_patch()
+    first = (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states)
+    install_patch()
+    assert (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states) == first
+    assert is_installed()
+    model = build(0)
+    # Nothing marked: the wrapped functions return exactly what FSDP2 would.
+    params, _ = _fsdp_init._get_managed_states(list(model.modules()))
+    assert len(params) == len(list(model.parameters()))
+    model.layers[0].mlp.up_proj.weight._dmuon_dedicated = True  # type: ignore[attr-defined]
+    params, _ = _fsdp_init._get_managed_states(list(model.modules()))
+    assert all(p is not model.layers[0].mlp.up_proj.weight for p in params)
+    assert len(params) == len(list(model.parameters())) - 1
+    modules = _fsdp_init._get_managed_modules((model,))
+    assert model.layers[0].mlp.up_proj not in modules  # all its parameters are dedicated

@@ -23,6 +23,8 @@ def _runs(rank: int, world_size: int) -> dict[str, RunResult]:
             rank, world_size, steps=STEPS, replicate=2, process_group_policy="shared"
         ),
         "hsdp_fence": sgd_run(rank, world_size, steps=STEPS, replicate=2, debug_fence=True),
+        # One shard, four replicas: nothing moves on the shard axis, everything on the other.
+        "hsdp_1x4": sgd_run(rank, world_size, steps=STEPS, replicate=4),
     }
 
 
@@ -43,15 +45,16 @@ def test_hsdp_matches_1d_async_sync_z2_z3_and_bytes() -> None:
     # HSDP vs 1-D: the gradient sum is associated differently ((a+b)+(c+d) over two reduce
     # stages vs one 4-rank reduce, and FSDP2's HSDP reduce-scatter + all-reduce likewise), so
     # the trajectories agree to rounding, not bit for bit.
-    torch.testing.assert_close(
-        torch.tensor(base), torch.tensor(runs["1d"][0].losses), rtol=1e-5, atol=0
-    )
-    for name, value in weights["1d"].items():
-        torch.testing.assert_close(weights["hsdp_async"][name], value, rtol=1e-5, atol=1e-6)
+    for key in ("hsdp_async", "hsdp_1x4"):
+        torch.testing.assert_close(
+            torch.tensor(runs[key][0].losses), torch.tensor(runs["1d"][0].losses), rtol=1e-5, atol=0
+        )
+        for name, value in weights["1d"].items():
+            torch.testing.assert_close(weights[key][name], value, rtol=1e-5, atol=1e-6)
     assert base[-1] < base[0]
 
     # Every HSDP owner is the only one that stepped; its column replica holds the same bits.
-    for key in ("hsdp_async", "hsdp_sync", "hsdp_z2"):
+    for key in ("hsdp_async", "hsdp_sync", "hsdp_z2", "hsdp_1x4"):
         assert len(weights[key]) == len(weights["1d"])
         for result in runs[key]:
             for name, value in result.replicas.items():
@@ -72,3 +75,7 @@ def test_hsdp_matches_1d_async_sync_z2_z3_and_bytes() -> None:
                 for kind in ("reduce", "publish"):
                     total = sum(results[r].bytes_per_step[step][f"replicate/{kind}"] for r in row)
                     assert total == p_m, (key, step, row, kind)
+    for result in runs["hsdp_1x4"]:  # G = 1: every rank is its own row, and in every column
+        for step_bytes in result.bytes_per_step:
+            assert step_bytes["shard/broadcast"] == step_bytes["shard/reduce"] == 0
+            assert step_bytes["replicate/reduce"] == step_bytes["replicate/publish"] == p_m

@@ -17,9 +17,12 @@ from dmuon_fsdp import (
     Muon,
     collect_forward_unshard_profile,
     dedicate_params,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
     summarize_comm_plan,
     summarize_param_groups,
 )
+from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()
@@ -203,6 +206,13 @@ def _errors(rank: int, world_size: int):
         Muon(model, lr_scaling="sqrt")
     with pytest.raises(ValueError, match=r"an nn\.Module"):
         Muon(list(model.parameters()))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ns_batch_bytes must be a positive int"):
+        Muon(model, ns_batch_bytes=0)
+    with pytest.raises(ValueError, match="ns_backend must be 'gram', 'direct'"):
+        Muon(model, ns_backend="svd")
+    custom = NewtonSchulz(backend="direct", steps=3)
+    assert Muon(model, ns_backend=custom).newton_schulz is custom
+    assert Muon(model, ns_backend="direct", ns_steps=7).newton_schulz.steps == 7
     optimizer = Muon(model)
     with pytest.raises(ValueError, match=r"Muon\(model, param_groups=\[\.\.\.\]\)"):
         optimizer.add_param_group({"params": []})
@@ -248,6 +258,16 @@ def _policy_routes(rank: int, world_size: int):
     owned_with_adam_state = sorted(
         dp.fqn for dp in runtime.owned if dp.route == "adamw" and optimizer.state[dp.param]
     )
+    # Dedicated AdamW state (moments and step from the owner) survives a checkpoint round trip.
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    fresh = Muon(model, **HYPER.muon_kwargs())
+    set_optimizer_state_dict(model, fresh, optim_sd)
+    again = get_optimizer_state_dict(model, fresh)
+    norm = optim_sd["state"]["layers.1.mlp_norm.weight"]
+    assert sorted(norm) == ["exp_avg", "exp_avg_sq", "step"] and float(norm["step"]) == 4.0
+    for fqn, entry in optim_sd["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(again["state"][fqn][key], value), (fqn, key)
     ref = None
     if rank == 0:
         plain = build(0)

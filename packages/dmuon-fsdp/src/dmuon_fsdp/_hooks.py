@@ -78,11 +78,20 @@ class BoundaryHooks:
     def _pre_forward(self, group: DedicatedGroup, module: nn.Module, args: Any) -> None:
         if not self._checked_registration:
             self._check_registration()
+        if _in_backward():
+            # Activation checkpointing recomputes this forward inside backward: the weights
+            # are needed again; order, counters and freeing belong to the real forward.
+            with record_function("dmuon::pre_forward_recompute"):
+                group.unshard()
+            return
         with record_function("dmuon::pre_forward"):
             if group in self._current:
                 self._order, self._current = self._current, []
             self._current.append(group)
             group.reset_backward()
+            # An HSDP publish writes the weights this forward reads (on column replicas), also
+            # when nothing is broadcast (a shard size of one).
+            group.wait_publishes()
             if group.state is GroupState.FREED:
                 group.to_broadcasting()
             following = self._neighbour(group, +1)
@@ -95,6 +104,8 @@ class BoundaryHooks:
     def _post_forward(
         self, group: DedicatedGroup, module: nn.Module, args: Any, output: Any
     ) -> None:
+        if _in_backward():
+            return  # recompute: the boundary is freed once its gradients are in
         with record_function("dmuon::post_forward"):
             if self.runtime.reshard_after_forward:
                 group.to_freed()
@@ -116,10 +127,7 @@ class BoundaryHooks:
         if group.backward_started:
             return
         with record_function("dmuon::pre_backward"):
-            if not self._final_queued:
-                self._final_queued = True
-                self._order = list(self._current)
-                torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
+            self._queue_final_callback()
             group.backward_started = True
             if group.state is GroupState.FREED:
                 group.to_broadcasting()
@@ -135,7 +143,16 @@ class BoundaryHooks:
             if group.state is GroupState.BROADCASTING:
                 group.to_ready()
 
+    def _queue_final_callback(self) -> None:
+        if not self._final_queued:
+            self._final_queued = True
+            self._order = list(self._current)
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
+
     def _post_accumulate_grad(self, dp: DedicatedParam, param: torch.Tensor) -> None:
+        # Usually queued by a pre-backward already; not when the forward ran without grad
+        # (reentrant activation checkpointing) and only the recompute built the graph.
+        self._queue_final_callback()
         runtime = self.runtime
         pack = runtime.pack_of(dp)
         pack.grads_seen += 1
@@ -187,3 +204,8 @@ class BoundaryHooks:
                     "dmuon.install_patch()?). Call dedicate_params before fully_shard and do not "
                     "reassign dedicated parameters"
                 )
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1

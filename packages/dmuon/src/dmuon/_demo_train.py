@@ -13,6 +13,7 @@ from enum import StrEnum
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -77,9 +78,15 @@ def build_mesh(device_type: str, world_size: int, replicate: int) -> DeviceMesh:
     )
 
 
-def _build(opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, device: torch.device):
+def _build(
+    opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, device: torch.device
+) -> tuple[nn.Module, torch.optim.Optimizer, tuple[int, int]]:
+    """The model wrapped for ``kind`` and its optimizer, in the order SPEC section 4 requires,
+    plus (elements, bytes per element) of its Muon-target matrices."""
     torch.manual_seed(opts.seed)
     model = TinyLlama(opts.model).to(device)
+    muon = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
+    muon_bytes = (sum(p.numel() for p in muon), muon[0].element_size())
     reshard = opts.zero == 3
     if kind is RunKind.DMUON:
         import dmuon
@@ -102,7 +109,7 @@ def _build(opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, device: torch.dev
         optimizer = dmuon.Muon(model, lr=opts.lr, adamw_lr=opts.adamw_lr)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=opts.adamw_lr, weight_decay=0.01)
-    return model, optimizer
+    return model, optimizer, muon_bytes
 
 
 def _sync(device: torch.device) -> None:
@@ -113,11 +120,8 @@ def _sync(device: torch.device) -> None:
 def train_run(
     ctx: RankContext, opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, stream: MarkovStream
 ) -> RunResult:
-    model, optimizer = _build(opts, kind, mesh, ctx.device)
-    muon = [p for n, p in TinyLlama(opts.model).named_parameters() if muon_predicate(n, p)]
-    result = RunResult(
-        kind, muon_numel=sum(p.numel() for p in muon), muon_itemsize=muon[0].element_size()
-    )
+    model, optimizer, (numel, itemsize) = _build(opts, kind, mesh, ctx.device)
+    result = RunResult(kind, muon_numel=numel, muon_itemsize=itemsize)
     counter = None
     if kind is RunKind.DMUON:
         import dmuon
