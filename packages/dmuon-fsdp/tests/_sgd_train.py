@@ -53,6 +53,7 @@ def sgd_run(
     n_layers: int = 2,
     device: str = "cpu",
     debug_fence: bool = False,
+    small_param_threshold: int = 0,
 ) -> RunResult:
     model = build(0, n_layers).to(device)
     fsdp_mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate, device)
@@ -64,6 +65,8 @@ def sgd_run(
         replicate_mesh=replicate_mesh,
         process_group_policy=process_group_policy,
         debug_fence=debug_fence,
+        # 0: every matrix is placed on its own, so a boundary has several owners (packs).
+        small_param_threshold=small_param_threshold,
     )
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh)

@@ -165,6 +165,15 @@ def _routes(rank: int, world_size: int) -> None:
     assert not isinstance(model.layers[0].attn_norm.weight, DTensor)
 
 
+def _plan_differs(rank: int, world_size: int) -> None:
+    # A rank-dependent predicate gives each rank another plan: caught before any weight moves.
+    def predicate(n, p):
+        return muon_predicate(n, p) and (rank == 0 or "q_proj" not in n)
+
+    with pytest.raises(RuntimeError, match=r"owner plan differs across ranks.*same predicate"):
+        dedicate_params(build(0), _mesh(world_size), predicate)
+
+
 def _mesh_errors(rank: int, world_size: int) -> None:
     unnamed = init_device_mesh("cpu", (2, 2))
     with pytest.raises(
@@ -197,6 +206,7 @@ def _mesh_errors(rank: int, world_size: int) -> None:
         _boundary_predicate_lowest,
         _bad_arguments,
         _routes,
+        _plan_differs,
     ],
     ids=lambda f: f.__name__.strip("_"),
 )

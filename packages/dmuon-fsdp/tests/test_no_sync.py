@@ -18,7 +18,9 @@ ROWS = 4  # rows per micro-batch on each rank
 def _wrapped(world_size: int, reshard: bool):
     model = build(0)
     mesh = init_device_mesh("cpu", (world_size,))
-    runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    runtime = dedicate_params(
+        model, mesh, muon_predicate, reshard_after_forward=reshard, small_param_threshold=0
+    )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

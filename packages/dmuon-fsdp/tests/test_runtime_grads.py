@@ -17,10 +17,16 @@ from dmuon_testing.distributed import run_distributed
 ROWS = 8
 
 
-def _setup(world_size: int, reshard: bool, n_layers: int = 2, checkpoint: bool = False):
-    model = build(0, n_layers, checkpoint)
+def _setup(world_size: int, reshard: bool, checkpoint: bool = False, threshold: int = 0):
+    model = build(0, 2, checkpoint)
     mesh = init_device_mesh("cpu", (world_size,))
-    runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    runtime = dedicate_params(
+        model,
+        mesh,
+        muon_predicate,
+        reshard_after_forward=reshard,
+        small_param_threshold=threshold,
+    )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -32,9 +38,12 @@ def _local(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def _grads_match_reference(
-    rank: int, world_size: int, reshard: bool, checkpoint: bool = False
+    rank: int, world_size: int, reshard: bool, checkpoint: bool = False, threshold: int = 0
 ) -> None:
-    model, runtime = _setup(world_size, reshard, checkpoint=checkpoint)
+    model, runtime = _setup(world_size, reshard, checkpoint, threshold)
+    owners = {dp.owner for dp in runtime.params}
+    # threshold 0: every matrix placed alone, every rank owns some; default: one pack per layer.
+    assert len(owners) == (world_size if threshold == 0 else min(world_size, 2))
     ref = build(0)
     tokens = batch(0, ROWS)
     loss = loss_fn(model, _local(tokens, rank, world_size))
@@ -85,4 +94,5 @@ def test_grads_match_single_process(world_size: int, reshard: bool) -> None:
 def test_grads_match_with_activation_checkpointing(reshard: bool) -> None:
     # The recompute runs each boundary's forward again inside backward; its hooks must
     # unshard without disturbing the step's order, counters or freeing.
-    run_distributed(_grads_match_reference, 2, reshard, True)
+    # Also the planner's default packing: one pack (one owner) per boundary.
+    run_distributed(_grads_match_reference, 4, reshard, True, 5_000_000)

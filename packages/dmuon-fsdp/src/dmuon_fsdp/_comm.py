@@ -36,16 +36,13 @@ class ProcessGroupPolicy(StrEnum):
 
     @classmethod
     def parse(cls, value: object) -> ProcessGroupPolicy:
-        if not isinstance(value, str):
-            value = repr(value)  # never a member: reported below
-        try:
-            return cls(str(value))
-        except ValueError:
-            allowed = ", ".join(repr(p.value) for p in cls)
-            raise ValueError(
-                f"process_group_policy={value!r} is not one of {allowed}; use 'isolated' "
-                "(dmuon's own cloned groups, the default) or 'shared' (the mesh's groups)"
-            ) from None
+        if isinstance(value, str) and value in cls._value2member_map_:
+            return cls(value)
+        allowed = ", ".join(repr(p.value) for p in cls)
+        raise ValueError(
+            f"process_group_policy={value!r} is not one of {allowed}; use 'isolated' "
+            "(dmuon's own cloned groups, the default) or 'shared' (the mesh's groups)"
+        )
 
 
 @dataclass(eq=False)

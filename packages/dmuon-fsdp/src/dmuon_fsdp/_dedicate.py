@@ -13,6 +13,16 @@
    boundary's parameters per owner, free the peers' storage, publish the owners' weights to
    their shard column (HSDP);
 6. register hooks, install the FSDP2 integration, attach the runtime to the model.
+
+[Note: what this runtime does not do]
+
+Dedicated parameters are communicated and stepped in their own dtype: a ``param_policy``
+dtype field that differs from it raises (cast the model first). Parameters must be
+materialised on the mesh's device type before ``dedicate_params`` (no meta-device deferral),
+and the model must not be moved (``.to()``) afterwards: the parameters are views into packed
+buffers. Tensor-parallel (DTensor) parameters are rejected as "already managed". On NCCL the
+broadcasts of one boundary's packs are issued one after another on the broadcast stream (not
+in one coalesced group call).
 """
 
 from __future__ import annotations

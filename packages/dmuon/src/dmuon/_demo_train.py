@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import dmuon
 from dmuon._demo_data import MarkovStream
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate, next_token_loss
 from dmuon._launch import RankContext
@@ -89,8 +90,6 @@ def _build(
     muon_bytes = (sum(p.numel() for p in muon), muon[0].element_size())
     reshard = opts.zero == 3
     if kind is RunKind.DMUON:
-        import dmuon
-
         if opts.replicate == 1:
             dmuon.dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
         else:
@@ -124,8 +123,6 @@ def train_run(
     result = RunResult(kind, muon_numel=numel, muon_itemsize=itemsize)
     counter = None
     if kind is RunKind.DMUON:
-        import dmuon
-
         counter = dmuon.get_comm_ctx(model).counter
     for step in range(opts.steps):
         if counter is not None:
