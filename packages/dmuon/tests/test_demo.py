@@ -42,6 +42,8 @@ def test_demo_runs_both_and_prints_the_table() -> None:
         assert losses[run][-1] < losses[run][0], f"{run} loss did not fall: {losses[run]}"
     # Same initial weights and data: the first forward is identical before any update.
     assert losses["adamw"][0] == losses["dmuon"][0]
+    # dmuon's owner-plan summary is forwarded from rank 0.
+    assert "dedicate_params: 14 params assigned to 2 ranks" in text
     table = text[text.index("run  ") :]
     assert "FSDP2 + AdamW" in table and "dmuon (Muon + AdamW)" in table
     assert "SPEC §1 formula" in table

@@ -22,7 +22,14 @@ from typing import TextIO
 
 from dmuon._demo_data import MarkovStream
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
-from dmuon._demo_train import DemoOptions, RunKind, RunResult, StepEvent, train_rank
+from dmuon._demo_train import (
+    DemoOptions,
+    LogEvent,
+    RunKind,
+    RunResult,
+    StepEvent,
+    train_rank,
+)
 from dmuon._launch import choose_backend, spawn, torchrun_world
 
 __all__ = ["main"]
@@ -134,12 +141,15 @@ def _largest_divisor_below(n: int, limit: int) -> int:
 
 
 class _Progress:
-    """Prints rank 0's step events as they arrive."""
+    """Prints rank 0's step events (and dmuon's log lines) as they arrive."""
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
 
-    def __call__(self, event: StepEvent) -> None:
+    def __call__(self, event: StepEvent | LogEvent) -> None:
+        if isinstance(event, LogEvent):
+            print(event.message, file=self.out, flush=True)
+            return
         print(
             f"step {event.step:>{len(str(event.steps))}}/{event.steps}  {event.run.value:<5}"
             f" loss {event.loss:.4f}  {event.seconds:.2f} s/it",

@@ -7,6 +7,7 @@ their curves differ only by the optimizer and its distribution.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -22,7 +23,7 @@ from dmuon._demo_data import MarkovStream
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate, next_token_loss
 from dmuon._launch import RankContext
 
-__all__ = ["DemoOptions", "RunKind", "RunResult", "StepEvent", "train_rank"]
+__all__ = ["DemoOptions", "LogEvent", "RunKind", "RunResult", "StepEvent", "train_rank"]
 
 
 class RunKind(StrEnum):
@@ -54,6 +55,22 @@ class StepEvent:
     steps: int
     loss: float
     seconds: float
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    """A log record of dmuon's own (its one-line owner-plan summary), forwarded from rank 0."""
+
+    message: str
+
+
+class _ForwardLogs(logging.Handler):
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__(logging.INFO)
+        self.ctx = ctx
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.ctx.emit(LogEvent(record.getMessage()))
 
 
 @dataclass(frozen=True)
@@ -155,7 +172,17 @@ def train_rank(ctx: RankContext, opts: DemoOptions) -> list[list[RunResult]]:
     of the whole world even when it is one of many torchrun processes."""
     mesh = build_mesh(ctx.device.type, ctx.world_size, opts.replicate)
     stream = MarkovStream(opts.model.vocab, opts.model.seq_len, seed=opts.seed)
-    mine = [train_run(ctx, opts, kind, mesh, stream) for kind in opts.runs]
+    # dedicate_params logs its plan summary (rank 0 only) at INFO: show it with the progress.
+    library = logging.getLogger("dmuon_fsdp")
+    handler = _ForwardLogs(ctx)
+    library.addHandler(handler)
+    level = library.level
+    library.setLevel(logging.INFO)
+    try:
+        mine = [train_run(ctx, opts, kind, mesh, stream) for kind in opts.runs]
+    finally:
+        library.removeHandler(handler)
+        library.setLevel(level)
     everyone: list[object] = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     return everyone  # type: ignore[return-value]
