@@ -57,3 +57,37 @@ def test_steps_match_reference_z2_equals_z3_and_bytes(world_size: int) -> None:
                 # 2(N-1)/N · P_M, dmuon-Z3 3(N-1)/N · P_M.
                 wire = (step_bytes["shard/broadcast"] + step_bytes["shard/reduce"]) * (n - 1) / n
                 assert wire == pytest.approx((broadcast_rounds + 1) * (n - 1) / n * p_m)
+
+
+def _model_is_freed(rank: int, world_size: int, shard: bool, train: bool) -> bool:
+    import gc
+    import weakref
+
+    from _models import batch, loss_fn, muon_predicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon_fsdp import dedicate_params
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    if shard:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if train:
+        loss_fn(model, batch(0, rows=2)).backward()
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    return alive() is None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("shard", "train"), [(True, False), (False, True)])
+def test_deleted_model_is_freed(shard: bool, train: bool) -> None:
+    # dmuon's hooks must not keep a deleted model (and its weights) alive. FSDP2 itself keeps a
+    # model that ran a forward alive in torch 2.13, with or without dmuon, so the two halves
+    # (wrapped by FSDP2; trained) are checked separately.
+    assert run_distributed(_model_is_freed, 2, shard, train) == [True, True]

@@ -20,6 +20,7 @@ different order than recorded only costs a broadcast issued early, never a wrong
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,17 +48,28 @@ class BoundaryHooks:
         self._final_queued = False
         self._checked_registration = False
         self._handles: list[RemovableHandle] = []
-        for group in runtime.groups:
+        # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
+        # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
+        # the runtime, the model and its weights) would keep a deleted model alive forever.
+        # Every hook holds only a weak reference to this object and an index.
+        weak_self = weakref.ref(self)
+        for index, group in enumerate(runtime.groups):
             self._handles.append(
-                group.module.register_forward_pre_hook(functools.partial(self._pre_forward, group))
+                group.module.register_forward_pre_hook(
+                    functools.partial(_weak_hook, weak_self, "_pre_forward", "groups", index)
+                )
             )
             self._handles.append(
-                group.module.register_forward_hook(functools.partial(self._post_forward, group))
+                group.module.register_forward_hook(
+                    functools.partial(_weak_hook, weak_self, "_post_forward", "groups", index)
+                )
             )
-        for dp in runtime.params:
+        for index, dp in enumerate(runtime.params):
             self._handles.append(
                 dp.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._post_accumulate_grad, dp)
+                    functools.partial(
+                        _weak_hook, weak_self, "_post_accumulate_grad", "params", index
+                    )
                 )
             )
 
@@ -204,6 +216,16 @@ class BoundaryHooks:
                     "dmuon.install_patch()?). Call dedicate_params before fully_shard and do not "
                     "reassign dedicated parameters"
                 )
+
+
+def _weak_hook(
+    weak_hooks: weakref.ref[BoundaryHooks], method: str, table: str, index: int, *args: Any
+) -> Any:
+    """Call ``hooks.<method>(runtime.<table>[index], *args)`` if the hooks are still alive."""
+    hooks = weak_hooks()
+    if hooks is None:
+        return None
+    return getattr(hooks, method)(getattr(hooks.runtime, table)[index], *args)
 
 
 def _in_backward() -> bool:
