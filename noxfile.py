@@ -1,8 +1,8 @@
 """Sessions for the dmuon workspace: one test session per package, lint, types, isolation, demo.
 
-    nox                                  # everything CI runs
-    nox -s "tests(package='dmuon-ns')"   # one package's tests
-    nox -s demo -- --steps 20            # the main job (extra args go to dmuon-demo)
+nox                                  # everything CI runs
+nox -s "tests(package='dmuon-ns')"   # one package's tests
+nox -s demo -- --steps 20            # the main job (extra args go to dmuon-demo)
 """
 
 from __future__ import annotations
