@@ -44,7 +44,10 @@ from ._runtime import DedicatedRuntime, get_runtime
 __all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads"]
 
 # Cap on one batched NS input; see [Note: one Newton–Schulz call per shape] in _muon_math.
-DEFAULT_NS_BATCH_BYTES = 512 * 2**20
+# 64 MiB stacks every matrix up to 4096×4096 (bf16) in pairs or more, and runs a Llama-8B MLP
+# matrix (4096×14336, 112 MiB) alone, as torch.optim.Muon does: the stack's transient memory
+# is ~5× its size, so the old 512 MiB cap cost ~2.3 GiB more than a per-matrix loop.
+DEFAULT_NS_BATCH_BYTES = 64 * 2**20
 
 
 class MuonClipGrads(NamedTuple):

@@ -4,6 +4,15 @@
 iteration dtype, normalised. Two CUDA-only layers may wrap the kernel call: the autotuner
 (when auto left several candidates) and CUDA-graph replay (when ``cuda_graphs`` is on). Both
 live in their own modules, imported only on that path, so a CPU run never touches them.
+
+[Note: which problems are graphed]
+A captured graph keeps its static input and output allocated for the life of the process (and
+its intermediates reserved in a private pool), i.e. at least twice the problem's size per
+shape, on top of whatever the caller holds. Replay only pays where launch gaps dominate: on an
+H200 it took a 1024×4096 call from 1.33 to 0.57 ms, and changed nothing measurable at
+2048×8192, 4096×14336 or a 32×1024×4096 stack (BENCHMARKS.md, Newton–Schulz run A). So only
+inputs of at most ``GRAPH_MAX_BYTES`` are graphed; larger ones run eagerly and leave nothing
+behind.
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ from torch import Tensor
 
 from dmuon_ns._registry import NSKernel, Resolution
 
-__all__ = ["run"]
+__all__ = ["GRAPH_MAX_BYTES", "run"]
+
+# Largest prepared input replayed through a CUDA graph; see [Note: which problems are graphed].
+GRAPH_MAX_BYTES = 16 * 2**20
 
 
 def run(
@@ -35,7 +47,7 @@ def run(
             return kernel.gram(t, coefficients, restart_iterations)
         return kernel.direct(t, coefficients)
 
-    if cuda_graphs and x.is_cuda:
+    if cuda_graphs and x.is_cuda and x.numel() * x.element_size() <= GRAPH_MAX_BYTES:
         from dmuon_ns import _graphs
 
         key = (kernel.name, op, tuple(x.shape), x.dtype, coefficients, restart_iterations)
