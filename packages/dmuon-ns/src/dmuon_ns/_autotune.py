@@ -37,10 +37,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from dmuon_ns._registry import NSKernel
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -66,19 +68,6 @@ _MIN_REPS = 3
 _MAX_REPS = 25
 _TARGET_SECONDS = 0.2
 _SEED = 20_241_129
-
-
-class _Kernel(Protocol):
-    name: str
-
-    def gram(
-        self,
-        x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
-        restart_iterations: Sequence[int],
-    ) -> Tensor: ...
-
-    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor: ...
 
 
 AutotuneVerdict = dict[str, Any]
@@ -116,7 +105,7 @@ def verdicts() -> dict[str, AutotuneVerdict]:
 
 
 def choose(
-    candidates: Sequence[_Kernel],
+    candidates: Sequence[NSKernel],
     x: Tensor,
     op: str,
     coefficients: Sequence[tuple[float, float, float]],
@@ -196,7 +185,7 @@ def _package_version() -> str:
 
 
 def _tune(
-    candidates: Sequence[_Kernel],
+    candidates: Sequence[NSKernel],
     x: Tensor,
     op: str,
     coeffs: tuple[tuple[float, float, float], ...],
@@ -206,7 +195,7 @@ def _tune(
         sample = _random_input(x)
         reference = _reference(sample, coeffs)
 
-        def run(kernel: _Kernel) -> Tensor:
+        def run(kernel: NSKernel) -> Tensor:
             if op == "gram":
                 return kernel.gram(sample, coeffs, restarts)
             return kernel.direct(sample, coeffs)
