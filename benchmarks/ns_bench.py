@@ -7,7 +7,9 @@ gram-newton-schulz with quack kernels, in one run, plus each one's error against
 Needs a CUDA device; the ``quack`` and gram-newton-schulz columns need quack-kernels and
 gram-newton-schulz importable (the GPU machine gets them from ../shared/tools/gpu-wheels.sh).
 Inputs are random bf16 Gaussians. Times are medians of ``triton.testing.do_bench`` (CUDA
-events, L2 flushed between runs) after a first, untimed call that compiles and autotunes.
+events, L2 flushed between runs) after a first, untimed call that compiles and autotunes,
+taken in ``--rounds`` interleaved rounds (each in a rotated method order) and reduced to the
+median over rounds.
 Errors are max over matrices of ‖out − ref‖_F/‖ref‖_F with ref the float64 iteration of the
 same algorithm and coefficients (``dmuon_ns.testing.reference_newton_schulz``).
 """
@@ -20,6 +22,7 @@ import importlib.metadata
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -150,7 +153,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=ISSUE_SHAPES)
     parser.add_argument("--methods", nargs="*", default=None, help="subset of column names")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for logs")
-    parser.add_argument("--rep-ms", type=float, default=200.0)
+    parser.add_argument("--rep-ms", type=float, default=300.0, help="timed ms per method")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -182,29 +186,45 @@ def main() -> None:
         refs = _reference(g, muon=False)
         refs_muon = _reference(g, muon=True)
         results: dict[str, tuple[float, float]] = {}
-        for name, fn in methods.items():
+        errors: dict[str, float] = {}
+        for name, fn in methods.items():  # first call: compile, autotune, capture; error
             try:
                 t0 = time.perf_counter()
                 out = fn(g)
                 torch.cuda.synchronize()
                 first_s = time.perf_counter() - t0
-                err = _error(out, refs_muon if name.startswith("torch.optim") else refs)
-                ms = triton.testing.do_bench(
-                    lambda fn=fn, g=g: fn(g), warmup=25, rep=args.rep_ms, return_mode="median"
-                )
+                errors[name] = _error(out, refs_muon if name.startswith("torch.optim") else refs)
+                del out
             except Exception as exc:
                 print(f"# {spec} {name} failed: {exc!r}", flush=True)
                 traceback.print_exc(file=sys.stdout)
                 log.write(json.dumps({"shape": spec, "method": name, "error": repr(exc)}) + "\n")
                 continue
+            log.write(json.dumps({"shape": spec, "method": name, "first_s": first_s}) + "\n")
+        # Timed in rounds, each round in a rotated order, so that no method always runs
+        # right after the same heavy neighbour (clocks drift with temperature); the cell is
+        # the median over rounds of each round's do_bench median.
+        names = [name for name in methods if name in errors]
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(args.rounds):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)] if names else []
+            for name in order:
+                fn = methods[name]
+                samples[name].append(
+                    triton.testing.do_bench(
+                        lambda fn=fn, g=g: fn(g),
+                        warmup=25,
+                        rep=args.rep_ms / args.rounds,
+                        return_mode="median",
+                    )
+                )
+        for name in names:
+            ms, err = statistics.median(samples[name]), errors[name]
             results[name] = (ms, err)
-            record = {"shape": spec, "method": name, "ms": ms, "err": err, "first_s": first_s}
-            log.write(json.dumps(record) + "\n")
+            record = {"shape": spec, "method": name, "ms": ms, "rounds_ms": samples[name]}
+            log.write(json.dumps({**record, "err": err}) + "\n")
             log.flush()
-            print(
-                f"{spec:>14} {name:<28} {ms:9.3f} ms  err {err:.3e}  first {first_s:.1f}s",
-                flush=True,
-            )
+            print(f"{spec:>14} {name:<28} {ms:9.3f} ms  err {err:.3e}", flush=True)
         rows.append((spec, results))
         del g, refs, refs_muon
         torch.cuda.empty_cache()
@@ -230,6 +250,11 @@ def main() -> None:
                 cells.append("—")
         print(f"| {spec} | " + " | ".join(cells) + " |")
     print("\nms median (relative error vs float64)")
+    peer = "gram-newton-schulz+quack"
+    for spec, results in rows:
+        if "dmuon[auto]" in results and peer in results:
+            ratio = results["dmuon[auto]"][0] / results[peer][0]
+            print(f"# {spec}: dmuon[auto] / {peer} = {ratio:.3f}")
 
 
 if __name__ == "__main__":

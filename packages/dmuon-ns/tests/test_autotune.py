@@ -45,12 +45,21 @@ class FakeKernel:
         return out
 
     def gram(
-        self, x: Tensor, coefficients: Sequence[tuple[float, float, float]], restarts: Sequence[int]
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        restarts: Sequence[int],
+        out_dtype: torch.dtype | None = None,
     ) -> Tensor:
-        return self._finish(TORCH_KERNEL.gram(x, coefficients, restarts))
+        return self._finish(TORCH_KERNEL.gram(x, coefficients, restarts, out_dtype))
 
-    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor:
-        return self._finish(TORCH_KERNEL.direct(x, coefficients))
+    def direct(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        return self._finish(TORCH_KERNEL.direct(x, coefficients, out_dtype))
 
 
 @pytest.fixture(autouse=True)

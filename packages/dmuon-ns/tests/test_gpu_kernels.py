@@ -106,3 +106,36 @@ def test_graph_replay_equals_eager(name):
         kept = again.clone()
         graphed(torch.randn_like(g))
         assert torch.equal(again, kept)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "quack"])
+@pytest.mark.parametrize("op", ["gram", "direct"])
+def test_out_dtype_is_the_last_product_rounded_once(name, op):
+    kernel = TORCH_KERNEL if name == "torch" else _kernel(name)
+    x = _input("random", (2, 333, 1000), torch.float16)
+    run = kernel.gram if op == "gram" else kernel.direct
+    args = (x, COEFFS, (2,)) if op == "gram" else (x, COEFFS)
+    own = run(*args)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = run(*args, out_dtype=out_dtype)
+        assert out.dtype == out_dtype and out.shape == x.shape
+        # Same iteration, only the final rounding differs: within one fp16 ulp of the
+        # kernel's own fp16 output (relative 2^-10), plus bf16's own rounding.
+        tol = 2**-10 + (2**-8 if out_dtype == torch.bfloat16 else 0.0)
+        diff = (out.double() - own.double()).abs()
+        assert float(diff.max()) <= tol * float(own.double().abs().max()), (name, out_dtype)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_front_end_normalisation_on_cuda_matches_the_cpu_formula(transposed):
+    from dmuon_ns._prepare import prepare
+
+    g = torch.randn(3, 300, 700, device="cuda").to(torch.bfloat16) * 50
+    g = g.mT if transposed else g
+    prepared = prepare(g, torch.float16, 1e-7)
+    on_cpu = prepare(g.cpu(), torch.float16, 1e-7)
+    assert prepared.transposed == transposed and prepared.x.is_contiguous()
+    # fp32 norms may differ in summation order; one fp16 ulp at most, nearly always none.
+    diff = (prepared.x.cpu().double() - on_cpu.x.double()).abs()
+    assert float(diff.max()) <= 2**-10 * float(on_cpu.x.double().abs().max())
+    assert float((diff > 0).double().mean()) < 0.01

@@ -42,16 +42,25 @@ class RecordingKernel:
         assert bool((norms <= 1.001).all())
 
     def gram(
-        self, x: Tensor, coefficients: Sequence[tuple[float, float, float]], restarts: Sequence[int]
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        restarts: Sequence[int],
+        out_dtype: torch.dtype | None = None,
     ) -> Tensor:
         self._check(x)
         self.calls.append(("gram", tuple(x.shape), x.dtype, len(coefficients), tuple(restarts)))
-        return TORCH_KERNEL.gram(x, coefficients, restarts)
+        return TORCH_KERNEL.gram(x, coefficients, restarts, out_dtype)
 
-    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor:
+    def direct(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
         self._check(x)
         self.calls.append(("direct", tuple(x.shape), x.dtype, len(coefficients), ()))
-        return TORCH_KERNEL.direct(x, coefficients)
+        return TORCH_KERNEL.direct(x, coefficients, out_dtype)
 
 
 @pytest.fixture

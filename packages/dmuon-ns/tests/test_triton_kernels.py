@@ -25,6 +25,7 @@ from dmuon_ns._triton_kernels import (  # noqa: E402
     _INTERPRETING,
     TileConfig,
     matmul,
+    scale_cast,
     sym_matmul,
 )
 from dmuon_ns.testing import reference_newton_schulz, relative_error  # noqa: E402
@@ -97,6 +98,42 @@ def test_plain_product_with_epilogue_and_strided_operands(dtype):
     assert _err(out, expected) < (2e-3 if dtype == torch.float16 else 1.5e-2)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_plain_product_writes_the_requested_dtype_from_one_rounding(out_dtype):
+    a = _rand(2, 33, 47, dtype=torch.float16)
+    b = _rand(2, 47, 70, dtype=torch.float16)
+    out = matmul(a, b, out_dtype=out_dtype, config=SMALL)
+    assert out.dtype == out_dtype
+    # The fp32 accumulator is rounded once, straight to out_dtype: never through fp16 first.
+    exact = (a.double() @ b.double()).to(out_dtype)
+    via_fp16 = (a.double() @ b.double()).half().to(out_dtype)
+    assert _err(out, exact.double()) <= _err(via_fp16, exact.double()) + 1e-6
+    assert float((out.double() - exact.double()).abs().max()) <= (
+        float(exact.double().abs().max()) * (2**-8 if out_dtype == torch.bfloat16 else 1e-6)
+    )
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_scale_cast_equals_torch_mul_bit_for_bit(out_dtype, transposed):
+    g = _rand(3, 70, 45, dtype=torch.bfloat16)
+    x = g.mT if transposed else g  # the front end hands a tall matrix's transpose, strided
+    scale = torch.tensor([0.5, 3.0, 1 / 7], device=DEVICE)
+    out = torch.empty(x.shape, dtype=out_dtype, device=DEVICE)
+    assert scale_cast(x, scale, out) is out
+    expected = torch.mul(x, scale[:, None, None]).to(out_dtype)  # fp32 product, one rounding
+    assert out.is_contiguous()
+    assert torch.equal(out, expected)
+
+
+def test_scale_cast_rejects_bad_arguments():
+    x = _rand(2, 8, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="contiguous"):
+        scale_cast(x, torch.ones(2, device=DEVICE), torch.empty(2, 16, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="float32"):
+        scale_cast(x, torch.ones(3, device=DEVICE), torch.empty_like(x))
+
+
 def test_bad_operands_raise():
     x = _rand(2, 8, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="do not multiply"):
@@ -127,6 +164,13 @@ def test_triton_kernel_matches_reference_as_well_as_torch(op, dtype, shape):
     assert torch.isfinite(ours).all()
     ours_err, plain_err = relative_error(ours, reference), relative_error(plain, reference)
     assert ours_err <= 2 * plain_err, (ours_err, plain_err)
+    # Writing the caller's dtype from the last product is that product rounded once more
+    # coarsely, never a different iteration.
+    run = TRITON_KERNEL.gram if op == "gram" else TRITON_KERNEL.direct
+    args = (x, COEFFS, (2,)) if op == "gram" else (x, COEFFS)
+    wide = run(*args, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide.to(dtype), ours)
 
 
 def test_front_end_runs_the_triton_kernel_by_name():

@@ -52,7 +52,7 @@ class NewtonSchulz:
     restarts, ignored by the direct form; see ``_torch_kernel``). ``kernel`` is ``"auto"`` or a
     registered kernel name; ``deterministic=True`` means the plain torch kernel unless a kernel
     is named (precedence in ``_registry``). ``cuda_graphs`` replays CUDA inputs through a
-    captured graph per problem shape (inputs of at most 16 MiB; larger ones gain nothing from
+    captured graph per problem shape (inputs of at most 64 MiB; larger ones gain nothing from
     replay and run eagerly, see ``_dispatch``).
     """
 

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["op_for", "orthogonalize", "orthogonalize_many"]
 
+# Result dtypes every kernel writes from its last product (saving a cast pass over the output);
+# any other input dtype (float64) comes back through ``restore``'s cast.
+_KERNEL_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def op_for(config: NewtonSchulz, rows: int, cols: int) -> str:
     """ "gram" or "direct" for an (rows, cols) matrix under ``config`` (see ``_config``)."""
@@ -47,6 +51,7 @@ def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
             op,
             config.step_coefficients,
             restarts,
+            out_dtype=g.dtype if g.dtype in _KERNEL_OUT_DTYPES else None,
             cuda_graphs=config.cuda_graphs,
         )
         return restore(y, prepared)

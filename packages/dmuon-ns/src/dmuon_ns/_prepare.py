@@ -4,23 +4,28 @@
 1. flatten leading dims into one batch dim;
 2. move the small side first (a tall (r, c), r > c, is transposed to (c, r)), so that the
    Gram matrix ``X·Xᵀ`` is the small one and the direct form's products are cheapest;
-3. divide each matrix by its Frobenius norm + eps, computed in fp32 (half-precision sums of
-   squares overflow easily); the Frobenius norm bounds the spectral norm, so every singular
+3. scale each matrix by 1 / (its Frobenius norm + eps), computed in fp32 (half-precision sums
+   of squares overflow easily); the Frobenius norm bounds the spectral norm, so every singular
    value lands in [0, 1], where the NS polynomials are designed to work;
-4. cast to the iteration dtype, contiguous (the one copy of the input, written by the division).
+4. cast to the iteration dtype, contiguous (the one copy of the input, written by the scaling:
+   one Triton pass on CUDA, ``torch.mul`` elsewhere, the same fp32 arithmetic).
 
-``restore`` undoes 1 and 2 and casts back to the input dtype. A zero matrix stays zero:
-0 / (0 + eps) = 0, and every NS polynomial maps 0 to 0.
+``restore`` undoes 1 and 2; the kernels already write the input's dtype (fp16, bf16, fp32) from
+their last product, so its cast only acts for float64. A zero matrix stays zero:
+0 · 1/(0 + eps) = 0, and every NS polynomial maps 0 to 0.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = ["Prepared", "check_matrix", "prepare", "restore"]
+
+_MAX_GRID_BATCH = 65535  # CUDA grid z-limit of the scaling kernel
 
 
 class Prepared(NamedTuple):
@@ -62,13 +67,39 @@ def prepare(g: Tensor, dtype: torch.dtype, eps: float) -> Prepared:
     if transposed:
         x = x.mT
     # Two passes over the input, none over an fp32 copy of it: the norm reads ``x`` once and
-    # accumulates in fp32; the division reads it again, computes in fp32 (type promotion with
-    # the fp32 norm) and writes the iteration dtype in the small-side-first layout.
+    # accumulates in fp32; the scaling reads it again, multiplies in fp32 and writes the
+    # iteration dtype in the small-side-first layout.
     acc = torch.promote_types(x.dtype, torch.float32)
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), dtype=acc)
+    scale = norm.add_(eps).reciprocal_()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    torch.div(x, norm.add_(eps), out=out)
+    if _fast_scale(x, scale, out):
+        from dmuon_ns._triton_kernels import scale_cast
+
+        scale_cast(x, scale, out)
+    else:
+        torch.mul(x, scale[:, None, None], out=out)
     return Prepared(out, g.shape, g.dtype, transposed)
+
+
+def _fast_scale(x: Tensor, scale: Tensor, out: Tensor) -> bool:
+    """Whether the one-pass Triton kernel can do the scaling (CUDA, Triton importable)."""
+    return (
+        x.is_cuda
+        and scale.dtype == torch.float32
+        and out.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and 0 < x.shape[0] <= _MAX_GRID_BATCH
+        and _triton_importable()
+    )
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import dmuon_ns._triton_kernels  # noqa: F401
+    except Exception:  # a missing or broken optional install: the torch path does the same
+        return False
+    return True
 
 
 def restore(y: Tensor, prepared: Prepared) -> Tensor:

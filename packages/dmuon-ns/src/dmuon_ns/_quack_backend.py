@@ -35,12 +35,12 @@ class _Ops:
     def __init__(
         self,
         sym: Callable[..., Tensor],
-        mm: Callable[[Tensor, Tensor], Tensor],
-        mm_add: Callable[..., Tensor],
+        mm: Callable[[Tensor, Tensor, torch.dtype | None], Tensor],
+        mm_add: Callable[[Tensor, Tensor, Tensor, float, torch.dtype | None], Tensor],
     ) -> None:
         self.sym = sym  # sym(a, b, c=None, alpha=1, beta=1) -> alpha·a·b + beta·c, symmetric
-        self.mm = mm
-        self.mm_add = mm_add  # mm_add(a, b, c, beta) -> a·b + beta·c
+        self.mm = mm  # mm(a, b, out_dtype) -> a·b, written in out_dtype (None: a's dtype)
+        self.mm_add = mm_add  # mm_add(a, b, c, beta, out_dtype) -> a·b + beta·c
 
 
 def _torch_sym(
@@ -51,11 +51,17 @@ def _torch_sym(
     return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
 
 
-def _torch_mm_add(a: Tensor, b: Tensor, c: Tensor, beta: float) -> Tensor:
-    return torch.baddbmm(c, a, b, beta=beta)
+def _torch_mm(a: Tensor, b: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    return torch.bmm(a, b).to(out_dtype or a.dtype)
 
 
-_TORCH_OPS = _Ops(_torch_sym, torch.bmm, _torch_mm_add)
+def _torch_mm_add(
+    a: Tensor, b: Tensor, c: Tensor, beta: float, out_dtype: torch.dtype | None
+) -> Tensor:
+    return torch.baddbmm(c, a, b, beta=beta).to(out_dtype or a.dtype)
+
+
+_TORCH_OPS = _Ops(_torch_sym, _torch_mm, _torch_mm_add)
 _quack_ops: _Ops | None = None
 
 
@@ -70,11 +76,17 @@ def _quack() -> _Ops:
             out: Any = gemm_symmetric(a, b, C=c, alpha=alpha, beta=beta)
             return out  # type: ignore[no-any-return]
 
-        def mm_add(a: Tensor, b: Tensor, c: Tensor, beta: float) -> Tensor:
-            out: Any = gemm_add(a, b, c, beta=beta)
+        def mm(a: Tensor, b: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+            out: Any = gemm(a, b, out_dtype=out_dtype)
             return out  # type: ignore[no-any-return]
 
-        _quack_ops = _Ops(sym, gemm, mm_add)
+        def mm_add(
+            a: Tensor, b: Tensor, c: Tensor, beta: float, out_dtype: torch.dtype | None
+        ) -> Tensor:
+            out: Any = gemm_add(a, b, c, beta=beta, out_dtype=out_dtype)
+            return out  # type: ignore[no-any-return]
+
+        _quack_ops = _Ops(sym, mm, mm_add)
     return _quack_ops
 
 
@@ -105,6 +117,7 @@ class QuackKernel:
         x: Tensor,
         coefficients: Sequence[tuple[float, float, float]],
         restart_iterations: Sequence[int],
+        out_dtype: torch.dtype | None = None,
     ) -> Tensor:
         ops = _ops_for(x)
         restarts = frozenset(restart_iterations)
@@ -113,7 +126,7 @@ class QuackKernel:
         q: Tensor | None = None
         for i, (a, b, c) in enumerate(coefficients):
             if i in restarts and i != 0 and q is not None:
-                x = ops.mm(q, x)
+                x = ops.mm(q, x, None)
                 r = ops.sym(x, x.mT)
                 q = None
             z = ops.sym(r, r, c=r, alpha=c, beta=b)  # Z' = b·R + c·R²
@@ -127,14 +140,20 @@ class QuackKernel:
                 r = ops.sym(z, rz, c=rz, beta=a)  # (aI + Z')·R·(aI + Z')
         if q is None:
             raise ValueError("coefficients must hold at least one (a, b, c) row")
-        return ops.mm(q, x)
+        return ops.mm(q, x, out_dtype)
 
-    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor:
+    def direct(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
         ops = _ops_for(x)
-        for a, b, c in coefficients:
+        last = len(coefficients) - 1
+        for i, (a, b, c) in enumerate(coefficients):
             r = ops.sym(x, x.mT)
             z = ops.sym(r, r, c=r, alpha=c, beta=b)  # b·R + c·R²
-            x = ops.mm_add(z, x, x, a)  # Z'·X + a·X
+            x = ops.mm_add(z, x, x, a, out_dtype if i == last else None)  # Z'·X + a·X
         return x
 
     def __repr__(self) -> str:

@@ -67,8 +67,9 @@ AUTO_PRIORITY: tuple[str, ...] = ("quack", "triton", "torch")
 @runtime_checkable
 class NSKernel(Protocol):
     """What a kernel implements. ``x`` is (batch, m, n) with m ≤ n, contiguous, fp16/bf16,
-    already normalised; the result has the same shape and dtype. ``coefficients`` has exactly
-    one row per step."""
+    already normalised; the result has the same shape, in ``out_dtype`` (``None``: ``x``'s
+    dtype), which a kernel should write from its last product rather than cast afterwards.
+    ``coefficients`` has exactly one row per step."""
 
     name: str
 
@@ -79,9 +80,15 @@ class NSKernel(Protocol):
         x: Tensor,
         coefficients: Sequence[tuple[float, float, float]],
         restart_iterations: Sequence[int],
+        out_dtype: torch.dtype | None = None,
     ) -> Tensor: ...
 
-    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor: ...
+    def direct(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor: ...
 
 
 class NSKernelUnavailableError(RuntimeError):
@@ -115,7 +122,8 @@ def register_kernel(kernel: NSKernel) -> None:
     if not isinstance(kernel, NSKernel):
         raise ValueError(
             f"register_kernel: kernel {name!r} must implement unavailable_reason(device),"
-            " gram(x, coefficients, restart_iterations) and direct(x, coefficients)"
+            " gram(x, coefficients, restart_iterations, out_dtype=None) and"
+            " direct(x, coefficients, out_dtype=None)"
         )
     with _lock:
         if name in _kernels and _kernels[name] is not kernel:

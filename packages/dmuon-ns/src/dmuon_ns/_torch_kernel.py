@@ -85,18 +85,25 @@ class TorchKernel:
         x: Tensor,
         coefficients: Sequence[tuple[float, float, float]],
         restart_iterations: Sequence[int],
+        out_dtype: torch.dtype | None = None,
     ) -> Tensor:
         def local_gram(t: Tensor) -> Tensor:
             return torch.bmm(t, t.mT)
 
-        return gram_iterations(x, local_gram(x), coefficients, restart_iterations, local_gram)
+        y = gram_iterations(x, local_gram(x), coefficients, restart_iterations, local_gram)
+        return y.to(out_dtype or y.dtype)  # cuBLAS products write their operands' dtype
 
-    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor:
+    def direct(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
         for a, b, c in coefficients:
             r = torch.bmm(x, x.mT)
             z = torch.baddbmm(r, r, r, beta=b, alpha=c)  # b·R + c·R²
             x = torch.baddbmm(x, z, x, beta=a)  # a·X + Z'·X
-        return x
+        return x.to(out_dtype or x.dtype)
 
     def __repr__(self) -> str:
         return "TorchKernel()"

@@ -61,6 +61,7 @@ class TritonKernel:
         x: Tensor,
         coefficients: Sequence[tuple[float, float, float]],
         restart_iterations: Sequence[int],
+        out_dtype: torch.dtype | None = None,
     ) -> Tensor:
         from dmuon_ns._triton_kernels import matmul, sym_matmul
 
@@ -83,15 +84,21 @@ class TritonKernel:
                 r, _ = sym_matmul(z, rz, c=rz, beta=a)  # (aI + Z')·R·(aI + Z')
         if q is None:
             raise ValueError("coefficients must hold at least one (a, b, c) row")
-        return matmul(q, x)
+        return matmul(q, x, out_dtype=out_dtype)
 
-    def direct(self, x: Tensor, coefficients: Sequence[tuple[float, float, float]]) -> Tensor:
+    def direct(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
         from dmuon_ns._triton_kernels import matmul, sym_matmul
 
-        for a, b, c in coefficients:
+        last = len(coefficients) - 1
+        for i, (a, b, c) in enumerate(coefficients):
             r, _ = sym_matmul(x, x.mT)
             z, _ = sym_matmul(r, r, c=r, alpha=c, beta=b)  # b·R + c·R²
-            x = matmul(z, x, c=x, beta=a)  # a·X + Z'·X
+            x = matmul(z, x, c=x, beta=a, out_dtype=out_dtype if i == last else None)
         return x
 
     def __repr__(self) -> str:

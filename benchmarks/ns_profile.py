@@ -1,0 +1,136 @@
+"""Where Newton–Schulz time goes on one GPU: each product of the Gram iteration on each library,
+and a kernel-by-kernel profile of dmuon-ns against gram-newton-schulz on the same input.
+
+    python benchmarks/ns_profile.py                       # 2048x8192 4096x14336 8192x28672
+    python benchmarks/ns_profile.py --shapes 8192x28672 --no-trace
+
+Part 1 (products): median ms (``triton.testing.do_bench``) and TFLOP/s of the products one Gram
+NS step is made of, fp16, on torch (cuBLAS), quack ``gemm`` (autotuned and default config) and
+quack ``gemm_symmetric``. FLOPs count a symmetric product once (m·m·k), a plain one as 2·m·k·n.
+Part 2 (trace): GPU time per kernel name of one full call of dmuon's ``NewtonSchulz`` (each
+available kernel) and of gram-newton-schulz+quack, summed over the call, from
+``torch.profiler``; the gap between the summed kernel time and the call's wall time is host
+overhead and launch gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from collections.abc import Callable
+
+import torch
+
+DEFAULT_SHAPES = ["2048x8192", "4096x14336", "8192x28672"]
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    ms: float = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+    return ms
+
+
+def _products(m: int, n: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(1, m, n, device="cuda", generator=gen) / (m * n) ** 0.5).half()
+    r = torch.bmm(x, x.mT)
+    q = torch.randn(1, m, m, device="cuda", generator=gen).half() / m**0.5
+    rows: list[tuple[str, str, float, float]] = []
+    sym_mk = m * m * n  # X·Xᵀ, symmetric: half of 2·m·m·n
+    sym_mm = m * m * m
+    full_mn = 2 * m * m * n
+    cases: list[tuple[str, str, Callable[[], object], float]] = [
+        ("X·Xᵀ", "torch", lambda: torch.bmm(x, x.mT), 2 * sym_mk),
+        ("b·R+c·R²", "torch", lambda: torch.baddbmm(r, r, r, beta=0.5, alpha=0.25), 2 * sym_mm),
+        ("Q·X", "torch", lambda: torch.bmm(q, x), full_mn),
+    ]
+    try:
+        from quack.gemm_interface import gemm, gemm_symmetric
+
+        cases += [
+            ("X·Xᵀ", "quack sym", lambda: gemm_symmetric(x, x.mT), sym_mk),
+            (
+                "b·R+c·R²",
+                "quack sym",
+                lambda: gemm_symmetric(r, r, C=r, alpha=0.25, beta=0.5),
+                sym_mm,
+            ),
+            ("Q·X", "quack tuned", lambda: gemm(q, x), full_mn),
+            ("Q·X", "quack default", lambda: gemm(q, x, tuned=False), full_mn),
+            ("Q·X→bf16", "quack tuned", lambda: gemm(q, x, out_dtype=torch.bfloat16), full_mn),
+        ]
+    except ImportError as err:
+        print(f"# quack unavailable: {err}")
+    for what, lib, fn, flops in cases:
+        ms = _bench(fn)
+        rows.append((what, lib, ms, flops / ms / 1e9))
+    print(f"\n## products, {m}x{n} fp16\n\n| product | library | ms | TFLOP/s (sym once) |")
+    print("|---|---|---|---|")
+    for what, lib, ms, tflops in rows:
+        print(f"| {what} | {lib} | {ms:.3f} | {tflops:.0f} |")
+
+
+def _trace(name: str, fn: Callable[[], object]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+    wall = start.elapsed_time(end)
+    per_kernel: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            per_kernel[event.name[:70]].append(event.device_time / 1e3)
+    total = sum(sum(v) for v in per_kernel.values())
+    print(f"\n### {name}: wall {wall:.3f} ms, kernels {total:.3f} ms\n")
+    print("| kernel | calls | ms |\n|---|---|---|")
+    for kname, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| `{kname}` | {len(times)} | {sum(times):.3f} |")
+
+
+def _traces(m: int, n: int) -> None:
+    import dmuon_ns
+    from dmuon_ns._registry import kernel_status
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+    status = kernel_status(torch.device("cuda"))
+    print(f"\n## trace, {m}x{n} bf16 input")
+    for kernel in ("torch", "triton", "quack"):
+        if status.get(kernel) is None:
+            ns = dmuon_ns.NewtonSchulz(kernel=kernel, cuda_graphs=False)
+            _trace(f"dmuon[{kernel}]", lambda ns=ns: ns(g))
+    try:
+        from gram_newton_schulz import GramNewtonSchulz
+
+        gns = GramNewtonSchulz(ns_use_kernels=True)
+        _trace("gram-newton-schulz+quack", lambda: gns(g))
+    except ImportError as err:
+        print(f"# gram-newton-schulz unavailable: {err}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES)
+    parser.add_argument("--no-trace", action="store_true")
+    args = parser.parse_args()
+    print("#", torch.cuda.get_device_name(), "torch", torch.__version__)
+    for spec in args.shapes:
+        m, n = (int(d) for d in spec.split("x"))
+        _products(m, n)
+        if not args.no_trace:
+            _traces(m, n)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
