@@ -142,6 +142,21 @@ def test_a_cached_kernel_that_is_no_longer_offered_is_retuned():
     assert other.calls > 0
 
 
+def test_a_newly_available_kernel_is_compared_not_shadowed_by_an_old_verdict():
+    # A verdict reached before the quack extra was installed must not decide for a process
+    # that has it: the candidate set is part of the problem.
+    x = _x()
+    first = FakeKernel("middling", delay=0.002)
+    reference = FakeKernel("torch", delay=0.005)
+    assert _autotune.choose([first, reference], x, "gram", COEFFS, RESTARTS) is first
+    _autotune.clear_cache()  # a later process; the disk cache holds the old verdict
+    newcomer = FakeKernel("newcomer")
+    chosen = _autotune.choose(
+        [newcomer, FakeKernel("middling", delay=0.002), reference], x, "gram", COEFFS, RESTARTS
+    )
+    assert chosen is newcomer and newcomer.calls > 0
+
+
 def test_problem_key_separates_shape_dtype_op_and_coefficients():
     fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.002)
     _autotune.choose([fast, reference], _x((2, 12, 40)), "gram", COEFFS, RESTARTS)

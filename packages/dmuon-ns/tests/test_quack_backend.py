@@ -52,3 +52,21 @@ def test_direct_iteration_is_the_torch_kernels(monkeypatch):
     g = torch.randn(2, 24, 24)
     x = (g / torch.linalg.matrix_norm(g, keepdim=True)).to(torch.bfloat16)
     assert torch.equal(QUACK_KERNEL.direct(x, COEFFS), TORCH_KERNEL.direct(x, COEFFS))
+
+
+def test_small_or_unaligned_problems_stay_on_torch_products(monkeypatch):
+    # quack's TMA loads need 16-byte aligned rows; 333 fp16 columns are not (an H200 run
+    # raised "strides ... expected to be divisible by 8"). Only aligned problems with a Gram
+    # side above one tile ask for quack, which is then imported (here: a sentinel).
+    sentinel = quack_backend._Ops(
+        quack_backend._torch_sym, quack_backend._torch_mm, quack_backend._torch_mm_add
+    )
+    monkeypatch.setattr(quack_backend, "_quack", lambda: sentinel)
+    for shape, expected in [
+        ((3, 333, 1000), quack_backend._TORCH_OPS),
+        ((1, 512, 1001), quack_backend._TORCH_OPS),
+        ((2, 256, 4096), quack_backend._TORCH_OPS),
+        ((1, 264, 1000), sentinel),
+    ]:
+        x = torch.empty(shape, dtype=torch.float16)
+        assert quack_backend._ops_for(x) is expected, shape

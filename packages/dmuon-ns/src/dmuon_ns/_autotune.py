@@ -2,8 +2,8 @@
 
 [Note: what a verdict is]
 A verdict answers "which kernel is fastest *and* numerically sound for this problem" where the
-problem is (op, shape, dtype, device name, coefficients, restart iterations) plus the versions
-of torch and of this package (a new build may change the answer). The verdict never depends on
+problem is (op, shape, dtype, device name, coefficients, restart iterations, the candidate
+kernels) plus the versions of torch and of this package (a new build may change the answer). The verdict never depends on
 the caller's data: candidates run on a fresh random input of the same shape and dtype, so an
 all-zero or degenerate first gradient cannot fool the cross-check or the clock.
 
@@ -129,7 +129,7 @@ def choose(
         return candidates[0]
     coeffs = tuple((float(a), float(b), float(c)) for a, b, c in coefficients)
     restarts = tuple(int(i) for i in restart_iterations)
-    key = _problem_key(op, x, coeffs, restarts)
+    key = _problem_key(op, x, coeffs, restarts, tuple(kernel.name for kernel in candidates))
     by_name = {kernel.name: kernel for kernel in candidates}
 
     with _lock:
@@ -157,13 +157,20 @@ def choose(
 
 
 def _problem_key(
-    op: str, x: Tensor, coeffs: tuple[tuple[float, float, float], ...], restarts: tuple[int, ...]
+    op: str,
+    x: Tensor,
+    coeffs: tuple[tuple[float, float, float], ...],
+    restarts: tuple[int, ...],
+    candidates: tuple[str, ...],
 ) -> str:
     device = _device_name(x.device)
     shape = "x".join(str(s) for s in x.shape)
     dtype = str(x.dtype).removeprefix("torch.")
+    # The candidate set is part of the problem: a verdict reached without a kernel that is
+    # installed now never compared it (an H200 run reused "triton" for a shape where the
+    # newly installed quack kernel was 4% faster).
     return (
-        f"{op}|{shape}|{dtype}|{device}|{coeffs!r}|{restarts!r}"
+        f"{op}|{shape}|{dtype}|{device}|{coeffs!r}|{restarts!r}|{','.join(sorted(candidates))}"
         f"|torch={torch.__version__}|dmuon_ns={_package_version()}"
     )
 

@@ -8,7 +8,8 @@ kernel first runs; it is never vendored. Importing this module only registers th
 quack's symmetric product works on square tiles of up to 256 rows; for m ≤ 256 the whole
 problem is a single tile and the library's launch cost dominates, so (as the Gram
 Newton–Schulz reference does) those problems run on batched torch products inside this
-kernel. The iteration is step for step the torch kernel's (``_torch_kernel``), so the
+kernel. So do shapes whose rows are not 16-byte aligned (m or n not a multiple of 8 in
+fp16/bf16): quack loads through TMA and rejects them (seen on an H200 for 3×333×1000). The iteration is step for step the torch kernel's (``_torch_kernel``), so the
 autotuner's accuracy bar compares like with like.
 """
 
@@ -91,7 +92,11 @@ def _quack() -> _Ops:
 
 
 def _ops_for(x: Tensor) -> _Ops:
-    return _TORCH_OPS if x.shape[-2] <= _SMALL_GRAM_SIDE else _quack()
+    m, n = x.shape[-2], x.shape[-1]
+    small = m <= _SMALL_GRAM_SIDE
+    # quack's products load through TMA, which needs every stride a multiple of 16 bytes.
+    unaligned = (m * x.element_size()) % 16 != 0 or (n * x.element_size()) % 16 != 0
+    return _TORCH_OPS if small or unaligned else _quack()
 
 
 class QuackKernel:
