@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 
 VOCAB = 32
 DIM = 16
@@ -126,3 +128,11 @@ def loss_fn(model: nn.Module, tokens: Tensor) -> Tensor:
 
 def muon_numel(model: nn.Module) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if muon_predicate(n, p))
+
+
+def shard_layers_then_root(model: nn.Module, mesh: DeviceMesh) -> None:
+    """``fully_shard`` each of ``model.layers``, then the root: the SPEC's order, after
+    ``dedicate_params``."""
+    for layer in model.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)

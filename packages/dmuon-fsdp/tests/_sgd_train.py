@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from _models import batch, build, loss_fn, muon_predicate
+from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import Axis, CommKind, Role, dedicate_params
 
@@ -68,9 +67,7 @@ def sgd_run(
         # 0: every matrix is placed on its own, so a boundary has several owners (packs).
         small_param_threshold=small_param_threshold,
     )
-    for layer in model.layers:
-        fully_shard(layer, mesh=fsdp_mesh)
-    fully_shard(model, mesh=fsdp_mesh)
+    shard_layers_then_root(model, fsdp_mesh)
     dedicated = {id(dp.param) for dp in runtime.params}
     others = [p for p in model.parameters() if id(p) not in dedicated]
     sgd = torch.optim.SGD(others, lr=LR)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import batch, build, loss_fn, muon_numel, muon_predicate
+from _models import batch, build, loss_fn, muon_numel, muon_predicate, shard_layers_then_root
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import dedicate_params, no_sync
 from dmuon_testing.distributed import run_distributed
@@ -21,9 +20,7 @@ def _wrapped(world_size: int, reshard: bool):
     runtime = dedicate_params(
         model, mesh, muon_predicate, reshard_after_forward=reshard, small_param_threshold=0
     )
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_layers_then_root(model, mesh)
     return model, runtime
 
 

@@ -7,11 +7,10 @@ import json
 
 import pytest
 import torch
-from _models import build, muon_predicate
+from _models import build, muon_predicate, shard_layers_then_root
 from _reference import Hyper, train_reference
 from test_training import ROWS, SEQ, VOCAB, setup_model, train_steps
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import (
     Muon,
@@ -165,9 +164,7 @@ def _errors(rank: int, world_size: int):
     mesh = init_device_mesh("cpu", (world_size,))
     dedicate_params(model, mesh, muon_predicate)
     stale = [p for n, p in model.named_parameters() if n == "layers.0.attn_norm.weight"]
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_layers_then_root(model, mesh)
     current = [p for n, p in model.named_parameters() if n != "layers.0.attn_norm.weight"]
     messages = {}
     cases = {
@@ -221,9 +218,7 @@ def _errors(rank: int, world_size: int):
     early = build(0)
     dedicate_params(early, mesh, muon_predicate)
     too_early = Muon(early)
-    for layer in early.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(early, mesh=mesh)
+    shard_layers_then_root(early, mesh)
     with pytest.raises(ValueError, match=r"built before fully_shard.*-> Muon\(model\)"):
         too_early.step()
     return messages
@@ -248,9 +243,7 @@ def _policy_routes(rank: int, world_size: int):
             "overrides": [{"name": ["*proj"], "set": {"route": "muon"}}],
         },
     )
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_layers_then_root(model, mesh)
     optimizer = Muon(model, **HYPER.muon_kwargs())
     adamw_dedicated = sorted(dp.fqn for dp in runtime.params if dp.route == "adamw")
     muon_group = next(g for g in optimizer.param_groups if g["group_name"] == "muon")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _models import batch, build, loss_fn, muon_predicate
+from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import Role, dedicate_params
@@ -27,9 +26,7 @@ def _setup(world_size: int, reshard: bool, checkpoint: bool = False, threshold: 
         reshard_after_forward=reshard,
         small_param_threshold=threshold,
     )
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_layers_then_root(model, mesh)
     return model, runtime
 
 

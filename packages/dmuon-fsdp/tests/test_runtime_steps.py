@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import build, muon_numel
+from _models import build, muon_numel, shard_layers_then_root
 from _sgd_train import RunResult, merge_owned, reference_sgd, sgd_run
 
 from dmuon_testing.distributed import run_distributed
@@ -65,7 +65,6 @@ def _model_is_freed(rank: int, world_size: int, shard: bool, train: bool) -> boo
 
     from _models import batch, loss_fn, muon_predicate
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from dmuon_fsdp import dedicate_params
 
@@ -73,9 +72,7 @@ def _model_is_freed(rank: int, world_size: int, shard: bool, train: bool) -> boo
     model = build(0)
     dedicate_params(model, mesh, muon_predicate)
     if shard:
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_layers_then_root(model, mesh)
     if train:
         loss_fn(model, batch(0, rows=2)).backward()
     alive = weakref.ref(model)

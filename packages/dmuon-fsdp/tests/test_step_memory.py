@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _models import MLP, RMSNorm, muon_predicate
+from _models import MLP, RMSNorm, muon_predicate, shard_layers_then_root
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -98,7 +98,6 @@ class _StepPeak(TorchDispatchMode):
 def _step_memory(rank: int, world_size: int, variant: str) -> tuple[int, int]:
     """(bytes live before the second step, peak bytes the step adds) for ``variant``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from dmuon_fsdp import Muon, dedicate_params
 
@@ -108,9 +107,7 @@ def _step_memory(rank: int, world_size: int, variant: str) -> tuple[int, int]:
     if variant == "dmuon":
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
         dedicate_params(model, mesh, muon_predicate)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_layers_then_root(model, mesh)
         # One MLP matrix per NS call: what the default cap gives a Llama-8B MLP matrix (see
         # test_default_ns_cap_runs_large_matrices_alone), scaled down to this model.
         optimizers.append(Muon(model, adamw_lr=1e-4, ns_batch_bytes=DIM * HIDDEN * 2))

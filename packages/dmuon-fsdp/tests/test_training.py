@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _models import build, muon_predicate
+from _models import build, muon_predicate, shard_layers_then_root
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import Muon, _muon_math, dedicate_params
 from dmuon_testing.distributed import run_distributed
@@ -42,9 +41,7 @@ def setup_model(
         reshard_after_forward=reshard,
         replicate_mesh=replicate_mesh,
     )
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_layers_then_root(model, mesh)
     return model, runtime
 
 

@@ -10,6 +10,7 @@ import torch
 
 from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS
 from dmuon_ns import _quack_backend as quack_backend
+from dmuon_ns._iterations import TORCH_PRODUCTS
 from dmuon_ns._quack_backend import QUACK_KERNEL
 from dmuon_ns._torch_kernel import TORCH_KERNEL
 from dmuon_ns._triton_backend import TRITON_KERNEL
@@ -40,7 +41,7 @@ def test_triton_without_gpu_or_interpreter_says_why(monkeypatch):
 
 @pytest.mark.parametrize("restarts", [(2,), (), (1, 3)])
 def test_gram_iteration_is_the_torch_kernels(restarts, monkeypatch):
-    monkeypatch.setattr(quack_backend, "_ops_for", lambda x: quack_backend._TORCH_OPS)
+    monkeypatch.setattr(quack_backend, "_products_for", lambda x: TORCH_PRODUCTS)
     g = torch.randn(2, 24, 56)
     x = (g / torch.linalg.matrix_norm(g, keepdim=True)).to(torch.bfloat16)
     expected = TORCH_KERNEL.gram(x, COEFFS, restarts)
@@ -48,7 +49,7 @@ def test_gram_iteration_is_the_torch_kernels(restarts, monkeypatch):
 
 
 def test_direct_iteration_is_the_torch_kernels(monkeypatch):
-    monkeypatch.setattr(quack_backend, "_ops_for", lambda x: quack_backend._TORCH_OPS)
+    monkeypatch.setattr(quack_backend, "_products_for", lambda x: TORCH_PRODUCTS)
     g = torch.randn(2, 24, 24)
     x = (g / torch.linalg.matrix_norm(g, keepdim=True)).to(torch.bfloat16)
     assert torch.equal(QUACK_KERNEL.direct(x, COEFFS), TORCH_KERNEL.direct(x, COEFFS))
@@ -58,15 +59,13 @@ def test_small_or_unaligned_problems_stay_on_torch_products(monkeypatch):
     # quack's TMA loads need 16-byte aligned rows; 333 fp16 columns are not (an H200 run
     # raised "strides ... expected to be divisible by 8"). Only aligned problems with a Gram
     # side above one tile ask for quack, which is then imported (here: a sentinel).
-    sentinel = quack_backend._Ops(
-        quack_backend._torch_sym, quack_backend._torch_mm, quack_backend._torch_mm_add
-    )
+    sentinel = object()
     monkeypatch.setattr(quack_backend, "_quack", lambda: sentinel)
     for shape, expected in [
-        ((3, 333, 1000), quack_backend._TORCH_OPS),
-        ((1, 512, 1001), quack_backend._TORCH_OPS),
-        ((2, 256, 4096), quack_backend._TORCH_OPS),
+        ((3, 333, 1000), TORCH_PRODUCTS),
+        ((1, 512, 1001), TORCH_PRODUCTS),
+        ((2, 256, 4096), TORCH_PRODUCTS),
         ((1, 264, 1000), sentinel),
     ]:
         x = torch.empty(shape, dtype=torch.float16)
-        assert quack_backend._ops_for(x) is expected, shape
+        assert quack_backend._products_for(x) is expected, shape

@@ -153,5 +153,4 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
         "broadcast_rounds_per_step": 2 if runtime.reshard_after_forward else 1,
         "boundaries": boundaries,
         "collectives": runtime.counter.snapshot(),
-        "wait_times": None,
     }

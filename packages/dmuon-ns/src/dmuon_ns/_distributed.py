@@ -8,7 +8,7 @@ one all-reduce sums them, so O(m²) travels instead of the O(m·n) of gathering 
 * The Frobenius norm comes for free: ``‖X‖²_F = trace(X·Xᵀ)``. The first Gram matrix is
   therefore taken from the raw input in fp32 (no normalisation before the reduce), and both
   the norm and the normalised ``R = X·Xᵀ / (‖X‖ + eps)²`` follow from the reduced sum.
-* The m×m iteration (``_torch_kernel.gram_iterations``) then runs identically on every rank:
+* The m×m iteration (``_iterations.gram_iterations``) then runs identically on every rank:
   same reduced ``R``, same coefficients, same products, hence the same ``Q`` everywhere.
 * A restart needs the Gram matrix of ``Q·X``, which is again a sum of local products, so each
   restart costs one more all-reduce.
@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._config import NewtonSchulz
+from dmuon_ns._iterations import TorchProducts, gram_iterations
 from dmuon_ns._prepare import check_matrix
-from dmuon_ns._torch_kernel import gram_iterations
 
 __all__ = ["gram_newton_schulz_distributed"]
 
@@ -69,10 +69,20 @@ def gram_newton_schulz_distributed(
         x = (x32 * scale[:, None, None]).to(config.dtype)
         r = (r32 * (scale * scale)[:, None, None]).to(config.dtype)
 
-        def reduced_gram(t: Tensor) -> Tensor:
-            partial = torch.bmm(t, t.mT).float()
-            all_reduce(partial)
-            return partial.to(t.dtype)
+        products = _ReducedGramProducts(all_reduce)
+        y = gram_iterations(
+            products, x, config.step_coefficients, config.restarts, x_local.dtype, r=r
+        )
+        return y.reshape(x_local.shape)
 
-        y = gram_iterations(x, r, config.step_coefficients, config.restarts, reduced_gram)
-        return y.to(x_local.dtype).reshape(x_local.shape)
+
+class _ReducedGramProducts(TorchProducts):
+    """Torch products whose Gram matrix is the fp32 sum of every rank's local one."""
+
+    def __init__(self, all_reduce: Callable[[Tensor], object]) -> None:
+        self._all_reduce = all_reduce
+
+    def gram(self, x: Tensor) -> Tensor:
+        partial = torch.bmm(x, x.mT).float()
+        self._all_reduce(partial)
+        return partial.to(x.dtype)

@@ -4,17 +4,12 @@
 Importing this module registers the kernel; Triton itself is imported only when the kernel
 first runs, so ``unavailable_reason`` can explain a missing install instead of failing.
 
-[Note: the same iteration as the torch kernel]
-The loop mirrors ``_torch_kernel.gram_iterations`` step for step (``Z' = bR + cR²``, the ``a``
-term fused into the next product's epilogue, restarts that rebuild ``R`` from ``X ← Q·X``),
-so both kernels round at the same places and the autotuner's accuracy bar compares like with
-like. The first ``Q = Z' + aI`` is a second output of the launch that makes ``Z'``, formed
-from the *rounded* ``Z'``: ``Q`` and the ``R`` update must see the same ``Z'``. Forming ``Q``
-from the unrounded fp32 tile looks more accurate per step, yet it doubled the final error
-(H200, 3×333×1000 fp16: 3.8e-3 against torch's 1.9e-3, reproduced on CPU by an fp64
-emulation with fp16 rounding after every product), because the Gram form relies on ``Q`` and
-``R`` being built from the same polynomials. What does differ, in Triton's favour, is that
-every m×m iterate is exactly symmetric (about 10% lower final error in that emulation).
+[Note: what Triton adds to the shared loops]
+The loops are ``_iterations``' (the same products, rounded at the same places as the torch
+kernel). Two things differ, both in Triton's favour: every m×m iterate is exactly symmetric
+(one triangle computed and mirrored; about 10% lower final error in an fp64 emulation of the
+fp16 rounding), and the first ``Q = Z' + aI`` is a second output of the launch that makes
+``Z'``, formed from the rounded ``Z'`` as the loop's note requires, instead of a copy.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dmuon_ns._iterations import direct_iterations, gram_iterations
 from dmuon_ns._registry import register_kernel
 
 __all__ = ["TRITON_KERNEL", "TritonKernel"]
@@ -63,28 +59,9 @@ class TritonKernel:
         restart_iterations: Sequence[int],
         out_dtype: torch.dtype | None = None,
     ) -> Tensor:
-        from dmuon_ns._triton_kernels import matmul, sym_matmul
+        from dmuon_ns._triton_kernels import TRITON_PRODUCTS
 
-        restarts = frozenset(restart_iterations)
-        last = len(coefficients) - 1
-        r, _ = sym_matmul(x, x.mT)
-        q: Tensor | None = None
-        for i, (a, b, c) in enumerate(coefficients):
-            if i in restarts and i != 0 and q is not None:
-                x = matmul(q, x)
-                r, _ = sym_matmul(x, x.mT)
-                q = None
-            if q is None:
-                z, q = sym_matmul(r, r, c=r, alpha=c, beta=b, diag2=a)
-            else:
-                z, _ = sym_matmul(r, r, c=r, alpha=c, beta=b)
-                q, _ = sym_matmul(q, z, c=q, beta=a)
-            if i < last and (i + 1) not in restarts:
-                rz, _ = sym_matmul(r, z, c=r, beta=a)  # R·(aI + Z')
-                r, _ = sym_matmul(z, rz, c=rz, beta=a)  # (aI + Z')·R·(aI + Z')
-        if q is None:
-            raise ValueError("coefficients must hold at least one (a, b, c) row")
-        return matmul(q, x, out_dtype=out_dtype)
+        return gram_iterations(TRITON_PRODUCTS, x, coefficients, restart_iterations, out_dtype)
 
     def direct(
         self,
@@ -92,14 +69,9 @@ class TritonKernel:
         coefficients: Sequence[tuple[float, float, float]],
         out_dtype: torch.dtype | None = None,
     ) -> Tensor:
-        from dmuon_ns._triton_kernels import matmul, sym_matmul
+        from dmuon_ns._triton_kernels import TRITON_PRODUCTS
 
-        last = len(coefficients) - 1
-        for i, (a, b, c) in enumerate(coefficients):
-            r, _ = sym_matmul(x, x.mT)
-            z, _ = sym_matmul(r, r, c=r, alpha=c, beta=b)  # b·R + c·R²
-            x = matmul(z, x, c=x, beta=a, out_dtype=out_dtype if i == last else None)
-        return x
+        return direct_iterations(TRITON_PRODUCTS, x, coefficients, out_dtype)
 
     def __repr__(self) -> str:
         return "TritonKernel()"

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["TileConfig", "matmul", "scale_cast", "sym_matmul"]
+__all__ = ["TRITON_PRODUCTS", "TileConfig", "TritonProducts", "matmul", "scale_cast", "sym_matmul"]
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -449,6 +449,32 @@ def matmul(
             num_stages=cfg.num_stages,
         )
     return out
+
+
+class TritonProducts:
+    """These products as the ``_iterations.Products`` the shared NS loops run on."""
+
+    def gram(self, x: Tensor) -> Tensor:
+        return sym_matmul(x, x.mT)[0]
+
+    def sym(self, a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float) -> Tensor:
+        return sym_matmul(a, b, c=c, alpha=alpha, beta=beta)[0]
+
+    def first_q(self, r: Tensor, a: float, b: float, c: float) -> tuple[Tensor, Tensor]:
+        z, q = sym_matmul(r, r, c=r, alpha=c, beta=b, diag2=a)  # Q from the rounded Z'
+        assert q is not None
+        return z, q
+
+    def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        return matmul(a, b, out_dtype=out_dtype)
+
+    def mm_add(
+        self, a: Tensor, b: Tensor, c: Tensor, beta: float, out_dtype: torch.dtype | None = None
+    ) -> Tensor:
+        return matmul(a, b, c=c, beta=beta, out_dtype=out_dtype)
+
+
+TRITON_PRODUCTS = TritonProducts()
 
 
 @triton.jit

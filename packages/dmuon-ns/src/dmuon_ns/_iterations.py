@@ -1,0 +1,152 @@
+"""The two NS loops, written once over a small set of products that each kernel supplies.
+
+[Note: the Gram iteration]
+For a wide ``X`` (m ≤ n) with ``R = X·Xᵀ``, one quintic step is ``X ← Z·X`` with
+``Z = aI + bR + cR²``. Every ``Z`` is a polynomial in ``R``, so the steps can run on the
+m×m side alone: keep ``Q`` (the product of the ``Z`` so far) and the Gram matrix of the
+current iterate, ``R ← Z·R·Z`` (``X·Xᵀ`` of ``Z·X``), and apply ``Q·X`` once at the end.
+That is ~3 m×m×m products per step instead of two m×m×n ones and one m×n×m, a large saving
+when n ≫ m. Every m×m operand is a polynomial in ``R``, so every m×m product is symmetric.
+
+Half precision is the catch: ``R`` is updated by repeated products instead of recomputed
+from ``X``, and its rounding errors compound step by step. A *restart* at iteration ``i``
+materialises ``X ← Q·X``, recomputes ``R = X·Xᵀ`` from it and resets ``Q = I`` before step
+``i`` runs, so the error grows from a fresh start (the Gram Newton–Schulz reference,
+Dao-AILab/gram-newton-schulz, restarts at iteration 2 by default). A restart at iteration 0
+would be the starting state; the front end rejects it.
+
+[Note: fused epilogues]
+``aI + Z'`` with ``Z' = bR + cR²`` is never formed in half precision where it can be avoided:
+adding ``a`` (up to ~8) to a diagonal whose entries are ~b/m would round them away. Instead
+the ``a`` term rides in the epilogue of the next product, accumulated in fp32:
+``Q·(aI + Z') = a·Q + Q·Z'`` and ``R·(aI + Z') = a·R + R·Z'`` are one product each. Only the
+first ``Q`` after a start or restart (no product to fuse into) is ``Z' + aI``, formed from the
+*rounded* ``Z'``: ``Q`` and the ``R`` update must see the same ``Z'`` (forming ``Q`` from the
+unrounded fp32 tile doubled the final error on an H200, 3×333×1000 fp16).
+
+[Note: one loop, several kernels]
+The torch, Triton and quack kernels differ only in how they multiply, so each hands these
+loops a ``Products`` object and all of them round at the same places: the autotuner's
+accuracy bar compares like with like, and the quack kernel run on torch products is the torch
+kernel bit for bit (a CPU test holds it to that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["TORCH_PRODUCTS", "Products", "TorchProducts", "direct_iterations", "gram_iterations"]
+
+
+class Products(Protocol):
+    """The batched (batch, rows, cols) products the loops are made of."""
+
+    def gram(self, x: Tensor) -> Tensor:
+        """``x·xᵀ``, in ``x``'s dtype."""
+        ...
+
+    def sym(self, a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float) -> Tensor:
+        """``alpha·a·b + beta·c`` for a product ``a·b`` known to be symmetric."""
+        ...
+
+    def first_q(self, r: Tensor, a: float, b: float, c: float) -> tuple[Tensor, Tensor]:
+        """``Z' = b·r + c·r²`` and ``Q = Z' + a·I`` formed from the rounded ``Z'``."""
+        ...
+
+    def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        """``a·b``, rounded once to ``out_dtype`` (``None``: the operands' dtype)."""
+        ...
+
+    def mm_add(
+        self, a: Tensor, b: Tensor, c: Tensor, beta: float, out_dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """``a·b + beta·c``, rounded once to ``out_dtype`` (``None``: the operands' dtype)."""
+        ...
+
+
+class TorchProducts:
+    """``bmm``/``baddbmm`` on any device; the reference every other kernel is held to.
+    Subclasses that only multiply differently inherit ``first_q`` (a copy plus a diagonal
+    add on whatever ``sym`` produced)."""
+
+    def gram(self, x: Tensor) -> Tensor:
+        return torch.bmm(x, x.mT)
+
+    def sym(self, a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float) -> Tensor:
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+
+    def first_q(self, r: Tensor, a: float, b: float, c: float) -> tuple[Tensor, Tensor]:
+        z = self.sym(r, r, r, alpha=c, beta=b)
+        q = z.clone()
+        q.diagonal(dim1=-2, dim2=-1).add_(a)
+        return z, q
+
+    def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        out = torch.bmm(a, b)  # cuBLAS writes the operands' dtype; the cast is a second pass
+        return out.to(out_dtype) if out_dtype is not None else out
+
+    def mm_add(
+        self, a: Tensor, b: Tensor, c: Tensor, beta: float, out_dtype: torch.dtype | None = None
+    ) -> Tensor:
+        out = torch.baddbmm(c, a, b, beta=beta)
+        return out.to(out_dtype) if out_dtype is not None else out
+
+
+TORCH_PRODUCTS = TorchProducts()
+
+
+def gram_iterations(
+    products: Products,
+    x: Tensor,
+    coefficients: Sequence[tuple[float, float, float]],
+    restart_iterations: Sequence[int],
+    out_dtype: torch.dtype | None = None,
+    *,
+    r: Tensor | None = None,
+) -> Tensor:
+    """Gram NS of ``x`` (batch, m, n), m ≤ n (see the notes); returns ``Q·x`` in ``out_dtype``.
+
+    ``r`` is ``x``'s Gram matrix when the caller already has it (the distributed form reduces
+    it across ranks); by default ``products.gram(x)``.
+    """
+    if not coefficients:
+        raise ValueError("coefficients must hold at least one (a, b, c) row")
+    restarts = frozenset(restart_iterations)
+    last = len(coefficients) - 1
+    r = products.gram(x) if r is None else r
+    q: Tensor | None = None
+    for i, (a, b, c) in enumerate(coefficients):
+        if i in restarts and q is not None:
+            x = products.mm(q, x)
+            r = products.gram(x)
+            q = None
+        if q is None:
+            z, q = products.first_q(r, a, b, c)
+        else:
+            z = products.sym(r, r, r, alpha=c, beta=b)  # Z' = b·R + c·R²
+            q = products.sym(q, z, q, beta=a)  # Q·(aI + Z')
+        if i < last and (i + 1) not in restarts:
+            rz = products.sym(r, z, r, beta=a)  # R·(aI + Z')
+            r = products.sym(z, rz, rz, beta=a)  # (aI + Z')·R·(aI + Z')
+    assert q is not None
+    return products.mm(q, x, out_dtype)
+
+
+def direct_iterations(
+    products: Products,
+    x: Tensor,
+    coefficients: Sequence[tuple[float, float, float]],
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Direct NS, ``X ← a·X + (b·R + c·R²)·X`` with ``R = X·Xᵀ``; the last step writes
+    ``out_dtype``."""
+    last = len(coefficients) - 1
+    for i, (a, b, c) in enumerate(coefficients):
+        r = products.gram(x)
+        z = products.sym(r, r, r, alpha=c, beta=b)  # b·R + c·R²
+        x = products.mm_add(z, x, x, a, out_dtype if i == last else None)  # a·X + Z'·X
+    return x
