@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._config import NewtonSchulz
-from dmuon_ns._iterations import TorchProducts, gram_iterations
+from dmuon_ns._iterations import TorchProducts, as_dtype, gram_iterations
 from dmuon_ns._prepare import check_matrix
 
 __all__ = ["gram_newton_schulz_distributed"]
@@ -70,10 +70,8 @@ def gram_newton_schulz_distributed(
         r = (r32 * (scale * scale)[:, None, None]).to(config.dtype)
 
         products = _ReducedGramProducts(all_reduce)
-        y = gram_iterations(
-            products, x, config.step_coefficients, config.restarts, x_local.dtype, r=r
-        )
-        return y.reshape(x_local.shape)
+        y = gram_iterations(products, x, config.step_coefficients, config.restarts, r=r)
+        return as_dtype(y, x_local.dtype).reshape(x_local.shape)
 
 
 class _ReducedGramProducts(TorchProducts):

@@ -24,6 +24,13 @@ first ``Q`` after a start or restart (no product to fuse into) is ``Z' + aI``, f
 *rounded* ``Z'``: ``Q`` and the ``R`` update must see the same ``Z'`` (forming ``Q`` from the
 unrounded fp32 tile doubled the final error on an H200, 3×333×1000 fp16).
 
+[Note: the result dtype]
+The caller's dtype is best written by the last product itself (Triton and quack round their
+fp32 accumulator straight to it: no pass over the result). A library that cannot (cuBLAS
+writes its operands' dtype) returns the iteration dtype, and ``LoopKernel`` casts after the
+loop has returned, when its iterates (the restarted ``X``, ``Q``, ``R``) are already freed; a
+cast inside the last product would hold them at the step's memory peak.
+
 [Note: one loop, several kernels]
 The torch, Triton and quack kernels differ only in how they multiply, so each hands these
 loops a ``Products`` object and all of them round at the same places: the autotuner's
@@ -39,7 +46,15 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["TORCH_PRODUCTS", "Products", "TorchProducts", "direct_iterations", "gram_iterations"]
+__all__ = [
+    "TORCH_PRODUCTS",
+    "LoopKernel",
+    "Products",
+    "TorchProducts",
+    "as_dtype",
+    "direct_iterations",
+    "gram_iterations",
+]
 
 
 class Products(Protocol):
@@ -58,13 +73,14 @@ class Products(Protocol):
         ...
 
     def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-        """``a·b``, rounded once to ``out_dtype`` (``None``: the operands' dtype)."""
+        """``a·b``, rounded once to ``out_dtype`` where the library can write it (see
+        [Note: the result dtype]); otherwise in the operands' dtype."""
         ...
 
     def mm_add(
         self, a: Tensor, b: Tensor, c: Tensor, beta: float, out_dtype: torch.dtype | None = None
     ) -> Tensor:
-        """``a·b + beta·c``, rounded once to ``out_dtype`` (``None``: the operands' dtype)."""
+        """``a·b + beta·c``, in ``out_dtype`` where the library can write it, as ``mm``."""
         ...
 
 
@@ -86,14 +102,12 @@ class TorchProducts:
         return z, q
 
     def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-        out = torch.bmm(a, b)  # cuBLAS writes the operands' dtype; the cast is a second pass
-        return out.to(out_dtype) if out_dtype is not None else out
+        return torch.bmm(a, b)  # cuBLAS writes the operands' dtype: the kernel casts later
 
     def mm_add(
         self, a: Tensor, b: Tensor, c: Tensor, beta: float, out_dtype: torch.dtype | None = None
     ) -> Tensor:
-        out = torch.baddbmm(c, a, b, beta=beta)
-        return out.to(out_dtype) if out_dtype is not None else out
+        return torch.baddbmm(c, a, b, beta=beta)
 
 
 TORCH_PRODUCTS = TorchProducts()
@@ -150,3 +164,44 @@ def direct_iterations(
         z = products.sym(r, r, r, alpha=c, beta=b)  # b·R + c·R²
         x = products.mm_add(z, x, x, a, out_dtype if i == last else None)  # a·X + Z'·X
     return x
+
+
+def as_dtype(y: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    """``y`` in ``out_dtype`` (``None``: as it is); see [Note: the result dtype]."""
+    return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+
+class LoopKernel:
+    """An ``NSKernel`` made of the shared loops: a subclass sets ``name`` and says where it
+    runs (``unavailable_reason``) and which products an input runs on (``products_for``)."""
+
+    name: str
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        raise NotImplementedError
+
+    def products_for(self, x: Tensor) -> Products:
+        raise NotImplementedError
+
+    def gram(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        restart_iterations: Sequence[int],
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        products = self.products_for(x)
+        y = gram_iterations(products, x, coefficients, restart_iterations, out_dtype)
+        return as_dtype(y, out_dtype)
+
+    def direct(
+        self,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        y = direct_iterations(self.products_for(x), x, coefficients, out_dtype)
+        return as_dtype(y, out_dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

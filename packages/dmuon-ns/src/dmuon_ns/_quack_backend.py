@@ -17,19 +17,12 @@ the same, so the autotuner's accuracy bar compares like with like.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dmuon_ns._iterations import (
-    TORCH_PRODUCTS,
-    Products,
-    TorchProducts,
-    direct_iterations,
-    gram_iterations,
-)
+from dmuon_ns._iterations import TORCH_PRODUCTS, LoopKernel, Products, TorchProducts
 from dmuon_ns._registry import register_kernel
 
 __all__ = ["QUACK_KERNEL", "QuackKernel"]
@@ -86,7 +79,7 @@ def _products_for(x: Tensor) -> Products:
     return TORCH_PRODUCTS if m <= _SMALL_GRAM_SIDE or unaligned else _quack()
 
 
-class QuackKernel:
+class QuackKernel(LoopKernel):
     """Gram/direct NS on quack-kernels (CuTe DSL); CUDA SM90+ with the ``cute`` extra."""
 
     name = "quack"
@@ -104,26 +97,8 @@ class QuackKernel:
             return f"needs a CUDA device of SM90 or newer (Hopper), this one is SM{major}{minor}"
         return None
 
-    def gram(
-        self,
-        x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
-        restart_iterations: Sequence[int],
-        out_dtype: torch.dtype | None = None,
-    ) -> Tensor:
-        products = _products_for(x)
-        return gram_iterations(products, x, coefficients, restart_iterations, out_dtype)
-
-    def direct(
-        self,
-        x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
-        out_dtype: torch.dtype | None = None,
-    ) -> Tensor:
-        return direct_iterations(_products_for(x), x, coefficients, out_dtype)
-
-    def __repr__(self) -> str:
-        return "QuackKernel()"
+    def products_for(self, x: Tensor) -> Products:
+        return _products_for(x)
 
 
 QUACK_KERNEL = QuackKernel()

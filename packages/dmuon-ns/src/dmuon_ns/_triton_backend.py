@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from dmuon_ns._iterations import direct_iterations, gram_iterations
+from dmuon_ns._iterations import LoopKernel, Products
 from dmuon_ns._registry import register_kernel
 
 __all__ = ["TRITON_KERNEL", "TritonKernel"]
@@ -33,7 +32,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-class TritonKernel:
+class TritonKernel(LoopKernel):
     """Gram/direct NS on Triton symmetric products; CUDA (SM80+), or the CPU interpreter."""
 
     name = "triton"
@@ -52,29 +51,10 @@ class TritonKernel:
             return None
         return f"needs a CUDA device (got {device.type}; TRITON_INTERPRET=1 runs it on CPU)"
 
-    def gram(
-        self,
-        x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
-        restart_iterations: Sequence[int],
-        out_dtype: torch.dtype | None = None,
-    ) -> Tensor:
+    def products_for(self, x: Tensor) -> Products:
         from dmuon_ns._triton_kernels import TRITON_PRODUCTS
 
-        return gram_iterations(TRITON_PRODUCTS, x, coefficients, restart_iterations, out_dtype)
-
-    def direct(
-        self,
-        x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
-        out_dtype: torch.dtype | None = None,
-    ) -> Tensor:
-        from dmuon_ns._triton_kernels import TRITON_PRODUCTS
-
-        return direct_iterations(TRITON_PRODUCTS, x, coefficients, out_dtype)
-
-    def __repr__(self) -> str:
-        return "TritonKernel()"
+        return TRITON_PRODUCTS
 
 
 TRITON_KERNEL = TritonKernel()
