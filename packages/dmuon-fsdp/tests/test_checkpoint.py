@@ -7,11 +7,10 @@ import pytest
 import torch
 from _models import build
 from _reference import Hyper, lm_loss, make_batch
-from test_training import ROWS, SEQ, VOCAB, setup_model, train_steps
+from test_training import ROWS, SEQ, VOCAB, counting_ns, setup_model, train_steps
 
 from dmuon_fsdp import (
     Muon,
-    _muon_math,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -186,20 +185,10 @@ def test_torch_state_dict_round_trip_same_ranks():
 
 
 def _hsdp(rank: int, world_size: int):
-    counted: list[int] = []
-    real = _muon_math.orthogonalize_batch
-
-    def counting(ns, batch):
-        counted.append(batch.shape[0])
-        return real(ns, batch)
-
-    _muon_math.orthogonalize_batch = counting
-    try:
+    with counting_ns() as counted:
         model, runtime = setup_model(world_size, replicate=2)
         optimizer = Muon(model, **HYPER.muon_kwargs())
         uninterrupted = train_steps(model, optimizer, rank, world_size, TOTAL)
-    finally:
-        _muon_math.orthogonalize_batch = real
     n_matrices = len(runtime.params)
 
     model, _ = setup_model(world_size, replicate=2, reshard=False)

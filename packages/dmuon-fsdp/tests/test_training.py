@@ -3,12 +3,15 @@ once per matrix per step across the world, and the dmuon-clip gradient protocol.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
 from _models import build, muon_predicate, shard_layers_then_root
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
-from torch.distributed.device_mesh import init_device_mesh
+from _sgd_train import make_mesh
 
 from dmuon_fsdp import Muon, _muon_math, dedicate_params
 from dmuon_testing.distributed import run_distributed
@@ -26,14 +29,7 @@ def setup_model(
     """The tiny model under dmuon + FSDP2: 1-D over ``world_size`` ranks, or HSDP with
     ``replicate`` replicas of ``world_size // replicate`` shards."""
     model = build(seed, n_layers)
-    if replicate == 1:
-        mesh = shard_mesh = init_device_mesh("cpu", (world_size,))
-        replicate_mesh = None
-    else:
-        mesh = init_device_mesh(
-            "cpu", (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard")
-        )
-        shard_mesh, replicate_mesh = mesh["shard"], mesh["replicate"]
+    mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate)
     runtime = dedicate_params(
         model,
         shard_mesh,
@@ -69,22 +65,29 @@ def _muon_names(model) -> list[str]:
     return [n for n, p in model.named_parameters() if muon_predicate(n, p)]
 
 
-def _train_vs_reference(rank: int, world_size: int, reshard: bool):
-    model, runtime = setup_model(world_size, reshard=reshard)
-    optimizer = Muon(model, **HYPER.muon_kwargs())
-    # Count NS per matrix: patch the optimizer's single NS call site on this rank.
+@contextlib.contextmanager
+def counting_ns() -> Iterator[list[int]]:
+    """Count NS on this rank: the matrices of every batch through the optimizer's single NS
+    call site, appended to the yielded list while the block runs."""
     counted: list[int] = []
     real = _muon_math.orthogonalize_batch
 
-    def counting(ns, batch):
+    def counting(ns, batch):  # type: ignore[no-untyped-def]
         counted.append(batch.shape[0])
         return real(ns, batch)
 
     _muon_math.orthogonalize_batch = counting
     try:
-        losses = train_steps(model, optimizer, rank, world_size, STEPS)
+        yield counted
     finally:
         _muon_math.orthogonalize_batch = real
+
+
+def _train_vs_reference(rank: int, world_size: int, reshard: bool):
+    model, runtime = setup_model(world_size, reshard=reshard)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    with counting_ns() as counted:
+        losses = train_steps(model, optimizer, rank, world_size, STEPS)
     owned_muon = sum(1 for dp in runtime.owned if dp.route == "muon")
     ref = None
     if rank == 0:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._iterations import TORCH_PRODUCTS, LoopKernel, Products, TorchProducts
-from dmuon_ns._registry import register_kernel
+from dmuon_ns._registry import cuda_capability_reason, register_kernel
 
 __all__ = ["QUACK_KERNEL", "QuackKernel"]
 
@@ -90,12 +90,7 @@ class QuackKernel(LoopKernel):
                 return f"{module} is not installed: {_INSTALL_HINT}"
         if device.type != "cuda":
             return f"needs a CUDA device of SM90 or newer (got {device.type})"
-        if not torch.cuda.is_available():
-            return "needs a CUDA device, and torch sees none"
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 9:
-            return f"needs a CUDA device of SM90 or newer (Hopper), this one is SM{major}{minor}"
-        return None
+        return cuda_capability_reason(device, 9)
 
     def products_for(self, x: Tensor) -> Products:
         return _products_for(x)

@@ -44,6 +44,7 @@ __all__ = [
     "NSKernelUnavailableError",
     "Resolution",
     "clear_resolution_cache",
+    "cuda_capability_reason",
     "kernel_names",
     "kernel_override",
     "kernel_status",
@@ -89,6 +90,17 @@ class NSKernel(Protocol):
         coefficients: Sequence[tuple[float, float, float]],
         out_dtype: torch.dtype | None = None,
     ) -> Tensor: ...
+
+
+def cuda_capability_reason(device: torch.device, min_major: int) -> str | None:
+    """Why the CUDA ``device`` cannot run a kernel that needs SM``min_major``0 or newer, or
+    ``None`` when it can (for kernels' ``unavailable_reason``)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA device, and torch sees none"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < min_major:
+        return f"needs a CUDA device of SM{min_major}0 or newer, this one is SM{major}{minor}"
+    return None
 
 
 class NSKernelUnavailableError(RuntimeError):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._iterations import LoopKernel, Products
-from dmuon_ns._registry import register_kernel
+from dmuon_ns._registry import cuda_capability_reason, register_kernel
 
 __all__ = ["TRITON_KERNEL", "TritonKernel"]
 
@@ -41,12 +41,7 @@ class TritonKernel(LoopKernel):
         if importlib.util.find_spec("triton") is None:
             return f"triton is not installed: {_INSTALL_HINT}"
         if device.type == "cuda":
-            if not torch.cuda.is_available():
-                return "needs a CUDA device, and torch sees none"
-            major, minor = torch.cuda.get_device_capability(device)
-            if major < 8:
-                return f"needs a CUDA device of SM80 or newer, this one is SM{major}{minor}"
-            return None
+            return cuda_capability_reason(device, 8)
         if device.type == "cpu" and _interpreting():
             return None
         return f"needs a CUDA device (got {device.type}; TRITON_INTERPRET=1 runs it on CPU)"
