@@ -135,7 +135,13 @@ def test_front_end_normalisation_on_cuda_matches_the_cpu_formula(transposed):
     prepared = prepare(g, torch.float16, 1e-7)
     on_cpu = prepare(g.cpu(), torch.float16, 1e-7)
     assert prepared.transposed == transposed and prepared.x.is_contiguous()
-    # fp32 norms may differ in summation order; one fp16 ulp at most, nearly always none.
+    # The fp32 norms differ in summation order (a few parts in 1e6 over 210k elements), so
+    # elements near an fp16 rounding boundary may land one ulp apart, never more.
     diff = (prepared.x.cpu().double() - on_cpu.x.double()).abs()
     assert float(diff.max()) <= 2**-10 * float(on_cpu.x.double().abs().max())
-    assert float((diff > 0).double().mean()) < 0.01
+    # Given the same scale, the one-pass Triton scaling is torch.mul's fp32 product, bit for bit.
+    x = g.mT if transposed else g
+    scale = torch.linalg.vector_norm(x, dim=(-2, -1), dtype=torch.float32).add_(1e-7)
+    expected = torch.mul(x, scale.reciprocal_()[:, None, None]).to(torch.float16)
+    assert torch.equal(prepared.x, expected)
+
