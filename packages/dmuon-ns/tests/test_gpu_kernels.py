@@ -145,3 +145,21 @@ def test_front_end_normalisation_on_cuda_matches_the_cpu_formula(transposed):
     expected = torch.mul(x, scale.reciprocal_()[:, None, None]).to(torch.float16)
     assert torch.equal(prepared.x, expected)
 
+
+def test_quack_tile_shapes_agree_bit_for_bit_on_exactly_symmetric_products(monkeypatch):
+    _kernel("quack")
+    from dmuon_ns import _quack_backend
+
+    products = _quack_backend._QuackProducts()
+    if (
+        products._tiled_symmetric is None
+        or _quack_backend._sm90_count(torch.device("cuda")) is None
+    ):
+        pytest.skip("the tile choice applies to SM90 with quack's dispatch-level product")
+    x = _input("random", (2, 1024, 3072), torch.float16)
+    r = products._gemm_symmetric(x, x.mT)  # quack's interface, its own tile shape
+    rr = products._gemm_symmetric(r, r, C=r, alpha=0.3, beta=0.5)
+    for tiles in _quack_backend.SM90_SYM_TILES:
+        monkeypatch.setattr(_quack_backend, "pick_sym_tiles", lambda *_, tiles=tiles: tiles)
+        assert torch.equal(products.gram(x), r), tiles
+        assert torch.equal(products.sym(r, r, r, alpha=0.3, beta=0.5), rr), tiles

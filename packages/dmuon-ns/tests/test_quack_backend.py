@@ -69,3 +69,18 @@ def test_small_or_unaligned_problems_stay_on_torch_products(monkeypatch):
     ]:
         x = torch.empty(shape, dtype=torch.float16)
         assert quack_backend._products_for(x) is expected, shape
+
+
+def test_symmetric_tiles_fill_the_last_round():
+    # H200: 132 SMs. At m = 4096 quack's 256-square clusters need 3 rounds for 2.06 rounds of
+    # work; 128-tiles need exactly 4 cheaper ones. 2048 and 8192 already fill their rounds.
+    small = quack_backend.SM90_SYM_TILES[1]
+    default = quack_backend.QUACK_SM90_TILES
+    assert default.rounds(1, 4096, 132) == 3 and small.rounds(1, 4096, 132) == 4
+    assert quack_backend.pick_sym_tiles(1, 4096, 132) is small
+    assert quack_backend.pick_sym_tiles(1, 3072, 132) is small
+    for batch, m in [(1, 2048), (1, 8192), (32, 1024), (3, 4096)]:
+        assert quack_backend.pick_sym_tiles(batch, m, 132) is default, (batch, m)
+    # Fewer SMs move the boundary: 114 SMs (H100 PCIe) fit m = 4096 in 3 big rounds too.
+    assert default.rounds(1, 4096, 114) == 3 and small.rounds(1, 4096, 114) == 5
+    assert quack_backend.pick_sym_tiles(1, 4096, 114) is default
