@@ -9,8 +9,10 @@ NS step is made of, fp16, on torch (cuBLAS), quack ``gemm`` (autotuned and defau
 quack ``gemm_symmetric``. FLOPs count a symmetric product once (m·m·k), a plain one as 2·m·k·n.
 Part 2 (trace): GPU time per kernel name of one full call of dmuon's ``NewtonSchulz`` (each
 available kernel) and of gram-newton-schulz+quack, summed over the call, from
-``torch.profiler``; the gap between the summed kernel time and the call's wall time is host
-overhead and launch gaps.
+``torch.profiler``, with the call's busy time (the union of its kernel intervals): wall minus
+busy is host overhead and launch gaps. Compare implementations by busy time, not by per-kernel
+sums: quack's SM90 kernels use programmatic dependent launch, so a kernel may start before its
+predecessor ends and its traced time then includes that wait.
 """
 
 from __future__ import annotations
@@ -62,6 +64,18 @@ def _products(m: int, n: int) -> None:
             ("Q·X", "quack default", lambda: gemm(q, x, tuned=False), full_mn),
             ("Q·X→bf16", "quack tuned", lambda: gemm(q, x, out_dtype=torch.bfloat16), full_mn),
         ]
+        from dmuon_ns._quack_backend import _QuackProducts
+
+        ours = _QuackProducts()  # quack's symmetric product on the tile shape dmuon picks
+        cases += [
+            ("X·Xᵀ", "dmuon quack sym", lambda: ours.gram(x), sym_mk),
+            (
+                "b·R+c·R²",
+                "dmuon quack sym",
+                lambda: ours.sym(r, r, r, alpha=0.25, beta=0.5),
+                sym_mm,
+            ),
+        ]
     except ImportError as err:
         print(f"# quack unavailable: {err}")
     for what, lib, fn, flops in cases:
@@ -87,14 +101,27 @@ def _trace(name: str, fn: Callable[[], object]) -> None:
         torch.cuda.synchronize()
     wall = start.elapsed_time(end)
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
+    intervals: list[tuple[float, float]] = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
             per_kernel[event.name[:70]].append(event.device_time / 1e3)
+            intervals.append((event.time_range.start, event.time_range.end))
     total = sum(sum(v) for v in per_kernel.values())
-    print(f"\n### {name}: wall {wall:.3f} ms, kernels {total:.3f} ms\n")
+    busy = _union_us(intervals) / 1e3
+    print(f"\n### {name}: wall {wall:.3f} ms, busy {busy:.3f} ms, kernel sum {total:.3f} ms\n")
     print("| kernel | calls | ms |\n|---|---|---|")
     for kname, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1])):
         print(f"| `{kname}` | {len(times)} | {sum(times):.3f} |")
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``(start, end)`` intervals."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
 
 
 def _traces(m: int, n: int) -> None:
