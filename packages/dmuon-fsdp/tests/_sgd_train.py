@@ -40,6 +40,33 @@ def make_mesh(world_size: int, replicate: int, device: str = "cpu"):
     return hsdp, hsdp["shard"], hsdp["replicate"]
 
 
+def setup_model(
+    world_size: int,
+    *,
+    replicate: int = 1,
+    reshard: bool = True,
+    seed: int = 0,
+    n_layers: int = 2,
+    device: str = "cpu",
+    **options: object,
+):
+    """The tiny model under the dmuon runtime + FSDP2: 1-D over ``world_size`` ranks, or HSDP
+    with ``replicate`` replicas of ``world_size // replicate`` shards. ``options`` go to
+    ``dedicate_params``."""
+    model = build(seed, n_layers).to(device)
+    mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate, device)
+    runtime = dedicate_params(
+        model,
+        shard_mesh,
+        muon_predicate,
+        reshard_after_forward=reshard,
+        replicate_mesh=replicate_mesh,
+        **options,
+    )
+    shard_layers_then_root(model, mesh)
+    return model, runtime
+
+
 def sgd_run(
     rank: int,
     world_size: int,
@@ -54,20 +81,17 @@ def sgd_run(
     debug_fence: bool = False,
     small_param_threshold: int = 0,
 ) -> RunResult:
-    model = build(0, n_layers).to(device)
-    fsdp_mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate, device)
-    runtime = dedicate_params(
-        model,
-        shard_mesh,
-        muon_predicate,
-        reshard_after_forward=reshard,
-        replicate_mesh=replicate_mesh,
+    model, runtime = setup_model(
+        world_size,
+        replicate=replicate,
+        reshard=reshard,
+        n_layers=n_layers,
+        device=device,
         process_group_policy=process_group_policy,
         debug_fence=debug_fence,
         # 0: every matrix is placed on its own, so a boundary has several owners (packs).
         small_param_threshold=small_param_threshold,
     )
-    shard_layers_then_root(model, fsdp_mesh)
     dedicated = {id(dp.param) for dp in runtime.params}
     others = [p for p in model.parameters() if id(p) not in dedicated]
     sgd = torch.optim.SGD(others, lr=LR)

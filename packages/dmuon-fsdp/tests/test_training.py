@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from _models import build, muon_predicate, shard_layers_then_root
+from _models import build, muon_predicate
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
-from _sgd_train import make_mesh
+from _sgd_train import setup_model
 
-from dmuon_fsdp import Muon, _muon_math, dedicate_params
+from dmuon_fsdp import Muon, _muon_math
 from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
@@ -21,24 +21,6 @@ STEPS = 10
 HYPER = Hyper()
 VOCAB = 32
 SEQ = 8
-
-
-def setup_model(
-    world_size: int, *, reshard: bool = True, seed: int = 0, n_layers: int = 2, replicate: int = 1
-):
-    """The tiny model under dmuon + FSDP2: 1-D over ``world_size`` ranks, or HSDP with
-    ``replicate`` replicas of ``world_size // replicate`` shards."""
-    model = build(seed, n_layers)
-    mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate)
-    runtime = dedicate_params(
-        model,
-        shard_mesh,
-        muon_predicate,
-        reshard_after_forward=reshard,
-        replicate_mesh=replicate_mesh,
-    )
-    shard_layers_then_root(model, mesh)
-    return model, runtime
 
 
 def global_loss(loss: torch.Tensor, world_size: int) -> float:
