@@ -101,21 +101,30 @@ def test_weight_decay_is_decoupled_and_unscaled():
     torch.testing.assert_close(p, torch.full((2, 2), (1 - 0.05) - 0.3))
 
 
-def test_orthogonalize_batches_by_shape(monkeypatch):
-    calls = []
+# Three same-shape matrices, a transposed one and a square one.
+SHAPES = [(16, 32), (32, 16), (16, 32), (16, 32), (8, 8)]
+
+
+@pytest.fixture
+def batch_shapes(monkeypatch):
+    """The shape of every batch ``_muon_math`` hands to NS, in call order."""
+    shapes: list[tuple[int, ...]] = []
     real = _muon_math.orthogonalize_batch
 
     def counting(ns, batch):
-        calls.append(tuple(batch.shape))
+        shapes.append(tuple(batch.shape))
         return real(ns, batch)
 
     monkeypatch.setattr(_muon_math, "orthogonalize_batch", counting)
+    return shapes
+
+
+def test_orthogonalize_batches_by_shape(batch_shapes):
     ns = make_newton_schulz("gram", 5)
     gen = torch.Generator().manual_seed(1)
-    shapes = [(16, 32), (32, 16), (16, 32), (16, 32), (8, 8)]
-    inputs = [torch.randn(s, generator=gen) for s in shapes]
+    inputs = [torch.randn(s, generator=gen) for s in SHAPES]
     out = orthogonalize(ns, inputs)
-    assert sorted(calls) == sorted([(3, 16, 32), (1, 32, 16), (1, 8, 8)])
+    assert sorted(batch_shapes) == sorted([(3, 16, 32), (1, 32, 16), (1, 8, 8)])
     for x, y in zip(inputs, out):
         assert y.shape == x.shape
         # One matrix alone gives the same bits as inside a batch (the torch kernel on CPU).
@@ -156,21 +165,12 @@ def test_adamw_step_matches_torch_adamw():
 
 
 @pytest.mark.parametrize(("max_batch_bytes", "calls"), [(None, 3), (2 * 16 * 32 * 4, 4)])
-def test_muon_step_batches_and_matches_per_matrix_math(monkeypatch, max_batch_bytes, calls):
-    seen = []
-    real = _muon_math.orthogonalize_batch
-
-    def counting(ns, batch):
-        seen.append(batch.shape[0])
-        return real(ns, batch)
-
-    monkeypatch.setattr(_muon_math, "orthogonalize_batch", counting)
+def test_muon_step_batches_and_matches_per_matrix_math(batch_shapes, max_batch_bytes, calls):
     ns = make_newton_schulz("gram", 5)
     gen = torch.Generator().manual_seed(3)
-    shapes = [(16, 32), (32, 16), (16, 32), (16, 32), (8, 8)]
-    weights = [torch.randn(s, generator=gen) for s in shapes]
-    bufs = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [torch.randn(s, generator=gen) for s in shapes]
+    weights = [torch.randn(s, generator=gen) for s in SHAPES]
+    bufs = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [torch.randn(s, generator=gen) for s in SHAPES]
     expected = []
     for i, (w, b, g) in enumerate(zip(weights, bufs, grads)):
         w, b = w.clone(), b.clone()
@@ -185,7 +185,8 @@ def test_muon_step_batches_and_matches_per_matrix_math(monkeypatch, max_batch_by
         for i, (w, b, g) in enumerate(zip(weights, bufs, grads))
     ]
     _muon_math.muon_step(items, ns, max_batch_bytes=max_batch_bytes)
-    assert len(seen) == calls and sum(seen) == len(shapes)
+    seen = [shape[0] for shape in batch_shapes]
+    assert len(seen) == calls and sum(seen) == len(SHAPES)
     for (w, b), item in zip(expected, items):
         assert torch.equal(item.weight, w)
         assert torch.equal(item.buf, b)
