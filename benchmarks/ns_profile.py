@@ -4,9 +4,11 @@ and a kernel-by-kernel profile of dmuon-ns against gram-newton-schulz on the sam
     python benchmarks/ns_profile.py                       # 2048x8192 4096x14336 8192x28672
     python benchmarks/ns_profile.py --shapes 8192x28672 --no-trace
 
-Part 1 (products): median ms (``triton.testing.do_bench``) and TFLOP/s of the products one Gram
-NS step is made of, fp16, on torch (cuBLAS), quack ``gemm`` (autotuned and default config) and
-quack ``gemm_symmetric``. FLOPs count a symmetric product once (m·m·k), a plain one as 2·m·k·n.
+Part 1 (products): median ms (``triton.testing.do_bench_cudagraph``: GPU time without the
+host's launch cost) and TFLOP/s of the products one Gram NS step is made of, fp16, on torch
+(cuBLAS), quack ``gemm`` (autotuned and default config), quack ``gemm_symmetric`` (its own and
+dmuon's tile shape) and dmuon's Triton products (autotuned). FLOPs count a symmetric product
+once (m·m·k), a plain one as 2·m·k·n.
 Part 2 (trace): GPU time per kernel name of one full call of dmuon's ``NewtonSchulz`` (each
 available kernel) and of gram-newton-schulz+quack, summed over the call, from
 ``torch.profiler``, with the call's busy time (the union of its kernel intervals): wall minus
@@ -27,11 +29,13 @@ DEFAULT_SHAPES = ["2048x8192", "4096x14336", "8192x28672"]
 
 
 def _bench(fn: Callable[[], object]) -> float:
+    """Median ms of ``fn`` replayed in a CUDA graph: a product of ~25 µs would otherwise be
+    timed with the host's launch cost (Triton's launcher alone is tens of µs)."""
     import triton.testing
 
-    fn()
+    fn()  # compile and autotune outside the capture
     torch.cuda.synchronize()
-    ms: float = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+    ms: float = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return ms
 
 
@@ -78,6 +82,21 @@ def _products(m: int, n: int) -> None:
         ]
     except ImportError as err:
         print(f"# quack unavailable: {err}")
+    try:
+        from dmuon_ns._triton_kernels import TRITON_PRODUCTS as triton_products
+
+        cases += [
+            ("X·Xᵀ", "dmuon triton", lambda: triton_products.gram(x), sym_mk),
+            (
+                "b·R+c·R²",
+                "dmuon triton",
+                lambda: triton_products.sym(r, r, r, alpha=0.25, beta=0.5),
+                sym_mm,
+            ),
+            ("Q·X", "dmuon triton", lambda: triton_products.mm(q, x), full_mn),
+        ]
+    except ImportError as err:
+        print(f"# triton unavailable: {err}")
     for what, lib, fn, flops in cases:
         ms = _bench(fn)
         rows.append((what, lib, ms, flops / ms / 1e9))
