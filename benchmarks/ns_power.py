@@ -40,10 +40,16 @@ class _Sampler(threading.Thread):
 
     def run(self) -> None:
         h = self.handle
+        # nvidia-ml-py renamed "throttle reasons" to "event reasons" (12.535); either will do.
+        read_reasons = getattr(
+            pynvml,
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None),
+        )
         while not self.done.is_set():
             clock = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
             watts = pynvml.nvmlDeviceGetPowerUsage(h) / 1000
-            reasons = pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)
+            reasons = read_reasons(h)
             self.samples.append((time.time(), clock, watts, reasons))
             time.sleep(self.period)
 
