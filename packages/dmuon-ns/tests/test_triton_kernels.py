@@ -87,6 +87,27 @@ def test_symmetric_epilogue_and_second_output(dtype):
     assert torch.equal(out2, (out.float() + 2.5 * eye.float()).to(dtype))
 
 
+def test_symmetric_result_does_not_depend_on_the_tile_size():
+    # The autotuner may pick another tile size in another process (a resumed run): a diagonal
+    # tile must give each element the very sum an off-diagonal tile would.
+    base = _rand(2, 45, 45, dtype=torch.float32)
+    s = ((base + base.mT) / 8).half()
+    z = ((base @ base.mT) / 200).half()  # s·z is symmetric only in exact arithmetic
+    results = [
+        sym_matmul(
+            s,
+            z,
+            c=s,
+            alpha=0.7,
+            beta=-1.3,
+            diag=0.25,
+            config=TileConfig(block_m=block, block_k=16, num_warps=4, num_stages=1),
+        )[0]
+        for block in (16, 32, 64)
+    ]
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_plain_product_with_epilogue_and_strided_operands(dtype):
     a = _rand(2, 33, 47, dtype=dtype)

@@ -6,8 +6,12 @@ Every m×m matrix of the Gram iteration is a polynomial in ``R = X·Xᵀ`` (``P 
 ``Q``, ``R·P``, ``P·(R·P)``), so every product of two of them is symmetric. The symmetric
 kernel launches one program per tile of the lower triangle, ``(i, j)`` with ``i >= j``, and
 stores the tile at ``(i, j)`` and its transpose at ``(j, i)``: half the tiles of a full
-product, and an output that is symmetric bit for bit. Diagonal tiles are averaged with their
-own transpose so that they are exactly symmetric too. The epilogue folds in
+product, and an output that is symmetric bit for bit. A diagonal tile copies its lower
+triangle onto its upper one, so every element is the sum its lower-triangle position computes,
+in the same K order whatever the tile size: the autotuner's pick, which can differ between
+processes, does not change a bit of the result, which a resumed run relies on (averaging the
+diagonal tiles with their transpose did; ``test_gpu_kernels`` holds the configs to one
+result). The epilogue folds in
 ``alpha·A·B + beta·C + diag·I`` in fp32 before the single rounding to the storage dtype; the
 mirrored tile reuses ``C(i, j)ᵀ``, which is right because ``C`` is one of the symmetric
 iterates.
@@ -119,7 +123,7 @@ def _sym_kernel(
         b_ptrs += BLOCK_K * s_bk
 
     if i == j:
-        acc = (acc + tl.trans(acc)) * 0.5
+        acc = tl.where(offs_i[:, None] >= offs_j[None, :], acc, tl.trans(acc))
     acc = acc * alpha
     mask = mask_i[:, None] & mask_j[None, :]
     if HAS_C:
