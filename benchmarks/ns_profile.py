@@ -24,6 +24,9 @@ import collections
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
+
+from dmuon_ns._iterations import Products
 
 DEFAULT_SHAPES = ["2048x8192", "4096x14336", "8192x28672"]
 
@@ -37,6 +40,18 @@ def _bench(fn: Callable[[], object]) -> float:
     torch.cuda.synchronize()
     ms: float = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return ms
+
+
+def _loop_products(
+    label: str, products: Products, x: Tensor, r: Tensor, q: Tensor
+) -> list[tuple[str, str, Callable[[], object], float]]:
+    """The three products of a dmuon kernel's ``Products`` (see ``_iterations``)."""
+    m, n = x.shape[-2], x.shape[-1]
+    return [
+        ("X·Xᵀ", label, lambda: products.gram(x), m * m * n),
+        ("b·R+c·R²", label, lambda: products.sym(r, r, r, alpha=0.25, beta=0.5), m * m * m),
+        ("Q·X", label, lambda: products.mm(q, x), 2 * m * m * n),
+    ]
 
 
 def _products(m: int, n: int) -> None:
@@ -70,31 +85,14 @@ def _products(m: int, n: int) -> None:
         ]
         from dmuon_ns._quack_backend import _QuackProducts
 
-        ours = _QuackProducts()  # quack's symmetric product on the tile shape dmuon picks
-        cases += [
-            ("X·Xᵀ", "dmuon quack sym", lambda: ours.gram(x), sym_mk),
-            (
-                "b·R+c·R²",
-                "dmuon quack sym",
-                lambda: ours.sym(r, r, r, alpha=0.25, beta=0.5),
-                sym_mm,
-            ),
-        ]
+        # quack's symmetric product on the tile shape dmuon picks
+        cases += _loop_products("dmuon quack", _QuackProducts(), x, r, q)
     except ImportError as err:
         print(f"# quack unavailable: {err}")
     try:
-        from dmuon_ns._triton_kernels import TRITON_PRODUCTS as triton_products
+        from dmuon_ns._triton_kernels import TRITON_PRODUCTS
 
-        cases += [
-            ("X·Xᵀ", "dmuon triton", lambda: triton_products.gram(x), sym_mk),
-            (
-                "b·R+c·R²",
-                "dmuon triton",
-                lambda: triton_products.sym(r, r, r, alpha=0.25, beta=0.5),
-                sym_mm,
-            ),
-            ("Q·X", "dmuon triton", lambda: triton_products.mm(q, x), full_mn),
-        ]
+        cases += _loop_products("dmuon triton", TRITON_PRODUCTS, x, r, q)
     except ImportError as err:
         print(f"# triton unavailable: {err}")
     for what, lib, fn, flops in cases:
