@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, NewtonSchulz, newton_schulz
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, NewtonSchulz, _graphs, newton_schulz
+from dmuon_ns._iterations import LastProduct
 from dmuon_ns._registry import kernel_status
 from dmuon_ns._torch_kernel import TORCH_KERNEL
 from dmuon_ns.testing import reference_newton_schulz, relative_error
@@ -93,9 +94,14 @@ def test_auto_picks_an_available_kernel_and_is_accurate(tmp_path, monkeypatch):
 def test_graph_replay_equals_eager(name):
     if name != "torch":
         _kernel(name)
-    gs = [torch.randn(3, 512, 1536, device="cuda"), torch.randn(700, 300, device="cuda")]
+    gs = [
+        torch.randn(3, 512, 1536, device="cuda"),
+        torch.randn(700, 300, device="cuda"),
+        torch.randn(2, 384, 384, device="cuda"),  # square: direct NS
+    ]
     eager = NewtonSchulz(kernel=name, cuda_graphs=False)
     graphed = NewtonSchulz(kernel=name, cuda_graphs=True)
+    _graphs.clear_graphs()
     for g in gs:
         expected = eager(g)
         first = graphed(g)  # capture + replay
@@ -106,6 +112,10 @@ def test_graph_replay_equals_eager(name):
         kept = again.clone()
         graphed(torch.randn_like(g))
         assert torch.equal(again, kept)
+    # Every graph ends before the loop's last product, which runs after each replay.
+    captured = list(_graphs._graphs.values())
+    assert len(captured) == len(gs)
+    assert all(isinstance(c.static_output, LastProduct) for c in captured), name
 
 
 @pytest.mark.parametrize("name", ["torch", "triton", "quack"])
@@ -133,17 +143,17 @@ def test_front_end_normalisation_on_cuda_matches_the_cpu_formula(transposed):
     g = torch.randn(3, 300, 700, device="cuda").to(torch.bfloat16) * 50
     g = g.mT if transposed else g
     prepared = prepare(g, torch.float16, 1e-7)
-    on_cpu = prepare(g.cpu(), torch.float16, 1e-7)
-    assert prepared.transposed == transposed and prepared.x.is_contiguous()
+    x_gpu, x_cpu = prepared.write(), prepare(g.cpu(), torch.float16, 1e-7).write()
+    assert prepared.transposed == transposed and x_gpu.is_contiguous()
     # The fp32 norms differ in summation order (a few parts in 1e6 over 210k elements), so
     # elements near an fp16 rounding boundary may land one ulp apart, never more.
-    diff = (prepared.x.cpu().double() - on_cpu.x.double()).abs()
-    assert float(diff.max()) <= 2**-10 * float(on_cpu.x.double().abs().max())
+    diff = (x_gpu.cpu().double() - x_cpu.double()).abs()
+    assert float(diff.max()) <= 2**-10 * float(x_cpu.double().abs().max())
     # Given the same scale, the one-pass Triton scaling is torch.mul's fp32 product, bit for bit.
     x = g.mT if transposed else g
     scale = torch.linalg.vector_norm(x, dim=(-2, -1), dtype=torch.float32).add_(1e-7)
     expected = torch.mul(x, scale.reciprocal_()[:, None, None]).to(torch.float16)
-    assert torch.equal(prepared.x, expected)
+    assert torch.equal(x_gpu, expected)
 
 
 def test_quack_tile_shapes_agree_bit_for_bit_on_exactly_symmetric_products(monkeypatch):

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from dmuon_ns import _graphs
+from dmuon_ns._iterations import LastProduct
+from dmuon_ns._prepare import prepare
 
 
 @pytest.fixture(autouse=True)
@@ -25,11 +27,21 @@ def test_cpu_inputs_run_eagerly_without_capture():
         calls.append(t)
         return t * 2
 
-    x = torch.randn(3, 4)
-    out = _graphs.run_graphed(fn, x, key="k")
-    assert torch.equal(out, x * 2)
-    assert calls == [x]
+    source = prepare(torch.randn(2, 3, 4), torch.float32, 1e-7)
+    out = _graphs.run_graphed(fn, source, key="k")
+    (x,) = calls
+    assert torch.equal(x, source.write()) and torch.equal(out, x * 2)
     assert _graphs.graph_keys() == {}
+
+
+def test_an_eager_run_finishes_the_last_product():
+    def fn(t):
+        return LastProduct(torch.mul, (t, t), torch.float64)
+
+    source = prepare(torch.randn(2, 3, 4), torch.float32, 1e-7)
+    out = _graphs.run_graphed(fn, source, key="k")
+    x = source.write()
+    assert out.dtype == torch.float64 and torch.equal(out, (x * x).double())
 
 
 def test_failed_capture_warns_once_and_falls_back_to_eager(monkeypatch, caplog):
@@ -37,10 +49,10 @@ def test_failed_capture_warns_once_and_falls_back_to_eager(monkeypatch, caplog):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(_graphs, "_capture", broken_capture)
-    x = torch.randn(2, 2)
+    source = prepare(torch.randn(1, 2, 2), torch.float32, 1e-7)
     with caplog.at_level(logging.WARNING, logger="dmuon_ns._graphs"):
         with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
-            entry = _graphs._capture_or_eager(lambda t: t, x, ("k", (2, 2)))
+            entry = _graphs._capture_or_eager(lambda t: t, source, ("k", (2, 2)))
     assert isinstance(entry, _graphs._Eager)
     assert sum("capture failed" in r.getMessage() for r in caplog.records) == 1
     assert "operation not permitted" in caplog.records[0].getMessage()
@@ -50,5 +62,7 @@ def test_capture_without_cuda_degrades_to_eager():
     # The real capture needs CUDA; on CPU it fails (no CUDA stream), which must also degrade
     # to eager with a warning rather than raise.
     with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
-        entry = _graphs._capture_or_eager(lambda t: t, torch.randn(2), "k")
+        entry = _graphs._capture_or_eager(
+            lambda t: t, prepare(torch.randn(2, 2), torch.float32, 1e-7), "k"
+        )
     assert isinstance(entry, _graphs._Eager)

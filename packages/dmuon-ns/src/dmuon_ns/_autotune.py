@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -68,6 +68,18 @@ _MIN_REPS = 3
 _MAX_REPS = 25
 _TARGET_SECONDS = 0.2
 _SEED = 20_241_129
+
+
+class Problem(Protocol):
+    """What a verdict depends on in a kernel's input: a tensor, or the front end's
+    ``Prepared`` before its input is written."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
 
 
 AutotuneVerdict = dict[str, Any]
@@ -106,7 +118,7 @@ def verdicts() -> dict[str, AutotuneVerdict]:
 
 def choose(
     candidates: Sequence[NSKernel],
-    x: Tensor,
+    x: Problem,
     op: str,
     coefficients: Sequence[tuple[float, float, float]],
     restart_iterations: Sequence[int],
@@ -124,7 +136,7 @@ def choose(
         raise ValueError("candidates must name at least one kernel (the 'torch' kernel)")
     if len(candidates) == 1:
         return candidates[0]
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         # Inside someone else's capture nothing may synchronise: take the priority choice.
         return candidates[0]
     coeffs = tuple((float(a), float(b), float(c)) for a, b, c in coefficients)
@@ -158,7 +170,7 @@ def choose(
 
 def _problem_key(
     op: str,
-    x: Tensor,
+    x: Problem,
     coeffs: tuple[tuple[float, float, float], ...],
     restarts: tuple[int, ...],
     candidates: tuple[str, ...],
@@ -193,7 +205,7 @@ def _package_version() -> str:
 
 def _tune(
     candidates: Sequence[NSKernel],
-    x: Tensor,
+    x: Problem,
     op: str,
     coeffs: tuple[tuple[float, float, float], ...],
     restarts: tuple[int, ...],
@@ -252,7 +264,7 @@ def _tune(
     }
 
 
-def _random_input(x: Tensor) -> Tensor:
+def _random_input(x: Problem) -> Tensor:
     """A fresh normalised Gaussian input with ``x``'s shape, dtype and device."""
     generator = torch.Generator(device=x.device).manual_seed(_SEED)
     sample = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)

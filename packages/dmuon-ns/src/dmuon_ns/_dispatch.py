@@ -1,9 +1,12 @@
 """Run one prepared NS problem on the kernel that ``_registry.resolve`` chose.
 
-``x`` arrives as the front end leaves it: (batch, m, n) with m ≤ n, contiguous, in the
-iteration dtype, normalised. Two CUDA-only layers may wrap the kernel call: the autotuner
-(when auto left several candidates) and CUDA-graph replay (when ``cuda_graphs`` is on). Both
-live in their own modules, imported only on that path, so a CPU run never touches them.
+The input arrives as the front end leaves it, a ``Prepared``: (batch, m, n) with m ≤ n,
+scaled, not yet written in the iteration dtype (``write`` does that, into the kernel's input
+buffer). Two CUDA-only layers may wrap the kernel call: the autotuner (when auto left several
+candidates) and CUDA-graph replay (when ``cuda_graphs`` is on). Both live in their own
+modules, imported only on that path, so a CPU run never touches them. Kernels made of the
+shared loops (``LoopKernel``) are called up to their last product, which runs outside the
+graph (``_iterations``' [Note: the last product]).
 
 [Note: which problems are graphed]
 A captured graph keeps its static input and output allocated for the life of the process (and
@@ -18,11 +21,14 @@ larger ones run eagerly and leave nothing behind (a training step's peak memory 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from dmuon_ns._iterations import LastProduct, LoopKernel, finished
+from dmuon_ns._prepare import Prepared
 from dmuon_ns._registry import NSKernel, Resolution
 
 __all__ = ["GRAPH_MAX_BYTES", "run"]
@@ -33,7 +39,7 @@ GRAPH_MAX_BYTES = 64 * 2**20
 
 def run(
     resolution: Resolution,
-    x: Tensor,
+    prepared: Prepared,
     op: str,
     coefficients: tuple[tuple[float, float, float], ...],
     restart_iterations: tuple[int, ...],
@@ -41,33 +47,37 @@ def run(
     out_dtype: torch.dtype | None,
     cuda_graphs: bool,
 ) -> Tensor:
-    """``op`` ("gram" or "direct") on ``x`` with the resolved kernel, the result written in
-    ``out_dtype`` (``None``: ``x``'s); ``coefficients`` holds exactly one row per step."""
-    kernel = _pick(resolution.kernels, x, op, coefficients, restart_iterations)
+    """``op`` ("gram" or "direct") on the prepared input with the resolved kernel, the result
+    written in ``out_dtype`` (``None``: the iteration dtype); ``coefficients`` holds exactly
+    one row per step."""
+    kernel = _pick(resolution.kernels, prepared, op, coefficients, restart_iterations)
 
-    def fn(t: Tensor) -> Tensor:
+    def fn(x: Tensor) -> Tensor | LastProduct:
+        if isinstance(kernel, LoopKernel):
+            return kernel.loop(op, x, coefficients, restart_iterations, out_dtype)
         if op == "gram":
-            return kernel.gram(t, coefficients, restart_iterations, out_dtype)
-        return kernel.direct(t, coefficients, out_dtype)
+            return kernel.gram(x, coefficients, restart_iterations, out_dtype)
+        return kernel.direct(x, coefficients, out_dtype)
 
-    if cuda_graphs and x.is_cuda and x.numel() * x.element_size() <= GRAPH_MAX_BYTES:
+    nbytes = math.prod(prepared.shape) * prepared.dtype.itemsize
+    if cuda_graphs and prepared.device.type == "cuda" and nbytes <= GRAPH_MAX_BYTES:
         from dmuon_ns import _graphs
 
         key = (kernel.name, op, coefficients, restart_iterations, out_dtype)
-        return _graphs.run_graphed(fn, x, key)
-    return fn(x)
+        return _graphs.run_graphed(fn, prepared, key)
+    return finished(fn(prepared.write()))
 
 
 def _pick(
     candidates: Sequence[NSKernel],
-    x: Tensor,
+    prepared: Prepared,
     op: str,
     coefficients: tuple[tuple[float, float, float], ...],
     restart_iterations: tuple[int, ...],
 ) -> NSKernel:
-    if len(candidates) == 1 or not x.is_cuda:
+    if len(candidates) == 1 or prepared.device.type != "cuda":
         return candidates[0]
     from dmuon_ns import _autotune
 
-    chosen: NSKernel = _autotune.choose(candidates, x, op, coefficients, restart_iterations)
+    chosen: NSKernel = _autotune.choose(candidates, prepared, op, coefficients, restart_iterations)
     return chosen

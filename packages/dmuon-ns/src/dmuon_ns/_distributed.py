@@ -70,7 +70,8 @@ def gram_newton_schulz_distributed(
         r = (r32 * (scale * scale)[:, None, None]).to(config.dtype)
 
         products = _ReducedGramProducts(all_reduce)
-        y = gram_iterations(products, x, config.step_coefficients, config.restarts, r=r)
+        last = gram_iterations(products, x, config.step_coefficients, config.restarts, r=r)
+        y = last.finish()
         return as_dtype(y, x_local.dtype).reshape(x_local.shape)
 
 

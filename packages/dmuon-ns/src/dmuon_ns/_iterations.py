@@ -31,6 +31,14 @@ writes its operands' dtype) returns the iteration dtype, and ``LoopKernel`` cast
 loop has returned, when its iterates (the restarted ``X``, ``Q``, ``R``) are already freed; a
 cast inside the last product would hold them at the step's memory peak.
 
+[Note: the last product]
+The loops return their last product unrun, as a ``LastProduct`` (the product and its
+operands); ``finish()`` runs it. Callers that run it at once see no difference. The CUDA-graph
+path (``_graphs``) replays everything before it and runs it after the replay, outside the
+graph: its result is then a fresh tensor of the caller's, where a product inside the graph
+would write the graph's static output and need a copy out of it (a pass over the result that
+cost ~22 µs at 2048×8192 on an H200, BENCHMARKS.md).
+
 [Note: one loop, several kernels]
 The torch, Triton and quack kernels differ only in how they multiply, so each hands these
 loops a ``Products`` object and all of them round at the same places: the autotuner's
@@ -40,19 +48,22 @@ kernel bit for bit (a CPU test holds it to that).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "TORCH_PRODUCTS",
+    "LastProduct",
     "LoopKernel",
     "Products",
     "TorchProducts",
     "as_dtype",
     "direct_iterations",
+    "finished",
     "gram_iterations",
 ]
 
@@ -113,6 +124,23 @@ class TorchProducts:
 TORCH_PRODUCTS = TorchProducts()
 
 
+class LastProduct(NamedTuple):
+    """A loop's final product, not yet run (see [Note: the last product])."""
+
+    product: Callable[..., Tensor]  # called with the operands
+    operands: tuple[Tensor, ...]
+    out_dtype: torch.dtype | None
+
+    def finish(self) -> Tensor:
+        """Run the product; the result in ``out_dtype`` (see [Note: the result dtype])."""
+        return as_dtype(self.product(*self.operands), self.out_dtype)
+
+
+def finished(output: Tensor | LastProduct) -> Tensor:
+    """A kernel call's result: ``output`` itself, or its last product run."""
+    return output.finish() if isinstance(output, LastProduct) else output
+
+
 def gram_iterations(
     products: Products,
     x: Tensor,
@@ -121,8 +149,9 @@ def gram_iterations(
     out_dtype: torch.dtype | None = None,
     *,
     r: Tensor | None = None,
-) -> Tensor:
-    """Gram NS of ``x`` (batch, m, n), m ≤ n (see the notes); returns ``Q·x`` in ``out_dtype``.
+) -> LastProduct:
+    """Gram NS of ``x`` (batch, m, n), m ≤ n (see the notes), up to its last product ``Q·x``,
+    which ``finish()`` writes in ``out_dtype``.
 
     ``r`` is ``x``'s Gram matrix when the caller already has it (the distributed form reduces
     it across ranks); by default ``products.gram(x)``.
@@ -147,7 +176,7 @@ def gram_iterations(
             rz = products.sym(r, z, r, beta=a)  # R·(aI + Z')
             r = products.sym(z, rz, rz, beta=a)  # (aI + Z')·R·(aI + Z')
     assert q is not None
-    return products.mm(q, x, out_dtype)
+    return LastProduct(functools.partial(products.mm, out_dtype=out_dtype), (q, x), out_dtype)
 
 
 def direct_iterations(
@@ -155,15 +184,24 @@ def direct_iterations(
     x: Tensor,
     coefficients: Sequence[tuple[float, float, float]],
     out_dtype: torch.dtype | None = None,
-) -> Tensor:
-    """Direct NS, ``X ← a·X + (b·R + c·R²)·X`` with ``R = X·Xᵀ``; the last step writes
-    ``out_dtype``."""
-    last = len(coefficients) - 1
-    for i, (a, b, c) in enumerate(coefficients):
-        r = products.gram(x)
-        z = products.sym(r, r, r, alpha=c, beta=b)  # b·R + c·R²
-        x = products.mm_add(z, x, x, a, out_dtype if i == last else None)  # a·X + Z'·X
-    return x
+) -> LastProduct:
+    """Direct NS, ``X ← a·X + (b·R + c·R²)·X`` with ``R = X·Xᵀ``, up to the last step's
+    ``a·X + Z'·X``, which ``finish()`` writes in ``out_dtype``."""
+    if not coefficients:
+        raise ValueError("coefficients must hold at least one (a, b, c) row")
+    *steps, (a, b, c) = coefficients
+    for a_i, b_i, c_i in steps:
+        x = _direct_step(products, x, a_i, b_i, c_i)
+    r = products.gram(x)
+    z = products.sym(r, r, r, alpha=c, beta=b)  # b·R + c·R²
+    last = functools.partial(products.mm_add, beta=a, out_dtype=out_dtype)  # a·X + Z'·X
+    return LastProduct(last, (z, x, x), out_dtype)
+
+
+def _direct_step(products: Products, x: Tensor, a: float, b: float, c: float) -> Tensor:
+    r = products.gram(x)
+    z = products.sym(r, r, r, alpha=c, beta=b)  # b·R + c·R²
+    return products.mm_add(z, x, x, a)  # a·X + Z'·X
 
 
 def as_dtype(y: Tensor, out_dtype: torch.dtype | None) -> Tensor:
@@ -190,9 +228,7 @@ class LoopKernel:
         restart_iterations: Sequence[int],
         out_dtype: torch.dtype | None = None,
     ) -> Tensor:
-        products = self.products_for(x)
-        y = gram_iterations(products, x, coefficients, restart_iterations, out_dtype)
-        return as_dtype(y, out_dtype)
+        return self.loop("gram", x, coefficients, restart_iterations, out_dtype).finish()
 
     def direct(
         self,
@@ -200,8 +236,21 @@ class LoopKernel:
         coefficients: Sequence[tuple[float, float, float]],
         out_dtype: torch.dtype | None = None,
     ) -> Tensor:
-        y = direct_iterations(self.products_for(x), x, coefficients, out_dtype)
-        return as_dtype(y, out_dtype)
+        return self.loop("direct", x, coefficients, (), out_dtype).finish()
+
+    def loop(
+        self,
+        op: str,
+        x: Tensor,
+        coefficients: Sequence[tuple[float, float, float]],
+        restart_iterations: Sequence[int],
+        out_dtype: torch.dtype | None = None,
+    ) -> LastProduct:
+        """``op`` ("gram" or "direct") up to its last product (see [Note: the last product])."""
+        products = self.products_for(x)
+        if op == "gram":
+            return gram_iterations(products, x, coefficients, restart_iterations, out_dtype)
+        return direct_iterations(products, x, coefficients, out_dtype)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -47,7 +47,7 @@ def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
         restarts = config.restarts if op == "gram" else ()
         y = _dispatch.run(
             resolution,
-            prepared.x,
+            prepared,
             op,
             config.step_coefficients,
             restarts,

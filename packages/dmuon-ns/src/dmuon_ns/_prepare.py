@@ -4,11 +4,13 @@
 1. flatten leading dims into one batch dim;
 2. move the small side first (a tall (r, c), r > c, is transposed to (c, r)), so that the
    Gram matrix ``X·Xᵀ`` is the small one and the direct form's products are cheapest;
-3. scale each matrix by 1 / (its Frobenius norm + eps), computed in fp32 (half-precision sums
-   of squares overflow easily); the Frobenius norm bounds the spectral norm, so every singular
-   value lands in [0, 1], where the NS polynomials are designed to work;
-4. cast to the iteration dtype, contiguous (the one copy of the input, written by the scaling:
-   one Triton pass on CUDA, ``torch.mul`` elsewhere, the same fp32 arithmetic).
+3. find each matrix's scale, 1 / (its Frobenius norm + eps), in fp32 (half-precision sums of
+   squares overflow easily); the Frobenius norm bounds the spectral norm, so every singular
+   value of the scaled matrix lies in [0, 1], where the NS polynomials are designed to work;
+4. scale and cast to the iteration dtype, contiguous: the one copy of the input (one Triton
+   pass on CUDA, ``torch.mul`` elsewhere, the same fp32 arithmetic), made by
+   ``Prepared.write`` straight into the kernel's input: a new tensor, or the static input of
+   the CUDA graph that replays the call, which then needs no copy of its own.
 
 ``restore`` undoes 1 and 2; the kernels already write the input's dtype (fp16, bf16, fp32) from
 their last product, so its cast only acts for float64. A zero matrix stays zero:
@@ -29,10 +31,41 @@ _MAX_GRID_BATCH = 65535  # CUDA grid z-limit of the scaling kernel
 
 
 class Prepared(NamedTuple):
-    x: Tensor  # (batch, m, n), m <= n, contiguous, iteration dtype, normalised
-    shape: torch.Size  # the input's shape
-    dtype: torch.dtype  # the input's dtype
-    transposed: bool  # the input was tall and x holds its transpose
+    """An input after steps 1-3 of the note; ``write`` does step 4. ``shape``, ``dtype`` and
+    ``device`` describe the kernel's input that ``write`` produces."""
+
+    source: Tensor  # (batch, m, n), m <= n: a view of the input
+    scale: Tensor  # (batch,) fp32: 1 / (Frobenius norm + eps) of each matrix
+    dtype: torch.dtype  # the iteration dtype
+    input_shape: torch.Size
+    input_dtype: torch.dtype
+    transposed: bool  # the input was tall and ``source`` is its transpose
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.source.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device
+
+    def write(self, out: Tensor | None = None) -> Tensor:
+        """Step 4: the scaled input in the iteration dtype, contiguous, written into ``out``
+        (a CUDA graph's static input, say: see ``_graphs``) or into a new tensor."""
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        elif out.shape != self.shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous {self.dtype} tensor of shape {tuple(self.shape)},"
+                f" got {out.dtype} {tuple(out.shape)}"
+            )
+        if _fast_scale(self.source, self.scale, out):
+            from dmuon_ns._triton_kernels import scale_cast
+
+            scale_cast(self.source, self.scale, out)
+        else:
+            torch.mul(self.source, self.scale[:, None, None], out=out)
+        return out
 
 
 def check_matrix(g: object, what: str = "G") -> Tensor:
@@ -60,26 +93,20 @@ def check_matrix(g: object, what: str = "G") -> Tensor:
 
 
 def prepare(g: Tensor, dtype: torch.dtype, eps: float) -> Prepared:
-    """Steps 1-4 of the note above (``g`` already passed ``check_matrix``)."""
+    """Steps 1-3 of the note above (``g`` already passed ``check_matrix``); step 4, the one
+    copy of the input, waits for ``Prepared.write`` and its destination."""
     rows, cols = g.shape[-2], g.shape[-1]
     x = g.reshape(-1, rows, cols)
     transposed = rows > cols
     if transposed:
         x = x.mT
     # Two passes over the input, none over an fp32 copy of it: the norm reads ``x`` once and
-    # accumulates in fp32; the scaling reads it again, multiplies in fp32 and writes the
+    # accumulates in fp32; ``write`` reads it again, multiplies in fp32 and writes the
     # iteration dtype in the small-side-first layout.
     acc = torch.promote_types(x.dtype, torch.float32)
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), dtype=acc)
     scale = norm.add_(eps).reciprocal_()
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    if _fast_scale(x, scale, out):
-        from dmuon_ns._triton_kernels import scale_cast
-
-        scale_cast(x, scale, out)
-    else:
-        torch.mul(x, scale[:, None, None], out=out)
-    return Prepared(out, g.shape, g.dtype, transposed)
+    return Prepared(x, scale, dtype, g.shape, g.dtype, transposed)
 
 
 def _fast_scale(x: Tensor, scale: Tensor, out: Tensor) -> bool:
@@ -106,4 +133,4 @@ def restore(y: Tensor, prepared: Prepared) -> Tensor:
     """The kernel's (batch, m, n) result in the input's shape and dtype."""
     if prepared.transposed:
         y = y.mT
-    return y.to(prepared.dtype).reshape(prepared.shape)
+    return y.to(prepared.input_dtype).reshape(prepared.input_shape)
