@@ -88,3 +88,19 @@ def test_distributed_entry_point_validates_too() -> None:
         gram_newton_schulz_distributed(torch.randn(4), lambda t: None)
     with pytest.raises(ValueError, match=r"coefficients\[0\] must be a triple"):
         gram_newton_schulz_distributed(torch.randn(4, 8), lambda t: None, coefficients=[(1,)])
+
+
+def test_a_prepared_input_is_written_only_into_a_matching_buffer() -> None:
+    from dmuon_ns._prepare import prepare
+
+    prepared = prepare(torch.randn(2, 6, 4), torch.float16, 1e-7)  # tall: written as (2, 4, 6)
+    out = torch.zeros(2, 4, 6, dtype=torch.float16)
+    assert prepared.write(out) is out and torch.equal(out, prepared.write())
+    for bad in (
+        torch.zeros(2, 6, 4, dtype=torch.float16),
+        torch.zeros(2, 4, 6, dtype=torch.bfloat16),
+        torch.zeros(2, 6, 4, dtype=torch.float16).mT,
+    ):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch.float16 tensor"):
+            prepared.write(bad)
+        assert not bad.any()  # nothing written

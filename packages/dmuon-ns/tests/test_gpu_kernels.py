@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
-from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, NewtonSchulz, _graphs, newton_schulz
+from dmuon_ns import (
+    POLAR_EXPRESS_COEFFICIENTS,
+    NewtonSchulz,
+    _graphs,
+    _registry,
+    newton_schulz,
+    register_kernel,
+)
 from dmuon_ns._iterations import LastProduct
 from dmuon_ns._registry import kernel_status
 from dmuon_ns._torch_kernel import TORCH_KERNEL
@@ -90,9 +98,35 @@ def test_auto_picks_an_available_kernel_and_is_accurate(tmp_path, monkeypatch):
     assert (tmp_path / "verdicts.json").exists()
 
 
-@pytest.mark.parametrize("name", ["torch", "triton", "quack"])
-def test_graph_replay_equals_eager(name):
-    if name != "torch":
+class _OpaqueKernel:
+    """A registered kernel not made of the shared loops: its whole call is graphed and each
+    result cloned out of the graph."""
+
+    name = "opaque-torch"
+
+    def unavailable_reason(self, device):
+        return None
+
+    def gram(self, x, coefficients, restart_iterations, out_dtype=None):
+        return TORCH_KERNEL.gram(x, coefficients, restart_iterations, out_dtype)
+
+    def direct(self, x, coefficients, out_dtype=None):
+        return TORCH_KERNEL.direct(x, coefficients, out_dtype)
+
+
+@pytest.fixture
+def opaque_kernel():
+    register_kernel(_OpaqueKernel())
+    yield
+    _registry._kernels.pop(_OpaqueKernel.name, None)
+    _registry.clear_resolution_cache()
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "quack", _OpaqueKernel.name])
+def test_graph_replay_equals_eager(name, request):
+    if name == _OpaqueKernel.name:
+        request.getfixturevalue("opaque_kernel")
+    elif name != "torch":
         _kernel(name)
     gs = [
         torch.randn(3, 512, 1536, device="cuda"),
@@ -112,10 +146,12 @@ def test_graph_replay_equals_eager(name):
         kept = again.clone()
         graphed(torch.randn_like(g))
         assert torch.equal(again, kept)
-    # Every graph ends before the loop's last product, which runs after each replay.
+    # A loop kernel's graph ends before its last product, which runs after each replay;
+    # another kernel's graph holds the result, which each call clones.
     captured = list(_graphs._graphs.values())
     assert len(captured) == len(gs)
-    assert all(isinstance(c.static_output, LastProduct) for c in captured), name
+    output_type = Tensor if name == _OpaqueKernel.name else LastProduct
+    assert all(isinstance(c.static_output, output_type) for c in captured), name
 
 
 @pytest.mark.parametrize("name", ["torch", "triton", "quack"])

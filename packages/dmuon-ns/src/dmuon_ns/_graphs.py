@@ -36,6 +36,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from dmuon_ns._autotune import Problem
 from dmuon_ns._iterations import LastProduct, finished
 
 __all__ = ["GraphInput", "clear_graphs", "graph_keys", "run_graphed"]
@@ -47,15 +48,10 @@ logger = logging.getLogger(__name__)
 _WARMUP_RUNS = 2
 
 
-class GraphInput(Protocol):
-    """A call's input, described, and written on demand (``_prepare.Prepared`` is one)."""
+class GraphInput(Problem, Protocol):
+    """A call's input, described (``shape``, ``dtype``, ``device``) and written on demand
+    (``_prepare.Prepared`` is one)."""
 
-    @property
-    def shape(self) -> torch.Size: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
-    @property
-    def device(self) -> torch.device: ...
     def write(self, out: Tensor | None = None) -> Tensor:
         """The input, written into ``out`` (contiguous, of ``shape`` and ``dtype``) or into a
         new tensor."""
