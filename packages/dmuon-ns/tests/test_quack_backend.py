@@ -84,3 +84,27 @@ def test_symmetric_tiles_fill_the_last_round():
     # Fewer SMs move the boundary: 114 SMs (H100 PCIe) fit m = 4096 in 3 big rounds too.
     assert default.rounds(1, 4096, 114) == 3 and small.rounds(1, 4096, 114) == 5
     assert quack_backend.pick_sym_tiles(1, 4096, 114) is default
+
+
+@pytest.mark.parametrize(
+    ("release", "tiled"), [("0.6.5", True), ("0.6.9", True), ("0.7.0", False), (None, False)]
+)
+def test_quack_tiles_are_chosen_only_under_the_releases_they_were_measured_on(
+    release, tiled, monkeypatch
+):
+    import importlib.metadata
+    import sys
+    import types
+
+    def version(name):
+        if name != "quack-kernels" or release is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return release
+
+    dispatch_level = types.ModuleType("quack.gemm_symmetric")
+    dispatch_level.gemm_symmetric = object()
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.gemm_symmetric", dispatch_level)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    expected = dispatch_level.gemm_symmetric if tiled else None
+    assert quack_backend._tiled_symmetric() is expected

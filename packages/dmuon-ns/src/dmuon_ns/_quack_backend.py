@@ -27,13 +27,16 @@ fewest estimated rounds × cost, ties to quack's own: on an H200 the m = 4096 pr
 X·Xᵀ and R·R (exactly symmetric) come out bit for bit the same; a product that is symmetric
 only in exact arithmetic (Q·Z') differs by rounding in the mirrored half, as it would
 between any two tilings. The choice goes through quack's dispatch-level ``gemm_symmetric``,
-which takes the tile shape; where that is missing (another quack version, another
-architecture) quack's interface runs with its own.
+which takes the tile shape. That function is below quack's documented interface, so it is
+used only from the quack releases it was written and measured against
+(``_TILED_QUACK_RELEASES``); under another release, or on another architecture, quack's
+interface runs with its own tiles.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import math
 from typing import Any, NamedTuple
@@ -49,6 +52,9 @@ __all__ = ["QUACK_KERNEL", "QuackKernel"]
 _INSTALL_HINT = "pip install 'dmuon-ns[cute]'"
 _SMALL_GRAM_SIDE = 256
 _TMA_ALIGN_BYTES = 16
+# quack-kernels releases whose dispatch-level ``gemm_symmetric`` takes the tile arguments used
+# below (see the tile note): 0.6.x, measured with 0.6.5.
+_TILED_QUACK_RELEASES = ("0.6.",)
 
 
 class SymTiles(NamedTuple):
@@ -91,11 +97,7 @@ class _QuackProducts(TorchProducts):
         self._gemm: Any = gemm
         self._gemm_add: Any = gemm_add
         self._gemm_symmetric: Any = gemm_symmetric
-        try:
-            from quack.gemm_symmetric import gemm_symmetric as tiled
-        except ImportError:  # another quack layout: its interface picks the tiles
-            tiled = None
-        self._tiled_symmetric: Any = tiled
+        self._tiled_symmetric: Any = _tiled_symmetric()
 
     def gram(self, x: Tensor) -> Tensor:
         return self._symmetric(x, x.mT, None, alpha=1.0, beta=1.0)
@@ -143,6 +145,22 @@ class _QuackProducts(TorchProducts):
     ) -> Tensor:
         out: Tensor = self._gemm_add(a, b, c, beta=beta, out_dtype=out_dtype)
         return out
+
+
+def _tiled_symmetric() -> Any:
+    """quack's dispatch-level symmetric product, or ``None`` where this module must leave the
+    tiles to quack's interface (see the tile note)."""
+    try:
+        release = importlib.metadata.version("quack-kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if not release.startswith(_TILED_QUACK_RELEASES):
+        return None
+    try:
+        from quack.gemm_symmetric import gemm_symmetric
+    except ImportError:
+        return None
+    return gemm_symmetric
 
 
 _quack_products: _QuackProducts | None = None
