@@ -104,3 +104,12 @@ def test_a_prepared_input_is_written_only_into_a_matching_buffer() -> None:
         with pytest.raises(ValueError, match=r"out must be a contiguous torch.float16 tensor"):
             prepared.write(bad)
         assert not bad.any()  # nothing written
+    with pytest.raises(ValueError, match=r"on cpu, got a contiguous .* on meta"):
+        prepared.write(torch.empty(2, 4, 6, dtype=torch.float16, device="meta"))
+
+
+def test_a_loop_kernel_names_an_unknown_op() -> None:
+    from dmuon_ns._torch_kernel import TORCH_KERNEL
+
+    with pytest.raises(ValueError, match="op must be 'gram' or 'direct', got 'polar'"):
+        TORCH_KERNEL.loop("polar", torch.zeros(1, 2, 4), [(3.0, -3.0, 1.0)], ())

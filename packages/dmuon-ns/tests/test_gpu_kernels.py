@@ -142,9 +142,10 @@ def test_graph_replay_equals_eager(name, request):
         again = graphed(g.clone())  # pure replay
         assert torch.equal(first, expected), name
         assert torch.equal(again, expected), name
-        # The result is a fresh tensor: a later replay never overwrites it.
-        kept = again.clone()
-        graphed(torch.randn_like(g))
+        # New data reaches the graph, and the result is a fresh tensor: a later replay never
+        # overwrites it.
+        kept, h = again.clone(), torch.randn_like(g)
+        assert torch.equal(graphed(h), eager(h)), name
         assert torch.equal(again, kept)
     # A loop kernel's graph ends before its last product, which runs after each replay;
     # another kernel's graph holds the result, which each call clones.

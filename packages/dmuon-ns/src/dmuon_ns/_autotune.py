@@ -37,12 +37,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dmuon_ns._registry import NSKernel
+from dmuon_ns._registry import NSKernel, Problem
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -68,18 +68,6 @@ _MIN_REPS = 3
 _MAX_REPS = 25
 _TARGET_SECONDS = 0.2
 _SEED = 20_241_129
-
-
-class Problem(Protocol):
-    """What a verdict depends on in a kernel's input: a tensor, or the front end's
-    ``Prepared`` before its input is written."""
-
-    @property
-    def shape(self) -> torch.Size: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
-    @property
-    def device(self) -> torch.device: ...
 
 
 AutotuneVerdict = dict[str, Any]

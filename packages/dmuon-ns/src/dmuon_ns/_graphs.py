@@ -7,8 +7,8 @@ and replaying it removes them. Large matrices gain little but lose nothing.
 
 [Note: input and output]
 The graph's static input is written by the caller's ``GraphInput.write`` (the front end's
-scaling pass, ``_prepare``), not copied in from a tensor the caller made first: at 2048×8192
-that copy was ~22 µs of a 0.78 ms call on an H200.
+scaling pass, ``_prepare``): the input is made once, in place, with no copy into the graph
+(such a copy is ~22 µs of a 0.78 ms call at 2048×8192 on an H200).
 
 ``run_graphed`` returns a *fresh tensor*, never a static buffer: callers may keep, modify or
 hand on the result, and a later replay of the same key cannot overwrite it. When ``fn``
@@ -16,6 +16,11 @@ returns a ``LastProduct`` (the NS loops do: ``_iterations``' [Note: the last pro
 graph ends before that product, whose operands are the graph's outputs, and each call runs it
 after the replay into a new tensor. Any other ``fn`` returns a tensor, and each call clones
 the graph's static output. Either way the caller's buffers are never aliased.
+
+One call of a key runs at a time (a lock per graph, from writing the input until the last
+product or the clone is enqueued), and calls sharing a key must be on one stream, as in a
+training loop: a replay on another stream could overwrite the static buffers while an earlier
+call's last product still reads them.
 
 [Note: capture failures]
 Capture can fail for reasons outside our control (a kernel that synchronises, an allocator
@@ -30,14 +35,14 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from dmuon_ns._autotune import Problem
 from dmuon_ns._iterations import LastProduct, finished
+from dmuon_ns._registry import Problem
 
 __all__ = ["GraphInput", "clear_graphs", "graph_keys", "run_graphed"]
 
@@ -66,6 +71,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     static_input: Tensor
     static_output: Output
+    lock: threading.Lock = field(default_factory=threading.Lock)  # see [Note: input and output]
 
 
 class _Eager:
@@ -98,10 +104,11 @@ def run_graphed(fn: Callable[[Tensor], Output], source: GraphInput, key: Hashabl
             _graphs[full_key] = entry
     if isinstance(entry, _Eager):
         return finished(fn(source.write()))
-    source.write(entry.static_input)
-    entry.graph.replay()
-    output = entry.static_output
-    return output.finish() if isinstance(output, LastProduct) else output.clone()
+    with entry.lock:
+        source.write(entry.static_input)
+        entry.graph.replay()
+        output = entry.static_output
+        return output.finish() if isinstance(output, LastProduct) else output.clone()
 
 
 def clear_graphs() -> None:

@@ -27,17 +27,18 @@ unrounded fp32 tile doubled the final error on an H200, 3×333×1000 fp16).
 [Note: the result dtype]
 The caller's dtype is best written by the last product itself (Triton and quack round their
 fp32 accumulator straight to it: no pass over the result). A library that cannot (cuBLAS
-writes its operands' dtype) returns the iteration dtype, and ``LoopKernel`` casts after the
-loop has returned, when its iterates (the restarted ``X``, ``Q``, ``R``) are already freed; a
-cast inside the last product would hold them at the step's memory peak.
+writes its operands' dtype) returns the iteration dtype, and ``LastProduct.finish`` casts
+after the loop has returned: by then only the last product's operands (``Q`` and the current
+``X``) are alive, not the loop's other iterates; a cast inside the loop would hold them all at
+the step's memory peak.
 
 [Note: the last product]
 The loops return their last product unrun, as a ``LastProduct`` (the product and its
 operands); ``finish()`` runs it. Callers that run it at once see no difference. The CUDA-graph
 path (``_graphs``) replays everything before it and runs it after the replay, outside the
 graph: its result is then a fresh tensor of the caller's, where a product inside the graph
-would write the graph's static output and need a copy out of it (a pass over the result that
-cost ~22 µs at 2048×8192 on an H200, BENCHMARKS.md).
+would write the graph's static output and need a copy out of it (a pass over the result:
+~22 µs at 2048×8192 on an H200, BENCHMARKS.md profile 4).
 
 [Note: one loop, several kernels]
 The torch, Triton and quack kernels differ only in how they multiply, so each hands these
@@ -191,17 +192,15 @@ def direct_iterations(
         raise ValueError("coefficients must hold at least one (a, b, c) row")
     *steps, (a, b, c) = coefficients
     for a_i, b_i, c_i in steps:
-        x = _direct_step(products, x, a_i, b_i, c_i)
-    r = products.gram(x)
-    z = products.sym(r, r, r, alpha=c, beta=b)  # b·R + c·R²
-    last = functools.partial(products.mm_add, beta=a, out_dtype=out_dtype)  # a·X + Z'·X
-    return LastProduct(last, (z, x, x), out_dtype)
+        x = products.mm_add(_direct_z(products, x, b_i, c_i), x, x, a_i)  # a·X + Z'·X
+    last = functools.partial(products.mm_add, beta=a, out_dtype=out_dtype)
+    return LastProduct(last, (_direct_z(products, x, b, c), x, x), out_dtype)
 
 
-def _direct_step(products: Products, x: Tensor, a: float, b: float, c: float) -> Tensor:
+def _direct_z(products: Products, x: Tensor, b: float, c: float) -> Tensor:
+    """``Z' = b·R + c·R²`` with ``R = X·Xᵀ``."""
     r = products.gram(x)
-    z = products.sym(r, r, r, alpha=c, beta=b)  # b·R + c·R²
-    return products.mm_add(z, x, x, a)  # a·X + Z'·X
+    return products.sym(r, r, r, alpha=c, beta=b)
 
 
 def as_dtype(y: Tensor, out_dtype: torch.dtype | None) -> Tensor:
@@ -211,7 +210,9 @@ def as_dtype(y: Tensor, out_dtype: torch.dtype | None) -> Tensor:
 
 class LoopKernel:
     """An ``NSKernel`` made of the shared loops: a subclass sets ``name`` and says where it
-    runs (``unavailable_reason``) and which products an input runs on (``products_for``)."""
+    runs (``unavailable_reason``) and which products an input runs on (``products_for``).
+    ``gram`` and ``direct`` are ``loop`` finished at once; the dispatcher calls ``loop`` (see
+    [Note: the last product]), so a subclass changes the products, not those methods."""
 
     name: str
 
@@ -250,7 +251,9 @@ class LoopKernel:
         products = self.products_for(x)
         if op == "gram":
             return gram_iterations(products, x, coefficients, restart_iterations, out_dtype)
-        return direct_iterations(products, x, coefficients, out_dtype)
+        if op == "direct":
+            return direct_iterations(products, x, coefficients, out_dtype)
+        raise ValueError(f"op must be 'gram' or 'direct', got {op!r}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

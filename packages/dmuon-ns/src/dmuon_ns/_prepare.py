@@ -54,10 +54,14 @@ class Prepared(NamedTuple):
         (a CUDA graph's static input, say: see ``_graphs``) or into a new tensor."""
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        elif out.shape != self.shape or out.dtype != self.dtype or not out.is_contiguous():
+        elif (out.shape, out.dtype, out.device) != (self.shape, self.dtype, self.device) or (
+            not out.is_contiguous()
+        ):
+            layout = "contiguous" if out.is_contiguous() else "non-contiguous"
             raise ValueError(
-                f"out must be a contiguous {self.dtype} tensor of shape {tuple(self.shape)},"
-                f" got {out.dtype} {tuple(out.shape)}"
+                f"out must be a contiguous {self.dtype} tensor of shape {tuple(self.shape)} on"
+                f" {self.device}, got a {layout} {out.dtype} tensor of shape"
+                f" {tuple(out.shape)} on {out.device}"
             )
         if _fast_scale(self.source, self.scale, out):
             from dmuon_ns._triton_kernels import scale_cast

@@ -42,6 +42,7 @@ __all__ = [
     "KERNEL_ENV",
     "NSKernel",
     "NSKernelUnavailableError",
+    "Problem",
     "Resolution",
     "clear_resolution_cache",
     "cuda_capability_reason",
@@ -63,6 +64,18 @@ _OPTIONAL_KERNELS: dict[str, tuple[str, str]] = {
 }
 # Order in which auto offers candidates to the autotuner (first = preferred on a tie).
 AUTO_PRIORITY: tuple[str, ...] = ("quack", "triton", "torch")
+
+
+class Problem(Protocol):
+    """A kernel's input, described: a tensor, or the front end's ``Prepared`` before the input
+    is written (what the autotuner's verdicts and the graphs' keys depend on)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
 
 
 @runtime_checkable
