@@ -9,9 +9,9 @@ stores the tile at ``(i, j)`` and its transpose at ``(j, i)``: half the tiles of
 product, and an output that is symmetric bit for bit. A diagonal tile copies its lower
 triangle onto its upper one, so every element is the sum its lower-triangle position computes,
 in the same K order whatever the tile size: the autotuner's pick, which can differ between
-processes, does not change a bit of the result, which a resumed run relies on (averaging the
-diagonal tiles with their transpose did; ``test_gpu_kernels`` holds the configs to one
-result). The epilogue folds in
+processes, does not change a bit of the result, which a resumed run relies on (averaging a
+diagonal tile with its transpose would: the sum of two roundings depends on the tile;
+``test_gpu_kernels`` holds the configs to one result). The epilogue folds in
 ``alpha·A·B + beta·C + diag·I`` in fp32 before the single rounding to the storage dtype; the
 mirrored tile reuses ``C(i, j)ᵀ``, which is right because ``C`` is one of the symmetric
 iterates.
