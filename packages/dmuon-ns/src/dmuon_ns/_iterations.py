@@ -22,7 +22,10 @@ the ``a`` term rides in the epilogue of the next product, accumulated in fp32:
 ``Q·(aI + Z') = a·Q + Q·Z'`` and ``R·(aI + Z') = a·R + R·Z'`` are one product each. Only the
 first ``Q`` after a start or restart (no product to fuse into) is ``Z' + aI``, formed from the
 *rounded* ``Z'``: ``Q`` and the ``R`` update must see the same ``Z'`` (forming ``Q`` from the
-unrounded fp32 tile doubled the final error on an H200, 3×333×1000 fp16).
+unrounded fp32 tile doubled the final error on an H200, 3×333×1000 fp16). It is formed in
+place, by adding ``a`` to ``Z'``'s diagonal once the ``R`` update has read ``Z'`` for the last
+time (stream order keeps the two apart): a copy of ``Z'`` would be a pass over an m×m matrix
+and its memory, at every start and restart.
 
 [Note: the result dtype]
 The caller's dtype is best written by the last product itself (Triton and quack round their
@@ -80,10 +83,6 @@ class Products(Protocol):
         """``alpha·a·b + beta·c`` for a product ``a·b`` known to be symmetric."""
         ...
 
-    def first_q(self, r: Tensor, a: float, b: float, c: float) -> tuple[Tensor, Tensor]:
-        """``Z' = b·r + c·r²`` and ``Q = Z' + a·I`` formed from the rounded ``Z'``."""
-        ...
-
     def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         """``a·b``, rounded once to ``out_dtype`` where the library can write it (see
         [Note: the result dtype]); otherwise in the operands' dtype."""
@@ -97,21 +96,13 @@ class Products(Protocol):
 
 
 class TorchProducts:
-    """``bmm``/``baddbmm`` on any device; the reference every other kernel is held to.
-    Subclasses that only multiply differently inherit ``first_q`` (a copy plus a diagonal
-    add on whatever ``sym`` produced)."""
+    """``bmm``/``baddbmm`` on any device; the reference every other kernel is held to."""
 
     def gram(self, x: Tensor) -> Tensor:
         return torch.bmm(x, x.mT)
 
     def sym(self, a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float) -> Tensor:
         return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
-
-    def first_q(self, r: Tensor, a: float, b: float, c: float) -> tuple[Tensor, Tensor]:
-        z = self.sym(r, r, r, alpha=c, beta=b)
-        q = z.clone()
-        q.diagonal(dim1=-2, dim2=-1).add_(a)
-        return z, q
 
     def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         return torch.bmm(a, b)  # cuBLAS writes the operands' dtype: the kernel casts later
@@ -168,14 +159,15 @@ def gram_iterations(
             x = products.mm(q, x)
             r = products.gram(x)
             q = None
-        if q is None:
-            z, q = products.first_q(r, a, b, c)
-        else:
-            z = products.sym(r, r, r, alpha=c, beta=b)  # Z' = b·R + c·R²
+        z = products.sym(r, r, r, alpha=c, beta=b)  # Z' = b·R + c·R²
+        if q is not None:
             q = products.sym(q, z, q, beta=a)  # Q·(aI + Z')
         if i < last and (i + 1) not in restarts:
             rz = products.sym(r, z, r, beta=a)  # R·(aI + Z')
             r = products.sym(z, rz, rz, beta=a)  # (aI + Z')·R·(aI + Z')
+        if q is None:  # the first Q, Z' + aI, in place: Z' is not read again
+            q = z
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
     assert q is not None
     return LastProduct(functools.partial(products.mm, out_dtype=out_dtype), (q, x), out_dtype)
 

@@ -6,10 +6,9 @@ first runs, so ``unavailable_reason`` can explain a missing install instead of f
 
 [Note: what Triton adds to the shared loops]
 The loops are ``_iterations``' (the same products, rounded at the same places as the torch
-kernel). Two things differ, both in Triton's favour: every m×m iterate is exactly symmetric
-(one triangle computed and mirrored; about 10% lower final error in an fp64 emulation of the
-fp16 rounding), and the first ``Q = Z' + aI`` is a second output of the launch that makes
-``Z'``, formed from the rounded ``Z'`` as the loop's note requires, instead of a copy.
+kernel). One thing differs, in Triton's favour: every m×m iterate is exactly symmetric (one
+triangle computed and mirrored; about 10% lower final error in an fp64 emulation of the fp16
+rounding).
 """
 
 from __future__ import annotations

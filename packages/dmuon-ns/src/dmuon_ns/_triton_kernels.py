@@ -64,7 +64,6 @@ def _sym_kernel(
     b_ptr,
     c_ptr,
     out_ptr,
-    out2_ptr,
     NB,
     M,
     K,
@@ -83,10 +82,8 @@ def _sym_kernel(
     alpha,
     beta,
     diag,
-    diag2,
     HAS_C: tl.constexpr,
     HAS_DIAG: tl.constexpr,
-    HAS_OUT2: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
@@ -129,29 +126,11 @@ def _sym_kernel(
     if HAS_C:
         c_ptrs = c_ptr + batch * s_cb + offs_i[:, None] * s_cm + offs_j[None, :] * s_cn
         acc += beta * tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    is_diag = offs_i[:, None] == offs_j[None, :]
     if HAS_DIAG:
-        acc += tl.where(is_diag, diag, 0.0)
+        acc += tl.where(offs_i[:, None] == offs_j[None, :], diag, 0.0)
     _store_mirrored(
         out_ptr + batch * s_ob, acc, offs_i, offs_j, mask_i, mask_j, s_om, s_on, i != j, INTERPRET
     )
-    if HAS_OUT2:
-        # From the *rounded* first output: the Gram iteration needs Q built from exactly the Z'
-        # that updates R (see the note in _triton_backend).
-        rounded = _to_storage(acc, out_ptr, INTERPRET).to(tl.float32)
-        acc2 = rounded + tl.where(is_diag, diag2, 0.0)
-        _store_mirrored(
-            out2_ptr + batch * s_ob,
-            acc2,
-            offs_i,
-            offs_j,
-            mask_i,
-            mask_j,
-            s_om,
-            s_on,
-            i != j,
-            INTERPRET,
-        )
 
 
 @triton.jit
@@ -279,9 +258,9 @@ _MM_CONFIGS = [
         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4
     ),
 ]
-_sym_tuned = triton.autotune(
-    configs=_SYM_CONFIGS, key=["NB", "M", "K", "HAS_C", "HAS_DIAG", "HAS_OUT2"]
-)(_sym_kernel)
+_sym_tuned = triton.autotune(configs=_SYM_CONFIGS, key=["NB", "M", "K", "HAS_C", "HAS_DIAG"])(
+    _sym_kernel
+)
 _mm_tuned = triton.autotune(configs=_MM_CONFIGS, key=["NB", "M", "N", "K", "HAS_C"])(_mm_kernel)
 # Small tiles for the CPU interpreter, which spends milliseconds per operation of every program.
 _INTERPRETER_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=1)
@@ -341,31 +320,26 @@ def sym_matmul(
     alpha: float = 1.0,
     beta: float = 0.0,
     diag: float = 0.0,
-    diag2: float | None = None,
     config: TileConfig | None = None,
-) -> tuple[Tensor, Tensor | None]:
+) -> Tensor:
     """``alpha·a·b + beta·c + diag·I`` for a product ``a·b`` known to be symmetric.
 
     ``a`` is (batch, m, k), ``b`` is (batch, k, m) (any strides, e.g. ``a.mT`` for a Gram
     matrix), ``c`` (batch, m, m) symmetric or ``None``. Only the lower triangle of tiles is
-    computed; see the module notes. With ``diag2`` given, a second output ``out + diag2·I``
-    (the Gram iteration's first ``Q = Z' + aI``) is formed from the rounded first output in
-    the same launch; otherwise the second result is ``None``. ``config`` fixes the tiles; by
-    default the GPU autotunes them (see the tile note) and the interpreter uses 64-wide ones.
+    computed; see the module notes. ``config`` fixes the tiles; by default the GPU autotunes
+    them (see the tile note) and the interpreter uses 64-wide ones.
     """
     _check_operands(a, b, c, symmetric=True)
     batch, m, k = a.shape
     out = torch.empty((batch, m, m), dtype=a.dtype, device=a.device)
-    out2 = torch.empty_like(out) if diag2 is not None else None
     if batch == 0 or m == 0:
-        return out, out2
+        return out
     c_arg = c if c is not None else out
     args = (
         a,
         b,
         c_arg,
         out,
-        out2 if out2 is not None else out,
         batch,
         m,
         k,
@@ -376,9 +350,8 @@ def sym_matmul(
         float(alpha),
         float(beta),
         float(diag),
-        float(diag2 or 0.0),
     )
-    flags = dict(HAS_C=c is not None, HAS_DIAG=diag != 0.0, HAS_OUT2=out2 is not None)
+    flags = dict(HAS_C=c is not None, HAS_DIAG=diag != 0.0)
     if config is None and not _INTERPRETING:
         _sym_tuned[_sym_grid(m, batch)](*args, **flags, K_TILES=0, INTERPRET=False)
     else:
@@ -394,7 +367,7 @@ def sym_matmul(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-    return out, out2
+    return out
 
 
 def matmul(
@@ -459,15 +432,10 @@ class TritonProducts:
     """These products as the ``_iterations.Products`` the shared NS loops run on."""
 
     def gram(self, x: Tensor) -> Tensor:
-        return sym_matmul(x, x.mT)[0]
+        return sym_matmul(x, x.mT)
 
     def sym(self, a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float) -> Tensor:
-        return sym_matmul(a, b, c=c, alpha=alpha, beta=beta)[0]
-
-    def first_q(self, r: Tensor, a: float, b: float, c: float) -> tuple[Tensor, Tensor]:
-        z, q = sym_matmul(r, r, c=r, alpha=c, beta=b, diag2=a)  # Q from the rounded Z'
-        assert q is not None
-        return z, q
+        return sym_matmul(a, b, c=c, alpha=alpha, beta=beta)
 
     def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         return matmul(a, b, out_dtype=out_dtype)

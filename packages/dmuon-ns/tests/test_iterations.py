@@ -1,0 +1,58 @@
+"""The shared NS loops: where the Gram iteration rounds its first ``Q``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS
+from dmuon_ns._iterations import TorchProducts, gram_iterations
+
+
+class RecordingProducts(TorchProducts):
+    """Torch's products, with a copy of each symmetric product's operands and result."""
+
+    def __init__(self) -> None:
+        self.sym_calls: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def sym(self, a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float) -> Tensor:
+        out = super().sym(a, b, c, alpha=alpha, beta=beta)
+        self.sym_calls.append((a.clone(), b.clone(), out.clone()))
+        return out
+
+
+def _scaled(*shape: int) -> Tensor:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    return (x / x.norm(dim=(-2, -1), keepdim=True)).half()
+
+
+def _is_rounded_plus_identity(q: Tensor, z: Tensor, a: float) -> bool:
+    """``q`` is the fp16 ``z`` with ``a`` added to its diagonal and rounded once more: equal
+    off the diagonal, within an fp16 step of ``z_ii + a`` on it (torch's CPU and CUDA adds
+    need not round the same way)."""
+    off = ~torch.eye(z.shape[-1], dtype=torch.bool)
+    diagonal = z.diagonal(dim1=-2, dim2=-1).double() + a
+    step = torch.finfo(torch.float16).eps * diagonal.abs()
+    near = (q.diagonal(dim1=-2, dim2=-1).double() - diagonal).abs() <= step
+    return torch.equal(q[..., off], z[..., off]) and bool(near.all())
+
+
+def test_first_q_is_the_rounded_z_prime_plus_a_after_the_r_update_read_z_prime() -> None:
+    products = RecordingProducts()
+    coefficients = POLAR_EXPRESS_COEFFICIENTS[:2]
+    (a0, _, _), _ = coefficients
+    gram_iterations(products, _scaled(2, 24, 40), coefficients, ()).finish()
+    z0, rz, r1, _, q1 = products.sym_calls
+    # The R update reads Z' itself (R·Z' + a·R, then Z'·(R·Z') + a·(R·Z')), not Z' + aI ...
+    assert torch.equal(rz[1], z0[2]) and torch.equal(r1[0], z0[2])
+    # ... and the next Q·Z' starts from Z' rounded, plus a·I, rounded again.
+    assert _is_rounded_plus_identity(q1[0], z0[2], a0)
+
+
+def test_a_single_step_ends_on_the_first_q() -> None:
+    products = RecordingProducts()
+    (a, b, c), x = POLAR_EXPRESS_COEFFICIENTS[0], _scaled(1, 16, 32)
+    last = gram_iterations(products, x, [(a, b, c)], ())
+    ((_, _, z),) = products.sym_calls  # no R update: Z' is the only symmetric product
+    q, operand = last.operands
+    assert _is_rounded_plus_identity(q, z, a) and operand is x
