@@ -186,7 +186,7 @@ def test_front_end_normalisation_on_cuda_matches_the_cpu_formula(transposed):
     # elements near an fp16 rounding boundary may land one ulp apart, never more.
     diff = (x_gpu.cpu().double() - x_cpu.double()).abs()
     assert float(diff.max()) <= 2**-10 * float(x_cpu.double().abs().max())
-    # Given the same scale, the one-pass Triton scaling is torch.mul's fp32 product, bit for bit.
+    # Given the same norm, the one-pass Triton scaling is torch's formula, bit for bit.
     x = g.mT if transposed else g
     scale = torch.linalg.vector_norm(x, dim=(-2, -1), dtype=torch.float32).add_(1e-7)
     expected = torch.mul(x, scale.reciprocal_()[:, None, None]).to(torch.float16)

@@ -134,10 +134,11 @@ def test_plain_product_writes_the_requested_dtype_from_one_rounding(out_dtype):
 def test_scale_cast_equals_torch_mul_bit_for_bit(out_dtype, transposed):
     g = _rand(3, 70, 45, dtype=torch.bfloat16)
     x = g.mT if transposed else g  # the front end hands a tall matrix's transpose, strided
-    scale = torch.tensor([0.5, 3.0, 1 / 7], device=DEVICE)
+    norm = torch.tensor([0.5, 3.0, 7.0], device=DEVICE) * torch.pi
     out = torch.empty(x.shape, dtype=out_dtype, device=DEVICE)
-    assert scale_cast(x, scale, out) is out
-    expected = torch.mul(x, scale[:, None, None]).to(out_dtype)  # fp32 product, one rounding
+    assert scale_cast(x, norm, 1e-7, out) is out
+    # The front end's torch formula: fp32 scale, fp32 product, one rounding.
+    expected = torch.mul(x, norm.add(1e-7).reciprocal()[:, None, None]).to(out_dtype)
     assert out.is_contiguous()
     assert torch.equal(out, expected)
 
@@ -145,9 +146,9 @@ def test_scale_cast_equals_torch_mul_bit_for_bit(out_dtype, transposed):
 def test_scale_cast_rejects_bad_arguments():
     x = _rand(2, 8, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="contiguous"):
-        scale_cast(x, torch.ones(2, device=DEVICE), torch.empty(2, 16, 8, device=DEVICE))
+        scale_cast(x, torch.ones(2, device=DEVICE), 1e-7, torch.empty(2, 16, 8, device=DEVICE))
     with pytest.raises(ValueError, match="float32"):
-        scale_cast(x, torch.ones(3, device=DEVICE), torch.empty_like(x))
+        scale_cast(x, torch.ones(3, device=DEVICE), 1e-7, torch.empty_like(x))
 
 
 def test_bad_operands_raise():

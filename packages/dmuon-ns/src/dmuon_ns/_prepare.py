@@ -4,11 +4,13 @@
 1. flatten leading dims into one batch dim;
 2. move the small side first (a tall (r, c), r > c, is transposed to (c, r)), so that the
    Gram matrix ``X·Xᵀ`` is the small one and the direct form's products are cheapest;
-3. find each matrix's scale, 1 / (its Frobenius norm + eps), in fp32 (half-precision sums of
-   squares overflow easily); the Frobenius norm bounds the spectral norm, so every singular
-   value of the scaled matrix lies in [0, 1], where the NS polynomials are designed to work;
+3. find each matrix's Frobenius norm in fp32 (half-precision sums of squares overflow
+   easily); its scale is 1 / (norm + eps), and as the Frobenius norm bounds the spectral
+   norm, every singular value of the scaled matrix lies in [0, 1], where the NS polynomials
+   are designed to work;
 4. scale and cast to the iteration dtype, contiguous: the one copy of the input (one Triton
-   pass on CUDA, ``torch.mul`` elsewhere, the same fp32 arithmetic), made by
+   pass on CUDA that also forms the scale, torch ops elsewhere, the same fp32 arithmetic),
+   made by
    ``Prepared.write`` straight into the kernel's input: a new tensor, or the static input of
    the CUDA graph that replays the call, which then needs no copy of its own.
 
@@ -35,7 +37,8 @@ class Prepared(NamedTuple):
     ``device`` describe the kernel's input that ``write`` produces."""
 
     source: Tensor  # (batch, m, n), m <= n: a view of the input
-    scale: Tensor  # (batch,) fp32: 1 / (Frobenius norm + eps) of each matrix
+    norm: Tensor  # (batch,) fp32: the Frobenius norm of each matrix
+    eps: float  # each matrix is scaled by 1 / (norm + eps)
     dtype: torch.dtype  # the iteration dtype
     input_shape: torch.Size
     input_dtype: torch.dtype
@@ -63,12 +66,13 @@ class Prepared(NamedTuple):
                 f" {self.device}, got a {layout} {out.dtype} tensor of shape"
                 f" {tuple(out.shape)} on {out.device}"
             )
-        if _fast_scale(self.source, self.scale, out):
+        if _fast_scale(self.source, self.norm, out):
             from dmuon_ns._triton_kernels import scale_cast
 
-            scale_cast(self.source, self.scale, out)
+            scale_cast(self.source, self.norm, self.eps, out)
         else:
-            torch.mul(self.source, self.scale[:, None, None], out=out)
+            scale = self.norm.add(self.eps).reciprocal_()
+            torch.mul(self.source, scale[:, None, None], out=out)
         return out
 
 
@@ -109,15 +113,14 @@ def prepare(g: Tensor, dtype: torch.dtype, eps: float) -> Prepared:
     # iteration dtype in the small-side-first layout.
     acc = torch.promote_types(x.dtype, torch.float32)
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), dtype=acc)
-    scale = norm.add_(eps).reciprocal_()
-    return Prepared(x, scale, dtype, g.shape, g.dtype, transposed)
+    return Prepared(x, norm, eps, dtype, g.shape, g.dtype, transposed)
 
 
-def _fast_scale(x: Tensor, scale: Tensor, out: Tensor) -> bool:
+def _fast_scale(x: Tensor, norm: Tensor, out: Tensor) -> bool:
     """Whether the one-pass Triton kernel can do the scaling (CUDA, Triton importable)."""
     return (
         x.is_cuda
-        and scale.dtype == torch.float32
+        and norm.dtype == torch.float32
         and out.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and 0 < x.shape[0] <= _MAX_GRID_BATCH
         and _triton_importable()

@@ -452,8 +452,9 @@ TRITON_PRODUCTS = TritonProducts()
 @triton.jit
 def _scale_cast_kernel(
     x_ptr,
-    scale_ptr,
+    norm_ptr,
     out_ptr,
+    eps,
     M,
     N,
     s_xb,
@@ -471,34 +472,36 @@ def _scale_cast_kernel(
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     x_ptrs = x_ptr + batch * s_xb + offs_m[:, None] * s_xm + offs_n[None, :] * s_xn
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.load(scale_ptr + batch)
+    # torch's (norm + eps).reciprocal(): an fp32 add and an IEEE division, rounded the same way.
+    scale = tl.math.div_rn(1.0, tl.load(norm_ptr + batch) + eps)
     out_ptrs = out_ptr + batch * M * N + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(out_ptrs, _to_storage(y, out_ptr, INTERPRET), mask=mask)
+    tl.store(out_ptrs, _to_storage(x * scale, out_ptr, INTERPRET), mask=mask)
 
 
-def scale_cast(x: Tensor, scale: Tensor, out: Tensor) -> Tensor:
-    """``out[b] = x[b] · scale[b]`` in fp32, rounded once to ``out``'s dtype; one pass.
+def scale_cast(x: Tensor, norm: Tensor, eps: float, out: Tensor) -> Tensor:
+    """``out[b] = x[b] · 1/(norm[b] + eps)`` in fp32, rounded once to ``out``'s dtype; one pass.
 
     ``x`` is (batch, m, n) with any strides (a transposed view is read in place and written
-    in ``out``'s contiguous layout), ``scale`` an fp32 tensor of ``batch`` elements, ``out``
-    a contiguous (batch, m, n) fp16/bf16/fp32 tensor. The front end's normalisation: a mixed-
-    dtype ``torch.mul`` takes torch's generic casting loop, ~3× slower on an H200.
+    in ``out``'s contiguous layout), ``norm`` an fp32 tensor of ``batch`` elements, ``out`` a
+    contiguous (batch, m, n) fp16/bf16/fp32 tensor. The front end's normalisation, bit for bit
+    ``torch.mul(x, (norm + eps).reciprocal()[:, None, None])`` in one launch where torch takes
+    three (and a mixed-dtype ``torch.mul`` takes torch's generic casting loop, ~3× slower on
+    an H200).
     """
     batch, m, n = x.shape
     if out.shape != x.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(x.shape)} tensor")
-    if scale.dtype != torch.float32 or scale.numel() != batch:
-        raise ValueError(
-            f"scale must hold {batch} float32 values, got {scale.numel()} {scale.dtype}"
-        )
+    if norm.dtype != torch.float32 or norm.numel() != batch:
+        raise ValueError(f"norm must hold {batch} float32 values, got {norm.numel()} {norm.dtype}")
     if x.numel() == 0:
         return out
     block_m, block_n = 32, 128
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), batch)
     _scale_cast_kernel[grid](
         x,
-        scale,
+        norm,
         out,
+        float(eps),
         m,
         n,
         *x.stride(),
