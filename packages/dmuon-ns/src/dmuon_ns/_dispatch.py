@@ -1,22 +1,23 @@
 """Run one prepared NS problem on the kernel that ``_registry.resolve`` chose.
 
-The input arrives as the front end leaves it, a ``Prepared``: (batch, m, n) with m ≤ n,
-scaled, not yet written in the iteration dtype (``write`` does that, into the kernel's input
-buffer). Two CUDA-only layers may wrap the kernel call: the autotuner (when auto left several
-candidates) and CUDA-graph replay (when ``cuda_graphs`` is on). Both live in their own
-modules, imported only on that path, so a CPU run never touches them. Kernels made of the
-shared loops (``LoopKernel``) are called up to their last product, which runs outside the
-graph (``_iterations``' [Note: the last product]).
+The input arrives as the front end leaves it, a ``Prepared``: (batch, m, n) with m ≤ n and
+each matrix's norm known, not yet scaled or written in the iteration dtype (``write`` does
+both, into the kernel's input buffer). Two CUDA-only layers may wrap the kernel call: the
+autotuner (when auto left several candidates) and CUDA-graph replay (when ``cuda_graphs`` is
+on). Both live in their own modules, imported only on that path, so a CPU run never touches
+them. Kernels made of the shared loops (``LoopKernel``) are called up to their last product,
+which runs outside the graph (``_iterations``' [Note: the last product]).
 
 [Note: which problems are graphed]
 A captured graph keeps its static input and the last product's operands allocated for the
 life of the process (and its intermediates reserved in a private pool), i.e. at least twice
-the problem's size per shape, on top of whatever the caller holds. Replay pays where the host cannot keep ahead of
-the GPU: on an H200 it took a 1024×4096 call from 1.33 to 0.57 ms (BENCHMARKS.md,
-Newton–Schulz run A), and the quack kernel spends ~40 µs of host time per product, as long
-as a whole product takes at 2048×8192. Above 64 MiB (8192×4096 in fp16) every product runs
-long enough to hide its launch, so only inputs of at most ``GRAPH_MAX_BYTES`` are graphed;
-larger ones run eagerly and leave nothing behind (a training step's peak memory counts).
+the problem's size per shape, on top of whatever the caller holds. Replay pays where the host
+cannot keep ahead of the GPU: on an H200 it took a 1024×4096 call from 1.33 to 0.57 ms
+(BENCHMARKS.md, Newton–Schulz run A), and the quack kernel spends ~40 µs of host time per
+product, as long as a whole product takes at 2048×8192. Above 64 MiB (8192×4096 in fp16)
+every product runs long enough to hide its launch, so only inputs of at most
+``GRAPH_MAX_BYTES`` are graphed; larger ones run eagerly and leave nothing behind (a training
+step's peak memory counts).
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@
    are designed to work;
 4. scale and cast to the iteration dtype, contiguous: the one copy of the input (one Triton
    pass on CUDA that also forms the scale, torch ops elsewhere, the same fp32 arithmetic),
-   made by
-   ``Prepared.write`` straight into the kernel's input: a new tensor, or the static input of
-   the CUDA graph that replays the call, which then needs no copy of its own.
+   made by ``Prepared.write`` straight into the kernel's input: a new tensor, or the static
+   input of the CUDA graph that replays the call, which then needs no copy of its own.
 
 ``restore`` undoes 1 and 2; the kernels already write the input's dtype (fp16, bf16, fp32) from
 their last product, so its cast only acts for float64. A zero matrix stays zero:
