@@ -7,7 +7,7 @@ import pytest
 import torch
 from _models import build
 from _reference import Hyper, lm_loss, make_batch
-from test_training import ROWS, SEQ, VOCAB, counting_ns, setup_model, train_steps
+from test_training import ROWS, SEQ, VOCAB, counting_muon, setup_model, train_steps
 
 from dmuon_fsdp import (
     Muon,
@@ -185,10 +185,9 @@ def test_torch_state_dict_round_trip_same_ranks():
 
 
 def _hsdp(rank: int, world_size: int):
-    with counting_ns() as counted:
-        model, runtime = setup_model(world_size, replicate=2)
-        optimizer = Muon(model, **HYPER.muon_kwargs())
-        uninterrupted = train_steps(model, optimizer, rank, world_size, TOTAL)
+    model, runtime = setup_model(world_size, replicate=2)
+    optimizer, counting = counting_muon(model, HYPER)
+    uninterrupted = train_steps(model, optimizer, rank, world_size, TOTAL)
     n_matrices = len(runtime.params)
 
     model, _ = setup_model(world_size, replicate=2, reshard=False)
@@ -211,7 +210,7 @@ def _hsdp(rank: int, world_size: int):
     set_model_state_dict(hsdp, flat_sd[0])
     set_optimizer_state_dict(hsdp, hsdp_opt, flat_sd[1])
     same = _equal(_snapshot(hsdp, hsdp_opt), flat_sd)
-    return uninterrupted, first + second, sum(counted), n_matrices, same
+    return uninterrupted, first + second, counting.matrices, n_matrices, same
 
 
 @pytest.mark.distributed

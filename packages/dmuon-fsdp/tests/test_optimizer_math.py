@@ -8,15 +8,15 @@ import pytest
 import torch
 from torch.optim import _muon as torch_muon_module
 
-from dmuon_fsdp import _muon_math
 from dmuon_fsdp._muon_math import (
     LrScaling,
+    MuonItem,
     adamw_step,
     init_adamw_state,
     lr_scale,
     make_newton_schulz,
     momentum_update,
-    orthogonalize,
+    muon_step,
     weight_decay_and_update,
 )
 from dmuon_ns import NewtonSchulz
@@ -29,14 +29,18 @@ def _polar64(x: torch.Tensor) -> torch.Tensor:
     return (u @ vh).to(x.dtype)
 
 
+def _polar64_batch(batch: torch.Tensor) -> torch.Tensor:
+    return torch.stack([_polar64(m) for m in batch])
+
+
 def _our_muon_steps(params, grads_per_step, *, lr, momentum, nesterov, wd, scaling):
     bufs = [torch.zeros_like(p) for p in params]
     for grads in grads_per_step:
-        inputs = [momentum_update(b, g, momentum, nesterov) for b, g in zip(bufs, grads)]
-        updates = orthogonalize(lambda batch: torch.stack([_polar64(m) for m in batch]), inputs)
-        for p, u in zip(params, updates):
-            scale = lr_scale(p.shape, scaling)
-            weight_decay_and_update(p, u, lr=lr, weight_decay=wd, scale=scale)
+        items = [
+            MuonItem(p, g, b, momentum, nesterov, lr, wd, lr_scale(p.shape, scaling))
+            for p, g, b in zip(params, grads, bufs)
+        ]
+        muon_step(items, _polar64_batch, max_batch_bytes=None)
 
 
 @pytest.mark.parametrize(
@@ -82,6 +86,14 @@ def test_momentum_formulas():
     torch.testing.assert_close(out, torch.tensor([0.5 + 0.9 * 1.4, -1.0 + 0.9 * 0.8]))
     out = momentum_update(buf, grad, 0.9, nesterov=False)
     assert out is buf
+    # With ``out`` the input is written there, the same numbers either way.
+    for nesterov in (True, False):
+        a, b = buf.clone(), buf.clone()
+        target = torch.empty(2)
+        written = momentum_update(a, grad, 0.9, nesterov, out=target)
+        assert written is target
+        assert torch.equal(target, momentum_update(b, grad, 0.9, nesterov))
+        assert torch.equal(a, b)
 
 
 def test_lr_scale():
@@ -105,40 +117,57 @@ def test_weight_decay_is_decoupled_and_unscaled():
 SHAPES = [(16, 32), (32, 16), (16, 32), (16, 32), (8, 8)]
 
 
-@pytest.fixture
-def batch_shapes(monkeypatch):
-    """The shape of every batch ``_muon_math`` hands to NS, in call order."""
-    shapes: list[tuple[int, ...]] = []
-    real = _muon_math.orthogonalize_batch
+class RecordingNS:
+    """The NS function for ``muon_step``: Gram NS, recording each stack it gets and returns."""
 
-    def counting(ns, batch):
-        shapes.append(tuple(batch.shape))
-        return real(ns, batch)
+    def __init__(self) -> None:
+        self.ns = make_newton_schulz("gram", 5)
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    monkeypatch.setattr(_muon_math, "orthogonalize_batch", counting)
-    return shapes
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        out = self.ns(batch)
+        self.calls.append((batch.clone(), out))
+        return out
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for x, _ in self.calls]
 
 
-def test_orthogonalize_batches_by_shape(batch_shapes):
-    ns = make_newton_schulz("gram", 5)
-    gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(s, generator=gen) for s in SHAPES]
-    out = orthogonalize(ns, inputs)
-    assert sorted(batch_shapes) == sorted([(3, 16, 32), (1, 32, 16), (1, 8, 8)])
-    for x, y in zip(inputs, out):
-        assert y.shape == x.shape
-        # One matrix alone gives the same bits as inside a batch (the torch kernel on CPU).
-        assert torch.equal(y, ns(x))
-        # And it is close to orthogonal: singular values near 1.
-        s = torch.linalg.svdvals(y.double())
-        assert float(s.max()) < 1.3 and float(s.min()) > 0.5
+def _items(shapes, seed, nesterov=lambda i: True):
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    bufs = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    return [
+        MuonItem(w, g, b, 0.9, nesterov(i), 0.1, 0.2, lr_scale(w.shape, "moonlight"))
+        for i, (w, b, g) in enumerate(zip(weights, bufs, grads))
+    ]
+
+
+def test_ns_runs_once_per_shape_and_batching_keeps_each_matrix():
+    ns = RecordingNS()
+    muon_step(_items(SHAPES, 1), ns, max_batch_bytes=None)
+    assert sorted(ns.shapes) == sorted([(3, 16, 32), (1, 32, 16), (1, 8, 8)])
+    for batch, out in ns.calls:
+        for x, y in zip(batch, out):
+            assert y.shape == x.shape
+            # One matrix alone gives the same bits as inside a batch (the torch kernel on CPU).
+            assert torch.equal(y, ns.ns(x))
+            # And it is close to orthogonal: singular values near 1.
+            s = torch.linalg.svdvals(y.double())
+            assert float(s.max()) < 1.3 and float(s.min()) > 0.5
 
 
 def test_make_newton_schulz():
     ns = make_newton_schulz("direct", 7)
     assert ns.backend == "direct" and ns.steps == 7
+    assert make_newton_schulz("gram", None).steps == 5
     custom = NewtonSchulz(backend="gram", steps=3)
-    assert make_newton_schulz(custom, 5) is custom
+    assert make_newton_schulz(custom, None) is custom
+    assert make_newton_schulz(_polar64_batch, None) is _polar64_batch
+    with pytest.raises(ValueError, match="ns_steps=7 was given with a callable ns_backend"):
+        make_newton_schulz(custom, 7)
     with pytest.raises(ValueError, match="ns_backend"):
         make_newton_schulz("cholesky", 5)
     with pytest.raises(ValueError, match="ns_steps"):
@@ -165,27 +194,17 @@ def test_adamw_step_matches_torch_adamw():
 
 
 @pytest.mark.parametrize(("max_batch_bytes", "calls"), [(None, 3), (2 * 16 * 32 * 4, 4)])
-def test_muon_step_batches_and_matches_per_matrix_math(batch_shapes, max_batch_bytes, calls):
-    ns = make_newton_schulz("gram", 5)
-    gen = torch.Generator().manual_seed(3)
-    weights = [torch.randn(s, generator=gen) for s in SHAPES]
-    bufs = [torch.randn(s, generator=gen) for s in SHAPES]
-    grads = [torch.randn(s, generator=gen) for s in SHAPES]
+def test_muon_step_batches_and_matches_per_matrix_math(max_batch_bytes, calls):
+    ns = RecordingNS()
+    items = _items(SHAPES, 3, nesterov=lambda i: i != 1)
     expected = []
-    for i, (w, b, g) in enumerate(zip(weights, bufs, grads)):
-        w, b = w.clone(), b.clone()
-        nesterov = i != 1
-        x = momentum_update(b, g, 0.9, nesterov)
-        weight_decay_and_update(
-            w, ns(x), lr=0.1, weight_decay=0.2, scale=lr_scale(w.shape, "moonlight")
-        )
+    for item in items:
+        w, b = item.weight.clone(), item.buf.clone()
+        x = momentum_update(b, item.grad, 0.9, item.nesterov)
+        weight_decay_and_update(w, ns.ns(x), lr=0.1, weight_decay=0.2, scale=item.scale)
         expected.append((w, b))
-    items = [
-        _muon_math.MuonItem(w, g, b, 0.9, i != 1, 0.1, 0.2, lr_scale(w.shape, "moonlight"))
-        for i, (w, b, g) in enumerate(zip(weights, bufs, grads))
-    ]
-    _muon_math.muon_step(items, ns, max_batch_bytes=max_batch_bytes)
-    seen = [shape[0] for shape in batch_shapes]
+    muon_step(items, ns, max_batch_bytes=max_batch_bytes)
+    seen = [shape[0] for shape in ns.shapes]
     assert len(seen) == calls and sum(seen) == len(SHAPES)
     for (w, b), item in zip(expected, items):
         assert torch.equal(item.weight, w)

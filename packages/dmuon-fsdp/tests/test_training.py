@@ -3,9 +3,6 @@ once per matrix per step across the world, and the dmuon-clip gradient protocol.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +10,8 @@ from _models import build, muon_predicate
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
 from _sgd_train import setup_model
 
-from dmuon_fsdp import Muon, _muon_math
+from dmuon_fsdp import Muon
+from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
@@ -47,35 +45,37 @@ def _muon_names(model) -> list[str]:
     return [n for n, p in model.named_parameters() if muon_predicate(n, p)]
 
 
-@contextlib.contextmanager
-def counting_ns() -> Iterator[list[int]]:
-    """Count NS on this rank: the matrices of every batch through the optimizer's single NS
-    call site, appended to the yielded list while the block runs."""
-    counted: list[int] = []
-    real = _muon_math.orthogonalize_batch
+class CountingNS:
+    """An NS function for ``Muon(ns_backend=...)`` that counts the matrices it orthogonalises
+    (dmuon-ns's Gram NS underneath)."""
 
-    def counting(ns, batch):  # type: ignore[no-untyped-def]
-        counted.append(batch.shape[0])
-        return real(ns, batch)
+    def __init__(self, steps: int) -> None:
+        self.ns = NewtonSchulz(backend="gram", steps=steps)
+        self.matrices = 0
 
-    _muon_math.orthogonalize_batch = counting
-    try:
-        yield counted
-    finally:
-        _muon_math.orthogonalize_batch = real
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        self.matrices += batch.shape[0]
+        return self.ns(batch)
+
+
+def counting_muon(model, hyper: Hyper = HYPER) -> tuple[Muon, CountingNS]:
+    """``Muon`` with ``hyper``'s hyperparameters whose NS counts the matrices it
+    orthogonalises."""
+    counting = CountingNS(hyper.ns_steps)
+    kwargs = {k: v for k, v in hyper.muon_kwargs().items() if k != "ns_steps"}
+    return Muon(model, ns_backend=counting, **kwargs), counting
 
 
 def _train_vs_reference(rank: int, world_size: int, reshard: bool):
     model, runtime = setup_model(world_size, reshard=reshard)
-    optimizer = Muon(model, **HYPER.muon_kwargs())
-    with counting_ns() as counted:
-        losses = train_steps(model, optimizer, rank, world_size, STEPS)
+    optimizer, counting = counting_muon(model)
+    losses = train_steps(model, optimizer, rank, world_size, STEPS)
     owned_muon = sum(1 for dp in runtime.owned if dp.route == "muon")
     ref = None
     if rank == 0:
         plain = build(0)
         ref = train_reference(plain, _muon_names(plain), HYPER, STEPS, ROWS, SEQ, VOCAB)
-    return losses, ref, sum(counted), owned_muon, len(runtime.params)
+    return losses, ref, counting.matrices, owned_muon, len(runtime.params)
 
 
 @pytest.mark.distributed

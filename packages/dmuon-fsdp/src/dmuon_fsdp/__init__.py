@@ -16,20 +16,20 @@ from ._checkpoint import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from ._collectives import Axis, CommCounter, CommKind
-from ._comm import DedicatedCommContext, ProcessGroupPolicy
+from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
+from ._config import DedicateConfig
 from ._dedicate import dedicate_params
 from ._diagnostics import (
     collect_forward_unshard_profile,
     summarize_comm_plan,
     summarize_param_groups,
 )
-from ._fsdp_integration import install_patch
+from ._fsdp_integration import dedicated_params_of, install_patch, uninstall_patch
 from ._muon_math import LrScaling
 from ._no_sync import no_sync
-from ._optimizer import Muon, MuonClipGrads
+from ._optimizer import Muon, MuonClipGrads, StepOptions
 from ._param import DedicatedParam, Role
-from ._runtime import DedicateConfig, DedicatedRuntime, get_runtime
+from ._runtime import DedicatedRuntime, get_runtime
 
 __all__ = [
     "Axis",
@@ -44,10 +44,12 @@ __all__ = [
     "MuonClipGrads",
     "ProcessGroupPolicy",
     "Role",
+    "StepOptions",
     "broadcast_all_updates",
     "broadcast_all_updates_async",
     "collect_forward_unshard_profile",
     "dedicate_params",
+    "dedicated_params_of",
     "get_comm_ctx",
     "get_dedicated_params",
     "get_model_state_dict",
@@ -61,6 +63,7 @@ __all__ = [
     "set_optimizer_state_dict",
     "summarize_comm_plan",
     "summarize_param_groups",
+    "uninstall_patch",
     "wait_all_reduces",
     "wait_all_replicate_broadcasts",
 ]

@@ -35,10 +35,11 @@ from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dmuon_ownership import Route
+
 from ._muon_math import step_dtype
 from ._optimizer import Muon
 from ._param import DedicatedParam
-from ._param_groups import ADAMW, MUON
 from ._runtime import DedicatedRuntime, get_runtime
 
 __all__ = [
@@ -48,10 +49,13 @@ __all__ = [
     "set_optimizer_state_dict",
 ]
 
-_STATE_FIELDS = {MUON: ("momentum_buffer",), ADAMW: ("step", "exp_avg", "exp_avg_sq")}
+_STATE_FIELDS = {
+    Route.MUON: ("momentum_buffer",),
+    Route.ADAMW: ("step", "exp_avg", "exp_avg_sq"),
+}
 _GROUP_REQUIRED = {
-    MUON: ("lr", "weight_decay", "momentum", "nesterov"),
-    ADAMW: ("lr", "weight_decay", "betas", "eps"),
+    Route.MUON: ("lr", "weight_decay", "momentum", "nesterov"),
+    Route.ADAMW: ("lr", "weight_decay", "betas", "eps"),
 }
 
 
@@ -267,6 +271,7 @@ def get_optimizer_state_dict(
         groups = {
             group["group_name"]: {
                 **{k: v for k, v in group.items() if k not in ("params", "param_names")},
+                "optimizer": str(group["optimizer"]),
                 "params": list(group["param_names"]),
             }
             for group in optimizer.param_groups
@@ -297,7 +302,7 @@ def _validate_optimizer_state(optimizer: Muon, state_dict: Any) -> None:
             unexpected,
             "build the optimizer with the same param_groups (group names) as when saving",
         )
-    kind_of: dict[str, str] = {}
+    kind_of: dict[str, Route] = {}
     shape_of: dict[str, tuple] = {}
     for group in optimizer.param_groups:
         name = group["group_name"]

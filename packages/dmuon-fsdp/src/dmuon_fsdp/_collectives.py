@@ -1,8 +1,10 @@
 """The collectives dmuon issues: free functions, streams and groups in, a small result out.
 
-The group modules decide *when* a collective runs; this module decides *how*, and it is the one
-place that counts the bytes issued per mesh axis (:class:`CommCounter`), so tests and
-diagnostics read the same numbers the wire carried.
+The group and the hooks decide *when* a collective runs; this module decides *how*: the
+broadcast of a pack, and the whole way of a gradient to its owner (pack, shard-axis reduce,
+replicate-axis reduce, divide, the owner's ``.grad``). It is the one place that records the
+bytes issued per mesh axis (:class:`~._comm.CommCounter`), so tests and diagnostics read the
+same numbers the wire carried.
 
 [Note: issuing on CPU and on CUDA]
 
@@ -17,83 +19,56 @@ queued before the free (FSDP2 relies on the same ordering).
 
 On CPU (gloo) there are no streams: the same call is issued with ``async_op=True`` and the
 returned work handle is waited on instead of an event.
+
+[Note: gradient reduction]
+
+A pack's gradient is reduced when every one of its parameters has its local gradient
+(``register_post_accumulate_grad_hook``), or at the end of backward for parameters that got
+none (they count as zero). The local gradients are copied into one flat buffer, the parameters'
+``.grad`` is dropped (FSDP2, AdamW and ``torch.nn.utils.clip_grad_norm_`` never see it), and
+the buffer is summed over the shard group into the row's sender (stage one), then, in HSDP,
+over the sender's shard column into the global owner (stage two), which divides once by
+``G · R``. Summing first and dividing once at the end makes the result independent of Z2/Z3
+and of sync/async publish; the only thing that changes it is the summation order of the reduce
+itself (1-D vs HSDP).
+
+Pending reductions wait in one :class:`ReduceQueue`, in the order their packs completed. Stage
+two is issued at deterministic points (never "when stage one happens to be done"), so every
+member of a shard column issues the same sequence even when that group is shared with FSDP2
+(``process_group_policy="shared"``): each new submission issues stage two of every queued
+reduction but the newest (whose stage one was issued one pack earlier, so waiting for it rarely
+blocks on CPU and never blocks the host on CUDA); the end of backward and
+:meth:`ReduceQueue.wait_all` issue the rest.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from enum import StrEnum
+from collections import deque
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
+from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext
+from ._pack import Pack
+from ._param import Role
+
 __all__ = [
-    "Axis",
     "CollectiveResult",
-    "CommCounter",
-    "CommKind",
+    "PendingReduce",
+    "ReduceQueue",
     "broadcast",
+    "finish_reduce",
+    "keep_local_grads",
+    "pack_grads",
+    "reduce_over_replicas",
+    "reduce_over_shards",
     "reduce_sum",
     "wait",
 ]
-
-
-class Axis(StrEnum):
-    """The mesh axis a collective runs on."""
-
-    SHARD = "shard"
-    REPLICATE = "replicate"
-
-
-class CommKind(StrEnum):
-    """What a collective is for; SPEC section 1 counts bytes per kind and axis."""
-
-    BROADCAST = "broadcast"  # owner -> shard peers, before forward / backward
-    REDUCE = "reduce"  # gradient sum towards the owner
-    PUBLISH = "publish"  # HSDP: updated weight, global owner -> replicate peers
-
-
-class CommCounter:
-    """Payload bytes and call counts of every collective issued, keyed by (axis, kind).
-
-    The payload of a broadcast or reduce is the size of the tensor it carries (what SPEC
-    section 1 calls one element travelling once per round); the wire cost per rank is that
-    times (n - 1) / n for a group of n ranks, which callers derive themselves.
-    """
-
-    def __init__(self) -> None:
-        self._bytes: dict[tuple[Axis, CommKind], int] = defaultdict(int)
-        self._calls: dict[tuple[Axis, CommKind], int] = defaultdict(int)
-
-    def record(self, axis: Axis, kind: CommKind, nbytes: int) -> None:
-        self._bytes[(axis, kind)] += nbytes
-        self._calls[(axis, kind)] += 1
-
-    def bytes(self, axis: Axis | str, kind: CommKind | str | None = None) -> int:
-        """Bytes issued on ``axis`` (of one ``kind``, or of every kind when ``None``)."""
-        axis = Axis(axis)
-        if kind is None:
-            return sum(v for (a, _), v in self._bytes.items() if a is axis)
-        return self._bytes.get((axis, CommKind(kind)), 0)
-
-    def calls(self, axis: Axis | str, kind: CommKind | str) -> int:
-        return self._calls.get((Axis(axis), CommKind(kind)), 0)
-
-    def reset(self) -> None:
-        self._bytes.clear()
-        self._calls.clear()
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """JSON-friendly ``{"shard/broadcast": {"bytes": ..., "calls": ...}, ...}``."""
-        return {
-            f"{axis}/{kind}": {
-                "bytes": self._bytes[(axis, kind)],
-                "calls": self._calls[(axis, kind)],
-            }
-            for (axis, kind) in sorted(self._bytes)
-        }
 
 
 class CollectiveResult(NamedTuple):
@@ -119,9 +94,15 @@ def _issue(
     stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
         fn(tensor, async_op=False, **kwargs)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return CollectiveResult(tensor, None, event)
+    return CollectiveResult(tensor, None, _event_after(stream))
+
+
+def _event_after(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def broadcast(
@@ -158,3 +139,137 @@ def wait(result: CollectiveResult) -> torch.Tensor:
     if result.event is not None:
         torch.cuda.current_stream(result.tensor.device).wait_event(result.event)
     return result.tensor
+
+
+def _wait_before_issue(result: CollectiveResult, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """Order a follow-up collective on ``stream`` after ``result``: a stream wait on CUDA, a
+    host wait on CPU (the caller only issues once ``result`` has completed there)."""
+    if result.work is not None:
+        result.work.wait()
+    if result.event is not None and stream is not None:
+        stream.wait_event(result.event)
+    return result.tensor
+
+
+# -- gradients: see [Note: gradient reduction] ----------------------------------------------------
+
+
+class PendingReduce(NamedTuple):
+    """One pack's gradient on its way to the global owner."""
+
+    pack: Pack
+    result: CollectiveResult  # the last stage issued
+    needs_replicate_stage: bool  # HSDP sender whose stage two is not issued yet
+
+
+def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """Copy the local gradients of ``pack`` into one new flat buffer (zeros for a parameter
+    without one) and drop the parameters' ``.grad``. On CUDA the copy runs on ``stream``."""
+    first = pack.params[0].param
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(first.device))
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        flat = torch.empty(pack.numel, dtype=first.dtype, device=first.device)
+        for dp in pack.params:
+            grad = dp.param.grad
+            out = flat[dp.offset : dp.offset + dp.numel]
+            if grad is None:
+                out.zero_()
+            else:
+                out.copy_(grad.reshape(-1))
+                if stream is not None:
+                    grad.record_stream(stream)
+            dp.param.grad = None
+    return flat
+
+
+def reduce_over_shards(pack: Pack, comm: DedicatedCommContext) -> PendingReduce:
+    """Stage one: sum the pack's local gradients over the shard group into the row's sender."""
+    flat = pack_grads(pack, comm.reduce_stream)
+    if comm.layout.shard_size > 1:
+        result = reduce_sum(
+            flat, pack.sender, comm.shard_group, comm.reduce_stream, comm.counter, Axis.SHARD
+        )
+    else:
+        result = CollectiveResult(flat, None, _event_after(comm.reduce_stream))
+    return PendingReduce(pack, result, comm.layout.replicate_size > 1 and pack.is_sender)
+
+
+def reduce_over_replicas(pending: PendingReduce, comm: DedicatedCommContext) -> PendingReduce:
+    """Stage two (HSDP): sum the row sender's partial sum over its shard column into the global
+    owner."""
+    assert pending.needs_replicate_stage and comm.replicate_group is not None
+    stream = comm.replicate_reduce_stream
+    flat = _wait_before_issue(pending.result, stream)
+    result = reduce_sum(
+        flat, pending.pack.owner_rank, comm.replicate_group, stream, comm.counter, Axis.REPLICATE
+    )
+    return PendingReduce(pending.pack, result, needs_replicate_stage=False)
+
+
+def finish_reduce(pending: PendingReduce, divisor: int) -> None:
+    """Wait for the last stage and, on the global owner, add the sum divided by ``divisor`` to
+    each parameter's ``DedicatedParam.grad`` (a view of the reduced buffer when it was unset)."""
+    assert not pending.needs_replicate_stage
+    flat = wait(pending.result)
+    pack = pending.pack
+    if pack.role is not Role.OWNER:
+        return
+    flat.div_(divisor)
+    for dp in pack.params:
+        grad = flat[dp.offset : dp.offset + dp.numel].view(dp.shape)
+        if dp.grad is None:
+            dp.grad = grad
+        else:
+            dp.grad.add_(grad)
+
+
+def keep_local_grads(pack: Pack) -> None:
+    """A world of one rank: the local gradient is already the average, so it becomes
+    ``DedicatedParam.grad`` without a copy (``.grad`` is still dropped)."""
+    for dp in pack.params:
+        grad = dp.param.grad
+        dp.param.grad = None
+        if grad is None:
+            grad = torch.zeros_like(dp.param)
+        if dp.grad is None:
+            dp.grad = grad
+        else:
+            dp.grad.add_(grad)
+
+
+class ReduceQueue:
+    """The pending gradient reductions of one runtime, in submission order (FIFO)."""
+
+    def __init__(self, comm: DedicatedCommContext) -> None:
+        self._comm = comm
+        self._pending: deque[PendingReduce] = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def submit(self, pack: Pack) -> None:
+        """Start reducing ``pack``'s local gradients towards its owner."""
+        with record_function("dmuon::reduce"):
+            if self._comm.layout.world_size == 1:
+                keep_local_grads(pack)
+                return
+            self._pending.append(reduce_over_shards(pack, self._comm))
+            self.issue_replicate_stages(keep_newest=True)
+
+    def issue_replicate_stages(self, *, keep_newest: bool = False) -> None:
+        """Issue stage two of the queued reductions that need it, oldest first; with
+        ``keep_newest`` the newest of them waits for the next call (see [Note: gradient
+        reduction])."""
+        due = [i for i, pending in enumerate(self._pending) if pending.needs_replicate_stage]
+        if keep_newest:
+            due = due[:-1]
+        for index in due:
+            self._pending[index] = reduce_over_replicas(self._pending[index], self._comm)
+
+    def wait_all(self) -> None:
+        """Finish every pending reduction: owned gradients are final afterwards."""
+        self.issue_replicate_stages()
+        divisor = self._comm.layout.world_size
+        while self._pending:
+            finish_reduce(self._pending.popleft(), divisor)

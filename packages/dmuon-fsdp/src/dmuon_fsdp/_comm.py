@@ -15,6 +15,7 @@ tight) and leaves the ordering to the caller.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -22,10 +23,65 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ._collectives import CommCounter
 from ._mesh import MeshLayout
 
-__all__ = ["DedicatedCommContext", "ProcessGroupPolicy"]
+__all__ = ["Axis", "CommCounter", "CommKind", "DedicatedCommContext", "ProcessGroupPolicy"]
+
+
+class Axis(StrEnum):
+    """The mesh axis a collective runs on."""
+
+    SHARD = "shard"
+    REPLICATE = "replicate"
+
+
+class CommKind(StrEnum):
+    """What a collective is for; bytes are counted per (axis, kind)."""
+
+    BROADCAST = "broadcast"  # owner -> shard peers, before forward / backward
+    REDUCE = "reduce"  # gradient sum towards the owner
+    PUBLISH = "publish"  # HSDP: updated weight, global owner -> replicate peers
+
+
+class CommCounter:
+    """Payload bytes and call counts of every collective issued, keyed by (axis, kind).
+
+    The payload of a broadcast or reduce is the size of the tensor it carries (see [Note: bytes
+    per step] in ARCHITECTURE.md: every Muon element travels once per round); the wire cost per
+    rank is that times (n - 1) / n for a group of n ranks, which callers derive themselves.
+    """
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple[Axis, CommKind], int] = defaultdict(int)
+        self._calls: dict[tuple[Axis, CommKind], int] = defaultdict(int)
+
+    def record(self, axis: Axis, kind: CommKind, nbytes: int) -> None:
+        self._bytes[(axis, kind)] += nbytes
+        self._calls[(axis, kind)] += 1
+
+    def bytes(self, axis: Axis | str, kind: CommKind | str | None = None) -> int:
+        """Bytes issued on ``axis`` (of one ``kind``, or of every kind when ``None``)."""
+        axis = Axis(axis)
+        if kind is None:
+            return sum(v for (a, _), v in self._bytes.items() if a is axis)
+        return self._bytes.get((axis, CommKind(kind)), 0)
+
+    def calls(self, axis: Axis | str, kind: CommKind | str) -> int:
+        return self._calls.get((Axis(axis), CommKind(kind)), 0)
+
+    def reset(self) -> None:
+        self._bytes.clear()
+        self._calls.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """JSON-friendly ``{"shard/broadcast": {"bytes": ..., "calls": ...}, ...}``."""
+        return {
+            f"{axis}/{kind}": {
+                "bytes": self._bytes[(axis, kind)],
+                "calls": self._calls[(axis, kind)],
+            }
+            for (axis, kind) in sorted(self._bytes)
+        }
 
 
 class ProcessGroupPolicy(StrEnum):

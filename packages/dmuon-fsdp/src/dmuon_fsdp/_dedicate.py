@@ -12,7 +12,7 @@
 5. build the comm context (isolated groups are created here, collectively), pack each
    boundary's parameters per owner, free the peers' storage, publish the owners' weights to
    their shard column (HSDP);
-6. register hooks, install the FSDP2 integration, attach the runtime to the model.
+6. register hooks, install the optional ``fully_shard`` patch, attach the runtime to the model.
 
 [Note: what this runtime does not do]
 
@@ -28,7 +28,6 @@ in one coalesced group call).
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -39,30 +38,30 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon_ownership import (
+    Owner,
     ParamPolicy,
     Plan,
+    ResolvedPolicy,
     Route,
     WorkItem,
     plan_owners,
     validate_param_policy,
 )
 
-from ._comm import DedicatedCommContext, ProcessGroupPolicy
+from ._comm import DedicatedCommContext
+from ._config import BoundaryPredicate, DedicateConfig
 from ._fsdp_integration import check_call_order, install_patch
 from ._group import DedicatedGroup
-from ._mesh import MeshLayout, resolve_layout
+from ._mesh import MeshLayout, all_gather_ints, resolve_layout
 from ._param import DEDICATED_ATTR, DedicatedParam, Role
-from ._runtime import RUNTIME_ATTR, DedicateConfig, DedicatedRuntime
+from ._runtime import RUNTIME_ATTR, DedicatedRuntime
 
 __all__ = ["dedicate_params"]
 
 logger = logging.getLogger(__name__)
 
 Predicate = Callable[[str, nn.Parameter], bool]
-BoundaryPredicate = Callable[[nn.Module], bool]
 
-# The one environment variable of the runtime: turns the debug fence on without a code change.
-_FENCE_ENV = "DMUON_ISOLATED_PG_BARRIER"
 _LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+$")
 _DTYPE_FIELDS = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "output_dtype")
 
@@ -79,80 +78,23 @@ def dedicate_params(
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
     process_group_policy: str = "isolated",
     small_param_threshold: int = 5_000_000,
+    patch_fully_shard: bool = True,
     debug_fence: bool = False,
 ) -> DedicatedRuntime:
-    """Give each selected matrix parameter of ``model`` one owner rank (SPEC sections 3-4).
+    """Give each selected matrix parameter of ``model`` one owner rank.
 
     Call it after building the model (and after tensor parallelism), before ``fully_shard``.
     ``mesh`` is the 1-D data-parallel (shard) mesh, or a 2-D mesh named
     ``('replicate', 'shard')``; for HSDP pass ``hsdp['shard']`` and
     ``replicate_mesh=hsdp['replicate']``. ``predicate(fqn, param)`` selects parameters;
     ``param_policy`` routes them (``"muon"``, ``"adamw"``, or ``"sharded_adamw"``, which
-    leaves the parameter to FSDP2). Returns the :class:`DedicatedRuntime`, also reachable as
-    ``get_runtime(model)``. Collective: every rank must call it with the same arguments.
+    leaves the parameter to FSDP2). Every later ``fully_shard`` must leave the dedicated
+    parameters alone: pass ``ignored_params=dmuon.dedicated_params_of(model)`` to it, or keep
+    ``patch_fully_shard=True``, which makes ``fully_shard`` skip them by itself (see [Note:
+    FSDP2 integration] in ``_fsdp_integration``). Returns the :class:`DedicatedRuntime`, also
+    reachable as ``get_runtime(model)``. Collective: every rank must call it with the same
+    arguments.
     """
-    config = _make_config(
-        model,
-        predicate,
-        reshard_after_forward,
-        hook_boundary_predicate,
-        hook_boundary_strict,
-        process_group_policy,
-        small_param_threshold,
-        debug_fence,
-    )
-    policy = validate_param_policy(param_policy)
-    selected = [
-        (fqn, p) for fqn, p in model.named_parameters() if p.requires_grad and predicate(fqn, p)
-    ]
-    check_call_order(model, selected)
-    layout = resolve_layout(mesh, replicate_mesh)
-
-    modules = dict(model.named_modules())
-    items: list[WorkItem] = []
-    routes: dict[str, Route] = {}
-    for fqn, param in selected:
-        resolved = policy.resolve(fqn)
-        if resolved.route is Route.SHARDED_ADAMW:
-            continue  # stays an ordinary FSDP2 parameter
-        _check_param(fqn, param, resolved)
-        boundary = _boundary_of(fqn, modules, hook_boundary_predicate, hook_boundary_strict)
-        routes[fqn] = resolved.route
-        items.append(
-            WorkItem(fqn, tuple(param.shape), boundary, resolved.route, param.element_size())
-        )
-    plan = plan_owners(
-        items,
-        layout.shard_size,
-        layout.replicate_size,
-        small_param_threshold=small_param_threshold,
-    )
-    _check_fingerprint(plan)
-
-    comm = DedicatedCommContext.build(layout, config.process_group_policy)
-    params, groups = _build_groups(model, modules, plan, routes, layout, comm)
-    runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
-    if layout.is_hsdp:
-        # Column replicas start from the owner's weight, whatever their own init was.
-        runtime.after_step(async_=False)
-    install_patch()
-    setattr(model, RUNTIME_ATTR, runtime)
-    comm.counter.reset()
-    if dist.get_rank() == 0:
-        logger.info("dedicate_params: %s", plan.summary())
-    return runtime
-
-
-def _make_config(
-    model: object,
-    predicate: object,
-    reshard_after_forward: object,
-    hook_boundary_predicate: object,
-    hook_boundary_strict: object,
-    process_group_policy: object,
-    small_param_threshold: object,
-    debug_fence: object,
-) -> DedicateConfig:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if getattr(model, RUNTIME_ATTR, None) is not None:
@@ -165,39 +107,72 @@ def _make_config(
             "predicate must be a callable (fqn, param) -> bool, e.g. "
             "lambda n, p: 'proj' in n and p.ndim == 2"
         )
-    if hook_boundary_predicate is not None and not callable(hook_boundary_predicate):
-        raise TypeError(
-            "hook_boundary_predicate must be None or a callable (module) -> bool, e.g. "
-            "lambda m: hasattr(m, '_is_action_layer')"
-        )
-    for name, value in (
-        ("reshard_after_forward", reshard_after_forward),
-        ("hook_boundary_strict", hook_boundary_strict),
-        ("debug_fence", debug_fence),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
-    if (
-        not isinstance(small_param_threshold, int)
-        or isinstance(small_param_threshold, bool)
-        or small_param_threshold < 0
-    ):
-        raise ValueError(
-            f"small_param_threshold must be an int >= 0 (elements), got {small_param_threshold!r}"
-        )
-    assert isinstance(reshard_after_forward, bool)
-    assert isinstance(hook_boundary_strict, bool)
-    assert isinstance(debug_fence, bool)
-    return DedicateConfig(
+    config = DedicateConfig(
         reshard_after_forward=reshard_after_forward,
+        hook_boundary_predicate=hook_boundary_predicate,
         hook_boundary_strict=hook_boundary_strict,
-        process_group_policy=ProcessGroupPolicy.parse(process_group_policy),
+        process_group_policy=process_group_policy,  # type: ignore[arg-type]
         small_param_threshold=small_param_threshold,
-        debug_fence=debug_fence or os.environ.get(_FENCE_ENV, "0") == "1",
+        patch_fully_shard=patch_fully_shard,
+        debug_fence=debug_fence,
     )
+    policy = validate_param_policy(param_policy)
+    selected = [
+        (fqn, p) for fqn, p in model.named_parameters() if p.requires_grad and predicate(fqn, p)
+    ]
+    check_call_order(model, selected)
+    layout = resolve_layout(mesh, replicate_mesh)
+
+    modules = dict(model.named_modules())
+    items = _work_items(selected, policy, modules, config)
+    plan = plan_owners(
+        items,
+        layout.shard_size,
+        layout.replicate_size,
+        small_param_threshold=config.small_param_threshold,
+    )
+    _check_fingerprint(plan, layout)
+
+    comm = DedicatedCommContext.build(layout, config.process_group_policy)
+    routes = {item.name: item.route for item in items}
+    params, groups = _build_groups(model, modules, plan, routes, layout, comm)
+    runtime = DedicatedRuntime(config, layout, comm, plan, params, groups)
+    if layout.is_hsdp:
+        # Column replicas start from the owner's weight, whatever their own init was.
+        runtime.after_step(async_=False)
+    if config.patch_fully_shard:
+        install_patch()
+    setattr(model, RUNTIME_ATTR, runtime)
+    comm.counter.reset()
+    if dist.get_rank() == 0:
+        logger.info("dedicate_params: %s", plan.summary())
+    return runtime
 
 
-def _check_param(fqn: str, param: nn.Parameter, resolved: Any) -> None:
+def _work_items(
+    selected: list[tuple[str, nn.Parameter]],
+    policy: ParamPolicy,
+    modules: Mapping[str, nn.Module],
+    config: DedicateConfig,
+) -> list[WorkItem]:
+    """What the planner sees of each selected parameter that dmuon keeps (``sharded_adamw``
+    parameters stay ordinary FSDP2 parameters)."""
+    items: list[WorkItem] = []
+    for fqn, param in selected:
+        resolved = policy.resolve(fqn)
+        if resolved.route is Route.SHARDED_ADAMW:
+            continue
+        _check_param(fqn, param, resolved)
+        boundary = _boundary_of(
+            fqn, modules, config.hook_boundary_predicate, config.hook_boundary_strict
+        )
+        items.append(
+            WorkItem(fqn, tuple(param.shape), boundary, resolved.route, param.element_size())
+        )
+    return items
+
+
+def _check_param(fqn: str, param: nn.Parameter, resolved: ResolvedPolicy) -> None:
     if resolved.route is Route.MUON and param.ndim != 2:
         raise ValueError(
             f"predicate selected {fqn!r} (shape {tuple(param.shape)}) for the Muon route, but "
@@ -245,17 +220,26 @@ def _boundary_of(
     return ""
 
 
-def _check_fingerprint(plan: Plan) -> None:
+def _check_fingerprint(plan: Plan, layout: MeshLayout) -> None:
     mine = plan.fingerprint()
-    everyone: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    differing = sorted({str(f) for f in everyone} - {mine})
+    # The sha256 hex digest as 16 ints of 16 bits each, compared across ranks.
+    digits = [int(mine[i : i + 4], 16) for i in range(0, len(mine), 4)]
+    everyone = all_gather_ints(digits, layout.device)
+    differing = sorted({"".join(f"{d:04x}" for d in row) for row in everyone} - {mine})
     if differing:
         raise RuntimeError(
             f"dmuon's owner plan differs across ranks (this rank {mine[:12]}, others "
             f"{[d[:12] for d in differing]}): every rank must build the same model and call "
             "dedicate_params with the same predicate, policy and meshes"
         )
+
+
+def _role(owner: Owner, layout: MeshLayout) -> Role:
+    if owner == layout.coord:
+        return Role.OWNER
+    if owner.shard == layout.coord.shard and layout.is_hsdp:
+        return Role.REPLICA
+    return Role.PEER
 
 
 def _build_groups(
@@ -267,17 +251,11 @@ def _build_groups(
     comm: DedicatedCommContext,
 ) -> tuple[list[DedicatedParam], list[DedicatedGroup]]:
     named = dict(model.named_parameters())
-    coord = layout.coord
     params: list[DedicatedParam] = []
     # boundary -> (owner, dtype) -> members, both in plan order
-    members: dict[str, dict[tuple[Any, torch.dtype], list[DedicatedParam]]] = defaultdict(dict)
+    members: dict[str, dict[tuple[Owner, torch.dtype], list[DedicatedParam]]] = defaultdict(dict)
     for unit in plan.units:
-        if unit.owner == coord:
-            role = Role.OWNER
-        elif unit.owner.shard == coord.shard and layout.is_hsdp:
-            role = Role.REPLICA
-        else:
-            role = Role.PEER
+        role = _role(unit.owner, layout)
         for fqn in unit.names:
             param = named[fqn]
             module_name, _, attr = fqn.rpartition(".")
@@ -289,7 +267,7 @@ def _build_groups(
                 boundary=unit.boundary,
                 owner=unit.owner,
                 role=role,
-                route=str(routes[fqn]),
+                route=routes[fqn],
             )
             setattr(param, DEDICATED_ATTR, True)
             params.append(dp)

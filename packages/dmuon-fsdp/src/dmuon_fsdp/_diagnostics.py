@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dmuon_ownership import Route
+
 from ._group import DedicatedGroup
 from ._optimizer import Muon
-from ._param_groups import MUON
 from ._runtime import get_runtime
 
 __all__ = ["collect_forward_unshard_profile", "summarize_comm_plan", "summarize_param_groups"]
@@ -59,14 +60,16 @@ def summarize_param_groups(model: nn.Module, optimizer: Muon) -> list[dict[str, 
         out.append(
             {
                 "name": group["group_name"],
-                "optimizer": group["optimizer"],
+                "optimizer": str(group["optimizer"]),
                 "hyperparameters": {k: _plain(group[k]) for k in _HYPER_KEYS if k in group},
                 "params": names,
                 "numel": numel,
                 "stepped_here": stepped,
                 "stepped_numel_here": stepped_numel,
                 "local_numel_here": local_numel,
-                "lr_scaling": optimizer.lr_scaling.value if group["optimizer"] == MUON else None,
+                "lr_scaling": optimizer.lr_scaling.value
+                if group["optimizer"] == Route.MUON
+                else None,
             }
         )
     return out
@@ -91,7 +94,9 @@ def _pack_info(group: DedicatedGroup) -> list[dict[str, Any]]:
 def summarize_comm_plan(model: nn.Module) -> dict[str, Any]:
     """The ownership plan as this rank sees it: grid, per-slot loads and imbalance, each hook
     boundary's packs (owner, sender in this rank's row, role, bytes), and the bytes one
-    training step moves on each axis per the SPEC section 1 rounds."""
+    training step moves on each axis: every Muon element travels once per broadcast round
+    (two in Z3, one in Z2) and once per reduce round; HSDP adds one replicate-axis reduce and
+    one publish round."""
     runtime = get_runtime(model)
     layout = runtime.layout
     loads = [float(x) for x in runtime.plan.loads]
@@ -140,7 +145,7 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
         boundaries.append(
             {
                 "name": group.fqn,
-                "state": group.state.name.lower(),
+                "state": group.status,
                 "packs": len(group.packs),
                 "recv_bytes_per_broadcast": recv,
                 "send_bytes_per_broadcast": sent,

@@ -1,22 +1,32 @@
 """How a later ``fully_shard`` leaves dedicated parameters alone.
 
-[Note: FSDP2 integration through ignored_params]
+[Note: FSDP2 integration]
 
 ``fully_shard(module, ignored_params=...)`` already knows how to leave parameters out: they
 are not sharded, not moved, not reduced, and a submodule whose parameters are all ignored is
-not managed at all. dmuon reuses exactly that machinery instead of re-implementing any of it:
-:func:`install_patch` wraps the two functions of ``torch.distributed.fsdp._fully_shard.
-_fsdp_init`` that receive ``ignored_params`` (``_get_managed_modules`` and
-``_get_managed_states``, both looked up as module globals by ``_get_modules_and_states``, the
-one entry point of ``fully_shard`` and of ``replicate`` in torch 2.11 to 2.13) so that every
-parameter marked as dedicated joins the caller's ``ignored_params``. The wrapper changes
-nothing for unmarked parameters, so a model without dmuon behaves exactly as before.
+not managed at all. That public argument is the integration: after ``dedicate_params``, pass
+``ignored_params=dedicated_params_of(model)`` to every ``fully_shard`` call (layers and
+root)::
 
-The patch is installed by :func:`dedicate_params` (never at import), is idempotent, and is
-checked at the first forward: a dedicated parameter that is no longer registered on its module
-(FSDP2 replaced it with a DTensor) raises instead of training silently wrong.
+    dedicated = dmuon.dedicated_params_of(model)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
 
-Call order matters and is enforced (SPEC section 4): ``dedicate_params`` raises when any module
+As a convenience for code that calls ``fully_shard`` without that argument (existing training
+scripts, libraries that wrap it), ``dedicate_params(..., patch_fully_shard=True)`` (the
+default) installs :func:`install_patch`: it wraps the two functions of
+``torch.distributed.fsdp._fully_shard._fsdp_init`` that receive ``ignored_params``
+(``_get_managed_modules`` and ``_get_managed_states``, looked up as module globals by
+``_get_modules_and_states``, the one entry point of ``fully_shard`` and of ``replicate`` in
+torch 2.11 to 2.13) so that every parameter marked as dedicated joins the caller's
+``ignored_params``. The wrapper changes nothing for unmarked parameters, so a model without
+dmuon behaves exactly as before; it is never installed at import, is idempotent, and
+:func:`uninstall_patch` restores torch's functions.
+
+Either way the first forward checks that every dedicated parameter is still the one registered
+on its module: a ``fully_shard`` that took one (replaced it with a DTensor) raises instead of
+training silently wrong. Call order is enforced too: ``dedicate_params`` raises when any module
 of the model is already an FSDP module, or when a selected parameter is already a DTensor.
 """
 
@@ -31,14 +41,27 @@ from torch import nn
 
 from ._param import DEDICATED_ATTR
 
-__all__ = ["check_call_order", "install_patch", "is_dedicated"]
+__all__ = [
+    "check_call_order",
+    "dedicated_params_of",
+    "install_patch",
+    "is_dedicated",
+    "is_installed",
+    "uninstall_patch",
+]
 
 _TARGETS = ("_get_managed_modules", "_get_managed_states")
-_WRAPPED_ATTR = "_dmuon_wrapped"
+_ORIGINAL_ATTR = "_dmuon_original"
 
 
 def is_dedicated(param: nn.Parameter) -> bool:
     return bool(getattr(param, DEDICATED_ATTR, False))
+
+
+def dedicated_params_of(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters of ``model`` that ``dedicate_params`` took over: pass them as
+    ``fully_shard(..., ignored_params=...)`` (see [Note: FSDP2 integration])."""
+    return {p for p in model.parameters() if is_dedicated(p)}
 
 
 def _dedicated_in(modules: Iterable[nn.Module], recurse: bool) -> set[nn.Parameter]:
@@ -56,36 +79,51 @@ def _wrap(fn: Callable[..., Any], recurse: bool) -> Callable[..., Any]:
             ignored_params = set(ignored_params or ()) | dedicated
         return fn(modules, ignored_params, *args, **kwargs)
 
-    setattr(wrapper, _WRAPPED_ATTR, True)
+    setattr(wrapper, _ORIGINAL_ATTR, fn)
     return wrapper
 
 
-def install_patch() -> None:
-    """Make ``fully_shard`` (and ``replicate``) skip dedicated parameters; idempotent.
-
-    :func:`dedicate_params` calls it; see [Note: FSDP2 integration through ignored_params].
-    """
+def _fsdp_init() -> Any:
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     missing = [name for name in _TARGETS if not callable(getattr(_fsdp_init, name, None))]
     if missing:
         raise RuntimeError(
             f"torch {torch.__version__} has no {', '.join(missing)} in "
-            "torch.distributed.fsdp._fully_shard._fsdp_init, which dmuon's FSDP2 integration "
-            "wraps; use torch 2.11 to 2.13"
+            "torch.distributed.fsdp._fully_shard._fsdp_init, which dmuon's fully_shard patch "
+            "wraps; pass dedicate_params(..., patch_fully_shard=False) and "
+            "fully_shard(..., ignored_params=dmuon.dedicated_params_of(model)) instead"
         )
+    return _fsdp_init
+
+
+def install_patch() -> None:
+    """Make ``fully_shard`` (and ``replicate``) skip dedicated parameters; idempotent.
+
+    ``dedicate_params(..., patch_fully_shard=True)`` calls it; see [Note: FSDP2 integration].
+    """
+    module = _fsdp_init()
     for name in _TARGETS:
-        fn = getattr(_fsdp_init, name)
-        if getattr(fn, _WRAPPED_ATTR, False):
+        fn = getattr(module, name)
+        if hasattr(fn, _ORIGINAL_ATTR):
             continue
         # Managed modules are found from the roots down; managed states per module.
-        setattr(_fsdp_init, name, _wrap(fn, recurse=name == "_get_managed_modules"))
+        setattr(module, name, _wrap(fn, recurse=name == "_get_managed_modules"))
+
+
+def uninstall_patch() -> None:
+    """Restore torch's own functions (a no-op when the patch is not installed)."""
+    module = _fsdp_init()
+    for name in _TARGETS:
+        original = getattr(getattr(module, name), _ORIGINAL_ATTR, None)
+        if original is not None:
+            setattr(module, name, original)
 
 
 def is_installed() -> bool:
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
-    return all(getattr(getattr(_fsdp_init, n, None), _WRAPPED_ATTR, False) for n in _TARGETS)
+    return all(hasattr(getattr(_fsdp_init, n, None), _ORIGINAL_ATTR) for n in _TARGETS)
 
 
 def check_call_order(model: nn.Module, selected: Iterable[tuple[str, nn.Parameter]]) -> None:

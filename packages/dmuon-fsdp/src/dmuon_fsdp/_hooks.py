@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,20 +30,37 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from ._group import DedicatedGroup, GroupState, Pack
+from ._collectives import ReduceQueue
+from ._group import DedicatedGroup
+from ._pack import Pack
 from ._param import DedicatedParam
-
-if TYPE_CHECKING:
-    from ._runtime import DedicatedRuntime
 
 __all__ = ["BoundaryHooks"]
 
 
 class BoundaryHooks:
-    """Owns the hook handles of one runtime and the state the hooks share."""
+    """Owns the hook handles of one runtime and the state the hooks share.
 
-    def __init__(self, runtime: DedicatedRuntime) -> None:
-        self.runtime = runtime
+    ``reduce_queue`` receives each pack whose local gradients are complete;
+    ``reshard_after_forward`` is Z3 (``True``) or Z2; ``requires_gradient_sync`` is ``False``
+    inside ``no_sync`` (see [Note: the step protocol] in :mod:`._runtime`).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[DedicatedGroup],
+        params: Sequence[DedicatedParam],
+        reduce_queue: ReduceQueue,
+        *,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.groups = list(groups)
+        self.params = list(params)
+        self.reduce_queue = reduce_queue
+        self.reshard_after_forward = reshard_after_forward
+        self.requires_gradient_sync = True
+        where = {id(dp): (g, pack) for g in groups for pack in g.packs for dp in pack.params}
+        self._pack_of_param: list[tuple[DedicatedGroup, Pack]] = [where[id(dp)] for dp in params]
         self._order: list[DedicatedGroup] = []  # forward order of the previous forward
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
@@ -50,26 +68,24 @@ class BoundaryHooks:
         self._handles: list[RemovableHandle] = []
         # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
         # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
-        # the runtime, the model and its weights) would keep a deleted model alive forever.
+        # the groups, the model and its weights) would keep a deleted model alive forever.
         # Every hook holds only a weak reference to this object and an index.
         weak_self = weakref.ref(self)
-        for index, group in enumerate(runtime.groups):
+        for index, group in enumerate(self.groups):
             self._handles.append(
                 group.module.register_forward_pre_hook(
-                    functools.partial(_weak_hook, weak_self, "_pre_forward", "groups", index)
+                    functools.partial(_weak_hook, weak_self, "_pre_forward", index)
                 )
             )
             self._handles.append(
                 group.module.register_forward_hook(
-                    functools.partial(_weak_hook, weak_self, "_post_forward", "groups", index)
+                    functools.partial(_weak_hook, weak_self, "_post_forward", index)
                 )
             )
-        for index, dp in enumerate(runtime.params):
+        for index, dp in enumerate(self.params):
             self._handles.append(
                 dp.param.register_post_accumulate_grad_hook(
-                    functools.partial(
-                        _weak_hook, weak_self, "_post_accumulate_grad", "params", index
-                    )
+                    functools.partial(_weak_hook, weak_self, "_post_accumulate_grad", index)
                 )
             )
 
@@ -87,7 +103,8 @@ class BoundaryHooks:
             return None
         return self._order[index] if 0 <= index < len(self._order) else None
 
-    def _pre_forward(self, group: DedicatedGroup, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+        group = self.groups[index]
         if not self._checked_registration:
             self._check_registration()
         if _in_backward():
@@ -103,24 +120,21 @@ class BoundaryHooks:
             group.reset_backward()
             # An HSDP publish writes the weights this forward reads (on column replicas), also
             # when nothing is broadcast (a shard size of one).
-            group.wait_publishes()
-            if group.state is GroupState.FREED:
-                group.to_broadcasting()
+            group.wait_for_publish()
+            group.unshard(async_op=True)
             following = self._neighbour(group, +1)
-            if following is not None and following.state is GroupState.FREED:
+            if following is not None:
                 with record_function("dmuon::prefetch"):
-                    following.to_broadcasting()
-            if group.state is GroupState.BROADCASTING:
-                group.to_ready()
+                    following.unshard(async_op=True)
+            group.wait_for_unshard()
 
-    def _post_forward(
-        self, group: DedicatedGroup, module: nn.Module, args: Any, output: Any
-    ) -> None:
+    def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
             return  # recompute: the boundary is freed once its gradients are in
+        group = self.groups[index]
         with record_function("dmuon::post_forward"):
-            if self.runtime.reshard_after_forward:
-                group.to_freed()
+            if self.reshard_after_forward:
+                group.reshard()
             if not torch.is_grad_enabled():
                 return
             tensors = [
@@ -141,19 +155,12 @@ class BoundaryHooks:
         with record_function("dmuon::pre_backward"):
             self._queue_final_callback()
             group.backward_started = True
-            if group.state is GroupState.FREED:
-                group.to_broadcasting()
+            group.unshard(async_op=True)
             previous = self._neighbour(group, -1)
-            if (
-                previous is not None
-                and previous.needs_backward
-                and not previous.backward_started
-                and previous.state is GroupState.FREED
-            ):
+            if previous is not None and previous.needs_backward and not previous.backward_started:
                 with record_function("dmuon::prefetch"):
-                    previous.to_broadcasting()
-            if group.state is GroupState.BROADCASTING:
-                group.to_ready()
+                    previous.unshard(async_op=True)
+            group.wait_for_unshard()
 
     def _queue_final_callback(self) -> None:
         if not self._final_queued:
@@ -161,46 +168,36 @@ class BoundaryHooks:
             self._order = list(self._current)
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
 
-    def _post_accumulate_grad(self, dp: DedicatedParam, param: torch.Tensor) -> None:
+    def _post_accumulate_grad(self, index: int, param: torch.Tensor) -> None:
         # Usually queued by a pre-backward already; not when the forward ran without grad
         # (reentrant activation checkpointing) and only the recompute built the graph.
         self._queue_final_callback()
-        runtime = self.runtime
-        pack = runtime.pack_of(dp)
-        pack.grads_seen += 1
-        if pack.grads_seen == len(pack.params):
+        group, pack = self._pack_of_param[index]
+        if group.count_grad(pack):
             with record_function("dmuon::post_backward"):
-                self._pack_done(runtime.group_of(dp), pack)
+                self._pack_done(group, pack)
 
     def _pack_done(self, group: DedicatedGroup, pack: Pack) -> None:
-        if pack.handled:
+        if not group.finish_pack(pack):
             return
-        pack.handled = True
-        if self.runtime.sync_grads:
-            self.runtime.launch_reduce(group, pack)
-        if all(p.handled for p in group.packs):
-            self._free_after_backward(group)
-
-    def _free_after_backward(self, group: DedicatedGroup) -> None:
-        # Z2 keeps its weights across no_sync micro-batches; see [Note: the step protocol].
-        if not (self.runtime.reshard_after_forward or self.runtime.sync_grads):
-            return
-        if group.state is GroupState.BROADCASTING:
-            group.to_ready()
-        if group.state is GroupState.READY:
-            group.to_freed()
+        if self.requires_gradient_sync:
+            self.reduce_queue.submit(pack)
+        # Z2 keeps its weights across no_sync micro-batches so that they are not broadcast
+        # again; otherwise a boundary's weights are freed once its backward is done.
+        if group.all_packs_finished and (self.reshard_after_forward or self.requires_gradient_sync):
+            group.reshard()
 
     def _post_backward_final(self) -> None:
         with record_function("dmuon::post_backward_final"):
             self._final_queued = False
-            for group in self.runtime.groups:
-                started = group.needs_backward or any(p.grads_seen for p in group.packs)
-                if not started:
+            for group in self.groups:
+                if not group.backward_touched:
                     continue
                 for pack in group.packs:
                     self._pack_done(group, pack)  # packs with unused params count as zero
                 group.reset_backward()
-            self.runtime.finish_backward()
+            # End of backward: on CPU, issue every replicate stage still waiting.
+            self.reduce_queue.issue_replicate_stages()
 
     # -- setup checks ----------------------------------------------------------------------------
 
@@ -208,24 +205,24 @@ class BoundaryHooks:
         """FSDP2 replaces the parameters it manages on their modules: catch a dedicated
         parameter that it took (e.g. a fully_shard without dmuon's integration)."""
         self._checked_registration = True
-        for dp in self.runtime.params:
+        for dp in self.params:
             if dp.module._parameters.get(dp.name) is not dp.param:
                 raise RuntimeError(
                     f"dedicated parameter {dp.fqn!r} is no longer registered on its module; "
                     "something replaced it after dedicate_params (fully_shard without "
-                    "dmuon.install_patch()?). Call dedicate_params before fully_shard and do not "
-                    "reassign dedicated parameters"
+                    "ignored_params=dmuon.dedicated_params_of(model)?). Call dedicate_params "
+                    "before fully_shard, pass the dedicated parameters as ignored_params (or "
+                    "keep dedicate_params(..., patch_fully_shard=True)), and do not reassign "
+                    "dedicated parameters"
                 )
 
 
-def _weak_hook(
-    weak_hooks: weakref.ref[BoundaryHooks], method: str, table: str, index: int, *args: Any
-) -> Any:
-    """Call ``hooks.<method>(runtime.<table>[index], *args)`` if the hooks are still alive."""
+def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) -> Any:
+    """Call ``hooks.<method>(*args)`` if the hooks are still alive."""
     hooks = weak_hooks()
     if hooks is None:
         return None
-    return getattr(hooks, method)(getattr(hooks.runtime, table)[index], *args)
+    return getattr(hooks, method)(*args)
 
 
 def _in_backward() -> bool:

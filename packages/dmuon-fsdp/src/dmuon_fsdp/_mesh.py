@@ -5,7 +5,7 @@
 dmuon sees the data-parallel ranks as a grid of ``G`` shards × ``R`` replicas. A rank's
 coordinate is ``Owner(shard, replicate)``: its local rank in the shard mesh and in the
 replicate mesh (``replicate = 0`` on a 1-D mesh). The global rank of every coordinate is learnt
-once at setup with one ``all_gather_object`` over the default group, which also proves that the
+once at setup with one ``all_gather`` over the default group, which also proves that the
 two meshes are orthogonal (every coordinate appears exactly once) and that ``G · R`` covers
 the world; the groups of :mod:`._comm` are then built from this table, never from guesses
 about how a ``DeviceMesh`` lays ranks out.
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon_ownership import Owner
 
-__all__ = ["MeshLayout", "resolve_layout"]
+__all__ = ["MeshLayout", "all_gather_ints", "resolve_layout"]
 
 _HSDP_HINT = (
     "build it with init_device_mesh(device, (replicate, shard), "
@@ -70,6 +70,16 @@ class MeshLayout:
             f"rank {rank} is not on dmuon's {self.shard_size} x {self.replicate_size} grid; "
             "pass a global rank in range(world_size) or an Owner(shard, replicate)"
         )
+
+
+def all_gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (same length everywhere), in rank order; collective over the
+    default group. A tensor collective, not ``all_gather_object``: no pickling, and nothing
+    beyond torch is needed at run time."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [[int(v) for v in t.tolist()] for t in everyone]
 
 
 def _check_1d(mesh: object, argument: str) -> DeviceMesh:
@@ -129,12 +139,13 @@ def resolve_layout(mesh: object, replicate_mesh: object = None) -> MeshLayout:
             "rank (pass the full data-parallel mesh, or replicate_mesh for HSDP)"
         )
     coord = Owner(shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank())
-    gathered: list[object] = [None] * world
-    dist.all_gather_object(gathered, (coord.shard, coord.replicate, dist.get_rank()))
+    if shard_mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(shard_mesh.device_type)
+    gathered = all_gather_ints([coord.shard, coord.replicate, dist.get_rank()], device)
     table: list[list[int | None]] = [[None] * shard_size for _ in range(replicate_size)]
-    for entry in gathered:
-        assert isinstance(entry, tuple)
-        s, r, rank = entry
+    for s, r, rank in gathered:
         if table[r][s] is not None:
             raise ValueError(
                 f"replicate_mesh does not match mesh: ranks {table[r][s]} and {rank} both sit at "
@@ -149,8 +160,4 @@ def resolve_layout(mesh: object, replicate_mesh: object = None) -> MeshLayout:
             f"replicate_mesh does not match mesh: this rank's shard group is {mine} but the "
             f"grid row is {rank_of[coord.replicate]}: {_HSDP_HINT}"
         )
-    if shard_mesh.device_type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device(shard_mesh.device_type)
     return MeshLayout(shard_size, replicate_size, coord, rank_of, device, shard_mesh, rep_mesh)

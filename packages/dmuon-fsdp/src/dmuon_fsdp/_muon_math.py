@@ -4,12 +4,11 @@ decides which tensors they see.
 
 [Note: one Newton–Schulz call per shape]
 After the reduce, an owner holds the full gradients of every matrix it owns. Matrices of one
-shape are stacked into a single ``(batch, m, n)`` tensor and orthogonalised by one dmuon-ns
-call (``orthogonalize_batch``), so a rank that owns twelve ``(1024, 4096)`` projections issues
-one batched NS instead of twelve. NS acts on each matrix of the batch independently, so the
-result equals twelve separate calls up to the rounding of batched matrix products.
-``orthogonalize_batch`` is the only place where the optimizer invokes NS: a test patches it to
-count invocations per matrix across the world.
+shape are stacked into a single ``(batch, m, n)`` tensor and orthogonalised by one NS call, so
+a rank that owns twelve ``(1024, 4096)`` projections issues one batched NS instead of twelve. NS acts on each matrix of the batch independently, so the
+result equals twelve separate calls up to the rounding of batched matrix products. The NS
+function is whatever the optimizer was given (a ``dmuon_ns.NewtonSchulz`` or any callable on a
+``(batch, m, n)`` stack), and :func:`muon_step` is its only caller.
 
 The NS inputs are written straight into the stack (no per-matrix temporary), and the stack
 lives only while its NS runs. Its transient memory is about five times the stack itself
@@ -47,17 +46,19 @@ from dmuon_ns import NewtonSchulz
 __all__ = [
     "LrScaling",
     "MuonItem",
+    "NSFunction",
     "adamw_step",
     "init_adamw_state",
     "lr_scale",
     "make_newton_schulz",
     "momentum_update",
     "muon_step",
-    "orthogonalize",
-    "orthogonalize_batch",
     "step_dtype",
     "weight_decay_and_update",
 ]
+
+# Orthogonalises every matrix of a (batch, m, n) stack; returns a tensor of the same shape.
+NSFunction = Callable[[Tensor], Tensor]
 
 
 class LrScaling(StrEnum):
@@ -84,51 +85,42 @@ def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
     return 1.0
 
 
-def momentum_update(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
+def momentum_update(
+    buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, out: Tensor | None = None
+) -> Tensor:
     """Advance ``buf`` in place (``buf = momentum * buf + grad``) and return the NS input:
-    ``grad + momentum * buf`` with Nesterov, ``buf`` itself without (do not modify it)."""
+    ``grad + momentum * buf`` with Nesterov, ``buf`` without. With ``out`` the input is written
+    there; without, the Nesterov input is a new tensor and the plain one is ``buf`` itself (do
+    not modify it)."""
     buf.mul_(momentum).add_(grad)
     if nesterov:
-        return grad.add(buf, alpha=momentum)
-    return buf
+        return torch.add(grad, buf, alpha=momentum, out=out)
+    if out is None:
+        return buf
+    return out.copy_(buf)
 
 
-def make_newton_schulz(ns_backend: str | NewtonSchulz, ns_steps: int) -> NewtonSchulz:
-    """The NS object the optimizer uses: ``"gram"``/``"direct"`` build one with ``ns_steps``
-    iterations; a ``NewtonSchulz`` instance is used as given (it carries its own steps)."""
-    if isinstance(ns_backend, NewtonSchulz):
+def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NSFunction:
+    """The NS function the optimizer uses: ``"gram"``/``"direct"`` build a ``NewtonSchulz``
+    with ``ns_steps`` iterations (5 when ``None``); a ``NewtonSchulz`` instance or any other
+    callable on a ``(batch, m, n)`` stack is used as given, and then ``ns_steps`` must be
+    ``None`` (the callable carries its own)."""
+    if callable(ns_backend):
+        if ns_steps is not None:
+            raise ValueError(
+                f"ns_steps={ns_steps!r} was given with a callable ns_backend, which runs its own "
+                "iterations; drop ns_steps or pass ns_backend='gram'/'direct'"
+            )
         return ns_backend
     if ns_backend not in ("gram", "direct"):
         raise ValueError(
-            f"ns_backend must be 'gram', 'direct' or a dmuon_ns.NewtonSchulz instance,"
-            f" got {ns_backend!r}"
+            f"ns_backend must be 'gram', 'direct', a dmuon_ns.NewtonSchulz or a callable"
+            f" (batch, m, n) tensor -> tensor, got {ns_backend!r}"
         )
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+    steps = 5 if ns_steps is None else ns_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"ns_steps must be a positive int (5 is standard), got {ns_steps!r}")
-    return NewtonSchulz(backend=ns_backend, steps=ns_steps)
-
-
-def orthogonalize_batch(ns: Callable[[Tensor], Tensor], batch: Tensor) -> Tensor:
-    """NS of every matrix of a ``(batch, m, n)`` stack; see [Note: one Newton–Schulz call per
-    shape]."""
-    return ns(batch)
-
-
-def orthogonalize(ns: Callable[[Tensor], Tensor], inputs: Sequence[Tensor]) -> list[Tensor]:
-    """NS of every 2-D tensor in ``inputs`` (any mix of shapes), one ``orthogonalize_batch``
-    call per distinct (shape, dtype, device); results in input order."""
-    buckets: dict[tuple[Any, ...], list[int]] = {}
-    for i, x in enumerate(inputs):
-        if x.ndim != 2:
-            raise ValueError(f"orthogonalize takes 2-D matrices, got shape {tuple(x.shape)}")
-        buckets.setdefault((tuple(x.shape), x.dtype, x.device), []).append(i)
-    out: list[Tensor | None] = [None] * len(inputs)
-    for indices in buckets.values():
-        batch = torch.stack([inputs[i] for i in indices])
-        result = orthogonalize_batch(ns, batch)
-        for j, i in enumerate(indices):
-            out[i] = result[j]
-    return [t for t in out if t is not None]
+    return NewtonSchulz(backend=ns_backend, steps=steps)
 
 
 class MuonItem(NamedTuple):
@@ -144,19 +136,15 @@ class MuonItem(NamedTuple):
     scale: float  # lr_scale of the matrix's shape
 
 
-def muon_step(
-    items: Sequence[MuonItem], ns: Callable[[Tensor], Tensor], *, max_batch_bytes: int | None
-) -> None:
+def muon_step(items: Sequence[MuonItem], ns: NSFunction, *, max_batch_bytes: int | None) -> None:
     """The Muon update of every item: momentum, NS batched by shape (see [Note: one
     Newton–Schulz call per shape]), decoupled weight decay and the scaled update."""
     buckets: dict[tuple[Any, ...], list[MuonItem]] = {}
     for item in items:
         if item.weight.ndim != 2:
             raise ValueError(f"Muon updates 2-D matrices, got shape {tuple(item.weight.shape)}")
-        item.buf.mul_(item.momentum).add_(item.grad)
-        buckets.setdefault((tuple(item.buf.shape), item.buf.dtype, item.buf.device), []).append(
-            item
-        )
+        key = (tuple(item.buf.shape), item.buf.dtype, item.buf.device)
+        buckets.setdefault(key, []).append(item)
     for (shape, dtype, device), members in buckets.items():
         per_matrix = members[0].buf.numel() * members[0].buf.element_size()
         chunk = len(members)
@@ -166,11 +154,8 @@ def muon_step(
             part = members[start : start + chunk]
             batch = torch.empty((len(part), *shape), dtype=dtype, device=device)
             for i, item in enumerate(part):
-                if item.nesterov:
-                    torch.add(item.grad, item.buf, alpha=item.momentum, out=batch[i])
-                else:
-                    batch[i].copy_(item.buf)
-            updates = orthogonalize_batch(ns, batch)
+                momentum_update(item.buf, item.grad, item.momentum, item.nesterov, out=batch[i])
+            updates = ns(batch)
             del batch
             for i, item in enumerate(part):
                 weight_decay_and_update(

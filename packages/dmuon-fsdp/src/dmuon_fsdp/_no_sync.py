@@ -27,13 +27,13 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
     runtime = get_runtime(model)
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    previous = runtime.sync_grads
-    runtime.sync_grads = False
+    previous = runtime.requires_gradient_sync
+    runtime.set_requires_gradient_sync(False)
     for module in fsdp_modules:
         module.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
-        runtime.sync_grads = previous
+        runtime.set_requires_gradient_sync(previous)
         for module in fsdp_modules:
             module.set_requires_gradient_sync(True, recurse=False)

@@ -22,8 +22,8 @@ HSDP, publishes the new weights to replicate peers (asynchronously when
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -33,20 +33,28 @@ from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from dmuon_ns import NewtonSchulz
+from dmuon_ownership import Route
 
-from . import _muon_math
-from ._muon_math import LrScaling, adamw_step, init_adamw_state, lr_scale
+from ._muon_math import (
+    LrScaling,
+    MuonItem,
+    NSFunction,
+    adamw_step,
+    init_adamw_state,
+    lr_scale,
+    make_newton_schulz,
+    muon_step,
+)
 from ._param import DedicatedParam
-from ._param_groups import ADAMW, MUON, GroupDefaults, build_param_groups
+from ._param_groups import GroupDefaults, build_param_groups
 from ._runtime import DedicatedRuntime, get_runtime
 
-__all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads"]
+__all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads", "StepOptions"]
 
 # Cap on one batched NS input; see [Note: one Newton–Schulz call per shape] in _muon_math.
 # 64 MiB stacks every matrix up to 4096×4096 (bf16) in pairs or more, and runs a Llama-8B MLP
 # matrix (4096×14336, 112 MiB) alone, as torch.optim.Muon does: the stack's transient memory
-# is ~5× its size, so the old 512 MiB cap cost ~2.3 GiB more than a per-matrix loop.
+# is ~5× its size, so a 512 MiB cap cost ~2.3 GiB more than a per-matrix loop.
 DEFAULT_NS_BATCH_BYTES = 64 * 2**20
 
 
@@ -58,13 +66,30 @@ class MuonClipGrads(NamedTuple):
     device: torch.device  # where the norm accumulator lives
 
 
-def _number(value: Any, name: str, *, low: float = 0.0, below: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < low or (below is not None and value >= below):
-        bound = f"in [{low}, {below})" if below is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    return float(value)
+@dataclass(frozen=True)
+class StepOptions:
+    """How :class:`Muon` steps, beyond the per-group hyperparameters; validated at
+    construction."""
+
+    lr_scaling: LrScaling = LrScaling.MOONLIGHT
+    # Same-shape matrices share one NS call up to this many bytes of input (None: no cap).
+    ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES
+    # HSDP: publish updated weights without waiting (each boundary's next forward waits).
+    replicate_async: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr_scaling not in LrScaling._value2member_map_:
+            raise ValueError(
+                f"lr_scaling must be one of {[s.value for s in LrScaling]}, got {self.lr_scaling!r}"
+            )
+        object.__setattr__(self, "lr_scaling", LrScaling(self.lr_scaling))
+        cap = self.ns_batch_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(
+                f"ns_batch_bytes must be a positive int (bytes of one NS batch) or None for one"
+                f" NS call per shape, got {cap!r}"
+            )
+        object.__setattr__(self, "replicate_async", bool(self.replicate_async))
 
 
 class Muon(torch.optim.Optimizer):
@@ -78,6 +103,11 @@ class Muon(torch.optim.Optimizer):
     ``"spectral"``: ``√max(1, m/n)``, ``"none"``: 1); decoupled decay ``p *= 1 - lr * wd``
     before the update. Same-shape matrices share one NS call, up to ``ns_batch_bytes`` of input
     per call (``None``: one call per shape). AdamW matches ``torch.optim.AdamW``.
+
+    ``ns_backend`` is ``"gram"`` or ``"direct"`` (a ``dmuon_ns.NewtonSchulz`` with
+    ``ns_steps`` iterations, 5 by default), a ``NewtonSchulz`` instance, or any callable that
+    orthogonalises every matrix of a ``(batch, m, n)`` tensor and returns that shape
+    (microsoft/dion's ``newton_schulz_func`` contract; ``ns_steps`` must then be left out).
     """
 
     def __init__(
@@ -86,9 +116,9 @@ class Muon(torch.optim.Optimizer):
         lr: float = 0.02,
         momentum: float = 0.95,
         weight_decay: float = 0.0,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         nesterov: bool = True,
-        ns_backend: str | NewtonSchulz = "gram",
+        ns_backend: str | NSFunction = "gram",
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_weight_decay: float = 0.01,
@@ -103,43 +133,27 @@ class Muon(torch.optim.Optimizer):
                 f"Muon takes the wrapped model (an nn.Module), got {type(model).__name__};"
                 " build it as dmuon.Muon(model, lr=...), not from a parameter list"
             )
-        if not isinstance(adamw_betas, Sequence) or len(adamw_betas) != 2:
-            raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r}")
-        if lr_scaling not in LrScaling._value2member_map_:
-            raise ValueError(
-                f"lr_scaling must be one of {[s.value for s in LrScaling]}, got {lr_scaling!r}"
-            )
         group_defaults = GroupDefaults(
-            lr=_number(lr, "lr"),
-            weight_decay=_number(weight_decay, "weight_decay"),
-            momentum=_number(momentum, "momentum", below=1.0),
-            nesterov=bool(nesterov),
-            adamw_lr=_number(adamw_lr, "adamw_lr"),
-            adamw_betas=(
-                _number(adamw_betas[0], "adamw_betas[0]", below=1.0),
-                _number(adamw_betas[1], "adamw_betas[1]", below=1.0),
-            ),
-            adamw_eps=_number(adamw_eps, "adamw_eps"),
-            adamw_weight_decay=_number(adamw_weight_decay, "adamw_weight_decay"),
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
         )
-        self._ns = _muon_math.make_newton_schulz(ns_backend, ns_steps)
+        self.options = StepOptions(
+            lr_scaling=lr_scaling,  # type: ignore[arg-type]
+            ns_batch_bytes=ns_batch_bytes,
+            replicate_async=replicate_async,
+        )
+        self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
         self._model = model
         self._dedicated: dict[int, DedicatedParam] = {
             id(dp.param): dp for dp in self._runtime.params
         }
-        self.lr_scaling = LrScaling(lr_scaling)
-        self.replicate_async = bool(replicate_async)
-        if ns_batch_bytes is not None and (
-            isinstance(ns_batch_bytes, bool)
-            or not isinstance(ns_batch_bytes, int)
-            or ns_batch_bytes < 1
-        ):
-            raise ValueError(
-                f"ns_batch_bytes must be a positive int (bytes of one NS batch) or None for one"
-                f" NS call per shape, got {ns_batch_bytes!r}"
-            )
-        self.ns_batch_bytes = ns_batch_bytes
         groups = build_param_groups(
             model.named_parameters(), self._dedicated, param_groups, group_defaults
         )
@@ -153,12 +167,24 @@ class Muon(torch.optim.Optimizer):
             "momentum": group_defaults.momentum,
             "weight_decay": group_defaults.weight_decay,
             "nesterov": group_defaults.nesterov,
-            "ns_steps": self._ns.steps,
+            "ns_steps": getattr(self._ns, "steps", None),
             "adamw_lr": group_defaults.adamw_lr,
             "adamw_betas": group_defaults.adamw_betas,
             "adamw_eps": group_defaults.adamw_eps,
             "adamw_weight_decay": group_defaults.adamw_weight_decay,
         }
+
+    @property
+    def lr_scaling(self) -> LrScaling:
+        return self.options.lr_scaling
+
+    @property
+    def replicate_async(self) -> bool:
+        return self.options.replicate_async
+
+    @property
+    def ns_batch_bytes(self) -> int | None:
+        return self.options.ns_batch_bytes
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -179,7 +205,8 @@ class Muon(torch.optim.Optimizer):
         return self._model
 
     @property
-    def newton_schulz(self) -> NewtonSchulz:
+    def newton_schulz(self) -> NSFunction:
+        """The NS function the Muon step calls on each ``(batch, m, n)`` stack."""
         return self._ns
 
     def dedicated_param(self, param: Tensor) -> DedicatedParam | None:
@@ -188,7 +215,7 @@ class Muon(torch.optim.Optimizer):
 
     def _owned_muon(self) -> Iterable[tuple[dict[str, Any], Tensor, DedicatedParam]]:
         for group in self.param_groups:
-            if group["optimizer"] != MUON:
+            if group["optimizer"] != Route.MUON:
                 continue
             for p in group["params"]:
                 dp = self._dedicated[id(p)]
@@ -230,7 +257,7 @@ class Muon(torch.optim.Optimizer):
         self._checked_params = True
 
     def _muon_step(self) -> None:
-        items: list[_muon_math.MuonItem] = []
+        items: list[MuonItem] = []
         for group, p, dp in self._owned_muon():
             if dp.grad is None:
                 continue
@@ -240,7 +267,7 @@ class Muon(torch.optim.Optimizer):
             if buf is None:
                 buf = state["momentum_buffer"] = torch.zeros_like(dp.full)
             items.append(
-                _muon_math.MuonItem(
+                MuonItem(
                     weight=dp.full,
                     grad=dp.grad,
                     buf=buf,
@@ -251,11 +278,11 @@ class Muon(torch.optim.Optimizer):
                     scale=lr_scale(dp.shape, self.lr_scaling),
                 )
             )
-        _muon_math.muon_step(items, self._ns, max_batch_bytes=self.ns_batch_bytes)
+        muon_step(items, self._ns, max_batch_bytes=self.ns_batch_bytes)
 
     def _adamw_step(self) -> None:
         for group in self.param_groups:
-            if group["optimizer"] != ADAMW:
+            if group["optimizer"] != Route.ADAMW:
                 continue
             # DTensor and plain tensors go to separate calls: foreach kernels take one kind.
             batches: dict[bool, tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]]]] = {}
@@ -318,6 +345,6 @@ class Muon(torch.optim.Optimizer):
         return [
             name
             for group in self.param_groups
-            if group["optimizer"] == MUON
+            if group["optimizer"] == Route.MUON
             for name in group["param_names"]
         ]

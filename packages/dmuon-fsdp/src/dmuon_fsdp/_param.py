@@ -22,7 +22,7 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from dmuon_ownership import Owner
+from dmuon_ownership import Owner, Route
 
 __all__ = ["DedicatedParam", "Role"]
 
@@ -54,7 +54,7 @@ class DedicatedParam:
     boundary: str  # FQN of the hook boundary module ("" for the root)
     owner: Owner
     role: Role
-    route: str
+    route: Route
     offset: int = 0  # element offset inside the unit's packed buffer
     full: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -78,5 +78,5 @@ class DedicatedParam:
     def __repr__(self) -> str:
         return (
             f"DedicatedParam({self.fqn!r}, shape={tuple(self.shape)}, owner={tuple(self.owner)}, "
-            f"role={self.role.value}, route={self.route!r})"
+            f"role={self.role.value}, route={self.route.value!r})"
         )

@@ -26,20 +26,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
-__all__ = [
-    "ADAMW",
-    "MUON",
-    "GroupDefaults",
-    "RoutedParam",
-    "build_param_groups",
-]
+from dmuon_ownership import Route
 
-MUON = "muon"
-ADAMW = "adamw"
+__all__ = ["GroupDefaults", "RoutedParam", "build_param_groups"]
+
+# The two optimizers a group can run; a group dict's "optimizer" holds one of them.
+OPTIMIZERS = (Route.MUON, Route.ADAMW)
 
 _ROUTE_KEYS = ("dmuon_route", "dmuon_optimizer", "matrix_optimizer")
 _ALLOWED_KEYS = frozenset(
@@ -63,32 +59,8 @@ _ALLOWED_KEYS = frozenset(
 
 class _DedicatedLike(Protocol):
     fqn: str
-    route: str
+    route: Route
     shape: Any
-
-
-@dataclass(frozen=True)
-class GroupDefaults:
-    """Optimizer-wide hyperparameters, the values a user group does not override."""
-
-    lr: float
-    weight_decay: float
-    momentum: float
-    nesterov: bool
-    adamw_lr: float
-    adamw_betas: tuple[float, float]
-    adamw_eps: float
-    adamw_weight_decay: float
-
-
-@dataclass(frozen=True)
-class RoutedParam:
-    """A trainable parameter of the wrapped model and how the optimizer treats it."""
-
-    fqn: str
-    param: Tensor
-    optimizer: str  # MUON or ADAMW
-    dedicated: bool
 
 
 def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> float:
@@ -99,16 +71,66 @@ def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> floa
     return float(value)
 
 
+def _check_fraction(value: Any, key: str, where: str) -> float:
+    """A number in [0, 1): momentum and the AdamW betas."""
+    number = _check_number(value, key, where)
+    if number >= 1.0:
+        raise ValueError(f"{where}: {key} must lie in [0, 1), got {value!r}")
+    return number
+
+
 def _check_betas(value: Any, where: str) -> tuple[float, float]:
     if not isinstance(value, Sequence) or len(value) != 2:
         raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {value!r}")
-    b1, b2 = (_check_number(v, "adamw_betas", where) for v in value)
-    if not (b1 < 1.0 and b2 < 1.0):
-        raise ValueError(f"{where}: adamw_betas must lie in [0, 1), got {value!r}")
-    return (b1, b2)
+    return (
+        _check_fraction(value[0], "adamw_betas[0]", where),
+        _check_fraction(value[1], "adamw_betas[1]", where),
+    )
 
 
-def _forced_route(group: Mapping[str, Any], where: str) -> str | None:
+@dataclass(frozen=True)
+class GroupDefaults:
+    """Optimizer-wide hyperparameters, the values a user group does not override; validated
+    at construction (a bad value raises ``ValueError`` naming the argument)."""
+
+    lr: float = 0.02
+    weight_decay: float = 0.0
+    momentum: float = 0.95
+    nesterov: bool = True
+    adamw_lr: float = 1e-3
+    adamw_betas: tuple[float, float] = (0.9, 0.999)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        where = "Muon"
+        for key in ("lr", "weight_decay", "adamw_lr", "adamw_eps", "adamw_weight_decay"):
+            object.__setattr__(self, key, _check_number(getattr(self, key), key, where))
+        object.__setattr__(self, "momentum", _check_fraction(self.momentum, "momentum", where))
+        object.__setattr__(self, "adamw_betas", _check_betas(self.adamw_betas, where))
+        object.__setattr__(self, "nesterov", bool(self.nesterov))
+
+
+@dataclass(frozen=True)
+class RoutedParam:
+    """A trainable parameter of the wrapped model and the optimizer that steps it."""
+
+    fqn: str
+    param: Tensor
+    optimizer: Route  # Route.MUON or Route.ADAMW
+    dedicated: bool
+
+
+class _UserGroup(NamedTuple):
+    """One entry of ``param_groups`` after parsing."""
+
+    position: int  # index in ``param_groups``
+    name: str | None
+    options: Mapping[str, Any]
+    params: list[RoutedParam]
+
+
+def _forced_route(group: Mapping[str, Any], where: str) -> Route | None:
     given = {k: group[k] for k in _ROUTE_KEYS if k in group}
     if not given:
         return None
@@ -116,28 +138,24 @@ def _forced_route(group: Mapping[str, Any], where: str) -> str | None:
     if len(values) != 1:
         raise ValueError(f"{where}: {sorted(given)} disagree ({given}); set only one of them")
     route = values.pop()
-    if route not in (MUON, ADAMW):
+    if route not in OPTIMIZERS:
         raise ValueError(
             f"{where}: {next(iter(given))}={route!r} is not a route the optimizer can force;"
             f" use 'muon' or 'adamw' (communication routes are set by dedicate_params' param_policy)"
         )
-    return route
-
-
-def _describe(fqn: str, dedicated: Mapping[int, _DedicatedLike], p: Tensor) -> str:
-    dp = dedicated.get(id(p))
-    shape = tuple(dp.shape) if dp is not None else tuple(p.shape)
-    return f"{fqn!r} {shape}"
+    return Route(route)
 
 
 def _route_of(
-    fqn: str, p: Tensor, dedicated: Mapping[int, _DedicatedLike], forced: str | None, where: str
+    fqn: str, p: Tensor, dedicated: Mapping[int, _DedicatedLike], forced: Route | None, where: str
 ) -> RoutedParam:
     dp = dedicated.get(id(p))
     if dp is None:
-        return RoutedParam(fqn, p, ADAMW, dedicated=False)
-    route = forced if forced is not None else (MUON if dp.route == MUON else ADAMW)
-    if route == MUON and len(tuple(dp.shape)) != 2:
+        return RoutedParam(fqn, p, Route.ADAMW, dedicated=False)
+    route = (
+        forced if forced is not None else (Route.MUON if dp.route is Route.MUON else Route.ADAMW)
+    )
+    if route is Route.MUON and len(tuple(dp.shape)) != 2:
         raise ValueError(
             f"{where}: forces route 'muon' on {fqn!r} of shape {tuple(dp.shape)}, but Muon needs"
             " a 2-D matrix; move this parameter to a group without a route override"
@@ -167,41 +185,24 @@ def _user_params(group: Mapping[str, Any], where: str) -> list[tuple[str | None,
     return out
 
 
-def build_param_groups(
-    named_params: Iterable[tuple[str, Tensor]],
+def _describe(fqn: str, dedicated: Mapping[int, _DedicatedLike], p: Tensor) -> str:
+    dp = dedicated.get(id(p))
+    shape = tuple(dp.shape) if dp is not None else tuple(p.shape)
+    return f"{fqn!r} {shape}"
+
+
+def _parse_groups(
+    user_groups: Sequence[Mapping[str, Any]],
+    trainable: Mapping[int, tuple[str, Tensor]],
     dedicated: Mapping[int, _DedicatedLike],
-    user_groups: Sequence[Mapping[str, Any]] | None,
-    defaults: GroupDefaults,
-) -> list[dict[str, Any]]:
-    """The optimizer's param groups: ``muon`` and ``adamw`` without user groups, otherwise
-    ``<name>/muon`` and ``<name>/adamw`` per user group (see [Note: what a user group decides]).
-
-    ``named_params`` are the wrapped model's parameters (``model.named_parameters()``);
-    ``dedicated`` maps ``id(param)`` of each dedicated parameter to its ``DedicatedParam``.
-    Each returned dict holds ``params``, ``param_names`` (FQNs), ``group_name``, ``optimizer``
-    (``"muon"``/``"adamw"``) and that optimizer's hyperparameters.
-    """
-    trainable: dict[int, tuple[str, Tensor]] = {}
-    for fqn, p in named_params:
-        if p.requires_grad and id(p) not in trainable:
-            trainable[id(p)] = (fqn, p)
-
-    is_default = user_groups is None
-    if user_groups is None:
-        user_groups = [{"params": [p for _, p in trainable.values()]}]
-    elif isinstance(user_groups, Mapping) or not isinstance(user_groups, Sequence):
-        raise ValueError(
-            "param_groups must be a list of dicts like"
-            " [{'params': [...], 'group_name': 'base', 'lr': ...}], got"
-            f" {type(user_groups).__name__}"
-        )
-    elif len(user_groups) == 0:
-        raise ValueError("param_groups is empty; pass None for the default groups or list groups")
-
+) -> tuple[list[_UserGroup], list[tuple[str, str | None, Tensor]]]:
+    """Each user group's name, options and routed parameters (in group order), and the
+    tensors that are not trainable parameters of the model (``(where, given name, tensor)``).
+    Raises on a malformed group or a parameter listed twice."""
     seen: dict[int, str] = {}
     names: set[str] = set()
     stale: list[tuple[str, str | None, Tensor]] = []
-    parsed: list[tuple[str | None, Mapping[str, Any], list[RoutedParam]]] = []
+    parsed: list[_UserGroup] = []
     for index, group in enumerate(user_groups):
         if not isinstance(group, Mapping):
             raise ValueError(f"param_groups[{index}] must be a dict, got {type(group).__name__}")
@@ -224,10 +225,9 @@ def build_param_groups(
         for given_name, p in _user_params(group, where):
             entry = trainable.get(id(p))
             if entry is None:
-                if not p.requires_grad:
-                    continue  # frozen parameters are never stepped
-                stale.append((where, given_name, p))
-                continue
+                if p.requires_grad:
+                    stale.append((where, given_name, p))
+                continue  # frozen parameters are never stepped
             fqn = entry[0]
             if id(p) in seen:
                 raise ValueError(
@@ -236,17 +236,27 @@ def build_param_groups(
                 )
             seen[id(p)] = where
             routed.append(_route_of(fqn, p, dedicated, forced, where))
-        parsed.append((name, group, routed))
+        parsed.append(_UserGroup(index, name, group, routed))
+    return parsed, stale
 
-    missing = [fqn for key, (fqn, _) in trainable.items() if key not in seen]
+
+def _check_coverage(
+    parsed: Sequence[_UserGroup],
+    stale: Sequence[tuple[str, str | None, Tensor]],
+    trainable: Mapping[int, tuple[str, Tensor]],
+    dedicated: Mapping[int, _DedicatedLike],
+) -> None:
+    """Every group tensor is a parameter of the model and every trainable parameter is in a
+    group; see [Note: validating against the wrapped model]."""
+    covered = {id(r.param) for group in parsed for r in group.params}
+    uncovered = [(key, fqn, q) for key, (fqn, q) in trainable.items() if key not in covered]
     if stale:
         where, given_name, p = stale[0]
         shape = tuple(p.shape)
         candidates = [
             _describe(fqn, dedicated, q)
-            for key, (fqn, q) in trainable.items()
-            if key not in seen
-            and tuple(dedicated[key].shape if key in dedicated else q.shape) == shape
+            for key, fqn, q in uncovered
+            if tuple(dedicated[key].shape if key in dedicated else q.shape) == shape
         ]
         label = f"{given_name!r}" if given_name is not None else f"a tensor of shape {shape}"
         hint = (
@@ -257,7 +267,8 @@ def build_param_groups(
             " build param_groups from model.named_parameters() after dedicate_params() and"
             " fully_shard()"
         )
-    if missing:
+    if uncovered:
+        missing = [fqn for _, fqn, _ in uncovered]
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(
@@ -266,40 +277,92 @@ def build_param_groups(
             " requires_grad=False to freeze them)"
         )
 
-    out: list[dict[str, Any]] = []
-    for index, (name, group, routed) in enumerate(parsed):
-        where = f"param_groups[{index}]"
-        base = "" if is_default else f"{name if name is not None else f'group{index}'}/"
-        lr = group.get("lr")
-        wd = group.get("weight_decay")
-        muon_lr = group.get("muon_lr", lr if lr is not None else defaults.lr)
-        adamw_lr = group.get("adamw_lr", lr if lr is not None else defaults.adamw_lr)
-        muon_wd = group.get("muon_weight_decay", wd if wd is not None else defaults.weight_decay)
-        adamw_wd = group.get(
-            "adamw_weight_decay", wd if wd is not None else defaults.adamw_weight_decay
+
+def _split_by_route(
+    group: _UserGroup, defaults: GroupDefaults, prefix: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``<prefix>muon`` and ``<prefix>adamw`` optimizer groups of one user group."""
+    options, where = group.options, f"param_groups[{group.position}]"
+    lr = options.get("lr")
+    wd = options.get("weight_decay")
+
+    def subgroup(route: Route, **hyper: Any) -> dict[str, Any]:
+        members = [r for r in group.params if r.optimizer is route]
+        return {
+            "params": [r.param for r in members],
+            "param_names": [r.fqn for r in members],
+            "group_name": f"{prefix}{route.value}",
+            "optimizer": route,
+            **hyper,
+        }
+
+    muon = subgroup(
+        Route.MUON,
+        lr=_check_number(
+            options.get("muon_lr", defaults.lr if lr is None else lr), "muon_lr", where
+        ),
+        weight_decay=_check_number(
+            options.get("muon_weight_decay", defaults.weight_decay if wd is None else wd),
+            "muon_weight_decay",
+            where,
+        ),
+        momentum=_check_fraction(options.get("momentum", defaults.momentum), "momentum", where),
+        nesterov=bool(options.get("nesterov", defaults.nesterov)),
+    )
+    adamw = subgroup(
+        Route.ADAMW,
+        lr=_check_number(
+            options.get("adamw_lr", defaults.adamw_lr if lr is None else lr), "adamw_lr", where
+        ),
+        weight_decay=_check_number(
+            options.get("adamw_weight_decay", defaults.adamw_weight_decay if wd is None else wd),
+            "adamw_weight_decay",
+            where,
+        ),
+        betas=_check_betas(options.get("adamw_betas", defaults.adamw_betas), where),
+        eps=_check_number(options.get("adamw_eps", defaults.adamw_eps), "adamw_eps", where),
+    )
+    return muon, adamw
+
+
+def build_param_groups(
+    named_params: Iterable[tuple[str, Tensor]],
+    dedicated: Mapping[int, _DedicatedLike],
+    user_groups: Sequence[Mapping[str, Any]] | None,
+    defaults: GroupDefaults,
+) -> list[dict[str, Any]]:
+    """The optimizer's param groups: ``muon`` and ``adamw`` without user groups, otherwise
+    ``<name>/muon`` and ``<name>/adamw`` per user group (see [Note: what a user group decides]).
+
+    ``named_params`` are the wrapped model's parameters (``model.named_parameters()``);
+    ``dedicated`` maps ``id(param)`` of each dedicated parameter to its ``DedicatedParam``.
+    Each returned dict holds ``params``, ``param_names`` (FQNs), ``group_name``, ``optimizer``
+    (``Route.MUON``/``Route.ADAMW``) and that optimizer's hyperparameters.
+    """
+    trainable: dict[int, tuple[str, Tensor]] = {}
+    for fqn, p in named_params:
+        if p.requires_grad and id(p) not in trainable:
+            trainable[id(p)] = (fqn, p)
+
+    is_default = user_groups is None
+    if user_groups is None:
+        user_groups = [{"params": [p for _, p in trainable.values()]}]
+    elif isinstance(user_groups, Mapping) or not isinstance(user_groups, Sequence):
+        raise ValueError(
+            "param_groups must be a list of dicts like"
+            " [{'params': [...], 'group_name': 'base', 'lr': ...}], got"
+            f" {type(user_groups).__name__}"
         )
-        momentum = _check_number(group.get("momentum", defaults.momentum), "momentum", where)
-        if momentum >= 1.0:
-            raise ValueError(f"{where}: momentum must lie in [0, 1), got {momentum}")
-        muon_group = {
-            "params": [r.param for r in routed if r.optimizer == MUON],
-            "param_names": [r.fqn for r in routed if r.optimizer == MUON],
-            "group_name": f"{base}{MUON}",
-            "optimizer": MUON,
-            "lr": _check_number(muon_lr, "muon_lr", where),
-            "weight_decay": _check_number(muon_wd, "muon_weight_decay", where),
-            "momentum": momentum,
-            "nesterov": bool(group.get("nesterov", defaults.nesterov)),
-        }
-        adamw_group = {
-            "params": [r.param for r in routed if r.optimizer == ADAMW],
-            "param_names": [r.fqn for r in routed if r.optimizer == ADAMW],
-            "group_name": f"{base}{ADAMW}",
-            "optimizer": ADAMW,
-            "lr": _check_number(adamw_lr, "adamw_lr", where),
-            "weight_decay": _check_number(adamw_wd, "adamw_weight_decay", where),
-            "betas": _check_betas(group.get("adamw_betas", defaults.adamw_betas), where),
-            "eps": _check_number(group.get("adamw_eps", defaults.adamw_eps), "adamw_eps", where),
-        }
-        out += [muon_group, adamw_group]
+    elif len(user_groups) == 0:
+        raise ValueError("param_groups is empty; pass None for the default groups or list groups")
+
+    parsed, stale = _parse_groups(user_groups, trainable, dedicated)
+    _check_coverage(parsed, stale, trainable, dedicated)
+    out: list[dict[str, Any]] = []
+    for group in parsed:
+        if is_default:
+            prefix = ""
+        else:
+            prefix = f"{group.name if group.name is not None else f'group{group.position}'}/"
+        out.extend(_split_by_route(group, defaults, prefix))
     return out

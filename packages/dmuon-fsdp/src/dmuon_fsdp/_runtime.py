@@ -2,9 +2,9 @@
 
 The optimizer, checkpoint and diagnostics talk to the runtime only through the surface
 listed in ARCHITECTURE.md ("dmuon-fsdp inside"): ``params``, ``owned``, ``coord``,
-``world_group``, ``global_rank``, ``wait_all_reduces``, ``after_step`` and ``drain``. Hooks
-(:mod:`._hooks`) drive the per-step collectives; this object keeps what outlives one hook:
-the queue of gradient reductions and the HSDP publishes.
+``world_group``, ``global_rank``, ``wait_all_reduces``, ``after_step`` and ``drain``. It owns
+the groups (:mod:`._group`), the queue of pending gradient reductions
+(:class:`~._collectives.ReduceQueue`) and the hooks (:mod:`._hooks`), which are handed both.
 
 [Note: the step protocol]
 
@@ -24,8 +24,6 @@ the queue of gradient reductions and the HSDP publishes.
 from __future__ import annotations
 
 import logging
-from collections import deque
-from dataclasses import dataclass
 
 from torch import nn
 from torch.autograd.profiler import record_function
@@ -33,30 +31,19 @@ from torch.distributed import ProcessGroup
 
 from dmuon_ownership import Owner, Plan
 
-from ._collectives import CommCounter
-from ._comm import DedicatedCommContext, ProcessGroupPolicy
-from ._group import DedicatedGroup, GroupState, Pack, PendingReduce, finish_reduce, issue_stage2
+from ._collectives import ReduceQueue
+from ._comm import CommCounter, DedicatedCommContext
+from ._config import DedicateConfig
+from ._group import DedicatedGroup
+from ._hooks import BoundaryHooks
 from ._mesh import MeshLayout
 from ._param import DedicatedParam
 
-__all__ = ["DedicateConfig", "DedicatedRuntime", "get_runtime"]
+__all__ = ["DedicatedRuntime", "get_runtime"]
 
 logger = logging.getLogger(__name__)
 
 RUNTIME_ATTR = "_dmuon_runtime"
-
-
-@dataclass(frozen=True)
-class DedicateConfig:
-    """The options of :func:`dedicate_params` that shape the runtime."""
-
-    reshard_after_forward: bool = True
-    hook_boundary_strict: bool = True
-    process_group_policy: ProcessGroupPolicy = ProcessGroupPolicy.ISOLATED
-    small_param_threshold: int = 5_000_000
-    # Drain and barrier every dmuon group at the end of ``after_step``: for diagnosing
-    # ordering problems only, it removes the cross-step overlap (never for benchmarks).
-    debug_fence: bool = False
 
 
 class DedicatedRuntime:
@@ -64,7 +51,6 @@ class DedicatedRuntime:
 
     def __init__(
         self,
-        model: nn.Module,
         config: DedicateConfig,
         layout: MeshLayout,
         comm: DedicatedCommContext,
@@ -79,20 +65,13 @@ class DedicatedRuntime:
         self.params = params
         self.groups = groups
         self.owned = [dp for dp in params if dp.is_owner]
-        # Whether backward reduces gradients (False inside ``no_sync``).
-        self.sync_grads = True
-        self._reduces: deque[PendingReduce] = deque()
-        self._group_of: dict[int, DedicatedGroup] = {}
-        self._pack_of: dict[int, Pack] = {}
-        for group in groups:
-            for pack in group.packs:
-                for dp in pack.params:
-                    self._group_of[id(dp)] = group
-                    self._pack_of[id(dp)] = pack
-        self._model_ref = model
-        from ._hooks import BoundaryHooks  # hooks need the runtime; avoid an import cycle
-
-        self.hooks = BoundaryHooks(self)
+        self.reduce_queue = ReduceQueue(comm)
+        self.hooks = BoundaryHooks(
+            groups,
+            params,
+            self.reduce_queue,
+            reshard_after_forward=config.reshard_after_forward,
+        )
 
     # -- the contract surface ------------------------------------------------------------------
 
@@ -115,20 +94,25 @@ class DedicatedRuntime:
     def global_rank(self, owner: Owner) -> int:
         return self.layout.global_rank(owner)
 
-    def group_of(self, dp: DedicatedParam) -> DedicatedGroup:
-        return self._group_of[id(dp)]
+    @property
+    def requires_gradient_sync(self) -> bool:
+        return self.hooks.requires_gradient_sync
 
-    def pack_of(self, dp: DedicatedParam) -> Pack:
-        return self._pack_of[id(dp)]
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Whether the next backward passes reduce dedicated gradients to their owners
+        (``False``: accumulate locally, as ``no_sync`` does; the next synced backward reduces
+        the sum). Mirrors FSDP2's ``FSDPModule.set_requires_gradient_sync``."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}"
+            )
+        self.hooks.requires_gradient_sync = requires_gradient_sync
 
     def wait_all_reduces(self) -> None:
         """Block (CPU) or order the current stream (CUDA) until every owned gradient is final;
         also waits for pending publishes, whose source the optimizer is about to overwrite."""
         with record_function("dmuon::wait_reduces"):
-            self._advance_stage2(block=True)
-            divisor = self.layout.world_size
-            while self._reduces:
-                finish_reduce(self._reduces.popleft(), divisor)
+            self.reduce_queue.wait_all()
             self.wait_all_replicate_broadcasts()
 
     def after_step(self, async_: bool = True) -> None:
@@ -136,10 +120,7 @@ class DedicatedRuntime:
         the owners' packs to their replicate peers (``async_``: waited at the next forward)."""
         with record_function("dmuon::after_step"):
             for group in self.groups:
-                if group.state is GroupState.BROADCASTING:
-                    group.to_ready()
-                if group.state is GroupState.READY:
-                    group.to_freed()
+                group.reshard()
             if self.layout.is_hsdp:
                 with record_function("dmuon::publish"):
                     for group in self.groups:
@@ -154,43 +135,12 @@ class DedicatedRuntime:
         """Wait for every collective dmuon has in flight."""
         with record_function("dmuon::drain"):
             for group in self.groups:
-                if group.state is GroupState.BROADCASTING:
-                    group.to_ready()
+                group.wait_for_unshard()
             self.wait_all_reduces()
 
     def wait_all_replicate_broadcasts(self) -> None:
         for group in self.groups:
-            group.wait_publishes()
-
-    # -- gradient reduction, called by the hooks ---------------------------------------------
-
-    def launch_reduce(self, group: DedicatedGroup, pack: Pack) -> None:
-        with record_function("dmuon::reduce"):
-            if self.layout.world_size == 1:
-                group.keep_local_grads(pack)
-                return
-            self._reduces.append(group.reduce_pack(pack))
-            self._advance_stage2(block=False)
-
-    def _advance_stage2(self, block: bool) -> None:
-        """Issue the replicate-axis stage of queued reductions, in FIFO order.
-
-        The issue points are deterministic (never "when the shard stage happens to be done"),
-        so every member of a replicate group issues the same sequence even when that group is
-        shared with FSDP2 (``process_group_policy="shared"``): without ``block`` every queued
-        reduction but the newest gets its second stage (its shard stage was issued one pack
-        earlier, so waiting for it rarely blocks on CPU and never blocks the host on CUDA);
-        with ``block`` all of them do.
-        """
-        queued = [p for p in self._reduces if p.needs_stage2 and p.stage2 is None]
-        if not block:
-            queued = queued[:-1]
-        for pending in queued:
-            issue_stage2(self.comm_ctx, pending)
-
-    def finish_backward(self) -> None:
-        """End of a backward pass: on CPU, issue every replicate stage still waiting."""
-        self._advance_stage2(block=True)
+            group.wait_for_publish()
 
     def remove(self) -> None:
         """Remove every hook (the parameters keep their current storage)."""
