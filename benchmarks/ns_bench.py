@@ -5,7 +5,7 @@ gram-newton-schulz with quack kernels, in one run, plus each one's error against
     python benchmarks/ns_bench.py --shapes 1024x4096 32x1024x4096 --out /tmp/ns
 
 Needs a CUDA device; the ``quack`` and gram-newton-schulz columns need quack-kernels and
-gram-newton-schulz importable (the GPU machine gets them from ../shared/tools/gpu-wheels.sh).
+gram-newton-schulz importable (on the GPU machine, staged from wheels carried with the checkout).
 Inputs are random bf16 Gaussians. Times are medians of ``triton.testing.do_bench`` (CUDA
 events, L2 flushed between runs) after a first, untimed call that compiles and autotunes,
 taken in ``--rounds`` interleaved rounds (each in a rotated method order) and reduced to the

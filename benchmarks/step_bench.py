@@ -1,6 +1,6 @@
 """One training iteration of a Llama-style stack on one GPU: AdamW, torch.optim.Muon, dmuon.
 
-    python benchmarks/step_bench.py                         # both configs of ../shared/GPU.md
+    python benchmarks/step_bench.py                         # both configs (2048x8192x16, 4096x14336x8)
     python benchmarks/step_bench.py --config 4096x14336x8   # one of them
     python benchmarks/step_bench.py --device cpu --config tiny --iters 2   # smoke test, no GPU
 

@@ -131,7 +131,7 @@ def muon_numel(model: nn.Module) -> int:
 
 
 def shard_layers_then_root(model: nn.Module, mesh: DeviceMesh) -> None:
-    """``fully_shard`` each of ``model.layers``, then the root: the SPEC's order, after
+    """``fully_shard`` each of ``model.layers``, then the root: the required order, after
     ``dedicate_params``."""
     for layer in model.layers:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh)

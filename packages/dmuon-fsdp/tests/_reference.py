@@ -1,5 +1,5 @@
 """A single-process reference for the distributed optimizer tests: a plain model, the Muon
-math of SPEC section 3 written out per matrix on the full gradient (dmuon-ns for NS, one call
+Muon math (momentum, Nesterov, NS, Moonlight lr scaling, decoupled decay) written out per matrix on the full gradient (dmuon-ns for NS, one call
 per matrix), and ``torch.optim.AdamW`` for every other parameter. It shares no code with
 ``dmuon_fsdp``: a bug in the optimizer's batching, lr scaling, momentum or routing shows up as
 a loss mismatch.

@@ -1,4 +1,4 @@
-"""Every misuse of dedicate_params that SPEC section 5 lists gets an error naming the fix."""
+"""Every misuse of dedicate_params gets an error naming the argument or module and the fix."""
 
 from __future__ import annotations
 

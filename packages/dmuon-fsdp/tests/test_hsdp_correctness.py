@@ -1,5 +1,5 @@
 """HSDP (2 shards × 2 replicas) against the 1-D mesh of 4 over 10 SGD steps, async publish ==
-sync publish, Z2 == Z3, replicas equal to their owner, and bytes per axis == SPEC section 1."""
+sync publish, Z2 == Z3, replicas equal to their owner, and bytes per axis as ARCHITECTURE.md counts them."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_hsdp_matches_1d_async_sync_z2_z3_and_bytes() -> None:
             for name, value in result.replicas.items():
                 assert torch.equal(value, weights[key][name]), (key, name)
 
-    # Bytes (SPEC section 1): each replicate row runs the shard-axis rounds (rows 0 and 1 are
+    # Bytes (ARCHITECTURE.md, bytes per step): each replicate row runs the shard-axis rounds (rows 0 and 1 are
     # ranks {0, 1} and {2, 3}); the replicate axis adds one reduce and one publish round, each
     # summing to P_M over the G replicate groups (the ranks of one row together).
     p_m = muon_numel(build(0)) * 4

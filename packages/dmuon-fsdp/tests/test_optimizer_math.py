@@ -48,6 +48,7 @@ def _our_muon_steps(params, grads_per_step, *, lr, momentum, nesterov, wd, scali
     [
         (True, "moonlight", "match_rms_adamw"),
         (False, "moonlight", "match_rms_adamw"),
+        (True, "original", "original"),
         (True, "spectral", "original"),
     ],
 )
@@ -98,7 +99,8 @@ def test_momentum_formulas():
 
 def test_lr_scale():
     assert lr_scale((64, 256), "moonlight") == pytest.approx(0.2 * 16)
-    assert lr_scale((256, 64), LrScaling.SPECTRAL) == pytest.approx(2.0)
+    assert lr_scale((256, 64), LrScaling.ORIGINAL) == pytest.approx(2.0)
+    assert LrScaling("spectral") is LrScaling.ORIGINAL  # the other common name
     assert lr_scale((64, 256), "spectral") == 1.0
     assert lr_scale((64, 256), "none") == 1.0
     with pytest.raises(ValueError, match="2-D shape"):

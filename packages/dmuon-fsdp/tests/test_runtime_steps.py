@@ -1,5 +1,5 @@
 """Several SGD steps through the 1-D runtime: matches a single process, Z2 == Z3 bit for bit,
-and the bytes issued per step equal SPEC section 1's formulas."""
+and the bytes issued per step equal the formulas of ARCHITECTURE.md (bytes per step)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_steps_match_reference_z2_equals_z3_and_bytes(world_size: int) -> None:
     )
     assert ref_losses[-1] < ref_losses[0]
 
-    # SPEC section 1: per step, every Muon element travels once per round.
+    # Per step, every Muon element travels once per round (ARCHITECTURE.md, bytes per step).
     p_m = muon_numel(build(0)) * 4  # float32 bytes
     n = world_size
     for rank_result in results:
@@ -53,7 +53,7 @@ def test_steps_match_reference_z2_equals_z3_and_bytes(world_size: int) -> None:
                 assert step_bytes["shard/reduce"] == p_m
                 assert step_bytes["replicate/reduce"] == 0
                 assert step_bytes["replicate/publish"] == 0
-                # Wire cost per rank, the numbers SPEC section 1 quotes: dmuon-Z2
+                # Wire cost per rank: dmuon-Z2
                 # 2(N-1)/N · P_M, dmuon-Z3 3(N-1)/N · P_M.
                 wire = (step_bytes["shard/broadcast"] + step_bytes["shard/reduce"]) * (n - 1) / n
                 assert wire == pytest.approx((broadcast_rounds + 1) * (n - 1) / n * p_m)

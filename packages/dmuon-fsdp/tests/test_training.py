@@ -8,9 +8,11 @@ import torch
 import torch.distributed as dist
 from _models import build, muon_predicate
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
-from _sgd_train import setup_model
+from _sgd_train import make_mesh, setup_model
+from torch.distributed.fsdp import fully_shard
 
-from dmuon_fsdp import Muon
+from dmuon_fsdp import Muon, dedicate_params, dedicated_params_of, uninstall_patch
+from dmuon_fsdp._fsdp_integration import is_installed
 from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
 
@@ -66,8 +68,29 @@ def counting_muon(model, hyper: Hyper = HYPER) -> tuple[Muon, CountingNS]:
     return Muon(model, ns_backend=counting, **kwargs), counting
 
 
-def _train_vs_reference(rank: int, world_size: int, reshard: bool):
-    model, runtime = setup_model(world_size, reshard=reshard)
+def _public_seam_model(world_size: int, reshard: bool):
+    """The tiny model wrapped through FSDP2's public seam only: no fully_shard patch,
+    ``ignored_params`` on every ``fully_shard`` call."""
+    uninstall_patch()
+    model = build(0)
+    mesh, _, _ = make_mesh(world_size, 1)
+    runtime = dedicate_params(
+        model, mesh, muon_predicate, reshard_after_forward=reshard, patch_fully_shard=False
+    )
+    assert not is_installed()
+    dedicated = dedicated_params_of(model)
+    assert dedicated == {dp.param for dp in runtime.params}
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+    return model, runtime
+
+
+def _train_vs_reference(rank: int, world_size: int, reshard: bool, public_seam: bool = False):
+    if public_seam:
+        model, runtime = _public_seam_model(world_size, reshard)
+    else:
+        model, runtime = setup_model(world_size, reshard=reshard)
     optimizer, counting = counting_muon(model)
     losses = train_steps(model, optimizer, rank, world_size, STEPS)
     owned_muon = sum(1 for dp in runtime.owned if dp.route == "muon")
@@ -80,12 +103,17 @@ def _train_vs_reference(rank: int, world_size: int, reshard: bool):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("world_size", "reshard", "rtol"),
-    [(1, True, 1e-4), (2, False, 2e-3), (4, True, 2e-3)],
-    ids=["w1-z3", "w2-z2", "w4-z3"],
+    ("world_size", "reshard", "rtol", "public_seam"),
+    [
+        (1, True, 1e-4, False),
+        (2, False, 2e-3, False),
+        (4, True, 2e-3, False),
+        (2, True, 2e-3, True),
+    ],
+    ids=["w1-z3", "w2-z2", "w4-z3", "w2-z3-ignored-params-no-patch"],
 )
-def test_losses_match_single_process_reference(world_size, reshard, rtol):
-    results = run_distributed(_train_vs_reference, world_size, reshard)
+def test_losses_match_single_process_reference(world_size, reshard, rtol, public_seam):
+    results = run_distributed(_train_vs_reference, world_size, reshard, public_seam)
     losses = results[0][0]
     ref = results[0][1]
     assert all(r[0] == losses for r in results), "ranks disagree on the global loss"

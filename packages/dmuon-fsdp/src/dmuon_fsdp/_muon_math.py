@@ -67,9 +67,14 @@ class LrScaling(StrEnum):
     # 0.2·√max(m, n): the update's RMS matches AdamW's, so AdamW learning rates carry over
     # (Moonlight, arXiv:2502.16982); torch.optim.Muon's "match_rms_adamw".
     MOONLIGHT = "moonlight"
-    # √max(1, m/n): Keller Jordan's original scaling; torch.optim.Muon's "original".
-    SPECTRAL = "spectral"
+    # √max(1, m/n): Keller Jordan's original scaling, torch.optim.Muon's "original" (also
+    # accepted under the name "spectral").
+    ORIGINAL = "original"
     NONE = "none"
+
+    @classmethod
+    def _missing_(cls, value: object) -> LrScaling | None:
+        return cls.ORIGINAL if value == "spectral" else None
 
 
 def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
@@ -80,7 +85,7 @@ def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
     scaling = LrScaling(scaling)
     if scaling is LrScaling.MOONLIGHT:
         return 0.2 * math.sqrt(max(m, n))
-    if scaling is LrScaling.SPECTRAL:
+    if scaling is LrScaling.ORIGINAL:
         return math.sqrt(max(1.0, m / n))
     return 1.0
 

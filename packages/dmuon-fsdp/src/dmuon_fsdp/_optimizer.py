@@ -78,11 +78,13 @@ class StepOptions:
     replicate_async: bool = True
 
     def __post_init__(self) -> None:
-        if self.lr_scaling not in LrScaling._value2member_map_:
+        try:
+            scaling = LrScaling(self.lr_scaling)
+        except ValueError:
             raise ValueError(
                 f"lr_scaling must be one of {[s.value for s in LrScaling]}, got {self.lr_scaling!r}"
-            )
-        object.__setattr__(self, "lr_scaling", LrScaling(self.lr_scaling))
+            ) from None
+        object.__setattr__(self, "lr_scaling", scaling)
         cap = self.ns_batch_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(
@@ -100,7 +102,7 @@ class Muon(torch.optim.Optimizer):
     (see :mod:`._param_groups`). Muon math: ``buf = momentum * buf + grad``; NS input
     ``grad + momentum * buf`` (Nesterov) or ``buf``; update ``NS(input)`` scaled by
     ``lr * s(m, n)`` with ``s`` from ``lr_scaling`` (``"moonlight"``: ``0.2·√max(m, n)``,
-    ``"spectral"``: ``√max(1, m/n)``, ``"none"``: 1); decoupled decay ``p *= 1 - lr * wd``
+    ``"original"``: ``√max(1, m/n)``, ``"none"``: 1); decoupled decay ``p *= 1 - lr * wd``
     before the update. Same-shape matrices share one NS call, up to ``ns_batch_bytes`` of input
     per call (``None``: one call per shape). AdamW matches ``torch.optim.AdamW``.
 

@@ -2,9 +2,10 @@
 
     import dmuon
     dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+    dedicated = dmuon.dedicated_params_of(model)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
 Every name comes from one of the four packages (``dmuon_fsdp``: the runtime and optimizer,
@@ -29,6 +30,7 @@ from dmuon_fsdp import (
     broadcast_all_updates_async,
     collect_forward_unshard_profile,
     dedicate_params,
+    dedicated_params_of,
     get_comm_ctx,
     get_dedicated_params,
     get_model_state_dict,
@@ -41,6 +43,7 @@ from dmuon_fsdp import (
     set_optimizer_state_dict,
     summarize_comm_plan,
     summarize_param_groups,
+    uninstall_patch,
     wait_all_reduces,
     wait_all_replicate_broadcasts,
 )
@@ -73,6 +76,7 @@ __all__ = [
     "clip_grad_norm_buckets_",
     "collect_forward_unshard_profile",
     "dedicate_params",
+    "dedicated_params_of",
     "direct_newton_schulz",
     "get_backend_status",
     "get_comm_ctx",
@@ -92,6 +96,7 @@ __all__ = [
     "summarize_comm_plan",
     "summarize_param_groups",
     "try_clip_optimizer_grad_norm_buckets_",
+    "uninstall_patch",
     "wait_all_reduces",
     "wait_all_replicate_broadcasts",
 ]
