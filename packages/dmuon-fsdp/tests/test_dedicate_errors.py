@@ -224,6 +224,7 @@ def test_install_patch_is_idempotent_and_only_touches_marked_params() -> None:
 
     from dmuon_fsdp import install_patch
     from dmuon_fsdp._fsdp_integration import is_installed
+    from dmuon_fsdp._guard import guard_parameter
 
     install_patch()
     first = (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states)
@@ -234,7 +235,7 @@ def test_install_patch_is_idempotent_and_only_touches_marked_params() -> None:
     # Nothing marked: the wrapped functions return exactly what FSDP2 would.
     params, _ = _fsdp_init._get_managed_states(list(model.modules()))
     assert len(params) == len(list(model.parameters()))
-    model.layers[0].mlp.up_proj.weight._dmuon_dedicated = True  # type: ignore[attr-defined]
+    guard_parameter(model.layers[0].mlp.up_proj.weight, "a dedicated test weight")
     params, _ = _fsdp_init._get_managed_states(list(model.modules()))
     assert all(p is not model.layers[0].mlp.up_proj.weight for p in params)
     assert len(params) == len(list(model.parameters())) - 1

@@ -107,6 +107,18 @@ def _shard_like(full: Tensor, like: Tensor) -> Tensor:
 # -- model ------------------------------------------------------------------------------------
 
 
+def _entries(model: nn.Module, runtime: DedicatedRuntime) -> list[tuple[str, Tensor, Any]]:
+    """``(key, value, DedicatedParam or None)`` for every entry of ``model.state_dict()``.
+    Values are the model's own tensors (``keep_vars``: nothing is read yet, which a peer could
+    not do for a dedicated weight), and a weight registered under two keys (tied) is found by
+    identity under both."""
+    dedicated = {id(dp.param): dp for dp in runtime.params}
+    return [
+        (key, value, dedicated.get(id(value)))
+        for key, value in model.state_dict(keep_vars=True).items()
+    ]
+
+
 def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str, Tensor]:
     """``{fqn: full tensor}`` for every entry of ``model.state_dict()``; collective.
 
@@ -114,24 +126,14 @@ def get_model_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_get_model"):
         runtime.drain()
-        dedicated = {dp.fqn: dp for dp in runtime.params}
         out: dict[str, Tensor] = {}
-        for key, value in model.state_dict().items():
-            dp = dedicated.get(key)
+        for key, value, dp in _entries(model, runtime):
             if dp is not None:
                 full = _broadcast_from_owner(runtime, dp, dp.full, dp.shape, dp.dtype)
             else:
                 full = _to_full(value)
             out[key] = _offload(full, cpu_offload)
         return out
-
-
-def _expected_model_shapes(model: nn.Module, runtime: DedicatedRuntime) -> dict[str, tuple]:
-    dedicated = {dp.fqn: dp for dp in runtime.params}
-    return {
-        key: tuple(dedicated[key].shape if key in dedicated else value.shape)
-        for key, value in model.state_dict().items()
-    }
 
 
 def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> None:
@@ -145,10 +147,10 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> 
             raise ValueError(
                 f"state_dict must be a mapping fqn -> tensor, got {type(state_dict).__name__}"
             )
-        current = model.state_dict()
-        shapes = _expected_model_shapes(model, runtime)
-        missing = [k for k in current if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in current]
+        entries = _entries(model, runtime)
+        keys = [key for key, _, _ in entries]
+        missing = [k for k in keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in set(keys)]
         if missing or unexpected:
             raise _keys_error(
                 "set_model_state_dict",
@@ -157,21 +159,21 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> 
                 "the checkpoint must hold exactly the keys of model.state_dict() (same model"
                 " definition; take it with dmuon.get_model_state_dict)",
             )
-        for key, value in state_dict.items():
+        for key, target, dp in entries:
+            value = state_dict[key]
             if not isinstance(value, Tensor):
                 raise ValueError(
                     f"set_model_state_dict: {key!r} holds a {type(value).__name__}, not a tensor"
                 )
-            if tuple(value.shape) != shapes[key]:
+            expected = tuple(dp.shape if dp is not None else target.shape)
+            if tuple(value.shape) != expected:
                 raise ValueError(
                     f"set_model_state_dict: {key!r} has shape {tuple(value.shape)} but the model"
-                    f" expects {shapes[key]}; the checkpoint is from a different model definition"
+                    f" expects {expected}; the checkpoint is from a different model definition"
                 )
-        dedicated = {dp.fqn: dp for dp in runtime.params}
         with torch.no_grad():
-            for key, target in current.items():
+            for key, target, dp in entries:
                 value = state_dict[key]
-                dp = dedicated.get(key)
                 if dp is not None:
                     if dp.full is not None:
                         dp.full.copy_(value)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -52,8 +53,9 @@ from ._comm import DedicatedCommContext
 from ._config import BoundaryPredicate, DedicateConfig
 from ._fsdp_integration import check_call_order, install_patch
 from ._group import DedicatedGroup
+from ._guard import guard_parameter, is_dedicated, refuse_ddp
 from ._mesh import MeshLayout, all_gather_ints, resolve_layout
-from ._param import DEDICATED_ATTR, DedicatedParam, Role
+from ._param import DedicatedParam, Role
 from ._runtime import RUNTIME_ATTR, DedicatedRuntime
 
 __all__ = ["dedicate_params"]
@@ -117,14 +119,13 @@ def dedicate_params(
         debug_fence=debug_fence,
     )
     policy = validate_param_policy(param_policy)
-    selected = [
-        (fqn, p) for fqn, p in model.named_parameters() if p.requires_grad and predicate(fqn, p)
-    ]
+    aliases = _aliases(model)
+    selected = _select(model, aliases, predicate)
     check_call_order(model, selected)
     layout = resolve_layout(mesh, replicate_mesh)
 
     modules = dict(model.named_modules())
-    items = _work_items(selected, policy, modules, config)
+    items = _work_items(selected, aliases, policy, modules, config)
     plan = plan_owners(
         items,
         layout.shard_size,
@@ -149,8 +150,49 @@ def dedicate_params(
     return runtime
 
 
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter, keyed by ``id``: a parameter registered on two modules (a
+    tied embedding and head, a block shared by two layers) has two names; the first is the
+    one ``named_parameters()`` and ``state_dict()`` order by."""
+    names: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(fqn)
+    return names
+
+
+def _select(
+    model: nn.Module, aliases: Mapping[int, list[str]], predicate: Predicate
+) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters ``predicate`` accepts under any of their names, by first name;
+    warns when it accepts none and raises when one is dedicated already."""
+    selected = [
+        (fqn, param)
+        for fqn, param in model.named_parameters()
+        if param.requires_grad and any(predicate(name, param) for name in aliases[id(param)])
+    ]
+    taken = [fqn for fqn, param in selected if is_dedicated(param)]
+    if taken:
+        raise RuntimeError(
+            f"dedicate_params selected {taken[:5]}, which an earlier dedicate_params call "
+            "already dedicated (on a module that contains them); call dedicate_params once, on "
+            "the whole model, with a predicate that selects every Muon matrix"
+        )
+    if not selected:
+        trainable = sum(1 for p in model.parameters() if p.requires_grad)
+        message = (
+            f"dedicate_params: the predicate selected none of the {trainable} trainable "
+            f"parameters of {type(model).__name__}, so dmuon will run no Muon step; check the "
+            "predicate against model.named_parameters() (e.g. lambda n, p: 'proj' in n and "
+            "p.ndim == 2)"
+        )
+        logger.warning(message)
+        warnings.warn(message, stacklevel=3)
+    return selected
+
+
 def _work_items(
     selected: list[tuple[str, nn.Parameter]],
+    aliases: Mapping[int, list[str]],
     policy: ParamPolicy,
     modules: Mapping[str, nn.Module],
     config: DedicateConfig,
@@ -163,9 +205,7 @@ def _work_items(
         if resolved.route is Route.SHARDED_ADAMW:
             continue
         _check_param(fqn, param, resolved)
-        boundary = _boundary_of(
-            fqn, modules, config.hook_boundary_predicate, config.hook_boundary_strict
-        )
+        boundary = _shared_boundary(aliases[id(param)], modules, config)
         items.append(
             WorkItem(fqn, tuple(param.shape), boundary, resolved.route, param.element_size())
         )
@@ -190,18 +230,29 @@ def _check_param(fqn: str, param: nn.Parameter, resolved: ResolvedPolicy) -> Non
             )
 
 
+def _is_default_boundary(name: str, modules: Mapping[str, nn.Module]) -> bool:
+    """A block of a layer stack: an item of an ``nn.ModuleList`` (``layers.3``, ``blocks.3``,
+    ``h.3``, ``encoder.layer.3``), or any module named ``layers.N`` / ``blocks.N``."""
+    if _LAYER_NAME.search(name):
+        return True
+    parent, _, last = name.rpartition(".")
+    return last.isdigit() and isinstance(modules.get(parent), nn.ModuleList)
+
+
 def _boundary_of(
-    fqn: str,
+    module: str,
+    what: str,
     modules: Mapping[str, nn.Module],
     predicate: BoundaryPredicate | None,
     strict: bool,
 ) -> str:
-    """The lowest ancestor module of parameter ``fqn`` that is a hook boundary."""
-    parts = fqn.split(".")[:-1]
+    """The lowest hook boundary among ``module`` and its ancestors (``what`` names the
+    parameter in the error raised in ``strict`` mode when there is none; otherwise the root)."""
+    parts = module.split(".") if module else []
     ancestors = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
     for name in ancestors:
         if predicate is None:
-            if _LAYER_NAME.search(name):
+            if _is_default_boundary(name, modules):
                 return name
         elif predicate(modules[name]):
             return name
@@ -209,15 +260,48 @@ def _boundary_of(
         rule = (
             "hook_boundary_predicate matches none of its ancestors"
             if predicate is not None
-            else "it has no 'layers.N' or 'blocks.N' ancestor"
+            else "it has no ancestor that is an item of a layer stack (an nn.ModuleList item "
+            "such as 'layers.N', 'blocks.N' or 'h.N')"
         )
         raise ValueError(
-            f"dedicated parameter {fqn!r} has no hook boundary: {rule} "
+            f"dedicated parameter {what} has no hook boundary: {rule} "
             f"({', '.join(repr(a) for a in ancestors)}); pass hook_boundary_predicate="
             "lambda m: ... that matches one of them, exclude the parameter in the predicate, "
             "or pass hook_boundary_strict=False to hook it at the root module"
         )
     return ""
+
+
+def _shared_boundary(
+    names: list[str], modules: Mapping[str, nn.Module], config: DedicateConfig
+) -> str:
+    """The hook boundary of a parameter registered under ``names``.
+
+    [Note: shared parameters] A parameter registered on modules of different boundaries (a
+    block shared by two layers, an embedding tied to the head) is hooked at the lowest
+    boundary that contains all of them, the root module at the latest: its weight is then
+    gathered for that boundary's whole forward and backward, so every use reads it. Such a
+    parameter never makes ``hook_boundary_strict`` raise, since each of its uses has a place.
+    """
+    predicate, strict = config.hook_boundary_predicate, config.hook_boundary_strict
+    paths = [name.split(".")[:-1] for name in names]
+    found = {
+        _boundary_of(".".join(path), repr(names[0]), modules, predicate, strict and len(names) == 1)
+        for path in paths
+    }
+    if len(found) == 1:
+        return found.pop()
+    common = ".".join(_common_prefix(paths))
+    return _boundary_of(common, repr(names[0]), modules, predicate, strict=False)
+
+
+def _common_prefix(paths: list[list[str]]) -> list[str]:
+    prefix: list[str] = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        prefix.append(parts[0])
+    return prefix
 
 
 def _check_fingerprint(plan: Plan, layout: MeshLayout) -> None:
@@ -269,7 +353,12 @@ def _build_groups(
                 role=role,
                 route=routes[fqn],
             )
-            setattr(param, DEDICATED_ATTR, True)
+            owner_rank = layout.global_rank(unit.owner)
+            guard_parameter(
+                param,
+                f"dedicated parameter {fqn!r} (owner: rank {owner_rank}; this rank "
+                f"{dist.get_rank()} is its {role.value})",
+            )
             params.append(dp)
             members[unit.boundary].setdefault((unit.owner, param.dtype), []).append(dp)
     groups = [
@@ -277,4 +366,15 @@ def _build_groups(
         for name in modules
         if name in members
     ]
+    for name in _ancestors_of({dp.fqn for dp in params}):
+        refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
     return params, groups
+
+
+def _ancestors_of(fqns: set[str]) -> set[str]:
+    """Every module name above the parameters ``fqns`` (the root ``""`` included)."""
+    found = {""}
+    for fqn in fqns:
+        parts = fqn.split(".")[:-1]
+        found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return found

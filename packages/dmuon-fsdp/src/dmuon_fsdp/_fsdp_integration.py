@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._param import DEDICATED_ATTR
+from ._guard import is_dedicated
 
 __all__ = [
     "check_call_order",
@@ -52,10 +52,6 @@ __all__ = [
 
 _TARGETS = ("_get_managed_modules", "_get_managed_states")
 _ORIGINAL_ATTR = "_dmuon_original"
-
-
-def is_dedicated(param: nn.Parameter) -> bool:
-    return bool(getattr(param, DEDICATED_ATTR, False))
 
 
 def dedicated_params_of(model: nn.Module) -> set[nn.Parameter]:

@@ -23,6 +23,7 @@ import torch
 
 from dmuon_ownership import Owner
 
+from ._guard import set_held
 from ._mesh import MeshLayout
 from ._param import DedicatedParam, Role
 
@@ -84,8 +85,12 @@ class Pack:
         storage = self.buffer.untyped_storage()
         if storage.size() != self.nbytes:
             storage.resize_(self.nbytes)
+        for dp in self.params:
+            set_held(dp.param, True)
 
     def free(self) -> None:
+        for dp in self.params:
+            set_held(dp.param, False)
         storage = self.buffer.untyped_storage()
         if storage.size() != 0:
             storage.resize_(0)

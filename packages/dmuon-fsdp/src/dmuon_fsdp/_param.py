@@ -26,9 +26,6 @@ from dmuon_ownership import Owner, Route
 
 __all__ = ["DedicatedParam", "Role"]
 
-# Marks a parameter dmuon manages; the FSDP2 integration excludes marked parameters.
-DEDICATED_ATTR = "_dmuon_dedicated"
-
 
 class Role(StrEnum):
     """This rank's relation to a parameter."""

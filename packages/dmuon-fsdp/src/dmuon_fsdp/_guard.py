@@ -1,0 +1,186 @@
+"""Reads of a dedicated weight where it is not held raise a clear error instead of crashing.
+
+[Note: reads on a peer]
+
+Between uses a peer's dedicated parameter keeps its full shape but its storage is resized to
+zero (see [Note: storage of a dedicated parameter] in :mod:`._param`). Any kernel that read it
+then would read out of bounds: ``p.norm()`` or ``parameters_to_vector`` crashed the process
+with SIGSEGV, ``print(p)`` and ``torch.save(model.state_dict())`` failed deep inside torch.
+
+So every dedicated parameter is a :class:`GuardedParameter`: the same object the module
+registered (its class is switched in place, so identity, names and ``isinstance(p,
+nn.Parameter)`` are unchanged), with a ``__torch_function__`` that, while the weight is not
+held on this rank, refuses every operation that would touch its storage and raises a
+``RuntimeError`` naming the parameter, its owner and the supported ways to read it. Metadata
+stays readable (shape, dtype, device, ``requires_grad``, ``.grad``, ``numel()``, hooks), and
+``repr(p)`` says where the weight lives instead of printing values. Reads during a layer's
+forward and backward, when the weight has been broadcast, and every read on the owner (and,
+in HSDP, on its replicas) run as on a plain parameter. The guard costs one Python call per
+operation on the parameter, the same order as ``nn.Parameter``'s own ``__torch_function__``
+handling.
+
+``DistributedDataParallel`` would broadcast and all-reduce the weights itself (and so read
+them on peers): every module above a dedicated parameter carries a
+``_ddp_params_and_buffers_to_ignore`` that raises when DDP reads it, on every rank alike, with
+a message that names dmuon's replicated path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch import nn
+from torch._C import _disabled_torch_function_impl
+
+__all__ = [
+    "GuardedParameter",
+    "NotHeldError",
+    "guard_parameter",
+    "is_dedicated",
+    "refuse_ddp",
+    "set_held",
+]
+
+# Tensor-valued properties: each returns a tensor aliasing the (absent) storage.
+_ALIASING_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+# Methods that read metadata only, or register hooks.
+_METADATA_METHODS = frozenset(
+    {
+        "numel",
+        "nelement",
+        "dim",
+        "ndimension",
+        "size",
+        "stride",
+        "storage_offset",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "is_signed",
+        "get_device",
+        "untyped_storage",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "requires_grad_",
+        "__len__",
+        "__hash__",
+    }
+)
+_ABSENT = "_dmuon_absent"
+_WHERE = "_dmuon_where"
+
+
+class NotHeldError(RuntimeError):
+    """A dedicated weight was read on a rank that does not hold it right now."""
+
+
+def _is_safe(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        descriptor = getattr(func, "__self__", None)
+        attribute = getattr(descriptor, "__name__", "")
+        return name == "__get__" and attribute not in _ALIASING_PROPERTIES
+    return name in _METADATA_METHODS
+
+
+def _absent_in(values: Iterable[Any]) -> GuardedParameter | None:
+    for value in values:
+        if isinstance(value, GuardedParameter) and value.__dict__.get(_ABSENT, False):
+            return value
+        if isinstance(value, list | tuple):
+            for item in value:
+                if isinstance(item, GuardedParameter) and item.__dict__.get(_ABSENT, False):
+                    return item
+    return None
+
+
+class GuardedParameter(nn.Parameter):
+    """The class of every dedicated ``nn.Parameter``; see [Note: reads on a peer]."""
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        # ``is None``, never truthiness: ``bool()`` of a tensor is itself an operation.
+        absent = _absent_in(args)
+        if absent is None:
+            absent = _absent_in(kwargs.values())
+        if absent is not None and not _is_safe(func):
+            raise NotHeldError(_message(absent, func))
+        return _disabled_torch_function_impl(func, types, args, kwargs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        if self.__dict__.get(_ABSENT, False):
+            return (
+                f"GuardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}: {self.__dict__.get(_WHERE, 'a dedicated weight')}, "
+                "not held on this rank between steps)"
+            )
+        return super().__repr__()
+
+
+def _message(param: GuardedParameter, func: Any) -> str:
+    what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    where = param.__dict__.get(_WHERE, "a dedicated parameter")
+    return (
+        f"{where} is not held on this rank right now (operation: {what}). dmuon keeps a "
+        "dedicated weight whole only on its owner; other ranks receive it for their layer's "
+        "forward and backward and free it afterwards. Read it with "
+        "dmuon.get_model_state_dict(model) (collective: call it on every rank), on its owner "
+        "through dmuon.get_owned_params(model, rank)[i].full, or inside the forward of its "
+        "layer. To replicate a dedicated model use dmuon.dedicate_params_ddp(...) + "
+        "dmuon.replicate(model, mesh) instead of DistributedDataParallel"
+    )
+
+
+def guard_parameter(param: nn.Parameter, where: str) -> None:
+    """Switch ``param`` (in place) to :class:`GuardedParameter`; ``where`` names it and its
+    owner in error messages."""
+    if type(param) is nn.Parameter:
+        param.__class__ = GuardedParameter
+    elif not isinstance(param, GuardedParameter):
+        raise TypeError(
+            f"{where}: dmuon can dedicate a plain nn.Parameter, not a {type(param).__name__}"
+        )
+    param.__dict__[_WHERE] = where
+    param.__dict__[_ABSENT] = False
+
+
+def is_dedicated(param: object) -> bool:
+    """Whether ``dedicate_params`` took ``param`` over."""
+    return isinstance(param, GuardedParameter)
+
+
+def set_held(param: nn.Parameter, held: bool) -> None:
+    """Record whether this rank holds ``param``'s weight now (a peer between uses does not)."""
+    if isinstance(param, GuardedParameter):
+        param.__dict__[_ABSENT] = not held
+
+
+class _RefuseDDP:
+    """The value of ``_ddp_params_and_buffers_to_ignore`` on a module that holds dedicated
+    parameters: DistributedDataParallel reads it first, on every rank, and fails here."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError(
+            f"DistributedDataParallel cannot wrap {self.where}: its dedicated parameters are "
+            "held whole only on their owner ranks, and DDP would broadcast and all-reduce them "
+            "on every rank. For replicated data parallelism with dmuon use "
+            "dmuon.dedicate_params_ddp(model, mesh, predicate) + dmuon.replicate(model, mesh); "
+            "for sharded, dedicate_params + fully_shard"
+        )
+
+
+def refuse_ddp(module: nn.Module, where: str) -> None:
+    """Make ``DistributedDataParallel(module)`` raise with a message naming dmuon's path."""
+    module._ddp_params_and_buffers_to_ignore = _RefuseDDP(where)  # type: ignore[assignment]
