@@ -23,6 +23,7 @@ import atexit
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -32,6 +33,7 @@ import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 45.0
 CALL_TIMEOUT_S = 300.0
+_POLL_S = 0.5
 
 _pools: dict[int, _Pool] = {}
 
@@ -89,15 +91,26 @@ class _Pool:
             inbox.put((fn, args, kwargs))
         results: list[Any] = [None] * self.world_size
         failures: list[str] = []
-        for _ in range(self.world_size):
+        deadline = time.monotonic() + timeout
+        answered = 0
+        while answered < self.world_size:
             try:
-                rank, ok, value = self._outbox.get(timeout=timeout)
+                rank, ok, value = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                raise DistributedTestError(
-                    f"{fn.__name__}: no answer from every rank within {timeout:.0f} s"
-                    f" (dead ranks: {dead}); failures so far:\n" + "\n".join(failures)
-                ) from None
+                # A rank that crashed (a segfault, say) never answers: fail now, not at the
+                # deadline, and say how it ended.
+                dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+                if dead or time.monotonic() > deadline:
+                    reason = (
+                        f"ranks {sorted(dead)} died (exit codes {list(dead.values())})"
+                        if dead
+                        else f"no answer from every rank within {timeout:.0f} s"
+                    )
+                    raise DistributedTestError(
+                        f"{fn.__name__}: {reason}; failures so far:\n" + "\n".join(failures)
+                    ) from None
+                continue
+            answered += 1
             if ok:
                 results[rank] = value
             else:

@@ -87,6 +87,8 @@ class TinyLlama(nn.Module):
         dim: int = DIM,
         hidden: int = HIDDEN,
         checkpoint: bool = False,
+        tie: bool = False,
+        share_mlp: bool = False,
     ) -> None:
         super().__init__()
         self.checkpoint = checkpoint  # non-reentrant activation checkpointing per layer
@@ -94,6 +96,11 @@ class TinyLlama(nn.Module):
         self.layers = nn.ModuleList(Block(dim, HEADS, hidden) for _ in range(n_layers))
         self.norm = RMSNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tie:  # one matrix for the embedding and the head (registered under both names)
+            self.lm_head.weight = self.embed_tokens.weight
+        if share_mlp:  # every layer calls layer 0's MLP
+            for layer in self.layers[1:]:
+                layer.mlp = self.layers[0].mlp
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed_tokens(tokens)
@@ -105,9 +112,15 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def build(seed: int = 0, n_layers: int = 2, checkpoint: bool = False) -> TinyLlama:
+def build(
+    seed: int = 0,
+    n_layers: int = 2,
+    checkpoint: bool = False,
+    tie: bool = False,
+    share_mlp: bool = False,
+) -> TinyLlama:
     torch.manual_seed(seed)
-    return TinyLlama(n_layers, checkpoint=checkpoint)
+    return TinyLlama(n_layers, checkpoint=checkpoint, tie=tie, share_mlp=share_mlp)
 
 
 def batch(step: int, rows: int, seq: int = SEQ, vocab: int = VOCAB) -> Tensor:

@@ -214,19 +214,30 @@ def _errors(rank: int, world_size: int):
     with pytest.raises(ValueError, match=r"Muon\(model, param_groups=\[\.\.\.\]\)"):
         optimizer.add_param_group({"params": []})
 
-    # Wrong call order: an optimizer built before fully_shard holds replaced parameters.
+    # Wrong call order: before fully_shard, the model's other parameters are unsynchronised.
+    early = build(0)
+    dedicate_params(early, mesh, muon_predicate)
+    with pytest.raises(ValueError, match=r"built before fully_shard.*-> Muon\(model\)"):
+        Muon(early)
+    return messages
+
+
+def _too_early_on_one_rank(rank: int, world_size: int) -> None:
+    # On one rank nothing needs synchronising, but an optimizer built before fully_shard holds
+    # the parameters FSDP2 then replaced: the first step says so.
+    mesh = init_device_mesh("cpu", (world_size,))
     early = build(0)
     dedicate_params(early, mesh, muon_predicate)
     too_early = Muon(early)
     shard_layers_then_root(early, mesh)
     with pytest.raises(ValueError, match=r"built before fully_shard.*-> Muon\(model\)"):
         too_early.step()
-    return messages
 
 
 @pytest.mark.distributed
 def test_bad_param_groups_raise_at_construction():
     run_distributed(_errors, 2)
+    run_distributed(_too_early_on_one_rank, 1)
 
 
 def _policy_routes(rank: int, world_size: int):

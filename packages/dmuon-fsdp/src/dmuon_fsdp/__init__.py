@@ -27,7 +27,7 @@ from ._diagnostics import (
 from ._fsdp_integration import dedicated_params_of, install_patch, uninstall_patch
 from ._muon_math import LrScaling
 from ._no_sync import no_sync
-from ._optimizer import Muon, MuonClipGrads, StepOptions
+from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
 from ._param import DedicatedParam, Role
 from ._runtime import DedicatedRuntime, get_runtime
 
@@ -42,6 +42,7 @@ __all__ = [
     "LrScaling",
     "Muon",
     "MuonClipGrads",
+    "MuonStepStats",
     "ProcessGroupPolicy",
     "Role",
     "StepOptions",

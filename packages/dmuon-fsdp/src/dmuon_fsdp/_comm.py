@@ -101,6 +101,47 @@ class ProcessGroupPolicy(StrEnum):
         )
 
 
+# Isolated groups per (default group, grid), made once per process; see the note below.
+_ISOLATED: dict[
+    tuple[object, ...], tuple[list[ProcessGroup], list[ProcessGroup], ProcessGroup]
+] = {}
+
+
+def _new_group(ranks: list[int]) -> ProcessGroup:
+    group = dist.new_group(ranks)
+    assert group is not None
+    return group
+
+
+def _isolated_groups(
+    layout: MeshLayout,
+) -> tuple[list[ProcessGroup], list[ProcessGroup], ProcessGroup]:
+    """dmuon's own process groups for ``layout``'s grid: one per replicate row, one per shard
+    column (HSDP), one over the grid.
+
+    [Note: isolated groups are made once] A process group holds communicators, threads and
+    sockets, and torch frees them only in ``destroy_process_group``, which is not safe to call
+    from a garbage-collected model (it must not race pending work). So the groups of a grid are
+    made on first use and kept while the default process group lives; a model rebuilt on the
+    same grid (sweeps, notebooks) reuses them, and two live models share them safely: each
+    issues its collectives in program order on every rank. Creation is collective
+    (``new_group`` is entered by every rank for every group, in the same order), and so is the
+    lookup: all ranks ask for the same grids in the same order, so they all find or all
+    create."""
+    key = (id(dist.distributed_c10d._get_default_group()), layout.is_hsdp, layout.rank_of)
+    found = _ISOLATED.get(key)
+    if found is None:
+        rows = [_new_group(list(layout.row(r))) for r in range(layout.replicate_size)]
+        cols = (
+            [_new_group(list(layout.column(s))) for s in range(layout.shard_size)]
+            if layout.is_hsdp
+            else []
+        )
+        world = _new_group(sorted(g for row in layout.rank_of for g in row))
+        found = _ISOLATED[key] = (rows, cols, world)
+    return found
+
+
 @dataclass(eq=False)
 class DedicatedCommContext:
     """Streams, groups and the byte counter of one dedicated runtime.
@@ -132,20 +173,17 @@ class DedicatedCommContext:
         be entered by every rank for every group, in the same order)."""
         coord = layout.coord
         if policy is ProcessGroupPolicy.ISOLATED:
-            rows = [dist.new_group(list(layout.row(r))) for r in range(layout.replicate_size)]
+            rows, cols, world_group = _isolated_groups(layout)
             shard_group = rows[coord.replicate]
-            replicate_group = None
-            if layout.is_hsdp:
-                cols = [dist.new_group(list(layout.column(s))) for s in range(layout.shard_size)]
-                replicate_group = cols[coord.shard]
-            world_group = dist.new_group(sorted(g for row in layout.rank_of for g in row))
+            replicate_group = cols[coord.shard] if layout.is_hsdp else None
         else:
             shard_group = layout.shard_mesh.get_group()
             replicate_group = (
                 None if layout.replicate_mesh is None else layout.replicate_mesh.get_group()
             )
-            world_group = dist.group.WORLD
-        assert world_group is not None
+            world = dist.group.WORLD
+            assert world is not None
+            world_group = world
         ctx = cls(layout, policy, shard_group, replicate_group, world_group)
         if layout.device.type == "cuda":
             high = -1  # the highest priority CUDA exposes through torch

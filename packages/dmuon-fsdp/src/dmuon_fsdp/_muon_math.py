@@ -22,6 +22,18 @@ matrix larger than the cap runs alone. Batching pays off for small matrices (lau
 which always fit; a ``(14336, 4096)`` matrix already fills the GPU on its own. ``None`` lifts
 the cap (exactly one call per shape).
 
+[Note: non-finite gradients]
+One NaN or infinity in any gradient would turn every weight it reaches non-finite: through NS
+a single bad element spreads over a whole matrix. So ``Muon.step`` first checks every gradient
+this rank is about to step with (torch.amp.GradScaler's fused check), takes the maximum over
+all ranks (one scalar all-reduce), and skips the whole step everywhere when it is set: the
+Muon update selects the old weight and momentum (``torch.where``, one matrix at a time), and
+AdamW runs torch's fused kernel with that ``found_inf``, which leaves parameters, moments and
+step counts untouched. The decision never leaves the device (no host sync, as with
+GradScaler and a fused optimizer); the skip is counted in ``Muon.last_step_stats``. With a
+finite gradient the result is bit for bit the unchecked step's, except that AdamW runs torch's
+fused kernel rather than its default one. ``Muon(skip_nonfinite=False)`` turns the check off.
+
 [Note: momentum convention]
 ``buf = momentum * buf + grad`` (no ``1 - momentum`` damping) and the Nesterov input
 ``grad + momentum * buf``. ``torch.optim.Muon`` keeps an exponential moving average instead
@@ -39,6 +51,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _functional_adamw
 
 from dmuon_ns import NewtonSchulz
@@ -98,11 +111,26 @@ def momentum_update(
     there; without, the Nesterov input is a new tensor and the plain one is ``buf`` itself (do
     not modify it)."""
     buf.mul_(momentum).add_(grad)
+    return _ns_input(buf, grad, momentum, nesterov, out)
+
+
+def _ns_input(
+    buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, out: Tensor | None
+) -> Tensor:
     if nesterov:
         return torch.add(grad, buf, alpha=momentum, out=out)
     if out is None:
         return buf
     return out.copy_(buf)
+
+
+def _momentum_update_unless(skip: Tensor, item: MuonItem, out: Tensor) -> None:
+    """:func:`momentum_update` into ``out``, except that ``item.buf`` keeps its value when
+    ``skip`` is set (decided on the device): the advanced buffer is formed in ``out`` with the
+    same operations, selected into ``buf``, and then ``out`` becomes the NS input."""
+    torch.mul(item.buf, item.momentum, out=out).add_(item.grad)
+    torch.where(skip, item.buf, out, out=item.buf)
+    _ns_input(item.buf, item.grad, item.momentum, item.nesterov, out)
 
 
 def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NSFunction:
@@ -141,9 +169,18 @@ class MuonItem(NamedTuple):
     scale: float  # lr_scale of the matrix's shape
 
 
-def muon_step(items: Sequence[MuonItem], ns: NSFunction, *, max_batch_bytes: int | None) -> None:
+def muon_step(
+    items: Sequence[MuonItem],
+    ns: NSFunction,
+    *,
+    max_batch_bytes: int | None,
+    skip: Tensor | None = None,
+) -> None:
     """The Muon update of every item: momentum, NS batched by shape (see [Note: one
-    Newton–Schulz call per shape]), decoupled weight decay and the scaled update."""
+    Newton–Schulz call per shape]), decoupled weight decay and the scaled update.
+
+    ``skip`` (a 0-d bool tensor) makes the step keep every weight and momentum buffer as it
+    was when it is set, decided on the device; see [Note: non-finite gradients]."""
     buckets: dict[tuple[Any, ...], list[MuonItem]] = {}
     for item in items:
         if item.weight.ndim != 2:
@@ -159,7 +196,10 @@ def muon_step(items: Sequence[MuonItem], ns: NSFunction, *, max_batch_bytes: int
             part = members[start : start + chunk]
             batch = torch.empty((len(part), *shape), dtype=dtype, device=device)
             for i, item in enumerate(part):
-                momentum_update(item.buf, item.grad, item.momentum, item.nesterov, out=batch[i])
+                if skip is None:
+                    momentum_update(item.buf, item.grad, item.momentum, item.nesterov, batch[i])
+                else:
+                    _momentum_update_unless(skip, item, out=batch[i])
             updates = ns(batch)
             del batch
             for i, item in enumerate(part):
@@ -169,18 +209,29 @@ def muon_step(items: Sequence[MuonItem], ns: NSFunction, *, max_batch_bytes: int
                     lr=item.lr,
                     weight_decay=item.weight_decay,
                     scale=item.scale,
+                    skip=skip,
                 )
             del updates
 
 
 def weight_decay_and_update(
-    param: Tensor, update: Tensor, *, lr: float, weight_decay: float, scale: float
+    param: Tensor,
+    update: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    scale: float,
+    skip: Tensor | None = None,
 ) -> None:
     """Decoupled weight decay ``p *= 1 - lr * wd`` then ``p -= lr * scale * update``, in
-    place. The decay uses the unscaled ``lr``, as in torch.optim.Muon."""
+    place (unless ``skip`` is set, decided on the device). The decay uses the unscaled ``lr``,
+    as in torch.optim.Muon."""
+    target = param if skip is None else param.clone()
     if weight_decay != 0.0:
-        param.mul_(1.0 - lr * weight_decay)
-    param.add_(update.to(param.dtype), alpha=-lr * scale)
+        target.mul_(1.0 - lr * weight_decay)
+    target.add_(update.to(param.dtype), alpha=-lr * scale)
+    if skip is not None:
+        torch.where(skip, param, target, out=param)
 
 
 def step_dtype() -> torch.dtype:
@@ -197,6 +248,11 @@ def init_adamw_state(param: Tensor) -> dict[str, Tensor]:
     }
 
 
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (AdamW is elementwise: stepping the shards is the same math)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def adamw_step(
     params: list[Tensor],
     grads: list[Tensor],
@@ -206,19 +262,32 @@ def adamw_step(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    found_inf: Tensor | None = None,
 ) -> None:
-    """One AdamW step through torch's functional AdamW, so the numbers (and the single-tensor /
-    foreach choice) are those of ``torch.optim.AdamW`` with the same hyperparameters."""
+    """One AdamW step through torch's functional AdamW, so the numbers are those of
+    ``torch.optim.AdamW`` with the same hyperparameters (its default single-tensor / foreach
+    choice). With ``found_inf`` (a 0-d float tensor, nonzero: skip) torch's fused kernel runs,
+    which leaves parameters and states untouched when it is set, decided on the device, as with
+    ``torch.amp.GradScaler``; see [Note: non-finite gradients]."""
     if not params:
         return
+    fused = found_inf is not None
+    if fused:
+        for param, state in zip(params, states):
+            # The fused kernel keeps ``step`` on the parameters' device (torch's own layout).
+            if state["step"].device != param.device:
+                state["step"] = state["step"].to(param.device, torch.float32)
     _functional_adamw(
-        params,
-        grads,
-        [s["exp_avg"] for s in states],
-        [s["exp_avg_sq"] for s in states],
+        [_local(p) for p in params],
+        [_local(g) for g in grads],
+        [_local(s["exp_avg"]) for s in states],
+        [_local(s["exp_avg_sq"]) for s in states],
         [],
         [s["step"] for s in states],
-        foreach=None,
+        foreach=False if fused else None,
+        fused=True if fused else None,
+        found_inf=found_inf,
+        grad_scale=None,
         has_complex=any(torch.is_complex(p) for p in params),
         amsgrad=False,
         beta1=betas[0],

@@ -49,7 +49,7 @@ from ._param import DedicatedParam
 from ._param_groups import GroupDefaults, build_param_groups
 from ._runtime import DedicatedRuntime, get_runtime
 
-__all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads", "StepOptions"]
+__all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads", "MuonStepStats", "StepOptions"]
 
 # Cap on one batched NS input; see [Note: one Newton–Schulz call per shape] in _muon_math.
 # 64 MiB stacks every matrix up to 4096×4096 (bf16) in pairs or more, and runs a Llama-8B MLP
@@ -66,6 +66,14 @@ class MuonClipGrads(NamedTuple):
     device: torch.device  # where the norm accumulator lives
 
 
+class MuonStepStats(NamedTuple):
+    """What the last ``Muon.step()`` did, as device tensors (reading them syncs, the optimizer
+    never does)."""
+
+    skipped: Tensor  # 0-d bool: the step kept every weight and state (a non-finite gradient)
+    skipped_steps: Tensor  # 0-d int64: steps skipped since the optimizer was built
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """How :class:`Muon` steps, beyond the per-group hyperparameters; validated at
@@ -76,6 +84,8 @@ class StepOptions:
     ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES
     # HSDP: publish updated weights without waiting (each boundary's next forward waits).
     replicate_async: bool = True
+    # Skip the whole step when any gradient is not finite; see [Note: non-finite gradients].
+    skip_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -91,7 +101,34 @@ class StepOptions:
                 f"ns_batch_bytes must be a positive int (bytes of one NS batch) or None for one"
                 f" NS call per shape, got {cap!r}"
             )
-        object.__setattr__(self, "replicate_async", bool(self.replicate_async))
+        for name in ("replicate_async", "skip_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntime) -> None:
+    """On more than one rank, a trainable parameter that is neither dedicated nor managed by
+    FSDP2 (a DTensor) gets no gradient synchronisation at all: each rank would train its own
+    copy and the ranks would drift apart without an error."""
+    if runtime.layout.world_size == 1:
+        return
+    dedicated = {id(dp.param) for dp in runtime.params}
+    loose = [
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and id(p) not in dedicated and not isinstance(p, DTensor)
+    ]
+    if loose:
+        shown = ", ".join(repr(n) for n in loose[:8]) + (" ..." if len(loose) > 8 else "")
+        raise ValueError(
+            f"{len(loose)} trainable parameter(s) are neither dedicated nor managed by FSDP2, so "
+            f"nothing would synchronise their gradients across the {runtime.layout.world_size} "
+            f"ranks: {shown}. Apply fully_shard to the modules that hold them (at least "
+            "fully_shard(model) on the root, after the layers), select them in dedicate_params' "
+            "predicate, or freeze them (requires_grad_(False)). If Muon was built before "
+            "fully_shard, build it last: dedicate_params -> fully_shard (layers, then root) -> "
+            "Muon(model)"
+        )
 
 
 class Muon(torch.optim.Optimizer):
@@ -129,6 +166,7 @@ class Muon(torch.optim.Optimizer):
         replicate_async: bool = True,
         lr_scaling: LrScaling | str = LrScaling.MOONLIGHT,
         ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
+        skip_nonfinite: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -149,6 +187,7 @@ class Muon(torch.optim.Optimizer):
             lr_scaling=lr_scaling,  # type: ignore[arg-type]
             ns_batch_bytes=ns_batch_bytes,
             replicate_async=replicate_async,
+            skip_nonfinite=skip_nonfinite,
         )
         self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
@@ -156,9 +195,13 @@ class Muon(torch.optim.Optimizer):
         self._dedicated: dict[int, DedicatedParam] = {
             id(dp.param): dp for dp in self._runtime.params
         }
+        _check_every_param_is_synchronised(model, self._runtime)
         groups = build_param_groups(
             model.named_parameters(), self._dedicated, param_groups, group_defaults
         )
+        device = self._runtime.layout.device
+        self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
         self._checked_params = False
         self._constructing = True
         super().__init__(groups, {})
@@ -237,10 +280,30 @@ class Muon(torch.optim.Optimizer):
             self._check_params_current()
         with record_function("dmuon::optimizer_step"):
             self._runtime.wait_all_reduces()
+            muon_items = self._muon_items()
+            adamw_work = self._adamw_work()
+            found = None
+            if self.options.skip_nonfinite:
+                found = self._find_nonfinite(muon_items, adamw_work)
+            skip = None if found is None else found > 0
             with record_function("dmuon::muon_step"):
-                self._muon_step()
+                muon_step(muon_items, self._ns, max_batch_bytes=self.ns_batch_bytes, skip=skip)
             with record_function("dmuon::adamw_step"):
-                self._adamw_step()
+                for group, params, grads, states in adamw_work:
+                    beta1, beta2 = group["betas"]
+                    adamw_step(
+                        params,
+                        grads,
+                        states,
+                        lr=float(group["lr"]),
+                        betas=(float(beta1), float(beta2)),
+                        eps=float(group["eps"]),
+                        weight_decay=float(group["weight_decay"]),
+                        found_inf=found,
+                    )
+            if skip is not None:
+                self._skipped_steps.add_(skip.to(self._skipped_steps.device))
+                self._last_skip = skip
             self._runtime.after_step(async_=self.replicate_async)
         return loss
 
@@ -258,7 +321,8 @@ class Muon(torch.optim.Optimizer):
                     )
         self._checked_params = True
 
-    def _muon_step(self) -> None:
+    def _muon_items(self) -> list[MuonItem]:
+        """One item per owned Muon matrix with a gradient (momentum buffers made on first use)."""
         items: list[MuonItem] = []
         for group, p, dp in self._owned_muon():
             if dp.grad is None:
@@ -280,44 +344,64 @@ class Muon(torch.optim.Optimizer):
                     scale=lr_scale(dp.shape, self.lr_scaling),
                 )
             )
-        muon_step(items, self._ns, max_batch_bytes=self.ns_batch_bytes)
+        return items
 
-    def _adamw_step(self) -> None:
+    def _adamw_work(self) -> list[tuple[dict[str, Any], list[Tensor], list[Tensor], list[Any]]]:
+        """Per AdamW group: the tensors this rank steps (FSDP2 shards; dedicated AdamW-route
+        weights on their owners), their gradients and states (made on first use)."""
+        work = []
         for group in self.param_groups:
             if group["optimizer"] != Route.ADAMW:
                 continue
-            # DTensor and plain tensors go to separate calls: foreach kernels take one kind.
-            batches: dict[bool, tuple[list[Tensor], list[Tensor], list[dict[str, Tensor]]]] = {}
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            states: list[Any] = []
             for p in group["params"]:
                 dp = self._dedicated.get(id(p))
                 if dp is None:
                     target, grad = p, p.grad
-                else:
-                    if not dp.is_owner:
-                        continue
+                elif dp.is_owner:
                     target, grad = dp.full, dp.grad
+                else:
+                    continue
                 if grad is None or target is None:
                     continue
                 state = self.state[p]
                 if not state:
                     state.update(init_adamw_state(target))
-                params, grads, states = batches.setdefault(
-                    isinstance(target, DTensor), ([], [], [])
-                )
                 params.append(target)
                 grads.append(grad)
                 states.append(state)
-            beta1, beta2 = group["betas"]
-            for params, grads, states in batches.values():
-                adamw_step(
-                    params,
-                    grads,
-                    states,
-                    lr=float(group["lr"]),
-                    betas=(float(beta1), float(beta2)),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                )
+            if params:
+                work.append((group, params, grads, states))
+        return work
+
+    def _find_nonfinite(
+        self, muon_items: list[MuonItem], adamw_work: list[tuple[Any, Any, list[Tensor], Any]]
+    ) -> Tensor:
+        """1.0 when any gradient any rank is about to step with holds a NaN or an infinity, on
+        the device and agreed across ranks without a host sync; see [Note: non-finite
+        gradients] in _muon_math."""
+        device = self._runtime.layout.device
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        grads = [item.grad for item in muon_items]
+        grads += [
+            g.to_local() if isinstance(g, DTensor) else g for *_, gs, _ in adamw_work for g in gs
+        ]
+        if grads:
+            # torch.amp.GradScaler's check; the unscale by 1.0 changes no bit.
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found, torch.ones((), dtype=torch.float32, device=device)
+            )
+        if self._runtime.layout.world_size > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.world_group)
+        return found
+
+    @property
+    def last_step_stats(self) -> MuonStepStats:
+        """Device tensors, read without a host sync: whether the last ``step()`` was skipped for
+        a non-finite gradient, and how many steps were skipped so far."""
+        return MuonStepStats(self._last_skip, self._skipped_steps)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of every parameter, dedicated ones' owner gradients included (those

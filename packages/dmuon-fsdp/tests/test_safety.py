@@ -1,0 +1,306 @@
+"""Nothing crashes, nothing is silent, nothing leaks.
+
+Every rank runs in its own worker process (``dmuon_testing.distributed``), so a read that
+crashed a rank (a segfault) fails its test at once, with the rank's exit code, instead of
+taking the test session down.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import math
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
+from _reference import Hyper, lm_loss, make_batch, shard, train_reference
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from dmuon_fsdp import (
+    Muon,
+    Role,
+    dedicate_params,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
+from dmuon_fsdp._guard import NotHeldError
+from dmuon_testing.distributed import run_distributed
+
+HYPER = Hyper()
+
+
+def _wrapped(world_size: int, **options):
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, muon_predicate, small_param_threshold=0, **options)
+    shard_layers_then_root(model, mesh)
+    return model, runtime
+
+
+def _step(model, optimizer, rank, world_size, step=0, scale=1.0):
+    optimizer.zero_grad()
+    tokens = shard(make_batch(step, 8, 8, 32), rank, world_size)
+    loss = lm_loss(model, tokens) * scale
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+# -- reads of a weight this rank does not hold -------------------------------------------------
+
+
+def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
+    model, runtime = _wrapped(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    _step(model, optimizer, rank, world_size)
+    peer = next(dp for dp in runtime.params if dp.role is Role.PEER)
+    owned = next(dp for dp in runtime.params if dp.is_owner)
+    p = peer.param
+    outcome: dict[str, str] = {}
+
+    def expect_not_held(label, fn):
+        with pytest.raises(NotHeldError) as caught:
+            fn()
+        message = str(caught.value)
+        # The first weight the read touched that is not held here, named with its owner.
+        named = [dp for dp in runtime.params if f"{dp.fqn!r}" in message]
+        assert len(named) == 1 and named[0].role is Role.PEER, message
+        assert f"owner: rank {runtime.global_rank(named[0].owner)}" in message, message
+        assert "dmuon.get_model_state_dict(model)" in message, message
+        outcome[label] = "clear error"
+
+    ema = torch.zeros(tuple(p.shape))
+    expect_not_held("norm", lambda: p.norm())
+    expect_not_held("ema", lambda: ema.lerp_(p.detach(), 0.1))
+    expect_not_held("data", lambda: p.data.sum())
+    expect_not_held(
+        "parameters_to_vector",
+        lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
+    )
+    expect_not_held("torch.save(state_dict)", lambda: torch.save(model.state_dict(), io.BytesIO()))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict as torch_get
+
+    expect_not_held(
+        "dcp get_model_state_dict",
+        lambda: torch_get(model, options=StateDictOptions(full_state_dict=True)),
+    )
+    # print(p) says where the weight is instead of printing values.
+    text = repr(p)
+    assert "not held on this rank" in text and peer.fqn in text, text
+    outcome["print"] = "description"
+    # Metadata stays readable, and the owner reads its own weight as usual.
+    assert p.shape == peer.shape and p.requires_grad and p.grad is None and p.numel() > 0
+    assert torch.equal(owned.param.detach(), owned.full)
+    assert math.isfinite(float(owned.param.norm()))
+    # The supported read gives every rank the value.
+    full = get_model_state_dict(model)
+    assert torch.equal(full[peer.fqn], full[peer.fqn]) and full[peer.fqn].shape == peer.shape
+    # Inside forward the weight is held: training goes on after the refused reads.
+    assert math.isfinite(float(_step(model, optimizer, rank, world_size, step=1)))
+    return outcome
+
+
+@pytest.mark.distributed
+def test_reads_on_a_non_owner_raise_a_clear_error_and_never_crash() -> None:
+    outcomes = run_distributed(_peer_reads, 2)
+    assert outcomes[0] == outcomes[1]
+    assert set(outcomes[0]) == {
+        "norm",
+        "ema",
+        "data",
+        "parameters_to_vector",
+        "torch.save(state_dict)",
+        "dcp get_model_state_dict",
+        "print",
+    }
+
+
+def _ddp_over_dedicated(rank: int, world_size: int) -> str:
+    model = build(0)
+    dedicate_params(model, init_device_mesh("cpu", (world_size,)), muon_predicate)
+    with pytest.raises(RuntimeError, match="DistributedDataParallel cannot wrap") as caught:
+        DistributedDataParallel(model)
+    with pytest.raises(RuntimeError, match="DistributedDataParallel cannot wrap"):
+        DistributedDataParallel(model.layers[0])
+    return str(caught.value)
+
+
+@pytest.mark.distributed
+def test_ddp_over_a_dedicated_model_raises_on_every_rank() -> None:
+    messages = run_distributed(_ddp_over_dedicated, 2)
+    assert messages[0] == messages[1]
+    assert "dedicate_params_ddp" in messages[0] and "replicate" in messages[0]
+
+
+# -- shared weights ------------------------------------------------------------------------------
+
+STEPS = 6
+
+
+def _shared(rank: int, world_size: int, tie: bool, share_mlp: bool):
+    def predicate(name, p):
+        # With ``tie`` the head is dedicated (it is the embedding's matrix, named first as
+        # 'embed_tokens.weight'); the shared MLP's projections are dedicated either way.
+        return p.ndim == 2 and ("proj" in name or (tie and name == "lm_head.weight"))
+
+    model = build(0, tie=tie, share_mlp=share_mlp)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, predicate, small_param_threshold=0)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    losses = []
+    for step in range(STEPS):
+        loss = _step(model, optimizer, rank, world_size, step)
+        total = loss.clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world_size)
+    state = get_model_state_dict(model)
+    fresh = build(7, tie=tie, share_mlp=share_mlp)
+    dedicate_params(fresh, mesh, predicate, small_param_threshold=0)
+    shard_layers_then_root(fresh, mesh)
+    set_model_state_dict(fresh, state)
+    again = get_model_state_dict(fresh)
+    round_trip = state.keys() == again.keys() and all(
+        torch.equal(state[k], again[k]) for k in state
+    )
+    names = [dp.fqn for dp in runtime.params]
+    return losses, state, round_trip, names
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("tie", "share_mlp"), [(True, False), (False, True)], ids=["tied-head", "shared-mlp"]
+)
+def test_shared_weights_train_like_the_reference_and_round_trip(tie: bool, share_mlp: bool) -> None:
+    results = run_distributed(_shared, 2, tie, share_mlp)
+    losses, state, _, names = results[0]
+    assert all(r[2] for r in results), "get -> set -> get changed a tensor"
+    plain = build(0, tie=tie, share_mlp=share_mlp)
+    ref = train_reference(plain, names, HYPER, STEPS, 8, 8, 32)
+    for step, (got, want) in enumerate(zip(losses, ref)):
+        assert abs(got - want) <= 2e-3 * abs(want), f"step {step}: {got} vs {want}"
+    reference_state = plain.state_dict()
+    assert state.keys() == reference_state.keys()
+    if tie:
+        assert "lm_head.weight" in state and torch.equal(
+            state["lm_head.weight"], state["embed_tokens.weight"]
+        )
+    for key, value in reference_state.items():
+        torch.testing.assert_close(state[key], value, rtol=2e-3, atol=2e-4)
+
+
+# -- nothing silent ------------------------------------------------------------------------------
+
+
+def _silent_cases(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    # Parameters outside every fully_shard (no root) would train unsynchronised.
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"neither dedicated nor managed by FSDP2.*'embed_tokens\.weight'.*fully_shard\(model\)",
+    ):
+        Muon(model)
+    # A predicate that selects nothing is reported.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dedicate_params(build(0), mesh, lambda n, p: "no such name" in n)
+    assert any("selected none of the" in str(w.message) for w in caught)
+    # Dedicating a submodule, then the whole model.
+    whole = build(0)
+    dedicate_params(whole.layers[0], mesh, muon_predicate, hook_boundary_strict=False)
+    with pytest.raises(
+        RuntimeError, match=r"already dedicated.*call dedicate_params once, on the whole model"
+    ):
+        dedicate_params(whole, mesh, muon_predicate)
+
+
+@pytest.mark.distributed
+def test_silent_misuses_raise_or_warn() -> None:
+    run_distributed(_silent_cases, 2)
+
+
+def _snapshot(model, optimizer):
+    return get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _nonfinite(rank: int, world_size: int):
+    model, _ = _wrapped(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    _step(model, optimizer, rank, world_size, 0)
+    seen = []
+    for bad in (float("nan"), float("inf")):
+        before = _snapshot(model, optimizer)
+        # One rank's loss is not finite: its gradients poison the reduces and FSDP2's shards.
+        _step(model, optimizer, rank, world_size, 1, scale=bad if rank == 1 else 1.0)
+        stats = optimizer.last_step_stats
+        seen.append((bool(stats.skipped), int(stats.skipped_steps)))
+        assert _same(_snapshot(model, optimizer), before), f"a {bad} gradient changed the state"
+    before = _snapshot(model, optimizer)
+    loss = _step(model, optimizer, rank, world_size, 2)
+    after = _snapshot(model, optimizer)
+    stats = optimizer.last_step_stats
+    seen.append((bool(stats.skipped), int(stats.skipped_steps)))
+    assert math.isfinite(float(loss)) and not _same(after[0], before[0])
+    assert all(torch.isfinite(t).all() for t in after[0].values())
+    return seen
+
+
+@pytest.mark.distributed
+def test_a_nonfinite_gradient_skips_the_step_everywhere_and_training_continues() -> None:
+    for seen in run_distributed(_nonfinite, 2):
+        assert seen == [(True, 1), (True, 2), (False, 2)]
+
+
+# -- nothing leaks -------------------------------------------------------------------------------
+
+
+def _counts() -> tuple[int, int, int]:
+    threads = len(os.listdir("/proc/self/task"))
+    fds = len(os.listdir("/proc/self/fd"))
+    groups = len(dist.distributed_c10d._world.pg_map)
+    return threads, fds, groups
+
+
+def _rebuild(rank: int, world_size: int, policy: str):
+    mesh = init_device_mesh("cpu", (world_size,))
+    seen = []
+    for i in range(6):
+        model = build(i)
+        dedicate_params(model, mesh, muon_predicate, process_group_policy=policy)
+        shard_layers_then_root(model, mesh)
+        optimizer = Muon(model, **HYPER.muon_kwargs())
+        loss_fn(model, batch(i, 4).chunk(world_size)[rank]).backward()
+        optimizer.step()
+        del model, optimizer
+        gc.collect()
+        seen.append(_counts())
+    return seen
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("policy", ["isolated", "shared"])
+def test_rebuilding_a_model_leaks_no_group_thread_or_file(policy: str) -> None:
+    for seen in run_distributed(_rebuild, 2, policy):
+        assert all(counts == seen[0] for counts in seen), seen
