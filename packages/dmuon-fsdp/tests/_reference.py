@@ -67,7 +67,8 @@ class ReferenceMuonAdamW:
                 continue
             buf = self.bufs[name]
             buf.mul_(h.momentum).add_(p.grad)
-            x = p.grad + h.momentum * buf if h.nesterov else buf
+            # grad + momentum·buf in one add (the rounding of torch.add with alpha).
+            x = torch.add(p.grad, buf, alpha=h.momentum) if h.nesterov else buf
             update = self.ns(x)
             rows, cols = p.shape
             p.mul_(1 - h.lr * h.weight_decay)

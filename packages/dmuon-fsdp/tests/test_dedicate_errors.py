@@ -109,12 +109,21 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         dedicate_params(build(0), mesh, muon_predicate, reshard_after_forward=2)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"mesh must be a torch.distributed DeviceMesh"):
         dedicate_params(build(0), [0], muon_predicate)
-    with pytest.raises(ValueError, match=r"param_dtype='bfloat16'.*cast the model"):
+    # Per-parameter dtypes are honoured (tests/test_precision.py); one boundary cannot cast its
+    # inputs to two dtypes.
+    with pytest.raises(
+        ValueError,
+        match=r"boundary module 'layers\.0' to cast its inputs to bfloat16 \(for '.*'\) and "
+        r"to float16 \(for '.*'\).*cast_forward_inputs=False",
+    ):
         dedicate_params(
             build(0),
             mesh,
             muon_predicate,
-            param_policy={"defaults": {"route": "muon", "param_dtype": torch.bfloat16}},
+            param_policy={
+                "defaults": {"route": "muon", "param_dtype": torch.bfloat16},
+                "overrides": [{"name": ["mlp"], "set": {"param_dtype": "float16"}}],
+            },
         )
     with pytest.raises(ValueError, match=r"has no dmuon runtime.*dedicate_params"):
         get_runtime(build(0))

@@ -163,13 +163,14 @@ class PendingReduce(NamedTuple):
 
 
 def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
-    """Copy the local gradients of ``pack`` into one new flat buffer (zeros for a parameter
-    without one) and drop the parameters' ``.grad``. On CUDA the copy runs on ``stream``."""
-    first = pack.params[0].param
+    """Copy the local gradients of ``pack`` into one new flat buffer in their reduce dtype
+    (zeros for a parameter without one) and drop the parameters' ``.grad``. On CUDA the copy
+    runs on ``stream``."""
+    device = pack.buffer.device
     if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(first.device))
+        stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        flat = torch.empty(pack.numel, dtype=first.dtype, device=first.device)
+        flat = torch.empty(pack.numel, dtype=_reduce_dtype(pack), device=device)
         for dp in pack.params:
             grad = dp.param.grad
             out = flat[dp.offset : dp.offset + dp.numel]
@@ -224,14 +225,23 @@ def finish_reduce(pending: PendingReduce, divisor: int) -> None:
             dp.grad.add_(grad)
 
 
+def _reduce_dtype(pack: Pack) -> torch.dtype:
+    precision = pack.params[0].precision
+    assert precision is not None
+    return precision.reduce
+
+
 def keep_local_grads(pack: Pack) -> None:
     """A world of one rank: the local gradient is already the average, so it becomes
-    ``DedicatedParam.grad`` without a copy (``.grad`` is still dropped)."""
+    ``DedicatedParam.grad`` without a copy (unless its reduce dtype differs; ``.grad`` is
+    still dropped)."""
+    dtype = _reduce_dtype(pack)
     for dp in pack.params:
         grad = dp.param.grad
         dp.param.grad = None
         if grad is None:
-            grad = torch.zeros_like(dp.param)
+            grad = torch.zeros(dp.shape, dtype=dtype, device=pack.buffer.device)
+        grad = grad.to(dtype)
         if dp.grad is None:
             dp.grad = grad
         else:

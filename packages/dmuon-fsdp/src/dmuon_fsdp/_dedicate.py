@@ -65,7 +65,6 @@ logger = logging.getLogger(__name__)
 Predicate = Callable[[str, nn.Parameter], bool]
 
 _LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+$")
-_DTYPE_FIELDS = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "output_dtype")
 
 
 def dedicate_params(
@@ -126,6 +125,7 @@ def dedicate_params(
 
     modules = dict(model.named_modules())
     items = _work_items(selected, aliases, policy, modules, config)
+    policies = {item.name: policy.resolve(item.name) for item in items}
     plan = plan_owners(
         items,
         layout.shard_size,
@@ -135,12 +135,8 @@ def dedicate_params(
     _check_fingerprint(plan, layout)
 
     comm = DedicatedCommContext.build(layout, config.process_group_policy)
-    routes = {item.name: item.route for item in items}
-    params, groups = _build_groups(model, modules, plan, routes, layout, comm)
-    runtime = DedicatedRuntime(config, layout, comm, plan, params, groups)
-    if layout.is_hsdp:
-        # Column replicas start from the owner's weight, whatever their own init was.
-        runtime.after_step(async_=False)
+    params, groups = _build_groups(model, modules, plan, policies, layout, comm)
+    runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     if config.patch_fully_shard:
         install_patch()
     setattr(model, RUNTIME_ATTR, runtime)
@@ -219,15 +215,6 @@ def _check_param(fqn: str, param: nn.Parameter, resolved: ResolvedPolicy) -> Non
             "Muon needs a 2-D matrix; exclude it in the predicate (e.g. add `and p.ndim == 2`) "
             "or route it to 'adamw' with param_policy"
         )
-    for field_name in _DTYPE_FIELDS:
-        value = getattr(resolved, field_name)
-        if value is not None and getattr(torch, value) != param.dtype:
-            raise ValueError(
-                f"param_policy sets {field_name}={value!r} for {fqn!r}, but the dmuon-fsdp "
-                f"runtime communicates and steps dedicated parameters in their own dtype "
-                f"({param.dtype}); cast the model to {value} before dedicate_params or drop "
-                f"{field_name} from the policy"
-            )
 
 
 def _is_default_boundary(name: str, modules: Mapping[str, nn.Module]) -> bool:
@@ -330,14 +317,16 @@ def _build_groups(
     model: nn.Module,
     modules: Mapping[str, nn.Module],
     plan: Plan,
-    routes: Mapping[str, Route],
+    policies: Mapping[str, ResolvedPolicy],
     layout: MeshLayout,
     comm: DedicatedCommContext,
 ) -> tuple[list[DedicatedParam], list[DedicatedGroup]]:
+    """One ``DedicatedParam`` per planned parameter (guarded, see [Note: reads on a peer]) and
+    one group per boundary; the groups pack their members later (``DedicatedRuntime.lazy_init``)."""
     named = dict(model.named_parameters())
     params: list[DedicatedParam] = []
-    # boundary -> (owner, dtype) -> members, both in plan order
-    members: dict[str, dict[tuple[Owner, torch.dtype], list[DedicatedParam]]] = defaultdict(dict)
+    # boundary -> owner -> members, both in plan order
+    members: dict[str, dict[Owner, list[DedicatedParam]]] = defaultdict(dict)
     for unit in plan.units:
         role = _role(unit.owner, layout)
         for fqn in unit.names:
@@ -351,7 +340,8 @@ def _build_groups(
                 boundary=unit.boundary,
                 owner=unit.owner,
                 role=role,
-                route=routes[fqn],
+                route=policies[fqn].route,
+                policy=policies[fqn],
             )
             owner_rank = layout.global_rank(unit.owner)
             guard_parameter(
@@ -360,15 +350,46 @@ def _build_groups(
                 f"{dist.get_rank()} is its {role.value})",
             )
             params.append(dp)
-            members[unit.boundary].setdefault((unit.owner, param.dtype), []).append(dp)
-    groups = [
-        DedicatedGroup.build(name, modules[name], list(members[name].values()), comm)
-        for name in modules
-        if name in members
-    ]
+            members[unit.boundary].setdefault(unit.owner, []).append(dp)
+    groups = []
+    for name in modules:
+        if name in members:
+            dps = [dp for owned in members[name].values() for dp in owned]
+            group = DedicatedGroup(name, modules[name], list(members[name].values()), comm)
+            group.input_dtype, group.output_dtype = _boundary_casts(name, dps)
+            groups.append(group)
     for name in _ancestors_of({dp.fqn for dp in params}):
         refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
     return params, groups
+
+
+def _boundary_casts(
+    boundary: str, params: list[DedicatedParam]
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The input and output dtypes ``param_policy`` asks of the boundary (``None``: no cast;
+    the ``MixedPrecisionPolicy`` of an enclosing ``fully_shard`` casts on its own). Raises
+    when two of its parameters ask for different ones."""
+    casts: dict[str, dict[str, str]] = {"input": {}, "output": {}}
+    for dp in params:
+        policy = dp.policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            casts["input"].setdefault(policy.param_dtype, dp.fqn)
+        if policy.output_dtype is not None:
+            casts["output"].setdefault(policy.output_dtype, dp.fqn)
+    found: list[torch.dtype | None] = []
+    for what, asked in casts.items():
+        if len(asked) > 1:
+            (d1, p1), (d2, p2) = list(asked.items())[:2]
+            where = f"module {boundary!r}" if boundary else "the root module"
+            raise ValueError(
+                f"param_policy asks the hook boundary {where} to cast its {what}s to {d1} (for "
+                f"{p1!r}) and to {d2} (for {p2!r}); one boundary casts to one dtype: give both "
+                "parameters the same param_dtype/output_dtype, set cast_forward_inputs=False "
+                "for one of them, or put them under different boundaries "
+                "(hook_boundary_predicate)"
+            )
+        found.append(getattr(torch, next(iter(asked))) if asked else None)
+    return found[0], found[1]
 
 
 def _ancestors_of(fqns: set[str]) -> set[str]:

@@ -98,6 +98,7 @@ def summarize_comm_plan(model: nn.Module) -> dict[str, Any]:
     (two in Z3, one in Z2) and once per reduce round; HSDP adds one replicate-axis reduce and
     one publish round."""
     runtime = get_runtime(model)
+    runtime.lazy_init()
     layout = runtime.layout
     loads = [float(x) for x in runtime.plan.loads]
     mean = sum(loads) / len(loads) if loads else 0.0
@@ -136,6 +137,7 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
     ``synchronize=True`` waits for the device first so that the snapshot is settled.
     """
     runtime = get_runtime(model)
+    runtime.lazy_init()
     if synchronize and torch.cuda.is_available() and runtime.layout.device.type == "cuda":
         torch.cuda.synchronize(runtime.layout.device)
     boundaries = []

@@ -16,8 +16,9 @@ FSDP2's ``FSDPParamGroup`` does:
 - :meth:`DedicatedGroup.publish` / :meth:`DedicatedGroup.wait_for_publish` do the same for the
   HSDP publish of the owners' updated packs to their shard column.
 
-With a shard size of one every rank sends every pack it has: nothing is ever freed or
-broadcast, and the group stays ``UNSHARDED``.
+A group with no transient pack (a shard size of one and no separate master) never frees or
+broadcasts anything and stays ``UNSHARDED``. With a shard size of one but an owner's compute
+copy (mixed precision) the transitions run and only cast and free that copy.
 """
 
 from __future__ import annotations
@@ -44,13 +45,20 @@ class GroupState(Enum):
 
 @dataclass(eq=False)
 class DedicatedGroup:
-    """A hook boundary: the module whose forward hooks move the weights of ``packs``."""
+    """A hook boundary: the module whose forward hooks move the weights of its packs.
+
+    ``members`` (one list per owner, in plan order) become ``packs`` in :meth:`pack`, once the
+    parameters are materialised and their precision is known."""
 
     fqn: str
     module: nn.Module
-    packs: list[Pack]
+    members: list[list[DedicatedParam]]
     comm: DedicatedCommContext
-    _state: GroupState = GroupState.RESHARDED
+    packs: list[Pack] = field(default_factory=list)
+    # The dtype this boundary's forward inputs are cast to (param_policy), or None.
+    input_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    _state: GroupState = GroupState.UNSHARDED
     _broadcasts: list[CollectiveResult] = field(default_factory=list)
     _publishes: list[CollectiveResult] = field(default_factory=list)
     # Per forward/backward bookkeeping, cleared by :meth:`reset_backward`.
@@ -59,20 +67,22 @@ class DedicatedGroup:
     _grads_seen: dict[Pack, int] = field(default_factory=dict)
     _finished: set[Pack] = field(default_factory=set)
 
-    @classmethod
-    def build(
-        cls,
-        fqn: str,
-        module: nn.Module,
-        members: list[list[DedicatedParam]],
-        comm: DedicatedCommContext,
-    ) -> DedicatedGroup:
-        """Pack ``members`` (one list per owner, one dtype each)."""
-        packs = [Pack.build(dps, comm.layout) for dps in members]
-        # With more than one shard every pack has peers in every row, so every rank of the row
-        # runs the same transitions (senders take part in each broadcast they send).
-        state = GroupState.UNSHARDED if comm.layout.shard_size == 1 else GroupState.RESHARDED
-        return cls(fqn, module, packs, comm, state)
+    def pack(self) -> None:
+        """Build the packs: one per (owner, precision) of the members, see [Note: packs]."""
+        split: dict[tuple[object, object], list[DedicatedParam]] = {}
+        for dps in self.members:
+            for dp in dps:
+                split.setdefault((dp.owner, dp.precision), []).append(dp)
+        self.packs = [Pack.build(dps, self.comm.layout) for dps in split.values()]
+        self._state = GroupState.RESHARDED if self._cycles else GroupState.UNSHARDED
+
+    @property
+    def _cycles(self) -> bool:
+        """Whether the state machine runs at all. With more than one shard it runs on every
+        rank of the row alike (a sender takes part in each broadcast it sends, even when it
+        holds no transient pack itself); with one shard only to cast and free an owner's
+        compute copy, which needs no other rank."""
+        return self.comm.layout.shard_size > 1 or any(p.transient for p in self.packs)
 
     @property
     def status(self) -> str:
@@ -97,12 +107,12 @@ class DedicatedGroup:
         self._state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
-        """Free the peer packs (after waiting for broadcasts in flight into them)."""
+        """Free the transient packs (after waiting for broadcasts in flight into them)."""
         self.wait_for_unshard()
-        if self._state is not GroupState.UNSHARDED or self.comm.layout.shard_size == 1:
+        if self._state is not GroupState.UNSHARDED or not self._cycles:
             return
         for pack in self.packs:
-            if not pack.is_sender:
+            if pack.transient:
                 pack.free()
         self._state = GroupState.RESHARDED
 
@@ -117,13 +127,14 @@ class DedicatedGroup:
                 stream.wait_stream(torch.cuda.current_stream(pack.buffer.device))
                 with torch.cuda.stream(stream):
                     pack.alloc()
-            else:
-                pack.alloc()
-            self._broadcasts.append(
-                broadcast(
-                    pack.buffer, pack.sender, comm.shard_group, stream, comm.counter, Axis.SHARD
+            elif pack.transient:
+                pack.alloc()  # the owner's compute copy, cast from its master
+            if comm.layout.shard_size > 1:
+                self._broadcasts.append(
+                    broadcast(
+                        pack.buffer, pack.sender, comm.shard_group, stream, comm.counter, Axis.SHARD
+                    )
                 )
-            )
         self._state = GroupState.UNSHARDING
 
     # -- HSDP publish ---------------------------------------------------------------------------
@@ -139,6 +150,10 @@ class DedicatedGroup:
         for pack in self.packs:
             if pack.role is Role.PEER:
                 continue  # the publish runs inside the owner's shard column only
+            if pack.transient:
+                # The owner's compute copy of its new master (replicas keep theirs: they send
+                # it in their rows). The next unshard casts again; the values are the same.
+                pack.alloc()
             self._publishes.append(
                 broadcast(
                     pack.buffer,

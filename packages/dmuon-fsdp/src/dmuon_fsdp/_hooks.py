@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
 from ._collectives import ReduceQueue
@@ -53,14 +53,15 @@ class BoundaryHooks:
         reduce_queue: ReduceQueue,
         *,
         reshard_after_forward: bool,
+        on_first_forward: Callable[[], None],
     ) -> None:
         self.groups = list(groups)
         self.params = list(params)
         self.reduce_queue = reduce_queue
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
-        where = {id(dp): (g, pack) for g in groups for pack in g.packs for dp in pack.params}
-        self._pack_of_param: list[tuple[DedicatedGroup, Pack]] = [where[id(dp)] for dp in params]
+        self._on_first_forward = on_first_forward
+        self._pack_of_param: list[tuple[DedicatedGroup, Pack]] = []  # set at the first forward
         self._order: list[DedicatedGroup] = []  # forward order of the previous forward
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
@@ -82,17 +83,24 @@ class BoundaryHooks:
                     functools.partial(_weak_hook, weak_self, "_post_forward", index)
                 )
             )
-        for index, dp in enumerate(self.params):
-            self._handles.append(
-                dp.param.register_post_accumulate_grad_hook(
-                    functools.partial(_weak_hook, weak_self, "_post_accumulate_grad", index)
-                )
-            )
+        self._grad_handles = [self._grad_hook(index) for index in range(len(self.params))]
+
+    def _grad_hook(self, index: int) -> RemovableHandle:
+        return self.params[index].param.register_post_accumulate_grad_hook(
+            functools.partial(_weak_hook, weakref.ref(self), "_post_accumulate_grad", index)
+        )
+
+    def rebind(self, index: int) -> None:
+        """``params[index].param`` is a new object (``to_empty`` replaced a meta parameter):
+        move its gradient hook there."""
+        self._grad_handles[index].remove()
+        self._grad_handles[index] = self._grad_hook(index)
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in [*self._handles, *self._grad_handles]:
             handle.remove()
         self._handles.clear()
+        self._grad_handles.clear()
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -103,16 +111,22 @@ class BoundaryHooks:
             return None
         return self._order[index] if 0 <= index < len(self._order) else None
 
-    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> Any:
         group = self.groups[index]
         if not self._checked_registration:
-            self._check_registration()
+            self._first_forward()
         if _in_backward():
             # Activation checkpointing recomputes this forward inside backward: the weights
             # are needed again; order, counters and freeing belong to the real forward.
             with record_function("dmuon::pre_forward_recompute"):
                 group.unshard()
-            return
+        else:
+            self._unshard_for_forward(group)
+        if group.input_dtype is not None:
+            return _cast_floats(args, group.input_dtype)
+        return None
+
+    def _unshard_for_forward(self, group: DedicatedGroup) -> None:
         with record_function("dmuon::pre_forward"):
             if group in self._current:
                 self._order, self._current = self._current, []
@@ -128,15 +142,17 @@ class BoundaryHooks:
                     following.unshard(async_op=True)
             group.wait_for_unshard()
 
-    def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        if _in_backward():
-            return  # recompute: the boundary is freed once its gradients are in
+    def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
         group = self.groups[index]
+        if group.output_dtype is not None:
+            output = _cast_floats(output, group.output_dtype)
+        if _in_backward():
+            return output  # recompute: the boundary is freed once its gradients are in
         with record_function("dmuon::post_forward"):
             if self.reshard_after_forward:
                 group.reshard()
             if not torch.is_grad_enabled():
-                return
+                return output
             tensors = [
                 t
                 for t in tree_flatten(output)[0]
@@ -146,6 +162,7 @@ class BoundaryHooks:
                 group.needs_backward = True
             for tensor in tensors:
                 tensor.register_hook(functools.partial(self._pre_backward, group))
+        return output
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -201,6 +218,14 @@ class BoundaryHooks:
 
     # -- setup checks ----------------------------------------------------------------------------
 
+    def _first_forward(self) -> None:
+        """Pack the parameters (the runtime's lazy init), learn which pack each parameter's
+        gradient goes to, and check that FSDP2 left every dedicated parameter registered."""
+        self._on_first_forward()
+        where = {id(dp): (g, pack) for g in self.groups for pack in g.packs for dp in pack.params}
+        self._pack_of_param = [where[id(dp)] for dp in self.params]
+        self._check_registration()
+
     def _check_registration(self) -> None:
         """FSDP2 replaces the parameters it manages on their modules: catch a dedicated
         parameter that it took (e.g. a fully_shard without dmuon's integration)."""
@@ -223,6 +248,14 @@ def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) 
     if hooks is None:
         return None
     return getattr(hooks, method)(*args)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype``."""
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        tree,
+    )
 
 
 def _in_backward() -> bool:

@@ -239,12 +239,13 @@ def step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def init_adamw_state(param: Tensor) -> dict[str, Tensor]:
-    """Fresh AdamW state laid out as torch.optim.AdamW lays it out (step on the CPU)."""
+def init_adamw_state(param: Tensor, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Fresh AdamW state laid out as torch.optim.AdamW lays it out (step on the CPU), the
+    moments in ``dtype`` (``None``: the parameter's)."""
     return {
         "step": torch.tensor(0.0, dtype=step_dtype()),
-        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
     }
 
 

@@ -106,6 +106,11 @@ class StepOptions:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
+def _optim_dtype(dp: DedicatedParam) -> torch.dtype:
+    assert dp.precision is not None, f"{dp.fqn}: the runtime has not packed its parameters"
+    return dp.precision.optim
+
+
 def _check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntime) -> None:
     """On more than one rank, a trainable parameter that is neither dedicated nor managed by
     FSDP2 (a DTensor) gets no gradient synchronisation at all: each rank would train its own
@@ -191,6 +196,7 @@ class Muon(torch.optim.Optimizer):
         )
         self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
+        self._runtime.lazy_init()
         self._model = model
         self._dedicated: dict[int, DedicatedParam] = {
             id(dp.param): dp for dp in self._runtime.params
@@ -331,7 +337,7 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             buf = state.get("momentum_buffer")
             if buf is None:
-                buf = state["momentum_buffer"] = torch.zeros_like(dp.full)
+                buf = state["momentum_buffer"] = torch.zeros_like(dp.full, dtype=_optim_dtype(dp))
             items.append(
                 MuonItem(
                     weight=dp.full,
@@ -368,7 +374,7 @@ class Muon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state.update(init_adamw_state(target))
+                    state.update(init_adamw_state(target, None if dp is None else _optim_dtype(dp)))
                 params.append(target)
                 grads.append(grad)
                 states.append(state)

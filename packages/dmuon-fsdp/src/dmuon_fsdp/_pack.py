@@ -32,7 +32,8 @@ __all__ = ["Pack"]
 
 @dataclass(eq=False)
 class Pack:
-    """The parameters one owner sends for one boundary, in one contiguous buffer."""
+    """The parameters one owner sends for one boundary, in one contiguous buffer in their
+    compute dtype."""
 
     owner: Owner
     role: Role
@@ -41,24 +42,40 @@ class Pack:
     sender: int  # global rank that sends this pack in this rank's row
     owner_rank: int  # global rank of the global owner
     numel: int
+    # The owner's master weights when they are kept apart from the buffer (mixed precision).
+    masters: list[torch.Tensor] | None = None
 
     @classmethod
     def build(cls, params: list[DedicatedParam], layout: MeshLayout) -> Pack:
-        """Copy ``params`` (one owner, one dtype) into a new buffer on the layout's device and
-        point each parameter at its slice; a peer's buffer is then freed."""
+        """Copy ``params`` (one owner, one precision, materialised on the layout's device) into
+        a new buffer and point each parameter at its slice; see [Note: mixed precision] for the
+        owner's master. A peer's buffer is then freed."""
         owner, role = params[0].owner, params[0].role
+        precision = params[0].precision
+        assert precision is not None, "resolve the precision before packing"
         numel = sum(dp.numel for dp in params)
-        buffer = torch.empty(numel, dtype=params[0].dtype, device=layout.device)
+        buffer = torch.empty(numel, dtype=precision.compute, device=layout.device)
+        masters: list[torch.Tensor] | None = [] if role is Role.OWNER and precision.mixed else None
         offset = 0
         for dp in params:
             view = buffer[offset : offset + dp.numel].view(dp.shape)
             if role is not Role.PEER:
+                # A sender's current weight: as built, or its previous pack (a repack).
+                weight = dp.param.detach() if dp.full is None else dp.full
                 with torch.no_grad():
-                    view.copy_(dp.param.detach())
+                    view.copy_(weight)
             dp.offset = offset
-            dp.param.data = view
-            if role is Role.OWNER:
-                dp.full = view
+            dp.dtype = precision.master
+            set_held(dp.param, True)  # a repack re-points a freed peer parameter
+            if masters is not None:
+                master = weight.to(precision.master)
+                masters.append(master)
+                dp.full = master
+                dp.param.data = master
+            else:
+                dp.param.data = view
+                if role is Role.OWNER:
+                    dp.full = view
             offset += dp.numel
         pack = cls(
             owner=owner,
@@ -68,8 +85,9 @@ class Pack:
             sender=layout.rank_of[layout.coord.replicate][owner.shard],
             owner_rank=layout.global_rank(owner),
             numel=numel,
+            masters=masters,
         )
-        if role is Role.PEER:
+        if role is Role.PEER or masters is not None:
             pack.free()
         return pack
 
@@ -78,19 +96,39 @@ class Pack:
         return self.role is not Role.PEER
 
     @property
+    def transient(self) -> bool:
+        """Whether the buffer is freed between uses (a peer's, or an owner's compute copy)."""
+        return self.role is Role.PEER or self.masters is not None
+
+    @property
     def nbytes(self) -> int:
         return self.numel * self.buffer.element_size()
 
+    def views(self) -> list[torch.Tensor]:
+        return [self.buffer[dp.offset : dp.offset + dp.numel].view(dp.shape) for dp in self.params]
+
     def alloc(self) -> None:
+        """Give the buffer its storage; an owner's compute copy is cast from the masters and
+        its parameters point at it."""
         storage = self.buffer.untyped_storage()
         if storage.size() != self.nbytes:
             storage.resize_(self.nbytes)
+        if self.masters is not None:
+            with torch.no_grad():
+                for dp, view, master in zip(self.params, self.views(), self.masters):
+                    view.copy_(master)
+                    dp.param.data = view
         for dp in self.params:
             set_held(dp.param, True)
 
     def free(self) -> None:
-        for dp in self.params:
-            set_held(dp.param, False)
+        """Drop the buffer's storage; an owner's parameters point back at the masters."""
+        if self.masters is not None:
+            for dp, master in zip(self.params, self.masters):
+                dp.param.data = master
+        else:
+            for dp in self.params:
+                set_held(dp.param, False)
         storage = self.buffer.untyped_storage()
         if storage.size() != 0:
             storage.resize_(0)

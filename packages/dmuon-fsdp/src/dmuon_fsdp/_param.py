@@ -16,13 +16,16 @@ counter, so writes into the buffer never bump the counter autograd checks on the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
 from torch import nn
 
-from dmuon_ownership import Owner, Route
+from dmuon_ownership import Owner, ResolvedPolicy, Route
+
+from ._precision import Precision
 
 __all__ = ["DedicatedParam", "Role"]
 
@@ -39,9 +42,11 @@ class Role(StrEnum):
 class DedicatedParam:
     """A parameter whose optimizer step runs only on its global owner.
 
-    ``full`` is the owner's authoritative full weight (the tensor the optimizer updates in
-    place; ``None`` on other ranks); ``grad`` is the owner's averaged full gradient after a
-    synced backward (``None`` elsewhere and after ``zero_grad``).
+    ``full`` is the owner's authoritative full weight, in the master dtype (the tensor the
+    optimizer updates in place; ``None`` on other ranks); ``grad`` is the owner's averaged full
+    gradient after a synced backward, in the reduce dtype (``None`` elsewhere and after
+    ``zero_grad``). ``precision`` says which dtype is used where (see [Note: mixed precision]);
+    it and ``full`` are set when the runtime packs its parameters.
     """
 
     fqn: str
@@ -52,13 +57,17 @@ class DedicatedParam:
     owner: Owner
     role: Role
     route: Route
+    policy: ResolvedPolicy = field(default_factory=ResolvedPolicy)
+    precision: Precision | None = None
     offset: int = 0  # element offset inside the unit's packed buffer
     full: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     shape: torch.Size = field(init=False)
+    dtype: torch.dtype = field(init=False)  # the master dtype
 
     def __post_init__(self) -> None:
         self.shape = self.param.shape
+        self.dtype = self.param.dtype
 
     @property
     def is_owner(self) -> bool:
@@ -66,11 +75,7 @@ class DedicatedParam:
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.param.dtype
+        return math.prod(self.shape)
 
     def __repr__(self) -> str:
         return (

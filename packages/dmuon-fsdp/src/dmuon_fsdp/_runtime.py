@@ -24,6 +24,7 @@ the groups (:mod:`._group`), the queue of pending gradient reductions
 from __future__ import annotations
 
 import logging
+import weakref
 
 from torch import nn
 from torch.autograd.profiler import record_function
@@ -35,9 +36,11 @@ from ._collectives import ReduceQueue
 from ._comm import CommCounter, DedicatedCommContext
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
+from ._guard import guard_like
 from ._hooks import BoundaryHooks
 from ._mesh import MeshLayout
 from ._param import DedicatedParam
+from ._precision import fsdp_mp_policy, resolve_precision
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
 
@@ -51,6 +54,7 @@ class DedicatedRuntime:
 
     def __init__(
         self,
+        model: nn.Module,
         config: DedicateConfig,
         layout: MeshLayout,
         comm: DedicatedCommContext,
@@ -66,12 +70,69 @@ class DedicatedRuntime:
         self.groups = groups
         self.owned = [dp for dp in params if dp.is_owner]
         self.reduce_queue = ReduceQueue(comm)
+        self._model = weakref.ref(model)
+        self._final = False  # packed with the precision fully_shard asks for
         self.hooks = BoundaryHooks(
             groups,
             params,
             self.reduce_queue,
             reshard_after_forward=config.reshard_after_forward,
+            on_first_forward=self.lazy_init,
         )
+        if not any(dp.param.is_meta for dp in params):
+            self._pack(dict(model.named_modules()), final=False)
+
+    def lazy_init(self) -> None:
+        """Finish packing (once): resolve each dedicated parameter's precision with the
+        ``MixedPrecisionPolicy`` of the ``fully_shard`` that now encloses it and repack the
+        groups whose precision changed; a model built on the meta device is packed here for
+        the first time. Runs at the first forward, ``Muon(...)``, or the first checkpoint or
+        diagnostics call, whichever comes first (see [Note: mixed precision] and [Note:
+        meta-device models]). Collective in HSDP: every rank reaches it at the same point."""
+        if self._final:
+            return
+        model = self._model()
+        assert model is not None, "the model this runtime belongs to was deleted"
+        self._pack(dict(model.named_modules()), final=True)
+
+    def _pack(self, modules: dict[str, nn.Module], final: bool) -> None:
+        """Pack every group whose members' precision is new. ``final=False`` (at
+        ``dedicate_params``) resolves without FSDP2's policy, which is not known yet: the
+        parameters are packed in the dtypes ``param_policy`` asks for, and peers free their
+        memory at once."""
+        self._adopt_replaced()
+        changed = False
+        for group in self.groups:
+            mp = fsdp_mp_policy(modules, group.fqn) if final else None
+            members = [dp for dps in group.members for dp in dps]
+            precisions = []
+            for dp in members:
+                _check_materialised(dp)
+                param_dtype = dp.dtype if dp.precision is not None else dp.param.dtype
+                precisions.append(resolve_precision(param_dtype, dp.policy, mp))
+            if group.packs and precisions == [dp.precision for dp in members]:
+                continue
+            for dp, precision in zip(members, precisions):
+                dp.precision = precision
+            group.pack()
+            changed = True
+        self._final = final
+        if changed and self.layout.is_hsdp:
+            # Column replicas start from the owner's weight, whatever their own init was.
+            self.after_step(async_=False)
+
+    def _adopt_replaced(self) -> None:
+        """``model.to_empty(device=...)`` replaces each meta parameter with a new
+        ``nn.Parameter`` (torch cannot change a tensor's device in place): take the new objects
+        over as the dedicated parameters. A weight registered under two names (tied) comes
+        back as two unrelated parameters; re-tie them after ``to_empty``, as for any model."""
+        for index, dp in enumerate(self.params):
+            current = dp.module._parameters.get(dp.name)
+            if current is dp.param or not dp.param.is_meta or not isinstance(current, nn.Parameter):
+                continue
+            guard_like(current, dp.param)
+            dp.param = current
+            self.hooks.rebind(index)
 
     # -- the contract surface ------------------------------------------------------------------
 
@@ -132,7 +193,8 @@ class DedicatedRuntime:
                 self.comm_ctx.barrier()
 
     def drain(self) -> None:
-        """Wait for every collective dmuon has in flight."""
+        """Wait for every collective dmuon has in flight (packing first, if not yet done)."""
+        self.lazy_init()
         with record_function("dmuon::drain"):
             for group in self.groups:
                 group.wait_for_unshard()
@@ -145,6 +207,23 @@ class DedicatedRuntime:
     def remove(self) -> None:
         """Remove every hook (the parameters keep their current storage)."""
         self.hooks.remove()
+
+
+def _check_materialised(dp: DedicatedParam) -> None:
+    """[Note: meta-device models] ``dedicate_params`` only plans: a model built under
+    ``torch.device("meta")`` can be dedicated, sharded and materialised with
+    ``model.to_empty(device=...)`` as torchtitan does. Until the runtime packs its parameters
+    every rank holds each dedicated weight whole, so initialising there (``init_weights()``)
+    runs on every rank with the same generator state, like on a model built normally, and
+    packing then keeps each weight on its owner; ``dmuon.set_model_state_dict`` loads a full
+    state dict instead."""
+    if dp.param.is_meta:
+        raise RuntimeError(
+            f"dedicated parameter {dp.fqn!r} is still on the meta device: materialise the model "
+            "first (model.to_empty(device=...) after fully_shard, then init_weights() or "
+            "dmuon.set_model_state_dict(model, state_dict)) before the first forward, "
+            "Muon(...) or a checkpoint call"
+        )
 
 
 def get_runtime(model: nn.Module) -> DedicatedRuntime:

@@ -1,0 +1,80 @@
+"""Which dtype a dedicated parameter has where.
+
+[Note: mixed precision]
+
+A dedicated parameter has four dtypes (:class:`Precision`):
+
+- ``master``: the owner's authoritative weight (``DedicatedParam.full``), the one the optimizer
+  updates: the parameter's own dtype, or ``param_policy``'s ``master_dtype``;
+- ``compute``: what is broadcast and what forward and backward read: ``param_policy``'s
+  ``param_dtype``, else the ``param_dtype`` of the ``MixedPrecisionPolicy`` of the nearest
+  ``fully_shard`` module that holds the parameter's hook boundary, else the master dtype;
+- ``reduce``: what the gradient is summed in on its way to the owner (and then the dtype of
+  ``DedicatedParam.grad``): ``grad_dtype``, else FSDP2's ``reduce_dtype``, else the compute
+  dtype (FSDP2's own rule);
+- ``optim``: the optimizer states (momentum, Adam moments): ``optim_dtype``, else the master
+  dtype.
+
+With ``compute == master`` the owner's pack buffer is its weight (no copy). Otherwise the
+owner keeps the master apart and casts it into the pack buffer each time the boundary is
+unsharded; the registered parameter points at the compute copy while it is unsharded and at
+the master in between, so reading it on the owner outside forward gives the master, as
+reading an FSDP2 parameter outside forward gives its sharded master. Peers only ever hold the
+compute copy, for the span of their layer's forward and backward, so the broadcast moves
+compute-dtype bytes (half of fp32's for bf16). The dtypes are resolved when the runtime
+packs its parameters (the first forward, ``Muon(...)`` or a checkpoint call, whichever comes
+first), because ``fully_shard`` and its policy come after ``dedicate_params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from dmuon_ownership import ResolvedPolicy
+
+__all__ = ["Precision", "fsdp_mp_policy", "resolve_precision"]
+
+
+class Precision(NamedTuple):
+    master: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    optim: torch.dtype
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the owner keeps its master apart from the compute copy."""
+        return self.compute != self.master
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def fsdp_mp_policy(modules: Mapping[str, nn.Module], boundary: str) -> Any:
+    """The ``MixedPrecisionPolicy`` of the nearest ``fully_shard`` module at or above the
+    module ``boundary`` (``None`` when there is none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = boundary.split(".") if boundary else []
+    for i in range(len(parts), -1, -1):
+        module = modules.get(".".join(parts[:i]))
+        if isinstance(module, FSDPModule):
+            # FSDP2 keeps the policy on the module's state; there is no public getter.
+            return module._get_fsdp_state()._mp_policy
+    return None
+
+
+def resolve_precision(param_dtype: torch.dtype, policy: ResolvedPolicy, mp: Any) -> Precision:
+    """See [Note: mixed precision]."""
+    master = _dtype(policy.master_dtype) or param_dtype
+    fsdp_param = getattr(mp, "param_dtype", None)
+    fsdp_reduce = getattr(mp, "reduce_dtype", None)
+    compute = _dtype(policy.param_dtype) or fsdp_param or master
+    reduce = _dtype(policy.grad_dtype) or fsdp_reduce or compute
+    optim = _dtype(policy.optim_dtype) or master
+    return Precision(master, compute, reduce, optim)

@@ -1,0 +1,270 @@
+"""Mixed precision (FSDP2's MixedPrecisionPolicy, param_policy dtypes) and meta-device models,
+against single-process references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _models import build, muon_numel, muon_predicate
+from _reference import Hyper, ReferenceMuonAdamW, make_batch, shard
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from dmuon_fsdp import (
+    Muon,
+    Role,
+    dedicate_params,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
+from dmuon_testing.distributed import run_distributed
+
+HYPER = Hyper()
+STEPS = 8
+ROWS, SEQ, VOCAB = 8, 8, 32
+BF16 = torch.bfloat16
+MP = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on fp32 logits (bf16 logits would round the loss itself to
+    three significant digits)."""
+    logits = model(tokens[:, :-1]).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _global(loss: torch.Tensor, world_size: int) -> float:
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    return float(total) / world_size
+
+
+def reference_mixed(
+    names: list[str], steps: int, compute_modules: tuple[str, ...] | None = None
+) -> list[float]:
+    """fp32 master weights stepped with Muon + AdamW; forward and backward on a bf16 copy of
+    them (of every module, or of the modules named in ``compute_modules``), the gradients
+    turned into fp32."""
+    master = build(0)
+    twin = build(0)
+    if compute_modules is None:
+        twin.to(BF16)
+    for name in compute_modules or ():
+        module = twin.get_submodule(name)
+        module.to(BF16)
+        # What FSDP2's policy does at that module: its floating inputs are cast to bf16.
+        module.register_forward_pre_hook(
+            lambda m, args: tuple(a.to(BF16) if a.is_floating_point() else a for a in args)
+        )
+    optimizer = ReferenceMuonAdamW(master, names, HYPER)
+    pairs = list(zip(master.parameters(), twin.parameters()))
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for m, t in pairs:
+                t.copy_(m)
+                t.grad = None
+        loss = lm_loss(twin, make_batch(step, ROWS, SEQ, VOCAB))
+        loss.backward()
+        for m, t in pairs:
+            m.grad = t.grad.float()
+        optimizer.step()
+        losses.append(float(loss.detach().float()))
+    return losses
+
+
+def _mixed(rank: int, world_size: int, reshard: bool):
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(
+        model, mesh, muon_predicate, reshard_after_forward=reshard, small_param_threshold=0
+    )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=MP)
+    fully_shard(model, mesh=mesh, mp_policy=MP)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    losses, bytes_per_step = [], []
+    for step in range(STEPS):
+        runtime.counter.reset()
+        optimizer.zero_grad()
+        loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size))
+        loss.backward()
+        optimizer.step()
+        losses.append(_global(loss, world_size))
+        bytes_per_step.append(runtime.counter.bytes("shard", "broadcast"))
+    # Owners keep fp32 masters and fp32 states; every pack (what is broadcast and computed
+    # with) is bf16; a peer holds nothing between steps, and never an fp32 copy.
+    for dp in runtime.params:
+        assert dp.precision is not None and dp.precision.compute == BF16
+        if dp.is_owner:
+            assert dp.full is not None and dp.full.dtype == torch.float32
+            assert dp.param.dtype == torch.float32  # outside forward: the master
+            assert optimizer.state[dp.param]["momentum_buffer"].dtype == torch.float32
+            assert dp.grad is None or dp.grad.dtype == torch.float32
+        if dp.role is Role.PEER:
+            assert dp.full is None and dp.param.untyped_storage().size() == 0
+            assert dp.param.dtype == BF16
+    assert all(pack.buffer.dtype == BF16 for group in runtime.groups for pack in group.packs)
+    return losses, bytes_per_step
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("world_size", "reshard", "rtol"), [(1, True, 1e-4), (4, True, 2e-2), (2, False, 2e-2)]
+)
+def test_fsdp2_mixed_precision_matches_a_bf16_compute_reference(world_size, reshard, rtol):
+    results = run_distributed(_mixed, world_size, reshard)
+    losses = results[0][0]
+    names = [n for n, p in build(0).named_parameters() if muon_predicate(n, p)]
+    ref = reference_mixed(names, STEPS)
+    for step, (got, want) in enumerate(zip(losses, ref)):
+        assert abs(got - want) <= rtol * abs(want), f"step {step}: {got} vs {want}"
+    assert losses[-1] < losses[0]
+    # bf16 on the wire: half of fp32's bytes, one element per broadcast round.
+    rounds = 2 if reshard else 1
+    expected = 0 if world_size == 1 else rounds * muon_numel(build(0)) * 2
+    assert all(b == expected for r in results for b in r[1]), results[0][1]
+
+
+def _policy_head(rank: int, world_size: int):
+    # A bf16 backbone (FSDP2's policy on the layers) with an fp32 head: the root has no
+    # policy, and param_policy pins the dedicated head to fp32 explicitly.
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(
+        model,
+        mesh,
+        lambda n, p: p.ndim == 2 and ("proj" in n or n == "lm_head.weight"),
+        hook_boundary_strict=False,
+        small_param_threshold=0,
+        param_policy={
+            "overrides": [
+                {
+                    "name": ["lm_head"],
+                    "set": {"param_dtype": "float32", "cast_forward_inputs": False},
+                }
+            ]
+        },
+    )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+    fully_shard(model, mesh=mesh)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size))
+        loss.backward()
+        optimizer.step()
+        losses.append(_global(loss, world_size))
+    head = next(dp for dp in runtime.params if dp.fqn == "lm_head.weight")
+    assert head.precision is not None and head.precision.compute == torch.float32
+    proj = next(dp for dp in runtime.params if "proj" in dp.fqn)
+    assert proj.precision is not None and proj.precision.compute == BF16
+    return losses, [dp.fqn for dp in runtime.params]
+
+
+@pytest.mark.distributed
+def test_per_parameter_dtypes_bf16_backbone_fp32_head() -> None:
+    losses, names = run_distributed(_policy_head, 2)[0]
+    layers = tuple(f"layers.{i}" for i in range(2))
+    ref = reference_mixed(names, STEPS, compute_modules=layers)
+    for step, (got, want) in enumerate(zip(losses, ref)):
+        assert abs(got - want) <= 2e-2 * abs(want), f"step {step}: {got} vs {want}"
+
+
+# -- meta-device models --------------------------------------------------------------------------
+
+
+def _on_meta(world_size: int, reshard: bool) -> nn.Module:
+    with torch.device("meta"):
+        model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    return model
+
+
+def _train(model, rank, world_size, steps=4):
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size))
+        loss.backward()
+        optimizer.step()
+        losses.append(_global(loss, world_size))
+    return losses, get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+
+
+def _meta_load(rank: int, world_size: int, reshard: bool):
+    normal = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(normal, mesh, muon_predicate, reshard_after_forward=reshard)
+    for layer in normal.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(normal, mesh=mesh)
+    want = _train(normal, rank, world_size)
+
+    meta = _on_meta(world_size, reshard)
+    set_model_state_dict(meta, build(0).state_dict())
+    got = _train(meta, rank, world_size)
+    same = got[0] == want[0] and all(torch.equal(got[1][k], v) for k, v in want[1].items())
+    return same, got[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("reshard", [True, False], ids=["z3", "z2"])
+def test_meta_model_loaded_with_set_model_state_dict_trains_bit_for_bit(reshard: bool) -> None:
+    results = run_distributed(_meta_load, 2, reshard)
+    assert all(same for same, _ in results)
+
+
+def init_weights(model: nn.Module) -> None:
+    """A model's own initialisation: the projections first, from one generator state, then
+    the rest (what FSDP2's sharded parameters draw does not depend on the projections)."""
+    torch.manual_seed(1234)
+    named = list(model.named_parameters())
+    with torch.no_grad():
+        for name, p in named:
+            if "proj" in name:
+                nn.init.normal_(p, std=0.02)
+        for name, p in named:
+            if "proj" not in name:
+                nn.init.normal_(p, std=0.02) if p.ndim == 2 else nn.init.ones_(p)
+
+
+def _meta_init(rank: int, world_size: int):
+    meta = _on_meta(world_size, True)
+    init_weights(meta)  # before packing: every rank holds each dedicated weight whole
+    optimizer = Muon(meta, **HYPER.muon_kwargs())  # packs: each weight kept on its owner
+    state = {k: v for k, v in get_model_state_dict(meta).items() if "proj" in k}
+    optimizer.zero_grad()
+    loss = lm_loss(meta, shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size))
+    loss.backward()
+    optimizer.step()
+    return state, _global(loss, world_size)
+
+
+@pytest.mark.distributed
+def test_init_weights_on_a_meta_model_initialises_dedicated_weights_as_a_normal_model() -> None:
+    # The documented result (note "meta-device models"): before the runtime packs its
+    # parameters every rank holds the dedicated weights whole, so init_weights() gives them
+    # the values it gives a normally built model with the same generator state, and packing
+    # keeps the owners' copies.
+    results = run_distributed(_meta_init, 2)
+    plain = build(0)
+    init_weights(plain)
+    want = {k: v for k, v in plain.state_dict().items() if "proj" in k}
+    for state, loss in results:
+        assert state.keys() == want.keys()
+        assert all(torch.equal(state[k], v) for k, v in want.items())
+        assert loss == loss and loss > 0  # the model trains after packing
