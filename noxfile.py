@@ -21,6 +21,10 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.6.0"
 TEST_TOOLS = ["pytest==9.2.0", "hypothesis==6.155.2", "numpy==2.4.6"]
+# What one package's tests need beyond TEST_TOOLS (dmuon-fsdp: the Hugging Face export test).
+TEST_EXTRAS: dict[str, list[str]] = {
+    "dmuon-fsdp": ["transformers==5.24.0", "safetensors==0.8.0"],
+}
 
 # Internal dependencies: they point one way only (SPEC section 2).
 PACKAGES: dict[str, list[str]] = {
@@ -74,7 +78,7 @@ def _closure(package: str) -> list[str]:
 @nox.parametrize("package", list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
     """pytest for one package, CPU only (gloo for distributed tests, Triton in the interpreter)."""
-    deps = list(TEST_TOOLS)
+    deps = [*TEST_TOOLS, *TEST_EXTRAS.get(package, [])]
     if package in NEEDS_TORCH:
         deps.append(TORCH)
     if package in NEEDS_TRITON:
