@@ -18,6 +18,8 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from dmuon_fsdp._state_layout import fresh_state
+from dmuon_ownership import Route
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper(weight_decay=0.02)
@@ -100,6 +102,21 @@ def _bad_checkpoints(rank: int, world_size: int):
     optimizer = Muon(model, **HYPER.muon_kwargs())
     train_steps(model, optimizer, rank, world_size, 2)
     model_sd, optim_sd = _snapshot(model, optimizer)
+    # The fresh state checkpoints save for a parameter not stepped yet is laid out exactly as
+    # the state the optimizer created at its first step.
+    for p, state in optimizer.state.items():
+        dp = optimizer.dedicated_param(p)
+        like = p if dp is None else dp.full
+        route = "muon" if "momentum_buffer" in state else "adamw"
+        fresh = fresh_state(Route(route), like)
+        assert fresh.keys() == state.keys()
+        for field, value in state.items():
+            assert (type(fresh[field]), fresh[field].shape, fresh[field].dtype) == (
+                type(value),
+                value.shape,
+                value.dtype,
+            ), field
+            assert fresh[field].device == value.device, field
     # Something different to load, so that a partial write would show.
     other = {k: v + 1.0 if v.is_floating_point() else v for k, v in model_sd.items()}
     proj = next(dp.fqn for dp in runtime.params)

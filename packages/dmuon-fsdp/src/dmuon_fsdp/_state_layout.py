@@ -119,21 +119,24 @@ def optimizer_params(optimizer: Muon) -> list[tuple[str, Tensor, dict[str, Any]]
 
 
 def optimizer_specs(optimizer: Muon) -> dict[str, dict[str, TensorSpec]]:
-    """``fqn -> field -> spec`` of every state tensor (see [Note: complete optimizer state])."""
+    """``fqn -> field -> spec`` of every state tensor (see [Note: complete optimizer state]):
+    the full shape, and the dtype :func:`fresh_state` gives it (derived on the meta device)."""
     specs: dict[str, dict[str, TensorSpec]] = {}
     for fqn, p, group in optimizer_params(optimizer):
         dp = optimizer.dedicated_param(p)
-        full = TensorSpec(tuple(dp.shape), dp.dtype) if dp is not None else TensorSpec.of(p)
+        shape, dtype = (dp.shape, dp.dtype) if dp is not None else (p.shape, p.dtype)
+        fresh = fresh_state(group["optimizer"], torch.empty(shape, dtype=dtype, device="meta"))
         specs[fqn] = {
-            field: TensorSpec((), None) if field == "step" else full
+            field: TensorSpec((), None) if field == "step" else TensorSpec.of(fresh[field])
             for field in STATE_FIELDS[group["optimizer"]]
         }
     return specs
 
 
 def fresh_state(route: Route, like: Tensor) -> dict[str, Tensor]:
-    """The state a parameter laid out as ``like`` has after no step: what its first step
-    creates (``Muon`` starts momentum at zero; AdamW as ``init_adamw_state``)."""
+    """The state of a parameter laid out as ``like`` (its owner's full weight, or its FSDP2
+    DTensor) before its first step: exactly what ``Muon.step`` creates then (momentum at zero;
+    AdamW as ``init_adamw_state``). A test compares the two after a step."""
     if route is Route.MUON:
         return {"momentum_buffer": torch.zeros_like(like)}
     return init_adamw_state(like)
