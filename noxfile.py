@@ -21,10 +21,6 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.6.0"
 TEST_TOOLS = ["pytest==9.2.0", "hypothesis==6.155.2", "numpy==2.4.6"]
-# What one package's tests need beyond TEST_TOOLS (dmuon-fsdp: the Hugging Face export test).
-TEST_EXTRAS: dict[str, list[str]] = {
-    "dmuon-fsdp": ["transformers==5.24.0", "safetensors==0.8.0"],
-}
 
 # Internal dependencies: they point one way only (SPEC section 2).
 PACKAGES: dict[str, list[str]] = {
@@ -37,6 +33,10 @@ PACKAGES: dict[str, list[str]] = {
 NEEDS_TORCH = {"dmuon-ns", "dmuon-clip", "dmuon-fsdp", "dmuon"}
 # Packages whose tests run Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU.
 NEEDS_TRITON = {"dmuon-ns", "dmuon-clip", "dmuon"}
+# What one package's tests need beyond TEST_TOOLS (dmuon-fsdp: the Hugging Face export test).
+TEST_EXTRAS: dict[str, list[str]] = {
+    "dmuon-fsdp": ["transformers==5.24.0", "safetensors==0.8.0"],
+}
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "isolation", "typecheck", "tests"]
