@@ -53,6 +53,7 @@ from ._checkpoint import apply_param_groups, as_step, group_state
 from ._optimizer import Muon
 from ._runtime import get_runtime
 from ._state_layout import (
+    STATE_FIELDS,
     TensorSpec,
     check_model,
     check_optimizer,
@@ -123,7 +124,9 @@ class AppState(Stateful):
                 continue
             like = p if dp is None else dp.full
             assert like is not None
-            state[name] = optimizer.state.get(p) or fresh_state(group["optimizer"], like)
+            route = group["optimizer"]
+            live = optimizer.state.get(p) or fresh_state(route, like)
+            state[name] = {field: live[field] for field in STATE_FIELDS[route]}
         return {"state": state, "param_groups": tuple(group_state(optimizer).items())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
