@@ -49,22 +49,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from . import _state_layout as layout
 from ._checkpoint import apply_param_groups, as_step, group_state
 from ._optimizer import Muon
 from ._runtime import get_runtime
-from ._state_layout import (
-    STATE_FIELDS,
-    TensorSpec,
-    check_model,
-    check_optimizer,
-    check_optimizer_state,
-    check_param_groups,
-    fresh_state,
-    model_entries,
-    model_specs,
-    optimizer_params,
-    optimizer_specs,
-)
 
 __all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
 
@@ -95,7 +83,7 @@ class AppState(Stateful):
     """
 
     def __init__(self, model: nn.Module, optimizer: Muon) -> None:
-        self.optimizer = check_optimizer(model, optimizer)
+        self.optimizer = layout.check_optimizer(model, optimizer)
         self.model = model
         self.runtime = get_runtime(model)
 
@@ -107,7 +95,7 @@ class AppState(Stateful):
 
     def _model_tensors(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
-        for key, value, dp in model_entries(self.model, self.runtime):
+        for key, value, dp in layout.model_entries(self.model, self.runtime):
             if dp is None:
                 out[key] = value.detach()
             elif dp.is_owner:
@@ -118,15 +106,15 @@ class AppState(Stateful):
     def _optimizer_state(self) -> dict[str, Any]:
         optimizer = self.optimizer
         state: dict[str, dict[str, Tensor]] = {}
-        for name, p, group in optimizer_params(optimizer):
+        for name, p, group in layout.optimizer_params(optimizer):
             dp = optimizer.dedicated_param(p)
             if dp is not None and not dp.is_owner:
                 continue
             like = p if dp is None else dp.full
             assert like is not None
             route = group["optimizer"]
-            live = optimizer.state.get(p) or fresh_state(route, like)
-            state[name] = {field: live[field] for field in STATE_FIELDS[route]}
+            live = optimizer.state.get(p) or layout.fresh_state(route, like)
+            state[name] = {field: live[field] for field in layout.STATE_FIELDS[route]}
         return {"state": state, "param_groups": tuple(group_state(optimizer).items())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -142,7 +130,7 @@ class AppState(Stateful):
                 )
             optim = state_dict["optim"]
             groups = dict(optim["param_groups"])
-            check_param_groups(where, self.optimizer, groups)
+            layout.check_param_groups(where, self.optimizer, groups)
             self._install_model(state_dict["model"])
             self._install_optimizer(optim["state"], groups)
             # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
@@ -150,7 +138,7 @@ class AppState(Stateful):
 
     def _install_model(self, loaded: Mapping[str, Tensor]) -> None:
         with torch.no_grad():
-            for key, value, dp in model_entries(self.model, self.runtime):
+            for key, value, dp in layout.model_entries(self.model, self.runtime):
                 target = value if dp is None else dp.full
                 if target is None:
                     continue
@@ -163,7 +151,7 @@ class AppState(Stateful):
     ) -> None:
         optimizer = self.optimizer
         apply_param_groups(optimizer, groups)
-        for name, p, _ in optimizer_params(optimizer):
+        for name, p, _ in layout.optimizer_params(optimizer):
             dp = optimizer.dedicated_param(p)
             if dp is not None and not dp.is_owner:
                 continue
@@ -185,15 +173,15 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: M
         dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=path)
 
 
-def _prefixed(prefix: str, metadata: Metadata) -> dict[str, TensorSpec | None]:
+def _prefixed(prefix: str, metadata: Metadata) -> dict[str, layout.TensorSpec | None]:
     """The checkpoint's keys under ``prefix`` (stripped), with their full specs (``None`` for
     a value that is not a tensor)."""
-    found: dict[str, TensorSpec | None] = {}
+    found: dict[str, layout.TensorSpec | None] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(prefix):
             spec = None
             if isinstance(md, TensorStorageMetadata):
-                spec = TensorSpec(tuple(md.size), md.properties.dtype)
+                spec = layout.TensorSpec(tuple(md.size), md.properties.dtype)
             found[key[len(prefix) :]] = spec
     return found
 
@@ -213,22 +201,22 @@ def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bo
             f"{where}: the checkpoint has no {root}optim.param_groups entry; it was not written"
             " by dmuon.save_checkpoint / AppState, or it is damaged"
         )
-    check_model(
+    layout.check_model(
         where,
-        model_specs(model_entries(app.model, app.runtime)),
+        layout.model_specs(layout.model_entries(app.model, app.runtime)),
         _prefixed(f"{root}model.", metadata),
         "the checkpoint must hold exactly the keys of model.state_dict() (same model definition)",
     )
-    specs = optimizer_specs(app.optimizer)
+    specs = layout.optimizer_specs(app.optimizer)
     saved = _prefixed(f"{root}optim.state.", metadata)
-    got: dict[str, dict[str, TensorSpec | None]] = {}
+    got: dict[str, dict[str, layout.TensorSpec | None]] = {}
     for fqn, fields in specs.items():
         entry = {
             field: saved.pop(f"{fqn}.{field}") for field in fields if f"{fqn}.{field}" in saved
         }
         if entry:
             got[fqn] = entry
-    return check_optimizer_state(where, specs, got, sorted(saved), strict=strict)
+    return layout.check_optimizer_state(where, specs, got, sorted(saved), strict=strict)
 
 
 def _read_param_groups(path: str | os.PathLike[str], where: str) -> dict[str, Any]:
@@ -253,7 +241,7 @@ def load_checkpoint(
     with record_function("dmuon::load_checkpoint"):
         metadata = FileSystemReader(path).read_metadata()
         absent = set(_check_metadata(app, metadata, where, strict=strict))
-        check_param_groups(where, app.optimizer, _read_param_groups(path, where))
+        layout.check_param_groups(where, app.optimizer, _read_param_groups(path, where))
         target = app.state_dict()
         target["optim"]["state"] = {
             fqn: entry for fqn, entry in target["optim"]["state"].items() if fqn not in absent
