@@ -33,6 +33,10 @@ PACKAGES: dict[str, list[str]] = {
 NEEDS_TORCH = {"dmuon-ns", "dmuon-clip", "dmuon-fsdp", "dmuon"}
 # Packages whose tests run Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU.
 NEEDS_TRITON = {"dmuon-ns", "dmuon-clip", "dmuon"}
+# What one package's tests need beyond TEST_TOOLS (dmuon-fsdp: the Hugging Face export test).
+TEST_EXTRAS: dict[str, list[str]] = {
+    "dmuon-fsdp": ["transformers==5.24.0", "safetensors==0.8.0"],
+}
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "isolation", "typecheck", "tests"]
@@ -74,7 +78,7 @@ def _closure(package: str) -> list[str]:
 @nox.parametrize("package", list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
     """pytest for one package, CPU only (gloo for distributed tests, Triton in the interpreter)."""
-    deps = list(TEST_TOOLS)
+    deps = [*TEST_TOOLS, *TEST_EXTRAS.get(package, [])]
     if package in NEEDS_TORCH:
         deps.append(TORCH)
     if package in NEEDS_TRITON:

@@ -7,7 +7,9 @@ import pytest
 import torch
 from _models import build
 from _reference import Hyper, lm_loss, make_batch
+from test_step_memory import _live_storages, _StepPeak, _storage
 from test_training import ROWS, SEQ, VOCAB, counting_muon, setup_model, train_steps
+from torch.utils._pytree import tree_flatten
 
 from dmuon_fsdp import (
     Muon,
@@ -16,6 +18,8 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from dmuon_fsdp._state_layout import fresh_state
+from dmuon_ownership import Route
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper(weight_decay=0.02)
@@ -98,6 +102,21 @@ def _bad_checkpoints(rank: int, world_size: int):
     optimizer = Muon(model, **HYPER.muon_kwargs())
     train_steps(model, optimizer, rank, world_size, 2)
     model_sd, optim_sd = _snapshot(model, optimizer)
+    # The fresh state checkpoints save for a parameter not stepped yet is laid out exactly as
+    # the state the optimizer created at its first step.
+    for p, state in optimizer.state.items():
+        dp = optimizer.dedicated_param(p)
+        like = p if dp is None else dp.full
+        route = "muon" if "momentum_buffer" in state else "adamw"
+        fresh = fresh_state(Route(route), like)
+        assert fresh.keys() == state.keys()
+        for field, value in state.items():
+            assert (type(fresh[field]), fresh[field].shape, fresh[field].dtype) == (
+                type(value),
+                value.shape,
+                value.dtype,
+            ), field
+            assert fresh[field].device == value.device, field
     # Something different to load, so that a partial write would show.
     other = {k: v + 1.0 if v.is_floating_point() else v for k, v in model_sd.items()}
     proj = next(dp.fqn for dp in runtime.params)
@@ -141,16 +160,37 @@ def _bad_checkpoints(rank: int, world_size: int):
             f"{norm}.*'exp_avg'.*shape \\(5,\\)",
         ),
         "top": ({"state": state}, "missing key.*param_groups"),
-    }
+        "truncated": (
+            {"state": {k: v for k, v in state.items() if k != proj}, "param_groups": groups},
+            f"no optimizer state for 1 of .*{proj}.*truncated.*strict=False",
+        ),
+        "dtype": (
+            {"state": {**state, proj: {"momentum_buffer": state[proj]["momentum_buffer"].half()}},
+             "param_groups": groups},
+            f"{proj}.*'momentum_buffer'.*torch.float16.*keeps torch.float32",
+        ),
+    }  # fmt: skip
     for label, (sd, match) in bad_optims.items():
         with pytest.raises(ValueError, match=match) as info:
             set_optimizer_state_dict(model, optimizer, sd)
         errors[label] = str(info.value)
+    with pytest.raises(ValueError, match=f"{norm}.*torch.float64.*keeps torch.float32"):
+        set_model_state_dict(model, {**other, norm: other[norm].double()})
 
     # Nothing was modified by any failed call.
     after_model, after_optim = _snapshot(model, optimizer)
     assert _equal(after_model, model_sd)
     assert _equal(after_optim, optim_sd)
+
+    # strict=False accepts the truncated dictionary: that matrix starts from fresh momentum,
+    # every other entry is loaded.
+    bumped = {k: {f: v + 1 for f, v in entry.items()} for k, entry in state.items() if k != proj}
+    set_optimizer_state_dict(
+        model, optimizer, {"state": bumped, "param_groups": groups}, strict=False
+    )
+    loaded = get_optimizer_state_dict(model, optimizer)["state"]
+    assert not loaded[proj]["momentum_buffer"].any()
+    assert _equal({k: v for k, v in loaded.items() if k != proj}, bumped)
     return errors
 
 
@@ -223,3 +263,57 @@ def test_hsdp_resume_ns_count_and_cross_topology_load():
     # NS once per matrix per step across the whole world, never once per replica.
     assert sum(r[2] for r in results) == n_matrices * TOTAL
     assert all(r[4] for r in results)
+
+
+class _Transients(_StepPeak):
+    """``_StepPeak`` that also records the largest single storage the ops create."""
+
+    def __init__(self, baseline: set[int]) -> None:
+        super().__init__(baseline)
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and (storage := _storage(t)) is not None:
+                if storage.data_ptr() not in self.baseline:
+                    self.largest = max(self.largest, storage.nbytes())
+        return out
+
+
+def _rank0_only(rank: int, world_size: int):
+    model, _ = setup_model(world_size, small_param_threshold=0)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    train_steps(model, optimizer, rank, world_size, 2)
+    everywhere = _snapshot(model, optimizer)
+    mode = _Transients(set(_live_storages()))
+    with mode:
+        got = (
+            get_model_state_dict(model, rank0_only=True),
+            get_optimizer_state_dict(model, optimizer, rank0_only=True),
+        )
+    largest_param = max(v.numel() * v.element_size() for v in everywhere[0].values())
+    cpu = all(v.device.type == "cpu" for v in got[0].values())
+    return (
+        got if rank == 0 else got == ({}, {}),
+        everywhere,
+        mode.largest,
+        mode.peak,
+        largest_param,
+        cpu,
+    )
+
+
+@pytest.mark.distributed
+def test_rank0_only_holds_one_full_tensor_at_a_time():
+    results = run_distributed(_rank0_only, 4)
+    got, everywhere, *_ = results[0]
+    assert _equal(got, everywhere), "rank 0's dictionaries differ from the gathered-everywhere ones"
+    assert all(r[0] is True for r in results[1:]), "ranks 1-3 must get {} and {}"
+    for rank, (_, _, largest, peak, largest_param, cpu) in enumerate(results):
+        assert cpu
+        # No tensor larger than one full parameter was ever made, and on ranks 1-3 (which keep
+        # nothing) the transients alive at once never exceeded one full parameter.
+        assert 0 < largest <= largest_param, (rank, largest, largest_param)
+        if rank > 0:
+            assert peak <= largest_param, (rank, peak, largest_param)

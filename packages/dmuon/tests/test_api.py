@@ -63,6 +63,10 @@ DOCUMENTED_NAMES = frozenset(
         "set_model_state_dict",
         "get_optimizer_state_dict",
         "set_optimizer_state_dict",
+        "AppState",
+        "save_checkpoint",
+        "load_checkpoint",
+        "CHECKPOINT_KEY",
     }
 )
 

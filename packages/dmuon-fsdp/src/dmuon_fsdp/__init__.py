@@ -18,6 +18,7 @@ from ._checkpoint import (
 )
 from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
 from ._config import DedicateConfig
+from ._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
 from ._dedicate import dedicate_params
 from ._diagnostics import (
     collect_forward_unshard_profile,
@@ -32,6 +33,8 @@ from ._param import DedicatedParam, Role
 from ._runtime import DedicatedRuntime, get_runtime
 
 __all__ = [
+    "CHECKPOINT_KEY",
+    "AppState",
     "Axis",
     "CommCounter",
     "CommKind",
@@ -58,8 +61,10 @@ __all__ = [
     "get_owned_params",
     "get_runtime",
     "install_patch",
+    "load_checkpoint",
     "no_sync",
     "prepare_muon_grads",
+    "save_checkpoint",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "summarize_comm_plan",

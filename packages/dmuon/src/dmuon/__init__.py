@@ -24,6 +24,8 @@ from dmuon_clip import (
     try_clip_optimizer_grad_norm_buckets_,
 )
 from dmuon_fsdp import (
+    CHECKPOINT_KEY,
+    AppState,
     DedicatedCommContext,
     Muon,
     broadcast_all_updates,
@@ -37,8 +39,10 @@ from dmuon_fsdp import (
     get_optimizer_state_dict,
     get_owned_params,
     install_patch,
+    load_checkpoint,
     no_sync,
     prepare_muon_grads,
+    save_checkpoint,
     set_model_state_dict,
     set_optimizer_state_dict,
     summarize_comm_plan,
@@ -61,8 +65,10 @@ from dmuon_ns import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CHECKPOINT_KEY",
     "POLAR_EXPRESS_COEFFICIENTS",
     "YOU_COEFFICIENTS",
+    "AppState",
     "DedicatedCommContext",
     "GradClipBucket",
     "GradClipBucketStats",
@@ -87,10 +93,12 @@ __all__ = [
     "get_owned_params",
     "gram_newton_schulz",
     "install_patch",
+    "load_checkpoint",
     "newton_schulz",
     "no_sync",
     "prepare_muon_grads",
     "register_muon_grad_clip_strategy",
+    "save_checkpoint",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "summarize_comm_plan",

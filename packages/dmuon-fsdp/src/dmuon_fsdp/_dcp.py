@@ -1,0 +1,250 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank writes what it
+holds, nothing is gathered, and a checkpoint loads on any topology.
+
+[Note: the DCP layout]
+:class:`AppState` is a DCP ``Stateful``; its ``state_dict()`` is a nested dictionary that DCP
+flattens with dots (``dmuon.model.<fqn>`` under :func:`save_checkpoint`'s key ``"dmuon"``):
+
+- ``model.<fqn>``: every key of ``model.state_dict()``. An FSDP2 parameter is its DTensor: each
+  rank writes its own shard (HSDP replicas write the same chunk, which DCP keeps once). A
+  dedicated parameter is the owner's full weight as a plain tensor, present in the owner's
+  dictionary only, so exactly one rank writes it. A buffer is a plain tensor on every rank,
+  which DCP keeps once.
+- ``optim.state.<fqn>.<field>``: ``momentum_buffer`` (Muon) or ``step``, ``exp_avg``,
+  ``exp_avg_sq`` (AdamW) of every parameter, laid out as the parameter (DTensor shards, or the
+  owner's full tensors); an AdamW ``step`` is a scalar that every holder writes and DCP keeps
+  once. A parameter not stepped yet is written with its fresh state (see [Note: complete
+  optimizer state] in :mod:`._state_layout`).
+- ``optim.param_groups``: one value, ``((group name, {hyperparameters..., "params": [fqn,
+  ...]}), ...)``; a tuple, so that DCP stores it whole instead of one entry per hyperparameter.
+
+No key names a rank, a shard, a mesh or an owner, so the layout does not depend on the
+topology. On load each rank asks for exactly the tensors it holds now: its FSDP2 shards (DCP
+reads the overlapping parts of the saved chunks) and, for the dedicated parameters it owns
+under the current owner plan, their full weights and states. DCP reads into the tensors
+``state_dict()`` returned, which are the live ones (a parameter without state gets fresh
+tensors), so loading needs no second copy of the model.
+
+[Note: a failed load changes nothing]
+DCP reads straight into the live tensors, so every check runs before the read.
+:func:`load_checkpoint` reads the checkpoint's metadata and its param groups first and checks
+every key, full shape and dtype against the model and optimizer (the checks of
+:mod:`._state_layout`, the same on every rank); only then does it read. Inside a user's own
+``dcp.load`` DCP's planner checks keys and shapes before reading (it converts dtypes), and
+:meth:`AppState.load_state_dict` checks the param groups after the read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.autograd.profiler import record_function
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from . import _state_layout as layout
+from ._checkpoint import apply_param_groups, as_step, group_state
+from ._optimizer import Muon
+from ._runtime import get_runtime
+
+__all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
+
+# The key of the AppState in the dictionary save_checkpoint hands to DCP.
+CHECKPOINT_KEY = "dmuon"
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    a, b = _local(a), _local(b)
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+class AppState(Stateful):
+    """A dmuon model and its :class:`Muon` optimizer as one DCP ``Stateful``.
+
+    Put it in the dictionary you hand to ``dcp.save``, ``dcp.async_save`` or ``dcp.load``,
+    next to your own state (a dataloader, a scheduler)::
+
+        dcp.save({"dmuon": dmuon.AppState(model, optimizer), "data": loader}, checkpoint_id=path)
+
+    See [Note: the DCP layout] for what it writes; each rank writes only what it holds.
+    ``state_dict()`` and ``load_state_dict()`` are collective (they drain the runtime; loading
+    ends with the runtime's ``after_step``).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Muon) -> None:
+        self.optimizer = layout.check_optimizer(model, optimizer)
+        self.model = model
+        self.runtime = get_runtime(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The live tensors this rank holds, keyed topology-independently."""
+        with record_function("dmuon::dcp_state_dict"):
+            self.runtime.drain()
+            return {"model": self._model_tensors(), "optim": self._optimizer_state()}
+
+    def _model_tensors(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for key, value, dp in layout.model_entries(self.model, self.runtime):
+            if dp is None:
+                out[key] = value.detach()
+            elif dp.is_owner:
+                assert dp.full is not None
+                out[key] = dp.full
+        return out
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        optimizer = self.optimizer
+        state: dict[str, dict[str, Tensor]] = {}
+        for name, p, group in layout.optimizer_params(optimizer):
+            dp = optimizer.dedicated_param(p)
+            if dp is not None and not dp.is_owner:
+                continue
+            like = p if dp is None else dp.full
+            assert like is not None
+            route = group["optimizer"]
+            live = optimizer.state.get(p) or layout.fresh_state(route, like)
+            state[name] = {field: live[field] for field in layout.STATE_FIELDS[route]}
+        return {"state": state, "param_groups": tuple(group_state(optimizer).items())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Install what DCP read into the tensors of :meth:`state_dict` (an optimizer state
+        entry left out, as ``load_checkpoint(strict=False)`` does for one the checkpoint lacks,
+        starts from fresh state)."""
+        where = "AppState.load_state_dict"
+        with record_function("dmuon::dcp_load_state_dict"):
+            if not isinstance(state_dict, Mapping) or set(state_dict) != {"model", "optim"}:
+                raise ValueError(
+                    f"{where}: expected the dictionary AppState.state_dict() returned, with"
+                    " 'model' and 'optim'; load it with dcp.load({'dmuon': app_state})"
+                )
+            optim = state_dict["optim"]
+            groups = dict(optim["param_groups"])
+            layout.check_param_groups(where, self.optimizer, groups)
+            self._install_model(state_dict["model"])
+            self._install_optimizer(optim["state"], groups)
+            # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
+            self.runtime.after_step(async_=False)
+
+    def _install_model(self, loaded: Mapping[str, Tensor]) -> None:
+        with torch.no_grad():
+            for key, value, dp in layout.model_entries(self.model, self.runtime):
+                target = value if dp is None else dp.full
+                if target is None:
+                    continue
+                source = loaded[key]
+                if not _same_tensor(source, target):
+                    _local(target).copy_(_local(source))
+
+    def _install_optimizer(
+        self, loaded: Mapping[str, Mapping[str, Tensor]], groups: Mapping[str, Any]
+    ) -> None:
+        optimizer = self.optimizer
+        apply_param_groups(optimizer, groups)
+        for name, p, _ in layout.optimizer_params(optimizer):
+            dp = optimizer.dedicated_param(p)
+            if dp is not None and not dp.is_owner:
+                continue
+            entry = loaded.get(name)
+            if entry is None:
+                optimizer.state.pop(p, None)
+                continue
+            optimizer.state[p] = {
+                field: as_step(value) if field == "step" else value
+                for field, value in entry.items()
+            }
+
+
+def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: Muon) -> None:
+    """Write a sharded checkpoint of ``model`` and ``optimizer`` to the directory ``path``
+    with ``dcp.save`` (see [Note: the DCP layout]); collective. For an asynchronous save call
+    ``dcp.async_save({dmuon.CHECKPOINT_KEY: dmuon.AppState(model, optimizer)}, ...)``."""
+    with record_function("dmuon::save_checkpoint"):
+        dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=path)
+
+
+def _prefixed(prefix: str, metadata: Metadata) -> dict[str, layout.TensorSpec | None]:
+    """The checkpoint's keys under ``prefix`` (stripped), with their full specs (``None`` for
+    a value that is not a tensor)."""
+    found: dict[str, layout.TensorSpec | None] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix):
+            spec = None
+            if isinstance(md, TensorStorageMetadata):
+                spec = layout.TensorSpec(tuple(md.size), md.properties.dtype)
+            found[key[len(prefix) :]] = spec
+    return found
+
+
+def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bool) -> list[str]:
+    """Check every tensor of the checkpoint against the model and optimizer (see [Note: a
+    failed load changes nothing]); returns the parameters without optimizer state."""
+    root = f"{CHECKPOINT_KEY}."
+    if not any(key.startswith(root) for key in metadata.state_dict_metadata):
+        raise ValueError(
+            f"{where}: the checkpoint holds no {CHECKPOINT_KEY!r} entries (its keys start with"
+            f" {sorted({k.split('.')[0] for k in metadata.state_dict_metadata})}); write it with"
+            f" dmuon.save_checkpoint or dcp.save({{{CHECKPOINT_KEY!r}: dmuon.AppState(...)}})"
+        )
+    if f"{root}optim.param_groups" not in metadata.state_dict_metadata:
+        raise ValueError(
+            f"{where}: the checkpoint has no {root}optim.param_groups entry; it was not written"
+            " by dmuon.save_checkpoint / AppState, or it is damaged"
+        )
+    layout.check_model(
+        where,
+        layout.model_specs(layout.model_entries(app.model, app.runtime)),
+        _prefixed(f"{root}model.", metadata),
+        "the checkpoint must hold exactly the keys of model.state_dict() (same model definition)",
+    )
+    specs = layout.optimizer_specs(app.optimizer)
+    saved = _prefixed(f"{root}optim.state.", metadata)
+    got: dict[str, dict[str, layout.TensorSpec | None]] = {}
+    for fqn, fields in specs.items():
+        entry = {
+            field: saved.pop(f"{fqn}.{field}") for field in fields if f"{fqn}.{field}" in saved
+        }
+        if entry:
+            got[fqn] = entry
+    return layout.check_optimizer_state(where, specs, got, sorted(saved), strict=strict)
+
+
+def _read_param_groups(path: str | os.PathLike[str], where: str) -> dict[str, Any]:
+    holder: dict[str, Any] = {CHECKPOINT_KEY: {"optim": {"param_groups": None}}}
+    dcp.load(holder, checkpoint_id=path)
+    groups = holder[CHECKPOINT_KEY]["optim"]["param_groups"]
+    if not isinstance(groups, tuple):
+        raise ValueError(f"{where}: 'optim.param_groups' is not dmuon's ((name, group), ...)")
+    return dict(groups)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], model: nn.Module, optimizer: Muon, *, strict: bool = True
+) -> None:
+    """Load a checkpoint written by :func:`save_checkpoint` (or a ``dcp.save`` /
+    ``dcp.async_save`` of ``{"dmuon": AppState(...)}``) on any topology: another world size,
+    HSDP shape or owner plan. Checks every key, shape and dtype first and raises, changing
+    nothing, when one does not fit; a parameter without optimizer state in the checkpoint
+    raises unless ``strict=False``, which starts it from fresh state. Collective."""
+    where = "load_checkpoint"
+    app = AppState(model, optimizer)
+    with record_function("dmuon::load_checkpoint"):
+        metadata = FileSystemReader(path).read_metadata()
+        absent = set(_check_metadata(app, metadata, where, strict=strict))
+        layout.check_param_groups(where, app.optimizer, _read_param_groups(path, where))
+        target = app.state_dict()
+        target["optim"]["state"] = {
+            fqn: entry for fqn, entry in target["optim"]["state"].items() if fqn not in absent
+        }
+        dcp.load({CHECKPOINT_KEY: target}, checkpoint_id=path)
+        app.load_state_dict(target)

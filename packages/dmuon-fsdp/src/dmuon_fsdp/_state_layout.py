@@ -1,0 +1,276 @@
+"""The layout of a dmuon checkpoint: every tensor a model and its ``Muon`` optimizer save, with
+its full shape and dtype, and the checks that compare a checkpoint against it before anything
+is loaded. The flat format (:mod:`._checkpoint`) and DCP (:mod:`._dcp`) share both.
+
+[Note: complete optimizer state]
+A checkpoint holds an optimizer state entry for every parameter the optimizer steps. A
+parameter that has not been stepped yet is saved with the state its first step creates (zero
+momentum; AdamW step 0 and zero moments), which steps exactly as no state does. So a missing
+entry always means a damaged checkpoint (a truncated file, keys dropped): loading one raises
+naming the parameters, unless the caller passes ``strict=False``, which starts those
+parameters from fresh state. It also lets a DCP load into a fresh optimizer ask for every
+tensor it will hold, since DCP reads into tensors that exist before the read.
+
+[Note: what the checks compare]
+Keys are FQNs (``model.state_dict()`` keys; optimizer state by parameter FQN and field), and
+shapes are full shapes, never shards, so the layout is the same on every rank and at every
+world size: each rank checks the whole checkpoint and reaches the same verdict without a
+collective. A tensor must have the shape and dtype dmuon keeps it in; the AdamW ``step`` is a
+scalar counter of any dtype (it is loaded as the dtype ``torch.optim.AdamW`` uses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from dmuon_ownership import Route
+
+from ._muon_math import init_adamw_state
+from ._optimizer import Muon
+from ._param import DedicatedParam
+from ._runtime import DedicatedRuntime
+
+__all__ = [
+    "GROUP_REQUIRED",
+    "STATE_FIELDS",
+    "TensorSpec",
+    "check_model",
+    "check_optimizer",
+    "check_optimizer_state",
+    "check_param_groups",
+    "fresh_state",
+    "keys_error",
+    "model_entries",
+    "model_specs",
+    "optimizer_params",
+    "optimizer_specs",
+]
+
+STATE_FIELDS: dict[Route, tuple[str, ...]] = {
+    Route.MUON: ("momentum_buffer",),
+    Route.ADAMW: ("step", "exp_avg", "exp_avg_sq"),
+}
+GROUP_REQUIRED: dict[Route, tuple[str, ...]] = {
+    Route.MUON: ("lr", "weight_decay", "momentum", "nesterov"),
+    Route.ADAMW: ("lr", "weight_decay", "betas", "eps"),
+}
+
+
+class TensorSpec(NamedTuple):
+    """A tensor's full shape and dtype (``None``: any dtype, for the AdamW step)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, value: Tensor) -> TensorSpec:
+        return cls(tuple(value.shape), value.dtype)
+
+
+# -- what a model and an optimizer save ---------------------------------------------------------
+
+
+def model_entries(
+    model: nn.Module, runtime: DedicatedRuntime
+) -> list[tuple[str, Tensor, DedicatedParam | None]]:
+    """``(key, value, DedicatedParam or None)`` for every entry of ``model.state_dict()``.
+    Values are the model's own tensors (``keep_vars``: nothing is read yet, which a peer could
+    not do for a dedicated weight), and a weight registered under two keys (tied) is found by
+    identity under both."""
+    dedicated = {id(dp.param): dp for dp in runtime.params}
+    return [
+        (key, value, dedicated.get(id(value)))
+        for key, value in model.state_dict(keep_vars=True).items()
+    ]
+
+
+def model_specs(
+    entries: Sequence[tuple[str, Tensor, DedicatedParam | None]],
+) -> dict[str, TensorSpec]:
+    return {
+        key: TensorSpec(tuple(dp.shape), dp.dtype) if dp is not None else TensorSpec.of(value)
+        for key, value, dp in entries
+    }
+
+
+def check_optimizer(model: nn.Module, optimizer: object) -> Muon:
+    if not isinstance(optimizer, Muon):
+        raise ValueError(
+            f"optimizer must be the dmuon.Muon built on this model, got {type(optimizer).__name__}"
+        )
+    if optimizer.model is not model:
+        raise ValueError(
+            "optimizer was built on a different model object; pass the model given to Muon()"
+        )
+    return optimizer
+
+
+def optimizer_params(optimizer: Muon) -> list[tuple[str, Tensor, dict[str, Any]]]:
+    """``(fqn, parameter, param group)`` for every parameter the optimizer steps."""
+    return [
+        (name, p, group)
+        for group in optimizer.param_groups
+        for name, p in zip(group["param_names"], group["params"])
+    ]
+
+
+def optimizer_specs(optimizer: Muon) -> dict[str, dict[str, TensorSpec]]:
+    """``fqn -> field -> spec`` of every state tensor (see [Note: complete optimizer state]):
+    the full shape, and the dtype :func:`fresh_state` gives it (derived on the meta device)."""
+    specs: dict[str, dict[str, TensorSpec]] = {}
+    for fqn, p, group in optimizer_params(optimizer):
+        dp = optimizer.dedicated_param(p)
+        shape, dtype = (dp.shape, dp.dtype) if dp is not None else (p.shape, p.dtype)
+        fresh = fresh_state(group["optimizer"], torch.empty(shape, dtype=dtype, device="meta"))
+        specs[fqn] = {
+            field: TensorSpec((), None) if field == "step" else TensorSpec.of(fresh[field])
+            for field in STATE_FIELDS[group["optimizer"]]
+        }
+    return specs
+
+
+def fresh_state(route: Route, like: Tensor) -> dict[str, Tensor]:
+    """The state of a parameter laid out as ``like`` (its owner's full weight, or its FSDP2
+    DTensor) before its first step: exactly what ``Muon.step`` creates then (momentum at zero;
+    AdamW as ``init_adamw_state``). A test compares the two after a step."""
+    if route is Route.MUON:
+        return {"momentum_buffer": torch.zeros_like(like)}
+    return init_adamw_state(like)
+
+
+# -- checks ---------------------------------------------------------------------------------------
+
+
+def keys_error(what: str, missing: list[str], unexpected: list[str], fix: str) -> ValueError:
+    parts = []
+    if missing:
+        parts.append(f"missing key(s) {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+    if unexpected:
+        parts.append(
+            f"unexpected key(s) {unexpected[:5]}" + (" ..." if len(unexpected) > 5 else "")
+        )
+    return ValueError(f"{what}: {' and '.join(parts)}; {fix}")
+
+
+def _check_tensor(
+    where: str, key: str, got: TensorSpec | None, want: TensorSpec, holder: str
+) -> None:
+    if got is None:
+        raise ValueError(f"{where}: {key} holds no tensor in the checkpoint; {holder} keeps one")
+    if got.shape != want.shape:
+        if want.shape == ():
+            raise ValueError(
+                f"{where}: {key} has shape {got.shape} in the checkpoint but is a scalar"
+                " (shape ()) here; the checkpoint is damaged or not dmuon's"
+            )
+        raise ValueError(
+            f"{where}: {key} has shape {got.shape} in the checkpoint but {holder} expects"
+            f" {want.shape}; the checkpoint is from a different model definition"
+        )
+    if want.dtype is not None and got.dtype != want.dtype:
+        raise ValueError(
+            f"{where}: {key} is {got.dtype} in the checkpoint but {holder} keeps {want.dtype};"
+            f" cast the checkpoint's tensors to {want.dtype} before loading"
+        )
+
+
+def check_model(
+    where: str, specs: Mapping[str, TensorSpec], got: Mapping[str, TensorSpec | None], fix: str
+) -> None:
+    """Raise unless ``got`` (key -> the checkpoint's spec, ``None`` for a non-tensor) holds
+    exactly the keys of ``specs`` with their shapes and dtypes."""
+    missing = [k for k in specs if k not in got]
+    unexpected = [k for k in got if k not in specs]
+    if missing or unexpected:
+        raise keys_error(where, missing, unexpected, fix)
+    for key, want in specs.items():
+        _check_tensor(where, repr(key), got[key], want, "the model")
+
+
+def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
+    """Raise unless ``saved_groups`` (group name -> group dict) has this optimizer's groups,
+    each with the same parameters, optimizer and required hyperparameters."""
+    if not isinstance(saved_groups, Mapping):
+        raise ValueError(f"{where}: 'param_groups' must map group name -> group dict")
+    names = [g["group_name"] for g in optimizer.param_groups]
+    missing = [n for n in names if n not in saved_groups]
+    unexpected = [n for n in saved_groups if n not in names]
+    if missing or unexpected:
+        raise keys_error(
+            f"{where}: param_groups",
+            missing,
+            unexpected,
+            "build the optimizer with the same param_groups (group names) as when saving",
+        )
+    for group in optimizer.param_groups:
+        name = group["group_name"]
+        saved = saved_groups[name]
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"{where}: param_groups[{name!r}] must be a dict")
+        expected = list(group["param_names"])
+        got = list(saved.get("params", []))
+        if got != expected:
+            raise keys_error(
+                f"{where}: param_groups[{name!r}]['params']",
+                [f for f in expected if f not in got],
+                [f for f in got if f not in expected],
+                "the checkpoint groups the parameters differently (other param_groups or"
+                " routes); build the optimizer as when saving",
+            )
+        if saved.get("optimizer", group["optimizer"]) != group["optimizer"]:
+            raise ValueError(
+                f"{where}: param_groups[{name!r}] is a {saved.get('optimizer')!r} group in the"
+                f" checkpoint but a {group['optimizer']!r} group here"
+            )
+        absent = [k for k in GROUP_REQUIRED[group["optimizer"]] if k not in saved]
+        if absent:
+            raise keys_error(
+                f"{where}: param_groups[{name!r}]", absent, [], "the group lacks hyperparameters"
+            )
+
+
+def check_optimizer_state(
+    where: str,
+    specs: Mapping[str, Mapping[str, TensorSpec]],
+    got: Mapping[str, Mapping[str, TensorSpec | None]],
+    unexpected: Sequence[str],
+    *,
+    strict: bool,
+) -> list[str]:
+    """Check the checkpoint's state entries ``got`` (fqn -> field -> spec; a parameter without
+    any entry left out) against ``specs``; ``unexpected`` are the checkpoint's keys that belong
+    to no parameter. Returns the parameters without an entry, which only ``strict=False``
+    accepts (see [Note: complete optimizer state])."""
+    if unexpected:
+        raise keys_error(
+            f"{where}: state", [], list(unexpected), "the checkpoint is from a different model"
+        )
+    for fqn, fields in specs.items():
+        entry = got.get(fqn)
+        if entry is None:
+            continue
+        missing = [f"{fqn}.{f}" for f in fields if f not in entry]
+        extra = [f"{fqn}.{f}" for f in entry if f not in fields]
+        if missing or extra:
+            raise keys_error(
+                f"{where}: state[{fqn!r}]",
+                missing,
+                extra,
+                f"this parameter's state holds exactly {list(fields)}",
+            )
+        for field, want in fields.items():
+            _check_tensor(where, f"state[{fqn!r}][{field!r}]", entry[field], want, "the optimizer")
+    absent = [fqn for fqn in specs if got.get(fqn) is None]
+    if absent and strict:
+        raise ValueError(
+            f"{where}: the checkpoint has no optimizer state for {len(absent)} of"
+            f" {len(specs)} parameters ({absent[:5]}{' ...' if len(absent) > 5 else ''}), though"
+            " a dmuon checkpoint holds an entry for every parameter: the file is truncated or"
+            " entries were dropped. Load a complete checkpoint, or pass strict=False to start"
+            " those parameters from fresh optimizer state"
+        )
+    return absent
