@@ -61,6 +61,7 @@ from ._state_layout import (
     keys_error,
     model_entries,
     model_specs,
+    optim_dtype,
     optimizer_params,
     optimizer_specs,
 )
@@ -254,7 +255,7 @@ def get_optimizer_state_dict(
                 local = None
                 if dp.is_owner:
                     assert dp.full is not None
-                    local = optimizer.state.get(p) or fresh_state(route, dp.full)
+                    local = optimizer.state.get(p) or fresh_state(route, dp.full, optim_dtype(dp))
                 for field, spec in specs[name].items():
                     step = field == "step"
                     if step:

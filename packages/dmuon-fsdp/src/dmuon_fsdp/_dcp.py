@@ -113,7 +113,7 @@ class AppState(Stateful):
             like = p if dp is None else dp.full
             assert like is not None
             route = group["optimizer"]
-            live = optimizer.state.get(p) or layout.fresh_state(route, like)
+            live = optimizer.state.get(p) or layout.fresh_state(route, like, layout.optim_dtype(dp))
             state[name] = {field: live[field] for field in layout.STATE_FIELDS[route]}
         return {"state": state, "param_groups": tuple(group_state(optimizer).items())}
 

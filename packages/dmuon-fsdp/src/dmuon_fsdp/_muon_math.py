@@ -61,6 +61,7 @@ __all__ = [
     "MuonItem",
     "NSFunction",
     "adamw_step",
+    "fresh_state",
     "init_adamw_state",
     "lr_scale",
     "make_newton_schulz",
@@ -247,6 +248,16 @@ def init_adamw_state(param: Tensor, dtype: torch.dtype | None = None) -> dict[st
         "exp_avg": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
     }
+
+
+def fresh_state(route: str, like: Tensor, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The optimizer state of a parameter laid out as ``like`` before its first step, states in
+    ``dtype`` (``None``: ``like``'s): a zero momentum buffer for the Muon route, AdamW's
+    moments and step (``init_adamw_state``) otherwise. ``Muon.step`` creates exactly this, and
+    checkpoints write it for parameters not stepped yet."""
+    if route == "muon":
+        return {"momentum_buffer": torch.zeros_like(like, dtype=dtype)}
+    return init_adamw_state(like, dtype)
 
 
 def _local(t: Tensor) -> Tensor:

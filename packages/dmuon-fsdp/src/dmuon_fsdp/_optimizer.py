@@ -40,7 +40,7 @@ from ._muon_math import (
     MuonItem,
     NSFunction,
     adamw_step,
-    init_adamw_state,
+    fresh_state,
     lr_scale,
     make_newton_schulz,
     muon_step,
@@ -106,7 +106,10 @@ class StepOptions:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
-def _optim_dtype(dp: DedicatedParam) -> torch.dtype:
+def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
+    """The dtype of a dedicated parameter's optimizer states (``None``: its tensor's)."""
+    if dp is None:
+        return None
     assert dp.precision is not None, f"{dp.fqn}: the runtime has not packed its parameters"
     return dp.precision.optim
 
@@ -335,9 +338,9 @@ class Muon(torch.optim.Optimizer):
                 continue
             assert dp.full is not None, f"{dp.fqn}: the owner holds no full weight"
             state = self.state[p]
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = torch.zeros_like(dp.full, dtype=_optim_dtype(dp))
+            if not state:
+                state.update(fresh_state(Route.MUON, dp.full, optim_dtype(dp)))
+            buf = state["momentum_buffer"]
             items.append(
                 MuonItem(
                     weight=dp.full,
@@ -374,7 +377,7 @@ class Muon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state.update(init_adamw_state(target, None if dp is None else _optim_dtype(dp)))
+                    state.update(fresh_state(Route.ADAMW, target, optim_dtype(dp)))
                 params.append(target)
                 grads.append(grad)
                 states.append(state)

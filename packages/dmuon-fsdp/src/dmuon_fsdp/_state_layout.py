@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 from dmuon_ownership import Route
 
-from ._muon_math import init_adamw_state
-from ._optimizer import Muon
+from ._muon_math import fresh_state
+from ._optimizer import Muon, optim_dtype
 from ._param import DedicatedParam
 from ._runtime import DedicatedRuntime
 
@@ -46,6 +46,7 @@ __all__ = [
     "keys_error",
     "model_entries",
     "model_specs",
+    "optim_dtype",
     "optimizer_params",
     "optimizer_specs",
 ]
@@ -125,21 +126,13 @@ def optimizer_specs(optimizer: Muon) -> dict[str, dict[str, TensorSpec]]:
     for fqn, p, group in optimizer_params(optimizer):
         dp = optimizer.dedicated_param(p)
         shape, dtype = (dp.shape, dp.dtype) if dp is not None else (p.shape, p.dtype)
-        fresh = fresh_state(group["optimizer"], torch.empty(shape, dtype=dtype, device="meta"))
+        like = torch.empty(shape, dtype=dtype, device="meta")
+        fresh = fresh_state(group["optimizer"], like, optim_dtype(dp))
         specs[fqn] = {
             field: TensorSpec((), None) if field == "step" else TensorSpec.of(fresh[field])
             for field in STATE_FIELDS[group["optimizer"]]
         }
     return specs
-
-
-def fresh_state(route: Route, like: Tensor) -> dict[str, Tensor]:
-    """The state of a parameter laid out as ``like`` (its owner's full weight, or its FSDP2
-    DTensor) before its first step: exactly what ``Muon.step`` creates then (momentum at zero;
-    AdamW as ``init_adamw_state``). A test compares the two after a step."""
-    if route is Route.MUON:
-        return {"momentum_buffer": torch.zeros_like(like)}
-    return init_adamw_state(like)
 
 
 # -- checks ---------------------------------------------------------------------------------------
