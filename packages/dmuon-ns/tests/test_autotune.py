@@ -3,6 +3,7 @@ non-finite and failing ones, and remembers verdicts in memory and on disk."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -92,11 +93,46 @@ def test_picks_the_fastest_accurate_kernel():
 def test_rejects_unsound_kernels_however_fast(spoil):
     bad = FakeKernel("bad", spoil=spoil)
     reference = FakeKernel("torch", delay=0.005)
-    chosen = _autotune.choose([bad, reference], _x(), "direct", COEFFS, ())
+    # A kernel that fails is a deliberate degradation: reported, with its reason.
+    reported = (
+        pytest.warns(RuntimeWarning, match=r"kernel 'bad' failed .*kernel launch failed")
+        if spoil == "raise"
+        else contextlib.nullcontext()
+    )
+    with reported:
+        chosen = _autotune.choose([bad, reference], _x(), "direct", COEFFS, ())
     assert chosen is reference
     (verdict,) = _autotune.verdicts().values()
     assert "bad" in verdict["rejected"]
     assert "bad" not in verdict["times_ms"]
+
+
+class KernelWithOwnFailures(FakeKernel):
+    """Says that ``KeyError`` is how it reports a problem it cannot run."""
+
+    def failure_types(self) -> tuple[type[Exception], ...]:
+        return (KeyError,)
+
+    def _finish(self, out: Tensor) -> Tensor:
+        raise KeyError("no tile config fits")
+
+
+def test_a_kernel_names_the_exceptions_that_reject_it():
+    own = KernelWithOwnFailures("own")
+    reference = FakeKernel("torch", delay=0.005)
+    with pytest.warns(RuntimeWarning, match="no tile config fits"):
+        assert _autotune.choose([own, reference], _x(), "gram", COEFFS, RESTARTS) is reference
+    (verdict,) = _autotune.verdicts().values()
+    assert verdict["rejected"]["own"].startswith("raised KeyError")
+
+
+def test_an_unexpected_exception_is_a_bug_and_propagates():
+    class Buggy(FakeKernel):
+        def _finish(self, out: Tensor) -> Tensor:
+            raise KeyError("a bug, not a kernel that cannot run")
+
+    with pytest.raises(KeyError, match="a bug"):
+        _autotune.choose([Buggy("buggy"), FakeKernel("torch")], _x(), "gram", COEFFS, RESTARTS)
 
 
 def test_accuracy_bar_is_twice_torchs_error():

@@ -66,3 +66,13 @@ def test_capture_without_cuda_degrades_to_eager():
             lambda t: t, prepare(torch.randn(2, 2), torch.float32, 1e-7), "k"
         )
     assert isinstance(entry, _graphs._Eager)
+
+
+def test_an_error_that_is_not_a_capture_failure_propagates(monkeypatch):
+    def buggy_capture(fn, x):
+        raise KeyError("a bug in the captured function")
+
+    monkeypatch.setattr(_graphs, "_capture", buggy_capture)
+    source = prepare(torch.randn(1, 2, 2), torch.float32, 1e-7)
+    with pytest.raises(KeyError, match="a bug"):
+        _graphs._capture_or_eager(lambda t: t, source, ("k", "bug"))

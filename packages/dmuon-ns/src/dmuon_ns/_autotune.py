@@ -35,6 +35,7 @@ import statistics
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,8 @@ _MIN_REPS = 3
 _MAX_REPS = 25
 _TARGET_SECONDS = 0.2
 _SEED = 20_241_129
+# What a registered kernel without ``failure_types`` may raise to say it cannot run a problem.
+_DEFAULT_FAILURES: tuple[type[Exception], ...] = (RuntimeError, ValueError, NotImplementedError)
 
 
 AutotuneVerdict = dict[str, Any]
@@ -212,9 +215,13 @@ def _tune(
         for kernel in candidates:
             try:
                 out = run(kernel)
-            except Exception as exc:  # a broken backend must never break "auto"
-                logger.warning("dmuon-ns autotune: kernel %r failed: %r", kernel.name, exc)
+            except _failure_types(kernel) as exc:  # see [Note: a kernel that fails]
                 rejected[kernel.name] = f"raised {type(exc).__name__}: {exc}"
+                _report(
+                    f"dmuon-ns autotune: kernel {kernel.name!r} failed on {x.dtype}"
+                    f" {tuple(x.shape)} ({rejected[kernel.name]}); it is not used for this"
+                    " problem"
+                )
                 continue
             errors[kernel.name] = _relative_error(out, reference, sample.shape)
 
@@ -250,6 +257,27 @@ def _tune(
         "errors": {k: (v if math.isfinite(v) else None) for k, v in errors.items()},
         "rejected": rejected,
     }
+
+
+def _failure_types(kernel: NSKernel) -> tuple[type[Exception], ...]:
+    """The exceptions by which ``kernel`` says it cannot run a problem.
+
+    [Note: a kernel that fails]
+    A candidate that fails during tuning (a compile error, an out-of-resources launch, a shape
+    its library rejects) is rejected for that problem, and the failure is reported through
+    ``logging`` and ``warnings`` with its reason: ``auto`` keeps running on the others. Which
+    exceptions mean "cannot run" is the kernel's to say (``LoopKernel.failure_types``: Triton's
+    and CuTe DSL's error types besides ``RuntimeError`` and ``ValueError``); a registered
+    kernel that says nothing gets ``_DEFAULT_FAILURES``. Anything else is a bug and propagates.
+    """
+    failure_types = getattr(kernel, "failure_types", None)
+    return failure_types() if callable(failure_types) else _DEFAULT_FAILURES
+
+
+def _report(message: str) -> None:
+    """A deliberate degradation, made visible in logs and to the user."""
+    logger.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 def _random_input(x: Problem) -> Tensor:
@@ -316,8 +344,11 @@ def _as_run(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-    except Exception as err:
-        logger.debug("dmuon-ns autotune: timing eagerly, capture failed: %r", err)
+    except RuntimeError as err:  # how CUDA reports a capture it cannot make
+        _report(
+            f"dmuon-ns autotune: CUDA-graph capture failed ({type(err).__name__}: {err});"
+            " timing this candidate eagerly, as it would then run"
+        )
         return fn, "cuda"
     return graph.replay, "cuda"
 

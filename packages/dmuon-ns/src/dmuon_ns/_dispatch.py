@@ -2,11 +2,12 @@
 
 The input arrives as the front end leaves it, a ``Prepared``: (batch, m, n) with m ≤ n and
 each matrix's norm known, not yet scaled or written in the iteration dtype (``write`` does
-both, into the kernel's input buffer). Two CUDA-only layers may wrap the kernel call: the
-autotuner (when auto left several candidates) and CUDA-graph replay (when ``cuda_graphs`` is
-on). Both live in their own modules, imported only on that path, so a CPU run never touches
-them. Kernels made of the shared loops (``LoopKernel``) are called up to their last product,
-which runs outside the graph (``_iterations``' [Note: the last product]).
+both, into the kernel's input buffer, with the scaling pass of the kernel picked here: see
+``_prepare``'s [Note: the scaling pass follows the kernel]). Two CUDA-only layers may wrap the
+kernel call: the autotuner (when auto left several candidates) and CUDA-graph replay (when
+``cuda_graphs`` is on). Both live in their own modules, imported only on that path, so a CPU
+run never touches them. Kernels made of the shared loops (``LoopKernel``) are called up to
+their last product, which runs outside the graph (``_iterations``' [Note: the last product]).
 
 [Note: which problems are graphed]
 A captured graph keeps its static input and the last product's operands allocated for the
@@ -52,6 +53,8 @@ def run(
     written in ``out_dtype`` (``None``: the iteration dtype); ``coefficients`` holds exactly
     one row per step."""
     kernel = _pick(resolution.kernels, prepared, op, coefficients, restart_iterations)
+    if isinstance(kernel, LoopKernel):
+        prepared = prepared._replace(scale_pass=kernel.scale_pass(prepared.source, prepared.norm))
 
     def fn(x: Tensor) -> Tensor | LastProduct:
         if isinstance(kernel, LoopKernel):

@@ -24,9 +24,11 @@ call's last product still reads them.
 
 [Note: capture failures]
 Capture can fail for reasons outside our control (a kernel that synchronises, an allocator
-setting, a capture already running on the stream). The first failure for a key is reported
-once, through both ``logging`` and ``warnings``, and that key runs eagerly from then on; other
-keys still try to capture.
+setting, a capture already running on the stream, no CUDA at all); CUDA and torch report all
+of them as ``RuntimeError``. The first failure for a key is reported once, through both
+``logging`` and ``warnings``, and that key runs eagerly from then on; other keys still try to
+capture. Any other exception (a kernel library's own error type, a wrong return type) is not
+a capture problem and propagates.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def _capture_or_eager(
     try:
         with torch.profiler.record_function("dmuon::ns_graph_capture"):
             return _capture(fn, source)
-    except Exception as err:  # any capture problem degrades to eager for this key only
+    except RuntimeError as err:  # how CUDA reports a capture it cannot make; see the note
         message = (
             f"dmuon-ns: CUDA-graph capture failed for {key!r} ({type(err).__name__}: {err}); "
             "running this shape eagerly from now on"

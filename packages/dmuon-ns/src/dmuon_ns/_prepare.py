@@ -8,10 +8,17 @@
    easily); its scale is 1 / (norm + eps), and as the Frobenius norm bounds the spectral
    norm, every singular value of the scaled matrix lies in [0, 1], where the NS polynomials
    are designed to work;
-4. scale and cast to the iteration dtype, contiguous: the one copy of the input (one Triton
-   pass on CUDA that also forms the scale, torch ops elsewhere, the same fp32 arithmetic),
-   made by ``Prepared.write`` straight into the kernel's input: a new tensor, or the static
-   input of the CUDA graph that replays the call, which then needs no copy of its own.
+4. scale and cast to the iteration dtype, contiguous: the one copy of the input, made by
+   ``Prepared.write`` straight into the kernel's input: a new tensor, or the static input of
+   the CUDA graph that replays the call, which then needs no copy of its own.
+
+[Note: the scaling pass follows the kernel]
+Step 4 is part of the kernel that runs: the dispatcher sets ``Prepared.scale_pass`` from the
+kernel it picked (``LoopKernel.scale_pass``). The torch kernel, and any registered kernel
+that is not a ``LoopKernel``, scales with torch ops (``scale_with_torch``), so
+``kernel="torch"`` and ``deterministic=True`` launch no Triton kernel at all. The Triton and
+quack kernels scale in one Triton pass that also forms the scale (``scale_cast``), which
+computes torch's formula bit for bit: the pass changes the speed, never the result.
 
 ``restore`` undoes 1 and 2; the kernels already write the input's dtype (fp16, bf16, fp32) from
 their last product, so its cast only acts for float64. A zero matrix stays zero:
@@ -20,15 +27,24 @@ their last product, so its cast only acts for float64. A zero matrix stays zero:
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Prepared", "check_matrix", "prepare", "restore"]
+__all__ = ["Prepared", "ScalePass", "check_matrix", "prepare", "restore", "scale_with_torch"]
 
-_MAX_GRID_BATCH = 65535  # CUDA grid z-limit of the scaling kernel
+ScalePass = Callable[[Tensor, Tensor, float, Tensor], object]
+"""Step 4 of the note: ``(source, norm, eps, out)`` writes ``source · 1/(norm + eps)`` into
+``out``, per matrix, computed in ``norm``'s dtype and rounded once to ``out``'s."""
+
+
+def scale_with_torch(source: Tensor, norm: Tensor, eps: float, out: Tensor) -> None:
+    """The scaling pass in torch ops (on any device; see [Note: the scaling pass follows the
+    kernel])."""
+    scale = norm.add(eps).reciprocal_()
+    torch.mul(source, scale[:, None, None], out=out)
 
 
 class Prepared(NamedTuple):
@@ -42,6 +58,7 @@ class Prepared(NamedTuple):
     input_shape: torch.Size
     input_dtype: torch.dtype
     transposed: bool  # the input was tall and ``source`` is its transpose
+    scale_pass: ScalePass = scale_with_torch  # set from the kernel that runs (see the note)
 
     @property
     def shape(self) -> torch.Size:
@@ -65,13 +82,7 @@ class Prepared(NamedTuple):
                 f" {self.device}, got a {layout} {out.dtype} tensor of shape"
                 f" {tuple(out.shape)} on {out.device}"
             )
-        if _fast_scale(self.source, self.norm, out):
-            from dmuon_ns._triton_kernels import scale_cast
-
-            scale_cast(self.source, self.norm, self.eps, out)
-        else:
-            scale = self.norm.add(self.eps).reciprocal_()
-            torch.mul(self.source, scale[:, None, None], out=out)
+        self.scale_pass(self.source, self.norm, self.eps, out)
         return out
 
 
@@ -113,26 +124,6 @@ def prepare(g: Tensor, dtype: torch.dtype, eps: float) -> Prepared:
     acc = torch.promote_types(x.dtype, torch.float32)
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), dtype=acc)
     return Prepared(x, norm, eps, dtype, g.shape, g.dtype, transposed)
-
-
-def _fast_scale(x: Tensor, norm: Tensor, out: Tensor) -> bool:
-    """Whether the one-pass Triton kernel can do the scaling (CUDA, Triton importable)."""
-    return (
-        x.is_cuda
-        and norm.dtype == torch.float32
-        and out.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and 0 < x.shape[0] <= _MAX_GRID_BATCH
-        and _triton_importable()
-    )
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import dmuon_ns._triton_kernels  # noqa: F401
-    except Exception:  # a missing or broken optional install: the torch path does the same
-        return False
-    return True
 
 
 def restore(y: Tensor, prepared: Prepared) -> Tensor:

@@ -17,10 +17,11 @@ A kernel named by 1 or 2 that cannot run on the device is an error carrying the 
 to measure or rely on it. Auto always runs something and says what (``get_ns_backend``).
 
 [Note: optional kernels load lazily]
-The Triton and quack kernels live in modules that import heavy optional dependencies. Importing
-``dmuon_ns`` imports neither; the first ``resolve()`` (or status query) that needs them imports
-each inside a ``try``. A module that fails to import leaves its kernel unavailable with the
-error as the reason, so a broken optional install can never break the torch path.
+The Triton and quack kernels live in modules that import heavy optional dependencies only when
+a kernel first runs. Importing ``dmuon_ns`` imports neither module; the first ``resolve()`` (or
+status query) that needs them imports each. A module that cannot be imported (``ImportError``)
+leaves its kernel unavailable with the error and the install hint as the reason; any other
+error is a bug and propagates.
 """
 
 from __future__ import annotations
@@ -181,10 +182,6 @@ def _load_optional() -> None:
             importlib.import_module(module)
         except ImportError as err:
             reason = f"{module} could not be imported ({err}); install with {hint}"
-        except Exception as err:
-            logger.warning("dmuon-ns: optional kernel module %s failed to import", module)
-            logger.debug("import failure of %s", module, exc_info=True)
-            reason = f"{module} failed to import ({type(err).__name__}: {err})"
         else:
             if name in _kernels:
                 continue

@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._iterations import LoopKernel, Products
+from dmuon_ns._prepare import ScalePass, scale_with_torch
 from dmuon_ns._registry import cuda_capability_reason, register_kernel
 
-__all__ = ["TRITON_KERNEL", "TritonKernel"]
+__all__ = ["TRITON_KERNEL", "TritonKernel", "triton_scale_pass"]
 
 _INSTALL_HINT = "pip install 'dmuon-ns[triton]'"
 
@@ -49,6 +50,24 @@ class TritonKernel(LoopKernel):
         from dmuon_ns._triton_kernels import TRITON_PRODUCTS
 
         return TRITON_PRODUCTS
+
+    def scale_pass(self, source: Tensor, norm: Tensor) -> ScalePass:
+        return triton_scale_pass(norm)
+
+    def failure_types(self) -> tuple[type[Exception], ...]:
+        from triton.errors import TritonError  # compilation, resources, the autotuner
+
+        return (*super().failure_types(), TritonError)
+
+
+def triton_scale_pass(norm: Tensor) -> ScalePass:
+    """The one-pass Triton scaling of ``_triton_kernels.scale_cast``, for inputs whose norm is
+    fp32 (every input dtype but float64, whose formula runs in float64: torch ops)."""
+    if norm.dtype != torch.float32:
+        return scale_with_torch
+    from dmuon_ns._triton_kernels import scale_cast
+
+    return scale_cast
 
 
 TRITON_KERNEL = TritonKernel()

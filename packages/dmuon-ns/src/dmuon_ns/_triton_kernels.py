@@ -37,6 +37,7 @@ from torch import Tensor
 __all__ = ["TRITON_PRODUCTS", "TileConfig", "TritonProducts", "matmul", "scale_cast", "sym_matmul"]
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 
 
 @dataclass(frozen=True)
@@ -496,18 +497,21 @@ def scale_cast(x: Tensor, norm: Tensor, eps: float, out: Tensor) -> Tensor:
     if x.numel() == 0:
         return out
     block_m, block_n = 32, 128
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), batch)
-    _scale_cast_kernel[grid](
-        x,
-        norm,
-        out,
-        float(eps),
-        m,
-        n,
-        *x.stride(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        INTERPRET=_INTERPRETING,
-        num_warps=4,
-    )
+    # The batch is the grid's z axis, which CUDA caps: a larger batch takes several launches.
+    for start in range(0, batch, _MAX_GRID_Z):
+        stop = min(start + _MAX_GRID_Z, batch)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), stop - start)
+        _scale_cast_kernel[grid](
+            x[start:stop],
+            norm[start:stop],
+            out[start:stop],
+            float(eps),
+            m,
+            n,
+            *x.stride(),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            INTERPRET=_INTERPRETING,
+            num_warps=4,
+        )
     return out
