@@ -17,7 +17,7 @@ both ops.
 
 [Note: the on-disk cache]
 Verdicts live in one JSON file, ``verdicts.json``, in one directory: ``~/.cache/dmuon/
-ns-autotune`` unless ``DMUON_NS_CACHE_DIR`` names another (read only in :func:`cache_dir`).
+ns-autotune`` unless ``DMUON_NS_CACHE_DIR`` names another (``_environment``).
 Writes go to a temporary file that is renamed over the old one, so concurrent ranks never
 leave a torn file; the last writer wins, which only costs a re-tune elsewhere. An unreadable
 or unwritable cache degrades to the in-memory one with a single warning.
@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon_ns._environment import CACHE_DIR_ENV, cache_dir_override
 from dmuon_ns._registry import NSKernel, Problem
 
 __all__ = [
@@ -56,7 +57,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "DMUON_NS_CACHE_DIR"
 _CACHE_FILE = "verdicts.json"
 _FORMAT_VERSION = 1
 # A candidate may be at most this many times less accurate than plain torch.
@@ -84,9 +84,9 @@ _disk_warned = False
 
 def cache_dir() -> Path:
     """The one directory holding autotune verdicts (``DMUON_NS_CACHE_DIR`` overrides)."""
-    override = os.environ.get(CACHE_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
+    override = cache_dir_override()
+    if override is not None:
+        return override
     return Path.home() / ".cache" / "dmuon" / "ns-autotune"
 
 

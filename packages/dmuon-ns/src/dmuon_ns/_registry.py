@@ -4,8 +4,8 @@
 ``resolve()`` applies, first match wins:
 
 1. an explicit ``kernel=`` other than ``"auto"``;
-2. the environment override ``DMUON_NS_KERNEL`` (read here and nowhere else; ``"auto"`` or
-   empty means unset);
+2. the environment override ``DMUON_NS_KERNEL`` (read by ``_environment.kernel_override``;
+   ``"auto"`` or empty means unset);
 3. ``deterministic=True``, which means the plain torch kernel (cuBLAS products, no autotune
    whose choice could differ between runs or machines);
 4. auto: on CUDA every available kernel in ``AUTO_PRIORITY`` order, for ``_autotune`` to pick
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -36,6 +35,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from dmuon_ns._environment import KERNEL_ENV, kernel_override
 from dmuon_ns._torch_kernel import TORCH_KERNEL
 
 __all__ = [
@@ -48,15 +48,12 @@ __all__ = [
     "clear_resolution_cache",
     "cuda_capability_reason",
     "kernel_names",
-    "kernel_override",
     "kernel_status",
     "register_kernel",
     "resolve",
 ]
 
 logger = logging.getLogger(__name__)
-
-KERNEL_ENV = "DMUON_NS_KERNEL"
 
 # Optional kernels: name -> (module that registers it on import, install hint).
 _OPTIONAL_KERNELS: dict[str, tuple[str, str]] = {
@@ -202,15 +199,6 @@ def kernel_status(device: torch.device) -> dict[str, str | None]:
     """name -> reason it cannot run on ``device`` (``None`` when it can), for every kernel."""
     _load_optional()
     return {name: _unavailable(name, device) for name in kernel_names()}
-
-
-def kernel_override() -> str | None:
-    """The value of ``DMUON_NS_KERNEL`` (the only place it is read); ``None`` when unset,
-    empty or ``"auto"``."""
-    env = os.environ.get(KERNEL_ENV, "").strip()
-    if not env or env.lower() == "auto":
-        return None
-    return env
 
 
 def resolve(

@@ -14,11 +14,11 @@ rounding).
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 from torch import Tensor
 
+from dmuon_ns._environment import triton_interpreting
 from dmuon_ns._iterations import LoopKernel, Products
 from dmuon_ns._prepare import ScalePass, scale_with_torch
 from dmuon_ns._registry import cuda_capability_reason, register_kernel
@@ -26,10 +26,6 @@ from dmuon_ns._registry import cuda_capability_reason, register_kernel
 __all__ = ["TRITON_KERNEL", "TritonKernel", "triton_scale_pass"]
 
 _INSTALL_HINT = "pip install 'dmuon-ns[triton]'"
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class TritonKernel(LoopKernel):
@@ -42,7 +38,7 @@ class TritonKernel(LoopKernel):
             return f"triton is not installed: {_INSTALL_HINT}"
         if device.type == "cuda":
             return cuda_capability_reason(device, 8)
-        if device.type == "cpu" and _interpreting():
+        if device.type == "cpu" and triton_interpreting():
             return None
         return f"needs a CUDA device (got {device.type}; TRITON_INTERPRET=1 runs it on CPU)"
 

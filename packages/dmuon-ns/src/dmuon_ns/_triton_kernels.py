@@ -26,7 +26,6 @@ copy); accumulation is fp32; any size works (tails are masked). On CPU the kerne
 Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported).
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +33,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dmuon_ns._environment import triton_interpreting
+
 __all__ = ["TRITON_PRODUCTS", "TileConfig", "TritonProducts", "matmul", "scale_cast", "sym_matmul"]
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Triton decides between compiling and interpreting when it decorates a kernel, at import: the
+# kernels here follow the decision made then.
+_INTERPRETING = triton_interpreting()
 _MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 
 
