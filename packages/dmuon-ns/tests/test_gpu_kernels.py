@@ -81,6 +81,26 @@ def test_kernel_error_within_twice_torch(name, dtype, op, kind):
         assert ours_err <= 2 * plain_err + 1e-6, (name, shape, kind, ours_err, plain_err)
 
 
+@pytest.mark.parametrize("name", ["torch", "triton", "quack"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_output_singular_values_lie_in_the_band(name, dtype, kind):
+    # The README's band (as test_newton_schulz holds the CPU to): every output singular value
+    # in [0, top]; those from input singular values ≥ 0.002·‖G‖_F in [0.84, top].
+    kernel = TORCH_KERNEL if name == "torch" else _kernel(name)
+    top = 1.15 if dtype == torch.float16 else 1.6
+    for shape in SHAPES:
+        x = _input(kind, shape, dtype)
+        for op in ("gram", "direct"):
+            out = kernel.gram(x, COEFFS, (2,)) if op == "gram" else kernel.direct(x, COEFFS)
+            sigma = torch.linalg.svdvals(out.double())
+            assert float(sigma.min()) >= 0 and float(sigma.max()) <= top, (name, shape, op)
+            inside = (torch.linalg.svdvals(x.double()) >= 0.002).sum(-1)  # x is normalised
+            for b in range(shape[0]):
+                k = int(inside[b])
+                assert float(sigma[b, k - 1]) >= 0.84, (name, shape, op, b)
+
+
 def test_auto_picks_an_available_kernel_and_is_accurate(tmp_path, monkeypatch):
     from dmuon_ns import _autotune
 

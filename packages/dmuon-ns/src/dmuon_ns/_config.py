@@ -47,6 +47,9 @@ class NewtonSchulz:
         ns = NewtonSchulz(backend="gram", steps=5)
         update = ns(momentum)
 
+    ``dtype`` is the dtype the iterations run in: ``torch.float16``, ``torch.bfloat16``, or
+    ``None`` (default) for the device's fast one, fp32 on the CPU and fp16 on CUDA (see
+    ``_prepare``'s [Note: the iteration dtype]); the result has the input's dtype either way.
     ``coefficients`` defaults to ``POLAR_EXPRESS_COEFFICIENTS`` (a set shorter than ``steps``
     repeats its last row); ``restart_iterations`` defaults to ``(2,)`` (the Gram form's
     restarts, ignored by the direct form; see ``_torch_kernel``). ``kernel`` is ``"auto"`` or a
@@ -62,7 +65,7 @@ class NewtonSchulz:
     restart_iterations: Sequence[int] | None = None
     deterministic: bool = False
     steps: int = 5
-    dtype: torch.dtype = torch.float16
+    dtype: torch.dtype | None = None
     cuda_graphs: bool = True
     eps: float = 1e-7
     # Derived at construction: exactly one coefficient row per step, and the restarts in use.
@@ -85,10 +88,11 @@ class NewtonSchulz:
             )
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive int, got {self.steps!r}")
-        if self.dtype not in _ITERATION_DTYPES:
+        if self.dtype is not None and self.dtype not in _ITERATION_DTYPES:
             raise ValueError(
-                f"dtype is the iteration dtype and must be torch.float16 or torch.bfloat16,"
-                f" got {self.dtype!r}"
+                f"dtype is the iteration dtype and must be torch.float16 or torch.bfloat16, or"
+                f" None for the device's default (fp32 on the CPU, fp16 on CUDA), got"
+                f" {self.dtype!r}"
             )
         eps = self.eps
         if (

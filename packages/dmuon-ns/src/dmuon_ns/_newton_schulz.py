@@ -28,7 +28,7 @@ def newton_schulz(
     backend: NSBackend | str = ...,
     kernel: str = ...,
     restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> Tensor: ...
@@ -41,7 +41,7 @@ def newton_schulz(
     backend: NSBackend | str = ...,
     kernel: str = ...,
     restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> list[Tensor]: ...
@@ -53,7 +53,7 @@ def newton_schulz(
     backend: NSBackend | str = "gram",
     kernel: str = "auto",
     restart_iterations: Sequence[int] | None = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     deterministic: bool = False,
 ) -> Tensor | list[Tensor]:
@@ -86,7 +86,7 @@ def gram_newton_schulz(
     coefficients: Sequence[Sequence[float]] | None = ...,
     kernel: str = ...,
     restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> Tensor: ...
@@ -98,7 +98,7 @@ def gram_newton_schulz(
     coefficients: Sequence[Sequence[float]] | None = ...,
     kernel: str = ...,
     restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> list[Tensor]: ...
@@ -109,7 +109,7 @@ def gram_newton_schulz(
     coefficients: Sequence[Sequence[float]] | None = None,
     kernel: str = "auto",
     restart_iterations: Sequence[int] | None = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     deterministic: bool = False,
 ) -> Tensor | list[Tensor]:
@@ -134,7 +134,7 @@ def direct_newton_schulz(
     steps: int = ...,
     coefficients: Sequence[Sequence[float]] | None = ...,
     kernel: str = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> Tensor: ...
@@ -145,7 +145,7 @@ def direct_newton_schulz(
     steps: int = ...,
     coefficients: Sequence[Sequence[float]] | None = ...,
     kernel: str = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> list[Tensor]: ...
@@ -155,7 +155,7 @@ def direct_newton_schulz(
     steps: int = 5,
     coefficients: Sequence[Sequence[float]] | None = None,
     kernel: str = "auto",
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     deterministic: bool = False,
 ) -> Tensor | list[Tensor]:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dmuon_ns import _dispatch
-from dmuon_ns._prepare import check_matrix, prepare, restore
+from dmuon_ns._prepare import check_matrix, iteration_dtype, prepare, restore
 from dmuon_ns._registry import resolve
 
 if TYPE_CHECKING:
@@ -41,9 +41,10 @@ def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
     """NS of one tensor (2-D or batched) under ``config``, in ``g``'s shape and dtype."""
     check_matrix(g, what)
     with torch.profiler.record_function("dmuon::newton_schulz"):
-        prepared = prepare(g, config.dtype, config.eps)
-        op = op_for(config, g.shape[-2], g.shape[-1])
         resolution = resolve(config.kernel, config.deterministic, g.device)
+        names = [kernel.name for kernel in resolution.kernels]
+        prepared = prepare(g, iteration_dtype(config.dtype, g.device, names), config.eps)
+        op = op_for(config, g.shape[-2], g.shape[-1])
         restarts = config.restarts if op == "gram" else ()
         y = _dispatch.run(
             resolution,

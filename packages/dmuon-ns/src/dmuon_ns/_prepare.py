@@ -12,6 +12,10 @@
    ``Prepared.write`` straight into the kernel's input: a new tensor, or the static input of
    the CUDA graph that replays the call, which then needs no copy of its own.
 
+``restore`` undoes 1 and 2; the kernels already write the input's dtype (fp16, bf16, fp32) from
+their last product, so its cast only acts for float64. A zero matrix stays zero:
+0 · 1/(0 + eps) = 0, and every NS polynomial maps 0 to 0.
+
 [Note: the scaling pass follows the kernel]
 Step 4 is part of the kernel that runs: the dispatcher sets ``Prepared.scale_pass`` from the
 kernel it picked (``LoopKernel.scale_pass``). The torch kernel, and any registered kernel
@@ -20,20 +24,43 @@ that is not a ``LoopKernel``, scales with torch ops (``scale_with_torch``), so
 quack kernels scale in one Triton pass that also forms the scale (``scale_cast``), which
 computes torch's formula bit for bit: the pass changes the speed, never the result.
 
-``restore`` undoes 1 and 2; the kernels already write the input's dtype (fp16, bf16, fp32) from
-their last product, so its cast only acts for float64. A zero matrix stays zero:
-0 · 1/(0 + eps) = 0, and every NS polynomial maps 0 to 0.
+[Note: the iteration dtype]
+``dtype=None`` (the default) lets the kernel and device that run the call pick the dtype
+the iterations run in: fp32 where the torch kernel runs on the CPU, fp16 everywhere else (CUDA,
+and every other kernel, whose products take fp16 and bf16 only). An explicit ``torch.float16``
+or ``torch.bfloat16`` is always honoured.
+
+Why fp32 on the CPU, measured with ``benchmarks/ns_cpu_bench.py`` (a 2-core AMD EPYC with
+AVX-512 BF16, torch 2.13, one thread, Gram NS, 5 Polar Express steps; BENCHMARKS.md has the
+table): at 256×1024 fp16 takes 415 ms, bf16 5.5 ms, fp32 11.4 ms; at 1024×4096 fp16 60 s,
+bf16 0.32 s, fp32 0.71 s. CPU BLAS has no fp16 product, so torch runs fp16 through a generic
+loop, 40-80× slower. bf16 is 2× faster than fp32 on this CPU, which multiplies bf16 natively
+(a CPU without AVX-512 BF16 or AMX converts to fp32 and gains nothing), but its result is
+6× further from the float64 reference than fp16's (relative error 3e-2 against 5e-3 on a
+random 256×1024) and leaves the singular-value band the README states: ill-conditioned inputs
+came out with σ_max up to 1.49. fp32 is the fast BLAS path on every CPU and lands within 1e-4
+of the reference. It costs memory: NS's temporaries take twice the bytes of fp16's (a Muon step
+on the CPU then peaks ~1.2× above ``torch.optim.Muon``'s, which iterates in bf16). bf16 stays
+one argument away (``dtype=torch.bfloat16``) where speed or memory matter more.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Prepared", "ScalePass", "check_matrix", "prepare", "restore", "scale_with_torch"]
+__all__ = [
+    "Prepared",
+    "ScalePass",
+    "check_matrix",
+    "iteration_dtype",
+    "prepare",
+    "restore",
+    "scale_with_torch",
+]
 
 ScalePass = Callable[[Tensor, Tensor, float, Tensor], object]
 """Step 4 of the note: ``(source, norm, eps, out)`` writes ``source · 1/(norm + eps)`` into
@@ -84,6 +111,18 @@ class Prepared(NamedTuple):
             )
         self.scale_pass(self.source, self.norm, self.eps, out)
         return out
+
+
+def iteration_dtype(
+    requested: torch.dtype | None, device: torch.device, kernels: Sequence[str]
+) -> torch.dtype:
+    """The dtype NS iterates in on ``device`` with the candidate ``kernels`` (names): the
+    ``requested`` one, else the default of [Note: the iteration dtype]."""
+    if requested is not None:
+        return requested
+    if device.type == "cpu" and tuple(kernels) == ("torch",):
+        return torch.float32
+    return torch.float16
 
 
 def check_matrix(g: object, what: str = "G") -> Tensor:
