@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import dmuon_ns
 from dmuon_ns import _environment
-from dmuon_testing.source_scan import env_name_literals, environment_reads
+from dmuon_testing.environment import (
+    check_triton_interpret_rule,
+    env_name_literals,
+    environment_reads,
+)
 
 SRC = Path(dmuon_ns.__file__).parent
 ENV_NAME = r"(DMUON|TRITON)_[A-Z0-9_]+"
@@ -46,15 +48,8 @@ def test_the_scan_finds_every_way_of_reading(tmp_path: Path) -> None:
     }
 
 
-@pytest.mark.parametrize(
-    ("value", "on"), [(None, False), ("", False), ("0", False), ("1", True), ("true", True)]
-)
-def test_triton_interpret_has_one_rule(value: str | None, on: bool, monkeypatch) -> None:
-    if value is None:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", value)
-    assert _environment.triton_interpreting() is on
+def test_triton_interpret_has_one_rule(monkeypatch) -> None:
+    check_triton_interpret_rule(_environment.triton_interpreting, monkeypatch)
 
 
 def test_the_kernel_and_cache_overrides(monkeypatch, tmp_path: Path) -> None:

@@ -334,6 +334,31 @@ def test_any_shape(rows: int, cols: int, batch: int, backend: str) -> None:
     assert relative_error(out, reference) <= max(RATIO * plain, 1e-3)
 
 
+def test_tune_names_the_kernel_of_each_problem_a_call_would_run() -> None:
+    a, b = torch.empty(24, 80), torch.empty(80, 24)
+    square = torch.empty(3, 16, 16, dtype=torch.bfloat16)
+    # On the CPU torch is the only candidate: nothing is measured, each problem is named.
+    assert NewtonSchulz().tune([a, a, b, square]) == {
+        "gram 2x24x80 float32": "torch",  # a and a run as one batch, b alone (transposed)
+        "gram 1x24x80 float32": "torch",
+        "direct 3x16x16 float32": "torch",
+    }
+    assert NewtonSchulz(dtype=torch.bfloat16).tune(b) == {"gram 1x24x80 bfloat16": "torch"}
+
+
+def test_a_described_problem_is_what_prepare_makes() -> None:
+    from dmuon_ns._prepare import describe, prepare
+
+    for shape in [(24, 80), (80, 24), (2, 3, 24, 80), (2, 80, 24), (16, 16)]:
+        prepared = prepare(torch.randn(shape), torch.float16, 1e-7)
+        described = describe(shape, torch.float16, torch.device("cpu"))
+        assert (described.shape, described.dtype, described.device) == (
+            prepared.write().shape,
+            torch.float16,
+            torch.device("cpu"),
+        )
+
+
 def test_public_names() -> None:
     expected = {
         "newton_schulz",

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._coefficients import Coefficients, coefficients_for_steps, validate_coefficients
-from dmuon_ns._orthogonalize import orthogonalize, orthogonalize_many
+from dmuon_ns._orthogonalize import orthogonalize, orthogonalize_many, tune
 from dmuon_ns._registry import kernel_names
 
 if TYPE_CHECKING:
@@ -121,6 +121,17 @@ class NewtonSchulz:
         if isinstance(g, list | tuple):
             return orthogonalize_many(self, g)
         return orthogonalize(self, g)
+
+    def tune(self, g: Tensor | list[Tensor] | tuple[Tensor, ...]) -> dict[str, str]:
+        """Settle now which kernel runs each problem that ``self(g)`` would run.
+
+        With ``kernel="auto"`` on CUDA the autotuner otherwise measures a new problem over the
+        calls that follow its first one (``_autotune``'s [Note: cold start]); this does all of
+        it at once, for callers that rather pay before their first step. Only the shapes,
+        dtypes and devices of ``g`` are read, so ``torch.empty`` tensors will do. Returns
+        ``{"<op> <batch>x<m>x<n> <iteration dtype>": kernel name}``, one entry per problem.
+        """
+        return tune(self, [g] if isinstance(g, Tensor) else list(g))
 
 
 def _validate_restarts(restarts: Iterable[int] | None, steps: int) -> tuple[int, ...]:

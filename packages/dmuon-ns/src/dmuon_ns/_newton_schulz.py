@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dmuon_ns._config import NewtonSchulz, NSBackend
 
-__all__ = ["direct_newton_schulz", "gram_newton_schulz", "newton_schulz"]
+__all__ = ["direct_newton_schulz", "gram_newton_schulz", "newton_schulz", "tune_pending"]
 
 TensorOrList = Tensor | list[Tensor] | tuple[Tensor, ...]
 
@@ -170,3 +170,18 @@ def direct_newton_schulz(
         eps=eps,
         deterministic=deterministic,
     )
+
+
+def tune_pending() -> dict[str, str]:
+    """Finish now every kernel choice that ``kernel="auto"`` left open.
+
+    On CUDA, auto measures a new problem's candidate kernels over the calls after its first one,
+    a bounded share of the time at a time (``_autotune``'s [Note: cold start]). Call this
+    where a stall is welcome, e.g. after a training loop's first step, to measure what is left
+    of every problem seen so far at once. Returns ``{"<op> <batch>x<m>x<n> <iteration dtype>":
+    kernel name}`` for every problem auto has seen (empty on the CPU, where torch is the only
+    kernel). ``NewtonSchulz.tune(g)`` does the same for given tensors before their first call.
+    """
+    from dmuon_ns import _autotune  # CUDA-only machinery, loaded on that path only
+
+    return _autotune.tune_pending()

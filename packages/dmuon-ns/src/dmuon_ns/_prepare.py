@@ -46,6 +46,7 @@ one argument away (``dtype=torch.bfloat16``) where speed or memory matter more.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -53,9 +54,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "Described",
     "Prepared",
     "ScalePass",
     "check_matrix",
+    "describe",
     "iteration_dtype",
     "prepare",
     "restore",
@@ -123,6 +126,22 @@ def iteration_dtype(
     if device.type == "cpu" and tuple(kernels) == ("torch",):
         return torch.float32
     return torch.float16
+
+
+class Described(NamedTuple):
+    """The kernel's input that ``prepare`` and ``write`` would make of a tensor, described
+    without the tensor (to settle the kernel ahead of a call)."""
+
+    shape: torch.Size  # (batch, m, n), m <= n
+    dtype: torch.dtype  # the iteration dtype
+    device: torch.device
+
+
+def describe(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Described:
+    """``Described`` for an input of ``shape`` (..., rows, cols) iterated in ``dtype``."""
+    rows, cols = shape[-2], shape[-1]
+    batch = math.prod(shape[:-2])
+    return Described(torch.Size((batch, min(rows, cols), max(rows, cols))), dtype, device)
 
 
 def check_matrix(g: object, what: str = "G") -> Tensor:

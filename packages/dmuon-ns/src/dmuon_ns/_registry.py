@@ -78,10 +78,13 @@ class Problem(Protocol):
 
 @runtime_checkable
 class NSKernel(Protocol):
-    """What a kernel implements. ``x`` is (batch, m, n) with m ≤ n, contiguous, fp16/bf16,
+    """What a kernel implements. ``x`` is (batch, m, n) with m ≤ n, contiguous, fp16/bf16
+    (fp32 only for the torch kernel on the CPU: ``_prepare``'s [Note: the iteration dtype]),
     already normalised; the result has the same shape, in ``out_dtype`` (``None``: ``x``'s
     dtype), which a kernel should write from its last product rather than cast afterwards.
-    ``coefficients`` has exactly one row per step."""
+    ``coefficients`` has exactly one row per step. A kernel may also say which exceptions mean
+    it cannot run a problem (``failure_types()``, see ``_measure``'s [Note: a kernel that
+    fails])."""
 
     name: str
 

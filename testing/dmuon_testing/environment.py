@@ -1,7 +1,8 @@
-"""Static checks on a package's source, for tests: where it touches the environment, and which
-environment variables it names.
+"""The environment rules every dmuon package follows, for its tests: where a package touches the
+environment and which variables it names (read from its source), and the one rule for
+Triton's ``TRITON_INTERPRET``.
 
-    from dmuon_testing.source_scan import environment_reads, env_name_literals
+    from dmuon_testing.environment import environment_reads, env_name_literals
 
     reads = environment_reads(Path(dmuon_ns.__file__).parent)
     assert {(r.module, r.function) for r in reads} == {("_environment.py", "kernel_override")}
@@ -14,11 +15,19 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-__all__ = ["EnvironmentRead", "env_name_literals", "environment_reads"]
+__all__ = [
+    "EnvironmentRead",
+    "check_triton_interpret_rule",
+    "env_name_literals",
+    "environment_reads",
+]
+
+# (value, on) for ``TRITON_INTERPRET``: any value but "" and "0" means on; None: unset.
+_TRITON_INTERPRET_CASES = [(None, False), ("", False), ("0", False), ("1", True), ("true", True)]
 
 # ``os`` attributes through which a module reads (or writes) the environment.
 _OS_ENVIRONMENT = frozenset({"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"})
@@ -68,6 +77,16 @@ def env_name_literals(package_dir: Path, pattern: str) -> dict[str, set[str]]:
             ):
                 found.setdefault(module, set()).add(node.value)
     return found
+
+
+def check_triton_interpret_rule(helper: Callable[[], bool], monkeypatch: Any) -> None:
+    """Assert that ``helper`` reads ``TRITON_INTERPRET`` by the one rule, value by value
+    (``monkeypatch``: pytest's fixture, which restores the variable)."""
+    for value, on in _TRITON_INTERPRET_CASES:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        if value is not None:
+            monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert helper() is on, f"TRITON_INTERPRET={value!r} should read as {on}"
 
 
 def _modules(package_dir: Path) -> Iterator[tuple[str, ast.Module]]:
