@@ -131,6 +131,9 @@ def test_a_first_call_returns_fast_and_later_calls_settle_the_kernel(tmp_path, m
     from dmuon_ns import _autotune
     from dmuon_ns._environment import CACHE_DIR_ENV
 
+    usable = [k for k, reason in kernel_status(torch.device("cuda")).items() if reason is None]
+    if len(usable) < 2:
+        pytest.skip(f"auto has nothing to choose from: {usable}")
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(_autotune, "_TUNING_SHARE", 1.0)  # a unit in every later call
     _autotune.clear_cache()

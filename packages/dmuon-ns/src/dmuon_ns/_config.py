@@ -48,8 +48,9 @@ class NewtonSchulz:
         update = ns(momentum)
 
     ``dtype`` is the dtype the iterations run in: ``torch.float16``, ``torch.bfloat16``, or
-    ``None`` (default) for the device's fast one, fp32 on the CPU and fp16 on CUDA (see
-    ``_prepare``'s [Note: the iteration dtype]); the result has the input's dtype either way.
+    ``None`` (default) for the fast one where the call runs: fp32 where the torch kernel runs
+    on the CPU, fp16 otherwise (``_prepare``'s [Note: the iteration dtype]); the result has the
+    input's dtype either way.
     ``coefficients`` defaults to ``POLAR_EXPRESS_COEFFICIENTS`` (a set shorter than ``steps``
     repeats its last row); ``restart_iterations`` defaults to ``(2,)`` (the Gram form's
     restarts, ignored by the direct form; see ``_torch_kernel``). ``kernel`` is ``"auto"`` or a

@@ -30,18 +30,19 @@ the iterations run in: fp32 where the torch kernel runs on the CPU, fp16 everywh
 and every other kernel, whose products take fp16 and bf16 only). An explicit ``torch.float16``
 or ``torch.bfloat16`` is always honoured.
 
-Why fp32 on the CPU, measured with ``benchmarks/ns_cpu_bench.py`` (a 2-core AMD EPYC with
-AVX-512 BF16, torch 2.13, one thread, Gram NS, 5 Polar Express steps; BENCHMARKS.md has the
-table): at 256×1024 fp16 takes 415 ms, bf16 5.5 ms, fp32 11.4 ms; at 1024×4096 fp16 60 s,
-bf16 0.32 s, fp32 0.71 s. CPU BLAS has no fp16 product, so torch runs fp16 through a generic
-loop, 40-80× slower. bf16 is 2× faster than fp32 on this CPU, which multiplies bf16 natively
-(a CPU without AVX-512 BF16 or AMX converts to fp32 and gains nothing), but its result is
-6× further from the float64 reference than fp16's (relative error 3e-2 against 5e-3 on a
-random 256×1024) and leaves the singular-value band the README states: ill-conditioned inputs
-came out with σ_max up to 1.49. fp32 is the fast BLAS path on every CPU and lands within 1e-4
-of the reference. It costs memory: NS's temporaries take twice the bytes of fp16's (a Muon step
-on the CPU then peaks ~1.2× above ``torch.optim.Muon``'s, which iterates in bf16). bf16 stays
-one argument away (``dtype=torch.bfloat16``) where speed or memory matter more.
+Why fp32 on the CPU, measured with ``benchmarks/ns_cpu_bench.py`` (BENCHMARKS.md,
+"Newton–Schulz on the CPU": a 2-core AMD EPYC with AVX-512 BF16, torch 2.13, one thread, Gram
+NS, 5 Polar Express steps): at 256×1024 fp16 took 444 ms, bf16 8.1 ms, fp32 14.0 ms; at
+1024×4096 bf16 0.35 s, fp32 0.89 s, fp16 about a minute. CPU BLAS has no fp16 product, so
+torch runs fp16 through a generic loop, 30-55× slower. bf16 is 1.4-2.5× faster than fp32 on
+this CPU, which multiplies bf16 natively (one without AVX-512 BF16 or AMX has to convert to
+fp32 and can gain little), but its result is 6× further from the float64 reference than fp16's
+(relative error 2.8e-2 against 4.9e-3 at 256×1024) and leaves the singular-value band the
+README states (σ_max up to 1.56 on ill-conditioned inputs). fp32 is the fast BLAS path on every
+CPU and lands far closer to the reference (5.5e-6 at 256×1024, where fp16 gives 4.9e-3;
+1.3e-4 at 1024×4096). It costs memory: NS's temporaries take twice the bytes of fp16's (a Muon step on
+the CPU then peaks ~1.2× above ``torch.optim.Muon``'s, which iterates in bf16). bf16 stays one
+argument away (``dtype=torch.bfloat16``) where speed or memory matter more.
 """
 
 from __future__ import annotations
