@@ -131,10 +131,8 @@ def test_a_kernel_names_the_exceptions_that_reject_it():
     own = KernelWithOwnFailures("own")
     reference = FakeKernel("torch", delay=0.005)
     with pytest.warns(RuntimeWarning, match="no tile config fits"):
-        assert (
-            _autotune.choose([own, reference], _x(), "gram", COEFFS, RESTARTS, now=True)
-            is reference
-        )
+        chosen = _autotune.choose([own, reference], _x(), "gram", COEFFS, RESTARTS, now=True)
+    assert chosen is reference
     (verdict,) = _autotune.verdicts().values()
     assert verdict["rejected"]["own"].startswith("raised KeyError")
 
@@ -335,10 +333,8 @@ def test_no_memory_to_measure_keeps_the_verdict_out_of_the_disk_cache(where, mon
     else:  # the candidate's run: no verdict on the kernel either
         monkeypatch.setattr(fast, "_finish", no_memory)
     with pytest.warns(RuntimeWarning, match="no memory left to measure 'fast'"):
-        assert (
-            _autotune.choose([fast, reference], _x(), "gram", COEFFS, RESTARTS, now=True)
-            is reference
-        )
+        chosen = _autotune.choose([fast, reference], _x(), "gram", COEFFS, RESTARTS, now=True)
+    assert chosen is reference
     (verdict,) = _autotune.verdicts().values()
     assert verdict["rejected"]["fast"].startswith("not measured: out of memory")
     assert not (tmp_path / "cache" / "verdicts.json").exists()

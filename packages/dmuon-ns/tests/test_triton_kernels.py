@@ -258,3 +258,22 @@ def test_scale_cast_takes_a_batch_larger_than_one_grid(monkeypatch):
     out = torch.empty(x.shape, dtype=torch.float16, device=DEVICE)
     scale_cast(x, norm, 1e-7, out)
     assert torch.equal(out, torch.mul(x, norm.add(1e-7).reciprocal()[:, None, None]).half())
+
+
+def test_the_autotuner_measures_the_real_triton_kernel(tmp_path, monkeypatch):
+    # The measurement path end to end on a real candidate: compiled on a GPU (CUDA-graph
+    # timing included), interpreted on the CPU.
+    from dmuon_ns import _autotune
+    from dmuon_ns._prepare import describe
+
+    monkeypatch.setenv("DMUON_NS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_autotune, "_UNIT_TIMING_S", 0.01)
+    _autotune.clear_cache()
+    problem = describe((2, 33, 70), torch.float16, DEVICE)
+    kernels = [TRITON_KERNEL, TORCH_KERNEL]
+    chosen = _autotune.choose(kernels, problem, "gram", COEFFS, (2,), now=True)
+    (verdict,) = _autotune.verdicts().values()
+    assert verdict["rejected"] == {} and set(verdict["times_ms"]) == {"triton", "torch"}
+    assert verdict["errors"]["triton"] <= 2 * verdict["errors"]["torch"]
+    assert chosen.name == verdict["kernel"] and (tmp_path / "verdicts.json").exists()
+    _autotune.clear_cache()
