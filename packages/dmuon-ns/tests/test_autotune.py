@@ -236,7 +236,8 @@ def test_corrupt_cache_file_is_ignored_with_one_warning(tmp_path, caplog):
     _verdict_cache._warned.clear()
     try:
         with caplog.at_level(logging.WARNING, logger="dmuon_ns._verdict_cache"):
-            chosen = _fast_verdict(_x())
+            with pytest.warns(RuntimeWarning, match="ignoring corrupt"):
+                chosen = _fast_verdict(_x())
     finally:
         _verdict_cache._warned.clear()
         _verdict_cache._warned.update(warned)

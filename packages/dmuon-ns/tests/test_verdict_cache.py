@@ -59,7 +59,8 @@ def test_a_failed_write_leaves_the_file_as_it_was(_cache_dir, monkeypatch, caplo
 
     monkeypatch.setattr(_verdict_cache.os, "replace", interrupted)
     with caplog.at_level(logging.WARNING, logger="dmuon_ns._verdict_cache"):
-        _verdict_cache.write({"b": _verdict("quack")})
+        with pytest.warns(RuntimeWarning, match="No space left on device"):
+            _verdict_cache.write({"b": _verdict("quack")})
     assert (_cache_dir / "verdicts.json").read_bytes() == before
     assert sorted(p.name for p in _cache_dir.iterdir()) == ["verdicts.json", "verdicts.lock"]
     assert "No space left on device" in caplog.text
@@ -69,7 +70,8 @@ def test_a_file_of_another_format_is_ignored_with_a_warning(_cache_dir, caplog):
     _cache_dir.mkdir()
     (_cache_dir / "verdicts.json").write_text(json.dumps({"format": 0, "verdicts": {"a": {}}}))
     with caplog.at_level(logging.WARNING, logger="dmuon_ns._verdict_cache"):
-        assert _verdict_cache.read() == {}
+        with pytest.warns(RuntimeWarning, match="not a format-1 verdict file"):
+            assert _verdict_cache.read() == {}
         assert _verdict_cache.read() == {}
     assert caplog.text.count("not a format-1 verdict file") == 1
 

@@ -12,9 +12,9 @@ Verdicts live in ``verdicts.json`` in one directory, ``~/.cache/dmuon/ns-autotun
   disk, and is renamed over ``verdicts.json`` (``os.replace``). A reader (readers take no lock)
   sees the old file or the new one, never a torn one; a writer killed half-way leaves a stray
   ``.verdicts.*.tmp`` at most, and the cache as it was;
-* a file that cannot be parsed (written by hand, or by another format version) is ignored with
-  one warning and replaced by the next write; a directory that cannot be read or written
-  leaves the verdicts in memory, with one warning.
+* a file that cannot be parsed (written by hand, or by another format version) is ignored and
+  replaced by the next write; a directory that cannot be read or written leaves the verdicts in
+  memory. Each of these is reported once per process (``logging`` and ``warnings``).
 
 Where ``flock`` is missing (no ``fcntl``: Windows) or refused (some network filesystems),
 writes still go through the temporary file and the rename, so the file is never corrupt; two
@@ -29,6 +29,7 @@ import logging
 import os
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -143,4 +144,6 @@ def _warn_once(kind: str, message: str) -> None:
         if kind in _warned:
             return
         _warned.add(kind)
-    logger.warning("dmuon-ns autotune: %s; verdicts are kept in memory", message)
+    message = f"dmuon-ns autotune: {message}; verdicts are kept in memory"
+    logger.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
