@@ -134,9 +134,8 @@ def _replace_atomically(path: Path, payload: str) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # gone after the rename; a leftover otherwise
 
 
 def _warn_once(kind: str, message: str) -> None:
