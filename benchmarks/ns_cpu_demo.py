@@ -5,9 +5,10 @@
 For each input: its shape, the NS form and kernel that ran, the median wall time, the relative
 (Frobenius) error against the float64 reference of the same iterations, and the spread of the
 singular values before (of the Frobenius-normalised input) and after: NS maps every singular
-value into a narrow band around 1 while keeping the singular vectors. Rank-deficient and
-ill-conditioned inputs show the largest fp16 errors: the polynomials amplify rounding noise in
-the directions of (near-)zero singular values, as they do in every half-precision NS.
+value into a narrow band around 1 while keeping the singular vectors. NS iterates in fp32 on
+the CPU (``benchmarks/ns_cpu_bench.py`` compares the dtypes); rank-deficient and ill-conditioned
+inputs show the largest errors: the polynomials amplify rounding noise in the directions of
+(near-)zero singular values.
 """
 
 from __future__ import annotations

@@ -1,18 +1,23 @@
-"""The autotuner (CPU, fake kernels): it keeps the fastest accurate kernel, rejects inaccurate,
-non-finite and failing ones, and remembers verdicts in memory and on disk."""
+"""The autotuner (CPU, fake kernels): a first call never measures, later calls measure one
+candidate each within the tuning share, ``tune`` measures all at once; the fastest accurate
+kernel is kept, inaccurate, non-finite and failing ones are rejected, and verdicts are
+remembered in memory and on disk."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
-from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, _autotune
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, _autotune, _verdict_cache
+from dmuon_ns._environment import CACHE_DIR_ENV
 from dmuon_ns._torch_kernel import TORCH_KERNEL
 
 COEFFS = tuple(tuple(row) for row in POLAR_EXPRESS_COEFFICIENTS[:5])
@@ -64,8 +69,8 @@ class FakeKernel:
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(_autotune.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(_autotune, "_TARGET_SECONDS", 0.02)  # minimum repetitions: fast tests
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(_autotune, "_UNIT_TIMING_S", 0.02)  # minimum repetitions: fast tests
     _autotune.clear_cache()
     yield
     _autotune.clear_cache()
@@ -76,11 +81,17 @@ def _x(shape=(2, 12, 40), dtype=torch.float16) -> Tensor:
     return (x / torch.linalg.matrix_norm(x, keepdim=True)).to(dtype)
 
 
+def _fast_verdict(x: Tensor) -> Any:
+    """Tune ``x``'s problem to a verdict for "fast" over a slower "torch"."""
+    kernels = [FakeKernel("fast"), FakeKernel("torch", delay=0.005)]
+    return _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS, now=True)
+
+
 def test_picks_the_fastest_accurate_kernel():
     slow = FakeKernel("slow", delay=0.02)
     fast = FakeKernel("fast")
     reference = FakeKernel("torch", delay=0.01)
-    chosen = _autotune.choose([slow, reference, fast], _x(), "gram", COEFFS, RESTARTS)
+    chosen = _autotune.choose([slow, reference, fast], _x(), "gram", COEFFS, RESTARTS, now=True)
     assert chosen is fast
     (verdict,) = _autotune.verdicts().values()
     assert verdict["kernel"] == "fast"
@@ -92,11 +103,49 @@ def test_picks_the_fastest_accurate_kernel():
 def test_rejects_unsound_kernels_however_fast(spoil):
     bad = FakeKernel("bad", spoil=spoil)
     reference = FakeKernel("torch", delay=0.005)
-    chosen = _autotune.choose([bad, reference], _x(), "direct", COEFFS, ())
+    # A kernel that fails is a deliberate degradation: reported, with its reason.
+    reported = (
+        pytest.warns(RuntimeWarning, match=r"kernel 'bad' failed .*kernel launch failed")
+        if spoil == "raise"
+        else contextlib.nullcontext()
+    )
+    with reported:
+        chosen = _autotune.choose([bad, reference], _x(), "direct", COEFFS, (), now=True)
     assert chosen is reference
     (verdict,) = _autotune.verdicts().values()
     assert "bad" in verdict["rejected"]
     assert "bad" not in verdict["times_ms"]
+
+
+class KernelWithOwnFailures(FakeKernel):
+    """Says that ``KeyError`` is how it reports a problem it cannot run."""
+
+    def failure_types(self) -> tuple[type[Exception], ...]:
+        return (KeyError,)
+
+    def _finish(self, out: Tensor) -> Tensor:
+        raise KeyError("no tile config fits")
+
+
+def test_a_kernel_names_the_exceptions_that_reject_it():
+    own = KernelWithOwnFailures("own")
+    reference = FakeKernel("torch", delay=0.005)
+    with pytest.warns(RuntimeWarning, match="no tile config fits"):
+        chosen = _autotune.choose([own, reference], _x(), "gram", COEFFS, RESTARTS, now=True)
+    assert chosen is reference
+    (verdict,) = _autotune.verdicts().values()
+    assert verdict["rejected"]["own"].startswith("raised KeyError")
+
+
+def test_an_unexpected_exception_is_a_bug_and_propagates():
+    class Buggy(FakeKernel):
+        def _finish(self, out: Tensor) -> Tensor:
+            raise KeyError("a bug, not a kernel that cannot run")
+
+    with pytest.raises(KeyError, match="a bug"):
+        _autotune.choose(
+            [Buggy("buggy"), FakeKernel("torch")], _x(), "gram", COEFFS, RESTARTS, now=True
+        )
 
 
 def test_accuracy_bar_is_twice_torchs_error():
@@ -104,41 +153,45 @@ def test_accuracy_bar_is_twice_torchs_error():
     # error fails (noise above), so the bar sits between the two.
     twin = FakeKernel("twin")
     reference = FakeKernel("torch", delay=0.005)
-    assert _autotune.choose([reference, twin], _x(), "gram", COEFFS, RESTARTS) is twin
+    assert _autotune.choose([reference, twin], _x(), "gram", COEFFS, RESTARTS, now=True) is twin
 
 
 def test_verdict_is_cached_in_memory():
     fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.005)
     x = _x()
-    _autotune.choose([fast, reference], x, "gram", COEFFS, RESTARTS)
+    _autotune.choose([fast, reference], x, "gram", COEFFS, RESTARTS, now=True)
     calls = (fast.calls, reference.calls)
     assert _autotune.choose([fast, reference], x, "gram", COEFFS, RESTARTS) is fast
+    assert _autotune.choose([fast, reference], x, "gram", COEFFS, RESTARTS, now=True) is fast
     assert (fast.calls, reference.calls) == calls
 
 
 def test_verdict_survives_on_disk(tmp_path):
     x = _x()
-    _autotune.choose(
-        [FakeKernel("fast"), FakeKernel("torch", delay=0.005)], x, "gram", COEFFS, RESTARTS
-    )
+    _fast_verdict(x)
     path = tmp_path / "cache" / "verdicts.json"
     data = json.loads(path.read_text())
     assert [v["kernel"] for v in data["verdicts"].values()] == ["fast"]
 
     _autotune.clear_cache()  # a new process: memory empty, disk kept
     fast, reference = FakeKernel("fast"), FakeKernel("torch")
-    assert _autotune.choose([reference, fast], x, "gram", COEFFS, RESTARTS) is fast
+    # Nothing is measured again. The first call runs the provisional kernel (the verdict's
+    # kernel would compile inside it); the next runs the verdict's kernel once to warm it up
+    # in this process, and from then on it runs.
+    assert _autotune.choose([reference, fast], x, "gram", COEFFS, RESTARTS) is reference
     assert fast.calls == reference.calls == 0
+    assert _autotune.choose([reference, fast], x, "gram", COEFFS, RESTARTS) is fast
+    assert (fast.calls, reference.calls) == (1, 0)
+    assert _autotune.choose([reference, fast], x, "gram", COEFFS, RESTARTS, now=True) is fast
+    assert (fast.calls, reference.calls) == (1, 0)
 
 
 def test_a_cached_kernel_that_is_no_longer_offered_is_retuned():
     x = _x()
-    _autotune.choose(
-        [FakeKernel("fast"), FakeKernel("torch", delay=0.005)], x, "gram", COEFFS, RESTARTS
-    )
+    _fast_verdict(x)
     other = FakeKernel("other")
     reference = FakeKernel("torch", delay=0.005)
-    assert _autotune.choose([reference, other], x, "gram", COEFFS, RESTARTS) is other
+    assert _autotune.choose([reference, other], x, "gram", COEFFS, RESTARTS, now=True) is other
     assert other.calls > 0
 
 
@@ -148,23 +201,30 @@ def test_a_newly_available_kernel_is_compared_not_shadowed_by_an_old_verdict():
     x = _x()
     first = FakeKernel("middling", delay=0.002)
     reference = FakeKernel("torch", delay=0.005)
-    assert _autotune.choose([first, reference], x, "gram", COEFFS, RESTARTS) is first
+    assert _autotune.choose([first, reference], x, "gram", COEFFS, RESTARTS, now=True) is first
     _autotune.clear_cache()  # a later process; the disk cache holds the old verdict
     newcomer = FakeKernel("newcomer")
     chosen = _autotune.choose(
-        [newcomer, FakeKernel("middling", delay=0.002), reference], x, "gram", COEFFS, RESTARTS
+        [newcomer, FakeKernel("middling", delay=0.002), reference],
+        x,
+        "gram",
+        COEFFS,
+        RESTARTS,
+        now=True,
     )
     assert chosen is newcomer and newcomer.calls > 0
 
 
 def test_problem_key_separates_shape_dtype_op_and_coefficients():
     fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.002)
-    _autotune.choose([fast, reference], _x((2, 12, 40)), "gram", COEFFS, RESTARTS)
-    _autotune.choose([fast, reference], _x((3, 12, 40)), "gram", COEFFS, RESTARTS)
-    _autotune.choose([fast, reference], _x(dtype=torch.bfloat16), "gram", COEFFS, RESTARTS)
-    _autotune.choose([fast, reference], _x(), "direct", COEFFS, RESTARTS)
-    _autotune.choose([fast, reference], _x(), "gram", COEFFS[:4], RESTARTS)
-    _autotune.choose([fast, reference], _x(), "gram", COEFFS, ())
+    _autotune.choose([fast, reference], _x((2, 12, 40)), "gram", COEFFS, RESTARTS, now=True)
+    _autotune.choose([fast, reference], _x((3, 12, 40)), "gram", COEFFS, RESTARTS, now=True)
+    _autotune.choose(
+        [fast, reference], _x(dtype=torch.bfloat16), "gram", COEFFS, RESTARTS, now=True
+    )
+    _autotune.choose([fast, reference], _x(), "direct", COEFFS, RESTARTS, now=True)
+    _autotune.choose([fast, reference], _x(), "gram", COEFFS[:4], RESTARTS, now=True)
+    _autotune.choose([fast, reference], _x(), "gram", COEFFS, (), now=True)
     assert len(_autotune.verdicts()) == 6
 
 
@@ -172,19 +232,15 @@ def test_corrupt_cache_file_is_ignored_with_one_warning(tmp_path, caplog):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "verdicts.json").write_text("{not json")
-    monkey_warned = _autotune._disk_warned
-    _autotune._disk_warned = False
+    warned = set(_verdict_cache._warned)
+    _verdict_cache._warned.clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="dmuon_ns._autotune"):
-            chosen = _autotune.choose(
-                [FakeKernel("fast"), FakeKernel("torch", delay=0.005)],
-                _x(),
-                "gram",
-                COEFFS,
-                RESTARTS,
-            )
+        with caplog.at_level(logging.WARNING, logger="dmuon_ns._verdict_cache"):
+            with pytest.warns(RuntimeWarning, match="ignoring corrupt"):
+                chosen = _fast_verdict(_x())
     finally:
-        _autotune._disk_warned = monkey_warned
+        _verdict_cache._warned.clear()
+        _verdict_cache._warned.update(warned)
     assert chosen.name == "fast"
     assert sum("corrupt" in r.getMessage() for r in caplog.records) == 1
     # The rewrite replaced the corrupt file with a valid one.
@@ -194,16 +250,95 @@ def test_corrupt_cache_file_is_ignored_with_one_warning(tmp_path, caplog):
 def test_single_candidate_needs_no_tuning():
     only = FakeKernel("torch")
     assert _autotune.choose([only], _x(), "gram", COEFFS, RESTARTS) is only
+    assert _autotune.choose([only], _x(), "gram", COEFFS, RESTARTS, now=True) is only
     assert only.calls == 0
     assert _autotune.verdicts() == {}
 
 
-def test_cache_dir_default_and_override(monkeypatch, tmp_path):
-    monkeypatch.delenv(_autotune.CACHE_DIR_ENV, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    assert _autotune.cache_dir() == tmp_path / ".cache" / "dmuon" / "ns-autotune"
-    monkeypatch.setenv(_autotune.CACHE_DIR_ENV, str(tmp_path / "elsewhere"))
-    assert _autotune.cache_dir() == tmp_path / "elsewhere"
+def test_a_first_call_measures_nothing():
+    slow, reference, fast = FakeKernel("slow", 0.01), FakeKernel("torch", 0.002), FakeKernel("f")
+    assert _autotune.choose([slow, reference, fast], _x(), "gram", COEFFS, RESTARTS) is reference
+    assert slow.calls == reference.calls == fast.calls == 0
+    assert _autotune.verdicts() == {}
+
+
+def test_later_calls_measure_one_candidate_each(monkeypatch):
+    monkeypatch.setattr(_autotune, "_TUNING_SHARE", 1.0)  # no wait between units
+    slow, reference, fast = FakeKernel("slow", 0.01), FakeKernel("torch", 0.002), FakeKernel("f")
+    kernels, x = [slow, reference, fast], _x()
+    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is reference
+    # Second call: one unit, the first candidate in priority order; no verdict yet.
+    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is reference
+    assert slow.calls > 0 and fast.calls == 0 and _autotune.verdicts() == {}
+    # Third call: the last candidate; the verdict is committed and runs from this call on.
+    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is fast
+    (verdict,) = _autotune.verdicts().values()
+    assert verdict["kernel"] == "f" and set(verdict["ratios"]) == {"slow", "torch", "f"}
+    assert verdict["ratios"]["f"] < verdict["ratios"]["torch"] == 1.0 < verdict["ratios"]["slow"]
+    calls = (slow.calls, reference.calls, fast.calls)
+    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is fast
+    assert (slow.calls, reference.calls, fast.calls) == calls
+
+
+class ClockedKernel(FakeKernel):
+    """Each run takes one second of a fake clock."""
+
+    def __init__(self, name: str, clock: list[float]) -> None:
+        super().__init__(name)
+        self.clock = clock
+
+    def _finish(self, out: Tensor) -> Tensor:
+        self.clock[0] += 1.0
+        return super()._finish(out)
+
+
+def test_units_take_at_most_the_tuning_share_of_the_time(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(_autotune, "_clock", lambda: clock[0])
+    a, b = ClockedKernel("a", clock), ClockedKernel("b", clock)
+    kernels, x = [a, b, FakeKernel("torch")], _x()
+    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)
+    before = clock[0]
+    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)  # measures a
+    unit = clock[0] - before
+    assert unit > 0 and a.calls > 0 and b.calls == 0
+    wait = unit * (1 - _autotune._TUNING_SHARE) / _autotune._TUNING_SHARE
+    clock[0] += 0.9 * wait  # too early: the call runs, no unit
+    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS).name == "torch"
+    assert b.calls == 0
+    clock[0] += 0.2 * wait
+    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)  # measures b: the verdict is in
+    assert b.calls > 0 and len(_autotune.verdicts()) == 1
+
+
+def test_a_cached_kernel_that_fails_to_warm_up_is_reported_and_not_used():
+    x = _x()
+    _fast_verdict(x)
+    _autotune.clear_cache()  # a new process, where "fast" now fails
+    broken, reference = FakeKernel("fast", spoil="raise"), FakeKernel("torch")
+    assert _autotune.choose([reference, broken], x, "gram", COEFFS, RESTARTS) is reference
+    with pytest.warns(RuntimeWarning, match="cached verdict .*kernel launch failed"):
+        assert _autotune.choose([reference, broken], x, "gram", COEFFS, RESTARTS) is reference
+    assert _autotune.choose([reference, broken], x, "gram", COEFFS, RESTARTS) is reference
+    assert broken.calls == 1
+
+
+@pytest.mark.parametrize("where", ["sample", "kernel"])
+def test_no_memory_to_measure_keeps_the_verdict_out_of_the_disk_cache(where, monkeypatch, tmp_path):
+    def no_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.9 GiB")
+
+    fast, reference = FakeKernel("fast"), FakeKernel("torch")
+    if where == "sample":  # the float64 reference
+        monkeypatch.setattr(_autotune._measure, "sample", no_memory)
+    else:  # the candidate's run: no verdict on the kernel either
+        monkeypatch.setattr(fast, "_finish", no_memory)
+    with pytest.warns(RuntimeWarning, match="no memory left to measure 'fast'"):
+        chosen = _autotune.choose([fast, reference], _x(), "gram", COEFFS, RESTARTS, now=True)
+    assert chosen is reference
+    (verdict,) = _autotune.verdicts().values()
+    assert verdict["rejected"]["fast"].startswith("not measured: out of memory")
+    assert not (tmp_path / "cache" / "verdicts.json").exists()
 
 
 def test_bad_arguments_raise():
@@ -211,3 +346,18 @@ def test_bad_arguments_raise():
         _autotune.choose([FakeKernel("torch")], _x(), "polar", COEFFS, RESTARTS)
     with pytest.raises(ValueError, match="candidates must name at least one kernel"):
         _autotune.choose([], _x(), "gram", COEFFS, RESTARTS)
+
+
+def test_tune_pending_finishes_every_open_choice():
+    import dmuon_ns
+
+    fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.002)
+    for shape in [(2, 12, 40), (1, 8, 24)]:
+        assert _autotune.choose([fast, reference], _x(shape), "gram", COEFFS, RESTARTS) is reference
+    assert _autotune.verdicts() == {} and fast.calls == 0
+    assert dmuon_ns.tune_pending() == {
+        "gram 2x12x40 float16": "fast",
+        "gram 1x8x24 float16": "fast",
+    }
+    assert len(_autotune.verdicts()) == 2
+    assert _autotune.choose([fast, reference], _x(), "gram", COEFFS, RESTARTS) is fast

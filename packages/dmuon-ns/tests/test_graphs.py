@@ -45,7 +45,7 @@ def test_an_eager_run_finishes_the_last_product():
 
 
 def test_failed_capture_warns_once_and_falls_back_to_eager(monkeypatch, caplog):
-    def broken_capture(fn, x):
+    def broken_capture(fn, x, variant):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(_graphs, "_capture", broken_capture)
@@ -66,3 +66,53 @@ def test_capture_without_cuda_degrades_to_eager():
             lambda t: t, prepare(torch.randn(2, 2), torch.float32, 1e-7), "k"
         )
     assert isinstance(entry, _graphs._Eager)
+
+
+def test_an_error_that_is_not_a_capture_failure_propagates(monkeypatch):
+    def buggy_capture(fn, x, variant):
+        raise KeyError("a bug in the captured function")
+
+    monkeypatch.setattr(_graphs, "_capture", buggy_capture)
+    source = prepare(torch.randn(1, 2, 2), torch.float32, 1e-7)
+    with pytest.raises(KeyError, match="a bug"):
+        _graphs._capture_or_eager(lambda t: t, source, ("k", "bug"))
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def test_a_key_holds_one_graph_and_a_new_variant_replaces_it(monkeypatch):
+    # Capture and replay need CUDA; here a fake graph stands in for them, and the source
+    # claims a CUDA device, so what is tested is which graph a call uses.
+    captured = []
+
+    def capture(fn, source, variant):
+        static_input = source.write(torch.empty(source.shape, dtype=source.dtype))
+        entry = _graphs._Captured(_FakeGraph(), static_input, static_input * 2, variant)
+        captured.append(entry)
+        return entry
+
+    class OnCuda:
+        def __init__(self, prepared):
+            self.prepared = prepared
+            self.shape, self.dtype = prepared.shape, prepared.dtype
+            self.device = torch.device("cuda")
+
+        def write(self, out=None):
+            return self.prepared.write(out)
+
+    monkeypatch.setattr(_graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    source = OnCuda(prepare(torch.randn(2, 3, 4), torch.float32, 1e-7))
+    for variant in ("torch", "torch", "quack", "quack"):
+        out = _graphs.run_graphed(lambda t: t * 2, source, "problem", variant=variant)
+        assert torch.equal(out, source.write() * 2)
+    assert [entry.variant for entry in captured] == ["torch", "quack"]
+    assert [entry.graph.replays for entry in captured] == [2, 2]
+    (entry,) = _graphs._graphs.values()  # the torch graph is gone with its buffers
+    assert entry is captured[1]

@@ -3,6 +3,8 @@ numerical robustness, on the torch kernel (CPU)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,12 +42,17 @@ SHAPES = {
 
 def _plain_fp16(g: torch.Tensor, backend: str, steps: int = 5, restarts=(2,), coeffs=None):
     """The same algorithm as plainly as it can be written: fp16 products, nothing fused."""
+    return _plain(g, backend, torch.float16, steps, restarts, coeffs)
+
+
+def _plain(g, backend, dtype, steps=5, restarts=(2,), coeffs=None):
+    """``_plain_fp16`` at any iteration dtype."""
     rows, cols = g.shape[-2:]
     x = g.reshape(-1, rows, cols).float()
     if rows > cols:
         x = x.mT
-    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)).half()
-    eye = torch.eye(x.shape[-2], dtype=torch.float16)
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype)
+    eye = torch.eye(x.shape[-2], dtype=dtype)
     rows_abc = coefficients_for_steps(coeffs or POLAR_EXPRESS_COEFFICIENTS, steps)
     if backend == "gram" and rows != cols:
         r, q = x @ x.mT, eye.expand(x.shape[0], -1, -1)
@@ -86,6 +93,55 @@ def test_matches_float64_reference(fn: str, shape: tuple[int, ...]) -> None:
     plain = relative_error(_plain_fp16(g, backend), reference)
     assert err <= TOLERANCE, f"{fn} {shape}: error {err:.2e}"
     assert err <= RATIO * plain, f"{fn} {shape}: error {err:.2e} vs plain fp16 {plain:.2e}"
+
+
+# The CPU's iteration dtypes against float64: the default (fp32 on the CPU) and bf16.
+#
+# bf16 is held to the plain algorithm at its own dtype, as fp16 is above. fp32 is held to an
+# absolute bar and to being far better than plain fp16: against plain fp32 it loses a factor
+# of 2-14 (measured on these shapes, 1e-6 against 1e-5), because the fused epilogues
+# (``Q·Z' + a·Q``, written for half precision: ``_iterations``' [Note: fused epilogues]) cancel
+# terms of size ~a where the plain ``(aI + Z')·Q`` rounds only once at that size.
+CPU_DTYPES = {"default": (None, 1e-4), "bfloat16": (torch.bfloat16, 8 * TOLERANCE)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("dtype", list(CPU_DTYPES), ids=list(CPU_DTYPES))
+def test_cpu_iteration_dtypes_match_float64_reference(dtype: str, shape) -> None:
+    requested, bar = CPU_DTYPES[dtype]
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(hash(shape) % 1000))
+    for backend in ("gram", "direct"):
+        out = newton_schulz(g, backend=backend, dtype=requested)
+        assert out.shape == g.shape and out.dtype == g.dtype
+        reference = reference_newton_schulz(g, backend=backend)
+        err = relative_error(out, reference)
+        assert err <= bar, f"{dtype} {backend} {shape}: error {err:.2e}"
+        if requested is None:
+            plain = relative_error(_plain_fp16(g, backend), reference)
+            assert err <= plain / 100, f"fp32 {backend}: {err:.2e} vs plain fp16 {plain:.2e}"
+        else:
+            plain = relative_error(_plain(g, backend, requested), reference)
+            assert err <= RATIO * plain, f"{dtype} {backend}: {err:.2e} vs plain {plain:.2e}"
+
+
+def test_the_cpu_default_is_fp32_and_an_explicit_dtype_is_honoured() -> None:
+    from dmuon_ns._prepare import iteration_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert iteration_dtype(None, cpu, ["torch"]) == torch.float32
+    assert iteration_dtype(None, cuda, ["torch"]) == torch.float16
+    assert iteration_dtype(None, cuda, ["quack", "triton", "torch"]) == torch.float16
+    assert iteration_dtype(None, cpu, ["triton"]) == torch.float16  # takes fp16/bf16 only
+    for dtype in (torch.float16, torch.bfloat16):
+        assert iteration_dtype(dtype, cpu, ["torch"]) == dtype
+    # End to end: fp32 lands far closer to float64 than either half precision can.
+    g = torch.randn(48, 128, generator=torch.Generator().manual_seed(13))
+    reference = reference_newton_schulz(g)
+    errors = {
+        dtype: relative_error(newton_schulz(g, dtype=dtype), reference)
+        for dtype in (None, torch.float16, torch.bfloat16)
+    }
+    assert errors[None] < 1e-4 < 1e-3 < errors[torch.float16] < errors[torch.bfloat16]
 
 
 @pytest.mark.parametrize(
@@ -221,6 +277,41 @@ def test_finite_on_hard_inputs(kind: str, shape: tuple[int, int]) -> None:
         assert relative_error(out, reference) <= RATIO * plain
 
 
+# The singular-value band the README states, per iteration dtype: every singular value of the
+# output lies in [0, TOP]; those coming from input singular values of at least BAND_FROM · ‖G‖_F
+# lie in [BOTTOM, TOP]. fp16 is the CUDA default, fp32 (None) the CPU's.
+BAND_FROM, BOTTOM = 0.002, 0.84
+TOP = {None: 1.125, torch.float16: 1.15, torch.bfloat16: 1.6}
+
+
+def test_the_band_in_exact_arithmetic() -> None:
+    # NS maps each singular value σ of the normalised input to p(σ), p the composed polynomial.
+    sigma = torch.cat(
+        [torch.logspace(-8, 0, 100_001, dtype=torch.float64), torch.linspace(0, 1, 100_001)]
+    )
+    p = sigma.clone()
+    for a, b, c in coefficients_for_steps(POLAR_EXPRESS_COEFFICIENTS, 5):
+        p = a * p + b * p**3 + c * p**5
+    assert 0 <= float(p.min()) and float(p.max()) <= 1.124
+    assert float(p[sigma >= BAND_FROM].min()) >= 0.846
+
+
+@pytest.mark.parametrize("dtype", list(TOP), ids=["default", "float16", "bfloat16"])
+@pytest.mark.parametrize("kind", ["random", "low_rank", "ill_conditioned"])
+def test_output_singular_values_lie_in_the_band(kind: str, dtype) -> None:
+    for shape, seed, backend in itertools.product(
+        [(24, 96), (96, 24), (40, 40), (64, 256), (128, 128)], (0, 1), ("gram", "direct")
+    ):
+        g = _inputs(kind, shape, seed)
+        out = singular_values(newton_schulz(g, backend=backend, dtype=dtype))
+        assert float(out.min()) >= 0 and float(out.max()) <= TOP[dtype], (shape, backend)
+        normalised = singular_values(g) / torch.linalg.vector_norm(g.double())
+        # `inside` outputs come from those singular values, each at least BOTTOM, so the
+        # `inside`-th largest output is too (NS keeps the singular vectors, not the order).
+        inside = int((normalised >= BAND_FROM).sum())
+        assert float(out[inside - 1]) >= BOTTOM, (shape, seed, backend, float(out[inside - 1]))
+
+
 def test_orthogonalizes_well_conditioned_input() -> None:
     g = torch.randn(32, 128, generator=torch.Generator().manual_seed(12))
     assert orthogonality_error(g / g.norm()) > 0.9
@@ -241,6 +332,31 @@ def test_any_shape(rows: int, cols: int, batch: int, backend: str) -> None:
     reference = reference_newton_schulz(g, backend=backend)
     plain = relative_error(_plain_fp16(g, backend), reference)
     assert relative_error(out, reference) <= max(RATIO * plain, 1e-3)
+
+
+def test_tune_names_the_kernel_of_each_problem_a_call_would_run() -> None:
+    a, b = torch.empty(24, 80), torch.empty(80, 24)
+    square = torch.empty(3, 16, 16, dtype=torch.bfloat16)
+    # On the CPU torch is the only candidate: nothing is measured, each problem is named.
+    assert NewtonSchulz().tune([a, a, b, square]) == {
+        "gram 2x24x80 float32": "torch",  # a and a run as one batch, b alone (transposed)
+        "gram 1x24x80 float32": "torch",
+        "direct 3x16x16 float32": "torch",
+    }
+    assert NewtonSchulz(dtype=torch.bfloat16).tune(b) == {"gram 1x24x80 bfloat16": "torch"}
+
+
+def test_a_described_problem_is_what_prepare_makes() -> None:
+    from dmuon_ns._prepare import describe, prepare
+
+    for shape in [(24, 80), (80, 24), (2, 3, 24, 80), (2, 80, 24), (16, 16)]:
+        prepared = prepare(torch.randn(shape), torch.float16, 1e-7)
+        described = describe(shape, torch.float16, torch.device("cpu"))
+        assert (described.shape, described.dtype, described.device) == (
+            prepared.write().shape,
+            torch.float16,
+            torch.device("cpu"),
+        )
 
 
 def test_public_names() -> None:

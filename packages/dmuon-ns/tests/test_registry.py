@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -98,8 +98,9 @@ def test_registered_kernel_gets_the_prepared_input(fake: RecordingKernel) -> Non
     assert fake.calls == [("gram", (2, 24, 80), torch.float16, 7, (2,))]
     newton_schulz(torch.randn(16, 16), kernel="fake", dtype=torch.bfloat16)
     assert fake.calls[-1] == ("direct", (1, 16, 16), torch.bfloat16, 5, ())
-    # Same math as the torch kernel: same result.
-    assert torch.equal(out, newton_schulz(g, kernel="torch", steps=7))
+    # Same math as the torch kernel at the same iteration dtype (the torch kernel's own default
+    # on the CPU is fp32): same result.
+    assert torch.equal(out, newton_schulz(g, kernel="torch", steps=7, dtype=torch.float16))
 
 
 def test_precedence(fake: RecordingKernel, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,6 +142,33 @@ def test_optional_kernels_unavailable_on_cpu() -> None:
     for name in ("triton", "quack"):
         with pytest.raises(NSKernelUnavailableError, match=f"NS kernel '{name}'"):
             newton_schulz(torch.randn(4, 8), kernel=name)
+
+
+@pytest.fixture
+def optional_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Declare an optional kernel "extra" living in the given module, not yet loaded."""
+
+    def declare(module: str) -> None:
+        monkeypatch.setitem(_registry._OPTIONAL_KERNELS, "extra", (module, "pip install extra"))
+        monkeypatch.setattr(_registry, "_optional_loaded", False)
+
+    yield declare
+    _registry._import_failures.pop("extra", None)
+
+
+def test_an_optional_kernel_that_cannot_be_imported_is_unavailable(optional_kernel) -> None:
+    optional_kernel("dmuon_ns._no_such_kernel_module")
+    reason = _registry.kernel_status(CPU)["extra"]
+    assert reason is not None and "could not be imported" in reason
+    assert reason.endswith("install with pip install extra")
+
+
+def test_an_optional_kernel_module_with_a_bug_raises(optional_kernel, tmp_path, monkeypatch):
+    (tmp_path / "dmuon_buggy_kernel.py").write_text("raise KeyError('a bug at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    optional_kernel("dmuon_buggy_kernel")
+    with pytest.raises(KeyError, match="a bug at import"):
+        _registry.kernel_status(CPU)
 
 
 def test_register_kernel_validates() -> None:
@@ -193,7 +221,8 @@ def test_import_does_no_work() -> None:
         "import dmuon_ns\n"
         "bad = [m for m in sys.modules if m.startswith(('triton', 'quack', 'cutlass'))"
         " or m in ('dmuon_ns._triton_backend', 'dmuon_ns._quack_backend',"
-        " 'dmuon_ns._autotune', 'dmuon_ns._graphs')]\n"
+        " 'dmuon_ns._autotune', 'dmuon_ns._measure', 'dmuon_ns._verdict_cache',"
+        " 'dmuon_ns._graphs')]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -18,7 +18,8 @@ if not ON_GPU:
 
 pytest.importorskip("triton")
 
-from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, newton_schulz  # noqa: E402
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, NewtonSchulz, _registry, newton_schulz  # noqa: E402
+from dmuon_ns import _triton_kernels as triton_kernels  # noqa: E402
 from dmuon_ns._torch_kernel import TORCH_KERNEL  # noqa: E402
 from dmuon_ns._triton_backend import TRITON_KERNEL  # noqa: E402
 from dmuon_ns._triton_kernels import (  # noqa: E402
@@ -196,3 +197,85 @@ def test_front_end_runs_the_triton_kernel_by_name():
     reference = reference_newton_schulz(g)
     assert out.shape == g.shape
     assert relative_error(out, reference) < 1.5e-2
+
+
+# Every Triton kernel dmuon-ns launches, under the names ``_triton_kernels`` calls them by.
+TRITON_LAUNCHERS = ("_sym_kernel", "_sym_tuned", "_mm_kernel", "_mm_tuned", "_scale_cast_kernel")
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    """The names of the Triton kernels launched while the test runs, in order."""
+    launched = []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in TRITON_LAUNCHERS:
+        monkeypatch.setattr(triton_kernels, name, Counted(name, getattr(triton_kernels, name)))
+    return launched
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [{"kernel": "torch"}, {"deterministic": True}, {"env": "torch"}],
+    ids=["kernel=torch", "deterministic", "DMUON_NS_KERNEL=torch"],
+)
+def test_the_torch_kernel_launches_no_triton_kernel(choice, triton_launches, monkeypatch):
+    # The scaling pass too is the torch kernel's: torch ops, on the GPU as on the CPU.
+    monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)
+    if "env" in choice:
+        monkeypatch.setenv("DMUON_NS_KERNEL", choice.pop("env"))
+    _registry.clear_resolution_cache()
+    g = torch.randn(2, 70, 33, device=DEVICE)  # tall and batched: a strided scaling pass
+    out = newton_schulz([g, g[0].T.contiguous()], **choice)
+    assert triton_launches == []
+    assert relative_error(out[0], reference_newton_schulz(g)) < 1.5e-2
+    _registry.clear_resolution_cache()
+
+
+def test_the_triton_kernel_scales_its_input_with_triton(triton_launches):
+    # Eager, so that one call is one scaling pass (a CUDA graph's capture writes its input too).
+    ns = NewtonSchulz(kernel="triton", cuda_graphs=False)
+    g = torch.randn(2, 70, 33, device=DEVICE)
+    out = ns(g)
+    assert triton_launches[0] == "_scale_cast_kernel"
+    assert triton_launches.count("_scale_cast_kernel") == 1
+    assert relative_error(out, reference_newton_schulz(g)) < 1.5e-2
+    # float64 input is scaled in float64 (torch ops), then iterates on Triton products.
+    triton_launches.clear()
+    ns(g.double())
+    assert triton_launches and "_scale_cast_kernel" not in triton_launches
+
+
+def test_scale_cast_takes_a_batch_larger_than_one_grid(monkeypatch):
+    monkeypatch.setattr(triton_kernels, "_MAX_GRID_Z", 2)  # CUDA's 65535, scaled down
+    x = _rand(5, 8, 24, dtype=torch.bfloat16).mT
+    norm = torch.arange(1.0, 6.0, device=DEVICE)
+    out = torch.empty(x.shape, dtype=torch.float16, device=DEVICE)
+    scale_cast(x, norm, 1e-7, out)
+    assert torch.equal(out, torch.mul(x, norm.add(1e-7).reciprocal()[:, None, None]).half())
+
+
+def test_the_autotuner_measures_the_real_triton_kernel(tmp_path, monkeypatch):
+    # The measurement path end to end on a real candidate: compiled on a GPU (CUDA-graph
+    # timing included), interpreted on the CPU.
+    from dmuon_ns import _autotune
+    from dmuon_ns._prepare import describe
+
+    monkeypatch.setenv("DMUON_NS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_autotune, "_UNIT_TIMING_S", 0.01)
+    _autotune.clear_cache()
+    problem = describe((2, 33, 70), torch.float16, DEVICE)
+    kernels = [TRITON_KERNEL, TORCH_KERNEL]
+    chosen = _autotune.choose(kernels, problem, "gram", COEFFS, (2,), now=True)
+    (verdict,) = _autotune.verdicts().values()
+    assert verdict["rejected"] == {} and set(verdict["times_ms"]) == {"triton", "torch"}
+    assert verdict["errors"]["triton"] <= 2 * verdict["errors"]["torch"]
+    assert chosen.name == verdict["kernel"] and (tmp_path / "verdicts.json").exists()
+    _autotune.clear_cache()

@@ -12,8 +12,9 @@ order with the same ``reduce`` flags.
 
 [Note: non-finite norms]
 A bucket whose norm is NaN or inf gets ``found_inf=True`` and coefficient 1: its grads are left
-exactly as they are (multiplying by a NaN coefficient would turn every finite entry into NaN, the
-silent corruption SPEC section 5 forbids). Other buckets are clipped normally: their sums never mix
+exactly as they are. Multiplying by a NaN coefficient would turn every finite entry into NaN, and
+a non-finite gradient must be reported (``found_inf``, the caller decides to skip the step), never
+silently turned into a corrupted weight. Other buckets are clipped normally: their sums never mix
 with the bad one. The combined ``total_norm`` is then non-finite too.
 
 [Note: accumulator precision]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+from dmuon_clip._environment import triton_interpreting
 
 __all__ = [
     "KernelPlan",
@@ -47,11 +48,6 @@ _table_cache: OrderedDict[tuple, KernelPlan] = OrderedDict()
 _upload_cache: OrderedDict[tuple, Tensor] = OrderedDict()
 
 
-def _interpreting() -> bool:
-    # Triton's own switch; read here only to let the kernels run on CPU tensors under it.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _kernels() -> Any:
     return importlib.import_module("dmuon_clip._kernels")
 
@@ -60,7 +56,7 @@ def unavailable_reason(device: torch.device, norm_type: float) -> str | None:
     """Why the fused kernels cannot run for this accumulator device and norm (``None``: they can)."""
     if norm_type not in (2.0, float("inf")):
         return f"the fused kernel computes the 2-norm and the inf-norm only (norm_type={norm_type})"
-    if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreting()):
         return f"the accumulator device is {device}, not CUDA"
     try:
         kernels = _kernels()

@@ -17,8 +17,14 @@ from dmuon_ns._coefficients import (
 )
 from dmuon_ns._config import NewtonSchulz, NSBackend
 from dmuon_ns._distributed import gram_newton_schulz_distributed
-from dmuon_ns._newton_schulz import direct_newton_schulz, gram_newton_schulz, newton_schulz
-from dmuon_ns._registry import KERNEL_ENV, NSKernel, NSKernelUnavailableError, register_kernel
+from dmuon_ns._environment import KERNEL_ENV
+from dmuon_ns._newton_schulz import (
+    direct_newton_schulz,
+    gram_newton_schulz,
+    newton_schulz,
+    tune_pending,
+)
+from dmuon_ns._registry import NSKernel, NSKernelUnavailableError, register_kernel
 from dmuon_ns._status import get_backend_status, get_ns_backend
 
 __version__ = "0.1.0"
@@ -40,4 +46,5 @@ __all__ = [
     "gram_newton_schulz_distributed",
     "newton_schulz",
     "register_kernel",
+    "tune_pending",
 ]

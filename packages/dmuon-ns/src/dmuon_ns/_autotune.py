@@ -1,107 +1,118 @@
-"""Per-shape kernel choice for ``kernel="auto"``: cross-check, time, remember.
+"""Per-shape kernel choice for ``kernel="auto"``: an immediate choice, measurements spread over
+later calls, verdicts kept per machine.
 
 [Note: what a verdict is]
 A verdict answers "which kernel is fastest *and* numerically sound for this problem" where the
 problem is (op, shape, dtype, device name, coefficients, restart iterations, the candidate
-kernels) plus the versions of torch and of this package (a new build may change the answer). The verdict never depends on
-the caller's data: candidates run on a fresh random input of the same shape and dtype, so an
-all-zero or degenerate first gradient cannot fool the cross-check or the clock.
+kernels) plus the versions of torch and of this package (a new build may change the answer).
+How a candidate is measured is ``_measure``'s; where verdicts are kept is
+``_verdict_cache``'s.
 
-[Note: the numerical cross-check]
-Every candidate's output is compared with a float64 evaluation of the same polynomial
-iteration. The plain-torch kernel sets the bar: a candidate whose relative Frobenius error
-(worst over the batch) exceeds ``_ERROR_FACTOR`` times torch's, or whose output is not finite,
-is rejected, whatever its speed. The float64 reference uses the direct form; in exact
-arithmetic the Gram form (with any restarts) computes the same matrix, so one reference serves
-both ops.
+[Note: cold start]
+Measuring is expensive the first time round: each accelerated kernel compiles for the shape
+(Triton tunes its tiles, CuTe DSL compiles its products) and the cross-check runs a float64
+iteration. Done before a problem's first call returned, it took 30-40 s per shape on an H200
+(142 s at 8192×28672) and made a first training step 11-14 s. So measuring never happens
+inside a first call:
 
-[Note: the on-disk cache]
-Verdicts live in one JSON file, ``verdicts.json``, in one directory: ``~/.cache/dmuon/
-ns-autotune`` unless ``DMUON_NS_CACHE_DIR`` names another (read only in :func:`cache_dir`).
-Writes go to a temporary file that is renamed over the old one, so concurrent ranks never
-leave a torn file; the last writer wins, which only costs a re-tune elsewhere. An unreadable
-or unwritable cache degrades to the in-memory one with a single warning.
+1. The first call of a problem in a process runs the *provisional* kernel: torch (cuBLAS,
+   nothing to compile; and the bar every other kernel is held to). Nothing is measured or
+   compiled. (Off CUDA, torch is the only candidate and nothing here runs at all.)
+2. Each later call of a problem whose choice is still open may do one *unit* of work: one
+   candidate run (compiled) on a sample, cross-checked against float64 and, when it passes,
+   timed against the provisional kernel, interleaved, for about ``_UNIT_TIMING_S``; or, for a
+   verdict read from disk, one run of its kernel, which compiles it in this process before
+   it replaces the provisional one. Units never overlap, and together they take at most
+   ``_TUNING_SHARE`` of the wall time: after a unit of d seconds the next waits
+   d·(1 − share)/share. A training step with several new shapes therefore pays one unit, not
+   one per shape; a unit that compiles lasts as long as the compile, once per kernel and
+   shape.
+3. After the last candidate's unit the verdict is committed (memory, then disk) and the
+   fastest sound kernel runs from then on. Candidates are ranked by their time relative
+   to the provisional kernel's in the same unit, so clocks that drift between units do not
+   decide.
+4. Callers that rather pay at once can: ``NewtonSchulz.tune(g)`` settles the problems of
+   given tensors before their first call (``choose(now=True)``), and ``dmuon_ns.tune_pending()``
+   settles every problem seen so far, e.g. after a training loop's first step
+   (``tune_pending``). Benchmarks do one or the other before they time.
+
+A choice changes results only within the cross-check: the provisional kernel is the bar
+itself, and a verdict's kernel passed the cross-check on this problem. Inside another
+caller's CUDA-graph capture no unit runs (nothing may synchronise there): the call takes the
+current choice.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
 import logging
 import math
-import os
 import statistics
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
 
+from dmuon_ns import _measure, _verdict_cache
 from dmuon_ns._registry import NSKernel, Problem
+from dmuon_ns._verdict_cache import AutotuneVerdict
 
-__all__ = [
-    "CACHE_DIR_ENV",
-    "AutotuneVerdict",
-    "cache_dir",
-    "choose",
-    "clear_cache",
-    "verdicts",
-]
+__all__ = ["AutotuneVerdict", "choose", "clear_cache", "tune_pending", "verdicts"]
 
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "DMUON_NS_CACHE_DIR"
-_CACHE_FILE = "verdicts.json"
-_FORMAT_VERSION = 1
-# A candidate may be at most this many times less accurate than plain torch.
-_ERROR_FACTOR = 2.0
-# Floor for the accepted error so that an (unlikely) exact torch result does not reject
-# candidates that differ from it only by rounding.
-_ERROR_FLOOR = 1e-6
-# Timing budget per candidate: enough repetitions for a stable median, bounded in time.
-_MIN_REPS = 3
-_MAX_REPS = 25
-_TARGET_SECONDS = 0.2
-_SEED = 20_241_129
+# The most of the wall time that spread-out tuning units may take (see [Note: cold start]).
+_TUNING_SHARE = 0.1
+# Timing budget of one unit: the candidate and the provisional kernel, interleaved.
+_UNIT_TIMING_S = 0.1
+# The kernel that runs while a problem's choice is open (see [Note: cold start]).
+_PROVISIONAL = "torch"
+
+Coefficients = tuple[tuple[float, float, float], ...]
 
 
-AutotuneVerdict = dict[str, Any]
-"""JSON-friendly record: ``kernel`` (the choice), ``times_ms``, ``errors`` and ``rejected``
-(name -> reason) for every candidate that was tried."""
+class _Problem(NamedTuple):
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    op: str
+    coefficients: Coefficients
+    restarts: tuple[int, ...]
+
+
+@dataclass
+class _Choice:
+    """One problem's kernel: the one calls run now, and the units left before it is final."""
+
+    problem: _Problem
+    candidates: tuple[NSKernel, ...]
+    provisional: NSKernel
+    kernel: NSKernel  # what calls run now
+    to_measure: list[NSKernel]
+    to_warm: NSKernel | None = None  # a verdict's kernel to run once before it is used
+    times_ms: dict[str, float] = field(default_factory=dict)
+    provisional_ms: list[float] = field(default_factory=list)
+    ratios: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, float | None] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    unmeasured: bool = False  # a candidate could not be measured here: keep the verdict local
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one unit at a time
+
+    @property
+    def open(self) -> bool:
+        return bool(self.to_measure) or self.to_warm is not None
+
 
 _lock = threading.Lock()
-_memory: dict[str, AutotuneVerdict] = {}
-_disk_warned = False
-
-
-def cache_dir() -> Path:
-    """The one directory holding autotune verdicts (``DMUON_NS_CACHE_DIR`` overrides)."""
-    override = os.environ.get(CACHE_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "dmuon" / "ns-autotune"
-
-
-def clear_cache(*, disk: bool = False) -> None:
-    """Forget every in-memory verdict (and the on-disk file when ``disk=True``)."""
-    with _lock:
-        _memory.clear()
-        if disk:
-            try:
-                (cache_dir() / _CACHE_FILE).unlink(missing_ok=True)
-            except OSError as err:
-                _warn_disk_once(f"could not delete the autotune cache: {err}")
-
-
-def verdicts() -> dict[str, AutotuneVerdict]:
-    """A copy of the in-memory verdicts, keyed by the problem key (for status reports)."""
-    with _lock:
-        return {key: dict(value) for key, value in _memory.items()}
+_memory: dict[str, AutotuneVerdict] = {}  # committed verdicts, read from disk or measured here
+_choices: dict[str, _Choice] = {}
+_next_unit_at = 0.0  # _clock() time before which no spread-out unit starts
+_clock = time.monotonic
 
 
 def choose(
@@ -110,13 +121,16 @@ def choose(
     op: str,
     coefficients: Sequence[tuple[float, float, float]],
     restart_iterations: Sequence[int],
+    *,
+    now: bool = False,
 ) -> Any:
-    """Return the fastest candidate that passes the cross-check for ``x``'s problem.
+    """The kernel to run ``x``'s problem now (see [Note: cold start]).
 
     ``candidates`` are in priority order and all usable on ``x.device``; ``op`` is ``"gram"``
-    or ``"direct"``. A single candidate is returned without tuning. The first call per problem
-    key runs and times every candidate (see the module notes); later calls are a dictionary
-    lookup.
+    or ``"direct"``. A single candidate is returned at once. Otherwise the first call runs the
+    provisional kernel, later calls may each do one unit of measurement, and once the verdict
+    is in, every call returns its kernel (a dictionary lookup). ``now=True`` does every unit
+    left at once and returns the verdict's kernel.
     """
     if op not in ("gram", "direct"):
         raise ValueError(f"op must be 'gram' or 'direct', got {op!r}")
@@ -124,42 +138,245 @@ def choose(
         raise ValueError("candidates must name at least one kernel (the 'torch' kernel)")
     if len(candidates) == 1:
         return candidates[0]
-    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # Inside someone else's capture nothing may synchronise: take the priority choice.
-        return candidates[0]
+    choice, first = _choice(tuple(candidates), x, op, coefficients, restart_iterations)
+    if now:
+        _finish(choice)
+    elif choice.open and not first:
+        # Inside another caller's CUDA-graph capture nothing may synchronise: no unit.
+        if not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _spread_unit(choice)
+    return choice.kernel
+
+
+def tune_pending() -> dict[str, str]:
+    """Finish every choice still open (measure what is left, warm cached verdicts' kernels)
+    now; returns every problem seen so far, described, with the kernel it runs."""
+    with _lock:
+        choices = list(_choices.values())
+    for choice in choices:
+        _finish(choice)
+    return {_describe(choice.problem): choice.kernel.name for choice in choices}
+
+
+def verdicts() -> dict[str, AutotuneVerdict]:
+    """A copy of the committed verdicts, keyed by the problem key (for status reports)."""
+    with _lock:
+        return {key: dict(value) for key, value in _memory.items()}
+
+
+def clear_cache(*, disk: bool = False) -> None:
+    """Forget every verdict and open choice in memory (and the on-disk file when ``disk``)."""
+    global _next_unit_at
+    with _lock:
+        _memory.clear()
+        _choices.clear()
+        _next_unit_at = 0.0
+    if disk:
+        _verdict_cache.delete()
+
+
+def _choice(
+    candidates: tuple[NSKernel, ...],
+    x: Problem,
+    op: str,
+    coefficients: Sequence[tuple[float, float, float]],
+    restart_iterations: Sequence[int],
+) -> tuple[_Choice, bool]:
+    """The problem's choice, made on its first call (then ``True``) from a committed verdict
+    or as a measurement plan."""
     coeffs = tuple((float(a), float(b), float(c)) for a, b, c in coefficients)
     restarts = tuple(int(i) for i in restart_iterations)
-    key = _problem_key(op, x, coeffs, restarts, tuple(kernel.name for kernel in candidates))
-    by_name = {kernel.name: kernel for kernel in candidates}
-
+    names = tuple(kernel.name for kernel in candidates)
+    key = _problem_key(op, x, coeffs, restarts, names)
     with _lock:
-        cached = _memory.get(key)
-        if cached is None:
-            cached = _read_disk().get(key)
-            if cached is not None:
-                _memory[key] = cached
-    if cached is not None and cached.get("kernel") in by_name:
-        return by_name[cached["kernel"]]
+        existing = _choices.get(key)
+        verdict = _memory.get(key)
+    if existing is not None:
+        return existing, False
+    if verdict is None:
+        verdict = _verdict_cache.read().get(key)  # file I/O outside the lock
+    problem = _Problem(key, x.shape, x.dtype, x.device, op, coeffs, restarts)
+    by_name = {kernel.name: kernel for kernel in candidates}
+    provisional = by_name.get(_PROVISIONAL, candidates[0])
+    choice = _Choice(problem, candidates, provisional, provisional, to_measure=[])
+    if verdict is not None and verdict.get("kernel") in by_name:
+        chosen = by_name[verdict["kernel"]]
+        if chosen is not provisional:
+            choice.to_warm = chosen
+    else:
+        verdict = None
+        choice.to_measure = [k for k in candidates if k.name != _PROVISIONAL]
+        logger.info(
+            "dmuon-ns autotune %s: %r runs while %s are measured over the next calls",
+            key,
+            provisional.name,
+            ", ".join(repr(k.name) for k in choice.to_measure),
+        )
+    with _lock:
+        if verdict is not None:
+            _memory[key] = verdict
+        kept = _choices.setdefault(key, choice)  # another thread may have been first
+    return kept, kept is choice
 
-    with torch.profiler.record_function("dmuon::ns_autotune"):
-        verdict = _tune(candidates, x, op, coeffs, restarts)
+
+def _finish(choice: _Choice) -> None:
+    while choice.open:
+        with choice.lock:
+            _unit(choice)
+
+
+def _spread_unit(choice: _Choice) -> None:
+    """One unit of ``choice``'s work, when the tuning share allows one now and no other unit
+    is running (see [Note: cold start])."""
+    global _next_unit_at
+    with _lock:
+        now = _clock()
+        if now < _next_unit_at:
+            return
+        _next_unit_at = math.inf  # claimed: no other unit starts until this one ends
+    start, ran = _clock(), False
+    try:
+        if choice.lock.acquire(blocking=False):
+            try:
+                ran = _unit(choice)
+            finally:
+                choice.lock.release()
+    finally:
+        elapsed = _clock() - start if ran else 0.0
+        with _lock:
+            _next_unit_at = _clock() + elapsed * (1 - _TUNING_SHARE) / _TUNING_SHARE
+
+
+def _unit(choice: _Choice) -> bool:
+    """The next unit of ``choice`` (its lock held); ``False`` when none was left."""
+    with torch.profiler.record_function("dmuon::ns_autotune"), torch.no_grad():
+        if choice.to_warm is not None:
+            kernel, choice.to_warm = choice.to_warm, None
+            _warm(choice, kernel)
+            return True
+        if not choice.to_measure:
+            return False
+        _measure_one(choice, choice.to_measure.pop(0))
+        if not choice.to_measure:
+            _commit(choice)
+        return True
+
+
+def _warm(choice: _Choice, kernel: NSKernel) -> None:
+    """Run a committed verdict's kernel once, so that its compile happens here, not in a
+    caller's call; then it replaces the provisional kernel."""
+    problem = choice.problem
+    failures: tuple[type[Exception], ...] = (
+        torch.OutOfMemoryError,
+        *_measure.failure_types(kernel),
+    )
+    try:
+        sample = _measure.sample(problem, problem.op, problem.coefficients, problem.restarts)
+        sample.run(kernel)
+        if problem.device.type == "cuda":
+            torch.cuda.synchronize(problem.device)
+    except failures as err:
+        _measure.report(
+            f"dmuon-ns autotune: kernel {kernel.name!r}, the cached verdict for"
+            f" {_describe(problem)}, failed ({type(err).__name__}: {err}); running"
+            f" {choice.provisional.name!r} for it in this process"
+        )
+        return
+    choice.kernel = kernel
+
+
+def _measure_one(choice: _Choice, kernel: NSKernel) -> None:
+    """Cross-check ``kernel`` on a sample and, if it passes, time it against the provisional
+    kernel (``_measure``'s notes). Running out of memory is no verdict on the kernel: the
+    candidate is left out here, and the verdict stays in this process (see ``_commit``)."""
+    try:
+        _cross_check_and_time(choice, kernel)
+    except torch.OutOfMemoryError as err:  # the float64 reference needs ~4x the input
+        choice.rejected[kernel.name] = f"not measured: out of memory ({err})"
+        choice.unmeasured = True
+        _measure.report(
+            f"dmuon-ns autotune: no memory left to measure {kernel.name!r} on"
+            f" {_describe(choice.problem)}; it is not used for this problem in this process"
+        )
+
+
+def _cross_check_and_time(choice: _Choice, kernel: NSKernel) -> None:
+    problem, base = choice.problem, choice.provisional
+    sample = _measure.sample(problem, problem.op, problem.coefficients, problem.restarts)
+    base_error = sample.error(sample.run(base))
+    torch_error = base_error if base.name == "torch" else sample.torch_error()
+    choice.errors[base.name] = base_error if math.isfinite(base_error) else None
+    try:
+        out = sample.run(kernel)
+    except torch.OutOfMemoryError:
+        raise  # no verdict on the kernel: see _measure_one
+    except _measure.failure_types(kernel) as err:
+        choice.rejected[kernel.name] = f"raised {type(err).__name__}: {err}"
+        _measure.report(
+            f"dmuon-ns autotune: kernel {kernel.name!r} failed on {_describe(problem)}"
+            f" ({choice.rejected[kernel.name]}); it is not used for this problem"
+        )
+        return
+    error = sample.error(out)
+    choice.errors[kernel.name] = error if math.isfinite(error) else None
+    rejection = sample.rejection(error, torch_error)
+    if rejection is not None:
+        choice.rejected[kernel.name] = rejection
+        return
+    kernel_ms, base_ms = _measure.compare_ms(
+        functools.partial(sample.run, kernel),
+        functools.partial(sample.run, base),
+        problem.device,
+        _UNIT_TIMING_S,
+    )
+    choice.times_ms[kernel.name] = kernel_ms
+    choice.provisional_ms.append(base_ms)
+    choice.ratios[kernel.name] = kernel_ms / max(base_ms, 1e-9)
+
+
+def _commit(choice: _Choice) -> None:
+    """The fastest sound candidate by its time relative to the provisional kernel (ties go
+    to the earlier in priority order); remembered in memory and on disk."""
+    ratios = dict(choice.ratios)
+    if choice.provisional.name == _PROVISIONAL:
+        ratios[_PROVISIONAL] = 1.0  # the bar itself: sound by definition
+    best: NSKernel | None = None
+    for kernel in choice.candidates:
+        if kernel.name in ratios and (best is None or ratios[kernel.name] < ratios[best.name]):
+            best = kernel
+    if best is None:
+        # Nothing passed (a provisional kernel other than torch failed too): the first
+        # candidate by priority, which the dispatcher lists as the most trusted.
+        best = choice.candidates[0]
+    times = dict(choice.times_ms)
+    if choice.provisional_ms and choice.provisional.name not in times:
+        times[choice.provisional.name] = statistics.median(choice.provisional_ms)
+    verdict: AutotuneVerdict = {
+        "kernel": best.name,
+        "times_ms": {name: round(ms, 5) for name, ms in times.items()},
+        "ratios": {name: round(ratio, 4) for name, ratio in ratios.items()},
+        "errors": choice.errors,
+        "rejected": choice.rejected,
+    }
+    key = choice.problem.key
     logger.info(
-        "dmuon-ns autotune %s: chose %r (times ms %s, rejected %s)",
+        "dmuon-ns autotune %s: chose %r (ms %s, rejected %s)",
         key,
-        verdict["kernel"],
+        best.name,
         verdict["times_ms"],
-        verdict["rejected"],
+        choice.rejected,
     )
     with _lock:
         _memory[key] = verdict
-        _write_disk(key, verdict)
-    return by_name[verdict["kernel"]]
+    if not choice.unmeasured:  # another process may have the memory to measure them all
+        _verdict_cache.write({key: verdict})
+    choice.kernel = best
 
 
 def _problem_key(
     op: str,
     x: Problem,
-    coeffs: tuple[tuple[float, float, float], ...],
+    coeffs: Coefficients,
     restarts: tuple[int, ...],
     candidates: tuple[str, ...],
 ) -> str:
@@ -173,6 +390,11 @@ def _problem_key(
         f"{op}|{shape}|{dtype}|{device}|{coeffs!r}|{restarts!r}|{','.join(sorted(candidates))}"
         f"|torch={torch.__version__}|dmuon_ns={_package_version()}"
     )
+
+
+def _describe(problem: _Problem) -> str:
+    dtype = str(problem.dtype).removeprefix("torch.")
+    return f"{problem.op} {'x'.join(str(s) for s in problem.shape)} {dtype}"
 
 
 @functools.cache
@@ -189,212 +411,3 @@ def _package_version() -> str:
         return importlib.metadata.version("dmuon-ns")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _tune(
-    candidates: Sequence[NSKernel],
-    x: Problem,
-    op: str,
-    coeffs: tuple[tuple[float, float, float], ...],
-    restarts: tuple[int, ...],
-) -> AutotuneVerdict:
-    with torch.no_grad():
-        sample = _random_input(x)
-        reference = _reference(sample, coeffs)
-
-        def run(kernel: NSKernel) -> Tensor:
-            if op == "gram":
-                return kernel.gram(sample, coeffs, restarts)
-            return kernel.direct(sample, coeffs)
-
-        errors: dict[str, float] = {}
-        rejected: dict[str, str] = {}
-        for kernel in candidates:
-            try:
-                out = run(kernel)
-            except Exception as exc:  # a broken backend must never break "auto"
-                logger.warning("dmuon-ns autotune: kernel %r failed: %r", kernel.name, exc)
-                rejected[kernel.name] = f"raised {type(exc).__name__}: {exc}"
-                continue
-            errors[kernel.name] = _relative_error(out, reference, sample.shape)
-
-        torch_error = errors.get("torch")
-        if torch_error is None or not math.isfinite(torch_error):
-            torch_error = _torch_error(sample, op, coeffs, restarts, reference)
-        bound = max(_ERROR_FACTOR * torch_error, _ERROR_FLOOR)
-        for name, error in errors.items():
-            if name == "torch":
-                continue
-            if not math.isfinite(error):
-                rejected[name] = "non-finite output"
-            elif error > bound:
-                rejected[name] = (
-                    f"error {error:.3g} > {_ERROR_FACTOR:g} x torch's {torch_error:.3g}"
-                )
-
-        times: dict[str, float] = {}
-        for kernel in candidates:
-            if kernel.name in rejected or kernel.name not in errors:
-                continue
-            times[kernel.name] = _median_ms(_as_run(functools.partial(run, kernel), sample.device))
-
-    if not times:
-        # Nothing survived (even torch failed): fall back to the first candidate by priority,
-        # which the dispatcher lists as the most trusted.
-        choice = candidates[0].name
-    else:
-        choice = min(times, key=lambda name: times[name])
-    return {
-        "kernel": choice,
-        "times_ms": {k: round(v, 5) for k, v in times.items()},
-        "errors": {k: (v if math.isfinite(v) else None) for k, v in errors.items()},
-        "rejected": rejected,
-    }
-
-
-def _random_input(x: Problem) -> Tensor:
-    """A fresh normalised Gaussian input with ``x``'s shape, dtype and device."""
-    generator = torch.Generator(device=x.device).manual_seed(_SEED)
-    sample = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-    norms = torch.linalg.matrix_norm(sample, keepdim=True).clamp_min(1e-12)
-    return (sample / norms).to(x.dtype).contiguous()
-
-
-def _reference(sample: Tensor, coeffs: tuple[tuple[float, float, float], ...]) -> Tensor:
-    """Direct-form NS in float64 (equal to the Gram form in exact arithmetic)."""
-    x = sample.to(torch.float64)
-    for a, b, c in coeffs:
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return x
-
-
-def _relative_error(out: Tensor, reference: Tensor, shape: torch.Size) -> float:
-    if out.shape != shape:
-        return math.inf
-    diff = torch.linalg.matrix_norm(out.to(torch.float64) - reference)
-    scale = torch.linalg.matrix_norm(reference).clamp_min(1e-30)
-    worst = (diff / scale).max()
-    value = float(worst)
-    return value if math.isfinite(value) else math.inf
-
-
-def _torch_error(
-    sample: Tensor,
-    op: str,
-    coeffs: tuple[tuple[float, float, float], ...],
-    restarts: tuple[int, ...],
-    reference: Tensor,
-) -> float:
-    """Error of the plain-torch kernel when it is not among the candidates."""
-    from dmuon_ns._torch_kernel import TORCH_KERNEL as kernel
-
-    out = kernel.gram(sample, coeffs, restarts) if op == "gram" else kernel.direct(sample, coeffs)
-    return _relative_error(out, reference, sample.shape)
-
-
-def _as_run(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[], object], str]:
-    """How the candidate will really run: replayed from a CUDA graph where it can be captured.
-
-    [Note: timing as it runs]
-    The dispatcher replays kernels from CUDA graphs by default, so launch overhead, which
-    dominates small problems and differs a lot between backends (Python-side launch work of
-    Triton and CuTe DSL against cuBLAS), must not decide the choice. Each candidate is
-    captured after its warm-up and its replays are timed; one that cannot be captured is
-    timed eagerly, as it would then run.
-    """
-    if device.type != "cuda":
-        return fn, device.type
-    fn()  # warm-up outside capture: compilation, library autotuning, allocator growth
-    torch.cuda.synchronize(device)
-    try:
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as err:
-        logger.debug("dmuon-ns autotune: timing eagerly, capture failed: %r", err)
-        return fn, "cuda"
-    return graph.replay, "cuda"
-
-
-def _median_ms(runnable: tuple[Callable[[], object], str]) -> float:
-    fn, device_type = runnable
-    fn()  # warm-up: compilation and allocator growth stay out of the numbers
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        first = start.elapsed_time(end)
-    else:
-        t0 = time.perf_counter()
-        fn()
-        first = (time.perf_counter() - t0) * 1e3
-    reps = int(min(_MAX_REPS, max(_MIN_REPS, _TARGET_SECONDS * 1e3 / max(first, 1e-3))))
-    samples: list[float] = []
-    for _ in range(reps):
-        if device_type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
-
-
-def _warn_disk_once(message: str) -> None:
-    global _disk_warned
-    if not _disk_warned:
-        _disk_warned = True
-        logger.warning("dmuon-ns autotune: %s; verdicts are kept in memory only", message)
-
-
-def _read_disk() -> dict[str, AutotuneVerdict]:
-    path = cache_dir() / _CACHE_FILE
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}
-    except OSError as err:
-        _warn_disk_once(f"could not read {path}: {err}")
-        return {}
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        _warn_disk_once(f"ignoring corrupt {path}: {err}")
-        return {}
-    if not isinstance(data, dict) or data.get("format") != _FORMAT_VERSION:
-        return {}
-    entries = data.get("verdicts")
-    return entries if isinstance(entries, dict) else {}
-
-
-def _write_disk(key: str, verdict: AutotuneVerdict) -> None:
-    directory = cache_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        entries = _read_disk()
-        entries[key] = verdict
-        payload = json.dumps({"format": _FORMAT_VERSION, "verdicts": entries}, indent=1)
-        fd, tmp = tempfile.mkstemp(prefix=".verdicts.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(payload)
-            os.replace(tmp, directory / _CACHE_FILE)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as err:
-        _warn_disk_once(f"could not write {directory / _CACHE_FILE}: {err}")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._coefficients import Coefficients, coefficients_for_steps, validate_coefficients
-from dmuon_ns._orthogonalize import orthogonalize, orthogonalize_many
+from dmuon_ns._orthogonalize import orthogonalize, orthogonalize_many, tune
 from dmuon_ns._registry import kernel_names
 
 if TYPE_CHECKING:
@@ -47,6 +47,10 @@ class NewtonSchulz:
         ns = NewtonSchulz(backend="gram", steps=5)
         update = ns(momentum)
 
+    ``dtype`` is the dtype the iterations run in: ``torch.float16``, ``torch.bfloat16``, or
+    ``None`` (default) for the fast one where the call runs: fp32 where the torch kernel runs
+    on the CPU, fp16 otherwise (``_prepare``'s [Note: the iteration dtype]); the result has the
+    input's dtype either way.
     ``coefficients`` defaults to ``POLAR_EXPRESS_COEFFICIENTS`` (a set shorter than ``steps``
     repeats its last row); ``restart_iterations`` defaults to ``(2,)`` (the Gram form's
     restarts, ignored by the direct form; see ``_torch_kernel``). ``kernel`` is ``"auto"`` or a
@@ -62,7 +66,7 @@ class NewtonSchulz:
     restart_iterations: Sequence[int] | None = None
     deterministic: bool = False
     steps: int = 5
-    dtype: torch.dtype = torch.float16
+    dtype: torch.dtype | None = None
     cuda_graphs: bool = True
     eps: float = 1e-7
     # Derived at construction: exactly one coefficient row per step, and the restarts in use.
@@ -85,10 +89,11 @@ class NewtonSchulz:
             )
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive int, got {self.steps!r}")
-        if self.dtype not in _ITERATION_DTYPES:
+        if self.dtype is not None and self.dtype not in _ITERATION_DTYPES:
             raise ValueError(
-                f"dtype is the iteration dtype and must be torch.float16 or torch.bfloat16,"
-                f" got {self.dtype!r}"
+                f"dtype is the iteration dtype and must be torch.float16 or torch.bfloat16, or"
+                f" None for the device's default (fp32 on the CPU, fp16 on CUDA), got"
+                f" {self.dtype!r}"
             )
         eps = self.eps
         if (
@@ -117,6 +122,17 @@ class NewtonSchulz:
         if isinstance(g, list | tuple):
             return orthogonalize_many(self, g)
         return orthogonalize(self, g)
+
+    def tune(self, g: Tensor | list[Tensor] | tuple[Tensor, ...]) -> dict[str, str]:
+        """Settle now which kernel runs each problem that ``self(g)`` would run.
+
+        With ``kernel="auto"`` on CUDA the autotuner otherwise measures a new problem over the
+        calls that follow its first one (``_autotune``'s [Note: cold start]); this does all of
+        it at once, for callers that rather pay before their first step. Only the shapes,
+        dtypes and devices of ``g`` are read, so ``torch.empty`` tensors will do. Returns
+        ``{"<op> <batch>x<m>x<n> <iteration dtype>": kernel name}``, one entry per problem.
+        """
+        return tune(self, [g] if isinstance(g, Tensor) else list(g))
 
 
 def _validate_restarts(restarts: Iterable[int] | None, steps: int) -> tuple[int, ...]:

@@ -2,11 +2,12 @@
 
 The input arrives as the front end leaves it, a ``Prepared``: (batch, m, n) with m ≤ n and
 each matrix's norm known, not yet scaled or written in the iteration dtype (``write`` does
-both, into the kernel's input buffer). Two CUDA-only layers may wrap the kernel call: the
-autotuner (when auto left several candidates) and CUDA-graph replay (when ``cuda_graphs`` is
-on). Both live in their own modules, imported only on that path, so a CPU run never touches
-them. Kernels made of the shared loops (``LoopKernel``) are called up to their last product,
-which runs outside the graph (``_iterations``' [Note: the last product]).
+both, into the kernel's input buffer, with the scaling pass of the kernel picked here: see
+``_prepare``'s [Note: the scaling pass follows the kernel]). Two CUDA-only layers may wrap the
+kernel call: the autotuner (when auto left several candidates) and CUDA-graph replay (when
+``cuda_graphs`` is on). Both live in their own modules, imported only on that path, so a CPU
+run never touches them. Kernels made of the shared loops (``LoopKernel``) are called up to
+their last product, which runs outside the graph (``_iterations``' [Note: the last product]).
 
 [Note: which problems are graphed]
 A captured graph keeps its static input and the last product's operands allocated for the
@@ -30,9 +31,9 @@ from torch import Tensor
 
 from dmuon_ns._iterations import LastProduct, LoopKernel, finished
 from dmuon_ns._prepare import Prepared
-from dmuon_ns._registry import NSKernel, Resolution
+from dmuon_ns._registry import NSKernel, Problem, Resolution
 
-__all__ = ["GRAPH_MAX_BYTES", "run"]
+__all__ = ["GRAPH_MAX_BYTES", "pick", "run"]
 
 # Largest prepared input replayed through a CUDA graph; see [Note: which problems are graphed].
 GRAPH_MAX_BYTES = 64 * 2**20
@@ -51,7 +52,9 @@ def run(
     """``op`` ("gram" or "direct") on the prepared input with the resolved kernel, the result
     written in ``out_dtype`` (``None``: the iteration dtype); ``coefficients`` holds exactly
     one row per step."""
-    kernel = _pick(resolution.kernels, prepared, op, coefficients, restart_iterations)
+    kernel = pick(resolution.kernels, prepared, op, coefficients, restart_iterations)
+    if isinstance(kernel, LoopKernel):
+        prepared = prepared._replace(scale_pass=kernel.scale_pass(prepared.source, prepared.norm))
 
     def fn(x: Tensor) -> Tensor | LastProduct:
         if isinstance(kernel, LoopKernel):
@@ -64,21 +67,30 @@ def run(
     if cuda_graphs and prepared.device.type == "cuda" and nbytes <= GRAPH_MAX_BYTES:
         from dmuon_ns import _graphs
 
-        key = (kernel.name, op, coefficients, restart_iterations, out_dtype)
-        return _graphs.run_graphed(fn, prepared, key)
+        # The key names the candidates, the variant the one picked: a kernel asked for by name
+        # keeps its own graph, and auto's problem keeps one, for its current pick.
+        candidates = tuple(k.name for k in resolution.kernels)
+        key = (candidates, op, coefficients, restart_iterations, out_dtype)
+        return _graphs.run_graphed(fn, prepared, key, variant=kernel.name)
     return finished(fn(prepared.write()))
 
 
-def _pick(
+def pick(
     candidates: Sequence[NSKernel],
-    prepared: Prepared,
+    problem: Problem,
     op: str,
     coefficients: tuple[tuple[float, float, float], ...],
     restart_iterations: tuple[int, ...],
+    *,
+    now: bool = False,
 ) -> NSKernel:
-    if len(candidates) == 1 or prepared.device.type != "cuda":
+    """The candidate that runs ``problem``: the only one, or the autotuner's choice on CUDA
+    (``now``: with its measurements finished now; ``_autotune``'s [Note: cold start])."""
+    if len(candidates) == 1 or problem.device.type != "cuda":
         return candidates[0]
     from dmuon_ns import _autotune
 
-    chosen: NSKernel = _autotune.choose(candidates, prepared, op, coefficients, restart_iterations)
+    chosen: NSKernel = _autotune.choose(
+        candidates, problem, op, coefficients, restart_iterations, now=now
+    )
     return chosen

@@ -15,7 +15,9 @@ one all-reduce sums them, so O(m²) travels instead of the O(m·n) of gathering 
 * Each rank returns ``Q·Xᵢ``, its own columns of the result.
 
 Reductions run in fp32 (summing half-precision partial products would add a rounding per
-rank); the result matches the single-process Gram NS up to that rounding.
+rank); the result matches the single-process Gram NS up to that rounding. The iteration dtype
+is the torch kernel's (``_prepare``'s [Note: the iteration dtype]): fp32 on the CPU, fp16 on
+CUDA, unless ``dtype`` names one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from dmuon_ns._config import NewtonSchulz
 from dmuon_ns._iterations import TorchProducts, as_dtype, gram_iterations
-from dmuon_ns._prepare import check_matrix
+from dmuon_ns._prepare import check_matrix, iteration_dtype
 
 __all__ = ["gram_newton_schulz_distributed"]
 
@@ -39,7 +41,7 @@ def gram_newton_schulz_distributed(
     steps: int = 5,
     coefficients: Sequence[Sequence[float]] | None = None,
     restart_iterations: Sequence[int] | None = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     eps: float = 1e-7,
 ) -> Tensor:
     """Gram NS of the matrix whose column block ``x_local`` (..., m, n_local) this rank holds.
@@ -66,8 +68,9 @@ def gram_newton_schulz_distributed(
         all_reduce(r32)
         trace = r32.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0.0)
         scale = 1.0 / (trace.sqrt() + config.eps)  # (batch,)
-        x = (x32 * scale[:, None, None]).to(config.dtype)
-        r = (r32 * (scale * scale)[:, None, None]).to(config.dtype)
+        dtype = iteration_dtype(config.dtype, x_local.device, ["torch"])  # torch products
+        x = (x32 * scale[:, None, None]).to(dtype)
+        r = (r32 * (scale * scale)[:, None, None]).to(dtype)
 
         products = _ReducedGramProducts(all_reduce)
         last = gram_iterations(products, x, config.step_coefficients, config.restarts, r=r)

@@ -22,11 +22,22 @@ product or the clone is enqueued), and calls sharing a key must be on one stream
 training loop: a replay on another stream could overwrite the static buffers while an earlier
 call's last product still reads them.
 
+[Note: one graph per key]
+A key holds one graph at a time, tagged with the ``variant`` that ``fn`` runs. The dispatcher's
+key is the problem (op, coefficients, dtypes, shape) and the kernels it may run on, its variant
+the kernel picked: a kernel asked for by name has a key of its own, while under ``auto`` the
+pick moves from the provisional kernel to the verdict's (``_autotune``'s [Note: cold start]).
+A call with another variant captures anew and drops the old graph with its buffers, which
+would otherwise hold twice the problem's size for the life of the process, never to be
+replayed.
+
 [Note: capture failures]
 Capture can fail for reasons outside our control (a kernel that synchronises, an allocator
-setting, a capture already running on the stream). The first failure for a key is reported
-once, through both ``logging`` and ``warnings``, and that key runs eagerly from then on; other
-keys still try to capture.
+setting, a capture already running on the stream, no CUDA at all); CUDA and torch report all
+of them as ``RuntimeError``. The first failure for a key is reported once, through both
+``logging`` and ``warnings``, and that key runs eagerly from then on; other keys still try to
+capture. Any other exception (a kernel library's own error type, a wrong return type) is not
+a capture problem and propagates.
 """
 
 from __future__ import annotations
@@ -71,37 +82,43 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     static_input: Tensor
     static_output: Output
+    variant: Hashable  # see [Note: one graph per key]
     lock: threading.Lock = field(default_factory=threading.Lock)  # see [Note: input and output]
 
 
+@dataclass(frozen=True)
 class _Eager:
-    """Marker: capture failed for this key, run eagerly."""
+    """Marker: capture failed for this key and variant, run eagerly."""
+
+    variant: Hashable
 
 
-_EAGER = _Eager()
 _lock = threading.Lock()
 _graphs: dict[Hashable, _Captured | _Eager] = {}
 
 
-def run_graphed(fn: Callable[[Tensor], Output], source: GraphInput, key: Hashable) -> Tensor:
+def run_graphed(
+    fn: Callable[[Tensor], Output], source: GraphInput, key: Hashable, variant: Hashable = None
+) -> Tensor:
     """``fn`` of the input ``source`` writes, through a CUDA graph captured on first use of
-    ``key``.
+    ``key`` with this ``variant``.
 
     The graph key is ``key`` together with the input's shape, dtype and device, so a key can
-    never replay a graph captured for another input layout. ``fn`` must be a pure function of
-    its input (the captured graph replays the same kernels on the same buffers). Non-CUDA
-    inputs, and calls made while a capture is already running, simply run ``fn``. See the
-    module notes for the input and output (always a fresh tensor) and for failure handling.
+    never replay a graph captured for another input layout; ``variant`` names what ``fn`` runs
+    (see [Note: one graph per key]). ``fn`` must be a pure function of its input (the captured
+    graph replays the same kernels on the same buffers). Non-CUDA inputs, and calls made while
+    a capture is already running, simply run ``fn``. See the module notes for the input and
+    output (always a fresh tensor) and for failure handling.
     """
     if source.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return finished(fn(source.write()))
     full_key = (key, tuple(source.shape), source.dtype, source.device)
     with _lock:
         entry = _graphs.get(full_key)
-    if entry is None:
-        entry = _capture_or_eager(fn, source, full_key)
+    if entry is None or entry.variant != variant:
+        entry = _capture_or_eager(fn, source, full_key, variant)
         with _lock:
-            _graphs[full_key] = entry
+            _graphs[full_key] = entry  # a graph of another variant is dropped here
     if isinstance(entry, _Eager):
         return finished(fn(source.write()))
     with entry.lock:
@@ -124,22 +141,22 @@ def graph_keys() -> dict[Hashable, str]:
 
 
 def _capture_or_eager(
-    fn: Callable[[Tensor], Output], source: GraphInput, key: Hashable
+    fn: Callable[[Tensor], Output], source: GraphInput, key: Hashable, variant: Hashable = None
 ) -> _Captured | _Eager:
     try:
         with torch.profiler.record_function("dmuon::ns_graph_capture"):
-            return _capture(fn, source)
-    except Exception as err:  # any capture problem degrades to eager for this key only
+            return _capture(fn, source, variant)
+    except RuntimeError as err:  # how CUDA reports a capture it cannot make; see the note
         message = (
             f"dmuon-ns: CUDA-graph capture failed for {key!r} ({type(err).__name__}: {err}); "
             "running this shape eagerly from now on"
         )
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return _EAGER
+        return _Eager(variant)
 
 
-def _capture(fn: Callable[[Tensor], Output], source: GraphInput) -> _Captured:
+def _capture(fn: Callable[[Tensor], Output], source: GraphInput, variant: Hashable) -> _Captured:
     static_input = source.write(torch.empty(source.shape, dtype=source.dtype, device=source.device))
     side = torch.cuda.Stream(device=source.device)
     side.wait_stream(torch.cuda.current_stream(source.device))
@@ -154,4 +171,4 @@ def _capture(fn: Callable[[Tensor], Output], source: GraphInput) -> _Captured:
         raise TypeError(
             f"fn must return a Tensor or a LastProduct, got {type(static_output).__name__}"
         )
-    return _Captured(graph=graph, static_input=static_input, static_output=static_output)
+    return _Captured(graph, static_input, static_output, variant)

@@ -59,6 +59,8 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from dmuon_ns._prepare import ScalePass, scale_with_torch
+
 __all__ = [
     "TORCH_PRODUCTS",
     "LastProduct",
@@ -202,7 +204,8 @@ def as_dtype(y: Tensor, out_dtype: torch.dtype | None) -> Tensor:
 
 class LoopKernel:
     """An ``NSKernel`` made of the shared loops: a subclass sets ``name`` and says where it
-    runs (``unavailable_reason``) and which products an input runs on (``products_for``).
+    runs (``unavailable_reason``), which products an input runs on (``products_for``) and,
+    where it has its own, the scaling pass of its input (``scale_pass``).
     ``gram`` and ``direct`` are ``loop`` finished at once; the dispatcher calls ``loop`` (see
     [Note: the last product]), so a subclass changes the products, not those methods."""
 
@@ -213,6 +216,17 @@ class LoopKernel:
 
     def products_for(self, x: Tensor) -> Products:
         raise NotImplementedError
+
+    def scale_pass(self, source: Tensor, norm: Tensor) -> ScalePass:
+        """How the front end scales and casts this kernel's input ``source`` (the raw
+        (batch, m, n) view, with its ``norm``): torch ops, unless a subclass has its own pass
+        (``_prepare``'s [Note: the scaling pass follows the kernel])."""
+        return scale_with_torch
+
+    def failure_types(self) -> tuple[type[Exception], ...]:
+        """The exceptions by which this kernel says it cannot run a problem (the autotuner
+        rejects the kernel for that problem and reports why; anything else propagates)."""
+        return (RuntimeError, ValueError)
 
     def gram(
         self,

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dmuon_ns._config import NewtonSchulz, NSBackend
 
-__all__ = ["direct_newton_schulz", "gram_newton_schulz", "newton_schulz"]
+__all__ = ["direct_newton_schulz", "gram_newton_schulz", "newton_schulz", "tune_pending"]
 
 TensorOrList = Tensor | list[Tensor] | tuple[Tensor, ...]
 
@@ -28,7 +28,7 @@ def newton_schulz(
     backend: NSBackend | str = ...,
     kernel: str = ...,
     restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> Tensor: ...
@@ -41,7 +41,7 @@ def newton_schulz(
     backend: NSBackend | str = ...,
     kernel: str = ...,
     restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> list[Tensor]: ...
@@ -53,7 +53,7 @@ def newton_schulz(
     backend: NSBackend | str = "gram",
     kernel: str = "auto",
     restart_iterations: Sequence[int] | None = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     deterministic: bool = False,
 ) -> Tensor | list[Tensor]:
@@ -86,7 +86,7 @@ def gram_newton_schulz(
     coefficients: Sequence[Sequence[float]] | None = ...,
     kernel: str = ...,
     restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> Tensor: ...
@@ -98,7 +98,7 @@ def gram_newton_schulz(
     coefficients: Sequence[Sequence[float]] | None = ...,
     kernel: str = ...,
     restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> list[Tensor]: ...
@@ -109,7 +109,7 @@ def gram_newton_schulz(
     coefficients: Sequence[Sequence[float]] | None = None,
     kernel: str = "auto",
     restart_iterations: Sequence[int] | None = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     deterministic: bool = False,
 ) -> Tensor | list[Tensor]:
@@ -134,7 +134,7 @@ def direct_newton_schulz(
     steps: int = ...,
     coefficients: Sequence[Sequence[float]] | None = ...,
     kernel: str = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> Tensor: ...
@@ -145,7 +145,7 @@ def direct_newton_schulz(
     steps: int = ...,
     coefficients: Sequence[Sequence[float]] | None = ...,
     kernel: str = ...,
-    dtype: torch.dtype = ...,
+    dtype: torch.dtype | None = ...,
     eps: float = ...,
     deterministic: bool = ...,
 ) -> list[Tensor]: ...
@@ -155,7 +155,7 @@ def direct_newton_schulz(
     steps: int = 5,
     coefficients: Sequence[Sequence[float]] | None = None,
     kernel: str = "auto",
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     deterministic: bool = False,
 ) -> Tensor | list[Tensor]:
@@ -170,3 +170,18 @@ def direct_newton_schulz(
         eps=eps,
         deterministic=deterministic,
     )
+
+
+def tune_pending() -> dict[str, str]:
+    """Finish now every kernel choice that ``kernel="auto"`` left open.
+
+    On CUDA, auto measures a new problem's candidate kernels over the calls after its first one,
+    a bounded share of the time at a time (``_autotune``'s [Note: cold start]). Call this
+    where a stall is welcome, e.g. after a training loop's first step, to measure what is left
+    of every problem seen so far at once. Returns ``{"<op> <batch>x<m>x<n> <iteration dtype>":
+    kernel name}`` for every problem auto has seen (empty on the CPU, where torch is the only
+    kernel). ``NewtonSchulz.tune(g)`` does the same for given tensors before their first call.
+    """
+    from dmuon_ns import _autotune  # CUDA-only machinery, loaded on that path only
+
+    return _autotune.tune_pending()

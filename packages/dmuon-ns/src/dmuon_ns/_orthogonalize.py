@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 
 from dmuon_ns import _dispatch
-from dmuon_ns._prepare import check_matrix, prepare, restore
+from dmuon_ns._prepare import check_matrix, describe, iteration_dtype, prepare, restore
 from dmuon_ns._registry import resolve
 
 if TYPE_CHECKING:
     from dmuon_ns._config import NewtonSchulz
 
-__all__ = ["op_for", "orthogonalize", "orthogonalize_many"]
+__all__ = ["op_for", "orthogonalize", "orthogonalize_many", "tune"]
 
 # Result dtypes every kernel writes from its last product (saving a cast pass over the output);
 # any other input dtype (float64) comes back through ``restore``'s cast.
@@ -41,9 +41,10 @@ def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
     """NS of one tensor (2-D or batched) under ``config``, in ``g``'s shape and dtype."""
     check_matrix(g, what)
     with torch.profiler.record_function("dmuon::newton_schulz"):
-        prepared = prepare(g, config.dtype, config.eps)
-        op = op_for(config, g.shape[-2], g.shape[-1])
         resolution = resolve(config.kernel, config.deterministic, g.device)
+        names = [kernel.name for kernel in resolution.kernels]
+        prepared = prepare(g, iteration_dtype(config.dtype, g.device, names), config.eps)
+        op = op_for(config, g.shape[-2], g.shape[-1])
         restarts = config.restarts if op == "gram" else ()
         y = _dispatch.run(
             resolution,
@@ -59,12 +60,8 @@ def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
 
 def orthogonalize_many(config: NewtonSchulz, gs: Sequence[Tensor]) -> list[Tensor]:
     """NS of every tensor in ``gs``; same-shape tensors run as one batch (see the note)."""
-    groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
-    for i, g in enumerate(gs):
-        check_matrix(g, f"G[{i}]")
-        groups.setdefault((g.shape, g.dtype, g.device), []).append(i)
     out: list[Tensor | None] = [None] * len(gs)
-    for members in groups.values():
+    for members in _batches(gs).values():
         if len(members) == 1:
             out[members[0]] = orthogonalize(config, gs[members[0]], f"G[{members[0]}]")
             continue
@@ -73,3 +70,30 @@ def orthogonalize_many(config: NewtonSchulz, gs: Sequence[Tensor]) -> list[Tenso
         for j, i in enumerate(members):
             out[i] = result[j]
     return [t for t in out if t is not None]
+
+
+def tune(config: NewtonSchulz, gs: Sequence[Tensor]) -> dict[str, str]:
+    """Settle now the kernel of every problem that ``config(gs)`` would run (only the shapes,
+    dtypes and devices of ``gs`` matter); ``"<op> <batch>x<m>x<n> <dtype>"`` -> kernel name."""
+    chosen: dict[str, str] = {}
+    for (shape, _, device), members in _batches(gs).items():
+        batched = shape if len(members) == 1 else (len(members), *shape)
+        resolution = resolve(config.kernel, config.deterministic, device)
+        names = [kernel.name for kernel in resolution.kernels]
+        problem = describe(batched, iteration_dtype(config.dtype, device, names), device)
+        op = op_for(config, shape[-2], shape[-1])
+        restarts = config.restarts if op == "gram" else ()
+        coefficients = config.step_coefficients
+        kernel = _dispatch.pick(resolution.kernels, problem, op, coefficients, restarts, now=True)
+        size = "x".join(str(s) for s in problem.shape)
+        chosen[f"{op} {size} {str(problem.dtype).removeprefix('torch.')}"] = kernel.name
+    return chosen
+
+
+def _batches(gs: Sequence[Tensor]) -> dict[tuple[torch.Size, torch.dtype, torch.device], list[int]]:
+    """The indices of ``gs`` that run as one batch, by (shape, dtype, device); checks each."""
+    groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
+    for i, g in enumerate(gs):
+        check_matrix(g, f"G[{i}]")
+        groups.setdefault((g.shape, g.dtype, g.device), []).append(i)
+    return groups

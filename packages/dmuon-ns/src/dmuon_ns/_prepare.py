@@ -8,27 +8,74 @@
    easily); its scale is 1 / (norm + eps), and as the Frobenius norm bounds the spectral
    norm, every singular value of the scaled matrix lies in [0, 1], where the NS polynomials
    are designed to work;
-4. scale and cast to the iteration dtype, contiguous: the one copy of the input (one Triton
-   pass on CUDA that also forms the scale, torch ops elsewhere, the same fp32 arithmetic),
-   made by ``Prepared.write`` straight into the kernel's input: a new tensor, or the static
-   input of the CUDA graph that replays the call, which then needs no copy of its own.
+4. scale and cast to the iteration dtype, contiguous: the one copy of the input, made by
+   ``Prepared.write`` straight into the kernel's input: a new tensor, or the static input of
+   the CUDA graph that replays the call, which then needs no copy of its own.
 
 ``restore`` undoes 1 and 2; the kernels already write the input's dtype (fp16, bf16, fp32) from
 their last product, so its cast only acts for float64. A zero matrix stays zero:
 0 · 1/(0 + eps) = 0, and every NS polynomial maps 0 to 0.
+
+[Note: the scaling pass follows the kernel]
+Step 4 is part of the kernel that runs: the dispatcher sets ``Prepared.scale_pass`` from the
+kernel it picked (``LoopKernel.scale_pass``). The torch kernel, and any registered kernel
+that is not a ``LoopKernel``, scales with torch ops (``scale_with_torch``), so
+``kernel="torch"`` and ``deterministic=True`` launch no Triton kernel at all. The Triton and
+quack kernels scale in one Triton pass that also forms the scale (``scale_cast``), which
+computes torch's formula bit for bit: the pass changes the speed, never the result.
+
+[Note: the iteration dtype]
+``dtype=None`` (the default) lets the kernel and device that run the call pick the dtype
+the iterations run in: fp32 where the torch kernel runs on the CPU, fp16 everywhere else (CUDA,
+and every other kernel, whose products take fp16 and bf16 only). An explicit ``torch.float16``
+or ``torch.bfloat16`` is always honoured.
+
+Why fp32 on the CPU, measured with ``benchmarks/ns_cpu_bench.py`` (BENCHMARKS.md,
+"Newton–Schulz on the CPU": a 2-core AMD EPYC with AVX-512 BF16, torch 2.13, one thread, Gram
+NS, 5 Polar Express steps): at 256×1024 fp16 took 444 ms, bf16 8.1 ms, fp32 14.0 ms; at
+1024×4096 bf16 0.35 s, fp32 0.89 s, fp16 about a minute. CPU BLAS has no fp16 product, so
+torch runs fp16 through a generic loop, 30-55× slower. bf16 is 1.4-2.5× faster than fp32 on
+this CPU, which multiplies bf16 natively (one without AVX-512 BF16 or AMX has to convert to
+fp32 and can gain little), but its result is 6× further from the float64 reference than fp16's
+(relative error 2.8e-2 against 4.9e-3 at 256×1024) and leaves the singular-value band the
+README states (σ_max up to 1.56 on ill-conditioned inputs). fp32 is the fast BLAS path on every
+CPU and lands far closer to the reference (5.5e-6 at 256×1024, where fp16 gives 4.9e-3;
+1.3e-4 at 1024×4096). It costs memory: NS's temporaries take twice the bytes of fp16's (a Muon step on
+the CPU then peaks ~1.2× above ``torch.optim.Muon``'s, which iterates in bf16). bf16 stays one
+argument away (``dtype=torch.bfloat16``) where speed or memory matter more.
 """
 
 from __future__ import annotations
 
-import functools
+import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Prepared", "check_matrix", "prepare", "restore"]
+__all__ = [
+    "Described",
+    "Prepared",
+    "ScalePass",
+    "check_matrix",
+    "describe",
+    "iteration_dtype",
+    "prepare",
+    "restore",
+    "scale_with_torch",
+]
 
-_MAX_GRID_BATCH = 65535  # CUDA grid z-limit of the scaling kernel
+ScalePass = Callable[[Tensor, Tensor, float, Tensor], object]
+"""Step 4 of the note: ``(source, norm, eps, out)`` writes ``source · 1/(norm + eps)`` into
+``out``, per matrix, computed in ``norm``'s dtype and rounded once to ``out``'s."""
+
+
+def scale_with_torch(source: Tensor, norm: Tensor, eps: float, out: Tensor) -> None:
+    """The scaling pass in torch ops (on any device; see [Note: the scaling pass follows the
+    kernel])."""
+    scale = norm.add(eps).reciprocal_()
+    torch.mul(source, scale[:, None, None], out=out)
 
 
 class Prepared(NamedTuple):
@@ -42,6 +89,7 @@ class Prepared(NamedTuple):
     input_shape: torch.Size
     input_dtype: torch.dtype
     transposed: bool  # the input was tall and ``source`` is its transpose
+    scale_pass: ScalePass = scale_with_torch  # set from the kernel that runs (see the note)
 
     @property
     def shape(self) -> torch.Size:
@@ -65,14 +113,36 @@ class Prepared(NamedTuple):
                 f" {self.device}, got a {layout} {out.dtype} tensor of shape"
                 f" {tuple(out.shape)} on {out.device}"
             )
-        if _fast_scale(self.source, self.norm, out):
-            from dmuon_ns._triton_kernels import scale_cast
-
-            scale_cast(self.source, self.norm, self.eps, out)
-        else:
-            scale = self.norm.add(self.eps).reciprocal_()
-            torch.mul(self.source, scale[:, None, None], out=out)
+        self.scale_pass(self.source, self.norm, self.eps, out)
         return out
+
+
+def iteration_dtype(
+    requested: torch.dtype | None, device: torch.device, kernels: Sequence[str]
+) -> torch.dtype:
+    """The dtype NS iterates in on ``device`` with the candidate ``kernels`` (names): the
+    ``requested`` one, else the default of [Note: the iteration dtype]."""
+    if requested is not None:
+        return requested
+    if device.type == "cpu" and tuple(kernels) == ("torch",):
+        return torch.float32
+    return torch.float16
+
+
+class Described(NamedTuple):
+    """The kernel's input that ``prepare`` and ``write`` would make of a tensor, described
+    without the tensor (to settle the kernel ahead of a call)."""
+
+    shape: torch.Size  # (batch, m, n), m <= n
+    dtype: torch.dtype  # the iteration dtype
+    device: torch.device
+
+
+def describe(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Described:
+    """``Described`` for an input of ``shape`` (..., rows, cols) iterated in ``dtype``."""
+    rows, cols = shape[-2], shape[-1]
+    batch = math.prod(shape[:-2])
+    return Described(torch.Size((batch, min(rows, cols), max(rows, cols))), dtype, device)
 
 
 def check_matrix(g: object, what: str = "G") -> Tensor:
@@ -113,26 +183,6 @@ def prepare(g: Tensor, dtype: torch.dtype, eps: float) -> Prepared:
     acc = torch.promote_types(x.dtype, torch.float32)
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), dtype=acc)
     return Prepared(x, norm, eps, dtype, g.shape, g.dtype, transposed)
-
-
-def _fast_scale(x: Tensor, norm: Tensor, out: Tensor) -> bool:
-    """Whether the one-pass Triton kernel can do the scaling (CUDA, Triton importable)."""
-    return (
-        x.is_cuda
-        and norm.dtype == torch.float32
-        and out.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and 0 < x.shape[0] <= _MAX_GRID_BATCH
-        and _triton_importable()
-    )
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import dmuon_ns._triton_kernels  # noqa: F401
-    except Exception:  # a missing or broken optional install: the torch path does the same
-        return False
-    return True
 
 
 def restore(y: Tensor, prepared: Prepared) -> Tensor:

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._iterations import TORCH_PRODUCTS, LoopKernel, Products, TorchProducts
+from dmuon_ns._prepare import ScalePass, scale_with_torch
 from dmuon_ns._registry import cuda_capability_reason, register_kernel
 
 __all__ = ["QUACK_KERNEL", "QuackKernel"]
@@ -196,6 +197,22 @@ class QuackKernel(LoopKernel):
 
     def products_for(self, x: Tensor) -> Products:
         return _products_for(x)
+
+    def scale_pass(self, source: Tensor, norm: Tensor) -> ScalePass:
+        # quack has no elementwise pass of its own; Triton's one-pass scaling runs where Triton
+        # is installed (it comes with torch's CUDA wheels), torch ops where it is not.
+        if importlib.util.find_spec("triton") is None:
+            return scale_with_torch
+        from dmuon_ns._triton_backend import triton_scale_pass
+
+        return triton_scale_pass(norm)
+
+    def failure_types(self) -> tuple[type[Exception], ...]:
+        try:
+            from cutlass.base_dsl.common import DSLBaseError  # CuTe DSL compile and launch
+        except ImportError:  # a CuTe DSL release that keeps its errors elsewhere
+            return super().failure_types()
+        return (*super().failure_types(), DSLBaseError)
 
 
 QUACK_KERNEL = QuackKernel()

@@ -4,8 +4,8 @@
 ``resolve()`` applies, first match wins:
 
 1. an explicit ``kernel=`` other than ``"auto"``;
-2. the environment override ``DMUON_NS_KERNEL`` (read here and nowhere else; ``"auto"`` or
-   empty means unset);
+2. the environment override ``DMUON_NS_KERNEL`` (read by ``_environment.kernel_override``;
+   ``"auto"`` or empty means unset);
 3. ``deterministic=True``, which means the plain torch kernel (cuBLAS products, no autotune
    whose choice could differ between runs or machines);
 4. auto: on CUDA every available kernel in ``AUTO_PRIORITY`` order, for ``_autotune`` to pick
@@ -17,17 +17,17 @@ A kernel named by 1 or 2 that cannot run on the device is an error carrying the 
 to measure or rely on it. Auto always runs something and says what (``get_ns_backend``).
 
 [Note: optional kernels load lazily]
-The Triton and quack kernels live in modules that import heavy optional dependencies. Importing
-``dmuon_ns`` imports neither; the first ``resolve()`` (or status query) that needs them imports
-each inside a ``try``. A module that fails to import leaves its kernel unavailable with the
-error as the reason, so a broken optional install can never break the torch path.
+The Triton and quack kernels live in modules that import heavy optional dependencies only when
+a kernel first runs. Importing ``dmuon_ns`` imports neither module; the first ``resolve()`` (or
+status query) that needs them imports each. A module that cannot be imported (``ImportError``)
+leaves its kernel unavailable with the error and the install hint as the reason; any other
+error is a bug and propagates.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -35,6 +35,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from dmuon_ns._environment import KERNEL_ENV, kernel_override
 from dmuon_ns._torch_kernel import TORCH_KERNEL
 
 __all__ = [
@@ -47,15 +48,12 @@ __all__ = [
     "clear_resolution_cache",
     "cuda_capability_reason",
     "kernel_names",
-    "kernel_override",
     "kernel_status",
     "register_kernel",
     "resolve",
 ]
 
 logger = logging.getLogger(__name__)
-
-KERNEL_ENV = "DMUON_NS_KERNEL"
 
 # Optional kernels: name -> (module that registers it on import, install hint).
 _OPTIONAL_KERNELS: dict[str, tuple[str, str]] = {
@@ -80,10 +78,13 @@ class Problem(Protocol):
 
 @runtime_checkable
 class NSKernel(Protocol):
-    """What a kernel implements. ``x`` is (batch, m, n) with m ≤ n, contiguous, fp16/bf16,
+    """What a kernel implements. ``x`` is (batch, m, n) with m ≤ n, contiguous, fp16/bf16
+    (fp32 only for the torch kernel on the CPU: ``_prepare``'s [Note: the iteration dtype]),
     already normalised; the result has the same shape, in ``out_dtype`` (``None``: ``x``'s
     dtype), which a kernel should write from its last product rather than cast afterwards.
-    ``coefficients`` has exactly one row per step."""
+    ``coefficients`` has exactly one row per step. A kernel may also say which exceptions mean
+    it cannot run a problem (``failure_types()``, see ``_measure``'s [Note: a kernel that
+    fails])."""
 
     name: str
 
@@ -181,10 +182,6 @@ def _load_optional() -> None:
             importlib.import_module(module)
         except ImportError as err:
             reason = f"{module} could not be imported ({err}); install with {hint}"
-        except Exception as err:
-            logger.warning("dmuon-ns: optional kernel module %s failed to import", module)
-            logger.debug("import failure of %s", module, exc_info=True)
-            reason = f"{module} failed to import ({type(err).__name__}: {err})"
         else:
             if name in _kernels:
                 continue
@@ -205,15 +202,6 @@ def kernel_status(device: torch.device) -> dict[str, str | None]:
     """name -> reason it cannot run on ``device`` (``None`` when it can), for every kernel."""
     _load_optional()
     return {name: _unavailable(name, device) for name in kernel_names()}
-
-
-def kernel_override() -> str | None:
-    """The value of ``DMUON_NS_KERNEL`` (the only place it is read); ``None`` when unset,
-    empty or ``"auto"``."""
-    env = os.environ.get(KERNEL_ENV, "").strip()
-    if not env or env.lower() == "auto":
-        return None
-    return env
 
 
 def resolve(

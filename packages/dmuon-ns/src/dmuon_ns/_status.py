@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from dmuon_ns._config import NewtonSchulz
-from dmuon_ns._registry import NSKernelUnavailableError, kernel_override, kernel_status, resolve
+from dmuon_ns._environment import kernel_override
+from dmuon_ns._registry import NSKernelUnavailableError, kernel_status, resolve
 
 __all__ = ["get_backend_status", "get_ns_backend"]
 

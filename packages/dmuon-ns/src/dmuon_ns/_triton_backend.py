@@ -14,21 +14,18 @@ rounding).
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 from torch import Tensor
 
+from dmuon_ns._environment import triton_interpreting
 from dmuon_ns._iterations import LoopKernel, Products
+from dmuon_ns._prepare import ScalePass, scale_with_torch
 from dmuon_ns._registry import cuda_capability_reason, register_kernel
 
-__all__ = ["TRITON_KERNEL", "TritonKernel"]
+__all__ = ["TRITON_KERNEL", "TritonKernel", "triton_scale_pass"]
 
 _INSTALL_HINT = "pip install 'dmuon-ns[triton]'"
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class TritonKernel(LoopKernel):
@@ -41,7 +38,7 @@ class TritonKernel(LoopKernel):
             return f"triton is not installed: {_INSTALL_HINT}"
         if device.type == "cuda":
             return cuda_capability_reason(device, 8)
-        if device.type == "cpu" and _interpreting():
+        if device.type == "cpu" and triton_interpreting():
             return None
         return f"needs a CUDA device (got {device.type}; TRITON_INTERPRET=1 runs it on CPU)"
 
@@ -49,6 +46,24 @@ class TritonKernel(LoopKernel):
         from dmuon_ns._triton_kernels import TRITON_PRODUCTS
 
         return TRITON_PRODUCTS
+
+    def scale_pass(self, source: Tensor, norm: Tensor) -> ScalePass:
+        return triton_scale_pass(norm)
+
+    def failure_types(self) -> tuple[type[Exception], ...]:
+        from triton.errors import TritonError  # compilation, resources, the autotuner
+
+        return (*super().failure_types(), TritonError)
+
+
+def triton_scale_pass(norm: Tensor) -> ScalePass:
+    """The one-pass Triton scaling of ``_triton_kernels.scale_cast``, for inputs whose norm is
+    fp32 (every input dtype but float64, whose formula runs in float64: torch ops)."""
+    if norm.dtype != torch.float32:
+        return scale_with_torch
+    from dmuon_ns._triton_kernels import scale_cast
+
+    return scale_cast
 
 
 TRITON_KERNEL = TritonKernel()

@@ -26,7 +26,6 @@ copy); accumulation is fp32; any size works (tails are masked). On CPU the kerne
 Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported).
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +33,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dmuon_ns._environment import triton_interpreting
+
 __all__ = ["TRITON_PRODUCTS", "TileConfig", "TritonProducts", "matmul", "scale_cast", "sym_matmul"]
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Triton decides between compiling and interpreting when it decorates a kernel, at import: the
+# kernels here follow the decision made then.
+_INTERPRETING = triton_interpreting()
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 
 
 @dataclass(frozen=True)
@@ -496,18 +500,21 @@ def scale_cast(x: Tensor, norm: Tensor, eps: float, out: Tensor) -> Tensor:
     if x.numel() == 0:
         return out
     block_m, block_n = 32, 128
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), batch)
-    _scale_cast_kernel[grid](
-        x,
-        norm,
-        out,
-        float(eps),
-        m,
-        n,
-        *x.stride(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        INTERPRET=_INTERPRETING,
-        num_warps=4,
-    )
+    # The batch is the grid's z axis, which CUDA caps: a larger batch takes several launches.
+    for start in range(0, batch, _MAX_GRID_Z):
+        stop = min(start + _MAX_GRID_Z, batch)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), stop - start)
+        _scale_cast_kernel[grid](
+            x[start:stop],
+            norm[start:stop],
+            out[start:stop],
+            float(eps),
+            m,
+            n,
+            *x.stride(),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            INTERPRET=_INTERPRETING,
+            num_warps=4,
+        )
     return out
