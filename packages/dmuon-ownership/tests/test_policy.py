@@ -26,7 +26,8 @@ BF16 = FakeDtype("bfloat16")
 
 MATRICES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-# seeds/002 ("Type-Split Routing"), with torch.bfloat16 duck-typed.
+# The type-split routing recipe (projections on Muon, embeddings and head sharded, the rest on
+# AdamW, all in bf16), with torch.bfloat16 duck-typed.
 TYPE_SPLIT = {
     "defaults": {"route": "adamw", "param_dtype": BF16},
     "overrides": [
