@@ -1,8 +1,14 @@
-"""Sessions for the dmuon workspace: one test session per package, lint, types, isolation, demo.
+"""Sessions for the dmuon workspace: one test session per package, lint, types, isolation, the
+docs site, an install smoke test, the demo.
 
 nox                                  # everything CI runs
 nox -s "tests(package='dmuon-ns')"   # one package's tests
+nox -s docs                          # build the docs site (warnings are errors) and check it
+nox -s smoke                         # install as a user would, train 2 ranks
 nox -s demo -- --steps 20            # the main job (extra args go to dmuon-demo)
+
+Every tool version comes from the dependency groups of pyproject.toml, torch's and Triton's from
+its ``[tool.uv]`` table: the same pins serve nox, ``uv sync`` and CI.
 """
 
 from __future__ import annotations
@@ -16,13 +22,41 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+
+
+def _group(name: str) -> list[str]:
+    return list(nox.project.dependency_groups(PYPROJECT, name))
+
+
+def _uv_pin(name: str, key: str) -> str:
+    for requirement in PYPROJECT["tool"]["uv"][key]:
+        if requirement.replace(" ", "").startswith(f"{name}=="):
+            return str(requirement)
+    raise SystemExit(f"pyproject.toml: [tool.uv] {key} must pin {name}==X.Y.Z")
+
+
+def _check_tools_txt() -> None:
+    """.ci/run installs nox and uv with pip from tools.txt (pip cannot read dependency groups):
+    it must say what the `tools` group says."""
+    lines = (ROOT / "tools.txt").read_text().splitlines()
+    listed = sorted(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    if listed != sorted(_group("tools")):
+        raise SystemExit(
+            f"tools.txt lists {listed} but pyproject.toml's `tools` group pins "
+            f"{sorted(_group('tools'))}: make them equal"
+        )
+
+
+_check_tools_txt()
 # What CI installs is pinned so that it never follows a moving release. The code itself also
 # runs on torch 2.11 (the GPU machine's version).
-TORCH = "torch==2.13.0"
-TRITON = "triton==3.6.0"
-TEST_TOOLS = ["pytest==9.2.0", "hypothesis==6.155.2", "numpy==2.4.6"]
+TORCH = _uv_pin("torch", "constraint-dependencies")
+TRITON = _uv_pin("triton", "override-dependencies")
+TEST_TOOLS = _group("test")
 
-# Internal dependencies: they point one way only (SPEC section 2).
+# Internal dependencies: they point one way only (a package never imports a sibling it does
+# not list here; the isolation session checks it).
 PACKAGES: dict[str, list[str]] = {
     "dmuon-ns": [],
     "dmuon-ownership": [],
@@ -39,7 +73,7 @@ TEST_EXTRAS: dict[str, list[str]] = {
 }
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "isolation", "typecheck", "tests"]
+nox.options.sessions = ["lint", "isolation", "typecheck", "docs", "smoke", "tests"]
 nox.options.error_on_missing_interpreters = True
 
 
@@ -91,7 +125,7 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff lint and format check over the whole workspace."""
-    session.install("ruff==0.17.6")
+    session.install(*_group("lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -99,7 +133,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's src/."""
-    session.install("mypy==2.4.1", TORCH, *_editable(*PACKAGES))
+    session.install(*_group("typecheck"), TORCH, *_editable(*PACKAGES))
     session.run("mypy", *[str(ROOT / "packages" / p / "src") for p in PACKAGES])
 
 
@@ -120,8 +154,46 @@ def isolation(session: nox.Session) -> None:
             session.run(python, str(check), package, external=True)
 
 
+# The documented install from a checkout (README.md, docs/quickstart.md): one pip command.
+INSTALL_ORDER = ["dmuon-ns", "dmuon-ownership", "dmuon-clip", "dmuon-fsdp", "dmuon"]
+# Present in every test session, so a runtime import of one would pass there unnoticed.
+NOT_RUNTIME = ["numpy", "pytest", "hypothesis"]
+
+
+@nox.session(venv_backend="none")
+def smoke(session: nox.Session) -> None:
+    """Install as a user would, into a clean venv without test tools or numpy: pinned torch, then
+    the five packages with the one documented pip command; then train 2 gloo ranks through the
+    public `dmuon` API (docs/examples/train_fsdp.py: 3 steps, the loss must be finite and fall)."""
+    with tempfile.TemporaryDirectory() as venv:
+        session.run(sys.executable, "-m", "venv", venv, external=True)
+        python = str(Path(venv) / "bin" / "python")
+        pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        session.run(*pip, TORCH, external=True)
+        session.chdir(ROOT)
+        session.run(*pip, *[f"./packages/{name}" for name in INSTALL_ORDER], external=True)
+        absent = (
+            "import importlib.util, sys; "
+            f"present = [m for m in {NOT_RUNTIME!r} if importlib.util.find_spec(m)]; "
+            "sys.exit(f'not a clean user install, these are present: {present}' if present else 0)"
+        )
+        session.run(python, "-c", absent, external=True)
+        session.run(python, str(ROOT / "docs" / "examples" / "train_fsdp.py"), external=True)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs site with warnings as errors (docs/_build/html), then check that it covers
+    every public name and every error message (docs/tests)."""
+    session.install(*_group("docs"), *TEST_TOOLS, TORCH, *_editable(*PACKAGES))
+    out = ROOT / "docs" / "_build" / "html"
+    session.run("sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out))
+    session.run("pytest", "-q", str(ROOT / "docs" / "tests"))
+    session.log(f"docs: {out / 'index.html'}")
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: dmuon vs FSDP2 + AdamW on 4 local CPU ranks (args after -- go to the demo)."""
-    session.install(TORCH, "matplotlib==3.10.7", *_editable(*PACKAGES))
+    session.install(TORCH, *_group("demo"), *_editable(*PACKAGES))
     session.run("dmuon-demo", *session.posargs)

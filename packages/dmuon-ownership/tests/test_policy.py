@@ -26,7 +26,8 @@ BF16 = FakeDtype("bfloat16")
 
 MATRICES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-# seeds/002 ("Type-Split Routing"), with torch.bfloat16 duck-typed.
+# The type-split routing recipe (projections on Muon, embeddings and head sharded, the rest on
+# AdamW, all in bf16), with torch.bfloat16 duck-typed.
 TYPE_SPLIT = {
     "defaults": {"route": "adamw", "param_dtype": BF16},
     "overrides": [
@@ -220,3 +221,142 @@ def test_resolved_policy_validates_its_fields() -> None:
         ResolvedPolicy(route="x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"ResolvedPolicy.output_dtype: unsupported dtype 'int4'"):
         ResolvedPolicy(output_dtype="int4")
+
+
+def test_contains_tokens_match_plain_substrings() -> None:
+    def route(name: str, token: str) -> Route:
+        return resolve_param_policy(
+            name,
+            {
+                "defaults": {"route": "adamw"},
+                "overrides": [{"contains": [token], "set": {"route": "muon"}}],
+            },
+        ).route
+
+    # Substrings cross component boundaries, unlike `name` tokens ("v_proj" vs qkv_proj).
+    assert route("model.layers.0.self_attn.qkv_proj.weight", "v_proj") is Route.MUON
+    assert route("lm_head.weight", "head") is Route.MUON
+    assert route("model.layers.0.mlp.up_proj.bias", ".bias") is Route.MUON
+    assert route("model.layers.0.mlp.up_proj.weight", ".bias") is Route.ADAMW
+    assert route("h.0.ln_1.weight", "ln_") is Route.MUON
+    assert route("h.0.ln1.weight", "ln_") is Route.ADAMW
+    # No pattern syntax: "*" and "?" are literal characters.
+    assert route("model.layers.0.q_proj.weight", "*proj") is Route.ADAMW
+    assert route("Model.Norm.weight", "norm") is Route.ADAMW  # case sensitive
+    # A single string is one token, as for `name`.
+    single = {"overrides": [{"contains": "norm", "set": {"route": "adamw"}}]}
+    assert resolve_param_policy("model.norm.weight", single).route is Route.ADAMW
+    assert resolve_param_policy("model.embed.weight", single).route is Route.MUON
+
+
+def test_name_and_contains_overrides_mix_in_order() -> None:
+    policy = validate_param_policy(
+        {
+            "defaults": {"route": "muon"},
+            "overrides": [
+                {"contains": ["norm"], "set": {"route": "adamw", "param_dtype": "fp32"}},
+                {"name": ["layers.0"], "set": {"param_dtype": "bf16"}},
+            ],
+        }
+    )
+    # Both overrides match: the later one sets param_dtype last, the route stays from the first.
+    assert policy.resolve("model.layers.0.input_layernorm.weight") == ResolvedPolicy(
+        route=Route.ADAMW, param_dtype="bfloat16"
+    )
+    assert policy.resolve("model.layers.1.input_layernorm.weight") == ResolvedPolicy(
+        route=Route.ADAMW, param_dtype="float32"
+    )
+    assert policy.resolve("model.layers.0.mlp.up_proj.weight") == ResolvedPolicy(
+        param_dtype="bfloat16"
+    )
+    names = ["model.layers.0.input_layernorm.weight", "model.layers.0.mlp.up_proj.weight"]
+    assert policy.unmatched_tokens(names) == ()
+    typo = validate_param_policy({"overrides": [{"contains": ["nrom", "norm"], "set": {}}]})
+    assert typo.unmatched_tokens(names) == ("nrom",)
+
+
+# A recipe in the style of the first public DMuon release: GPT-2-like names, substring tokens.
+REFERENCE_RECIPE = {
+    "defaults": {"route": "muon"},
+    "overrides": [
+        {"contains": [".bias", "ln_", "norm"], "set": {"route": "adamw"}},
+        {"contains": ["wte", "wpe", "lm_head"], "set": {"route": "sharded_adamw"}},
+    ],
+}
+
+GPT2_NAMES = {
+    "transformer.wte.weight": Route.SHARDED_ADAMW,
+    "transformer.wpe.weight": Route.SHARDED_ADAMW,
+    "transformer.h.0.ln_1.weight": Route.ADAMW,
+    "transformer.h.0.ln_1.bias": Route.ADAMW,
+    "transformer.h.0.attn.c_attn.weight": Route.MUON,
+    "transformer.h.0.attn.c_attn.bias": Route.ADAMW,
+    "transformer.h.0.attn.c_proj.weight": Route.MUON,
+    "transformer.h.0.ln_2.weight": Route.ADAMW,
+    "transformer.h.0.mlp.c_fc.weight": Route.MUON,
+    "transformer.h.0.mlp.c_fc.bias": Route.ADAMW,
+    "transformer.h.0.mlp.c_proj.weight": Route.MUON,
+    "transformer.h.0.mlp.c_proj.bias": Route.ADAMW,
+    "transformer.ln_f.weight": Route.ADAMW,
+    "transformer.final_norm.weight": Route.ADAMW,
+    "lm_head.weight": Route.SHARDED_ADAMW,
+}
+
+
+def test_reference_style_recipe_routes_norms_biases_and_embeddings() -> None:
+    policy = validate_param_policy(REFERENCE_RECIPE)
+    for name, expected in GPT2_NAMES.items():
+        assert policy.resolve(name).route is expected, name
+    # The same tokens as `name` tokens mean something else: ".bias" is not a dotted module
+    # name, and "ln_" / "norm" are not whole components, so they would route nothing.
+    with pytest.raises(ValueError, match=r"\['name'\]: bad token '.bias'"):
+        validate_param_policy({"overrides": [{"name": [".bias"], "set": {"route": "adamw"}}]})
+    as_names = validate_param_policy(
+        {"overrides": [{"name": ["bias", "ln_", "norm"], "set": {"route": "adamw"}}]}
+    )
+    assert as_names.unmatched_tokens(GPT2_NAMES) == ("ln_", "norm")
+    assert as_names.resolve("transformer.h.0.ln_1.weight").route is Route.MUON
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {"name": ["q_proj"], "contains": ["norm"], "set": {"route": "adamw"}},
+            r"param_policy\['overrides'\]\[0\]: has both 'name' and 'contains'; use one selector "
+            r"per override: 'name' for whole dotted components, 'contains' for plain substrings "
+            r"\(split it into two overrides to select by both\)",
+        ),
+        (
+            {"set": {"route": "adamw"}},
+            r"param_policy\['overrides'\]\[0\]: missing key 'name'; an override needs 'name' and "
+            r"'set' \(or 'contains' and 'set' for substring matching\)",
+        ),
+        (
+            {"contains": ["norm"]},
+            r"param_policy\['overrides'\]\[0\]: missing key 'set'; an override needs 'name' and 'set'",
+        ),
+        (
+            {"contains": [], "set": {}},
+            r"param_policy\['overrides'\]\[0\]\['contains'\] must be a non-empty list of "
+            r"substrings of parameter names such as \['.bias', 'norm'\], got \[\]",
+        ),
+        (
+            {"contains": ["norm", ""], "set": {}},
+            r"param_policy\['overrides'\]\[0\]\['contains'\]: bad token ''; a 'contains' token is "
+            r"a non-empty string matched as a plain substring",
+        ),
+        ({"contains": [None], "set": {}}, r"\['contains'\]: bad token None"),
+        (
+            {"contains": ["norm"], "set": {"route": "sgd"}},
+            r"param_policy\['overrides'\]\[0\]\['set'\]\['route'\]: unknown route 'sgd'",
+        ),
+        (
+            {"contains": ["norm"], "set": {}, "where": 1},
+            r"unknown key 'where'; allowed keys: 'name', 'set', 'contains'",
+        ),
+    ],
+)
+def test_contains_errors(override: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        validate_param_policy({"overrides": [override]})

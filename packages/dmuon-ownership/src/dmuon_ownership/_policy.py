@@ -16,6 +16,16 @@ pattern is wanted, say so: each dotted part is an ``fnmatch`` pattern (``"*proj"
 ``"layers.1?"``), so ``"*proj*"`` gives the substring behaviour explicitly. Matching is case
 sensitive. :meth:`ParamPolicy.unmatched_tokens` lists tokens that match none of a model's
 names, which catches typos that would otherwise be silent.
+
+[Note: substring matching]
+
+An override may select by ``"contains": [...]`` instead of ``"name"``: it applies when any
+token is a plain, case-sensitive substring of the FQN (no patterns), the way recipes written
+for earlier DMuon releases select parameters (``".bias"``, ``"ln_"``, ``"norm"``). Those
+recipes keep their meaning unchanged, and the substring intent is visible in the policy
+rather than hidden in a token's spelling. One override uses one form: ``name`` and
+``contains`` together raise, because "both must match" and "either may match" are equally
+plausible readings and a policy should never depend on which one the reader assumed.
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ __all__ = [
 _DTYPE_FIELDS = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "output_dtype")
 POLICY_FIELDS: tuple[str, ...] = ("route", *_DTYPE_FIELDS, "cast_forward_inputs")
 _TOP_KEYS = ("defaults", "overrides")
-_OVERRIDE_KEYS = ("name", "set")
+_SELECTORS = ("name", "contains")
+_OVERRIDE_KEYS = ("name", "set", "contains")
 
 
 def _quoted(names: Iterable[str]) -> str:
@@ -80,8 +91,12 @@ class ResolvedPolicy:
 class _Override:
     tokens: tuple[str, ...]
     values: tuple[tuple[str, Any], ...]
+    # True: ``contains`` tokens (substrings of the FQN); False: ``name`` tokens (components).
+    substring: bool = False
 
-    def matches(self, components: Sequence[str]) -> bool:
+    def matches(self, name: str, components: Sequence[str]) -> bool:
+        if self.substring:
+            return any(token in name for token in self.tokens)
         return any(_token_matches(token, components) for token in self.tokens)
 
 
@@ -125,6 +140,50 @@ def _parse_tokens(raw: object, where: str) -> tuple[str, ...]:
     return tuple(tokens)
 
 
+def _parse_substrings(raw: object, where: str) -> tuple[str, ...]:
+    tokens = (raw,) if isinstance(raw, str) else raw
+    if not isinstance(tokens, list | tuple) or not tokens:
+        raise ValueError(
+            f"{where} must be a non-empty list of substrings of parameter names such as "
+            f"['.bias', 'norm'], got {raw!r}"
+        )
+    for token in tokens:
+        if not isinstance(token, str) or not token:
+            raise ValueError(
+                f"{where}: bad token {token!r}; a 'contains' token is a non-empty string "
+                "matched as a plain substring of the parameter name, such as '.bias'"
+            )
+    return tuple(tokens)
+
+
+def _parse_override(raw: object, where: str) -> _Override:
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"{where} must be a dict {{'name': [...], 'set': {{...}}}}, got {type(raw).__name__}"
+        )
+    for key in raw:
+        if key not in _OVERRIDE_KEYS:
+            raise ValueError(
+                f"{where}: unknown key {key!r}; allowed keys: {_quoted(_OVERRIDE_KEYS)}"
+            )
+    if all(key in raw for key in _SELECTORS):
+        raise ValueError(
+            f"{where}: has both 'name' and 'contains'; use one selector per override: 'name' "
+            "for whole dotted components, 'contains' for plain substrings (split it into two "
+            "overrides to select by both)"
+        )
+    if "set" not in raw or not any(key in raw for key in _SELECTORS):
+        missing = "set" if "set" not in raw else "name"
+        raise ValueError(
+            f"{where}: missing key {missing!r}; an override needs 'name' and 'set' "
+            "(or 'contains' and 'set' for substring matching)"
+        )
+    values = tuple(_parse_fields(raw["set"], f"{where}['set']").items())
+    if "contains" in raw:
+        return _Override(_parse_substrings(raw["contains"], f"{where}['contains']"), values, True)
+    return _Override(_parse_tokens(raw["name"], f"{where}['name']"), values)
+
+
 @dataclass(frozen=True)
 class ParamPolicy:
     """A validated policy; build it once with :meth:`from_dict` and resolve many names."""
@@ -157,45 +216,30 @@ class ParamPolicy:
                 "param_policy['overrides'] must be a list of {'name': [...], 'set': {...}} "
                 f"dicts, got {type(raw_overrides).__name__}"
             )
-        overrides = []
-        for index, raw in enumerate(raw_overrides):
-            where = f"param_policy['overrides'][{index}]"
-            if not isinstance(raw, Mapping):
-                raise ValueError(
-                    f"{where} must be a dict {{'name': [...], 'set': {{...}}}}, got "
-                    f"{type(raw).__name__}"
-                )
-            for key in raw:
-                if key not in _OVERRIDE_KEYS:
-                    raise ValueError(
-                        f"{where}: unknown key {key!r}; allowed keys: {_quoted(_OVERRIDE_KEYS)}"
-                    )
-            for key in _OVERRIDE_KEYS:
-                if key not in raw:
-                    raise ValueError(
-                        f"{where}: missing key {key!r}; an override needs 'name' and 'set'"
-                    )
-            tokens = _parse_tokens(raw["name"], f"{where}['name']")
-            values = _parse_fields(raw["set"], f"{where}['set']")
-            overrides.append(_Override(tokens, tuple(values.items())))
-        return cls(defaults, tuple(overrides))
+        overrides = tuple(
+            _parse_override(raw, f"param_policy['overrides'][{index}]")
+            for index, raw in enumerate(raw_overrides)
+        )
+        return cls(defaults, overrides)
 
     def resolve(self, name: str) -> ResolvedPolicy:
         """The defaults, then every matching override in order (each sets only its fields)."""
         components = name.split(".")
         fields: dict[str, Any] = {}
         for override in self.overrides:
-            if override.matches(components):
+            if override.matches(name, components):
                 fields.update(override.values)
         return dataclasses.replace(self.defaults, **fields) if fields else self.defaults
 
     def unmatched_tokens(self, names: Iterable[str]) -> tuple[str, ...]:
-        """Override tokens that match none of ``names`` (likely typos), in policy order."""
-        split = [name.split(".") for name in names]
+        """Override tokens (``name`` and ``contains``) that match none of ``names`` (likely
+        typos), in policy order."""
+        split = [(name, name.split(".")) for name in names]
         out: list[str] = []
         for override in self.overrides:
             for token in override.tokens:
-                if token not in out and not any(_token_matches(token, c) for c in split):
+                single = dataclasses.replace(override, tokens=(token,))
+                if token not in out and not any(single.matches(n, c) for n, c in split):
                     out.append(token)
         return tuple(out)
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import statistics
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from dmuon._demo_data import MarkovStream
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
@@ -158,31 +159,36 @@ class _Progress:
         )
 
 
-def _muon_bytes(
-    results: Sequence[RunResult], opts: DemoOptions, world_size: int
-) -> tuple[float, str]:
-    """Per-rank wire bytes per step for the Muon-target matrices, and how they were obtained.
+class _Mesh(NamedTuple):
+    shard: int  # G: ranks that share one copy of the model
+    replicate: int  # R: copies (1 without HSDP)
 
-    dmuon: the payloads its ``CommCounter`` recorded on every rank (mean over ranks and steps),
-    times the per-rank wire cost of a broadcast/reduce round, (n - 1) / n on a group of n.
-    The FSDP2 baseline is not counted, so it gets the SPEC section 1 formula: Z3 all-gathers
-    the weights twice and reduce-scatters the gradients once, Z2 all-gathers once; HSDP adds
-    an all-reduce of each rank's 1/G gradient shard over the replicas (two rounds)."""
-    shard, repl = world_size // opts.replicate, opts.replicate
-    first = results[0]
-    p_m = first.muon_numel * first.muon_itemsize
-    if first.run is RunKind.DMUON:
-        ranks_steps = sum(len(r.shard_bytes) for r in results)
-        shard_payload = sum(sum(r.shard_bytes) for r in results) / ranks_steps
-        repl_payload = sum(sum(r.replicate_bytes) for r in results) / ranks_steps
-        wire = shard_payload * (shard - 1) / shard + repl_payload * (repl - 1) / repl
-        how = f"counted: shard {shard_payload / p_m:.2f}·P_M"
-        if repl > 1:
-            how += f", replicate {repl_payload / p_m:.2f}·P_M"
-        return wire, how
-    rounds = 3 if opts.zero == 3 else 2
-    wire = rounds * (shard - 1) / shard * p_m + 2 * (repl - 1) / repl * p_m / shard
-    return wire, "SPEC §1 formula (FSDP2 not counted)"
+
+def _formula_bytes(mesh: _Mesh, zero: int, p_m: float, *, plain_muon: bool) -> float:
+    """Per-rank wire bytes per step that FSDP2 moves for the Muon-target matrices (these runs
+    do not count FSDP2's traffic). On the shard axis each round costs (G-1)/G·P_M per rank:
+    Z3 all-gathers the weights twice (forward, backward) and reduce-scatters the gradients
+    once, Z2 all-gathers once; a plain Muon adds one all-gather of each full gradient, since
+    NS needs the whole matrix. HSDP adds an all-reduce of each rank's 1/G gradient shard over
+    the R replicas: two rounds of (R-1)/R·P_M/G."""
+    g, r = mesh
+    rounds = (3 if zero == 3 else 2) + (1 if plain_muon else 0)
+    return rounds * (g - 1) / g * p_m + 2 * (r - 1) / r * p_m / g
+
+
+def _counted_bytes(results: Sequence[RunResult], mesh: _Mesh, p_m: float) -> tuple[float, str]:
+    """dmuon's per-rank wire bytes per step, from the payloads its ``CommCounter`` recorded on
+    every rank (mean over ranks and steps) times the wire cost of a round on a group of n,
+    (n-1)/n; and the payloads in units of P_M."""
+    g, r = mesh
+    ranks_steps = sum(len(res.shard_bytes) for res in results)
+    shard_payload = sum(sum(res.shard_bytes) for res in results) / ranks_steps
+    repl_payload = sum(sum(res.replicate_bytes) for res in results) / ranks_steps
+    wire = shard_payload * (g - 1) / g + repl_payload * (r - 1) / r
+    how = f"counted: shard {shard_payload / p_m:.2f}·P_M"
+    if r > 1:
+        how += f", replicate {repl_payload / p_m:.2f}·P_M"
+    return wire, how
 
 
 def _fmt_bytes(n: float) -> str:
@@ -198,37 +204,66 @@ def _table(
     opts: DemoOptions,
     world_size: int,
     stream: MarkovStream,
+    device_type: str = "cpu",
 ) -> str:
-    """The final comparison; ``per_rank[rank][run]`` as the ranks returned them."""
-    rows = [("run", "final loss", "mean step", "Muon bytes/step/rank", "bytes from")]
-    for i, r in enumerate(per_rank[0]):
-        timed = r.seconds[1:] or r.seconds  # the first step pays for warm-up
-        moved, source = _muon_bytes([rank[i] for rank in per_rank], opts, world_size)
-        rows.append(
-            (
-                _LABELS[r.run],
-                f"{r.losses[-1]:.4f}",
-                f"{statistics.mean(timed):.3f} s",
-                _fmt_bytes(moved),
-                source,
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    """The final comparison; ``per_rank[rank][run]`` as the ranks returned them. Beside the
+    runs it shows FSDP2 + a plain Muon (not run: its bytes from the formula), the design dmuon
+    replaces, so that the saving reads off the table on a 1-D and on an HSDP mesh alike."""
     first = per_rank[0][0]
     p_m = first.muon_numel * first.muon_itemsize
-    shard = world_size // opts.replicate
-    naive = (4 if opts.zero == 3 else 3) * (shard - 1) / shard * p_m
-    lines.append(
-        f"P_M = {_fmt_bytes(p_m)} of Muon-target weights; wire bytes per rank = payload ×"
-        f" (n-1)/n on a group of n. For reference, FSDP2 + a plain Muon (all-gathering each full"
-        f" gradient) would move {_fmt_bytes(naive)} per rank on the shard axis (Z{opts.zero})."
+    mesh = _Mesh(world_size // opts.replicate, opts.replicate)
+    plain = _formula_bytes(mesh, opts.zero, p_m, plain_muon=True)
+    header = (
+        "run",
+        "final loss",
+        "mean step",
+        "Muon bytes/step/rank",
+        "NS per matrix",
+        "bytes from",
     )
-    lines.append(
+    rows = [header]
+    ns_everywhere = f"{world_size} (every rank)"
+    steps: dict[RunKind, float] = {}
+    for i, r in enumerate(per_rank[0]):
+        timed = r.seconds[1:] or r.seconds  # the first step pays for warm-up
+        steps[r.run] = statistics.mean(timed)
+        if r.run is RunKind.DMUON:
+            moved, source = _counted_bytes([rank[i] for rank in per_rank], mesh, p_m)
+            saving = f" ({moved / plain - 1:+.0%})" if plain else ""
+            ns = "1 (its owner)"
+        else:
+            moved = _formula_bytes(mesh, opts.zero, p_m, plain_muon=False)
+            source, saving, ns = "formula", "", "0 (no Muon)"
+        loss, step = f"{r.losses[-1]:.4f}", f"{steps[r.run]:.3f} s"
+        rows.append((_LABELS[r.run], loss, step, _fmt_bytes(moved) + saving, ns, source))
+    rows.append(("FSDP2 + plain Muon", "not run", "-", _fmt_bytes(plain), ns_everywhere, "formula"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [
+        f"P_M = {_fmt_bytes(p_m)}: the Muon-target weights (the 2-D attention and MLP"
+        " projections). A round moves P_M over a group of n ranks at (n-1)/n·P_M per rank.",
+        f"Z{opts.zero} (this run): Z3 frees the weights a rank received once forward is done"
+        " and sends them again for backward; Z2 keeps them until backward.",
+        "FSDP2 + plain Muon all-gathers every full gradient and runs NS on every rank; dmuon"
+        " sends each matrix's gradient to one owner (reduce), which alone runs NS and"
+        " broadcasts the weight. 'bytes from': counted by dmuon, or the formula for FSDP2,"
+        " whose traffic this demo does not count.",
+        "loads=[...] in the plan line above: the estimated NS work each rank owns"
+        " (imbalance = max/mean - 1).",
         f"loss: starts near ln(vocab) = {stream.uniform_loss:.3f}; best possible on this stream"
-        f" {stream.loss_floor():.3f}. Mean step excludes step 1 (warm-up)."
-    )
+        f" {stream.loss_floor():.3f}. Mean step excludes step 1 (warm-up).",
+    ]
+    slower = RunKind.DMUON in steps and steps[RunKind.DMUON] > steps.get(RunKind.ADAMW, math.inf)
+    if device_type == "cpu" and slower:
+        cores = os.cpu_count() or 1
+        lines.append(
+            "step time on CPU: dmuon's step runs Newton-Schulz on every Muon matrix (5"
+            " iterations of matrix products each), compute that AdamW's elementwise update does"
+            f" not have, on {world_size} ranks sharing {cores} CPU core(s); and gloo moves bytes"
+            " through this machine's memory, so fewer bytes barely shorten a step here. On GPUs"
+            " NS is a small part of a step and the saved bytes are interconnect time."
+        )
     return "\n".join(lines)
 
 
@@ -312,7 +347,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
             backend=backend,
             on_event=progress,
         )[0]
-    print(_table(per_rank, opts, world_size, stream), file=out, flush=True)
+    print(_table(per_rank, opts, world_size, stream, device_type), file=out, flush=True)
     if args.plot:
         _plot(args.plot, per_rank[0], opts)
         print(f"loss curves saved to {args.plot}", file=out, flush=True)

@@ -99,8 +99,9 @@ def build_mesh(device_type: str, world_size: int, replicate: int) -> DeviceMesh:
 def _build(
     opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, device: torch.device
 ) -> tuple[nn.Module, torch.optim.Optimizer, tuple[int, int]]:
-    """The model wrapped for ``kind`` and its optimizer, in the order SPEC section 4 requires,
-    plus (elements, bytes per element) of its Muon-target matrices."""
+    """The model wrapped for ``kind`` and its optimizer, in the order dmuon requires
+    (``dedicate_params`` → ``fully_shard`` layers, then root → ``Muon``), plus (elements,
+    bytes per element) of its Muon-target matrices."""
     torch.manual_seed(opts.seed)
     model = TinyLlama(opts.model).to(device)
     muon = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
@@ -183,6 +184,36 @@ def train_rank(ctx: RankContext, opts: DemoOptions) -> list[list[RunResult]]:
     finally:
         library.removeHandler(handler)
         library.setLevel(level)
-    everyone: list[object] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    return everyone  # type: ignore[return-value]
+    return _gather(ctx, mine)
+
+
+def _gather(ctx: RankContext, mine: list[RunResult]) -> list[list[RunResult]]:
+    """Every rank's results, ``[rank][run]``, through one tensor all-gather. Every rank ran the
+    same runs for the same number of steps, so each packs into the same (runs, 4, steps) shape;
+    byte counts are integers far below 2**53, exact in float64. (An object collective would
+    pickle through numpy, which the demo does not need otherwise.)"""
+    rows = []
+    for r in mine:
+        zeros = [0] * len(r.losses)  # the baseline counts no bytes
+        rows.append([r.losses, r.seconds, r.shard_bytes or zeros, r.replicate_bytes or zeros])
+    packed = torch.tensor(rows, dtype=torch.float64, device=ctx.device)
+    parts = [torch.empty_like(packed) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, packed)
+    everyone = []
+    for part in parts:
+        unpacked = part.cpu().tolist()
+        everyone.append(
+            [
+                RunResult(
+                    r.run,
+                    r.muon_numel,
+                    r.muon_itemsize,
+                    losses=losses,
+                    seconds=seconds,
+                    shard_bytes=[round(b) for b in shard] if r.shard_bytes else [],
+                    replicate_bytes=[round(b) for b in replicate] if r.replicate_bytes else [],
+                )
+                for r, (losses, seconds, shard, replicate) in zip(mine, unpacked)
+            ]
+        )
+    return everyone

@@ -1,0 +1,45 @@
+"""The API reference (docs/api.md) documents every public name of ``dmuon``, and nothing else."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import dmuon
+
+DOCS = Path(__file__).resolve().parent.parent
+DIRECTIVE = re.compile(r"^\.\. auto(?:function|class|data|exception)::\s+dmuon\.(\w+)\s*$", re.M)
+
+
+def documented() -> list[str]:
+    return DIRECTIVE.findall((DOCS / "api.md").read_text(encoding="utf-8"))
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    missing = sorted(set(dmuon.__all__) - set(documented()))
+    assert not missing, (
+        f"dmuon.__all__ names missing from docs/api.md: {missing}; add an autodoc directive "
+        "(.. autofunction:: dmuon.NAME or .. autoclass:: dmuon.NAME) for each"
+    )
+
+
+def test_the_api_reference_documents_only_public_names_once() -> None:
+    names = documented()
+    assert len(names) >= len(dmuon.__all__) > 0
+    stale = sorted(set(names) - set(dmuon.__all__))
+    assert not stale, f"docs/api.md documents names dmuon no longer exports: {stale}"
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"docs/api.md documents these names more than once: {twice}"
+
+
+def test_pages_state_behaviour_without_citing_outside_documents() -> None:
+    # The site must stand alone: no pointer to documents that live beside the repository.
+    outside = re.compile(r"\bSPEC\b|\.\./shared|\bseeds/")
+    hits = [
+        f"{page.relative_to(DOCS)}:{number}: {line.strip()}"
+        for page in sorted(DOCS.rglob("*.md"))
+        if "_build" not in page.parts
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if outside.search(line)
+    ]
+    assert not hits, "docs cite a document outside the repository:\n" + "\n".join(hits)
