@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon_fsdp import _muon_math
 from dmuon_fsdp._optimizer import DEFAULT_NS_BATCH_BYTES
+from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
 
 DIM, HIDDEN, LAYERS = 128, 448, 2  # the 4096 : 14336 aspect of a Llama-3-8B MLP
@@ -110,7 +111,11 @@ def _step_memory(rank: int, world_size: int, variant: str) -> tuple[int, int]:
         shard_layers_then_root(model, mesh)
         # One MLP matrix per NS call: what the default cap gives a Llama-8B MLP matrix (see
         # test_default_ns_cap_runs_large_matrices_alone), scaled down to this model.
-        optimizers.append(Muon(model, adamw_lr=1e-4, ns_batch_bytes=DIM * HIDDEN * 2))
+        # NS iterates in bf16, as torch.optim.Muon's does (on CPU dmuon's default is fp32).
+        ns = NewtonSchulz(dtype=torch.bfloat16)
+        optimizers.append(
+            Muon(model, adamw_lr=1e-4, ns_batch_bytes=DIM * HIDDEN * 2, ns_backend=ns)
+        )
     else:
         named = list(model.named_parameters())
         matrices = [p for n, p in named if muon_predicate(n, p)]
