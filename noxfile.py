@@ -66,7 +66,7 @@ PACKAGES: dict[str, list[str]] = {
 }
 NEEDS_TORCH = {"dmuon-ns", "dmuon-clip", "dmuon-fsdp", "dmuon"}
 # Packages whose tests run Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU.
-NEEDS_TRITON = {"dmuon-ns", "dmuon-clip", "dmuon"}
+NEEDS_TRITON = {"dmuon-ns", "dmuon-clip", "dmuon-fsdp", "dmuon"}
 # What one package's tests need beyond TEST_TOOLS (dmuon-fsdp: the Hugging Face export test).
 TEST_EXTRAS: dict[str, list[str]] = {
     "dmuon-fsdp": ["transformers==5.24.0", "safetensors==0.8.0"],

@@ -149,7 +149,9 @@ def measure(
             # settled kernels, so every choice the first step opened is finished here.
             import dmuon_ns
 
-            dmuon_ns.tune_pending()
+            tune = getattr(dmuon_ns, "tune_pending", None)  # absent before the spread tuner
+            if tune is not None:
+                tune()
         if i == warmup:
             _sync(device)
             if device.type == "cuda":

@@ -25,9 +25,10 @@ the cap (exactly one call per shape).
 [Note: non-finite gradients]
 One NaN or infinity in any gradient would turn every weight it reaches non-finite: through NS
 a single bad element spreads over a whole matrix. So ``Muon.step`` first checks every gradient
-this rank is about to step with (torch.amp.GradScaler's fused check), takes the maximum over
-all ranks (one scalar all-reduce), and skips the whole step everywhere when it is set: the
-Muon update selects the old weight and momentum (``torch.where``, one matrix at a time), and
+this rank is about to step with (the largest magnitude of each, one foreach launch), takes the
+maximum over all ranks (one scalar all-reduce), and skips the whole step everywhere when it is set: the
+Muon update selects the old weight and momentum (``torch.where``, one matrix at a time; on CUDA one fused pass per matrix, see [Note: fused
+momentum and update] in _fused), and
 AdamW runs torch's fused kernel with that ``found_inf``, which leaves parameters, moments and
 step counts untouched. The decision never leaves the device (no host sync, as with
 GradScaler and a fused optimizer); the skip is counted in ``Muon.last_step_stats``. With a
@@ -56,6 +57,8 @@ from torch.optim.adamw import adamw as _functional_adamw
 
 from dmuon_ns import NewtonSchulz
 
+from ._fused import fused_available, momentum_into, update_weight
+
 __all__ = [
     "LrScaling",
     "MuonItem",
@@ -63,6 +66,7 @@ __all__ = [
     "adamw_step",
     "fresh_state",
     "init_adamw_state",
+    "local_tensor",
     "lr_scale",
     "make_newton_schulz",
     "momentum_update",
@@ -199,11 +203,17 @@ def muon_step(
             for i, item in enumerate(part):
                 if skip is None:
                     momentum_update(item.buf, item.grad, item.momentum, item.nesterov, batch[i])
+                elif fused_available(item.buf, item.grad, batch[i]):
+                    momentum_into(item.buf, item.grad, batch[i], skip, item.momentum, item.nesterov)
                 else:
                     _momentum_update_unless(skip, item, out=batch[i])
             updates = ns(batch)
             del batch
             for i, item in enumerate(part):
+                if skip is not None and fused_available(item.weight):
+                    decay = 1.0 - item.lr * item.weight_decay
+                    update_weight(item.weight, updates[i], skip, decay, -item.lr * item.scale)
+                    continue
                 weight_decay_and_update(
                     item.weight,
                     updates[i],
@@ -260,7 +270,7 @@ def fresh_state(route: str, like: Tensor, dtype: torch.dtype | None = None) -> d
     return init_adamw_state(like, dtype)
 
 
-def _local(t: Tensor) -> Tensor:
+def local_tensor(t: Tensor) -> Tensor:
     """A DTensor's local shard (AdamW is elementwise: stepping the shards is the same math)."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -290,10 +300,10 @@ def adamw_step(
             if state["step"].device != param.device:
                 state["step"] = state["step"].to(param.device, torch.float32)
     _functional_adamw(
-        [_local(p) for p in params],
-        [_local(g) for g in grads],
-        [_local(s["exp_avg"]) for s in states],
-        [_local(s["exp_avg_sq"]) for s in states],
+        [local_tensor(p) for p in params],
+        [local_tensor(g) for g in grads],
+        [local_tensor(s["exp_avg"]) for s in states],
+        [local_tensor(s["exp_avg_sq"]) for s in states],
         [],
         [s["step"] for s in states],
         foreach=False if fused else None,

@@ -41,6 +41,7 @@ from ._muon_math import (
     NSFunction,
     adamw_step,
     fresh_state,
+    local_tensor,
     lr_scale,
     make_newton_schulz,
     muon_step,
@@ -394,14 +395,12 @@ class Muon(torch.optim.Optimizer):
         device = self._runtime.layout.device
         found = torch.zeros((), dtype=torch.float32, device=device)
         grads = [item.grad for item in muon_items]
-        grads += [
-            g.to_local() if isinstance(g, DTensor) else g for *_, gs, _ in adamw_work for g in gs
-        ]
+        grads += [local_tensor(g) for *_, gs, _ in adamw_work for g in gs]
         if grads:
-            # torch.amp.GradScaler's check; the unscale by 1.0 changes no bit.
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, torch.ones((), dtype=torch.float32, device=device)
-            )
+            # The largest magnitude of each gradient (one foreach launch, any float dtype): NaN
+            # or infinity there iff anywhere in the gradient.
+            peaks = torch._foreach_norm(grads, float("inf"))
+            found = (~torch.isfinite(torch.stack([p.float() for p in peaks])).all()).float()
         if self._runtime.layout.world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.world_group)
         return found
