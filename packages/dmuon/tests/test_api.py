@@ -25,6 +25,8 @@ DOCUMENTED_NAMES = frozenset(
         "replicate_tp",
         # optimizer
         "Muon",
+        # reads of a dedicated weight where it is not held
+        "NotHeldError",
         # Newton–Schulz
         "NewtonSchulz",
         "newton_schulz",

@@ -26,6 +26,7 @@ from ._diagnostics import (
     summarize_param_groups,
 )
 from ._fsdp_integration import dedicated_params_of, install_patch, uninstall_patch
+from ._guard import NotHeldError
 from ._muon_math import LrScaling
 from ._no_sync import no_sync
 from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
@@ -46,6 +47,7 @@ __all__ = [
     "Muon",
     "MuonClipGrads",
     "MuonStepStats",
+    "NotHeldError",
     "ProcessGroupPolicy",
     "Role",
     "StepOptions",

@@ -27,7 +27,8 @@ class DedicateConfig:
     # Z3 (True): free peers' weights after forward and broadcast again for backward; Z2 keeps.
     reshard_after_forward: bool = True
     # Lowest ancestor module for which this returns True hooks a parameter's collectives;
-    # None: the nearest ``layers.N`` / ``blocks.N`` ancestor.
+    # None: the nearest ancestor that is an item of an ``nn.ModuleList`` (``layers.N``,
+    # ``blocks.N``, ``h.N``) or is named ``layers.N`` / ``blocks.N``.
     hook_boundary_predicate: BoundaryPredicate | None = None
     # Raise when a dedicated parameter has no boundary (False: hook it at the root module).
     hook_boundary_strict: bool = True

@@ -16,13 +16,13 @@
 
 [Note: what this runtime does not do]
 
-Dedicated parameters are communicated and stepped in their own dtype: a ``param_policy``
-dtype field that differs from it raises (cast the model first). Parameters must be
-materialised on the mesh's device type before ``dedicate_params`` (no meta-device deferral),
-and the model must not be moved (``.to()``) afterwards: the parameters are views into packed
-buffers. Tensor-parallel (DTensor) parameters are rejected as "already managed". On NCCL the
-broadcasts of one boundary's packs are issued one after another on the broadcast stream (not
-in one coalesced group call).
+The model must not be moved (``.to()``) after its parameters are packed (the first forward,
+``Muon(...)`` or a checkpoint call): they are views into packed buffers; ``to_empty`` on a
+meta-device model before that point is the supported way to materialise it (see [Note:
+meta-device models] in ``_runtime``). Tensor-parallel (DTensor) parameters are rejected as
+"already managed", and there is no replicated (DDP) path: ``DistributedDataParallel`` over a
+dedicated model raises. On NCCL the broadcasts of one boundary's packs are issued one after
+another on the broadcast stream (not in one coalesced group call).
 """
 
 from __future__ import annotations

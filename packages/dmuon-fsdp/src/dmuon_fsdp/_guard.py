@@ -22,7 +22,7 @@ handling.
 ``DistributedDataParallel`` would broadcast and all-reduce the weights itself (and so read
 them on peers): every module above a dedicated parameter carries a
 ``_ddp_params_and_buffers_to_ignore`` that raises when DDP reads it, on every rank alike, with
-a message that names dmuon's replicated path.
+a message that names the supported wrapping (``fully_shard``, HSDP for replication).
 """
 
 from __future__ import annotations
@@ -136,8 +136,7 @@ def _message(param: GuardedParameter, func: Any) -> str:
         "forward and backward and free it afterwards. Read it with "
         "dmuon.get_model_state_dict(model) (collective: call it on every rank), on its owner "
         "through dmuon.get_owned_params(model, rank)[i].full, or inside the forward of its "
-        "layer. To replicate a dedicated model use dmuon.dedicate_params_ddp(...) + "
-        "dmuon.replicate(model, mesh) instead of DistributedDataParallel"
+        "layer"
     )
 
 
@@ -181,9 +180,8 @@ class _RefuseDDP:
         raise RuntimeError(
             f"DistributedDataParallel cannot wrap {self.where}: its dedicated parameters are "
             "held whole only on their owner ranks, and DDP would broadcast and all-reduce them "
-            "on every rank. For replicated data parallelism with dmuon use "
-            "dmuon.dedicate_params_ddp(model, mesh, predicate) + dmuon.replicate(model, mesh); "
-            "for sharded, dedicate_params + fully_shard"
+            "on every rank. Wrap it with fully_shard after dedicate_params instead (a 1-D mesh, "
+            "or HSDP with dedicate_params(..., replicate_mesh=...) to replicate across nodes)"
         )
 
 
