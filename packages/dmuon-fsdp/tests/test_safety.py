@@ -137,7 +137,7 @@ def _ddp_over_dedicated(rank: int, world_size: int) -> str:
 def test_ddp_over_a_dedicated_model_raises_on_every_rank() -> None:
     messages = run_distributed(_ddp_over_dedicated, 2)
     assert messages[0] == messages[1]
-    assert "fully_shard" in messages[0] and "replicate_mesh" in messages[0]
+    assert "dedicate_params_ddp" in messages[0] and "dmuon.replicate" in messages[0]
 
 
 # -- shared weights ------------------------------------------------------------------------------

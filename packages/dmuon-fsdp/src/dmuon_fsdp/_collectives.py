@@ -57,6 +57,7 @@ from ._pack import Pack
 from ._param import Role
 
 __all__ = [
+    "AllReduceQueue",
     "CollectiveResult",
     "PendingReduce",
     "ReduceQueue",
@@ -283,3 +284,32 @@ class ReduceQueue:
         divisor = self._comm.layout.world_size
         while self._pending:
             finish_reduce(self._pending.popleft(), divisor)
+
+
+class AllReduceQueue:
+    """Gradients of replicated parameters being summed over the shard group (the replicated
+    path's counterpart of DDP's buckets, one collective per parameter), averaged when
+    waited."""
+
+    def __init__(self, comm: DedicatedCommContext) -> None:
+        self._comm = comm
+        self._pending: list[CollectiveResult] = []
+
+    def submit(self, grad: torch.Tensor) -> None:
+        comm = self._comm
+        if comm.layout.shard_size == 1:
+            return
+        stream = comm.reduce_stream
+        if stream is not None:
+            grad.record_stream(stream)
+        nbytes = grad.numel() * grad.element_size()
+        comm.counter.record(Axis.SHARD, CommKind.ALL_REDUCE, nbytes)
+        self._pending.append(
+            _issue(grad, stream, "all_reduce", op=dist.ReduceOp.SUM, group=comm.shard_group)
+        )
+
+    def wait_all(self) -> None:
+        divisor = self._comm.layout.shard_size
+        for result in self._pending:
+            wait(result).div_(divisor)
+        self._pending.clear()

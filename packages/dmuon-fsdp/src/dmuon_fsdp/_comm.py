@@ -40,7 +40,8 @@ class CommKind(StrEnum):
 
     BROADCAST = "broadcast"  # owner -> shard peers, before forward / backward
     REDUCE = "reduce"  # gradient sum towards the owner
-    PUBLISH = "publish"  # HSDP: updated weight, global owner -> replicate peers
+    PUBLISH = "publish"  # updated weight, owner -> the ranks that keep a copy (HSDP, DDP path)
+    ALL_REDUCE = "all_reduce"  # DDP path: gradient sum of a replicated (non-dedicated) parameter
 
 
 class CommCounter:

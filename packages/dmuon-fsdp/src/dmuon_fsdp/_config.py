@@ -38,6 +38,9 @@ class DedicateConfig:
     # Wrap FSDP2's module/state discovery so that fully_shard skips dedicated parameters even
     # without ignored_params; see [Note: FSDP2 integration] in _fsdp_integration.
     patch_fully_shard: bool = True
+    # The replicated (DDP) path: every rank keeps every weight whole for forward and backward;
+    # after a step the owners broadcast their updates (see [Note: the replicated path]).
+    replicated: bool = False
     # Drain and barrier every dmuon group at the end of ``after_step``: for diagnosing
     # ordering problems only, it removes the cross-step overlap (never for benchmarks).
     debug_fence: bool = False
@@ -47,6 +50,7 @@ class DedicateConfig:
             "reshard_after_forward",
             "hook_boundary_strict",
             "patch_fully_shard",
+            "replicated",
             "debug_fence",
         ):
             _check_bool(name, getattr(self, name))

@@ -20,8 +20,8 @@ The model must not be moved (``.to()``) after its parameters are packed (the fir
 ``Muon(...)`` or a checkpoint call): they are views into packed buffers; ``to_empty`` on a
 meta-device model before that point is the supported way to materialise it (see [Note:
 meta-device models] in ``_runtime``). Tensor-parallel (DTensor) parameters are rejected as
-"already managed", and there is no replicated (DDP) path: ``DistributedDataParallel`` over a
-dedicated model raises. On NCCL the broadcasts of one boundary's packs are issued one after
+"already managed"; ``DistributedDataParallel`` over a dedicated model raises
+(``dedicate_params_ddp`` + ``replicate`` is the replicated path). On NCCL the broadcasts of one boundary's packs are issued one after
 another on the broadcast stream (not in one coalesced group call).
 """
 
@@ -58,7 +58,7 @@ from ._mesh import MeshLayout, all_gather_ints, resolve_layout
 from ._param import DedicatedParam, Role
 from ._runtime import RUNTIME_ATTR, DedicatedRuntime
 
-__all__ = ["dedicate_params"]
+__all__ = ["dedicate_params", "dedicate_params_ddp"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,58 @@ def dedicate_params(
     reachable as ``get_runtime(model)``. Collective: every rank must call it with the same
     arguments.
     """
+    config = DedicateConfig(
+        reshard_after_forward=reshard_after_forward,
+        hook_boundary_predicate=hook_boundary_predicate,
+        hook_boundary_strict=hook_boundary_strict,
+        process_group_policy=process_group_policy,  # type: ignore[arg-type]
+        small_param_threshold=small_param_threshold,
+        patch_fully_shard=patch_fully_shard,
+        debug_fence=debug_fence,
+    )
+    return _dedicate(model, mesh, predicate, config, replicate_mesh, param_policy)
+
+
+def dedicate_params_ddp(
+    model: nn.Module,
+    mesh: Any,
+    predicate: Predicate,
+    *,
+    hook_boundary_predicate: BoundaryPredicate | None = None,
+    hook_boundary_strict: bool = True,
+    param_policy: Mapping[str, Any] | ParamPolicy | None = None,
+    process_group_policy: str = "isolated",
+    small_param_threshold: int = 5_000_000,
+    debug_fence: bool = False,
+) -> DedicatedRuntime:
+    """The replicated (DDP) path: like :func:`dedicate_params`, but every rank keeps every
+    weight whole for forward and backward, as with ``DistributedDataParallel``. Gradients of
+    the selected parameters are reduced to their owner, the owner runs the optimizer, and the
+    update is broadcast back after ``step()`` (see [Note: the replicated path]). Then call
+    :func:`dmuon.replicate(model, mesh) <replicate>` for the other parameters, and build
+    ``Muon(model)``; no ``fully_shard``. ``mesh`` is the 1-D data-parallel mesh. Collective."""
+    config = DedicateConfig(
+        reshard_after_forward=False,
+        hook_boundary_predicate=hook_boundary_predicate,
+        hook_boundary_strict=hook_boundary_strict,
+        process_group_policy=process_group_policy,  # type: ignore[arg-type]
+        small_param_threshold=small_param_threshold,
+        patch_fully_shard=False,
+        replicated=True,
+        debug_fence=debug_fence,
+    )
+    return _dedicate(model, mesh, predicate, config, None, param_policy)
+
+
+def _dedicate(
+    model: nn.Module,
+    mesh: Any,
+    predicate: Predicate,
+    config: DedicateConfig,
+    replicate_mesh: Any,
+    param_policy: Mapping[str, Any] | ParamPolicy | None,
+) -> DedicatedRuntime:
+    """What both entry points do; see [Note: what dedicate_params does, in order]."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if getattr(model, RUNTIME_ATTR, None) is not None:
@@ -108,22 +160,20 @@ def dedicate_params(
             "predicate must be a callable (fqn, param) -> bool, e.g. "
             "lambda n, p: 'proj' in n and p.ndim == 2"
         )
-    config = DedicateConfig(
-        reshard_after_forward=reshard_after_forward,
-        hook_boundary_predicate=hook_boundary_predicate,
-        hook_boundary_strict=hook_boundary_strict,
-        process_group_policy=process_group_policy,  # type: ignore[arg-type]
-        small_param_threshold=small_param_threshold,
-        patch_fully_shard=patch_fully_shard,
-        debug_fence=debug_fence,
-    )
     policy = validate_param_policy(param_policy)
     aliases = _aliases(model)
     selected = _select(model, aliases, predicate)
     check_call_order(model, selected)
     layout = resolve_layout(mesh, replicate_mesh)
+    if config.replicated and layout.is_hsdp:
+        raise ValueError(
+            "dedicate_params_ddp takes the 1-D data-parallel mesh (every rank keeps every "
+            "weight, so there is no shard x replicate grid); for HSDP use dedicate_params(model, "
+            "hsdp['shard'], ..., replicate_mesh=hsdp['replicate']) and fully_shard"
+        )
 
     modules = dict(model.named_modules())
+    named_params = dict(selected)
     items = _work_items(selected, aliases, policy, modules, config)
     policies = {item.name: policy.resolve(item.name) for item in items}
     plan = plan_owners(
@@ -134,8 +184,13 @@ def dedicate_params(
     )
     _check_fingerprint(plan, layout)
 
+    if config.replicated and layout.world_size > 1:
+        # As DistributedDataParallel does: every copy starts from the first rank's weights.
+        with torch.no_grad():
+            for item in items:
+                dist.broadcast(named_params[item.name].data, src=layout.rank_of[0][0])
     comm = DedicatedCommContext.build(layout, config.process_group_policy)
-    params, groups = _build_groups(model, modules, plan, policies, layout, comm)
+    params, groups = _build_groups(model, modules, plan, policies, layout, comm, config.replicated)
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     if config.patch_fully_shard:
         install_patch()
@@ -320,6 +375,7 @@ def _build_groups(
     policies: Mapping[str, ResolvedPolicy],
     layout: MeshLayout,
     comm: DedicatedCommContext,
+    replicated: bool,
 ) -> tuple[list[DedicatedParam], list[DedicatedGroup]]:
     """One ``DedicatedParam`` per planned parameter (guarded, see [Note: reads on a peer]) and
     one group per boundary; the groups pack their members later (``DedicatedRuntime.lazy_init``)."""
@@ -356,6 +412,7 @@ def _build_groups(
         if name in members:
             dps = [dp for owned in members[name].values() for dp in owned]
             group = DedicatedGroup(name, modules[name], list(members[name].values()), comm)
+            group.replicated = replicated
             group.input_dtype, group.output_dtype = _boundary_casts(name, dps)
             groups.append(group)
     for name in _ancestors_of({dp.fqn for dp in params}):

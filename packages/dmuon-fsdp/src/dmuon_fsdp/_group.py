@@ -55,6 +55,9 @@ class DedicatedGroup:
     members: list[list[DedicatedParam]]
     comm: DedicatedCommContext
     packs: list[Pack] = field(default_factory=list)
+    # Every rank keeps every weight (the replicated path): nothing is broadcast before forward,
+    # and the owners publish their updates to the shard group after a step.
+    replicated: bool = False
     # The dtype this boundary's forward inputs are cast to (param_policy), or None.
     input_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
@@ -73,7 +76,7 @@ class DedicatedGroup:
         for dps in self.members:
             for dp in dps:
                 split.setdefault((dp.owner, dp.precision), []).append(dp)
-        self.packs = [Pack.build(dps, self.comm.layout) for dps in split.values()]
+        self.packs = [Pack.build(dps, self.comm.layout, self.replicated) for dps in split.values()]
         self._state = GroupState.RESHARDED if self._cycles else GroupState.UNSHARDED
 
     @property
@@ -82,6 +85,8 @@ class DedicatedGroup:
         rank of the row alike (a sender takes part in each broadcast it sends, even when it
         holds no transient pack itself); with one shard only to cast and free an owner's
         compute copy, which needs no other rank."""
+        if self.replicated:
+            return False
         return self.comm.layout.shard_size > 1 or any(p.transient for p in self.packs)
 
     @property
@@ -140,28 +145,36 @@ class DedicatedGroup:
     # -- HSDP publish ---------------------------------------------------------------------------
 
     def publish(self) -> None:
-        """Send the owner's updated packs to its replicate peers (the owner's shard column);
-        waited by :meth:`wait_for_publish`, at the latest before this boundary's next
+        """Send the owners' updated packs to the ranks that keep a copy: in HSDP the owner's
+        replicate peers (its shard column), on the replicated path every rank of the shard
+        group. Waited by :meth:`wait_for_publish`, at the latest before this boundary's next
         broadcast or forward."""
         comm = self.comm
-        if comm.replicate_group is None or comm.layout.replicate_size == 1:
+        if self.replicated:
+            if comm.layout.shard_size == 1:
+                return
+            group, axis = comm.shard_group, Axis.SHARD
+            packs = [(pack, pack.sender) for pack in self.packs]
+        elif comm.replicate_group is not None and comm.layout.replicate_size > 1:
+            group, axis = comm.replicate_group, Axis.REPLICATE
+            # Inside the owner's shard column only.
+            packs = [(pack, pack.owner_rank) for pack in self.packs if pack.role is not Role.PEER]
+        else:
             return
         self.wait_for_publish()
-        for pack in self.packs:
-            if pack.role is Role.PEER:
-                continue  # the publish runs inside the owner's shard column only
-            if pack.transient:
+        for pack, source in packs:
+            if pack.transient and pack.is_sender:
                 # The owner's compute copy of its new master (replicas keep theirs: they send
                 # it in their rows). The next unshard casts again; the values are the same.
                 pack.alloc()
             self._publishes.append(
                 broadcast(
                     pack.buffer,
-                    pack.owner_rank,
-                    comm.replicate_group,
+                    source,
+                    group,
                     comm.publish_stream,
                     comm.counter,
-                    Axis.REPLICATE,
+                    axis,
                     CommKind.PUBLISH,
                 )
             )

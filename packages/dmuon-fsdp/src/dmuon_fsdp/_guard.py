@@ -22,7 +22,7 @@ handling.
 ``DistributedDataParallel`` would broadcast and all-reduce the weights itself (and so read
 them on peers): every module above a dedicated parameter carries a
 ``_ddp_params_and_buffers_to_ignore`` that raises when DDP reads it, on every rank alike, with
-a message that names the supported wrapping (``fully_shard``, HSDP for replication).
+a message that names dmuon's replicated path (``dedicate_params_ddp`` + ``replicate``).
 """
 
 from __future__ import annotations
@@ -180,8 +180,9 @@ class _RefuseDDP:
         raise RuntimeError(
             f"DistributedDataParallel cannot wrap {self.where}: its dedicated parameters are "
             "held whole only on their owner ranks, and DDP would broadcast and all-reduce them "
-            "on every rank. Wrap it with fully_shard after dedicate_params instead (a 1-D mesh, "
-            "or HSDP with dedicate_params(..., replicate_mesh=...) to replicate across nodes)"
+            "on every rank. For replicated data parallelism use dmuon.dedicate_params_ddp(model, "
+            "mesh, predicate) + dmuon.replicate(model, mesh) instead; to shard, dedicate_params "
+            "+ fully_shard (HSDP with replicate_mesh=... to replicate across nodes)"
         )
 
 

@@ -30,7 +30,7 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
-from ._collectives import ReduceQueue
+from ._collectives import AllReduceQueue, ReduceQueue
 from ._group import DedicatedGroup
 from ._pack import Pack
 from ._param import DedicatedParam
@@ -89,6 +89,17 @@ class BoundaryHooks:
         return self.params[index].param.register_post_accumulate_grad_hook(
             functools.partial(_weak_hook, weakref.ref(self), "_post_accumulate_grad", index)
         )
+
+    def hook_replicated(self, params: list[nn.Parameter], queue: AllReduceQueue) -> None:
+        """The replicated path: each of ``params`` joins ``queue`` once its gradient is
+        accumulated (not inside ``no_sync``)."""
+        weak_self = weakref.ref(self)
+        for param in params:
+            self._grad_handles.append(
+                param.register_post_accumulate_grad_hook(
+                    functools.partial(_replicated_grad, weak_self, weakref.ref(queue))
+                )
+            )
 
     def rebind(self, index: int) -> None:
         """``params[index].param`` is a new object (``to_empty`` replaced a meta parameter):
@@ -248,6 +259,18 @@ def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) 
     if hooks is None:
         return None
     return getattr(hooks, method)(*args)
+
+
+def _replicated_grad(
+    weak_hooks: weakref.ref[BoundaryHooks],
+    weak_queue: weakref.ref[AllReduceQueue],
+    param: torch.Tensor,
+) -> None:
+    hooks, queue = weak_hooks(), weak_queue()
+    if hooks is None or queue is None or param.grad is None:
+        return
+    if hooks.requires_gradient_sync:
+        queue.submit(param.grad)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

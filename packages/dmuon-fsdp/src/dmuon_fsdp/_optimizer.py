@@ -117,20 +117,22 @@ def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
 
 def _check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntime) -> None:
     """On more than one rank, a trainable parameter that is neither dedicated nor managed by
-    FSDP2 (a DTensor) gets no gradient synchronisation at all: each rank would train its own
-    copy and the ranks would drift apart without an error."""
+    FSDP2 (a DTensor) nor replicated (``replicate``) gets no gradient synchronisation at all:
+    each rank would train its own copy and the ranks would drift apart without an error."""
     if runtime.layout.world_size == 1:
         return
-    dedicated = {id(dp.param) for dp in runtime.params}
+    synchronised = {id(p) for p in runtime.replicated_params}
+    synchronised |= {id(dp.param) for dp in runtime.params}
     loose = [
         name
         for name, p in model.named_parameters()
-        if p.requires_grad and id(p) not in dedicated and not isinstance(p, DTensor)
+        if p.requires_grad and id(p) not in synchronised and not isinstance(p, DTensor)
     ]
     if loose:
         shown = ", ".join(repr(n) for n in loose[:8]) + (" ..." if len(loose) > 8 else "")
         raise ValueError(
-            f"{len(loose)} trainable parameter(s) are neither dedicated nor managed by FSDP2, so "
+            f"{len(loose)} trainable parameter(s) are neither dedicated nor managed by FSDP2 (or "
+            f"dmuon.replicate), so "
             f"nothing would synchronise their gradients across the {runtime.layout.world_size} "
             f"ranks: {shown}. Apply fully_shard to the modules that hold them (at least "
             "fully_shard(model) on the root, after the layers), select them in dedicate_params' "

@@ -44,12 +44,14 @@ class Pack:
     numel: int
     # The owner's master weights when they are kept apart from the buffer (mixed precision).
     masters: list[torch.Tensor] | None = None
+    # Every rank keeps the weight (the replicated path): a peer's buffer is never freed.
+    resident: bool = False
 
     @classmethod
-    def build(cls, params: list[DedicatedParam], layout: MeshLayout) -> Pack:
+    def build(cls, params: list[DedicatedParam], layout: MeshLayout, resident: bool) -> Pack:
         """Copy ``params`` (one owner, one precision, materialised on the layout's device) into
         a new buffer and point each parameter at its slice; see [Note: mixed precision] for the
-        owner's master. A peer's buffer is then freed."""
+        owner's master. A peer's buffer is then freed, unless ``resident``."""
         owner, role = params[0].owner, params[0].role
         precision = params[0].precision
         assert precision is not None, "resolve the precision before packing"
@@ -59,7 +61,7 @@ class Pack:
         offset = 0
         for dp in params:
             view = buffer[offset : offset + dp.numel].view(dp.shape)
-            if role is not Role.PEER:
+            if role is not Role.PEER or resident:
                 # A sender's current weight: as built, or its previous pack (a repack).
                 weight = dp.param.detach() if dp.full is None else dp.full
                 with torch.no_grad():
@@ -86,8 +88,9 @@ class Pack:
             owner_rank=layout.global_rank(owner),
             numel=numel,
             masters=masters,
+            resident=resident,
         )
-        if role is Role.PEER or masters is not None:
+        if pack.transient:
             pack.free()
         return pack
 
@@ -98,7 +101,7 @@ class Pack:
     @property
     def transient(self) -> bool:
         """Whether the buffer is freed between uses (a peer's, or an owner's compute copy)."""
-        return self.role is Role.PEER or self.masters is not None
+        return (self.role is Role.PEER and not self.resident) or self.masters is not None
 
     @property
     def nbytes(self) -> int:

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 
 from dmuon_ownership import Owner, Plan
 
-from ._collectives import ReduceQueue
+from ._collectives import AllReduceQueue, ReduceQueue
 from ._comm import CommCounter, DedicatedCommContext
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
@@ -70,6 +70,9 @@ class DedicatedRuntime:
         self.groups = groups
         self.owned = [dp for dp in params if dp.is_owner]
         self.reduce_queue = ReduceQueue(comm)
+        # The replicated path's other parameters (``replicate``), summed over every rank.
+        self.all_reduce_queue = AllReduceQueue(comm)
+        self.replicated_params: list[nn.Parameter] = []
         self._model = weakref.ref(model)
         self._final = False  # packed with the precision fully_shard asks for
         self.hooks = BoundaryHooks(
@@ -112,14 +115,27 @@ class DedicatedRuntime:
                 precisions.append(resolve_precision(param_dtype, dp.policy, mp))
             if group.packs and precisions == [dp.precision for dp in members]:
                 continue
+            if self.config.replicated and any(p.mixed for p in precisions):
+                raise ValueError(
+                    f"dedicate_params_ddp: param_policy asks a separate compute dtype for a "
+                    f"parameter of {group.fqn!r}; the replicated path keeps and steps each "
+                    "weight in one dtype: drop param_dtype/master_dtype from the policy (or "
+                    "cast the model), or use dedicate_params + fully_shard"
+                )
             for dp, precision in zip(members, precisions):
                 dp.precision = precision
             group.pack()
             changed = True
         self._final = final
-        if changed and self.layout.is_hsdp:
-            # Column replicas start from the owner's weight, whatever their own init was.
+        if changed and (self.layout.is_hsdp or self.config.replicated):
+            # Copies start from the owner's weight, whatever their own init was.
             self.after_step(async_=False)
+
+    def replicate(self, params: list[nn.Parameter]) -> None:
+        """The replicated path: average ``params``' gradients over every rank after backward
+        (see [Note: the replicated path] in ``_replicate``)."""
+        self.replicated_params = list(params)
+        self.hooks.hook_replicated(self.replicated_params, self.all_reduce_queue)
 
     def _adopt_replaced(self) -> None:
         """``model.to_empty(device=...)`` replaces each meta parameter with a new
@@ -174,6 +190,7 @@ class DedicatedRuntime:
         also waits for pending publishes, whose source the optimizer is about to overwrite."""
         with record_function("dmuon::wait_reduces"):
             self.reduce_queue.wait_all()
+            self.all_reduce_queue.wait_all()
             self.wait_all_replicate_broadcasts()
 
     def after_step(self, async_: bool = True) -> None:
@@ -182,7 +199,7 @@ class DedicatedRuntime:
         with record_function("dmuon::after_step"):
             for group in self.groups:
                 group.reshard()
-            if self.layout.is_hsdp:
+            if self.layout.is_hsdp or self.config.replicated:
                 with record_function("dmuon::publish"):
                     for group in self.groups:
                         group.publish()

@@ -1,0 +1,97 @@
+"""The replicated (DDP) path: ``dedicate_params_ddp`` + ``replicate`` against the single-process
+reference, its bytes per step, and ``no_sync`` over micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import build, muon_numel, muon_predicate
+from _reference import Hyper, lm_loss, make_batch, shard, train_reference
+from torch.distributed.device_mesh import init_device_mesh
+
+from dmuon_fsdp import Muon, dedicate_params_ddp, get_model_state_dict, no_sync, replicate
+from dmuon_testing.distributed import run_distributed
+
+HYPER = Hyper()
+STEPS = 8
+ROWS, SEQ, VOCAB = 8, 8, 32
+
+
+def _ddp_model(world_size: int, seed: int = 0):
+    model = build(seed)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
+    replicate(model, mesh)
+    return model, runtime
+
+
+def _train(rank: int, world_size: int):
+    # Other seeds per rank: replicate and the owners' first publish make every copy rank 0's
+    # and the owner's, as DDP does.
+    model, runtime = _ddp_model(world_size, seed=rank if rank else 0)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    losses, steps = [], []
+    for step in range(STEPS):
+        runtime.counter.reset()
+        optimizer.zero_grad()
+        loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size))
+        loss.backward()
+        optimizer.step()
+        runtime.drain()  # count the publish of this step
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world_size)
+        steps.append(runtime.counter.snapshot())
+    # Every rank holds every weight, and they agree (owners' updates were broadcast).
+    state = get_model_state_dict(model)
+    mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, steps, all(torch.equal(mine[n], state[n]) for n in mine)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_path_matches_the_reference_with_two_rounds_of_bytes(world_size: int) -> None:
+    results = run_distributed(_train, world_size)
+    losses = results[0][0]
+    assert all(r[0] == losses for r in results)
+    assert all(r[2] for r in results), "a rank's weights differ from the owners'"
+    plain = build(0)
+    names = [n for n, p in plain.named_parameters() if muon_predicate(n, p)]
+    ref = train_reference(plain, names, HYPER, STEPS, ROWS, SEQ, VOCAB)
+    for step, (got, want) in enumerate(zip(losses, ref)):
+        assert abs(got - want) <= 2e-3 * abs(want), f"step {step}: {got} vs {want}"
+    # Per step each Muon element travels once to its owner and once back: 2(N-1)/N·P_M.
+    p_m = muon_numel(build(0)) * 4
+    for _, steps, _ in results:
+        for counts in steps:
+            assert counts["shard/reduce"]["bytes"] == p_m
+            assert counts["shard/publish"]["bytes"] == p_m
+            assert "shard/broadcast" not in counts
+
+
+def _micro_batches(rank: int, world_size: int):
+    tokens = shard(make_batch(0, 16, SEQ, VOCAB), rank, world_size)
+    acc, acc_runtime = _ddp_model(world_size)
+    for i, part in enumerate(tokens.chunk(4)):
+        if i < 3:
+            with no_sync(acc):
+                (lm_loss(acc, part) / 4).backward()
+        else:
+            (lm_loss(acc, part) / 4).backward()
+    acc_runtime.wait_all_reduces()
+    big, big_runtime = _ddp_model(world_size)
+    lm_loss(big, tokens).backward()
+    big_runtime.wait_all_reduces()
+    big_grads = {dp.fqn: dp.grad for dp in big_runtime.owned}
+    for dp in acc_runtime.owned:
+        torch.testing.assert_close(dp.grad, big_grads[dp.fqn], rtol=1e-5, atol=1e-7)
+    big_params = dict(big.named_parameters())
+    for param in acc_runtime.replicated_params:
+        name = next(n for n, p in acc.named_parameters() if p is param)
+        torch.testing.assert_close(param.grad, big_params[name].grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_ddp_path_no_sync_matches_one_large_batch() -> None:
+    run_distributed(_micro_batches, 2)
