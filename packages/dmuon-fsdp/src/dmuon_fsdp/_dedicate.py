@@ -32,6 +32,7 @@ import re
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -96,15 +97,7 @@ def dedicate_params(
     reachable as ``get_runtime(model)``. Collective: every rank must call it with the same
     arguments.
     """
-    config = DedicateConfig(
-        reshard_after_forward=reshard_after_forward,
-        hook_boundary_predicate=hook_boundary_predicate,
-        hook_boundary_strict=hook_boundary_strict,
-        process_group_policy=process_group_policy,  # type: ignore[arg-type]
-        small_param_threshold=small_param_threshold,
-        patch_fully_shard=patch_fully_shard,
-        debug_fence=debug_fence,
-    )
+    config = _config(locals())
     return _dedicate(model, mesh, predicate, config, replicate_mesh, param_policy)
 
 
@@ -126,17 +119,17 @@ def dedicate_params_ddp(
     update is broadcast back after ``step()`` (see [Note: the replicated path]). Then call
     :func:`dmuon.replicate(model, mesh) <replicate>` for the other parameters, and build
     ``Muon(model)``; no ``fully_shard``. ``mesh`` is the 1-D data-parallel mesh. Collective."""
-    config = DedicateConfig(
-        reshard_after_forward=False,
-        hook_boundary_predicate=hook_boundary_predicate,
-        hook_boundary_strict=hook_boundary_strict,
-        process_group_policy=process_group_policy,  # type: ignore[arg-type]
-        small_param_threshold=small_param_threshold,
-        patch_fully_shard=False,
-        replicated=True,
-        debug_fence=debug_fence,
+    config = _config(
+        locals(), reshard_after_forward=False, patch_fully_shard=False, replicated=True
     )
     return _dedicate(model, mesh, predicate, config, None, param_policy)
+
+
+def _config(arguments: Mapping[str, Any], **fixed: Any) -> DedicateConfig:
+    """The :class:`DedicateConfig` of an entry point's ``arguments`` (its options are the
+    config's fields, by name) and the values the entry point ``fixed``."""
+    given = {f.name: arguments[f.name] for f in fields(DedicateConfig) if f.name in arguments}
+    return DedicateConfig(**{**given, **fixed})
 
 
 def _dedicate(

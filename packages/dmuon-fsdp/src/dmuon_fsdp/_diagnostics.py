@@ -67,7 +67,7 @@ def summarize_param_groups(model: nn.Module, optimizer: Muon) -> list[dict[str, 
                 "stepped_here": stepped,
                 "stepped_numel_here": stepped_numel,
                 "local_numel_here": local_numel,
-                "lr_scaling": optimizer.lr_scaling.value
+                "lr_scaling": optimizer.options.lr_scaling.value
                 if group["optimizer"] == Route.MUON
                 else None,
             }

@@ -23,7 +23,7 @@ HSDP, publishes the new weights to replicate peers (asynchronously when
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -184,16 +184,9 @@ class Muon(torch.optim.Optimizer):
                 f"Muon takes the wrapped model (an nn.Module), got {type(model).__name__};"
                 " build it as dmuon.Muon(model, lr=...), not from a parameter list"
             )
-        group_defaults = GroupDefaults(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay,
-        )
+        arguments = locals()
+        # The hyperparameter arguments are GroupDefaults' fields, by name.
+        group_defaults = GroupDefaults(**{f.name: arguments[f.name] for f in fields(GroupDefaults)})
         self.options = StepOptions(
             lr_scaling=lr_scaling,  # type: ignore[arg-type]
             ns_batch_bytes=ns_batch_bytes,
@@ -230,18 +223,6 @@ class Muon(torch.optim.Optimizer):
             "adamw_eps": group_defaults.adamw_eps,
             "adamw_weight_decay": group_defaults.adamw_weight_decay,
         }
-
-    @property
-    def lr_scaling(self) -> LrScaling:
-        return self.options.lr_scaling
-
-    @property
-    def replicate_async(self) -> bool:
-        return self.options.replicate_async
-
-    @property
-    def ns_batch_bytes(self) -> int | None:
-        return self.options.ns_batch_bytes
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -299,7 +280,9 @@ class Muon(torch.optim.Optimizer):
                 found = self._find_nonfinite(muon_items, adamw_work)
             skip = None if found is None else found > 0
             with record_function("dmuon::muon_step"):
-                muon_step(muon_items, self._ns, max_batch_bytes=self.ns_batch_bytes, skip=skip)
+                muon_step(
+                    muon_items, self._ns, max_batch_bytes=self.options.ns_batch_bytes, skip=skip
+                )
             with record_function("dmuon::adamw_step"):
                 for group, params, grads, states in adamw_work:
                     beta1, beta2 = group["betas"]
@@ -316,7 +299,7 @@ class Muon(torch.optim.Optimizer):
             if skip is not None:
                 self._skipped_steps.add_(skip.to(self._skipped_steps.device))
                 self._last_skip = skip
-            self._runtime.after_step(async_=self.replicate_async)
+            self._runtime.after_step(async_=self.options.replicate_async)
         return loss
 
     def _check_params_current(self) -> None:
@@ -353,7 +336,7 @@ class Muon(torch.optim.Optimizer):
                     nesterov=bool(group["nesterov"]),
                     lr=float(group["lr"]),
                     weight_decay=float(group["weight_decay"]),
-                    scale=lr_scale(dp.shape, self.lr_scaling),
+                    scale=lr_scale(dp.shape, self.options.lr_scaling),
                 )
             )
         return items

@@ -296,31 +296,23 @@ def _split_by_route(
             **hyper,
         }
 
+    def number(key: str, shared: Any, default: float) -> float:
+        """``key`` from the group, else its ``lr``/``weight_decay``, else the default."""
+        return _check_number(options.get(key, default if shared is None else shared), key, where)
+
     muon = subgroup(
         Route.MUON,
-        lr=_check_number(
-            options.get("muon_lr", defaults.lr if lr is None else lr), "muon_lr", where
-        ),
-        weight_decay=_check_number(
-            options.get("muon_weight_decay", defaults.weight_decay if wd is None else wd),
-            "muon_weight_decay",
-            where,
-        ),
+        lr=number("muon_lr", lr, defaults.lr),
+        weight_decay=number("muon_weight_decay", wd, defaults.weight_decay),
         momentum=_check_fraction(options.get("momentum", defaults.momentum), "momentum", where),
         nesterov=bool(options.get("nesterov", defaults.nesterov)),
     )
     adamw = subgroup(
         Route.ADAMW,
-        lr=_check_number(
-            options.get("adamw_lr", defaults.adamw_lr if lr is None else lr), "adamw_lr", where
-        ),
-        weight_decay=_check_number(
-            options.get("adamw_weight_decay", defaults.adamw_weight_decay if wd is None else wd),
-            "adamw_weight_decay",
-            where,
-        ),
+        lr=number("adamw_lr", lr, defaults.adamw_lr),
+        weight_decay=number("adamw_weight_decay", wd, defaults.adamw_weight_decay),
         betas=_check_betas(options.get("adamw_betas", defaults.adamw_betas), where),
-        eps=_check_number(options.get("adamw_eps", defaults.adamw_eps), "adamw_eps", where),
+        eps=number("adamw_eps", None, defaults.adamw_eps),
     )
     return muon, adamw
 

@@ -65,6 +65,11 @@ class DedicatedRuntime:
         self.config = config
         self.layout = layout
         self.comm_ctx = comm
+        # The contract surface (ARCHITECTURE.md), kept as plain attributes.
+        self.coord: Owner = layout.coord
+        self.world_group: ProcessGroup = comm.world_group
+        self.counter: CommCounter = comm.counter
+        self.reshard_after_forward = config.reshard_after_forward
         self.plan = plan
         self.params = params
         self.groups = groups
@@ -151,22 +156,6 @@ class DedicatedRuntime:
             self.hooks.rebind(index)
 
     # -- the contract surface ------------------------------------------------------------------
-
-    @property
-    def coord(self) -> Owner:
-        return self.layout.coord
-
-    @property
-    def world_group(self) -> ProcessGroup:
-        return self.comm_ctx.world_group
-
-    @property
-    def counter(self) -> CommCounter:
-        return self.comm_ctx.counter
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.config.reshard_after_forward
 
     def global_rank(self, owner: Owner) -> int:
         return self.layout.global_rank(owner)
