@@ -33,16 +33,27 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def summarize_param_groups(model: nn.Module, optimizer: Muon) -> list[dict[str, Any]]:
-    """One dict per optimizer group: name, optimizer, hyperparameters, and the parameters it
-    holds (all ranks) and steps (this rank), with element counts."""
+def summarize_param_groups(
+    model: nn.Module, optimizer: Muon, *, max_rows: int = 64
+) -> list[dict[str, Any]]:
+    """One dict per optimizer group: name, optimizer, hyperparameters, the parameters it
+    holds (all ranks) and steps (this rank), with element counts, and up to ``max_rows`` rows
+    per group describing each parameter (route, dtypes, owner, shape; ``rows_omitted`` counts
+    the rest)."""
     if not isinstance(optimizer, Muon):
         raise ValueError(f"optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
     if optimizer.model is not model:
         raise ValueError("optimizer was built on a different model object than the one given")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        raise ValueError(f"max_rows must be an int >= 0, got {max_rows!r}")
+    runtime = get_runtime(model)
     out = []
     for group in optimizer.param_groups:
         names: list[str] = list(group["param_names"])
+        rows = [
+            _param_row(name, p, optimizer.dedicated_param(p), runtime)
+            for name, p in zip(names[:max_rows], group["params"])
+        ]
         stepped: list[str] = []
         numel = stepped_numel = local_numel = 0
         for name, p in zip(names, group["params"]):
@@ -70,9 +81,33 @@ def summarize_param_groups(model: nn.Module, optimizer: Muon) -> list[dict[str, 
                 "lr_scaling": optimizer.options.lr_scaling.value
                 if group["optimizer"] == Route.MUON
                 else None,
+                "rows": rows,
+                "rows_omitted": max(0, len(names) - max_rows),
             }
         )
     return out
+
+
+def _param_row(name: str, p: torch.Tensor, dp: Any, runtime: Any) -> dict[str, Any]:
+    if dp is None:
+        return {
+            "name": name,
+            "route": "fsdp2" if isinstance(p, DTensor) else "replicated",
+            "shape": list(p.shape),
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "owner_rank": None,
+        }
+    precision = dp.precision
+    return {
+        "name": name,
+        "route": dp.route.value,
+        "shape": list(dp.shape),
+        "dtype": str(dp.dtype).removeprefix("torch."),
+        "compute_dtype": None if precision is None else str(precision.compute)[6:],
+        "reduce_dtype": None if precision is None else str(precision.reduce)[6:],
+        "owner_rank": runtime.global_rank(dp.owner),
+        "role": dp.role.value,
+    }
 
 
 def _pack_info(group: DedicatedGroup) -> list[dict[str, Any]]:
@@ -140,6 +175,7 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
     runtime.lazy_init()
     if synchronize and torch.cuda.is_available() and runtime.layout.device.type == "cuda":
         torch.cuda.synchronize(runtime.layout.device)
+    waits = runtime.hooks.wait_timers
     boundaries = []
     for group in runtime.groups:
         recv = sum(p.nbytes for p in group.packs if not p.is_sender)
@@ -152,6 +188,11 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
                 "recv_bytes_per_broadcast": recv,
                 "send_bytes_per_broadcast": sent,
                 "resident": all(p.has_storage() for p in group.packs),
+                # The last forward's wait for this boundary's broadcasts (ms), with
+                # Muon(profile=True); None otherwise.
+                "forward_wait_ms": (
+                    waits[group.fqn].phases().get("wait") if waits is not None else None
+                ),
             }
         )
     return {

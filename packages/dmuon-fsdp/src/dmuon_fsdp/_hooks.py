@@ -34,6 +34,7 @@ from ._collectives import AllReduceQueue, ReduceQueue
 from ._group import DedicatedGroup
 from ._pack import Pack
 from ._param import DedicatedParam
+from ._profile import PhaseTimer
 
 __all__ = ["BoundaryHooks"]
 
@@ -61,6 +62,7 @@ class BoundaryHooks:
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self._on_first_forward = on_first_forward
+        self.wait_timers: dict[str, PhaseTimer] | None = None
         self._pack_of_param: list[tuple[DedicatedGroup, Pack]] = []  # set at the first forward
         self._order: list[DedicatedGroup] = []  # forward order of the previous forward
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
@@ -137,7 +139,13 @@ class BoundaryHooks:
             return _cast_floats(args, group.input_dtype)
         return None
 
+    def time_forward_waits(self, device: torch.device) -> None:
+        """Time each boundary's wait for its broadcasts before its forward (the step
+        profile; see [Note: the step profile] in ``_profile``)."""
+        self.wait_timers = {group.fqn: PhaseTimer(device) for group in self.groups}
+
     def _unshard_for_forward(self, group: DedicatedGroup) -> None:
+        timer = self.wait_timers.get(group.fqn) if self.wait_timers else None
         with record_function("dmuon::pre_forward"):
             if group in self._current:
                 self._order, self._current = self._current, []
@@ -151,7 +159,11 @@ class BoundaryHooks:
             if following is not None:
                 with record_function("dmuon::prefetch"):
                     following.unshard(async_op=True)
+            if timer is not None:
+                timer.start()
             group.wait_for_unshard()
+            if timer is not None:
+                timer.mark("wait")
 
     def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
         group = self.groups[index]

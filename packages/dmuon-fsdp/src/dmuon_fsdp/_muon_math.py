@@ -180,12 +180,15 @@ def muon_step(
     *,
     max_batch_bytes: int | None,
     skip: Tensor | None = None,
+    mark: Callable[[str], None] | None = None,
 ) -> None:
     """The Muon update of every item: momentum, NS batched by shape (see [Note: one
     Newton–Schulz call per shape]), decoupled weight decay and the scaled update.
 
     ``skip`` (a 0-d bool tensor) makes the step keep every weight and momentum buffer as it
-    was when it is set, decided on the device; see [Note: non-finite gradients]."""
+    was when it is set, decided on the device; see [Note: non-finite gradients]. ``mark(name)``
+    (the step profile) closes the phases "muon_update" and "ns[<batch shape>]"."""
+    mark = mark or _no_mark
     buckets: dict[tuple[Any, ...], list[MuonItem]] = {}
     for item in items:
         if item.weight.ndim != 2:
@@ -207,7 +210,9 @@ def muon_step(
                     momentum_into(item.buf, item.grad, batch[i], skip, item.momentum, item.nesterov)
                 else:
                     _momentum_update_unless(skip, item, out=batch[i])
+            mark("muon_update")
             updates = ns(batch)
+            mark(f"ns[{'x'.join(map(str, batch.shape))}]")
             del batch
             for i, item in enumerate(part):
                 if skip is not None and fused_available(item.weight):
@@ -223,6 +228,11 @@ def muon_step(
                     skip=skip,
                 )
             del updates
+    mark("muon_update")
+
+
+def _no_mark(name: str) -> None:
+    return None
 
 
 def weight_decay_and_update(

@@ -48,6 +48,7 @@ from ._muon_math import (
 )
 from ._param import DedicatedParam
 from ._param_groups import GroupDefaults, build_param_groups
+from ._profile import PhaseTimer
 from ._runtime import DedicatedRuntime, get_runtime
 
 __all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads", "MuonStepStats", "StepOptions"]
@@ -178,6 +179,7 @@ class Muon(torch.optim.Optimizer):
         lr_scaling: LrScaling | str = LrScaling.MOONLIGHT,
         ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
         skip_nonfinite: bool = True,
+        profile: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -206,6 +208,11 @@ class Muon(torch.optim.Optimizer):
         )
         device = self._runtime.layout.device
         self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        if not isinstance(profile, bool):
+            raise TypeError(f"profile must be a bool, got {profile!r}")
+        self._timer = PhaseTimer(device) if profile else None
+        if profile:
+            self._runtime.hooks.time_forward_waits(device)
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
         self._checked_params = False
         self._constructing = True
@@ -271,17 +278,29 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         if not self._checked_params:
             self._check_params_current()
+        timer = self._timer
+        mark = timer.mark if timer is not None else None
+        if timer is not None:
+            timer.start()
         with record_function("dmuon::optimizer_step"):
             self._runtime.wait_all_reduces()
+            if mark:
+                mark("wait_reduces")
             muon_items = self._muon_items()
             adamw_work = self._adamw_work()
             found = None
             if self.options.skip_nonfinite:
                 found = self._find_nonfinite(muon_items, adamw_work)
+            if mark:
+                mark("nonfinite_check")
             skip = None if found is None else found > 0
             with record_function("dmuon::muon_step"):
                 muon_step(
-                    muon_items, self._ns, max_batch_bytes=self.options.ns_batch_bytes, skip=skip
+                    muon_items,
+                    self._ns,
+                    max_batch_bytes=self.options.ns_batch_bytes,
+                    skip=skip,
+                    mark=mark,
                 )
             with record_function("dmuon::adamw_step"):
                 for group, params, grads, states in adamw_work:
@@ -299,8 +318,24 @@ class Muon(torch.optim.Optimizer):
             if skip is not None:
                 self._skipped_steps.add_(skip.to(self._skipped_steps.device))
                 self._last_skip = skip
+            if mark:
+                mark("adamw")
             self._runtime.after_step(async_=self.options.replicate_async)
+            if mark:
+                mark("publish")
         return loss
+
+    def step_profile(self) -> dict[str, float]:
+        """Milliseconds per phase of the last ``step()`` (see [Note: the step profile]):
+        ``wait_reduces``, ``nonfinite_check``, ``ns[<batch shape>]`` per NS call,
+        ``muon_update``, ``adamw``, ``publish``. Needs ``Muon(profile=True)``; on CUDA this
+        waits for the step's recorded events, the step itself never does."""
+        if self._timer is None:
+            raise ValueError(
+                "step_profile() needs the step profile: build the optimizer with "
+                "Muon(model, ..., profile=True)"
+            )
+        return self._timer.phases()
 
     def _check_params_current(self) -> None:
         """Catch an optimizer built before ``fully_shard``: FSDP2 then replaced the parameters

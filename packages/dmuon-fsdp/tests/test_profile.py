@@ -1,0 +1,76 @@
+"""The step profile: every phase listed, their sum is the step, and profiling changes no bit."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _models import muon_predicate
+from _reference import Hyper, lm_loss, make_batch, shard
+from _sgd_train import setup_model
+
+from dmuon_fsdp import (
+    Muon,
+    collect_forward_unshard_profile,
+    get_model_state_dict,
+    summarize_param_groups,
+)
+from dmuon_testing.distributed import run_distributed
+
+HYPER = Hyper()
+STEPS = 4
+
+
+def _run(rank: int, world_size: int, profile: bool):
+    model, _ = setup_model(world_size, small_param_threshold=0)
+    optimizer = Muon(model, **HYPER.muon_kwargs(), profile=profile)
+    losses, profiles, step_ms = [], [], []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = lm_loss(model, shard(make_batch(step, 8, 8, 32), rank, world_size))
+        loss.backward()
+        start = time.perf_counter()
+        optimizer.step()
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        losses.append(float(loss))
+        if profile:
+            profiles.append(optimizer.step_profile())
+    waits = [b["forward_wait_ms"] for b in collect_forward_unshard_profile(model)["boundaries"]]
+    rows = summarize_param_groups(model, optimizer, max_rows=3)
+    return losses, get_model_state_dict(model), profiles, step_ms, waits, rows
+
+
+@pytest.mark.distributed
+def test_step_profile_lists_every_phase_sums_to_the_step_and_changes_nothing() -> None:
+    profiled = run_distributed(_run, 2, True)
+    plain = run_distributed(_run, 2, False)
+    for with_profile, without in zip(profiled, plain):
+        assert with_profile[0] == without[0], "profiling changed a loss"
+        assert all(torch.equal(with_profile[1][k], v) for k, v in without[1].items())
+        _, _, profiles, step_ms, waits, rows = with_profile
+        for phases, measured in zip(profiles[1:], step_ms[1:]):  # the first step makes states
+            names = set(phases)
+            assert {"wait_reduces", "nonfinite_check", "muon_update", "adamw", "publish"} <= names
+            assert any(name.startswith("ns[") for name in names), names
+            total = sum(phases.values())
+            assert abs(total - measured) <= 0.1 * measured, (phases, measured)
+        assert all(w is not None and w >= 0 for w in waits)
+        muon_group = next(g for g in rows if g["optimizer"] == "muon")
+        assert len(muon_group["rows"]) == 3 and muon_group["rows_omitted"] > 0
+        row = muon_group["rows"][0]
+        assert row["route"] == "muon" and row["dtype"] == "float32" and len(row["shape"]) == 2
+        assert row["owner_rank"] in (0, 1) and muon_predicate(row["name"], torch.zeros(2, 2))
+    # Without the profile there is nothing to read.
+    assert all(r[2] == [] and all(w is None for w in r[4]) for r in plain)
+
+
+def _unprofiled_read(rank: int, world_size: int) -> None:
+    model, _ = setup_model(world_size)
+    with pytest.raises(ValueError, match=r"Muon\(model, \.\.\., profile=True\)"):
+        Muon(model).step_profile()
+
+
+@pytest.mark.distributed
+def test_step_profile_needs_the_option() -> None:
+    run_distributed(_unprofiled_read, 1)
