@@ -13,7 +13,9 @@ nn.Parameter)`` are unchanged), with a ``__torch_function__`` that, while the we
 held on this rank, refuses every operation that would touch its storage and raises a
 ``RuntimeError`` naming the parameter, its owner and the supported ways to read it. Metadata
 stays readable (shape, dtype, device, ``requires_grad``, ``.grad``, ``numel()``, hooks), and
-``repr(p)`` says where the weight lives instead of printing values. Reads during a layer's
+``repr(p)`` says where the weight lives instead of printing values. Code that ``torch.compile``
+traces skips the check (compiled blocks read their weights inside forward and backward, where
+they are held), so the guard adds nothing to a compiled graph. Reads during a layer's
 forward and backward, when the weight has been broadcast, and every read on the owner (and,
 in HSDP, on its replicas) run as on a plain parameter. The guard costs one Python call per
 operation on the parameter, the same order as ``nn.Parameter``'s own ``__torch_function__``
@@ -30,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
-from torch._C import _disabled_torch_function_impl
 
 __all__ = [
     "GuardedParameter",
@@ -109,13 +111,17 @@ class GuardedParameter(nn.Parameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        # ``is None``, never truthiness: ``bool()`` of a tensor is itself an operation.
-        absent = _absent_in(args)
-        if absent is None:
-            absent = _absent_in(kwargs.values())
-        if absent is not None and not _is_safe(func):
-            raise NotHeldError(_message(absent, func))
-        return _disabled_torch_function_impl(func, types, args, kwargs)
+        if not torch.compiler.is_compiling():
+            # ``is None``, never truthiness: ``bool()`` of a tensor is itself an operation.
+            absent = _absent_in(args)
+            if absent is None:
+                absent = _absent_in(kwargs.values())
+            if absent is not None and not _is_safe(func):
+                raise NotHeldError(_message(absent, func))
+        # What nn.Parameter's own handler does (results stay plain tensors), written so that
+        # torch.compile traces it: see [Note: reads on a peer].
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     def __repr__(self) -> str:  # type: ignore[override]
         if self.__dict__.get(_ABSENT, False):

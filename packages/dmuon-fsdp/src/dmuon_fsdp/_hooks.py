@@ -265,14 +265,17 @@ class BoundaryHooks:
                 )
 
 
+@torch.compiler.disable
 def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) -> Any:
-    """Call ``hooks.<method>(*args)`` if the hooks are still alive."""
+    """Call ``hooks.<method>(*args)`` if the hooks are still alive. Never traced by
+    ``torch.compile``: dmuon's collectives run eagerly at a compiled block's edges."""
     hooks = weak_hooks()
     if hooks is None:
         return None
     return getattr(hooks, method)(*args)
 
 
+@torch.compiler.disable
 def _replicated_grad(
     weak_hooks: weakref.ref[BoundaryHooks],
     weak_queue: weakref.ref[AllReduceQueue],
