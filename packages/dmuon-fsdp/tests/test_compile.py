@@ -57,5 +57,8 @@ def test_compiled_blocks_and_models_match_eager_and_compile_once(world_size, res
             for got, want in zip(losses, eager):
                 assert abs(got - want) <= 1e-4 * abs(want), (where, losses, eager)
             assert graphs[1] == graphs[-1], f"{where}: recompiled after step 2: {graphs}"
-            # dmuon's hooks run at a block's edges, never inside its graph.
-            assert not breaks, (where, breaks)
+            # dmuon's only breaks are its hooks, at a block's edges ("_untraced"): a block's
+            # own compute is one graph (every layer runs the same block code).
+            assert all("_untraced" in reason for reason in breaks), (where, breaks)
+            if mode == "block":
+                assert graphs[-1] == 1, (where, graphs)

@@ -265,17 +265,23 @@ class BoundaryHooks:
                 )
 
 
-@torch.compiler.disable
 def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) -> Any:
     """Call ``hooks.<method>(*args)`` if the hooks are still alive. Never traced by
-    ``torch.compile``: dmuon's collectives run eagerly at a compiled block's edges."""
+    ``torch.compile``: dmuon's collectives run eagerly at a compiled block's edges (and in
+    eager mode nothing imports the compiler)."""
     hooks = weak_hooks()
     if hooks is None:
         return None
+    if torch.compiler.is_compiling():
+        return _untraced(getattr(hooks, method), *args)
     return getattr(hooks, method)(*args)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
+def _untraced(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
 def _replicated_grad(
     weak_hooks: weakref.ref[BoundaryHooks],
     weak_queue: weakref.ref[AllReduceQueue],
