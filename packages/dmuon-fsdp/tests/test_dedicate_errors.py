@@ -43,6 +43,20 @@ def _dtensor_param(rank: int, world_size: int) -> None:
         dedicate_params(model, mesh, muon_predicate)
 
 
+def _tensor_parallel(rank: int, world_size: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    model = build(0)
+    parallelize_module(model.layers[0].mlp, mesh["tp"], {"up_proj": ColwiseParallel()})
+    with pytest.raises(
+        NotImplementedError,
+        match=r"'layers\.0\.mlp\.up_proj\.weight' is tensor-parallel.*mesh dims \('tp',\).*"
+        r"does not support tensor parallelism",
+    ):
+        dedicate_params(model, mesh["dp"], muon_predicate)
+
+
 def _non_matrix(rank: int, world_size: int) -> None:
     model = build(0)
     with pytest.raises(
@@ -209,6 +223,7 @@ def _mesh_errors(rank: int, world_size: int) -> None:
     [
         _fully_shard_first,
         _dtensor_param,
+        _tensor_parallel,
         _non_matrix,
         _strict_boundary,
         _non_strict_root_boundary,

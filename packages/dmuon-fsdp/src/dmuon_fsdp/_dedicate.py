@@ -156,7 +156,7 @@ def _dedicate(
     policy = validate_param_policy(param_policy)
     aliases = _aliases(model)
     selected = _select(model, aliases, predicate)
-    check_call_order(model, selected)
+    check_call_order(model, selected, mesh)
     layout = resolve_layout(mesh, replicate_mesh)
     if config.replicated and layout.is_hsdp:
         raise ValueError(

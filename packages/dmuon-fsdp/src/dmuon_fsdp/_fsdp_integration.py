@@ -122,8 +122,11 @@ def is_installed() -> bool:
     return all(hasattr(getattr(_fsdp_init, n, None), _ORIGINAL_ATTR) for n in _TARGETS)
 
 
-def check_call_order(model: nn.Module, selected: Iterable[tuple[str, nn.Parameter]]) -> None:
-    """Raise when FSDP2 (or any DTensor wrapper) got to the model before dedicate_params."""
+def check_call_order(
+    model: nn.Module, selected: Iterable[tuple[str, nn.Parameter]], mesh: object
+) -> None:
+    """Raise when FSDP2 (or any DTensor wrapper) got to the model before dedicate_params, or
+    when a selected parameter is tensor-parallel (a DTensor on a mesh other than ``mesh``)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -136,6 +139,14 @@ def check_call_order(model: nn.Module, selected: Iterable[tuple[str, nn.Paramete
                 "dedicate_params -> fully_shard(layers) -> fully_shard(model) -> Muon)"
             )
     for fqn, param in selected:
+        if isinstance(param, DTensor) and param.device_mesh != mesh:
+            dims = param.device_mesh.mesh_dim_names or ("unnamed",)
+            raise NotImplementedError(
+                f"parameter {fqn!r} is tensor-parallel (a DTensor with placements "
+                f"{tuple(param.placements)} on mesh dims {dims}): this version of dmuon does not "
+                "support tensor parallelism; train with dmuon on a data-parallel mesh (1-D, or "
+                "HSDP) without parallelize_module, or use FSDP2 + AdamW for the TP model"
+            )
         if isinstance(param, DTensor):
             raise RuntimeError(
                 f"parameter {fqn!r} is already a DTensor (FSDP2 manages it): dedicate it before "
