@@ -33,7 +33,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -101,28 +101,37 @@ def dedicate_params(
     return _dedicate(model, mesh, predicate, config, replicate_mesh, param_policy)
 
 
+class SharedOptions(TypedDict, total=False):
+    """The options :func:`dedicate_params_ddp` shares with :func:`dedicate_params` (same
+    meaning, same defaults)."""
+
+    hook_boundary_predicate: BoundaryPredicate | None
+    hook_boundary_strict: bool
+    param_policy: Mapping[str, Any] | ParamPolicy | None
+    process_group_policy: str
+    small_param_threshold: int
+    debug_fence: bool
+
+
 def dedicate_params_ddp(
-    model: nn.Module,
-    mesh: Any,
-    predicate: Predicate,
-    *,
-    hook_boundary_predicate: BoundaryPredicate | None = None,
-    hook_boundary_strict: bool = True,
-    param_policy: Mapping[str, Any] | ParamPolicy | None = None,
-    process_group_policy: str = "isolated",
-    small_param_threshold: int = 5_000_000,
-    debug_fence: bool = False,
+    model: nn.Module, mesh: Any, predicate: Predicate, **options: Unpack[SharedOptions]
 ) -> DedicatedRuntime:
-    """The replicated (DDP) path: like :func:`dedicate_params`, but every rank keeps every
-    weight whole for forward and backward, as with ``DistributedDataParallel``. Gradients of
-    the selected parameters are reduced to their owner, the owner runs the optimizer, and the
-    update is broadcast back after ``step()`` (see [Note: the replicated path]). Then call
-    :func:`dmuon.replicate(model, mesh) <replicate>` for the other parameters, and build
-    ``Muon(model)``; no ``fully_shard``. ``mesh`` is the 1-D data-parallel mesh. Collective."""
-    config = _config(
-        locals(), reshard_after_forward=False, patch_fully_shard=False, replicated=True
-    )
-    return _dedicate(model, mesh, predicate, config, None, param_policy)
+    """The replicated (DDP) path: like :func:`dedicate_params` (whose keyword options it takes,
+    but for the sharding ones), but every rank keeps every weight whole for forward and
+    backward, as with ``DistributedDataParallel``. Gradients of the selected parameters are
+    reduced to their owner, the owner runs the optimizer, and the update is broadcast back
+    after ``step()`` (see [Note: the replicated path]). Then call :func:`dmuon.replicate(model,
+    mesh) <replicate>` for the other parameters, and build ``Muon(model)``; no ``fully_shard``.
+    ``mesh`` is the 1-D data-parallel mesh. Collective."""
+    unknown = sorted(set(options) - set(SharedOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"dedicate_params_ddp got unexpected option(s) {unknown}; it takes "
+            f"{sorted(SharedOptions.__annotations__)} (the replicated path neither shards nor "
+            "reshards: use dedicate_params for those)"
+        )
+    config = _config(options, reshard_after_forward=False, patch_fully_shard=False, replicated=True)
+    return _dedicate(model, mesh, predicate, config, None, options.get("param_policy"))
 
 
 def _config(arguments: Mapping[str, Any], **fixed: Any) -> DedicateConfig:

@@ -9,108 +9,60 @@
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
 Every name comes from one of the four packages (``dmuon_fsdp``: the runtime and optimizer,
-``dmuon_ns``: Newton–Schulz, ``dmuon_clip``: clipping); this module holds no logic, and
-importing it does no work (no device queries, no compilation, no patching).
+``dmuon_ns``: Newton–Schulz, ``dmuon_clip``: clipping), imported as ``name as name`` (the
+explicit re-export type checkers read); ``__all__`` is exactly those names. This module holds
+no logic, and importing it does no work (no device queries, no compilation, no patching).
 """
 
+from dmuon_clip import GradClipBucket as GradClipBucket
+from dmuon_clip import GradClipBucketStats as GradClipBucketStats
+from dmuon_clip import MuonGradClipStats as MuonGradClipStats
+from dmuon_clip import SegmentedGradClipResult as SegmentedGradClipResult
+from dmuon_clip import clip_grad_norm_ as clip_grad_norm_
+from dmuon_clip import clip_grad_norm_buckets_ as clip_grad_norm_buckets_
+from dmuon_clip import register_muon_grad_clip_strategy as register_muon_grad_clip_strategy
 from dmuon_clip import (
-    GradClipBucket,
-    GradClipBucketStats,
-    MuonGradClipStats,
-    SegmentedGradClipResult,
-    clip_grad_norm_,
-    clip_grad_norm_buckets_,
-    register_muon_grad_clip_strategy,
-    try_clip_optimizer_grad_norm_buckets_,
+    try_clip_optimizer_grad_norm_buckets_ as try_clip_optimizer_grad_norm_buckets_,
 )
-from dmuon_fsdp import (
-    CHECKPOINT_KEY,
-    AppState,
-    DedicatedCommContext,
-    Muon,
-    NotHeldError,
-    broadcast_all_updates,
-    broadcast_all_updates_async,
-    collect_forward_unshard_profile,
-    dedicate_params,
-    dedicate_params_ddp,
-    dedicated_params_of,
-    get_comm_ctx,
-    get_dedicated_params,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_owned_params,
-    install_patch,
-    load_checkpoint,
-    no_sync,
-    prepare_muon_grads,
-    replicate,
-    save_checkpoint,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    summarize_comm_plan,
-    summarize_param_groups,
-    uninstall_patch,
-    wait_all_reduces,
-    wait_all_replicate_broadcasts,
-)
-from dmuon_ns import (
-    POLAR_EXPRESS_COEFFICIENTS,
-    YOU_COEFFICIENTS,
-    NewtonSchulz,
-    direct_newton_schulz,
-    get_backend_status,
-    get_ns_backend,
-    gram_newton_schulz,
-    newton_schulz,
-)
+from dmuon_fsdp import CHECKPOINT_KEY as CHECKPOINT_KEY
+from dmuon_fsdp import AppState as AppState
+from dmuon_fsdp import DedicatedCommContext as DedicatedCommContext
+from dmuon_fsdp import Muon as Muon
+from dmuon_fsdp import NotHeldError as NotHeldError
+from dmuon_fsdp import broadcast_all_updates as broadcast_all_updates
+from dmuon_fsdp import broadcast_all_updates_async as broadcast_all_updates_async
+from dmuon_fsdp import collect_forward_unshard_profile as collect_forward_unshard_profile
+from dmuon_fsdp import dedicate_params as dedicate_params
+from dmuon_fsdp import dedicate_params_ddp as dedicate_params_ddp
+from dmuon_fsdp import dedicated_params_of as dedicated_params_of
+from dmuon_fsdp import get_comm_ctx as get_comm_ctx
+from dmuon_fsdp import get_dedicated_params as get_dedicated_params
+from dmuon_fsdp import get_model_state_dict as get_model_state_dict
+from dmuon_fsdp import get_optimizer_state_dict as get_optimizer_state_dict
+from dmuon_fsdp import get_owned_params as get_owned_params
+from dmuon_fsdp import install_patch as install_patch
+from dmuon_fsdp import load_checkpoint as load_checkpoint
+from dmuon_fsdp import no_sync as no_sync
+from dmuon_fsdp import prepare_muon_grads as prepare_muon_grads
+from dmuon_fsdp import replicate as replicate
+from dmuon_fsdp import save_checkpoint as save_checkpoint
+from dmuon_fsdp import set_model_state_dict as set_model_state_dict
+from dmuon_fsdp import set_optimizer_state_dict as set_optimizer_state_dict
+from dmuon_fsdp import summarize_comm_plan as summarize_comm_plan
+from dmuon_fsdp import summarize_param_groups as summarize_param_groups
+from dmuon_fsdp import uninstall_patch as uninstall_patch
+from dmuon_fsdp import wait_all_reduces as wait_all_reduces
+from dmuon_fsdp import wait_all_replicate_broadcasts as wait_all_replicate_broadcasts
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS as POLAR_EXPRESS_COEFFICIENTS
+from dmuon_ns import YOU_COEFFICIENTS as YOU_COEFFICIENTS
+from dmuon_ns import NewtonSchulz as NewtonSchulz
+from dmuon_ns import direct_newton_schulz as direct_newton_schulz
+from dmuon_ns import get_backend_status as get_backend_status
+from dmuon_ns import get_ns_backend as get_ns_backend
+from dmuon_ns import gram_newton_schulz as gram_newton_schulz
+from dmuon_ns import newton_schulz as newton_schulz
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CHECKPOINT_KEY",
-    "POLAR_EXPRESS_COEFFICIENTS",
-    "YOU_COEFFICIENTS",
-    "AppState",
-    "DedicatedCommContext",
-    "GradClipBucket",
-    "GradClipBucketStats",
-    "Muon",
-    "MuonGradClipStats",
-    "NewtonSchulz",
-    "NotHeldError",
-    "SegmentedGradClipResult",
-    "broadcast_all_updates",
-    "broadcast_all_updates_async",
-    "clip_grad_norm_",
-    "clip_grad_norm_buckets_",
-    "collect_forward_unshard_profile",
-    "dedicate_params",
-    "dedicate_params_ddp",
-    "dedicated_params_of",
-    "direct_newton_schulz",
-    "get_backend_status",
-    "get_comm_ctx",
-    "get_dedicated_params",
-    "get_model_state_dict",
-    "get_ns_backend",
-    "get_optimizer_state_dict",
-    "get_owned_params",
-    "gram_newton_schulz",
-    "install_patch",
-    "load_checkpoint",
-    "newton_schulz",
-    "no_sync",
-    "prepare_muon_grads",
-    "register_muon_grad_clip_strategy",
-    "replicate",
-    "save_checkpoint",
-    "set_model_state_dict",
-    "set_optimizer_state_dict",
-    "summarize_comm_plan",
-    "summarize_param_groups",
-    "try_clip_optimizer_grad_norm_buckets_",
-    "uninstall_patch",
-    "wait_all_reduces",
-    "wait_all_replicate_broadcasts",
-]
+# Every public name above: the re-exports, listed once (in their imports).
+__all__ = sorted(name for name in dict(globals()) if not name.startswith("_"))
