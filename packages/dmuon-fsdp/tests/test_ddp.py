@@ -27,6 +27,13 @@ def _ddp_model(world_size: int, seed: int = 0):
 
 
 def _train(rank: int, world_size: int):
+    with pytest.raises(TypeError, match=r"unexpected option\(s\) \['reshard_after_forward'\]"):
+        dedicate_params_ddp(
+            build(0),
+            init_device_mesh("cpu", (world_size,)),
+            muon_predicate,
+            reshard_after_forward=True,
+        )  # type: ignore[call-arg]
     # Other seeds per rank: replicate and the owners' first publish make every copy rank 0's
     # and the owner's, as DDP does.
     model, runtime = _ddp_model(world_size, seed=rank if rank else 0)
