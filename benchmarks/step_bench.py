@@ -2,12 +2,22 @@
 
     python benchmarks/step_bench.py                         # both configs (2048x8192x16, 4096x14336x8)
     python benchmarks/step_bench.py --config 4096x14336x8   # one of them
+    python benchmarks/step_bench.py --precision bf16-mixed  # fp32 masters, bf16 compute
     python benchmarks/step_bench.py --device cpu --config tiny --iters 2   # smoke test, no GPU
 
 World size 1, a single process in a 1-rank process group (NCCL on CUDA, gloo on CPU). The stack
 is Llama-3 shaped (grouped-query attention with 8 KV heads, SwiGLU MLP, RMSNorm; no embedding
-or head), bf16 weights, random bf16 inputs. For every variant it reports the median over
-``--iters`` timed iterations after ``--warmup`` ones, from CUDA events, of
+or head). ``--precision`` picks the dtypes:
+
+  bf16         (default) bf16 weights, random bf16 inputs: every variant computes and keeps its
+               optimizer states in bf16
+  bf16-mixed   fp32 weights (the masters the optimizers update, states fp32 too), bf16 compute,
+               random fp32 inputs: the FSDP2 variants through ``MixedPrecisionPolicy(param_dtype=
+               bf16, reduce_dtype=fp32)`` on every layer and the root (which casts the inputs),
+               the others by running forward and the loss under ``torch.autocast`` (bf16)
+
+For every variant it reports the median over ``--iters`` timed iterations after ``--warmup``
+ones, from CUDA events, of
 
   fwd+bwd ms   forward + backward of ``out.float().square().mean()``
   step ms      ``optimizer.step()``
@@ -19,14 +29,18 @@ or head), bf16 weights, random bf16 inputs. For every variant it reports the med
                optimizer itself costs
 
 Variants: ``plain``: the model with no optimizer (fwd+bwd only); ``fsdp2``: the model under
-``fully_shard`` (fwd+bwd only); ``adamw``: fused AdamW on every parameter; ``torch-muon``:
+``fully_shard`` (fwd+bwd only); ``adamw``: fused AdamW on every parameter (bf16-mixed: of the
+model under ``fully_shard`` with the policy, FSDP2's usual mixed-precision setup); ``torch-muon``:
 ``torch.optim.Muon`` on the 2-D projection matrices (lr scaled to AdamW's RMS, as dmuon does) +
-fused AdamW on the rest; ``dmuon``: ``dedicate_params`` → ``fully_shard`` → ``dmuon.Muon``.
+fused AdamW on the rest; ``dmuon``: ``dedicate_params`` → ``fully_shard(...,
+ignored_params=dedicated_params_of(model))`` → ``dmuon.Muon`` (its dedicated parameters follow
+the policy: bf16 broadcast and compute, fp32 reduce, fp32 masters and states on the owner).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -34,15 +48,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dmuon._demo_model import LlamaConfig, LlamaStack, muon_predicate
 
@@ -53,6 +67,19 @@ CONFIGS = {
     "tiny": LlamaConfig(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
 }
 VARIANTS = ("plain", "fsdp2", "adamw", "torch-muon", "dmuon")
+
+
+class Precision(StrEnum):
+    BF16 = "bf16"  # bf16 weights, states and compute
+    BF16_MIXED = "bf16-mixed"  # fp32 weights and states, bf16 compute
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        # Mixed: fp32 in, as from an fp32 embedding; the policy or autocast casts it.
+        return torch.bfloat16 if self is Precision.BF16 else torch.float32
+
+    def describe(self) -> str:
+        return "bf16" if self is Precision.BF16 else "fp32 masters, bf16 compute"
 
 
 @dataclass
@@ -88,36 +115,52 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Built(NamedTuple):
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    autocast: bool  # forward and loss under torch.autocast (bf16)
+
+
 def _build(
-    variant: str, cfg: LlamaConfig, device: torch.device, mesh: Any
-) -> tuple[nn.Module, Any]:
+    variant: str, cfg: LlamaConfig, device: torch.device, mesh: Any, precision: Precision
+) -> _Built:
     torch.manual_seed(0)
     with device:
-        model = LlamaStack(cfg).to(torch.bfloat16)
-    if variant in ("fsdp2", "dmuon"):
+        model = LlamaStack(cfg)
+    mixed = precision is Precision.BF16_MIXED
+    if not mixed:
+        model = model.to(torch.bfloat16)
+    # Mixed AdamW is FSDP2's own mixed precision; unsharded mixed variants use autocast.
+    sharded = variant in ("fsdp2", "dmuon") or (mixed and variant == "adamw")
+    if sharded:
+        shard_kwargs: dict[str, Any] = {}
+        if mixed:
+            shard_kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         if variant == "dmuon":
             import dmuon
 
             dmuon.dedicate_params(model, mesh, muon_predicate)
+            shard_kwargs["ignored_params"] = dmuon.dedicated_params_of(model)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    fused = device.type == "cuda"
+            fully_shard(layer, mesh=mesh, **shard_kwargs)
+        fully_shard(model, mesh=mesh, **shard_kwargs)
     optimizers: list[torch.optim.Optimizer] = []
     if variant == "adamw":
-        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused))
+        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     elif variant == "torch-muon":
         matrices = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
         rest = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
         optimizers.append(
             torch.optim.Muon(matrices, lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
         )
-        optimizers.append(torch.optim.AdamW(rest, lr=1e-4, fused=fused))
+        optimizers.append(torch.optim.AdamW(rest, lr=1e-4, fused=True))
     elif variant == "dmuon":
         import dmuon
 
         optimizers.append(dmuon.Muon(model, lr=0.02, adamw_lr=1e-4))
-    return model, optimizers
+    return _Built(model, optimizers, autocast=mixed and not sharded)
 
 
 def measure(
@@ -125,17 +168,27 @@ def measure(
     cfg: LlamaConfig,
     device: torch.device,
     mesh: Any,
+    precision: Precision,
     tokens: int,
     warmup: int,
     iters: int,
 ) -> Measured:
-    model, optimizers = _build(variant, cfg, device, mesh)
+    model, optimizers, autocast = _build(variant, cfg, device, mesh, precision)
     batch = max(1, tokens // cfg.seq_len)
     gen = torch.Generator(device=device).manual_seed(1)
     inputs = [
-        torch.randn(batch, cfg.seq_len, cfg.hidden, device=device, generator=gen).to(torch.bfloat16)
+        torch.randn(batch, cfg.seq_len, cfg.hidden, device=device, generator=gen).to(
+            precision.input_dtype
+        )
         for _ in range(2)
     ]
+
+    def forward_context() -> contextlib.AbstractContextManager[Any]:
+        # Backward runs outside: autocast records each op's dtype for it (torch's advice).
+        if autocast:
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     timer = _Timer(device)
     fwd_bwd: list[float] = []
     step: list[float] = []
@@ -163,7 +216,10 @@ def measure(
         if not optimizers:
             model.zero_grad(set_to_none=True)
         t0 = timer.mark()
-        model(inputs[i % 2]).float().square().mean().backward()
+        with forward_context():
+            loss = model(inputs[i % 2]).float().square().mean()
+        loss.backward()
+        del loss  # as if never named: the graph's nodes go now, not at the next iteration
         t1 = timer.mark()
         if cuda and i >= warmup:
             # The allocator's statistics are host-side: no synchronisation needed here.
@@ -200,12 +256,45 @@ def _n_params(cfg: LlamaConfig) -> tuple[int, int]:
     return total, muon
 
 
-def _report(name: str, cfg: LlamaConfig, results: dict[str, Measured], tokens: int) -> str:
+_FIELD_LABELS = {
+    "fwd_bwd_ms": "fwd+bwd",
+    "step_ms": "step",
+    "peak_gib": "peak",
+    "step_peak_gib": "step GiB",
+}
+
+
+class _Ratio(NamedTuple):
+    field: str  # of Measured, dmuon's over ``of``'s
+    of: str  # the variant dmuon is compared with
+    mixed_target: float | None  # the goal at --precision bf16-mixed (printed only there)
+    mixed_only: bool = False
+
+
+_RATIOS = (
+    _Ratio("fwd_bwd_ms", "plain", None),
+    _Ratio("fwd_bwd_ms", "fsdp2", 1.05),
+    # Mixed AdamW is FSDP2 with the same policy plus its optimizer.
+    _Ratio("fwd_bwd_ms", "adamw", 1.05, mixed_only=True),
+    _Ratio("peak_gib", "torch-muon", 1.1),
+    _Ratio("step_peak_gib", "torch-muon", None),
+    _Ratio("step_ms", "torch-muon", 0.6),
+)
+
+
+def _report(
+    name: str,
+    cfg: LlamaConfig,
+    results: dict[str, Measured],
+    tokens: int,
+    precision: Precision,
+) -> str:
     total, muon = _n_params(cfg)
     lines = [
         f"config {name}: H={cfg.hidden} I={cfg.intermediate} layers={cfg.layers}"
         f" heads={cfg.heads}/{cfg.n_kv_heads}kv; {total / 1e9:.3f} B params"
-        f" ({muon / 1e9:.3f} B Muon-target), bf16, {tokens} tokens per iteration",
+        f" ({muon / 1e9:.3f} B Muon-target), {precision.describe()}, {tokens} tokens per"
+        " iteration",
         f"{'variant':<11} {'fwd+bwd ms':>10} {'step ms':>9} {'iter ms':>9} {'peak GiB':>9}"
         f" {'step GiB':>9}",
     ]
@@ -215,20 +304,17 @@ def _report(name: str, cfg: LlamaConfig, results: dict[str, Measured], tokens: i
             f"{variant:<11} {m.fwd_bwd_ms:10.2f} {step} {m.iter_ms:9.2f} {m.peak_gib:9.2f}"
             f" {m.step_peak_gib:9.2f}"
         )
-    checks: list[tuple[str, Callable[[], tuple[float, float]]]] = [
-        ("dmuon fwd+bwd / plain fwd+bwd", lambda: (results["dmuon"].fwd_bwd_ms, results["plain"].fwd_bwd_ms)),
-        ("dmuon fwd+bwd / fsdp2 fwd+bwd", lambda: (results["dmuon"].fwd_bwd_ms, results["fsdp2"].fwd_bwd_ms)),
-        ("dmuon peak / torch-muon peak", lambda: (results["dmuon"].peak_gib, results["torch-muon"].peak_gib)),
-        ("dmuon step GiB / torch-muon step GiB", lambda: (results["dmuon"].step_peak_gib, results["torch-muon"].step_peak_gib)),
-        ("dmuon step / torch-muon step", lambda: (results["dmuon"].step_ms or 0.0, results["torch-muon"].step_ms or 0.0)),
-    ]  # fmt: skip
-    for label, pair in checks:
-        try:
-            a, b = pair()
-        except KeyError:
+    mixed = precision is Precision.BF16_MIXED
+    dmuon = results.get("dmuon")
+    for ratio in _RATIOS:
+        other = results.get(ratio.of)
+        if dmuon is None or other is None or (ratio.mixed_only and not mixed):
             continue
+        a, b = getattr(dmuon, ratio.field) or 0.0, getattr(other, ratio.field) or 0.0
         if b > 0:
-            lines.append(f"  {label}: {a / b:.3f}")
+            what = _FIELD_LABELS[ratio.field]
+            target = f" (target ≤ {ratio.mixed_target})" if mixed and ratio.mixed_target else ""
+            lines.append(f"  dmuon {what} / {ratio.of} {what}: {a / b:.3f}{target}")
     return "\n".join(lines)
 
 
@@ -246,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument(
+        "--precision",
+        type=Precision,
+        choices=list(Precision),
+        default=Precision.BF16,
+        help="bf16: bf16 weights (default); bf16-mixed: fp32 masters, bf16 compute",
+    )
     args = p.parse_args(argv)
     wanted = {v for v in args.variants.split(",") if v}
     unknown = sorted(wanted - set(VARIANTS))
@@ -296,10 +389,17 @@ def main(argv: list[str] | None = None) -> int:
                 results: dict[str, Measured] = {}
                 for variant in variants:
                     results[variant] = measure(
-                        variant, cfg, device, mesh, args.tokens, args.warmup, args.iters
+                        variant,
+                        cfg,
+                        device,
+                        mesh,
+                        args.precision,
+                        args.tokens,
+                        args.warmup,
+                        args.iters,
                     )
                     print(f"  measured {name} {variant}", file=sys.stderr, flush=True)
-                print(_report(name, cfg, results, args.tokens), flush=True)
+                print(_report(name, cfg, results, args.tokens, args.precision), flush=True)
         finally:
             dist.destroy_process_group()
     return 0
