@@ -2,12 +2,22 @@
 
     python benchmarks/step_bench.py                         # both configs (2048x8192x16, 4096x14336x8)
     python benchmarks/step_bench.py --config 4096x14336x8   # one of them
+    python benchmarks/step_bench.py --precision bf16-mixed  # fp32 masters, bf16 compute
     python benchmarks/step_bench.py --device cpu --config tiny --iters 2   # smoke test, no GPU
 
 World size 1, a single process in a 1-rank process group (NCCL on CUDA, gloo on CPU). The stack
 is Llama-3 shaped (grouped-query attention with 8 KV heads, SwiGLU MLP, RMSNorm; no embedding
-or head), bf16 weights, random bf16 inputs. For every variant it reports the median over
-``--iters`` timed iterations after ``--warmup`` ones, from CUDA events, of
+or head). ``--precision`` picks the dtypes:
+
+  bf16         (default) bf16 weights, random bf16 inputs: every variant computes and keeps its
+               optimizer states in bf16
+  bf16-mixed   fp32 weights (the masters the optimizers update, states fp32 too), bf16 compute,
+               random fp32 inputs: the FSDP2 variants through ``MixedPrecisionPolicy(param_dtype=
+               bf16, reduce_dtype=fp32)`` on every layer and the root (which casts the inputs),
+               the others by running forward and the loss under ``torch.autocast`` (bf16)
+
+For every variant it reports the median over ``--iters`` timed iterations after ``--warmup``
+ones, from CUDA events, of
 
   fwd+bwd ms   forward + backward of ``out.float().square().mean()``
   step ms      ``optimizer.step()``
@@ -18,15 +28,30 @@ or head), bf16 weights, random bf16 inputs. For every variant it reports the med
                the step's temporaries; activations are gone by then), which is what the
                optimizer itself costs
 
+and, below the table, the first iteration of every variant against its warm one (``iter ms``),
+on the host clock, synchronised at both ends: what a new job pays before its steps settle. For
+dmuon that is the cold start on an empty NS autotune cache: each measuring process points
+``DMUON_NS_CACHE_DIR`` at a new temporary directory of its own before anything uses dmuon-ns
+(a directory from the environment is overridden), checks that dmuon-ns has seen no problem yet,
+and only after the first iteration settles the open choices with ``dmuon_ns.tune_pending()``,
+so the timed iterations run the tuned kernels. The first iteration also compiles dmuon's fused
+Triton step kernels unless Triton's own cache (``TRITON_CACHE_DIR``) already holds them: point
+that at a new directory too to measure a new node. cuBLAS is started before the first variant,
+so no variant is charged for it.
+
 Variants: ``plain``: the model with no optimizer (fwd+bwd only); ``fsdp2``: the model under
-``fully_shard`` (fwd+bwd only); ``adamw``: fused AdamW on every parameter; ``torch-muon``:
+``fully_shard`` (fwd+bwd only); ``adamw``: fused AdamW on every parameter (bf16-mixed: of the
+model under ``fully_shard`` with the policy, FSDP2's usual mixed-precision setup); ``torch-muon``:
 ``torch.optim.Muon`` on the 2-D projection matrices (lr scaled to AdamW's RMS, as dmuon does) +
-fused AdamW on the rest; ``dmuon``: ``dedicate_params`` → ``fully_shard`` → ``dmuon.Muon``.
+fused AdamW on the rest; ``dmuon``: ``dedicate_params`` → ``fully_shard(...,
+ignored_params=dedicated_params_of(model))`` → ``dmuon.Muon`` (its dedicated parameters follow
+the policy: bf16 broadcast and compute, fp32 reduce, fp32 masters and states on the owner).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -34,15 +59,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dmuon._demo_model import LlamaConfig, LlamaStack, muon_predicate
 
@@ -55,6 +80,19 @@ CONFIGS = {
 VARIANTS = ("plain", "fsdp2", "adamw", "torch-muon", "dmuon")
 
 
+class Precision(StrEnum):
+    BF16 = "bf16"  # bf16 weights, states and compute
+    BF16_MIXED = "bf16-mixed"  # fp32 weights and states, bf16 compute
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        # Mixed: fp32 in, as from an fp32 embedding; the policy or autocast casts it.
+        return torch.bfloat16 if self is Precision.BF16 else torch.float32
+
+    def describe(self) -> str:
+        return "bf16" if self is Precision.BF16 else "fp32 masters, bf16 compute"
+
+
 @dataclass
 class Measured:
     fwd_bwd_ms: float
@@ -62,6 +100,7 @@ class Measured:
     iter_ms: float
     peak_gib: float
     step_peak_gib: float
+    first_iter_ms: float  # the first iteration, host clock (``iter_ms`` is the warm median)
 
 
 class _Timer:
@@ -88,36 +127,84 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _start_cublas(device: torch.device) -> None:
+    """Create cuBLAS's handles and workspaces (fp32 and bf16 products), which a process pays
+    for once whatever it trains: otherwise the first variant's first iteration would."""
+    if device.type != "cuda":
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.ones(256, 256, device=device, dtype=dtype)
+        a @ a
+    _sync(device)
+
+
+def _fresh_ns_cache(directory: str) -> None:
+    """Point dmuon-ns's autotune cache at ``directory``, which must not exist yet; done before
+    anything in this process uses dmuon-ns (it reads the variable when it looks a problem up)."""
+    if os.path.exists(directory):
+        raise RuntimeError(f"{directory} exists; the autotune cache must start empty")
+    os.environ["DMUON_NS_CACHE_DIR"] = directory
+
+
+def _check_ns_cold() -> None:
+    """Raise unless dmuon starts cold: no verdict on disk, no problem seen in this process."""
+    import dmuon_ns
+
+    directory = os.environ.get("DMUON_NS_CACHE_DIR", "")
+    if not directory or (os.path.isdir(directory) and os.listdir(directory)):
+        raise RuntimeError(f"DMUON_NS_CACHE_DIR={directory!r}: expected a new, empty directory")
+    tune = getattr(dmuon_ns, "tune_pending", None)  # absent before the spread tuner
+    seen = tune() if tune is not None else {}  # every problem seen so far (none: no-op)
+    if seen:
+        raise RuntimeError(f"dmuon-ns has already seen {sorted(seen)} in this process")
+
+
+class _Built(NamedTuple):
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    autocast: bool  # forward and loss under torch.autocast (bf16)
+
+
 def _build(
-    variant: str, cfg: LlamaConfig, device: torch.device, mesh: Any
-) -> tuple[nn.Module, Any]:
+    variant: str, cfg: LlamaConfig, device: torch.device, mesh: Any, precision: Precision
+) -> _Built:
     torch.manual_seed(0)
     with device:
-        model = LlamaStack(cfg).to(torch.bfloat16)
-    if variant in ("fsdp2", "dmuon"):
+        model = LlamaStack(cfg)
+    mixed = precision is Precision.BF16_MIXED
+    if not mixed:
+        model = model.to(torch.bfloat16)
+    # Mixed AdamW is FSDP2's own mixed precision; unsharded mixed variants use autocast.
+    sharded = variant in ("fsdp2", "dmuon") or (mixed and variant == "adamw")
+    if sharded:
+        shard_kwargs: dict[str, Any] = {}
+        if mixed:
+            shard_kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         if variant == "dmuon":
             import dmuon
 
             dmuon.dedicate_params(model, mesh, muon_predicate)
+            shard_kwargs["ignored_params"] = dmuon.dedicated_params_of(model)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    fused = device.type == "cuda"
+            fully_shard(layer, mesh=mesh, **shard_kwargs)
+        fully_shard(model, mesh=mesh, **shard_kwargs)
     optimizers: list[torch.optim.Optimizer] = []
     if variant == "adamw":
-        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused))
+        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     elif variant == "torch-muon":
         matrices = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
         rest = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
         optimizers.append(
             torch.optim.Muon(matrices, lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
         )
-        optimizers.append(torch.optim.AdamW(rest, lr=1e-4, fused=fused))
+        optimizers.append(torch.optim.AdamW(rest, lr=1e-4, fused=True))
     elif variant == "dmuon":
         import dmuon
 
         optimizers.append(dmuon.Muon(model, lr=0.02, adamw_lr=1e-4))
-    return model, optimizers
+    return _Built(model, optimizers, autocast=mixed and not sharded)
 
 
 def measure(
@@ -125,18 +212,31 @@ def measure(
     cfg: LlamaConfig,
     device: torch.device,
     mesh: Any,
+    precision: Precision,
     tokens: int,
     warmup: int,
     iters: int,
 ) -> Measured:
-    model, optimizers = _build(variant, cfg, device, mesh)
+    if variant == "dmuon":
+        _check_ns_cold()
+    model, optimizers, autocast = _build(variant, cfg, device, mesh, precision)
     batch = max(1, tokens // cfg.seq_len)
     gen = torch.Generator(device=device).manual_seed(1)
     inputs = [
-        torch.randn(batch, cfg.seq_len, cfg.hidden, device=device, generator=gen).to(torch.bfloat16)
+        torch.randn(batch, cfg.seq_len, cfg.hidden, device=device, generator=gen).to(
+            precision.input_dtype
+        )
         for _ in range(2)
     ]
+
+    def forward_context() -> contextlib.AbstractContextManager[Any]:
+        # Backward runs outside: autocast records each op's dtype for it (torch's advice).
+        if autocast:
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     timer = _Timer(device)
+    first_ms = 0.0
     fwd_bwd: list[float] = []
     step: list[float] = []
     whole: list[float] = []
@@ -163,7 +263,10 @@ def measure(
         if not optimizers:
             model.zero_grad(set_to_none=True)
         t0 = timer.mark()
-        model(inputs[i % 2]).float().square().mean().backward()
+        with forward_context():
+            loss = model(inputs[i % 2]).float().square().mean()
+        loss.backward()
+        del loss  # as if never named: the graph's nodes go now, not at the next iteration
         t1 = timer.mark()
         if cuda and i >= warmup:
             # The allocator's statistics are host-side: no synchronisation needed here.
@@ -173,6 +276,8 @@ def measure(
             opt.step()
         t2 = timer.mark()
         _sync(device)
+        if i == 0:
+            first_ms = (time.perf_counter() - host) * 1e3
         if i >= warmup:
             if cuda:
                 step_peak = max(step_peak, torch.cuda.max_memory_allocated(device))
@@ -189,6 +294,7 @@ def measure(
         iter_ms=statistics.median(whole),
         peak_gib=max(peak, step_peak) / 2**30,
         step_peak_gib=step_peak / 2**30,
+        first_iter_ms=first_ms,
     )
 
 
@@ -200,12 +306,49 @@ def _n_params(cfg: LlamaConfig) -> tuple[int, int]:
     return total, muon
 
 
-def _report(name: str, cfg: LlamaConfig, results: dict[str, Measured], tokens: int) -> str:
+_FIELD_LABELS = {
+    "fwd_bwd_ms": "fwd+bwd",
+    "step_ms": "step",
+    "peak_gib": "peak",
+    "step_peak_gib": "step GiB",
+}
+
+
+class _Ratio(NamedTuple):
+    field: str  # of Measured, dmuon's over ``of``'s
+    of: str  # the variant dmuon is compared with
+    mixed_target: float | None  # the goal at --precision bf16-mixed (printed only there)
+    mixed_only: bool = False
+
+
+_RATIOS = (
+    _Ratio("fwd_bwd_ms", "plain", None),
+    _Ratio("fwd_bwd_ms", "fsdp2", 1.05),
+    # Mixed AdamW is FSDP2 with the same policy plus its optimizer.
+    _Ratio("fwd_bwd_ms", "adamw", 1.05, mixed_only=True),
+    _Ratio("peak_gib", "torch-muon", 1.1),
+    _Ratio("step_peak_gib", "torch-muon", None),
+    _Ratio("step_ms", "torch-muon", 0.6),
+)
+
+
+# The most a first iteration on an empty autotune cache may take over a warm one.
+_COLD_START_TARGET_S = 2.0
+
+
+def _report(
+    name: str,
+    cfg: LlamaConfig,
+    results: dict[str, Measured],
+    tokens: int,
+    precision: Precision,
+) -> str:
     total, muon = _n_params(cfg)
     lines = [
         f"config {name}: H={cfg.hidden} I={cfg.intermediate} layers={cfg.layers}"
         f" heads={cfg.heads}/{cfg.n_kv_heads}kv; {total / 1e9:.3f} B params"
-        f" ({muon / 1e9:.3f} B Muon-target), bf16, {tokens} tokens per iteration",
+        f" ({muon / 1e9:.3f} B Muon-target), {precision.describe()}, {tokens} tokens per"
+        " iteration",
         f"{'variant':<11} {'fwd+bwd ms':>10} {'step ms':>9} {'iter ms':>9} {'peak GiB':>9}"
         f" {'step GiB':>9}",
     ]
@@ -215,20 +358,25 @@ def _report(name: str, cfg: LlamaConfig, results: dict[str, Measured], tokens: i
             f"{variant:<11} {m.fwd_bwd_ms:10.2f} {step} {m.iter_ms:9.2f} {m.peak_gib:9.2f}"
             f" {m.step_peak_gib:9.2f}"
         )
-    checks: list[tuple[str, Callable[[], tuple[float, float]]]] = [
-        ("dmuon fwd+bwd / plain fwd+bwd", lambda: (results["dmuon"].fwd_bwd_ms, results["plain"].fwd_bwd_ms)),
-        ("dmuon fwd+bwd / fsdp2 fwd+bwd", lambda: (results["dmuon"].fwd_bwd_ms, results["fsdp2"].fwd_bwd_ms)),
-        ("dmuon peak / torch-muon peak", lambda: (results["dmuon"].peak_gib, results["torch-muon"].peak_gib)),
-        ("dmuon step GiB / torch-muon step GiB", lambda: (results["dmuon"].step_peak_gib, results["torch-muon"].step_peak_gib)),
-        ("dmuon step / torch-muon step", lambda: (results["dmuon"].step_ms or 0.0, results["torch-muon"].step_ms or 0.0)),
-    ]  # fmt: skip
-    for label, pair in checks:
-        try:
-            a, b = pair()
-        except KeyError:
+    mixed = precision is Precision.BF16_MIXED
+    dmuon = results.get("dmuon")
+    for ratio in _RATIOS:
+        other = results.get(ratio.of)
+        if dmuon is None or other is None or (ratio.mixed_only and not mixed):
             continue
+        a, b = getattr(dmuon, ratio.field) or 0.0, getattr(other, ratio.field) or 0.0
         if b > 0:
-            lines.append(f"  {label}: {a / b:.3f}")
+            what = _FIELD_LABELS[ratio.field]
+            target = f" (target ≤ {ratio.mixed_target})" if mixed and ratio.mixed_target else ""
+            lines.append(f"  dmuon {what} / {ratio.of} {what}: {a / b:.3f}{target}")
+    lines.append(
+        "first iteration (host clock, synchronised at both ends; dmuon's NS autotune cache empty)"
+    )
+    lines.append(f"{'variant':<11} {'first s':>9} {'warm s':>9} {'first-warm s':>12}")
+    for variant, m in results.items():
+        first, warm = m.first_iter_ms / 1e3, m.iter_ms / 1e3
+        target = f"  (target ≤ {_COLD_START_TARGET_S:g})" if variant == "dmuon" else ""
+        lines.append(f"{variant:<11} {first:9.3f} {warm:9.3f} {first - warm:12.3f}{target}")
     return "\n".join(lines)
 
 
@@ -246,7 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument(
+        "--precision",
+        type=Precision,
+        choices=list(Precision),
+        default=Precision.BF16,
+        help="bf16: bf16 weights (default); bf16-mixed: fp32 masters, bf16 compute",
+    )
     args = p.parse_args(argv)
+    if args.warmup < 1:
+        p.error("--warmup must be >= 1: the first iteration runs before autotuning settles")
     wanted = {v for v in args.variants.split(",") if v}
     unknown = sorted(wanted - set(VARIANTS))
     if unknown:
@@ -274,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with tempfile.TemporaryDirectory() as tmp:
+        # This process's own, whatever the environment or a parent process set.
+        _fresh_ns_cache(os.path.join(tmp, "ns-autotune"))
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             init_method=f"file://{os.path.join(tmp, 'rdv')}",
@@ -282,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("shard",))
+            _start_cublas(device)
             import dmuon
 
             gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -296,10 +456,17 @@ def main(argv: list[str] | None = None) -> int:
                 results: dict[str, Measured] = {}
                 for variant in variants:
                     results[variant] = measure(
-                        variant, cfg, device, mesh, args.tokens, args.warmup, args.iters
+                        variant,
+                        cfg,
+                        device,
+                        mesh,
+                        args.precision,
+                        args.tokens,
+                        args.warmup,
+                        args.iters,
                     )
                     print(f"  measured {name} {variant}", file=sys.stderr, flush=True)
-                print(_report(name, cfg, results, args.tokens), flush=True)
+                print(_report(name, cfg, results, args.tokens, args.precision), flush=True)
         finally:
             dist.destroy_process_group()
     return 0
