@@ -23,26 +23,29 @@ CUDA, unless ``dtype`` names one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Unpack
 
 import torch
 from torch import Tensor
 
 from dmuon_ns._config import NewtonSchulz
 from dmuon_ns._iterations import TorchProducts, as_dtype, gram_iterations
+from dmuon_ns._newton_schulz import NSKeywords, takes_newton_schulz_keywords
 from dmuon_ns._prepare import check_matrix, iteration_dtype
 
 __all__ = ["gram_newton_schulz_distributed"]
 
 
+class _DistributedKeywords(NSKeywords, total=False):
+    restart_iterations: Sequence[int] | None
+    dtype: torch.dtype | None
+
+
+@takes_newton_schulz_keywords
 def gram_newton_schulz_distributed(
     x_local: Tensor,
     all_reduce: Callable[[Tensor], object],
-    *,
-    steps: int = 5,
-    coefficients: Sequence[Sequence[float]] | None = None,
-    restart_iterations: Sequence[int] | None = None,
-    dtype: torch.dtype | None = None,
-    eps: float = 1e-7,
+    **options: Unpack[_DistributedKeywords],
 ) -> Tensor:
     """Gram NS of the matrix whose column block ``x_local`` (..., m, n_local) this rank holds.
 
@@ -54,13 +57,7 @@ def gram_newton_schulz_distributed(
     """
     check_matrix(x_local, "x_local")
     # The config object validates the arguments exactly as the front end does.
-    config = NewtonSchulz(
-        coefficients=coefficients,
-        restart_iterations=restart_iterations,
-        steps=steps,
-        dtype=dtype,
-        eps=eps,
-    )
+    config = NewtonSchulz(**options)
     rows, cols = x_local.shape[-2], x_local.shape[-1]
     with torch.profiler.record_function("dmuon::newton_schulz_distributed"):
         x32 = x_local.reshape(-1, rows, cols).float()

@@ -2,49 +2,64 @@
 
 Each call builds a ``NewtonSchulz`` (validated, cheap) and applies it; code that calls NS in a
 loop can build the config once and call it instead.
+
+[Note: one list of NS keywords]
+The functions that orthogonalize (these three, ``gram_newton_schulz_distributed``,
+``testing.reference_newton_schulz``) take subsets of the same keyword-only arguments, which
+mean what ``NewtonSchulz``'s fields mean. ``newton_schulz`` spells them out once, with their
+defaults. Every other one takes ``**options`` typed by a ``TypedDict`` that names its subset
+(what type checkers read), and ``takes_newton_schulz_keywords`` gives it the signature that
+``help()`` and the API reference show (those types, ``newton_schulz``'s defaults and order) and
+a ``TypeError`` for any other keyword, as a spelled-out signature would raise. Keywords left
+out are not passed on, so ``NewtonSchulz``'s defaults (the same values) apply.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import overload
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Sequence
+from typing import Concatenate, ParamSpec, Protocol, TypedDict, TypeVar, Unpack, overload
 
 import torch
 from torch import Tensor
 
 from dmuon_ns._config import NewtonSchulz, NSBackend
 
-__all__ = ["direct_newton_schulz", "gram_newton_schulz", "newton_schulz", "tune_pending"]
+__all__ = [
+    "NSKeywords",
+    "direct_newton_schulz",
+    "gram_newton_schulz",
+    "newton_schulz",
+    "takes_newton_schulz_keywords",
+    "tune_pending",
+]
 
 TensorOrList = Tensor | list[Tensor] | tuple[Tensor, ...]
+_P = ParamSpec("_P")
+_F = TypeVar("_F", bound=Callable[..., object])
 
 
-@overload
-def newton_schulz(
-    G: Tensor,
-    *,
-    steps: int = ...,
-    coefficients: Sequence[Sequence[float]] | None = ...,
-    backend: NSBackend | str = ...,
-    kernel: str = ...,
-    restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype | None = ...,
-    eps: float = ...,
-    deterministic: bool = ...,
-) -> Tensor: ...
-@overload
-def newton_schulz(
-    G: list[Tensor] | tuple[Tensor, ...],
-    *,
-    steps: int = ...,
-    coefficients: Sequence[Sequence[float]] | None = ...,
-    backend: NSBackend | str = ...,
-    kernel: str = ...,
-    restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype | None = ...,
-    eps: float = ...,
-    deterministic: bool = ...,
-) -> list[Tensor]: ...
+class _FrontEnd(Protocol[_P]):
+    """An NS front end as type checkers see it: a tensor in, a tensor out; a list or a tuple
+    in, a list out."""
+
+    @overload
+    def __call__(self, G: Tensor, *args: _P.args, **kwargs: _P.kwargs) -> Tensor: ...
+    @overload
+    def __call__(
+        self, G: list[Tensor] | tuple[Tensor, ...], *args: _P.args, **kwargs: _P.kwargs
+    ) -> list[Tensor]: ...
+
+
+def _front_end(fn: Callable[Concatenate[TensorOrList, _P], Tensor | list[Tensor]]) -> _FrontEnd[_P]:
+    """Type ``fn(G, ...)`` as returning a list for a list or tuple ``G``, a tensor for a tensor
+    (``fn`` itself is returned)."""
+    return typing.cast(_FrontEnd[_P], fn)
+
+
+@_front_end
 def newton_schulz(
     G: TensorOrList,
     *,
@@ -78,98 +93,75 @@ def newton_schulz(
     return config(G)
 
 
-@overload
-def gram_newton_schulz(
-    G: Tensor,
-    *,
-    steps: int = ...,
-    coefficients: Sequence[Sequence[float]] | None = ...,
-    kernel: str = ...,
-    restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype | None = ...,
-    eps: float = ...,
-    deterministic: bool = ...,
-) -> Tensor: ...
-@overload
-def gram_newton_schulz(
-    G: list[Tensor] | tuple[Tensor, ...],
-    *,
-    steps: int = ...,
-    coefficients: Sequence[Sequence[float]] | None = ...,
-    kernel: str = ...,
-    restart_iterations: Sequence[int] | None = ...,
-    dtype: torch.dtype | None = ...,
-    eps: float = ...,
-    deterministic: bool = ...,
-) -> list[Tensor]: ...
-def gram_newton_schulz(
-    G: TensorOrList,
-    *,
-    steps: int = 5,
-    coefficients: Sequence[Sequence[float]] | None = None,
-    kernel: str = "auto",
-    restart_iterations: Sequence[int] | None = None,
-    dtype: torch.dtype | None = None,
-    eps: float = 1e-7,
-    deterministic: bool = False,
-) -> Tensor | list[Tensor]:
+class NSKeywords(TypedDict, total=False):
+    """The keywords every NS function takes ([Note: one list of NS keywords])."""
+
+    steps: int
+    coefficients: Sequence[Sequence[float]] | None
+    eps: float
+
+
+class _DirectKeywords(NSKeywords, total=False):
+    kernel: str
+    dtype: torch.dtype | None
+    deterministic: bool
+
+
+class _GramKeywords(_DirectKeywords, total=False):
+    restart_iterations: Sequence[int] | None
+
+
+def takes_newton_schulz_keywords(fn: _F) -> _F:
+    """Give ``fn(..., **options: Unpack[K])`` the keyword-only parameters of ``newton_schulz``
+    that the ``TypedDict`` ``K`` names (typed as ``K`` types them, with ``newton_schulz``'s
+    defaults and in its order), and reject any other keyword ([Note: one list of NS
+    keywords])."""
+    own = inspect.signature(fn)
+    var_keyword = next(p for p in own.parameters.values() if p.kind is p.VAR_KEYWORD)
+    (keywords,) = typing.get_args(typing.get_type_hints(fn)[var_keyword.name])
+    types = keywords.__annotations__
+    offered = inspect.signature(newton_schulz).parameters
+    if not types.keys() <= offered.keys():
+        raise AssertionError(f"{fn.__qualname__}: newton_schulz has no {types.keys() - offered}")
+    parameters = [p for p in own.parameters.values() if p is not var_keyword]
+    for name, p in offered.items():
+        if name in types:
+            parameters.append(p.replace(annotation=_spelled(types[name])))
+    signature = own.replace(parameters=parameters)
+
+    @functools.wraps(fn)
+    def checked(*args: object, **kwargs: object) -> object:
+        if not kwargs.keys() <= types.keys():
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as exc:  # Python's own words for the call, named as Python names it
+                raise TypeError(f"{fn.__qualname__}() {exc}") from None
+        return fn(*args, **kwargs)
+
+    checked.__signature__ = signature  # type: ignore[attr-defined]
+    return typing.cast(_F, checked)
+
+
+def _spelled(annotation: object) -> object:
+    """An annotation as its module wrote it (a string under ``from __future__ import
+    annotations``, which a ``TypedDict`` keeps as a ``ForwardRef``)."""
+    return annotation.__forward_arg__ if isinstance(annotation, typing.ForwardRef) else annotation
+
+
+@_front_end
+@takes_newton_schulz_keywords
+def gram_newton_schulz(G: TensorOrList, **options: Unpack[_GramKeywords]) -> Tensor | list[Tensor]:
     """``newton_schulz(G, backend="gram", ...)`` (square matrices still run direct NS)."""
-    return newton_schulz(
-        G,
-        steps=steps,
-        coefficients=coefficients,
-        backend=NSBackend.GRAM,
-        kernel=kernel,
-        restart_iterations=restart_iterations,
-        dtype=dtype,
-        eps=eps,
-        deterministic=deterministic,
-    )
+    return newton_schulz(G, backend=NSBackend.GRAM, **options)
 
 
-@overload
+@_front_end
+@takes_newton_schulz_keywords
 def direct_newton_schulz(
-    G: Tensor,
-    *,
-    steps: int = ...,
-    coefficients: Sequence[Sequence[float]] | None = ...,
-    kernel: str = ...,
-    dtype: torch.dtype | None = ...,
-    eps: float = ...,
-    deterministic: bool = ...,
-) -> Tensor: ...
-@overload
-def direct_newton_schulz(
-    G: list[Tensor] | tuple[Tensor, ...],
-    *,
-    steps: int = ...,
-    coefficients: Sequence[Sequence[float]] | None = ...,
-    kernel: str = ...,
-    dtype: torch.dtype | None = ...,
-    eps: float = ...,
-    deterministic: bool = ...,
-) -> list[Tensor]: ...
-def direct_newton_schulz(
-    G: TensorOrList,
-    *,
-    steps: int = 5,
-    coefficients: Sequence[Sequence[float]] | None = None,
-    kernel: str = "auto",
-    dtype: torch.dtype | None = None,
-    eps: float = 1e-7,
-    deterministic: bool = False,
+    G: TensorOrList, **options: Unpack[_DirectKeywords]
 ) -> Tensor | list[Tensor]:
     """``newton_schulz(G, backend="direct", ...)``: X ← aX + (bR + cR²)X with R = X·Xᵀ."""
-    return newton_schulz(
-        G,
-        steps=steps,
-        coefficients=coefficients,
-        backend=NSBackend.DIRECT,
-        kernel=kernel,
-        dtype=dtype,
-        eps=eps,
-        deterministic=deterministic,
-    )
+    return newton_schulz(G, backend=NSBackend.DIRECT, **options)
 
 
 def tune_pending() -> dict[str, str]:

@@ -10,11 +10,13 @@ it is the independent reference that fast paths are compared against.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Unpack
 
 import torch
 from torch import Tensor
 
 from dmuon_ns._config import NewtonSchulz
+from dmuon_ns._newton_schulz import NSKeywords, takes_newton_schulz_keywords
 from dmuon_ns._prepare import check_matrix
 
 __all__ = [
@@ -25,33 +27,25 @@ __all__ = [
 ]
 
 
-def reference_newton_schulz(
-    G: Tensor,
-    *,
-    steps: int = 5,
-    coefficients: Sequence[Sequence[float]] | None = None,
-    backend: str = "gram",
-    restart_iterations: Sequence[int] | None = None,
-    eps: float = 1e-7,
-) -> Tensor:
+class _ReferenceKeywords(NSKeywords, total=False):
+    backend: str
+    restart_iterations: Sequence[int] | None
+
+
+@takes_newton_schulz_keywords
+def reference_newton_schulz(G: Tensor, **options: Unpack[_ReferenceKeywords]) -> Tensor:
     """NS of ``G`` (..., rows, cols) in float64; returns float64 in ``G``'s shape.
 
     Arguments mean what they mean for ``newton_schulz``. In exact arithmetic the Gram and
     direct forms agree; in float64 they agree to ~1e-12, which the tests check.
     """
     check_matrix(G)
-    config = NewtonSchulz(
-        backend=backend,
-        coefficients=coefficients,
-        restart_iterations=restart_iterations,
-        steps=steps,
-        eps=eps,
-    )
+    config = NewtonSchulz(**options)
     rows, cols = G.shape[-2], G.shape[-1]
     x = G.detach().to(torch.float64).reshape(-1, rows, cols)
     if rows > cols:
         x = x.mT
-    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + eps)
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + config.eps)
     eye = torch.eye(x.shape[-2], dtype=torch.float64, device=x.device)
     if config.backend == "gram" and rows != cols:
         restarts = set(config.restarts)
