@@ -31,10 +31,10 @@ plausible readings and a policy should never depend on which one the reader assu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._route import Route, normalize_dtype, parse_route
 
@@ -124,35 +124,46 @@ def _parse_fields(raw: object, where: str) -> dict[str, Any]:
     return out
 
 
-def _parse_tokens(raw: object, where: str) -> tuple[str, ...]:
-    tokens = (raw,) if isinstance(raw, str) else raw
-    if not isinstance(tokens, list | tuple) or not tokens:
-        raise ValueError(
-            f"{where} must be a non-empty list of module-name tokens such as ['q_proj'], "
-            f"got {raw!r}"
-        )
-    for token in tokens:
-        if not isinstance(token, str) or not token or "" in token.split("."):
-            raise ValueError(
-                f"{where}: bad token {token!r}; a token is a non-empty dotted module name "
-                "such as 'q_proj' or 'layers.0.mlp' (each part may be an fnmatch pattern)"
-            )
-    return tuple(tokens)
+class _Selector(NamedTuple):
+    """What one override selector (``name`` or ``contains``) holds: the test a token passes, and
+    the errors for a value that is no list of tokens and for a bad token."""
+
+    valid: Callable[[str], bool]  # on a non-empty string
+    not_a_list: Callable[[str, object], ValueError]  # (where, raw)
+    bad_token: Callable[[str, object], ValueError]  # (where, token)
 
 
-def _parse_substrings(raw: object, where: str) -> tuple[str, ...]:
+_NAME = _Selector(
+    valid=lambda token: "" not in token.split("."),
+    not_a_list=lambda where, raw: ValueError(
+        f"{where} must be a non-empty list of module-name tokens such as ['q_proj'], got {raw!r}"
+    ),
+    bad_token=lambda where, token: ValueError(
+        f"{where}: bad token {token!r}; a token is a non-empty dotted module name "
+        "such as 'q_proj' or 'layers.0.mlp' (each part may be an fnmatch pattern)"
+    ),
+)
+_CONTAINS = _Selector(
+    valid=lambda token: True,
+    not_a_list=lambda where, raw: ValueError(
+        f"{where} must be a non-empty list of substrings of parameter names such as "
+        f"['.bias', 'norm'], got {raw!r}"
+    ),
+    bad_token=lambda where, token: ValueError(
+        f"{where}: bad token {token!r}; a 'contains' token is a non-empty string "
+        "matched as a plain substring of the parameter name, such as '.bias'"
+    ),
+)
+
+
+def _parse_tokens(raw: object, where: str, selector: _Selector) -> tuple[str, ...]:
+    """A selector's tokens: one string, or a non-empty list of non-empty strings it accepts."""
     tokens = (raw,) if isinstance(raw, str) else raw
     if not isinstance(tokens, list | tuple) or not tokens:
-        raise ValueError(
-            f"{where} must be a non-empty list of substrings of parameter names such as "
-            f"['.bias', 'norm'], got {raw!r}"
-        )
+        raise selector.not_a_list(where, raw)
     for token in tokens:
-        if not isinstance(token, str) or not token:
-            raise ValueError(
-                f"{where}: bad token {token!r}; a 'contains' token is a non-empty string "
-                "matched as a plain substring of the parameter name, such as '.bias'"
-            )
+        if not isinstance(token, str) or not token or not selector.valid(token):
+            raise selector.bad_token(where, token)
     return tuple(tokens)
 
 
@@ -180,8 +191,10 @@ def _parse_override(raw: object, where: str) -> _Override:
         )
     values = tuple(_parse_fields(raw["set"], f"{where}['set']").items())
     if "contains" in raw:
-        return _Override(_parse_substrings(raw["contains"], f"{where}['contains']"), values, True)
-    return _Override(_parse_tokens(raw["name"], f"{where}['name']"), values)
+        return _Override(
+            _parse_tokens(raw["contains"], f"{where}['contains']", _CONTAINS), values, True
+        )
+    return _Override(_parse_tokens(raw["name"], f"{where}['name']", _NAME), values)
 
 
 @dataclass(frozen=True)
