@@ -47,12 +47,14 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
+        head_dim = d // self.heads
+        # -1 heads: under tensor parallelism each rank holds a share of the heads.
         q, k, v = (
-            p(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            p(x).view(b, t, -1, head_dim).transpose(1, 2)
             for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -141,6 +143,26 @@ def loss_fn(model: nn.Module, tokens: Tensor) -> Tensor:
 
 def muon_numel(model: nn.Module) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if muon_predicate(n, p))
+
+
+def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism of every block: q/k/v and gate/up column-wise, o and
+    down row-wise (the residual stream stays whole on every TP rank)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        **{f"attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        "attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.layers:  # type: ignore[union-attr]
+        parallelize_module(layer, tp_mesh, plan)
 
 
 def shard_layers_then_root(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -44,15 +44,33 @@ def _dtensor_param(rank: int, world_size: int) -> None:
 
 
 def _tensor_parallel(rank: int, world_size: int) -> None:
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    # A replicated TP parameter (as SequenceParallel makes of a norm) is not a matrix shard.
     model = build(0)
-    parallelize_module(model.layers[0].mlp, mesh["tp"], {"up_proj": ColwiseParallel()})
+    norm = model.layers[0].attn_norm
+    norm.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), mesh["tp"], [Replicate()]))
     with pytest.raises(
         NotImplementedError,
-        match=r"'layers\.0\.mlp\.up_proj\.weight' is tensor-parallel.*mesh dims \('tp',\).*"
-        r"does not support tensor parallelism",
+        match=r"'layers\.0\.attn_norm\.weight' is a DTensor with placements \(Replicate\(\),\).*"
+        r"leave replicated parameters",
+    ):
+        dedicate_params(
+            model,
+            mesh["dp"],
+            lambda n, p: n == "layers.0.attn_norm.weight",
+            hook_boundary_strict=False,
+            param_policy={"defaults": {"route": "adamw"}},
+        )
+    # Shards must be equal: 24 rows over 2 ranks are, 3 ranks would not be (checked on 2).
+    model = build(0, n_layers=1)
+    model.layers[0].mlp.up_proj = nn.Linear(16, 23, bias=False)
+    model.layers[0].mlp.down_proj = nn.Linear(23, 16, bias=False)
+    parallelize_module(model.layers[0].mlp, mesh["tp"], {"up_proj": ColwiseParallel()})
+    with pytest.raises(
+        ValueError, match=r"'layers\.0\.mlp\.up_proj\.weight' splits a dim of 23 over 2"
     ):
         dedicate_params(model, mesh["dp"], muon_predicate)
 

@@ -103,6 +103,8 @@ class _Gather:
         self, dp: DedicatedParam, local: Tensor | None, spec: TensorSpec, *, cpu: bool
     ) -> Tensor | None:
         """The owner's ``local`` (``None`` on other ranks) where this rank keeps results."""
+        if dp.tp_dim is not None and spec.shape:
+            return self._from_tp_owner(dp, local, spec, cpu=cpu)
         src = self.runtime.global_rank(dp.owner)
         device = dp.param.device
         if self.rank == src:
@@ -127,6 +129,28 @@ class _Gather:
         if self.rank != src:
             return None
         return self._out(local, fresh=False, cpu=cpu)  # type: ignore[arg-type]
+
+    def _from_tp_owner(
+        self, dp: DedicatedParam, local: Tensor | None, spec: TensorSpec, *, cpu: bool
+    ) -> Tensor | None:
+        """A tensor-parallel matrix's state whole: each TP index's owner broadcasts its shard
+        over its grid, then every rank all-gathers the shards of its TP group (with
+        ``rank0_only`` only rank 0 keeps the result)."""
+        runtime = self.runtime
+        tp_group = runtime.comm_ctx.tp_group
+        assert dp.tp_dim is not None and tp_group is not None
+        device = dp.param.device
+        shard = torch.empty(dp.local_shape, dtype=spec.dtype, device=device)
+        if self.rank == runtime.global_rank(dp.owner):
+            assert local is not None, f"{dp.fqn}: the owner has no tensor to send"
+            shard.copy_(local.detach())
+        if self.world > 1:
+            dist.broadcast(shard, src=runtime.global_rank(dp.owner), group=runtime.world_group)
+        parts = [torch.empty_like(shard) for _ in range(runtime.layout.tp_size)]
+        dist.all_gather(parts, shard, group=tp_group)
+        if not self.keeps:
+            return None
+        return self._out(torch.cat(parts, dim=dp.tp_dim), fresh=True, cpu=cpu)
 
     def from_shards(self, value: Tensor) -> Tensor | None:
         """``value`` whole: an FSDP2 DTensor all-gathered (collective), a plain tensor copied."""
@@ -206,7 +230,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> 
                 value = state_dict[key]
                 if dp is not None:
                     if dp.full is not None:
-                        dp.full.copy_(value)
+                        dp.full.copy_(local_part(dp, value))
                 elif isinstance(target, DTensor):
                     local = shard_like(value, target)
                     assert isinstance(local, DTensor)
@@ -341,9 +365,20 @@ def set_optimizer_state_dict(
                 optimizer.state[p] = {
                     field: as_step(entry[field])
                     if field == "step"
-                    else shard_like(entry[field], like)
+                    else shard_like(local_part(dp, entry[field]), like)
                     for field in STATE_FIELDS[group["optimizer"]]
                 }
+
+
+def local_part(dp: DedicatedParam | None, full: Tensor) -> Tensor:
+    """The part of a full tensor that this rank keeps for ``dp``: its TP shard of a
+    tensor-parallel matrix (equal shards, in TP-index order), the whole tensor otherwise."""
+    if dp is None or dp.tp_dim is None:
+        return full
+    assert isinstance(dp.param, DTensor)
+    size = dp.local_shape[dp.tp_dim]
+    index = dp.param.device_mesh.get_local_rank()
+    return full.narrow(dp.tp_dim, index * size, size)
 
 
 def as_step(value: Tensor) -> Tensor:

@@ -173,7 +173,7 @@ def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         flat = torch.empty(pack.numel, dtype=_reduce_dtype(pack), device=device)
         for dp in pack.params:
-            grad = dp.param.grad
+            grad = dp.local_grad()
             out = flat[dp.offset : dp.offset + dp.numel]
             if grad is None:
                 out.zero_()
@@ -219,7 +219,7 @@ def finish_reduce(pending: PendingReduce, divisor: int) -> None:
         return
     flat.div_(divisor)
     for dp in pack.params:
-        grad = flat[dp.offset : dp.offset + dp.numel].view(dp.shape)
+        grad = flat[dp.offset : dp.offset + dp.numel].view(dp.local_shape)
         if dp.grad is None:
             dp.grad = grad
         else:
@@ -238,10 +238,10 @@ def keep_local_grads(pack: Pack) -> None:
     still dropped)."""
     dtype = _reduce_dtype(pack)
     for dp in pack.params:
-        grad = dp.param.grad
+        grad = dp.local_grad()
         dp.param.grad = None
         if grad is None:
-            grad = torch.zeros(dp.shape, dtype=dtype, device=pack.buffer.device)
+            grad = torch.zeros(dp.local_shape, dtype=dtype, device=pack.buffer.device)
         grad = grad.to(dtype)
         if dp.grad is None:
             dp.grad = grad

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ class Axis(StrEnum):
 
     SHARD = "shard"
     REPLICATE = "replicate"
+    TP = "tp"  # a matrix's tensor-parallel group (NS of a sharded matrix)
 
 
 class CommKind(StrEnum):
@@ -41,7 +43,9 @@ class CommKind(StrEnum):
     BROADCAST = "broadcast"  # owner -> shard peers, before forward / backward
     REDUCE = "reduce"  # gradient sum towards the owner
     PUBLISH = "publish"  # updated weight, owner -> the ranks that keep a copy (HSDP, DDP path)
-    ALL_REDUCE = "all_reduce"  # DDP path: gradient sum of a replicated (non-dedicated) parameter
+    ALL_REDUCE = "all_reduce"  # a sum on every rank (DDP path gradients; TP Gram matrices)
+    GATHER = "gather"  # TP: NS input shards to the matrix's TP owner
+    SCATTER = "scatter"  # TP: NS result shards from the TP owner
 
 
 class CommCounter:
@@ -102,10 +106,18 @@ class ProcessGroupPolicy(StrEnum):
         )
 
 
-# Isolated groups per (default group, grid), made once per process; see the note below.
-_ISOLATED: dict[
-    tuple[object, ...], tuple[list[ProcessGroup], list[ProcessGroup], ProcessGroup]
-] = {}
+class _Groups(NamedTuple):
+    """dmuon's process groups of every TP index's grid (see [Note: tensor-parallel grids])."""
+
+    rows: list[list[ProcessGroup]]  # [t][replicate]: one shard group per replicate row
+    cols: list[list[ProcessGroup]]  # [t][shard]: one replicate group per shard column (HSDP)
+    grids: list[ProcessGroup]  # [t]: every rank of one grid
+    tp: dict[tuple[int, int], ProcessGroup]  # (replicate, shard): the TP group of a coordinate
+    all: ProcessGroup  # every rank
+
+
+# Isolated groups per (default group, layout), made once per process; see the note below.
+_ISOLATED: dict[tuple[object, ...], _Groups] = {}
 
 
 def _new_group(ranks: list[int]) -> ProcessGroup:
@@ -114,32 +126,41 @@ def _new_group(ranks: list[int]) -> ProcessGroup:
     return group
 
 
-def _isolated_groups(
-    layout: MeshLayout,
-) -> tuple[list[ProcessGroup], list[ProcessGroup], ProcessGroup]:
-    """dmuon's own process groups for ``layout``'s grid: one per replicate row, one per shard
-    column (HSDP), one over the grid.
+def _isolated_groups(layout: MeshLayout) -> _Groups:
+    """dmuon's own process groups for ``layout``: per TP index's grid one per replicate row,
+    one per shard column (HSDP) and one over the grid; with TP one per grid coordinate across
+    the grids; and one over every rank.
 
     [Note: isolated groups are made once] A process group holds communicators, threads and
     sockets, and torch frees them only in ``destroy_process_group``, which is not safe to call
-    from a garbage-collected model (it must not race pending work). So the groups of a grid are
-    made on first use and kept while the default process group lives; a model rebuilt on the
-    same grid (sweeps, notebooks) reuses them, and two live models share them safely: each
-    issues its collectives in program order on every rank. Creation is collective
+    from a garbage-collected model (it must not race pending work). So the groups of a layout
+    are made on first use and kept while the default process group lives; a model rebuilt on
+    the same layout (sweeps, notebooks) reuses them, and two live models share them safely:
+    each issues its collectives in program order on every rank. Creation is collective
     (``new_group`` is entered by every rank for every group, in the same order), and so is the
-    lookup: all ranks ask for the same grids in the same order, so they all find or all
+    lookup: all ranks ask for the same layouts in the same order, so they all find or all
     create."""
-    key = (id(dist.distributed_c10d._get_default_group()), layout.is_hsdp, layout.rank_of)
+    key = (id(dist.distributed_c10d._get_default_group()), layout.is_hsdp, layout.all_rank_of)
     found = _ISOLATED.get(key)
     if found is None:
-        rows = [_new_group(list(layout.row(r))) for r in range(layout.replicate_size)]
-        cols = (
-            [_new_group(list(layout.column(s))) for s in range(layout.shard_size)]
+        grids = layout.all_rank_of
+        rows = [[_new_group(list(row)) for row in grid] for grid in grids]
+        cols = [
+            [_new_group([row[s] for row in grid]) for s in range(layout.shard_size)]
             if layout.is_hsdp
             else []
+            for grid in grids
+        ]
+        whole = [_new_group(sorted(g for row in grid for g in row)) for grid in grids]
+        tp = {}
+        if layout.tp_size > 1:
+            for r in range(layout.replicate_size):
+                for s in range(layout.shard_size):
+                    tp[(r, s)] = _new_group([grid[r][s] for grid in grids])
+        everyone = (
+            whole[0] if layout.tp_size == 1 else _new_group(list(range(dist.get_world_size())))
         )
-        world = _new_group(sorted(g for row in layout.rank_of for g in row))
-        found = _ISOLATED[key] = (rows, cols, world)
+        found = _ISOLATED[key] = _Groups(rows, cols, whole, tp, everyone)
     return found
 
 
@@ -148,7 +169,8 @@ class DedicatedCommContext:
     """Streams, groups and the byte counter of one dedicated runtime.
 
     ``shard_group`` is this rank's replicate row, ``replicate_group`` its shard column (``None``
-    on a 1-D mesh), ``world_group`` spans the whole grid. Streams are ``None`` off CUDA.
+    on a 1-D mesh), ``world_group`` spans the whole grid (this TP index's grid with tensor
+    parallelism). Streams are ``None`` off CUDA.
     """
 
     layout: MeshLayout
@@ -156,6 +178,10 @@ class DedicatedCommContext:
     shard_group: ProcessGroup
     replicate_group: ProcessGroup | None
     world_group: ProcessGroup
+    # Tensor parallelism: the ranks of this rank's grid coordinate in every TP index's grid
+    # (None without TP), and every rank (the world_group itself without TP).
+    tp_group: ProcessGroup | None
+    all_group: ProcessGroup
     # High priority: a forward (or Z3 backward) of the boundary waits for its broadcast.
     broadcast_stream: torch.cuda.Stream | None = None
     # High priority: the shard-axis reduce frees the local gradient memory of a boundary.
@@ -172,20 +198,27 @@ class DedicatedCommContext:
     def build(cls, layout: MeshLayout, policy: ProcessGroupPolicy) -> DedicatedCommContext:
         """Collective over the default group when ``policy`` is isolated (``new_group`` must
         be entered by every rank for every group, in the same order)."""
-        coord = layout.coord
+        coord, t = layout.coord, layout.tp_index
+        if policy is ProcessGroupPolicy.ISOLATED or layout.tp_size > 1:
+            groups = _isolated_groups(layout)
+            world_group, all_group = groups.grids[t], groups.all
+            tp_group = groups.tp.get((coord.replicate, coord.shard))
         if policy is ProcessGroupPolicy.ISOLATED:
-            rows, cols, world_group = _isolated_groups(layout)
-            shard_group = rows[coord.replicate]
-            replicate_group = cols[coord.shard] if layout.is_hsdp else None
+            shard_group = groups.rows[t][coord.replicate]
+            replicate_group = groups.cols[t][coord.shard] if layout.is_hsdp else None
         else:
             shard_group = layout.shard_mesh.get_group()
             replicate_group = (
                 None if layout.replicate_mesh is None else layout.replicate_mesh.get_group()
             )
-            world = dist.group.WORLD
-            assert world is not None
-            world_group = world
-        ctx = cls(layout, policy, shard_group, replicate_group, world_group)
+            if layout.tp_size == 1:
+                world = dist.group.WORLD
+                assert world is not None
+                world_group = all_group = world
+                tp_group = None
+            elif layout.tp_mesh is not None:
+                tp_group = layout.tp_mesh.get_group()
+        ctx = cls(layout, policy, shard_group, replicate_group, world_group, tp_group, all_group)
         if layout.device.type == "cuda":
             high = -1  # the highest priority CUDA exposes through torch
             ctx.broadcast_stream = torch.cuda.Stream(layout.device, priority=high)

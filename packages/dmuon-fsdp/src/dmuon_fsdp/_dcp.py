@@ -86,6 +86,13 @@ class AppState(Stateful):
         self.optimizer = layout.check_optimizer(model, optimizer)
         self.model = model
         self.runtime = get_runtime(model)
+        if self.runtime.layout.tp_size > 1:
+            raise NotImplementedError(
+                "sharded (DCP) checkpoints of tensor-parallel dedicated matrices are not "
+                "supported yet; use the full-state functions (dmuon.get_model_state_dict / "
+                "get_optimizer_state_dict, with rank0_only=True for large models), which "
+                "load on any topology, with or without tensor parallelism"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """The live tensors this rank holds, keyed topology-independently."""

@@ -38,6 +38,7 @@ from typing import Any, TypedDict, Unpack
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import (
     Owner,
@@ -52,7 +53,7 @@ from dmuon_ownership import (
 
 from ._comm import DedicatedCommContext
 from ._config import BoundaryPredicate, DedicateConfig
-from ._fsdp_integration import check_call_order, install_patch
+from ._fsdp_integration import check_call_order, install_patch, tp_dim
 from ._group import DedicatedGroup
 from ._guard import guard_parameter, is_dedicated, refuse_ddp
 from ._mesh import MeshLayout, all_gather_ints, resolve_layout
@@ -165,8 +166,13 @@ def _dedicate(
     policy = validate_param_policy(param_policy)
     aliases = _aliases(model)
     selected = _select(model, aliases, predicate)
-    check_call_order(model, selected, mesh)
-    layout = resolve_layout(mesh, replicate_mesh)
+    tp_mesh = check_call_order(model, selected, mesh)
+    if tp_mesh is not None and config.replicated:
+        raise NotImplementedError(
+            "dedicate_params_ddp does not take tensor-parallel parameters yet; use "
+            "dedicate_params + fully_shard with tensor parallelism"
+        )
+    layout = resolve_layout(mesh, replicate_mesh, tp_mesh)
     if config.replicated and layout.is_hsdp:
         raise ValueError(
             "dedicate_params_ddp takes the 1-D data-parallel mesh (every rank keeps every "
@@ -259,8 +265,9 @@ def _work_items(
             continue
         _check_param(fqn, param, resolved)
         boundary = _shared_boundary(aliases[id(param)], modules, config)
+        tp = param.device_mesh.size() if isinstance(param, DTensor) else 1
         items.append(
-            WorkItem(fqn, tuple(param.shape), boundary, resolved.route, param.element_size())
+            WorkItem(fqn, tuple(param.shape), boundary, resolved.route, param.element_size(), tp)
         )
     return items
 
@@ -400,6 +407,7 @@ def _build_groups(
                 role=role,
                 route=policies[fqn].route,
                 policy=policies[fqn],
+                tp_dim=tp_dim(param),
             )
             owner_rank = layout.global_rank(unit.owner)
             guard_parameter(

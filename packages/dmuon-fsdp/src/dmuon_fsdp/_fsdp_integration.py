@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from ._guard import is_dedicated
 
@@ -47,6 +49,7 @@ __all__ = [
     "install_patch",
     "is_dedicated",
     "is_installed",
+    "tp_dim",
     "uninstall_patch",
 ]
 
@@ -124,11 +127,12 @@ def is_installed() -> bool:
 
 def check_call_order(
     model: nn.Module, selected: Iterable[tuple[str, nn.Parameter]], mesh: object
-) -> None:
-    """Raise when FSDP2 (or any DTensor wrapper) got to the model before dedicate_params, or
-    when a selected parameter is tensor-parallel (a DTensor on a mesh other than ``mesh``)."""
+) -> DeviceMesh | None:
+    """Raise when FSDP2 (or any DTensor wrapper on the data-parallel ``mesh``) got to the
+    model before dedicate_params; return the tensor-parallel mesh of the selected parameters
+    that are TP shards (DTensors on another mesh), or ``None``. Raises when they do not fit
+    dmuon's tensor parallelism (see [Note: tensor-parallel grids] in _mesh)."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
@@ -138,17 +142,48 @@ def check_call_order(
                 "dmuon.dedicate_params(model, mesh, predicate) before fully_shard (order: "
                 "dedicate_params -> fully_shard(layers) -> fully_shard(model) -> Muon)"
             )
+    tp_mesh: DeviceMesh | None = None
     for fqn, param in selected:
-        if isinstance(param, DTensor) and param.device_mesh != mesh:
-            dims = param.device_mesh.mesh_dim_names or ("unnamed",)
-            raise NotImplementedError(
-                f"parameter {fqn!r} is tensor-parallel (a DTensor with placements "
-                f"{tuple(param.placements)} on mesh dims {dims}): this version of dmuon does not "
-                "support tensor parallelism; train with dmuon on a data-parallel mesh (1-D, or "
-                "HSDP) without parallelize_module, or use FSDP2 + AdamW for the TP model"
-            )
-        if isinstance(param, DTensor):
+        if not isinstance(param, DTensor):
+            continue
+        if param.device_mesh == mesh:
             raise RuntimeError(
                 f"parameter {fqn!r} is already a DTensor (FSDP2 manages it): dedicate it before "
                 "fully_shard, i.e. call dmuon.dedicate_params(model, mesh, predicate) first"
             )
+        _check_tp(fqn, param)
+        if tp_mesh is None:
+            tp_mesh = param.device_mesh
+        elif param.device_mesh != tp_mesh:
+            raise ValueError(
+                f"tensor-parallel parameter {fqn!r} lives on another mesh than the other selected "
+                "ones; dmuon's tensor parallelism takes one TP mesh for every dedicated matrix"
+            )
+    return tp_mesh
+
+
+def tp_dim(param: nn.Parameter) -> int | None:
+    """The dim a tensor-parallel parameter's shards split (``None``: not a TP shard)."""
+    if not isinstance(param, DTensor):
+        return None
+    placement = param.placements[0]
+    assert isinstance(placement, Shard)
+    return placement.dim % param.ndim
+
+
+def _check_tp(fqn: str, param: DTensor) -> None:
+    mesh, placements = param.device_mesh, param.placements
+    dims = mesh.mesh_dim_names or ("unnamed",)
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
+        raise NotImplementedError(
+            f"parameter {fqn!r} is a DTensor with placements {tuple(placements)} on mesh dims "
+            f"{dims}: dmuon dedicates tensor-parallel matrices sharded on one 1-D TP mesh "
+            "(ColwiseParallel or RowwiseParallel: Shard(0) or Shard(1)); leave replicated "
+            "parameters (SequenceParallel norms) out of the predicate"
+        )
+    size = param.shape[placements[0].dim % param.ndim]
+    if size % mesh.size():
+        raise ValueError(
+            f"tensor-parallel parameter {fqn!r} splits a dim of {size} over {mesh.size()} ranks "
+            "unevenly; dmuon needs equal TP shards (pick a TP degree that divides it)"
+        )

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "GuardedParameter",
@@ -73,6 +74,7 @@ _METADATA_METHODS = frozenset(
 )
 _ABSENT = "_dmuon_absent"
 _WHERE = "_dmuon_where"
+_TP_MARK = "_dmuon_dedicated_tp"
 
 
 class NotHeldError(RuntimeError):
@@ -151,6 +153,11 @@ def guard_parameter(param: nn.Parameter, where: str) -> None:
     owner in error messages."""
     if type(param) is nn.Parameter:
         param.__class__ = GuardedParameter
+    elif isinstance(param, DTensor):
+        # A tensor-parallel shard: its class is DTensor's; it is marked, not guarded (its
+        # local storage is freed between uses on peers like any dedicated weight).
+        param.__dict__[_TP_MARK] = True
+        return
     elif not isinstance(param, GuardedParameter):
         raise TypeError(
             f"{where}: dmuon can dedicate a plain nn.Parameter, not a {type(param).__name__}"
@@ -166,7 +173,9 @@ def guard_like(param: nn.Parameter, old: nn.Parameter) -> None:
 
 def is_dedicated(param: object) -> bool:
     """Whether ``dedicate_params`` took ``param`` over."""
-    return isinstance(param, GuardedParameter)
+    if isinstance(param, GuardedParameter):
+        return True
+    return isinstance(param, DTensor) and bool(param.__dict__.get(_TP_MARK, False))
 
 
 def set_held(param: nn.Parameter, held: bool) -> None:

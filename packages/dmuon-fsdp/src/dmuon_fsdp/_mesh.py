@@ -41,10 +41,22 @@ class MeshLayout:
     device: torch.device
     shard_mesh: DeviceMesh
     replicate_mesh: DeviceMesh | None
+    # Tensor parallelism: every TP index t has its own grid of the same shape
+    # (all_rank_of[t]); this rank's is rank_of, and its TP group holds the ranks of its own
+    # grid coordinate in every grid. See [Note: tensor-parallel grids].
+    tp_size: int = 1
+    tp_index: int = 0
+    all_rank_of: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    tp_mesh: DeviceMesh | None = None
 
     @property
     def world_size(self) -> int:
+        """Ranks of one data-parallel grid (the divisor of a gradient average)."""
         return self.shard_size * self.replicate_size
+
+    def tp_ranks(self, owner: Owner) -> tuple[int, ...]:
+        """The global ranks of grid coordinate ``owner`` in every TP index's grid."""
+        return tuple(grid[owner.replicate][owner.shard] for grid in self.all_rank_of)
 
     @property
     def is_hsdp(self) -> bool:
@@ -111,9 +123,20 @@ def _split_2d(mesh: DeviceMesh, replicate_mesh: object) -> tuple[DeviceMesh, Dev
     return mesh["shard"], mesh["replicate"]
 
 
-def resolve_layout(mesh: object, replicate_mesh: object = None) -> MeshLayout:
+def resolve_layout(
+    mesh: object, replicate_mesh: object = None, tp_mesh: DeviceMesh | None = None
+) -> MeshLayout:
     """Validate ``mesh`` (1-D shard mesh, or a 2-D mesh named ('replicate', 'shard')) and
-    ``replicate_mesh``; collective over the default group (see [Note: the grid])."""
+    ``replicate_mesh``; ``tp_mesh`` is the tensor-parallel mesh of the selected parameters
+    (``None``: no TP). Collective over the default group (see [Note: the grid]).
+
+    [Note: tensor-parallel grids]
+    With tensor parallelism of degree T the world is T data-parallel grids of G × R ranks: the
+    ranks of one TP index t form one grid, and the data-parallel meshes a rank passes
+    (``mesh['dp']``, or ``mesh['shard']`` and ``mesh['replicate']`` of a 3-D mesh) are its own
+    grid's. Each grid runs dmuon's protocol on its ranks' local TP shards, with the same plan;
+    the T ranks of one grid coordinate (one in each grid) form a TP group, which Newton–Schulz
+    of a sharded matrix uses."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "dedicate_params needs torch.distributed: call dist.init_process_group(...) first"
@@ -131,33 +154,53 @@ def resolve_layout(mesh: object, replicate_mesh: object = None) -> MeshLayout:
         )
     shard_size = shard_mesh.size()
     replicate_size = 1 if rep_mesh is None else rep_mesh.size()
+    tp_size = 1 if tp_mesh is None else tp_mesh.size()
     world = dist.get_world_size()
-    if shard_size * replicate_size != world:
+    if shard_size * replicate_size * tp_size != world:
+        tp = f" x tensor-parallel {tp_size}" if tp_size > 1 else ""
         raise ValueError(
             f"mesh sizes do not multiply to the world size: shard {shard_size} x replicate "
-            f"{replicate_size} != {world} ranks; dmuon's data-parallel grid must cover every "
+            f"{replicate_size}{tp} != {world} ranks; dmuon's data-parallel grid must cover every "
             "rank (pass the full data-parallel mesh, or replicate_mesh for HSDP)"
         )
     coord = Owner(shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank())
+    tp_index = 0 if tp_mesh is None else tp_mesh.get_local_rank()
     if shard_mesh.device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(shard_mesh.device_type)
-    gathered = all_gather_ints([coord.shard, coord.replicate, dist.get_rank()], device)
-    table: list[list[int | None]] = [[None] * shard_size for _ in range(replicate_size)]
-    for s, r, rank in gathered:
-        if table[r][s] is not None:
+    gathered = all_gather_ints([coord.shard, coord.replicate, tp_index, dist.get_rank()], device)
+    grids: list[list[list[int | None]]] = [
+        [[None] * shard_size for _ in range(replicate_size)] for _ in range(tp_size)
+    ]
+    for s, r, t, rank in gathered:
+        if grids[t][r][s] is not None:
             raise ValueError(
-                f"replicate_mesh does not match mesh: ranks {table[r][s]} and {rank} both sit at "
-                f"(shard={s}, replicate={r}); the two meshes must be the two dimensions of one "
+                f"replicate_mesh does not match mesh: ranks {grids[t][r][s]} and {rank} both sit "
+                f"at (shard={s}, replicate={r}); the two meshes must be the two dimensions of one "
                 f"2-D mesh: {_HSDP_HINT}"
             )
-        table[r][s] = rank
-    rank_of = tuple(tuple(int(g) for g in row if g is not None) for row in table)
+        grids[t][r][s] = rank
+    all_rank_of = tuple(
+        tuple(tuple(int(g) for g in row if g is not None) for row in grid) for grid in grids
+    )
+    rank_of = all_rank_of[tp_index]
     mine = tuple(int(g) for g in shard_mesh.mesh.tolist())
     if mine != rank_of[coord.replicate]:
         raise ValueError(
             f"replicate_mesh does not match mesh: this rank's shard group is {mine} but the "
             f"grid row is {rank_of[coord.replicate]}: {_HSDP_HINT}"
         )
-    return MeshLayout(shard_size, replicate_size, coord, rank_of, device, shard_mesh, rep_mesh)
+    return MeshLayout(
+        shard_size,
+        replicate_size,
+        coord,
+        rank_of,
+        device,
+        shard_mesh,
+        rep_mesh,
+        tp_size=tp_size,
+        tp_index=tp_index,
+        all_rank_of=all_rank_of,
+        tp_mesh=tp_mesh,
+    )

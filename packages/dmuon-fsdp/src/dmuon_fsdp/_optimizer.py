@@ -50,6 +50,8 @@ from ._param import DedicatedParam
 from ._param_groups import GroupDefaults, build_param_groups
 from ._profile import PhaseTimer
 from ._runtime import DedicatedRuntime, get_runtime
+from ._tp import TensorParallelNS, TPMode
+from ._tp import choose as choose_tp_mode
 
 __all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads", "MuonStepStats", "StepOptions"]
 
@@ -88,6 +90,9 @@ class StepOptions:
     replicate_async: bool = True
     # Skip the whole step when any gradient is not finite; see [Note: non-finite gradients].
     skip_nonfinite: bool = True
+    # How NS runs on a tensor-parallel matrix; see [Note: Newton–Schulz under tensor
+    # parallelism] in _tp.
+    tp_ns: TPMode = TPMode.AUTO
 
     def __post_init__(self) -> None:
         try:
@@ -103,6 +108,12 @@ class StepOptions:
                 f"ns_batch_bytes must be a positive int (bytes of one NS batch) or None for one"
                 f" NS call per shape, got {cap!r}"
             )
+        try:
+            object.__setattr__(self, "tp_ns", TPMode(self.tp_ns))
+        except ValueError:
+            raise ValueError(
+                f"tp_ns must be one of {[m.value for m in TPMode]}, got {self.tp_ns!r}"
+            ) from None
         for name in ("replicate_async", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -180,6 +191,7 @@ class Muon(torch.optim.Optimizer):
         ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
         skip_nonfinite: bool = True,
         profile: bool = False,
+        tp_ns: TPMode | str = TPMode.AUTO,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -194,6 +206,7 @@ class Muon(torch.optim.Optimizer):
             ns_batch_bytes=ns_batch_bytes,
             replicate_async=replicate_async,
             skip_nonfinite=skip_nonfinite,
+            tp_ns=tp_ns,  # type: ignore[arg-type]
         )
         self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
@@ -295,13 +308,17 @@ class Muon(torch.optim.Optimizer):
                 mark("nonfinite_check")
             skip = None if found is None else found > 0
             with record_function("dmuon::muon_step"):
+                plain = [item for item, tp in muon_items if tp is None]
                 muon_step(
-                    muon_items,
+                    plain,
                     self._ns,
                     max_batch_bytes=self.options.ns_batch_bytes,
                     skip=skip,
                     mark=mark,
                 )
+                for item, tp in muon_items:
+                    if tp is not None:
+                        muon_step([item], tp, max_batch_bytes=None, skip=skip, mark=mark)
             with record_function("dmuon::adamw_step"):
                 for group, params, grads, states in adamw_work:
                     beta1, beta2 = group["betas"]
@@ -351,9 +368,10 @@ class Muon(torch.optim.Optimizer):
                     )
         self._checked_params = True
 
-    def _muon_items(self) -> list[MuonItem]:
-        """One item per owned Muon matrix with a gradient (momentum buffers made on first use)."""
-        items: list[MuonItem] = []
+    def _muon_items(self) -> list[tuple[MuonItem, TensorParallelNS | None]]:
+        """One item per owned Muon matrix with a gradient (momentum buffers made on first use),
+        with the NS of its shards when it is tensor-parallel."""
+        items: list[tuple[MuonItem, TensorParallelNS | None]] = []
         for group, p, dp in self._owned_muon():
             if dp.grad is None:
                 continue
@@ -362,19 +380,36 @@ class Muon(torch.optim.Optimizer):
             if not state:
                 state.update(fresh_state(Route.MUON, dp.full, optim_dtype(dp)))
             buf = state["momentum_buffer"]
-            items.append(
-                MuonItem(
-                    weight=dp.full,
-                    grad=dp.grad,
-                    buf=buf,
-                    momentum=float(group["momentum"]),
-                    nesterov=bool(group["nesterov"]),
-                    lr=float(group["lr"]),
-                    weight_decay=float(group["weight_decay"]),
-                    scale=lr_scale(dp.shape, self.options.lr_scaling),
-                )
+            item = MuonItem(
+                weight=dp.full,
+                grad=dp.grad,
+                buf=buf,
+                momentum=float(group["momentum"]),
+                nesterov=bool(group["nesterov"]),
+                lr=float(group["lr"]),
+                weight_decay=float(group["weight_decay"]),
+                scale=lr_scale(dp.shape, self.options.lr_scaling),
             )
+            items.append((item, self._tensor_parallel_ns(dp)))
         return items
+
+    def _tensor_parallel_ns(self, dp: DedicatedParam) -> TensorParallelNS | None:
+        if dp.tp_dim is None:
+            return None
+        runtime = self._runtime
+        comm = runtime.comm_ctx
+        assert comm.tp_group is not None
+        shape = (int(dp.shape[0]), int(dp.shape[1]))
+        owner = runtime.layout.tp_ranks(dp.owner)[runtime.plan.tp_owner_of(dp.fqn)]
+        return TensorParallelNS(
+            self._ns,
+            shape=shape,
+            tp_dim=dp.tp_dim,
+            mode=choose_tp_mode(self.options.tp_ns, shape, dp.tp_dim, self._ns),
+            group=comm.tp_group,
+            tp_owner=owner,
+            counter=comm.counter,
+        )
 
     def _adamw_work(self) -> list[tuple[dict[str, Any], list[Tensor], list[Tensor], list[Any]]]:
         """Per AdamW group: the tensors this rank steps (FSDP2 shards; dedicated AdamW-route
@@ -407,14 +442,16 @@ class Muon(torch.optim.Optimizer):
         return work
 
     def _find_nonfinite(
-        self, muon_items: list[MuonItem], adamw_work: list[tuple[Any, Any, list[Tensor], Any]]
+        self,
+        muon_items: list[tuple[MuonItem, TensorParallelNS | None]],
+        adamw_work: list[tuple[Any, Any, list[Tensor], Any]],
     ) -> Tensor:
         """1.0 when any gradient any rank is about to step with holds a NaN or an infinity, on
         the device and agreed across ranks without a host sync; see [Note: non-finite
         gradients] in _muon_math."""
         device = self._runtime.layout.device
         found = torch.zeros((), dtype=torch.float32, device=device)
-        grads = [item.grad for item in muon_items]
+        grads = [item.grad for item, _ in muon_items]
         grads += [local_tensor(g) for *_, gs, _ in adamw_work for g in gs]
         if grads:
             # The largest magnitude of each gradient (one foreach launch, any float dtype): NaN

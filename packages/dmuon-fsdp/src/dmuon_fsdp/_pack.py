@@ -60,10 +60,10 @@ class Pack:
         masters: list[torch.Tensor] | None = [] if role is Role.OWNER and precision.mixed else None
         offset = 0
         for dp in params:
-            view = buffer[offset : offset + dp.numel].view(dp.shape)
+            view = buffer[offset : offset + dp.numel].view(dp.local_shape)
             if role is not Role.PEER or resident:
                 # A sender's current weight: as built, or its previous pack (a repack).
-                weight = dp.param.detach() if dp.full is None else dp.full
+                weight = dp.tensor.detach() if dp.full is None else dp.full
                 with torch.no_grad():
                     view.copy_(weight)
             dp.offset = offset
@@ -73,9 +73,9 @@ class Pack:
                 master = weight.to(precision.master)
                 masters.append(master)
                 dp.full = master
-                dp.param.data = master
+                dp.tensor.data = master
             else:
-                dp.param.data = view
+                dp.tensor.data = view
                 if role is Role.OWNER:
                     dp.full = view
             offset += dp.numel
@@ -108,7 +108,9 @@ class Pack:
         return self.numel * self.buffer.element_size()
 
     def views(self) -> list[torch.Tensor]:
-        return [self.buffer[dp.offset : dp.offset + dp.numel].view(dp.shape) for dp in self.params]
+        return [
+            self.buffer[dp.offset : dp.offset + dp.numel].view(dp.local_shape) for dp in self.params
+        ]
 
     def alloc(self) -> None:
         """Give the buffer its storage; an owner's compute copy is cast from the masters and
@@ -120,7 +122,7 @@ class Pack:
             with torch.no_grad():
                 for dp, view, master in zip(self.params, self.views(), self.masters):
                     view.copy_(master)
-                    dp.param.data = view
+                    dp.tensor.data = view
         for dp in self.params:
             set_held(dp.param, True)
 
@@ -128,7 +130,7 @@ class Pack:
         """Drop the buffer's storage; an owner's parameters point back at the masters."""
         if self.masters is not None:
             for dp, master in zip(self.params, self.masters):
-                dp.param.data = master
+                dp.tensor.data = master
         else:
             for dp in self.params:
                 set_held(dp.param, False)

@@ -22,12 +22,19 @@ from enum import StrEnum
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Owner, ResolvedPolicy, Route
 
 from ._precision import Precision
 
-__all__ = ["DedicatedParam", "Role"]
+__all__ = ["DedicatedParam", "Role", "local_shard"]
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the object it holds, so writing its ``.data`` reaches the
+    DTensor), or ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class Role(StrEnum):
@@ -62,12 +69,26 @@ class DedicatedParam:
     offset: int = 0  # element offset inside the unit's packed buffer
     full: torch.Tensor | None = None
     grad: torch.Tensor | None = None
-    shape: torch.Size = field(init=False)
+    # Tensor parallelism: the dim the TP shards split (None: not tensor-parallel); the runtime
+    # then moves and steps this rank's shard (see [Note: tensor-parallel grids] in _mesh).
+    tp_dim: int | None = None
+    shape: torch.Size = field(init=False)  # the full (global) shape
+    local_shape: torch.Size = field(init=False)  # this rank's shard's (the full one without TP)
     dtype: torch.dtype = field(init=False)  # the master dtype
 
     def __post_init__(self) -> None:
         self.shape = self.param.shape
+        self.local_shape = self.tensor.shape
         self.dtype = self.param.dtype
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """What dmuon packs and steps: the parameter, or its local shard when it is a DTensor."""
+        return local_shard(self.param)
+
+    def local_grad(self) -> torch.Tensor | None:
+        grad = self.param.grad
+        return None if grad is None else local_shard(grad)
 
     @property
     def is_owner(self) -> bool:
@@ -75,7 +96,8 @@ class DedicatedParam:
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        """Elements this rank packs (its TP shard's)."""
+        return math.prod(self.local_shape)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,140 @@
+"""Newton–Schulz of a tensor-parallel matrix: every rank of its owner's TP group holds a shard.
+
+[Note: Newton–Schulz under tensor parallelism]
+
+A dedicated TP matrix ``W`` (m × n) is split along ``tp_dim`` into T equal shards, one per rank
+of the owner's TP group (see [Note: tensor-parallel grids] in :mod:`._mesh`); the momentum and
+the NS input are elementwise, so each rank forms its shard of the input locally. NS needs the
+whole matrix, in one of two ways (``Muon(tp_ns=...)``):
+
+- ``"gather"``: the group's TP owner (the index the plan gives the matrix, spread over the
+  group) gathers the T input shards, runs NS once on the whole matrix and scatters the result:
+  NS runs once per matrix in the world, and each shard travels twice: ``2(T−1)/T·m·n``
+  elements through the TP owner.
+- ``"gram"``: the Gram side is the short one (``X = W`` for m ≤ n, ``Wᵀ`` otherwise), and when
+  the shards split the long side they are column blocks of ``X``: every rank forms its block's
+  ``Xᵢ·Xᵢᵀ`` and one all-reduce of the m×m sums gives every rank the whole Gram matrix
+  (``dmuon_ns.gram_newton_schulz_distributed``, one more all-reduce per restart). The NS work
+  is split over the group, and ``short²`` elements travel per all-reduce.
+- ``"auto"`` (the default) takes ``"gram"`` when it applies (the shards split the long side,
+  or either side of a square matrix, and the optimizer's NS is a Gram ``NewtonSchulz``) and the
+  short side is at most half the long one, so that the all-reduces of ``short²`` move less than
+  gathering and scattering the matrix; ``"gather"`` otherwise. ``"gram"`` takes it wherever it
+  applies, and ``"gather"`` for the other matrices.
+
+Both give each rank its shard of ``NS(input)``; the update and weight decay are elementwise on
+the shards. Traffic is counted on the ``tp`` axis of the runtime's byte counter.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from dmuon_ns import NewtonSchulz, gram_newton_schulz_distributed
+
+from ._comm import Axis, CommCounter, CommKind
+from ._muon_math import NSFunction
+
+__all__ = ["TPMode", "TensorParallelNS"]
+
+
+class TPMode(StrEnum):
+    AUTO = "auto"
+    GATHER = "gather"
+    GRAM = "gram"
+
+
+def gram_applies(shape: tuple[int, int], tp_dim: int, ns: NSFunction) -> bool:
+    """Whether distributed Gram NS can orthogonalise a matrix of ``shape`` split on
+    ``tp_dim``: the shards must split the long side (either side of a square matrix), and
+    ``ns`` must be a Gram ``NewtonSchulz``."""
+    rows, cols = shape
+    long_side = tp_dim == (1 if rows <= cols else 0) or rows == cols
+    return long_side and isinstance(ns, NewtonSchulz) and ns.backend == "gram"
+
+
+def choose(mode: TPMode, shape: tuple[int, int], tp_dim: int, ns: NSFunction) -> TPMode:
+    """The way a matrix is orthogonalised; see [Note: Newton–Schulz under tensor
+    parallelism]."""
+    if not gram_applies(shape, tp_dim, ns):
+        return TPMode.GATHER
+    if mode is TPMode.AUTO:
+        short, long = sorted(shape)
+        return TPMode.GRAM if 2 * short <= long else TPMode.GATHER
+    return mode
+
+
+class TensorParallelNS:
+    """An NS function on a one-matrix ``(1, *local_shape)`` stack of TP shards, for
+    ``muon_step``: it returns this rank's shard of NS of the whole matrix."""
+
+    def __init__(
+        self,
+        ns: NSFunction,
+        *,
+        shape: tuple[int, int],
+        tp_dim: int,
+        mode: TPMode,
+        group: ProcessGroup,
+        tp_owner: int,
+        counter: CommCounter,
+    ) -> None:
+        self.ns = ns
+        self.shape = shape
+        self.tp_dim = tp_dim
+        self.mode = mode
+        self.group = group
+        self.tp_owner = tp_owner  # global rank
+        self.counter = counter
+
+    def __call__(self, batch: Tensor) -> Tensor:
+        assert batch.shape[0] == 1, "tensor-parallel matrices run one at a time"
+        local = batch[0]
+        out = self._gram(local) if self.mode is TPMode.GRAM else self._gather(local)
+        return out.unsqueeze(0)
+
+    def _gather(self, local: Tensor) -> Tensor:
+        local = local.contiguous()
+        size = dist.get_world_size(self.group)
+        owner = dist.get_rank() == self.tp_owner
+        nbytes = local.numel() * local.element_size() * size
+        self.counter.record(Axis.TP, CommKind.GATHER, nbytes)
+        parts = [torch.empty_like(local) for _ in range(size)] if owner else None
+        dist.gather(local, parts, dst=self.tp_owner, group=self.group)
+        chunks = None
+        if owner:
+            assert parts is not None
+            full = torch.cat(parts, dim=self.tp_dim)
+            update = self.ns(full.unsqueeze(0))[0]
+            chunks = [c.contiguous() for c in update.chunk(size, dim=self.tp_dim)]
+        self.counter.record(Axis.TP, CommKind.SCATTER, nbytes)
+        out = torch.empty_like(local)
+        dist.scatter(out, chunks, src=self.tp_owner, group=self.group)
+        return out
+
+    def _gram(self, local: Tensor) -> Tensor:
+        rows, cols = self.shape
+        transposed = rows > cols
+        x = local.mT if transposed else local
+
+        def all_reduce(t: Tensor) -> None:
+            self.counter.record(Axis.TP, CommKind.ALL_REDUCE, t.numel() * t.element_size())
+            dist.all_reduce(t, group=self.group)
+
+        ns = self.ns
+        assert isinstance(ns, NewtonSchulz)
+        y = gram_newton_schulz_distributed(
+            x,
+            all_reduce,
+            steps=ns.steps,
+            coefficients=ns.coefficients,
+            restart_iterations=ns.restart_iterations,
+            dtype=ns.dtype,
+            eps=ns.eps,
+        )
+        return y.mT if transposed else y
