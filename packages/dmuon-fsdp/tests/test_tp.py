@@ -175,3 +175,25 @@ def test_tensor_parallel_checkpoints_resume_bit_for_bit_and_load_without_tp() ->
     # On another topology the reduction order differs: the same trajectory within rounding.
     for got, want in zip(on_flat, uninterrupted):
         assert abs(got - want) <= 1e-4 * abs(want), (on_flat, uninterrupted)
+
+
+def _ddp_tp(rank: int, world_size: int):
+    from dmuon_fsdp import dedicate_params_ddp_tp, replicate_tp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build(0)
+    tensor_parallel(model, mesh["tp"])
+    runtime = dedicate_params_ddp_tp(model, mesh["dp"], muon_predicate, small_param_threshold=0)
+    replicate_tp(model, mesh["dp"])
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    return _train(model, optimizer, runtime.coord.shard, 2, STEPS)
+
+
+@pytest.mark.distributed
+def test_ddp_path_with_tensor_parallelism_matches_the_reference() -> None:
+    losses = run_distributed(_ddp_tp, 4)[0]
+    plain = build(0)
+    names = [n for n, p in plain.named_parameters() if muon_predicate(n, p)]
+    ref = train_reference(plain, names, HYPER, STEPS, ROWS, SEQ, VOCAB)
+    for step, (got, want) in enumerate(zip(losses, ref)):
+        assert abs(got - want) <= 2e-3 * abs(want), f"step {step}: {got} vs {want}"

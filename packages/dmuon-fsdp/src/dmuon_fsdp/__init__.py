@@ -19,7 +19,7 @@ from ._checkpoint import (
 from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
 from ._config import DedicateConfig
 from ._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
-from ._dedicate import dedicate_params, dedicate_params_ddp
+from ._dedicate import dedicate_params, dedicate_params_ddp, dedicate_params_ddp_tp
 from ._diagnostics import (
     collect_forward_unshard_profile,
     summarize_comm_plan,
@@ -31,7 +31,7 @@ from ._muon_math import LrScaling
 from ._no_sync import no_sync
 from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
 from ._param import DedicatedParam, Role
-from ._replicate import replicate
+from ._replicate import replicate, replicate_tp
 from ._runtime import DedicatedRuntime, get_runtime
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "collect_forward_unshard_profile",
     "dedicate_params",
     "dedicate_params_ddp",
+    "dedicate_params_ddp_tp",
     "dedicated_params_of",
     "get_comm_ctx",
     "get_dedicated_params",
@@ -69,6 +70,7 @@ __all__ = [
     "no_sync",
     "prepare_muon_grads",
     "replicate",
+    "replicate_tp",
     "save_checkpoint",
     "set_model_state_dict",
     "set_optimizer_state_dict",

@@ -54,7 +54,7 @@ from torch.distributed import ProcessGroup
 
 from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext
 from ._pack import Pack
-from ._param import Role
+from ._param import Role, local_shard
 
 __all__ = [
     "AllReduceQueue",
@@ -296,6 +296,7 @@ class AllReduceQueue:
         self._pending: list[CollectiveResult] = []
 
     def submit(self, grad: torch.Tensor) -> None:
+        grad = local_shard(grad)
         comm = self._comm
         if comm.layout.shard_size == 1:
             return

@@ -57,10 +57,10 @@ from ._fsdp_integration import check_call_order, install_patch, tp_dim
 from ._group import DedicatedGroup
 from ._guard import guard_parameter, is_dedicated, refuse_ddp
 from ._mesh import MeshLayout, all_gather_ints, resolve_layout
-from ._param import DedicatedParam, Role
+from ._param import DedicatedParam, Role, local_shard
 from ._runtime import RUNTIME_ATTR, DedicatedRuntime
 
-__all__ = ["dedicate_params", "dedicate_params_ddp"]
+__all__ = ["dedicate_params", "dedicate_params_ddp", "dedicate_params_ddp_tp"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,16 @@ def dedicate_params_ddp(
     return _dedicate(model, mesh, predicate, config, None, options.get("param_policy"))
 
 
+def dedicate_params_ddp_tp(
+    model: nn.Module, mesh: Any, predicate: Predicate, **options: Unpack[SharedOptions]
+) -> DedicatedRuntime:
+    """The replicated path on a tensor-parallel model (after ``parallelize_module``):
+    :func:`dedicate_params_ddp` with ``mesh`` the data-parallel dimension of the (dp, tp)
+    mesh. Tensor-parallel matrices are recognised by their DTensor placements, so this is the
+    same function under the name that says what the model is."""
+    return dedicate_params_ddp(model, mesh, predicate, **options)
+
+
 def _config(arguments: Mapping[str, Any], **fixed: Any) -> DedicateConfig:
     """The :class:`DedicateConfig` of an entry point's ``arguments`` (its options are the
     config's fields, by name) and the values the entry point ``fixed``."""
@@ -167,11 +177,6 @@ def _dedicate(
     aliases = _aliases(model)
     selected = _select(model, aliases, predicate)
     tp_mesh = check_call_order(model, selected, mesh)
-    if tp_mesh is not None and config.replicated:
-        raise NotImplementedError(
-            "dedicate_params_ddp does not take tensor-parallel parameters yet; use "
-            "dedicate_params + fully_shard with tensor parallelism"
-        )
     layout = resolve_layout(mesh, replicate_mesh, tp_mesh)
     if config.replicated and layout.is_hsdp:
         raise ValueError(
@@ -192,12 +197,13 @@ def _dedicate(
     )
     _check_fingerprint(plan, layout)
 
+    comm = DedicatedCommContext.build(layout, config.process_group_policy)
     if config.replicated and layout.world_size > 1:
-        # As DistributedDataParallel does: every copy starts from the first rank's weights.
+        # As DistributedDataParallel does: every copy starts from its grid's first rank.
         with torch.no_grad():
             for item in items:
-                dist.broadcast(named_params[item.name].data, src=layout.rank_of[0][0])
-    comm = DedicatedCommContext.build(layout, config.process_group_policy)
+                shard = local_shard(named_params[item.name]).detach()
+                dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
     params, groups = _build_groups(model, modules, plan, policies, layout, comm, config.replicated)
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     if config.patch_fully_shard:

@@ -31,9 +31,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._guard import is_dedicated
+from ._param import local_shard
 from ._runtime import get_runtime
 
-__all__ = ["replicate"]
+__all__ = ["replicate", "replicate_tp"]
 
 
 def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -65,5 +66,13 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     if runtime.layout.world_size > 1:
         with torch.no_grad():
             for tensor in [*params, *model.buffers()]:
-                dist.broadcast(tensor.data, src=source, group=runtime.world_group)
+                local = local_shard(tensor).detach()  # a TP shard: its grid's copies
+                dist.broadcast(local, src=source, group=runtime.world_group)
     runtime.replicate(params)
+
+
+def replicate_tp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """:func:`replicate` on a tensor-parallel model (``mesh``: the data-parallel dimension of
+    the (dp, tp) mesh); tensor-parallel parameters are recognised by their DTensor
+    placements, so this is the same function under the name that says what the model is."""
+    replicate(model, mesh)

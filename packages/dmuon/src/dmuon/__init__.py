@@ -34,6 +34,7 @@ from dmuon_fsdp import broadcast_all_updates_async as broadcast_all_updates_asyn
 from dmuon_fsdp import collect_forward_unshard_profile as collect_forward_unshard_profile
 from dmuon_fsdp import dedicate_params as dedicate_params
 from dmuon_fsdp import dedicate_params_ddp as dedicate_params_ddp
+from dmuon_fsdp import dedicate_params_ddp_tp as dedicate_params_ddp_tp
 from dmuon_fsdp import dedicated_params_of as dedicated_params_of
 from dmuon_fsdp import get_comm_ctx as get_comm_ctx
 from dmuon_fsdp import get_dedicated_params as get_dedicated_params
@@ -45,6 +46,7 @@ from dmuon_fsdp import load_checkpoint as load_checkpoint
 from dmuon_fsdp import no_sync as no_sync
 from dmuon_fsdp import prepare_muon_grads as prepare_muon_grads
 from dmuon_fsdp import replicate as replicate
+from dmuon_fsdp import replicate_tp as replicate_tp
 from dmuon_fsdp import save_checkpoint as save_checkpoint
 from dmuon_fsdp import set_model_state_dict as set_model_state_dict
 from dmuon_fsdp import set_optimizer_state_dict as set_optimizer_state_dict
