@@ -73,6 +73,18 @@ def _tensor_parallel(rank: int, world_size: int) -> None:
         ValueError, match=r"'layers\.0\.mlp\.up_proj\.weight' splits a dim of 23 over 2"
     ):
         dedicate_params(model, mesh["dp"], muon_predicate)
+    # The TP dimension passed as the data-parallel mesh.
+    model = build(0, n_layers=1)
+    parallelize_module(model.layers[0].mlp, mesh["tp"], {"up_proj": ColwiseParallel()})
+    with pytest.raises(
+        RuntimeError,
+        match=r"'layers\.0\.mlp\.up_proj\.weight'.*pass the data-parallel.*mesh\['dp'\]",
+    ):
+        dedicate_params(model, mesh["tp"], muon_predicate)
+    # A data-parallel mesh from another mesh than the TP plan's: the grid does not tile.
+    other = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"shard 2 x replicate 1 x tensor-parallel 2 != 2 ranks"):
+        dedicate_params(model, other["dp"], muon_predicate)
 
 
 def _non_matrix(rank: int, world_size: int) -> None:

@@ -86,11 +86,29 @@ def test_demo_hsdp_z2_with_plot(tmp_path: Path) -> None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.distributed
+def test_demo_tensor_parallel() -> None:
+    text = _run(["--steps", "3", "--nproc", "4", "--tp", "2", *TINY])
+    assert "mesh (2, 2) ('shard', 'tp'), Z3" in text
+    losses = _losses(text)
+    for run in ("adamw", "dmuon"):
+        assert len(losses[run]) == 3 and losses[run][-1] < losses[run][0], text
+    # Both runs shard the projections over 'tp' the same way: same first forward.
+    assert losses["adamw"][0] == losses["dmuon"][0]
+    # Z3's three rounds move a rank's TP shards only: 3 · P_M / T payload per rank.
+    rounds = float(re.search(r"counted: shard (\S+)·P_M, tp NS (\S+)·P_M wire", text).group(1))
+    assert rounds == pytest.approx(1.5, rel=0.01)
+    assert "1 (its owner's 2 TP ranks)" in text
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--nproc", "3", "--replicate", "2"], "--replicate 2 must divide the number of ranks"),
         (["--nproc", "0"], "--nproc must be >= 1"),
+        (["--nproc", "4", "--tp", "3"], "--tp 3 must divide the ranks of one replica (4)"),
+        (["--nproc", "2", "--tp", "2", "--heads", "1"], "--tp 2 must divide --heads (1)"),
+        (["--nproc", "4", "--tp", "2", "--batch-size", "3"], "data-parallel ranks (2)"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--zero", "1"], "--zero must be 2 or 3"),
         (["--nproc", "4", "--batch-size", "6"], "--batch-size 6 must be divisible"),

@@ -148,8 +148,10 @@ def check_call_order(
             continue
         if param.device_mesh == mesh:
             raise RuntimeError(
-                f"parameter {fqn!r} is already a DTensor (FSDP2 manages it): dedicate it before "
-                "fully_shard, i.e. call dmuon.dedicate_params(model, mesh, predicate) first"
+                f"parameter {fqn!r} is already a DTensor on the mesh passed to dedicate_params: "
+                "if FSDP2 sharded it, call dmuon.dedicate_params(model, mesh, predicate) first "
+                "(before fully_shard); if it is a tensor-parallel shard, pass the data-parallel "
+                "dimension (mesh['dp'] of a ('dp', 'tp') mesh), not the TP one"
             )
         _check_tp(fqn, param)
         if tp_mesh is None:

@@ -174,6 +174,13 @@ def resolve_layout(
         [[None] * shard_size for _ in range(replicate_size)] for _ in range(tp_size)
     ]
     for s, r, t, rank in gathered:
+        if grids[t][r][s] is not None and tp_size > 1:
+            raise ValueError(
+                f"the tensor-parallel mesh does not match mesh: ranks {grids[t][r][s]} and {rank} "
+                f"both sit at (shard={s}, replicate={r}, tp={t}); take the data-parallel and the "
+                "TP dimensions from one mesh, e.g. init_device_mesh(..., (dp, tp), "
+                "mesh_dim_names=('dp', 'tp')) and pass mesh['dp'] with the plan on mesh['tp']"
+            )
         if grids[t][r][s] is not None:
             raise ValueError(
                 f"replicate_mesh does not match mesh: ranks {grids[t][r][s]} and {rank} both sit "

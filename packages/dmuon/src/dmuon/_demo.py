@@ -2,6 +2,7 @@
 
     dmuon-demo                          # 4 ranks (gloo on CPU, NCCL with 4 GPUs), 40 steps
     dmuon-demo --replicate 2 --zero 2   # HSDP on a (2, 2) mesh, keep weights after forward
+    dmuon-demo --tp 2                   # tensor parallelism: mesh (2, 2) ('shard', 'tp')
     dmuon-demo --plot loss.png          # both loss curves (needs matplotlib)
     torchrun --nproc-per-node 8 -m dmuon._demo --torchrun   # one process per GPU, NCCL
 
@@ -53,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
         help="HSDP replicas R: mesh (R, nproc/R) named ('replicate', 'shard') (default 1)",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree T: Colwise q/k/v/gate/up, Rowwise o/down on a 'tp' mesh"
+        " dimension, data parallelism over the other nproc/T (default 1)",
+    )
+    p.add_argument(
         "--zero",
         type=int,
         default=3,
@@ -97,13 +105,22 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
             f" {_largest_divisor_below(world_size, args.replicate)} or --nproc"
             f" {args.replicate * -(-world_size // args.replicate)}"
         )
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if (world_size // args.replicate) % args.tp:
+        raise ValueError(
+            f"--tp {args.tp} must divide the ranks of one replica ({world_size // args.replicate}):"
+            f" the mesh is (replicate, shard, tp); try --nproc"
+            f" {args.replicate * args.tp * max(1, world_size // (args.replicate * args.tp))}"
+        )
     if args.zero not in (2, 3):
         raise ValueError(f"--zero must be 2 or 3, got {args.zero}")
-    if args.batch_size % world_size:
+    dp_size = world_size // args.tp
+    if args.batch_size % dp_size:
         raise ValueError(
-            f"--batch-size {args.batch_size} must be divisible by the number of ranks"
-            f" ({world_size}) so that every rank gets the same rows; try --batch-size"
-            f" {world_size * max(1, args.batch_size // world_size)}"
+            f"--batch-size {args.batch_size} must be divisible by the number of data-parallel"
+            f" ranks ({dp_size}) so that every rank gets the same rows; try --batch-size"
+            f" {dp_size * max(1, args.batch_size // dp_size)}"
         )
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot needs a .png file name, got {args.plot!r}")
@@ -123,12 +140,23 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
         heads=args.heads,
         seq_len=args.seq_len,
     )
+    for what, size in (
+        ("--heads", model.heads),
+        ("the key/value heads", model.n_kv_heads),
+        ("--intermediate", model.intermediate),
+    ):
+        if size % args.tp:
+            raise ValueError(
+                f"--tp {args.tp} must divide {what} ({size}): each tensor-parallel rank holds"
+                " an equal share of every projection"
+            )
     runs = (RunKind(args.only),) if args.only else (RunKind.ADAMW, RunKind.DMUON)
     return DemoOptions(
         model=model,
         steps=args.steps,
         batch_size=args.batch_size,
         replicate=args.replicate,
+        tp=args.tp,
         zero=args.zero,
         seed=args.seed,
         lr=args.lr,
@@ -162,32 +190,38 @@ class _Progress:
 class _Mesh(NamedTuple):
     shard: int  # G: ranks that share one copy of the model
     replicate: int  # R: copies (1 without HSDP)
+    tp: int  # T: tensor-parallel degree (1 without TP)
 
 
 def _formula_bytes(mesh: _Mesh, zero: int, p_m: float, *, plain_muon: bool) -> float:
     """Per-rank wire bytes per step that FSDP2 moves for the Muon-target matrices (these runs
-    do not count FSDP2's traffic). On the shard axis each round costs (G-1)/G·P_M per rank:
-    Z3 all-gathers the weights twice (forward, backward) and reduce-scatters the gradients
-    once, Z2 all-gathers once; a plain Muon adds one all-gather of each full gradient, since
-    NS needs the whole matrix. HSDP adds an all-reduce of each rank's 1/G gradient shard over
-    the R replicas: two rounds of (R-1)/R·P_M/G."""
-    g, r = mesh
+    do not count FSDP2's traffic). A rank's FSDP2 shards are 1/G of its TP shard, P_M/T. On the
+    shard axis each round costs (G-1)/G·P_M/T per rank: Z3 all-gathers the weights twice
+    (forward, backward) and reduce-scatters the gradients once, Z2 all-gathers once; a plain
+    Muon adds one all-gather of each full gradient, since NS needs the whole matrix (with TP,
+    one more over the TP group: (T-1)/T·P_M). HSDP adds an all-reduce of each rank's 1/G
+    gradient shard over the R replicas: two rounds of (R-1)/R·P_M/(G·T)."""
+    g, r, t = mesh
     rounds = (3 if zero == 3 else 2) + (1 if plain_muon else 0)
-    return rounds * (g - 1) / g * p_m + 2 * (r - 1) / r * p_m / g
+    moved = rounds * (g - 1) / g * p_m / t + 2 * (r - 1) / r * p_m / (g * t)
+    return moved + ((t - 1) / t * p_m if plain_muon else 0.0)
 
 
 def _counted_bytes(results: Sequence[RunResult], mesh: _Mesh, p_m: float) -> tuple[float, str]:
     """dmuon's per-rank wire bytes per step, from the payloads its ``CommCounter`` recorded on
     every rank (mean over ranks and steps) times the wire cost of a round on a group of n,
     (n-1)/n; and the payloads in units of P_M."""
-    g, r = mesh
+    g, r, t = mesh
     ranks_steps = sum(len(res.shard_bytes) for res in results)
     shard_payload = sum(sum(res.shard_bytes) for res in results) / ranks_steps
     repl_payload = sum(sum(res.replicate_bytes) for res in results) / ranks_steps
-    wire = shard_payload * (g - 1) / g + repl_payload * (r - 1) / r
+    tp_wire = sum(sum(res.tp_wire) for res in results) / ranks_steps
+    wire = shard_payload * (g - 1) / g + repl_payload * (r - 1) / r + tp_wire
     how = f"counted: shard {shard_payload / p_m:.2f}·P_M"
     if r > 1:
         how += f", replicate {repl_payload / p_m:.2f}·P_M"
+    if t > 1:
+        how += f", tp NS {tp_wire / p_m:.2f}·P_M wire"
     return wire, how
 
 
@@ -211,7 +245,7 @@ def _table(
     replaces, so that the saving reads off the table on a 1-D and on an HSDP mesh alike."""
     first = per_rank[0][0]
     p_m = first.muon_numel * first.muon_itemsize
-    mesh = _Mesh(world_size // opts.replicate, opts.replicate)
+    mesh = _Mesh(world_size // (opts.replicate * opts.tp), opts.replicate, opts.tp)
     plain = _formula_bytes(mesh, opts.zero, p_m, plain_muon=True)
     header = (
         "run",
@@ -230,7 +264,7 @@ def _table(
         if r.run is RunKind.DMUON:
             moved, source = _counted_bytes([rank[i] for rank in per_rank], mesh, p_m)
             saving = f" ({moved / plain - 1:+.0%})" if plain else ""
-            ns = "1 (its owner)"
+            ns = "1 (its owner)" if opts.tp == 1 else f"1 (its owner's {opts.tp} TP ranks)"
         else:
             moved = _formula_bytes(mesh, opts.zero, p_m, plain_muon=False)
             source, saving, ns = "formula", "", "0 (no Muon)"
@@ -249,6 +283,16 @@ def _table(
         " sends each matrix's gradient to one owner (reduce), which alone runs NS and"
         " broadcasts the weight. 'bytes from': counted by dmuon, or the formula for FSDP2,"
         " whose traffic this demo does not count.",
+        *(
+            [
+                f"TP {opts.tp}: a rank holds 1/{opts.tp} of each projection, and dmuon's rounds"
+                f" move only those shards (P_M/{opts.tp} per TP index); NS of a sharded matrix"
+                " gathers it to one rank of its TP group or all-reduces Gram matrices ('tp NS',"
+                " Muon(tp_ns='auto'))."
+            ]
+            if opts.tp > 1
+            else []
+        ),
         "loads=[...] in the plan line above: the estimated NS work each rank owns"
         " (imbalance = max/mean - 1).",
         f"loss: starts near ln(vocab) = {stream.uniform_loss:.3f}; best possible on this stream"
@@ -290,11 +334,12 @@ def _header(opts: DemoOptions, world_size: int, device_type: str, backend: str) 
     m = opts.model
     n_params = sum(p.numel() for p in TinyLlama(m).parameters())
     n_muon = sum(p.numel() for n, p in TinyLlama(m).named_parameters() if muon_predicate(n, p))
-    mesh = (
-        f"({world_size},) 'shard'"
-        if opts.replicate == 1
-        else f"({opts.replicate}, {world_size // opts.replicate}) ('replicate', 'shard')"
-    )
+    shard = world_size // (opts.replicate * opts.tp)
+    dims = [("replicate", opts.replicate), ("shard", shard), ("tp", opts.tp)]
+    dims = [(n, k) for n, k in dims if n == "shard" or k > 1]
+    sizes = ", ".join(str(k) for _, k in dims) + ("," if len(dims) == 1 else "")
+    names = ", ".join(repr(n) for n, _ in dims) + ("," if len(dims) == 1 else "")
+    mesh = f"({sizes}) ({names})" if len(dims) > 1 else f"({sizes}) {names[:-1]}"
     return (
         f"dmuon demo: {world_size} ranks on {device_type} ({backend}), mesh {mesh}, Z{opts.zero}\n"
         f"model: {m.layers} layers, hidden {m.hidden}, intermediate {m.intermediate},"

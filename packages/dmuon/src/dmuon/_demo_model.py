@@ -83,7 +83,7 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         kv_width = cfg.n_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
         self.k_proj = nn.Linear(cfg.hidden, kv_width, bias=False)
@@ -91,17 +91,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, t, h = x.shape
+        b, t, _ = x.shape
 
-        def split(y: Tensor, heads: int) -> Tensor:
-            return y.view(b, t, heads, self.head_dim).transpose(1, 2)
+        # Head counts are read off the projections' outputs: under tensor parallelism
+        # (ColwiseParallel q/k/v) a rank holds heads / TP of them.
+        def split(y: Tensor) -> Tensor:
+            return y.view(b, t, -1, self.head_dim).transpose(1, 2)
 
-        q = _apply_rope(split(self.q_proj(x), self.heads), cos, sin)
-        k = _apply_rope(split(self.k_proj(x), self.kv_heads), cos, sin)
-        v = split(self.v_proj(x), self.kv_heads)
-        gqa = self.kv_heads != self.heads
+        q = _apply_rope(split(self.q_proj(x)), cos, sin)
+        k = _apply_rope(split(self.k_proj(x)), cos, sin)
+        v = split(self.v_proj(x))
+        gqa = k.shape[1] != q.shape[1]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, h))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

@@ -11,17 +11,22 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
 from dmuon._demo_data import MarkovStream
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate, next_token_loss
 from dmuon._launch import RankContext
+
+if TYPE_CHECKING:
+    from dmuon_fsdp import CommCounter
 
 __all__ = ["DemoOptions", "LogEvent", "RunKind", "RunResult", "StepEvent", "train_rank"]
 
@@ -37,8 +42,9 @@ class DemoOptions:
 
     model: LlamaConfig
     steps: int = 40
-    batch_size: int = 16  # global, split evenly over the ranks
+    batch_size: int = 16  # global, split evenly over the data-parallel ranks
     replicate: int = 1
+    tp: int = 1  # tensor-parallel degree (1: none)
     zero: int = 3
     seed: int = 0
     lr: float = 0.02
@@ -77,7 +83,8 @@ class _ForwardLogs(logging.Handler):
 class RunResult:
     """One rank's record of one run. ``shard_bytes`` / ``replicate_bytes`` are the payload
     bytes of the dmuon collectives this rank took part in, per step, as dmuon's own
-    ``CommCounter`` counted them (empty for the baseline, whose FSDP2 traffic is not counted)."""
+    ``CommCounter`` counted them (empty for the baseline, whose FSDP2 traffic is not counted);
+    ``tp_wire`` is this rank's wire bytes per step of tensor-parallel Newton–Schulz."""
 
     run: RunKind
     muon_numel: int
@@ -86,14 +93,41 @@ class RunResult:
     seconds: list[float] = field(default_factory=list)
     shard_bytes: list[int] = field(default_factory=list)
     replicate_bytes: list[int] = field(default_factory=list)
+    tp_wire: list[float] = field(default_factory=list)
 
 
-def build_mesh(device_type: str, world_size: int, replicate: int) -> DeviceMesh:
-    if replicate == 1:
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(
-        device_type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard")
-    )
+# torchtitan's Llama plan: q/k/v and gate/up split their output features, o/down their input
+# features, so each layer's attention and MLP need one all-reduce each.
+TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+
+def build_mesh(device_type: str, world_size: int, replicate: int, tp: int = 1) -> DeviceMesh:
+    """The whole mesh: ``('shard',)``, ``('replicate', 'shard')``, and ``'tp'`` last with
+    tensor parallelism (so ranks ``rank // tp`` share one data-parallel index)."""
+    shape: tuple[int, ...] = (world_size // (replicate * tp),)
+    names: tuple[str, ...] = ("shard",)
+    if replicate > 1:
+        shape, names = (replicate, *shape), ("replicate", *names)
+    if tp > 1:
+        shape, names = (*shape, tp), (*names, "tp")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def _data_parallel(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: every dimension but ``'tp'``."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return mesh
+    dp = tuple(n for n in names if n != "tp")
+    return mesh[dp[0]] if len(dp) == 1 else mesh[dp]
 
 
 def _build(
@@ -107,20 +141,21 @@ def _build(
     muon = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
     muon_bytes = (sum(p.numel() for p in muon), muon[0].element_size())
     reshard = opts.zero == 3
+    if opts.tp > 1:  # order: parallelize_module -> dedicate_params -> fully_shard
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], TP_PLAN)
     if kind is RunKind.DMUON:
-        if opts.replicate == 1:
-            dmuon.dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
-        else:
-            dmuon.dedicate_params(
-                model,
-                mesh["shard"],
-                muon_predicate,
-                reshard_after_forward=reshard,
-                replicate_mesh=mesh["replicate"],
-            )
+        dmuon.dedicate_params(
+            model,
+            mesh["shard"],
+            muon_predicate,
+            reshard_after_forward=reshard,
+            replicate_mesh=mesh["replicate"] if opts.replicate > 1 else None,
+        )
+    dp_mesh = _data_parallel(mesh)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
     optimizer: torch.optim.Optimizer
     if kind is RunKind.DMUON:
         optimizer = dmuon.Muon(model, lr=opts.lr, adamw_lr=opts.adamw_lr)
@@ -142,18 +177,20 @@ def train_run(
     counter = None
     if kind is RunKind.DMUON:
         counter = dmuon.get_comm_ctx(model).counter
+    # The ranks of one tensor-parallel group read the same rows (see build_mesh).
+    dp_rank, dp_size = ctx.rank // opts.tp, ctx.world_size // opts.tp
     for step in range(opts.steps):
         if counter is not None:
             counter.reset()
-        tokens = stream.shard(step, opts.batch_size, ctx.rank, ctx.world_size).to(ctx.device)
+        tokens = stream.shard(step, opts.batch_size, dp_rank, dp_size).to(ctx.device)
         _sync(ctx.device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = next_token_loss(model, tokens)
         loss.backward()
         optimizer.step()
-        # Every rank holds the same number of rows, so the mean of the rank means is the loss
-        # of the global batch. (gloo has no AVG reduction, hence SUM and divide.)
+        # Every rank holds the same number of rows (a TP group the same rows), so the mean of
+        # the rank means is the loss of the global batch. (gloo has no AVG, hence SUM.)
         total = loss.detach().clone()
         dist.all_reduce(total)
         mean = total.item() / ctx.world_size
@@ -163,15 +200,25 @@ def train_run(
         if counter is not None:
             result.shard_bytes.append(counter.bytes("shard"))
             result.replicate_bytes.append(counter.bytes("replicate"))
+            result.tp_wire.append(_tp_wire(counter, opts.tp))
         ctx.emit(StepEvent(kind, step + 1, opts.steps, mean, seconds))
     return result
+
+
+def _tp_wire(counter: CommCounter, tp: int) -> float:
+    """Wire bytes of this rank's tensor-parallel NS collectives: a gather or scatter of a
+    payload over T ranks moves (T-1)/T of it, an all-reduce twice that (ring)."""
+    if tp == 1:
+        return 0.0
+    moved = counter.bytes("tp", "gather") + counter.bytes("tp", "scatter")
+    return (moved + 2 * counter.bytes("tp", "all_reduce")) * (tp - 1) / tp
 
 
 def train_rank(ctx: RankContext, opts: DemoOptions) -> list[list[RunResult]]:
     """One rank of the demo: every requested run, one after the other, on one mesh. Returns
     every rank's results (``[rank][run]``), gathered, so that rank 0 can report byte counts
     of the whole world even when it is one of many torchrun processes."""
-    mesh = build_mesh(ctx.device.type, ctx.world_size, opts.replicate)
+    mesh = build_mesh(ctx.device.type, ctx.world_size, opts.replicate, opts.tp)
     stream = MarkovStream(opts.model.vocab, opts.model.seq_len, seed=opts.seed)
     # dedicate_params logs its plan summary (rank 0 only) at INFO: show it with the progress.
     library = logging.getLogger("dmuon_fsdp")
@@ -189,13 +236,21 @@ def train_rank(ctx: RankContext, opts: DemoOptions) -> list[list[RunResult]]:
 
 def _gather(ctx: RankContext, mine: list[RunResult]) -> list[list[RunResult]]:
     """Every rank's results, ``[rank][run]``, through one tensor all-gather. Every rank ran the
-    same runs for the same number of steps, so each packs into the same (runs, 4, steps) shape;
+    same runs for the same number of steps, so each packs into the same (runs, 5, steps) shape;
     byte counts are integers far below 2**53, exact in float64. (An object collective would
     pickle through numpy, which the demo does not need otherwise.)"""
     rows = []
     for r in mine:
         zeros = [0] * len(r.losses)  # the baseline counts no bytes
-        rows.append([r.losses, r.seconds, r.shard_bytes or zeros, r.replicate_bytes or zeros])
+        rows.append(
+            [
+                r.losses,
+                r.seconds,
+                r.shard_bytes or zeros,
+                r.replicate_bytes or zeros,
+                r.tp_wire or zeros,
+            ]
+        )
     packed = torch.tensor(rows, dtype=torch.float64, device=ctx.device)
     parts = [torch.empty_like(packed) for _ in range(ctx.world_size)]
     dist.all_gather(parts, packed)
@@ -212,8 +267,9 @@ def _gather(ctx: RankContext, mine: list[RunResult]) -> list[list[RunResult]]:
                     seconds=seconds,
                     shard_bytes=[round(b) for b in shard] if r.shard_bytes else [],
                     replicate_bytes=[round(b) for b in replicate] if r.replicate_bytes else [],
+                    tp_wire=tp_wire if r.tp_wire else [],
                 )
-                for r, (losses, seconds, shard, replicate) in zip(mine, unpacked)
+                for r, (losses, seconds, shard, replicate, tp_wire) in zip(mine, unpacked)
             ]
         )
     return everyone
