@@ -270,15 +270,16 @@ def test_triton_symmetric_result_does_not_depend_on_the_autotuned_tiles():
     # Each process autotunes on its own; a resumed run must compute the same bits whichever
     # of the symmetric kernel's tile configs it picked.
     _kernel("triton")
-    from dmuon_ns._triton_kernels import TileConfig, sym_matmul
+    from dmuon_ns._triton_kernels import TileConfig, matmul
 
     x = _input("random", (2, 1000, 3000), torch.float16)
-    r = sym_matmul(x, x.mT)
-    z = sym_matmul(r, r, c=r, alpha=2.0, beta=-1.0)  # r·z is symmetric only in exact arithmetic
+    r = matmul(x, x.mT, symmetric=True)
+    # r·z is symmetric only in exact arithmetic.
+    z = matmul(r, r, c=r, alpha=2.0, beta=-1.0, symmetric=True)
     configs = [
         TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=3),
         TileConfig(block_m=64, block_k=64, num_warps=4, num_stages=4),
         TileConfig(block_m=64, block_k=128, num_warps=4, num_stages=3),
     ]
-    results = [sym_matmul(r, z, c=r, alpha=0.7, beta=-1.3, config=c) for c in configs]
+    results = [matmul(r, z, c=r, alpha=0.7, beta=-1.3, symmetric=True, config=c) for c in configs]
     assert all(torch.equal(results[0], other) for other in results[1:])

@@ -27,7 +27,6 @@ from dmuon_ns._triton_kernels import (  # noqa: E402
     TileConfig,
     matmul,
     scale_cast,
-    sym_matmul,
 )
 from dmuon_ns.testing import reference_newton_schulz, relative_error  # noqa: E402
 
@@ -55,7 +54,7 @@ def _err(actual, expected):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gram_product_is_symmetric_and_matches_float64(dtype):
     x = _rand(2, 33, 70, dtype=dtype)
-    r = sym_matmul(x, x.mT, config=SMALL)
+    r = matmul(x, x.mT, symmetric=True, config=SMALL)
     assert r.dtype == dtype and r.shape == (2, 33, 33)
     assert torch.equal(r, r.mT)
     expected = x.double() @ x.double().mT
@@ -72,7 +71,7 @@ def test_symmetric_epilogue(dtype):
     base = _rand(2, 45, 45, dtype=torch.float32)
     s = ((base + base.mT) / 8).to(dtype)
     t = ((base @ base.mT) / 200).to(dtype)  # symmetric and commuting with nothing in particular
-    out = sym_matmul(s, s, c=t, alpha=0.7, beta=-1.3, diag=0.25, config=SMALL)
+    out = matmul(s, s, c=t, alpha=0.7, beta=-1.3, diag=0.25, symmetric=True, config=SMALL)
     eye = torch.eye(45, dtype=torch.float64, device=DEVICE)
     sd, td = s.double(), t.double()
     expected = 0.7 * sd @ sd - 1.3 * td + 0.25 * eye
@@ -90,13 +89,14 @@ def test_symmetric_result_does_not_depend_on_the_tile_size():
     a, b = (torch.randint(-8, 9, (2, 45, 45), generator=gen).float() / 8 for _ in range(2))
     s, z = (a + a.mT).half().to(DEVICE), (b + b.mT).half().to(DEVICE)
     results = [
-        sym_matmul(
+        matmul(
             s,
             z,
             c=s,
             alpha=0.7,
             beta=-1.3,
             diag=0.25,
+            symmetric=True,
             config=TileConfig(block_m=block, block_k=16, num_warps=4, num_stages=1),
         )
         for block in (16, 32, 64)
@@ -157,7 +157,7 @@ def test_bad_operands_raise():
     with pytest.raises(ValueError, match="do not multiply"):
         matmul(x, x, config=SMALL)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        sym_matmul(x.float(), x.float().mT, config=SMALL)
+        matmul(x.float(), x.float().mT, symmetric=True, config=SMALL)
     with pytest.raises(ValueError, match="must be 3-D"):
         matmul(x[0], x[0].mT, config=SMALL)
     with pytest.raises(ValueError, match="power of two"):
@@ -200,7 +200,7 @@ def test_front_end_runs_the_triton_kernel_by_name():
 
 
 # Every Triton kernel dmuon-ns launches, under the names ``_triton_kernels`` calls them by.
-TRITON_LAUNCHERS = ("_sym_kernel", "_sym_tuned", "_mm_kernel", "_mm_tuned", "_scale_cast_kernel")
+TRITON_LAUNCHERS = ("_product_kernel", "_sym_tuned", "_mm_tuned", "_scale_cast_kernel")
 
 
 @pytest.fixture

@@ -1,10 +1,10 @@
-"""Triton matrix products for Newton–Schulz: a symmetric product that computes one triangle
-of tiles, and a plain product for the final ``Q·X``; both batched, with fused epilogues.
+"""Triton matrix products for Newton–Schulz: one batched kernel with fused epilogues, run as a
+symmetric product that computes one triangle of tiles or as a plain product (the final ``Q·X``).
 
 [Note: symmetric products]
 Every m×m matrix of the Gram iteration is a polynomial in ``R = X·Xᵀ`` (``P = aI + bR + cR²``,
 ``Q``, ``R·P``, ``P·(R·P)``), so every product of two of them is symmetric. The symmetric
-kernel launches one program per tile of the lower triangle, ``(i, j)`` with ``i >= j``, and
+product launches one program per tile of the lower triangle, ``(i, j)`` with ``i >= j``, and
 stores the tile at ``(i, j)`` and its transpose at ``(j, i)``: half the tiles of a full
 product, and an output that is symmetric bit for bit. A diagonal tile copies its lower
 triangle onto its upper one, so every element is the sum its lower-triangle position computes,
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from dmuon_ns._environment import triton_interpreting
 
-__all__ = ["TRITON_PRODUCTS", "TileConfig", "TritonProducts", "matmul", "scale_cast", "sym_matmul"]
+__all__ = ["TRITON_PRODUCTS", "TileConfig", "TritonProducts", "matmul", "scale_cast"]
 
 # Triton decides between compiling and interpreting when it decorates a kernel, at import: the
 # kernels here follow the decision made then.
@@ -45,8 +45,9 @@ _MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Fixed launch parameters (tests, the interpreter). The symmetric kernel uses square
-    ``block_m`` × ``block_m`` output tiles; the plain one ``block_m`` × ``block_n``."""
+    """Launch parameters: the autotuner's candidates, or fixed ones (tests, the interpreter).
+    A symmetric product uses square ``block_m`` × ``block_m`` output tiles; a plain one
+    ``block_m`` × ``block_n``."""
 
     block_m: int = 128
     block_n: int = 128
@@ -61,102 +62,24 @@ class TileConfig:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"TileConfig.{field} must be a power of two >= 16, got {value}")
 
+    def meta(self, symmetric: bool) -> dict[str, int]:
+        """The kernel's tile parameters (a symmetric product has square tiles, no row groups)."""
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_m if symmetric else self.block_n,
+            "BLOCK_K": self.block_k,
+            "GROUP_M": 1 if symmetric else self.group_m,
+        }
 
-@triton.jit
-def _sym_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    out_ptr,
-    NB,
-    M,
-    K,
-    s_ab,
-    s_am,
-    s_ak,
-    s_bb,
-    s_bk,
-    s_bn,
-    s_cb,
-    s_cm,
-    s_cn,
-    s_ob,
-    s_om,
-    s_on,
-    alpha,
-    beta,
-    diag,
-    HAS_C: tl.constexpr,
-    HAS_DIAG: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    batch = tl.program_id(1).to(tl.int64)
-    # Row i of the lower triangle starts at tile i(i+1)/2; invert with a float sqrt and
-    # correct the rounding by one step either way.
-    i = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
-    i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
-    i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
-    j = pid - i * (i + 1) // 2
-
-    offs_i = i * BLOCK + tl.arange(0, BLOCK)
-    offs_j = j * BLOCK + tl.arange(0, BLOCK)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + batch * s_ab
-    b_base = b_ptr + batch * s_bb
-    a_ptrs = a_base + offs_i[:, None] * s_am + offs_k[None, :] * s_ak
-    b_ptrs = b_base + offs_k[:, None] * s_bk + offs_j[None, :] * s_bn
-    mask_i = offs_i < M
-    mask_j = offs_j < M
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
-        k_ok = (kt * BLOCK_K + offs_k) < K
-        a = tl.load(a_ptrs, mask=mask_i[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & mask_j[None, :], other=0.0)
-        if INTERPRET:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * s_ak
-        b_ptrs += BLOCK_K * s_bk
-
-    if i == j:
-        acc = tl.where(offs_i[:, None] >= offs_j[None, :], acc, tl.trans(acc))
-    acc = acc * alpha
-    mask = mask_i[:, None] & mask_j[None, :]
-    if HAS_C:
-        c_ptrs = c_ptr + batch * s_cb + offs_i[:, None] * s_cm + offs_j[None, :] * s_cn
-        acc += beta * tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DIAG:
-        acc += tl.where(offs_i[:, None] == offs_j[None, :], diag, 0.0)
-    _store_mirrored(
-        out_ptr + batch * s_ob, acc, offs_i, offs_j, mask_i, mask_j, s_om, s_on, i != j, INTERPRET
-    )
-
-
-@triton.jit
-def _store_mirrored(
-    base, acc, offs_i, offs_j, mask_i, mask_j, s_om, s_on, off_diagonal, INTERPRET: tl.constexpr
-):
-    out = _to_storage(acc, base, INTERPRET)
-    tl.store(
-        base + offs_i[:, None] * s_om + offs_j[None, :] * s_on,
-        out,
-        mask=mask_i[:, None] & mask_j[None, :],
-    )
-    if off_diagonal:
-        tl.store(
-            base + offs_j[:, None] * s_om + offs_i[None, :] * s_on,
-            tl.trans(out),
-            mask=mask_j[:, None] & mask_i[None, :],
+    def autotune_config(self, symmetric: bool) -> triton.Config:
+        """These parameters as one candidate of Triton's autotuner."""
+        return triton.Config(
+            self.meta(symmetric), num_warps=self.num_warps, num_stages=self.num_stages
         )
 
 
 @triton.jit
-def _mm_kernel(
+def _product_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
@@ -179,7 +102,10 @@ def _mm_kernel(
     s_on,
     alpha,
     beta,
+    diag,
+    SYMMETRIC: tl.constexpr,
     HAS_C: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -187,28 +113,31 @@ def _mm_kernel(
     K_TILES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    """One output tile of ``alpha·A·B + beta·C + diag·I`` per program; the batch is grid axis 1.
+
+    ``SYMMETRIC``: a square tile of the lower triangle, stored with its mirror ([Note: symmetric
+    products]); otherwise a tile of the full product, ``GROUP_M`` row tiles per column sweep.
+    """
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % per_group) % group_rows
-    tile_n = (pid % per_group) // group_rows
+    if SYMMETRIC:
+        tl.static_assert(BLOCK_M == BLOCK_N, "symmetric products use square tiles")
+        i, j = _lower_triangle_tile(pid)
+    else:
+        i, j = _grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_i = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_j = j * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + batch * s_ab + offs_m[:, None] * s_am + offs_k[None, :] * s_ak
-    b_ptrs = b_ptr + batch * s_bb + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    a_ptrs = a_ptr + batch * s_ab + offs_i[:, None] * s_am + offs_k[None, :] * s_ak
+    b_ptrs = b_ptr + batch * s_bb + offs_k[:, None] * s_bk + offs_j[None, :] * s_bn
+    mask_i = offs_i < M
+    mask_j = offs_j < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
         k_ok = (kt * BLOCK_K + offs_k) < K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=mask_i[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & mask_j[None, :], other=0.0)
         if INTERPRET:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -216,13 +145,48 @@ def _mm_kernel(
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
 
+    if SYMMETRIC:
+        if i == j:
+            acc = tl.where(offs_i[:, None] >= offs_j[None, :], acc, tl.trans(acc))
     acc = acc * alpha
-    mask = mask_m[:, None] & mask_n[None, :]
+    mask = mask_i[:, None] & mask_j[None, :]
     if HAS_C:
-        c_ptrs = c_ptr + batch * s_cb + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+        c_ptrs = c_ptr + batch * s_cb + offs_i[:, None] * s_cm + offs_j[None, :] * s_cn
         acc += beta * tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + batch * s_ob + offs_m[:, None] * s_om + offs_n[None, :] * s_on
-    tl.store(out_ptrs, _to_storage(acc, out_ptr, INTERPRET), mask=mask)
+    if HAS_DIAG:
+        acc += tl.where(offs_i[:, None] == offs_j[None, :], diag, 0.0)
+    out_base = out_ptr + batch * s_ob
+    out = _to_storage(acc, out_base, INTERPRET)
+    tl.store(out_base + offs_i[:, None] * s_om + offs_j[None, :] * s_on, out, mask=mask)
+    if SYMMETRIC:
+        if i != j:
+            tl.store(
+                out_base + offs_j[:, None] * s_om + offs_i[None, :] * s_on,
+                tl.trans(out),
+                mask=mask_j[:, None] & mask_i[None, :],
+            )
+
+
+@triton.jit
+def _lower_triangle_tile(pid):
+    """Row and column of the lower-triangle tile ``pid`` ([Note: tile order])."""
+    # Row i of the lower triangle starts at tile i(i+1)/2; invert with a float sqrt and
+    # correct the rounding by one step either way.
+    i = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
+    i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
+    return i, pid - i * (i + 1) // 2
+
+
+@triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row and column tile of program ``pid``, ``GROUP_M`` row tiles per column sweep."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
 @triton.jit
@@ -245,44 +209,34 @@ def _to_storage(acc, ptr, INTERPRET: tl.constexpr):
 # or N, epilogue, dtype): small Gram sides need small tiles to give the chip enough programs,
 # large ones want 128-wide tiles and deep pipelines. The lists are short because every entry
 # is compiled once per epilogue variant on first use.
-_SYM_CONFIGS = [
-    triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
-]
-_MM_CONFIGS = [
-    triton.Config(
-        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3
-    ),
-    triton.Config(
-        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4
-    ),
-    triton.Config(
-        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4
-    ),
-]
-_sym_tuned = triton.autotune(configs=_SYM_CONFIGS, key=["NB", "M", "K", "HAS_C", "HAS_DIAG"])(
-    _sym_kernel
+_SYM_TILES = (
+    TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=3),
+    TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=4),
+    TileConfig(block_m=64, block_k=64, num_warps=4, num_stages=4),
+    TileConfig(block_m=64, block_k=128, num_warps=4, num_stages=3),
 )
-_mm_tuned = triton.autotune(configs=_MM_CONFIGS, key=["NB", "M", "N", "K", "HAS_C"])(_mm_kernel)
+_MM_TILES = (
+    TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=8),
+    TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8),
+    TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=8),
+)
+_TUNING_KEY = ["NB", "M", "N", "K", "HAS_C", "HAS_DIAG"]
+_sym_tuned = triton.autotune(
+    configs=[tiles.autotune_config(symmetric=True) for tiles in _SYM_TILES], key=_TUNING_KEY
+)(_product_kernel)
+_mm_tuned = triton.autotune(
+    configs=[tiles.autotune_config(symmetric=False) for tiles in _MM_TILES], key=_TUNING_KEY
+)(_product_kernel)
 # Small tiles for the CPU interpreter, which spends milliseconds per operation of every program.
 _INTERPRETER_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=1)
 
 
-def _sym_grid(m: int, batch: int):  # type: ignore[no-untyped-def]
-    def grid(meta):  # type: ignore[no-untyped-def]
-        tiles = triton.cdiv(m, meta["BLOCK"])
-        return (tiles * (tiles + 1) // 2, batch)
-
-    return grid
-
-
-def _mm_grid(m: int, n: int, batch: int):  # type: ignore[no-untyped-def]
-    def grid(meta):  # type: ignore[no-untyped-def]
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), batch)
-
-    return grid
+def _programs(m: int, n: int, meta: dict[str, int], symmetric: bool) -> int:
+    """Programs per matrix: one per tile of the lower triangle, or of the whole product."""
+    tiles_m = triton.cdiv(m, meta["BLOCK_M"])
+    if symmetric:
+        return tiles_m * (tiles_m + 1) // 2
+    return tiles_m * triton.cdiv(n, meta["BLOCK_N"])
 
 
 def _static_k_tiles(k: int, block_k: int) -> int:
@@ -316,64 +270,6 @@ def _check_operands(a: Tensor, b: Tensor, c: Tensor | None, *, symmetric: bool) 
         raise ValueError(f"c must have the output shape {out_shape}, got {tuple(c.shape)}")
 
 
-def sym_matmul(
-    a: Tensor,
-    b: Tensor,
-    *,
-    c: Tensor | None = None,
-    alpha: float = 1.0,
-    beta: float = 0.0,
-    diag: float = 0.0,
-    config: TileConfig | None = None,
-) -> Tensor:
-    """``alpha·a·b + beta·c + diag·I`` for a product ``a·b`` known to be symmetric.
-
-    ``a`` is (batch, m, k), ``b`` is (batch, k, m) (any strides, e.g. ``a.mT`` for a Gram
-    matrix), ``c`` (batch, m, m) symmetric or ``None``. Only the lower triangle of tiles is
-    computed; see the module notes. ``config`` fixes the tiles; by default the GPU autotunes
-    them (see the tile note) and the interpreter uses 64-wide ones.
-    """
-    _check_operands(a, b, c, symmetric=True)
-    batch, m, k = a.shape
-    out = torch.empty((batch, m, m), dtype=a.dtype, device=a.device)
-    if batch == 0 or m == 0:
-        return out
-    c_arg = c if c is not None else out
-    args = (
-        a,
-        b,
-        c_arg,
-        out,
-        batch,
-        m,
-        k,
-        *a.stride(),
-        *b.stride(),
-        *c_arg.stride(),
-        *out.stride(),
-        float(alpha),
-        float(beta),
-        float(diag),
-    )
-    flags = dict(HAS_C=c is not None, HAS_DIAG=diag != 0.0)
-    if config is None and not _INTERPRETING:
-        _sym_tuned[_sym_grid(m, batch)](*args, **flags, K_TILES=0, INTERPRET=False)
-    else:
-        cfg = config or _INTERPRETER_CONFIG
-        tiles = triton.cdiv(m, cfg.block_m)
-        _sym_kernel[(tiles * (tiles + 1) // 2, batch)](
-            *args,
-            **flags,
-            BLOCK=cfg.block_m,
-            BLOCK_K=cfg.block_k,
-            K_TILES=_static_k_tiles(k, cfg.block_k),
-            INTERPRET=_INTERPRETING,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-    return out
-
-
 def matmul(
     a: Tensor,
     b: Tensor,
@@ -381,19 +277,25 @@ def matmul(
     c: Tensor | None = None,
     alpha: float = 1.0,
     beta: float = 0.0,
+    diag: float = 0.0,
+    symmetric: bool = False,
     out_dtype: torch.dtype | None = None,
     config: TileConfig | None = None,
 ) -> Tensor:
-    """``alpha·a·b + beta·c`` for ``a`` (batch, m, k) and ``b`` (batch, k, n), any strides,
-    rounded once to ``out_dtype`` (default: the operands' dtype).
+    """``alpha·a·b + beta·c + diag·I`` for ``a`` (batch, m, k) and ``b`` (batch, k, n), any
+    strides (e.g. ``a.mT`` for a Gram matrix), rounded once to ``out_dtype`` (default: the
+    operands' dtype).
 
-    ``config`` fixes the tiles, as for ``sym_matmul``.
+    ``symmetric=True`` says that ``a·b`` is symmetric (m = n, ``c`` symmetric or ``None``):
+    only the lower triangle of tiles is computed, see the module notes. ``config`` fixes the
+    tiles; by default the GPU autotunes them (see the tile note) and the interpreter uses
+    64-wide ones.
     """
-    _check_operands(a, b, c, symmetric=False)
+    _check_operands(a, b, c, symmetric=symmetric)
     batch, m, k = a.shape
     n = b.shape[2]
     out = torch.empty((batch, m, n), dtype=out_dtype or a.dtype, device=a.device)
-    if batch == 0 or m == 0 or n == 0:
+    if out.numel() == 0:
         return out
     c_arg = c if c is not None else out
     args = (
@@ -411,24 +313,28 @@ def matmul(
         *out.stride(),
         float(alpha),
         float(beta),
+        float(diag),
     )
+    flags = dict(SYMMETRIC=symmetric, HAS_C=c is not None, HAS_DIAG=diag != 0.0)
     if config is None and not _INTERPRETING:
-        _mm_tuned[_mm_grid(m, n, batch)](*args, HAS_C=c is not None, K_TILES=0, INTERPRET=False)
-    else:
-        cfg = config or _INTERPRETER_CONFIG
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        _mm_kernel[(tiles, batch)](
-            *args,
-            HAS_C=c is not None,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            K_TILES=_static_k_tiles(k, cfg.block_k),
-            INTERPRET=_INTERPRETING,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        tuned = _sym_tuned if symmetric else _mm_tuned
+
+        def grid(meta: dict[str, int]) -> tuple[int, int]:
+            return (_programs(m, n, meta, symmetric), batch)
+
+        tuned[grid](*args, **flags, K_TILES=0, INTERPRET=False)
+        return out
+    cfg = config or _INTERPRETER_CONFIG
+    meta = cfg.meta(symmetric)
+    _product_kernel[(_programs(m, n, meta, symmetric), batch)](
+        *args,
+        **flags,
+        **meta,
+        K_TILES=_static_k_tiles(k, cfg.block_k),
+        INTERPRET=_INTERPRETING,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out
 
 
@@ -436,10 +342,10 @@ class TritonProducts:
     """These products as the ``_iterations.Products`` the shared NS loops run on."""
 
     def gram(self, x: Tensor) -> Tensor:
-        return sym_matmul(x, x.mT)
+        return matmul(x, x.mT, symmetric=True)
 
     def sym(self, a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float) -> Tensor:
-        return sym_matmul(a, b, c=c, alpha=alpha, beta=beta)
+        return matmul(a, b, c=c, alpha=alpha, beta=beta, symmetric=True)
 
     def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         return matmul(a, b, out_dtype=out_dtype)
