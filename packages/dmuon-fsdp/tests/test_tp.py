@@ -1,8 +1,10 @@
 """Tensor parallelism: dedicated TP shards on 2-D (dp, tp) and 3-D (replicate, shard, tp) meshes
-against the single-process reference, NS counted, bytes per axis, and full-state checkpoints
-across TP degrees."""
+against the single-process reference, NS counted, bytes per axis, and checkpoints (full-state and
+DCP) across TP degrees."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from dmuon_fsdp import (
     dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
+    load_checkpoint,
+    save_checkpoint,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -134,7 +138,7 @@ def test_three_d_hsdp_with_tensor_parallelism_matches_the_reference() -> None:
         assert abs(got - want) <= 2e-3 * abs(want), f"step {step}: {got} vs {want}"
 
 
-def _resume_and_change_degree(rank: int, world_size: int):
+def _resume_and_change_degree(rank: int, world_size: int, root: str):
     split = STEPS // 2
     model, _, dp_index = _tp_model((2, 2))
     optimizer = Muon(model, **HYPER.muon_kwargs())
@@ -145,36 +149,64 @@ def _resume_and_change_degree(rank: int, world_size: int):
     first = _train(model, optimizer, dp_index, 2, split)
     model_sd = get_model_state_dict(model)
     optim_sd = get_optimizer_state_dict(model, optimizer)
-    resumed, _, dp_index = _tp_model((2, 2))
-    resumed_opt = Muon(resumed, **HYPER.muon_kwargs())
-    set_model_state_dict(resumed, model_sd)
-    set_optimizer_state_dict(resumed, resumed_opt, optim_sd)
-    second = _train(resumed, resumed_opt, dp_index, 2, STEPS - split, start=split)
-    same = get_model_state_dict(resumed).keys() == model_sd.keys()
+    save_checkpoint(os.path.join(root, "tp"), model, optimizer)
 
-    # The (2, 2) checkpoint on a 1-D mesh of 4 without tensor parallelism.
-    mesh = init_device_mesh("cpu", (world_size,))
-    flat = build(5)
-    dedicate_params(flat, mesh, muon_predicate)
-    shard_layers_then_root(flat, mesh)
-    flat_opt = Muon(flat, **HYPER.muon_kwargs())
-    set_model_state_dict(flat, model_sd)
-    set_optimizer_state_dict(flat, flat_opt, optim_sd)
-    back = get_model_state_dict(flat)
-    loaded = all(torch.equal(back[k], v) for k, v in model_sd.items())
-    continued = _train(flat, flat_opt, rank, world_size, STEPS - split, start=split)
-    return uninterrupted, first + second, same, loaded, uninterrupted[:split] + continued
+    def load(fmt: str, target, target_opt) -> None:
+        if fmt == "full":
+            set_model_state_dict(target, model_sd)
+            set_optimizer_state_dict(target, target_opt, optim_sd)
+        else:
+            load_checkpoint(os.path.join(root, "tp"), target, target_opt)
+
+    out = {}
+    for fmt in ("full", "dcp"):
+        resumed, _, dp_index = _tp_model((2, 2))
+        resumed_opt = Muon(resumed, **HYPER.muon_kwargs())
+        load(fmt, resumed, resumed_opt)
+        same = _equal(get_model_state_dict(resumed), model_sd)
+        second = _train(resumed, resumed_opt, dp_index, 2, STEPS - split, start=split)
+
+        # The (2, 2) checkpoint on a 1-D mesh of 4 without tensor parallelism.
+        mesh = init_device_mesh("cpu", (world_size,))
+        flat = build(5)
+        dedicate_params(flat, mesh, muon_predicate)
+        shard_layers_then_root(flat, mesh)
+        flat_opt = Muon(flat, **HYPER.muon_kwargs())
+        load(fmt, flat, flat_opt)
+        loaded = _equal(get_model_state_dict(flat), model_sd)
+        if fmt == "dcp":
+            # And back: the 1-D checkpoint into tensor parallelism (2, 2).
+            save_checkpoint(os.path.join(root, "flat"), flat, flat_opt)
+            again, _, _ = _tp_model((2, 2))
+            again_opt = Muon(again, **HYPER.muon_kwargs())
+            load_checkpoint(os.path.join(root, "flat"), again, again_opt)
+            loaded = loaded and _equal(get_model_state_dict(again), model_sd)
+            loaded = loaded and _equal_state(get_optimizer_state_dict(again, again_opt), optim_sd)
+        continued = _train(flat, flat_opt, rank, world_size, STEPS - split, start=split)
+        out[fmt] = (first + second, same and loaded, uninterrupted[:split] + continued)
+    return uninterrupted, out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _equal_state(a: dict, b: dict) -> bool:
+    return a["state"].keys() == b["state"].keys() and all(
+        _equal(a["state"][k], b["state"][k]) for k in a["state"]
+    )
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_checkpoints_resume_bit_for_bit_and_load_without_tp() -> None:
-    results = run_distributed(_resume_and_change_degree, 4)
-    uninterrupted, resumed, _, _, on_flat = results[0]
-    assert resumed == uninterrupted, "the resumed TP run differs from the uninterrupted one"
-    assert all(r[2] and r[3] for r in results)
-    # On another topology the reduction order differs: the same trajectory within rounding.
-    for got, want in zip(on_flat, uninterrupted):
-        assert abs(got - want) <= 1e-4 * abs(want), (on_flat, uninterrupted)
+def test_tensor_parallel_checkpoints_resume_bit_for_bit_and_load_without_tp(tmp_path) -> None:
+    results = run_distributed(_resume_and_change_degree, 4, str(tmp_path))
+    uninterrupted, by_format = results[0]
+    for fmt, (resumed, _, on_flat) in by_format.items():
+        assert resumed == uninterrupted, f"{fmt}: the resumed TP run differs from the uninterrupted"
+        assert all(r[1][fmt][1] for r in results), f"{fmt}: a loaded state differs from the saved"
+        # On another topology the reduction order differs: the same trajectory within rounding.
+        for got, want in zip(on_flat, uninterrupted):
+            assert abs(got - want) <= 1e-4 * abs(want), (fmt, on_flat, uninterrupted)
 
 
 def _ddp_tp(rank: int, world_size: int):

@@ -8,8 +8,10 @@ flattens with dots (``dmuon.model.<fqn>`` under :func:`save_checkpoint`'s key ``
 - ``model.<fqn>``: every key of ``model.state_dict()``. An FSDP2 parameter is its DTensor: each
   rank writes its own shard (HSDP replicas write the same chunk, which DCP keeps once). A
   dedicated parameter is the owner's full weight as a plain tensor, present in the owner's
-  dictionary only, so exactly one rank writes it. A buffer is a plain tensor on every rank,
-  which DCP keeps once.
+  dictionary only, so exactly one rank writes it. Under tensor parallelism the owner coordinate
+  holds the matrix as TP shards, one per grid: its T ranks each write theirs, as a DTensor on
+  their TP mesh (``Shard(tp_dim)``), so the key still holds the full matrix. A buffer is a
+  plain tensor on every rank, which DCP keeps once.
 - ``optim.state.<fqn>.<field>``: ``momentum_buffer`` (Muon) or ``step``, ``exp_avg``,
   ``exp_avg_sq`` (AdamW) of every parameter, laid out as the parameter (DTensor shards, or the
   owner's full tensors); an AdamW ``step`` is a scalar that every holder writes and DCP keeps
@@ -21,7 +23,8 @@ flattens with dots (``dmuon.model.<fqn>`` under :func:`save_checkpoint`'s key ``
 No key names a rank, a shard, a mesh or an owner, so the layout does not depend on the
 topology. On load each rank asks for exactly the tensors it holds now: its FSDP2 shards (DCP
 reads the overlapping parts of the saved chunks) and, for the dedicated parameters it owns
-under the current owner plan, their full weights and states. DCP reads into the tensors
+under the current owner plan, their full weights and states (their TP shards under tensor
+parallelism), whatever the TP degree they were saved at. DCP reads into the tensors
 ``state_dict()`` returned, which are the live ones (a parameter without state gets fresh
 tensors), so loading needs no second copy of the model.
 
@@ -47,12 +50,13 @@ from torch.autograd.profiler import record_function
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from . import _state_layout as layout
 from ._checkpoint import apply_param_groups, as_step, group_state
 from ._optimizer import Muon
-from ._runtime import get_runtime
+from ._param import DedicatedParam
+from ._runtime import DedicatedRuntime, get_runtime
 
 __all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
 
@@ -62,6 +66,20 @@ CHECKPOINT_KEY = "dmuon"
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _as_saved(runtime: DedicatedRuntime, dp: DedicatedParam, t: Tensor) -> Tensor:
+    """An owner's tensor laid out as a dedicated parameter, as DCP should see it: itself, or
+    under tensor parallelism this rank's shard of the full matrix, a DTensor on the TP mesh
+    (see [Note: the DCP layout]). Anything else (an AdamW ``step``) is returned as it is."""
+    if dp.tp_dim is None or t.shape != dp.local_shape:
+        return t
+    mesh = runtime.layout.tp_mesh
+    assert mesh is not None
+    stride = torch.empty(dp.shape, device="meta").stride()
+    return DTensor.from_local(
+        t, mesh, [Shard(dp.tp_dim)], run_check=False, shape=dp.shape, stride=stride
+    )
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
@@ -86,13 +104,6 @@ class AppState(Stateful):
         self.optimizer = layout.check_optimizer(model, optimizer)
         self.model = model
         self.runtime = get_runtime(model)
-        if self.runtime.layout.tp_size > 1:
-            raise NotImplementedError(
-                "sharded (DCP) checkpoints of tensor-parallel dedicated matrices are not "
-                "supported yet; use the full-state functions (dmuon.get_model_state_dict / "
-                "get_optimizer_state_dict, with rank0_only=True for large models), which "
-                "load on any topology, with or without tensor parallelism"
-            )
 
     def state_dict(self) -> dict[str, Any]:
         """The live tensors this rank holds, keyed topology-independently."""
@@ -107,7 +118,7 @@ class AppState(Stateful):
                 out[key] = value.detach()
             elif dp.is_owner:
                 assert dp.full is not None
-                out[key] = dp.full
+                out[key] = _as_saved(self.runtime, dp, dp.full)
         return out
 
     def _optimizer_state(self) -> dict[str, Any]:
@@ -121,7 +132,11 @@ class AppState(Stateful):
             assert like is not None
             route = group["optimizer"]
             live = optimizer.state.get(p) or layout.fresh_state(route, like, layout.optim_dtype(dp))
-            state[name] = {field: live[field] for field in layout.STATE_FIELDS[route]}
+            fields = layout.STATE_FIELDS[route]
+            if dp is None:
+                state[name] = {field: live[field] for field in fields}
+            else:
+                state[name] = {field: _as_saved(self.runtime, dp, live[field]) for field in fields}
         return {"state": state, "param_groups": tuple(group_state(optimizer).items())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -166,8 +181,10 @@ class AppState(Stateful):
             if entry is None:
                 optimizer.state.pop(p, None)
                 continue
+            # A dedicated parameter's state is the owner's plain tensors (DCP read into their
+            # TP-shard DTensor views under tensor parallelism).
             optimizer.state[p] = {
-                field: as_step(value) if field == "step" else value
+                field: as_step(value) if field == "step" else value if dp is None else _local(value)
                 for field, value in entry.items()
             }
 
