@@ -4,6 +4,7 @@ DCP) across TP degrees."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -13,9 +14,12 @@ from _models import build, muon_numel, muon_predicate, shard_layers_then_root, t
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
 from test_training import CountingNS
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.utils import parameters_to_vector
 
 from dmuon_fsdp import (
     Muon,
+    NotHeldError,
     dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -24,6 +28,7 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from dmuon_fsdp._param import Role
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()
@@ -219,6 +224,63 @@ def _ddp_tp(rank: int, world_size: int):
     replicate_tp(model, mesh["dp"])
     optimizer = Muon(model, **HYPER.muon_kwargs())
     return _train(model, optimizer, runtime.coord.shard, 2, STEPS)
+
+
+def _tp_peer_reads(rank: int, world_size: int) -> list[str]:
+    model, runtime, dp_index = _tp_model((2, 2))
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    _train(model, optimizer, dp_index, 2, 1)
+    peer = next(dp for dp in runtime.params if dp.role is Role.PEER)
+    owned = next(dp for dp in runtime.params if dp.is_owner)
+    p = peer.param
+    assert isinstance(p, DTensor) and peer.tp_dim is not None
+    refused = []
+    reads = {
+        "norm": lambda: p.norm(),
+        "sum": lambda: p.sum(),
+        "data": lambda: p.data.sum(),
+        "ema": lambda: torch.zeros(peer.local_shape).lerp_(p.to_local(), 0.1),
+        "to_local": lambda: p.to_local(),
+        # Collective over the TP mesh: the TP partner at this data-parallel index is a peer
+        # too (one plan per grid), so every rank of the TP group refuses alike.
+        "full_tensor": lambda: p.full_tensor(),
+        "redistribute": lambda: p.redistribute(placements=[Replicate()]),
+        "parameters_to_vector": lambda: parameters_to_vector(model.parameters()),
+    }
+    for label, read in reads.items():
+        with pytest.raises(NotHeldError, match=f"{peer.fqn!r}|owner: rank") as caught:
+            read()
+        assert "dmuon.get_model_state_dict(model)" in str(caught.value)
+        refused.append(label)
+    text = repr(p)
+    assert "not held on this rank" in text and peer.fqn in text, text
+    # Metadata stays readable; the owner reads its own shard, and its TP group the whole.
+    assert p.shape == peer.shape and p.requires_grad and p.numel() == math.prod(peer.shape)
+    assert torch.equal(owned.param.to_local(), owned.full)
+    assert owned.param.full_tensor().shape == owned.shape
+    full = get_model_state_dict(model)
+    assert full[peer.fqn].shape == peer.shape
+    # Inside forward the weight is held: training goes on after the refused reads.
+    losses = _train(model, optimizer, dp_index, 2, 1, start=1)
+    assert all(math.isfinite(x) for x in losses)
+    return refused
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_reads_on_a_peer_raise_a_clear_error_and_never_crash() -> None:
+    # Before GuardedDTensor these crashed every rank with SIGSEGV (the peer's local shard has
+    # no storage between uses).
+    for refused in run_distributed(_tp_peer_reads, 4):
+        assert refused == [
+            "norm",
+            "sum",
+            "data",
+            "ema",
+            "to_local",
+            "full_tensor",
+            "redistribute",
+            "parameters_to_vector",
+        ]
 
 
 @pytest.mark.distributed

@@ -21,6 +21,14 @@ in HSDP, on its replicas) run as on a plain parameter. The guard costs one Pytho
 operation on the parameter, the same order as ``nn.Parameter``'s own ``__torch_function__``
 handling.
 
+A tensor-parallel dedicated parameter is a ``DTensor`` whose local shard is freed the same
+way; its operations reach that shard through ``DTensor``'s dispatch, below any check on the
+shard, and its methods ``to_local``, ``redistribute`` and ``full_tensor`` reach it without an
+operation at all (reading it crashed with SIGSEGV). So it becomes a :class:`GuardedDTensor`,
+the same check in front of ``DTensor``'s dispatch and in those three methods. Its TP partners
+at the same data-parallel index share its role (one plan per TP grid), so a refused
+``full_tensor`` (a collective over the TP mesh) is refused on each of them alike.
+
 ``DistributedDataParallel`` would broadcast and all-reduce the weights itself (and so read
 them on peers): every module above a dedicated parameter carries a
 ``_ddp_params_and_buffers_to_ignore`` that raises when DDP reads it, on every rank alike, with
@@ -30,13 +38,14 @@ a message that names dmuon's replicated path (``dedicate_params_ddp`` + ``replic
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "GuardedDTensor",
     "GuardedParameter",
     "NotHeldError",
     "guard_like",
@@ -74,7 +83,6 @@ _METADATA_METHODS = frozenset(
 )
 _ABSENT = "_dmuon_absent"
 _WHERE = "_dmuon_where"
-_TP_MARK = "_dmuon_dedicated_tp"
 
 
 class NotHeldError(RuntimeError):
@@ -90,19 +98,22 @@ def _is_safe(func: Any) -> bool:
     return name in _METADATA_METHODS
 
 
-def _absent_in(values: Iterable[Any]) -> GuardedParameter | None:
+def _absent_in(values: Iterable[Any]) -> _Guard | None:
     for value in values:
-        if isinstance(value, GuardedParameter) and value.__dict__.get(_ABSENT, False):
+        if isinstance(value, _Guard) and value.__dict__.get(_ABSENT, False):
             return value
         if isinstance(value, list | tuple):
             for item in value:
-                if isinstance(item, GuardedParameter) and item.__dict__.get(_ABSENT, False):
+                if isinstance(item, _Guard) and item.__dict__.get(_ABSENT, False):
                     return item
     return None
 
 
-class GuardedParameter(nn.Parameter):
-    """The class of every dedicated ``nn.Parameter``; see [Note: reads on a peer]."""
+class _Guard:
+    """What both guarded classes share: the check in ``__torch_function__`` and what ``repr``
+    says of an absent weight; see [Note: reads on a peer]."""
+
+    __slots__ = ()  # a mixin: the classes it joins keep torch.Tensor's layout
 
     @classmethod
     def __torch_function__(
@@ -125,17 +136,52 @@ class GuardedParameter(nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def _absent_repr(self) -> str | None:
+        """What ``repr`` says while the weight is not held here (``None``: it is held)."""
+        if not self.__dict__.get(_ABSENT, False):
+            return None
+        t = cast(torch.Tensor, self)
+        return (
+            f"{type(self).__name__}(shape={tuple(t.shape)}, dtype={t.dtype}, "
+            f"device={t.device}: {self.__dict__.get(_WHERE, 'a dedicated weight')}, "
+            "not held on this rank between steps)"
+        )
+
+
+class GuardedParameter(_Guard, nn.Parameter):
+    """The class of every dedicated ``nn.Parameter``; see [Note: reads on a peer]."""
+
+    def __repr__(self) -> str:  # type: ignore[override]  # as nn.Parameter's own
+        return self._absent_repr() or super().__repr__()
+
+
+class GuardedDTensor(_Guard, DTensor):
+    """The class of every dedicated tensor-parallel parameter (a ``DTensor`` whose local shard
+    is freed on peers between uses): the check runs before ``DTensor``'s own dispatch, and
+    before its methods that reach the local shard without an operation (``to_local``,
+    ``redistribute``, ``full_tensor``)."""
+
+    def __repr__(self) -> str:  # type: ignore[override]  # DTensor's own takes no arguments
+        return self._absent_repr() or super().__repr__()
+
+    def _check_held(self, method: Any) -> None:
         if self.__dict__.get(_ABSENT, False):
-            return (
-                f"GuardedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"device={self.device}: {self.__dict__.get(_WHERE, 'a dedicated weight')}, "
-                "not held on this rank between steps)"
-            )
-        return super().__repr__()
+            raise NotHeldError(_message(self, method))
+
+    def to_local(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_held(DTensor.to_local)
+        return super().to_local(*args, **kwargs)
+
+    def redistribute(self, *args: Any, **kwargs: Any) -> DTensor:
+        self._check_held(DTensor.redistribute)
+        return super().redistribute(*args, **kwargs)
+
+    def full_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_held(DTensor.full_tensor)
+        return super().full_tensor(*args, **kwargs)
 
 
-def _message(param: GuardedParameter, func: Any) -> str:
+def _message(param: _Guard, func: Any) -> str:
     what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     where = param.__dict__.get(_WHERE, "a dedicated parameter")
     return (
@@ -149,18 +195,16 @@ def _message(param: GuardedParameter, func: Any) -> str:
 
 
 def guard_parameter(param: nn.Parameter, where: str) -> None:
-    """Switch ``param`` (in place) to :class:`GuardedParameter`; ``where`` names it and its
-    owner in error messages."""
+    """Switch ``param`` (in place) to :class:`GuardedParameter`, or a tensor-parallel
+    parameter to :class:`GuardedDTensor`; ``where`` names it and its owner in error messages."""
     if type(param) is nn.Parameter:
         param.__class__ = GuardedParameter
-    elif isinstance(param, DTensor):
-        # A tensor-parallel shard: its class is DTensor's; it is marked, not guarded (its
-        # local storage is freed between uses on peers like any dedicated weight).
-        param.__dict__[_TP_MARK] = True
-        return
-    elif not isinstance(param, GuardedParameter):
+    elif type(param) is DTensor:
+        param.__class__ = GuardedDTensor
+    elif not isinstance(param, GuardedParameter | GuardedDTensor):
         raise TypeError(
-            f"{where}: dmuon can dedicate a plain nn.Parameter, not a {type(param).__name__}"
+            f"{where}: dmuon can dedicate a plain nn.Parameter or a tensor-parallel DTensor "
+            f"parameter, not a {type(param).__name__}"
         )
     param.__dict__[_WHERE] = where
     param.__dict__[_ABSENT] = False
@@ -173,14 +217,12 @@ def guard_like(param: nn.Parameter, old: nn.Parameter) -> None:
 
 def is_dedicated(param: object) -> bool:
     """Whether ``dedicate_params`` took ``param`` over."""
-    if isinstance(param, GuardedParameter):
-        return True
-    return isinstance(param, DTensor) and bool(param.__dict__.get(_TP_MARK, False))
+    return isinstance(param, _Guard)
 
 
 def set_held(param: nn.Parameter, held: bool) -> None:
     """Record whether this rank holds ``param``'s weight now (a peer between uses does not)."""
-    if isinstance(param, GuardedParameter):
+    if isinstance(param, _Guard):
         param.__dict__[_ABSENT] = not held
 
 
