@@ -166,7 +166,8 @@ def test_verdict_is_cached_in_memory():
     assert (fast.calls, reference.calls) == calls
 
 
-def test_verdict_survives_on_disk(tmp_path):
+def test_verdict_survives_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(_autotune, "_QUIET_START_S", 0.0)  # units from the second call on
     x = _x()
     _fast_verdict(x)
     path = tmp_path / "cache" / "verdicts.json"
@@ -264,6 +265,7 @@ def test_a_first_call_measures_nothing():
 
 def test_later_calls_measure_one_candidate_each(monkeypatch):
     monkeypatch.setattr(_autotune, "_TUNING_SHARE", 1.0)  # no wait between units
+    monkeypatch.setattr(_autotune, "_QUIET_START_S", 0.0)  # nor before the first
     slow, reference, fast = FakeKernel("slow", 0.01), FakeKernel("torch", 0.002), FakeKernel("f")
     kernels, x = [slow, reference, fast], _x()
     assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is reference
@@ -298,6 +300,7 @@ def test_units_take_at_most_the_tuning_share_of_the_time(monkeypatch):
     a, b = ClockedKernel("a", clock), ClockedKernel("b", clock)
     kernels, x = [a, b, FakeKernel("torch")], _x()
     _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)
+    clock[0] += _autotune._QUIET_START_S  # past the quiet start
     before = clock[0]
     _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)  # measures a
     unit = clock[0] - before
@@ -311,7 +314,31 @@ def test_units_take_at_most_the_tuning_share_of_the_time(monkeypatch):
     assert b.calls > 0 and len(_autotune.verdicts()) == 1
 
 
-def test_a_cached_kernel_that_fails_to_warm_up_is_reported_and_not_used():
+def test_no_unit_runs_in_the_quiet_start(monkeypatch):
+    # The first training steps run the provisional kernel only, however many calls they make
+    # (a problem split over batches calls several times a step); then units spread as usual.
+    clock = [1000.0]
+    monkeypatch.setattr(_autotune, "_clock", lambda: clock[0])
+    a, b = ClockedKernel("a", clock), ClockedKernel("b", clock)
+    kernels, x, y = [a, b, FakeKernel("torch")], _x(), _x(shape=(3, 24, 40))
+    for _ in range(5):  # a first "step": two problems, several calls each
+        assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS).name == "torch"
+        assert _autotune.choose(kernels, y, "gram", COEFFS, RESTARTS).name == "torch"
+    clock[0] += 0.99 * _autotune._QUIET_START_S  # later steps, still within the quiet start
+    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS).name == "torch"
+    assert a.calls == b.calls == 0 and _autotune.verdicts() == {}
+    clock[0] += 0.02 * _autotune._QUIET_START_S
+    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)  # the first unit: measures a
+    assert a.calls > 0 and b.calls == 0
+    # tune_pending settles everything at once, quiet start or not.
+    _autotune.clear_cache()
+    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)
+    assert set(_autotune.tune_pending().values()) <= {"a", "b", "torch"}
+    assert len(_autotune.verdicts()) == 1
+
+
+def test_a_cached_kernel_that_fails_to_warm_up_is_reported_and_not_used(monkeypatch):
+    monkeypatch.setattr(_autotune, "_QUIET_START_S", 0.0)  # units from the second call on
     x = _x()
     _fast_verdict(x)
     _autotune.clear_cache()  # a new process, where "fast" now fails

@@ -18,20 +18,28 @@ inside a first call:
 1. The first call of a problem in a process runs the *provisional* kernel: torch (cuBLAS,
    nothing to compile; and the bar every other kernel is held to). Nothing is measured or
    compiled. (Off CUDA, torch is the only candidate and nothing here runs at all.)
-2. Each later call of a problem whose choice is still open may do one *unit* of work: one
-   candidate run (compiled) on a sample, cross-checked against float64 and, when it passes,
-   timed against the provisional kernel, interleaved, for about ``_UNIT_TIMING_S``; or, for a
-   verdict read from disk, one run of its kernel, which compiles it in this process before
-   it replaces the provisional one. Units never overlap, and together they take at most
+2. No unit starts in the first ``_QUIET_START_S`` seconds after the process first opened a
+   choice: the first training steps, which also pay FSDP2's lazy initialisation, CUDA's and
+   Triton's start-up and the compiles of the optimizer's own kernels, run the provisional
+   kernel and nothing else. Without this, a problem whose matrices are split over several
+   batches made its second call, and so a unit, within the first step, and a unit that
+   compiles (CuTe DSL, Triton's tile candidates) lasts as long as the compile: first steps of
+   18-40 s against a warm 0.1-0.25 s on an H200. The compiles still happen, in the units of
+   later steps, each step paying at most one.
+3. After that, each later call of a problem whose choice is still open may do one *unit* of
+   work: one candidate run (compiled) on a sample, cross-checked against float64 and, when
+   it passes, timed against the provisional kernel, interleaved, for about
+   ``_UNIT_TIMING_S``; or, for a verdict read from disk, one run of its kernel, which
+   compiles it in this process before it replaces the provisional one. Units never overlap, and together they take at most
    ``_TUNING_SHARE`` of the wall time: after a unit of d seconds the next waits
    d·(1 − share)/share. A training step with several new shapes therefore pays one unit, not
    one per shape; a unit that compiles lasts as long as the compile, once per kernel and
    shape.
-3. After the last candidate's unit the verdict is committed (memory, then disk) and the
+4. After the last candidate's unit the verdict is committed (memory, then disk) and the
    fastest sound kernel runs from then on. Candidates are ranked by their time relative
    to the provisional kernel's in the same unit, so clocks that drift between units do not
    decide.
-4. Callers that rather pay at once can: ``NewtonSchulz.tune(g)`` settles the problems of
+5. Callers that rather pay at once can: ``NewtonSchulz.tune(g)`` settles the problems of
    given tensors before their first call (``choose(now=True)``), and ``dmuon_ns.tune_pending()``
    settles every problem seen so far, e.g. after a training loop's first step
    (``tune_pending``). Benchmarks do one or the other before they time.
@@ -67,6 +75,9 @@ logger = logging.getLogger(__name__)
 
 # The most of the wall time that spread-out tuning units may take (see [Note: cold start]).
 _TUNING_SHARE = 0.1
+# How long after the process first opened a choice the first unit may start (step 2 of
+# [Note: cold start]).
+_QUIET_START_S = 30.0
 # Timing budget of one unit: the candidate and the provisional kernel, interleaved.
 _UNIT_TIMING_S = 0.1
 # The kernel that runs while a problem's choice is open (see [Note: cold start]).
@@ -111,7 +122,8 @@ class _Choice:
 _lock = threading.Lock()
 _memory: dict[str, AutotuneVerdict] = {}  # committed verdicts, read from disk or measured here
 _choices: dict[str, _Choice] = {}
-_next_unit_at = 0.0  # _clock() time before which no spread-out unit starts
+# _clock() time before which no spread-out unit starts; None until a choice is first opened.
+_next_unit_at: float | None = None
 _clock = time.monotonic
 
 
@@ -170,7 +182,7 @@ def clear_cache(*, disk: bool = False) -> None:
     with _lock:
         _memory.clear()
         _choices.clear()
-        _next_unit_at = 0.0
+        _next_unit_at = None
     if disk:
         _verdict_cache.delete()
 
@@ -212,10 +224,13 @@ def _choice(
             provisional.name,
             ", ".join(repr(k.name) for k in choice.to_measure),
         )
+    global _next_unit_at
     with _lock:
         if verdict is not None:
             _memory[key] = verdict
         kept = _choices.setdefault(key, choice)  # another thread may have been first
+        if kept.open and _next_unit_at is None:
+            _next_unit_at = _clock() + _QUIET_START_S
     return kept, kept is choice
 
 
@@ -230,8 +245,7 @@ def _spread_unit(choice: _Choice) -> None:
     is running (see [Note: cold start])."""
     global _next_unit_at
     with _lock:
-        now = _clock()
-        if now < _next_unit_at:
+        if _next_unit_at is None or _clock() < _next_unit_at:
             return
         _next_unit_at = math.inf  # claimed: no other unit starts until this one ends
     start, ran = _clock(), False
