@@ -283,6 +283,32 @@ def test_tensor_parallel_reads_on_a_peer_raise_a_clear_error_and_never_crash() -
         ]
 
 
+def _meta_tp(rank: int, world_size: int):
+    model, _, dp_index = _tp_model((2, 2))
+    want = _train(model, Muon(model, **HYPER.muon_kwargs()), dp_index, 2, 3)
+    want_state = get_model_state_dict(model)
+    # torchtitan's order: build on meta, parallelize, dedicate, shard, materialise, load.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        meta = build(0)
+    tensor_parallel(meta, mesh["tp"])
+    runtime = dedicate_params(meta, mesh["dp"], muon_predicate, small_param_threshold=0)
+    shard_layers_then_root(meta, mesh["dp"])
+    meta.to_empty(device="cpu")
+    set_model_state_dict(meta, build(0).state_dict())
+    got = _train(meta, Muon(meta, **HYPER.muon_kwargs()), dp_index, 2, 3)
+    got_state = get_model_state_dict(meta)
+    peer = next(dp for dp in runtime.params if dp.role is Role.PEER)
+    with pytest.raises(NotHeldError):  # the materialised parameters are guarded too
+        peer.param.norm()
+    return got == want and all(torch.equal(got_state[k], v) for k, v in want_state.items())
+
+
+@pytest.mark.distributed
+def test_meta_device_tensor_parallel_model_trains_bit_for_bit() -> None:
+    assert all(run_distributed(_meta_tp, 4))
+
+
 @pytest.mark.distributed
 def test_ddp_path_with_tensor_parallelism_matches_the_reference() -> None:
     losses = run_distributed(_ddp_tp, 4)[0]

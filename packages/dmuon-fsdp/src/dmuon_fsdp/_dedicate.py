@@ -414,13 +414,12 @@ def _build_groups(
                 route=policies[fqn].route,
                 policy=policies[fqn],
                 tp_dim=tp_dim(param),
+                where=(
+                    f"dedicated parameter {fqn!r} (owner: rank {layout.global_rank(unit.owner)};"
+                    f" this rank {dist.get_rank()} is its {role.value})"
+                ),
             )
-            owner_rank = layout.global_rank(unit.owner)
-            guard_parameter(
-                param,
-                f"dedicated parameter {fqn!r} (owner: rank {owner_rank}; this rank "
-                f"{dist.get_rank()} is its {role.value})",
-            )
+            guard_parameter(param, dp.where)
             params.append(dp)
             members[unit.boundary].setdefault(unit.owner, []).append(dp)
     groups = []

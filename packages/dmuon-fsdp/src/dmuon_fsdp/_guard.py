@@ -48,7 +48,6 @@ __all__ = [
     "GuardedDTensor",
     "GuardedParameter",
     "NotHeldError",
-    "guard_like",
     "guard_parameter",
     "is_dedicated",
     "refuse_ddp",
@@ -208,11 +207,6 @@ def guard_parameter(param: nn.Parameter, where: str) -> None:
         )
     param.__dict__[_WHERE] = where
     param.__dict__[_ABSENT] = False
-
-
-def guard_like(param: nn.Parameter, old: nn.Parameter) -> None:
-    """Guard ``param``, which replaced the guarded ``old`` (``to_empty`` on a meta model)."""
-    guard_parameter(param, old.__dict__.get(_WHERE, "a dedicated parameter"))
 
 
 def is_dedicated(param: object) -> bool:

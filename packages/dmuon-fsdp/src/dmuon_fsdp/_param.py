@@ -72,6 +72,8 @@ class DedicatedParam:
     # Tensor parallelism: the dim the TP shards split (None: not tensor-parallel); the runtime
     # then moves and steps this rank's shard (see [Note: tensor-parallel grids] in _mesh).
     tp_dim: int | None = None
+    # Names the parameter, its owner and this rank's role in errors (see _guard).
+    where: str = ""
     shape: torch.Size = field(init=False)  # the full (global) shape
     local_shape: torch.Size = field(init=False)  # this rank's shard's (the full one without TP)
     dtype: torch.dtype = field(init=False)  # the master dtype

@@ -36,7 +36,7 @@ from ._collectives import AllReduceQueue, ReduceQueue
 from ._comm import CommCounter, DedicatedCommContext
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
-from ._guard import guard_like
+from ._guard import guard_parameter, is_dedicated
 from ._hooks import BoundaryHooks
 from ._mesh import MeshLayout
 from ._param import DedicatedParam
@@ -144,14 +144,19 @@ class DedicatedRuntime:
 
     def _adopt_replaced(self) -> None:
         """``model.to_empty(device=...)`` replaces each meta parameter with a new
-        ``nn.Parameter`` (torch cannot change a tensor's device in place): take the new objects
-        over as the dedicated parameters. A weight registered under two names (tied) comes
-        back as two unrelated parameters; re-tie them after ``to_empty``, as for any model."""
+        ``nn.Parameter`` (torch cannot change a tensor's device in place), or, for a
+        tensor-parallel ``DTensor``, swaps the new one's contents into the old object
+        (``torch.utils.swap_tensors``, which takes its class and attributes, the guard's
+        among them): take the new objects over as the dedicated parameters and guard them. A
+        weight registered under two names (tied) comes back as two unrelated parameters;
+        re-tie them after ``to_empty``, as for any model."""
         for index, dp in enumerate(self.params):
             current = dp.module._parameters.get(dp.name)
-            if current is dp.param or not dp.param.is_meta or not isinstance(current, nn.Parameter):
+            if not isinstance(current, nn.Parameter) or is_dedicated(current):
                 continue
-            guard_like(current, dp.param)
+            if current is not dp.param and not dp.param.is_meta:
+                continue
+            guard_parameter(current, dp.where)
             dp.param = current
             self.hooks.rebind(index)
 
