@@ -71,11 +71,13 @@ class DedicatedGroup:
     _finished: set[Pack] = field(default_factory=set)
 
     def pack(self) -> None:
-        """Build the packs: one per (owner, precision) of the members, see [Note: packs]."""
-        split: dict[tuple[object, object], list[DedicatedParam]] = {}
+        """Build the packs: one per (owner, precision) of the members, and one per
+        tensor-parallel member, see [Note: packs]."""
+        split: dict[tuple[object, object, str], list[DedicatedParam]] = {}
         for dps in self.members:
             for dp in dps:
-                split.setdefault((dp.owner, dp.precision), []).append(dp)
+                alone = dp.fqn if dp.tp_dim is not None else ""
+                split.setdefault((dp.owner, dp.precision, alone), []).append(dp)
         self.packs = [Pack.build(dps, self.comm.layout, self.replicated) for dps in split.values()]
         self._state = GroupState.RESHARDED if self._cycles else GroupState.UNSHARDED
 

@@ -24,8 +24,11 @@ handling.
 A tensor-parallel dedicated parameter is a ``DTensor`` whose local shard is freed the same
 way; its operations reach that shard through ``DTensor``'s dispatch, below any check on the
 shard, and its methods ``to_local``, ``redistribute`` and ``full_tensor`` reach it without an
-operation at all (reading it crashed with SIGSEGV). So it becomes a :class:`GuardedDTensor`,
-the same check in front of ``DTensor``'s dispatch and in those three methods. Its TP partners
+operation at all (reading it crashed with SIGSEGV). So while it is not held it is a
+:class:`GuardedDTensor`, the same check in front of ``DTensor``'s dispatch and in those three
+methods, and while it is held (on its owner, and on a peer during its layer's forward and
+backward) it is a plain ``DTensor`` again: compiled code asserts the exact class of its
+``DTensor`` inputs, and it only ever runs while the weight is held. Its TP partners
 at the same data-parallel index share its role (one plan per TP grid), so a refused
 ``full_tensor`` (a collective over the TP mesh) is refused on each of them alike.
 
@@ -155,9 +158,9 @@ class GuardedParameter(_Guard, nn.Parameter):
 
 
 class GuardedDTensor(_Guard, DTensor):
-    """The class of every dedicated tensor-parallel parameter (a ``DTensor`` whose local shard
-    is freed on peers between uses): the check runs before ``DTensor``'s own dispatch, and
-    before its methods that reach the local shard without an operation (``to_local``,
+    """The class of a dedicated tensor-parallel parameter (a ``DTensor``) while its local
+    shard is freed, on a peer between uses: the check runs before ``DTensor``'s own dispatch,
+    and before its methods that reach the local shard without an operation (``to_local``,
     ``redistribute``, ``full_tensor``)."""
 
     def __repr__(self) -> str:  # type: ignore[override]  # DTensor's own takes no arguments
@@ -194,30 +197,36 @@ def _message(param: _Guard, func: Any) -> str:
 
 
 def guard_parameter(param: nn.Parameter, where: str) -> None:
-    """Switch ``param`` (in place) to :class:`GuardedParameter`, or a tensor-parallel
-    parameter to :class:`GuardedDTensor`; ``where`` names it and its owner in error messages."""
+    """Switch ``param`` (in place) to :class:`GuardedParameter`, or mark a tensor-parallel
+    parameter (see [Note: reads on a peer]); ``where`` names it and its owner in error
+    messages. The parameter starts held."""
     if type(param) is nn.Parameter:
         param.__class__ = GuardedParameter
-    elif type(param) is DTensor:
-        param.__class__ = GuardedDTensor
-    elif not isinstance(param, GuardedParameter | GuardedDTensor):
+    elif not isinstance(param, GuardedParameter | DTensor):
         raise TypeError(
             f"{where}: dmuon can dedicate a plain nn.Parameter or a tensor-parallel DTensor "
             f"parameter, not a {type(param).__name__}"
         )
     param.__dict__[_WHERE] = where
-    param.__dict__[_ABSENT] = False
+    set_held(param, True)
 
 
 def is_dedicated(param: object) -> bool:
     """Whether ``dedicate_params`` took ``param`` over."""
-    return isinstance(param, _Guard)
+    if isinstance(param, GuardedParameter):
+        return True
+    return isinstance(param, DTensor) and _WHERE in param.__dict__
 
 
 def set_held(param: nn.Parameter, held: bool) -> None:
-    """Record whether this rank holds ``param``'s weight now (a peer between uses does not)."""
-    if isinstance(param, _Guard):
+    """Record whether this rank holds ``param``'s weight now (a peer between uses does not);
+    a tensor-parallel parameter is a :class:`GuardedDTensor` only while it is not held."""
+    if isinstance(param, GuardedParameter):
         param.__dict__[_ABSENT] = not held
+    elif isinstance(param, DTensor) and _WHERE in param.__dict__:
+        param.__dict__[_ABSENT] = not held
+        cls: type[DTensor] = DTensor if held else GuardedDTensor
+        param.__class__ = cls  # type: ignore[assignment]  # a parameter keeps _is_param
 
 
 class _RefuseDDP:
