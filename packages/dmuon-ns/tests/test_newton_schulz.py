@@ -281,7 +281,7 @@ def test_finite_on_hard_inputs(kind: str, shape: tuple[int, int]) -> None:
 # output lies in [0, TOP]; those coming from input singular values of at least BAND_FROM · ‖G‖_F
 # lie in [BOTTOM, TOP]. fp16 is the CUDA default, fp32 (None) the CPU's.
 BAND_FROM, BOTTOM = 0.002, 0.84
-TOP = {None: 1.125, torch.float16: 1.15, torch.bfloat16: 1.6}
+TOP = {None: 1.125, torch.float16: 1.15, torch.bfloat16: 1.7}
 
 
 def test_the_band_in_exact_arithmetic() -> None:
