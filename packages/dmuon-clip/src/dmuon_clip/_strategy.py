@@ -8,9 +8,10 @@ by their joint norm across owners; ``"per_matrix"`` clips each matrix by its own
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -79,15 +80,47 @@ def get_muon_grad_clip_strategy(name: str) -> MuonGradClipStrategy:
         ) from None
 
 
-def global_norm_strategy(
-    grads: Sequence[Tensor],
-    max_norm: float | None,
-    norm_type: float,
-    process_group: Any,
-    device: torch.device,
-) -> MuonGradClipStats:
+class ClipRequest(NamedTuple):
+    """One call of a built-in strategy, checked once: the gradients as a list, ``max_norm`` and
+    ``norm_type`` validated, ``device`` a ``torch.device``."""
+
+    grads: list[Tensor]
+    max_norm: float | None
+    norm_type: float
+    process_group: Any
+    device: torch.device
+
+
+def _builtin(
+    name: str,
+) -> Callable[[Callable[[ClipRequest], MuonGradClipStats]], MuonGradClipStrategy]:
+    """Register ``fn(request)`` under ``name`` as a strategy of the public signature (which
+    is written here once)."""
+
+    def register(fn: Callable[[ClipRequest], MuonGradClipStats]) -> MuonGradClipStrategy:
+        @functools.wraps(fn)
+        def strategy(
+            grads: Sequence[Tensor],
+            max_norm: float | None,
+            norm_type: float,
+            process_group: Any,
+            device: torch.device,
+        ) -> MuonGradClipStats:
+            max_norm = validate_max_norm(max_norm)
+            p = validate_norm_type(norm_type)
+            return fn(ClipRequest(list(grads), max_norm, p, process_group, torch.device(device)))
+
+        register_muon_grad_clip_strategy(name, strategy)
+        return strategy
+
+    return register
+
+
+@_builtin("global_norm")
+def global_norm_strategy(request: ClipRequest) -> MuonGradClipStats:
     """All Muon matrices clipped by their joint p-norm over every owner: one bucket, one
     collective (sum of ``|g|^p``; max for the inf-norm) over ``process_group``."""
+    grads, max_norm, norm_type, process_group, device = request
     bucket = GradClipBucket("muon", grads, reduce=process_group is not None)
     result = clip_grad_norm_buckets_(
         [bucket], max_norm, norm_type=norm_type, process_group=process_group, device=device
@@ -102,23 +135,14 @@ def global_norm_strategy(
     )
 
 
-def per_matrix_strategy(
-    grads: Sequence[Tensor],
-    max_norm: float | None,
-    norm_type: float,
-    process_group: Any,
-    device: torch.device,
-) -> MuonGradClipStats:
+@_builtin("per_matrix")
+def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
     """Each matrix clipped by its own p-norm (``min(max_norm / (norm + 1e-6), 1)``); a matrix with
     a non-finite norm is left untouched. A whole matrix lives on its owner, so no collective runs
     and the stats are rank-local: ``total_norm`` is the joint norm of this rank's matrices before
     clipping, ``clip_coef`` the smallest factor applied, ``clipped`` / ``found_inf`` whether any
     local matrix was clipped / non-finite."""
-    del process_group  # whole matrices are local to their owner
-    max_norm = validate_max_norm(max_norm)
-    p = validate_norm_type(norm_type)
-    dev = torch.device(device)
-    grads = list(grads)
+    grads, max_norm, p, _, dev = request  # whole matrices are local: no process group
     if not grads:
         zero = torch.zeros((), dtype=torch.float32, device=dev)
         false = torch.zeros((), dtype=torch.bool, device=dev)
@@ -148,7 +172,3 @@ def per_matrix_strategy(
         found_inf=~finite.all(),
         param_count=len(grads),
     )
-
-
-register_muon_grad_clip_strategy("global_norm", global_norm_strategy)
-register_muon_grad_clip_strategy("per_matrix", per_matrix_strategy)
