@@ -115,6 +115,22 @@ def test_fallback_inputs_sparse_noncontiguous_float64_empty() -> None:
     assert result["mixed"].param_count == 4
 
 
+def test_the_inf_norm_skips_empty_tensors() -> None:
+    # An FSDP2 shard of a dimension smaller than the world is empty on some ranks; the
+    # inf-norm of an empty tensor is an error in torch, and it adds nothing to the maximum.
+    dense = torch.tensor([[1.0, -3.0], [2.0, 0.5]])
+    before = dense.clone()
+    empty = torch.empty(0, 4)
+    no_values = torch.sparse_coo_tensor(torch.empty(2, 0, dtype=torch.long), torch.empty(0), (2, 3))
+    result = clip_grad_norm_buckets_(
+        [GradClipBucket("b", [dense, empty, no_values])], 1.5, norm_type=math.inf
+    )
+    assert float(result.total_norm) == 3.0
+    coef = result["b"].clip_coef
+    assert 0.0 < float(coef) < 1.0
+    assert torch.equal(dense, before * coef)
+
+
 def test_reduce_false_and_empty_buckets_without_group() -> None:
     grads = _grads(5, [(3, 3)])
     result = clip_grad_norm_buckets_(

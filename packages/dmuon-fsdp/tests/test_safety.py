@@ -123,6 +123,80 @@ def test_reads_on_a_non_owner_raise_a_clear_error_and_never_crash() -> None:
     }
 
 
+class _ViTBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)  # fused q, k, v
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, n, d))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+class _ViT(torch.nn.Module):
+    """timm's layout in small: a conv patch embedding, a (1, 1, d) class token and a (1, n, d)
+    position embedding, whose FSDP2 shards are empty on every rank but the first."""
+
+    def __init__(self, d: int = 32, depth: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.patch_embed = torch.nn.Conv2d(3, d, 4, 4)
+        self.cls_token = torch.nn.Parameter(torch.randn(1, 1, d) * 0.02)
+        self.pos_embed = torch.nn.Parameter(torch.randn(1, 17, d) * 0.02)
+        self.blocks = torch.nn.ModuleList(_ViTBlock(d) for _ in range(depth))
+        self.norm, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+def _vit_matrices(fqn: str, p: torch.Tensor) -> bool:
+    return p.ndim == 2 and not fqn.startswith("head")
+
+
+def _vit(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(0)
+    model = _ViT()
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, _vit_matrices, small_param_threshold=0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(4):
+        images, labels = torch.randn(8, 3, 16, 16, generator=gen), torch.randint(10, (8,))
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(
+            model(images[rank::world_size]), labels[rank::world_size]
+        )
+        loss.backward()
+        optimizer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world_size)
+    return losses
+
+
+@pytest.mark.distributed
+def test_a_vit_layout_with_shards_empty_on_some_ranks_trains_like_one_rank() -> None:
+    # Before, the non-finite check took the inf-norm of the empty class-token shard and raised
+    # on one rank while the other waited in its all-reduce.
+    (one,) = run_distributed(_vit, 1)
+    for got in run_distributed(_vit, 2):
+        for step, (a, b) in enumerate(zip(got, one)):
+            assert abs(a - b) <= 1e-4 * abs(b), (step, got, one)
+
+
 def _ddp_over_dedicated(rank: int, world_size: int) -> str:
     model = build(0)
     dedicate_params(model, init_device_mesh("cpu", (world_size,)), muon_predicate)

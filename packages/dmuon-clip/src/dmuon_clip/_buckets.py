@@ -153,9 +153,12 @@ def _group(tensors: Sequence[Tensor]) -> dict[tuple[torch.device, torch.dtype, b
 def _torch_local_sum(tensors: Sequence[Tensor], p: float, device: torch.device) -> Tensor:
     """This rank's ``sum |g|^p`` (``max |g|`` for p = inf) of some tensors, fp32 0-dim on ``device``."""
     norms: list[Tensor] = []
-    for (_, dtype, sparse), group in _group(tensors).items():
+    # Empty tensors (an FSDP2 shard of a dimension smaller than the world) add nothing, and
+    # the inf-norm of an empty tensor is an error.
+    for (_, dtype, sparse), group in _group([t for t in tensors if t.numel()]).items():
         if sparse:
-            norms += [torch.linalg.vector_norm(g.coalesce().values(), p).float() for g in group]
+            values = [g.coalesce().values() for g in group]
+            norms += [torch.linalg.vector_norm(v, p).float() for v in values if v.numel()]
         elif dtype in _KERNEL_DTYPES:
             norms += torch._foreach_norm(group, p, dtype=torch.float32)
         else:

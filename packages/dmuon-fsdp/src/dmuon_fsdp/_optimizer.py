@@ -453,6 +453,9 @@ class Muon(torch.optim.Optimizer):
         found = torch.zeros((), dtype=torch.float32, device=device)
         grads = [item.grad for item, _ in muon_items]
         grads += [local_tensor(g) for *_, gs, _ in adamw_work for g in gs]
+        # An FSDP2 shard of a dimension smaller than the world (a (1, 1, d) class token on
+        # two ranks) is empty on some ranks: nothing to check, and its inf-norm is an error.
+        grads = [g for g in grads if g.numel()]
         if grads:
             # The largest magnitude of each gradient (one foreach launch, any float dtype): NaN
             # or infinity there iff anywhere in the gradient.
