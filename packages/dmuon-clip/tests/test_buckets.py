@@ -121,7 +121,9 @@ def test_the_inf_norm_skips_empty_tensors() -> None:
     dense = torch.tensor([[1.0, -3.0], [2.0, 0.5]])
     before = dense.clone()
     empty = torch.empty(0, 4)
-    no_values = torch.sparse_coo_tensor(torch.empty(2, 0, dtype=torch.long), torch.empty(0), (2, 3))
+    no_values = torch.sparse_coo_tensor(
+        torch.empty(2, 0, dtype=torch.long), torch.empty(0), (2, 3), check_invariants=True
+    )
     result = clip_grad_norm_buckets_(
         [GradClipBucket("b", [dense, empty, no_values])], 1.5, norm_type=math.inf
     )
