@@ -68,11 +68,12 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _as_saved(runtime: DedicatedRuntime, dp: DedicatedParam, t: Tensor) -> Tensor:
+def _as_saved(runtime: DedicatedRuntime, dp: DedicatedParam | None, t: Tensor) -> Tensor:
     """An owner's tensor laid out as a dedicated parameter, as DCP should see it: itself, or
     under tensor parallelism this rank's shard of the full matrix, a DTensor on the TP mesh
-    (see [Note: the DCP layout]). Anything else (an AdamW ``step``) is returned as it is."""
-    if dp.tp_dim is None or t.shape != dp.local_shape:
+    (see [Note: the DCP layout]). Anything else (an FSDP2 parameter's state, an AdamW
+    ``step``) is returned as it is."""
+    if dp is None or dp.tp_dim is None or t.shape != dp.local_shape:
         return t
     mesh = runtime.layout.tp_mesh
     assert mesh is not None
@@ -132,11 +133,10 @@ class AppState(Stateful):
             assert like is not None
             route = group["optimizer"]
             live = optimizer.state.get(p) or layout.fresh_state(route, like, layout.optim_dtype(dp))
-            fields = layout.STATE_FIELDS[route]
-            if dp is None:
-                state[name] = {field: live[field] for field in fields}
-            else:
-                state[name] = {field: _as_saved(self.runtime, dp, live[field]) for field in fields}
+            state[name] = {
+                field: _as_saved(self.runtime, dp, live[field])
+                for field in layout.STATE_FIELDS[route]
+            }
         return {"state": state, "param_groups": tuple(group_state(optimizer).items())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

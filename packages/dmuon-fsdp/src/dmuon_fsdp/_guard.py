@@ -223,7 +223,7 @@ def set_held(param: nn.Parameter, held: bool) -> None:
     a tensor-parallel parameter is a :class:`GuardedDTensor` only while it is not held."""
     if isinstance(param, GuardedParameter):
         param.__dict__[_ABSENT] = not held
-    elif isinstance(param, DTensor) and _WHERE in param.__dict__:
+    elif is_dedicated(param):
         param.__dict__[_ABSENT] = not held
         cls: type[DTensor] = DTensor if held else GuardedDTensor
         param.__class__ = cls  # type: ignore[assignment]  # a parameter keeps _is_param
