@@ -34,10 +34,11 @@ dmuon that is the cold start on an empty NS autotune cache: each measuring proce
 ``DMUON_NS_CACHE_DIR`` at a new temporary directory of its own before anything uses dmuon-ns
 (a directory from the environment is overridden), checks that dmuon-ns has seen no problem yet,
 and only after the first iteration settles the open choices with ``dmuon_ns.tune_pending()``,
-so the timed iterations run the tuned kernels. The first iteration also compiles dmuon's fused
-Triton step kernels unless Triton's own cache (``TRITON_CACHE_DIR``) already holds them: point
-that at a new directory too to measure a new node. cuBLAS is started before the first variant,
-so no variant is charged for it.
+so the timed iterations run the tuned kernels. ``dmuon.Muon`` also compiles its fused Triton
+step kernels, in a background thread, which on a new node (an empty ``TRITON_CACHE_DIR``: point
+it at a new directory to measure one) takes a few seconds of that thread's time; the first
+iterations run the same arithmetic as torch ops meanwhile. cuBLAS is started before the first
+variant, so no variant is charged for it.
 
 Variants: ``plain``: the model with no optimizer (fwd+bwd only); ``fsdp2``: the model under
 ``fully_shard`` (fwd+bwd only); ``adamw``: fused AdamW on every parameter (bf16-mixed: of the

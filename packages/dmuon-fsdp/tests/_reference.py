@@ -66,13 +66,14 @@ class ReferenceMuonAdamW:
             if p.grad is None:
                 continue
             buf = self.bufs[name]
+            # dmuon rounds every product on its own (no fused multiply-add), so the products
+            # here are separate ops too (torch.add with alpha would round once).
             buf.mul_(h.momentum).add_(p.grad)
-            # grad + momentum·buf in one add (the rounding of torch.add with alpha).
-            x = torch.add(p.grad, buf, alpha=h.momentum) if h.nesterov else buf
+            x = p.grad + buf * h.momentum if h.nesterov else buf
             update = self.ns(x)
             rows, cols = p.shape
             p.mul_(1 - h.lr * h.weight_decay)
-            p.add_(update, alpha=-h.lr * 0.2 * math.sqrt(max(rows, cols)))
+            p.add_(update * (-h.lr * 0.2 * math.sqrt(max(rows, cols))))
         self.adamw.step()
 
     def zero_grad(self) -> None:

@@ -1,66 +1,214 @@
-"""The fused momentum and update kernels (Triton's interpreter on CPU) against the torch ops
-they replace: the same values up to one rounding, and a skipped step stores exactly the old
-values."""
+"""The Muon elementwise passes: the Triton kernels (Triton's interpreter on CPU, and on a GPU)
+and the torch ops give the same bits; both agree with a float64 evaluation of the formulas; a
+skipped step stores exactly the old values; ``Muon(model)`` compiles the kernels off the
+training thread (GPU)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
+# Run as a script: on CPU under TRITON_INTERPRET=1, or on CUDA; argv[1] is the device.
 _BODY = textwrap.dedent(
     """
+    import sys
     import torch
-    from dmuon_fsdp._fused import fused_available, momentum_into, update_weight
-    from dmuon_fsdp._muon_math import momentum_update, weight_decay_and_update
+    from dmuon_fsdp import _fused
 
-    gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
+    device = torch.device(sys.argv[1])
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dtype):
+        return torch.randn(*shape, generator=gen, device=device).mul_(3).to(dtype)
+
+    def both(run, *tensors):
+        # run(kernels, *copies) on fresh copies of tensors, once per implementation.
+        results = []
+        for kernels in (True, False):
+            copies = [t.clone() for t in tensors]
+            run(kernels, *copies)
+            results.append(copies)
+        return results
+
+    skips = {
+        "none": None,
+        "off": torch.zeros((), dtype=torch.bool, device=device),
+        "on": torch.ones((), dtype=torch.bool, device=device),
+    }
+    momentum, decay, step = 0.95, 1 - 0.02 * 0.1, -0.02 * 1.5
+
+    def same_bits(a, b, where):
+        if a.dtype == torch.bfloat16 and device.type == "cpu":
+            # Triton's interpreter rounds fp32 -> bf16 toward zero, a GPU (and torch) to
+            # nearest even: one bf16 step apart there (of the largest value, for the Nesterov
+            # input, which adds to a rounded buffer), the same bits on a GPU.
+            step = 2**-7 * b.abs().max().item()
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=step, msg=where)
+        else:
+            assert torch.equal(a, b), where
+    # (state, gradient) dtypes: bf16 weights; fp32 states and grads; mixed; fp16.
+    for state, grad_dtype in (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ):
         for nesterov in (True, False):
-            buf = torch.randn(33, 70, generator=gen).to(dtype)
-            grad = torch.randn(33, 70, generator=gen)  # fp32 grads, a bf16 buffer: mixed dtypes
-            out = torch.empty(33, 70, dtype=dtype)
-            assert fused_available(buf, grad, out)
-            ref_buf, ref_out = buf.clone(), torch.empty_like(out)
-            momentum_update(ref_buf, grad.to(dtype), 0.9, nesterov, ref_out)
-            skip = torch.zeros((), dtype=torch.bool)
-            momentum_into(buf, grad, out, skip, 0.9, nesterov)
-            tol = dict(rtol=1e-2, atol=1e-2) if dtype is torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(buf, ref_buf, **tol)
-            torch.testing.assert_close(out, ref_out, **tol)
-            # A skipped step: the buffer keeps its bits, even with a NaN gradient.
-            before = buf.clone()
-            momentum_into(buf, torch.full_like(grad, float("nan")), out, skip | True, 0.9, nesterov)
-            assert torch.equal(buf, before)
+            for name, skip in skips.items():
+                buf = randn(33, 70, dtype=state)
+                grad = randn(33, 70, dtype=grad_dtype)
+                if name == "on":
+                    grad[3, 5] = float("nan")
+                out = torch.empty(33, 70, dtype=state, device=device)
+                assert _fused.fused_available(buf, grad, out)
 
-        # The update, with a transposed NS result as tall matrices give.
-        p = torch.randn(40, 24, generator=gen).to(dtype)
-        update = torch.randn(24, 40, generator=gen).to(dtype).t()
-        assert not update.is_contiguous() and fused_available(p)
-        ref = p.clone()
-        weight_decay_and_update(ref, update, lr=0.02, weight_decay=0.1, scale=1.5)
-        update_weight(p, update, torch.zeros((), dtype=torch.bool), 1 - 0.02 * 0.1, -0.02 * 1.5)
-        tol = dict(rtol=1e-2, atol=1e-2) if dtype is torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(p, ref, **tol)
-        before = p.clone()
-        update_weight(p, update * float("nan"), torch.ones((), dtype=torch.bool), 0.5, -1.0)
-        assert torch.equal(p, before)
+                def run(kernels, buf, grad, out):
+                    if kernels:
+                        _fused.momentum_into(buf, grad, out, skip, momentum, nesterov)
+                    else:
+                        _fused._momentum_with_torch(buf, grad, out, skip, momentum, nesterov)
+
+                (kb, _, ko), (tb, _, to) = both(run, buf, grad, out)
+                where = f"momentum {state} {grad_dtype} nesterov={nesterov} skip={name}"
+                same_bits(kb, tb, where)
+                if name == "on":
+                    assert torch.equal(kb, buf), where  # the old bits
+                    continue
+                same_bits(ko, to, where)
+                new = buf.double() * momentum + grad.double()
+                torch.testing.assert_close(kb, new.to(state), rtol=1e-2, atol=1e-2, msg=where)
+                # The Nesterov input adds to the buffer as stored (rounded to its dtype).
+                stored = kb.double()
+                value = grad.double() + momentum * stored if nesterov else stored
+                torch.testing.assert_close(ko, value.to(state), rtol=1e-2, atol=1e-2, msg=where)
+
+        # The update, on a row-major and on a transposed NS result (tall matrices give one).
+        for transposed in (False, True):
+            for name, skip in skips.items():
+                p = randn(40, 24, dtype=state)
+                u = randn(24, 40, dtype=state).t() if transposed else randn(40, 24, dtype=state)
+                if name == "on":
+                    u = u * float("nan")
+                assert _fused.fused_available(p) and u.is_contiguous() is not transposed
+
+                def run(kernels, p, u):
+                    if kernels:
+                        _fused.update_weight(p, u, skip, decay, step)
+                    else:
+                        _fused._update_with_torch(p, u, skip, decay, step)
+
+                (kp, _), (tp, _) = both(run, p, u)
+                where = f"update {state} transposed={transposed} skip={name}"
+                same_bits(kp, tp, where)
+                if name == "on":
+                    assert torch.equal(kp, p), where
+                    continue
+                expected = (p.double() * decay + step * u.double()).to(state)
+                torch.testing.assert_close(kp, expected, rtol=1e-2, atol=1e-2, msg=where)
     # Not contiguous: the torch ops run instead.
-    assert not fused_available(torch.zeros(4, 4).t())
+    assert not _fused.fused_available(torch.zeros(4, 4, device=device).t())
     print("ok")
     """
 )
 
 
-def test_fused_kernels_match_the_torch_ops_and_skip_exactly() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+def _run_body(device: str, env: dict[str, str]) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _BODY], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-c", _BODY, device], capture_output=True, text=True, timeout=300, env=env
     )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().endswith("ok")
+
+
+def test_kernels_and_torch_ops_give_the_same_bits() -> None:
+    _run_body("cpu", {**os.environ, "TRITON_INTERPRET": "1"})
+
+
+@pytest.mark.gpu
+def test_kernels_and_torch_ops_give_the_same_bits_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _run_body("cuda", dict(os.environ))
+
+
+_BACKGROUND_BODY = textwrap.dedent(
+    """
+    import os, tempfile
+    import torch, torch.distributed as dist, triton
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    import dmuon
+    from dmuon_fsdp import _fused
+    from _models import batch, build, loss_fn, muon_predicate
+
+    torch.cuda.set_device(0)
+    tmp = tempfile.mkdtemp()
+    dist.init_process_group("nccl", init_method=f"file://{tmp}/rdv", rank=0, world_size=1)
+    mesh = init_device_mesh("cuda", (1,))
+    compiles = []
+    def hook(*, fn, is_manual_warmup, repr, **_):
+        compiles.append((fn.name, is_manual_warmup, repr))
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    def torch_ops(*args, **kwargs):
+        raise AssertionError("the torch ops ran where the compiled kernels should have")
+    _fused._momentum_with_torch = _fused._update_with_torch = torch_ops
+    # bf16 weights; fp32 masters with bf16 compute (FSDP2's policy): other dtypes per kernel.
+    for dtype, mp in ((torch.bfloat16, None), (torch.float32, torch.bfloat16)):
+        with torch.device("cuda"):
+            model = build().to(dtype)
+        dmuon.dedicate_params(model, mesh, muon_predicate)
+        kwargs = {"ignored_params": dmuon.dedicated_params_of(model)}
+        if mp is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, **kwargs)
+        fully_shard(model, mesh=mesh, **kwargs)
+        opt = dmuon.Muon(model, lr=0.02)
+        for thread in list(_fused._background):
+            thread.join()
+        warmed = len(compiles)
+        assert warmed and all(warmup for _, warmup, _ in compiles), compiles
+        for step in range(2):
+            loss_fn(model, batch(step, 4).cuda()).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        late = [c for c in compiles[warmed:] if c[0].endswith(("momentum_kernel", "update_kernel"))]
+        assert not late, f"compiled in the step, not in the background: {late}"
+        compiles.clear()
+    dist.destroy_process_group()
+    print("ok")
+    """
+)
+
+
+@pytest.mark.gpu
+def test_step_launches_only_kernels_compiled_in_the_background() -> None:
+    """[Note: compiling off the training thread]: ``Muon(model)`` compiles every signature its
+    steps launch, so no step compiles (a new Triton cache: nothing is on disk)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    tests_dir = os.path.dirname(__file__)
+    with tempfile.TemporaryDirectory() as cache:
+        env = {
+            **os.environ,
+            "TRITON_CACHE_DIR": cache,
+            "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", _BACKGROUND_BODY],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().endswith("ok")

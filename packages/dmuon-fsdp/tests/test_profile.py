@@ -19,7 +19,7 @@ from dmuon_fsdp import (
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()
-STEPS = 4
+STEPS = 6
 
 
 def _run(rank: int, world_size: int, profile: bool):
@@ -49,12 +49,16 @@ def test_step_profile_lists_every_phase_sums_to_the_step_and_changes_nothing() -
         assert with_profile[0] == without[0], "profiling changed a loss"
         assert all(torch.equal(with_profile[1][k], v) for k, v in without[1].items())
         _, _, profiles, step_ms, waits, rows = with_profile
-        for phases, measured in zip(profiles[1:], step_ms[1:]):  # the first step makes states
+        for phases in profiles:
             names = set(phases)
             assert {"wait_reduces", "nonfinite_check", "muon_update", "adamw", "publish"} <= names
             assert any(name.startswith("ns[") for name in names), names
-            total = sum(phases.values())
-            assert abs(total - measured) <= 0.1 * measured, (phases, measured)
+        # Summed over the steps after the first (which makes the states): a step of a few ms
+        # on a busy CI host is sometimes preempted outside the profiled span, and one such
+        # pause is a large share of one step but not of five.
+        total = sum(sum(phases.values()) for phases in profiles[1:])
+        measured = sum(step_ms[1:])
+        assert abs(total - measured) <= 0.1 * measured, (profiles, step_ms)
         assert all(w is not None and w >= 0 for w in waits)
         muon_group = next(g for g in rows if g["optimizer"] == "muon")
         assert len(muon_group["rows"]) == 3 and muon_group["rows_omitted"] > 0

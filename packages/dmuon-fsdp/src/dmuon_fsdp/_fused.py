@@ -1,40 +1,67 @@
-"""Fused elementwise passes of the Muon update on CUDA, with the non-finite skip folded in.
+"""Muon's elementwise passes (momentum and the weight update) with the non-finite skip folded
+in: one Triton program per block on CUDA, torch ops elsewhere, the same bits from both.
 
 [Note: fused momentum and update]
 
-With ``torch`` ops, a step that may be skipped on the device (see [Note: non-finite gradients]
-in :mod:`._muon_math`) costs extra passes over every matrix: the advanced momentum is formed
-apart and then selected into the buffer, and the new weight likewise. On an H200 that was 15
-ms of a 165 ms step for an 8-layer H=4096 stack. One Triton program per block does it all in
-one pass instead:
+With separate ``torch`` ops, a step that may be skipped on the device (see [Note: non-finite
+gradients] in :mod:`._muon_math`) costs extra passes over every matrix: the advanced momentum
+is formed apart and then selected into the buffer, and the new weight likewise. On an H200 that
+was 15 ms of a 165 ms step for an 8-layer H=4096 stack. One Triton program per block does it
+all in one pass instead:
 
 - momentum: reads ``buf`` and ``grad``, writes ``buf`` (the old value when skipped) and the NS
-  input (``grad + momentum·buf`` with Nesterov): four transfers, where the unfused in-place
-  ops take eight even without a skip;
-- update: reads ``p`` and the NS result, writes ``p`` (kept when skipped): three transfers,
-  as ``p.add_`` alone.
+  input (``grad + momentum·buf`` with Nesterov, ``buf`` without): four transfers, where the
+  separate ops take eight even without a skip;
+- update: reads ``p`` and the NS result, writes ``p`` (kept when skipped): three transfers, as
+  ``p.add_`` alone.
 
-Arithmetic runs in fp32 and rounds once per stored value (``momentum·buf + grad`` as one
-multiply-add), so the last bit can differ from the unfused ops', which round after the
-multiply too; every rank and every run of one build computes the same bits. A skipped step
-stores exactly the old values. The kernels take contiguous tensors of one of the three float
-dtypes; anything else (and every CPU tensor) takes the ``torch`` ops. Triton's interpreter
-runs them on CPU for the tests.
+Both passes have one definition of their arithmetic, whichever code runs it: every input is
+read as fp32 (fp64 stays fp64), each multiply and each add rounds to fp32 on its own (no fused
+multiply-add: the kernels are compiled with ``enable_fp_fusion=False``), and a stored value
+rounds once, to its tensor's dtype. The torch ops here (:func:`_momentum_with_torch`,
+:func:`_update_with_torch`) spell out the same operations in the same order, so the kernels and
+the torch ops give the same bits (``tests/test_fused.py`` checks it under Triton's interpreter
+and on a GPU). The torch ops run on CPU, on tensors the kernels do not take (not contiguous,
+fp64), and on CUDA until the kernels are compiled (see the next note). A skipped step stores
+exactly the old values.
+
+[Note: compiling off the training thread]
+On a new node the first launch of these kernels cost about 2.3 s on an H200 (Triton's driver
+start and key hashing, the compile, and a C launcher built by the host compiler per signature),
+all of it inside the first ``optimizer.step()``. So ``Muon(model)`` calls
+:func:`compile_in_background` with what its owned matrices will pass (shapes and dtypes, known
+once the runtime has packed its parameters), and a daemon thread compiles and loads every
+signature while training goes on. Until that thread has finished, the passes run as torch ops;
+since both give the same bits, no result depends on when it finishes, and no step waits for
+it. A signature the thread did not foresee (an NS callable returning another dtype or layout)
+compiles at its first launch. An error the thread met is raised by the first pass after it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+import threading
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["fused_available", "momentum_into", "update_weight"]
+__all__ = [
+    "FusedLayout",
+    "compile_in_background",
+    "fused_available",
+    "momentum_into",
+    "update_weight",
+]
 
 _BLOCK = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Compiles started by compile_in_background that the passes have not seen finish, and the
+# errors they met.
+_background: list[threading.Thread] = []
+_background_errors: list[Exception] = []
 
 
 def _interpreting() -> bool:
@@ -93,8 +120,8 @@ def _kernels() -> Any:
 
 
 def fused_available(*tensors: Tensor) -> bool:
-    """Whether the fused kernels can run on ``tensors`` (CUDA, or CPU under Triton's
-    interpreter; contiguous; fp32/bf16/fp16)."""
+    """Whether the kernels can run on ``tensors`` (CUDA, or CPU under Triton's interpreter;
+    contiguous; fp32/bf16/fp16), compiled or not."""
     first = tensors[0]
     if first.device.type != "cuda" and not (first.device.type == "cpu" and _interpreting()):
         return False
@@ -105,30 +132,210 @@ def fused_available(*tensors: Tensor) -> bool:
     return _kernels() is not None
 
 
+def _use_kernels(*tensors: Tensor) -> bool:
+    if _background and not _background_done():
+        return False
+    return fused_available(*tensors)
+
+
+def _background_done() -> bool:
+    """Whether every background compile has finished (see [Note: compiling off the training
+    thread]); an error one of them met is raised here, on the caller's thread."""
+    if any(thread.is_alive() for thread in _background):
+        return False
+    _background.clear()
+    if _background_errors:
+        raise _background_errors.pop(0)
+    return True
+
+
 def _grid(n: int) -> tuple[int]:
     return ((n + _BLOCK - 1) // _BLOCK,)
 
 
+def _skip_flag(skip: Tensor | None, like: Tensor) -> Tensor:
+    return skip if skip is not None else torch.zeros((), dtype=torch.bool, device=like.device)
+
+
+def _store(target: Tensor, new: Tensor, skip: Tensor | None) -> None:
+    """``new`` into ``target`` (rounded to its dtype), unless ``skip`` is set (decided on the
+    device)."""
+    if skip is None:
+        target.copy_(new)
+    else:
+        torch.where(skip, target, new.to(target.dtype), out=target)
+
+
+def _wide(*tensors: Tensor) -> torch.dtype:
+    """The dtype the passes compute in: fp32, or fp64 when an input is fp64."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def momentum_into(
-    buf: Tensor, grad: Tensor, out: Tensor, skip: Tensor, momentum: float, nesterov: bool
+    buf: Tensor,
+    grad: Tensor,
+    out: Tensor,
+    skip: Tensor | None,
+    momentum: float,
+    nesterov: bool,
 ) -> None:
-    """``buf = momentum·buf + grad`` (unless ``skip``) and the NS input into ``out``, in one
-    pass; the caller checked :func:`fused_available`."""
-    momentum_kernel, _ = _kernels()
-    n = buf.numel()
-    momentum_kernel[_grid(n)](
-        buf, grad, out, skip, n, float(momentum), NESTEROV=nesterov, BLOCK=_BLOCK
-    )
+    """``buf = momentum·buf + grad`` (kept when ``skip``, a 0-d bool tensor, is set) and the NS
+    input into ``out``: ``grad + momentum·buf`` with Nesterov, ``buf`` without."""
+    if _use_kernels(buf, grad, out):
+        momentum_kernel, _ = _kernels()
+        n = buf.numel()
+        momentum_kernel[_grid(n)](
+            buf,
+            grad,
+            out,
+            _skip_flag(skip, buf),
+            n,
+            float(momentum),
+            NESTEROV=nesterov,
+            BLOCK=_BLOCK,
+            enable_fp_fusion=False,
+        )
+        return
+    _momentum_with_torch(buf, grad, out, skip, float(momentum), nesterov)
 
 
-def update_weight(param: Tensor, update: Tensor, skip: Tensor, decay: float, step: float) -> None:
-    """``param = decay·param + step·update`` (unless ``skip``), in one pass, for a contiguous
-    2-D ``param`` and an ``update`` of its shape with any strides; the caller checked
-    :func:`fused_available` on ``param``."""
-    _, update_kernel = _kernels()
-    n = param.numel()
-    cols = param.shape[1]
-    u_row, u_col = update.stride()
-    update_kernel[_grid(n)](
-        param, update, skip, n, cols, u_row, u_col, float(decay), float(step), BLOCK=_BLOCK
+def _momentum_with_torch(
+    buf: Tensor,
+    grad: Tensor,
+    out: Tensor,
+    skip: Tensor | None,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    """The momentum kernel's arithmetic, op for op (see [Note: fused momentum and update]);
+    the wide values are formed in ``out`` when it has their dtype (no temporary)."""
+    wide = _wide(buf, grad)
+    new = out if out.dtype == wide else torch.empty_like(out, dtype=wide)
+    _times(buf, momentum, out=new).add_(grad)
+    _store(buf, new, skip)  # rounds once, to the buffer's dtype
+    if nesterov:
+        # grad + momentum·buf from the buffer as stored (a skipped step's NS input is unused).
+        _times(buf, momentum, out=new).add_(grad)
+        if new is not out:
+            out.copy_(new)
+    else:
+        out.copy_(buf)
+
+
+def _times(t: Tensor, factor: float, *, out: Tensor) -> Tensor:
+    """``out = t·factor`` computed in ``out``'s dtype (widened first: a product in ``t``'s own
+    narrower dtype would round there)."""
+    if t.dtype == out.dtype:
+        return torch.mul(t, factor, out=out)
+    return out.copy_(t).mul_(factor)
+
+
+def update_weight(
+    param: Tensor, update: Tensor, skip: Tensor | None, decay: float, step: float
+) -> None:
+    """``param = decay·param + step·update`` (kept when ``skip`` is set) for a 2-D ``param``
+    and an ``update`` of its shape with any strides."""
+    if _use_kernels(param):
+        _, update_kernel = _kernels()
+        n = param.numel()
+        cols = param.shape[1]
+        u_row, u_col = update.stride()
+        update_kernel[_grid(n)](
+            param,
+            update,
+            _skip_flag(skip, param),
+            n,
+            cols,
+            u_row,
+            u_col,
+            float(decay),
+            float(step),
+            BLOCK=_BLOCK,
+            enable_fp_fusion=False,
+        )
+        return
+    _update_with_torch(param, update, skip, float(decay), float(step))
+
+
+def _update_with_torch(
+    param: Tensor, update: Tensor, skip: Tensor | None, decay: float, step: float
+) -> None:
+    """The update kernel's arithmetic, op for op (see [Note: fused momentum and update])."""
+    new = _times(update, step, out=torch.empty_like(param, dtype=_wide(param, update)))
+    # decay·param + step·update; a decay of 1 multiplies exactly, so it is left out.
+    new.add_(param if decay == 1.0 else _times(param, decay, out=torch.empty_like(new)))
+    _store(param, new, skip)  # rounds once, to the parameter's dtype
+
+
+class FusedLayout(NamedTuple):
+    """What the kernels see of one owned matrix in a step (see [Note: compiling off the
+    training thread])."""
+
+    shape: tuple[int, int]
+    weight: torch.dtype  # the master weight the update writes
+    grad: torch.dtype  # the reduced gradient
+    state: torch.dtype  # the momentum buffer, the NS input and its result
+    nesterov: bool
+
+
+def compile_in_background(layouts: Iterable[FusedLayout], device: torch.device) -> None:
+    """Start compiling and loading the kernels for ``layouts`` on ``device`` in a daemon thread
+    (a CUDA device with Triton only; otherwise nothing happens)."""
+    wanted = list(dict.fromkeys(layouts))  # one entry per distinct layout, in order
+    if device.type != "cuda" or _interpreting() or not wanted or _kernels() is None:
+        return
+    thread = threading.Thread(
+        target=_compile_each, args=(wanted, device), name="dmuon-fused-compile", daemon=True
     )
+    _background.append(thread)
+    thread.start()
+
+
+def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
+    try:
+        from triton.runtime.jit import MockTensor
+
+        momentum_kernel, update_kernel = _kernels()
+        skip = MockTensor(torch.bool)
+        torch.cuda.set_device(device)  # the current device is per thread; Triton keys on it
+        for layout in layouts:
+            rows, cols = layout.shape
+            n = rows * cols
+            # A tall matrix's NS result is the transpose of a wide one's (update_kernel).
+            u_row, u_col = (1, rows) if rows > cols else (cols, 1)
+            state = MockTensor(layout.state)
+            compiled = [
+                momentum_kernel.warmup(
+                    state,
+                    MockTensor(layout.grad),
+                    state,
+                    skip,
+                    n,
+                    0.5,
+                    NESTEROV=layout.nesterov,
+                    BLOCK=_BLOCK,
+                    enable_fp_fusion=False,
+                    grid=(1,),
+                ),
+                update_kernel.warmup(
+                    MockTensor(layout.weight),
+                    state,
+                    skip,
+                    n,
+                    cols,
+                    u_row,
+                    u_col,
+                    0.5,
+                    0.5,
+                    BLOCK=_BLOCK,
+                    enable_fp_fusion=False,
+                    grid=(1,),
+                ),
+            ]
+            for kernel in compiled:
+                kernel.run  # noqa: B018 - builds the launcher and loads the module
+    except Exception as err:  # raised on the training thread by _background_done
+        _background_errors.append(err)

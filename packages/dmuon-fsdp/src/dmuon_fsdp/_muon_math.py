@@ -26,14 +26,14 @@ the cap (exactly one call per shape).
 One NaN or infinity in any gradient would turn every weight it reaches non-finite: through NS
 a single bad element spreads over a whole matrix. So ``Muon.step`` first checks every gradient
 this rank is about to step with (the largest magnitude of each, one foreach launch), takes the
-maximum over all ranks (one scalar all-reduce), and skips the whole step everywhere when it is set: the
-Muon update selects the old weight and momentum (``torch.where``, one matrix at a time; on CUDA one fused pass per matrix, see [Note: fused
-momentum and update] in _fused), and
-AdamW runs torch's fused kernel with that ``found_inf``, which leaves parameters, moments and
-step counts untouched. The decision never leaves the device (no host sync, as with
-GradScaler and a fused optimizer); the skip is counted in ``Muon.last_step_stats``. With a
-finite gradient the result is bit for bit the unchecked step's, except that AdamW runs torch's
-fused kernel rather than its default one. ``Muon(skip_nonfinite=False)`` turns the check off.
+maximum over all ranks (one scalar all-reduce), and skips the whole step everywhere when
+it is set: the Muon passes keep the old weight and momentum (one pass per matrix, see [Note:
+fused momentum and update] in _fused), and AdamW runs torch's fused kernel with that
+``found_inf``, which leaves parameters, moments and step counts untouched. The decision never
+leaves the device (no host sync, as with GradScaler and a fused optimizer); the skip is counted
+in ``Muon.last_step_stats``. With a finite gradient the Muon update is bit for bit the
+unchecked step's; AdamW runs torch's fused kernel rather than its default one.
+``Muon(skip_nonfinite=False)`` turns the check off.
 
 [Note: momentum convention]
 ``buf = momentum * buf + grad`` (no ``1 - momentum`` damping) and the Nesterov input
@@ -57,7 +57,7 @@ from torch.optim.adamw import adamw as _functional_adamw
 
 from dmuon_ns import NewtonSchulz
 
-from ._fused import fused_available, momentum_into, update_weight
+from ._fused import momentum_into, update_weight
 
 __all__ = [
     "LrScaling",
@@ -109,33 +109,21 @@ def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
 
 
 def momentum_update(
-    buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, out: Tensor | None = None
+    buf: Tensor,
+    grad: Tensor,
+    momentum: float,
+    nesterov: bool,
+    out: Tensor | None = None,
+    skip: Tensor | None = None,
 ) -> Tensor:
-    """Advance ``buf`` in place (``buf = momentum * buf + grad``) and return the NS input:
-    ``grad + momentum * buf`` with Nesterov, ``buf`` without. With ``out`` the input is written
-    there; without, the Nesterov input is a new tensor and the plain one is ``buf`` itself (do
-    not modify it)."""
-    buf.mul_(momentum).add_(grad)
-    return _ns_input(buf, grad, momentum, nesterov, out)
-
-
-def _ns_input(
-    buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, out: Tensor | None
-) -> Tensor:
-    if nesterov:
-        return torch.add(grad, buf, alpha=momentum, out=out)
-    if out is None:
-        return buf
-    return out.copy_(buf)
-
-
-def _momentum_update_unless(skip: Tensor, item: MuonItem, out: Tensor) -> None:
-    """:func:`momentum_update` into ``out``, except that ``item.buf`` keeps its value when
-    ``skip`` is set (decided on the device): the advanced buffer is formed in ``out`` with the
-    same operations, selected into ``buf``, and then ``out`` becomes the NS input."""
-    torch.mul(item.buf, item.momentum, out=out).add_(item.grad)
-    torch.where(skip, item.buf, out, out=item.buf)
-    _ns_input(item.buf, item.grad, item.momentum, item.nesterov, out)
+    """Advance ``buf`` in place (``buf = momentum * buf + grad``, kept when ``skip`` is set)
+    and return the NS input: ``grad + momentum * buf`` with Nesterov, ``buf`` without. With
+    ``out`` the input is written there; without, the Nesterov input is a new tensor and the
+    plain one is ``buf`` itself (do not modify it). The arithmetic is [Note: fused momentum
+    and update]'s (in _fused)."""
+    target = out if out is not None else torch.empty_like(buf)
+    momentum_into(buf, grad, target, skip, momentum, nesterov)
+    return buf if out is None and not nesterov else target
 
 
 def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NSFunction:
@@ -204,21 +192,14 @@ def muon_step(
             part = members[start : start + chunk]
             batch = torch.empty((len(part), *shape), dtype=dtype, device=device)
             for i, item in enumerate(part):
-                if skip is None:
-                    momentum_update(item.buf, item.grad, item.momentum, item.nesterov, batch[i])
-                elif fused_available(item.buf, item.grad, batch[i]):
-                    momentum_into(item.buf, item.grad, batch[i], skip, item.momentum, item.nesterov)
-                else:
-                    _momentum_update_unless(skip, item, out=batch[i])
+                momentum_update(
+                    item.buf, item.grad, item.momentum, item.nesterov, out=batch[i], skip=skip
+                )
             mark("muon_update")
             updates = ns(batch)
             mark(f"ns[{'x'.join(map(str, batch.shape))}]")
             del batch
             for i, item in enumerate(part):
-                if skip is not None and fused_available(item.weight):
-                    decay = 1.0 - item.lr * item.weight_decay
-                    update_weight(item.weight, updates[i], skip, decay, -item.lr * item.scale)
-                    continue
                 weight_decay_and_update(
                     item.weight,
                     updates[i],
@@ -244,15 +225,11 @@ def weight_decay_and_update(
     scale: float,
     skip: Tensor | None = None,
 ) -> None:
-    """Decoupled weight decay ``p *= 1 - lr * wd`` then ``p -= lr * scale * update``, in
-    place (unless ``skip`` is set, decided on the device). The decay uses the unscaled ``lr``,
-    as in torch.optim.Muon."""
-    target = param if skip is None else param.clone()
-    if weight_decay != 0.0:
-        target.mul_(1.0 - lr * weight_decay)
-    target.add_(update.to(param.dtype), alpha=-lr * scale)
-    if skip is not None:
-        torch.where(skip, param, target, out=param)
+    """Decoupled weight decay ``p *= 1 - lr * wd`` and the step ``p -= lr * scale * update``, in
+    place, in one pass (kept when ``skip`` is set, decided on the device). The decay uses the
+    unscaled ``lr``, as in torch.optim.Muon; the arithmetic is [Note: fused momentum and
+    update]'s (in _fused)."""
+    update_weight(param, update, skip, 1.0 - lr * weight_decay, -lr * scale)
 
 
 def step_dtype() -> torch.dtype:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Route
 
+from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
     LrScaling,
     MuonItem,
@@ -243,6 +244,7 @@ class Muon(torch.optim.Optimizer):
             "adamw_eps": group_defaults.adamw_eps,
             "adamw_weight_decay": group_defaults.adamw_weight_decay,
         }
+        compile_in_background(self._fused_layouts(), device)
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -279,6 +281,21 @@ class Muon(torch.optim.Optimizer):
                 dp = self._dedicated[id(p)]
                 if dp.is_owner:
                     yield group, p, dp
+
+    def _fused_layouts(self) -> Iterable[FusedLayout]:
+        """What the fused step kernels will see of each owned matrix (see [Note: compiling off
+        the training thread] in _fused)."""
+        for group, _, dp in self._owned_muon():
+            if dp.full is None or dp.precision is None:
+                continue
+            rows, cols = dp.full.shape
+            yield FusedLayout(
+                (int(rows), int(cols)),
+                weight=dp.full.dtype,
+                grad=dp.precision.reduce,
+                state=dp.precision.optim,
+                nesterov=bool(group["nesterov"]),
+            )
 
     # -- the step -----------------------------------------------------------------------------
 
