@@ -30,11 +30,11 @@ _BODY = textwrap.dedent(
         return torch.randn(*shape, generator=gen, device=device).mul_(3).to(dtype)
 
     def both(run, *tensors):
-        # run(kernels, *copies) on fresh copies of tensors, once per implementation.
+        # run(kernel, *copies) on fresh copies of tensors, once per implementation.
         results = []
-        for kernels in (True, False):
+        for kernel in (True, False):
             copies = [t.clone() for t in tensors]
-            run(kernels, *copies)
+            run(kernel, *copies)
             results.append(copies)
         return results
 
@@ -70,11 +70,8 @@ _BODY = textwrap.dedent(
                 out = torch.empty(33, 70, dtype=state, device=device)
                 assert _fused.fused_available(buf, grad, out)
 
-                def run(kernels, buf, grad, out):
-                    if kernels:
-                        _fused.momentum_into(buf, grad, out, skip, momentum, nesterov)
-                    else:
-                        _fused._momentum_with_torch(buf, grad, out, skip, momentum, nesterov)
+                def run(kernel, buf, grad, out):
+                    _fused.momentum_into(buf, grad, out, skip, momentum, nesterov, kernel=kernel)
 
                 (kb, _, ko), (tb, _, to) = both(run, buf, grad, out)
                 where = f"momentum {state} {grad_dtype} nesterov={nesterov} skip={name}"
@@ -99,11 +96,8 @@ _BODY = textwrap.dedent(
                     u = u * float("nan")
                 assert _fused.fused_available(p) and u.is_contiguous() is not transposed
 
-                def run(kernels, p, u):
-                    if kernels:
-                        _fused.update_weight(p, u, skip, decay, step)
-                    else:
-                        _fused._update_with_torch(p, u, skip, decay, step)
+                def run(kernel, p, u):
+                    _fused.update_weight(p, u, skip, decay, step, kernel=kernel)
 
                 (kp, _), (tp, _) = both(run, p, u)
                 where = f"update {state} transposed={transposed} skip={name}"
@@ -159,7 +153,7 @@ _BACKGROUND_BODY = textwrap.dedent(
     triton.knobs.runtime.jit_post_compile_hook = hook
     def torch_ops(*args, **kwargs):
         raise AssertionError("the torch ops ran where the compiled kernels should have")
-    _fused._momentum_with_torch = _fused._update_with_torch = torch_ops
+    _fused._times = torch_ops  # every torch-ops branch starts with it
     # bf16 weights; fp32 masters with bf16 compute (FSDP2's policy): other dtypes per kernel.
     for dtype, mp in ((torch.bfloat16, None), (torch.float32, torch.bfloat16)):
         with torch.device("cuda"):

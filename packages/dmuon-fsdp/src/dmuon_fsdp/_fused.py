@@ -18,9 +18,9 @@ all in one pass instead:
 Both passes have one definition of their arithmetic, whichever code runs it: every input is
 read as fp32 (fp64 stays fp64), each multiply and each add rounds to fp32 on its own (no fused
 multiply-add: the kernels are compiled with ``enable_fp_fusion=False``), and a stored value
-rounds once, to its tensor's dtype. The torch ops here (:func:`_momentum_with_torch`,
-:func:`_update_with_torch`) spell out the same operations in the same order, so the kernels and
-the torch ops give the same bits (``tests/test_fused.py`` checks it under Triton's interpreter
+rounds once, to its tensor's dtype. The torch ops here (the ``kernel=False`` branches of
+:func:`momentum_into` and :func:`update_weight`) spell out the same operations in the same
+order, so the kernels and the torch ops give the same bits (``tests/test_fused.py`` checks it under Triton's interpreter
 and on a GPU). The torch ops run on CPU, on tensors the kernels do not take (not contiguous,
 fp64), and on CUDA until the kernels are compiled (see the next note). A skipped step stores
 exactly the old values.
@@ -181,10 +181,17 @@ def momentum_into(
     skip: Tensor | None,
     momentum: float,
     nesterov: bool,
+    *,
+    kernel: bool | None = None,
 ) -> None:
     """``buf = momentum·buf + grad`` (kept when ``skip``, a 0-d bool tensor, is set) and the NS
-    input into ``out``: ``grad + momentum·buf`` with Nesterov, ``buf`` without."""
-    if _use_kernels(buf, grad, out):
+    input into ``out``: ``grad + momentum·buf`` with Nesterov, ``buf`` without. ``kernel``:
+    the Triton kernel (``True``), the torch ops (``False``) or, by default, the kernel where it
+    runs and is compiled (see [Note: fused momentum and update])."""
+    momentum = float(momentum)
+    if kernel is None:
+        kernel = _use_kernels(buf, grad, out)
+    if kernel:
         momentum_kernel, _ = _kernels()
         n = buf.numel()
         momentum_kernel[_grid(n)](
@@ -193,25 +200,14 @@ def momentum_into(
             out,
             _skip_flag(skip, buf),
             n,
-            float(momentum),
+            momentum,
             NESTEROV=nesterov,
             BLOCK=_BLOCK,
             enable_fp_fusion=False,
         )
         return
-    _momentum_with_torch(buf, grad, out, skip, float(momentum), nesterov)
-
-
-def _momentum_with_torch(
-    buf: Tensor,
-    grad: Tensor,
-    out: Tensor,
-    skip: Tensor | None,
-    momentum: float,
-    nesterov: bool,
-) -> None:
-    """The momentum kernel's arithmetic, op for op (see [Note: fused momentum and update]);
-    the wide values are formed in ``out`` when it has their dtype (no temporary)."""
+    # The kernel's arithmetic, op for op; the wide values are formed in ``out`` when it has
+    # their dtype (no temporary).
     wide = _wide(buf, grad)
     new = out if out.dtype == wide else torch.empty_like(out, dtype=wide)
     _times(buf, momentum, out=new).add_(grad)
@@ -234,11 +230,20 @@ def _times(t: Tensor, factor: float, *, out: Tensor) -> Tensor:
 
 
 def update_weight(
-    param: Tensor, update: Tensor, skip: Tensor | None, decay: float, step: float
+    param: Tensor,
+    update: Tensor,
+    skip: Tensor | None,
+    decay: float,
+    step: float,
+    *,
+    kernel: bool | None = None,
 ) -> None:
     """``param = decay·param + step·update`` (kept when ``skip`` is set) for a 2-D ``param``
-    and an ``update`` of its shape with any strides."""
-    if _use_kernels(param):
+    and an ``update`` of its shape with any strides; ``kernel`` as in :func:`momentum_into`."""
+    decay, step = float(decay), float(step)
+    if kernel is None:
+        kernel = _use_kernels(param)
+    if kernel:
         _, update_kernel = _kernels()
         n = param.numel()
         cols = param.shape[1]
@@ -251,19 +256,13 @@ def update_weight(
             cols,
             u_row,
             u_col,
-            float(decay),
-            float(step),
+            decay,
+            step,
             BLOCK=_BLOCK,
             enable_fp_fusion=False,
         )
         return
-    _update_with_torch(param, update, skip, float(decay), float(step))
-
-
-def _update_with_torch(
-    param: Tensor, update: Tensor, skip: Tensor | None, decay: float, step: float
-) -> None:
-    """The update kernel's arithmetic, op for op (see [Note: fused momentum and update])."""
+    # The kernel's arithmetic, op for op.
     new = _times(update, step, out=torch.empty_like(param, dtype=_wide(param, update)))
     # decay·param + step·update; a decay of 1 multiplies exactly, so it is left out.
     new.add_(param if decay == 1.0 else _times(param, decay, out=torch.empty_like(new)))
