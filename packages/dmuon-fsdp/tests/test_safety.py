@@ -59,11 +59,25 @@ def _step(model, optimizer, rank, world_size, step=0, scale=1.0):
 def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
     model, runtime = _wrapped(world_size)
     optimizer = Muon(model, **HYPER.muon_kwargs())
+    outcome: dict[str, str] = {}
+    # Peers hold nothing from dedicate_params on. Conversions that change nothing go through
+    # (scripts call model.to(device) by habit; before the first backward, as FSDP2 needs); one
+    # that would convert a dedicated weight is refused on every rank before anything changes.
+    model.to("cpu")
+    model.cpu()
+    model.float()
+    model.to(torch.device("cpu"), torch.float32)
+    outcome["no-op conversions"] = "ok"
+    dtypes = {name: t.dtype for name, t in model.state_dict(keep_vars=True).items()}
+    for convert in (lambda: model.to(torch.float64), model.half, lambda: model.layers[0].half()):
+        with pytest.raises(ValueError, match="would convert dedicated parameter"):
+            convert()
+    assert {name: t.dtype for name, t in model.state_dict(keep_vars=True).items()} == dtypes
+    outcome["converting"] = "refused, nothing converted"
     _step(model, optimizer, rank, world_size)
     peer = next(dp for dp in runtime.params if dp.role is Role.PEER)
     owned = next(dp for dp in runtime.params if dp.is_owner)
     p = peer.param
-    outcome: dict[str, str] = {}
 
     def expect_not_held(label, fn):
         with pytest.raises(NotHeldError) as caught:
@@ -120,6 +134,8 @@ def test_reads_on_a_non_owner_raise_a_clear_error_and_never_crash() -> None:
         "torch.save(state_dict)",
         "dcp get_model_state_dict",
         "print",
+        "no-op conversions",
+        "converting",
     }
 
 

@@ -16,10 +16,12 @@
 
 [Note: what this runtime does not do]
 
-The model must not be moved (``.to()``) after its parameters are packed (the first forward,
-``Muon(...)`` or a checkpoint call): they are views into packed buffers; ``to_empty`` on a
-meta-device model before that point is the supported way to materialise it (see [Note:
-meta-device models] in ``_runtime``). Tensor-parallel (DTensor) parameters are rejected as
+The model cannot be converted (``.to(dtype)``, ``.half()``, another device) after its
+parameters are packed (at ``dedicate_params``, or for a meta-device model at the first forward,
+``Muon(...)`` or a checkpoint call): they are views into packed buffers, and such a call is
+refused before anything changes (see [Note: conversions after packing] in ``_runtime``);
+``to_empty`` on a meta-device model before that point is the supported way to materialise it
+(see [Note: meta-device models] in ``_runtime``). Tensor-parallel (DTensor) parameters are rejected as
 "already managed"; ``DistributedDataParallel`` over a dedicated model raises
 (``dedicate_params_ddp`` + ``replicate`` is the replicated path). On NCCL the broadcasts of one boundary's packs are issued one after
 another on the broadcast stream (not in one coalesced group call).
@@ -58,7 +60,7 @@ from ._group import DedicatedGroup
 from ._guard import guard_parameter, is_dedicated, refuse_ddp
 from ._mesh import MeshLayout, all_gather_ints, resolve_layout
 from ._param import DedicatedParam, Role, local_shard
-from ._runtime import RUNTIME_ATTR, DedicatedRuntime
+from ._runtime import RUNTIME_ATTR, DedicatedRuntime, check_conversions
 
 __all__ = ["dedicate_params", "dedicate_params_ddp", "dedicate_params_ddp_tp"]
 
@@ -209,6 +211,7 @@ def _dedicate(
     if config.patch_fully_shard:
         install_patch()
     setattr(model, RUNTIME_ATTR, runtime)
+    check_conversions(model, params)
     comm.counter.reset()
     if dist.get_rank() == 0:
         logger.info("dedicate_params: %s", plan.summary())

@@ -21,6 +21,13 @@ in HSDP, on its replicas) run as on a plain parameter. The guard costs one Pytho
 operation on the parameter, the same order as ``nn.Parameter``'s own ``__torch_function__``
 handling.
 
+Conversions that would change nothing go through (``_unchanged``): ``model.to(device)``,
+``model.cuda()``, ``model.cpu()`` or ``model.float()`` on the device and dtype the model already
+has call ``p.to(...)`` (and so on) on every parameter and then set ``p.data`` to the result,
+which for an unchanged tensor is ``p`` itself; scripts call them after building the model as a
+matter of habit. Any real conversion (another dtype or device) would read the values, and is
+refused like any other read.
+
 A tensor-parallel dedicated parameter is a ``DTensor`` whose local shard is freed the same
 way; its operations reach that shard through ``DTensor``'s dispatch, below any check on the
 shard, and its methods ``to_local``, ``redistribute`` and ``full_tensor`` reach it without an
@@ -81,6 +88,7 @@ _METADATA_METHODS = frozenset(
         "requires_grad_",
         "__len__",
         "__hash__",
+        "_has_compatible_shallow_copy_type",  # nn.Module._apply compares tensor types
     }
 )
 _ABSENT = "_dmuon_absent"
@@ -98,6 +106,67 @@ def _is_safe(func: Any) -> bool:
         attribute = getattr(descriptor, "__name__", "")
         return name == "__get__" and attribute not in _ALIASING_PROPERTIES
     return name in _METADATA_METHODS
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", "")
+
+
+# Tensor methods that convert to one dtype (``nn.Module.float()`` and its kin call them).
+_DTYPE_METHODS = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _unchanged(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` is a conversion that leaves the tensor ``args[0]`` as it is (and so
+    returns it), or ``p.data = p``; see [Note: reads on a peer]."""
+    name = _name(func)
+    if name == "__set__":
+        descriptor = getattr(func, "__self__", None)
+        return _name(descriptor) == "data" and len(args) == 2 and args[1] is args[0]
+    t = args[0] if args else None
+    if not isinstance(t, torch.Tensor):
+        return False
+    memory_format = kwargs.get("memory_format")
+    if name == "to":
+        if kwargs.get("copy"):
+            return False
+        rest = {k: v for k, v in kwargs.items() if k != "copy"}
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **rest)
+    elif name in ("cuda", "cpu") and len(args) <= 2:
+        requested = args[1] if len(args) == 2 else kwargs.get("device")
+        device = torch.device("cpu") if name == "cpu" else _cuda_device(requested)
+        dtype = None
+    elif name in _DTYPE_METHODS and len(args) == 1:
+        device, dtype = None, _DTYPE_METHODS[name]
+    else:
+        return False
+    return (
+        _same_device(device, t.device)
+        and dtype in (None, t.dtype)
+        and memory_format in (None, torch.preserve_format)
+    )
+
+
+def _cuda_device(requested: Any) -> torch.device:
+    if isinstance(requested, int):
+        return torch.device("cuda", requested)
+    return torch.device(requested) if requested is not None else torch.device("cuda")
+
+
+def _same_device(requested: torch.device | None, actual: torch.device) -> bool:
+    if requested is None:
+        return True
+    requested = torch.device(requested)
+    if requested.type != actual.type:
+        return False
+    if requested.index is None and actual.type == "cuda":
+        return actual.index == torch.cuda.current_device()
+    return requested.index is None or requested.index == actual.index
 
 
 def _absent_in(values: Iterable[Any]) -> _Guard | None:
@@ -132,6 +201,8 @@ class _Guard:
             if absent is None:
                 absent = _absent_in(kwargs.values())
             if absent is not None and not _is_safe(func):
+                if _unchanged(func, args, kwargs):
+                    return None if _name(func) == "__set__" else args[0]
                 raise NotHeldError(_message(absent, func))
         # What nn.Parameter's own handler does (results stay plain tensors), written so that
         # torch.compile traces it: see [Note: reads on a peer].
@@ -192,7 +263,9 @@ def _message(param: _Guard, func: Any) -> str:
         "forward and backward and free it afterwards. Read it with "
         "dmuon.get_model_state_dict(model) (collective: call it on every rank), on its owner "
         "through dmuon.get_owned_params(model, rank)[i].full, or inside the forward of its "
-        "layer"
+        "layer; write whole weights with dmuon.set_model_state_dict(model, state_dict) "
+        "(collective); for sharded checkpoints (model.state_dict() with DCP) use "
+        "dmuon.save_checkpoint / dmuon.load_checkpoint or dmuon.AppState(model, optimizer)"
     )
 
 

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
+from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
@@ -36,7 +39,7 @@ from ._collectives import AllReduceQueue, ReduceQueue
 from ._comm import CommCounter, DedicatedCommContext
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
-from ._guard import guard_parameter, is_dedicated
+from ._guard import NotHeldError, guard_parameter, is_dedicated
 from ._hooks import BoundaryHooks
 from ._mesh import MeshLayout
 from ._param import DedicatedParam
@@ -218,6 +221,59 @@ class DedicatedRuntime:
     def remove(self) -> None:
         """Remove every hook (the parameters keep their current storage)."""
         self.hooks.remove()
+
+
+class _CheckedApply:
+    """[Note: conversions after packing] Once a dedicated weight lives in a pack (a view into
+    a packed buffer on its owner, nothing on a peer), ``model.to(dtype)``, ``.half()``,
+    ``.to(other device)`` or ``.to_empty()`` cannot convert it: on a peer it is not even there,
+    so such a call used to convert the rest of the model, stop at the first weight the rank
+    does not hold (a different one on each rank) and leave the ranks with different dtypes,
+    which the next collective turned into a crash. So every module above a dedicated parameter
+    checks first, in its ``_apply`` (what ``nn.Module``'s conversions all go through), whether
+    the conversion would change any dedicated parameter under it, and refuses it before
+    anything is converted, on every rank alike. Conversions that change nothing (``.to()`` the
+    device and dtype the model has: see [Note: reads on a peer] in ``_guard``) go through, and
+    before packing (a meta-device model's ``to_empty``) so does everything."""
+
+    def __init__(self, module: nn.Module, params: list[DedicatedParam]) -> None:
+        self._module = weakref.ref(module)
+        self._params = params
+
+    def __call__(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        module = self._module()
+        assert module is not None, "_apply of a deleted module"
+        for dp in self._params:
+            if dp.precision is None:  # not packed yet
+                continue
+            with torch.no_grad():
+                try:
+                    unchanged = fn(dp.param) is dp.param
+                except NotHeldError:
+                    unchanged = False
+            if not unchanged:
+                raise ValueError(
+                    f"{type(module).__name__}.to()/.half()/.to_empty() would convert dedicated "
+                    f"parameter {dp.fqn!r}, which lives in dmuon's packed buffers (only on its "
+                    "owner): nothing was converted. Build the model in the dtype and on the "
+                    "device it trains in before dmuon.dedicate_params (a meta-device model "
+                    "may be materialised with to_empty until its first forward); for a lower "
+                    "compute dtype use FSDP2's MixedPrecisionPolicy or param_policy"
+                )
+        return type(module)._apply(module, fn, recurse)
+
+
+def check_conversions(model: nn.Module, params: list[DedicatedParam]) -> None:
+    """Install :class:`_CheckedApply` on every module above a dedicated parameter."""
+    under: dict[str, list[DedicatedParam]] = {}
+    for dp in params:
+        parts = dp.fqn.split(".")[:-1]
+        for depth in range(len(parts) + 1):
+            under.setdefault(".".join(parts[:depth]), []).append(dp)
+    for path, dps in under.items():
+        module = model.get_submodule(path)
+        # An instance attribute: nn.Module's conversions call self._apply.
+        object.__setattr__(module, "_apply", _CheckedApply(module, dps))
 
 
 def _check_materialised(dp: DedicatedParam) -> None:
