@@ -39,6 +39,7 @@ compiles at its first launch. An error the thread met is raised by the first pas
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
@@ -62,6 +63,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # errors they met.
 _background: list[threading.Thread] = []
 _background_errors: list[Exception] = []
+# How long the interpreter's exit waits for a background compile.
+_EXIT_WAIT_S = 60.0
 
 
 def _interpreting() -> bool:
@@ -289,8 +292,21 @@ def compile_in_background(layouts: Iterable[FusedLayout], device: torch.device) 
     thread = threading.Thread(
         target=_compile_each, args=(wanted, device), name="dmuon-fused-compile", daemon=True
     )
+    _wait_at_exit()
     _background.append(thread)
     thread.start()
+
+
+@functools.cache
+def _wait_at_exit() -> None:
+    """A script that ends within seconds of ``Muon(model)`` must not tear CUDA and Triton down
+    under a thread that is still loading a kernel: the interpreter's exit waits for it."""
+    atexit.register(_join_background)
+
+
+def _join_background() -> None:
+    for thread in list(_background):
+        thread.join(timeout=_EXIT_WAIT_S)
 
 
 def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
