@@ -199,6 +199,11 @@ def _errors(rank: int, world_size: int):
         messages[label] = str(info.value)
     with pytest.raises(ValueError, match="lr must be >= 0"):
         Muon(model, lr=-1.0)
+    # A string would be truthy: "no" must not turn Nesterov on.
+    with pytest.raises(TypeError, match="Muon: nesterov must be a bool, got 'no'"):
+        Muon(model, nesterov="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"param_groups\[0\]: nesterov must be a bool"):
+        Muon(model, param_groups=[{"params": list(model.parameters()), "nesterov": "no"}])
     with pytest.raises(ValueError, match="lr_scaling"):
         Muon(model, lr_scaling="sqrt")
     with pytest.raises(ValueError, match=r"an nn\.Module"):
