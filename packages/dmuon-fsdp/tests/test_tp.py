@@ -229,6 +229,13 @@ def _ddp_tp(rank: int, world_size: int):
 def _tp_peer_reads(rank: int, world_size: int) -> list[str]:
     model, runtime, dp_index = _tp_model((2, 2))
     optimizer = Muon(model, **HYPER.muon_kwargs())
+    # Conversions that change nothing go through, on TP peers too; one that would convert a
+    # dedicated weight is refused before anything changes.
+    model.to("cpu")
+    model.float()
+    with pytest.raises(ValueError, match="would convert dedicated parameter"):
+        model.half()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
     _train(model, optimizer, dp_index, 2, 1)
     peer = next(dp for dp in runtime.params if dp.role is Role.PEER)
     owned = next(dp for dp in runtime.params if dp.is_owner)

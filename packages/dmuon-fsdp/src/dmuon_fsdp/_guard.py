@@ -21,12 +21,12 @@ in HSDP, on its replicas) run as on a plain parameter. The guard costs one Pytho
 operation on the parameter, the same order as ``nn.Parameter``'s own ``__torch_function__``
 handling.
 
-Conversions that would change nothing go through (``_unchanged``): ``model.to(device)``,
-``model.cuda()``, ``model.cpu()`` or ``model.float()`` on the device and dtype the model already
-has call ``p.to(...)`` (and so on) on every parameter and then set ``p.data`` to the result,
-which for an unchanged tensor is ``p`` itself; scripts call them after building the model as a
-matter of habit. Any real conversion (another dtype or device) would read the values, and is
-refused like any other read.
+Conversions that would change nothing go through (``_unchanged``): ``p.to(device)``,
+``p.cuda()``, ``p.cpu()`` or ``p.float()`` on the device and dtype ``p`` already has return
+``p`` itself, which is how ``model.to(device)`` and its kin, which scripts call after building
+the model as a matter of habit, find that a dedicated weight needs no conversion (see [Note:
+conversions after packing] in ``_runtime``). Any real conversion (another dtype or device)
+would read the values, and is refused like any other read.
 
 A tensor-parallel dedicated parameter is a ``DTensor`` whose local shard is freed the same
 way; its operations reach that shard through ``DTensor``'s dispatch, below any check on the
@@ -123,11 +123,8 @@ _DTYPE_METHODS = {
 
 def _unchanged(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``func`` is a conversion that leaves the tensor ``args[0]`` as it is (and so
-    returns it), or ``p.data = p``; see [Note: reads on a peer]."""
+    returns it); see [Note: reads on a peer]."""
     name = _name(func)
-    if name == "__set__":
-        descriptor = getattr(func, "__self__", None)
-        return _name(descriptor) == "data" and len(args) == 2 and args[1] is args[0]
     t = args[0] if args else None
     if not isinstance(t, torch.Tensor):
         return False
@@ -202,7 +199,7 @@ class _Guard:
                 absent = _absent_in(kwargs.values())
             if absent is not None and not _is_safe(func):
                 if _unchanged(func, args, kwargs):
-                    return None if _name(func) == "__set__" else args[0]
+                    return args[0]
                 raise NotHeldError(_message(absent, func))
         # What nn.Parameter's own handler does (results stay plain tensors), written so that
         # torch.compile traces it: see [Note: reads on a peer].

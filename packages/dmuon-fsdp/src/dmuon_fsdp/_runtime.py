@@ -233,8 +233,9 @@ class _CheckedApply:
     checks first, in its ``_apply`` (what ``nn.Module``'s conversions all go through), whether
     the conversion would change any dedicated parameter under it, and refuses it before
     anything is converted, on every rank alike. Conversions that change nothing (``.to()`` the
-    device and dtype the model has: see [Note: reads on a peer] in ``_guard``) go through, and
-    before packing (a meta-device model's ``to_empty``) so does everything."""
+    device and dtype the model has: see [Note: reads on a peer] in ``_guard``) go through,
+    converting the rest of the module and leaving the dedicated parameters alone, and before
+    packing (a meta-device model's ``to_empty``) everything goes through."""
 
     def __init__(self, module: nn.Module, params: list[DedicatedParam]) -> None:
         self._module = weakref.ref(module)
@@ -260,7 +261,19 @@ class _CheckedApply:
                     "may be materialised with to_empty until its first forward); for a lower "
                     "compute dtype use FSDP2's MixedPrecisionPolicy or param_policy"
                 )
-        return type(module)._apply(module, fn, recurse)
+        # Every dedicated parameter stays as it is: keep nn.Module._apply away from those this
+        # module holds (it would re-set or swap each, which a tensor-parallel peer's cannot
+        # be), and put them back in their places.
+        held = {
+            name: p
+            for name, p in module._parameters.items()
+            if p is not None and any(p is dp.param for dp in self._params)
+        }
+        module._parameters.update(dict.fromkeys(held))
+        try:
+            return type(module)._apply(module, fn, recurse)
+        finally:
+            module._parameters.update(held)
 
 
 def check_conversions(model: nn.Module, params: list[DedicatedParam]) -> None:
