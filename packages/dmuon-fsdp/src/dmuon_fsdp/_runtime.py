@@ -261,13 +261,14 @@ class _CheckedApply:
                     "may be materialised with to_empty until its first forward); for a lower "
                     "compute dtype use FSDP2's MixedPrecisionPolicy or param_policy"
                 )
-        # Every dedicated parameter stays as it is: keep nn.Module._apply away from those this
-        # module holds (it would re-set or swap each, which a tensor-parallel peer's cannot
-        # be), and put them back in their places.
+        # Every packed dedicated parameter stays as it is: keep nn.Module._apply away from
+        # those this module holds (it would re-set or swap each, which a tensor-parallel
+        # peer's cannot be), and put them back in their places.
+        packed = [dp.param for dp in self._params if dp.precision is not None]
         held = {
             name: p
             for name, p in module._parameters.items()
-            if p is not None and any(p is dp.param for dp in self._params)
+            if p is not None and any(p is q for q in packed)
         }
         module._parameters.update(dict.fromkeys(held))
         try:
