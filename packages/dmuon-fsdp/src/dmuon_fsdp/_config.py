@@ -9,14 +9,16 @@ from torch import nn
 
 from ._comm import ProcessGroupPolicy
 
-__all__ = ["BoundaryPredicate", "DedicateConfig"]
+__all__ = ["BoundaryPredicate", "DedicateConfig", "check_bool"]
 
 BoundaryPredicate = Callable[[nn.Module], bool]
 
 
-def _check_bool(name: str, value: object) -> None:
+def check_bool(name: str, value: object) -> bool:
+    """``value``, which must be a bool (a string such as ``"no"`` would be truthy)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class DedicateConfig:
             "replicated",
             "debug_fence",
         ):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         if self.hook_boundary_predicate is not None and not callable(self.hook_boundary_predicate):
             raise TypeError(
                 "hook_boundary_predicate must be None or a callable (module) -> bool, e.g. "

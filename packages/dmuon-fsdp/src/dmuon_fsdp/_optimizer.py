@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Route
 
+from ._config import check_bool
 from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
     LrScaling,
@@ -116,8 +117,7 @@ class StepOptions:
                 f"tp_ns must be one of {[m.value for m in TPMode]}, got {self.tp_ns!r}"
             ) from None
         for name in ("replicate_async", "skip_nonfinite"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
 
 
 def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
@@ -222,8 +222,7 @@ class Muon(torch.optim.Optimizer):
         )
         device = self._runtime.layout.device
         self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
-        if not isinstance(profile, bool):
-            raise TypeError(f"profile must be a bool, got {profile!r}")
+        check_bool("profile", profile)
         self._timer = PhaseTimer(device) if profile else None
         if profile:
             self._runtime.hooks.time_forward_waits(device)

@@ -32,6 +32,8 @@ from torch import Tensor
 
 from dmuon_ownership import Route
 
+from ._config import check_bool
+
 __all__ = ["GroupDefaults", "RoutedParam", "build_param_groups"]
 
 # The two optimizers a group can run; a group dict's "optimizer" holds one of them.
@@ -79,13 +81,6 @@ def _check_fraction(value: Any, key: str, where: str) -> float:
     return number
 
 
-def _check_bool(value: Any, key: str, where: str) -> bool:
-    # Only a bool (or 0 / 1): a string such as "no" would be truthy.
-    if not isinstance(value, bool | int) or value not in (0, 1):
-        raise TypeError(f"{where}: {key} must be a bool, got {value!r}")
-    return bool(value)
-
-
 def _check_betas(value: Any, where: str) -> tuple[float, float]:
     if not isinstance(value, Sequence) or len(value) != 2:
         raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {value!r}")
@@ -115,7 +110,7 @@ class GroupDefaults:
             object.__setattr__(self, key, _check_number(getattr(self, key), key, where))
         object.__setattr__(self, "momentum", _check_fraction(self.momentum, "momentum", where))
         object.__setattr__(self, "adamw_betas", _check_betas(self.adamw_betas, where))
-        object.__setattr__(self, "nesterov", _check_bool(self.nesterov, "nesterov", where))
+        object.__setattr__(self, "nesterov", check_bool(f"{where}: nesterov", self.nesterov))
 
 
 @dataclass(frozen=True)
@@ -312,7 +307,7 @@ def _split_by_route(
         lr=number("muon_lr", lr, defaults.lr),
         weight_decay=number("muon_weight_decay", wd, defaults.weight_decay),
         momentum=_check_fraction(options.get("momentum", defaults.momentum), "momentum", where),
-        nesterov=_check_bool(options.get("nesterov", defaults.nesterov), "nesterov", where),
+        nesterov=check_bool(f"{where}: nesterov", options.get("nesterov", defaults.nesterov)),
     )
     adamw = subgroup(
         Route.ADAMW,
