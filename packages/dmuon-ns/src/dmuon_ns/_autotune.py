@@ -66,6 +66,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dmuon_ns import _measure, _verdict_cache
+from dmuon_ns._coefficients import CoefficientRows
 from dmuon_ns._registry import NSKernel, Problem
 from dmuon_ns._verdict_cache import AutotuneVerdict
 
@@ -131,7 +132,7 @@ def choose(
     candidates: Sequence[NSKernel],
     x: Problem,
     op: str,
-    coefficients: Sequence[tuple[float, float, float]],
+    coefficients: CoefficientRows,
     restart_iterations: Sequence[int],
     *,
     now: bool = False,
@@ -191,7 +192,7 @@ def _choice(
     candidates: tuple[NSKernel, ...],
     x: Problem,
     op: str,
-    coefficients: Sequence[tuple[float, float, float]],
+    coefficients: CoefficientRows,
     restart_iterations: Sequence[int],
 ) -> tuple[_Choice, bool]:
     """The problem's choice, made on its first call (then ``True``) from a committed verdict

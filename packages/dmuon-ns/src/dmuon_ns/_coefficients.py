@@ -33,6 +33,8 @@ import numbers
 from collections.abc import Sequence
 
 Coefficients = tuple[tuple[float, float, float], ...]
+# What a kernel and the loops take: one (a, b, c) row per step, any sequence.
+CoefficientRows = Sequence[tuple[float, float, float]]
 
 _SAFETY = 1.05
 

@@ -59,6 +59,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from dmuon_ns._coefficients import CoefficientRows
 from dmuon_ns._prepare import ScalePass, scale_with_torch
 
 __all__ = [
@@ -138,7 +139,7 @@ def finished(output: Tensor | LastProduct) -> Tensor:
 def gram_iterations(
     products: Products,
     x: Tensor,
-    coefficients: Sequence[tuple[float, float, float]],
+    coefficients: CoefficientRows,
     restart_iterations: Sequence[int],
     out_dtype: torch.dtype | None = None,
     *,
@@ -177,7 +178,7 @@ def gram_iterations(
 def direct_iterations(
     products: Products,
     x: Tensor,
-    coefficients: Sequence[tuple[float, float, float]],
+    coefficients: CoefficientRows,
     out_dtype: torch.dtype | None = None,
 ) -> LastProduct:
     """Direct NS, ``X ← a·X + (b·R + c·R²)·X`` with ``R = X·Xᵀ``, up to the last step's
@@ -231,16 +232,16 @@ class LoopKernel:
     def gram(
         self,
         x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
-        restart_iterations: Sequence[int],
+        coefficients: CoefficientRows,
+        restarts: Sequence[int],
         out_dtype: torch.dtype | None = None,
     ) -> Tensor:
-        return self.loop("gram", x, coefficients, restart_iterations, out_dtype).finish()
+        return self.loop("gram", x, coefficients, restarts, out_dtype).finish()
 
     def direct(
         self,
         x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
+        coefficients: CoefficientRows,
         out_dtype: torch.dtype | None = None,
     ) -> Tensor:
         return self.loop("direct", x, coefficients, (), out_dtype).finish()
@@ -249,7 +250,7 @@ class LoopKernel:
         self,
         op: str,
         x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
+        coefficients: CoefficientRows,
         restart_iterations: Sequence[int],
         out_dtype: torch.dtype | None = None,
     ) -> LastProduct:

@@ -35,6 +35,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from dmuon_ns._coefficients import CoefficientRows
 from dmuon_ns._environment import KERNEL_ENV, kernel_override
 from dmuon_ns._torch_kernel import TORCH_KERNEL
 
@@ -82,9 +83,11 @@ class NSKernel(Protocol):
     (fp32 only for the torch kernel on the CPU: ``_prepare``'s [Note: the iteration dtype]),
     already normalised; the result has the same shape, in ``out_dtype`` (``None``: ``x``'s
     dtype), which a kernel should write from its last product rather than cast afterwards.
-    ``coefficients`` has exactly one row per step. A kernel may also say which exceptions mean
-    it cannot run a problem (``failure_types()``, see ``_measure``'s [Note: a kernel that
-    fails])."""
+    ``coefficients`` has exactly one row per step; ``restart_iterations`` are the steps at which
+    Gram NS rebuilds its Gram matrix from the iterate (``_iterations``' [Note: the Gram
+    iteration]). The dispatcher passes every argument by position, so a kernel names its
+    parameters as it likes. A kernel may also say which exceptions mean it cannot run a problem
+    (``failure_types()``, see ``_measure``'s [Note: a kernel that fails])."""
 
     name: str
 
@@ -93,16 +96,18 @@ class NSKernel(Protocol):
     def gram(
         self,
         x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
+        coefficients: CoefficientRows,
         restart_iterations: Sequence[int],
         out_dtype: torch.dtype | None = None,
+        /,
     ) -> Tensor: ...
 
     def direct(
         self,
         x: Tensor,
-        coefficients: Sequence[tuple[float, float, float]],
+        coefficients: CoefficientRows,
         out_dtype: torch.dtype | None = None,
+        /,
     ) -> Tensor: ...
 
 
