@@ -71,7 +71,9 @@ _BODY = textwrap.dedent(
                 assert _fused.fused_available(buf, grad, out)
 
                 def run(kernel, buf, grad, out):
-                    _fused.momentum_into(buf, grad, out, skip, momentum, nesterov, kernel=kernel)
+                    _fused.momentum_into(
+                        [buf], [grad], [out], skip, momentum, nesterov, kernel=kernel
+                    )
 
                 (kb, _, ko), (tb, _, to) = both(run, buf, grad, out)
                 where = f"momentum {state} {grad_dtype} nesterov={nesterov} skip={name}"
@@ -97,7 +99,7 @@ _BODY = textwrap.dedent(
                 assert _fused.fused_available(p) and u.is_contiguous() is not transposed
 
                 def run(kernel, p, u):
-                    _fused.update_weight(p, u, skip, decay, step, kernel=kernel)
+                    _fused.update_weight([p], [u], skip, decay, step, kernel=kernel)
 
                 (kp, _), (tp, _) = both(run, p, u)
                 where = f"update {state} transposed={transposed} skip={name}"
@@ -107,6 +109,33 @@ _BODY = textwrap.dedent(
                     continue
                 expected = (p.double() * decay + step * u.double()).to(state)
                 torch.testing.assert_close(kp, expected, rtol=1e-2, atol=1e-2, msg=where)
+    # Several matrices in one call ([Note: one launch per batch]): separate tensors, views of
+    # one stack, an offset that breaks 16-byte alignment, two dtype combinations; each matrix
+    # gets the bits it gets alone.
+    for nesterov in (True, False):
+        stack = randn(4, 33, 70, dtype=torch.float32)
+        flat = randn(33 * 70 + 1, dtype=torch.float32)
+        bufs = [randn(33, 70, dtype=torch.bfloat16), stack[1], flat[1:].view(33, 70), stack[3]]
+        grads = [randn(33, 70, dtype=torch.float32) for _ in bufs]
+        outs = list(torch.empty(4, 33, 70, dtype=torch.float32, device=device))
+        outs[0] = torch.empty(33, 70, dtype=torch.bfloat16, device=device)  # the NS input
+        alone = [(b.clone(), o.clone()) for b, o in zip(bufs, outs)]  # has the buffer's dtype
+        for (b, o), g in zip(alone, grads):
+            _fused.momentum_into([b], [g], [o], None, momentum, nesterov, kernel=False)
+        _fused.momentum_into(bufs, grads, outs, None, momentum, nesterov, kernel=True)
+        for i, ((b, o), kb, ko) in enumerate(zip(alone, bufs, outs)):
+            where = f"batched momentum {i} nesterov={nesterov}"
+            same_bits(kb, b, where)
+            same_bits(ko, o, where)
+    params = [randn(40, 24, dtype=torch.bfloat16), randn(40, 24, dtype=torch.float32)]
+    params.append(randn(40 * 24 + 1, dtype=torch.float32)[1:].view(40, 24))  # off 16 bytes
+    updates = randn(3, 24, 40, dtype=torch.float32).transpose(1, 2)
+    alone = [p.clone() for p in params]
+    for p, u in zip(alone, updates):
+        _fused.update_weight([p], [u], None, decay, step, kernel=False)
+    _fused.update_weight(params, list(updates), None, decay, step, kernel=True)
+    for i, (kp, p) in enumerate(zip(params, alone)):
+        same_bits(kp, p, f"batched update {i}")
     # Not contiguous: the torch ops run instead.
     assert not _fused.fused_available(torch.zeros(4, 4, device=device).t())
     print("ok")

@@ -81,20 +81,25 @@ def test_muon_update_matches_torch_muon(monkeypatch, nesterov, scaling, torch_sc
 def test_momentum_formulas():
     buf = torch.tensor([1.0, 2.0])
     grad = torch.tensor([0.5, -1.0])
-    out = momentum_update(buf, grad, 0.9, nesterov=True)
+    out = torch.empty(2)
+    momentum_update([buf], [grad], [out], 0.9, nesterov=True)
     # buf = 0.9 * [1, 2] + [0.5, -1] = [1.4, 0.8]; nesterov input = grad + 0.9 * buf
     torch.testing.assert_close(buf, torch.tensor([1.4, 0.8]))
     torch.testing.assert_close(out, torch.tensor([0.5 + 0.9 * 1.4, -1.0 + 0.9 * 0.8]))
-    out = momentum_update(buf, grad, 0.9, nesterov=False)
-    assert out is buf
-    # With ``out`` the input is written there, the same numbers either way.
+    momentum_update([buf], [grad], [out], 0.9, nesterov=False)
+    torch.testing.assert_close(buf, torch.tensor([0.9 * 1.4 + 0.5, 0.9 * 0.8 - 1.0]))
+    assert torch.equal(out, buf)
+    # Several matrices at once: each gets what it gets alone.
     for nesterov in (True, False):
-        a, b = buf.clone(), buf.clone()
-        target = torch.empty(2)
-        written = momentum_update(a, grad, 0.9, nesterov, out=target)
-        assert written is target
-        assert torch.equal(target, momentum_update(b, grad, 0.9, nesterov))
-        assert torch.equal(a, b)
+        bufs = [torch.randn(3, 4) for _ in range(3)]
+        grads = [torch.randn(3, 4) for _ in range(3)]
+        alone = [(b.clone(), torch.empty(3, 4)) for b in bufs]
+        for (b, o), g in zip(alone, grads):
+            momentum_update([b], [g], [o], 0.9, nesterov)
+        outs = torch.empty(3, 3, 4)
+        momentum_update(bufs, grads, list(outs), 0.9, nesterov)
+        for (b, o), kb, ko in zip(alone, bufs, outs):
+            assert torch.equal(kb, b) and torch.equal(ko, o)
 
 
 def test_lr_scale():
@@ -111,7 +116,7 @@ def test_lr_scale():
 
 def test_weight_decay_is_decoupled_and_unscaled():
     p = torch.ones(2, 2)
-    weight_decay_and_update(p, torch.ones(2, 2), lr=0.1, weight_decay=0.5, scale=3.0)
+    weight_decay_and_update([p], [torch.ones(2, 2)], lr=0.1, weight_decay=0.5, scale=3.0)
     torch.testing.assert_close(p, torch.full((2, 2), (1 - 0.05) - 0.3))
 
 
@@ -202,8 +207,9 @@ def test_muon_step_batches_and_matches_per_matrix_math(max_batch_bytes, calls):
     expected = []
     for item in items:
         w, b = item.weight.clone(), item.buf.clone()
-        x = momentum_update(b, item.grad, 0.9, item.nesterov)
-        weight_decay_and_update(w, ns.ns(x), lr=0.1, weight_decay=0.2, scale=item.scale)
+        x = torch.empty_like(b)
+        momentum_update([b], [item.grad], [x], 0.9, item.nesterov)
+        weight_decay_and_update([w], [ns.ns(x)], lr=0.1, weight_decay=0.2, scale=item.scale)
         expected.append((w, b))
     muon_step(items, ns, max_batch_bytes=max_batch_bytes)
     seen = [shape[0] for shape in ns.shapes]

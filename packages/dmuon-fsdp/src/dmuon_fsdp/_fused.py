@@ -25,6 +25,18 @@ and on a GPU). The torch ops run on CPU, on tensors the kernels do not take (not
 fp64), and on CUDA until the kernels are compiled (see the next note). A skipped step stores
 exactly the old values.
 
+[Note: one launch per batch]
+A step updates many matrices, and on a small model launching two kernels for each of them
+costs more host time than the device spends (a ViT-S/16: 96 launches of about 30 µs each per
+step, the device idle in between). So each pass takes the matrices of one shape at once, one
+launch per dtype combination, one program per block and matrix (``program_id(1)``). Every
+operand is passed as its first tensor plus an int64 table of element offsets, row ``i``
+holding each operand's ``i``-th tensor's offset from that first one (``_table``: one small
+host-to-device copy per launch; a single matrix uses a cached table of zeros). When every
+tensor of an operand starts on 16 bytes, its offsets are multiples of a 16-byte vector's
+elements and the kernel is told so (``VEC_*``), so it keeps the vector loads and stores that
+one tensor per launch gets. The arithmetic per element is unchanged.
+
 [Note: compiling off the training thread]
 On a new node the first launch of these kernels cost about 2.3 s on an H200 (Triton's driver
 start and key hashing, the compile, and a C launcher built by the host compiler per signature),
@@ -43,7 +55,7 @@ import atexit
 import functools
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -85,12 +97,21 @@ def _kernels() -> Any:
         buf_ptr,
         grad_ptr,
         out_ptr,
+        table_ptr,
         skip_ptr,
         n,
         momentum,
         NESTEROV: tl.constexpr,
+        VEC_BUF: tl.constexpr,
+        VEC_GRAD: tl.constexpr,
+        VEC_OUT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        row = table_ptr + tl.program_id(1) * 3
+        # Each operand's tensor of this matrix ([Note: one launch per batch]).
+        buf_ptr += tl.multiple_of(tl.load(row), VEC_BUF)
+        grad_ptr += tl.multiple_of(tl.load(row + 1), VEC_GRAD)
+        out_ptr += tl.multiple_of(tl.load(row + 2), VEC_OUT)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         skip = tl.load(skip_ptr) != 0
@@ -106,8 +127,23 @@ def _kernels() -> Any:
 
     @triton.jit
     def update_kernel(
-        p_ptr, u_ptr, skip_ptr, n, cols, u_row, u_col, decay, step, BLOCK: tl.constexpr
+        p_ptr,
+        u_ptr,
+        table_ptr,
+        skip_ptr,
+        n,
+        cols,
+        u_row,
+        u_col,
+        decay,
+        step,
+        VEC_P: tl.constexpr,
+        VEC_U: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
+        row = table_ptr + tl.program_id(1) * 2
+        p_ptr += tl.multiple_of(tl.load(row), VEC_P)
+        u_ptr += tl.multiple_of(tl.load(row + 1), VEC_U)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         skip = tl.load(skip_ptr) != 0
@@ -152,12 +188,50 @@ def _background_done() -> bool:
     return True
 
 
-def _grid(n: int) -> tuple[int]:
-    return ((n + _BLOCK - 1) // _BLOCK,)
+def _grid(n: int, matrices: int) -> tuple[int, int]:
+    return ((n + _BLOCK - 1) // _BLOCK, matrices)
 
 
-def _skip_flag(skip: Tensor | None, like: Tensor) -> Tensor:
-    return skip if skip is not None else torch.zeros((), dtype=torch.bool, device=like.device)
+@functools.cache
+def _no_skip(device: torch.device) -> Tensor:
+    """The skip flag of a step that cannot be skipped: a cleared flag, made once per device
+    (the kernels only read it)."""
+    return torch.zeros((), dtype=torch.bool, device=device)
+
+
+@functools.cache
+def _zero_table(device: torch.device, columns: int) -> Tensor:
+    """The offset table of a launch over one matrix (every offset zero), made once."""
+    return torch.zeros((1, columns), dtype=torch.int64, device=device)
+
+
+def _table(operands: Sequence[Sequence[Tensor]], device: torch.device) -> Tensor:
+    """The launch's offset table: row ``i``, column ``j`` is the element offset of
+    ``operands[j][i]`` from ``operands[j][0]`` (see [Note: one launch per batch])."""
+    if len(operands[0]) == 1:
+        return _zero_table(device, len(operands))
+    firsts = [(ts[0].data_ptr(), ts[0].element_size()) for ts in operands]
+    rows = [
+        [(ts[i].data_ptr() - base) // size for ts, (base, size) in zip(operands, firsts)]
+        for i in range(len(operands[0]))
+    ]
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _vec(tensors: Sequence[Tensor]) -> int:
+    """How many elements every offset from ``tensors[0]`` is a multiple of, as the kernels
+    are told: a 16-byte vector's worth when every tensor starts on 16 bytes, else 1."""
+    if all(t.data_ptr() % 16 == 0 for t in tensors):
+        return 16 // tensors[0].element_size()
+    return 1
+
+
+def _by_dtypes(*operands: Sequence[Tensor]) -> Iterable[list[int]]:
+    """The matrices' indices grouped by their operands' dtypes (one launch per group)."""
+    groups: dict[tuple[torch.dtype, ...], list[int]] = {}
+    for i, ts in enumerate(zip(*operands)):
+        groups.setdefault(tuple(t.dtype for t in ts), []).append(i)
+    return groups.values()
 
 
 def _store(target: Tensor, new: Tensor, skip: Tensor | None) -> None:
@@ -178,50 +252,57 @@ def _wide(*tensors: Tensor) -> torch.dtype:
 
 
 def momentum_into(
-    buf: Tensor,
-    grad: Tensor,
-    out: Tensor,
+    bufs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    outs: Sequence[Tensor],
     skip: Tensor | None,
     momentum: float,
     nesterov: bool,
     *,
     kernel: bool | None = None,
 ) -> None:
-    """``buf = momentum·buf + grad`` (kept when ``skip``, a 0-d bool tensor, is set) and the NS
-    input into ``out``: ``grad + momentum·buf`` with Nesterov, ``buf`` without. ``kernel``:
-    the Triton kernel (``True``), the torch ops (``False``) or, by default, the kernel where it
-    runs and is compiled (see [Note: fused momentum and update])."""
+    """For each matrix ``i`` (all of one shape): ``bufs[i] = momentum·bufs[i] + grads[i]``
+    (kept when ``skip``, a 0-d bool tensor, is set) and the NS input into ``outs[i]``:
+    ``grads[i] + momentum·bufs[i]`` with Nesterov, ``bufs[i]`` without. ``kernel``: the Triton
+    kernels (``True``), the torch ops (``False``) or, by default, the kernels where they run
+    and are compiled (see [Note: fused momentum and update])."""
     momentum = float(momentum)
     if kernel is None:
-        kernel = _use_kernels(buf, grad, out)
+        kernel = _use_kernels(*bufs, *grads, *outs)
     if kernel:
         momentum_kernel, _ = _kernels()
-        n = buf.numel()
-        momentum_kernel[_grid(n)](
-            buf,
-            grad,
-            out,
-            _skip_flag(skip, buf),
-            n,
-            momentum,
-            NESTEROV=nesterov,
-            BLOCK=_BLOCK,
-            enable_fp_fusion=False,
-        )
+        device = bufs[0].device
+        flag = _no_skip(device) if skip is None else skip
+        for group in _by_dtypes(bufs, grads, outs):
+            operands = [[ts[i] for i in group] for ts in (bufs, grads, outs)]
+            momentum_kernel[_grid(bufs[0].numel(), len(group))](
+                *(ts[0] for ts in operands),
+                _table(operands, device),
+                flag,
+                bufs[0].numel(),
+                momentum,
+                NESTEROV=nesterov,
+                VEC_BUF=_vec(operands[0]),
+                VEC_GRAD=_vec(operands[1]),
+                VEC_OUT=_vec(operands[2]),
+                BLOCK=_BLOCK,
+                enable_fp_fusion=False,
+            )
         return
-    # The kernel's arithmetic, op for op; the wide values are formed in ``out`` when it has
-    # their dtype (no temporary).
-    wide = _wide(buf, grad)
-    new = out if out.dtype == wide else torch.empty_like(out, dtype=wide)
-    _times(buf, momentum, out=new).add_(grad)
-    _store(buf, new, skip)  # rounds once, to the buffer's dtype
-    if nesterov:
-        # grad + momentum·buf from the buffer as stored (a skipped step's NS input is unused).
+    for buf, grad, out in zip(bufs, grads, outs):
+        # The kernel's arithmetic, op for op; the wide values are formed in ``out`` when it
+        # has their dtype (no temporary).
+        wide = _wide(buf, grad)
+        new = out if out.dtype == wide else torch.empty_like(out, dtype=wide)
         _times(buf, momentum, out=new).add_(grad)
-        if new is not out:
-            out.copy_(new)
-    else:
-        out.copy_(buf)
+        _store(buf, new, skip)  # rounds once, to the buffer's dtype
+        if nesterov:
+            # grad + momentum·buf from the buffer as stored (a skipped step's input is unused).
+            _times(buf, momentum, out=new).add_(grad)
+            if new is not out:
+                out.copy_(new)
+        else:
+            out.copy_(buf)
 
 
 def _times(t: Tensor, factor: float, *, out: Tensor) -> Tensor:
@@ -233,43 +314,50 @@ def _times(t: Tensor, factor: float, *, out: Tensor) -> Tensor:
 
 
 def update_weight(
-    param: Tensor,
-    update: Tensor,
+    params: Sequence[Tensor],
+    updates: Sequence[Tensor],
     skip: Tensor | None,
     decay: float,
     step: float,
     *,
     kernel: bool | None = None,
 ) -> None:
-    """``param = decay·param + step·update`` (kept when ``skip`` is set) for a 2-D ``param``
-    and an ``update`` of its shape with any strides; ``kernel`` as in :func:`momentum_into`."""
+    """``params[i] = decay·params[i] + step·updates[i]`` (kept when ``skip`` is set) for 2-D
+    ``params`` of one shape and ``updates`` of that shape, all with the same strides (any);
+    ``kernel`` as in :func:`momentum_into`."""
     decay, step = float(decay), float(step)
     if kernel is None:
-        kernel = _use_kernels(param)
+        kernel = _use_kernels(*params)
     if kernel:
         _, update_kernel = _kernels()
-        n = param.numel()
-        cols = param.shape[1]
-        u_row, u_col = update.stride()
-        update_kernel[_grid(n)](
-            param,
-            update,
-            _skip_flag(skip, param),
-            n,
-            cols,
-            u_row,
-            u_col,
-            decay,
-            step,
-            BLOCK=_BLOCK,
-            enable_fp_fusion=False,
-        )
+        device = params[0].device
+        flag = _no_skip(device) if skip is None else skip
+        rows, cols = params[0].shape
+        u_row, u_col = updates[0].stride()
+        for group in _by_dtypes(params, updates):
+            operands = [[ts[i] for i in group] for ts in (params, updates)]
+            update_kernel[_grid(rows * cols, len(group))](
+                *(ts[0] for ts in operands),
+                _table(operands, device),
+                flag,
+                rows * cols,
+                cols,
+                u_row,
+                u_col,
+                decay,
+                step,
+                VEC_P=_vec(operands[0]),
+                VEC_U=_vec(operands[1]),
+                BLOCK=_BLOCK,
+                enable_fp_fusion=False,
+            )
         return
-    # The kernel's arithmetic, op for op.
-    new = _times(update, step, out=torch.empty_like(param, dtype=_wide(param, update)))
-    # decay·param + step·update; a decay of 1 multiplies exactly, so it is left out.
-    new.add_(param if decay == 1.0 else _times(param, decay, out=torch.empty_like(new)))
-    _store(param, new, skip)  # rounds once, to the parameter's dtype
+    for param, update in zip(params, updates):
+        # The kernel's arithmetic, op for op.
+        new = _times(update, step, out=torch.empty_like(param, dtype=_wide(param, update)))
+        # decay·param + step·update; a decay of 1 multiplies exactly, so it is left out.
+        new.add_(param if decay == 1.0 else _times(param, decay, out=torch.empty_like(new)))
+        _store(param, new, skip)  # rounds once, to the parameter's dtype
 
 
 class FusedLayout(NamedTuple):
@@ -315,6 +403,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
 
         momentum_kernel, update_kernel = _kernels()
         skip = MockTensor(torch.bool)
+        table = MockTensor(torch.int64)
         torch.cuda.set_device(device)  # the current device is per thread; Triton keys on it
         for layout in layouts:
             rows, cols = layout.shape
@@ -322,22 +411,31 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
             # A tall matrix's NS result is the transpose of a wide one's (update_kernel).
             u_row, u_col = (1, rows) if rows > cols else (cols, 1)
             state = MockTensor(layout.state)
+            # Tensors from torch's allocator start on 16 bytes (the VEC_* of _vec).
+            vec_state, vec_grad, vec_weight = (
+                16 // dtype.itemsize for dtype in (layout.state, layout.grad, layout.weight)
+            )
             compiled = [
                 momentum_kernel.warmup(
                     state,
                     MockTensor(layout.grad),
                     state,
+                    table,
                     skip,
                     n,
                     0.5,
                     NESTEROV=layout.nesterov,
+                    VEC_BUF=vec_state,
+                    VEC_GRAD=vec_grad,
+                    VEC_OUT=vec_state,
                     BLOCK=_BLOCK,
                     enable_fp_fusion=False,
-                    grid=(1,),
+                    grid=(1, 1),
                 ),
                 update_kernel.warmup(
                     MockTensor(layout.weight),
                     state,
+                    table,
                     skip,
                     n,
                     cols,
@@ -345,9 +443,11 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                     u_col,
                     0.5,
                     0.5,
+                    VEC_P=vec_weight,
+                    VEC_U=vec_state,
                     BLOCK=_BLOCK,
                     enable_fp_fusion=False,
-                    grid=(1,),
+                    grid=(1, 1),
                 ),
             ]
             for kernel in compiled:

@@ -46,7 +46,7 @@ because NS first divides by the Frobenius norm the orthogonalised updates agree 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import Any, NamedTuple
 
@@ -109,21 +109,18 @@ def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
 
 
 def momentum_update(
-    buf: Tensor,
-    grad: Tensor,
+    bufs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    outs: Sequence[Tensor],
     momentum: float,
     nesterov: bool,
-    out: Tensor | None = None,
     skip: Tensor | None = None,
-) -> Tensor:
-    """Advance ``buf`` in place (``buf = momentum * buf + grad``, kept when ``skip`` is set)
-    and return the NS input: ``grad + momentum * buf`` with Nesterov, ``buf`` without. With
-    ``out`` the input is written there; without, the Nesterov input is a new tensor and the
-    plain one is ``buf`` itself (do not modify it). The arithmetic is [Note: fused momentum
-    and update]'s (in _fused)."""
-    target = out if out is not None else torch.empty_like(buf)
-    momentum_into(buf, grad, target, skip, momentum, nesterov)
-    return buf if out is None and not nesterov else target
+) -> None:
+    """Advance each ``bufs[i]`` in place (``buf = momentum * buf + grad``, kept when ``skip``
+    is set) and write its NS input into ``outs[i]``: ``grad + momentum * buf`` with Nesterov,
+    ``buf`` without. All matrices have one shape; on CUDA one launch covers them (see [Note:
+    one launch per batch] in _fused). The arithmetic is [Note: fused momentum and update]'s."""
+    momentum_into(bufs, grads, outs, skip, momentum, nesterov)
 
 
 def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NSFunction:
@@ -191,25 +188,48 @@ def muon_step(
         for start in range(0, len(members), chunk):
             part = members[start : start + chunk]
             batch = torch.empty((len(part), *shape), dtype=dtype, device=device)
-            for i, item in enumerate(part):
+            for (momentum, nesterov), group in _grouped(part, _momentum_key):
                 momentum_update(
-                    item.buf, item.grad, item.momentum, item.nesterov, out=batch[i], skip=skip
+                    [part[i].buf for i in group],
+                    [part[i].grad for i in group],
+                    [batch[i] for i in group],
+                    momentum,
+                    nesterov,
+                    skip=skip,
                 )
             mark("muon_update")
             updates = ns(batch)
             mark(f"ns[{'x'.join(map(str, batch.shape))}]")
             del batch
-            for i, item in enumerate(part):
+            for (lr, weight_decay, scale), group in _grouped(part, _update_key):
                 weight_decay_and_update(
-                    item.weight,
-                    updates[i],
-                    lr=item.lr,
-                    weight_decay=item.weight_decay,
-                    scale=item.scale,
+                    [part[i].weight for i in group],
+                    [updates[i] for i in group],
+                    lr=lr,
+                    weight_decay=weight_decay,
+                    scale=scale,
                     skip=skip,
                 )
             del updates
     mark("muon_update")
+
+
+def _momentum_key(item: MuonItem) -> tuple[float, bool]:
+    return item.momentum, item.nesterov
+
+
+def _update_key(item: MuonItem) -> tuple[float, float, float]:
+    return item.lr, item.weight_decay, item.scale
+
+
+def _grouped(
+    items: Sequence[MuonItem], key: Callable[[MuonItem], Any]
+) -> Iterable[tuple[Any, list[int]]]:
+    """The items' indices grouped by ``key`` (their hyperparameters), in first-seen order."""
+    groups: dict[Any, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return groups.items()
 
 
 def _no_mark(name: str) -> None:
@@ -217,8 +237,8 @@ def _no_mark(name: str) -> None:
 
 
 def weight_decay_and_update(
-    param: Tensor,
-    update: Tensor,
+    params: Sequence[Tensor],
+    updates: Sequence[Tensor],
     *,
     lr: float,
     weight_decay: float,
@@ -226,10 +246,10 @@ def weight_decay_and_update(
     skip: Tensor | None = None,
 ) -> None:
     """Decoupled weight decay ``p *= 1 - lr * wd`` and the step ``p -= lr * scale * update``, in
-    place, in one pass (kept when ``skip`` is set, decided on the device). The decay uses the
-    unscaled ``lr``, as in torch.optim.Muon; the arithmetic is [Note: fused momentum and
-    update]'s (in _fused)."""
-    update_weight(param, update, skip, 1.0 - lr * weight_decay, -lr * scale)
+    place, in one pass per matrix (kept when ``skip`` is set, decided on the device), for
+    matrices of one shape. The decay uses the unscaled ``lr``, as in torch.optim.Muon; the
+    arithmetic is [Note: fused momentum and update]'s (in _fused)."""
+    update_weight(params, updates, skip, 1.0 - lr * weight_decay, -lr * scale)
 
 
 def step_dtype() -> torch.dtype:
