@@ -2,6 +2,7 @@
 
     python benchmarks/step_bench.py                         # both configs (2048x8192x16, 4096x14336x8)
     python benchmarks/step_bench.py --config 4096x14336x8   # one of them
+    python benchmarks/step_bench.py --config 576x1536x30    # many small matrices (SmolLM-135M-like)
     python benchmarks/step_bench.py --precision bf16-mixed  # fp32 masters, bf16 compute
     python benchmarks/step_bench.py --device cpu --config tiny --iters 2   # smoke test, no GPU
 
@@ -76,6 +77,8 @@ CONFIGS = {
     # Llama-3.2-1B-like and Llama-3-8B-like layer shapes (the two rows of GPU.md).
     "2048x8192x16": LlamaConfig(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8),
     "4096x14336x8": LlamaConfig(hidden=4096, intermediate=14336, layers=8, heads=32, kv_heads=8),
+    # SmolLM-135M-like: many small matrices (30 layers x 7), where launch counts show.
+    "576x1536x30": LlamaConfig(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3),
     "tiny": LlamaConfig(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
 }
 VARIANTS = ("plain", "fsdp2", "adamw", "torch-muon", "dmuon")
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "--config",
         action="append",
         choices=sorted(CONFIGS),
-        help="repeatable; default: the two GPU.md configs",
+        help="repeatable; default: the two Llama-shaped configs 2048x8192x16 and 4096x14336x8",
     )
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per iteration (default 4096)")

@@ -14,8 +14,8 @@ place, so identity, names and ``isinstance(p, nn.Parameter)`` are unchanged), wi
 ``RuntimeError`` naming the parameter, its owner and the supported ways to read it. While the
 weight is held (always on its owner; on a peer during its layer's forward and backward) the
 parameter is a plain ``nn.Parameter`` again (``set_held``), so its operations cost nothing
-extra: a Python ``__torch_function__`` on every use cost a ViT or a small LM's forward about
-20 µs per weight read. Metadata
+extra (a Python ``__torch_function__`` runs on every operation of a guarded class, which a
+small model's forward would pay hundreds of times a step). Metadata
 stays readable (shape, dtype, device, ``requires_grad``, ``.grad``, ``numel()``, hooks), and
 ``repr(p)`` says where the weight lives instead of printing values. Code that ``torch.compile``
 traces skips the check (compiled blocks read their weights inside forward and backward, where
