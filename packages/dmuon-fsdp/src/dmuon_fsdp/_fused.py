@@ -138,12 +138,11 @@ def _kernels() -> Any:
         decay,
         step,
         VEC_P: tl.constexpr,
-        VEC_U: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = table_ptr + tl.program_id(1) * 2
         p_ptr += tl.multiple_of(tl.load(row), VEC_P)
-        u_ptr += tl.multiple_of(tl.load(row + 1), VEC_U)
+        u_ptr += tl.load(row + 1)  # read through its strides below: no vector loads to keep
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         skip = tl.load(skip_ptr) != 0
@@ -347,7 +346,6 @@ def update_weight(
                 decay,
                 step,
                 VEC_P=_vec(operands[0]),
-                VEC_U=_vec(operands[1]),
                 BLOCK=_BLOCK,
                 enable_fp_fusion=False,
             )
@@ -444,7 +442,6 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                     0.5,
                     0.5,
                     VEC_P=vec_weight,
-                    VEC_U=vec_state,
                     BLOCK=_BLOCK,
                     enable_fp_fusion=False,
                     grid=(1, 1),
