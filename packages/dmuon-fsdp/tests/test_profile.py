@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from dmuon_fsdp import (
     get_model_state_dict,
     summarize_param_groups,
 )
+from dmuon_fsdp._profile import span
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()
@@ -78,3 +80,37 @@ def _unprofiled_read(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_step_profile_needs_the_option() -> None:
     run_distributed(_unprofiled_read, 1)
+
+
+def _profiler_ranges(rank: int, world_size: int) -> set[str]:
+    model, _ = setup_model(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+
+    def step(i: int) -> None:
+        optimizer.zero_grad()
+        lm_loss(model, shard(make_batch(i, 8, 8, 32), rank, world_size)).backward()
+        optimizer.step()
+
+    step(0)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        step(1)
+    return {event.name for event in prof.events() if event.name.startswith("dmuon::")}
+
+
+@pytest.mark.distributed
+def test_profiler_ranges_appear_while_a_profiler_runs_and_cost_nothing_otherwise() -> None:
+    """[Note: profiler ranges]: under ``torch.profiler`` the hooks, the reduce and the step
+    show as named ranges; without one, ``span`` opens no ``record_function``."""
+    for names in run_distributed(_profiler_ranges, 2):
+        expected = {
+            "dmuon::pre_forward",
+            "dmuon::post_forward",
+            "dmuon::pre_backward",
+            "dmuon::post_backward",
+            "dmuon::reduce",
+            "dmuon::optimizer_step",
+            "dmuon::muon_step",
+        }
+        assert expected <= names, expected - names
+    assert isinstance(span("dmuon::anything"), contextlib.nullcontext)

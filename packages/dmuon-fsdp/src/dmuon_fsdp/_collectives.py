@@ -49,12 +49,12 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
 from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext
 from ._pack import Pack
 from ._param import Role, local_shard
+from ._profile import span
 
 __all__ = [
     "AllReduceQueue",
@@ -261,7 +261,7 @@ class ReduceQueue:
 
     def submit(self, pack: Pack) -> None:
         """Start reducing ``pack``'s local gradients towards its owner."""
-        with record_function("dmuon::reduce"):
+        with span("dmuon::reduce"):
             if self._comm.layout.world_size == 1:
                 keep_local_grads(pack)
                 return

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
@@ -34,7 +33,7 @@ from ._collectives import AllReduceQueue, ReduceQueue
 from ._group import DedicatedGroup
 from ._pack import Pack
 from ._param import DedicatedParam
-from ._profile import PhaseTimer
+from ._profile import PhaseTimer, span
 
 __all__ = ["BoundaryHooks"]
 
@@ -131,7 +130,7 @@ class BoundaryHooks:
         if _in_backward():
             # Activation checkpointing recomputes this forward inside backward: the weights
             # are needed again; order, counters and freeing belong to the real forward.
-            with record_function("dmuon::pre_forward_recompute"):
+            with span("dmuon::pre_forward_recompute"):
                 group.unshard()
         else:
             self._unshard_for_forward(group)
@@ -146,7 +145,7 @@ class BoundaryHooks:
 
     def _unshard_for_forward(self, group: DedicatedGroup) -> None:
         timer = self.wait_timers.get(group.fqn) if self.wait_timers else None
-        with record_function("dmuon::pre_forward"):
+        with span("dmuon::pre_forward"):
             if group in self._current:
                 self._order, self._current = self._current, []
             self._current.append(group)
@@ -157,7 +156,7 @@ class BoundaryHooks:
             group.unshard(async_op=True)
             following = self._neighbour(group, +1)
             if following is not None:
-                with record_function("dmuon::prefetch"):
+                with span("dmuon::prefetch"):
                     following.unshard(async_op=True)
             if timer is not None:
                 timer.start()
@@ -171,7 +170,7 @@ class BoundaryHooks:
             output = _cast_floats(output, group.output_dtype)
         if _in_backward():
             return output  # recompute: the boundary is freed once its gradients are in
-        with record_function("dmuon::post_forward"):
+        with span("dmuon::post_forward"):
             if self.reshard_after_forward:
                 group.reshard()
             if not torch.is_grad_enabled():
@@ -192,13 +191,13 @@ class BoundaryHooks:
     def _pre_backward(self, group: DedicatedGroup, grad: torch.Tensor) -> None:
         if group.backward_started:
             return
-        with record_function("dmuon::pre_backward"):
+        with span("dmuon::pre_backward"):
             self._queue_final_callback()
             group.backward_started = True
             group.unshard(async_op=True)
             previous = self._neighbour(group, -1)
             if previous is not None and previous.needs_backward and not previous.backward_started:
-                with record_function("dmuon::prefetch"):
+                with span("dmuon::prefetch"):
                     previous.unshard(async_op=True)
             group.wait_for_unshard()
 
@@ -214,7 +213,7 @@ class BoundaryHooks:
         self._queue_final_callback()
         group, pack = self._pack_of_param[index]
         if group.count_grad(pack):
-            with record_function("dmuon::post_backward"):
+            with span("dmuon::post_backward"):
                 self._pack_done(group, pack)
 
     def _pack_done(self, group: DedicatedGroup, pack: Pack) -> None:
@@ -228,7 +227,7 @@ class BoundaryHooks:
             group.reshard()
 
     def _post_backward_final(self) -> None:
-        with record_function("dmuon::post_backward_final"):
+        with span("dmuon::post_backward_final"):
             self._final_queued = False
             for group in self.groups:
                 if not group.backward_touched:

@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
@@ -50,7 +49,7 @@ from ._muon_math import (
 )
 from ._param import DedicatedParam
 from ._param_groups import GroupDefaults, build_param_groups
-from ._profile import PhaseTimer
+from ._profile import PhaseTimer, span
 from ._runtime import DedicatedRuntime, get_runtime
 from ._tp import TensorParallelNS, TPMode
 from ._tp import choose as choose_tp_mode
@@ -311,7 +310,7 @@ class Muon(torch.optim.Optimizer):
         mark = timer.mark if timer is not None else None
         if timer is not None:
             timer.start()
-        with record_function("dmuon::optimizer_step"):
+        with span("dmuon::optimizer_step"):
             self._runtime.wait_all_reduces()
             if mark:
                 mark("wait_reduces")
@@ -323,7 +322,7 @@ class Muon(torch.optim.Optimizer):
             if mark:
                 mark("nonfinite_check")
             skip = None if found is None else found > 0
-            with record_function("dmuon::muon_step"):
+            with span("dmuon::muon_step"):
                 plain = [item for item, tp in muon_items if tp is None]
                 muon_step(
                     plain,
@@ -335,7 +334,7 @@ class Muon(torch.optim.Optimizer):
                 for item, tp in muon_items:
                     if tp is not None:
                         muon_step([item], tp, max_batch_bytes=None, skip=skip, mark=mark)
-            with record_function("dmuon::adamw_step"):
+            with span("dmuon::adamw_step"):
                 for group, params, grads, states in adamw_work:
                     beta1, beta2 = group["betas"]
                     adamw_step(

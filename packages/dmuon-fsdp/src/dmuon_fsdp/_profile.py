@@ -13,17 +13,36 @@ computes the same bits as an unprofiled one.
 
 Hooks time their forward waits the same way (``collect_forward_unshard_profile``): per
 boundary, the span of waiting for its broadcasts before its forward.
+
+[Note: profiler ranges]
+The hooks, the reduce queue and the step name their work for ``torch.profiler`` traces
+("dmuon::pre_forward", "dmuon::reduce", ...) through :func:`span`. ``record_function`` costs
+about 20 µs of host time per use even when no profiler runs, and a step of a 30-layer model
+enters some 200 of them; so ``span`` opens one only while a profiler is running (one cheap
+query), and otherwise nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.autograd.profiler import record_function
 
-__all__ = ["PhaseTimer"]
+__all__ = ["PhaseTimer", "span"]
+
+_NOTHING = contextlib.nullcontext()
+
+
+def span(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A ``torch.profiler`` range named ``name`` while a profiler runs, else a no-op (see
+    [Note: profiler ranges])."""
+    if torch._C._autograd._profiler_enabled():
+        return record_function(name)
+    return _NOTHING
 
 
 class PhaseTimer:

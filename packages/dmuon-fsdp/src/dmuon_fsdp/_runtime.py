@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
 from dmuon_ownership import Owner, Plan
@@ -44,6 +43,7 @@ from ._hooks import BoundaryHooks
 from ._mesh import MeshLayout
 from ._param import DedicatedParam
 from ._precision import fsdp_mp_policy, resolve_precision
+from ._profile import span
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
 
@@ -185,7 +185,7 @@ class DedicatedRuntime:
     def wait_all_reduces(self) -> None:
         """Block (CPU) or order the current stream (CUDA) until every owned gradient is final;
         also waits for pending publishes, whose source the optimizer is about to overwrite."""
-        with record_function("dmuon::wait_reduces"):
+        with span("dmuon::wait_reduces"):
             self.reduce_queue.wait_all()
             self.all_reduce_queue.wait_all()
             self.wait_all_replicate_broadcasts()
@@ -193,11 +193,11 @@ class DedicatedRuntime:
     def after_step(self, async_: bool = True) -> None:
         """The owners' weights changed: drop weights kept on peers (Z2) and, in HSDP, publish
         the owners' packs to their replicate peers (``async_``: waited at the next forward)."""
-        with record_function("dmuon::after_step"):
+        with span("dmuon::after_step"):
             for group in self.groups:
                 group.reshard()
             if self.layout.is_hsdp or self.config.replicated:
-                with record_function("dmuon::publish"):
+                with span("dmuon::publish"):
                     for group in self.groups:
                         group.publish()
                 if not async_:
@@ -209,7 +209,7 @@ class DedicatedRuntime:
     def drain(self) -> None:
         """Wait for every collective dmuon has in flight (packing first, if not yet done)."""
         self.lazy_init()
-        with record_function("dmuon::drain"):
+        with span("dmuon::drain"):
             for group in self.groups:
                 group.wait_for_unshard()
             self.wait_all_reduces()
