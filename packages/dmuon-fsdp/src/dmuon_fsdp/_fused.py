@@ -142,7 +142,7 @@ def _kernels() -> Any:
     ):
         row = table_ptr + tl.program_id(1) * 2
         p_ptr += tl.multiple_of(tl.load(row), VEC_P)
-        u_ptr += tl.load(row + 1)  # read through its strides below: no vector loads to keep
+        u_ptr += tl.load(row + 1)  # read through its strides below: no vector hint
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         skip = tl.load(skip_ptr) != 0
@@ -233,6 +233,37 @@ def _by_dtypes(*operands: Sequence[Tensor]) -> Iterable[list[int]]:
     return groups.values()
 
 
+def _launch(
+    kernel: Any,
+    operands: Sequence[Sequence[Tensor]],
+    vectors: Sequence[str],
+    skip: Tensor | None,
+    n: int,
+    *args: Any,
+    **constexprs: Any,
+) -> None:
+    """Run ``kernel`` over the matrices of ``operands`` (one list per tensor argument, each
+    ``n`` elements per matrix): one launch per dtype combination, each given its first tensors,
+    its offset table, the skip flag, ``n`` and ``args``; ``vectors`` names the vector hint of
+    the leading operands (see [Note: one launch per batch])."""
+    device = operands[0][0].device
+    flag = _no_skip(device) if skip is None else skip
+    for group in _by_dtypes(*operands):
+        picked = [[ts[i] for i in group] for ts in operands]
+        hints = {name: _vec(ts) for name, ts in zip(vectors, picked)}
+        kernel[_grid(n, len(group))](
+            *(ts[0] for ts in picked),
+            _table(picked, device),
+            flag,
+            n,
+            *args,
+            **constexprs,
+            **hints,
+            BLOCK=_BLOCK,
+            enable_fp_fusion=False,
+        )
+
+
 def _store(target: Tensor, new: Tensor, skip: Tensor | None) -> None:
     """``new`` into ``target`` (rounded to its dtype), unless ``skip`` is set (decided on the
     device)."""
@@ -270,23 +301,15 @@ def momentum_into(
         kernel = _use_kernels(*bufs, *grads, *outs)
     if kernel:
         momentum_kernel, _ = _kernels()
-        device = bufs[0].device
-        flag = _no_skip(device) if skip is None else skip
-        for group in _by_dtypes(bufs, grads, outs):
-            operands = [[ts[i] for i in group] for ts in (bufs, grads, outs)]
-            momentum_kernel[_grid(bufs[0].numel(), len(group))](
-                *(ts[0] for ts in operands),
-                _table(operands, device),
-                flag,
-                bufs[0].numel(),
-                momentum,
-                NESTEROV=nesterov,
-                VEC_BUF=_vec(operands[0]),
-                VEC_GRAD=_vec(operands[1]),
-                VEC_OUT=_vec(operands[2]),
-                BLOCK=_BLOCK,
-                enable_fp_fusion=False,
-            )
+        _launch(
+            momentum_kernel,
+            (bufs, grads, outs),
+            ("VEC_BUF", "VEC_GRAD", "VEC_OUT"),
+            skip,
+            bufs[0].numel(),
+            momentum,
+            NESTEROV=nesterov,
+        )
         return
     for buf, grad, out in zip(bufs, grads, outs):
         # The kernel's arithmetic, op for op; the wide values are formed in ``out`` when it
@@ -329,26 +352,21 @@ def update_weight(
         kernel = _use_kernels(*params)
     if kernel:
         _, update_kernel = _kernels()
-        device = params[0].device
-        flag = _no_skip(device) if skip is None else skip
         rows, cols = params[0].shape
         u_row, u_col = updates[0].stride()
-        for group in _by_dtypes(params, updates):
-            operands = [[ts[i] for i in group] for ts in (params, updates)]
-            update_kernel[_grid(rows * cols, len(group))](
-                *(ts[0] for ts in operands),
-                _table(operands, device),
-                flag,
-                rows * cols,
-                cols,
-                u_row,
-                u_col,
-                decay,
-                step,
-                VEC_P=_vec(operands[0]),
-                BLOCK=_BLOCK,
-                enable_fp_fusion=False,
-            )
+        # The NS results are read through their strides: no vector hint for them.
+        _launch(
+            update_kernel,
+            (params, updates),
+            ("VEC_P",),
+            skip,
+            rows * cols,
+            cols,
+            u_row,
+            u_col,
+            decay,
+            step,
+        )
         return
     for param, update in zip(params, updates):
         # The kernel's arithmetic, op for op.
