@@ -18,7 +18,7 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from dmuon_fsdp._state_layout import fresh_state
+from dmuon_fsdp.checkpoint._state_layout import fresh_state
 from dmuon_ownership import Route
 from dmuon_testing.distributed import run_distributed
 

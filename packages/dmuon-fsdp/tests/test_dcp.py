@@ -33,7 +33,7 @@ from dmuon_fsdp import (
     load_checkpoint,
     save_checkpoint,
 )
-from dmuon_fsdp._state_layout import STATE_FIELDS
+from dmuon_fsdp.checkpoint._state_layout import STATE_FIELDS
 from dmuon_testing.distributed import run_distributed
 
 TOTAL, SPLIT = 8, 4

@@ -277,8 +277,8 @@ def test_install_patch_is_idempotent_and_only_touches_marked_params() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     from dmuon_fsdp import install_patch
-    from dmuon_fsdp._fsdp_integration import is_installed
-    from dmuon_fsdp._guard import guard_parameter
+    from dmuon_fsdp.runtime._guard import guard_parameter
+    from dmuon_fsdp.setup._fsdp_integration import is_installed
 
     install_patch()
     first = (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dmuon_fsdp
-from dmuon_fsdp import _fused
+from dmuon_fsdp.optim import _fused
 from dmuon_testing.environment import (
     check_triton_interpret_rule,
     env_name_literals,
@@ -17,9 +17,9 @@ SRC = Path(dmuon_fsdp.__file__).parent
 
 def test_one_function_reads_the_environment_and_names_only_tritons_switch() -> None:
     reads = {(read.module, read.function) for read in environment_reads(SRC)}
-    assert reads == {("_fused.py", "_interpreting")}
+    assert reads == {("optim/_fused.py", "_interpreting")}
     assert env_name_literals(SRC, r"(DMUON|TRITON)_[A-Z0-9_]+") == {
-        "_fused.py": {"TRITON_INTERPRET"}
+        "optim/_fused.py": {"TRITON_INTERPRET"}
     }
 
 

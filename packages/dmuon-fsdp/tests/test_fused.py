@@ -21,7 +21,7 @@ _BODY = textwrap.dedent(
     """
     import sys
     import torch
-    from dmuon_fsdp import _fused
+    from dmuon_fsdp.optim import _fused
 
     device = torch.device(sys.argv[1])
     gen = torch.Generator(device=device).manual_seed(0)
@@ -169,7 +169,7 @@ _BACKGROUND_BODY = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import dmuon
-    from dmuon_fsdp import _fused
+    from dmuon_fsdp.optim import _fused
     from _models import batch, build, loss_fn, muon_predicate
 
     torch.cuda.set_device(0)

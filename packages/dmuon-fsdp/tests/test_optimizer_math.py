@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.optim import _muon as torch_muon_module
 
-from dmuon_fsdp._muon_math import (
+from dmuon_fsdp.optim._muon_math import (
     LrScaling,
     MuonItem,
     adamw_step,

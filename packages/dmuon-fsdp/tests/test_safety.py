@@ -30,7 +30,7 @@ from dmuon_fsdp import (
     get_optimizer_state_dict,
     set_model_state_dict,
 )
-from dmuon_fsdp._guard import NotHeldError
+from dmuon_fsdp.runtime._guard import NotHeldError
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dmuon_fsdp import _muon_math
-from dmuon_fsdp._optimizer import DEFAULT_NS_BATCH_BYTES
+from dmuon_fsdp.optim import _muon_math
+from dmuon_fsdp.optim._optimizer import DEFAULT_NS_BATCH_BYTES
 from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
 

@@ -28,7 +28,7 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from dmuon_fsdp._param import Role
+from dmuon_fsdp.runtime._param import Role
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()

@@ -12,7 +12,7 @@ from _sgd_train import make_mesh, setup_model
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import Muon, dedicate_params, dedicated_params_of, uninstall_patch
-from dmuon_fsdp._fsdp_integration import is_installed
+from dmuon_fsdp.setup._fsdp_integration import is_installed
 from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
 

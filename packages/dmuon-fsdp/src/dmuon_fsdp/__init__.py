@@ -10,29 +10,29 @@ from ._api import (
     wait_all_reduces,
     wait_all_replicate_broadcasts,
 )
-from ._checkpoint import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
-from ._config import DedicateConfig
-from ._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
-from ._dedicate import dedicate_params, dedicate_params_ddp, dedicate_params_ddp_tp
 from ._diagnostics import (
     collect_forward_unshard_profile,
     summarize_comm_plan,
     summarize_param_groups,
 )
-from ._fsdp_integration import dedicated_params_of, install_patch, uninstall_patch
-from ._guard import NotHeldError
-from ._muon_math import LrScaling
-from ._no_sync import no_sync
-from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
-from ._param import DedicatedParam, Role
-from ._replicate import replicate, replicate_tp
-from ._runtime import DedicatedRuntime, get_runtime
+from .checkpoint._checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from .checkpoint._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
+from .optim._muon_math import LrScaling
+from .optim._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
+from .runtime._config import DedicateConfig
+from .runtime._guard import NotHeldError
+from .runtime._no_sync import no_sync
+from .runtime._param import DedicatedParam, Role
+from .runtime._runtime import DedicatedRuntime, get_runtime
+from .setup._dedicate import dedicate_params, dedicate_params_ddp, dedicate_params_ddp_tp
+from .setup._fsdp_integration import dedicated_params_of, install_patch, uninstall_patch
+from .setup._replicate import replicate, replicate_tp
+from .topology._comm import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
 
 __all__ = [
     "CHECKPOINT_KEY",

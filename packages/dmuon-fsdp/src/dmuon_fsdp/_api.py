@@ -6,9 +6,9 @@ from torch import nn
 
 from dmuon_ownership import Owner
 
-from ._comm import DedicatedCommContext
-from ._param import DedicatedParam
-from ._runtime import get_runtime
+from .runtime._param import DedicatedParam
+from .runtime._runtime import get_runtime
+from .topology._comm import DedicatedCommContext
 
 __all__ = [
     "broadcast_all_updates",

@@ -13,9 +13,9 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Route
 
-from ._group import DedicatedGroup
-from ._optimizer import Muon
-from ._runtime import get_runtime
+from .optim._optimizer import Muon
+from .runtime._group import DedicatedGroup
+from .runtime._runtime import get_runtime
 
 __all__ = ["collect_forward_unshard_profile", "summarize_comm_plan", "summarize_param_groups"]
 

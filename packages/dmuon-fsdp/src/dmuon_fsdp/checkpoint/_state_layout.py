@@ -29,10 +29,10 @@ from torch import Tensor, nn
 
 from dmuon_ownership import Route
 
-from ._muon_math import fresh_state
-from ._optimizer import Muon, optim_dtype
-from ._param import DedicatedParam
-from ._runtime import DedicatedRuntime
+from ..optim._muon_math import fresh_state
+from ..optim._optimizer import Muon, optim_dtype
+from ..runtime._param import DedicatedParam
+from ..runtime._runtime import DedicatedRuntime
 
 __all__ = [
     "GROUP_REQUIRED",

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from dmuon_ownership import Route
 
-from ._config import check_bool
+from ..runtime._config import check_bool
 
 __all__ = ["GroupDefaults", "RoutedParam", "build_param_groups"]
 

@@ -37,7 +37,7 @@ from torch.distributed import ProcessGroup
 
 from dmuon_ns import NewtonSchulz, gram_newton_schulz_distributed
 
-from ._comm import Axis, CommCounter, CommKind
+from ..topology._comm import Axis, CommCounter, CommKind
 from ._muon_math import NSFunction
 
 __all__ = ["TPMode", "TensorParallelNS"]

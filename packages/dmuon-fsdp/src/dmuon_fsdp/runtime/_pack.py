@@ -29,8 +29,8 @@ import torch
 
 from dmuon_ownership import Owner
 
+from ..topology._mesh import MeshLayout
 from ._guard import set_held
-from ._mesh import MeshLayout
 from ._param import DedicatedParam, Role
 
 __all__ = ["Pack"]

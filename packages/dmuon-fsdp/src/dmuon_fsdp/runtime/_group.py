@@ -29,8 +29,8 @@ from enum import Enum, auto
 import torch
 from torch import nn
 
+from ..topology._comm import Axis, CommKind, DedicatedCommContext
 from ._collectives import CollectiveResult, broadcast, wait
-from ._comm import Axis, CommKind, DedicatedCommContext
 from ._pack import Pack
 from ._param import DedicatedParam, Role
 

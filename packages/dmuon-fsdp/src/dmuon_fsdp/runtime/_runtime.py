@@ -34,16 +34,16 @@ from torch.distributed import ProcessGroup
 
 from dmuon_ownership import Owner, Plan
 
+from .._profile import span
+from ..topology._comm import CommCounter, DedicatedCommContext
+from ..topology._mesh import MeshLayout
 from ._collectives import AllReduceQueue, ReduceQueue
-from ._comm import CommCounter, DedicatedCommContext
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
 from ._guard import NotHeldError, guard_parameter, is_dedicated
 from ._hooks import BoundaryHooks
-from ._mesh import MeshLayout
 from ._param import DedicatedParam
 from ._precision import fsdp_mp_policy, resolve_precision
-from ._profile import span
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
 

@@ -29,11 +29,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
+from .._profile import PhaseTimer, span
 from ._collectives import AllReduceQueue, ReduceQueue
 from ._group import DedicatedGroup
 from ._pack import Pack
 from ._param import DedicatedParam
-from ._profile import PhaseTimer, span
 
 __all__ = ["BoundaryHooks"]
 

@@ -46,10 +46,10 @@ from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ._muon_math import step_dtype
-from ._optimizer import Muon
-from ._param import DedicatedParam
-from ._runtime import DedicatedRuntime, get_runtime
+from ..optim._muon_math import step_dtype
+from ..optim._optimizer import Muon
+from ..runtime._param import DedicatedParam
+from ..runtime._runtime import DedicatedRuntime, get_runtime
 from ._state_layout import (
     STATE_FIELDS,
     TensorSpec,

@@ -53,14 +53,14 @@ from dmuon_ownership import (
     validate_param_policy,
 )
 
-from ._comm import DedicatedCommContext
-from ._config import BoundaryPredicate, DedicateConfig
+from ..runtime._config import BoundaryPredicate, DedicateConfig
+from ..runtime._group import DedicatedGroup
+from ..runtime._guard import guard_parameter, is_dedicated, refuse_ddp
+from ..runtime._param import DedicatedParam, Role, local_shard
+from ..runtime._runtime import RUNTIME_ATTR, DedicatedRuntime, check_conversions
+from ..topology._comm import DedicatedCommContext
+from ..topology._mesh import MeshLayout, all_gather_ints, resolve_layout
 from ._fsdp_integration import check_call_order, install_patch, tp_dim
-from ._group import DedicatedGroup
-from ._guard import guard_parameter, is_dedicated, refuse_ddp
-from ._mesh import MeshLayout, all_gather_ints, resolve_layout
-from ._param import DedicatedParam, Role, local_shard
-from ._runtime import RUNTIME_ATTR, DedicatedRuntime, check_conversions
 
 __all__ = ["dedicate_params", "dedicate_params_ddp", "dedicate_params_ddp_tp"]
 

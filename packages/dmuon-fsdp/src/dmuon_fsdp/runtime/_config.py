@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ._comm import ProcessGroupPolicy
+from ..topology._comm import ProcessGroupPolicy
 
 __all__ = ["BoundaryPredicate", "DedicateConfig", "check_bool"]
 

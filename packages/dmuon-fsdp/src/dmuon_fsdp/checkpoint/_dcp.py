@@ -52,11 +52,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Shard
 
+from ..optim._optimizer import Muon
+from ..runtime._param import DedicatedParam
+from ..runtime._runtime import DedicatedRuntime, get_runtime
 from . import _state_layout as layout
 from ._checkpoint import apply_param_groups, as_step, group_state
-from ._optimizer import Muon
-from ._param import DedicatedParam
-from ._runtime import DedicatedRuntime, get_runtime
 
 __all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
 

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._guard import is_dedicated
-from ._param import local_shard
-from ._runtime import get_runtime
+from ..runtime._guard import is_dedicated
+from ..runtime._param import local_shard
+from ..runtime._runtime import get_runtime
 
 __all__ = ["replicate", "replicate_tp"]
 

@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext
+from .._profile import span
+from ..topology._comm import Axis, CommCounter, CommKind, DedicatedCommContext
 from ._pack import Pack
 from ._param import Role, local_shard
-from ._profile import span
 
 __all__ = [
     "AllReduceQueue",

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ._guard import is_dedicated
+from ..runtime._guard import is_dedicated
 
 __all__ = [
     "check_call_order",

@@ -34,7 +34,10 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Route
 
-from ._config import check_bool
+from .._profile import PhaseTimer, span
+from ..runtime._config import check_bool
+from ..runtime._param import DedicatedParam
+from ..runtime._runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
     LrScaling,
@@ -47,12 +50,9 @@ from ._muon_math import (
     make_newton_schulz,
     muon_step,
 )
-from ._param import DedicatedParam
 from ._param_groups import GroupDefaults, build_param_groups
-from ._profile import PhaseTimer, span
-from ._runtime import DedicatedRuntime, get_runtime
-from ._tp import TensorParallelNS, TPMode
-from ._tp import choose as choose_tp_mode
+from ._tp_ns import TensorParallelNS, TPMode
+from ._tp_ns import choose as choose_tp_mode
 
 __all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads", "MuonStepStats", "StepOptions"]
 
