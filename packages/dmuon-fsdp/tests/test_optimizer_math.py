@@ -8,12 +8,11 @@ import pytest
 import torch
 from torch.optim import _muon as torch_muon_module
 
+from dmuon_fsdp._matrix import LrScaling, lr_scale
 from dmuon_fsdp.optim._muon_math import (
-    LrScaling,
     MuonItem,
     adamw_step,
     init_adamw_state,
-    lr_scale,
     make_newton_schulz,
     momentum_update,
     muon_step,

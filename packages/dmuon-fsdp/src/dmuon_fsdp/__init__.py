@@ -15,6 +15,7 @@ from ._diagnostics import (
     summarize_comm_plan,
     summarize_param_groups,
 )
+from ._matrix import LrScaling
 from .checkpoint._checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -22,8 +23,8 @@ from .checkpoint._checkpoint import (
     set_optimizer_state_dict,
 )
 from .checkpoint._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
-from .optim._muon_math import LrScaling
 from .optim._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
+from .optim._step_plan import WeightPart
 from .runtime._config import DedicateConfig
 from .runtime._guard import NotHeldError
 from .runtime._no_sync import no_sync
@@ -52,6 +53,7 @@ __all__ = [
     "ProcessGroupPolicy",
     "Role",
     "StepOptions",
+    "WeightPart",
     "broadcast_all_updates",
     "broadcast_all_updates_async",
     "collect_forward_unshard_profile",

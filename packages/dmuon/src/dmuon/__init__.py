@@ -29,6 +29,7 @@ from dmuon_fsdp import AppState as AppState
 from dmuon_fsdp import DedicatedCommContext as DedicatedCommContext
 from dmuon_fsdp import Muon as Muon
 from dmuon_fsdp import NotHeldError as NotHeldError
+from dmuon_fsdp import WeightPart as WeightPart
 from dmuon_fsdp import broadcast_all_updates as broadcast_all_updates
 from dmuon_fsdp import broadcast_all_updates_async as broadcast_all_updates_async
 from dmuon_fsdp import collect_forward_unshard_profile as collect_forward_unshard_profile

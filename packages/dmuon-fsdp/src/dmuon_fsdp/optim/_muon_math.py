@@ -45,10 +45,8 @@ because NS first divides by the Frobenius norm the orthogonalised updates agree 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
-from enum import StrEnum
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -57,55 +55,27 @@ from torch.optim.adamw import adamw as _functional_adamw
 
 from dmuon_ns import NewtonSchulz
 
+from .._matrix import matrices_of, matrix_shape
 from ._fused import momentum_into, update_weight
 
 __all__ = [
-    "LrScaling",
     "MuonItem",
     "NSFunction",
     "adamw_step",
     "fresh_state",
     "init_adamw_state",
     "local_tensor",
-    "lr_scale",
     "make_newton_schulz",
     "momentum_update",
+    "muon_batch",
     "muon_step",
+    "shape_batches",
     "step_dtype",
     "weight_decay_and_update",
 ]
 
 # Orthogonalises every matrix of a (batch, m, n) stack; returns a tensor of the same shape.
 NSFunction = Callable[[Tensor], Tensor]
-
-
-class LrScaling(StrEnum):
-    """How the Muon learning rate is scaled per matrix of shape ``(m, n)``."""
-
-    # 0.2·√max(m, n): the update's RMS matches AdamW's, so AdamW learning rates carry over
-    # (Moonlight, arXiv:2502.16982); torch.optim.Muon's "match_rms_adamw".
-    MOONLIGHT = "moonlight"
-    # √max(1, m/n): Keller Jordan's original scaling, torch.optim.Muon's "original" (also
-    # accepted under the name "spectral").
-    ORIGINAL = "original"
-    NONE = "none"
-
-    @classmethod
-    def _missing_(cls, value: object) -> LrScaling | None:
-        return cls.ORIGINAL if value == "spectral" else None
-
-
-def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
-    """The factor that multiplies the Muon learning rate for a matrix of ``shape``."""
-    if len(shape) != 2:
-        raise ValueError(f"lr_scale needs a 2-D shape (m, n), got {tuple(shape)}")
-    m, n = int(shape[0]), int(shape[1])
-    scaling = LrScaling(scaling)
-    if scaling is LrScaling.MOONLIGHT:
-        return 0.2 * math.sqrt(max(m, n))
-    if scaling is LrScaling.ORIGINAL:
-        return math.sqrt(max(1.0, m / n))
-    return 1.0
 
 
 def momentum_update(
@@ -147,7 +117,9 @@ def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NS
 
 
 class MuonItem(NamedTuple):
-    """One owned matrix for :func:`muon_step`: where to read and write, and its hyperparameters."""
+    """One owned Muon parameter for :func:`muon_step`: where to read and write, and its
+    hyperparameters. Tensors are laid out as the parameter (or this rank's TP shard of it):
+    one matrix, or a stack of them (see [Note: what Muon steps] in _matrix)."""
 
     weight: Tensor  # updated in place
     grad: Tensor
@@ -156,7 +128,48 @@ class MuonItem(NamedTuple):
     nesterov: bool
     lr: float
     weight_decay: float
-    scale: float  # lr_scale of the matrix's shape
+    scale: float  # MatrixView.lr_scale of each of its matrices
+
+
+T = TypeVar("T")
+
+
+def shape_batches(
+    members: Sequence[T],
+    key: Callable[[T], Hashable],
+    size: Callable[[T], tuple[int, int]],
+    max_batch_bytes: int | None,
+) -> list[list[T]]:
+    """``members`` grouped by ``key`` (the matrix shape, dtype and device of their NS input;
+    first-seen order), each group cut into runs whose NS input stays within ``max_batch_bytes``
+    (``size(member)``: its number of matrices and the bytes of one); a member larger than the
+    cap runs alone, ``None`` lifts the cap. See [Note: one Newton–Schulz call per shape]."""
+    groups: dict[Hashable, list[T]] = {}
+    for member in members:
+        groups.setdefault(key(member), []).append(member)
+    runs: list[list[T]] = []
+    for group in groups.values():
+        run: list[T] = []
+        used = 0
+        for member in group:
+            matrices, per_matrix = size(member)
+            nbytes = matrices * per_matrix
+            if run and max_batch_bytes is not None and used + nbytes > max_batch_bytes:
+                runs.append(run)
+                run, used = [], 0
+            run.append(member)
+            used += nbytes
+        runs.append(run)
+    return runs
+
+
+def _item_key(item: MuonItem) -> Hashable:
+    return matrix_shape(item.buf.shape), item.buf.dtype, item.buf.device
+
+
+def _item_size(item: MuonItem) -> tuple[int, int]:
+    rows, cols = matrix_shape(item.buf.shape)
+    return item.buf.numel() // (rows * cols), rows * cols * item.buf.element_size()
 
 
 def muon_step(
@@ -174,44 +187,52 @@ def muon_step(
     was when it is set, decided on the device; see [Note: non-finite gradients]. ``mark(name)``
     (the step profile) closes the phases "muon_update" and "ns[<batch shape>]"."""
     mark = mark or _no_mark
-    buckets: dict[tuple[Any, ...], list[MuonItem]] = {}
-    for item in items:
-        if item.weight.ndim != 2:
-            raise ValueError(f"Muon updates 2-D matrices, got shape {tuple(item.weight.shape)}")
-        key = (tuple(item.buf.shape), item.buf.dtype, item.buf.device)
-        buckets.setdefault(key, []).append(item)
-    for (shape, dtype, device), members in buckets.items():
-        per_matrix = members[0].buf.numel() * members[0].buf.element_size()
-        chunk = len(members)
-        if max_batch_bytes is not None:
-            chunk = max(1, min(chunk, max_batch_bytes // max(per_matrix, 1)))
-        for start in range(0, len(members), chunk):
-            part = members[start : start + chunk]
-            batch = torch.empty((len(part), *shape), dtype=dtype, device=device)
-            for (momentum, nesterov), group in _grouped(part, _momentum_key):
-                momentum_update(
-                    [part[i].buf for i in group],
-                    [part[i].grad for i in group],
-                    [batch[i] for i in group],
-                    momentum,
-                    nesterov,
-                    skip=skip,
-                )
-            mark("muon_update")
-            updates = ns(batch)
-            mark(f"ns[{'x'.join(map(str, batch.shape))}]")
-            del batch
-            for (lr, weight_decay, scale), group in _grouped(part, _update_key):
-                weight_decay_and_update(
-                    [part[i].weight for i in group],
-                    [updates[i] for i in group],
-                    lr=lr,
-                    weight_decay=weight_decay,
-                    scale=scale,
-                    skip=skip,
-                )
-            del updates
+    for part in shape_batches(items, _item_key, _item_size, max_batch_bytes):
+        muon_batch(part, ns, skip=skip, mark=mark)
     mark("muon_update")
+
+
+def muon_batch(
+    part: Sequence[MuonItem],
+    ns: NSFunction,
+    *,
+    skip: Tensor | None = None,
+    mark: Callable[[str], None] = lambda name: None,
+) -> None:
+    """Momentum, one NS call and the update for ``part``, whose matrices share one shape,
+    dtype and device: each matrix's NS input is written straight into the stack."""
+    weights, grads, bufs, owners = [], [], [], []
+    for index, item in enumerate(part):
+        matrices = matrices_of(item.buf)
+        bufs += matrices
+        grads += matrices_of(item.grad)
+        weights += matrices_of(item.weight)
+        owners += [index] * len(matrices)
+    first = bufs[0]
+    batch = torch.empty((len(bufs), *first.shape), dtype=first.dtype, device=first.device)
+    for (momentum, nesterov), group in _grouped(owners, part, _momentum_key):
+        momentum_update(
+            [bufs[i] for i in group],
+            [grads[i] for i in group],
+            [batch[i] for i in group],
+            momentum,
+            nesterov,
+            skip=skip,
+        )
+    mark("muon_update")
+    updates = ns(batch)
+    mark(f"ns[{'x'.join(map(str, batch.shape))}]")
+    del batch
+    for (lr, weight_decay, scale), group in _grouped(owners, part, _update_key):
+        weight_decay_and_update(
+            [weights[i] for i in group],
+            [updates[i] for i in group],
+            lr=lr,
+            weight_decay=weight_decay,
+            scale=scale,
+            skip=skip,
+        )
+    del updates
 
 
 def _momentum_key(item: MuonItem) -> tuple[float, bool]:
@@ -223,12 +244,13 @@ def _update_key(item: MuonItem) -> tuple[float, float, float]:
 
 
 def _grouped(
-    items: Sequence[MuonItem], key: Callable[[MuonItem], Any]
+    owners: Sequence[int], items: Sequence[MuonItem], key: Callable[[MuonItem], Any]
 ) -> Iterable[tuple[Any, list[int]]]:
-    """The items' indices grouped by ``key`` (their hyperparameters), in first-seen order."""
+    """The matrices' indices grouped by ``key`` of the item each belongs to (its
+    hyperparameters), in first-seen order."""
     groups: dict[Any, list[int]] = {}
-    for i, item in enumerate(items):
-        groups.setdefault(key(item), []).append(i)
+    for i, owner in enumerate(owners):
+        groups.setdefault(key(items[owner]), []).append(i)
     return groups.items()
 
 

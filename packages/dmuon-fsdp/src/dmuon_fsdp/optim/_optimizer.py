@@ -22,6 +22,7 @@ HSDP, publishes the new weights to replicate peers (asynchronously when
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -31,30 +32,37 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from dmuon_ownership import Route
 
+from .._matrix import LrScaling, matrix_shape
 from .._profile import PhaseTimer, span
 from ..runtime._config import check_bool
 from ..runtime._param import DedicatedParam
 from ..runtime._runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
-    LrScaling,
     MuonItem,
     NSFunction,
     adamw_step,
     fresh_state,
     local_tensor,
-    lr_scale,
     make_newton_schulz,
-    muon_step,
+    muon_batch,
 )
 from ._param_groups import GroupDefaults, build_param_groups
+from ._step_plan import AdamWEntry, MuonEntry, StepPlan, WeightPart
 from ._tp_ns import TensorParallelNS, TPMode
-from ._tp_ns import choose as choose_tp_mode
 
-__all__ = ["DEFAULT_NS_BATCH_BYTES", "Muon", "MuonClipGrads", "MuonStepStats", "StepOptions"]
+__all__ = [
+    "DEFAULT_NS_BATCH_BYTES",
+    "Muon",
+    "MuonClipGrads",
+    "MuonStepStats",
+    "PostUpdateHook",
+    "StepOptions",
+]
 
 # Cap on one batched NS input; see [Note: one Newton–Schulz call per shape] in _muon_math.
 # 64 MiB stacks every matrix up to 4096×4096 (bf16) in pairs or more, and runs a Llama-8B MLP
@@ -117,6 +125,40 @@ class StepOptions:
             ) from None
         for name in ("replicate_async", "skip_nonfinite"):
             check_bool(name, getattr(self, name))
+
+
+# ``hook(optimizer, parts)``: see [Note: the post-update hook] in _step_plan.
+PostUpdateHook = Callable[["Muon", Mapping[str, WeightPart]], None]
+_AdamWWork = tuple[dict[str, Any], list[Tensor], list[Tensor], list[Any]]
+
+
+class _StepWork(NamedTuple):
+    """What one step touches: the Muon items per shape batch, the tensor-parallel ones with
+    their NS, and per AdamW group its tensors, gradients and states."""
+
+    batches: list[list[MuonItem]]
+    tensor_parallel: list[tuple[MuonItem, TensorParallelNS]]
+    adamw: list[_AdamWWork]
+
+
+def _no_mark(name: str) -> None:
+    return None
+
+
+def _one_of(options: StepOptions | None, given: StepOptions) -> StepOptions:
+    """``options`` when given (then the separate keyword arguments must keep their
+    defaults), else the options built from those arguments."""
+    if options is None:
+        return given
+    if not isinstance(options, StepOptions):
+        raise TypeError(f"options must be a dmuon StepOptions, got {type(options).__name__}")
+    clashing = [f.name for f in fields(StepOptions) if getattr(given, f.name) != f.default]
+    if clashing:
+        raise ValueError(
+            f"Muon got options=StepOptions(...) and also {clashing} as keyword arguments; "
+            "set them in one place: inside StepOptions, or as keywords without options="
+        )
+    return options
 
 
 def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
@@ -192,22 +234,32 @@ class Muon(torch.optim.Optimizer):
         skip_nonfinite: bool = True,
         profile: bool = False,
         tp_ns: TPMode | str = TPMode.AUTO,
+        options: StepOptions | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
                 f"Muon takes the wrapped model (an nn.Module), got {type(model).__name__};"
                 " build it as dmuon.Muon(model, lr=...), not from a parameter list"
             )
-        arguments = locals()
-        # The hyperparameter arguments are GroupDefaults' fields, by name.
-        group_defaults = GroupDefaults(**{f.name: arguments[f.name] for f in fields(GroupDefaults)})
-        self.options = StepOptions(
+        group_defaults = GroupDefaults(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+        )
+        given = StepOptions(
             lr_scaling=lr_scaling,  # type: ignore[arg-type]
             ns_batch_bytes=ns_batch_bytes,
             replicate_async=replicate_async,
             skip_nonfinite=skip_nonfinite,
             tp_ns=tp_ns,  # type: ignore[arg-type]
         )
+        self.options = _one_of(options, given)
+        check_bool("profile", profile)
         self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
         self._runtime.lazy_init()
@@ -221,11 +273,12 @@ class Muon(torch.optim.Optimizer):
         )
         device = self._runtime.layout.device
         self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
-        check_bool("profile", profile)
         self._timer = PhaseTimer(device) if profile else None
         if profile:
             self._runtime.hooks.time_forward_waits(device)
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
+        # An OrderedDict: RemovableHandle keeps a weak reference to it.
+        self._post_update_hooks: OrderedDict[int, PostUpdateHook] = OrderedDict()
         self._checked_params = False
         self._constructing = True
         super().__init__(groups, {})
@@ -242,6 +295,15 @@ class Muon(torch.optim.Optimizer):
             "adamw_eps": group_defaults.adamw_eps,
             "adamw_weight_decay": group_defaults.adamw_weight_decay,
         }
+        self._plan = StepPlan(
+            self.param_groups,
+            self._dedicated,
+            self._runtime,
+            self._ns,
+            lr_scaling=self.options.lr_scaling,
+            ns_batch_bytes=self.options.ns_batch_bytes,
+            tp_ns=self.options.tp_ns,
+        )
         compile_in_background(self._fused_layouts(), device)
 
     # -- structure ----------------------------------------------------------------------------
@@ -271,29 +333,35 @@ class Muon(torch.optim.Optimizer):
         """The ``DedicatedParam`` behind ``param``, or ``None`` for FSDP2 parameters."""
         return self._dedicated.get(id(param))
 
-    def _owned_muon(self) -> Iterable[tuple[dict[str, Any], Tensor, DedicatedParam]]:
-        for group in self.param_groups:
-            if group["optimizer"] != Route.MUON:
-                continue
-            for p in group["params"]:
-                dp = self._dedicated[id(p)]
-                if dp.is_owner:
-                    yield group, p, dp
-
     def _fused_layouts(self) -> Iterable[FusedLayout]:
         """What the fused step kernels will see of each owned matrix (see [Note: compiling off
         the training thread] in _fused)."""
-        for group, _, dp in self._owned_muon():
+        for entry in self._plan.muon:
+            dp = entry.dp
             if dp.full is None or dp.precision is None:
                 continue
-            rows, cols = dp.full.shape
+            rows, cols = matrix_shape(dp.local_shape)
             yield FusedLayout(
                 (int(rows), int(cols)),
                 weight=dp.full.dtype,
                 grad=dp.precision.reduce,
                 state=dp.precision.optim,
-                nesterov=bool(group["nesterov"]),
+                nesterov=bool(entry.group["nesterov"]),
             )
+
+    def register_post_update_hook(self, hook: PostUpdateHook) -> RemovableHandle:
+        """Run ``hook(optimizer, parts)`` in every ``step()`` on every rank, after the update
+        and before the publish; ``parts`` maps each FQN this rank steps to its
+        :class:`WeightPart`, which the hook may change in place (see [Note: the post-update
+        hook]). Returns a handle whose ``remove()`` unregisters it."""
+        if not callable(hook):
+            raise TypeError(
+                f"register_post_update_hook takes a callable (optimizer, parts) -> None, got "
+                f"{hook!r}"
+            )
+        handle = RemovableHandle(self._post_update_hooks)
+        self._post_update_hooks[handle.id] = hook
+        return handle
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -306,56 +374,81 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         if not self._checked_params:
             self._check_params_current()
-        timer = self._timer
-        mark = timer.mark if timer is not None else None
-        if timer is not None:
-            timer.start()
+        mark = self._start_profile()
         with span("dmuon::optimizer_step"):
-            self._runtime.wait_all_reduces()
-            if mark:
-                mark("wait_reduces")
-            muon_items = self._muon_items()
-            adamw_work = self._adamw_work()
-            found = None
-            if self.options.skip_nonfinite:
-                found = self._find_nonfinite(muon_items, adamw_work)
-            if mark:
-                mark("nonfinite_check")
+            work = self._collect()
+            mark("wait_reduces")
+            found = self._find_nonfinite(work) if self.options.skip_nonfinite else None
             skip = None if found is None else found > 0
+            mark("nonfinite_check")
             with span("dmuon::muon_step"):
-                plain = [item for item, tp in muon_items if tp is None]
-                muon_step(
-                    plain,
-                    self._ns,
-                    max_batch_bytes=self.options.ns_batch_bytes,
-                    skip=skip,
-                    mark=mark,
-                )
-                for item, tp in muon_items:
-                    if tp is not None:
-                        muon_step([item], tp, max_batch_bytes=None, skip=skip, mark=mark)
+                self._muon_update(work, skip, mark)
             with span("dmuon::adamw_step"):
-                for group, params, grads, states in adamw_work:
-                    beta1, beta2 = group["betas"]
-                    adamw_step(
-                        params,
-                        grads,
-                        states,
-                        lr=float(group["lr"]),
-                        betas=(float(beta1), float(beta2)),
-                        eps=float(group["eps"]),
-                        weight_decay=float(group["weight_decay"]),
-                        found_inf=found,
-                    )
-            if skip is not None:
-                self._skipped_steps.add_(skip.to(self._skipped_steps.device))
-                self._last_skip = skip
-            if mark:
-                mark("adamw")
+                self._adamw_update(work, found, skip)
+            mark("adamw")
+            if self._post_update_hooks:
+                with span("dmuon::post_update"):
+                    self._post_update()
+                mark("post_update")
             self._runtime.after_step(async_=self.options.replicate_async)
-            if mark:
-                mark("publish")
+            mark("publish")
         return loss
+
+    def _start_profile(self) -> Callable[[str], None]:
+        if self._timer is None:
+            return _no_mark
+        self._timer.start()
+        return self._timer.mark
+
+    def _collect(self) -> _StepWork:
+        """Wait for the gradient reduces; the Muon items and AdamW tensors this step touches
+        (states made on first use), with the group's hyperparameters of this step."""
+        self._runtime.wait_all_reduces()
+        plan = self._plan
+        batches = [items for part in plan.batches if (items := self._muon_items(part))]
+        tensor_parallel = [
+            (items[0], entry.tp_ns)
+            for entry in plan.tensor_parallel
+            if entry.tp_ns is not None and (items := self._muon_items([entry]))
+        ]
+        adamw = [
+            work for group, entries in plan.adamw if (work := self._adamw_work(group, entries))
+        ]
+        return _StepWork(batches, tensor_parallel, adamw)
+
+    def _muon_update(
+        self, work: _StepWork, skip: Tensor | None, mark: Callable[[str], None]
+    ) -> None:
+        """Momentum, NS (one call per shape batch) and the update of every owned matrix."""
+        for items in work.batches:
+            muon_batch(items, self._ns, skip=skip, mark=mark)
+        for item, tp_ns in work.tensor_parallel:
+            muon_batch([item], tp_ns, skip=skip, mark=mark)
+        mark("muon_update")
+
+    def _adamw_update(self, work: _StepWork, found: Tensor | None, skip: Tensor | None) -> None:
+        """AdamW over every group's tensors (torch's fused kernel skips on ``found``); counts
+        a skipped step."""
+        for group, params, grads, states in work.adamw:
+            beta1, beta2 = group["betas"]
+            adamw_step(
+                params,
+                grads,
+                states,
+                lr=float(group["lr"]),
+                betas=(float(beta1), float(beta2)),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                found_inf=found,
+            )
+        if skip is not None:
+            self._skipped_steps.add_(skip.to(self._skipped_steps.device))
+            self._last_skip = skip
+
+    def _post_update(self) -> None:
+        parts = self._plan.weight_parts(self._runtime)
+        for hook in list(self._post_update_hooks.values()):
+            hook(self, parts)
 
     def step_profile(self) -> dict[str, float]:
         """Milliseconds per phase of the last ``step()`` (see [Note: the step profile]):
@@ -383,91 +476,59 @@ class Muon(torch.optim.Optimizer):
                     )
         self._checked_params = True
 
-    def _muon_items(self) -> list[tuple[MuonItem, TensorParallelNS | None]]:
-        """One item per owned Muon matrix with a gradient (momentum buffers made on first use),
-        with the NS of its shards when it is tensor-parallel."""
-        items: list[tuple[MuonItem, TensorParallelNS | None]] = []
-        for group, p, dp in self._owned_muon():
+    def _muon_items(self, entries: Sequence[MuonEntry]) -> list[MuonItem]:
+        """The step's item of each entry with a gradient (momentum buffer made on first
+        use), with its group's hyperparameters of this step."""
+        items: list[MuonItem] = []
+        for group, p, dp, _, scale, _ in entries:
             if dp.grad is None:
                 continue
             assert dp.full is not None, f"{dp.fqn}: the owner holds no full weight"
             state = self.state[p]
             if not state:
                 state.update(fresh_state(Route.MUON, dp.full, optim_dtype(dp)))
-            buf = state["momentum_buffer"]
             item = MuonItem(
                 weight=dp.full,
                 grad=dp.grad,
-                buf=buf,
+                buf=state["momentum_buffer"],
                 momentum=float(group["momentum"]),
                 nesterov=bool(group["nesterov"]),
                 lr=float(group["lr"]),
                 weight_decay=float(group["weight_decay"]),
-                scale=lr_scale(dp.shape, self.options.lr_scaling),
+                scale=scale,
             )
-            items.append((item, self._tensor_parallel_ns(dp)))
+            items.append(item)
         return items
 
-    def _tensor_parallel_ns(self, dp: DedicatedParam) -> TensorParallelNS | None:
-        if dp.tp_dim is None:
-            return None
-        runtime = self._runtime
-        comm = runtime.comm_ctx
-        assert comm.tp_group is not None
-        shape = (int(dp.shape[0]), int(dp.shape[1]))
-        owner = runtime.layout.tp_ranks(dp.owner)[runtime.plan.tp_owner_of(dp.fqn)]
-        return TensorParallelNS(
-            self._ns,
-            shape=shape,
-            tp_dim=dp.tp_dim,
-            mode=choose_tp_mode(self.options.tp_ns, shape, dp.tp_dim, self._ns),
-            group=comm.tp_group,
-            tp_owner=owner,
-            counter=comm.counter,
-        )
-
-    def _adamw_work(self) -> list[tuple[dict[str, Any], list[Tensor], list[Tensor], list[Any]]]:
-        """Per AdamW group: the tensors this rank steps (FSDP2 shards; dedicated AdamW-route
+    def _adamw_work(
+        self, group: dict[str, Any], entries: Sequence[AdamWEntry]
+    ) -> _AdamWWork | None:
+        """The tensors one AdamW group steps on this rank (FSDP2 shards; dedicated AdamW-route
         weights on their owners), their gradients and states (made on first use)."""
-        work = []
-        for group in self.param_groups:
-            if group["optimizer"] != Route.ADAMW:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        states: list[Any] = []
+        for p, dp in entries:
+            target, grad = (p, p.grad) if dp is None else (dp.full, dp.grad)
+            if grad is None or target is None:
                 continue
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            states: list[Any] = []
-            for p in group["params"]:
-                dp = self._dedicated.get(id(p))
-                if dp is None:
-                    target, grad = p, p.grad
-                elif dp.is_owner:
-                    target, grad = dp.full, dp.grad
-                else:
-                    continue
-                if grad is None or target is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(fresh_state(Route.ADAMW, target, optim_dtype(dp)))
-                params.append(target)
-                grads.append(grad)
-                states.append(state)
-            if params:
-                work.append((group, params, grads, states))
-        return work
+            state = self.state[p]
+            if not state:
+                state.update(fresh_state(Route.ADAMW, target, optim_dtype(dp)))
+            params.append(target)
+            grads.append(grad)
+            states.append(state)
+        return (group, params, grads, states) if params else None
 
-    def _find_nonfinite(
-        self,
-        muon_items: list[tuple[MuonItem, TensorParallelNS | None]],
-        adamw_work: list[tuple[Any, Any, list[Tensor], Any]],
-    ) -> Tensor:
+    def _find_nonfinite(self, work: _StepWork) -> Tensor:
         """1.0 when any gradient any rank is about to step with holds a NaN or an infinity, on
         the device and agreed across ranks without a host sync; see [Note: non-finite
         gradients] in _muon_math."""
         device = self._runtime.layout.device
         found = torch.zeros((), dtype=torch.float32, device=device)
-        grads = [item.grad for item, _ in muon_items]
-        grads += [local_tensor(g) for *_, gs, _ in adamw_work for g in gs]
+        grads = [item.grad for items in work.batches for item in items]
+        grads += [item.grad for item, _ in work.tensor_parallel]
+        grads += [local_tensor(g) for *_, gs, _ in work.adamw for g in gs]
         # An FSDP2 shard of a dimension smaller than the world (a (1, 1, d) class token on
         # two ranks) is empty on some ranks: nothing to check, and its inf-norm is an error.
         grads = [g for g in grads if g.numel()]
@@ -499,7 +560,7 @@ class Muon(torch.optim.Optimizer):
         """The owned Muon gradients, final (pending reduces waited), for global-norm clipping;
         scaling them in place changes what the next ``step()`` reads."""
         self._runtime.wait_all_reduces()
-        grads = [dp.grad for _, _, dp in self._owned_muon() if dp.grad is not None]
+        grads = [entry.dp.grad for entry in self._plan.muon if entry.dp.grad is not None]
         if grads:
             device = grads[0].device
         elif self._runtime.params:

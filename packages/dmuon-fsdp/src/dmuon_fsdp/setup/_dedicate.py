@@ -53,6 +53,7 @@ from dmuon_ownership import (
     validate_param_policy,
 )
 
+from .._matrix import MatrixView
 from ..runtime._config import BoundaryPredicate, DedicateConfig
 from ..runtime._group import DedicatedGroup
 from ..runtime._guard import guard_parameter, is_dedicated, refuse_ddp
@@ -282,12 +283,8 @@ def _work_items(
 
 
 def _check_param(fqn: str, param: nn.Parameter, resolved: ResolvedPolicy) -> None:
-    if resolved.route is Route.MUON and param.ndim != 2:
-        raise ValueError(
-            f"predicate selected {fqn!r} (shape {tuple(param.shape)}) for the Muon route, but "
-            "Muon needs a 2-D matrix; exclude it in the predicate (e.g. add `and p.ndim == 2`) "
-            "or route it to 'adamw' with param_policy"
-        )
+    if resolved.route is Route.MUON:
+        MatrixView.of(param.shape, fqn)
 
 
 def _is_default_boundary(name: str, modules: Mapping[str, nn.Module]) -> bool:

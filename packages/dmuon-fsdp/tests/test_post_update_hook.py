@@ -1,0 +1,101 @@
+"""``Muon.register_post_update_hook``: a hook that rescales owners' weights between the update
+and the publish; every rank computes the next forward with the rescaled weight, never the
+unscaled one (1-D, HSDP async and sync, the replicated path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import batch, build, loss_fn, muon_predicate
+from _sgd_train import setup_model
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from dmuon_fsdp import Muon, WeightPart, dedicate_params_ddp, replicate
+from dmuon_testing.distributed import run_distributed
+
+ROWS = 8
+
+
+def _model(world_size: int, path: str) -> nn.Module:
+    if path == "ddp":
+        model = build(0)
+        mesh = init_device_mesh("cpu", (world_size,))
+        dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
+        replicate(model, mesh)
+        return model
+    model, _ = setup_model(
+        world_size, replicate=2 if path.startswith("hsdp") else 1, small_param_threshold=0
+    )
+    return model
+
+
+def _check(rank: int, world_size: int, path: str) -> dict[str, int]:
+    model = _model(world_size, path)
+    optimizer = Muon(model, lr=0.05, replicate_async=path != "hsdp_sync")
+    unscaled: dict[str, torch.Tensor] = {}
+    scaled: dict[str, torch.Tensor] = {}
+    seen_parts: list[set[str]] = []
+
+    def halve_q(opt: Muon, parts: dict[str, WeightPart]) -> None:
+        assert opt is optimizer
+        seen_parts.append(set(parts))
+        for name, part in parts.items():
+            if "q_proj" in name:
+                assert part.offsets == (0, 0) and part.shape == tuple(part.tensor.shape)
+                unscaled[name] = part.tensor.clone()
+                part.tensor.mul_(0.5)
+                scaled[name] = part.tensor.clone()
+
+    handle = optimizer.register_post_update_hook(halve_q)
+    seen: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if name.endswith("q_proj"):
+            module.register_forward_pre_hook(
+                lambda m, args, name=name: seen.__setitem__(
+                    f"{name}.weight", m.weight.detach().clone()
+                )
+            )
+    tokens = batch(0, ROWS).chunk(world_size)[rank]
+    loss_fn(model, tokens).backward()
+    optimizer.step()
+    handle.remove()
+
+    # Every owner's before/after values, on every rank.
+    owners: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{}] * world_size
+    mine = {name: (unscaled[name], scaled[name]) for name in scaled}
+    dist.all_gather_object(owners, mine)
+    expected = {name: pair for table in owners for name, pair in table.items()}
+    assert len(expected) == 2, sorted(expected)  # two layers' q_proj, each with one owner
+
+    optimizer.zero_grad()
+    loss_fn(model, tokens).backward()  # the next forward: what each rank computes with
+    checked = 0
+    for name, (before, after) in expected.items():
+        assert torch.equal(seen[name], after), (path, rank, name)
+        assert not torch.equal(seen[name], before), (path, rank, name)
+        checked += 1
+    # The hook saw exactly what this rank steps: its owned dedicated weights, plus FSDP2
+    # shards (or, on the replicated path, the replicated parameters whole).
+    owned = {n for n, _ in scaled.items()}
+    dedicated_seen = {n for n in seen_parts[0] if muon_predicate(n, torch.empty(2, 2))}
+    assert owned <= dedicated_seen
+    optimizer.step()  # the removed hook does not run again
+    return {"checked": checked, "calls": len(seen_parts)}
+
+
+def _all_paths(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    return {p: _check(rank, world_size, p) for p in ("1d", "hsdp_async", "hsdp_sync", "ddp")}
+
+
+@pytest.mark.distributed
+def test_post_update_hook_reaches_every_rank_before_the_next_forward() -> None:
+    for per_path in run_distributed(_all_paths, 4):
+        for path, counts in per_path.items():
+            assert counts == {"checked": 2, "calls": 1}, path
+
+
+def test_register_post_update_hook_takes_a_callable() -> None:
+    with pytest.raises(TypeError, match="register_post_update_hook takes a callable"):
+        Muon.register_post_update_hook(object.__new__(Muon), "not a hook")  # type: ignore[arg-type]
