@@ -25,6 +25,7 @@ DOCUMENTED_NAMES = frozenset(
         "replicate_tp",
         # optimizer
         "Muon",
+        "WeightPart",
         # reads of a dedicated weight where it is not held
         "NotHeldError",
         # Newton–Schulz
