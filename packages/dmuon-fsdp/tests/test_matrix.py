@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dmuon_fsdp
-from dmuon_fsdp._matrix import LrScaling, MatrixView, matrices_of, matrix_shape
+from dmuon_fsdp._matrix import Glu, LrScaling, MatrixView, matrices_of, matrix_shape
 
 PACKAGE = Path(dmuon_fsdp.__file__).parent
 
@@ -24,8 +24,8 @@ def test_a_2d_weight_is_a_stack_of_one() -> None:
 
 
 def test_the_view_names_the_parameter_it_refuses() -> None:
-    with pytest.raises(ValueError, match=r"'layers\.0\.experts\.w1' \(shape \(4, 8, 16\)\)"):
-        MatrixView.of((4, 8, 16), "layers.0.experts.w1")
+    with pytest.raises(ValueError, match=r"'layers\.0\.conv\.weight' \(shape \(2, 4, 8, 16\)\)"):
+        MatrixView.of((2, 4, 8, 16), "layers.0.conv.weight")
     with pytest.raises(ValueError, match="2-D shape"):
         MatrixView.of((16,))
 
@@ -83,3 +83,35 @@ def test_only_the_matrix_module_knows_what_a_matrix_is() -> None:
         if lines := _shape_rules(ast.parse(path.read_text())):
             offenders[module] = lines
     assert not offenders, f"shape rules outside _matrix.py: {offenders}"
+
+
+def test_an_expert_stack_is_one_matrix_per_expert() -> None:
+    view = MatrixView.of((4, 8, 16), "w1")
+    assert (view.batch, view.matrix_shape, view.experts) == (4, (8, 16), 4)
+    stack = torch.arange(4 * 8 * 16.0).view(4, 8, 16)
+    assert [torch.equal(m, stack[e]) for e, m in enumerate(view.matrices(stack))] == [True] * 4
+    assert view.count((1, 8, 16)) == 1 and view.count((0, 8, 16)) == 0  # a rank's shard
+
+
+def test_fused_glu_stacks_split_gate_and_up() -> None:
+    # Hugging Face's concatenated gate_up_proj (E, 2I, H): rows [gate; up] of each expert.
+    concat = MatrixView.of((3, 2 * 4, 6), "gate_up_proj", glu=Glu.CONCAT)
+    assert (concat.batch, concat.matrix_shape) == (6, (4, 6))
+    w = torch.randn(3, 8, 6)
+    expected = [half for e in range(3) for half in w[e].chunk(2, dim=0)]
+    got = concat.matrices(w)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    # GPT-OSS's interleaved, transposed (E, H, 2I): gate [..., ::2], up [..., 1::2].
+    inter = MatrixView.of((3, 6, 2 * 4), "gate_up_proj", glu=Glu.INTERLEAVED, transposed=True)
+    assert (inter.batch, inter.matrix_shape) == (6, (6, 4))
+    w = torch.randn(3, 6, 8)
+    got = inter.matrices(w)
+    expected = [w[e][..., h::2] for h in (0, 1) for e in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    got[0].zero_()  # views: writes reach the parameter
+    assert w[0][..., ::2].abs().sum() == 0 and w[0][..., 1::2].abs().sum() > 0
+    # The learning-rate scale of a transposed stack follows the logical (out, in).
+    assert MatrixView.of((2, 6, 4), transposed=True).lr_scale("original") == 1.0
+    assert MatrixView.of((2, 4, 6), transposed=True).lr_scale("original") == pytest.approx(1.5**0.5)
+    with pytest.raises(ValueError, match="odd"):
+        MatrixView.of((3, 7, 6), "gate_up_proj", glu=Glu.CONCAT)

@@ -69,7 +69,7 @@ def test_default_is_muon_with_no_dtype_changes() -> None:
     assert resolve_param_policy("any.weight", None) == ResolvedPolicy()
     assert resolve_param_policy("any.weight", {}).route is Route.MUON
     assert ResolvedPolicy().route == "muon"
-    assert POLICY_FIELDS[0] == "route" and len(POLICY_FIELDS) == 7
+    assert POLICY_FIELDS[0] == "route" and len(POLICY_FIELDS) == 8
 
 
 def test_overrides_apply_in_order_and_set_only_their_fields() -> None:
@@ -360,3 +360,11 @@ def test_reference_style_recipe_routes_norms_biases_and_embeddings() -> None:
 def test_contains_errors(override: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         validate_param_policy({"overrides": [override]})
+
+
+def test_glu_mode_of_fused_expert_stacks() -> None:
+    policy = {"overrides": [{"name": ["gate_up_proj"], "set": {"glu": "joint"}}]}
+    assert resolve_param_policy("layers.0.mlp.experts.gate_up_proj", policy).glu == "joint"
+    assert resolve_param_policy("layers.0.mlp.experts.down_proj", policy).glu is None
+    with pytest.raises(ValueError, match="glu must be 'split'"):
+        resolve_param_policy("x", {"defaults": {"glu": "fused"}})

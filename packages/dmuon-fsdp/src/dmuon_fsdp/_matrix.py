@@ -2,17 +2,26 @@
 
 [Note: what Muon steps]
 Muon orthogonalises matrices. Every Muon-route parameter is seen through a :class:`MatrixView`:
-a stack of ``batch`` matrices of ``rows × cols`` each (a 2-D weight is a stack of one), and
-nothing else in ``dmuon_fsdp`` looks at the number of dimensions of a Muon parameter. It is
-asked by
+a stack of ``batch`` matrices of ``rows × cols`` each, and nothing else in ``dmuon_fsdp`` looks
+at the number of dimensions of a Muon parameter:
 
-- ``dedicate_params``, which validates a selected parameter (:meth:`MatrixView.of` raises,
-  naming the parameter and the fix, for a shape it cannot step);
-- the owner planner, whose cost is Newton–Schulz work per matrix times ``batch``;
-- the step, which puts each matrix of a parameter (:func:`matrices_of`) into its shape's NS
-  batch and scales the learning rate per matrix (:meth:`MatrixView.lr_scale`);
-- checkpoints, which keep the parameter's full ``shape`` (a view never changes storage or
-  layout, so the checkpoint layout does not depend on it).
+- a 2-D weight ``(out, in)`` is a stack of one;
+- a 3-D expert stack ``(E, out, in)`` (experts on dim 0) is ``E`` matrices, one per expert;
+- a fused GLU expert stack holds two matrices per expert, orthogonalised apart by default
+  (:class:`Glu`): Hugging Face's concatenated ``gate_up_proj (E, 2I, H)`` (rows ``[gate;
+  up]``) is ``2E`` matrices ``(I, H)``, and GPT-OSS's interleaved, transposed ``(E, H, 2I)``
+  (``[..., ::2]`` gate, ``[..., 1::2]`` up) is ``2E`` matrices ``(H, I)``;
+- ``transposed`` says a stack stores ``(in, out)`` (GPT-OSS): NS does not care (NS of a
+  transpose is the transpose of NS), the learning-rate scale uses the logical ``(out, in)``.
+
+It is asked by ``dedicate_params``, which validates a selected parameter
+(:meth:`MatrixView.of` raises, naming the parameter and the fix, for a shape it cannot step);
+by the owner planner, whose cost is Newton–Schulz work per matrix times ``batch``; by the
+step, which puts each matrix of a tensor laid out as the parameter (the weight, its gradient,
+its momentum, or this rank's shard of any of them: :meth:`MatrixView.matrices`) into its
+shape's NS batch, and scales the learning rate per matrix (:meth:`MatrixView.lr_scale`); and
+by checkpoints, which keep the parameter's full ``shape`` (a view changes no storage or
+layout, so the checkpoint layout does not depend on it).
 """
 
 from __future__ import annotations
@@ -24,7 +33,16 @@ from enum import StrEnum
 
 from torch import Tensor
 
-__all__ = ["LrScaling", "MatrixView", "lr_scale", "matrices_of", "matrix_shape"]
+__all__ = ["Glu", "LrScaling", "MatrixView", "lr_scale", "matrices_of", "matrix_shape"]
+
+
+class Glu(StrEnum):
+    """How a fused GLU expert stack holds its gate and up matrices (see [Note: what Muon
+    steps])."""
+
+    NONE = "none"  # one matrix per (out, in) slice, or the fused matrix orthogonalised jointly
+    CONCAT = "concat"  # rows [gate; up] of each expert: (E, 2I, H)
+    INTERLEAVED = "interleaved"  # last dim alternates gate and up: (E, H, 2I)
 
 
 class LrScaling(StrEnum):
@@ -52,21 +70,49 @@ class MatrixView:
     batch: int
     rows: int
     cols: int
+    glu: Glu = Glu.NONE
+    transposed: bool = False  # stored (in, out): the learning-rate scale swaps rows and cols
 
     @classmethod
-    def of(cls, shape: Sequence[int], name: str = "") -> MatrixView:
+    def of(
+        cls,
+        shape: Sequence[int],
+        name: str = "",
+        *,
+        glu: Glu | str = Glu.NONE,
+        transposed: bool = False,
+    ) -> MatrixView:
         """The view of a parameter of ``shape``; raises a ``ValueError`` naming ``name`` when
         Muon cannot step it."""
         dims = tuple(int(d) for d in shape)
-        if len(dims) != 2 and not name:
+        glu = Glu(glu)
+        if len(dims) not in (2, 3) and not name:
             raise ValueError(f"Muon needs a 2-D shape (m, n), got {dims}")
-        if len(dims) != 2:
+        if len(dims) not in (2, 3):
             raise ValueError(
                 f"predicate selected {name!r} (shape {dims}) for the Muon route, but Muon needs "
-                "a 2-D matrix; exclude it in the predicate (e.g. add `and p.ndim == 2`) or route "
-                "it to 'adamw' with param_policy"
+                "a 2-D matrix (out, in) or a 3-D expert stack (E, out, in); exclude it in the "
+                "predicate (e.g. add `and p.ndim == 2`) or route it to 'adamw' with param_policy"
             )
-        return cls(dims, 1, dims[0], dims[1])
+        experts, rows, cols = (1, *dims) if len(dims) == 2 else dims
+        if glu is Glu.NONE:
+            return cls(dims, experts, rows, cols, glu, transposed)
+        split = 1 if glu is Glu.INTERLEAVED else 0  # the dim that holds gate and up
+        size = (rows, cols)[split]
+        if size % 2:
+            raise ValueError(
+                f"{name or 'a parameter'} (shape {dims}) is a {glu.value} GLU stack, but its "
+                f"{'last' if split else 'row'} dim {size} is odd, so it holds no gate/up "
+                "pair; set its layout with param_policy (glu='joint') or fix the model flags"
+            )
+        halves = (rows // 2, cols) if split == 0 else (rows, cols // 2)
+        return cls(dims, 2 * experts, *halves, glu, transposed)
+
+    @property
+    def experts(self) -> int | None:
+        """The number of experts of a 3-D stack (experts on dim 0); ``None`` for a 2-D
+        weight."""
+        return self.shape[0] if len(self.shape) == 3 else None
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
@@ -79,12 +125,28 @@ class MatrixView:
     def lr_scale(self, scaling: LrScaling | str) -> float:
         """The factor that multiplies the Muon learning rate for each matrix of the stack."""
         scaling = LrScaling(scaling)
-        m, n = self.rows, self.cols
+        m, n = (self.cols, self.rows) if self.transposed else (self.rows, self.cols)
         if scaling is LrScaling.MOONLIGHT:
             return 0.2 * math.sqrt(max(m, n))
         if scaling is LrScaling.ORIGINAL:
             return math.sqrt(max(1.0, m / n))
         return 1.0
+
+    def count(self, local_shape: Sequence[int]) -> int:
+        """How many matrices a tensor of ``local_shape`` holds (this rank's shard of the
+        parameter, split on the expert dim; 0 for an empty shard)."""
+        return math.prod(local_shape) // (self.rows * self.cols)
+
+    def matrices(self, t: Tensor) -> list[Tensor]:
+        """The matrices of ``t``, laid out as the parameter or as this rank's shard of it
+        along the expert dim, each a ``rows × cols`` view (writes reach ``t``); the same
+        order for every tensor of one parameter."""
+        if t.dim() == 2 and self.glu is Glu.NONE:
+            return [t]
+        if self.glu is Glu.INTERLEAVED:
+            halves = t.unflatten(-1, (self.cols, 2)).unbind(-1)  # gate, up: strided views
+            return [m for half in halves for m in half.view(-1, self.rows, self.cols).unbind(0)]
+        return list(t.view(-1, self.rows, self.cols).unbind(0))
 
 
 def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
@@ -100,6 +162,6 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
 
 
 def matrices_of(t: Tensor) -> list[Tensor]:
-    """The matrices of ``t`` (a weight, gradient or momentum laid out as its parameter, or this
-    rank's shard of one), each a ``rows × cols`` view: a 2-D tensor is its own one matrix."""
+    """The matrices of ``t`` as :meth:`MatrixView.matrices` gives them for a plain weight or
+    stack (no GLU): a 2-D tensor is its own one matrix."""
     return [t] if t.dim() == 2 else list(t.view(-1, *t.shape[-2:]).unbind(0))

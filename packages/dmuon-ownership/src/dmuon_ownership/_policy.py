@@ -47,7 +47,11 @@ __all__ = [
 ]
 
 _DTYPE_FIELDS = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "output_dtype")
-POLICY_FIELDS: tuple[str, ...] = ("route", *_DTYPE_FIELDS, "cast_forward_inputs")
+POLICY_FIELDS: tuple[str, ...] = ("route", *_DTYPE_FIELDS, "cast_forward_inputs", "glu")
+# How a fused GLU expert stack (gate and up in one tensor) is orthogonalised: None reads the
+# layout from the model (gate and up apart), "split" asks for that, "joint" orthogonalises
+# each expert's fused matrix as one.
+GLU_MODES = ("split", "joint")
 _TOP_KEYS = ("defaults", "overrides")
 _SELECTORS = ("name", "contains")
 _OVERRIDE_KEYS = ("name", "set", "contains")
@@ -63,6 +67,13 @@ def _normalize_field(field_name: str, value: object, where: str) -> object:
     if field_name == "cast_forward_inputs":
         if not isinstance(value, bool):
             raise ValueError(f"{where}: must be True or False, got {value!r}")
+        return value
+    if field_name == "glu":
+        if value is not None and value not in GLU_MODES:
+            raise ValueError(
+                f"{where}: glu must be 'split' (gate and up orthogonalised apart) or 'joint' "
+                f"(each expert's fused matrix as one), got {value!r}"
+            )
         return value
     return normalize_dtype(value, where)
 
@@ -80,6 +91,8 @@ class ResolvedPolicy:
     output_dtype: str | None = None
     # FSDP2's MixedPrecisionPolicy casts forward inputs by default too.
     cast_forward_inputs: bool = True
+    # A fused GLU expert stack: see GLU_MODES.
+    glu: str | None = None
 
     def __post_init__(self) -> None:
         for name in POLICY_FIELDS:

@@ -55,7 +55,7 @@ from torch.optim.adamw import adamw as _functional_adamw
 
 from dmuon_ns import NewtonSchulz
 
-from .._matrix import matrices_of, matrix_shape
+from .._matrix import MatrixView, matrices_of, matrix_shape
 from ._fused import momentum_into, update_weight
 
 __all__ = [
@@ -129,6 +129,7 @@ class MuonItem(NamedTuple):
     lr: float
     weight_decay: float
     scale: float  # MatrixView.lr_scale of each of its matrices
+    view: MatrixView | None = None  # how its tensors split into matrices (None: matrices_of)
 
 
 T = TypeVar("T")
@@ -163,12 +164,16 @@ def shape_batches(
     return runs
 
 
+def _item_rows_cols(item: MuonItem) -> tuple[int, int]:
+    return matrix_shape(item.buf.shape) if item.view is None else item.view.matrix_shape
+
+
 def _item_key(item: MuonItem) -> Hashable:
-    return matrix_shape(item.buf.shape), item.buf.dtype, item.buf.device
+    return _item_rows_cols(item), item.buf.dtype, item.buf.device
 
 
 def _item_size(item: MuonItem) -> tuple[int, int]:
-    rows, cols = matrix_shape(item.buf.shape)
+    rows, cols = _item_rows_cols(item)
     return item.buf.numel() // (rows * cols), rows * cols * item.buf.element_size()
 
 
@@ -203,10 +208,11 @@ def muon_batch(
     dtype and device: each matrix's NS input is written straight into the stack."""
     weights, grads, bufs, owners = [], [], [], []
     for index, item in enumerate(part):
-        matrices = matrices_of(item.buf)
+        split = matrices_of if item.view is None else item.view.matrices
+        matrices = split(item.buf)
         bufs += matrices
-        grads += matrices_of(item.grad)
-        weights += matrices_of(item.weight)
+        grads += split(item.grad)
+        weights += split(item.weight)
         owners += [index] * len(matrices)
     first = bufs[0]
     batch = torch.empty((len(bufs), *first.shape), dtype=first.dtype, device=first.device)

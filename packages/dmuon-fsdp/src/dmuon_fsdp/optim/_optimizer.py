@@ -39,7 +39,7 @@ from dmuon_ownership import Route
 from .._matrix import LrScaling, matrix_shape
 from .._profile import PhaseTimer, span
 from ..runtime._config import check_bool
-from ..runtime._param import DedicatedParam
+from ..runtime._param import DedicatedParam, LocalMuonParam
 from ..runtime._runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
@@ -267,9 +267,16 @@ class Muon(torch.optim.Optimizer):
         self._dedicated: dict[int, DedicatedParam] = {
             id(dp.param): dp for dp in self._runtime.params
         }
+        # Expert stacks stay FSDP2 parameters; found by their current objects.
+        self._stacks: dict[int, LocalMuonParam] = {
+            id(stack.param): stack for stack in self._runtime.local_muon
+        }
         _check_every_param_is_synchronised(model, self._runtime)
         groups = build_param_groups(
-            model.named_parameters(), self._dedicated, param_groups, group_defaults
+            model.named_parameters(),
+            {**self._dedicated, **self._stacks},
+            param_groups,
+            group_defaults,
         )
         device = self._runtime.layout.device
         self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
@@ -298,6 +305,7 @@ class Muon(torch.optim.Optimizer):
         self._plan = StepPlan(
             self.param_groups,
             self._dedicated,
+            self._stacks,
             self._runtime,
             self._ns,
             lr_scaling=self.options.lr_scaling,
@@ -334,18 +342,21 @@ class Muon(torch.optim.Optimizer):
         return self._dedicated.get(id(param))
 
     def _fused_layouts(self) -> Iterable[FusedLayout]:
-        """What the fused step kernels will see of each owned matrix (see [Note: compiling off
-        the training thread] in _fused)."""
+        """What the fused step kernels will see of each matrix this rank steps (see [Note:
+        compiling off the training thread] in _fused)."""
         for entry in self._plan.muon:
             dp = entry.dp
-            if dp.full is None or dp.precision is None:
+            if dp is None:
+                weight, grad = entry.param.dtype, entry.param.dtype
+            elif dp.full is None or dp.precision is None:
                 continue
-            rows, cols = matrix_shape(dp.local_shape)
+            else:
+                weight, grad = dp.full.dtype, dp.precision.reduce
             yield FusedLayout(
-                (int(rows), int(cols)),
-                weight=dp.full.dtype,
-                grad=dp.precision.reduce,
-                state=dp.precision.optim,
+                entry.view.matrix_shape if dp is None else matrix_shape(dp.local_shape),
+                weight=weight,
+                grad=grad,
+                state=entry.state_dtype,
                 nesterov=bool(entry.group["nesterov"]),
             )
 
@@ -478,24 +489,31 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_items(self, entries: Sequence[MuonEntry]) -> list[MuonItem]:
         """The step's item of each entry with a gradient (momentum buffer made on first
-        use), with its group's hyperparameters of this step."""
+        use), with its group's hyperparameters of this step: an owned matrix's full master
+        and averaged gradient, or this rank's shard of an expert stack and of its gradient."""
         items: list[MuonItem] = []
-        for group, p, dp, _, scale, _ in entries:
-            if dp.grad is None:
+        for entry in entries:
+            dp, p, group = entry.dp, entry.param, entry.group
+            if dp is None:
+                weight, grad = p, p.grad
+            else:
+                assert dp.full is not None, f"{dp.fqn}: the owner holds no full weight"
+                weight, grad = dp.full, dp.grad
+            if grad is None:
                 continue
-            assert dp.full is not None, f"{dp.fqn}: the owner holds no full weight"
             state = self.state[p]
             if not state:
-                state.update(fresh_state(Route.MUON, dp.full, optim_dtype(dp)))
+                state.update(fresh_state(Route.MUON, weight, optim_dtype(dp)))
             item = MuonItem(
-                weight=dp.full,
-                grad=dp.grad,
-                buf=state["momentum_buffer"],
+                weight=local_tensor(weight),
+                grad=local_tensor(grad),
+                buf=local_tensor(state["momentum_buffer"]),
                 momentum=float(group["momentum"]),
                 nesterov=bool(group["nesterov"]),
                 lr=float(group["lr"]),
                 weight_decay=float(group["weight_decay"]),
-                scale=scale,
+                scale=entry.scale,
+                view=None if dp is not None else entry.view,
             )
             items.append(item)
         return items

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from dmuon_ownership import Route
 
+from .._matrix import MatrixView
 from ..runtime._config import check_bool
 
 __all__ = ["GroupDefaults", "RoutedParam", "build_param_groups"]
@@ -157,12 +158,20 @@ def _route_of(
     route = (
         forced if forced is not None else (Route.MUON if dp.route is Route.MUON else Route.ADAMW)
     )
-    if route is Route.MUON and len(tuple(dp.shape)) != 2:
+    if route is Route.MUON and dp.route is not Route.MUON and not _is_matrix(dp.shape):
         raise ValueError(
             f"{where}: forces route 'muon' on {fqn!r} of shape {tuple(dp.shape)}, but Muon needs"
             " a 2-D matrix; move this parameter to a group without a route override"
         )
     return RoutedParam(fqn, p, route, dedicated=True)
+
+
+def _is_matrix(shape: Any) -> bool:
+    """Whether a dedicated parameter of ``shape`` is one matrix (the dedicated Muon step's)."""
+    try:
+        return MatrixView.of(shape).experts is None
+    except ValueError:
+        return False
 
 
 def _user_params(group: Mapping[str, Any], where: str) -> list[tuple[str | None, Tensor]]:

@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Route
 
-from .._matrix import LrScaling, MatrixView, matrix_shape
-from ..runtime._param import DedicatedParam
+from .._matrix import LrScaling, MatrixView
+from ..runtime._param import DedicatedParam, LocalMuonParam, split_error
 from ..runtime._runtime import DedicatedRuntime
 from ._muon_math import NSFunction, local_tensor, shape_batches
 from ._tp_ns import TensorParallelNS, TPMode
@@ -58,16 +58,21 @@ class WeightPart(NamedTuple):
 
 
 class MuonEntry(NamedTuple):
-    """One owned Muon parameter: the key of its optimizer state, its runtime record, its
-    view, the learning-rate scale of its matrices, and its tensor-parallel NS (``None``: the
-    rank holds it whole)."""
+    """One Muon parameter this rank steps: the key of its optimizer state, its FQN, its view,
+    the learning-rate scale of its matrices, how many matrices this rank holds, its runtime
+    record (``None``: an expert stack stepped where FSDP2 holds it, see [Note: expert stacks]
+    in ``runtime/_param``), its tensor-parallel NS (``None``: held whole) and the dtype of its
+    momentum."""
 
     group: dict[str, Any]
     param: Tensor
-    dp: DedicatedParam
+    fqn: str
     view: MatrixView
     scale: float
+    matrices: int
+    dp: DedicatedParam | None
     tp_ns: TensorParallelNS | None
+    state_dtype: torch.dtype
 
 
 class AdamWEntry(NamedTuple):
@@ -85,6 +90,7 @@ class StepPlan:
         self,
         param_groups: list[dict[str, Any]],
         dedicated: Mapping[int, DedicatedParam],
+        local: Mapping[int, LocalMuonParam],
         runtime: DedicatedRuntime,
         ns: NSFunction,
         *,
@@ -96,14 +102,12 @@ class StepPlan:
         self.adamw: list[tuple[dict[str, Any], list[AdamWEntry]]] = []
         for group in param_groups:
             if group["optimizer"] == Route.MUON:
-                for p in group["params"]:
-                    dp = dedicated[id(p)]
-                    if dp.is_owner:
-                        view = MatrixView.of(dp.shape, dp.fqn)
-                        tp = _tensor_parallel_ns(dp, runtime, ns, tp_ns)
-                        self.muon.append(
-                            MuonEntry(group, p, dp, view, view.lr_scale(lr_scaling), tp)
-                        )
+                for name, p in zip(group["param_names"], group["params"]):
+                    dp = dedicated.get(id(p))
+                    if dp is None:
+                        self.muon.append(_stack_entry(group, name, p, local, lr_scaling))
+                    elif dp.is_owner:
+                        self.muon.append(_owned_entry(group, dp, runtime, ns, lr_scaling, tp_ns))
             elif group["optimizer"] == Route.ADAMW:
                 entries = []
                 for p in group["params"]:
@@ -111,8 +115,9 @@ class StepPlan:
                     if dp is None or dp.is_owner:
                         entries.append(AdamWEntry(p, dp))
                 self.adamw.append((group, entries))
-        # Same-shape matrices share an NS call; a tensor-parallel matrix runs on its own.
-        plain = [entry for entry in self.muon if entry.tp_ns is None]
+        # Same-shape matrices share an NS call; a tensor-parallel matrix runs on its own; an
+        # empty shard of an expert stack runs nothing.
+        plain = [entry for entry in self.muon if entry.tp_ns is None and entry.matrices]
         self.batches = shape_batches(plain, _batch_key, _batch_size, ns_batch_bytes)
         self.tensor_parallel = [entry for entry in self.muon if entry.tp_ns is not None]
         self._names = {
@@ -127,7 +132,8 @@ class StepPlan:
         if self._parts is None:
             parts: dict[str, WeightPart] = {}
             for entry in self.muon:
-                parts[entry.dp.fqn] = _dedicated_part(entry.dp, runtime)
+                dp = entry.dp
+                parts[entry.fqn] = _dedicated_part(dp, runtime) if dp else _local_part(entry.param)
             for _, entries in self.adamw:
                 for p, dp in entries:
                     name = self._names[id(p)]
@@ -136,19 +142,46 @@ class StepPlan:
         return self._parts
 
 
+def _owned_entry(
+    group: dict[str, Any],
+    dp: DedicatedParam,
+    runtime: DedicatedRuntime,
+    ns: NSFunction,
+    lr_scaling: LrScaling,
+    tp_ns: TPMode,
+) -> MuonEntry:
+    assert dp.precision is not None, f"{dp.fqn}: the runtime has not packed its parameters"
+    view = MatrixView.of(dp.shape, dp.fqn)
+    tp = _tensor_parallel_ns(dp, runtime, ns, tp_ns)
+    scale = view.lr_scale(lr_scaling)
+    return MuonEntry(group, dp.param, dp.fqn, view, scale, 1, dp, tp, dp.precision.optim)
+
+
+def _stack_entry(
+    group: dict[str, Any],
+    fqn: str,
+    p: Tensor,
+    local: Mapping[int, LocalMuonParam],
+    lr_scaling: LrScaling,
+) -> MuonEntry:
+    """An expert stack: this rank's shard of it, as FSDP2 left it (see [Note: expert
+    stacks])."""
+    stack = local[id(p)]
+    if (error := split_error(stack.fqn, p)) is not None:
+        raise ValueError(error)
+    view = stack.view
+    matrices = view.count(local_tensor(p).shape)
+    return MuonEntry(group, p, fqn, view, view.lr_scale(lr_scaling), matrices, None, None, p.dtype)
+
+
 def _batch_key(entry: MuonEntry) -> Hashable:
-    dp = entry.dp
-    assert dp.full is not None and dp.precision is not None, f"{dp.fqn}: not packed"
-    rows, cols = matrix_shape(dp.local_shape)
-    return (rows, cols), dp.precision.optim, dp.full.device
+    return entry.view.matrix_shape, entry.state_dtype, entry.param.device
 
 
 def _batch_size(entry: MuonEntry) -> tuple[int, int]:
-    dp = entry.dp
-    assert dp.precision is not None
-    rows, cols = matrix_shape(dp.local_shape)
-    itemsize = torch.empty((), dtype=dp.precision.optim).element_size()
-    return entry.view.batch, rows * cols * itemsize
+    rows, cols = entry.view.matrix_shape
+    itemsize = torch.empty((), dtype=entry.state_dtype).element_size()
+    return entry.matrices, rows * cols * itemsize
 
 
 def _tensor_parallel_ns(

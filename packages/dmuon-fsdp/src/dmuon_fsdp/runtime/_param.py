@@ -22,13 +22,14 @@ from enum import StrEnum
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dmuon_ownership import Owner, ResolvedPolicy, Route
 
+from .._matrix import MatrixView
 from ._precision import Precision
 
-__all__ = ["DedicatedParam", "Role", "local_shard"]
+__all__ = ["DedicatedParam", "LocalMuonParam", "Role", "counts_once", "local_shard", "split_error"]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -106,3 +107,75 @@ class DedicatedParam:
             f"DedicatedParam({self.fqn!r}, shape={tuple(self.shape)}, owner={tuple(self.owner)}, "
             f"role={self.role.value}, route={self.route.value!r})"
         )
+
+
+@dataclass(eq=False)
+class LocalMuonParam:
+    """A Muon expert stack that stays where FSDP2 (and expert parallelism) puts it.
+
+    [Note: expert stacks]
+    A 3-D expert stack ``(E, out, in)`` selected for the Muon route is not dedicated: FSDP2
+    shards it on dim 0 (its default placement), so after its reduce-scatter every rank holds
+    the complete, averaged gradients of whole experts, and steps them where they are: momentum
+    on its shard, its experts' matrices in the NS batches of their shape, the update on its
+    shard, and FSDP2's next all-gather publishes them. No dmuon broadcast or reduce moves a
+    byte of them. ``torch.chunk`` decides which experts a rank holds (``E % N != 0`` and
+    ``E < N`` leave some ranks with fewer or none: an empty shard steps nothing). Expert
+    parallelism (a DTensor sharded on dim 0 by an EP mesh, then by FSDP2) is the same. Every
+    mesh dim that does not shard dim 0 must replicate it (HSDP replicas each step their
+    identical shard, which stays identical); a stack split on another dim (FSDP2 ``Shard(1)``,
+    experts split by tensor parallelism) cannot be stepped per expert and is refused with the
+    fix. FSDP2 replaces the parameter object, so the stack is found through its module.
+    """
+
+    fqn: str
+    module: nn.Module
+    name: str  # attribute name on ``module``
+    view: MatrixView
+    policy: ResolvedPolicy = field(default_factory=ResolvedPolicy)
+    route: Route = Route.MUON
+    shape: torch.Size = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = self.param.shape
+
+    @property
+    def param(self) -> nn.Parameter:
+        """The parameter the module holds now (FSDP2's DTensor after ``fully_shard``)."""
+        param = self.module._parameters[self.name]
+        assert param is not None, f"{self.fqn} was removed from its module"
+        return param
+
+
+def split_error(fqn: str, param: torch.Tensor) -> str | None:
+    """Why ``param``, an expert stack, cannot be stepped per expert where it lies (``None``:
+    it can): every mesh dim must shard its dim 0 or replicate it (see [Note: expert stacks])."""
+    if not isinstance(param, DTensor):
+        return None
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    bad = [
+        (name, placement)
+        for name, placement in zip(names, param.placements)
+        if isinstance(placement, Shard) and placement.dim % param.ndim != 0
+    ]
+    if not bad:
+        return None
+    where = ", ".join(f"{p} on mesh dim {name!r}" for name, p in bad)
+    return (
+        f"expert stack {fqn!r} (shape {tuple(param.shape)}) is split by {where}, which cuts "
+        "every expert; Muon steps whole experts where they lie: shard it on dim 0 (FSDP2's "
+        "default; with torchtitan-style meshes pass fully_shard(..., shard_placement_fn="
+        "lambda p: Shard(0)) for the experts), or leave it out of the predicate"
+    )
+
+
+def counts_once(param: torch.Tensor) -> bool:
+    """Whether this rank's shard of ``param`` is the one copy to count in a global sum (a norm):
+    on every mesh dim that replicates it this rank is the first, and a plain tensor (the
+    replicated path, or one rank) counts on global rank 0."""
+    if not isinstance(param, DTensor):
+        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    coordinate = param.device_mesh.get_coordinate()
+    assert coordinate is not None, "a DTensor on a mesh this rank is not part of"
+    return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())

@@ -42,7 +42,7 @@ from ._config import DedicateConfig
 from ._group import DedicatedGroup
 from ._guard import NotHeldError, guard_parameter, is_dedicated
 from ._hooks import BoundaryHooks
-from ._param import DedicatedParam
+from ._param import DedicatedParam, LocalMuonParam
 from ._precision import fsdp_mp_policy, resolve_precision
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
@@ -81,6 +81,8 @@ class DedicatedRuntime:
         # The replicated path's other parameters (``replicate``), summed over every rank.
         self.all_reduce_queue = AllReduceQueue(comm)
         self.replicated_params: list[nn.Parameter] = []
+        # Muon expert stacks stepped where FSDP2 puts them (set by dedicate_params).
+        self.local_muon: list[LocalMuonParam] = []
         self._model = weakref.ref(model)
         self._final = False  # packed with the precision fully_shard asks for
         self.hooks = BoundaryHooks(

@@ -53,11 +53,11 @@ from dmuon_ownership import (
     validate_param_policy,
 )
 
-from .._matrix import MatrixView
+from .._matrix import Glu, MatrixView
 from ..runtime._config import BoundaryPredicate, DedicateConfig
 from ..runtime._group import DedicatedGroup
 from ..runtime._guard import guard_parameter, is_dedicated, refuse_ddp
-from ..runtime._param import DedicatedParam, Role, local_shard
+from ..runtime._param import DedicatedParam, LocalMuonParam, Role, local_shard, split_error
 from ..runtime._runtime import RUNTIME_ATTR, DedicatedRuntime, check_conversions
 from ..topology._comm import DedicatedCommContext
 from ..topology._mesh import MeshLayout, all_gather_ints, resolve_layout
@@ -178,7 +178,8 @@ def _dedicate(
         )
     policy = validate_param_policy(param_policy)
     aliases = _aliases(model)
-    selected = _select(model, aliases, predicate)
+    modules = dict(model.named_modules())
+    selected, stacks = _expert_stacks(_select(model, aliases, predicate), policy, modules)
     tp_mesh = check_call_order(model, selected, mesh)
     layout = resolve_layout(mesh, replicate_mesh, tp_mesh)
     if config.replicated and layout.is_hsdp:
@@ -188,7 +189,6 @@ def _dedicate(
             "hsdp['shard'], ..., replicate_mesh=hsdp['replicate']) and fully_shard"
         )
 
-    modules = dict(model.named_modules())
     named_params = dict(selected)
     items = _work_items(selected, aliases, policy, modules, config)
     policies = {item.name: policy.resolve(item.name) for item in items}
@@ -209,6 +209,7 @@ def _dedicate(
                 dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
     params, groups = _build_groups(model, modules, plan, policies, layout, comm, config.replicated)
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
+    runtime.local_muon = stacks
     if config.patch_fully_shard:
         install_patch()
     setattr(model, RUNTIME_ATTR, runtime)
@@ -257,6 +258,40 @@ def _select(
         logger.warning(message)
         warnings.warn(message, stacklevel=3)
     return selected
+
+
+def _expert_stacks(
+    selected: list[tuple[str, nn.Parameter]], policy: ParamPolicy, modules: Mapping[str, nn.Module]
+) -> tuple[list[tuple[str, nn.Parameter]], list[LocalMuonParam]]:
+    """Split the selection into the parameters to dedicate and the Muon expert stacks, which
+    stay where FSDP2 puts them (see [Note: expert stacks] in ``_param``)."""
+    dedicated: list[tuple[str, nn.Parameter]] = []
+    stacks: list[LocalMuonParam] = []
+    for fqn, param in selected:
+        resolved = policy.resolve(fqn)
+        if resolved.route is not Route.MUON or MatrixView.of(param.shape, fqn).experts is None:
+            dedicated.append((fqn, param))
+            continue
+        path, _, name = fqn.rpartition(".")
+        module = modules[path]
+        view = MatrixView.of(param.shape, fqn, **_expert_layout(name, module, resolved))
+        if (error := split_error(fqn, param)) is not None:
+            raise ValueError(error)
+        stacks.append(LocalMuonParam(fqn, module, name, view, resolved))
+    return dedicated, stacks
+
+
+def _expert_layout(name: str, module: nn.Module, policy: ResolvedPolicy) -> dict[str, Any]:
+    """The GLU layout and orientation of an expert stack, from the flags Hugging Face's
+    experts modules carry (``is_transposed``, ``is_concatenated``, ``has_gate``: transformers
+    5 sets them on every experts module) and ``param_policy``'s ``glu``: a ``gate_up`` stack
+    holds gate and up, concatenated on its rows unless the module says interleaved; anything
+    else (torchtitan's separate ``w1``/``w3``/``w2``) is one matrix per expert."""
+    fused = "gate_up" in name and bool(getattr(module, "has_gate", True))
+    glu = Glu.NONE
+    if fused and policy.glu != "joint":
+        glu = Glu.CONCAT if bool(getattr(module, "is_concatenated", True)) else Glu.INTERLEAVED
+    return {"glu": glu, "transposed": bool(getattr(module, "is_transposed", False))}
 
 
 def _work_items(
