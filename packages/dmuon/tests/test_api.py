@@ -69,6 +69,7 @@ DOCUMENTED_NAMES = frozenset(
         "save_checkpoint",
         "load_checkpoint",
         "CHECKPOINT_KEY",
+        "CheckpointIntegrityError",
     }
 )
 

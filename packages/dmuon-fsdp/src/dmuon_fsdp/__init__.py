@@ -22,6 +22,7 @@ from .checkpoint._checkpoint import (
     set_optimizer_state_dict,
 )
 from .checkpoint._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
+from .checkpoint._integrity import CheckpointIntegrityError
 from .optim._muon_math import LrScaling
 from .optim._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
 from .runtime._config import DedicateConfig
@@ -38,6 +39,7 @@ __all__ = [
     "CHECKPOINT_KEY",
     "AppState",
     "Axis",
+    "CheckpointIntegrityError",
     "CommCounter",
     "CommKind",
     "DedicateConfig",
