@@ -438,13 +438,16 @@ class VerifyingReader(FileSystemReader):
         except _Damage:
             raise
         except Exception as exc:
+            # The chunk being read when it failed; an OSError names its file itself (a file
+            # that could not be opened is not the last chunk's).
             sinfo = self.current
-            at = (
-                "reading"
-                if sinfo is None
-                else f"{sinfo.relative_path}: reading"
-                f" {_entry(self.names[(sinfo.relative_path, sinfo.offset)])}"
-            )
+            if isinstance(exc, OSError) and exc.filename is not None:
+                at = f"{os.path.basename(str(exc.filename))}: reading"
+            elif sinfo is None:
+                at = "reading"
+            else:
+                entry = _entry(self.names[(sinfo.relative_path, sinfo.offset)])
+                at = f"{sinfo.relative_path}: reading {entry}"
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             if len(text) > 200:
                 text = text[:200] + "..."
