@@ -63,6 +63,15 @@ def test_seed_type_split_routing() -> None:
         else:
             assert resolved.route is Route.ADAMW, name
     assert policy.unmatched_tokens(LLAMA_NAMES) == ()
+    assert [policy.matching(name) for name in LLAMA_NAMES] == [
+        (1,),
+        *[(0,)] * len(MATRICES),
+        (),
+        (),
+        (),
+        (1,),
+    ]
+    assert validate_param_policy(None).matching("lm_head.weight") == ()
 
 
 def test_default_is_muon_with_no_dtype_changes() -> None:
@@ -271,6 +280,11 @@ def test_name_and_contains_overrides_mix_in_order() -> None:
     )
     names = ["model.layers.0.input_layernorm.weight", "model.layers.0.mlp.up_proj.weight"]
     assert policy.unmatched_tokens(names) == ()
+    # matching() names the overrides resolve() applied, in order.
+    assert policy.matching("model.layers.0.input_layernorm.weight") == (0, 1)
+    assert policy.matching("model.layers.1.input_layernorm.weight") == (0,)
+    assert policy.matching("model.layers.0.mlp.up_proj.weight") == (1,)
+    assert policy.matching("model.layers.1.mlp.up_proj.weight") == ()
     typo = validate_param_policy({"overrides": [{"contains": ["nrom", "norm"], "set": {}}]})
     assert typo.unmatched_tokens(names) == ("nrom",)
 

@@ -70,6 +70,7 @@ DOCUMENTED_NAMES = frozenset(
         "save_checkpoint",
         "load_checkpoint",
         "CHECKPOINT_KEY",
+        "CheckpointIntegrityError",
     }
 )
 

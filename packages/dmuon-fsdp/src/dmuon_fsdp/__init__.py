@@ -23,6 +23,7 @@ from .checkpoint._checkpoint import (
     set_optimizer_state_dict,
 )
 from .checkpoint._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
+from .checkpoint._integrity import CheckpointIntegrityError
 from .optim._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
 from .optim._step_plan import WeightPart
 from .runtime._config import DedicateConfig
@@ -39,6 +40,7 @@ __all__ = [
     "CHECKPOINT_KEY",
     "AppState",
     "Axis",
+    "CheckpointIntegrityError",
     "CommCounter",
     "CommKind",
     "DedicateConfig",

@@ -5,17 +5,20 @@ world view gathers the dictionaries itself (e.g. ``all_gather_object``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dmuon_ownership import Route
+from dmuon_ownership import POLICY_FIELDS, ParamPolicy, Route, validate_param_policy
 
 from .optim._optimizer import Muon
 from .runtime._group import DedicatedGroup
-from .runtime._runtime import get_runtime
+from .runtime._param import DedicatedParam
+from .runtime._precision import fsdp_mp_policy
+from .runtime._runtime import DedicatedRuntime, get_runtime
 
 __all__ = ["collect_forward_unshard_profile", "summarize_comm_plan", "summarize_param_groups"]
 
@@ -33,25 +36,70 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def _check_max_rows(max_rows: object) -> int:
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        raise ValueError(f"max_rows must be an int >= 0, got {max_rows!r}")
+    return max_rows
+
+
+def _check_policy(
+    param_policy: Mapping[str, Any] | ParamPolicy, runtime: DedicatedRuntime
+) -> ParamPolicy:
+    """``param_policy`` parsed, and checked to be the one ``dedicate_params`` was given: it
+    must resolve every dedicated parameter as the runtime did."""
+    policy = validate_param_policy(param_policy)
+    for dp in sorted(runtime.params, key=lambda dp: dp.fqn):
+        resolved = policy.resolve(dp.fqn)
+        differ = [
+            f"{field} {getattr(resolved, field)!r} here, {getattr(dp.policy, field)!r} there"
+            for field in POLICY_FIELDS
+            if getattr(resolved, field) != getattr(dp.policy, field)
+        ]
+        if differ:
+            raise ValueError(
+                f"summarize_param_groups: param_policy resolves {dp.fqn!r} otherwise than"
+                f" dedicate_params did ({'; '.join(differ)}): pass the param_policy that"
+                " dedicate_params was given"
+            )
+    return policy
+
+
 def summarize_param_groups(
-    model: nn.Module, optimizer: Muon, *, max_rows: int = 64
+    model: nn.Module,
+    optimizer: Muon,
+    *,
+    max_rows: int = 64,
+    param_policy: Mapping[str, Any] | ParamPolicy | None = None,
 ) -> list[dict[str, Any]]:
     """One dict per optimizer group: name, optimizer, hyperparameters, the parameters it
     holds (all ranks) and steps (this rank), with element counts, and up to ``max_rows`` rows
-    per group describing each parameter (route, dtypes, owner, shape; ``rows_omitted`` counts
-    the rest)."""
+    per group describing each parameter (``rows_omitted`` counts the rest).
+
+    A row holds the parameter's route, shape, owner and its dtypes: ``master_dtype`` (the
+    weight the optimizer updates; also ``dtype``), ``compute_dtype`` (forward and backward),
+    ``reduce_dtype`` (the gradient's reduce), ``optim_dtype`` (its optimizer states) and
+    ``output_dtype`` (what its boundary's outputs are cast to; ``None``: no cast). For a
+    dedicated parameter they are dmuon's (see [Note: mixed precision]; the output cast is
+    ``param_policy``'s ``output_dtype``), for an FSDP2 one those of the
+    ``MixedPrecisionPolicy`` of its nearest ``fully_shard`` module. ``policy_overrides`` lists
+    the indices into ``param_policy["overrides"]`` of the overrides that match the parameter,
+    in the order they apply; pass the ``param_policy`` that ``dedicate_params`` was given to
+    fill it (the runtime keeps each parameter's resolved policy, not the policy), else it is
+    ``None``. A policy that resolves a dedicated parameter otherwise than ``dedicate_params``
+    did raises ``ValueError``."""
     if not isinstance(optimizer, Muon):
         raise ValueError(f"optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
     if optimizer.model is not model:
         raise ValueError("optimizer was built on a different model object than the one given")
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
-        raise ValueError(f"max_rows must be an int >= 0, got {max_rows!r}")
+    _check_max_rows(max_rows)
     runtime = get_runtime(model)
+    policy = None if param_policy is None else _check_policy(param_policy, runtime)
+    modules = dict(model.named_modules())
     out = []
     for group in optimizer.param_groups:
         names: list[str] = list(group["param_names"])
         rows = [
-            _param_row(name, p, optimizer.dedicated_param(p), runtime)
+            _param_row(name, p, optimizer, runtime, modules, policy)
             for name, p in zip(names[:max_rows], group["params"])
         ]
         stepped: list[str] = []
@@ -88,29 +136,65 @@ def summarize_param_groups(
     return out
 
 
-def _param_row(name: str, p: torch.Tensor, dp: Any, runtime: Any) -> dict[str, Any]:
+def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _param_row(
+    name: str,
+    p: torch.Tensor,
+    optimizer: Muon,
+    runtime: DedicatedRuntime,
+    modules: Mapping[str, nn.Module],
+    policy: ParamPolicy | None,
+) -> dict[str, Any]:
+    dp: DedicatedParam | None = optimizer.dedicated_param(p)
+    dtypes: tuple[Any, ...]
+    row: dict[str, Any]
     if dp is None:
-        return {
+        # FSDP2 resolves its own policy: compute is param_dtype (else the sharded parameter's
+        # dtype), reduce is reduce_dtype (else compute). AdamW keeps the moments of a
+        # parameter that is not dedicated in that parameter's dtype, as torch's AdamW does.
+        sharded = isinstance(p, DTensor)
+        mp = fsdp_mp_policy(modules, name.rpartition(".")[0]) if sharded else None
+        fsdp_compute = getattr(mp, "param_dtype", None) or p.dtype
+        fsdp_reduce = getattr(mp, "reduce_dtype", None) or fsdp_compute
+        dtypes = (p.dtype, fsdp_compute, fsdp_reduce, p.dtype, getattr(mp, "output_dtype", None))
+        row = {
             "name": name,
-            "route": "fsdp2" if isinstance(p, DTensor) else "replicated",
+            "route": "fsdp2" if sharded else "replicated",
             "shape": list(p.shape),
-            "dtype": str(p.dtype).removeprefix("torch."),
             "owner_rank": None,
         }
-    precision = dp.precision
-    return {
-        "name": name,
-        "route": dp.route.value,
-        "shape": list(dp.shape),
-        "dtype": str(dp.dtype).removeprefix("torch."),
-        "compute_dtype": None if precision is None else str(precision.compute)[6:],
-        "reduce_dtype": None if precision is None else str(precision.reduce)[6:],
-        "owner_rank": runtime.global_rank(dp.owner),
-        "role": dp.role.value,
-    }
+    else:
+        precision = dp.precision
+        dtypes = ((dp.dtype, None, None, None) if precision is None else tuple(precision)) + (
+            dp.policy.output_dtype,
+        )
+        row = {
+            "name": name,
+            "route": dp.route.value,
+            "shape": list(dp.shape),
+            "owner_rank": runtime.global_rank(dp.owner),
+            "role": dp.role.value,
+        }
+    master, compute, reduce, optim, output = (_dtype_name(d) for d in dtypes)
+    row.update(
+        {
+            "dtype": master,
+            "master_dtype": master,
+            "compute_dtype": compute,
+            "reduce_dtype": reduce,
+            "optim_dtype": optim,
+            "output_dtype": output,
+            "policy_overrides": None if policy is None else list(policy.matching(name)),
+        }
+    )
+    return row
 
 
-def _pack_info(group: DedicatedGroup) -> list[dict[str, Any]]:
+def _pack_info(group: DedicatedGroup, limit: int) -> list[dict[str, Any]]:
+    """Rows for the first ``limit`` packs of ``group``."""
     return [
         {
             "owner": list(pack.owner),
@@ -122,16 +206,21 @@ def _pack_info(group: DedicatedGroup) -> list[dict[str, Any]]:
             "bytes": pack.nbytes,
             "dtype": str(pack.buffer.dtype).removeprefix("torch."),
         }
-        for pack in group.packs
+        for pack in group.packs[:limit]
     ]
 
 
-def summarize_comm_plan(model: nn.Module) -> dict[str, Any]:
+def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, Any]:
     """The ownership plan as this rank sees it: grid, per-slot loads and imbalance, each hook
     boundary's packs (owner, sender in this rank's row, role, bytes), and the bytes one
     training step moves on each axis: every Muon element travels once per broadcast round
     (two in Z3, one in Z2) and once per reduce round; HSDP adds one replicate-axis reduce and
-    one publish round."""
+    one publish round.
+
+    At most ``max_rows`` pack rows are listed, boundaries in order: every boundary keeps its
+    name and ``num_packs``, its ``packs_omitted`` counts the packs not listed, and the top-level
+    ``rows_omitted`` their total."""
+    _check_max_rows(max_rows)
     runtime = get_runtime(model)
     runtime.lazy_init()
     layout = runtime.layout
@@ -144,6 +233,19 @@ def summarize_comm_plan(model: nn.Module) -> dict[str, Any]:
     if layout.is_hsdp:
         per_step["replicate/reduce"] = muon_bytes
         per_step["replicate/publish"] = muon_bytes
+    boundaries = []
+    left = max_rows
+    for group in runtime.groups:
+        listed = _pack_info(group, left)
+        left -= len(listed)
+        boundaries.append(
+            {
+                "name": group.fqn,
+                "num_packs": len(group.packs),
+                "packs": listed,
+                "packs_omitted": len(group.packs) - len(listed),
+            }
+        )
     return {
         "coord": list(runtime.coord),
         "shard_size": layout.shard_size,
@@ -158,11 +260,14 @@ def summarize_comm_plan(model: nn.Module) -> dict[str, Any]:
         "imbalance_pct": 100.0 * (max(loads) / mean - 1.0) if mean > 0 else 0.0,
         # Payloads summed over the whole world, before the (n - 1) / n wire factor.
         "payload_bytes_per_step": per_step,
-        "boundaries": [{"name": group.fqn, "packs": _pack_info(group)} for group in runtime.groups],
+        "boundaries": boundaries,
+        "rows_omitted": sum(b["packs_omitted"] for b in boundaries),
     }
 
 
-def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False) -> dict[str, Any]:
+def collect_forward_unshard_profile(
+    model: nn.Module, synchronize: bool = False, *, clear: bool = False
+) -> dict[str, Any]:
     """What forward unsharding costs on this rank: per boundary, the bytes it receives
     (packs it neither owns nor replicates) and sends, whether its weights are resident now,
     and the collectives counted since the runtime's counter was last reset.
@@ -170,7 +275,12 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
     The runtime records payloads and call counts, not per-collective wait times; measuring
     those needs a profiler trace (the ``dmuon::pre_forward`` and ``dmuon::prefetch`` ranges).
     ``synchronize=True`` waits for the device first so that the snapshot is settled.
+    ``clear=True`` starts a new count once the snapshot is taken: it resets the runtime's
+    collective counter (every dmuon collective counts there, not only the forward's) and the
+    forward wait times, so the next call reports only what happened after this one.
     """
+    if not isinstance(clear, bool):
+        raise ValueError(f"clear must be True or False, got {clear!r}")
     runtime = get_runtime(model)
     runtime.lazy_init()
     if synchronize and torch.cuda.is_available() and runtime.layout.device.type == "cuda":
@@ -189,16 +299,22 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
                 "send_bytes_per_broadcast": sent,
                 "resident": all(p.has_storage() for p in group.packs),
                 # The last forward's wait for this boundary's broadcasts (ms), with
-                # Muon(profile=True); None otherwise.
+                # Muon(profile=True); None otherwise, and after a clear until the next forward.
                 "forward_wait_ms": (
                     waits[group.fqn].phases().get("wait") if waits is not None else None
                 ),
             }
         )
-    return {
+    out = {
         "coord": list(runtime.coord),
         "reshard_after_forward": runtime.reshard_after_forward,
         "broadcast_rounds_per_step": 2 if runtime.reshard_after_forward else 1,
         "boundaries": boundaries,
         "collectives": runtime.counter.snapshot(),
     }
+    if clear:
+        runtime.counter.reset()
+        # A timer's start() drops its marks, as each forward does before it measures again.
+        for timer in (waits or {}).values():
+            timer.start()
+    return out

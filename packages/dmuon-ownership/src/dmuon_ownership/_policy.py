@@ -248,13 +248,21 @@ class ParamPolicy:
         )
         return cls(defaults, overrides)
 
+    def matching(self, name: str) -> tuple[int, ...]:
+        """The indices (into ``param_policy['overrides']``) of the overrides that apply to
+        parameter ``name``, in policy order: the ones :meth:`resolve` applies."""
+        components = name.split(".")
+        return tuple(
+            index
+            for index, override in enumerate(self.overrides)
+            if override.matches(name, components)
+        )
+
     def resolve(self, name: str) -> ResolvedPolicy:
         """The defaults, then every matching override in order (each sets only its fields)."""
-        components = name.split(".")
         fields: dict[str, Any] = {}
-        for override in self.overrides:
-            if override.matches(name, components):
-                fields.update(override.values)
+        for index in self.matching(name):
+            fields.update(self.overrides[index].values)
         return dataclasses.replace(self.defaults, **fields) if fields else self.defaults
 
     def unmatched_tokens(self, names: Iterable[str]) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from dmuon_clip import (
 )
 from dmuon_fsdp import CHECKPOINT_KEY as CHECKPOINT_KEY
 from dmuon_fsdp import AppState as AppState
+from dmuon_fsdp import CheckpointIntegrityError as CheckpointIntegrityError
 from dmuon_fsdp import DedicatedCommContext as DedicatedCommContext
 from dmuon_fsdp import Muon as Muon
 from dmuon_fsdp import NotHeldError as NotHeldError

@@ -26,15 +26,22 @@ reads the overlapping parts of the saved chunks) and, for the dedicated paramete
 under the current owner plan, their full weights and states (their TP shards under tensor
 parallelism), whatever the TP degree they were saved at. DCP reads into the tensors
 ``state_dict()`` returned, which are the live ones (a parameter without state gets fresh
-tensors), so loading needs no second copy of the model.
+tensors), so a plain ``dcp.load`` of an :class:`AppState` needs no second copy of the model;
+:func:`load_checkpoint` reads into scratch copies instead (see [Note: a failed load changes
+nothing]).
 
 [Note: a failed load changes nothing]
-DCP reads straight into the live tensors, so every check runs before the read.
-:func:`load_checkpoint` reads the checkpoint's metadata and its param groups first and checks
-every key, full shape and dtype against the model and optimizer (the checks of
-:mod:`._state_layout`, the same on every rank); only then does it read. Inside a user's own
-``dcp.load`` DCP's planner checks keys and shapes before reading (it converts dtypes), and
-:meth:`AppState.load_state_dict` checks the param groups after the read.
+:func:`load_checkpoint` checks everything it can before DCP reads: the checksum record, the
+``.metadata`` and the data files (see [Note: checkpoint integrity] in :mod:`._integrity`),
+then every key, full shape and dtype against the model and optimizer (the checks of
+:mod:`._state_layout`, the same on every rank). DCP then reads into CPU scratch tensors, each
+chunk checked against its checksum as it is read; only after the whole read succeeded on every
+rank and the param groups passed their check are the scratch tensors copied into the model and
+the optimizer. So a checkpoint that does not fit, a damaged file or an exception inside DCP
+leaves both bit for bit as they were. A user's own ``dcp.load`` of an :class:`AppState` reads
+into the live tensors: DCP's planner checks keys and shapes before reading (it converts
+dtypes), :meth:`AppState.load_state_dict` checks the param groups after the read, and nothing
+checks the bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +54,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Shard
@@ -55,6 +61,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..optim._optimizer import Muon
 from ..runtime._param import DedicatedParam
 from ..runtime._runtime import DedicatedRuntime, get_runtime
+from . import _integrity as integrity
 from . import _state_layout as layout
 from ._checkpoint import apply_param_groups, as_step, group_state
 
@@ -191,10 +198,16 @@ class AppState(Stateful):
 
 def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: Muon) -> None:
     """Write a sharded checkpoint of ``model`` and ``optimizer`` to the directory ``path``
-    with ``dcp.save`` (see [Note: the DCP layout]); collective. For an asynchronous save call
-    ``dcp.async_save({dmuon.CHECKPOINT_KEY: dmuon.AppState(model, optimizer)}, ...)``."""
+    with ``dcp.save`` (see [Note: the DCP layout]), and next to it ``dmuon_checksums.json``,
+    the CRC32 of every chunk written, which :func:`load_checkpoint` verifies (see [Note:
+    checkpoint integrity]); collective. For an asynchronous save call
+    ``dcp.async_save({dmuon.CHECKPOINT_KEY: dmuon.AppState(model, optimizer)}, ...)``, which
+    records no checksums."""
     with record_function("dmuon::save_checkpoint"):
-        dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=path)
+        writer = integrity.ChecksumWriter(path)
+        integrity.clear_checksums(path)
+        dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, storage_writer=writer)
+        integrity.record_checksums(writer, "save_checkpoint")
 
 
 def _prefixed(prefix: str, metadata: Metadata) -> dict[str, layout.TensorSpec | None]:
@@ -243,13 +256,10 @@ def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bo
     return layout.check_optimizer_state(where, specs, got, sorted(saved), strict=strict)
 
 
-def _read_param_groups(path: str | os.PathLike[str], where: str) -> dict[str, Any]:
-    holder: dict[str, Any] = {CHECKPOINT_KEY: {"optim": {"param_groups": None}}}
-    dcp.load(holder, checkpoint_id=path)
-    groups = holder[CHECKPOINT_KEY]["optim"]["param_groups"]
-    if not isinstance(groups, tuple):
+def _param_groups(where: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, tuple):
         raise ValueError(f"{where}: 'optim.param_groups' is not dmuon's ((name, group), ...)")
-    return dict(groups)
+    return dict(value)
 
 
 def load_checkpoint(
@@ -257,18 +267,27 @@ def load_checkpoint(
 ) -> None:
     """Load a checkpoint written by :func:`save_checkpoint` (or a ``dcp.save`` /
     ``dcp.async_save`` of ``{"dmuon": AppState(...)}``) on any topology: another world size,
-    HSDP shape or owner plan. Checks every key, shape and dtype first and raises, changing
-    nothing, when one does not fit; a parameter without optimizer state in the checkpoint
-    raises unless ``strict=False``, which starts it from fresh state. Collective."""
+    HSDP shape or owner plan. All or nothing (see [Note: a failed load changes nothing]): it
+    reads and checks everything, every chunk's checksum included, before it changes the model or
+    the optimizer. A checkpoint that does not fit raises ``ValueError`` naming the key; a
+    damaged one :class:`CheckpointIntegrityError` naming the file and what is wrong. A parameter
+    without optimizer state in the checkpoint raises unless ``strict=False``, which starts it
+    from fresh state. Collective."""
     where = "load_checkpoint"
     app = AppState(model, optimizer)
     with record_function("dmuon::load_checkpoint"):
-        metadata = FileSystemReader(path).read_metadata()
+        checksums = integrity.read_checksums(where, path)
+        metadata = integrity.read_metadata(where, path, checksums)
+        integrity.check_files(where, path, metadata, checksums)
         absent = set(_check_metadata(app, metadata, where, strict=strict))
-        layout.check_param_groups(where, app.optimizer, _read_param_groups(path, where))
         target = app.state_dict()
         target["optim"]["state"] = {
             fqn: entry for fqn, entry in target["optim"]["state"].items() if fqn not in absent
         }
-        dcp.load({CHECKPOINT_KEY: target}, checkpoint_id=path)
+        state = {CHECKPOINT_KEY: target}
+        scratch = integrity.load_verified(where, path, state, metadata, checksums)
+        layout.check_param_groups(
+            where, app.optimizer, _param_groups(where, target["optim"]["param_groups"])
+        )
+        scratch.install()
         app.load_state_dict(target)

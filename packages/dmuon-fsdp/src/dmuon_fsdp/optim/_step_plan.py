@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from dmuon_ownership import Route
 
 from .._matrix import LrScaling, MatrixView
-from ..runtime._param import DedicatedParam, LocalMuonParam, split_error
+from ..runtime._param import DedicatedParam, LocalMuonParam, check_expert_split
 from ..runtime._runtime import DedicatedRuntime
 from ._muon_math import NSFunction, local_tensor, shape_batches
 from ._tp_ns import TensorParallelNS, TPMode
@@ -167,8 +167,7 @@ def _stack_entry(
     """An expert stack: this rank's shard of it, as FSDP2 left it (see [Note: expert
     stacks])."""
     stack = local[id(p)]
-    if (error := split_error(stack.fqn, p)) is not None:
-        raise ValueError(error)
+    check_expert_split(stack.fqn, p)
     view = stack.view
     matrices = view.count(local_tensor(p).shape)
     return MuonEntry(group, p, fqn, view, view.lr_scale(lr_scaling), matrices, None, None, p.dtype)

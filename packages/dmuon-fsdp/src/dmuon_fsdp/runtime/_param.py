@@ -29,7 +29,14 @@ from dmuon_ownership import Owner, ResolvedPolicy, Route
 from .._matrix import MatrixView
 from ._precision import Precision
 
-__all__ = ["DedicatedParam", "LocalMuonParam", "Role", "counts_once", "local_shard", "split_error"]
+__all__ = [
+    "DedicatedParam",
+    "LocalMuonParam",
+    "Role",
+    "check_expert_split",
+    "counts_once",
+    "local_shard",
+]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -147,11 +154,11 @@ class LocalMuonParam:
         return param
 
 
-def split_error(fqn: str, param: torch.Tensor) -> str | None:
-    """Why ``param``, an expert stack, cannot be stepped per expert where it lies (``None``:
-    it can): every mesh dim must shard its dim 0 or replicate it (see [Note: expert stacks])."""
+def check_expert_split(fqn: str, param: torch.Tensor) -> None:
+    """Raise unless ``param``, an expert stack, can be stepped per expert where it lies: every
+    mesh dim must shard its dim 0 or replicate it (see [Note: expert stacks])."""
     if not isinstance(param, DTensor):
-        return None
+        return
     mesh = param.device_mesh
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     bad = [
@@ -160,9 +167,9 @@ def split_error(fqn: str, param: torch.Tensor) -> str | None:
         if isinstance(placement, Shard) and placement.dim % param.ndim != 0
     ]
     if not bad:
-        return None
+        return
     where = ", ".join(f"{p} on mesh dim {name!r}" for name, p in bad)
-    return (
+    raise ValueError(
         f"expert stack {fqn!r} (shape {tuple(param.shape)}) is split by {where}, which cuts "
         "every expert; Muon steps whole experts where they lie: shard it on dim 0 (FSDP2's "
         "default; with torchtitan-style meshes pass fully_shard(..., shard_placement_fn="

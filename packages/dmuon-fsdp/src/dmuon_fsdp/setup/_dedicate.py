@@ -57,7 +57,7 @@ from .._matrix import Glu, MatrixView
 from ..runtime._config import BoundaryPredicate, DedicateConfig
 from ..runtime._group import DedicatedGroup
 from ..runtime._guard import guard_parameter, is_dedicated, refuse_ddp
-from ..runtime._param import DedicatedParam, LocalMuonParam, Role, local_shard, split_error
+from ..runtime._param import DedicatedParam, LocalMuonParam, Role, check_expert_split, local_shard
 from ..runtime._runtime import RUNTIME_ATTR, DedicatedRuntime, check_conversions
 from ..topology._comm import DedicatedCommContext
 from ..topology._mesh import MeshLayout, all_gather_ints, resolve_layout
@@ -275,8 +275,7 @@ def _expert_stacks(
         path, _, name = fqn.rpartition(".")
         module = modules[path]
         view = MatrixView.of(param.shape, fqn, **_expert_layout(name, module, resolved))
-        if (error := split_error(fqn, param)) is not None:
-            raise ValueError(error)
+        check_expert_split(fqn, param)
         stacks.append(LocalMuonParam(fqn, module, name, view, resolved))
     return dedicated, stacks
 
