@@ -26,10 +26,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
 from .._profile import PhaseTimer, span
+from .._torch_internals import (
+    disable_dynamo,
+    in_backward,
+    queue_backward_callback,
+    tree_leaves,
+    tree_map,
+)
 from ._collectives import AllReduceQueue, ReduceQueue
 from ._group import DedicatedGroup
 from ._pack import Pack
@@ -127,7 +133,7 @@ class BoundaryHooks:
         group = self.groups[index]
         if not self._checked_registration:
             self._first_forward()
-        if _in_backward():
+        if in_backward():
             # Activation checkpointing recomputes this forward inside backward: the weights
             # are needed again; order, counters and freeing belong to the real forward.
             with span("dmuon::pre_forward_recompute"):
@@ -168,7 +174,7 @@ class BoundaryHooks:
         group = self.groups[index]
         if group.output_dtype is not None:
             output = _cast_floats(output, group.output_dtype)
-        if _in_backward():
+        if in_backward():
             return output  # recompute: the boundary is freed once its gradients are in
         with span("dmuon::post_forward"):
             if self.reshard_after_forward:
@@ -176,9 +182,7 @@ class BoundaryHooks:
             if not torch.is_grad_enabled():
                 return output
             tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
+                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
             if tensors:
                 group.needs_backward = True
@@ -205,7 +209,7 @@ class BoundaryHooks:
         if not self._final_queued:
             self._final_queued = True
             self._order = list(self._current)
-            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
+            queue_backward_callback(self._post_backward_final)
 
     def _post_accumulate_grad(self, index: int, param: torch.Tensor) -> None:
         # Usually queued by a pre-backward already; not when the forward ran without grad
@@ -276,7 +280,7 @@ def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) 
     return getattr(hooks, method)(*args)
 
 
-@torch._disable_dynamo
+@disable_dynamo
 def _untraced(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
@@ -300,7 +304,3 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         tree,
     )
 
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1

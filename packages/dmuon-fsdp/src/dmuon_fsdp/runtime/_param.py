@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Owner, ResolvedPolicy, Route
 
+from .._torch_internals import local_tensor
 from ._precision import Precision
 
 __all__ = ["DedicatedParam", "Role", "local_shard"]
@@ -34,7 +35,7 @@ __all__ = ["DedicatedParam", "Role", "local_shard"]
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (the object it holds, so writing its ``.data`` reaches the
     DTensor), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 class Role(StrEnum):

@@ -43,7 +43,7 @@ from ._group import DedicatedGroup
 from ._guard import NotHeldError, guard_parameter, is_dedicated
 from ._hooks import BoundaryHooks
 from ._param import DedicatedParam
-from ._precision import fsdp_mp_policy, resolve_precision
+from ._precision import boundary_mp_policy, resolve_precision
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
 
@@ -114,7 +114,7 @@ class DedicatedRuntime:
         self._adopt_replaced()
         changed = False
         for group in self.groups:
-            mp = fsdp_mp_policy(modules, group.fqn) if final else None
+            mp = boundary_mp_policy(modules, group.fqn) if final else None
             members = [dp for dps in group.members for dp in dps]
             precisions = []
             for dp in members:

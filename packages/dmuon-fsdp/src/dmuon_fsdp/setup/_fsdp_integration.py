@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .._torch_internals import FSDP_DISCOVERY_FUNCTIONS, fsdp_init_module
 from ..runtime._guard import is_dedicated
 
 __all__ = [
@@ -53,7 +54,6 @@ __all__ = [
     "uninstall_patch",
 ]
 
-_TARGETS = ("_get_managed_modules", "_get_managed_states")
 _ORIGINAL_ATTR = "_dmuon_original"
 
 
@@ -83,17 +83,16 @@ def _wrap(fn: Callable[..., Any], recurse: bool) -> Callable[..., Any]:
 
 
 def _fsdp_init() -> Any:
-    from torch.distributed.fsdp._fully_shard import _fsdp_init
-
-    missing = [name for name in _TARGETS if not callable(getattr(_fsdp_init, name, None))]
+    module = fsdp_init_module()
+    missing = [n for n in FSDP_DISCOVERY_FUNCTIONS if not callable(getattr(module, n, None))]
     if missing:
         raise RuntimeError(
-            f"torch {torch.__version__} has no {', '.join(missing)} in "
-            "torch.distributed.fsdp._fully_shard._fsdp_init, which dmuon's fully_shard patch "
-            "wraps; pass dedicate_params(..., patch_fully_shard=False) and "
-            "fully_shard(..., ignored_params=dmuon.dedicated_params_of(model)) instead"
+            f"torch {torch.__version__} has no {', '.join(missing)} in {module.__name__}, "
+            "which dmuon's fully_shard patch wraps; pass dedicate_params(..., "
+            "patch_fully_shard=False) and fully_shard(..., "
+            "ignored_params=dmuon.dedicated_params_of(model)) instead"
         )
-    return _fsdp_init
+    return module
 
 
 def install_patch() -> None:
@@ -102,7 +101,7 @@ def install_patch() -> None:
     ``dedicate_params(..., patch_fully_shard=True)`` calls it; see [Note: FSDP2 integration].
     """
     module = _fsdp_init()
-    for name in _TARGETS:
+    for name in FSDP_DISCOVERY_FUNCTIONS:
         fn = getattr(module, name)
         if hasattr(fn, _ORIGINAL_ATTR):
             continue
@@ -113,16 +112,15 @@ def install_patch() -> None:
 def uninstall_patch() -> None:
     """Restore torch's own functions (a no-op when the patch is not installed)."""
     module = _fsdp_init()
-    for name in _TARGETS:
+    for name in FSDP_DISCOVERY_FUNCTIONS:
         original = getattr(getattr(module, name), _ORIGINAL_ATTR, None)
         if original is not None:
             setattr(module, name, original)
 
 
 def is_installed() -> bool:
-    from torch.distributed.fsdp._fully_shard import _fsdp_init
-
-    return all(hasattr(getattr(_fsdp_init, n, None), _ORIGINAL_ATTR) for n in _TARGETS)
+    module = fsdp_init_module()
+    return all(hasattr(getattr(module, n, None), _ORIGINAL_ATTR) for n in FSDP_DISCOVERY_FUNCTIONS)
 
 
 def check_call_order(
