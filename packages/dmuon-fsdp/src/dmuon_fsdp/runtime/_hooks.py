@@ -72,7 +72,7 @@ class BoundaryHooks:
         self._order: list[DedicatedGroup] = []  # forward order of the previous forward
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
-        self._checked_registration = False
+        self._initialised = False
         self._handles: list[RemovableHandle] = []
         # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
         # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
@@ -131,7 +131,7 @@ class BoundaryHooks:
 
     def _pre_forward(self, index: int, module: nn.Module, args: Any) -> Any:
         group = self.groups[index]
-        if not self._checked_registration:
+        if not self._initialised:
             self._first_forward()
         if in_backward():
             # Activation checkpointing recomputes this forward inside backward: the weights
@@ -245,27 +245,13 @@ class BoundaryHooks:
     # -- setup checks ----------------------------------------------------------------------------
 
     def _first_forward(self) -> None:
-        """Pack the parameters (the runtime's lazy init), learn which pack each parameter's
-        gradient goes to, and check that FSDP2 left every dedicated parameter registered."""
+        """The runtime's first-forward init (it checks that ``fully_shard`` left every
+        dedicated parameter registered, and packs them), then learn which pack each
+        parameter's gradient goes to."""
         self._on_first_forward()
         where = {id(dp): (g, pack) for g in self.groups for pack in g.packs for dp in pack.params}
         self._pack_of_param = [where[id(dp)] for dp in self.params]
-        self._check_registration()
-
-    def _check_registration(self) -> None:
-        """FSDP2 replaces the parameters it manages on their modules: catch a dedicated
-        parameter that it took (e.g. a fully_shard without dmuon's integration)."""
-        self._checked_registration = True
-        for dp in self.params:
-            if dp.module._parameters.get(dp.name) is not dp.param:
-                raise RuntimeError(
-                    f"dedicated parameter {dp.fqn!r} is no longer registered on its module; "
-                    "something replaced it after dedicate_params (fully_shard without "
-                    "ignored_params=dmuon.dedicated_params_of(model)?). Call dedicate_params "
-                    "before fully_shard, pass the dedicated parameters as ignored_params (or "
-                    "keep dedicate_params(..., patch_fully_shard=True)), and do not reassign "
-                    "dedicated parameters"
-                )
+        self._initialised = True
 
 
 def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) -> Any:
@@ -303,4 +289,3 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
         tree,
     )
-
