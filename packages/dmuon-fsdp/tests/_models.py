@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from dmuon_fsdp import dedicated_params_of
+
 VOCAB = 32
 DIM = 16
 HEADS = 2
@@ -167,7 +169,8 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def shard_layers_then_root(model: nn.Module, mesh: DeviceMesh) -> None:
     """``fully_shard`` each of ``model.layers``, then the root: the required order, after
-    ``dedicate_params``."""
+    ``dedicate_params``, each call leaving the dedicated parameters alone."""
+    dedicated = dedicated_params_of(model)
     for layer in model.layers:  # type: ignore[union-attr]
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)

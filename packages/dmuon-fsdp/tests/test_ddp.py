@@ -10,7 +10,14 @@ from _models import build, muon_numel, muon_predicate
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
 from torch.distributed.device_mesh import init_device_mesh
 
-from dmuon_fsdp import Muon, dedicate_params_ddp, get_model_state_dict, no_sync, replicate
+from dmuon_fsdp import (
+    DedicateConfig,
+    Muon,
+    dedicate_params_ddp,
+    get_model_state_dict,
+    no_sync,
+    replicate,
+)
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()
@@ -102,3 +109,52 @@ def _micro_batches(rank: int, world_size: int):
 @pytest.mark.distributed
 def test_ddp_path_no_sync_matches_one_large_batch() -> None:
     run_distributed(_micro_batches, 2)
+
+
+def _deprecated_names_and_config(rank: int, world_size: int):
+    import dmuon_fsdp
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build(0)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"dedicate_params_ddp_tp is deprecated.*dmuon\.dedicate_params_ddp\(",
+    ) as caught:
+        old_runtime = dmuon_fsdp.dedicate_params_ddp_tp(
+            model, mesh, muon_predicate, small_param_threshold=0
+        )
+    assert caught[0].filename == __file__  # stacklevel=2: the caller's line
+    with pytest.warns(DeprecationWarning, match=r"replicate_tp is deprecated.*dmuon\.replicate\("):
+        dmuon_fsdp.replicate_tp(model, mesh)
+    new, new_runtime = _ddp_model(world_size)
+    assert old_runtime.config == new_runtime.config
+    assert old_runtime.plan.fingerprint() == new_runtime.plan.fingerprint()
+    assert len(old_runtime.replicated_params) == len(new_runtime.replicated_params)
+    # The deprecated names still train: one step each, the same bits.
+    states = []
+    for m in (model, new):
+        optimizer = Muon(m, **HYPER.muon_kwargs())
+        lm_loss(m, shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size)).backward()
+        optimizer.step()
+        states.append(get_model_state_dict(m))
+    assert all(torch.equal(states[0][k], v) for k, v in states[1].items())
+
+    # config= on the replicated path: its own fields, never the sharding ones.
+    config = DedicateConfig(small_param_threshold=0, hook_boundary_strict=False)
+    runtime = dedicate_params_ddp(build(0), mesh, muon_predicate, config=config)
+    assert runtime.config.replicated and not runtime.config.reshard_after_forward
+    assert runtime.config.small_param_threshold == 0 and not runtime.config.hook_boundary_strict
+    assert runtime.plan.fingerprint() == new_runtime.plan.fingerprint()
+    with pytest.raises(ValueError, match=r"got config= and debug_fence: pass each option once"):
+        dedicate_params_ddp(build(0), mesh, muon_predicate, config=config, debug_fence=True)
+    with pytest.raises(ValueError, match=r"patch_fully_shard=True\): the replicated path"):
+        dedicate_params_ddp(
+            build(0), mesh, muon_predicate, config=DedicateConfig(patch_fully_shard=True)
+        )
+
+
+@pytest.mark.distributed
+def test_deprecated_tp_names_warn_and_do_what_the_new_names_do() -> None:
+    """dedicate_params_ddp_tp and replicate_tp (same functions as dedicate_params_ddp and
+    replicate) warn, naming the replacement, and still work; config= on the DDP path."""
+    run_distributed(_deprecated_names_and_config, 2)

@@ -10,7 +10,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dmuon_fsdp import dedicate_params, get_owned_params, get_runtime
+from dmuon_fsdp import (
+    DedicateConfig,
+    Muon,
+    collect_forward_unshard_profile,
+    dedicate_params,
+    dedicated_params_of,
+    get_model_state_dict,
+    get_owned_params,
+    get_runtime,
+    summarize_comm_plan,
+    uninstall_patch,
+)
 from dmuon_testing.distributed import run_distributed
 
 
@@ -27,6 +38,78 @@ def _fully_shard_first(rank: int, world_size: int) -> None:
         match=r"fully_shard was already applied to module 'layers\.0'.*dedicate_params.*before fully_shard",
     ):
         dedicate_params(model, mesh, muon_predicate)
+
+
+# What every entry point says of a dedicated parameter that fully_shard took.
+_TAKEN = (
+    r"dedicated parameter 'layers\.0\.[\w.]+' was taken by fully_shard: FSDP2 replaced it on "
+    r"its module \(now {kind}\) because it was not in fully_shard's ignored_params.*"
+    r"ignored_params=dmuon\.dedicated_params_of\(model\) to every fully_shard call.*"
+    r"dedicate_params\(\.\.\., patch_fully_shard=True\)"
+)
+
+
+def _fully_shard_without_ignored_params(rank: int, world_size: int) -> None:
+    uninstall_patch()  # the worker process outlives the tests it ran before
+    mesh = _mesh(world_size)
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)  # the default: fully_shard is not patched
+    fully_shard(model.layers[0], mesh=mesh)  # no ignored_params: FSDP2 shards the layer's all
+    fully_shard(model, mesh=mesh, ignored_params=dedicated_params_of(model))
+    shards = _TAKEN.format(kind="a DTensor shard")
+    with pytest.raises(RuntimeError, match=shards):
+        Muon(model)
+    with pytest.raises(RuntimeError, match=shards):
+        get_model_state_dict(model)
+    with pytest.raises(RuntimeError, match=shards):
+        summarize_comm_plan(model)
+    with pytest.raises(RuntimeError, match=shards):
+        collect_forward_unshard_profile(model)
+    # The first forward meets FSDP2's unsharded copy, registered by its pre-forward hook.
+    with pytest.raises(RuntimeError, match=_TAKEN.format(kind="its unsharded copy")):
+        loss_fn(model, batch(0, 2))
+
+    # A meta-device model: to_empty materialises FSDP2's shards, which are not adopted.
+    with torch.device("meta"):
+        meta = build(0)
+    dedicate_params(meta, mesh, muon_predicate)
+    fully_shard(meta.layers[0], mesh=mesh)
+    meta.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match=shards):
+        Muon(meta)
+
+    # Any other replacement of a dedicated parameter is named too.
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    model.layers[1].mlp.up_proj.weight = nn.Parameter(torch.zeros(24, 16))
+    with pytest.raises(
+        RuntimeError,
+        match=r"'layers\.1\.mlp\.up_proj\.weight' is no longer registered on its module.*"
+        r"ignored_params=dmuon\.dedicated_params_of\(model\).*do not reassign",
+    ):
+        loss_fn(model, batch(0, 2))
+
+
+def _config_argument(rank: int, world_size: int) -> None:
+    mesh = _mesh(world_size)
+    config = DedicateConfig(reshard_after_forward=False, small_param_threshold=0)
+    runtime = dedicate_params(build(0), mesh, muon_predicate, config=config)
+    assert runtime.config is config
+    keywords = dedicate_params(
+        build(0), mesh, muon_predicate, reshard_after_forward=False, small_param_threshold=0
+    )
+    assert keywords.config == config
+    assert keywords.plan.fingerprint() == runtime.plan.fingerprint()
+    with pytest.raises(
+        ValueError,
+        match=r"dedicate_params got config= and debug_fence=True: pass each option once.*"
+        r"dataclasses\.replace\(config, debug_fence=True\)",
+    ):
+        dedicate_params(build(0), mesh, muon_predicate, config=config, debug_fence=True)
+    with pytest.raises(TypeError, match=r"config must be a dmuon\.DedicateConfig.*got dict"):
+        dedicate_params(build(0), mesh, muon_predicate, config={"debug_fence": True})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"replicated=True.*dedicate_params_ddp\(model, mesh"):
+        dedicate_params(build(0), mesh, muon_predicate, config=DedicateConfig(replicated=True))
 
 
 def _dtensor_param(rank: int, world_size: int) -> None:
@@ -211,7 +294,7 @@ def _routes(rank: int, world_size: int) -> None:
     assert routes["layers.0.attn_norm.weight"] == "adamw"  # 1-D is fine off the Muon route
     assert "layers.0.mlp_norm.weight" not in routes  # left to FSDP2
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated_params_of(model))
     from torch.distributed.tensor import DTensor
 
     assert isinstance(model.layers[0].mlp_norm.weight, DTensor)
@@ -261,11 +344,19 @@ def _mesh_errors(rank: int, world_size: int) -> None:
         _bad_arguments,
         _routes,
         _plan_differs,
+        _config_argument,
     ],
     ids=lambda f: f.__name__.strip("_"),
 )
 def test_dedicate_errors_and_options(body) -> None:
     run_distributed(body, 2)
+
+
+@pytest.mark.distributed
+def test_fully_shard_without_ignored_params_raises_at_every_entry_point() -> None:
+    """The default leaves fully_shard unpatched: a dedicated parameter it took is named, with
+    the fix, at Muon(model), checkpoint and diagnostics calls and the first forward."""
+    run_distributed(_fully_shard_without_ignored_params, 1)
 
 
 @pytest.mark.distributed
@@ -280,18 +371,27 @@ def test_install_patch_is_idempotent_and_only_touches_marked_params() -> None:
     from dmuon_fsdp.runtime._guard import guard_parameter
     from dmuon_fsdp.setup._fsdp_integration import is_installed
 
+    uninstall_patch()
+    originals = (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states)
+    assert not is_installed()
     install_patch()
-    first = (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states)
-    install_patch()
-    assert (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states) == first
-    assert is_installed()
-    model = build(0)
-    # Nothing marked: the wrapped functions return exactly what FSDP2 would.
-    params, _ = _fsdp_init._get_managed_states(list(model.modules()))
-    assert len(params) == len(list(model.parameters()))
-    guard_parameter(model.layers[0].mlp.up_proj.weight, "a dedicated test weight")
-    params, _ = _fsdp_init._get_managed_states(list(model.modules()))
-    assert all(p is not model.layers[0].mlp.up_proj.weight for p in params)
-    assert len(params) == len(list(model.parameters())) - 1
-    modules = _fsdp_init._get_managed_modules((model,))
-    assert model.layers[0].mlp.up_proj not in modules  # all its parameters are dedicated
+    try:
+        first = (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states)
+        assert first != originals
+        install_patch()
+        assert (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states) == first
+        assert is_installed()
+        model = build(0)
+        # Nothing marked: the wrapped functions return exactly what FSDP2 would.
+        params, _ = _fsdp_init._get_managed_states(list(model.modules()))
+        assert len(params) == len(list(model.parameters()))
+        guard_parameter(model.layers[0].mlp.up_proj.weight, "a dedicated test weight")
+        params, _ = _fsdp_init._get_managed_states(list(model.modules()))
+        assert all(p is not model.layers[0].mlp.up_proj.weight for p in params)
+        assert len(params) == len(list(model.parameters())) - 1
+        modules = _fsdp_init._get_managed_modules((model,))
+        assert model.layers[0].mlp.up_proj not in modules  # all its parameters are dedicated
+    finally:
+        uninstall_patch()
+    assert (_fsdp_init._get_managed_modules, _fsdp_init._get_managed_states) == originals
+    assert not is_installed()

@@ -23,6 +23,7 @@ from dmuon_fsdp import (
     Muon,
     collect_forward_unshard_profile,
     dedicate_params,
+    dedicated_params_of,
     get_runtime,
     summarize_comm_plan,
     summarize_param_groups,
@@ -79,9 +80,17 @@ def _diagnose(rank: int, world_size: int):
     model = build(0)
     mesh = init_device_mesh("cpu", (world_size,))
     dedicate_params(model, mesh, muon_predicate, small_param_threshold=0, param_policy=POLICY)
+    dedicated = dedicated_params_of(model)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(BF16, FP32))
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(BF16, FP32, output_dtype=FP32))
+        fully_shard(
+            layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(BF16, FP32), ignored_params=dedicated
+        )
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(BF16, FP32, output_dtype=FP32),
+        ignored_params=dedicated,
+    )
     optimizer = Muon(model, lr=0.02, adamw_lr=1e-3, profile=True)
 
     # The counter and the wait times: cleared after a snapshot, counted afresh by the next step.
@@ -142,13 +151,10 @@ def test_rows_report_every_dtype_and_the_overrides_that_matched(diagnosed):
             assert row["policy_overrides"] == _expected_overrides(name), name
         # The reported optimizer dtype is the one the states on this rank are kept in.
         assert held and all(rows[name]["optim_dtype"] == dtype for name, dtype in held.items())
-        # Without the policy the overrides are unknown, everything else the same.
+        # Without the policy argument the runtime's own (dedicate_params') is used: the same.
         for group in unknown:
             for row in group["rows"]:
-                assert row["policy_overrides"] is None
-                assert {**row, "policy_overrides": rows[row["name"]]["policy_overrides"]} == (
-                    rows[row["name"]]
-                )
+                assert row == rows[row["name"]]
 
 
 @pytest.mark.distributed

@@ -43,15 +43,16 @@ def _export(rank: int, world_size: int, root: str, tie: bool):
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    from dmuon_fsdp import Muon, dedicate_params, get_model_state_dict
+    from dmuon_fsdp import Muon, dedicate_params, dedicated_params_of, get_model_state_dict
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(_config(tie))
     mesh = init_device_mesh("cpu", (world_size,))
     runtime = dedicate_params(model, mesh, lambda n, p: n.endswith("_proj.weight"))
+    dedicated = dedicated_params_of(model)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
     optimizer = Muon(model, adamw_lr=3e-3)
     for step in range(3):
         optimizer.zero_grad()

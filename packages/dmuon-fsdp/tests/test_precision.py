@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _models import build, muon_numel, muon_predicate
+from _models import build, muon_numel, muon_predicate, shard_layers_then_root
 from _reference import Hyper, ReferenceMuonAdamW, make_batch, shard
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -17,6 +17,7 @@ from dmuon_fsdp import (
     Muon,
     Role,
     dedicate_params,
+    dedicated_params_of,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -84,9 +85,10 @@ def _mixed(rank: int, world_size: int, reshard: bool):
     runtime = dedicate_params(
         model, mesh, muon_predicate, reshard_after_forward=reshard, small_param_threshold=0
     )
+    dedicated = dedicated_params_of(model)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=MP)
-    fully_shard(model, mesh=mesh, mp_policy=MP)
+        fully_shard(layer, mesh=mesh, mp_policy=MP, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, mp_policy=MP, ignored_params=dedicated)
     optimizer = Muon(model, **HYPER.muon_kwargs())
     losses, bytes_per_step = [], []
     for step in range(STEPS):
@@ -151,9 +153,15 @@ def _policy_head(rank: int, world_size: int):
             ]
         },
     )
+    dedicated = dedicated_params_of(model)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
-    fully_shard(model, mesh=mesh)
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=BF16),
+            ignored_params=dedicated,
+        )
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
     optimizer = Muon(model, **HYPER.muon_kwargs())
     losses = []
     for step in range(STEPS):
@@ -186,9 +194,7 @@ def _on_meta(world_size: int, reshard: bool) -> nn.Module:
         model = build(0)
     mesh = init_device_mesh("cpu", (world_size,))
     dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_layers_then_root(model, mesh)
     model.to_empty(device="cpu")
     return model
 
@@ -209,9 +215,7 @@ def _meta_load(rank: int, world_size: int, reshard: bool):
     normal = build(0)
     mesh = init_device_mesh("cpu", (world_size,))
     dedicate_params(normal, mesh, muon_predicate, reshard_after_forward=reshard)
-    for layer in normal.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(normal, mesh=mesh)
+    shard_layers_then_root(normal, mesh)
     want = _train(normal, rank, world_size)
 
     meta = _on_meta(world_size, reshard)

@@ -26,6 +26,7 @@ from dmuon_fsdp import (
     Muon,
     Role,
     dedicate_params,
+    dedicated_params_of,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -183,9 +184,10 @@ def _vit(rank: int, world_size: int) -> list[float]:
     model = _ViT()
     mesh = init_device_mesh("cpu", (world_size,))
     dedicate_params(model, mesh, _vit_matrices, small_param_threshold=0)
+    dedicated = dedicated_params_of(model)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
     optimizer = Muon(model, **HYPER.muon_kwargs())
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -296,7 +298,7 @@ def _silent_cases(rank: int, world_size: int) -> None:
     model = build(0)
     dedicate_params(model, mesh, muon_predicate)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated_params_of(model))
     with pytest.raises(
         ValueError,
         match=r"neither dedicated nor managed by FSDP2.*'embed_tokens\.weight'.*fully_shard\(model\)",

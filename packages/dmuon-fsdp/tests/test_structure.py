@@ -160,3 +160,128 @@ def test_only_the_group_touches_its_state() -> None:
                 offenders.append(f"{name}: ._state")
     assert not offenders, offenders
     assert not hasattr(dmuon_fsdp.runtime._group.DedicatedGroup, "state"), "state must stay private"
+
+
+# -- private torch ---------------------------------------------------------------------------------
+
+# The modules that may reach private torch (see [Note: private torch] in _torch_internals):
+# the door, and checkpoint._integrity, whose checksum reader overrides DCP's
+# FileSystemReader._slice_file (a subclass cannot live behind a function).
+PRIVATE_TORCH_ALLOWED = frozenset({"_torch_internals", "checkpoint._integrity"})
+# Private attributes of torch objects (FSDP2 modules, DTensors, the autograd engine) that no
+# import or ``torch.`` chain reveals.
+PRIVATE_TORCH_ATTRIBUTES = frozenset(
+    {
+        "_local_tensor",
+        "_get_fsdp_state",
+        "_mp_policy",
+        "_execution_engine",
+        "_C",
+        "_dynamo",
+        "_slice_file",
+    }
+)
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _is_torch(module: str) -> bool:
+    return module == "torch" or module.startswith("torch.")
+
+
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``["torch", "_C", "_nn"]`` for the expression ``torch._C._nn`` (``None`` when the chain
+    does not start at a name)."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def _private_torch_uses(tree: ast.Module) -> set[str]:
+    """Every private torch name a module reaches: an import from a torch module with a private
+    component (or of a private name), an attribute chain from a name bound to torch with a
+    private component, or one of ``PRIVATE_TORCH_ATTRIBUTES`` on any object."""
+    bound: dict[str, str] = {}  # local name -> the torch path it stands for
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _is_torch(alias.name):
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+                    else:
+                        bound[alias.name.split(".")[0]] = "torch"
+                    if any(_private(p) for p in alias.name.split(".")):
+                        found.add(f"import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and not node.level and _is_torch(node.module or ""):
+            module = node.module or ""
+            for alias in node.names:
+                path = f"{module}.{alias.name}"
+                bound[alias.asname or alias.name] = path
+                if any(_private(p) for p in path.split(".")):
+                    found.add(f"from {module} import {alias.name}")
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH_ATTRIBUTES:
+            found.add(f".{node.attr}")
+        if isinstance(node, ast.FunctionDef) and node.name in PRIVATE_TORCH_ATTRIBUTES:
+            found.add(f"def {node.name}")  # overriding a private method of a torch class
+        if not isinstance(node, ast.Attribute) or isinstance(parents.get(node), ast.Attribute):
+            continue  # whole chains only, from their last attribute
+        chain = _dotted(node)
+        if chain is None or chain[0] not in bound:
+            continue
+        path = [*bound[chain[0]].split("."), *chain[1:]]
+        if any(_private(p) for p in path):
+            found.add(".".join(path))
+    return found
+
+
+def test_private_torch_finder_finds_every_form() -> None:
+    source = (
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from torch.utils import _pytree\n"
+        "from torch.distributed.fsdp._fully_shard import _fsdp_init\n"
+        "from torch.autograd import Variable\n"
+        "torch._C._nn._parse_to(x)\n"
+        "dist.distributed_c10d._get_default_group()\n"
+        "Variable._execution_engine.queue_callback(f)\n"
+        "module._get_fsdp_state()._mp_policy\n"
+        "t._local_tensor\n"
+        "class R(FileSystemReader):\n    def _slice_file(self, f, s): ...\n"
+        "torch.__version__, torch.compiler.is_compiling(), dist.group.WORLD, self._private\n"
+    )
+    assert _private_torch_uses(ast.parse(source)) == {
+        "from torch.utils import _pytree",
+        "from torch.distributed.fsdp._fully_shard import _fsdp_init",
+        "torch._C._nn._parse_to",
+        "._C",
+        "torch.distributed.distributed_c10d._get_default_group",
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        "._execution_engine",
+        "._get_fsdp_state",
+        "._mp_policy",
+        "._local_tensor",
+        "def _slice_file",
+    }
+
+
+def test_private_torch_is_reached_from_at_most_two_modules() -> None:
+    """Private torch lives behind _torch_internals (plus at most one other module), so that a
+    torch upgrade is checked in one place."""
+    uses = {name: _private_torch_uses(tree) for name, tree in _modules().items()}
+    reaching = {name for name, found in uses.items() if found}
+    assert uses["_torch_internals"], "the finder sees nothing in the door: it would be vacuous"
+    assert len(PRIVATE_TORCH_ALLOWED) <= 2
+    offenders = {name: sorted(uses[name]) for name in sorted(reaching - PRIVATE_TORCH_ALLOWED)}
+    assert not offenders, (
+        "private torch outside dmuon_fsdp._torch_internals (add a named function there): "
+        f"{offenders}"
+    )

@@ -215,13 +215,13 @@ def test_tensor_parallel_checkpoints_resume_bit_for_bit_and_load_without_tp(tmp_
 
 
 def _ddp_tp(rank: int, world_size: int):
-    from dmuon_fsdp import dedicate_params_ddp_tp, replicate_tp
+    from dmuon_fsdp import dedicate_params_ddp, replicate
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = build(0)
     tensor_parallel(model, mesh["tp"])
-    runtime = dedicate_params_ddp_tp(model, mesh["dp"], muon_predicate, small_param_threshold=0)
-    replicate_tp(model, mesh["dp"])
+    runtime = dedicate_params_ddp(model, mesh["dp"], muon_predicate, small_param_threshold=0)
+    replicate(model, mesh["dp"])
     optimizer = Muon(model, **HYPER.muon_kwargs())
     return _train(model, optimizer, runtime.coord.shard, 2, STEPS)
 

@@ -12,6 +12,7 @@ from _sgd_train import make_mesh, setup_model
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import Muon, dedicate_params, dedicated_params_of, uninstall_patch
+from dmuon_fsdp.runtime._guard import is_dedicated
 from dmuon_fsdp.setup._fsdp_integration import is_installed
 from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
@@ -68,31 +69,35 @@ def counting_muon(model, hyper: Hyper = HYPER) -> tuple[Muon, CountingNS]:
     return Muon(model, ns_backend=counting, **kwargs), counting
 
 
-def _public_seam_model(world_size: int, reshard: bool):
-    """The tiny model wrapped through FSDP2's public seam only: no fully_shard patch,
-    ``ignored_params`` on every ``fully_shard`` call."""
-    uninstall_patch()
+def _patched_model(world_size: int, reshard: bool):
+    """The tiny model under the opt-in fully_shard patch: plain ``fully_shard`` calls, without
+    ``ignored_params``, leave the dedicated parameters alone."""
     model = build(0)
     mesh, _, _ = make_mesh(world_size, 1)
     runtime = dedicate_params(
-        model, mesh, muon_predicate, reshard_after_forward=reshard, patch_fully_shard=False
+        model, mesh, muon_predicate, reshard_after_forward=reshard, patch_fully_shard=True
     )
-    assert not is_installed()
-    dedicated = dedicated_params_of(model)
-    assert dedicated == {dp.param for dp in runtime.params}
+    assert is_installed()
+    assert dedicated_params_of(model) == {dp.param for dp in runtime.params}
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
-    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert all(is_dedicated(p) == (p in dedicated_params_of(model)) for p in model.parameters())
     return model, runtime
 
 
-def _train_vs_reference(rank: int, world_size: int, reshard: bool, public_seam: bool = False):
-    if public_seam:
-        model, runtime = _public_seam_model(world_size, reshard)
-    else:
-        model, runtime = setup_model(world_size, reshard=reshard)
-    optimizer, counting = counting_muon(model)
-    losses = train_steps(model, optimizer, rank, world_size, STEPS)
+def _train_vs_reference(rank: int, world_size: int, reshard: bool, patched: bool = False):
+    uninstall_patch()  # the worker process outlives the tests it ran before
+    try:
+        if patched:
+            model, runtime = _patched_model(world_size, reshard)
+        else:
+            model, runtime = setup_model(world_size, reshard=reshard)
+            assert not is_installed(), "dedicate_params' default leaves torch unpatched"
+        optimizer, counting = counting_muon(model)
+        losses = train_steps(model, optimizer, rank, world_size, STEPS)
+    finally:
+        uninstall_patch()
     owned_muon = sum(1 for dp in runtime.owned if dp.route == "muon")
     ref = None
     if rank == 0:
@@ -103,17 +108,20 @@ def _train_vs_reference(rank: int, world_size: int, reshard: bool, public_seam: 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("world_size", "reshard", "rtol", "public_seam"),
+    ("world_size", "reshard", "rtol", "patched"),
     [
         (1, True, 1e-4, False),
         (2, False, 2e-3, False),
         (4, True, 2e-3, False),
         (2, True, 2e-3, True),
     ],
-    ids=["w1-z3", "w2-z2", "w4-z3", "w2-z3-ignored-params-no-patch"],
+    ids=["w1-z3", "w2-z2", "w4-z3", "w2-z3-fully-shard-patch"],
 )
-def test_losses_match_single_process_reference(world_size, reshard, rtol, public_seam):
-    results = run_distributed(_train_vs_reference, world_size, reshard, public_seam)
+def test_losses_match_single_process_reference(world_size, reshard, rtol, patched):
+    """Through FSDP2's public seam (``ignored_params`` on every ``fully_shard``, the default),
+    and once through the opt-in patch that lets a plain ``fully_shard`` skip dedicated
+    parameters."""
+    results = run_distributed(_train_vs_reference, world_size, reshard, patched)
     losses = results[0][0]
     ref = results[0][1]
     assert all(r[0] == losses for r in results), "ranks disagree on the global loss"

@@ -16,13 +16,12 @@ DOCUMENTED_NAMES = frozenset(
     {
         # setup
         "dedicate_params",
+        "DedicateConfig",
         "dedicated_params_of",
         "install_patch",
         "uninstall_patch",
         "dedicate_params_ddp",
-        "dedicate_params_ddp_tp",
         "replicate",
-        "replicate_tp",
         # optimizer
         "Muon",
         "WeightPart",
@@ -100,6 +99,14 @@ def test_all_is_exactly_the_provided_documented_names() -> None:
     assert set(dmuon.__all__) == set(_providers())
     for name in dmuon.__all__:
         assert hasattr(dmuon, name)
+
+
+def test_deprecated_names_stay_importable_outside_all() -> None:
+    import dmuon_fsdp
+
+    for name in ("dedicate_params_ddp_tp", "replicate_tp"):
+        assert name not in dmuon.__all__ and name not in dmuon_fsdp.__all__
+        assert getattr(dmuon, name) is getattr(dmuon_fsdp, name)
 
 
 def test_the_core_workflow_names_exist() -> None:

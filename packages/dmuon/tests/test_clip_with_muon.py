@@ -44,9 +44,10 @@ def _clip_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, obj
     model = TinyLlama(CFG)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
     dmuon.dedicate_params(model, mesh, muon_predicate)
+    dedicated = dmuon.dedicated_params_of(model)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
     rows = ROWS // world_size

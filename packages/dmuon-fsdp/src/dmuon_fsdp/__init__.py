@@ -1,4 +1,8 @@
-"""dmuon_fsdp: the dedicated-ownership runtime on FSDP2 (``dedicate_params`` and friends)."""
+"""dmuon_fsdp: the dedicated-ownership runtime on FSDP2 (``dedicate_params`` and friends).
+
+``dedicate_params_ddp_tp`` and ``replicate_tp`` are deprecated names of ``dedicate_params_ddp``
+and ``replicate``: still importable for one release, outside ``__all__``, and each warns.
+"""
 
 from ._api import (
     broadcast_all_updates,
@@ -31,9 +35,11 @@ from .runtime._guard import NotHeldError
 from .runtime._no_sync import no_sync
 from .runtime._param import DedicatedParam, Role
 from .runtime._runtime import DedicatedRuntime, get_runtime
-from .setup._dedicate import dedicate_params, dedicate_params_ddp, dedicate_params_ddp_tp
+from .setup._dedicate import dedicate_params, dedicate_params_ddp
+from .setup._dedicate import dedicate_params_ddp_tp as dedicate_params_ddp_tp
 from .setup._fsdp_integration import dedicated_params_of, install_patch, uninstall_patch
-from .setup._replicate import replicate, replicate_tp
+from .setup._replicate import replicate
+from .setup._replicate import replicate_tp as replicate_tp
 from .topology._comm import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
 
 __all__ = [
@@ -61,7 +67,6 @@ __all__ = [
     "collect_forward_unshard_profile",
     "dedicate_params",
     "dedicate_params_ddp",
-    "dedicate_params_ddp_tp",
     "dedicated_params_of",
     "get_comm_ctx",
     "get_dedicated_params",
@@ -74,7 +79,6 @@ __all__ = [
     "no_sync",
     "prepare_muon_grads",
     "replicate",
-    "replicate_tp",
     "save_checkpoint",
     "set_model_state_dict",
     "set_optimizer_state_dict",

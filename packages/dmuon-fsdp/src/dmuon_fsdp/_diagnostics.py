@@ -17,7 +17,7 @@ from dmuon_ownership import POLICY_FIELDS, ParamPolicy, Route, validate_param_po
 from .optim._optimizer import Muon
 from .runtime._group import DedicatedGroup
 from .runtime._param import DedicatedParam
-from .runtime._precision import fsdp_mp_policy
+from .runtime._precision import boundary_mp_policy
 from .runtime._runtime import DedicatedRuntime, get_runtime
 
 __all__ = ["collect_forward_unshard_profile", "summarize_comm_plan", "summarize_param_groups"]
@@ -83,17 +83,16 @@ def summarize_param_groups(
     ``param_policy``'s ``output_dtype``), for an FSDP2 one those of the
     ``MixedPrecisionPolicy`` of its nearest ``fully_shard`` module. ``policy_overrides`` lists
     the indices into ``param_policy["overrides"]`` of the overrides that match the parameter,
-    in the order they apply; pass the ``param_policy`` that ``dedicate_params`` was given to
-    fill it (the runtime keeps each parameter's resolved policy, not the policy), else it is
-    ``None``. A policy that resolves a dedicated parameter otherwise than ``dedicate_params``
-    did raises ``ValueError``."""
+    in the order they apply, of the ``param_policy`` that ``dedicate_params`` was given (the
+    runtime keeps it); a ``param_policy`` passed here must resolve every dedicated parameter
+    as ``dedicate_params`` did, or ``ValueError`` is raised."""
     if not isinstance(optimizer, Muon):
         raise ValueError(f"optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
     if optimizer.model is not model:
         raise ValueError("optimizer was built on a different model object than the one given")
     _check_max_rows(max_rows)
     runtime = get_runtime(model)
-    policy = None if param_policy is None else _check_policy(param_policy, runtime)
+    policy = runtime.param_policy if param_policy is None else _check_policy(param_policy, runtime)
     modules = dict(model.named_modules())
     out = []
     for group in optimizer.param_groups:
@@ -156,7 +155,7 @@ def _param_row(
         # dtype), reduce is reduce_dtype (else compute). AdamW keeps the moments of a
         # parameter that is not dedicated in that parameter's dtype, as torch's AdamW does.
         sharded = isinstance(p, DTensor)
-        mp = fsdp_mp_policy(modules, name.rpartition(".")[0]) if sharded else None
+        mp = boundary_mp_policy(modules, name.rpartition(".")[0]) if sharded else None
         fsdp_compute = getattr(mp, "param_dtype", None) or p.dtype
         fsdp_reduce = getattr(mp, "reduce_dtype", None) or fsdp_compute
         dtypes = (p.dtype, fsdp_compute, fsdp_reduce, p.dtype, getattr(mp, "output_dtype", None))

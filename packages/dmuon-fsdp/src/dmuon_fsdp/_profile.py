@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
+from ._torch_internals import profiler_enabled
+
 __all__ = ["PhaseTimer", "span"]
 
 _NOTHING = contextlib.nullcontext()
@@ -40,7 +42,7 @@ _NOTHING = contextlib.nullcontext()
 def span(name: str) -> contextlib.AbstractContextManager[Any]:
     """A ``torch.profiler`` range named ``name`` while a profiler runs, else a no-op (see
     [Note: profiler ranges])."""
-    if torch._C._autograd._profiler_enabled():
+    if profiler_enabled():
         return record_function(name)
     return _NOTHING
 

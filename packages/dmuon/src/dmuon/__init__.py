@@ -10,8 +10,9 @@
 
 Every name comes from one of the four packages (``dmuon_fsdp``: the runtime and optimizer,
 ``dmuon_ns``: Newton–Schulz, ``dmuon_clip``: clipping), imported as ``name as name`` (the
-explicit re-export type checkers read); ``__all__`` is exactly those names. This module holds
-no logic, and importing it does no work (no device queries, no compilation, no patching).
+explicit re-export type checkers read); ``__all__`` is exactly those names but the deprecated
+ones (``_DEPRECATED``). This module holds no logic, and importing it does no work (no device
+queries, no compilation, no patching).
 """
 
 from dmuon_clip import GradClipBucket as GradClipBucket
@@ -27,6 +28,7 @@ from dmuon_clip import (
 from dmuon_fsdp import CHECKPOINT_KEY as CHECKPOINT_KEY
 from dmuon_fsdp import AppState as AppState
 from dmuon_fsdp import CheckpointIntegrityError as CheckpointIntegrityError
+from dmuon_fsdp import DedicateConfig as DedicateConfig
 from dmuon_fsdp import DedicatedCommContext as DedicatedCommContext
 from dmuon_fsdp import Muon as Muon
 from dmuon_fsdp import NotHeldError as NotHeldError
@@ -68,5 +70,9 @@ from dmuon_ns import newton_schulz as newton_schulz
 
 __version__ = "0.1.0"
 
+# Deprecated names of dedicate_params_ddp and replicate: importable for one release, outside
+# __all__; each warns and names its replacement.
+_DEPRECATED = frozenset({"dedicate_params_ddp_tp", "replicate_tp"})
+
 # Every public name above: the re-exports, listed once (in their imports).
-__all__ = sorted(name for name in dict(globals()) if not name.startswith("_"))
+__all__ = sorted(n for n in dict(globals()) if not n.startswith("_") and n not in _DEPRECATED)

@@ -153,9 +153,11 @@ def _build(
             replicate_mesh=mesh["replicate"] if opts.replicate > 1 else None,
         )
     dp_mesh = _data_parallel(mesh)
+    # FSDP2 leaves the dedicated parameters (none in the AdamW run) to dmuon.
+    dedicated = dmuon.dedicated_params_of(model)
     for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=dedicated)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=dedicated)
     optimizer: torch.optim.Optimizer
     if kind is RunKind.DMUON:
         optimizer = dmuon.Muon(model, lr=opts.lr, adamw_lr=opts.adamw_lr)

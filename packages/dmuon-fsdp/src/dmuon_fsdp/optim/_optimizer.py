@@ -38,6 +38,7 @@ from dmuon_ownership import Route
 
 from .._matrix import LrScaling, matrix_shape
 from .._profile import PhaseTimer, span
+from .._torch_internals import foreach_max_abs
 from ..runtime._config import check_bool
 from ..runtime._param import DedicatedParam, LocalMuonParam
 from ..runtime._runtime import DedicatedRuntime, get_runtime
@@ -553,7 +554,7 @@ class Muon(torch.optim.Optimizer):
         if grads:
             # The largest magnitude of each gradient (one foreach launch, any float dtype): NaN
             # or infinity there iff anywhere in the gradient.
-            peaks = torch._foreach_norm(grads, float("inf"))
+            peaks = foreach_max_abs(grads)
             found = (~torch.isfinite(torch.stack([p.float() for p in peaks])).all()).float()
         if self._runtime.layout.world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.world_group)

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from dmuon_ownership import Route
 
 from .._matrix import LrScaling, MatrixView
+from .._torch_internals import dtensor_shard_offsets
 from ..runtime._param import DedicatedParam, LocalMuonParam, check_expert_split
 from ..runtime._runtime import DedicatedRuntime
 from ._muon_math import NSFunction, local_tensor, shape_batches
@@ -216,7 +217,4 @@ def _local_part(p: Tensor) -> WeightPart:
     """This rank's shard of an FSDP2 (or other DTensor) parameter, or a plain one whole."""
     if not isinstance(p, DTensor):
         return WeightPart(p.detach(), (0,) * p.dim(), tuple(p.shape))
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return WeightPart(local_tensor(p).detach(), tuple(offsets), tuple(p.shape))
+    return WeightPart(local_tensor(p).detach(), dtensor_shard_offsets(p), tuple(p.shape))

@@ -23,8 +23,9 @@ def check_bool(name: str, value: object) -> bool:
 
 @dataclass(frozen=True)
 class DedicateConfig:
-    """The options of :func:`dedicate_params` that shape the runtime; raises on a bad value,
-    naming the argument and what it takes."""
+    """The options of :func:`dedicate_params` that shape the runtime: given one by one as its
+    keywords, or built once and passed whole as ``dedicate_params(..., config=...)``. Raises on
+    a bad value, naming the argument and what it takes."""
 
     # Z3 (True): free peers' weights after forward and broadcast again for backward; Z2 keeps.
     reshard_after_forward: bool = True
@@ -37,9 +38,10 @@ class DedicateConfig:
     process_group_policy: ProcessGroupPolicy = ProcessGroupPolicy.ISOLATED
     # Parameters below this many elements are packed with others of their boundary and owner.
     small_param_threshold: int = 5_000_000
-    # Wrap FSDP2's module/state discovery so that fully_shard skips dedicated parameters even
-    # without ignored_params; see [Note: FSDP2 integration] in _fsdp_integration.
-    patch_fully_shard: bool = True
+    # Opt in to wrapping FSDP2's module/state discovery so that fully_shard skips dedicated
+    # parameters even without ignored_params; see [Note: FSDP2 integration] in
+    # _fsdp_integration.
+    patch_fully_shard: bool = False
     # The replicated (DDP) path: every rank keeps every weight whole for forward and backward;
     # after a step the owners broadcast their updates (see [Note: the replicated path]).
     replicated: bool = False

@@ -54,6 +54,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._torch_internals import disable_torch_function_subclass, parse_to_args
+
 __all__ = [
     "GuardedDTensor",
     "GuardedParameter",
@@ -133,7 +135,7 @@ def _unchanged(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
         if kwargs.get("copy"):
             return False
         rest = {k: v for k, v in kwargs.items() if k != "copy"}
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **rest)
+        device, dtype, _, memory_format = parse_to_args(*args[1:], **rest)
     elif name in ("cuda", "cpu") and len(args) <= 2:
         requested = args[1] if len(args) == 2 else kwargs.get("device")
         device = torch.device("cpu") if name == "cpu" else _cuda_device(requested)
@@ -203,7 +205,7 @@ class _Guard:
                 raise NotHeldError(_message(absent, func))
         # What nn.Parameter's own handler does (results stay plain tensors), written so that
         # torch.compile traces it: see [Note: reads on a peer].
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             return func(*args, **kwargs)
 
     def _absent_repr(self) -> str | None:

@@ -26,10 +26,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
 from .._profile import PhaseTimer, span
+from .._torch_internals import (
+    disable_dynamo,
+    in_backward,
+    queue_backward_callback,
+    tree_leaves,
+    tree_map,
+)
 from ._collectives import AllReduceQueue, ReduceQueue
 from ._group import DedicatedGroup
 from ._pack import Pack
@@ -66,7 +72,7 @@ class BoundaryHooks:
         self._order: list[DedicatedGroup] = []  # forward order of the previous forward
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
-        self._checked_registration = False
+        self._initialised = False
         self._handles: list[RemovableHandle] = []
         # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
         # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
@@ -125,9 +131,9 @@ class BoundaryHooks:
 
     def _pre_forward(self, index: int, module: nn.Module, args: Any) -> Any:
         group = self.groups[index]
-        if not self._checked_registration:
+        if not self._initialised:
             self._first_forward()
-        if _in_backward():
+        if in_backward():
             # Activation checkpointing recomputes this forward inside backward: the weights
             # are needed again; order, counters and freeing belong to the real forward.
             with span("dmuon::pre_forward_recompute"):
@@ -168,7 +174,7 @@ class BoundaryHooks:
         group = self.groups[index]
         if group.output_dtype is not None:
             output = _cast_floats(output, group.output_dtype)
-        if _in_backward():
+        if in_backward():
             return output  # recompute: the boundary is freed once its gradients are in
         with span("dmuon::post_forward"):
             if self.reshard_after_forward:
@@ -176,9 +182,7 @@ class BoundaryHooks:
             if not torch.is_grad_enabled():
                 return output
             tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
+                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
             if tensors:
                 group.needs_backward = True
@@ -205,7 +209,7 @@ class BoundaryHooks:
         if not self._final_queued:
             self._final_queued = True
             self._order = list(self._current)
-            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
+            queue_backward_callback(self._post_backward_final)
 
     def _post_accumulate_grad(self, index: int, param: torch.Tensor) -> None:
         # Usually queued by a pre-backward already; not when the forward ran without grad
@@ -241,27 +245,13 @@ class BoundaryHooks:
     # -- setup checks ----------------------------------------------------------------------------
 
     def _first_forward(self) -> None:
-        """Pack the parameters (the runtime's lazy init), learn which pack each parameter's
-        gradient goes to, and check that FSDP2 left every dedicated parameter registered."""
+        """The runtime's first-forward init (it checks that ``fully_shard`` left every
+        dedicated parameter registered, and packs them), then learn which pack each
+        parameter's gradient goes to."""
         self._on_first_forward()
         where = {id(dp): (g, pack) for g in self.groups for pack in g.packs for dp in pack.params}
         self._pack_of_param = [where[id(dp)] for dp in self.params]
-        self._check_registration()
-
-    def _check_registration(self) -> None:
-        """FSDP2 replaces the parameters it manages on their modules: catch a dedicated
-        parameter that it took (e.g. a fully_shard without dmuon's integration)."""
-        self._checked_registration = True
-        for dp in self.params:
-            if dp.module._parameters.get(dp.name) is not dp.param:
-                raise RuntimeError(
-                    f"dedicated parameter {dp.fqn!r} is no longer registered on its module; "
-                    "something replaced it after dedicate_params (fully_shard without "
-                    "ignored_params=dmuon.dedicated_params_of(model)?). Call dedicate_params "
-                    "before fully_shard, pass the dedicated parameters as ignored_params (or "
-                    "keep dedicate_params(..., patch_fully_shard=True)), and do not reassign "
-                    "dedicated parameters"
-                )
+        self._initialised = True
 
 
 def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) -> Any:
@@ -276,7 +266,7 @@ def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) 
     return getattr(hooks, method)(*args)
 
 
-@torch._disable_dynamo
+@disable_dynamo
 def _untraced(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
@@ -299,8 +289,3 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
         tree,
     )
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1

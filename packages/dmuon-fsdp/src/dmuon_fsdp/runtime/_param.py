@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dmuon_ownership import Owner, ResolvedPolicy, Route
 
 from .._matrix import MatrixView
+from .._torch_internals import local_tensor
 from ._precision import Precision
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (the object it holds, so writing its ``.data`` reaches the
     DTensor), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 class Role(StrEnum):

@@ -36,7 +36,9 @@ from torch import nn
 
 from dmuon_ownership import ResolvedPolicy
 
-__all__ = ["Precision", "fsdp_mp_policy", "resolve_precision"]
+from .._torch_internals import fsdp_mp_policy
+
+__all__ = ["Precision", "boundary_mp_policy", "resolve_precision"]
 
 
 class Precision(NamedTuple):
@@ -55,7 +57,7 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-def fsdp_mp_policy(modules: Mapping[str, nn.Module], boundary: str) -> Any:
+def boundary_mp_policy(modules: Mapping[str, nn.Module], boundary: str) -> Any:
     """The ``MixedPrecisionPolicy`` of the nearest ``fully_shard`` module at or above the
     module ``boundary`` (``None`` when there is none)."""
     from torch.distributed.fsdp import FSDPModule
@@ -64,8 +66,7 @@ def fsdp_mp_policy(modules: Mapping[str, nn.Module], boundary: str) -> Any:
     for i in range(len(parts), -1, -1):
         module = modules.get(".".join(parts[:i]))
         if isinstance(module, FSDPModule):
-            # FSDP2 keeps the policy on the module's state; there is no public getter.
-            return module._get_fsdp_state()._mp_policy
+            return fsdp_mp_policy(module)
     return None
 
 

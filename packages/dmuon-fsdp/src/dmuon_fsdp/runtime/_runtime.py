@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
-from dmuon_ownership import Owner, Plan
+from dmuon_ownership import Owner, ParamPolicy, Plan
 
 from .._profile import span
 from ..topology._comm import CommCounter, DedicatedCommContext
@@ -43,13 +44,19 @@ from ._group import DedicatedGroup
 from ._guard import NotHeldError, guard_parameter, is_dedicated
 from ._hooks import BoundaryHooks
 from ._param import DedicatedParam, LocalMuonParam
-from ._precision import fsdp_mp_policy, resolve_precision
+from ._precision import boundary_mp_policy, resolve_precision
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
 
 logger = logging.getLogger(__name__)
 
 RUNTIME_ATTR = "_dmuon_runtime"
+
+_FULLY_SHARD_FIX = (
+    "Pass ignored_params=dmuon.dedicated_params_of(model) to every fully_shard call (each "
+    "layer and the root, after dedicate_params), or call dmuon.dedicate_params(..., "
+    "patch_fully_shard=True) to make a plain fully_shard skip dedicated parameters"
+)
 
 
 class DedicatedRuntime:
@@ -81,8 +88,10 @@ class DedicatedRuntime:
         # The replicated path's other parameters (``replicate``), summed over every rank.
         self.all_reduce_queue = AllReduceQueue(comm)
         self.replicated_params: list[nn.Parameter] = []
-        # Muon expert stacks stepped where FSDP2 puts them (set by dedicate_params).
+        # Muon expert stacks stepped where FSDP2 puts them, and the param_policy that routed
+        # every selected parameter (both set by dedicate_params).
         self.local_muon: list[LocalMuonParam] = []
+        self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
         self._final = False  # packed with the precision fully_shard asks for
         self.hooks = BoundaryHooks(
@@ -90,18 +99,33 @@ class DedicatedRuntime:
             params,
             self.reduce_queue,
             reshard_after_forward=config.reshard_after_forward,
-            on_first_forward=self.lazy_init,
+            on_first_forward=self._init_at_first_forward,
         )
         if not any(dp.param.is_meta for dp in params):
             self._pack(dict(model.named_modules()), final=False)
 
     def lazy_init(self) -> None:
-        """Finish packing (once): resolve each dedicated parameter's precision with the
-        ``MixedPrecisionPolicy`` of the ``fully_shard`` that now encloses it and repack the
-        groups whose precision changed; a model built on the meta device is packed here for
-        the first time. Runs at the first forward, ``Muon(...)``, or the first checkpoint or
-        diagnostics call, whichever comes first (see [Note: mixed precision] and [Note:
-        meta-device models]). Collective in HSDP: every rank reaches it at the same point."""
+        """Check that every dedicated parameter is still the one registered on its module
+        (see [Note: parameters fully_shard took]), then finish packing (once): resolve each
+        dedicated parameter's precision with the ``MixedPrecisionPolicy`` of the
+        ``fully_shard`` that now encloses it and repack the groups whose precision changed; a
+        model built on the meta device is packed here for the first time. Runs at the first
+        forward, ``Muon(...)``, and every checkpoint or diagnostics call; the packing happens at
+        whichever comes first (see [Note: mixed precision] and [Note: meta-device models]).
+        Collective in HSDP: every rank reaches it at the same point."""
+        self._adopt_materialised()
+        self._check_registered()
+        self._finish_packing()
+
+    def _init_at_first_forward(self) -> None:
+        """:meth:`lazy_init` at the first forward, where nothing is adopted: ``fully_shard``
+        has put its unsharded parameters on the modules running now, and a meta parameter
+        replaced by one of those must raise, not be taken for a materialised one
+        (``to_empty``'s replacements were adopted when it ran)."""
+        self._check_registered()
+        self._finish_packing()
+
+    def _finish_packing(self) -> None:
         if self._final:
             return
         model = self._model()
@@ -113,10 +137,9 @@ class DedicatedRuntime:
         ``dedicate_params``) resolves without FSDP2's policy, which is not known yet: the
         parameters are packed in the dtypes ``param_policy`` asks for, and peers free their
         memory at once."""
-        self._adopt_replaced()
         changed = False
         for group in self.groups:
-            mp = fsdp_mp_policy(modules, group.fqn) if final else None
+            mp = boundary_mp_policy(modules, group.fqn) if final else None
             members = [dp for dps in group.members for dp in dps]
             precisions = []
             for dp in members:
@@ -147,23 +170,67 @@ class DedicatedRuntime:
         self.replicated_params = list(params)
         self.hooks.hook_replicated(self.replicated_params, self.all_reduce_queue)
 
-    def _adopt_replaced(self) -> None:
+    def _adopt_materialised(self) -> None:
         """``model.to_empty(device=...)`` replaces each meta parameter with a new
         ``nn.Parameter`` (torch cannot change a tensor's device in place), or, for a
         tensor-parallel ``DTensor``, swaps the new one's contents into the old object
         (``torch.utils.swap_tensors``, which takes its class and attributes, the guard's
         among them): take the new objects over as the dedicated parameters and guard them. A
         weight registered under two names (tied) comes back as two unrelated parameters;
-        re-tie them after ``to_empty``, as for any model."""
+        re-tie them after ``to_empty``, as for any model. Runs after every conversion of a
+        module above a dedicated parameter (:class:`_CheckedApply`) and in :meth:`lazy_init`;
+        leaves anything else that replaced a parameter to :meth:`_check_registered`."""
         for index, dp in enumerate(self.params):
             current = dp.module._parameters.get(dp.name)
             if not isinstance(current, nn.Parameter) or is_dedicated(current):
                 continue
-            if current is not dp.param and not dp.param.is_meta:
+            swapped = current is dp.param
+            materialised = dp.param.is_meta and not isinstance(current, DTensor)
+            if not (swapped or materialised):
                 continue
             guard_parameter(current, dp.where)
             dp.param = current
             self.hooks.rebind(index)
+
+    def _check_registered(self) -> None:
+        """[Note: parameters fully_shard took] ``fully_shard`` manages every parameter it is not
+        told to ignore: it replaces each on its module with a sharded ``DTensor`` (and, during
+        the module's forward, with an unsharded copy). A dedicated parameter it took would be
+        updated twice (by dmuon on its owner, and as an FSDP2 shard by whoever steps those), so
+        every entry point that can see it refuses to go on: ``Muon(model)``, the first forward,
+        and every checkpoint and diagnostics call check that each dedicated parameter is still
+        the object registered on its module. A parameter replaced under a ``fully_shard``
+        module was taken by it (a ``fully_shard`` given ``ignored_params`` never touches
+        them), whatever it was replaced with: a sharded ``DTensor``, or inside the module's
+        forward its unsharded copy. The check reads only the modules' parameters and changes
+        nothing, so a failed call leaves the model as it was."""
+        for dp in self.params:
+            current = dp.module._parameters.get(dp.name)
+            if current is dp.param:
+                continue
+            if self._under_fully_shard(dp):
+                kind = "a DTensor shard" if isinstance(current, DTensor) else "its unsharded copy"
+                raise RuntimeError(
+                    f"dedicated parameter {dp.fqn!r} was taken by fully_shard: FSDP2 replaced "
+                    f"it on its module (now {kind}) because it was not in fully_shard's "
+                    f"ignored_params, and dmuon cannot train it. {_FULLY_SHARD_FIX}"
+                )
+            raise RuntimeError(
+                f"dedicated parameter {dp.fqn!r} is no longer registered on its module: "
+                "something replaced it after dedicate_params (an assignment to the attribute, "
+                "or a fully_shard that took it through another module sharing it). "
+                f"{_FULLY_SHARD_FIX}; do not reassign dedicated parameters"
+            )
+
+    def _under_fully_shard(self, dp: DedicatedParam) -> bool:
+        """Whether a module at or above ``dp``'s is a ``fully_shard`` module."""
+        from torch.distributed.fsdp import FSDPModule
+
+        model = self._model()
+        assert model is not None, "the model this runtime belongs to was deleted"
+        parts = dp.fqn.split(".")[:-1]
+        paths = (".".join(parts[:depth]) for depth in range(len(parts) + 1))
+        return any(isinstance(model.get_submodule(path), FSDPModule) for path in paths)
 
     # -- the contract surface ------------------------------------------------------------------
 
@@ -239,9 +306,12 @@ class _CheckedApply:
     converting the rest of the module and leaving the dedicated parameters alone, and before
     packing (a meta-device model's ``to_empty``) everything goes through."""
 
-    def __init__(self, module: nn.Module, params: list[DedicatedParam]) -> None:
+    def __init__(
+        self, module: nn.Module, params: list[DedicatedParam], on_applied: Callable[[], None]
+    ) -> None:
         self._module = weakref.ref(module)
         self._params = params
+        self._on_applied = on_applied
 
     def __call__(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
         module = self._module()
@@ -274,13 +344,24 @@ class _CheckedApply:
         }
         module._parameters.update(dict.fromkeys(held))
         try:
-            return type(module)._apply(module, fn, recurse)
+            applied = type(module)._apply(module, fn, recurse)
         finally:
             module._parameters.update(held)
+        self._on_applied()  # a meta model's to_empty: adopt the new parameters now
+        return applied
 
 
-def check_conversions(model: nn.Module, params: list[DedicatedParam]) -> None:
-    """Install :class:`_CheckedApply` on every module above a dedicated parameter."""
+def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
+    """Install :class:`_CheckedApply` on every module above a dedicated parameter of
+    ``runtime``; after a conversion it adopts what ``to_empty`` materialised."""
+    params = runtime.params
+    weak = weakref.WeakMethod(runtime._adopt_materialised)
+
+    def adopt() -> None:
+        method = weak()
+        if method is not None:
+            method()
+
     under: dict[str, list[DedicatedParam]] = {}
     for dp in params:
         parts = dp.fqn.split(".")[:-1]
@@ -289,7 +370,7 @@ def check_conversions(model: nn.Module, params: list[DedicatedParam]) -> None:
     for path, dps in under.items():
         module = model.get_submodule(path)
         # An instance attribute: nn.Module's conversions call self._apply.
-        object.__setattr__(module, "_apply", _CheckedApply(module, dps))
+        object.__setattr__(module, "_apply", _CheckedApply(module, dps, adopt))
 
 
 def _check_materialised(dp: DedicatedParam) -> None:

@@ -34,7 +34,7 @@ import re
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, TypedDict, Unpack
 
 import torch
@@ -59,7 +59,7 @@ from ..runtime._group import DedicatedGroup
 from ..runtime._guard import guard_parameter, is_dedicated, refuse_ddp
 from ..runtime._param import DedicatedParam, LocalMuonParam, Role, check_expert_split, local_shard
 from ..runtime._runtime import RUNTIME_ATTR, DedicatedRuntime, check_conversions
-from ..topology._comm import DedicatedCommContext
+from ..topology._comm import DedicatedCommContext, ProcessGroupPolicy
 from ..topology._mesh import MeshLayout, all_gather_ints, resolve_layout
 from ._fsdp_integration import check_call_order, install_patch, tp_dim
 
@@ -84,8 +84,9 @@ def dedicate_params(
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
     process_group_policy: str = "isolated",
     small_param_threshold: int = 5_000_000,
-    patch_fully_shard: bool = True,
+    patch_fully_shard: bool = False,
     debug_fence: bool = False,
+    config: DedicateConfig | None = None,
 ) -> DedicatedRuntime:
     """Give each selected matrix parameter of ``model`` one owner rank.
 
@@ -95,30 +96,68 @@ def dedicate_params(
     ``replicate_mesh=hsdp['replicate']``. ``predicate(fqn, param)`` selects parameters;
     ``param_policy`` routes them (``"muon"``, ``"adamw"``, or ``"sharded_adamw"``, which
     leaves the parameter to FSDP2). Every later ``fully_shard`` must leave the dedicated
-    parameters alone: pass ``ignored_params=dmuon.dedicated_params_of(model)`` to it, or keep
-    ``patch_fully_shard=True``, which makes ``fully_shard`` skip them by itself (see [Note:
-    FSDP2 integration] in ``_fsdp_integration``). Returns the :class:`DedicatedRuntime`, also
-    reachable as ``get_runtime(model)``. Collective: every rank must call it with the same
-    arguments.
+    parameters alone: pass ``ignored_params=dmuon.dedicated_params_of(model)`` to each call
+    (layers and root). ``patch_fully_shard=True`` opts in to a wrapper that makes a plain
+    ``fully_shard`` skip them by itself (see [Note: FSDP2 integration] in
+    ``_fsdp_integration``); a dedicated parameter that ``fully_shard`` took anyway raises at
+    ``Muon(model)``, the first forward or a checkpoint call.
+
+    The options that shape the runtime (every keyword but ``replicate_mesh`` and
+    ``param_policy``: the fields of :class:`DedicateConfig`) may instead come whole as
+    ``config=DedicateConfig(...)``; then leave those keywords at their defaults (one that
+    differs raises a ``ValueError``).
+    Returns the :class:`DedicatedRuntime`, also reachable as ``get_runtime(model)``.
+    Collective: every rank must call it with the same arguments.
     """
-    config = _config(locals())
+    options = DedicateConfig(
+        reshard_after_forward=reshard_after_forward,
+        hook_boundary_predicate=hook_boundary_predicate,
+        hook_boundary_strict=hook_boundary_strict,
+        process_group_policy=ProcessGroupPolicy.parse(process_group_policy),
+        small_param_threshold=small_param_threshold,
+        patch_fully_shard=patch_fully_shard,
+        debug_fence=debug_fence,
+    )
+    if config is None:
+        config = options
+    else:
+        _check_config("dedicate_params", config)
+        given = [f"{f}={getattr(options, f)!r}" for f in _CONFIG_FIELDS if _differs(options, f)]
+        if given:
+            raise ValueError(
+                f"dedicate_params got config= and {', '.join(given)}: pass each option once, "
+                "either as a keyword or in the DedicateConfig (dataclasses.replace(config, "
+                f"{given[0]}))"
+            )
+        if config.replicated:
+            raise ValueError(
+                "dedicate_params got config=DedicateConfig(replicated=True), the replicated "
+                "(DDP) path: call dmuon.dedicate_params_ddp(model, mesh, predicate, config=...) "
+                "instead"
+            )
     return _dedicate(model, mesh, predicate, config, replicate_mesh, param_policy)
 
 
 class SharedOptions(TypedDict, total=False):
-    """The options :func:`dedicate_params_ddp` shares with :func:`dedicate_params` (same
-    meaning, same defaults)."""
+    """The options :func:`dedicate_params_ddp` shares with :func:`dedicate_params`: the fields
+    of :class:`DedicateConfig` that apply to the replicated path (same meaning, same
+    defaults)."""
 
     hook_boundary_predicate: BoundaryPredicate | None
     hook_boundary_strict: bool
-    param_policy: Mapping[str, Any] | ParamPolicy | None
     process_group_policy: str
     small_param_threshold: int
     debug_fence: bool
 
 
 def dedicate_params_ddp(
-    model: nn.Module, mesh: Any, predicate: Predicate, **options: Unpack[SharedOptions]
+    model: nn.Module,
+    mesh: Any,
+    predicate: Predicate,
+    *,
+    param_policy: Mapping[str, Any] | ParamPolicy | None = None,
+    config: DedicateConfig | None = None,
+    **options: Unpack[SharedOptions],
 ) -> DedicatedRuntime:
     """The replicated (DDP) path: like :func:`dedicate_params` (whose keyword options it takes,
     but for the sharding ones), but every rank keeps every weight whole for forward and
@@ -126,33 +165,75 @@ def dedicate_params_ddp(
     reduced to their owner, the owner runs the optimizer, and the update is broadcast back
     after ``step()`` (see [Note: the replicated path]). Then call :func:`dmuon.replicate(model,
     mesh) <replicate>` for the other parameters, and build ``Muon(model)``; no ``fully_shard``.
-    ``mesh`` is the 1-D data-parallel mesh. Collective."""
+    ``mesh`` is the 1-D data-parallel mesh; on a tensor-parallel model (``parallelize_module``
+    first) the data-parallel dimension of the (dp, tp) mesh, as tensor-parallel matrices are
+    recognised by their DTensor placements. The options but ``param_policy`` may instead come
+    whole as ``config=DedicateConfig(...)`` (its ``reshard_after_forward`` does not apply).
+    Collective."""
     unknown = sorted(set(options) - set(SharedOptions.__annotations__))
     if unknown:
         raise TypeError(
             f"dedicate_params_ddp got unexpected option(s) {unknown}; it takes "
-            f"{sorted(SharedOptions.__annotations__)} (the replicated path neither shards nor "
-            "reshards: use dedicate_params for those)"
+            f"{sorted([*SharedOptions.__annotations__, 'param_policy', 'config'])} (the "
+            "replicated path neither shards nor reshards: use dedicate_params for those)"
         )
-    config = _config(options, reshard_after_forward=False, patch_fully_shard=False, replicated=True)
-    return _dedicate(model, mesh, predicate, config, None, options.get("param_policy"))
+    if config is None:
+        config = DedicateConfig(**options)  # type: ignore[arg-type]  # process_group_policy: parsed there
+    else:
+        _check_config("dedicate_params_ddp", config)
+        if options:
+            raise ValueError(
+                f"dedicate_params_ddp got config= and {', '.join(sorted(options))}: pass each "
+                "option once, either as a keyword or in the DedicateConfig"
+            )
+        if config.patch_fully_shard:
+            raise ValueError(
+                "dedicate_params_ddp got config=DedicateConfig(patch_fully_shard=True): the "
+                "replicated path calls no fully_shard; leave patch_fully_shard off"
+            )
+    config = replace(config, reshard_after_forward=False, replicated=True)
+    return _dedicate(model, mesh, predicate, config, None, param_policy)
 
 
 def dedicate_params_ddp_tp(
-    model: nn.Module, mesh: Any, predicate: Predicate, **options: Unpack[SharedOptions]
+    model: nn.Module,
+    mesh: Any,
+    predicate: Predicate,
+    *,
+    param_policy: Mapping[str, Any] | ParamPolicy | None = None,
+    config: DedicateConfig | None = None,
+    **options: Unpack[SharedOptions],
 ) -> DedicatedRuntime:
-    """The replicated path on a tensor-parallel model (after ``parallelize_module``):
-    :func:`dedicate_params_ddp` with ``mesh`` the data-parallel dimension of the (dp, tp)
-    mesh. Tensor-parallel matrices are recognised by their DTensor placements, so this is the
-    same function under the name that says what the model is."""
-    return dedicate_params_ddp(model, mesh, predicate, **options)
+    """Deprecated: :func:`dedicate_params_ddp` under another name (it recognises
+    tensor-parallel matrices by their DTensor placements). Warns, then calls it."""
+    warnings.warn(
+        "dmuon.dedicate_params_ddp_tp is deprecated and will be removed: call "
+        "dmuon.dedicate_params_ddp(model, mesh['dp'], predicate, ...), the same function",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return dedicate_params_ddp(
+        model, mesh, predicate, param_policy=param_policy, config=config, **options
+    )
 
 
-def _config(arguments: Mapping[str, Any], **fixed: Any) -> DedicateConfig:
-    """The :class:`DedicateConfig` of an entry point's ``arguments`` (its options are the
-    config's fields, by name) and the values the entry point ``fixed``."""
-    given = {f.name: arguments[f.name] for f in fields(DedicateConfig) if f.name in arguments}
-    return DedicateConfig(**{**given, **fixed})
+# DedicateConfig's fields that dedicate_params takes as keywords (``replicated`` is the
+# entry point's own choice).
+_CONFIG_FIELDS = tuple(f.name for f in fields(DedicateConfig) if f.name != "replicated")
+_DEFAULTS = DedicateConfig()
+
+
+def _differs(options: DedicateConfig, field: str) -> bool:
+    """Whether a keyword of dedicate_params was set away from its default."""
+    return bool(getattr(options, field) != getattr(_DEFAULTS, field))
+
+
+def _check_config(entry: str, config: object) -> None:
+    if not isinstance(config, DedicateConfig):
+        raise TypeError(
+            f"{entry}: config must be a dmuon.DedicateConfig (or None: the keyword options), "
+            f"got {type(config).__name__}"
+        )
 
 
 def _dedicate(
@@ -210,10 +291,11 @@ def _dedicate(
     params, groups = _build_groups(model, modules, plan, policies, layout, comm, config.replicated)
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     runtime.local_muon = stacks
+    runtime.param_policy = policy
     if config.patch_fully_shard:
         install_patch()
     setattr(model, RUNTIME_ATTR, runtime)
-    check_conversions(model, params)
+    check_conversions(model, runtime)
     comm.counter.reset()
     if dist.get_rank() == 0:
         logger.info("dedicate_params: %s", plan.summary())

@@ -13,21 +13,24 @@ root)::
         fully_shard(layer, mesh=mesh, ignored_params=dedicated)
     fully_shard(model, mesh=mesh, ignored_params=dedicated)
 
-As a convenience for code that calls ``fully_shard`` without that argument (existing training
-scripts, libraries that wrap it), ``dedicate_params(..., patch_fully_shard=True)`` (the
-default) installs :func:`install_patch`: it wraps the two functions of
-``torch.distributed.fsdp._fully_shard._fsdp_init`` that receive ``ignored_params``
-(``_get_managed_modules`` and ``_get_managed_states``, looked up as module globals by
-``_get_modules_and_states``, the one entry point of ``fully_shard`` and of ``replicate`` in
-torch 2.11 to 2.13) so that every parameter marked as dedicated joins the caller's
-``ignored_params``. The wrapper changes nothing for unmarked parameters, so a model without
-dmuon behaves exactly as before; it is never installed at import, is idempotent, and
-:func:`uninstall_patch` restores torch's functions.
+As an opt-in for code that calls ``fully_shard`` without that argument (existing training
+scripts, libraries that wrap it), ``dedicate_params(..., patch_fully_shard=True)`` (or
+:func:`install_patch` directly) wraps the two private functions of FSDP2 that receive
+``ignored_params`` (``FSDP_DISCOVERY_FUNCTIONS`` of the module
+``_torch_internals.fsdp_init_module`` returns, see [Note: private torch]) so that every
+parameter marked as dedicated joins the caller's ``ignored_params``. It is off by default:
+it reaches into torch's internals, and the public argument does the same job. The wrapper
+changes nothing for unmarked parameters, so a model without dmuon behaves exactly as before;
+it is never installed at import, is idempotent, and :func:`uninstall_patch` restores torch's
+functions.
 
-Either way the first forward checks that every dedicated parameter is still the one registered
-on its module: a ``fully_shard`` that took one (replaced it with a DTensor) raises instead of
-training silently wrong. Call order is enforced too: ``dedicate_params`` raises when any module
-of the model is already an FSDP module, or when a selected parameter is already a DTensor.
+Without either, ``fully_shard`` takes the dedicated parameters it reaches and replaces them
+with DTensors. ``Muon(model)``, the first forward and every checkpoint and diagnostics call
+check that each dedicated parameter is still the one registered on its module and raise,
+naming it and this fix, instead of training silently wrong (see [Note: parameters
+fully_shard took] in ``runtime/_runtime``). Call order is enforced too: ``dedicate_params``
+raises when any module of the model is already an FSDP module, or when a selected parameter
+is already a DTensor.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .._torch_internals import FSDP_DISCOVERY_FUNCTIONS, fsdp_init_module
 from ..runtime._guard import is_dedicated
 
 __all__ = [
@@ -53,7 +57,6 @@ __all__ = [
     "uninstall_patch",
 ]
 
-_TARGETS = ("_get_managed_modules", "_get_managed_states")
 _ORIGINAL_ATTR = "_dmuon_original"
 
 
@@ -83,26 +86,27 @@ def _wrap(fn: Callable[..., Any], recurse: bool) -> Callable[..., Any]:
 
 
 def _fsdp_init() -> Any:
-    from torch.distributed.fsdp._fully_shard import _fsdp_init
-
-    missing = [name for name in _TARGETS if not callable(getattr(_fsdp_init, name, None))]
+    module = fsdp_init_module()
+    missing = [n for n in FSDP_DISCOVERY_FUNCTIONS if not callable(getattr(module, n, None))]
     if missing:
         raise RuntimeError(
-            f"torch {torch.__version__} has no {', '.join(missing)} in "
-            "torch.distributed.fsdp._fully_shard._fsdp_init, which dmuon's fully_shard patch "
-            "wraps; pass dedicate_params(..., patch_fully_shard=False) and "
-            "fully_shard(..., ignored_params=dmuon.dedicated_params_of(model)) instead"
+            f"torch {torch.__version__} has no {', '.join(missing)} in {module.__name__}, "
+            "which dmuon's fully_shard patch wraps; leave dedicate_params' patch_fully_shard "
+            "off (the default) and pass fully_shard(..., "
+            "ignored_params=dmuon.dedicated_params_of(model)) instead"
         )
-    return _fsdp_init
+    return module
 
 
 def install_patch() -> None:
     """Make ``fully_shard`` (and ``replicate``) skip dedicated parameters; idempotent.
 
-    ``dedicate_params(..., patch_fully_shard=True)`` calls it; see [Note: FSDP2 integration].
+    An opt-in: ``dedicate_params(..., patch_fully_shard=True)`` calls it, and the public way is
+    ``fully_shard(..., ignored_params=dmuon.dedicated_params_of(model))``; see [Note: FSDP2
+    integration].
     """
     module = _fsdp_init()
-    for name in _TARGETS:
+    for name in FSDP_DISCOVERY_FUNCTIONS:
         fn = getattr(module, name)
         if hasattr(fn, _ORIGINAL_ATTR):
             continue
@@ -113,16 +117,15 @@ def install_patch() -> None:
 def uninstall_patch() -> None:
     """Restore torch's own functions (a no-op when the patch is not installed)."""
     module = _fsdp_init()
-    for name in _TARGETS:
+    for name in FSDP_DISCOVERY_FUNCTIONS:
         original = getattr(getattr(module, name), _ORIGINAL_ATTR, None)
         if original is not None:
             setattr(module, name, original)
 
 
 def is_installed() -> bool:
-    from torch.distributed.fsdp._fully_shard import _fsdp_init
-
-    return all(hasattr(getattr(_fsdp_init, n, None), _ORIGINAL_ATTR) for n in _TARGETS)
+    module = fsdp_init_module()
+    return all(hasattr(getattr(module, n, None), _ORIGINAL_ATTR) for n in FSDP_DISCOVERY_FUNCTIONS)
 
 
 def check_call_order(

@@ -25,6 +25,8 @@ buffer is broadcast from rank 0 (as DDP does), and each owner's dedicated weight
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,7 +43,8 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     """Replicate the parameters of ``model`` that ``dedicate_params_ddp`` left (see [Note: the
     replicated path]): broadcast them and the buffers from rank 0, and average their gradients
     over ``mesh`` after each synced backward. Call it after ``dedicate_params_ddp`` and before
-    ``Muon(model)``; collective."""
+    ``Muon(model)``; on a tensor-parallel model ``mesh`` is the data-parallel dimension of the
+    (dp, tp) mesh (TP shards are recognised by their DTensor placements). Collective."""
     runtime = get_runtime(model)
     if not runtime.config.replicated:
         raise ValueError(
@@ -72,7 +75,12 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def replicate_tp(model: nn.Module, mesh: DeviceMesh) -> None:
-    """:func:`replicate` on a tensor-parallel model (``mesh``: the data-parallel dimension of
-    the (dp, tp) mesh); tensor-parallel parameters are recognised by their DTensor
-    placements, so this is the same function under the name that says what the model is."""
+    """Deprecated: :func:`replicate` under another name (it recognises tensor-parallel
+    parameters by their DTensor placements). Warns, then calls it."""
+    warnings.warn(
+        "dmuon.replicate_tp is deprecated and will be removed: call "
+        "dmuon.replicate(model, mesh['dp']), the same function",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     replicate(model, mesh)

@@ -140,7 +140,7 @@ def _isolated_groups(layout: MeshLayout) -> _Groups:
     (``new_group`` is entered by every rank for every group, in the same order), and so is the
     lookup: all ranks ask for the same layouts in the same order, so they all find or all
     create."""
-    key = (id(dist.distributed_c10d._get_default_group()), layout.is_hsdp, layout.all_rank_of)
+    key = (id(dist.group.WORLD), layout.is_hsdp, layout.all_rank_of)
     found = _ISOLATED.get(key)
     if found is None:
         grids = layout.all_rank_of

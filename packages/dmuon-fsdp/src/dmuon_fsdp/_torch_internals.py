@@ -1,0 +1,180 @@
+"""Every private torch API dmuon uses, behind small named functions.
+
+[Note: private torch]
+
+dmuon reaches below torch's public API in a few places where no public API does the job. All
+of them live here, each in one function that says what it uses and why nothing public serves,
+so that a torch upgrade is checked in one file and the rest of ``dmuon_fsdp`` reads as public
+torch (``tests/test_structure.py`` fails when another module reaches private torch). Tested
+with torch 2.11 (the GPU machine) and torch 2.13 (CI).
+
+Two public substitutes were chosen over private names elsewhere: ``torch.distributed.group.WORLD``
+for the default process group, and ``torch.compiler.is_compiling()``. The patch of
+``fully_shard`` (``setup/_fsdp_integration.py``) gets the FSDP2 module it wraps from
+:func:`fsdp_init_module`, and the names of the wrapped functions from
+:data:`FSDP_DISCOVERY_FUNCTIONS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+__all__ = [
+    "FSDP_DISCOVERY_FUNCTIONS",
+    "disable_dynamo",
+    "disable_torch_function_subclass",
+    "dtensor_shard_offsets",
+    "foreach_max_abs",
+    "fsdp_init_module",
+    "fsdp_mp_policy",
+    "in_backward",
+    "local_tensor",
+    "parse_to_args",
+    "profiler_enabled",
+    "queue_backward_callback",
+    "tree_leaves",
+    "tree_map",
+]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` (or autograd profiler) is recording on this thread.
+
+    Uses ``torch._C._autograd._profiler_enabled``. The public ``record_function`` costs about
+    20 µs of host time even with no profiler running, and no public query says whether one is
+    (see [Note: profiler ranges] in ``_profile``)."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def parse_to_args(
+    *args: Any, **kwargs: Any
+) -> tuple[torch.device | None, torch.dtype | None, bool, torch.memory_format | None]:
+    """``Tensor.to``'s arguments (after the tensor) as ``(device, dtype, non_blocking,
+    memory_format)``, ``None`` for what they leave unchanged.
+
+    Uses ``torch._C._nn._parse_to``, the parser ``Tensor.to`` itself runs: ``to`` takes a device,
+    a dtype, a tensor or strings, by position or keyword, and rewriting those overloads would
+    drift from torch's. No public function parses them."""
+    return torch._C._nn._parse_to(*args, **kwargs)  # type: ignore[no-any-return]
+
+
+def disable_torch_function_subclass() -> AbstractContextManager[Any]:
+    """A context in which operations on tensor subclasses skip their ``__torch_function__``
+    (what ``torch.Tensor.__torch_function__`` does to return plain results).
+
+    Uses ``torch._C.DisableTorchFunctionSubclass``: it is the context ``torch.compile`` traces
+    through in a subclass's handler; the public ``torch.overrides`` offers no such context."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (activation
+    checkpointing re-runs forwards there).
+
+    Uses ``torch._C._current_graph_task_id``, as FSDP2 does for the same question; no public
+    API tells a forward hook that it runs inside backward."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished (its last gradient is
+    accumulated).
+
+    Uses ``torch.autograd.Variable._execution_engine.queue_callback``, as FSDP2 does for its
+    post-backward; no public hook fires at the end of a whole backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def disable_dynamo(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+    """``fn``, never traced by ``torch.compile``: a compiled caller runs it eagerly.
+
+    Uses ``torch._disable_dynamo``, which imports the compiler only when ``fn`` is first called.
+    The public ``torch.compiler.disable`` imports it when applied, and the decorator is applied
+    at import (importing dmuon must not import the compiler)."""
+    return torch._disable_dynamo(fn)
+
+
+def fsdp_mp_policy(module: FSDPModule) -> Any:
+    """The ``MixedPrecisionPolicy`` that ``fully_shard`` was given for ``module`` (an
+    ``FSDPModule``).
+
+    Uses ``module._get_fsdp_state()._mp_policy``: FSDP2 keeps the policy on the module's state
+    and has no public getter, and dmuon resolves a dedicated parameter's dtypes from it (see
+    [Note: mixed precision] in ``runtime/_precision``)."""
+    return module._get_fsdp_state()._mp_policy
+
+
+def local_tensor(t: DTensor) -> Tensor:
+    """The local tensor object a ``DTensor`` holds (writing its ``.data`` reaches the DTensor).
+
+    Uses ``DTensor._local_tensor``: the public ``to_local()`` returns a new autograd view while
+    grad mode is on, not the object itself, and dmuon swaps that object's storage for a view
+    into its packed buffers (see [Note: storage of a dedicated parameter] in
+    ``runtime/_param``)."""
+    return t._local_tensor
+
+
+def foreach_max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The largest absolute value of each of ``tensors`` (``inf``/``nan`` when it holds one),
+    as 0-dim tensors, in one fused launch per device and dtype.
+
+    Uses ``torch._foreach_norm(tensors, inf)``: no public function reduces a list of tensors
+    to per-tensor values without one launch per tensor."""
+    return list(torch._foreach_norm(list(tensors), float("inf")))
+
+
+def dtensor_shard_offsets(t: DTensor) -> tuple[int, ...]:
+    """Where this rank's local shard of ``t`` starts in the global tensor, per dim.
+
+    Uses ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, DTensor's
+    own rule for its (possibly uneven) shards; ``DTensor`` has no public method that returns
+    the offsets, and recomputing them per placement would drift from torch's."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(int(o) for o in offsets)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of a pytree (nested tuples, lists, dicts, dataclasses torch registers).
+
+    Uses ``torch.utils._pytree``: torch has no public pytree module, and this one knows the
+    containers that module outputs are made of (``ModelOutput`` and its kin register there)."""
+    return _pytree.tree_leaves(tree)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with each leaf replaced by ``fn(leaf)`` (see :func:`tree_leaves`)."""
+    return _pytree.tree_map(fn, tree)
+
+
+# The two functions of FSDP2's ``_fsdp_init`` that receive ``ignored_params``, looked up as
+# module globals by ``_get_modules_and_states``, the one entry point of ``fully_shard`` and
+# of ``replicate`` (torch 2.11 to 2.13).
+FSDP_DISCOVERY_FUNCTIONS = ("_get_managed_modules", "_get_managed_states")
+
+
+def fsdp_init_module() -> ModuleType:
+    """``torch.distributed.fsdp._fully_shard._fsdp_init``, whose
+    :data:`FSDP_DISCOVERY_FUNCTIONS` the optional ``fully_shard`` patch wraps.
+
+    The patch is an opt-in for scripts that call ``fully_shard`` without ``ignored_params``
+    (see [Note: FSDP2 integration] in ``setup/_fsdp_integration``); the public way is that
+    argument. Imported on call: importing dmuon does not import FSDP2's internals."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    return _fsdp_init
