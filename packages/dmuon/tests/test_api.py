@@ -70,6 +70,12 @@ DOCUMENTED_NAMES = frozenset(
         "save_checkpoint",
         "load_checkpoint",
         "CHECKPOINT_KEY",
+        # the planner before the run (dmuon-plan)
+        "forecast",
+        "Forecast",
+        "Topology",
+        "model_shapes",
+        "ModelShapes",
     }
 )
 

@@ -590,15 +590,18 @@ class _Forecaster:
                     "spreads them evenly"
                 )
         if self.plan.imbalance > 0.05:
-            notes.append(
-                f"NS load max/mean is {1 + self.plan.imbalance:.3f}: "
-                + (
-                    "the experts' shares are uneven (above) and the owned matrices cannot "
-                    "even them out"
-                    if self.shapes.experts and any("experts:" in n for n in notes)
-                    else "too few large matrices for this many slots"
+            balance = f"NS load max/mean is {1 + self.plan.imbalance:.3f}: "
+            if any(note.startswith("experts:") for note in notes):
+                notes.append(balance + "the experts' shares are uneven (above)")
+            elif self.shapes.dedicated:
+                largest = max(self.shapes.dedicated, key=lambda it: ns_cost(it.shape, it.route))
+                mean = math.fsum(self.plan.loads) / len(self.plan.loads)
+                share = ns_cost(largest.shape, largest.route) / mean
+                notes.append(
+                    balance + f"each matrix is owned whole, and one {largest.shape} matrix "
+                    f"({largest.name.rsplit('.', 2)[-2]}) is {share:.0%} of a rank's mean load; "
+                    "fewer slots (tensor parallelism) or more work per slot even it out"
                 )
-            )
         if self.topo.zero == 3:
             notes.append(
                 "unsharded for forward: one layer; prefetching the next holds up to twice that"

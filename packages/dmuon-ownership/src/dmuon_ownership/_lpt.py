@@ -40,8 +40,8 @@ work the planner cannot move: a mixture-of-experts layer's expert stacks stay sh
 on dim 0 and each rank steps its own experts, so a rank's share of them is fixed by its shard
 index. LPT starts from those loads instead of zeros, so it fills the lighter slots first, and
 the swap pass compares the same totals; ``Plan.loads`` are base plus owned work, and
-``Plan.base_loads`` keeps the base (it is part of the fingerprint). Without ``base_loads``
-nothing changes: the same plans, bit for bit, the same JSON.
+``Plan.base_loads`` keeps the base (it is part of the fingerprint). Without ``base_loads`` LPT
+starts from zero loads and the plan's JSON has no ``base_loads`` key.
 
 For the pure-LPT bound (4/3 − 1/(3S)) of the optimum, see the tests: it holds when no packing
 and no spread constraint bind (each atom its own boundary), which is the configuration the
