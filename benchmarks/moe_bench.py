@@ -98,6 +98,14 @@ def _fill_grads(params: list[torch.Tensor], seed: int) -> None:
             p.grad = g
 
 
+def _time_torch_muon(stack: Stack, args: argparse.Namespace, device: torch.device):
+    separate = list(Separate(stack).parameters())
+    torch_muon = torch.optim.Muon(
+        separate, lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"
+    )
+    return _time(torch_muon.step, lambda: _fill_grads(separate, 1), args.iters, args.warmup, device)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=4)
@@ -124,16 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     import dmuon
     import dmuon_ns
 
-    separate = Separate(stack)
-    torch_muon = torch.optim.Muon(
-        separate.parameters(), lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"
-    )
-    plist = list(separate.parameters())
-    torch_ms, torch_peak = _time(
-        torch_muon.step, lambda: _fill_grads(plist, 1), args.iters, args.warmup, device
-    )
-    del torch_muon, separate, plist
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    torch_ms, torch_peak = _time_torch_muon(stack, args, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     mesh = init_device_mesh(device.type, (1,))
     dmuon.dedicate_params(stack, mesh, lambda n, p: p.ndim == 3)

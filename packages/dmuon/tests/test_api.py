@@ -70,6 +70,12 @@ DOCUMENTED_NAMES = frozenset(
         "load_checkpoint",
         "CHECKPOINT_KEY",
         "CheckpointIntegrityError",
+        # the planner before the run (dmuon-plan)
+        "forecast",
+        "Forecast",
+        "Topology",
+        "model_shapes",
+        "ModelShapes",
     }
 )
 

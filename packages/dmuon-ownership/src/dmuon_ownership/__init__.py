@@ -2,12 +2,18 @@
 
 Describe parameters as :class:`WorkItem`, get a frozen :class:`Plan` from :func:`plan_owners`
 (identical on every rank for identical inputs; compare :meth:`Plan.fingerprint`), and resolve
-each parameter's route and dtypes with :func:`resolve_param_policy`. Standard library only.
+each parameter's route and dtypes with :func:`resolve_param_policy`. Before a run,
+:func:`forecast` turns a Hugging Face config and a :class:`Topology` into per-rank figures
+(memory, bytes per step, optimizer work, predicted NS time); ``dmuon-plan`` prints them.
+Standard library only.
 """
 
 from ._cost import CostFn, elementwise_cost, ns_cost, ns_flops
+from ._forecast import Forecast, Spread, Topology, forecast
 from ._items import Owner, WorkItem
 from ._lpt import plan_owners
+from ._model_shapes import ModelShapes, model_shapes
+from ._ns_times import NSTimes, load_ns_times
 from ._plan import Plan, Unit, UnknownParamError, validate_plan
 from ._policy import (
     POLICY_FIELDS,
@@ -21,15 +27,23 @@ from ._route import Route
 __all__ = [
     "POLICY_FIELDS",
     "CostFn",
+    "Forecast",
+    "ModelShapes",
+    "NSTimes",
     "Owner",
     "ParamPolicy",
     "Plan",
     "ResolvedPolicy",
     "Route",
+    "Spread",
+    "Topology",
     "Unit",
     "UnknownParamError",
     "WorkItem",
     "elementwise_cost",
+    "forecast",
+    "load_ns_times",
+    "model_shapes",
     "ns_cost",
     "ns_flops",
     "plan_owners",

@@ -33,6 +33,16 @@ Inputs are sorted by name first, so nothing below depends on the order the calle
 "sharded_adamw" items take no part: nobody owns them, and the plan lists them in
 ``Plan.sharded``.
 
+[Note: base loads]
+
+Work a slot has before any owned item lands on it (``base_loads``, one number per slot) is
+work the planner cannot move: a mixture-of-experts layer's expert stacks stay sharded by FSDP2
+on dim 0 and each rank steps its own experts, so a rank's share of them is fixed by its shard
+index. LPT starts from those loads instead of zeros, so it fills the lighter slots first, and
+the swap pass compares the same totals; ``Plan.loads`` are base plus owned work, and
+``Plan.base_loads`` keeps the base (it is part of the fingerprint). Without ``base_loads`` LPT
+starts from zero loads and the plan's JSON has no ``base_loads`` key.
+
 For the pure-LPT bound (4/3 − 1/(3S)) of the optimum, see the tests: it holds when no packing
 and no spread constraint bind (each atom its own boundary), which is the configuration the
 theorem is about.
@@ -44,7 +54,7 @@ import bisect
 import heapq
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ._cost import CostFn, ns_cost
@@ -83,12 +93,16 @@ def plan_owners(
     *,
     small_param_threshold: int = 5_000_000,
     cost: CostFn = ns_cost,
+    base_loads: Sequence[float] | None = None,
 ) -> Plan:
     """Assign every owned item to one slot of the ``shard_size × replicate_size`` grid.
 
-    ``cost(shape, route)`` gives an item's optimizer work (default :func:`ns_cost`). See
-    [Note: the assignment] for the algorithm. Raises ``ValueError`` for duplicate names,
-    mixed tensor-parallel degrees, or a cost that is not a finite number >= 0.
+    ``cost(shape, route)`` gives an item's optimizer work (default :func:`ns_cost`).
+    ``base_loads[slot]`` is work already on each slot, in the cost's unit (see [Note: base
+    loads]; ``slot = replicate * shard_size + shard``). See [Note: the assignment] for the
+    algorithm. Raises ``ValueError`` for duplicate names, mixed tensor-parallel degrees, a cost
+    that is not a finite number >= 0, or ``base_loads`` of the wrong length or with a value
+    that is not a finite number >= 0.
     """
     shard_size = _check_size("shard_size", shard_size)
     replicate_size = _check_size("replicate_size", replicate_size)
@@ -112,6 +126,8 @@ def plan_owners(
         by_name[item.name] = item
     ordered = [by_name[name] for name in sorted(by_name)]
     tp_size = _tp_size(ordered)
+    slots = shard_size * replicate_size
+    base = _check_base_loads(base_loads, slots)
 
     owned = [it for it in ordered if it.route is not Route.SHARDED_ADAMW]
     sharded = tuple(it.name for it in ordered if it.route is Route.SHARDED_ADAMW)
@@ -125,11 +141,10 @@ def plan_owners(
         costs[it.name] = by_shape[key]
 
     atoms = _make_atoms(owned, costs, small_param_threshold)
-    slots = shard_size * replicate_size
-    loads = _place(atoms, shard_size, slots)
+    loads = _place(atoms, shard_size, base or [0.0] * slots)
     _swap_pass(atoms, loads, shard_size)
     # The passes update loads incrementally; report exact sums, independent of the move history.
-    per_slot: list[list[float]] = [[] for _ in range(slots)]
+    per_slot: list[list[float]] = [[] for _ in range(slots)] if not base else [[b] for b in base]
     for atom in atoms:
         per_slot[atom.slot].append(atom.cost)
     loads = [math.fsum(costs_here) for costs_here in per_slot]
@@ -142,7 +157,7 @@ def plan_owners(
         Unit(owners[slot], boundary, tuple(sorted(names)) if len(names) > 1 else tuple(names))
         for (boundary, slot), names in sorted(grouped.items())
     )
-    tp_owners, tp_loads = _tp_assign(atoms, costs, slots, tp_size)
+    tp_owners, tp_loads = _tp_assign(atoms, costs, base or [0.0] * slots, tp_size)
     return Plan(
         shard_size=shard_size,
         replicate_size=replicate_size,
@@ -152,7 +167,35 @@ def plan_owners(
         tp_size=tp_size,
         tp_owners=tp_owners,
         tp_loads=tp_loads,
+        base_loads=tuple(base),
     )
+
+
+def _check_base_loads(base_loads: Sequence[float] | None, slots: int) -> list[float]:
+    """``base_loads`` as floats (empty when not given), checked against the grid."""
+    if base_loads is None:
+        return []
+    try:
+        if isinstance(base_loads, str | bytes):
+            raise TypeError
+        values = [float(value) for value in base_loads]
+    except (TypeError, ValueError):
+        raise ValueError(
+            "plan_owners: base_loads must be a sequence of numbers, one per slot (slot = "
+            f"replicate * shard_size + shard), got {base_loads!r}"
+        ) from None
+    if len(values) != slots:
+        raise ValueError(
+            f"plan_owners: base_loads has {len(values)} values for a grid of {slots} slots; "
+            "give one per slot (slot = replicate * shard_size + shard)"
+        )
+    for slot, value in enumerate(values):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"plan_owners: base_loads[{slot}] is {base_loads[slot]!r}; every base load "
+                "must be a finite number >= 0 (work already on that slot, in the cost's unit)"
+            )
+    return values
 
 
 def _tp_size(items: list[WorkItem]) -> int:
@@ -203,9 +246,11 @@ def _make_atoms(owned: list[WorkItem], costs: dict[str, float], threshold: int) 
     return atoms
 
 
-def _place(atoms: list[_Atom], shard_size: int, slots: int) -> list[float]:
-    loads = [0.0] * slots
-    heap = [(0.0, s) for s in range(slots)]
+def _place(atoms: list[_Atom], shard_size: int, base: list[float]) -> list[float]:
+    slots = len(base)
+    loads = list(base)
+    heap = [(load, s) for s, load in enumerate(base)]
+    heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     used_shards: dict[str, set[int]] = defaultdict(set)
     used_slots: dict[str, set[int]] = defaultdict(set)
@@ -361,11 +406,12 @@ def _apply(
 
 
 def _tp_assign(
-    atoms: list[_Atom], costs: dict[str, float], slots: int, tp_size: int
+    atoms: list[_Atom], costs: dict[str, float], base: list[float], tp_size: int
 ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[float, ...], ...]]:
     if tp_size == 1:
         return (), ()
-    tp_loads = [[0.0] * tp_size for _ in range(slots)]
+    # Base work (a rank's own experts) sits on every TP rank of its slot alike.
+    tp_loads = [[load] * tp_size for load in base]
     per_slot: dict[int, list[WorkItem]] = defaultdict(list)
     for atom in atoms:
         for item in atom.members:

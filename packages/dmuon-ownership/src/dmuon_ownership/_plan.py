@@ -39,7 +39,9 @@ class Plan:
     ``slot = replicate * shard_size + shard``. ``sharded`` lists the ``"sharded_adamw"``
     parameters, which have no owner. ``tp_owners`` holds ``(name, tp_rank)`` for the items with
     ``tp > 1``; ``tp_loads[slot][tp_rank]`` is the work of each tensor-parallel rank of a slot
-    (empty when ``tp_size == 1``).
+    (empty when ``tp_size == 1``). ``base_loads[slot]`` is the work that was on each slot before
+    planning (``plan_owners(base_loads=...)``, empty when not given); ``loads`` and
+    ``tp_loads`` include it.
     """
 
     shard_size: int
@@ -50,6 +52,7 @@ class Plan:
     tp_size: int = 1
     tp_owners: tuple[tuple[str, int], ...] = ()
     tp_loads: tuple[tuple[float, ...], ...] = ()
+    base_loads: tuple[float, ...] = ()
     _owner_index: dict[str, Owner] = field(init=False, repr=False, compare=False)
     _tp_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
@@ -138,6 +141,8 @@ class Plan:
             "tp_owners": [list(pair) for pair in self.tp_owners],
             "tp_loads": [list(row) for row in self.tp_loads],
         }
+        if self.base_loads:
+            payload["base_loads"] = list(self.base_loads)
         return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
@@ -159,6 +164,7 @@ class Plan:
             tp_size=data["tp_size"],
             tp_owners=tuple((name, rank) for name, rank in data["tp_owners"]),
             tp_loads=tuple(tuple(float(x) for x in row) for row in data["tp_loads"]),
+            base_loads=tuple(float(x) for x in data.get("base_loads", ())),
         )
 
     def fingerprint(self) -> str:
@@ -182,6 +188,11 @@ def validate_plan(plan: Plan, items: Iterable[WorkItem]) -> None:
         raise ValueError(
             f"validate_plan: plan has {len(plan.loads)} loads for a "
             f"{plan.shard_size} x {plan.replicate_size} grid of {plan.world_size} slots"
+        )
+    if plan.base_loads and len(plan.base_loads) != plan.world_size:
+        raise ValueError(
+            f"validate_plan: plan has {len(plan.base_loads)} base loads for a grid of "
+            f"{plan.world_size} slots"
         )
     seen: dict[str, Owner] = {}
     for unit in plan.units:

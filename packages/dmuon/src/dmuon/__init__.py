@@ -9,10 +9,10 @@
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
 Every name comes from one of the four packages (``dmuon_fsdp``: the runtime and optimizer,
-``dmuon_ns``: Newton–Schulz, ``dmuon_clip``: clipping), imported as ``name as name`` (the
-explicit re-export type checkers read); ``__all__`` is exactly those names but the deprecated
-ones (``_DEPRECATED``). This module holds no logic, and importing it does no work (no device
-queries, no compilation, no patching).
+``dmuon_ns``: Newton–Schulz, ``dmuon_clip``: clipping, ``dmuon_ownership``: the planner
+before the run), imported as ``name as name`` (the explicit re-export type checkers read);
+``__all__`` is exactly those names but the deprecated ones (``_DEPRECATED``). This module holds
+no logic, and importing it does no work (no device queries, no compilation, no patching).
 """
 
 from dmuon_clip import GradClipBucket as GradClipBucket
@@ -67,6 +67,11 @@ from dmuon_ns import get_backend_status as get_backend_status
 from dmuon_ns import get_ns_backend as get_ns_backend
 from dmuon_ns import gram_newton_schulz as gram_newton_schulz
 from dmuon_ns import newton_schulz as newton_schulz
+from dmuon_ownership import Forecast as Forecast
+from dmuon_ownership import ModelShapes as ModelShapes
+from dmuon_ownership import Topology as Topology
+from dmuon_ownership import forecast as forecast
+from dmuon_ownership import model_shapes as model_shapes
 
 __version__ = "0.1.0"
 

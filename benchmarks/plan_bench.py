@@ -1,0 +1,101 @@
+"""How long the planner before the run takes at scale, and how even its plans are.
+
+    PYTHONPATH=packages/dmuon-ownership/src python3 benchmarks/plan_bench.py
+    PYTHONPATH=packages/dmuon-ownership/src python3 benchmarks/plan_bench.py --repeats 5
+
+Pure Python (no torch, no device). For each model (``benchmarks/configs/*.json``) at its
+topology, best of ``--repeats`` runs:
+
+  items        the work items the owner plan places (the dedicated matrices)
+  slots        shard x replicate grid (a TP group counts once)
+  plan s       plan_owners alone, experts' work as base loads (what the runtime will call)
+  forecast s   the whole dmuon-plan forecast: shapes, plan, every per-rank figure
+  max/mean     the plan's NS load, experts included
+
+A last row plans Kimi K2 with one work item per expert matrix (46 k items), for a runtime that
+would dedicate experts one by one instead of leaving them to FSDP2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from dmuon_ownership import Topology, WorkItem, forecast, model_shapes, plan_owners
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+CASES = (
+    ("Kimi K2", "kimi-k2.json", Topology(1024, shard_size=128)),
+    ("DeepSeek-V3", "deepseek-v3.json", Topology(2048, shard_size=256)),
+    ("Llama-3-70B", "llama-3-70b.json", Topology(512, shard_size=64)),
+    ("Llama-3-70B", "llama-3-70b.json", Topology(512)),
+    ("Llama-3-70B", "llama-3-70b.json", Topology(512, shard_size=8, tp=8)),
+)
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
+    """Best wall and CPU seconds of ``repeats`` calls, and the last result."""
+    walls, cpus, result = [], [], None
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return min(walls), min(cpus), result
+
+
+def _layout(topology: Topology) -> str:
+    return f"{topology.replicas}x{topology.shard}" + (
+        f" TP{topology.tp}" if topology.tp > 1 else ""
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, Python "
+        f"{platform.python_version()}, {platform.processor() or platform.machine()}"
+    )
+    header = "| model | ranks | replicas x shard | items | slots | plan s | forecast s (CPU) | max/mean |"
+    print(header)
+    print("|---|---|---|---|---|---|---|---|")
+    for name, file, topology in CASES:
+        config = json.loads((CONFIGS / file).read_text())
+        fc_wall, fc_cpu, fc = _best(partial(forecast, config, topology), args.repeats)
+        shapes = fc.shapes
+        plan = partial(
+            plan_owners,
+            shapes.dedicated,
+            topology.shard,
+            topology.replicas,
+            base_loads=list(fc.plan.base_loads) or None,
+        )
+        plan_wall, _, _ = _best(plan, args.repeats)
+        print(
+            f"| {name} | {topology.ranks} | {_layout(topology)} | {len(shapes.dedicated):,} | "
+            f"{fc.plan.world_size:,} | {plan_wall:.3f} | {fc_wall:.3f} ({fc_cpu:.3f}) | "
+            f"{fc.balance:.4f} |"
+        )
+    shapes = model_shapes(json.loads((CONFIGS / "kimi-k2.json").read_text()))
+    items = list(shapes.dedicated)
+    for stack in shapes.experts:
+        for expert in range(stack.shape[0]):
+            items.append(WorkItem(f"{stack.name}.{expert}", stack.shape[1:], stack.boundary))
+    wall, cpu, per_expert = _best(partial(plan_owners, items, 1024), args.repeats)
+    print(
+        f"| Kimi K2, one item per expert matrix | 1024 | 1x1024 | {len(items):,} | 1,024 | "
+        f"{wall:.3f} ({cpu:.3f}) | - | {1 + per_expert.imbalance:.4f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The planner before the run (``dmuon_ownership.forecast`` / ``dmuon-plan``) sees what the
+runtime sees: its parameters are transformers' own for every supported family, and its work
+items and owner plan are those ``dedicate_params`` makes for a model built from the same
+config, started the way the Scale guide starts a big model (meta device, ``dedicate_params``,
+``fully_shard`` with ``ignored_params``, ``to_empty``, load).
+
+The runtime does not dedicate mixture-of-experts expert stacks yet; they stay with FSDP2. For
+the MoE model the comparison therefore covers the dense (dedicated) items, and the runtime's
+plan is compared with ``plan_owners`` on those items without the experts' base loads (the
+forecast adds them, for the experts each rank will step itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon_ownership import Topology, forecast, model_shapes, plan_owners
+from dmuon_ownership._forecast import DEFAULT_NS_BATCH_BYTES
+from dmuon_testing.distributed import run_distributed
+
+pytest.importorskip("transformers")
+
+_BASE = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 16,
+}
+FAMILIES = {
+    "llama": {"attention_bias": True, "mlp_bias": True},
+    "mistral": {"head_dim": 16},
+    "qwen2": {},
+    "qwen3": {"head_dim": 8, "tie_word_embeddings": True},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        "moe_intermediate_size": 24,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "head_dim": 8,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [2],
+        "num_hidden_layers": 4,
+    },
+    "deepseek_v3": {
+        "moe_intermediate_size": 16,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "n_group": 2,
+        "topk_group": 1,
+    },
+    "deepseek_v3 without q_lora": {
+        "moe_intermediate_size": 16,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 2,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "n_group": 2,
+        "topk_group": 1,
+        "attention_bias": True,
+    },
+}
+
+
+def _config(family: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family.split()[0], **{**_BASE, **FAMILIES[family]})
+
+
+def _predicate(name: str, param: torch.nn.Parameter) -> bool:
+    """What the forecast dedicates: every 2-D weight of the decoder layers."""
+    return param.ndim == 2 and ".layers." in name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_model_shapes_are_the_models_parameters(family: str, dtype: torch.dtype) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = _config(family)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    built = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
+    shapes = model_shapes(config.to_dict(), dtype=str(dtype))
+    assert {it.name: (it.shape, it.itemsize) for it in shapes.all_items} == built
+    assert {it.name for it in shapes.dedicated} == {
+        n for n, p in model.named_parameters() if _predicate(n, p)
+    }
+    assert all(p.ndim == 3 for n, p in model.named_parameters() if ".experts." in n)
+
+
+def test_forecast_batches_ns_as_muon_does_by_default() -> None:
+    from dmuon_fsdp.optim._optimizer import DEFAULT_NS_BATCH_BYTES as MUON_DEFAULT
+
+    assert DEFAULT_NS_BATCH_BYTES == MUON_DEFAULT
+
+
+def _started_like_a_big_model(rank: int, world_size: int, families: tuple[str, ...]):
+    return {family: _start(world_size, family) for family in families}
+
+
+def _start(world_size: int, family: str):
+    """Meta device -> dedicate_params -> fully_shard(ignored_params) -> to_empty -> load; the
+    runtime's items and owners, and the logits against the same weights on one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from dmuon_fsdp import dedicate_params, dedicated_params_of, set_model_state_dict
+
+    config = _config(family)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, _predicate, patch_fully_shard=False)
+    dedicated = dedicated_params_of(model)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # non-persistent buffers (rotary frequencies) are not in a checkpoint
+        for name, buffer in reference.named_buffers():
+            model.get_buffer(name).copy_(buffer)
+    set_model_state_dict(model, reference.state_dict())
+    tokens = torch.arange(12).reshape(2, 6) % config.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, reference(tokens).logits)
+    items = [
+        (dp.fqn, tuple(dp.shape), dp.boundary, dp.dtype.itemsize, dp.owner) for dp in runtime.params
+    ]
+    return items, runtime.plan.to_json()
+
+
+@pytest.mark.distributed
+def test_forecast_items_and_owners_are_the_runtimes() -> None:
+    from dmuon_ownership import Plan
+
+    dense, moe = "llama", "deepseek_v3"
+    results = run_distributed(_started_like_a_big_model, 2, (dense, moe))
+    assert all(other == results[0] for other in results[1:])
+    topology = Topology(2, param_dtype="float32", master_dtype="float32")
+    for family in (dense, moe):
+        items, plan_json = results[0][family]
+        fc = forecast(_config(family).to_dict(), topology)
+        runtime_plan = Plan.from_json(plan_json)
+        expected = [(it.name, it.shape, it.boundary, it.itemsize) for it in fc.items]
+        assert sorted(item[:4] for item in items) == sorted(expected)
+        if family == dense:
+            # No experts: the forecast's plan is the runtime's, owner for owner.
+            assert fc.plan == runtime_plan
+            owners = {n: fc.plan.owner_of(n) for n, *_ in expected}
+        else:
+            # The runtime plans the dense items alone (experts stay with FSDP2 for now).
+            assert fc.plan.base_loads
+            alone = plan_owners(fc.items, 2)
+            assert alone == runtime_plan
+            owners = {n: alone.owner_of(n) for n, *_ in expected}
+        assert {item[0]: item[4] for item in items} == owners

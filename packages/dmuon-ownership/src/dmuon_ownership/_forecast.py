@@ -1,0 +1,609 @@
+"""What dmuon will hold per rank and move per step at a topology, before the run.
+
+[Note: the forecast]
+
+:func:`forecast` takes a model config and a :class:`Topology`, builds the work items
+(:func:`model_shapes`) and the owner plan (:func:`plan_owners`, the same call the runtime makes,
+with the experts' work as ``base_loads``), and adds up, per rank, what each of three setups
+holds and moves; nothing is allocated.
+
+- **dmuon**: the ``dedicated`` matrices on their owners, the rest on FSDP2 (experts stepped
+  with Muon, each rank its own, everything else with AdamW).
+- **FSDP2 + AdamW**: every parameter sharded, AdamW everywhere (two moments).
+- **FSDP2 + Muon**: every parameter sharded; each rank all-gathers the gradient of every
+  dedicated matrix and orthogonalises all of them (a plain Muon on FSDP2); experts as in dmuon.
+
+Sizes per rank (``G`` shard size, ``R`` replicas, ``T`` TP degree; an item's local size is its
+elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of the param
+(compute), master, optimizer-state and reduce dtypes):
+
+- *kept between steps*: masters and optimizer states (Muon one buffer, AdamW two) of what a
+  rank owns (dmuon: its owned matrices whole, or its TP shard of them) and of its FSDP2 shards
+  (``ceil(d0 / G)`` rows, FSDP2 pads every shard to that); in HSDP a dmuon rank also keeps the
+  compute copy of the matrices its shard column owns on other replicas (the publish target).
+- *unsharded for forward*: with ZeRO-3, one layer at a time: dmuon's peer buffers (the layer's
+  dedicated matrices that the rank's shard index does not own, compute dtype) plus FSDP2's
+  all-gathered rest of the layer (norms, experts), plus the root's FSDP2 parameters (embedding,
+  final norm, head, held for the whole forward); ZeRO-2 keeps every layer until backward.
+  Prefetch holds the next layer as well, up to twice the one-layer figure.
+- *bytes per step*, per mesh axis, received per rank (ARCHITECTURE.md, "Bytes per step", with
+  each round in its own dtype): shard axis ``(G−1)/G`` times, for dmuon's matrices, ``b·c``
+  per broadcast round (2 with ZeRO-3, 1 with ZeRO-2) plus ``r`` for the reduce; for FSDP2 the
+  same rounds as all-gathers and a reduce-scatter, and FSDP2 + Muon one more all-gather of
+  every dedicated gradient; replicate axis: dmuon's reduce and publish, ``(R−1)/R`` times the
+  bytes its shard column owns (``r + c`` per element), FSDP2's all-reduce of its gradient shard,
+  ``2(R−1)/R·r·b/G``; TP axis: dmuon's gather mode (the TP owner receives ``(T−1)/T`` of a
+  matrix's momentum and sends back the update; the others receive their ``1/T``, optimizer
+  dtype), FSDP2 + Muon's all-gather of every TP-sharded gradient, nothing for AdamW.
+- *optimizer work*: the planner's cost (:func:`ns_cost`, FLOP-equivalents, NS plus the
+  elementwise pass) per rank, and the NS time of one step predicted from measured NS times
+  ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
+  per shape, cut where the batch's momentum passes ``ns_batch_bytes``). A tensor-parallel
+  matrix is orthogonalised whole by its TP owner (gather mode).
+
+Experts are FSDP2 parameters sharded on dim 0 with ``torch.chunk`` semantics: shard index ``s``
+holds experts ``[s·k, (s+1)·k)`` of each stack, ``k = ceil(E / G)``, so with ``G`` not
+dividing ``E`` (or ``G > E``) the last shard indices hold fewer or none, and the imbalance
+cannot be planned away; the forecast says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ._cost import ns_cost
+from ._items import WorkItem
+from ._lpt import plan_owners
+from ._model_shapes import ModelShapes, model_shapes
+from ._ns_times import NSTimes, load_ns_times
+from ._plan import Plan
+from ._route import Route, normalize_dtype
+
+__all__ = ["Forecast", "Spread", "Topology", "forecast"]
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Muon(ns_batch_bytes=) default in dmuon-fsdp: momentum bytes of one NS call.
+DEFAULT_NS_BATCH_BYTES = 64 * 2**20
+
+DMUON, ADAMW, MUON = "dmuon", "FSDP2 + AdamW", "FSDP2 + Muon"
+SETUPS = (DMUON, ADAMW, MUON)
+
+_Member = tuple[int, int, int]  # one tensor's NS input: (matrices, rows, cols)
+
+
+def _member(shape: tuple[int, ...], matrices: int | None = None) -> _Member:
+    count = math.prod(shape[:-2]) if matrices is None else matrices
+    return count, shape[-2], shape[-1]
+
+
+def _positive_int(where: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Topology: {where} must be an int >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The cluster and the sharding settings a forecast is for.
+
+    ``ranks`` in all; ``tp`` the tensor-parallel degree; ``shard_size`` the FSDP2 / dmuon
+    shard group (HSDP: ``replicas = ranks / (tp · shard_size)``; ``None``: every
+    data-parallel rank in one shard group); ``zero`` 3 (``reshard_after_forward=True``) or 2.
+    Dtypes by name (``"bf16"``, ``"float32"``, ...): ``param_dtype`` is what forward computes
+    in and broadcasts carry, ``master_dtype`` the weights the optimizer updates (and the
+    dtype the model is built in), ``optim_dtype`` its states (default: the master dtype),
+    ``reduce_dtype`` what gradients are summed in (default: the param dtype, FSDP2's rule).
+    """
+
+    ranks: int
+    shard_size: int | None = None
+    tp: int = 1
+    zero: int = 3
+    param_dtype: str = "bfloat16"
+    master_dtype: str = "float32"
+    optim_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        ranks = _positive_int("ranks", self.ranks)
+        tp = _positive_int("tp", self.tp)
+        if ranks % tp:
+            raise ValueError(
+                f"Topology: ranks={ranks} is not a multiple of tp={tp}; the world is tp "
+                "data-parallel grids of equal size"
+            )
+        shard = ranks // tp if self.shard_size is None else self.shard_size
+        shard = _positive_int("shard_size", shard)
+        if (ranks // tp) % shard:
+            raise ValueError(
+                f"Topology: shard_size={shard} does not divide the {ranks // tp} data-parallel "
+                f"ranks (ranks / tp); HSDP needs replicas x shard_size = ranks / tp"
+            )
+        if self.zero not in (2, 3):
+            raise ValueError(
+                f"Topology: zero must be 2 (weights kept from forward to backward) or 3 "
+                f"(resharded after forward), got {self.zero!r}"
+            )
+        object.__setattr__(self, "shard_size", shard)
+        for name in ("param_dtype", "master_dtype"):
+            value = normalize_dtype(getattr(self, name), f"Topology: {name}")
+            if value is None:
+                raise ValueError(f"Topology: {name} needs a dtype, got None")
+            object.__setattr__(self, name, value)
+        optim = normalize_dtype(self.optim_dtype, "Topology: optim_dtype")
+        reduce = normalize_dtype(self.reduce_dtype, "Topology: reduce_dtype")
+        object.__setattr__(self, "optim_dtype", optim or self.master_dtype)
+        object.__setattr__(self, "reduce_dtype", reduce or self.param_dtype)
+
+    @property
+    def shard(self) -> int:
+        assert self.shard_size is not None
+        return self.shard_size
+
+    @property
+    def replicas(self) -> int:
+        return self.ranks // (self.tp * self.shard)
+
+    def describe(self) -> str:
+        layout = (
+            f"{self.replicas} replicas x {self.shard} shards (HSDP)"
+            if self.replicas > 1
+            else f"{self.shard} shards"
+        )
+        return (
+            f"{self.ranks} ranks = {layout}, TP {self.tp}, ZeRO-{self.zero}; param "
+            f"{self.param_dtype}, master {self.master_dtype}, optim {self.optim_dtype}, reduce "
+            f"{self.reduce_dtype}"
+        )
+
+
+class Spread(NamedTuple):
+    """A per-rank figure over every rank: its largest value and its mean."""
+
+    max: float
+    mean: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread:
+        values = list(values)
+        return cls(max(values), math.fsum(values) / len(values)) if values else cls(0.0, 0.0)
+
+    @classmethod
+    def uniform(cls, value: float) -> Spread:
+        return cls(value, value)
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Per-rank figures of one model at one topology (see [Note: the forecast]).
+
+    ``memory``, ``unsharded``, ``traffic``, ``work`` and ``ns_ms`` map a setup (``"dmuon"``,
+    ``"FSDP2 + AdamW"``, ``"FSDP2 + Muon"``) to rows of :class:`Spread` values in bytes,
+    bytes, bytes per step, FLOP-equivalents and milliseconds. ``ns_ms`` is predicted.
+    """
+
+    shapes: ModelShapes
+    topology: Topology
+    plan: Plan
+    ns_times: NSTimes
+    memory: Mapping[str, Mapping[str, Spread]]
+    unsharded: Mapping[str, Mapping[str, Spread]]
+    traffic: Mapping[str, Mapping[str, Spread]]
+    work: Mapping[str, Spread]
+    ns_ms: Mapping[str, Spread]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def items(self) -> tuple[WorkItem, ...]:
+        """The work items the plan was made from: what ``dedicate_params`` plans."""
+        return self.shapes.dedicated
+
+    @property
+    def balance(self) -> float:
+        """max / mean of the plan's per-slot work, experts included."""
+        return 1.0 + self.plan.imbalance
+
+    def render(self) -> str:
+        from ._forecast_report import render
+
+        return render(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        from ._forecast_report import as_dict
+
+        return as_dict(self)
+
+
+def forecast(
+    config: Mapping[str, Any] | str | os.PathLike[str] | ModelShapes,
+    topology: Topology,
+    *,
+    small_param_threshold: int = 5_000_000,
+    ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
+    ns_times: NSTimes | None = None,
+) -> Forecast:
+    """Plan ``config`` (a parsed ``config.json``, its path, a model directory, or a
+    :class:`ModelShapes`) on ``topology`` and add up what every rank holds, moves and computes.
+
+    ``small_param_threshold`` is ``dedicate_params``'s, ``ns_batch_bytes`` ``Muon``'s (they
+    shape the plan and the NS batches as in the run); ``ns_times`` is the table of measured NS
+    times (default: the H200 one shipped with the package). Allocates nothing; see [Note: the
+    forecast].
+    """
+    if not isinstance(topology, Topology):
+        raise ValueError(
+            f"forecast: topology must be a Topology, got {type(topology).__name__}; e.g. "
+            "Topology(ranks=512, shard_size=64)"
+        )
+    shapes = (
+        config
+        if isinstance(config, ModelShapes)
+        else model_shapes(config, tp=topology.tp, dtype=topology.master_dtype)
+    )
+    tp_degrees = {item.tp for item in shapes.all_items} - {1}
+    if tp_degrees - {topology.tp}:
+        raise ValueError(
+            f"forecast: the ModelShapes were made for tp={sorted(tp_degrees)} but the topology "
+            f"has tp={topology.tp}; build them with model_shapes(config, tp={topology.tp})"
+        )
+    if ns_batch_bytes is not None and (
+        not isinstance(ns_batch_bytes, int)
+        or isinstance(ns_batch_bytes, bool)
+        or ns_batch_bytes < 1
+    ):
+        raise ValueError(
+            "forecast: ns_batch_bytes must be an int >= 1 (bytes of momentum in one NS call, "
+            f"Muon's option) or None for no cap, got {ns_batch_bytes!r}"
+        )
+    table = ns_times or load_ns_times()
+    return _Forecaster(shapes, topology, table, small_param_threshold, ns_batch_bytes).run()
+
+
+class _Forecaster:
+    """The arithmetic of one :func:`forecast` call."""
+
+    def __init__(
+        self,
+        shapes: ModelShapes,
+        topology: Topology,
+        table: NSTimes,
+        threshold: int,
+        batch_bytes: int | None,
+    ) -> None:
+        self.shapes, self.topo, self.table = shapes, topology, table
+        self.threshold, self.batch_bytes = threshold, batch_bytes
+        self.G, self.R, self.T = topology.shard, topology.replicas, topology.tp
+        self.c = _ITEMSIZE[topology.param_dtype]
+        self.m = _ITEMSIZE[topology.master_dtype]
+        assert topology.optim_dtype is not None and topology.reduce_dtype is not None
+        self.o = _ITEMSIZE[topology.optim_dtype]
+        self.r = _ITEMSIZE[topology.reduce_dtype]
+        self._ms: dict[tuple[int, int, int], float] = {}
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def local(item: WorkItem) -> int:
+        """Elements of ``item`` on one TP rank."""
+        return -(-item.numel // item.tp)
+
+    def shard_numel(self, item: WorkItem) -> int:
+        """Elements of one FSDP2 shard of ``item`` (padded to ``ceil(d0 / G)`` rows)."""
+        rows = -(-item.shape[0] // self.G) if item.shape else 1
+        return -(-(rows * math.prod(item.shape[1:])) // item.tp)
+
+    def experts_held(self, item: WorkItem, shard: int) -> int:
+        """Experts of stack ``item`` that shard index ``shard`` holds (``torch.chunk``)."""
+        count = item.shape[0]
+        chunk = -(-count // self.G)
+        return max(0, min(chunk, count - shard * chunk))
+
+    # -- the plan ------------------------------------------------------------------------------
+
+    def held(self, shard: int) -> tuple[int, ...]:
+        """Experts of each stack that shard index ``shard`` holds; shard indices with equal
+        holdings share every figure that depends on them."""
+        return tuple(self.experts_held(item, shard) for item in self.shapes.experts)
+
+    def expert_cost(self, held: tuple[int, ...]) -> float:
+        return math.fsum(
+            ns_cost((count, *item.shape[1:]), Route.MUON)
+            for count, item in zip(held, self.shapes.experts)
+            if count
+        )
+
+    def run(self) -> Forecast:
+        G, R = self.G, self.R
+        self.holdings = [self.held(s) for s in range(G)]
+        costs = {held: self.expert_cost(held) for held in set(self.holdings)}
+        shard_cost = [costs[held] for held in self.holdings]
+        base = [shard_cost[slot % G] for slot in range(G * R)] if self.shapes.experts else None
+        plan = plan_owners(
+            self.shapes.dedicated,
+            G,
+            R,
+            small_param_threshold=self.threshold,
+            base_loads=base,
+        )
+        self.plan = plan
+        self.slot_of = {
+            name: plan.slot_of(unit.owner) for unit in plan.units for name in unit.names
+        }
+        self.tp_owner = dict(plan.tp_owners)
+        return Forecast(
+            shapes=self.shapes,
+            topology=self.topo,
+            plan=plan,
+            ns_times=self.table,
+            memory=self.memory(),
+            unsharded=self.unsharded(),
+            traffic=self.traffic(),
+            work=self.work(shard_cost),
+            ns_ms=self.ns_time(),
+            notes=tuple(self.notes()),
+        )
+
+    # -- memory kept between steps -------------------------------------------------------------
+
+    def memory(self) -> dict[str, dict[str, Spread]]:
+        G, R = self.G, self.R
+        m, o, c = self.m, self.o, self.c
+        rest = sum(self.shard_numel(it) for it in self.shapes.fsdp)  # AdamW in every setup
+        experts = sum(self.shard_numel(it) for it in self.shapes.experts)
+        dense = sum(self.shard_numel(it) for it in self.shapes.dedicated)  # as FSDP2 shards
+        owned_master = [0] * (G * R)
+        owned_states = [0] * (G * R)
+        owned_copy = [0] * (G * R)
+        for item in self.shapes.dedicated:
+            slot = self.slot_of[item.name]
+            size = self.local(item)
+            owned_master[slot] += size * m
+            owned_states[slot] += size * o * (1 if item.route is Route.MUON else 2)
+            owned_copy[slot] += size * c
+        column = [0] * G  # compute bytes owned by each shard index, over the replicas
+        for slot, size in enumerate(owned_copy):
+            column[slot % G] += size
+        replica = [column[slot % G] - owned_copy[slot] if R > 1 else 0 for slot in range(G * R)]
+        fsdp_master = (rest + experts) * m
+        fsdp_states = rest * 2 * o + experts * o  # AdamW's two moments, Muon's one buffer
+        dmuon = {
+            "masters": Spread.of(fsdp_master + x for x in owned_master),
+            "optimizer states": Spread.of(fsdp_states + x for x in owned_states),
+            "HSDP replica copies": Spread.of(replica),
+            "total": Spread.of(
+                fsdp_master + fsdp_states + owned_master[s] + owned_states[s] + replica[s]
+                for s in range(G * R)
+            ),
+        }
+        masters = (rest + experts + dense) * m
+        setups = {DMUON: dmuon}
+        for name, states in (
+            (ADAMW, (rest + experts + dense) * 2 * o),
+            (MUON, rest * 2 * o + (experts + dense) * o),
+        ):
+            setups[name] = {
+                "masters": Spread.uniform(masters),
+                "optimizer states": Spread.uniform(states),
+                "HSDP replica copies": Spread.uniform(0),
+                "total": Spread.uniform(masters + states),
+            }
+        return setups
+
+    # -- unsharded for forward -----------------------------------------------------------------
+
+    def unsharded(self) -> dict[str, dict[str, Spread]]:
+        G, c = self.G, self.c
+        dedicated: dict[str, int] = defaultdict(int)  # boundary -> its dedicated matrices
+        mine: dict[str, list[int]] = defaultdict(lambda: [0] * G)  # ... owned per shard index
+        fsdp: dict[str, int] = defaultdict(int)  # boundary -> its FSDP2 parameters
+        for item in self.shapes.dedicated:
+            size = self.local(item) * c
+            dedicated[item.boundary] += size
+            mine[item.boundary][self.slot_of[item.name] % G] += size
+        for item in self.shapes.fsdp + self.shapes.experts:
+            fsdp[item.boundary] += self.local(item) * c
+        root = fsdp.pop("", 0) + dedicated.pop("", 0)
+        layers = sorted(set(dedicated) | set(fsdp))
+        combine = max if self.topo.zero == 3 else sum
+
+        def per_shard(with_fsdp: bool) -> list[float]:
+            out = []
+            for s in range(G):
+                sizes = [
+                    dedicated.get(b, 0)
+                    - (mine[b][s] if b in mine else 0)
+                    + (fsdp.get(b, 0) if with_fsdp else 0)
+                    for b in layers
+                ]
+                held = float(combine(sizes)) if sizes else 0.0
+                out.append(held + (root if with_fsdp else 0))
+            return out
+
+        whole = [dedicated.get(b, 0) + fsdp.get(b, 0) for b in layers]
+        fsdp_all = float(combine(whole) if whole else 0) + root
+        return {
+            DMUON: {
+                "dmuon peer buffers": Spread.of(per_shard(False)),
+                "all": Spread.of(per_shard(True)),
+            },
+            ADAMW: {"dmuon peer buffers": Spread.uniform(0), "all": Spread.uniform(fsdp_all)},
+            MUON: {"dmuon peer buffers": Spread.uniform(0), "all": Spread.uniform(fsdp_all)},
+        }
+
+    # -- bytes per step ------------------------------------------------------------------------
+
+    def fsdp_bytes(
+        self, items: Iterable[WorkItem], gather_grads: bool = False
+    ) -> tuple[float, float]:
+        """(shard axis, replicate axis) bytes per rank of FSDP2's rounds over ``items``."""
+        G, R, c, r = self.G, self.R, self.c, self.r
+        elements = sum(self.local(item) for item in items)
+        gathers = 2 if self.topo.zero == 3 else 1
+        per_element = gathers * c + r + (r if gather_grads else 0)
+        shard = (G - 1) / G * elements * per_element
+        replicate = 2 * (R - 1) / R * elements * r / G
+        return shard, replicate
+
+    def traffic(self) -> dict[str, dict[str, Spread]]:
+        G, R, T = self.G, self.R, self.T
+        c, r, o = self.c, self.r, self.o
+        dedicated = self.shapes.dedicated
+        rest = self.shapes.fsdp + self.shapes.experts
+        rest_shard, rest_replicate = self.fsdp_bytes(rest)
+        gathers = 2 if self.topo.zero == 3 else 1
+        elements = sum(self.local(item) for item in dedicated)
+        shard = (G - 1) / G * elements * (gathers * c + r) + rest_shard
+        column = [0] * G
+        tp_bytes = [[0.0] * T for _ in range(G * R)]
+        for item in dedicated:
+            slot = self.slot_of[item.name]
+            column[slot % G] += self.local(item) * (r + c)
+            if item.tp > 1:
+                owner = self.tp_owner[item.name]
+                for t in range(T):
+                    share = (T - 1) / T if t == owner else 1 / T
+                    tp_bytes[slot][t] += share * item.numel * o
+        replicate = [(R - 1) / R * column[s] + rest_replicate for s in range(G)]
+        # Every rank of a grid coordinate; ranks off every owner coordinate move nothing on TP.
+        tp_all = [value for row in tp_bytes for value in row]
+        all_shard, all_replicate = self.fsdp_bytes(dedicated + rest)
+        muon_shard, muon_replicate = self.fsdp_bytes(dedicated, gather_grads=True)
+        tp_muon = sum((T - 1) / T * item.numel * r for item in dedicated if item.tp > 1)
+        return {
+            DMUON: {
+                "shard": Spread.uniform(shard),
+                "replicate": Spread.of(replicate),
+                "tp": Spread.of(tp_all),
+            },
+            ADAMW: {
+                "shard": Spread.uniform(all_shard),
+                "replicate": Spread.uniform(all_replicate),
+                "tp": Spread.uniform(0.0),
+            },
+            MUON: {
+                "shard": Spread.uniform(muon_shard + rest_shard),
+                "replicate": Spread.uniform(muon_replicate + rest_replicate),
+                "tp": Spread.uniform(tp_muon),
+            },
+        }
+
+    # -- optimizer work ------------------------------------------------------------------------
+
+    def work(self, shard_cost: list[float]) -> dict[str, Spread]:
+        plan, G = self.plan, self.G
+        if plan.tp_loads:
+            dmuon = [load for row in plan.tp_loads for load in row]
+        else:
+            dmuon = list(plan.loads)
+        everything = math.fsum(ns_cost(item.shape, item.route) for item in self.shapes.dedicated)
+        muon = [everything + shard_cost[s] for s in range(G)]
+        adamw = [
+            math.fsum(
+                ns_cost((self.shard_numel(item),), Route.ADAMW) for item in self.shapes.all_items
+            )
+        ]
+        return {DMUON: Spread.of(dmuon), ADAMW: Spread.of(adamw), MUON: Spread.of(muon)}
+
+    def predict(self, batch: int, rows: int, cols: int) -> float:
+        key = (batch, rows, cols)
+        if key not in self._ms:
+            self._ms[key] = self.table.predict_ms(batch, rows, cols)
+        return self._ms[key]
+
+    def batched_ms(self, members: Iterable[_Member]) -> float:
+        """Predicted NS time of ``members`` ``(matrices, rows, cols)`` batched as ``Muon``
+        does: one call per matrix shape, cut where the momentum passes ``ns_batch_bytes``."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for matrices, rows, cols in members:
+            groups.setdefault((rows, cols), []).append(matrices)
+        total = 0.0
+        for (rows, cols), counts in groups.items():
+            per_matrix = rows * cols * self.o
+            run = used = 0
+            for matrices in counts:
+                size = matrices * per_matrix
+                if run and self.batch_bytes is not None and used + size > self.batch_bytes:
+                    total += self.predict(run, rows, cols)
+                    run = used = 0
+                run += matrices
+                used += size
+            if run:
+                total += self.predict(run, rows, cols)
+        return total
+
+    def ns_time(self) -> dict[str, Spread]:
+        G, R, T = self.G, self.R, self.T
+        expert_members = {
+            held: [
+                _member(item.shape, count)
+                for count, item in zip(held, self.shapes.experts)
+                if count
+            ]
+            for held in set(self.holdings)
+        }
+        owned: list[list[list[_Member]]] = [[[] for _ in range(T)] for _ in range(G * R)]
+        for item in self.plan_order():
+            slot = self.slot_of[item.name]
+            member = _member(item.shape)
+            for t in range(T):
+                if item.tp == 1 or self.tp_owner[item.name] == t:
+                    owned[slot][t].append(member)
+        times: dict[tuple[tuple[_Member, ...], tuple[int, ...]], float] = {}
+        dmuon = []
+        for slot in range(G * R):
+            held = self.holdings[slot % G]
+            for t in range(T):
+                key = (tuple(owned[slot][t]), held)
+                if key not in times:
+                    times[key] = self.batched_ms(owned[slot][t] + expert_members[held])
+                dmuon.append(times[key])
+        every = [_member(item.shape) for item in self.shapes.dedicated]
+        per_holding = {
+            held: self.batched_ms(every + expert_members[held]) for held in expert_members
+        }
+        muon = [per_holding[held] for held in self.holdings]
+        return {DMUON: Spread.of(dmuon), ADAMW: Spread.uniform(0.0), MUON: Spread.of(muon)}
+
+    def plan_order(self) -> list[WorkItem]:
+        by_name = {item.name: item for item in self.shapes.dedicated}
+        return [by_name[name] for name in self.plan.names]
+
+    # -- notes ---------------------------------------------------------------------------------
+
+    def notes(self) -> list[str]:
+        notes: list[str] = []
+        G = self.G
+        counts = sorted({item.shape[0] for item in self.shapes.experts})
+        for count in counts:
+            chunk = -(-count // G)
+            empty = sum(1 for s in range(G) if count - s * chunk <= 0)
+            if count % G:
+                notes.append(
+                    f"experts: {count} per stack over a shard group of {G} (torch.chunk: "
+                    f"{chunk} per shard index, {empty} of {G} shard indices hold none"
+                    f"{'' if empty else ', the last fewer'}); a shard size that divides {count} "
+                    "spreads them evenly"
+                )
+        if self.plan.imbalance > 0.05:
+            balance = f"NS load max/mean is {1 + self.plan.imbalance:.3f}: "
+            if any(note.startswith("experts:") for note in notes):
+                notes.append(balance + "the experts' shares are uneven (above)")
+            elif self.shapes.dedicated:
+                largest = max(self.shapes.dedicated, key=lambda it: ns_cost(it.shape, it.route))
+                mean = math.fsum(self.plan.loads) / len(self.plan.loads)
+                share = ns_cost(largest.shape, largest.route) / mean
+                notes.append(
+                    balance + f"each matrix is owned whole, and one {largest.shape} matrix "
+                    f"({largest.name.rsplit('.', 2)[-2]}) is {share:.0%} of a rank's mean load; "
+                    "fewer slots (tensor parallelism) or more work per slot even it out"
+                )
+        if self.topo.zero == 3:
+            notes.append(
+                "unsharded for forward: one layer; prefetching the next holds up to twice that"
+            )
+        return notes

@@ -1,0 +1,145 @@
+"""A :class:`Forecast` as text (what ``dmuon-plan`` prints) and as a JSON-ready dict."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._forecast import Forecast, Spread
+
+__all__ = ["as_dict", "render"]
+
+_GIB = 2**30
+_SETUPS = ("dmuon", "FSDP2 + AdamW", "FSDP2 + Muon")
+
+
+def _billions(numel: int) -> str:
+    return f"{numel / 1e9:,.2f} B"
+
+
+def _model_lines(fc: Forecast) -> list[str]:
+    shapes = fc.shapes
+    dedicated = sum(item.numel for item in shapes.dedicated)
+    experts = sum(item.numel for item in shapes.experts)
+    rest = sum(item.numel for item in shapes.fsdp)
+    lines = [
+        f"dmuon-plan: {shapes.model_type}, {shapes.num_layers} layers, "
+        f"{_billions(shapes.numel)} parameters",
+        f"  dedicated (owner runs Muon): {len(shapes.dedicated):,} matrices, {_billions(dedicated)}",
+    ]
+    if shapes.experts:
+        lines.append(
+            f"  experts (FSDP2, each rank runs Muon on its own): {len(shapes.experts):,} stacks "
+            f"of {shapes.num_experts}, {_billions(experts)}"
+        )
+    lines.append(f"  FSDP2 + AdamW (embeddings, norms, biases, head): {_billions(rest)}")
+    return lines
+
+
+def render(fc: Forecast) -> str:
+    """The report ``dmuon-plan`` prints: one row per figure, dmuon's max and mean over the
+    ranks and the max of each FSDP2 setup; predicted figures say so."""
+    plan = fc.plan
+    lines = _model_lines(fc)
+    lines.append(f"topology: {fc.topology.describe()}")
+    lines.append(
+        f"owner plan: {len(plan.names):,} matrices on {plan.world_size:,} slots, NS load "
+        f"max/mean {fc.balance:.3f}{' (experts included)' if fc.shapes.experts else ''}, "
+        f"fingerprint {plan.fingerprint()[:12]}"
+    )
+    lines.append("")
+    header = (
+        f"{'per rank':<38}{'dmuon max':>12}{'dmuon mean':>12}{'FSDP2+AdamW':>13}{'FSDP2+Muon':>12}"
+    )
+    lines.append(header)
+
+    def row(label: str, table: Mapping[str, Mapping[str, Spread]], key: str, scale: float) -> str:
+        dmuon = table["dmuon"][key]
+        cells = [dmuon.max / scale, dmuon.mean / scale]
+        cells += [table[setup][key].max / scale for setup in _SETUPS[1:]]
+        widths = (12, 12, 13, 12)
+        return f"  {label:<36}" + "".join(f"{v:>{w},.2f}" for v, w in zip(cells, widths))
+
+    lines.append("kept between steps (GiB)")
+    for key in ("masters", "optimizer states", "HSDP replica copies", "total"):
+        lines.append(row(key, fc.memory, key, _GIB))
+    zero = "one layer + root" if fc.topology.zero == 3 else "every layer + root"
+    lines.append(f"unsharded for forward (GiB, {zero})")
+    lines.append(row("dmuon peer buffers", fc.unsharded, "dmuon peer buffers", _GIB))
+    lines.append(row("all unsharded weights", fc.unsharded, "all", _GIB))
+    lines.append("bytes per step (GiB received)")
+    for key, label in (("shard", "shard axis"), ("replicate", "replicate axis"), ("tp", "TP axis")):
+        lines.append(row(label, fc.traffic, key, _GIB))
+    lines.append("optimizer step")
+    work = {setup: {"work": fc.work[setup]} for setup in _SETUPS}
+    lines.append(row("work (TFLOP-eq., planner cost)", work, "work", 1e12))
+    ns = {setup: {"ns": fc.ns_ms[setup]} for setup in _SETUPS}
+    lines.append(row("NS time (ms, PREDICTED)", ns, "ns", 1.0))
+    lines.append("")
+    lines.append(
+        "FSDP2 columns: max over ranks. Work and NS time: dmuon's owned matrices and own "
+        "experts; FSDP2 + Muon orthogonalises every matrix on every rank; AdamW's work is its "
+        "elementwise pass."
+    )
+    if fc.notes:
+        lines.append("notes:")
+        lines.extend(f"  - {note}" for note in fc.notes)
+    table = fc.ns_times
+    lines.append(
+        f"PREDICTED: NS times from Newton-Schulz calls measured on {table.card} on {table.date} "
+        f"({table.source}), interpolated to other shapes by the FLOP model ns_flops; every "
+        "other figure is counted from the config and the plan."
+    )
+    return "\n".join(lines)
+
+
+def _spreads(table: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        key: ({"max": value.max, "mean": value.mean} if hasattr(value, "mean") else _spreads(value))
+        for key, value in table.items()
+    }
+
+
+def as_dict(fc: Forecast) -> dict[str, Any]:
+    """The forecast as plain JSON types (``dmuon-plan --json``)."""
+    shapes = fc.shapes
+    return {
+        "model": {
+            "model_type": shapes.model_type,
+            "layers": shapes.num_layers,
+            "experts_per_layer": shapes.num_experts,
+            "parameters": shapes.numel,
+            "dedicated": {
+                "tensors": len(shapes.dedicated),
+                "parameters": sum(i.numel for i in shapes.dedicated),
+            },
+            "experts": {
+                "tensors": len(shapes.experts),
+                "parameters": sum(i.numel for i in shapes.experts),
+            },
+            "fsdp": {"tensors": len(shapes.fsdp), "parameters": sum(i.numel for i in shapes.fsdp)},
+        },
+        "topology": {
+            **dataclasses.asdict(fc.topology),
+            "replicas": fc.topology.replicas,
+        },
+        "plan": {
+            "fingerprint": fc.plan.fingerprint(),
+            "slots": fc.plan.world_size,
+            "matrices": len(fc.plan.names),
+            "ns_load_max_over_mean": fc.balance,
+        },
+        "memory_bytes": _spreads(fc.memory),
+        "unsharded_bytes": _spreads(fc.unsharded),
+        "bytes_per_step": _spreads(fc.traffic),
+        "work_flop_equivalents": _spreads(fc.work),
+        "predicted_ns_ms": _spreads(fc.ns_ms),
+        "ns_times": {
+            "card": fc.ns_times.card,
+            "date": fc.ns_times.date,
+            "source": fc.ns_times.source,
+        },
+        "notes": list(fc.notes),
+    }

@@ -1,0 +1,106 @@
+"""Predicted Newton–Schulz times from a table of measured ones.
+
+[Note: predicted NS times]
+
+The package ships the NS times dmuon measured on one card (``ns_times_h200.json``: the card,
+the date, the run and the software it came from, and per measured call its batch, matrix shape
+and median milliseconds). A call that was not measured is predicted through the FLOP model of
+:func:`ns_flops`: each measured call gives a rate, FLOPs of the call (batch × ``ns_flops``) per
+millisecond; the rate of another call is interpolated linearly in log FLOPs between the two
+measured calls around it, and held at the nearest end outside the measured range; the time is
+its FLOPs over that rate. The rate grows with the call's size (on the H200 from ~220 model
+TFLOP/s at one 1024×4096 matrix to ~1270 at 8192×28672), which a single constant would miss by
+up to 6×. Below the smallest measured call (77 GFLOP) a call is bound by kernel launches more
+than by FLOPs, so its prediction is optimistic; above the largest (37 TFLOP) the card runs at
+its power cap, where the rate no longer grows, so holding it is the measured behaviour.
+Every figure computed from this table is a prediction and is labelled so.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from typing import Any
+
+from ._cost import ns_flops
+
+__all__ = ["NSTimes", "load_ns_times"]
+
+_DEFAULT = "ns_times_h200.json"
+
+
+@dataclass(frozen=True)
+class NSTimes:
+    """Measured NS calls (``(batch, rows, cols, ms)``) and the predictions they give."""
+
+    card: str
+    date: str
+    source: str
+    steps: int
+    restarts: int
+    measured: tuple[tuple[int, int, int, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.measured:
+            raise ValueError("NSTimes: the table has no measured calls")
+        for batch, rows, cols, ms in self.measured:
+            if min(batch, rows, cols) < 1 or not (math.isfinite(ms) and ms > 0):
+                raise ValueError(
+                    f"NSTimes: measured call {(batch, rows, cols, ms)} needs batch, rows and cols "
+                    ">= 1 and a time > 0 ms"
+                )
+
+    @classmethod
+    def from_json(cls, text: str) -> NSTimes:
+        data: Any = json.loads(text)
+        return cls(
+            card=data["card"],
+            date=data["date"],
+            source=data["source"],
+            steps=data["ns"]["steps"],
+            restarts=data["ns"]["restarts"],
+            measured=tuple(
+                (e["batch"], e["rows"], e["cols"], float(e["ms"])) for e in data["entries"]
+            ),
+        )
+
+    def flops(self, batch: int, rows: int, cols: int) -> int:
+        return batch * ns_flops(rows, cols, self.steps, restarts=self.restarts)
+
+    @cached_property
+    def _curve(self) -> tuple[list[float], list[float]]:
+        """log FLOPs and FLOPs per ms of the measured calls, by FLOPs."""
+        points = sorted((self.flops(b, r, c), ms) for b, r, c, ms in self.measured)
+        return [math.log(f) for f, _ in points], [f / ms for f, ms in points]
+
+    def predict_ms(self, batch: int, rows: int, cols: int) -> float:
+        """Predicted milliseconds of one NS call on ``batch`` matrices of ``rows × cols``
+        (see [Note: predicted NS times])."""
+        work = self.flops(batch, rows, cols)
+        if work == 0:
+            return 0.0
+        logs, rates = self._curve
+        x = math.log(work)
+        right = bisect.bisect_left(logs, x)
+        if right == 0:
+            rate = rates[0]
+        elif right == len(logs):
+            rate = rates[-1]
+        else:
+            left = right - 1
+            share = (x - logs[left]) / (logs[right] - logs[left])
+            rate = rates[left] + share * (rates[right] - rates[left])
+        return work / rate
+
+    def label(self) -> str:
+        return f"{self.card}, measured {self.date}"
+
+
+def load_ns_times(name: str = _DEFAULT) -> NSTimes:
+    """The measured table shipped with the package (the H200 one by default)."""
+    text = resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+    return NSTimes.from_json(text)

@@ -1,0 +1,265 @@
+"""forecast / dmuon-plan: per-rank figures against independent sums, the K2 planning target,
+the measured NS table, the command line and errors."""
+
+import json
+import math
+import time
+
+import pytest
+from ownership_models import KIMI_K2, LLAMA_3_70B
+
+from dmuon_ownership import (
+    Topology,
+    forecast,
+    load_ns_times,
+    model_shapes,
+    ns_cost,
+    plan_owners,
+)
+from dmuon_ownership._forecast import ADAMW, DMUON, MUON
+from dmuon_ownership._plan_cli import main
+
+# A small Llama whose every first dimension divides by 4 (no FSDP2 padding at shard size 4).
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "tie_word_embeddings": False,
+}
+H, FF, KV, V, L = 64, 128, 32, 256, 3
+P_M = L * (2 * H * H + 2 * KV * H + 3 * FF * H)  # q, o; k, v; gate, up, down
+P_F = 2 * V * H + (2 * L + 1) * H  # embedding, head; two norms per layer and the final one
+
+# A tiny Mixtral: 6 experts per stack, 2 layers.
+MOE = {
+    "model_type": "mixtral",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 6,
+    "vocab_size": 128,
+}
+
+
+def test_the_parameter_split_this_file_assumes() -> None:
+    shapes = model_shapes(TINY)
+    assert sum(it.numel for it in shapes.dedicated) == P_M
+    assert sum(it.numel for it in shapes.fsdp) == P_F
+
+
+@pytest.mark.parametrize("zero", [3, 2])
+def test_bytes_per_step_follow_the_architecture_formulas(zero: int) -> None:
+    # One dtype everywhere (2 bytes), so the formulas hold as written: per rank on the shard
+    # axis dmuon moves (rounds)(G-1)/G P_M with rounds 3 (ZeRO-3) or 2, FSDP2 + AdamW the same,
+    # FSDP2 + Muon one more; everything else is FSDP2's, the same in every setup.
+    G, R = 4, 2
+    topo = Topology(G * R, G, zero=zero, param_dtype="bf16", master_dtype="bf16")
+    fc = forecast(TINY, topo)
+    rounds = 3 if zero == 3 else 2
+    share = (G - 1) / G * 2
+    assert fc.traffic[DMUON]["shard"].max == pytest.approx(rounds * share * (P_M + P_F))
+    assert fc.traffic[ADAMW]["shard"].max == pytest.approx(rounds * share * (P_M + P_F))
+    assert fc.traffic[MUON]["shard"].max == pytest.approx(
+        share * ((rounds + 1) * P_M + rounds * P_F)
+    )
+    # Replicate axis: dmuon's reduce + publish sum to P_M over the G columns, FSDP2 all-reduces
+    # its shard; at one dtype the means agree and dmuon's max is its fullest column.
+    replicate = 2 * (R - 1) / R * 2 * (P_M + P_F) / G
+    assert fc.traffic[DMUON]["replicate"].mean == pytest.approx(replicate)
+    assert fc.traffic[ADAMW]["replicate"].max == pytest.approx(replicate)
+    assert fc.traffic[DMUON]["replicate"].max >= fc.traffic[DMUON]["replicate"].mean
+    assert fc.traffic[DMUON]["tp"] == (0.0, 0.0)
+
+
+def test_memory_adds_up_over_the_ranks() -> None:
+    G, R = 4, 2
+    topo = Topology(G * R, G)  # bf16 compute, fp32 masters and states
+    fc = forecast(TINY, topo)
+    slots = G * R
+    mem = fc.memory[DMUON]
+    # Each dedicated matrix has one owner in the whole grid; FSDP2 shards over G.
+    assert mem["masters"].mean == pytest.approx(P_M * 4 / slots + P_F * 4 / G)
+    assert mem["optimizer states"].mean == pytest.approx(P_M * 4 / slots + P_F * 8 / G)
+    # A replica keeps the compute copy of what its shard column owns on the other replicas.
+    assert mem["HSDP replica copies"].mean == pytest.approx((R - 1) * P_M * 2 / slots)
+    assert fc.memory[ADAMW]["masters"].max == pytest.approx((P_M + P_F) * 4 / G)
+    assert fc.memory[ADAMW]["optimizer states"].max == pytest.approx((P_M + P_F) * 8 / G)
+    assert fc.memory[MUON]["optimizer states"].max == pytest.approx((P_M + 2 * P_F) * 4 / G)
+    # The most loaded owner holds what the plan gave it.
+    owned = {slot: 0 for slot in range(slots)}
+    for it in fc.items:
+        owned[fc.plan.slot_of(fc.plan.owner_of(it.name))] += it.numel * 4
+    assert mem["masters"].max == pytest.approx(max(owned.values()) + P_F * 4 / G)
+
+
+def test_unsharded_layer_buffers() -> None:
+    fc = forecast(TINY, Topology(4, zero=3))
+    layer = 2 * H * H + 2 * KV * H + 3 * FF * H
+    # ZeRO-3: one layer at a time; a rank receives the layer's matrices that its shard index
+    # does not own (compute dtype, 2 bytes).
+    received = [
+        max(
+            sum(
+                it.numel * 2
+                for it in fc.items
+                if it.boundary == f"model.layers.{b}" and fc.plan.owner_of(it.name).shard != s
+            )
+            for b in range(L)
+        )
+        for s in range(4)
+    ]
+    peers = fc.unsharded[DMUON]["dmuon peer buffers"]
+    assert peers.max == max(received) and peers.mean == pytest.approx(sum(received) / 4)
+    root = (2 * V * H + H) * 2  # embedding, head, final norm: FSDP2 holds them all forward
+    norms = 2 * H * 2
+    assert fc.unsharded[DMUON]["all"].max == max(received) + norms + root
+    assert fc.unsharded[ADAMW]["all"].max == (layer * 2 + norms) + root
+    z2 = forecast(TINY, Topology(4, zero=2))
+    assert z2.unsharded[ADAMW]["all"].max == L * (layer * 2 + norms) + root
+
+
+def test_experts_follow_torch_chunk_and_load_the_plan() -> None:
+    G = 4
+    fc = forecast(MOE, Topology(G))
+    items = list(range(6))
+    chunk = math.ceil(6 / G)
+    held = [len(items[s * chunk : (s + 1) * chunk]) for s in range(G)]  # torch.chunk's split
+    assert held == [2, 2, 2, 0]
+    shapes = model_shapes(MOE)
+    for slot in range(G):
+        want = sum(ns_cost((held[slot], *it.shape[1:])) for it in shapes.experts if held[slot])
+        assert fc.plan.base_loads[slot] == pytest.approx(want)
+    assert any("1 of 4 shard indices hold none" in note for note in fc.notes)
+    # The plan is plan_owners' with those base loads: what the runtime will call.
+    again = plan_owners(shapes.dedicated, G, 1, base_loads=fc.plan.base_loads)
+    assert again.fingerprint() == fc.plan.fingerprint()
+    # A dense model plans exactly as dedicate_params does (no base loads at all).
+    dense = forecast(TINY, Topology(4))
+    assert dense.plan == plan_owners(model_shapes(TINY).dedicated, 4)
+
+
+def test_kimi_k2_on_1024_ranks_plans_fast_and_balanced() -> None:
+    topo = Topology(1024, shard_size=128)  # 8 replicas x 128 shards: 3 experts per stack each
+    timings: list[float] = []
+    while not timings or (min(timings) >= 2.0 and len(timings) < 3):
+        start = time.process_time()
+        fc = forecast(KIMI_K2, topo)
+        timings.append(time.process_time() - start)
+    print(
+        f"\nKimi K2 on 1024 ranks (8 x 128): forecast in {min(timings):.3f} s of CPU, "
+        f"NS load max/mean {fc.balance:.4f} (experts included)"
+    )
+    assert min(timings) < 2.0, f"forecast took {min(timings):.3f} s of CPU"
+    assert fc.balance <= 1.05, fc.plan.summary()
+    assert fc.plan.base_loads and min(fc.plan.base_loads) > 0
+    expert_share = min(fc.plan.base_loads) / max(fc.plan.loads)
+    assert expert_share > 0.9  # the experts are most of every rank's work
+    # On one 1024-rank shard group 640 ranks hold no expert: the forecast says so.
+    flat = forecast(KIMI_K2, Topology(1024))
+    assert flat.balance > 2
+    assert any("640 of 1024 shard indices hold none" in note for note in flat.notes)
+
+
+def test_ns_times_table_and_its_model() -> None:
+    table = load_ns_times()
+    assert table.card.startswith("NVIDIA H200") and table.date == "2026-11-29"
+    for batch, rows, cols, ms in table.measured:
+        assert table.predict_ms(batch, rows, cols) == pytest.approx(ms)
+    # A call the table does not hold: Llama-3-8B's layer (q, o; k, v; gate, up; down batched by
+    # shape) measured 17.641 ms in the same run. The FLOP-model interpolation is within 10 %.
+    layer = (
+        table.predict_ms(2, 4096, 4096)
+        + table.predict_ms(2, 1024, 4096)
+        + table.predict_ms(2, 14336, 4096)
+        + table.predict_ms(1, 4096, 14336)
+    )
+    assert abs(layer - 17.641) / 17.641 < 0.10, layer
+    # Outside the measured range the nearest rate holds: time scales with FLOPs.
+    small, big = table.predict_ms(1, 512, 2048), table.predict_ms(1, 1024, 4096)
+    assert small / big == pytest.approx(table.flops(1, 512, 2048) / table.flops(1, 1024, 4096))
+
+
+def test_predicted_ns_time_batches_like_muon() -> None:
+    table = load_ns_times()
+    topo = Topology(1)
+    every = forecast(TINY, topo, ns_batch_bytes=None)
+    one_by_one = forecast(TINY, topo, ns_batch_bytes=1)
+    shapes = [(H, H), (KV, H), (FF, H), (H, FF)]
+    counts = {(H, H): 2 * L, (KV, H): 2 * L, (FF, H): 2 * L, (H, FF): L}
+    assert every.ns_ms[DMUON].max == pytest.approx(
+        sum(table.predict_ms(counts[s], *s) for s in shapes)
+    )
+    assert one_by_one.ns_ms[DMUON].max == pytest.approx(
+        sum(counts[s] * table.predict_ms(1, *s) for s in shapes)
+    )
+    assert every.ns_ms[MUON].max == every.ns_ms[DMUON].max  # one rank does everything
+    # Many ranks: plain Muon still orthogonalises every matrix on every rank.
+    wide = forecast(TINY, Topology(8))
+    assert wide.ns_ms[MUON].max == pytest.approx(forecast(TINY, topo).ns_ms[MUON].max)
+    assert wide.ns_ms[DMUON].max < wide.ns_ms[MUON].max
+
+
+def test_tensor_parallel_figures() -> None:
+    fc = forecast(LLAMA_3_70B, Topology(512, shard_size=8, tp=8))
+    assert fc.plan.tp_size == 8 and fc.plan.world_size == 64
+    tp_numel = sum(it.numel for it in fc.items if it.tp == 8)
+    # Plain Muon: every rank all-gathers every TP-sharded gradient (bf16).
+    assert fc.traffic[MUON]["tp"].max == pytest.approx(7 / 8 * tp_numel * 2)
+    # dmuon's gather mode: per matrix the TP owner receives 7/8 of the momentum (fp32) and
+    # each of the 7 others 1/8 of the update: 2 x 7/8 of the matrix per TP group, over 512.
+    assert fc.traffic[DMUON]["tp"].mean == pytest.approx(2 * 7 / 8 * tp_numel * 4 / 512)
+    assert fc.balance < 1.01
+
+
+def test_command_line(tmp_path, capsys) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_3_70B))
+    assert main([str(path), "--ranks", "512", "--replicas", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "dmuon-plan: llama, 80 layers, 70.55 B parameters" in out
+    assert "512 ranks = 8 replicas x 64 shards (HSDP)" in out
+    assert "NS time (ms, PREDICTED)" in out and "PREDICTED: NS times" in out
+    assert main([str(tmp_path), "--ranks", "512", "--shard-size", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["topology"]["replicas"] == 8
+    assert data["plan"]["matrices"] == 560
+    assert set(data["predicted_ns_ms"]) == {DMUON, ADAMW, MUON}
+    assert data["ns_times"]["card"].startswith("NVIDIA H200")
+    for argv, message in (
+        (["--ranks", "10", "--shard-size", "4"], "shard_size=4 does not divide the 10"),
+        (["--ranks", "8", "--replicas", "3"], "--replicas 3 does not divide --ranks 8"),
+        (["--ranks", "8", "--param-dtype", "int8"], "unsupported dtype 'int8'"),
+    ):
+        with pytest.raises(SystemExit) as raised:
+            main([str(path), *argv])
+        assert raised.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_topology_and_forecast_errors() -> None:
+    with pytest.raises(ValueError, match=r"ranks=10 is not a multiple of tp=4"):
+        Topology(10, tp=4)
+    with pytest.raises(ValueError, match=r"ranks must be an int >= 1, got 0"):
+        Topology(0)
+    with pytest.raises(ValueError, match=r"zero must be 2 .* or 3 .*, got 1"):
+        Topology(8, zero=1)
+    with pytest.raises(ValueError, match=r"param_dtype needs a dtype, got None"):
+        Topology(8, param_dtype=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"topology must be a Topology, got int"):
+        forecast(TINY, 8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"made for tp=\[2\] but the topology has tp=1"):
+        forecast(model_shapes(TINY, tp=2), Topology(4))
+    with pytest.raises(ValueError, match=r"ns_batch_bytes must be an int >= 1"):
+        forecast(TINY, Topology(4), ns_batch_bytes=0)
+    defaults = Topology(16, 4, tp=2)
+    assert (defaults.replicas, defaults.optim_dtype, defaults.reduce_dtype) == (
+        2,
+        "float32",
+        "bfloat16",
+    )
