@@ -165,7 +165,7 @@ class DedicatedGroup:
             return
         self.wait_for_publish()
         for pack, source in packs:
-            if pack.transient and pack.is_sender:
+            if pack.masters is not None:
                 # The owner's compute copy of its new master (replicas keep theirs: they send
                 # it in their rows). The next unshard casts again; the values are the same.
                 pack.alloc()
