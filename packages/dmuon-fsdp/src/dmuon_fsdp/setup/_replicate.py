@@ -14,7 +14,8 @@ matrix in the world:
 - ``replicate(model, mesh)`` takes every other trainable parameter: its gradient is all-reduced
   and averaged on every rank, and every rank steps it with AdamW, as DDP would;
 - after ``step()`` each owner broadcasts its updated matrices to the shard group (waited at the
-  boundary's next forward with ``replicate_async``, at once without).
+  boundary's next forward with ``replicate_async``, at once without; a read of a parameter
+  before then waits for it, see [Note: reads before a publish lands]).
 
 Per step the shard group carries each Muon element once in the reduce and once in the
 broadcast: ``2(N−1)/N·P_M`` per rank, the all-reduce bound DDP pays for the same matrices,
