@@ -325,9 +325,12 @@ def adamw_step(
     ``torch.optim.AdamW`` with the same hyperparameters (its default single-tensor / foreach
     choice). With ``found_inf`` (a 0-d float tensor, nonzero: skip) torch's fused kernel runs,
     which leaves parameters and states untouched when it is set, decided on the device, as with
-    ``torch.amp.GradScaler``; see [Note: non-finite gradients]."""
+    ``torch.amp.GradScaler``; see [Note: non-finite gradients]. A gradient in another dtype
+    than its parameter (a dedicated weight's reduce dtype below its master's) is upcast
+    first: see [Note: mixed precision] in ``runtime/_precision``."""
     if not params:
         return
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
     fused = found_inf is not None
     if fused:
         for param, state in zip(params, states):

@@ -53,6 +53,7 @@ from ._muon_math import (
     muon_batch,
 )
 from ._param_groups import GroupDefaults, build_param_groups
+from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_plan import AdamWEntry, MuonEntry, StepPlan, WeightPart
 from ._tp_ns import TensorParallelNS, TPMode
 
@@ -572,6 +573,16 @@ class Muon(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         for dp in self._runtime.params:
             dp.grad = None
+
+    # -- torch's state dict: see [Note: loading another rank's optimizer state dict] ----------
+
+    def state_dict(self) -> dict[str, Any]:
+        return for_saving(self, self._dedicated, super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch_part, owned = split_for_load(self, self._dedicated, state_dict)
+        super().load_state_dict(torch_part)
+        install_dedicated_state(self, owned)
 
     # -- the dmuon-clip protocol --------------------------------------------------------------
 

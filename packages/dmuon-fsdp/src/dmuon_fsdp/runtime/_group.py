@@ -23,6 +23,7 @@ copy (mixed precision) the transitions run and only cast and free that copy.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -33,6 +34,7 @@ from ..topology._comm import Axis, CommKind, DedicatedCommContext
 from ._collectives import CollectiveResult, broadcast, wait
 from ._pack import Pack
 from ._param import DedicatedParam, Role
+from ._pending import clear_pending, mark_pending
 
 __all__ = ["DedicatedGroup", "GroupState"]
 
@@ -64,6 +66,7 @@ class DedicatedGroup:
     _state: GroupState = GroupState.UNSHARDED
     _broadcasts: list[CollectiveResult] = field(default_factory=list)
     _publishes: list[CollectiveResult] = field(default_factory=list)
+    _receiving: list[nn.Parameter] = field(default_factory=list)  # what the publishes write
     # Per forward/backward bookkeeping, cleared by :meth:`reset_backward`.
     backward_started: bool = False  # a pre-backward hook of this boundary fired
     needs_backward: bool = False  # the forward produced outputs that require grad
@@ -165,7 +168,7 @@ class DedicatedGroup:
             return
         self.wait_for_publish()
         for pack, source in packs:
-            if pack.transient and pack.is_sender:
+            if pack.masters is not None:
                 # The owner's compute copy of its new master (replicas keep theirs: they send
                 # it in their rows). The next unshard casts again; the values are the same.
                 pack.alloc()
@@ -180,11 +183,18 @@ class DedicatedGroup:
                     CommKind.PUBLISH,
                 )
             )
+        # Reads of the copies being written wait: see [Note: reads before a publish lands].
+        self._receiving = [
+            dp.param for p, _ in packs if p.role is not Role.OWNER for dp in p.params
+        ]
+        mark_pending(self._receiving, weakref.WeakMethod(self.wait_for_publish))
 
     def wait_for_publish(self) -> None:
         for result in self._publishes:
             wait(result)
         self._publishes.clear()
+        clear_pending(self._receiving)
+        self._receiving = []
 
     # -- per-backward bookkeeping ---------------------------------------------------------------
 

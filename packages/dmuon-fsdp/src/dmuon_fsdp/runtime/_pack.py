@@ -79,7 +79,7 @@ class Pack:
                 master = weight.to(precision.master)
                 masters.append(master)
                 dp.full = master
-                dp.tensor.data = master
+                dp.tensor.data = view if resident else master
             else:
                 dp.tensor.data = view
                 if role is Role.OWNER:
@@ -106,8 +106,9 @@ class Pack:
 
     @property
     def transient(self) -> bool:
-        """Whether the buffer is freed between uses (a peer's, or an owner's compute copy)."""
-        return (self.role is Role.PEER and not self.resident) or self.masters is not None
+        """Whether the buffer is freed between uses (a peer's, or an owner's compute copy;
+        neither on the replicated path, where every rank computes with its resident copy)."""
+        return not self.resident and (self.role is Role.PEER or self.masters is not None)
 
     @property
     def nbytes(self) -> int:

@@ -21,9 +21,19 @@ unsharded; the registered parameter points at the compute copy while it is unsha
 the master in between, so reading it on the owner outside forward gives the master, as
 reading an FSDP2 parameter outside forward gives its sharded master. Peers only ever hold the
 compute copy, for the span of their layer's forward and backward, so the broadcast moves
-compute-dtype bytes (half of fp32's for bf16). The dtypes are resolved when the runtime
-packs its parameters (the first forward, ``Muon(...)`` or a checkpoint call, whichever comes
-first), because ``fully_shard`` and its policy come after ``dedicate_params``.
+compute-dtype bytes (half of fp32's for bf16). On the replicated (DDP) path every rank keeps
+the compute copy resident instead and the owner publishes it, cast from the new master, after
+each step (see [Note: compute copies on the replicated path] in ``setup/_replicate``).
+
+The optimizer steps the master. The gradient stays in the reduce dtype up to the step, as
+``DedicatedParam.grad``; the AdamW step upcasts it to the master dtype first (once per step, as
+FSDP2 upcasts its reduce-scattered gradient to the parameter's dtype; torch's fused AdamW takes
+one dtype for weight and gradient), and the Muon momentum pass reads it as it is and computes
+in the momentum's dtype.
+
+The dtypes are resolved when the runtime packs its parameters (the first forward,
+``Muon(...)`` or a checkpoint call, whichever comes first), because ``fully_shard`` and its
+policy come after ``dedicate_params``.
 """
 
 from __future__ import annotations

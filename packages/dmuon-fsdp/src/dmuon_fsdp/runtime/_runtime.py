@@ -148,13 +148,6 @@ class DedicatedRuntime:
                 precisions.append(resolve_precision(param_dtype, dp.policy, mp))
             if group.packs and precisions == [dp.precision for dp in members]:
                 continue
-            if self.config.replicated and any(p.mixed for p in precisions):
-                raise ValueError(
-                    f"dedicate_params_ddp: param_policy asks a separate compute dtype for a "
-                    f"parameter of {group.fqn!r}; the replicated path keeps and steps each "
-                    "weight in one dtype: drop param_dtype/master_dtype from the policy (or "
-                    "cast the model), or use dedicate_params + fully_shard"
-                )
             for dp, precision in zip(members, precisions):
                 dp.precision = precision
             group.pack()

@@ -14,26 +14,41 @@ matrix in the world:
 - ``replicate(model, mesh)`` takes every other trainable parameter: its gradient is all-reduced
   and averaged on every rank, and every rank steps it with AdamW, as DDP would;
 - after ``step()`` each owner broadcasts its updated matrices to the shard group (waited at the
-  boundary's next forward with ``replicate_async``, at once without).
+  boundary's next forward with ``replicate_async``, at once without; a read of a parameter
+  before then waits for it, see [Note: reads before a publish lands]).
 
 Per step the shard group carries each Muon element once in the reduce and once in the
 broadcast: ``2(N−1)/N·P_M`` per rank, the all-reduce bound DDP pays for the same matrices,
 while NS runs once per matrix, not on every rank. At setup every replicated parameter and
 buffer is broadcast from rank 0 (as DDP does), and each owner's dedicated weights to everyone.
 ``no_sync`` skips both the reduces and the all-reduces.
+
+[Note: compute copies on the replicated path]
+
+``param_policy`` dtypes apply as on the sharded path (see [Note: mixed precision]). With a
+compute dtype below the master (``param_dtype="bfloat16"``, ``master_dtype="float32"``) every
+rank keeps the compute copy, resident, for forward and backward, and the parameter reads as it
+on every rank, so ``model.state_dict()`` is the same everywhere; the owner keeps the master
+apart, steps it, and publishes the compute copy cast from it. ``dmuon.get_model_state_dict``
+gives the masters. ``model.load_state_dict`` writes the masters too: each module that holds a
+dedicated parameter has a load pre-hook that copies the loaded value into its owner's master
+before torch copies it into the compute copy (otherwise the next step would step the old master
+and publish it over the load).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..runtime._guard import is_dedicated
-from ..runtime._param import local_shard
+from ..runtime._param import DedicatedParam, local_shard
 from ..runtime._runtime import get_runtime
 
 __all__ = ["replicate", "replicate_tp"]
@@ -72,6 +87,27 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
                 local = local_shard(tensor).detach()  # a TP shard: its grid's copies
                 dist.broadcast(local, src=source, group=runtime.world_group)
     runtime.replicate(params)
+    held: dict[nn.Module, list[DedicatedParam]] = {}
+    for dp in runtime.params:
+        held.setdefault(dp.module, []).append(dp)
+    for module, dps in held.items():
+        module.register_load_state_dict_pre_hook(functools.partial(_load_masters, dps))
+
+
+def _load_masters(
+    dps: list[DedicatedParam], module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
+) -> None:
+    """Copy the loaded values of ``dps`` into their owner's masters, where those are kept
+    apart from the compute copy (see [Note: compute copies on the replicated path]). A value of
+    another shape is left to torch, which reports it."""
+    with torch.no_grad():
+        for dp in dps:
+            value = state_dict.get(prefix + dp.name)
+            master = dp.full
+            if master is None or dp.precision is None or not dp.precision.mixed:
+                continue
+            if isinstance(value, Tensor) and local_shard(value).shape == master.shape:
+                master.copy_(local_shard(value))
 
 
 def replicate_tp(model: nn.Module, mesh: DeviceMesh) -> None:

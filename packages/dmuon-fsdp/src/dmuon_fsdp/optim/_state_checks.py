@@ -1,0 +1,219 @@
+"""What ``Muon.state_dict()`` records of the rank that saved it, and the check
+``Muon.load_state_dict`` makes with it.
+
+[Note: loading another rank's optimizer state dict]
+
+``optimizer.state_dict()`` is torch's per-rank dictionary: it holds the state this rank steps, a
+dedicated matrix's only on its owner and an FSDP2 parameter's as this rank's shard. The usual
+DDP checkpoint (rank 0 saves ``optimizer.state_dict()``, every rank loads it) therefore restored
+momentum only for the matrices rank 0 owns; every other owner restarted its matrices from zero
+state and the resumed run drifted from the uninterrupted one without an error. Gathering every
+owner's state in ``state_dict()`` would need a collective in a call that DDP scripts make on
+rank 0 alone, where it would hang.
+
+So ``state_dict()`` adds one entry, ``"dmuon_holdings"``: the saving rank and, per parameter
+(by torch's parameter index), which state that rank holds: ``("owner", tp_index)`` for a
+dedicated matrix it owns (its TP shard), ``("shard", *coordinate)`` for a DTensor parameter
+(its coordinate on the sharded mesh dimensions), ``("whole",)`` for a plain one (the same on
+every rank), nothing for a dedicated matrix another rank owns. ``load_state_dict`` compares it
+with this rank's holdings before anything is loaded, and raises, naming
+``dmuon.get_optimizer_state_dict`` / ``dmuon.set_optimizer_state_dict`` (the collective,
+full-state functions), when some state this rank steps is not the one in the dictionary. A
+dictionary loaded on the rank that saved it (or, on the replicated path, any rank whose owned
+matrices the saver also owned, such as a world of one) resumes bit for bit. A dictionary
+without the entry (built by hand, or by an older dmuon) is refused when it holds some state but
+none for a dedicated matrix this rank owns.
+
+The dictionary holds plain Python values and tensors only (each param group's route is
+written as its string), so ``torch.load``'s default ``weights_only=True`` reads it back; loading
+turns the route back into a :class:`~dmuon_ownership.Route` and refuses a group whose route
+differs from the optimizer's.
+
+Loading also keeps each dedicated matrix's state in its optimizer dtype on the master's
+device. torch casts every loaded state to its parameter's dtype, and a dedicated parameter may
+read as its compute copy (bf16 on the replicated path with ``param_dtype``): fp32 moments would
+come back rounded to bf16. Those entries are installed here instead of by torch, and entries
+for matrices this rank does not own are dropped, as they would never be stepped here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from dmuon_ownership import Route
+
+from ..runtime._param import DedicatedParam
+
+__all__ = ["HOLDINGS_KEY", "for_saving", "install_dedicated_state", "split_for_load"]
+
+HOLDINGS_KEY = "dmuon_holdings"
+
+Holding = tuple[Any, ...]
+
+
+def _holding(param: Tensor, dp: DedicatedParam | None) -> Holding | None:
+    """Which state of ``param`` this rank holds (``None``: none); see [Note: loading another
+    rank's optimizer state dict]."""
+    if dp is not None:
+        if not dp.is_owner:
+            return None
+        tp_index = 0
+        if dp.tp_dim is not None:
+            assert isinstance(dp.param, DTensor)
+            tp_index = dp.param.device_mesh.get_local_rank()
+        return ("owner", tp_index)
+    if isinstance(param, DTensor):
+        coordinate = tuple(param.device_mesh.get_coordinate() or ())
+        return ("shard", *(c for c, p in zip(coordinate, param.placements) if p.is_shard()))
+    return ("whole",)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _indexed(groups: list[dict[str, Any]]) -> Iterator[tuple[int, Tensor, str]]:
+    """Every parameter with the index ``torch.optim.Optimizer.state_dict`` gives it, and its
+    name."""
+    seen: set[int] = set()
+    index = 0
+    for group in groups:
+        for param, name in zip(group["params"], group["param_names"]):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield index, param, name
+            index += 1
+
+
+def for_saving(
+    optimizer: torch.optim.Optimizer,
+    dedicated: Mapping[int, DedicatedParam],
+    state_dict: dict[str, Any],
+) -> dict[str, Any]:
+    """``state_dict`` (torch's) with the routes as strings and the saving rank's holdings."""
+    params = {
+        index: _holding(param, dedicated.get(id(param)))
+        for index, param, _ in _indexed(optimizer.param_groups)
+    }
+    groups = [{**g, "optimizer": str(g["optimizer"])} for g in state_dict["param_groups"]]
+    return {
+        **state_dict,
+        "param_groups": groups,
+        HOLDINGS_KEY: {"rank": _rank(), "params": params},
+    }
+
+
+def _routes_back(groups: list[dict[str, Any]], saved_groups: Sequence[Any]) -> list[dict[str, Any]]:
+    """``saved_groups`` with each route a ``Route`` again; raises when one differs from the
+    optimizer's group at its place."""
+    restored = []
+    for group, saved in zip(groups, saved_groups):
+        route = saved.get("optimizer", group["optimizer"]) if isinstance(saved, Mapping) else None
+        if route != group["optimizer"]:
+            raise ValueError(
+                f"Muon.load_state_dict: param group {group['group_name']!r} steps with "
+                f"{str(group['optimizer'])!r} but the state dict's group at its place with "
+                f"{route!r}; load a state dict of an optimizer built with the same param_groups"
+            )
+        restored.append({**saved, "optimizer": Route(route)})
+    return restored
+
+
+def _as_holding(value: Any) -> Holding | None:
+    return tuple(value) if isinstance(value, list | tuple) else None
+
+
+def split_for_load(
+    optimizer: torch.optim.Optimizer,
+    dedicated: Mapping[int, DedicatedParam],
+    state_dict: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[Tensor, tuple[DedicatedParam, Mapping[str, Any]]]]:
+    """Check that ``state_dict`` holds the state this rank keeps (raises otherwise, before
+    anything is loaded) and split it into what torch loads and the owned dedicated matrices'
+    entries, which :func:`install_dedicated_state` installs. A dictionary torch would refuse
+    (another structure or group sizes) is handed on as it is, for torch's own error."""
+    if not isinstance(state_dict, Mapping):
+        return state_dict, {}  # type: ignore[return-value]  # torch raises its own error
+    torch_part = {k: v for k, v in state_dict.items() if k != HOLDINGS_KEY}
+    saved_state = state_dict.get("state")
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_state, Mapping) or not isinstance(saved_groups, list | tuple):
+        return torch_part, {}
+    groups = optimizer.param_groups
+    try:
+        saved_ids = [list(g["params"]) for g in saved_groups]
+    except (KeyError, TypeError):
+        return torch_part, {}
+    if [len(ids) for ids in saved_ids] != [len(g["params"]) for g in groups]:
+        return torch_part, {}
+    # Saved index -> live parameter, by position, as torch's load pairs them.
+    live = [(p, name) for g in groups for p, name in zip(g["params"], g["param_names"])]
+    id_map = dict(zip(chain.from_iterable(saved_ids), live))
+    torch_part["param_groups"] = _routes_back(groups, saved_groups)
+    recorded = state_dict.get(HOLDINGS_KEY)
+    holdings = recorded.get("params") if isinstance(recorded, Mapping) else None
+    lacking: list[str] = []
+    state: dict[Any, Any] = {}
+    owned: dict[Tensor, tuple[DedicatedParam, Mapping[str, Any]]] = {}
+    for saved_id, entry in saved_state.items():
+        if saved_id not in id_map:
+            state[saved_id] = entry  # not a parameter's: torch keeps it as it is
+    for saved_id, (param, name) in id_map.items():
+        dp = dedicated.get(id(param))
+        holding = _holding(param, dp)
+        if holding is None:
+            continue  # another rank's matrix: never stepped here
+        if isinstance(holdings, Mapping):
+            if _as_holding(holdings.get(saved_id)) != holding:
+                lacking.append(name)
+                continue
+        elif dp is not None and saved_state and saved_id not in saved_state:
+            lacking.append(name)
+            continue
+        if saved_id not in saved_state:
+            continue
+        if dp is not None:
+            owned[param] = (dp, saved_state[saved_id])
+        else:
+            state[saved_id] = saved_state[saved_id]
+    if lacking:
+        saver = recorded.get("rank") if isinstance(recorded, Mapping) else None
+        source = "another rank" if saver is None else f"rank {saver}"
+        shown = ", ".join(repr(n) for n in lacking[:6]) + (" ..." if len(lacking) > 6 else "")
+        raise ValueError(
+            f"Muon.load_state_dict on rank {_rank()}: this optimizer state dict was saved on "
+            f"{source} and does not hold the state this rank steps for {len(lacking)} "
+            f"parameter(s): {shown}. optimizer.state_dict() holds only its own rank's state (a "
+            "dedicated matrix's on its owner, an FSDP2 parameter's shard on its rank), so "
+            "loading rank 0's dictionary on every rank would restart the others' parameters "
+            "from fresh state. Save the full state with dmuon.get_optimizer_state_dict(model, "
+            "optimizer) and load it with dmuon.set_optimizer_state_dict(model, optimizer, "
+            "state_dict) (both collective: call them on every rank), or load each rank's own "
+            "optimizer.state_dict() on that rank. Nothing was loaded"
+        )
+    torch_part["state"] = state
+    return torch_part, owned
+
+
+def install_dedicated_state(
+    optimizer: torch.optim.Optimizer,
+    owned: Mapping[Tensor, tuple[DedicatedParam, Mapping[str, Any]]],
+) -> None:
+    """Install the owned dedicated matrices' loaded state in their optimizer dtype on the
+    master's device (the AdamW ``step`` as loaded, as torch keeps it)."""
+    for param, (dp, entry) in owned.items():
+        assert dp.full is not None and dp.precision is not None
+        device, dtype = dp.full.device, dp.precision.optim
+        optimizer.state[param] = {
+            key: value.to(device=device, dtype=dtype if value.is_floating_point() else None)
+            if isinstance(value, Tensor) and key != "step"
+            else value
+            for key, value in entry.items()
+        }

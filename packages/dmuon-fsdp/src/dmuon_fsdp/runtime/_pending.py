@@ -1,0 +1,143 @@
+"""Reads of a received copy between a step and the publish that updates it wait for that publish.
+
+[Note: reads before a publish lands]
+
+After ``step()`` each owner publishes its updated weights to the ranks that keep a copy: every
+rank of the shard group on the replicated (DDP) path, the owner's shard column in HSDP. The
+publish is asynchronous by default (``replicate_async``) and each boundary's next forward waits
+for it, so it overlaps with whatever runs before that layer. Until then a receiving rank's copy
+still holds the previous step's values, and a read there returned them without a word:
+``model.state_dict()`` right after ``step()`` on two ranks gave the old values of the matrices
+the other rank owns (6 of 16 in one run, a different count in the next), and so would an EMA
+over ``model.parameters()``, ``p.data``, ``p.detach()``, a weight norm logged after the step or
+``torch.save`` of a parameter.
+
+A ``state_dict`` pre-hook would cover the first of those reads and none of the others. So from
+the publish until it is waited on, each received parameter is a :class:`PendingParameter`
+(:class:`PendingDTensor` under tensor parallelism): the same object, its class switched in
+place as the guard of [Note: reads on a peer] does, whose ``__torch_function__`` waits for its
+boundary's publish before any operation that reads values (everything but metadata) and turns
+every parameter of that boundary back into a plain one. Metadata (shape, dtype, ``.grad``,
+``requires_grad``, hooks) reads without waiting, so ``optimizer.zero_grad()`` after ``step()``
+keeps the overlap. The boundary's forward waits for the publish anyway (its pre-forward hook),
+which turns the parameters back before the layer reads them: a training loop pays one class
+switch per received parameter per step, and nothing per operation. On CUDA the wait orders the
+current stream after the publish (no host synchronisation), which is all a later kernel reading
+the weight needs. The wait runs outside any graph ``torch.compile`` traces (a graph break where
+compiled code reads a pending weight; a compiled forward never does).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .._torch_internals import disable_dynamo, disable_torch_function_subclass
+from ._guard import _is_safe
+
+__all__ = ["PendingDTensor", "PendingParameter", "clear_pending", "mark_pending"]
+
+_WAIT = "_dmuon_publish_wait"
+
+Waiter = weakref.WeakMethod[Callable[[], None]]
+
+
+def _reads_values(func: Any) -> bool:
+    # ``untyped_storage()`` is metadata to the guard (a freed weight's storage is empty), but
+    # here it hands out the values.
+    return not _is_safe(func) or getattr(func, "__name__", "") == "untyped_storage"
+
+
+@disable_dynamo
+def _land(values: Iterable[Any]) -> None:
+    """Wait for the publish of every pending parameter among ``values`` (one level of lists
+    and tuples, as torch passes tensor lists)."""
+    for value in values:
+        if isinstance(value, list | tuple):
+            _land(value)
+        elif isinstance(value, _Pending):
+            wait: Waiter | None = value.__dict__.get(_WAIT)
+            method = None if wait is None else wait()
+            if method is not None:
+                method()  # the group's wait_for_publish: clears every parameter it published
+            else:
+                clear_pending([value])
+
+
+class _Pending:
+    """What both pending classes share; see [Note: reads before a publish lands]."""
+
+    __slots__ = ()  # a mixin: the classes it joins keep torch.Tensor's layout
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _reads_values(func):
+            _land(args)
+            _land(kwargs.values())
+        with disable_torch_function_subclass():
+            return func(*args, **kwargs)
+
+
+class PendingParameter(_Pending, nn.Parameter):
+    """A received dedicated ``nn.Parameter`` whose publish is in flight."""
+
+    # nn.Parameter's own copy and pickling read the class and ``__dict__`` before the values.
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        _land([self])
+        return nn.Parameter.__deepcopy__(self, memo)
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        _land([self])
+        return nn.Parameter.__reduce_ex__(self, proto)
+
+
+class PendingDTensor(_Pending, DTensor):
+    """A received dedicated tensor-parallel parameter whose publish is in flight; its methods
+    that reach the local shard without an operation wait too."""
+
+    def to_local(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        _land([self])
+        return DTensor.to_local(self, *args, **kwargs)
+
+    def redistribute(self, *args: Any, **kwargs: Any) -> DTensor:
+        _land([self])
+        return DTensor.redistribute(self, *args, **kwargs)
+
+    def full_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        _land([self])
+        return DTensor.full_tensor(self, *args, **kwargs)
+
+
+def mark_pending(params: Iterable[nn.Parameter], wait: Waiter) -> None:
+    """``params`` receive a publish that ``wait`` (a weak reference to their group's
+    ``wait_for_publish``) waits for. A parameter that is not held (a guarded peer's) is left
+    alone: it has no values to read."""
+    for param in params:
+        if type(param) is nn.Parameter:
+            cls: type[torch.Tensor] = PendingParameter
+        elif type(param) is DTensor:
+            cls = PendingDTensor
+        else:
+            continue
+        param.__dict__[_WAIT] = wait
+        param.__class__ = cls  # type: ignore[assignment]  # a parameter keeps _is_param
+
+
+def clear_pending(params: Iterable[Any]) -> None:
+    """The publish into ``params`` is waited on: they are plain parameters again."""
+    for param in params:
+        if param.__dict__.pop(_WAIT, None) is not None and isinstance(param, _Pending):
+            plain = DTensor if isinstance(param, DTensor) else nn.Parameter
+            param.__class__ = plain  # type: ignore[assignment]

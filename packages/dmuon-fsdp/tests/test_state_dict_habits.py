@@ -1,0 +1,229 @@
+"""torch's own state dicts used the usual way: ``model.state_dict()`` and parameter reads right
+after ``step()``, and ``optimizer.state_dict()`` saved on rank 0 and loaded on every rank, on the
+replicated (DDP) path and on the FSDP2 path."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import build, muon_predicate, shard_layers_then_root
+from _reference import Hyper, lm_loss, make_batch, shard
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from dmuon_fsdp import Muon, dedicate_params, dedicate_params_ddp, replicate
+from dmuon_fsdp.runtime._pending import PendingParameter
+from dmuon_testing.distributed import run_distributed
+
+HYPER = Hyper()
+ROWS, SEQ, VOCAB = 8, 8, 32
+# Every weight of the layers computes in bf16 from an fp32 master on its owner; the norms and
+# the MLP take the AdamW route.
+BF16_LAYERS = {
+    "defaults": {"param_dtype": "bfloat16", "master_dtype": "float32"},
+    "overrides": [{"name": ["mlp", "attn_norm", "mlp_norm"], "set": {"route": "adamw"}}],
+}
+
+
+def _in_layers(name: str, param: nn.Parameter) -> bool:
+    return name.startswith("layers.")
+
+
+def _ddp(world_size: int, seed: int = 0, mixed: bool = False) -> nn.Module:
+    model = build(seed)
+    mesh = init_device_mesh("cpu", (world_size,))
+    if mixed:
+        dedicate_params_ddp(
+            model, mesh, _in_layers, small_param_threshold=0, param_policy=BF16_LAYERS
+        )
+    else:
+        dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
+    replicate(model, mesh)
+    return model
+
+
+def _step(model: nn.Module, optimizer: Muon, step: int, rank: int, world_size: int) -> float:
+    optimizer.zero_grad()
+    loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size))
+    loss.backward()
+    optimizer.step()
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    return float(total) / world_size
+
+
+def _round_trip(value: object) -> object:
+    """``value`` through torch.save / torch.load (weights only, torch's default)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+# -- reads right after step() --------------------------------------------------------------------
+
+
+def _record(used: dict[str, torch.Tensor], name: str):
+    """A forward pre-hook that records the weight its ``nn.Linear`` computes with."""
+
+    def hook(module: nn.Module, args: object) -> None:
+        used[name] = module.weight.detach().clone()
+
+    return hook
+
+
+# Reads users make after step(), each the first read of its step in turn.
+READS = {
+    "model.state_dict()": lambda model: {k: v.clone() for k, v in model.state_dict().items()},
+    "p.data": lambda model: {n: p.data.clone() for n, p in model.named_parameters()},
+    "torch.save(model.state_dict())": lambda model: _round_trip(model.state_dict()),
+    "torch.save(p)": lambda model: {
+        n: _round_trip(p).detach() for n, p in model.named_parameters()
+    },
+}
+
+
+def _reads_after_step(rank: int, world_size: int):
+    stale: list[str] = []
+    for mixed in (False, True):
+        model = _ddp(world_size, mixed=mixed)
+        optimizer = Muon(model, **HYPER.muon_kwargs())
+        used: dict[str, torch.Tensor] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(_record(used, f"{name}.weight"))
+        read: dict[str, torch.Tensor] = {}
+        how = ""
+        for step in range(len(READS) + 1):
+            used.clear()
+            _step(model, optimizer, step, rank, world_size)
+            # This forward's weights against what the reads after the last step returned.
+            for name, weight in used.items():
+                if read and not torch.equal(read[name], weight):
+                    stale.append(f"mixed={mixed}, {how}: {name}")
+            # zero_grad reads metadata only: the updates still overlap with what follows.
+            optimizer.zero_grad()
+            assert any(isinstance(p, PendingParameter) for p in model.parameters())
+            how = list(READS)[step % len(READS)]
+            read = READS[how](model)
+            assert not any(isinstance(p, PendingParameter) for p in model.parameters())
+    return stale
+
+
+@pytest.mark.distributed
+def test_ddp_reads_after_step_see_the_weights_the_next_forward_uses() -> None:
+    # model.state_dict(), p.data, torch.save of the state dict or of one parameter, right after
+    # step(): the weights the next forward computes with, on every rank (fp32, and bf16 compute
+    # copies of fp32 masters).
+    results = run_distributed(_reads_after_step, 2)
+    assert results == [[], []], results
+
+
+# -- optimizer.state_dict() of rank 0, loaded on every rank ----------------------------------------
+
+
+def _load(optimizer: Muon, state_dict: dict) -> str | None:
+    """Load ``state_dict``; the error message if it raised (after checking nothing changed)."""
+    before = {p: dict(s) for p, s in optimizer.state.items()}
+    try:
+        optimizer.load_state_dict(state_dict)
+    except ValueError as error:
+        assert {p: dict(s) for p, s in optimizer.state.items()} == before
+        return str(error)
+    return None
+
+
+def _same_state(a: Muon, b: Muon) -> bool:
+    pairs = list(zip(a.param_groups, b.param_groups))
+    return all(
+        (not a.state.get(p)) == (not b.state.get(q))
+        and all(
+            v.dtype == b.state[q][k].dtype and torch.equal(v, b.state[q][k])
+            for k, v in a.state.get(p, {}).items()
+        )
+        for ga, gb in pairs
+        for p, q in zip(ga["params"], gb["params"])
+    )
+
+
+def _rank0(value: object) -> object:
+    """Rank 0's ``value``, saved and loaded as a checkpoint file would be, on every rank."""
+    payload = [_round_trip(value) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _optimizer_dicts(rank: int, world_size: int):
+    split, total = 2, 4
+    errors: dict[str, str | None] = {}
+
+    # DDP: the uninterrupted run, and the same run interrupted after `split` steps.
+    model = _ddp(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    uninterrupted = [_step(model, optimizer, s, rank, world_size) for s in range(total)]
+    model = _ddp(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    for s in range(split):
+        _step(model, optimizer, s, rank, world_size)
+    own = _round_trip(optimizer.state_dict())
+    model_sd = _round_trip(model.state_dict())
+    of_rank0 = _rank0(optimizer.state_dict())
+
+    resumed = _ddp(world_size, seed=123)
+    resumed.load_state_dict(model_sd)
+    fresh = Muon(resumed, **HYPER.muon_kwargs())
+    errors["ddp rank 0's dict"] = _load(fresh, of_rank0)
+    if rank == 0:  # the rank that saved it: its state, bit for bit
+        assert errors["ddp rank 0's dict"] is None and _same_state(fresh, optimizer)
+    without = {k: v for k, v in of_rank0.items() if k != "dmuon_holdings"}
+    errors["ddp rank 0's dict, no holdings"] = _load(Muon(resumed, **HYPER.muon_kwargs()), without)
+    # Each rank's own dict resumes bit for bit.
+    fresh = Muon(resumed, **HYPER.muon_kwargs())
+    assert _load(fresh, own) is None
+    tail = [_step(resumed, fresh, s, rank, world_size) for s in range(split, total)]
+    resumes = tail == uninterrupted[split:]
+
+    # DDP with bf16 compute copies: the loaded state keeps its fp32 dtype and bits (torch casts
+    # state to the parameter's dtype, the bf16 copy's here).
+    mixed = _ddp(world_size, mixed=True)
+    optimizer = Muon(mixed, **HYPER.muon_kwargs())
+    for s in range(split):
+        _step(mixed, optimizer, s, rank, world_size)
+    fresh = Muon(mixed, **HYPER.muon_kwargs())
+    assert _load(fresh, _round_trip(optimizer.state_dict())) is None
+    assert _same_state(fresh, optimizer)
+
+    # FSDP2: each rank's dict holds its own shards and owned matrices.
+    sharded = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(sharded, mesh, muon_predicate, small_param_threshold=0)
+    shard_layers_then_root(sharded, mesh)
+    optimizer = Muon(sharded, **HYPER.muon_kwargs())
+    for s in range(split):
+        _step(sharded, optimizer, s, rank, world_size)
+    errors["fsdp2 rank 0's dict"] = _load(
+        Muon(sharded, **HYPER.muon_kwargs()), _rank0(optimizer.state_dict())
+    )
+    fresh = Muon(sharded, **HYPER.muon_kwargs())
+    assert _load(fresh, _round_trip(optimizer.state_dict())) is None
+    assert _same_state(fresh, optimizer)
+    return errors, resumes
+
+
+@pytest.mark.distributed
+def test_rank0_optimizer_state_dict_loaded_everywhere_resumes_or_raises() -> None:
+    results = run_distributed(_optimizer_dicts, 2)
+    for rank, (errors, resumes) in enumerate(results):
+        assert resumes, f"rank {rank}: its own optimizer.state_dict() did not resume bit for bit"
+        for case, error in errors.items():
+            if rank == 0:
+                assert error is None, f"rank 0, {case}: {error}"
+            else:
+                assert error is not None, f"rank 1, {case}: loaded without an error"
+                assert "dmuon.get_optimizer_state_dict" in error, error
+                assert "dmuon.set_optimizer_state_dict" in error, error
+    # Rank 1 names what it lacks.
+    assert "saved on rank 0" in results[1][0]["ddp rank 0's dict"]
