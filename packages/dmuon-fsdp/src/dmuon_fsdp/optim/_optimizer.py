@@ -66,9 +66,13 @@ DEFAULT_NS_BATCH_BYTES = 64 * 2**20
 class MuonClipGrads(NamedTuple):
     """What ``Muon.muon_grads_for_clip()`` hands to dmuon-clip (ARCHITECTURE.md)."""
 
-    grads: list[Tensor]  # full averaged gradients of the Muon matrices this rank owns
-    process_group: ProcessGroup | None  # ranks that together own every matrix once
+    grads: list[Tensor]  # averaged gradients (whole, or TP shards) this rank owns and counts
+    process_group: ProcessGroup | None  # every rank: a sum over it counts each element once
     device: torch.device  # where the norm accumulator lives
+    # Whole matrices that every TP grid keeps: counted on grid 0, copies (scaled, not counted)
+    # on the others; see [Note: global quantities] in _comm.
+    copies: tuple[Tensor, ...] = ()
+    tensor_parallel: bool = False  # a matrix's norm needs its TP shards on other ranks
 
 
 class MuonStepStats(NamedTuple):
@@ -476,8 +480,11 @@ class Muon(torch.optim.Optimizer):
             # or infinity there iff anywhere in the gradient.
             peaks = torch._foreach_norm(grads, float("inf"))
             found = (~torch.isfinite(torch.stack([p.float() for p in peaks])).all()).float()
-        if self._runtime.layout.world_size > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.world_group)
+        # Every rank, TP grids included: one decision for the step (see [Note: global
+        # quantities] in _comm).
+        group = self._runtime.global_group
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return found
 
     @property
@@ -497,17 +504,27 @@ class Muon(torch.optim.Optimizer):
 
     def muon_grads_for_clip(self) -> MuonClipGrads:
         """The owned Muon gradients, final (pending reduces waited), for global-norm clipping;
-        scaling them in place changes what the next ``step()`` reads."""
+        scaling them in place changes what the next ``step()`` reads. Summed over every rank
+        they count each element once (see [Note: global quantities] in _comm)."""
         self._runtime.wait_all_reduces()
-        grads = [dp.grad for _, _, dp in self._owned_muon() if dp.grad is not None]
-        if grads:
-            device = grads[0].device
+        layout = self._runtime.layout
+        owned = [
+            (dp.grad, layout.tp_index > 0 and dp.tp_dim is None)
+            for _, _, dp in self._owned_muon()
+            if dp.grad is not None
+        ]
+        grads = [g for g, copy in owned if not copy]
+        copies = tuple(g for g, copy in owned if copy)
+        if owned:
+            device = owned[0][0].device
         elif self._runtime.params:
             device = self._runtime.params[0].param.device
         else:
             device = torch.device("cpu")
-        group = self._runtime.world_group if dist.is_available() and dist.is_initialized() else None
-        return MuonClipGrads(grads=grads, process_group=group, device=device)
+        group = (
+            self._runtime.global_group if dist.is_available() and dist.is_initialized() else None
+        )
+        return MuonClipGrads(grads, group, device, copies, tensor_parallel=layout.tp_size > 1)
 
     def muon_param_names(self) -> list[str]:
         """FQNs of every Muon-route matrix, in group order (the same on every rank)."""
