@@ -12,15 +12,28 @@ class MuonClipGrads(NamedTuple):
     grads: list[Tensor]
     process_group: Any
     device: torch.device
+    copies: tuple[Tensor, ...] = ()
+    tensor_parallel: bool = False
 
 
 class FakeMuon:
-    def __init__(self, grads: list[Tensor], process_group: Any = None, device: Any = "cpu"):
+    def __init__(
+        self,
+        grads: list[Tensor],
+        process_group: Any = None,
+        device: Any = "cpu",
+        copies: tuple[Tensor, ...] = (),
+        tensor_parallel: bool = False,
+    ):
         self.grads = grads
         self.process_group = process_group
         self.device = torch.device(device)
+        self.copies = copies
+        self.tensor_parallel = tensor_parallel
         self.calls = 0
 
     def muon_grads_for_clip(self) -> MuonClipGrads:
         self.calls += 1
-        return MuonClipGrads(self.grads, self.process_group, self.device)
+        return MuonClipGrads(
+            self.grads, self.process_group, self.device, self.copies, self.tensor_parallel
+        )

@@ -194,6 +194,19 @@ def test_try_clip_three_segments() -> None:
     assert not bool(result["adamw"].clipped)
 
 
+def test_try_clip_scales_muon_copies_with_the_muon_bucket() -> None:
+    muon = [_rand((16, 16), 45, scale=3.0), _rand((8, 24), 46)]
+    copy = _rand((8, 24), 46)  # another rank's copy of muon[1]: counted there, not here
+    total, ref = torch_clip(muon, 1.0)
+    result = try_clip_optimizer_grad_norm_buckets_(
+        FakeMuon(muon, copies=(copy,)), regular_grads=[], adamw_grads=[], max_norm=1.0
+    )
+    assert result is not None and bool(result["muon"].clipped)
+    assert_close(result["muon"].total_norm, total, rtol=RTOL)
+    assert_close(copy, ref[1], rtol=RTOL)
+    assert torch.equal(copy, muon[1])  # the copy stays equal to its original
+
+
 def test_muon_clip_through_the_kernel_is_deterministic() -> None:
     grads = [_rand((40, 30), 50), _rand((24, 8), 51)]
     copy = [g.clone() for g in grads]

@@ -89,6 +89,38 @@ def test_per_matrix_strategy_leaves_a_nonfinite_matrix_alone() -> None:
     assert_close(grads[0], ref[0], rtol=RTOL)
 
 
+@pytest.mark.parametrize("max_norm", [0.3, None])
+def test_copies_take_the_coefficient_but_not_the_norm(max_norm: float | None) -> None:
+    # Under tensor parallelism a whole matrix that every TP grid keeps is counted by one rank;
+    # the others hand it over as a copy: scaled like the rest, never counted.
+    grads = _matrices(3)
+    copy = _matrices(3)[1]
+    copy_before = copy.clone()
+    total, ref = torch_clip(grads, max_norm)
+    stats = clip_grad_norm_(FakeMuon(grads, copies=(copy,)), max_norm)
+    assert_close(stats.total_norm, total, rtol=RTOL)
+    assert stats.param_count == 4
+    if max_norm is None:
+        assert torch.equal(copy, copy_before)
+    else:
+        assert bool(stats.clipped)
+        assert torch.equal(copy, copy_before * stats.clip_coef)
+        assert_close(copy, ref[1], rtol=RTOL)  # the counted original, clipped the same way
+
+
+def test_per_matrix_is_refused_under_tensor_parallelism() -> None:
+    grads = _matrices(4)
+    before = [g.clone() for g in grads]
+    opt = FakeMuon(grads, tensor_parallel=True)
+    with pytest.raises(ValueError, match="strategy='per_matrix' clips each matrix by the norm"):
+        clip_grad_norm_(opt, 0.1, strategy="per_matrix")
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))
+    total, ref = torch_clip(grads, 0.1)
+    assert_close(clip_grad_norm_(opt, 0.1).total_norm, total, rtol=RTOL)
+    for got, want in zip(grads, ref):
+        assert_close(got, want, rtol=RTOL)
+
+
 def test_registry() -> None:
     assert {"global_norm", "per_matrix"} <= set(registered_muon_grad_clip_strategies())
     with pytest.raises(ValueError, match=r"unknown Muon grad clip strategy 'nope'.*global_norm"):

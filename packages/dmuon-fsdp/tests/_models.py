@@ -122,9 +122,10 @@ def build(
     checkpoint: bool = False,
     tie: bool = False,
     share_mlp: bool = False,
+    hidden: int = HIDDEN,
 ) -> TinyLlama:
     torch.manual_seed(seed)
-    return TinyLlama(n_layers, checkpoint=checkpoint, tie=tie, share_mlp=share_mlp)
+    return TinyLlama(n_layers, hidden=hidden, checkpoint=checkpoint, tie=tie, share_mlp=share_mlp)
 
 
 def batch(step: int, rows: int, seq: int = SEQ, vocab: int = VOCAB) -> Tensor:

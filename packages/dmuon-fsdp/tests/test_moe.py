@@ -269,7 +269,28 @@ def _load_at_four(rank: int, world_size: int, root: str):
     resumed = _steps(model, optimizer, rank, world_size, SPLIT, STEPS)
     model, optimizer = _sharded_moe(world_size, 3, replicate=2)
     hsdp = _steps(model, optimizer, rank, world_size, 0, STEPS)
-    return same, resumed, hsdp
+    return same, resumed, hsdp, _clip_norm(rank, world_size, replicate=2)
+
+
+def _clip_norm(rank: int, world_size: int, replicate: int) -> float:
+    """The global norm of the Muon gradients after one backward, through the clip protocol:
+    each rank's counted gradients, summed over the group (HSDP replicas hold the same expert
+    shards; they must be counted once)."""
+    model, optimizer = _sharded_moe(world_size, 3, replicate=replicate)
+    lm_loss(model, shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size)).backward()
+    clip = optimizer.muon_grads_for_clip()
+    total = torch.zeros(())
+    for grad in clip.grads:
+        total += grad.float().pow(2).sum()
+    dist.all_reduce(total, group=clip.process_group)
+    return float(total.sqrt())
+
+
+def _reference_norm() -> float:
+    model = build_moe(3)
+    lm_loss(model, make_batch(0, ROWS, SEQ, VOCAB)).backward()
+    squares = [p.grad.pow(2).sum() for n, p in model.named_parameters() if moe_predicate(n, p)]
+    return float(torch.stack(squares).sum().sqrt())
 
 
 @pytest.mark.distributed
@@ -279,7 +300,13 @@ def test_expert_checkpoints_resume_across_world_sizes_and_hsdp_trains(tmp_path) 
     assert same, "the state after a load on 2 ranks differs from the state saved"
     assert resumed == uninterrupted[SPLIT:], "resume on the same ranks must be bit-exact"
     assert "shard it on dim 0" in refused and "experts.w" in refused, refused
-    same, resumed, hsdp = run_distributed(_load_at_four, 4, root)[0]
+    results = run_distributed(_load_at_four, 4, root)
+    same, resumed, hsdp, _ = results[0]
+    # The clip norm over experts and dense matrices: every rank the true norm, no expert
+    # counted twice over the HSDP replicas.
+    reference_norm = _reference_norm()
+    for *_, norm in results:
+        assert abs(norm - reference_norm) <= 1e-5 * reference_norm, (norm, reference_norm)
     assert same, "the state after a load on 4 ranks differs from the state saved on 2"
     torch.testing.assert_close(
         torch.tensor(resumed), torch.tensor(uninterrupted[SPLIT:]), rtol=1e-4, atol=0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon_ownership import Topology, forecast, model_shapes, plan_owners
+from dmuon_ownership import Topology, forecast, model_shapes
 from dmuon_ownership._forecast import DEFAULT_NS_BATCH_BYTES
 from dmuon_testing.distributed import run_distributed
 
@@ -89,6 +89,12 @@ def _predicate(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim == 2 and ".layers." in name
 
 
+def _muon(name: str, param: torch.nn.Parameter) -> bool:
+    """What the forecast puts on Muon: those, and the expert stacks (stepped where FSDP2 holds
+    them)."""
+    return param.ndim in (2, 3) and ".layers." in name
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_model_shapes_are_the_models_parameters(family: str, dtype: torch.dtype) -> None:
@@ -131,7 +137,7 @@ def _start(world_size: int, family: str):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     mesh = init_device_mesh("cpu", (world_size,))
-    runtime = dedicate_params(model, mesh, _predicate, patch_fully_shard=False)
+    runtime = dedicate_params(model, mesh, _muon, patch_fully_shard=False)
     dedicated = dedicated_params_of(model)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=dedicated)
@@ -164,14 +170,9 @@ def test_forecast_items_and_owners_are_the_runtimes() -> None:
         runtime_plan = Plan.from_json(plan_json)
         expected = [(it.name, it.shape, it.boundary, it.itemsize) for it in fc.items]
         assert sorted(item[:4] for item in items) == sorted(expected)
-        if family == dense:
-            # No experts: the forecast's plan is the runtime's, owner for owner.
-            assert fc.plan == runtime_plan
-            owners = {n: fc.plan.owner_of(n) for n, *_ in expected}
-        else:
-            # The runtime plans the dense items alone (experts stay with FSDP2 for now).
-            assert fc.plan.base_loads
-            alone = plan_owners(fc.items, 2)
-            assert alone == runtime_plan
-            owners = {n: alone.owner_of(n) for n, *_ in expected}
+        # The forecast's plan is the runtime's, owner for owner; with experts, both weigh the
+        # experts each rank steps (base loads) the same way.
+        assert fc.plan == runtime_plan
+        assert bool(fc.plan.base_loads) == (family == moe)
+        owners = {n: fc.plan.owner_of(n) for n, *_ in expected}
         assert {item[0]: item[4] for item in items} == owners

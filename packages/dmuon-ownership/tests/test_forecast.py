@@ -133,7 +133,15 @@ def test_experts_follow_torch_chunk_and_load_the_plan() -> None:
     assert held == [2, 2, 2, 0]
     shapes = model_shapes(MOE)
     for slot in range(G):
-        want = sum(ns_cost((held[slot], *it.shape[1:])) for it in shapes.experts if held[slot])
+        # A fused gate_up stack (E, 2I, H) is two (I, H) matrices per expert, as the runtime
+        # orthogonalises gate and up apart; down (E, H, I) is one.
+        want = 0.0
+        for it in shapes.experts:
+            rows, cols = it.shape[1:]
+            if "gate_up" in it.name:
+                want += ns_cost((2 * held[slot], rows // 2, cols)) if held[slot] else 0.0
+            else:
+                want += ns_cost((held[slot], rows, cols)) if held[slot] else 0.0
         assert fc.plan.base_loads[slot] == pytest.approx(want)
     assert any("1 of 4 shard indices hold none" in note for note in fc.notes)
     # The plan is plan_owners' with those base loads: what the runtime will call.
@@ -156,7 +164,13 @@ def test_kimi_k2_on_1024_ranks_plans_fast_and_balanced() -> None:
         f"NS load max/mean {fc.balance:.4f} (experts included)"
     )
     assert min(timings) < 2.0, f"forecast took {min(timings):.3f} s of CPU"
-    assert fc.balance <= 1.05, fc.plan.summary()
+    # The experts' work is equal on every rank (3 per stack); on top of it LPT spreads the
+    # dense matrices, which it cannot split: the balance is within one dense matrix of even.
+    # The layer-0 MLP's 18432x7168 matrices are the largest, about 6 % of a rank's experts.
+    mean = sum(fc.plan.loads) / len(fc.plan.loads)
+    largest = max(ns_cost(it.shape) for it in fc.items if it.route == "muon")
+    assert max(fc.plan.loads) <= min(fc.plan.base_loads) + largest + mean * 1e-9
+    assert fc.balance <= (min(fc.plan.base_loads) + largest) / mean, fc.plan.summary()
     assert fc.plan.base_loads and min(fc.plan.base_loads) > 0
     expert_share = min(fc.plan.base_loads) / max(fc.plan.loads)
     assert expert_share > 0.9  # the experts are most of every rank's work

@@ -1,8 +1,11 @@
 """dmuon.clip_grad_norm_ against the real dmuon.Muon: the Muon-grad norm over owners equals the
 norm of the full-batch gradients of the same matrices in one process, and clipping scales what
-the next step reads."""
+the next step reads; under tensor parallelism (FSDP2, HSDP and the replicated path) too, where a
+matrix is split over ranks or kept whole by every TP grid."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -79,3 +82,119 @@ def test_muon_norm_over_owners_equals_full_batch_norm(world_size: int) -> None:
         assert r["clip_coef"] == pytest.approx(max_norm / (expected + 1e-6), rel=1e-5)
         for ratio in r["ratios"]:
             assert ratio == pytest.approx(r["clip_coef"], rel=1e-5)
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+
+HEAD = "lm_head.weight"  # not tensor-parallel: every TP grid keeps the whole matrix
+TOPOLOGIES = ("tp", "hsdp_tp", "ddp_tp")
+
+
+def _with_head(name: str, p: torch.Tensor) -> bool:
+    return muon_predicate(name, p) or name == HEAD
+
+
+def _reference_clipped(max_norm: float) -> tuple[float, dict[str, torch.Tensor]]:
+    """The full-batch Muon gradients of one process, clipped as torch.nn.utils would."""
+    torch.manual_seed(0)
+    model = TinyLlama(CFG)
+    _loss(model, _tokens()).backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if _with_head(n, p)}
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    coef = min(max_norm / (norm + 1e-6), 1.0)
+    return norm, {n: g * coef for n, g in grads.items()}
+
+
+def _tp_model(topology: str):
+    """The demo model with TP degree 2 on 4 ranks: (dp 2, tp 2) with FSDP2, (replicate 2,
+    shard 1, tp 2) with HSDP, or (dp 2, tp 2) on the replicated path; and its data-parallel
+    index (of 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import dmuon
+    from dmuon._demo_train import TP_PLAN
+
+    torch.manual_seed(0)
+    model = TinyLlama(CFG)
+    hsdp = topology == "hsdp_tp"
+    shape, names = ((2, 1, 2), ("replicate", "shard", "tp")) if hsdp else ((2, 2), ("dp", "tp"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], TP_PLAN)
+    # The head has no layer boundary: the root module hooks it.
+    options = {"hook_boundary_strict": False, "small_param_threshold": 0}
+    if topology == "ddp_tp":
+        runtime = dmuon.dedicate_params_ddp(model, mesh["dp"], _with_head, **options)
+        dmuon.replicate(model, mesh["dp"])
+    else:
+        dp_mesh = mesh["replicate", "shard"] if hsdp else mesh["dp"]
+        runtime = dmuon.dedicate_params(
+            model,
+            mesh["shard"] if hsdp else mesh["dp"],
+            _with_head,
+            replicate_mesh=mesh["replicate"] if hsdp else None,
+            **options,
+        )
+        dedicated = dmuon.dedicated_params_of(model)
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh, ignored_params=dedicated)
+        fully_shard(model, mesh=dp_mesh, ignored_params=dedicated)
+    coord = runtime.coord
+    return model, runtime, coord.replicate * runtime.layout.shard_size + coord.shard
+
+
+def _clip_tp_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, dict]:
+    import dmuon
+
+    out = {}
+    for topology in TOPOLOGIES:
+        model, runtime, dp_index = _tp_model(topology)
+        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+        rows = ROWS // 2
+        _loss(model, _tokens()[dp_index * rows : (dp_index + 1) * rows]).backward()
+        # A matrix's own norm needs its TP shards: refused before anything is scaled.
+        before = [g.clone() for g in optimizer.muon_grads_for_clip().grads]
+        with pytest.raises(ValueError, match="tensor parallelism"):
+            dmuon.clip_grad_norm_(optimizer, max_norm, strategy="per_matrix")
+        after = optimizer.muon_grads_for_clip().grads
+        untouched = all(torch.equal(a, b) for a, b in zip(before, after))
+        stats = dmuon.clip_grad_norm_(optimizer, max_norm)
+        owned = [dp for dp in runtime.owned if dp.route == "muon"]
+        out[topology] = {
+            "total_norm": stats.total_norm.item(),
+            "clip_coef": stats.clip_coef.item(),
+            "param_count": stats.param_count,
+            "grads": {dp.fqn: (dp.grad.clone(), dp.tp_dim) for dp in owned},
+            "tp_index": runtime.layout.tp_index,
+            "untouched": untouched,
+        }
+        optimizer.step()
+    return out
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_clip_counts_each_element_once_and_clips_like_one_process() -> None:
+    expected, _ = _reference_clipped(1.0)
+    max_norm = expected / 4  # forces clipping
+    _, clipped = _reference_clipped(max_norm)
+    results = run_distributed(_clip_tp_on_ranks, 4, max_norm)
+    for topology in TOPOLOGIES:
+        held: dict[str, list[int]] = {}
+        for r in results:
+            got = r[topology]
+            assert got["untouched"], f"{topology}: the refused per_matrix call scaled grads"
+            assert got["total_norm"] == pytest.approx(expected, rel=1e-5), topology
+            assert got["clip_coef"] == pytest.approx(max_norm / (expected + 1e-6), rel=1e-5)
+            assert got["param_count"] == len(got["grads"])
+            for fqn, (grad, tp_dim) in got["grads"].items():
+                want = clipped[fqn]
+                if tp_dim is not None:
+                    size = grad.shape[tp_dim]
+                    want = want.narrow(tp_dim, got["tp_index"] * size, size)
+                # Shards and whole copies alike hold the reference's clipped gradient.
+                torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-8)
+                held.setdefault(fqn, []).append(got["tp_index"])
+        # One owner per TP grid for every matrix: its shard, or (the head) a whole copy.
+        assert {n: sorted(t) for n, t in held.items()} == {n: [0, 1] for n in clipped}, topology

@@ -42,10 +42,12 @@ from dmuon_clip._types import (
     GradClipBucketStats,
     SegmentedGradClipResult,
     SupportsMuonGradsForClip,
+    clip_copies,
 )
 
 __all__ = [
     "clip_grad_norm_buckets_",
+    "scale_",
     "try_clip_optimizer_grad_norm_buckets_",
     "validate_max_norm",
     "validate_norm_type",
@@ -174,7 +176,8 @@ def _torch_local_sum(tensors: Sequence[Tensor], p: float, device: torch.device) 
     return stacked.pow(p).sum()
 
 
-def _torch_scale_(tensors: Sequence[Tensor], coef: Tensor) -> None:
+def scale_(tensors: Sequence[Tensor], coef: Tensor) -> None:
+    """Multiply ``tensors`` in place by the 0-dim ``coef`` (torch foreach ops, any device)."""
     for (dev, _, sparse), group in _group(tensors).items():
         c = coef.to(dev)
         if sparse:
@@ -293,7 +296,7 @@ def _run(
             _fastpath.scale_(kernel_plan, coefs)
         for slot, tensors in enumerate(fallback):
             if tensors and plan.max_norms[slot] is not None:
-                _torch_scale_(tensors, coefs[slot])
+                scale_(tensors, coefs[slot])
 
     stats = []
     for i in range(len(plan.slot_of)):
@@ -347,6 +350,7 @@ def try_clip_optimizer_grad_norm_buckets_(
     mapping with the keys ``"regular"``, ``"muon"``, ``"adamw"``.
     """
     muon = optimizer.muon_grads_for_clip()
+    copies = clip_copies(muon)
     muon_group = muon.process_group
     if process_group is not None and muon_group is not None and process_group is not muon_group:
         raise ValueError(
@@ -357,7 +361,7 @@ def try_clip_optimizer_grad_norm_buckets_(
     group = muon_group if muon_group is not None else process_group
     regular = [g for g in regular_grads if g is not None]
     adamw = [g for g in adamw_grads if g is not None]
-    every = [*regular, *muon.grads, *adamw]
+    every = [*regular, *muon.grads, *copies, *adamw]
     devices = {g.device for g in every} or {torch.device(muon.device)}
     if len(devices) != 1:
         logger.debug("try_clip_optimizer_grad_norm_buckets_: grads on several devices %s", devices)
@@ -371,6 +375,11 @@ def try_clip_optimizer_grad_norm_buckets_(
         GradClipBucket("muon", muon.grads, reduce=muon_group is not None),
         GradClipBucket("adamw", adamw, reduce=process_group is not None),
     ]
-    return clip_grad_norm_buckets_(
+    result = clip_grad_norm_buckets_(
         buckets, max_norm, norm_type=2.0, process_group=group, device=device
     )
+    if copies and result["muon"].max_norm is not None:
+        # Counted on another rank; scaled like the rest of the Muon bucket (see
+        # MuonClipGradsLike).
+        scale_(copies, result["muon"].clip_coef)
+    return result

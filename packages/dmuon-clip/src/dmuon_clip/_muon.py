@@ -7,18 +7,30 @@ gradient is on its owner only. The clip therefore asks the optimizer for them
 before ``step()`` runs momentum and Newton-Schulz. Since NS fixes the scale of the update, this
 clip guards the momentum buffer against outliers and non-finite gradients more than it sets the
 step size. dmuon-clip duck-types the optimizer and never imports dmuon-fsdp.
+
+Under tensor parallelism a matrix's gradient is split into shards on several ranks, and a whole
+(not tensor-parallel) matrix is kept by several ranks at once. The optimizer hands the clip
+each element once (``grads``, summed over ``process_group``) and the extra copies apart
+(``copies``): the copies are scaled by the same coefficient, so every copy of a matrix stays
+equal, and the norm counts none of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch.profiler import record_function
 
-from dmuon_clip._buckets import validate_max_norm, validate_norm_type
-from dmuon_clip._strategy import get_muon_grad_clip_strategy
-from dmuon_clip._types import MuonGradClipStats, SupportsMuonGradsForClip
+from dmuon_clip._buckets import scale_, validate_max_norm, validate_norm_type
+from dmuon_clip._strategy import get_muon_grad_clip_strategy, per_matrix_strategy
+from dmuon_clip._types import (
+    MuonGradClipStats,
+    SupportsMuonGradsForClip,
+    clip_copies,
+    is_tensor_parallel,
+)
 
 __all__ = ["clip_grad_norm_"]
 
@@ -51,9 +63,22 @@ def clip_grad_norm_(
         )
     with record_function("dmuon::clip_grad_norm"):
         muon = optimizer.muon_grads_for_clip()
+        if fn is per_matrix_strategy and is_tensor_parallel(muon):
+            raise ValueError(
+                "strategy='per_matrix' clips each matrix by the norm this rank sees of it, but "
+                "under tensor parallelism a rank holds only its TP shard of a matrix; use "
+                "strategy='global_norm' (the default), which reduces over every rank"
+            )
         stats = fn(
             list(muon.grads), max_norm, norm_type, muon.process_group, torch.device(muon.device)
         )
+        copies = clip_copies(muon)
+        if copies:
+            # Another rank counted these matrices: they take the coefficient the strategy
+            # applied to the others (see [Note: where the Muon clip sits]).
+            if max_norm is not None:
+                scale_(copies, stats.clip_coef)
+            stats = dataclasses.replace(stats, param_count=stats.param_count + len(copies))
     if error_if_nonfinite and bool(stats.found_inf):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the Muon gradients is non-finite "

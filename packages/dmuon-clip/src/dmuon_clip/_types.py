@@ -22,10 +22,18 @@ __all__ = [
 class MuonClipGradsLike(Protocol):
     """What ``optimizer.muon_grads_for_clip()`` returns (ARCHITECTURE.md, dmuon-fsdp contract).
 
-    ``grads``: the full averaged gradients this rank owns (possibly none). ``process_group``:
-    the group whose ranks together own every Muon matrix exactly once; ``None`` when not
-    distributed. ``device``: where the norm accumulator lives (it must be a device the group's
-    backend can reduce, e.g. CUDA for NCCL)."""
+    ``grads``: the averaged gradients this rank owns (possibly none): whole matrices, or
+    tensor-parallel shards of them. ``process_group``: the group over which a sum of
+    ``grads``' elements counts every element of every Muon matrix exactly once; ``None`` when
+    not distributed. ``device``: where the norm accumulator lives (it must be a device the
+    group's backend can reduce, e.g. CUDA for NCCL).
+
+    Two optional attributes (read with a default, so an object without them still fits):
+    ``copies`` (default none): gradients this rank scales with ``grads`` but that another rank
+    counts (a whole matrix kept by every tensor-parallel grid); they enter no norm and are
+    multiplied by the strategy's ``clip_coef``. ``tensor_parallel`` (default ``False``): some
+    matrix is split over several ranks, so a matrix's own norm needs a collective and the
+    rank-local ``"per_matrix"`` strategy is refused."""
 
     @property
     def grads(self) -> Sequence[Tensor]: ...
@@ -35,6 +43,16 @@ class MuonClipGradsLike(Protocol):
 
     @property
     def device(self) -> torch.device: ...
+
+
+def clip_copies(muon: MuonClipGradsLike) -> list[Tensor]:
+    """``muon.copies`` (see :class:`MuonClipGradsLike`), none when it has no such attribute."""
+    return list(getattr(muon, "copies", ()))
+
+
+def is_tensor_parallel(muon: MuonClipGradsLike) -> bool:
+    """``muon.tensor_parallel`` (see :class:`MuonClipGradsLike`), ``False`` when absent."""
+    return bool(getattr(muon, "tensor_parallel", False))
 
 
 class SupportsMuonGradsForClip(Protocol):

@@ -51,9 +51,11 @@ def gram_newton_schulz_distributed(
 
     ``all_reduce(t)`` must sum the fp32 tensor ``t`` in place over every rank holding a block
     of the same matrix (e.g. ``lambda t: dist.all_reduce(t, group=tp_group)``); every rank must
-    call this function with the same ``m``, leading dims and arguments. The whole matrix should
-    be wide (m ≤ n): the Gram side is m×m. Returns this rank's block of the result, in
-    ``x_local``'s shape and dtype. See the module note.
+    call this function with the same ``m``, leading dims and arguments. The blocks must be
+    column blocks (each holds all ``m`` rows): for a matrix split by rows pass ``x_local.mT``
+    and transpose the result back, since NS(Xᵀ) = NS(X)ᵀ. The Gram side is m×m, so the form
+    pays off when the whole matrix is wide (m ≤ n). Returns this rank's block of the result,
+    in ``x_local``'s shape and dtype. See the module note.
     """
     check_matrix(x_local, "x_local")
     # The config object validates the arguments exactly as the front end does.

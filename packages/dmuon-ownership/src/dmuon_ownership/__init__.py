@@ -8,7 +8,15 @@ each parameter's route and dtypes with :func:`resolve_param_policy`. Before a ru
 Standard library only.
 """
 
-from ._cost import CostFn, elementwise_cost, ns_cost, ns_flops
+from ._cost import (
+    CostFn,
+    ExpertStack,
+    elementwise_cost,
+    expert_base_loads,
+    experts_held,
+    ns_cost,
+    ns_flops,
+)
 from ._forecast import Forecast, Spread, Topology, forecast
 from ._items import Owner, WorkItem
 from ._lpt import plan_owners
@@ -27,6 +35,7 @@ from ._route import Route
 __all__ = [
     "POLICY_FIELDS",
     "CostFn",
+    "ExpertStack",
     "Forecast",
     "ModelShapes",
     "NSTimes",
@@ -41,6 +50,8 @@ __all__ = [
     "UnknownParamError",
     "WorkItem",
     "elementwise_cost",
+    "expert_base_loads",
+    "experts_held",
     "forecast",
     "load_ns_times",
     "model_shapes",

@@ -39,11 +39,20 @@ is the whole cost, which is therefore proportional to the element count.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from ._route import Route, parse_route
 
-__all__ = ["CostFn", "elementwise_cost", "ns_cost", "ns_flops"]
+__all__ = [
+    "CostFn",
+    "ExpertStack",
+    "elementwise_cost",
+    "expert_base_loads",
+    "experts_held",
+    "ns_cost",
+    "ns_flops",
+]
 
 #: ``cost(shape, route) -> float``: the work one item puts on its owner (any consistent unit).
 CostFn = Callable[[tuple[int, ...], Route], float]
@@ -86,3 +95,41 @@ def ns_cost(
         batch = math.prod(shape[:-2])
         total += batch * ns_flops(shape[-2], shape[-1], steps, restarts=restarts)
     return float(total)
+
+
+class ExpertStack(NamedTuple):
+    """A stack of experts that FSDP2 shards on its expert dim and each rank steps where it
+    lies (not an owner item): ``experts`` experts of ``per_expert`` matrices of ``rows × cols``
+    each (2 for fused gate and up orthogonalised apart)."""
+
+    experts: int
+    rows: int
+    cols: int
+    per_expert: int = 1
+
+
+def experts_held(experts: int, shard: int, shard_size: int) -> int:
+    """Experts of a stack of ``experts`` that shard index ``shard`` of ``shard_size`` holds
+    under ``torch.chunk`` (FSDP2's dim-0 split): ``ceil(experts / shard_size)`` each, the last
+    shards fewer or none."""
+    chunk = -(-experts // shard_size)
+    return max(0, min(chunk, experts - shard * chunk))
+
+
+def expert_base_loads(
+    stacks: Iterable[ExpertStack], shard_size: int, replicate_size: int = 1
+) -> list[float]:
+    """The optimizer work the expert stacks put on each slot (``replicate * shard_size +
+    shard``, the planner's order): the NS cost of the experts its shard index holds, the same
+    on every replica. ``plan_owners(..., base_loads=...)`` then puts owned matrices on the
+    lighter slots."""
+    stacks = list(stacks)
+    per_shard = [
+        math.fsum(
+            ns_cost((held * s.per_expert, s.rows, s.cols))
+            for s in stacks
+            if (held := experts_held(s.experts, shard, shard_size))
+        )
+        for shard in range(shard_size)
+    ]
+    return [per_shard[slot % shard_size] for slot in range(shard_size * replicate_size)]

@@ -56,7 +56,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._cost import ns_cost
+from ._cost import ExpertStack, expert_base_loads, experts_held, ns_cost
 from ._items import WorkItem
 from ._lpt import plan_owners
 from ._model_shapes import ModelShapes, model_shapes
@@ -219,6 +219,15 @@ class Forecast:
         return as_dict(self)
 
 
+def expert_stack(item: WorkItem) -> ExpertStack:
+    """How the runtime orthogonalises an expert stack ``(E, out, in)``: one matrix per expert,
+    or, for a fused ``gate_up`` stack (rows ``[gate; up]``), gate and up apart."""
+    experts, rows, cols = item.shape
+    if "gate_up" in item.name:
+        return ExpertStack(experts, rows // 2, cols, per_expert=2)
+    return ExpertStack(experts, rows, cols)
+
+
 def forecast(
     config: Mapping[str, Any] | str | os.PathLike[str] | ModelShapes,
     topology: Topology,
@@ -299,9 +308,7 @@ class _Forecaster:
 
     def experts_held(self, item: WorkItem, shard: int) -> int:
         """Experts of stack ``item`` that shard index ``shard`` holds (``torch.chunk``)."""
-        count = item.shape[0]
-        chunk = -(-count // self.G)
-        return max(0, min(chunk, count - shard * chunk))
+        return experts_held(item.shape[0], shard, self.G)
 
     # -- the plan ------------------------------------------------------------------------------
 
@@ -311,9 +318,11 @@ class _Forecaster:
         return tuple(self.experts_held(item, shard) for item in self.shapes.experts)
 
     def expert_cost(self, held: tuple[int, ...]) -> float:
+        """The NS work of the experts ``held``, as the runtime batches them: a fused gate/up
+        stack is two matrices per expert (see expert_stack)."""
         return math.fsum(
-            ns_cost((count, *item.shape[1:]), Route.MUON)
-            for count, item in zip(held, self.shapes.experts)
+            ns_cost((count * stack.per_expert, stack.rows, stack.cols), Route.MUON)
+            for count, stack in zip(held, map(expert_stack, self.shapes.experts))
             if count
         )
 
@@ -322,7 +331,10 @@ class _Forecaster:
         self.holdings = [self.held(s) for s in range(G)]
         costs = {held: self.expert_cost(held) for held in set(self.holdings)}
         shard_cost = [costs[held] for held in self.holdings]
-        base = [shard_cost[slot % G] for slot in range(G * R)] if self.shapes.experts else None
+        base = None
+        if self.shapes.experts:
+            stacks = [expert_stack(item) for item in self.shapes.experts]
+            base = expert_base_loads(stacks, G, R)
         plan = plan_owners(
             self.shapes.dedicated,
             G,

@@ -40,7 +40,7 @@ from .._matrix import LrScaling, matrix_shape
 from .._profile import PhaseTimer, span
 from .._torch_internals import foreach_max_abs
 from ..runtime._config import check_bool
-from ..runtime._param import DedicatedParam, LocalMuonParam
+from ..runtime._param import DedicatedParam, LocalMuonParam, counts_once
 from ..runtime._runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
@@ -76,9 +76,13 @@ DEFAULT_NS_BATCH_BYTES = 64 * 2**20
 class MuonClipGrads(NamedTuple):
     """What ``Muon.muon_grads_for_clip()`` hands to dmuon-clip (ARCHITECTURE.md)."""
 
-    grads: list[Tensor]  # full averaged gradients of the Muon matrices this rank owns
-    process_group: ProcessGroup | None  # ranks that together own every matrix once
+    grads: list[Tensor]  # averaged gradients (whole, or TP shards) this rank owns and counts
+    process_group: ProcessGroup | None  # every rank: a sum over it counts each element once
     device: torch.device  # where the norm accumulator lives
+    # Whole matrices that every TP grid keeps: counted on grid 0, copies (scaled, not counted)
+    # on the others; see [Note: global quantities] in _comm.
+    copies: tuple[Tensor, ...] = ()
+    tensor_parallel: bool = False  # a matrix's norm needs its TP shards on other ranks
 
 
 class MuonStepStats(NamedTuple):
@@ -557,8 +561,11 @@ class Muon(torch.optim.Optimizer):
             # or infinity there iff anywhere in the gradient.
             peaks = foreach_max_abs(grads)
             found = (~torch.isfinite(torch.stack([p.float() for p in peaks])).all()).float()
-        if self._runtime.layout.world_size > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.world_group)
+        # Every rank, TP grids included: one decision for the step (see [Note: global
+        # quantities] in _comm).
+        group = self._runtime.global_group
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return found
 
     @property
@@ -588,17 +595,31 @@ class Muon(torch.optim.Optimizer):
 
     def muon_grads_for_clip(self) -> MuonClipGrads:
         """The owned Muon gradients, final (pending reduces waited), for global-norm clipping;
-        scaling them in place changes what the next ``step()`` reads."""
+        scaling them in place changes what the next ``step()`` reads. Summed over every rank
+        they count each element once (see [Note: global quantities] in _comm)."""
         self._runtime.wait_all_reduces()
-        grads = [entry.dp.grad for entry in self._plan.muon if entry.dp.grad is not None]
-        if grads:
-            device = grads[0].device
+        layout = self._runtime.layout
+        # (gradient, is a copy): a whole matrix is held in every TP grid (counted in grid 0),
+        # and an expert shard by every replica of its mesh (counted on the first).
+        owned: list[tuple[Tensor, bool]] = []
+        for entry in self._plan.muon:
+            if entry.dp is None:
+                if entry.param.grad is not None:
+                    owned.append((local_tensor(entry.param.grad), not counts_once(entry.param)))
+            elif entry.dp.grad is not None:
+                owned.append((entry.dp.grad, layout.tp_index > 0 and entry.dp.tp_dim is None))
+        grads = [g for g, copy in owned if not copy]
+        copies = tuple(g for g, copy in owned if copy)
+        if owned:
+            device = owned[0][0].device
         elif self._runtime.params:
             device = self._runtime.params[0].param.device
         else:
             device = torch.device("cpu")
-        group = self._runtime.world_group if dist.is_available() and dist.is_initialized() else None
-        return MuonClipGrads(grads=grads, process_group=group, device=device)
+        group = (
+            self._runtime.global_group if dist.is_available() and dist.is_initialized() else None
+        )
+        return MuonClipGrads(grads, group, device, copies, tensor_parallel=layout.tp_size > 1)
 
     def muon_param_names(self) -> list[str]:
         """FQNs of every Muon-route matrix, in group order (the same on every rank)."""

@@ -11,11 +11,16 @@ whole matrix, in one of two ways (``Muon(tp_ns=...)``):
   group) gathers the T input shards, runs NS once on the whole matrix and scatters the result:
   NS runs once per matrix in the world, and each shard travels twice: ``2(T−1)/T·m·n``
   elements through the TP owner.
-- ``"gram"``: the Gram side is the short one (``X = W`` for m ≤ n, ``Wᵀ`` otherwise), and when
-  the shards split the long side they are column blocks of ``X``: every rank forms its block's
-  ``Xᵢ·Xᵢᵀ`` and one all-reduce of the m×m sums gives every rank the whole Gram matrix
-  (``dmuon_ns.gram_newton_schulz_distributed``, one more all-reduce per restart). The NS work
-  is split over the group, and ``short²`` elements travel per all-reduce.
+- ``"gram"``: ``dmuon_ns.gram_newton_schulz_distributed`` needs each rank's shard to be a
+  *column block* of the matrix it orthogonalises, ``X``. The shard direction alone decides
+  ``X``, whatever the aspect ratio: column shards (``Shard(1)``, RowwiseParallel) are column
+  blocks of ``X = W``; row shards (``Shard(0)``, ColwiseParallel) are row blocks of ``W``, so
+  column blocks of ``X = Wᵀ``, and the result is transposed back (``NS(Wᵀ) = NS(W)ᵀ``). Every
+  rank forms its block's ``Xᵢ·Xᵢᵀ`` and one all-reduce of the sums gives every rank the whole
+  Gram matrix (one more all-reduce per restart). The Gram side of ``X`` is the dimension the
+  shards do not split, so the form pays off when that is the short side: the NS work is split
+  over the group, and ``short²`` elements travel per all-reduce. When the shards split the
+  short side the Gram matrix would be ``long × long``, larger than the matrix itself.
 - ``"auto"`` (the default) takes ``"gram"`` when it applies (the shards split the long side,
   or either side of a square matrix, and the optimizer's NS is a Gram ``NewtonSchulz``) and the
   short side is at most half the long one, so that the all-reduces of ``short²`` move less than
@@ -28,6 +33,7 @@ the shards. Traffic is counted on the ``tp`` axis of the runtime's byte counter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 import torch
@@ -50,12 +56,12 @@ class TPMode(StrEnum):
 
 
 def gram_applies(shape: tuple[int, int], tp_dim: int, ns: NSFunction) -> bool:
-    """Whether distributed Gram NS can orthogonalise a matrix of ``shape`` split on
-    ``tp_dim``: the shards must split the long side (either side of a square matrix), and
-    ``ns`` must be a Gram ``NewtonSchulz``."""
-    rows, cols = shape
-    long_side = tp_dim == (1 if rows <= cols else 0) or rows == cols
-    return long_side and isinstance(ns, NewtonSchulz) and ns.backend == "gram"
+    """Whether distributed Gram NS is worth running on a matrix of ``shape`` split on
+    ``tp_dim``: the shards must split the long side (either side of a square matrix), so that
+    the Gram side is the short one, and ``ns`` must be a Gram ``NewtonSchulz``."""
+    return (
+        shape[1 - tp_dim] <= shape[tp_dim] and isinstance(ns, NewtonSchulz) and ns.backend == "gram"
+    )
 
 
 def choose(mode: TPMode, shape: tuple[int, int], tp_dim: int, ns: NSFunction) -> TPMode:
@@ -118,23 +124,31 @@ class TensorParallelNS:
         return out
 
     def _gram(self, local: Tensor) -> Tensor:
-        rows, cols = self.shape
-        transposed = rows > cols
-        x = local.mT if transposed else local
-
         def all_reduce(t: Tensor) -> None:
             self.counter.record(Axis.TP, CommKind.ALL_REDUCE, t.numel() * t.element_size())
             dist.all_reduce(t, group=self.group)
 
         ns = self.ns
         assert isinstance(ns, NewtonSchulz)
-        y = gram_newton_schulz_distributed(
-            x,
-            all_reduce,
-            steps=ns.steps,
-            coefficients=ns.coefficients,
-            restart_iterations=ns.restart_iterations,
-            dtype=ns.dtype,
-            eps=ns.eps,
-        )
-        return y.mT if transposed else y
+        return gram_of_shards(local, self.tp_dim, all_reduce, ns)
+
+
+def gram_of_shards(
+    local: Tensor, tp_dim: int, all_reduce: Callable[[Tensor], object], ns: NewtonSchulz
+) -> Tensor:
+    """This rank's shard of ``ns`` applied to the whole matrix whose ``tp_dim`` shards
+    (``local``: ``(..., rows, cols)`` of the shard) the ranks of ``all_reduce`` hold, through
+    distributed Gram NS; see [Note: Newton–Schulz under tensor parallelism]. Correct for
+    either shard direction and any aspect ratio (whether it is worth it: ``gram_applies``)."""
+    row_shards = tp_dim == 0
+    x = local.mT if row_shards else local  # column blocks of X
+    y = gram_newton_schulz_distributed(
+        x,
+        all_reduce,
+        steps=ns.steps,
+        coefficients=ns.coefficients,
+        restart_iterations=ns.restart_iterations,
+        dtype=ns.dtype,
+        eps=ns.eps,
+    )
+    return y.mT if row_shards else y

@@ -29,6 +29,7 @@ from enum import Enum, auto
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..topology._comm import Axis, CommKind, DedicatedCommContext
 from ._collectives import CollectiveResult, broadcast, wait
@@ -75,11 +76,11 @@ class DedicatedGroup:
 
     def pack(self) -> None:
         """Build the packs: one per (owner, precision) of the members, and one per
-        tensor-parallel member, see [Note: packs]."""
+        ``DTensor`` member (tensor-parallel), see [Note: packs]."""
         split: dict[tuple[object, object, str], list[DedicatedParam]] = {}
         for dps in self.members:
             for dp in dps:
-                alone = dp.fqn if dp.tp_dim is not None else ""
+                alone = dp.fqn if isinstance(dp.param, DTensor) else ""
                 split.setdefault((dp.owner, dp.precision, alone), []).append(dp)
         self.packs = [Pack.build(dps, self.comm.layout, self.replicated) for dps in split.values()]
         self._state = GroupState.RESHARDED if self._cycles else GroupState.UNSHARDED

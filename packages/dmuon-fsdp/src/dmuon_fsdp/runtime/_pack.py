@@ -9,11 +9,11 @@ sender of a pack owned by ``(s, r_o)`` is ``(s, r)``: the owner itself in its ow
 the other rows of an HSDP grid the owner's column replica, which holds a published copy of the
 weight (see [Note: the grid] in :mod:`._mesh`).
 
-A tensor-parallel matrix gets a pack of its own: dynamo cannot fake a ``DTensor`` whose local
-shard shares its storage or starts at an offset into it (torch 2.13: "Attempted to set the
-storage of a tensor on device cpu to a storage on different device meta"), so a compiled
-block holding packed TP shards failed to trace. Its bytes are the same; it costs one more
-broadcast per matrix.
+A tensor-parallel matrix (any ``DTensor`` parameter, one on a one-rank TP mesh too) gets a
+pack of its own: dynamo cannot fake a ``DTensor`` whose local shard shares its storage or
+starts at an offset into it (torch 2.13: "Attempted to set the storage of a tensor on device
+cpu to a storage on different device meta"), so a compiled block holding packed TP shards
+failed to trace. Its bytes are the same; it costs one more broadcast per matrix.
 
 Only a peer pack (this rank neither owns nor replicates it) changes storage: it is allocated
 before a broadcast fills it and resized to zero afterwards. A sender's pack always holds the

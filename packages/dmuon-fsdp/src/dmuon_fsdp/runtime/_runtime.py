@@ -2,8 +2,8 @@
 
 The optimizer, checkpoint and diagnostics talk to the runtime only through the surface
 listed in ARCHITECTURE.md ("dmuon-fsdp inside"): ``params``, ``owned``, ``coord``,
-``world_group``, ``global_rank``, ``wait_all_reduces``, ``after_step`` and ``drain``. It owns
-the groups (:mod:`._group`), the queue of pending gradient reductions
+``world_group``, ``global_group``, ``global_rank``, ``wait_all_reduces``, ``after_step`` and
+``drain``. It owns the groups (:mod:`._group`), the queue of pending gradient reductions
 (:class:`~._collectives.ReduceQueue`) and the hooks (:mod:`._hooks`), which are handed both.
 
 [Note: the step protocol]
@@ -78,6 +78,9 @@ class DedicatedRuntime:
         # The contract surface (ARCHITECTURE.md), kept as plain attributes.
         self.coord: Owner = layout.coord
         self.world_group: ProcessGroup = comm.world_group
+        # Every rank, TP grids included: where global quantities are reduced (see [Note:
+        # global quantities] in _comm).
+        self.global_group: ProcessGroup = comm.global_group
         self.counter: CommCounter = comm.counter
         self.reshard_after_forward = config.reshard_after_forward
         self.plan = plan

@@ -43,12 +43,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import (
+    ExpertStack,
     Owner,
     ParamPolicy,
     Plan,
     ResolvedPolicy,
     Route,
     WorkItem,
+    expert_base_loads,
     plan_owners,
     validate_param_policy,
 )
@@ -278,6 +280,7 @@ def _dedicate(
         layout.shard_size,
         layout.replicate_size,
         small_param_threshold=config.small_param_threshold,
+        base_loads=_expert_loads(stacks, layout, config),
     )
     _check_fingerprint(plan, layout)
 
@@ -360,6 +363,25 @@ def _expert_stacks(
         check_expert_split(fqn, param)
         stacks.append(LocalMuonParam(fqn, module, name, view, resolved))
     return dedicated, stacks
+
+
+def _expert_loads(
+    stacks: list[LocalMuonParam], layout: MeshLayout, config: DedicateConfig
+) -> list[float] | None:
+    """The NS work FSDP2's dim-0 split of the expert stacks leaves on each slot, so that the
+    planner puts dense matrices on the ranks with fewer experts (``None``: nothing to weigh).
+    A stack already split by expert parallelism is left out (its split is the EP mesh's);
+    on the replicated path every rank steps every expert, which weighs every slot alike."""
+    stacks = [s for s in stacks if not isinstance(s.param, DTensor)]
+    if not stacks or config.replicated:
+        return None
+    counted = []
+    for stack in stacks:
+        view = stack.view
+        experts = view.experts
+        assert experts is not None, f"{stack.fqn} is not an expert stack"
+        counted.append(ExpertStack(experts, view.rows, view.cols, view.batch // experts))
+    return expert_base_loads(counted, layout.shard_size, layout.replicate_size)
 
 
 def _expert_layout(name: str, module: nn.Module, policy: ResolvedPolicy) -> dict[str, Any]:

@@ -133,8 +133,10 @@ def check_call_order(
 ) -> DeviceMesh | None:
     """Raise when FSDP2 (or any DTensor wrapper on the data-parallel ``mesh``) got to the
     model before dedicate_params; return the tensor-parallel mesh of the selected parameters
-    that are TP shards (DTensors on another mesh), or ``None``. Raises when they do not fit
-    dmuon's tensor parallelism (see [Note: tensor-parallel grids] in _mesh)."""
+    that are TP shards (DTensors on another mesh of more than one rank), or ``None``. Raises
+    when they do not fit dmuon's tensor parallelism (see [Note: tensor-parallel grids] in
+    _mesh); a DTensor on a one-rank mesh is a whole matrix (see [Note: degree-1 mesh
+    dimensions] in _mesh)."""
     from torch.distributed.fsdp import FSDPModule
 
     for name, module in model.named_modules():
@@ -156,6 +158,8 @@ def check_call_order(
                 "(before fully_shard); if it is a tensor-parallel shard, pass the data-parallel "
                 "dimension (mesh['dp'] of a ('dp', 'tp') mesh), not the TP one"
             )
+        if param.device_mesh.size() == 1:
+            continue
         _check_tp(fqn, param)
         if tp_mesh is None:
             tp_mesh = param.device_mesh
@@ -168,8 +172,9 @@ def check_call_order(
 
 
 def tp_dim(param: nn.Parameter) -> int | None:
-    """The dim a tensor-parallel parameter's shards split (``None``: not a TP shard)."""
-    if not isinstance(param, DTensor):
+    """The dim a tensor-parallel parameter's shards split (``None``: not a TP shard, or a
+    DTensor on a one-rank mesh, which holds the whole matrix)."""
+    if not isinstance(param, DTensor) or param.device_mesh.size() == 1:
         return None
     placement = param.placements[0]
     assert isinstance(placement, Shard)

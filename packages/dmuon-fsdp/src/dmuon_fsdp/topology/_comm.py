@@ -170,7 +170,25 @@ class DedicatedCommContext:
 
     ``shard_group`` is this rank's replicate row, ``replicate_group`` its shard column (``None``
     on a 1-D mesh), ``world_group`` spans the whole grid (this TP index's grid with tensor
-    parallelism). Streams are ``None`` off CUDA.
+    parallelism) and ``global_group`` every rank dmuon runs on (see [Note: global
+    quantities]). Streams are ``None`` off CUDA.
+
+    [Note: global quantities]
+    A quantity that must be the same for the whole step on every rank (the clip norm of the
+    Muon gradients, whether any gradient is not finite) is reduced over ``global_group``, never
+    over ``world_group``: with tensor parallelism a grid holds only its TP index's shards, so a
+    grid-wide reduction sees 1/T of every TP matrix, and the TP partners of a rank would reach
+    different answers (one grid skipping a step its partner takes leaves the matrix half
+    updated). Every rank of the world belongs to exactly one grid (``resolve_layout`` checks
+    that the grids cover it), so ``global_group`` is the default group's ranks; it is dmuon's
+    own group under ``"isolated"`` (made with the others, in the same order on every rank).
+
+    A sum must count each element once. An owner's Muon gradients are TP shards, disjoint across
+    the world, or whole matrices; a whole matrix (one that is not tensor-parallel) is kept by
+    its owner coordinate in every grid, T identical copies, so the clip counts it in grid 0
+    alone and hands it to the other grids' owners as a copy to scale
+    (``Muon.muon_grads_for_clip``). A maximum (the non-finite check) needs no such care: every
+    rank contributes its local gradients, FSDP2 and replicated ones included.
     """
 
     layout: MeshLayout
@@ -179,9 +197,10 @@ class DedicatedCommContext:
     replicate_group: ProcessGroup | None
     world_group: ProcessGroup
     # Tensor parallelism: the ranks of this rank's grid coordinate in every TP index's grid
-    # (None without TP), and every rank (the world_group itself without TP).
+    # (None without TP).
     tp_group: ProcessGroup | None
-    all_group: ProcessGroup
+    # Every rank (the world_group itself without TP); see [Note: global quantities].
+    global_group: ProcessGroup
     # High priority: a forward (or Z3 backward) of the boundary waits for its broadcast.
     broadcast_stream: torch.cuda.Stream | None = None
     # High priority: the shard-axis reduce frees the local gradient memory of a boundary.
@@ -201,7 +220,7 @@ class DedicatedCommContext:
         coord, t = layout.coord, layout.tp_index
         if policy is ProcessGroupPolicy.ISOLATED or layout.tp_size > 1:
             groups = _isolated_groups(layout)
-            world_group, all_group = groups.grids[t], groups.all
+            world_group, global_group = groups.grids[t], groups.all
             tp_group = groups.tp.get((coord.replicate, coord.shard))
         if policy is ProcessGroupPolicy.ISOLATED:
             shard_group = groups.rows[t][coord.replicate]
@@ -214,11 +233,11 @@ class DedicatedCommContext:
             if layout.tp_size == 1:
                 world = dist.group.WORLD
                 assert world is not None
-                world_group = all_group = world
+                world_group = global_group = world
                 tp_group = None
             elif layout.tp_mesh is not None:
                 tp_group = layout.tp_mesh.get_group()
-        ctx = cls(layout, policy, shard_group, replicate_group, world_group, tp_group, all_group)
+        ctx = cls(layout, policy, shard_group, replicate_group, world_group, tp_group, global_group)
         if layout.device.type == "cuda":
             high = -1  # the highest priority CUDA exposes through torch
             ctx.broadcast_stream = torch.cuda.Stream(layout.device, priority=high)

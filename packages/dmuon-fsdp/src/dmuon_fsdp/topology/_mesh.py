@@ -136,7 +136,16 @@ def resolve_layout(
     (``mesh['dp']``, or ``mesh['shard']`` and ``mesh['replicate']`` of a 3-D mesh) are its own
     grid's. Each grid runs dmuon's protocol on its ranks' local TP shards, with the same plan;
     the T ranks of one grid coordinate (one in each grid) form a TP group, which Newton–Schulz
-    of a sharded matrix uses."""
+    of a sharded matrix uses.
+
+    [Note: degree-1 mesh dimensions]
+    A mesh dimension of one rank changes nothing, so dmuon treats it as absent: a
+    ``replicate_mesh`` of size 1 is a 1-D run (no replicate stage, no publish), and a TP mesh of
+    size 1 (torchtitan keeps a 'tp' dimension of size 1 when TP is off; ``parallelize_module``
+    on it makes DTensors whose local tensor is the whole matrix) is no tensor parallelism: such
+    parameters are whole matrices, stepped in the 1-D stacks (``tp_dim`` is ``None``).
+    Without this, a one-rank TP group or replicate column would run every TP or HSDP
+    collective over a single rank, and the TP path would look for groups it never made."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "dedicate_params needs torch.distributed: call dist.init_process_group(...) first"
@@ -152,6 +161,11 @@ def resolve_layout(
             f"replicate_mesh is on {rep_mesh.device_type!r} but mesh is on "
             f"{shard_mesh.device_type!r}; take both from one mesh: {_HSDP_HINT}"
         )
+    # See [Note: degree-1 mesh dimensions].
+    if rep_mesh is not None and rep_mesh.size() == 1:
+        rep_mesh = None
+    if tp_mesh is not None and tp_mesh.size() == 1:
+        tp_mesh = None
     shard_size = shard_mesh.size()
     replicate_size = 1 if rep_mesh is None else rep_mesh.size()
     tp_size = 1 if tp_mesh is None else tp_mesh.size()
