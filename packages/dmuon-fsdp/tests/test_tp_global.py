@@ -22,7 +22,9 @@ from torch.distributed.tensor import DTensor
 from dmuon_fsdp import (
     Muon,
     dedicate_params,
+    dedicate_params_ddp,
     get_model_state_dict,
+    replicate,
 )
 from dmuon_fsdp.optim._tp_ns import TensorParallelNS, TPMode, choose, gram_of_shards
 from dmuon_fsdp.topology._comm import Axis, CommCounter, CommKind
