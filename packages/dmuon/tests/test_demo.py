@@ -144,7 +144,7 @@ def test_plot_without_matplotlib_is_refused_before_training(
     )
     with pytest.raises(SystemExit):
         main(["--plot", "loss.png"])
-    assert "pip install 'dmuon[demo]'" in capsys.readouterr().err
+    assert "pip install matplotlib" in capsys.readouterr().err
 
 
 def _fake_results(world: int, shard_pm: float, replicate_pm: float) -> list[list[RunResult]]:

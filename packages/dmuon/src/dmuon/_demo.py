@@ -126,9 +126,7 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
         raise ValueError(f"--plot needs a .png file name, got {args.plot!r}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         # Checked before training rather than found missing after it.
-        raise ValueError(
-            "--plot needs matplotlib, which is not installed: pip install 'dmuon[demo]'"
-        )
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib")
     for name in ("lr", "adamw_lr"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
