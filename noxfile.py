@@ -191,28 +191,37 @@ def smoke(session: nox.Session) -> None:
         session.run(python, str(EXAMPLES / "checkpoint_fsdp.py"), external=True)
 
 
+ROOT_SUITE = "dmuon-ownership"
+
+
 @nox.session
 def root(session: nox.Session) -> None:
     """`pytest` at the repository root, as the README's `uv run pytest` runs it, at a cost CI
-    can pay: the lockfile must match every pyproject.toml (`uv lock --check`, offline: what
-    `uv sync` installs is what the packages declare), then the root run itself with one package
-    suite, dmuon-ownership's (pure Python, seconds), beside the root's own tests and the docs
-    checks. That exercises everything the route adds to the `tests` sessions (the root
-    configuration, each suite in its own process with its output streamed under the package's
-    name, the per-package report and its total) without running the suites a second time: the
-    whole route takes as long as every `tests` session together, which CI's 20 minutes on two
-    cores cannot hold twice. The `uv sync` environment itself (PyPI's CUDA torch on Linux,
-    several GB) is left to the README's command; its tests skip without a CUDA device."""
+    can pay (under a minute on two cores). First the lockfile must match every pyproject.toml
+    (`uv lock --check`, offline): what `uv sync` installs is what the packages declare. Then the
+    root run with one package suite, dmuon-ownership's (pure Python, seconds, so the session
+    installs only it and the test tools), and the root's own tests (testing/; docs/tests, the
+    other test path, is the docs session's). That
+    exercises everything the route adds to the `tests` sessions (the root configuration, each
+    suite in its own process with its output streamed under the package's name, the
+    per-package report and its total) without running the suites a second time: the whole
+    route takes as long as every `tests` session together (11 minutes on two cores), which
+    CI's 20 minutes cannot hold twice. The `uv sync` environment itself (PyPI's CUDA torch on
+    Linux, several GB) is left to the README's command; there the GPU tests skip without a
+    CUDA device."""
     session.run("uv", "lock", "--check", "--offline", external=True)
-    session.install(*TEST_TOOLS, TORCH, *_editable(*PACKAGES))
+    session.install(*TEST_TOOLS, *_editable(*_closure(ROOT_SUITE)))
     session.chdir(ROOT)
-    session.run("pytest", "-k", "not test_package_suite or dmuon-ownership", *session.posargs)
+    # testing/ alone: docs/tests, the root's other test path, is the docs session's to run.
+    only = ["testing", "-k", f"not test_package_suite or {ROOT_SUITE}"]
+    session.run("pytest", *only, *session.posargs)
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the docs site with warnings as errors (docs/_build/html), then check that it covers
-    every public name and every error message (docs/tests)."""
+    every public name and every error message, and that the pages' snippets define what they
+    use (the tuning page's run on one gloo rank) (docs/tests)."""
     session.install(*_group("docs"), *TEST_TOOLS, TORCH, *_editable(*PACKAGES))
     out = ROOT / "docs" / "_build" / "html"
     session.run("sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out))
