@@ -2,8 +2,9 @@
 (``gemm_symmetric`` for the symmetric m×m products and Gram matrices, ``gemm`` / ``gemm_add``
 for the rest), run by the shared loops of ``_iterations``.
 
-quack-kernels is an optional extra (``cute``: quack-kernels and nvidia-cutlass-dsl), imported only when the
-kernel first runs; it is never vendored. Importing this module only registers the kernel.
+quack-kernels is an optional extra (``cute``: quack-kernels and nvidia-cutlass-dsl), imported
+only when the kernel first runs; it is never vendored. Importing this module only registers
+the kernel.
 
 [Note: problems quack does not take]
 quack's symmetric product works on square tiles of up to 256 rows; for m ≤ 256 the whole
