@@ -4,7 +4,8 @@ docs site, an install smoke test, the demo.
 nox                                  # everything CI runs
 nox -s "tests(package='dmuon-ns')"   # one package's tests
 nox -s docs                          # build the docs site (warnings are errors) and check it
-nox -s smoke                         # install as a user would, train 2 ranks
+nox -s smoke                         # install as a user would, train 2 ranks, checkpoint
+nox -s root                          # `pytest` at the root, the `uv run pytest` route
 nox -s demo -- --steps 20            # the main job (extra args go to dmuon-demo)
 
 Every tool version comes from the dependency groups of pyproject.toml, torch's and Triton's from
@@ -73,7 +74,7 @@ TEST_EXTRAS: dict[str, list[str]] = {
 }
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "isolation", "typecheck", "docs", "smoke", "tests"]
+nox.options.sessions = ["lint", "isolation", "typecheck", "docs", "smoke", "root", "tests"]
 nox.options.error_on_missing_interpreters = True
 
 
@@ -157,14 +158,20 @@ def isolation(session: nox.Session) -> None:
 # The documented install from a checkout (README.md, docs/quickstart.md): one pip command.
 INSTALL_ORDER = ["dmuon-ns", "dmuon-ownership", "dmuon-clip", "dmuon-fsdp", "dmuon"]
 # Present in every test session, so a runtime import of one would pass there unnoticed.
-NOT_RUNTIME = ["numpy", "pytest", "hypothesis"]
+NOT_RUNTIME = ["pytest", "hypothesis"]
+# Runtime dependencies that the test tools also bring: the clean install must have them from
+# the packages' own metadata (numpy: dmuon-fsdp's checkpoints, through torch's DCP).
+RUNTIME = ["numpy"]
+EXAMPLES = ROOT / "docs" / "examples"
 
 
 @nox.session(venv_backend="none")
 def smoke(session: nox.Session) -> None:
-    """Install as a user would, into a clean venv without test tools or numpy: pinned torch, then
-    the five packages with the one documented pip command; then train 2 gloo ranks through the
-    public `dmuon` API (docs/examples/train_fsdp.py: 3 steps, the loss must be finite and fall)."""
+    """Install as a user would, into a clean venv without test tools: pinned torch, then the
+    five packages with the one documented pip command; then, through the public `dmuon` API on
+    2 gloo ranks, train (docs/examples/train_fsdp.py: 3 steps, the loss must be finite and
+    fall) and round-trip a sharded checkpoint (docs/examples/checkpoint_fsdp.py: the run resumed
+    from `save_checkpoint` / `load_checkpoint` must repeat the uninterrupted one's losses)."""
     with tempfile.TemporaryDirectory() as venv:
         session.run(sys.executable, "-m", "venv", venv, external=True)
         python = str(Path(venv) / "bin" / "python")
@@ -172,19 +179,49 @@ def smoke(session: nox.Session) -> None:
         session.run(*pip, TORCH, external=True)
         session.chdir(ROOT)
         session.run(*pip, *[f"./packages/{name}" for name in INSTALL_ORDER], external=True)
-        absent = (
+        clean = (
             "import importlib.util, sys; "
             f"present = [m for m in {NOT_RUNTIME!r} if importlib.util.find_spec(m)]; "
-            "sys.exit(f'not a clean user install, these are present: {present}' if present else 0)"
+            f"missing = [m for m in {RUNTIME!r} if not importlib.util.find_spec(m)]; "
+            "sys.exit(f'not a clean user install: {present} present, {missing} missing' "
+            "if present or missing else 0)"
         )
-        session.run(python, "-c", absent, external=True)
-        session.run(python, str(ROOT / "docs" / "examples" / "train_fsdp.py"), external=True)
+        session.run(python, "-c", clean, external=True)
+        session.run(python, str(EXAMPLES / "train_fsdp.py"), external=True)
+        session.run(python, str(EXAMPLES / "checkpoint_fsdp.py"), external=True)
+
+
+ROOT_SUITE = "dmuon-ownership"
+
+
+@nox.session
+def root(session: nox.Session) -> None:
+    """`pytest` at the repository root, as the README's `uv run pytest` runs it, at a cost CI
+    can pay (under a minute on two cores). First the lockfile must match every pyproject.toml
+    (`uv lock --check`, offline): what `uv sync` installs is what the packages declare. Then the
+    root run with one package suite, dmuon-ownership's (pure Python, seconds, so the session
+    installs only it and the test tools), and the root's own tests (testing/; docs/tests, the
+    other test path, is the docs session's). That
+    exercises everything the route adds to the `tests` sessions (the root configuration, each
+    suite in its own process with its output streamed under the package's name, the
+    per-package report and its total) without running the suites a second time: the whole
+    route takes as long as every `tests` session together (11 minutes on two cores), which
+    CI's 20 minutes cannot hold twice. The `uv sync` environment itself (PyPI's CUDA torch on
+    Linux, several GB) is left to the README's command; there the GPU tests skip without a
+    CUDA device."""
+    session.run("uv", "lock", "--check", "--offline", external=True)
+    session.install(*TEST_TOOLS, *_editable(*_closure(ROOT_SUITE)))
+    session.chdir(ROOT)
+    # testing/ alone: docs/tests, the root's other test path, is the docs session's to run.
+    only = ["testing", "-k", f"not test_package_suite or {ROOT_SUITE}"]
+    session.run("pytest", *only, *session.posargs)
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the docs site with warnings as errors (docs/_build/html), then check that it covers
-    every public name and every error message (docs/tests)."""
+    every public name and every error message, and that the pages' snippets define what they
+    use (the tuning page's run on one gloo rank) (docs/tests)."""
     session.install(*_group("docs"), *TEST_TOOLS, TORCH, *_editable(*PACKAGES))
     out = ROOT / "docs" / "_build" / "html"
     session.run("sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out))

@@ -74,7 +74,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from dmuon._demo_model import LlamaConfig, LlamaStack, muon_predicate
 
 CONFIGS = {
-    # Llama-3.2-1B-like and Llama-3-8B-like layer shapes (the two rows of GPU.md).
+    # Llama-3.2-1B-like and Llama-3-8B-like layer shapes.
     "2048x8192x16": LlamaConfig(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8),
     "4096x14336x8": LlamaConfig(hidden=4096, intermediate=14336, layers=8, heads=32, kv_heads=8),
     # SmolLM-135M-like: many small matrices (30 layers x 7), where launch counts show.

@@ -20,14 +20,16 @@ import math
 import os
 import socket
 import sys
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
@@ -74,14 +76,9 @@ def batch(rank: int, device: torch.device) -> Tensor:
     return torch.cat(tokens, dim=1).to(device)
 
 
-def train(steps: int) -> list[float]:
-    """One rank's training loop; the process group is already initialised."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    use_cuda = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (world_size,))
-
-    torch.manual_seed(0)  # the same initial weights on every rank
+def build(mesh: DeviceMesh, device: torch.device, seed: int = 0) -> tuple[TinyLM, dmuon.Muon]:
+    """The model, sharded for dmuon, and its one optimizer, in the order dmuon requires."""
+    torch.manual_seed(seed)  # the same initial weights on every rank
     model = TinyLM().to(device)
 
     # 1. Choose the Muon matrices and give each one an owner rank (before fully_shard).
@@ -94,21 +91,39 @@ def train(steps: int) -> list[float]:
     fully_shard(model, mesh=mesh, ignored_params=dedicated)
     # 3. One optimizer: Muon for the dedicated matrices, AdamW for the rest.
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3)
+    return model, optimizer
 
-    tokens = batch(rank, device)
+
+def train_step(model: nn.Module, optimizer: dmuon.Muon, tokens: Tensor) -> float:
+    """One optimizer step on ``tokens``; returns the loss averaged over the ranks."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    optimizer.zero_grad()
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    # The mean over ranks, for printing only: the gradients are already averaged.
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def device_and_mesh() -> tuple[torch.device, DeviceMesh]:
+    """This rank's device (a GPU under NCCL, else the CPU) and a 1-D mesh over every rank."""
+    use_cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return device, init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def train(steps: int) -> list[float]:
+    """One rank's training loop; the process group is already initialised."""
+    device, mesh = device_and_mesh()
+    model, optimizer = build(mesh, device)
+    tokens = batch(dist.get_rank(), device)
     losses = []
     for step in range(steps):
-        optimizer.zero_grad()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        # The mean over ranks, for printing only: the gradients are already averaged.
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
-        if rank == 0:
+        losses.append(train_step(model, optimizer, tokens))
+        if dist.get_rank() == 0:
             print(f"step {step}  loss {losses[-1]:.4f}", flush=True)
     return losses
 
@@ -121,15 +136,38 @@ def check(losses: list[float]) -> None:
     print(f"OK: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps", flush=True)
 
 
-def _shutdown() -> None:
-    # Line the ranks up first: a rank that tears its gloo group down while a peer is still
-    # closing its own connections can abort at exit ("terminate called without an active
-    # exception"), after training has finished.
-    dist.barrier()
-    dist.destroy_process_group()
+def train_and_check(steps: int) -> None:
+    losses = train(steps)
+    if dist.get_rank() == 0:
+        check(losses)
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, steps: int) -> None:
+def launch(job: Callable[[], None], world_size: int) -> None:
+    """Run ``job`` on every rank of a process group: as this rank when started by ``torchrun``
+    (NCCL when every rank has a GPU, gloo otherwise), else on ``world_size`` gloo ranks spawned
+    on this machine (``job`` must then pickle: a module-level function or a ``partial`` of one)."""
+    if "RANK" in os.environ:  # started by torchrun: this process is one rank
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        _run(job)
+        return
+    mp.spawn(_spawned_rank, args=(world_size, _free_port(), job), nprocs=world_size, join=True)
+
+
+def _run(job: Callable[[], None]) -> None:
+    try:
+        job()
+    finally:
+        # Line the ranks up first: a rank that tears its gloo group down while a peer is still
+        # closing its own connections can abort at exit ("terminate called without an active
+        # exception"), after the job has finished.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, job: Callable[[], None]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -138,12 +176,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, steps: int) -> None:
         world_size=world_size,
         timeout=timedelta(seconds=60),
     )
-    try:
-        losses = train(steps)
-        if rank == 0:
-            check(losses)
-    finally:
-        _shutdown()
+    _run(job)
 
 
 def _free_port() -> int:
@@ -159,26 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         "--world-size", type=int, default=2, help="ranks to spawn when not under torchrun"
     )
     args = parser.parse_args(argv)
-
-    if "RANK" in os.environ:  # started by torchrun: this process is one rank
-        use_cuda = torch.cuda.is_available()
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        try:
-            losses = train(args.steps)
-            if dist.get_rank() == 0:
-                check(losses)
-        finally:
-            _shutdown()
-        return
-
-    mp.spawn(
-        _spawned_rank,
-        args=(args.world_size, _free_port(), args.steps),
-        nprocs=args.world_size,
-        join=True,
-    )
+    launch(partial(train_and_check, args.steps), args.world_size)
 
 
 if __name__ == "__main__":

@@ -58,13 +58,25 @@ def test_failed_capture_warns_once_and_falls_back_to_eager(monkeypatch, caplog):
     assert "operation not permitted" in caplog.records[0].getMessage()
 
 
+class _OnCuda:
+    """A prepared input that claims a CUDA device (``run_graphed`` captures only those)."""
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+        self.shape, self.dtype = prepared.shape, prepared.dtype
+        self.device = torch.device("cuda")
+
+    def write(self, out=None):
+        return self.prepared.write(out)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA device")
 def test_capture_without_cuda_degrades_to_eager():
-    # The real capture needs CUDA; on CPU it fails (no CUDA stream), which must also degrade
-    # to eager with a warning rather than raise.
+    # The real capture of a CUDA input on a machine without a usable CUDA (a CPU build of
+    # torch, or a CUDA build without a device) must degrade to eager with a warning, not raise.
+    source = _OnCuda(prepare(torch.randn(2, 2), torch.float32, 1e-7))
     with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
-        entry = _graphs._capture_or_eager(
-            lambda t: t, prepare(torch.randn(2, 2), torch.float32, 1e-7), "k"
-        )
+        entry = _graphs._capture_or_eager(lambda t: t, source, "k")
     assert isinstance(entry, _graphs._Eager)
 
 
@@ -97,18 +109,9 @@ def test_a_key_holds_one_graph_and_a_new_variant_replaces_it(monkeypatch):
         captured.append(entry)
         return entry
 
-    class OnCuda:
-        def __init__(self, prepared):
-            self.prepared = prepared
-            self.shape, self.dtype = prepared.shape, prepared.dtype
-            self.device = torch.device("cuda")
-
-        def write(self, out=None):
-            return self.prepared.write(out)
-
     monkeypatch.setattr(_graphs, "_capture", capture)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    source = OnCuda(prepare(torch.randn(2, 3, 4), torch.float32, 1e-7))
+    source = _OnCuda(prepare(torch.randn(2, 3, 4), torch.float32, 1e-7))
     for variant in ("torch", "torch", "quack", "quack"):
         out = _graphs.run_graphed(lambda t: t * 2, source, "problem", variant=variant)
         assert torch.equal(out, source.write() * 2)

@@ -63,7 +63,7 @@ def unavailable_reason(device: torch.device, norm_type: float) -> str | None:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         return f"the kernel module failed to import ({exc})"
     if kernels.triton is None:
-        return "triton is not installed (pip install 'dmuon-clip[triton]')"
+        return "triton is not installed (pip install 'triton>=3.4')"
     return None
 
 

@@ -14,8 +14,8 @@ A captured graph keeps its static input and the last product's operands allocate
 life of the process (and its intermediates reserved in a private pool), i.e. at least twice
 the problem's size per shape, on top of whatever the caller holds. Replay pays where the host
 cannot keep ahead of the GPU: on an H200 it took a 1024×4096 call from 1.33 to 0.57 ms
-(BENCHMARKS.md, Newton–Schulz run A), and the quack kernel spends ~40 µs of host time per
-product, as long as a whole product takes at 2048×8192. Above 64 MiB (8192×4096 in fp16)
+(benchmarks/HISTORY.md, Newton–Schulz run A), and the quack kernel spends ~40 µs of host time
+per product, as long as a whole product takes at 2048×8192. Above 64 MiB (8192×4096 in fp16)
 every product runs long enough to hide its launch, so only inputs of at most
 ``GRAPH_MAX_BYTES`` are graphed; larger ones run eagerly and leave nothing behind (a training
 step's peak memory counts).

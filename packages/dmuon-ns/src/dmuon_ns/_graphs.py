@@ -37,7 +37,9 @@ setting, a capture already running on the stream, no CUDA at all); CUDA and torc
 of them as ``RuntimeError``. The first failure for a key is reported once, through both
 ``logging`` and ``warnings``, and that key runs eagerly from then on; other keys still try to
 capture. Any other exception (a kernel library's own error type, a wrong return type) is not
-a capture problem and propagates.
+a capture problem and propagates. ``_capture`` makes its side stream before anything else on
+the device: without a usable CUDA that is the call that fails, with a ``RuntimeError`` on
+every torch build (a CPU build's allocator would raise ``AssertionError`` for a CUDA tensor).
 """
 
 from __future__ import annotations
@@ -157,8 +159,8 @@ def _capture_or_eager(
 
 
 def _capture(fn: Callable[[Tensor], Output], source: GraphInput, variant: Hashable) -> _Captured:
+    side = torch.cuda.Stream(device=source.device)  # first: see [Note: capture failures]
     static_input = source.write(torch.empty(source.shape, dtype=source.dtype, device=source.device))
-    side = torch.cuda.Stream(device=source.device)
     side.wait_stream(torch.cuda.current_stream(source.device))
     with torch.cuda.stream(side):
         for _ in range(_WARMUP_RUNS):

@@ -41,7 +41,7 @@ operands); ``finish()`` runs it. Callers that run it at once see no difference. 
 path (``_graphs``) replays everything before it and runs it after the replay, outside the
 graph: its result is then a fresh tensor of the caller's, where a product inside the graph
 would write the graph's static output and need a copy out of it (a pass over the result:
-~22 µs at 2048×8192 on an H200, BENCHMARKS.md profile 4).
+~22 µs at 2048×8192 on an H200, benchmarks/HISTORY.md profile 4).
 
 [Note: one loop, several kernels]
 The torch, Triton and quack kernels differ only in how they multiply, so each hands these

@@ -2,8 +2,9 @@
 (``gemm_symmetric`` for the symmetric m×m products and Gram matrices, ``gemm`` / ``gemm_add``
 for the rest), run by the shared loops of ``_iterations``.
 
-quack-kernels is an optional extra (``pip install 'dmuon-ns[cute]'``), imported only when the
-kernel first runs; it is never vendored. Importing this module only registers the kernel.
+quack-kernels is an optional extra (``cute``: quack-kernels and nvidia-cutlass-dsl), imported
+only when the kernel first runs; it is never vendored. Importing this module only registers
+the kernel.
 
 [Note: problems quack does not take]
 quack's symmetric product works on square tiles of up to 256 rows; for m ≤ 256 the whole
@@ -50,7 +51,8 @@ from dmuon_ns._registry import cuda_capability_reason, register_kernel
 
 __all__ = ["QUACK_KERNEL", "QuackKernel"]
 
-_INSTALL_HINT = "pip install 'dmuon-ns[cute]'"
+# What dmuon-ns's ``cute`` extra installs.
+_INSTALL_HINT = "pip install 'quack-kernels>=0.6.5' 'nvidia-cutlass-dsl>=4.8.1'"
 _SMALL_GRAM_SIDE = 256
 _TMA_ALIGN_BYTES = 16
 # quack-kernels releases whose dispatch-level ``gemm_symmetric`` takes the tile arguments used

@@ -58,8 +58,11 @@ logger = logging.getLogger(__name__)
 
 # Optional kernels: name -> (module that registers it on import, install hint).
 _OPTIONAL_KERNELS: dict[str, tuple[str, str]] = {
-    "triton": ("dmuon_ns._triton_backend", "pip install 'dmuon-ns[triton]'"),
-    "quack": ("dmuon_ns._quack_backend", "pip install 'dmuon-ns[cute]'"),
+    "triton": ("dmuon_ns._triton_backend", "pip install 'triton>=3.4'"),
+    "quack": (
+        "dmuon_ns._quack_backend",
+        "pip install 'quack-kernels>=0.6.5' 'nvidia-cutlass-dsl>=4.8.1'",
+    ),
 }
 # Order in which auto offers candidates to the autotuner (first = preferred on a tie).
 AUTO_PRIORITY: tuple[str, ...] = ("quack", "triton", "torch")

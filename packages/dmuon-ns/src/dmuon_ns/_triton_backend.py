@@ -25,7 +25,7 @@ from dmuon_ns._registry import cuda_capability_reason, register_kernel
 
 __all__ = ["TRITON_KERNEL", "TritonKernel", "triton_scale_pass"]
 
-_INSTALL_HINT = "pip install 'dmuon-ns[triton]'"
+_INSTALL_HINT = "pip install 'triton>=3.4'"  # dmuon-ns's ``triton`` extra
 
 
 class TritonKernel(LoopKernel):

@@ -20,8 +20,9 @@ import os
 import statistics
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple, TextIO
+from typing import TextIO
 
+from dmuon._demo_bytes import Mesh, compare, counted_bytes, fsdp_bytes, fsdp_shard_bytes
 from dmuon._demo_data import MarkovStream
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
 from dmuon._demo_train import (
@@ -37,6 +38,7 @@ from dmuon._launch import choose_backend, spawn, torchrun_world
 __all__ = ["main"]
 
 _LABELS = {RunKind.ADAMW: "FSDP2 + AdamW", RunKind.DMUON: "dmuon (Muon + AdamW)"}
+_PLAIN = "FSDP2 + plain Muon"  # not run: the design dmuon replaces, its bytes computed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,9 +128,7 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
         raise ValueError(f"--plot needs a .png file name, got {args.plot!r}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         # Checked before training rather than found missing after it.
-        raise ValueError(
-            "--plot needs matplotlib, which is not installed: pip install 'dmuon[demo]'"
-        )
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib")
     for name in ("lr", "adamw_lr"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -187,44 +187,6 @@ class _Progress:
         )
 
 
-class _Mesh(NamedTuple):
-    shard: int  # G: ranks that share one copy of the model
-    replicate: int  # R: copies (1 without HSDP)
-    tp: int  # T: tensor-parallel degree (1 without TP)
-
-
-def _formula_bytes(mesh: _Mesh, zero: int, p_m: float, *, plain_muon: bool) -> float:
-    """Per-rank wire bytes per step that FSDP2 moves for the Muon-target matrices (these runs
-    do not count FSDP2's traffic). A rank's FSDP2 shards are 1/G of its TP shard, P_M/T. On the
-    shard axis each round costs (G-1)/G·P_M/T per rank: Z3 all-gathers the weights twice
-    (forward, backward) and reduce-scatters the gradients once, Z2 all-gathers once; a plain
-    Muon adds one all-gather of each full gradient, since NS needs the whole matrix (with TP,
-    one more over the TP group: (T-1)/T·P_M). HSDP adds an all-reduce of each rank's 1/G
-    gradient shard over the R replicas: two rounds of (R-1)/R·P_M/(G·T)."""
-    g, r, t = mesh
-    rounds = (3 if zero == 3 else 2) + (1 if plain_muon else 0)
-    moved = rounds * (g - 1) / g * p_m / t + 2 * (r - 1) / r * p_m / (g * t)
-    return moved + ((t - 1) / t * p_m if plain_muon else 0.0)
-
-
-def _counted_bytes(results: Sequence[RunResult], mesh: _Mesh, p_m: float) -> tuple[float, str]:
-    """dmuon's per-rank wire bytes per step, from the payloads its ``CommCounter`` recorded on
-    every rank (mean over ranks and steps) times the wire cost of a round on a group of n,
-    (n-1)/n; and the payloads in units of P_M."""
-    g, r, t = mesh
-    ranks_steps = sum(len(res.shard_bytes) for res in results)
-    shard_payload = sum(sum(res.shard_bytes) for res in results) / ranks_steps
-    repl_payload = sum(sum(res.replicate_bytes) for res in results) / ranks_steps
-    tp_wire = sum(sum(res.tp_wire) for res in results) / ranks_steps
-    wire = shard_payload * (g - 1) / g + repl_payload * (r - 1) / r + tp_wire
-    how = f"counted: shard {shard_payload / p_m:.2f}·P_M"
-    if r > 1:
-        how += f", replicate {repl_payload / p_m:.2f}·P_M"
-    if t > 1:
-        how += f", tp NS {tp_wire / p_m:.2f}·P_M wire"
-    return wire, how
-
-
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -241,48 +203,63 @@ def _table(
     device_type: str = "cpu",
 ) -> str:
     """The final comparison; ``per_rank[rank][run]`` as the ranks returned them. Beside the
-    runs it shows FSDP2 + a plain Muon (not run: its bytes from the formula), the design dmuon
-    replaces, so that the saving reads off the table on a 1-D and on an HSDP mesh alike."""
+    runs it shows FSDP2 + a plain Muon, the design dmuon replaces, which the demo does not run:
+    its bytes are computed, and the table says so. The line under the table compares dmuon's
+    bytes with each other row's, in the figures the table shows."""
     first = per_rank[0][0]
     p_m = first.muon_numel * first.muon_itemsize
-    mesh = _Mesh(world_size // (opts.replicate * opts.tp), opts.replicate, opts.tp)
-    plain = _formula_bytes(mesh, opts.zero, p_m, plain_muon=True)
+    mesh = Mesh(world_size // (opts.replicate * opts.tp), opts.replicate, opts.tp)
+    shard = fsdp_shard_bytes(opts.model, mesh, first.muon_itemsize)
+    plain = fsdp_bytes(mesh, opts.zero, shard, p_m, plain_muon=True)
+    formula = "formula (FSDP2's sharding)"
     header = (
         "run",
         "final loss",
         "mean step",
         "Muon bytes/step/rank",
-        "NS per matrix",
         "bytes from",
+        "NS per matrix",
     )
     rows = [header]
-    ns_everywhere = f"{world_size} (every rank)"
     steps: dict[RunKind, float] = {}
+    moved: dict[RunKind, float] = {}
     for i, r in enumerate(per_rank[0]):
         timed = r.seconds[1:] or r.seconds  # the first step pays for warm-up
         steps[r.run] = statistics.mean(timed)
         if r.run is RunKind.DMUON:
-            moved, source = _counted_bytes([rank[i] for rank in per_rank], mesh, p_m)
-            saving = f" ({moved / plain - 1:+.0%})" if plain else ""
+            moved[r.run], source = counted_bytes([rank[i] for rank in per_rank], mesh, p_m)
             ns = "1 (its owner)" if opts.tp == 1 else f"1 (its owner's {opts.tp} TP ranks)"
         else:
-            moved = _formula_bytes(mesh, opts.zero, p_m, plain_muon=False)
-            source, saving, ns = "formula", "", "0 (no Muon)"
+            moved[r.run] = fsdp_bytes(mesh, opts.zero, shard, p_m, plain_muon=False)
+            source, ns = formula, "0 (no Muon)"
         loss, step = f"{r.losses[-1]:.4f}", f"{steps[r.run]:.3f} s"
-        rows.append((_LABELS[r.run], loss, step, _fmt_bytes(moved) + saving, ns, source))
-    rows.append(("FSDP2 + plain Muon", "not run", "-", _fmt_bytes(plain), ns_everywhere, "formula"))
+        rows.append((_LABELS[r.run], loss, step, _fmt_bytes(moved[r.run]), source, ns))
+    rows.append((_PLAIN, "not run", "-", _fmt_bytes(plain), formula, f"{world_size} (every rank)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if RunKind.DMUON in moved:
+        against = (
+            [
+                f"{compare(moved[RunKind.DMUON], moved[RunKind.ADAMW])} {_LABELS[RunKind.ADAMW]}"
+                " (run; its bytes by formula)"
+            ]
+            if RunKind.ADAMW in moved
+            else []
+        )
+        against.append(f"{compare(moved[RunKind.DMUON], plain)} {_PLAIN} (not run; formula)")
+        lines.append(f"bytes: dmuon moved {' and '.join(against)}.")
     lines += [
         f"P_M = {_fmt_bytes(p_m)}: the Muon-target weights (the 2-D attention and MLP"
         " projections). A round moves P_M over a group of n ranks at (n-1)/n·P_M per rank.",
         f"Z{opts.zero} (this run): Z3 frees the weights a rank received once forward is done"
         " and sends them again for backward; Z2 keeps them until backward.",
-        "FSDP2 + plain Muon all-gathers every full gradient and runs NS on every rank; dmuon"
-        " sends each matrix's gradient to one owner (reduce), which alone runs NS and"
-        " broadcasts the weight. 'bytes from': counted by dmuon, or the formula for FSDP2,"
-        " whose traffic this demo does not count.",
+        f"{_PLAIN} all-gathers every full gradient and runs NS on every rank; dmuon sends each"
+        " matrix's gradient to one owner (reduce), which alone runs NS and broadcasts the"
+        " weight. 'bytes from': counted from the collectives dmuon issued in this run, or"
+        " computed from FSDP2's sharding of the same matrices (its all-gathers and"
+        " reduce-scatters move G-1 of a matrix's G padded chunks per rank), since FSDP2's"
+        " collectives are not counted.",
         *(
             [
                 f"TP {opts.tp}: a rank holds 1/{opts.tp} of each projection, and dmuon's rounds"
