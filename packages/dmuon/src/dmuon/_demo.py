@@ -169,10 +169,11 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
         )
     if args.only == RunKind.DMUON_QK and args.qk_clip is None:
         raise ValueError("--only dmuon-qk needs --qk-clip TAU")
-    runs = (RunKind.ADAMW, RunKind.DMUON)
+    runs: tuple[RunKind, ...] = (RunKind.ADAMW, RunKind.DMUON)
     if args.qk_clip is not None:
         runs += (RunKind.DMUON_QK,)
-    runs = (RunKind(args.only),) if args.only else runs
+    if args.only:
+        runs = (RunKind(args.only),)
     return DemoOptions(
         model=model,
         steps=args.steps,

@@ -159,7 +159,7 @@ def _qk_clip(opts: DemoOptions, kind: RunKind, model: nn.Module) -> dmuon.QKClip
         return None
     clip = dmuon.QKClip(tau=opts.qk_clip if kind is RunKind.DMUON_QK else math.inf)
     cfg = opts.model
-    for i, layer in enumerate(model.layers):  # type: ignore[union-attr]
+    for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
         q = f"layers.{i}.self_attn.q_proj.weight"
         clip.add(q, f"layers.{i}.self_attn.k_proj.weight", cfg.heads, cfg.n_kv_heads)
         layer.self_attn.attend = _observed(clip, q)
