@@ -49,7 +49,8 @@ shard (the part's row offset maps local rows to global heads); ranks scale their
 q/k weights left to FSDP2 (``Shard(0)`` shards, or any placement that keeps rows whole) and,
 on the replicated path, the replicated weights whole, identically on every rank. Peers,
 replicas and FSDP2's all-gather then see the scaled weight from the next forward on.
-The per-row factors come from one table built at the first step: for every row a rank holds,
+The per-row factors come from one table built at the first step (uploaded without waiting for
+the device): for every row a rank holds,
 the index of its head's group and the power of ``γ`` it takes (0 for rows that are not q or k).
 A step then computes ``γ`` for every head, the minimum per group (one ``scatter_reduce``), one
 gather and one power for every row, and one multiply per weight. A step skipped for a
@@ -543,15 +544,17 @@ class QKClip:
             groups.append(rows.group[first : first + count])
             powers.append(local_power)
             sizes.append(count)
-        row_group = torch.cat(groups).to(device) if groups else torch.empty(0, dtype=torch.long)
-        row_power = torch.cat(powers).to(device) if powers else torch.empty(0)
+        row_group = _upload(
+            torch.cat(groups) if groups else torch.empty(0, dtype=torch.long), device
+        )
+        row_power = _upload(torch.cat(powers) if powers else torch.empty(0), device)
         factors = torch.empty(row_group.shape, device=device)
         views, at = [], 0
         for tensor, count in zip(tensors, sizes):
             views.append(factors[at : at + count].view(count, *([1] * (tensor.dim() - 1))))
             at += count
         return _Table(
-            head_group.reshape(-1).to(device),
+            _upload(head_group.reshape(-1), device),
             torch.ones(trash + 1, device=device),
             factors,
             row_group,
@@ -559,6 +562,14 @@ class QKClip:
             tensors,
             views,
         )
+
+
+def _upload(table: Tensor, device: torch.device) -> Tensor:
+    """``table`` on ``device``; to a GPU from pinned memory, so the copy does not wait for the
+    device (the first step builds the tables, and a step makes no host sync)."""
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def _check_param(
