@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     os.environ.setdefault("DMUON_NS_CACHE_DIR", tempfile.mkdtemp(prefix="dmuon-ns-"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

@@ -5,6 +5,7 @@
     python benchmarks/step_bench.py --config 576x1536x30    # many small matrices (SmolLM-135M-like)
     python benchmarks/step_bench.py --precision bf16-mixed  # fp32 masters, bf16 compute
     python benchmarks/step_bench.py --device cpu --config tiny --iters 2   # smoke test, no GPU
+    python benchmarks/step_bench.py --config 2048x8192x16 --variants dmuon,dmuon-qk --qk-clip 100
 
 World size 1, a single process in a 1-rank process group (NCCL on CUDA, gloo on CPU). The stack
 is Llama-3 shaped (grouped-query attention with 8 KV heads, SwiGLU MLP, RMSNorm; no embedding
@@ -47,7 +48,15 @@ model under ``fully_shard`` with the policy, FSDP2's usual mixed-precision setup
 ``torch.optim.Muon`` on the 2-D projection matrices (lr scaled to AdamW's RMS, as dmuon does) +
 fused AdamW on the rest; ``dmuon``: ``dedicate_params`` → ``fully_shard(...,
 ignored_params=dedicated_params_of(model))`` → ``dmuon.Muon`` (its dedicated parameters follow
-the policy: bf16 broadcast and compute, fp32 reduce, fp32 masters and states on the owner).
+the policy: bf16 broadcast and compute, fp32 reduce, fp32 masters and states on the owner);
+``dmuon-qk`` (with ``--qk-clip TAU``): ``dmuon`` with ``dmuon.QKClip(tau=TAU)`` on every layer's
+attention, whose forward feeds ``clip.observe`` (``--qk-stat``: ``lse``, the default, runs the
+flash kernel that returns each row's log-sum-exp, ``torch.ops.aten._scaled_dot_product_flash_
+attention`` on CUDA with the key/value heads repeated to the query heads, and observes the bound
+``dmuon.max_logits_from_lse``; ``exact`` keeps SDPA and adds ``dmuon.max_logits``, one more
+``Q Kᵀ`` in float32). Below its table: its step and fwd+bwd against ``dmuon``'s, measured in
+the same process (QK-clip's step work, one MAX all-reduce of the (layers, heads) maxima (none on
+one rank) and one row scale of every W_q and W_k, does not depend on how many heads are over τ).
 """
 
 from __future__ import annotations
@@ -71,7 +80,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from dmuon._demo_model import LlamaConfig, LlamaStack, muon_predicate
+from dmuon._demo_model import LlamaConfig, LlamaStack, causal_attention, muon_predicate
 
 CONFIGS = {
     # Llama-3.2-1B-like and Llama-3-8B-like layer shapes.
@@ -81,7 +90,7 @@ CONFIGS = {
     "576x1536x30": LlamaConfig(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3),
     "tiny": LlamaConfig(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
 }
-VARIANTS = ("plain", "fsdp2", "adamw", "torch-muon", "dmuon")
+VARIANTS = ("plain", "fsdp2", "adamw", "torch-muon", "dmuon", "dmuon-qk")
 
 
 class Precision(StrEnum):
@@ -163,6 +172,35 @@ def _check_ns_cold() -> None:
         raise RuntimeError(f"dmuon-ns has already seen {sorted(seen)} in this process")
 
 
+class QKStat(StrEnum):
+    LSE = "lse"  # the flash kernel's log-sum-exp: an upper bound, no extra work
+    EXACT = "exact"  # SDPA plus dmuon.max_logits: one more Q Kᵀ
+
+
+def _observing(clip: Any, name: str, stat: QKStat) -> Any:
+    """An ``Attention.attend`` that feeds ``clip.observe`` for attention ``name``."""
+    import dmuon
+
+    def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        clip.observe(name, dmuon.max_logits(q, k, is_causal=True))
+        return causal_attention(q, k, v)
+
+    def lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.device.type == "cuda":
+            group = q.shape[1] // k.shape[1]
+            if group > 1:  # the kernel takes as many key heads as query heads
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            flash = torch.ops.aten._scaled_dot_product_flash_attention
+            out, logsumexp, *_ = flash(q, k, v, 0.0, True)
+        else:
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            out, logsumexp = flash(q, k, v, 0.0, True)
+        clip.observe(name, dmuon.max_logits_from_lse(logsumexp))
+        return out
+
+    return exact if stat is QKStat.EXACT else lse
+
+
 class _Built(NamedTuple):
     model: nn.Module
     optimizers: list[torch.optim.Optimizer]
@@ -170,7 +208,12 @@ class _Built(NamedTuple):
 
 
 def _build(
-    variant: str, cfg: LlamaConfig, device: torch.device, mesh: Any, precision: Precision
+    variant: str,
+    cfg: LlamaConfig,
+    device: torch.device,
+    mesh: Any,
+    precision: Precision,
+    qk: tuple[float, QKStat] | None = None,
 ) -> _Built:
     torch.manual_seed(0)
     with device:
@@ -179,14 +222,14 @@ def _build(
     if not mixed:
         model = model.to(torch.bfloat16)
     # Mixed AdamW is FSDP2's own mixed precision; unsharded mixed variants use autocast.
-    sharded = variant in ("fsdp2", "dmuon") or (mixed and variant == "adamw")
+    sharded = variant in ("fsdp2", "dmuon", "dmuon-qk") or (mixed and variant == "adamw")
     if sharded:
         shard_kwargs: dict[str, Any] = {}
         if mixed:
             shard_kwargs["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
-        if variant == "dmuon":
+        if variant.startswith("dmuon"):
             import dmuon
 
             dmuon.dedicate_params(model, mesh, muon_predicate)
@@ -204,10 +247,18 @@ def _build(
             torch.optim.Muon(matrices, lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
         )
         optimizers.append(torch.optim.AdamW(rest, lr=1e-4, fused=True))
-    elif variant == "dmuon":
+    elif variant.startswith("dmuon"):
         import dmuon
 
-        optimizers.append(dmuon.Muon(model, lr=0.02, adamw_lr=1e-4))
+        clip = None
+        if variant == "dmuon-qk":
+            assert qk is not None, "dmuon-qk needs --qk-clip"
+            clip = dmuon.QKClip(tau=qk[0])
+            for i, layer in enumerate(model.layers):
+                q = f"layers.{i}.self_attn.q_proj.weight"
+                clip.add(q, f"layers.{i}.self_attn.k_proj.weight", cfg.heads, cfg.n_kv_heads)
+                layer.self_attn.attend = _observing(clip, q, qk[1])
+        optimizers.append(dmuon.Muon(model, lr=0.02, adamw_lr=1e-4, qk_clip=clip))
     return _Built(model, optimizers, autocast=mixed and not sharded)
 
 
@@ -220,10 +271,11 @@ def measure(
     tokens: int,
     warmup: int,
     iters: int,
+    qk: tuple[float, QKStat] | None = None,
 ) -> Measured:
     if variant == "dmuon":
         _check_ns_cold()
-    model, optimizers, autocast = _build(variant, cfg, device, mesh, precision)
+    model, optimizers, autocast = _build(variant, cfg, device, mesh, precision, qk)
     batch = max(1, tokens // cfg.seq_len)
     gen = torch.Generator(device=device).manual_seed(1)
     inputs = [
@@ -247,7 +299,7 @@ def measure(
     cuda = device.type == "cuda"
     peak = step_peak = 0
     for i in range(warmup + iters):
-        if i == 1 and variant == "dmuon":
+        if i == 1 and variant.startswith("dmuon"):
             # dmuon-ns's autotuner measures its candidates over the steps after the first, a
             # bounded share of the time at a time; the timed steps are meant to run the
             # settled kernels, so every choice the first step opened is finished here.
@@ -336,6 +388,9 @@ _RATIOS = (
 )
 
 
+# QK-clip's step, over dmuon's without it (same run).
+_QK_STEP_TARGET = 1.03
+
 # The most a first iteration on an empty autotune cache may take over a warm one.
 _COLD_START_TARGET_S = 2.0
 
@@ -373,6 +428,12 @@ def _report(
             what = _FIELD_LABELS[ratio.field]
             target = f" (target ≤ {ratio.mixed_target})" if mixed and ratio.mixed_target else ""
             lines.append(f"  dmuon {what} / {ratio.of} {what}: {a / b:.3f}{target}")
+    clipped = results.get("dmuon-qk")
+    if clipped is not None and dmuon is not None:
+        lines.append(
+            f"  dmuon-qk step / dmuon step: {(clipped.step_ms or 0.0) / (dmuon.step_ms or 1.0):.3f}"
+            f" (target ≤ {_QK_STEP_TARGET}); fwd+bwd: {clipped.fwd_bwd_ms / dmuon.fwd_bwd_ms:.3f}"
+        )
     lines.append(
         "first iteration (host clock, synchronised at both ends; dmuon's NS autotune cache empty)"
     )
@@ -392,7 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(CONFIGS),
         help="repeatable; default: the two Llama-shaped configs 2048x8192x16 and 4096x14336x8",
     )
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    p.add_argument(
+        "--variants",
+        help="comma-separated subset (default: all; dmuon-qk only with --qk-clip)",
+    )
     p.add_argument("--tokens", type=int, default=4096, help="tokens per iteration (default 4096)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=3)
@@ -405,15 +469,36 @@ def main(argv: list[str] | None = None) -> int:
         default=Precision.BF16,
         help="bf16: bf16 weights (default); bf16-mixed: fp32 masters, bf16 compute",
     )
+    p.add_argument(
+        "--qk-clip",
+        type=float,
+        metavar="TAU",
+        help="measure dmuon-qk: dmuon with QK-clip at τ = TAU (the step's work does not depend"
+        " on TAU)",
+    )
+    p.add_argument(
+        "--qk-stat",
+        type=QKStat,
+        choices=list(QKStat),
+        default=QKStat.LSE,
+        help="how dmuon-qk's attention gets each head's max logit: lse (the flash kernel's"
+        " log-sum-exp, an upper bound, default) or exact (dmuon.max_logits, one more Q Kᵀ)",
+    )
     args = p.parse_args(argv)
     if args.warmup < 1:
         p.error("--warmup must be >= 1: the first iteration runs before autotuning settles")
-    wanted = {v for v in args.variants.split(",") if v}
+    if args.variants is None:
+        wanted = {v for v in VARIANTS if v != "dmuon-qk" or args.qk_clip is not None}
+    else:
+        wanted = {v for v in args.variants.split(",") if v}
     unknown = sorted(wanted - set(VARIANTS))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
-    # Always in VARIANTS order, dmuon last: whatever a variant leaves behind in the process
-    # then cannot inflate the peak memory of a variant measured after it.
+    if "dmuon-qk" in wanted and (args.qk_clip is None or not args.qk_clip > 0):
+        p.error("--variants dmuon-qk needs --qk-clip TAU (a positive τ)")
+    qk = None if args.qk_clip is None else (args.qk_clip, args.qk_stat)
+    # Always in VARIANTS order, dmuon (and dmuon-qk) last: whatever a variant leaves behind in
+    # the process then cannot inflate the peak memory of a variant measured after it.
     variants = [v for v in VARIANTS if v in wanted]
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible; use --device cpu for a smoke test")
@@ -468,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.tokens,
                         args.warmup,
                         args.iters,
+                        qk,
                     )
                     print(f"  measured {name} {variant}", file=sys.stderr, flush=True)
                 print(_report(name, cfg, results, args.tokens, args.precision), flush=True)

@@ -25,6 +25,12 @@ DOCUMENTED_NAMES = frozenset(
         # optimizer
         "Muon",
         "WeightPart",
+        # QK-clip
+        "QKClip",
+        "QKRowMap",
+        "max_logits",
+        "max_logits_from_lse",
+        "max_logits_from_scores",
         # reads of a dedicated weight where it is not held
         "NotHeldError",
         # Newton–Schulz

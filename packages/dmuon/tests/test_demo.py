@@ -116,6 +116,24 @@ def test_demo_tensor_parallel() -> None:
     assert "and 17% fewer bytes than FSDP2 + plain Muon (not run; formula)" in text
 
 
+@pytest.mark.distributed
+def test_demo_qk_clip_holds_the_logits_that_run_away_without_it() -> None:
+    # A high learning rate grows the logits; both dmuon runs record each layer's largest one.
+    argv = ["--steps", "8", "--nproc", "2", *TINY, "--lr", "0.3", "--qk-clip", "3"]
+    text = _run(argv)
+    assert "dmuon + QK-clip" in text[text.index("run  ") :]
+    report = text[text.index("largest attention logit per layer (QK-clip at τ = 3)") :]
+    rows = {}
+    for label in ("dmuon (Muon + AdamW)", "dmuon + QK-clip"):
+        line = next(line for line in report.splitlines() if line.strip().startswith(label))
+        rows[label] = [float(x) for x in re.findall(r"(\d+\.\d+) \(", line)]
+    free, clipped = rows["dmuon (Muon + AdamW)"], rows["dmuon + QK-clip"]
+    assert len(free) == len(clipped) == 2
+    assert min(free) > 3 * 3, free  # run away without the clip
+    assert max(clipped) < 2 * 3, clipped  # held near τ with it
+    assert len(re.findall(r"^step\s+\d+/8\s+dmuon-qk loss", text, re.M)) == 8
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -130,6 +148,8 @@ def test_demo_tensor_parallel() -> None:
         (["--plot", "loss.pdf"], "--plot needs a .png"),
         (["--lr", "0"], "--lr must be > 0"),
         (["--hidden", "30"], "divisible by heads"),
+        (["--qk-clip", "0"], "--qk-clip must be > 0"),
+        (["--only", "dmuon-qk"], "--only dmuon-qk needs --qk-clip TAU"),
     ],
 )
 def test_bad_options_exit_with_a_clear_message(

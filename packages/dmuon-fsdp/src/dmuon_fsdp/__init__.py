@@ -20,6 +20,7 @@ from ._diagnostics import (
     summarize_param_groups,
 )
 from ._matrix import LrScaling
+from ._max_logits import max_logits, max_logits_from_lse, max_logits_from_scores
 from .checkpoint._checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -29,6 +30,7 @@ from .checkpoint._checkpoint import (
 from .checkpoint._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
 from .checkpoint._integrity import CheckpointIntegrityError
 from .optim._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
+from .optim._qk_clip import QKClip, QKRowMap
 from .optim._step_plan import WeightPart
 from .runtime._config import DedicateConfig
 from .runtime._guard import NotHeldError
@@ -59,6 +61,8 @@ __all__ = [
     "MuonStepStats",
     "NotHeldError",
     "ProcessGroupPolicy",
+    "QKClip",
+    "QKRowMap",
     "Role",
     "StepOptions",
     "WeightPart",
@@ -76,6 +80,9 @@ __all__ = [
     "get_runtime",
     "install_patch",
     "load_checkpoint",
+    "max_logits",
+    "max_logits_from_lse",
+    "max_logits_from_scores",
     "no_sync",
     "prepare_muon_grads",
     "replicate",

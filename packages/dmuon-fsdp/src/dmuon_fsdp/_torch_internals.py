@@ -36,6 +36,7 @@ __all__ = [
     "disable_torch_function_subclass",
     "dtensor_shard_offsets",
     "foreach_max_abs",
+    "foreach_mul_",
     "fsdp_init_module",
     "fsdp_mp_policy",
     "in_backward",
@@ -135,6 +136,15 @@ def foreach_max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:
     Uses ``torch._foreach_norm(tensors, inf)``: no public function reduces a list of tensors
     to per-tensor values without one launch per tensor."""
     return list(torch._foreach_norm(list(tensors), float("inf")))
+
+
+def foreach_mul_(tensors: Sequence[Tensor], factors: Sequence[Tensor]) -> None:
+    """``tensors[i] *= factors[i]`` in place for every ``i``, one fused launch per device and
+    dtype.
+
+    Uses ``torch._foreach_mul_``: no public function multiplies a list of tensors in one
+    launch."""
+    torch._foreach_mul_(list(tensors), list(factors))
 
 
 def dtensor_shard_offsets(t: DTensor) -> tuple[int, ...]:

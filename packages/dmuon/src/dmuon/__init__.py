@@ -32,6 +32,8 @@ from dmuon_fsdp import DedicateConfig as DedicateConfig
 from dmuon_fsdp import DedicatedCommContext as DedicatedCommContext
 from dmuon_fsdp import Muon as Muon
 from dmuon_fsdp import NotHeldError as NotHeldError
+from dmuon_fsdp import QKClip as QKClip
+from dmuon_fsdp import QKRowMap as QKRowMap
 from dmuon_fsdp import WeightPart as WeightPart
 from dmuon_fsdp import broadcast_all_updates as broadcast_all_updates
 from dmuon_fsdp import broadcast_all_updates_async as broadcast_all_updates_async
@@ -47,6 +49,9 @@ from dmuon_fsdp import get_optimizer_state_dict as get_optimizer_state_dict
 from dmuon_fsdp import get_owned_params as get_owned_params
 from dmuon_fsdp import install_patch as install_patch
 from dmuon_fsdp import load_checkpoint as load_checkpoint
+from dmuon_fsdp import max_logits as max_logits
+from dmuon_fsdp import max_logits_from_lse as max_logits_from_lse
+from dmuon_fsdp import max_logits_from_scores as max_logits_from_scores
 from dmuon_fsdp import no_sync as no_sync
 from dmuon_fsdp import prepare_muon_grads as prepare_muon_grads
 from dmuon_fsdp import replicate as replicate

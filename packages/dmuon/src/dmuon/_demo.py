@@ -4,6 +4,8 @@
     dmuon-demo --replicate 2 --zero 2   # HSDP on a (2, 2) mesh, keep weights after forward
     dmuon-demo --tp 2                   # tensor parallelism: mesh (2, 2) ('shard', 'tp')
     dmuon-demo --plot loss.png          # both loss curves (needs matplotlib)
+    dmuon-demo --qk-clip 30 --lr 0.1    # a high lr grows the logits: dmuon with and without
+                                        # QK-clip at τ = 30, per-layer max logit per step
     torchrun --nproc-per-node 8 -m dmuon._demo --torchrun   # one process per GPU, NCCL
 
 The command starts its own ranks with torch.multiprocessing, trains the baseline and then
@@ -37,7 +39,11 @@ from dmuon._launch import choose_backend, spawn, torchrun_world
 
 __all__ = ["main"]
 
-_LABELS = {RunKind.ADAMW: "FSDP2 + AdamW", RunKind.DMUON: "dmuon (Muon + AdamW)"}
+_LABELS = {
+    RunKind.ADAMW: "FSDP2 + AdamW",
+    RunKind.DMUON: "dmuon (Muon + AdamW)",
+    RunKind.DMUON_QK: "dmuon + QK-clip",
+}
 _PLAIN = "FSDP2 + plain Muon"  # not run: the design dmuon replaces, its bytes computed
 
 
@@ -70,7 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", metavar="FILE.png", help="save both loss curves (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
-    p.add_argument("--only", choices=[k.value for k in RunKind], help="run one of the two")
+    p.add_argument("--only", choices=[k.value for k in RunKind], help="run one of the runs")
+    p.add_argument(
+        "--qk-clip",
+        type=float,
+        metavar="TAU",
+        help="also run dmuon with QK-clip at τ = TAU (run 'dmuon-qk'); both dmuon runs record"
+        " each layer's largest attention logit, reported (and with --plot drawn) per step",
+    )
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if 1 GPU/rank"
     )
@@ -150,7 +163,17 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
                 f"--tp {args.tp} must divide {what} ({size}): each tensor-parallel rank holds"
                 " an equal share of every projection"
             )
-    runs = (RunKind(args.only),) if args.only else (RunKind.ADAMW, RunKind.DMUON)
+    if args.qk_clip is not None and not args.qk_clip > 0:
+        raise ValueError(
+            f"--qk-clip must be > 0 (the largest logit a head may keep), got {args.qk_clip}"
+        )
+    if args.only == RunKind.DMUON_QK and args.qk_clip is None:
+        raise ValueError("--only dmuon-qk needs --qk-clip TAU")
+    runs: tuple[RunKind, ...] = (RunKind.ADAMW, RunKind.DMUON)
+    if args.qk_clip is not None:
+        runs += (RunKind.DMUON_QK,)
+    if args.only:
+        runs = (RunKind(args.only),)
     return DemoOptions(
         model=model,
         steps=args.steps,
@@ -162,6 +185,7 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
         lr=args.lr,
         adamw_lr=args.adamw_lr,
         runs=runs,
+        qk_clip=args.qk_clip,
     )
 
 
@@ -226,7 +250,7 @@ def _table(
     for i, r in enumerate(per_rank[0]):
         timed = r.seconds[1:] or r.seconds  # the first step pays for warm-up
         steps[r.run] = statistics.mean(timed)
-        if r.run is RunKind.DMUON:
+        if r.run is not RunKind.ADAMW:
             moved[r.run], source = counted_bytes([rank[i] for rank in per_rank], mesh, p_m)
             ns = "1 (its owner)" if opts.tp == 1 else f"1 (its owner's {opts.tp} TP ranks)"
         else:
@@ -307,6 +331,63 @@ def _plot(path: str, results: Sequence[RunResult], opts: DemoOptions) -> None:
     plt.close(fig)
 
 
+def _max_logit_report(results: Sequence[RunResult], opts: DemoOptions) -> str:
+    """Each layer's largest attention logit at the last step and its peak over the run, for
+    the runs that recorded them (--qk-clip)."""
+    recorded = [r for r in results if r.max_logits]
+    lines = [
+        f"largest attention logit per layer (QK-clip at τ = {opts.qk_clip:g}): last step"
+        " (peak over the run)"
+    ]
+    width = max(len(_LABELS[r.run]) for r in recorded)
+    for r in recorded:
+        cells = [
+            f"{last:8.2f} ({max(step[i] for step in r.max_logits):.2f})"
+            for i, last in enumerate(r.max_logits[-1])
+        ]
+        lines.append(f"  {_LABELS[r.run]:<{width}}  " + "  ".join(cells))
+    lines.append(
+        "  A head over τ in a step is scaled back to τ after it; the next update can raise it"
+        " again by what one step adds, so the clipped logits hover at τ rather than under it."
+    )
+    return "\n".join(lines)
+
+
+def _plot_max_logits(path: str, results: Sequence[RunResult], opts: DemoOptions) -> None:
+    """Each layer's largest logit per step: dmuon without QK-clip solid, with it dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    styles = {RunKind.DMUON: "-", RunKind.DMUON_QK: "--"}
+    for r in results:
+        if not r.max_logits:
+            continue
+        for layer in range(len(r.max_logits[0])):
+            ax.plot(
+                range(1, len(r.max_logits) + 1),
+                [step[layer] for step in r.max_logits],
+                styles[r.run],
+                color=f"C{layer}",
+                label=f"layer {layer}, {_LABELS[r.run]}",
+            )
+    ax.axhline(opts.qk_clip, color="black", linewidth=0.8, label=f"τ = {opts.qk_clip:g}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("largest attention logit")
+    ax.set_title(f"max logit per layer, lr {opts.lr:g}")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _max_logits_path(path: str) -> str:
+    """``loss.png`` -> ``loss-max-logits.png``."""
+    return f"{path[: -len('.png')]}-max-logits.png"
+
+
 def _header(opts: DemoOptions, world_size: int, device_type: str, backend: str) -> str:
     m = opts.model
     n_params = sum(p.numel() for p in TinyLlama(m).parameters())
@@ -370,9 +451,15 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
             on_event=progress,
         )[0]
     print(_table(per_rank, opts, world_size, stream, device_type), file=out, flush=True)
+    if any(r.max_logits for r in per_rank[0]):
+        print(_max_logit_report(per_rank[0], opts), file=out, flush=True)
     if args.plot:
         _plot(args.plot, per_rank[0], opts)
         print(f"loss curves saved to {args.plot}", file=out, flush=True)
+        if any(r.max_logits for r in per_rank[0]):
+            logits_path = _max_logits_path(args.plot)
+            _plot_max_logits(logits_path, per_rank[0], opts)
+            print(f"max logits per layer saved to {logits_path}", file=out, flush=True)
     return 0
 
 

@@ -8,13 +8,21 @@ and the default hook boundary (the nearest ``layers.N`` ancestor) is one decoder
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LlamaConfig", "LlamaStack", "TinyLlama", "muon_predicate", "next_token_loss"]
+__all__ = [
+    "LlamaConfig",
+    "LlamaStack",
+    "TinyLlama",
+    "causal_attention",
+    "muon_predicate",
+    "next_token_loss",
+]
 
 
 @dataclass(frozen=True)
@@ -80,10 +88,21 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal scaled dot-product attention of (batch, heads, seq, head_dim) tensors, grouped-query
+    when k and v have fewer heads: what ``Attention.attend`` runs unless replaced."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        # (q, k, v) -> output, after RoPE; replaced by whoever needs more of the attention than
+        # its output (the QK-clip demo and benchmark record each head's largest logit).
+        self.attend: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
         kv_width = cfg.n_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
         self.k_proj = nn.Linear(cfg.hidden, kv_width, bias=False)
@@ -100,9 +119,7 @@ class Attention(nn.Module):
 
         q = _apply_rope(split(self.q_proj(x)), cos, sin)
         k = _apply_rope(split(self.k_proj(x)), cos, sin)
-        v = split(self.v_proj(x))
-        gqa = k.shape[1] != q.shape[1]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        y = self.attend(q, k, split(self.v_proj(x)))
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 

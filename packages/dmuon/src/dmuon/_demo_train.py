@@ -8,6 +8,7 @@ their curves differ only by the optimizer and its distribution.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -22,7 +23,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dmuon
 from dmuon._demo_data import MarkovStream
-from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate, next_token_loss
+from dmuon._demo_model import (
+    LlamaConfig,
+    TinyLlama,
+    causal_attention,
+    muon_predicate,
+    next_token_loss,
+)
 from dmuon._launch import RankContext
 
 if TYPE_CHECKING:
@@ -34,6 +41,7 @@ __all__ = ["DemoOptions", "LogEvent", "RunKind", "RunResult", "StepEvent", "trai
 class RunKind(StrEnum):
     ADAMW = "adamw"  # FSDP2 + torch.optim.AdamW on every parameter
     DMUON = "dmuon"  # dedicate_params → fully_shard → dmuon.Muon
+    DMUON_QK = "dmuon-qk"  # the same with QK-clip (--qk-clip)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,8 @@ class DemoOptions:
     lr: float = 0.02
     adamw_lr: float = 3e-3
     runs: tuple[RunKind, ...] = (RunKind.ADAMW, RunKind.DMUON)
+    # τ of the dmuon-qk run; with it set, both dmuon runs record each layer's largest logit.
+    qk_clip: float | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,8 @@ class RunResult:
     shard_bytes: list[int] = field(default_factory=list)
     replicate_bytes: list[int] = field(default_factory=list)
     tp_wire: list[float] = field(default_factory=list)
+    # Per step, per layer: the largest logit over heads and the global batch (--qk-clip).
+    max_logits: list[list[float]] = field(default_factory=list)
 
 
 # torchtitan's Llama plan: q/k/v and gate/up split their output features, o/down their input
@@ -130,12 +142,36 @@ def _data_parallel(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[dp[0]] if len(dp) == 1 else mesh[dp]
 
 
+def _observed(clip: dmuon.QKClip, name: str):
+    """An ``Attention.attend`` that records each head's largest logit (exact) for ``clip``."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        clip.observe(name, dmuon.max_logits(q, k, is_causal=True))
+        return causal_attention(q, k, v)
+
+    return attend
+
+
+def _qk_clip(opts: DemoOptions, kind: RunKind, model: nn.Module) -> dmuon.QKClip | None:
+    """With --qk-clip, a clip for the dmuon runs: at τ for dmuon-qk, recording only (τ = ∞)
+    for dmuon; every attention observes into it."""
+    if opts.qk_clip is None or kind is RunKind.ADAMW:
+        return None
+    clip = dmuon.QKClip(tau=opts.qk_clip if kind is RunKind.DMUON_QK else math.inf)
+    cfg = opts.model
+    for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
+        q = f"layers.{i}.self_attn.q_proj.weight"
+        clip.add(q, f"layers.{i}.self_attn.k_proj.weight", cfg.heads, cfg.n_kv_heads)
+        layer.self_attn.attend = _observed(clip, q)
+    return clip
+
+
 def _build(
     opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, device: torch.device
-) -> tuple[nn.Module, torch.optim.Optimizer, tuple[int, int]]:
+) -> tuple[nn.Module, torch.optim.Optimizer, tuple[int, int], dmuon.QKClip | None]:
     """The model wrapped for ``kind`` and its optimizer, in the order dmuon requires
     (``dedicate_params`` → ``fully_shard`` layers, then root → ``Muon``), plus (elements,
-    bytes per element) of its Muon-target matrices."""
+    bytes per element) of its Muon-target matrices and the run's QK-clip (if any)."""
     torch.manual_seed(opts.seed)
     model = TinyLlama(opts.model).to(device)
     muon = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
@@ -144,7 +180,7 @@ def _build(
     if opts.tp > 1:  # order: parallelize_module -> dedicate_params -> fully_shard
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], TP_PLAN)
-    if kind is RunKind.DMUON:
+    if kind is not RunKind.ADAMW:
         dmuon.dedicate_params(
             model,
             mesh["shard"],
@@ -159,11 +195,12 @@ def _build(
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=dedicated)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=dedicated)
     optimizer: torch.optim.Optimizer
-    if kind is RunKind.DMUON:
-        optimizer = dmuon.Muon(model, lr=opts.lr, adamw_lr=opts.adamw_lr)
+    clip = _qk_clip(opts, kind, model)
+    if kind is not RunKind.ADAMW:
+        optimizer = dmuon.Muon(model, lr=opts.lr, adamw_lr=opts.adamw_lr, qk_clip=clip)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=opts.adamw_lr, weight_decay=0.01)
-    return model, optimizer, muon_bytes
+    return model, optimizer, muon_bytes, clip
 
 
 def _sync(device: torch.device) -> None:
@@ -174,10 +211,10 @@ def _sync(device: torch.device) -> None:
 def train_run(
     ctx: RankContext, opts: DemoOptions, kind: RunKind, mesh: DeviceMesh, stream: MarkovStream
 ) -> RunResult:
-    model, optimizer, (numel, itemsize) = _build(opts, kind, mesh, ctx.device)
+    model, optimizer, (numel, itemsize), clip = _build(opts, kind, mesh, ctx.device)
     result = RunResult(kind, muon_numel=numel, muon_itemsize=itemsize)
     counter = None
-    if kind is RunKind.DMUON:
+    if kind is not RunKind.ADAMW:
         counter = dmuon.get_comm_ctx(model).counter
     # The ranks of one tensor-parallel group read the same rows (see build_mesh).
     dp_rank, dp_size = ctx.rank // opts.tp, ctx.world_size // opts.tp
@@ -199,6 +236,8 @@ def train_run(
         seconds = time.perf_counter() - start
         result.losses.append(mean)
         result.seconds.append(seconds)
+        if clip is not None:  # the same on every rank (reduced over the world)
+            result.max_logits.append(clip.last_max_logits().amax(dim=1).tolist())
         if counter is not None:
             result.shard_bytes.append(counter.bytes("shard"))
             result.replicate_bytes.append(counter.bytes("replicate"))
@@ -270,6 +309,7 @@ def _gather(ctx: RankContext, mine: list[RunResult]) -> list[list[RunResult]]:
                     shard_bytes=[round(b) for b in shard] if r.shard_bytes else [],
                     replicate_bytes=[round(b) for b in replicate] if r.replicate_bytes else [],
                     tp_wire=tp_wire if r.tp_wire else [],
+                    max_logits=r.max_logits,
                 )
                 for r, (losses, seconds, shard, replicate, tp_wire) in zip(mine, unpacked)
             ]

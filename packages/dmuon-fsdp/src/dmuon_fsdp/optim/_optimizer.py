@@ -17,7 +17,9 @@ per shape, then decay and update), then AdamW over every ``adamw`` subgroup (FSD
 all ranks, owned dedicated AdamW-route weights on their owners), and last tells the runtime
 that owned weights changed (``after_step``), which drops weights kept by peers (Z2) and, in
 HSDP, publishes the new weights to replicate peers (asynchronously when
-``replicate_async``).
+``replicate_async``). With ``qk_clip``, its all-reduce of the attention maxima is launched
+before anything else and waited for by its post-update hook (see [Note: where the statistic is
+reduced] in _qk_clip).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from ._muon_math import (
     muon_batch,
 )
 from ._param_groups import GroupDefaults, build_param_groups
+from ._qk_clip import QKClip
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_plan import AdamWEntry, MuonEntry, StepPlan, WeightPart
 from ._tp_ns import TensorParallelNS, TPMode
@@ -218,6 +221,10 @@ class Muon(torch.optim.Optimizer):
     ``ns_steps`` iterations, 5 by default), a ``NewtonSchulz`` instance, or any callable that
     orthogonalises every matrix of a ``(batch, m, n)`` tensor and returns that shape
     (microsoft/dion's ``newton_schulz_func`` contract; ``ns_steps`` must then be left out).
+
+    ``qk_clip`` (a :class:`QKClip`) rescales, inside every ``step()``, the query and key
+    projection rows of each attention head whose largest logit of the step went over its
+    threshold (see [Note: QK-clip] in _qk_clip); it keeps no optimizer state.
     """
 
     def __init__(
@@ -241,6 +248,7 @@ class Muon(torch.optim.Optimizer):
         profile: bool = False,
         tp_ns: TPMode | str = TPMode.AUTO,
         options: StepOptions | None = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -266,6 +274,8 @@ class Muon(torch.optim.Optimizer):
         )
         self.options = _one_of(options, given)
         check_bool("profile", profile)
+        if qk_clip is not None and not isinstance(qk_clip, QKClip):
+            raise TypeError(f"qk_clip must be a dmuon.QKClip or None, got {qk_clip!r}")
         self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
         self._runtime.lazy_init()
@@ -319,6 +329,10 @@ class Muon(torch.optim.Optimizer):
             tp_ns=self.options.tp_ns,
         )
         compile_in_background(self._fused_layouts(), device)
+        self._qk_clip = qk_clip
+        if qk_clip is not None:
+            qk_clip.bind(model, self._runtime)
+            self.register_post_update_hook(qk_clip.post_update)
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -393,6 +407,9 @@ class Muon(torch.optim.Optimizer):
             self._check_params_current()
         mark = self._start_profile()
         with span("dmuon::optimizer_step"):
+            if self._qk_clip is not None:
+                # In flight while the step runs; waited for by its post-update hook.
+                self._qk_clip.launch()
             work = self._collect()
             mark("wait_reduces")
             found = self._find_nonfinite(work) if self.options.skip_nonfinite else None
