@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from dmuon_ns import NewtonSchulz
 
@@ -37,13 +38,24 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor) -> Tensor:
         """``x (T, D)``, ``weights (T, E)`` (zero for experts a token did not pick)."""
         if self.layout == "hf":
-            gate, up = self.gate_up_proj.chunk(2, dim=1)
-            down = self.down_proj
+            gate, up = _all_experts(self.gate_up_proj).chunk(2, dim=1)
+            down = _all_experts(self.down_proj)
         else:
-            gate, up, down = self.w1, self.w3, self.w2
+            gate, up, down = (_all_experts(w) for w in (self.w1, self.w3, self.w2))
         h = F.silu(torch.einsum("td,efd->tef", x, gate)) * torch.einsum("td,efd->tef", x, up)
         out = torch.einsum("tef,edf->ted", h, down)
         return torch.einsum("ted,te->td", out, weights)
+
+
+def _all_experts(w: Tensor) -> Tensor:
+    """Every expert's weights on this rank. Under expert parallelism (a stack sharded on dim 0
+    by an EP mesh) each rank gathers the others' experts, and its gradient for them is partial
+    (its own tokens'): the backward sums it over the EP ranks into each expert's holder, as
+    the token all-to-all of a real EP forward does."""
+    if not isinstance(w, DTensor):
+        return w
+    full = w.redistribute(w.device_mesh, [Replicate()] * w.device_mesh.ndim)
+    return full.to_local(grad_placements=[Partial()] * w.device_mesh.ndim)
 
 
 class MoELayer(nn.Module):
