@@ -277,3 +277,43 @@ def test_topology_and_forecast_errors() -> None:
         "float32",
         "bfloat16",
     )
+
+
+# dmuon's optimizer step on the two Llama stacks of benchmarks/step_bench.py (bf16 weights and
+# states, world size 1, no embedding or head), measured on an NVIDIA H200 (driver 580.159.04,
+# 700 W, torch 2.11.0+cu130, triton 3.6.0, no quack installed) on 2026-12-03, 09:26-09:30 UTC:
+# `step_bench.py --config C --variants dmuon --warmup 3 --iters 10`, four runs per config
+# (BENCHMARKS.md, "The step in phases"). Those runs had no quack, so the prediction uses the
+# table of what NS runs without it.
+STEP_BENCH_MS = {
+    (2048, 8192, 16): (59.41, 59.62, 59.61, 60.91),
+    (4096, 14336, 8): (171.93, 171.94, 172.40, 172.15),
+}
+
+
+@pytest.mark.parametrize(("hidden", "intermediate", "layers"), sorted(STEP_BENCH_MS))
+def test_predicted_step_time_matches_the_h200_step_bench(
+    hidden: int, intermediate: int, layers: int
+) -> None:
+    # The nearest config the planner takes to step_bench's LlamaStack: a one-token vocabulary
+    # with tied embeddings stands in for "no embedding or head" (hidden AdamW elements).
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 1,
+        "tie_word_embeddings": True,
+    }
+    topology = Topology(1, param_dtype="bf16", master_dtype="bf16")
+    fc = forecast(config, topology, ns_times=load_ns_times("ns_times_h200_no_quack.json"))
+    predicted = fc.step_ms[DMUON].max
+    measured = STEP_BENCH_MS[(hidden, intermediate, layers)]
+    print(
+        f"H={hidden} I={intermediate} L={layers}: predicted step {predicted:.1f} ms (NS "
+        f"{fc.ns_ms[DMUON].max:.1f} ms), measured {min(measured)}-{max(measured)} ms"
+    )
+    for ms in measured:
+        assert abs(predicted - ms) <= 0.2 * ms

@@ -40,6 +40,15 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
   per shape, cut where the batch's momentum passes ``ns_batch_bytes``). A tensor-parallel
   matrix is orthogonalised whole by its TP owner (gather mode).
+- *optimizer step time*: the NS time plus the step's elementwise passes, each memory-bound,
+  at the table's streaming bandwidth. Per Muon element a rank steps: the non-finite check
+  reads the gradient (``r``); the momentum pass reads the gradient and the buffer, writes the
+  buffer and the NS input (``r + 3o``); the update reads the NS output and reads and writes
+  the weight (``o + 2m``); ``2r + 4o + 2m`` bytes in all (16 in bf16). NS's own reads and
+  writes are in its measured times. Per AdamW element (FSDP2 shards): the check's read and
+  the fused AdamW pass (gradient, weight, two moments read; weight and moments written),
+  ``2r + 2m + 4o``. Host launch costs are left out, so a model of many small matrices runs
+  slower than predicted.
 
 Experts are FSDP2 parameters sharded on dim 0 with ``torch.chunk`` semantics: shard index ``s``
 holds experts ``[s·k, (s+1)·k)`` of each stack, ``k = ceil(E / G)``, so with ``G`` not
@@ -182,9 +191,10 @@ class Spread(NamedTuple):
 class Forecast:
     """Per-rank figures of one model at one topology (see [Note: the forecast]).
 
-    ``memory``, ``unsharded``, ``traffic``, ``work`` and ``ns_ms`` map a setup (``"dmuon"``,
-    ``"FSDP2 + AdamW"``, ``"FSDP2 + Muon"``) to rows of :class:`Spread` values in bytes,
-    bytes, bytes per step, FLOP-equivalents and milliseconds. ``ns_ms`` is predicted.
+    ``memory``, ``unsharded``, ``traffic``, ``work``, ``ns_ms`` and ``step_ms`` map a setup
+    (``"dmuon"``, ``"FSDP2 + AdamW"``, ``"FSDP2 + Muon"``) to rows of :class:`Spread` values
+    in bytes, bytes, bytes per step, FLOP-equivalents and milliseconds. ``ns_ms`` (NS calls)
+    and ``step_ms`` (the optimizer step: NS and the elementwise passes) are predicted.
     """
 
     shapes: ModelShapes
@@ -196,6 +206,7 @@ class Forecast:
     traffic: Mapping[str, Mapping[str, Spread]]
     work: Mapping[str, Spread]
     ns_ms: Mapping[str, Spread]
+    step_ms: Mapping[str, Spread]
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -356,7 +367,7 @@ class _Forecaster:
             unsharded=self.unsharded(),
             traffic=self.traffic(),
             work=self.work(shard_cost),
-            ns_ms=self.ns_time(),
+            **self.ns_time(),
             notes=tuple(self.notes()),
         )
 
@@ -548,7 +559,7 @@ class _Forecaster:
                 total += self.predict(run, rows, cols)
         return total
 
-    def ns_time(self) -> dict[str, Spread]:
+    def ns_time(self) -> dict[str, dict[str, Spread]]:
         G, R, T = self.G, self.R, self.T
         expert_members = {
             held: [
@@ -579,7 +590,39 @@ class _Forecaster:
             held: self.batched_ms(every + expert_members[held]) for held in expert_members
         }
         muon = [per_holding[held] for held in self.holdings]
-        return {DMUON: Spread.of(dmuon), ADAMW: Spread.uniform(0.0), MUON: Spread.of(muon)}
+        # The elementwise passes: bytes per element in [Note: the forecast].
+        r, o, m = self.r, self.o, self.m
+        muon_ms = self.table.stream_ms(2 * r + 4 * o + 2 * m)
+        adamw_ms = self.table.stream_ms(2 * r + 2 * m + 4 * o)
+        rest = sum(self.shard_numel(it) for it in self.shapes.fsdp) * adamw_ms
+        held_ms = {
+            held: sum(
+                count * math.prod(item.shape[1:]) for count, item in zip(held, self.shapes.experts)
+            )
+            * muon_ms
+            for held in expert_members
+        }
+        step_dmuon = []
+        for slot in range(G * R):
+            for t in range(T):
+                elements = sum(n * rows * cols for n, rows, cols in owned[slot][t])
+                held = held_ms[self.holdings[slot % G]]
+                step_dmuon.append(dmuon[slot * T + t] + elements * muon_ms + held + rest)
+        dense = sum(item.numel for item in self.shapes.dedicated) * muon_ms
+        step_muon = [muon[s] + dense + held_ms[self.holdings[s]] + rest for s in range(G)]
+        every_shard = sum(self.shard_numel(it) for it in self.shapes.all_items)
+        return {
+            "ns_ms": {
+                DMUON: Spread.of(dmuon),
+                ADAMW: Spread.uniform(0.0),
+                MUON: Spread.of(muon),
+            },
+            "step_ms": {
+                DMUON: Spread.of(step_dmuon),
+                ADAMW: Spread.uniform(every_shard * adamw_ms),
+                MUON: Spread.of(step_muon),
+            },
+        }
 
     def plan_order(self) -> list[WorkItem]:
         by_name = {item.name: item for item in self.shapes.dedicated}

@@ -136,6 +136,7 @@ def as_dict(fc: Forecast) -> dict[str, Any]:
         "bytes_per_step": _spreads(fc.traffic),
         "work_flop_equivalents": _spreads(fc.work),
         "predicted_ns_ms": _spreads(fc.ns_ms),
+        "predicted_step_ms": _spreads(fc.step_ms),
         "ns_times": {
             "card": fc.ns_times.card,
             "date": fc.ns_times.date,

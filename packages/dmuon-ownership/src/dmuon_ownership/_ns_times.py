@@ -14,6 +14,14 @@ up to 6×. Below the smallest measured call (77 GFLOP) a call is bound by kernel
 than by FLOPs, so its prediction is optimistic; above the largest (37 TFLOP) the card runs at
 its power cap, where the rate no longer grows, so holding it is the measured behaviour.
 Every figure computed from this table is a prediction and is labelled so.
+
+Two tables ship: ``ns_times_h200.json`` (``"auto"`` with quack installed, the ``cute`` extra)
+and ``ns_times_h200_no_quack.json`` (the faster of the Triton and torch kernels per problem,
+kernel-only times from the same run's autotune verdicts: what ``"auto"`` runs without quack;
+Triton is 4–44 % slower than quack there). Pick the one that matches the software of the run.
+Each table also carries the card's streaming bandwidth (``elementwise.gb_s``, measured by a
+memory-bound kernel on the same card), which prices the step's elementwise passes ([Note: the
+forecast]).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ class NSTimes:
     steps: int
     restarts: int
     measured: tuple[tuple[int, int, int, float], ...]
+    stream_gb_s: float  # bytes per ns the card's elementwise passes stream at
 
     def __post_init__(self) -> None:
         if not self.measured:
@@ -53,6 +62,8 @@ class NSTimes:
                     f"NSTimes: measured call {(batch, rows, cols, ms)} needs batch, rows and cols "
                     ">= 1 and a time > 0 ms"
                 )
+        if not (math.isfinite(self.stream_gb_s) and self.stream_gb_s > 0):
+            raise ValueError(f"NSTimes: stream_gb_s must be > 0, got {self.stream_gb_s!r}")
 
     @classmethod
     def from_json(cls, text: str) -> NSTimes:
@@ -66,6 +77,7 @@ class NSTimes:
             measured=tuple(
                 (e["batch"], e["rows"], e["cols"], float(e["ms"])) for e in data["entries"]
             ),
+            stream_gb_s=float(data["elementwise"]["gb_s"]),
         )
 
     def flops(self, batch: int, rows: int, cols: int) -> int:
@@ -96,11 +108,16 @@ class NSTimes:
             rate = rates[left] + share * (rates[right] - rates[left])
         return work / rate
 
+    def stream_ms(self, nbytes: float) -> float:
+        """Predicted milliseconds of elementwise passes that read and write ``nbytes``."""
+        return nbytes / (self.stream_gb_s * 1e6)
+
     def label(self) -> str:
         return f"{self.card}, measured {self.date}"
 
 
 def load_ns_times(name: str = _DEFAULT) -> NSTimes:
-    """The measured table shipped with the package (the H200 one by default)."""
+    """A measured table shipped with the package: ``ns_times_h200.json`` (the default, NS with
+    quack) or ``ns_times_h200_no_quack.json`` (see [Note: predicted NS times])."""
     text = resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
     return NSTimes.from_json(text)
