@@ -117,6 +117,18 @@ def test_demo_tensor_parallel() -> None:
 
 
 @pytest.mark.distributed
+def test_demo_moe_steps_experts_where_fsdp2_holds_them() -> None:
+    text = _run(["--steps", "3", "--nproc", "2", "--moe", "4", *TINY])
+    losses = _losses(text)
+    for run in ("adamw", "dmuon"):
+        assert len(losses[run]) == 3 and losses[run][-1] < losses[run][0], text
+    assert losses["adamw"][0] == losses["dmuon"][0]  # the same model and data
+    # dmuon's rounds carry the 2-D matrices only (P_M): the expert stacks move through FSDP2.
+    assert "counted: shard 3.00·P_M" in text, text
+    assert "the expert stacks, Muon too" in text
+
+
+@pytest.mark.distributed
 def test_demo_qk_clip_holds_the_logits_that_run_away_without_it() -> None:
     # A high learning rate grows the logits; both dmuon runs record each layer's largest one.
     argv = ["--steps", "8", "--nproc", "2", *TINY, "--lr", "0.3", "--qk-clip", "3"]
@@ -150,6 +162,8 @@ def test_demo_qk_clip_holds_the_logits_that_run_away_without_it() -> None:
         (["--hidden", "30"], "divisible by heads"),
         (["--qk-clip", "0"], "--qk-clip must be > 0"),
         (["--only", "dmuon-qk"], "--only dmuon-qk needs --qk-clip TAU"),
+        (["--nproc", "4", "--tp", "2", "--moe", "4"], "--moe with --tp"),
+        (["--moe", "-1"], "experts must be >= 0"),
     ],
 )
 def test_bad_options_exit_with_a_clear_message(

@@ -100,6 +100,14 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--vocab", type=int, default=256, help="(default 256)")
     size.add_argument("--seq-len", type=int, default=64, help="(default 64)")
     size.add_argument("--batch-size", type=int, default=16, help="global batch (default 16)")
+    size.add_argument(
+        "--moe",
+        type=int,
+        default=0,
+        metavar="E",
+        help="mixture-of-experts: E experts per layer (torchtitan's 3-D stacks and a router),"
+        " each expert orthogonalised on its own where FSDP2 holds it (default 0: dense)",
+    )
     size.add_argument("--lr", type=float, default=0.02, help="Muon lr (default 0.02)")
     size.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW lr (default 3e-3)")
     return p
@@ -152,7 +160,13 @@ def _options(args: argparse.Namespace, world_size: int) -> DemoOptions:
         layers=args.layers,
         heads=args.heads,
         seq_len=args.seq_len,
+        experts=args.moe,
     )
+    if args.moe and args.tp > 1:
+        raise ValueError(
+            "--moe with --tp: the demo's tensor-parallel plan does not split experts, and dmuon "
+            "steps whole experts where FSDP2 holds them; drop --tp for the MoE run"
+        )
     for what, size in (
         ("--heads", model.heads),
         ("the key/value heads", model.n_kv_heads),
@@ -273,9 +287,16 @@ def _table(
         )
         against.append(f"{compare(moved[RunKind.DMUON], plain)} {_PLAIN} (not run; formula)")
         lines.append(f"bytes: dmuon moved {' and '.join(against)}.")
+    what = (
+        "the 2-D Muon matrices: attention projections and routers; the expert stacks, Muon too,"
+        " are stepped per expert where FSDP2 holds them and move as FSDP2 moves them, the same"
+        " in every run"
+        if opts.model.experts
+        else "the 2-D attention and MLP projections"
+    )
     lines += [
-        f"P_M = {_fmt_bytes(p_m)}: the Muon-target weights (the 2-D attention and MLP"
-        " projections). A round moves P_M over a group of n ranks at (n-1)/n·P_M per rank.",
+        f"P_M = {_fmt_bytes(p_m)}: the Muon-target weights ({what}). A round moves P_M over a"
+        " group of n ranks at (n-1)/n·P_M per rank.",
         f"Z{opts.zero} (this run): Z3 frees the weights a rank received once forward is done"
         " and sends them again for backward; Z2 keeps them until backward.",
         f"{_PLAIN} all-gathers every full gradient and runs NS on every rank; dmuon sends each"

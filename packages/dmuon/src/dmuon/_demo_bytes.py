@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
+from dmuon._demo_model import LlamaConfig, TinyLlama, dedicated_matrix
 from dmuon._demo_train import TP_PLAN, RunResult
 
 __all__ = ["Mesh", "compare", "counted_bytes", "fsdp_bytes", "fsdp_shard_bytes"]
@@ -43,7 +43,7 @@ def fsdp_shard_bytes(model: LlamaConfig, mesh: Mesh, itemsize: int) -> int:
         named = list(TinyLlama(model).named_parameters())
     total = 0
     for name, param in named:
-        if not muon_predicate(name, param):
+        if not dedicated_matrix(name, param):
             continue
         rows, cols = param.shape
         if mesh.tp > 1:

@@ -20,6 +20,7 @@ __all__ = [
     "LlamaStack",
     "TinyLlama",
     "causal_attention",
+    "dedicated_matrix",
     "muon_predicate",
     "next_token_loss",
 ]
@@ -37,6 +38,9 @@ class LlamaConfig:
     kv_heads: int | None = None  # grouped-query attention; None: as many as ``heads``
     seq_len: int = 64
     rope_theta: float = 10_000.0
+    # Mixture-of-experts: experts per layer (0: a dense SwiGLU MLP). Each MoE layer holds a
+    # router and torchtitan's expert stacks w1, w3 (E, I, H) and w2 (E, H, I); top-2 routing.
+    experts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "intermediate", "layers", "heads", "seq_len"):
@@ -47,6 +51,8 @@ class LlamaConfig:
                 f"LlamaConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads});"
                 " pick a head count that divides the hidden size"
             )
+        if self.experts < 0:
+            raise ValueError(f"LlamaConfig.experts must be >= 0 (0: dense), got {self.experts}")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
             raise ValueError(
                 f"LlamaConfig.kv_heads ({self.kv_heads}) must be >= 1 and divide heads"
@@ -68,8 +74,17 @@ class LlamaConfig:
 
 
 def muon_predicate(name: str, param: nn.Parameter) -> bool:
-    """The predicate the demo hands to ``dedicate_params``: every 2-D projection matrix."""
-    return "proj" in name and param.ndim == 2
+    """The predicate the demo hands to ``dedicate_params``: every 2-D projection matrix, and
+    in an MoE model the router and the expert stacks (Muon per expert)."""
+    if ".experts." in name:
+        return param.ndim == 3
+    return ("proj" in name or name.endswith("mlp.gate.weight")) and param.ndim == 2
+
+
+def dedicated_matrix(name: str, param: nn.Parameter) -> bool:
+    """A Muon parameter dmuon's owners broadcast and reduce: the 2-D ones (expert stacks stay
+    where FSDP2 shards them and move as FSDP2 moves them, in every run alike)."""
+    return muon_predicate(name, param) and param.ndim == 2
 
 
 def _rope_tables(cfg: LlamaConfig) -> tuple[Tensor, Tensor]:
@@ -134,13 +149,49 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """``experts`` SwiGLU experts as torchtitan stacks them: w1 (gate) and w3 (up) (E, I, H),
+    w2 (down) (E, H, I)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.experts, cfg.hidden, cfg.intermediate
+        self.w1 = nn.Parameter(torch.empty(e, i, h))
+        self.w3 = nn.Parameter(torch.empty(e, i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: Tensor, weights: Tensor) -> Tensor:
+        """``x (T, H)``; ``weights (T, E)``, zero where a token did not pick the expert (every
+        expert runs on every token, masked: fine at the demo's size)."""
+        gate = torch.einsum("th,eih->tei", x, self.w1)
+        up = torch.einsum("th,eih->tei", x, self.w3)
+        out = torch.einsum("tei,ehi->teh", F.silu(gate) * up, self.w2)
+        return torch.einsum("teh,te->th", out, weights)
+
+
+class MoE(nn.Module):
+    """A router (``gate``) choosing 2 experts per token, and the experts."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        scores = self.gate(flat).softmax(-1)
+        top = scores.topk(min(2, scores.shape[-1]), dim=-1).indices
+        mask = torch.zeros_like(scores).scatter(1, top, 1.0)
+        return self.experts(flat, scores * mask).view_as(x)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden, eps=1e-6)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden, eps=1e-6)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.experts else MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -151,9 +202,9 @@ class DecoderLayer(nn.Module):
 def _init_weights(model: nn.Module, cfg: LlamaConfig) -> None:
     std = cfg.hidden**-0.5
     for name, p in model.named_parameters():
-        if p.ndim == 2:
+        if p.ndim >= 2:
             nn.init.normal_(p, std=std)
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
                 # Residual-branch outputs start small so that deep stacks begin near identity.
                 p.div_((2 * cfg.layers) ** 0.5)
             elif name == "lm_head.weight":

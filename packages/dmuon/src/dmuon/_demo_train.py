@@ -27,6 +27,7 @@ from dmuon._demo_model import (
     LlamaConfig,
     TinyLlama,
     causal_attention,
+    dedicated_matrix,
     muon_predicate,
     next_token_loss,
 )
@@ -174,7 +175,7 @@ def _build(
     bytes per element) of its Muon-target matrices and the run's QK-clip (if any)."""
     torch.manual_seed(opts.seed)
     model = TinyLlama(opts.model).to(device)
-    muon = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
+    muon = [p for n, p in model.named_parameters() if dedicated_matrix(n, p)]
     muon_bytes = (sum(p.numel() for p in muon), muon[0].element_size())
     reshard = opts.zero == 3
     if opts.tp > 1:  # order: parallelize_module -> dedicate_params -> fully_shard
