@@ -1,10 +1,11 @@
 """The Python snippets of the docs pages run as written.
 
-Every ```` ```python ```` block of the concepts page, the quickstart and the guides parses, and
-uses only names that it binds, that an earlier block of its page binds, or that the guides'
-setup binds (``docs/examples/guide_setup.py`` and "the usual wrap" on ``docs/guides/index.md``):
-a reader who pastes the setup and a page's snippets in order meets no ``NameError``. The
-tuning page's snippets also run, after the setup, as one script on one gloo rank.
+Every ```` ```python ```` block of the concepts page, the quickstart, the FAQ and the guides
+parses, and uses only names that it binds, that an earlier block of its page binds, or that the
+guides' setup binds (``docs/examples/guide_setup.py`` and "the usual wrap" on
+``docs/guides/index.md``): a reader who pastes the setup and a page's snippets in order meets
+no ``NameError``. The tuning page's snippets also run, after the setup, as one script on one
+gloo rank.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import pytest
 DOCS = Path(__file__).resolve().parent.parent
 SETUP = DOCS / "examples" / "guide_setup.py"
 INDEX = DOCS / "guides" / "index.md"
-PAGES = [DOCS / "concepts.md", DOCS / "quickstart.md", *sorted((DOCS / "guides").glob("*.md"))]
+PAGES = [
+    DOCS / "concepts.md",
+    DOCS / "quickstart.md",
+    DOCS / "faq.md",
+    *sorted((DOCS / "guides").glob("*.md")),
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 
 
