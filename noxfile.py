@@ -7,6 +7,7 @@ nox -s docs                          # build the docs site (warnings are errors)
 nox -s smoke                         # install as a user would, train 2 ranks, checkpoint
 nox -s root                          # `pytest` at the root, the `uv run pytest` route
 nox -s demo -- --steps 20            # the main job (extra args go to dmuon-demo)
+nox -s integrations                  # training frameworks' recipes on 2 gloo ranks (not in CI)
 
 Every tool version comes from the dependency groups of pyproject.toml, torch's and Triton's from
 its ``[tool.uv]`` table: the same pins serve nox, ``uv sync`` and CI.
@@ -227,6 +228,26 @@ def docs(session: nox.Session) -> None:
     session.run("sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out))
     session.run("pytest", "-q", str(ROOT / "docs" / "tests"))
     session.log(f"docs: {out / 'index.html'}")
+
+
+# Training frameworks whose recipes docs/guides/integrations/ shows, each pinned, and the
+# example that runs it (docs/examples/integrations/): 10 steps on 2 gloo ranks, a save, a resume
+# in a model built from other weights; the script exits non-zero unless the loss fell and the
+# resumed losses equal the uninterrupted run's bit for bit.
+INTEGRATIONS: dict[str, list[str]] = {
+    "lightning_train.py": ["lightning==2.6.6"],
+}
+
+
+@nox.session
+def integrations(session: nox.Session) -> None:
+    """Each framework recipe's example on 2 gloo ranks, after installing the framework at its
+    pinned version and the five packages; left out of the default sessions (CI time)."""
+    frameworks = [pin for pins in INTEGRATIONS.values() for pin in pins]
+    session.install(TORCH, *frameworks, *_editable(*INSTALL_ORDER))
+    session.chdir(ROOT)
+    for script in INTEGRATIONS:
+        session.run("python", str(EXAMPLES / "integrations" / script))
 
 
 @nox.session

@@ -1,0 +1,226 @@
+"""Train, checkpoint and resume dmuon under PyTorch Lightning's ``ModelParallelStrategy``.
+
+    python docs/examples/integrations/lightning_train.py             # 2 CPU ranks (gloo)
+    python docs/examples/integrations/lightning_train.py --accelerator gpu --devices 8
+    torchrun --nproc-per-node 2 docs/examples/integrations/lightning_train.py --dir /shared/ckpt
+
+Lightning starts the other ranks itself (it runs this script again with ``LOCAL_RANK`` set)
+unless ``torchrun`` already did. The LightningModule applies dmuon in ``configure_model``
+(``dmuon.dedicate_params`` on the strategy's data-parallel mesh, then ``fully_shard`` with
+``ignored_params``) and returns ``dmuon.Muon(self, ...)`` from ``configure_optimizers``.
+Checkpoints go through :class:`DmuonModelParallelStrategy`, which writes and reads them with
+``dmuon.save_checkpoint`` / ``dmuon.load_checkpoint`` instead of the strategy's
+``get_model_state_dict``, which reads every weight on every rank and so raises
+``dmuon.NotHeldError`` on a dedicated matrix.
+
+The script trains 10 steps (two epochs of 5 identical batches per rank), with a
+``ModelCheckpoint`` at the end of the first epoch; then builds the module again from other
+initial weights and resumes from that checkpoint with ``trainer.fit(..., ckpt_path=...)``.
+It exits non-zero unless the loss fell and the resumed steps' losses equal the uninterrupted
+run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
+
+# The quickstart's model and data task (docs/examples/train_fsdp.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train_fsdp import VOCAB, TinyLM, batch
+
+import dmuon
+
+STEPS_PER_EPOCH, EPOCHS = 5, 2
+METADATA = "lightning.pt"  # the trainer's own state, beside dmuon's DCP files
+DIR_ENV = "DMUON_LIGHTNING_EXAMPLE_DIR"  # hands rank 0's directory to the ranks it starts
+
+
+class DmuonModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` with dmuon checkpoints.
+
+    [Note: Lightning checkpoints] Lightning builds a checkpoint as a dictionary: the model's
+    and each optimizer's state from the strategy (``lightning_module_state_dict``,
+    ``optimizer_state``; for ``ModelParallelStrategy`` DCP's ``get_model_state_dict``, which
+    reads every dedicated weight on every rank) plus the loops', callbacks' and schedulers'
+    state; then ``strategy.save_checkpoint`` writes it. Here the model and optimizer entries
+    stay empty and ``save_checkpoint`` writes them with ``dmuon.save_checkpoint`` (each rank
+    what it holds, with checksums) and the rest with ``torch.save`` on rank 0. Loading mirrors
+    it: ``load_checkpoint`` (called after ``configure_model`` and ``configure_optimizers``,
+    since ``restore_checkpoint_after_setup`` is true) reads the weights and optimizer state
+    with ``dmuon.load_checkpoint`` and returns the rest for Lightning to restore.
+    """
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}
+
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: str | os.PathLike[str],
+        storage_options: Any = None,
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        path = Path(self.broadcast(str(filepath)))  # rank 0's path on every rank
+        dmuon.save_checkpoint(path, self.lightning_module, self._muon())
+        if self.global_rank == 0:
+            rest = {
+                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+            }
+            torch.save(rest, path / METADATA)
+        self.barrier()
+
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        dmuon.load_checkpoint(path, self.lightning_module, self._muon())
+        return torch.load(
+            path / METADATA, weights_only=False if weights_only is None else weights_only
+        )
+
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        if self.global_rank == 0:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def _muon(self) -> dmuon.Muon:
+        optimizers = [
+            o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers
+        ]
+        if len(optimizers) != 1 or not isinstance(optimizers[0], dmuon.Muon):
+            raise TypeError(
+                f"{type(self).__name__} checkpoints one dmuon.Muon; configure_optimizers returned"
+                f" {[type(o).__name__ for o in optimizers]}: return dmuon.Muon(self, ...) alone"
+            )
+        return optimizers[0]
+
+
+class TinyLMModule(L.LightningModule):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)  # the same initial weights on every rank
+        self.model = TinyLM()
+        self.losses: list[float] = []  # the mean over ranks of every step's loss
+
+    def configure_model(self) -> None:
+        if dmuon.dedicated_params_of(self):  # Lightning may call it again: apply dmuon once
+            return
+        mesh = self.device_mesh["data_parallel"]
+        dmuon.dedicate_params(self, mesh, predicate=lambda name, p: "proj" in name and p.ndim == 2)
+        dedicated = dmuon.dedicated_params_of(self)
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+        fully_shard(self.model, mesh=mesh, ignored_params=dedicated)
+
+    def configure_optimizers(self) -> dmuon.Muon:
+        return dmuon.Muon(self, lr=0.02, adamw_lr=3e-3)
+
+    def training_step(self, tokens: Tensor, batch_idx: int) -> Tensor:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    def on_train_batch_end(self, outputs: Any, tokens: Tensor, batch_idx: int) -> None:
+        mean = outputs["loss"].detach().clone()
+        dist.all_reduce(mean)
+        self.losses.append(mean.item() / dist.get_world_size())
+
+    def train_dataloader(self) -> DataLoader:
+        # This rank's rows, the same every step (as in train_fsdp.py).
+        tokens = batch(self.global_rank, torch.device("cpu"))
+        return DataLoader([tokens] * STEPS_PER_EPOCH, batch_size=None)
+
+
+def trainer(args: argparse.Namespace, directory: str, checkpoint: bool) -> L.Trainer:
+    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1)] if checkpoint else []
+    return L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=DmuonModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1
+        ),
+        max_epochs=EPOCHS,
+        use_distributed_sampler=False,  # train_dataloader returns this rank's rows itself
+        callbacks=callbacks,
+        enable_checkpointing=checkpoint,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=directory,
+    )
+
+
+def run(args: argparse.Namespace, directory: str) -> None:
+    first = trainer(args, directory, checkpoint=True)
+    module = TinyLMModule(seed=0)
+    first.fit(module)
+    uninterrupted = module.losses
+
+    # Resume: other initial weights, which the checkpoint must replace.
+    saved = os.path.join(directory, f"epoch=0-step={STEPS_PER_EPOCH}.ckpt")
+    second = trainer(args, directory, checkpoint=False)
+    resumed_module = TinyLMModule(seed=1)
+    second.fit(resumed_module, ckpt_path=saved)
+    resumed = resumed_module.losses
+
+    if second.global_rank != 0:
+        return
+    print("losses", " ".join(f"{x:.4f}" for x in uninterrupted), flush=True)
+    if not all(math.isfinite(x) for x in uninterrupted) or uninterrupted[-1] >= uninterrupted[0]:
+        raise SystemExit(f"FAILED: the loss did not fall: {uninterrupted}")
+    if resumed != uninterrupted[STEPS_PER_EPOCH:]:
+        raise SystemExit(
+            f"FAILED: the resumed run's losses {resumed} differ from the uninterrupted run's"
+            f" {uninterrupted[STEPS_PER_EPOCH:]}"
+        )
+    print(
+        f"OK: loss {uninterrupted[0]:.4f} -> {uninterrupted[-1]:.4f} in {len(uninterrupted)}"
+        f" steps; resumed from {saved}, losses {resumed} as without the checkpoint",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator (cpu, gpu)")
+    parser.add_argument("--devices", type=int, default=2, help="ranks on this machine")
+    parser.add_argument("--dir", help="checkpoint directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    directory = args.dir or os.environ.get(DIR_ENV)
+    if directory is not None:
+        run(args, directory)
+        return
+    # Made by rank 0 alone when Lightning starts the other ranks (they inherit the variable);
+    # under torchrun by every rank, and the strategy uses rank 0's for every save and load.
+    made = tempfile.mkdtemp(prefix="dmuon-lightning-")
+    os.environ[DIR_ENV] = made
+    try:
+        run(args, made)
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
