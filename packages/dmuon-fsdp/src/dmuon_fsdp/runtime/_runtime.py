@@ -461,9 +461,8 @@ def _check_materialised(dp: DedicatedParam) -> None:
       weight only when a broadcast fills it for its layer's forward and backward. An owner
       briefly holds its own weights twice while they move into their packs.
     - Loading reads only kept weights: ``dmuon.load_checkpoint`` asks DCP for the owned keys
-      and the FSDP2 shards, ``dmuon.set_model_state_dict`` copies on each owner its part of the
-      full dictionary (with ``rank0_only=True`` rank 0 sends each weight to its owner, one at a
-      time).
+      and the FSDP2 shards (DCP's scratch holds those only), ``dmuon.set_model_state_dict``
+      copies on each owner its part of the full dictionary every rank holds.
 
     Until packing, a kept weight is the plain tensor ``to_empty`` made; packing keeps its
     values."""
