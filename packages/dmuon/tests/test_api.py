@@ -69,6 +69,7 @@ DOCUMENTED_NAMES = frozenset(
         # checkpoint
         "get_model_state_dict",
         "set_model_state_dict",
+        "init_dedicated_",
         "get_optimizer_state_dict",
         "set_optimizer_state_dict",
         "AppState",

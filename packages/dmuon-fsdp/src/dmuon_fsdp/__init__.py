@@ -28,6 +28,7 @@ from .checkpoint._checkpoint import (
     set_optimizer_state_dict,
 )
 from .checkpoint._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
+from .checkpoint._init import init_dedicated_
 from .checkpoint._integrity import CheckpointIntegrityError
 from .optim._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
 from .optim._qk_clip import QKClip, QKRowMap
@@ -78,6 +79,7 @@ __all__ = [
     "get_optimizer_state_dict",
     "get_owned_params",
     "get_runtime",
+    "init_dedicated_",
     "install_patch",
     "load_checkpoint",
     "max_logits",

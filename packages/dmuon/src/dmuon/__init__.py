@@ -47,6 +47,7 @@ from dmuon_fsdp import get_dedicated_params as get_dedicated_params
 from dmuon_fsdp import get_model_state_dict as get_model_state_dict
 from dmuon_fsdp import get_optimizer_state_dict as get_optimizer_state_dict
 from dmuon_fsdp import get_owned_params as get_owned_params
+from dmuon_fsdp import init_dedicated_ as init_dedicated_
 from dmuon_fsdp import install_patch as install_patch
 from dmuon_fsdp import load_checkpoint as load_checkpoint
 from dmuon_fsdp import max_logits as max_logits

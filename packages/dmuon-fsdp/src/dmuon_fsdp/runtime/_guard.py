@@ -64,6 +64,7 @@ __all__ = [
     "is_dedicated",
     "refuse_ddp",
     "set_held",
+    "set_unplaced",
 ]
 
 # Tensor-valued properties: each returns a tensor aliasing the (absent) storage.
@@ -95,6 +96,7 @@ _METADATA_METHODS = frozenset(
 )
 _ABSENT = "_dmuon_absent"
 _WHERE = "_dmuon_where"
+_UNPLACED = "_dmuon_unplaced"
 
 
 class NotHeldError(RuntimeError):
@@ -202,6 +204,8 @@ class _Guard:
             if absent is not None and not _is_safe(func):
                 if _unchanged(func, args, kwargs):
                     return args[0]
+                if _writes_unplaced(func, args, kwargs):
+                    return _write_to_scratch(func, args, kwargs)
                 raise NotHeldError(_message(absent, func))
         # What nn.Parameter's own handler does (results stay plain tensors), written so that
         # torch.compile traces it: see [Note: reads on a peer].
@@ -253,6 +257,43 @@ class GuardedDTensor(_Guard, DTensor):
         return super().full_tensor(*args, **kwargs)
 
 
+def _written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The tensor an in-place function writes: its first argument (``nn.init`` functions pass
+    it to ``__torch_function__`` as the keyword ``tensor``)."""
+    return args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+
+
+def _writes_unplaced(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` writes in place into a peer's plain dedicated weight that was never
+    packed (a meta-device model's after ``to_empty``)."""
+    t = _written(args, kwargs)
+    return (
+        _name(func).endswith("_")
+        and isinstance(t, GuardedParameter)
+        and t.__dict__.get(_UNPLACED, False)
+    )
+
+
+def _write_to_scratch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the in-place ``func`` on a scratch tensor of the written weight's shape, dtype and
+    device, dropped at once: an initialisation run on every rank draws from the generators
+    exactly as on the owner (see [Note: meta-device models] in ``_runtime``), and the peer
+    keeps nothing."""
+    t = _written(args, kwargs)
+    with disable_torch_function_subclass():
+        scratch = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        if args:
+            func(scratch, *args[1:], **kwargs)
+        else:
+            func(**{k: scratch if v is t else v for k, v in kwargs.items()})
+    return t
+
+
+def set_unplaced(param: nn.Parameter, unplaced: bool) -> None:
+    """Record that ``param`` (a peer's, not held) has no place yet: see :func:`_writes_unplaced`."""
+    param.__dict__[_UNPLACED] = unplaced
+
+
 def _message(param: _Guard, func: Any) -> str:
     what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     where = param.__dict__.get(_WHERE, "a dedicated parameter")
@@ -263,7 +304,8 @@ def _message(param: _Guard, func: Any) -> str:
         "dmuon.get_model_state_dict(model) (collective: call it on every rank), on its owner "
         "through dmuon.get_owned_params(model, rank)[i].full, or inside the forward of its "
         "layer; write whole weights with dmuon.set_model_state_dict(model, state_dict) "
-        "(collective); for sharded checkpoints (model.state_dict() with DCP) use "
+        "(collective), initialise those of a meta-device model after to_empty with "
+        "dmuon.init_dedicated_(model, fn) (on the ranks that keep them); for sharded checkpoints (model.state_dict() with DCP) use "
         "dmuon.save_checkpoint / dmuon.load_checkpoint or dmuon.AppState(model, optimizer)"
     )
 

@@ -30,10 +30,21 @@ import torch
 from dmuon_ownership import Owner
 
 from ..topology._mesh import MeshLayout
-from ._guard import set_held
+from ._guard import set_held, set_unplaced
 from ._param import DedicatedParam, Role
 
-__all__ = ["Pack"]
+__all__ = ["Pack", "without_storage"]
+
+
+def without_storage(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` whose storage holds zero bytes: what a peer's pack
+    buffer or dedicated parameter is between uses, made without ever allocating it (a
+    ``storage.resize_`` gives it its bytes when a broadcast needs them)."""
+    stride = torch.empty(shape, device="meta").stride()
+    storage = torch.UntypedStorage(0, device=device)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, stride)
 
 
 @dataclass(eq=False)
@@ -62,7 +73,11 @@ class Pack:
         precision = params[0].precision
         assert precision is not None, "resolve the precision before packing"
         numel = sum(dp.numel for dp in params)
-        buffer = torch.empty(numel, dtype=precision.compute, device=layout.device)
+        if role is Role.PEER and not resident:
+            # Freed at once below: never allocate it (see [Note: meta-device models]).
+            buffer = without_storage((numel,), precision.compute, layout.device)
+        else:
+            buffer = torch.empty(numel, dtype=precision.compute, device=layout.device)
         masters: list[torch.Tensor] | None = [] if role is Role.OWNER and precision.mixed else None
         offset = 0
         for dp in params:
@@ -75,6 +90,7 @@ class Pack:
             dp.offset = offset
             dp.dtype = precision.master
             set_held(dp.param, True)  # a repack re-points a freed peer parameter
+            set_unplaced(dp.param, False)
             if masters is not None:
                 master = weight.to(precision.master)
                 masters.append(master)

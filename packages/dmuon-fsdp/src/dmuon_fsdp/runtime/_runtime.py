@@ -41,9 +41,10 @@ from ..topology._mesh import MeshLayout
 from ._collectives import AllReduceQueue, ReduceQueue
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
-from ._guard import NotHeldError, guard_parameter, is_dedicated
+from ._guard import NotHeldError, guard_parameter, is_dedicated, set_held, set_unplaced
 from ._hooks import BoundaryHooks
-from ._param import DedicatedParam, LocalMuonParam
+from ._pack import without_storage
+from ._param import DedicatedParam, LocalMuonParam, Role
 from ._precision import boundary_mp_policy, resolve_precision
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
@@ -187,6 +188,13 @@ class DedicatedRuntime:
             guard_parameter(current, dp.where)
             dp.param = current
             self.hooks.rebind(index)
+            if self._holds_nothing(dp):
+                _drop_storage(dp)
+
+    def _holds_nothing(self, dp: DedicatedParam) -> bool:
+        """Whether this rank keeps no storage for ``dp`` until it is packed: a peer's weight
+        before packing (see [Note: meta-device models])."""
+        return dp.precision is None and dp.role is Role.PEER and not self.config.replicated
 
     def _check_registered(self) -> None:
         """[Note: parameters fully_shard took] ``fully_shard`` manages every parameter it is not
@@ -303,11 +311,16 @@ class _CheckedApply:
     packing (a meta-device model's ``to_empty``) everything goes through."""
 
     def __init__(
-        self, module: nn.Module, params: list[DedicatedParam], on_applied: Callable[[], None]
+        self,
+        module: nn.Module,
+        params: list[DedicatedParam],
+        on_applied: Callable[[], None],
+        holds_nothing: Callable[[DedicatedParam], bool],
     ) -> None:
         self._module = weakref.ref(module)
         self._params = params
         self._on_applied = on_applied
+        self._holds_nothing = holds_nothing
 
     def __call__(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
         module = self._module()
@@ -338,13 +351,60 @@ class _CheckedApply:
             for name, p in module._parameters.items()
             if p is not None and any(p is q for q in packed)
         }
-        module._parameters.update(dict.fromkeys(held))
+        # A peer's meta weight comes out of to_empty without storage, so that no rank but the
+        # ones keeping it ever holds it (see [Note: meta-device models]).
+        materialised: dict[str, nn.Parameter] = {}
+        for name, p in module._parameters.items():
+            dp = next((dp for dp in self._params if p is not None and dp.param is p), None)
+            if dp is None or not self._holds_nothing(dp):
+                continue
+            empty = _materialised_without_storage(fn, dp.param)
+            if empty is not None:
+                materialised[name] = empty
+        hidden = {**held, **{name: module._parameters[name] for name in materialised}}
+        module._parameters.update(dict.fromkeys(hidden))
         try:
             applied = type(module)._apply(module, fn, recurse)
         finally:
-            module._parameters.update(held)
+            module._parameters.update(hidden)
+        module._parameters.update(materialised)
         self._on_applied()  # a meta model's to_empty: adopt the new parameters now
         return applied
+
+
+def _materialised_without_storage(
+    fn: Callable[[Tensor], Tensor], param: nn.Parameter
+) -> nn.Parameter | None:
+    """The parameter ``fn`` (a conversion of ``nn.Module._apply``) would make of the meta
+    parameter ``param``, without storage; ``None`` when ``param`` is not a plain meta
+    parameter or ``fn`` leaves it on the meta device (allocating nothing) or refuses it (then
+    ``nn.Module._apply`` raises its own error). ``fn`` sees an empty stand-in, so the weight is
+    never allocated."""
+    if not param.is_meta or isinstance(param, DTensor):
+        return None
+    with torch.no_grad():
+        try:
+            probe = fn(torch.empty(0, dtype=param.dtype, device="meta"))
+        except (RuntimeError, NotImplementedError):
+            return None
+    if probe.is_meta:
+        return None
+    empty = without_storage(param.shape, probe.dtype, probe.device)
+    return nn.Parameter(empty, requires_grad=param.requires_grad)
+
+
+def _drop_storage(dp: DedicatedParam) -> None:
+    """Free the storage of ``dp``'s weight on a rank that keeps none before packing (a
+    tensor-parallel shard ``to_empty`` allocated; a plain weight materialised without storage
+    has none) and guard it: reads raise until packing gives it a place."""
+    tensor = dp.tensor
+    if tensor.is_meta:
+        return
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+    set_held(dp.param, False)
+    set_unplaced(dp.param, True)
 
 
 def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
@@ -352,11 +412,16 @@ def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
     ``runtime``; after a conversion it adopts what ``to_empty`` materialised."""
     params = runtime.params
     weak = weakref.WeakMethod(runtime._adopt_materialised)
+    weak_holds_nothing = weakref.WeakMethod(runtime._holds_nothing)
 
     def adopt() -> None:
         method = weak()
         if method is not None:
             method()
+
+    def holds_nothing(dp: DedicatedParam) -> bool:
+        method = weak_holds_nothing()
+        return method is not None and method(dp)
 
     under: dict[str, list[DedicatedParam]] = {}
     for dp in params:
@@ -366,17 +431,41 @@ def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
     for path, dps in under.items():
         module = model.get_submodule(path)
         # An instance attribute: nn.Module's conversions call self._apply.
-        object.__setattr__(module, "_apply", _CheckedApply(module, dps, adopt))
+        object.__setattr__(module, "_apply", _CheckedApply(module, dps, adopt, holds_nothing))
 
 
 def _check_materialised(dp: DedicatedParam) -> None:
     """[Note: meta-device models] ``dedicate_params`` only plans: a model built under
     ``torch.device("meta")`` can be dedicated, sharded and materialised with
-    ``model.to_empty(device=...)`` as torchtitan does. Until the runtime packs its parameters
-    every rank holds each dedicated weight whole, so initialising there (``init_weights()``)
-    runs on every rank with the same generator state, like on a model built normally, and
-    packing then keeps each weight on its owner; ``dmuon.set_model_state_dict`` loads a full
-    state dict instead."""
+    ``model.to_empty(device=...)`` as torchtitan does, and no rank ever holds a dedicated
+    weight it does not keep. A model too large for one device (Llama-3-70B's fp32 matrices are
+    ~270 GB) could otherwise not even start: ``to_empty`` would give every rank every weight.
+
+    - ``to_empty`` gives a dedicated weight storage only where it is kept: on its owner, in
+      HSDP its shard column's replicas, on the replicated path every rank. On a peer,
+      :class:`_CheckedApply` hides the meta parameter from ``nn.Module._apply``, asks the
+      conversion what it makes of an empty stand-in (the device and dtype) and registers a
+      parameter of the full shape whose storage holds zero bytes; a tensor-parallel
+      ``DTensor`` (which ``nn.Module._apply`` swaps in place) is freed as soon as it is
+      adopted, one module's shards at a time. Either way it is guarded at once (see [Note:
+      reads on a peer] in ``_guard``), and reads raise.
+    - Initialising: ``dmuon.init_dedicated_(model, fn)`` runs ``fn`` on the ranks that keep
+      each weight, with a generator seeded from its name, so the values do not depend on the
+      world size. A model's own ``init_weights()`` run on every rank with the same generator
+      state also still gives each weight the values it gives a normally built model: on a
+      peer each in-place write into a plain weight not packed yet runs on a scratch tensor of
+      its shape that is dropped at once (``_guard._write_to_scratch``), so the generators
+      advance exactly as on the owner, at the cost of one weight at a time on the peer.
+    - Packing then copies a kept weight into its pack and gives a peer's pack a buffer
+      without storage (:func:`~._pack.without_storage`), so a peer allocates a dedicated
+      weight only when a broadcast fills it for its layer's forward and backward. An owner
+      briefly holds its own weights twice while they move into their packs.
+    - Loading reads only kept weights: ``dmuon.load_checkpoint`` asks DCP for the owned keys
+      and the FSDP2 shards (DCP's scratch holds those only), ``dmuon.set_model_state_dict``
+      copies on each owner its part of the full dictionary every rank holds.
+
+    Until packing, a kept weight is the plain tensor ``to_empty`` made; packing keeps its
+    values."""
     if dp.param.is_meta:
         raise RuntimeError(
             f"dedicated parameter {dp.fqn!r} is still on the meta device: materialise the model "
