@@ -606,8 +606,8 @@ class _Forecaster:
         for slot in range(G * R):
             for t in range(T):
                 elements = sum(n * rows * cols for n, rows, cols in owned[slot][t])
-                held = held_ms[self.holdings[slot % G]]
-                step_dmuon.append(dmuon[slot * T + t] + elements * muon_ms + held + rest)
+                experts_ms = held_ms[self.holdings[slot % G]]
+                step_dmuon.append(dmuon[slot * T + t] + elements * muon_ms + experts_ms + rest)
         dense = sum(item.numel for item in self.shapes.dedicated) * muon_ms
         step_muon = [muon[s] + dense + held_ms[self.holdings[s]] + rest for s in range(G)]
         every_shard = sum(self.shard_numel(it) for it in self.shapes.all_items)

@@ -355,10 +355,10 @@ class _CheckedApply:
         # ones keeping it ever holds it (see [Note: meta-device models]).
         materialised: dict[str, nn.Parameter] = {}
         for name, p in module._parameters.items():
-            dp = next((dp for dp in self._params if p is not None and dp.param is p), None)
-            if dp is None or not self._holds_nothing(dp):
+            found = next((d for d in self._params if p is not None and d.param is p), None)
+            if found is None or not self._holds_nothing(found):
                 continue
-            empty = _materialised_without_storage(fn, dp.param)
+            empty = _materialised_without_storage(fn, found.param)
             if empty is not None:
                 materialised[name] = empty
         hidden = {**held, **{name: module._parameters[name] for name in materialised}}
