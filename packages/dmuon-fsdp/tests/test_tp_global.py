@@ -54,8 +54,9 @@ def _build(topology: str, *, predicate=muon_predicate, hidden: int = 24):
     model = build(0, hidden=hidden)
     strict = predicate is muon_predicate  # the head has no layer boundary: the root hooks it
     options = {"small_param_threshold": 0, "hook_boundary_strict": strict}
-    if topology == "hsdp_tp":
-        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    if topology in ("hsdp_tp", "hsdp_tp_2x2x2"):
+        shards = 2 if topology == "hsdp_tp_2x2x2" else 1
+        mesh = init_device_mesh("cpu", (2, shards, 2), mesh_dim_names=("replicate", "shard", "tp"))
         tensor_parallel(model, mesh["tp"])
         runtime = dedicate_params(
             model, mesh["shard"], predicate, replicate_mesh=mesh["replicate"], **options
@@ -76,7 +77,8 @@ def _build(topology: str, *, predicate=muon_predicate, hidden: int = 24):
 
 def _backward(model, optimizer, runtime, dp_index: int, step: int) -> None:
     optimizer.zero_grad()
-    lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), dp_index, 2)).backward()
+    dp_size = runtime.layout.world_size  # the data-parallel ranks of one TP grid
+    lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), dp_index, dp_size)).backward()
     runtime.wait_all_reduces()  # the owners' gradients are final
 
 
@@ -210,6 +212,29 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(global_ch
         assert got["adamw_shard"] == (True, True), "a NaN in one AdamW shard: skipped, unchanged"
         assert got["after"] == (False, 2), "the next finite step runs"
         assert got["finite"]
+
+
+def _three_d(rank: int, world_size: int) -> dict:
+    model, runtime, dp_index = _build("hsdp_tp_2x2x2", predicate=_with_head)
+    return _global_quantities(model, runtime, dp_index)
+
+
+@pytest.mark.distributed
+def test_three_d_mesh_2x2x2_clips_and_skips_as_one_process() -> None:
+    """(replicate 2, shard 2, tp 2) on 8 ranks: the true norm on every rank, and one rank's
+    non-finite gradient skips the step everywhere."""
+    reference = _reference_grads()
+    want = math.sqrt(sum(float(g.square().sum()) for g in reference.values()))
+    for got in run_distributed(_three_d, 8):
+        assert got["norm"] == pytest.approx(want, rel=1e-5), (got["norm"], want)
+        for fqn, grad in got["grads"].items():
+            tp_dim, full = got["tp_dims"][fqn], reference[fqn]
+            if tp_dim is not None:
+                size = grad.shape[tp_dim]
+                full = full.narrow(tp_dim, got["tp_index"] * size, size)
+            torch.testing.assert_close(grad.double(), full, rtol=1e-5, atol=1e-7)
+        assert got["tp_shard"] == (True, True) and got["adamw_shard"] == (True, True)
+        assert got["after"] == (False, 2) and got["finite"]
 
 
 @pytest.mark.distributed
