@@ -35,9 +35,9 @@ TRANSLATED = [
     "guides/tp.md",
     "guides/grad-accumulation.md",
     "guides/clipping.md",
+    "guides/checkpoints.md",
 ]
 UNTRANSLATED = [
-    "guides/checkpoints.md",
     "guides/mixed-precision.md",
     "guides/routing.md",
     "guides/newton-schulz.md",
