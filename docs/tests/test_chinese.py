@@ -36,9 +36,9 @@ TRANSLATED = [
     "guides/grad-accumulation.md",
     "guides/clipping.md",
     "guides/checkpoints.md",
+    "guides/mixed-precision.md",
 ]
 UNTRANSLATED = [
-    "guides/mixed-precision.md",
     "guides/routing.md",
     "guides/newton-schulz.md",
     "guides/moe.md",
