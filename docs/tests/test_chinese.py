@@ -37,11 +37,11 @@ TRANSLATED = [
     "guides/clipping.md",
     "guides/checkpoints.md",
     "guides/mixed-precision.md",
+    "guides/moe.md",
 ]
 UNTRANSLATED = [
     "guides/routing.md",
     "guides/newton-schulz.md",
-    "guides/moe.md",
     "guides/qk-clip.md",
     "guides/tuning.md",
     "guides/compile.md",
