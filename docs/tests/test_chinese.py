@@ -38,11 +38,11 @@ TRANSLATED = [
     "guides/checkpoints.md",
     "guides/mixed-precision.md",
     "guides/moe.md",
+    "guides/qk-clip.md",
 ]
 UNTRANSLATED = [
     "guides/routing.md",
     "guides/newton-schulz.md",
-    "guides/qk-clip.md",
     "guides/tuning.md",
     "guides/compile.md",
     "guides/scale.md",
