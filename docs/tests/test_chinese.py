@@ -39,9 +39,9 @@ TRANSLATED = [
     "guides/mixed-precision.md",
     "guides/moe.md",
     "guides/qk-clip.md",
+    "guides/routing.md",
 ]
 UNTRANSLATED = [
-    "guides/routing.md",
     "guides/newton-schulz.md",
     "guides/tuning.md",
     "guides/compile.md",
