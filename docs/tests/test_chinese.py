@@ -40,9 +40,9 @@ TRANSLATED = [
     "guides/moe.md",
     "guides/qk-clip.md",
     "guides/routing.md",
+    "guides/newton-schulz.md",
 ]
 UNTRANSLATED = [
-    "guides/newton-schulz.md",
     "guides/tuning.md",
     "guides/compile.md",
     "guides/scale.md",
