@@ -41,9 +41,9 @@ TRANSLATED = [
     "guides/qk-clip.md",
     "guides/routing.md",
     "guides/newton-schulz.md",
+    "guides/tuning.md",
 ]
 UNTRANSLATED = [
-    "guides/tuning.md",
     "guides/compile.md",
     "guides/scale.md",
 ]
