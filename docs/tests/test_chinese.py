@@ -42,9 +42,9 @@ TRANSLATED = [
     "guides/routing.md",
     "guides/newton-schulz.md",
     "guides/tuning.md",
+    "guides/compile.md",
 ]
 UNTRANSLATED = [
-    "guides/compile.md",
     "guides/scale.md",
 ]
 
