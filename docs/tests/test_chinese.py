@@ -43,10 +43,9 @@ TRANSLATED = [
     "guides/newton-schulz.md",
     "guides/tuning.md",
     "guides/compile.md",
-]
-UNTRANSLATED = [
     "guides/scale.md",
 ]
+UNTRANSLATED: list[str] = []
 
 CODE = re.compile(r"^```(python|bash)\n(.*?)^```", re.M | re.S)
 INCLUDE = re.compile(r"^```\{literalinclude\} (\S+)\n((?::.*\n)*)", re.M)
