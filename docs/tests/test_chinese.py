@@ -35,18 +35,17 @@ TRANSLATED = [
     "guides/tp.md",
     "guides/grad-accumulation.md",
     "guides/clipping.md",
-]
-UNTRANSLATED = [
     "guides/checkpoints.md",
     "guides/mixed-precision.md",
-    "guides/routing.md",
-    "guides/newton-schulz.md",
     "guides/moe.md",
     "guides/qk-clip.md",
+    "guides/routing.md",
+    "guides/newton-schulz.md",
     "guides/tuning.md",
     "guides/compile.md",
     "guides/scale.md",
 ]
+UNTRANSLATED: list[str] = []
 
 CODE = re.compile(r"^```(python|bash)\n(.*?)^```", re.M | re.S)
 INCLUDE = re.compile(r"^```\{literalinclude\} (\S+)\n((?::.*\n)*)", re.M)
