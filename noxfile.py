@@ -71,7 +71,7 @@ NEEDS_TORCH = {"dmuon-ns", "dmuon-clip", "dmuon-fsdp", "dmuon"}
 NEEDS_TRITON = {"dmuon-ns", "dmuon-clip", "dmuon-fsdp", "dmuon"}
 # What one package's tests need beyond TEST_TOOLS (dmuon-fsdp: the Hugging Face export test).
 TEST_EXTRAS: dict[str, list[str]] = {
-    "dmuon-fsdp": ["transformers==5.24.0", "safetensors==0.8.0"],
+    "dmuon-fsdp": _group("test-hf"),
 }
 
 nox.options.default_venv_backend = "uv"
