@@ -8,12 +8,14 @@ topology, best of ``--repeats`` runs:
 
   items        the work items the owner plan places (the dedicated matrices)
   slots        shard x replicate grid (a TP group counts once)
-  plan s       plan_owners alone, experts' work as base loads (what the runtime will call)
+  plan s       plan_owners alone, with the expert stacks (what dedicate_params calls)
   forecast s   the whole dmuon-plan forecast: shapes, plan, every per-rank figure
+  sources      expert stack shards one HSDP replica steps for all (expert sources)
   max/mean     the plan's NS load, experts included
+  no sources   the same plan's max/mean with every replica stepping its own experts
 
-A last row plans Kimi K2 with one work item per expert matrix (46 k items), for a runtime that
-would dedicate experts one by one instead of leaving them to FSDP2.
+The last line checks the planning target: Kimi K2 on 1024 ranks plans in under 2 s of CPU with
+NS load max/mean <= 1.05.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dmuon_ownership import Topology, WorkItem, forecast, model_shapes, plan_owners
+from dmuon_ownership import Topology, forecast, plan_owners
+from dmuon_ownership._forecast import expert_stack
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 CASES = (
@@ -65,35 +68,41 @@ def main() -> None:
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, Python "
         f"{platform.python_version()}, {platform.processor() or platform.machine()}"
     )
-    header = "| model | ranks | replicas x shard | items | slots | plan s | forecast s (CPU) | max/mean |"
+    header = (
+        "| model | ranks | replicas x shard | items | slots | plan s | forecast s (CPU) | "
+        "sources | max/mean | no sources |"
+    )
     print(header)
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    target = None
     for name, file, topology in CASES:
         config = json.loads((CONFIGS / file).read_text())
         fc_wall, fc_cpu, fc = _best(partial(forecast, config, topology), args.repeats)
         shapes = fc.shapes
+        experts = [(item.name, expert_stack(item)) for item in shapes.experts] or None
         plan = partial(
-            plan_owners,
+            plan_owners, shapes.dedicated, topology.shard, topology.replicas, experts=experts
+        )
+        plan_wall, _, _ = _best(plan, args.repeats)
+        plain = plan_owners(
             shapes.dedicated,
             topology.shard,
             topology.replicas,
             base_loads=list(fc.plan.base_loads) or None,
         )
-        plan_wall, _, _ = _best(plan, args.repeats)
         print(
             f"| {name} | {topology.ranks} | {_layout(topology)} | {len(shapes.dedicated):,} | "
             f"{fc.plan.world_size:,} | {plan_wall:.3f} | {fc_wall:.3f} ({fc_cpu:.3f}) | "
-            f"{fc.balance:.4f} |"
+            f"{len(fc.plan.expert_sources):,} | {fc.balance:.4f} | {1 + plain.imbalance:.4f} |"
         )
-    shapes = model_shapes(json.loads((CONFIGS / "kimi-k2.json").read_text()))
-    items = list(shapes.dedicated)
-    for stack in shapes.experts:
-        for expert in range(stack.shape[0]):
-            items.append(WorkItem(f"{stack.name}.{expert}", stack.shape[1:], stack.boundary))
-    wall, cpu, per_expert = _best(partial(plan_owners, items, 1024), args.repeats)
+        if name == "Kimi K2":
+            target = (fc_cpu, fc.balance)
+    assert target is not None
+    cpu, balance = target
+    verdict = "met" if cpu < 2.0 and balance <= 1.05 else "NOT met"
     print(
-        f"| Kimi K2, one item per expert matrix | 1024 | 1x1024 | {len(items):,} | 1,024 | "
-        f"{wall:.3f} ({cpu:.3f}) | - | {1 + per_expert.imbalance:.4f} |"
+        f"\nKimi K2 on 1024 ranks: forecast in {cpu:.3f} s of CPU (< 2 s), NS max/mean "
+        f"{balance:.4f} (<= 1.05): target {verdict}"
     )
 
 

@@ -9,7 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_plan import item_sets
 
-from dmuon_ownership import Plan, Route, WorkItem, ns_cost, plan_owners, validate_plan
+from dmuon_ownership import (
+    ExpertStack,
+    Plan,
+    Route,
+    WorkItem,
+    ns_cost,
+    plan_owners,
+    validate_plan,
+)
+from dmuon_ownership._expert_sources import SOURCE_TOLERANCE
 
 
 @settings(max_examples=25, deadline=None)
@@ -113,3 +122,54 @@ def test_base_loads_errors() -> None:
     plan = plan_owners([a], 2, base_loads=[1.0, 1.0])
     with pytest.raises(ValueError, match=r"plan has 1 base loads for a grid of 2 slots"):
         validate_plan(dataclasses.replace(plan, base_loads=(1.0,)), [a])
+
+
+def _stacks(count: int, experts: int = 8) -> list[tuple[str, ExpertStack]]:
+    return [(f"layers.{i}.experts.w", ExpertStack(experts, 64, 128)) for i in range(count)]
+
+
+def test_expert_sources_even_out_a_dense_matrix_over_the_replicas() -> None:
+    # 4 shards x 2 replicas, 8 experts per stack: every slot holds 2 experts of each stack.
+    # One dense matrix as costly as 3 stack shards lands on one slot; sources move expert
+    # shards off it to its replica, whose own copy then reaches it by broadcast.
+    stacks = _stacks(12)
+    shard_work = ns_cost((2, 64, 128))
+    dense = [WorkItem("big", (180, 180), "layers.0")]
+    big = ns_cost((180, 180))
+    assert 2.5 * shard_work < big < 3.5 * shard_work
+    plan = plan_owners(dense, 4, 2, experts=stacks)
+    validate_plan(plan, dense)
+    without = plan_owners(dense, 4, 2, base_loads=plan.base_loads)
+    assert not without.expert_sources
+    owner = plan.owner_of("big")
+    assert plan.expert_sources and {s.shard for s in plan.expert_sources} == {owner.shard}
+    assert all(s.replicate != owner.replicate for s in plan.expert_sources)
+    # Exact loads: each slot's experts minus what other replicas step for it, plus its items.
+    for slot, load in enumerate(plan.loads):
+        shard, replicate = slot % 4, slot // 4
+        stepped = [
+            name for name, _ in stacks if plan.expert_source(name, shard) in (None, replicate)
+        ]
+        expected = len(stepped) * shard_work + (big if slot == plan.slot_of(owner) else 0.0)
+        assert load == pytest.approx(expected, rel=1e-12), slot
+    assert max(plan.loads) < max(without.loads)
+    assert (
+        max(plan.loads)
+        <= (1 + SOURCE_TOLERANCE)
+        * max(sum(plan.loads) / 8, min(plan.loads[s] for s in (owner.shard, owner.shard + 4)))
+        + shard_work
+    )
+    assert Plan.from_json(plan.to_json()) == plan and "expert_sources" in plan.to_json()
+
+
+def test_no_expert_sources_without_replicas_or_imbalance() -> None:
+    stacks = _stacks(12)
+    dense = [WorkItem("big", (180, 180), "layers.0")]
+    assert not plan_owners(dense, 8, 1, experts=stacks).expert_sources  # no replica to help
+    small = [WorkItem("small", (16, 16), "layers.0")]
+    assert not plan_owners(small, 4, 2, experts=stacks).expert_sources  # within tolerance
+    assert "expert_sources" not in plan_owners(small, 4, 2, experts=stacks).to_json()
+    with pytest.raises(ValueError, match="not both"):
+        plan_owners(dense, 4, 2, experts=stacks, base_loads=[0.0] * 8)
+    with pytest.raises(ValueError, match="ExpertStack"):
+        plan_owners(dense, 4, 2, experts=[("a", (8, 64, 128))])  # type: ignore[list-item]

@@ -164,13 +164,15 @@ def test_kimi_k2_on_1024_ranks_plans_fast_and_balanced() -> None:
         f"NS load max/mean {fc.balance:.4f} (experts included)"
     )
     assert min(timings) < 2.0, f"forecast took {min(timings):.3f} s of CPU"
-    # The experts' work is equal on every rank (3 per stack); on top of it LPT spreads the
-    # dense matrices, which it cannot split: the balance is within one dense matrix of even.
-    # The layer-0 MLP's 18432x7168 matrices are the largest, about 6 % of a rank's experts.
-    mean = sum(fc.plan.loads) / len(fc.plan.loads)
-    largest = max(ns_cost(it.shape) for it in fc.items if it.route == "muon")
-    assert max(fc.plan.loads) <= min(fc.plan.base_loads) + largest + mean * 1e-9
-    assert fc.balance <= (min(fc.plan.base_loads) + largest) / mean, fc.plan.summary()
+    # The experts' work is equal on every rank (3 per stack). On top of it LPT spreads the
+    # dense matrices, which it cannot split: the layer-0 MLP's 18432x7168 matrices are about
+    # 6 % of a rank's experts, so whole-matrix ownership alone stops at max/mean 1.061. Expert
+    # sources move expert shards off the replicas that own such a matrix.
+    assert fc.balance <= 1.05, fc.plan.summary()
+    assert fc.plan.expert_sources
+    without = plan_owners(fc.items, 128, 8, base_loads=fc.plan.base_loads)
+    assert not without.expert_sources and without.imbalance + 1 > 1.06
+    assert max(fc.plan.loads) < max(without.loads)
     assert fc.plan.base_loads and min(fc.plan.base_loads) > 0
     expert_share = min(fc.plan.base_loads) / max(fc.plan.loads)
     assert expert_share > 0.9  # the experts are most of every rank's work

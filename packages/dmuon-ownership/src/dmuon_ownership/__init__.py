@@ -17,6 +17,7 @@ from ._cost import (
     ns_cost,
     ns_flops,
 )
+from ._expert_sources import ExpertSource
 from ._forecast import Forecast, Spread, Topology, forecast
 from ._items import Owner, WorkItem
 from ._lpt import plan_owners
@@ -35,6 +36,7 @@ from ._route import Route
 __all__ = [
     "POLICY_FIELDS",
     "CostFn",
+    "ExpertSource",
     "ExpertStack",
     "Forecast",
     "ModelShapes",

@@ -65,7 +65,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._cost import ExpertStack, expert_base_loads, experts_held, ns_cost
+from ._cost import ExpertStack, experts_held, ns_cost
 from ._items import WorkItem
 from ._lpt import plan_owners
 from ._model_shapes import ModelShapes, model_shapes
@@ -342,16 +342,13 @@ class _Forecaster:
         self.holdings = [self.held(s) for s in range(G)]
         costs = {held: self.expert_cost(held) for held in set(self.holdings)}
         shard_cost = [costs[held] for held in self.holdings]
-        base = None
-        if self.shapes.experts:
-            stacks = [expert_stack(item) for item in self.shapes.experts]
-            base = expert_base_loads(stacks, G, R)
+        experts = [(item.name, expert_stack(item)) for item in self.shapes.experts]
         plan = plan_owners(
             self.shapes.dedicated,
             G,
             R,
             small_param_threshold=self.threshold,
-            base_loads=base,
+            experts=experts or None,
         )
         self.plan = plan
         self.slot_of = {

@@ -57,7 +57,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ._cost import CostFn, ns_cost
+from ._cost import CostFn, ExpertStack, expert_base_loads, ns_cost
+from ._expert_sources import ExpertSource, expert_sources, expert_work
 from ._items import Owner, WorkItem
 from ._plan import Plan, Unit
 from ._route import Route
@@ -94,12 +95,16 @@ def plan_owners(
     small_param_threshold: int = 5_000_000,
     cost: CostFn = ns_cost,
     base_loads: Sequence[float] | None = None,
+    experts: Sequence[tuple[str, ExpertStack]] | None = None,
 ) -> Plan:
     """Assign every owned item to one slot of the ``shard_size × replicate_size`` grid.
 
     ``cost(shape, route)`` gives an item's optimizer work (default :func:`ns_cost`).
     ``base_loads[slot]`` is work already on each slot, in the cost's unit (see [Note: base
-    loads]; ``slot = replicate * shard_size + shard``). See [Note: the assignment] for the
+    loads]; ``slot = replicate * shard_size + shard``). ``experts`` names the expert stacks
+    FSDP2 splits over the shard axis (and replicates over the replicate axis): their work is
+    the base load, and with replicas the plan also picks ``expert_sources`` (see [Note: expert
+    sources]); give ``experts`` or ``base_loads``, not both. See [Note: the assignment] for the
     algorithm. Raises ``ValueError`` for duplicate names, mixed tensor-parallel degrees, a cost
     that is not a finite number >= 0, or ``base_loads`` of the wrong length or with a value
     that is not a finite number >= 0.
@@ -127,6 +132,14 @@ def plan_owners(
     ordered = [by_name[name] for name in sorted(by_name)]
     tp_size = _tp_size(ordered)
     slots = shard_size * replicate_size
+    if experts is not None and base_loads is not None:
+        raise ValueError(
+            "plan_owners: give experts (stacks whose work the planner derives) or base_loads "
+            "(work already on each slot), not both"
+        )
+    stacks = _check_experts(experts)
+    if stacks:
+        base_loads = expert_base_loads([stack for _, stack in stacks], shard_size, replicate_size)
     base = _check_base_loads(base_loads, slots)
 
     owned = [it for it in ordered if it.route is not Route.SHARDED_ADAMW]
@@ -143,8 +156,10 @@ def plan_owners(
     atoms = _make_atoms(owned, costs, small_param_threshold)
     loads = _place(atoms, shard_size, base or [0.0] * slots)
     _swap_pass(atoms, loads, shard_size)
+    sources = expert_sources(stacks, loads, shard_size, replicate_size)
+    done = _expert_work_done(stacks, sources, shard_size, replicate_size) if sources else base
     # The passes update loads incrementally; report exact sums, independent of the move history.
-    per_slot: list[list[float]] = [[] for _ in range(slots)] if not base else [[b] for b in base]
+    per_slot: list[list[float]] = [[] for _ in range(slots)] if not done else [[b] for b in done]
     for atom in atoms:
         per_slot[atom.slot].append(atom.cost)
     loads = [math.fsum(costs_here) for costs_here in per_slot]
@@ -157,7 +172,7 @@ def plan_owners(
         Unit(owners[slot], boundary, tuple(sorted(names)) if len(names) > 1 else tuple(names))
         for (boundary, slot), names in sorted(grouped.items())
     )
-    tp_owners, tp_loads = _tp_assign(atoms, costs, base or [0.0] * slots, tp_size)
+    tp_owners, tp_loads = _tp_assign(atoms, costs, done or [0.0] * slots, tp_size)
     return Plan(
         shard_size=shard_size,
         replicate_size=replicate_size,
@@ -168,7 +183,47 @@ def plan_owners(
         tp_owners=tp_owners,
         tp_loads=tp_loads,
         base_loads=tuple(base),
+        expert_sources=sources,
     )
+
+
+def _check_experts(
+    experts: Sequence[tuple[str, ExpertStack]] | None,
+) -> list[tuple[str, ExpertStack]]:
+    if experts is None:
+        return []
+    stacks = list(experts)
+    names = [pair[0] if isinstance(pair, tuple) and len(pair) == 2 else None for pair in stacks]
+    for pair, name in zip(stacks, names):
+        if not isinstance(name, str) or not isinstance(pair[1], ExpertStack):
+            raise ValueError(
+                f"plan_owners: experts must be (name, ExpertStack) pairs, got {pair!r}"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError("plan_owners: two expert stacks share a name; names must be unique")
+    return sorted(stacks, key=lambda pair: pair[0])
+
+
+def _expert_work_done(
+    stacks: list[tuple[str, ExpertStack]],
+    sources: tuple[ExpertSource, ...],
+    shard_size: int,
+    replicate_size: int,
+) -> list[float]:
+    """Each slot's expert work once the sources are chosen: a stack shard with a source is
+    worked on its source replica only."""
+    source_of = {(s.stack, s.shard): s.replicate for s in sources}
+    done = []
+    for slot in range(shard_size * replicate_size):
+        shard, replicate = slot % shard_size, slot // shard_size
+        done.append(
+            math.fsum(
+                expert_work(stack, shard, shard_size)
+                for name, stack in stacks
+                if source_of.get((name, shard), replicate) == replicate
+            )
+        )
+    return done
 
 
 def _check_base_loads(base_loads: Sequence[float] | None, slots: int) -> list[float]:

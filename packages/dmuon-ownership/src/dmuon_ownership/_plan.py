@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ._expert_sources import ExpertSource
 from ._items import Owner, WorkItem
 from ._route import Route
 
@@ -40,8 +41,10 @@ class Plan:
     parameters, which have no owner. ``tp_owners`` holds ``(name, tp_rank)`` for the items with
     ``tp > 1``; ``tp_loads[slot][tp_rank]`` is the work of each tensor-parallel rank of a slot
     (empty when ``tp_size == 1``). ``base_loads[slot]`` is the work that was on each slot before
-    planning (``plan_owners(base_loads=...)``, empty when not given); ``loads`` and
-    ``tp_loads`` include it.
+    planning (``plan_owners(base_loads=...)`` or the work of ``plan_owners(experts=...)``,
+    empty when neither is given); ``loads`` and ``tp_loads`` include it. ``expert_sources``
+    lists the expert stack shards that one replica steps for all (see [Note: expert sources]);
+    ``loads`` and ``tp_loads`` count their work on the source only.
     """
 
     shard_size: int
@@ -53,6 +56,7 @@ class Plan:
     tp_owners: tuple[tuple[str, int], ...] = ()
     tp_loads: tuple[tuple[float, ...], ...] = ()
     base_loads: tuple[float, ...] = ()
+    expert_sources: tuple[ExpertSource, ...] = ()
     _owner_index: dict[str, Owner] = field(init=False, repr=False, compare=False)
     _tp_index: dict[str, int] = field(init=False, repr=False, compare=False)
 
@@ -75,6 +79,14 @@ class Plan:
     def names(self) -> tuple[str, ...]:
         """Every owned parameter, in unit order."""
         return tuple(name for unit in self.units for name in unit.names)
+
+    def expert_source(self, stack: str, shard: int) -> int | None:
+        """The replica that steps ``stack``'s experts at shard index ``shard`` for all of them,
+        or ``None`` when every replica steps its own (see [Note: expert sources])."""
+        for source in self.expert_sources:
+            if source.stack == stack and source.shard == shard:
+                return source.replicate
+        return None
 
     def slot_of(self, owner: Owner) -> int:
         return owner.replicate * self.shard_size + owner.shard
@@ -143,6 +155,8 @@ class Plan:
         }
         if self.base_loads:
             payload["base_loads"] = list(self.base_loads)
+        if self.expert_sources:
+            payload["expert_sources"] = [list(source) for source in self.expert_sources]
         return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
@@ -165,6 +179,10 @@ class Plan:
             tp_owners=tuple((name, rank) for name, rank in data["tp_owners"]),
             tp_loads=tuple(tuple(float(x) for x in row) for row in data["tp_loads"]),
             base_loads=tuple(float(x) for x in data.get("base_loads", ())),
+            expert_sources=tuple(
+                ExpertSource(stack, shard, replicate)
+                for stack, shard, replicate in data.get("expert_sources", ())
+            ),
         )
 
     def fingerprint(self) -> str:
@@ -194,6 +212,14 @@ def validate_plan(plan: Plan, items: Iterable[WorkItem]) -> None:
             f"validate_plan: plan has {len(plan.base_loads)} base loads for a grid of "
             f"{plan.world_size} slots"
         )
+    for source in plan.expert_sources:
+        if not (
+            0 <= source.shard < plan.shard_size and 0 <= source.replicate < plan.replicate_size
+        ):
+            raise ValueError(
+                f"validate_plan: expert source {source} lies outside the {plan.shard_size} x "
+                f"{plan.replicate_size} (shard x replicate) grid"
+            )
     seen: dict[str, Owner] = {}
     for unit in plan.units:
         shard, replicate = unit.owner

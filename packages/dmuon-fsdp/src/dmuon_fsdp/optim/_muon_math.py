@@ -66,6 +66,7 @@ __all__ = [
     "init_adamw_state",
     "local_tensor",
     "make_newton_schulz",
+    "momentum_only",
     "momentum_update",
     "muon_batch",
     "muon_step",
@@ -206,6 +207,35 @@ def muon_batch(
 ) -> None:
     """Momentum, one NS call and the update for ``part``, whose matrices share one shape,
     dtype and device: each matrix's NS input is written straight into the stack."""
+    batch, weights, owners = _momentum_stack(part, skip)
+    mark("muon_update")
+    updates = ns(batch)
+    mark(f"ns[{'x'.join(map(str, batch.shape))}]")
+    del batch
+    for (lr, weight_decay, scale), group in _grouped(owners, part, _update_key):
+        weight_decay_and_update(
+            [weights[i] for i in group],
+            [updates[i] for i in group],
+            lr=lr,
+            weight_decay=weight_decay,
+            scale=scale,
+            skip=skip,
+        )
+    del updates
+
+
+def momentum_only(part: Sequence[MuonItem], skip: Tensor | None = None) -> None:
+    """Advance the momentum of ``part`` exactly as :func:`muon_batch` does, and nothing else:
+    another replica steps these matrices (see [Note: stepping expert sources] in
+    _step_plan); their NS input is written to a scratch stack and dropped."""
+    _momentum_stack(part, skip)
+
+
+def _momentum_stack(
+    part: Sequence[MuonItem], skip: Tensor | None
+) -> tuple[Tensor, list[Tensor], list[int]]:
+    """Advance every momentum buffer of ``part`` and return the NS input stack, the weight
+    matrices in its order and the index of the item each belongs to."""
     weights, grads, bufs, owners = [], [], [], []
     for index, item in enumerate(part):
         split = matrices_of if item.view is None else item.view.matrices
@@ -225,20 +255,7 @@ def muon_batch(
             nesterov,
             skip=skip,
         )
-    mark("muon_update")
-    updates = ns(batch)
-    mark(f"ns[{'x'.join(map(str, batch.shape))}]")
-    del batch
-    for (lr, weight_decay, scale), group in _grouped(owners, part, _update_key):
-        weight_decay_and_update(
-            [weights[i] for i in group],
-            [updates[i] for i in group],
-            lr=lr,
-            weight_decay=weight_decay,
-            scale=scale,
-            skip=skip,
-        )
-    del updates
+    return batch, weights, owners
 
 
 def _momentum_key(item: MuonItem) -> tuple[float, bool]:

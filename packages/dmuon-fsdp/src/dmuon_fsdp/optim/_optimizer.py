@@ -44,6 +44,7 @@ from .._torch_internals import foreach_max_abs
 from ..runtime._config import check_bool
 from ..runtime._param import DedicatedParam, LocalMuonParam, counts_once
 from ..runtime._runtime import DedicatedRuntime, get_runtime
+from ..topology._comm import Axis, CommKind
 from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
     MuonItem,
@@ -52,6 +53,7 @@ from ._muon_math import (
     fresh_state,
     local_tensor,
     make_newton_schulz,
+    momentum_only,
     muon_batch,
 )
 from ._param_groups import GroupDefaults, build_param_groups
@@ -148,6 +150,7 @@ class _StepWork(NamedTuple):
     batches: list[list[MuonItem]]
     tensor_parallel: list[tuple[MuonItem, TensorParallelNS]]
     adamw: list[_AdamWWork]
+    momentum_only: list[MuonItem]  # stepped on another replica (expert sources)
 
 
 def _no_mark(name: str) -> None:
@@ -424,6 +427,10 @@ class Muon(torch.optim.Optimizer):
                 with span("dmuon::post_update"):
                     self._post_update()
                 mark("post_update")
+            if self._plan.sourced:
+                with span("dmuon::expert_publish"):
+                    self._publish_sourced_experts()
+                mark("expert_publish")
             self._runtime.after_step(async_=self.options.replicate_async)
             mark("publish")
         return loss
@@ -448,7 +455,7 @@ class Muon(torch.optim.Optimizer):
         adamw = [
             work for group, entries in plan.adamw if (work := self._adamw_work(group, entries))
         ]
-        return _StepWork(batches, tensor_parallel, adamw)
+        return _StepWork(batches, tensor_parallel, adamw, self._muon_items(plan.momentum_only))
 
     def _muon_update(
         self, work: _StepWork, skip: Tensor | None, mark: Callable[[str], None]
@@ -458,7 +465,25 @@ class Muon(torch.optim.Optimizer):
             muon_batch(items, self._ns, skip=skip, mark=mark)
         for item, tp_ns in work.tensor_parallel:
             muon_batch([item], tp_ns, skip=skip, mark=mark)
+        if work.momentum_only:
+            momentum_only(work.momentum_only, skip=skip)
         mark("muon_update")
+
+    def _publish_sourced_experts(self) -> None:
+        """Each expert stack shard stepped on one replica, broadcast from it to the other
+        replicas of its shard (see [Note: stepping expert sources] in _step_plan)."""
+        comm = self._runtime.comm_ctx
+        pending = []
+        for entry in self._plan.sourced:
+            shard = local_tensor(entry.param)
+            assert entry.source is not None and shard.is_contiguous(), entry.fqn
+            pending.append(
+                dist.broadcast(shard, src=entry.source, group=comm.replicate_group, async_op=True)
+            )
+            comm.counter.record(Axis.REPLICATE, CommKind.PUBLISH, shard.numel() * shard.itemsize)
+        for work in pending:
+            assert work is not None
+            work.wait()
 
     def _adamw_update(self, work: _StepWork, found: Tensor | None, skip: Tensor | None) -> None:
         """AdamW over every group's tensors (torch's fused kernel skips on ``found``); counts
@@ -487,7 +512,8 @@ class Muon(torch.optim.Optimizer):
     def step_profile(self) -> dict[str, float]:
         """Milliseconds per phase of the last ``step()`` (see [Note: the step profile]):
         ``wait_reduces``, ``nonfinite_check``, ``ns[<batch shape>]`` per NS call,
-        ``muon_update``, ``adamw``, ``publish``. Needs ``Muon(profile=True)``; on CUDA this
+        ``muon_update``, ``adamw``, ``post_update`` (with hooks), ``expert_publish`` (with
+        expert sources), ``publish``. Needs ``Muon(profile=True)``; on CUDA this
         waits for the step's recorded events, the step itself never does."""
         if self._timer is None:
             raise ValueError(

@@ -26,6 +26,18 @@ FSDP2 shards through FSDP2's own all-gather. Peers never see the weight as it wa
 update and the hook. A hook must treat every rank's parts alike (it runs on every rank, with
 the parts that rank holds, possibly none), may issue collectives that every rank issues, and
 must not change shapes or dtypes. QK-clip is its first user.
+
+[Note: stepping expert sources]
+Under HSDP the plan may name an expert stack shard's *source* replica (see [Note: expert
+sources] in dmuon_ownership): that replica steps it for all, every other replica of the shard
+only advances its momentum (the same elementwise arithmetic, so the state stays identical) and
+receives the updated shard in the source's broadcast after the post-update hooks. Replicas
+stay bit-identical only if each replica that steps a matrix computes it exactly as the
+others do, and an NS kernel may pick its algorithm by batch size: so under HSDP the stacks
+every replica steps for itself form NS batches of their own (identical on every replica of a
+shard), apart from the owned and sourced matrices, whose results reach the other replicas by
+broadcast. A sourced stack must lie where the plan assumed (FSDP2 on dmuon's replicate x shard
+mesh, ``Shard(0)`` over the shard axis); anything else is refused with the fix.
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dmuon_ownership import Route
 
@@ -43,6 +55,7 @@ from .._matrix import LrScaling, MatrixView
 from .._torch_internals import dtensor_shard_offsets
 from ..runtime._param import DedicatedParam, LocalMuonParam, check_expert_split
 from ..runtime._runtime import DedicatedRuntime
+from ..topology._mesh import MeshLayout
 from ._muon_math import NSFunction, local_tensor, shape_batches
 from ._tp_ns import TensorParallelNS, TPMode
 from ._tp_ns import choose as choose_tp_mode
@@ -74,6 +87,12 @@ class MuonEntry(NamedTuple):
     dp: DedicatedParam | None
     tp_ns: TensorParallelNS | None
     state_dtype: torch.dtype
+    # An expert stack shard stepped on one replica for all: that replica's global rank (see
+    # [Note: stepping expert sources]); None: this rank steps its own.
+    source: int | None = None
+    # Whether every replica steps this matrix itself (an expert stack shard without a source),
+    # so that its NS batch must be the same on every replica.
+    replica_stepped: bool = False
 
 
 class AdamWEntry(NamedTuple):
@@ -106,7 +125,7 @@ class StepPlan:
                 for name, p in zip(group["param_names"], group["params"]):
                     dp = dedicated.get(id(p))
                     if dp is None:
-                        self.muon.append(_stack_entry(group, name, p, local, lr_scaling))
+                        self.muon.append(_stack_entry(group, name, p, local, lr_scaling, runtime))
                     elif dp.is_owner:
                         self.muon.append(_owned_entry(group, dp, runtime, ns, lr_scaling, tp_ns))
             elif group["optimizer"] == Route.ADAMW:
@@ -117,9 +136,14 @@ class StepPlan:
                         entries.append(AdamWEntry(p, dp))
                 self.adamw.append((group, entries))
         # Same-shape matrices share an NS call; a tensor-parallel matrix runs on its own; an
-        # empty shard of an expert stack runs nothing.
-        plain = [entry for entry in self.muon if entry.tp_ns is None and entry.matrices]
+        # empty shard of an expert stack runs nothing; a stack shard another replica steps
+        # only advances its momentum here, then takes the source's broadcast.
+        rank = runtime.layout.global_rank(runtime.layout.coord)
+        stepped = [e for e in self.muon if e.matrices and e.source in (None, rank)]
+        plain = [entry for entry in stepped if entry.tp_ns is None]
         self.batches = shape_batches(plain, _batch_key, _batch_size, ns_batch_bytes)
+        self.momentum_only = [e for e in self.muon if e.matrices and e.source not in (None, rank)]
+        self.sourced = [e for e in self.muon if e.matrices and e.source is not None]
         self.tensor_parallel = [entry for entry in self.muon if entry.tp_ns is not None]
         self._names = {
             id(p): name
@@ -164,18 +188,63 @@ def _stack_entry(
     p: Tensor,
     local: Mapping[int, LocalMuonParam],
     lr_scaling: LrScaling,
+    runtime: DedicatedRuntime,
 ) -> MuonEntry:
     """An expert stack: this rank's shard of it, as FSDP2 left it (see [Note: expert
-    stacks])."""
+    stacks]), and who steps it (see [Note: stepping expert sources])."""
     stack = local[id(p)]
     check_expert_split(stack.fqn, p)
     view = stack.view
     matrices = view.count(local_tensor(p).shape)
-    return MuonEntry(group, p, fqn, view, view.lr_scale(lr_scaling), matrices, None, None, p.dtype)
+    layout = runtime.layout
+    source = None
+    if any(s.stack == stack.fqn for s in runtime.plan.expert_sources):
+        _check_source_layout(stack.fqn, p, layout)
+        replica = runtime.plan.expert_source(stack.fqn, layout.coord.shard)
+        if replica is not None:
+            source = layout.rank_of[replica][layout.coord.shard]
+    return MuonEntry(
+        group,
+        p,
+        fqn,
+        view,
+        view.lr_scale(lr_scaling),
+        matrices,
+        None,
+        None,
+        p.dtype,
+        source=source,
+        replica_stepped=layout.is_hsdp and source is None,
+    )
+
+
+def _check_source_layout(fqn: str, p: Tensor, layout: MeshLayout) -> None:
+    """A stack with expert sources must be sharded by FSDP2 on dmuon's own replicate x shard
+    mesh, as the plan assumed (see [Note: stepping expert sources])."""
+    grid = [list(row) for row in layout.rank_of]
+    ok = (
+        isinstance(p, DTensor)
+        and p.device_mesh.ndim == 2
+        and p.device_mesh.mesh.tolist() == grid
+        and p.placements == (Replicate(), Shard(0))
+    )
+    if not ok:
+        where = (
+            f"mesh {p.device_mesh.mesh.tolist()} with placements {p.placements}"
+            if isinstance(p, DTensor)
+            else "a plain tensor"
+        )
+        raise ValueError(
+            f"expert stack {fqn!r} is {where}, but dmuon planned its experts over the HSDP "
+            f"grid {grid} (replicate x shard), where one replica steps some expert shards for "
+            "all; fully_shard the experts' module with the mesh whose 'shard' and 'replicate' "
+            "dimensions dedicate_params was given (FSDP2's default Shard(0))"
+        )
 
 
 def _batch_key(entry: MuonEntry) -> Hashable:
-    return entry.view.matrix_shape, entry.state_dtype, entry.param.device
+    shape = entry.view.matrix_shape
+    return shape, entry.state_dtype, entry.param.device, entry.replica_stepped
 
 
 def _batch_size(entry: MuonEntry) -> tuple[int, int]:

@@ -50,7 +50,6 @@ from dmuon_ownership import (
     ResolvedPolicy,
     Route,
     WorkItem,
-    expert_base_loads,
     plan_owners,
     validate_param_policy,
 )
@@ -280,7 +279,7 @@ def _dedicate(
         layout.shard_size,
         layout.replicate_size,
         small_param_threshold=config.small_param_threshold,
-        base_loads=_expert_loads(stacks, layout, config),
+        experts=_planned_experts(stacks, config),
     )
     _check_fingerprint(plan, layout)
 
@@ -365,23 +364,26 @@ def _expert_stacks(
     return dedicated, stacks
 
 
-def _expert_loads(
-    stacks: list[LocalMuonParam], layout: MeshLayout, config: DedicateConfig
-) -> list[float] | None:
-    """The NS work FSDP2's dim-0 split of the expert stacks leaves on each slot, so that the
-    planner puts dense matrices on the ranks with fewer experts (``None``: nothing to weigh).
-    A stack already split by expert parallelism is left out (its split is the EP mesh's);
-    on the replicated path every rank steps every expert, which weighs every slot alike."""
+def _planned_experts(
+    stacks: list[LocalMuonParam], config: DedicateConfig
+) -> list[tuple[str, ExpertStack]] | None:
+    """The expert stacks FSDP2's dim-0 split will leave on the grid, for the planner to weigh
+    (so that it puts dense matrices on the ranks with fewer experts) and, under HSDP, to pick
+    expert sources (see [Note: expert sources] in dmuon_ownership); ``None``: nothing to weigh.
+    A stack already split by expert parallelism is left out (its split is the EP mesh's); on
+    the replicated path every rank steps every expert, which weighs every slot alike."""
     stacks = [s for s in stacks if not isinstance(s.param, DTensor)]
     if not stacks or config.replicated:
         return None
-    counted = []
+    planned = []
     for stack in stacks:
         view = stack.view
         experts = view.experts
         assert experts is not None, f"{stack.fqn} is not an expert stack"
-        counted.append(ExpertStack(experts, view.rows, view.cols, view.batch // experts))
-    return expert_base_loads(counted, layout.shard_size, layout.replicate_size)
+        planned.append(
+            (stack.fqn, ExpertStack(experts, view.rows, view.cols, view.batch // experts))
+        )
+    return planned
 
 
 def _expert_layout(name: str, module: nn.Module, policy: ResolvedPolicy) -> dict[str, Any]:
