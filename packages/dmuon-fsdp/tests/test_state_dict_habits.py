@@ -227,3 +227,39 @@ def test_rank0_optimizer_state_dict_loaded_everywhere_resumes_or_raises() -> Non
                 assert "dmuon.set_optimizer_state_dict" in error, error
     # Rank 1 names what it lacks.
     assert "saved on rank 0" in results[1][0]["ddp rank 0's dict"]
+
+
+def _zeroing(rank: int, world_size: int) -> tuple[list[float], list[float], list[float]]:
+    """Losses of three runs that clear gradients three ways: ``optimizer.zero_grad()``,
+    ``model.zero_grad()`` (the Hugging Face Trainer's way) and, on the DDP path,
+    ``model.zero_grad()`` again."""
+
+    def fsdp() -> nn.Module:
+        model = build(0)
+        mesh = init_device_mesh("cpu", (world_size,))
+        dedicate_params(model, mesh, muon_predicate, small_param_threshold=0)
+        shard_layers_then_root(model, mesh)
+        return model
+
+    runs = []
+    for make, through_model in ((fsdp, False), (fsdp, True), (lambda: _ddp(world_size), True)):
+        model = make()
+        optimizer = Muon(model, **HYPER.muon_kwargs())
+        losses = []
+        for step in range(3):
+            (model if through_model else optimizer).zero_grad()
+            loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size))
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        runs.append(losses)
+    return runs[0], runs[1], runs[2]
+
+
+@pytest.mark.distributed
+def test_model_zero_grad_clears_the_owners_gradients() -> None:
+    # Without it the owners would add every step's gradient to the previous ones while FSDP2's
+    # start afresh, and the losses part from the third step on.
+    for by_optimizer, by_model, ddp in run_distributed(_zeroing, 2):
+        assert by_model == by_optimizer
+        torch.testing.assert_close(torch.tensor(ddp), torch.tensor(by_optimizer), rtol=1e-5, atol=0)

@@ -621,8 +621,7 @@ class Muon(torch.optim.Optimizer):
         """Clear the grads of every parameter, dedicated ones' owner gradients included (those
         always become ``None``: the runtime writes a fresh averaged gradient each backward)."""
         super().zero_grad(set_to_none=set_to_none)
-        for dp in self._runtime.params:
-            dp.grad = None
+        self._runtime.clear_grads()
 
     # -- torch's state dict: see [Note: loading another rank's optimizer state dict] ----------
 

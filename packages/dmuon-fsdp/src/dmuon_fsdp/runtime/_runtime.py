@@ -279,6 +279,12 @@ class DedicatedRuntime:
                 self.drain()
                 self.comm_ctx.barrier()
 
+    def clear_grads(self) -> None:
+        """Drop every owner's averaged gradient (``DedicatedParam.grad``): the next backward
+        starts a new accumulation."""
+        for dp in self.params:
+            dp.grad = None
+
     def drain(self) -> None:
         """Wait for every collective dmuon has in flight (packing first, if not yet done)."""
         self.lazy_init()

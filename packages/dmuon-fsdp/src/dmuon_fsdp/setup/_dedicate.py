@@ -297,11 +297,36 @@ def _dedicate(
     if config.patch_fully_shard:
         install_patch()
     setattr(model, RUNTIME_ATTR, runtime)
+    _zero_grad_clears_owner_grads(model, runtime)
     check_conversions(model, runtime)
     comm.counter.reset()
     if dist.get_rank() == 0:
         logger.info("dedicate_params: %s", plan.summary())
     return runtime
+
+
+def _zero_grad_clears_owner_grads(model: nn.Module, runtime: DedicatedRuntime) -> None:
+    """Make ``model.zero_grad()`` clear the owners' gradients too.
+
+    [Note: Module.zero_grad]
+    A dedicated parameter's ``.grad`` is dropped as soon as its pack is reduced, and the
+    averaged gradient lives on its owner in ``DedicatedParam.grad``, where it accumulates over
+    backward passes until something clears it, as ``.grad`` does in torch. ``Muon.zero_grad``
+    clears it; but training loops that zero through the module (the Hugging Face ``Trainer``
+    calls ``model.zero_grad()`` and never ``optimizer.zero_grad()``) would otherwise add every
+    step's gradient to the last ones, while FSDP2's gradients start afresh: silently wrong
+    training. So the model's ``zero_grad`` is wrapped, on this instance only, to clear them
+    as well (FSDP2 likewise gives the module it shards new methods). A submodule's
+    ``zero_grad`` or a ``torch.compile`` wrapper's does not reach it: call
+    ``optimizer.zero_grad()`` there.
+    """
+    module_zero_grad = model.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        module_zero_grad(set_to_none)
+        runtime.clear_grads()
+
+    model.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
