@@ -26,7 +26,10 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   its ``step``, a float32 scalar per tensor): of the owned matrices, and of the FSDP2 shards as
   ``DTensor.to_local()`` holds them, unpadded, ``torch.chunk``'s rows for the rank's shard
   index (``ceil(d0 / G)``, the last ones fewer or none). HSDP replica copies: the compute copy
-  of the matrices the rank's shard column owns on other replicas (the publish target).
+  of the matrices the rank's shard column owns on other replicas (the publish target). Not
+  counted: in HSDP with a compute dtype narrower than the master's, an owner also holds the
+  compute copy of its own matrices from the publish (the end of a step) until their next
+  forward frees them, ``c`` per owned element.
 - *unsharded for forward*: with ZeRO-3, one layer at a time: dmuon's peer buffers (the layer's
   dedicated matrices that the rank's shard index does not own, compute dtype) plus FSDP2's
   all-gathered rest of the layer (norms, experts), plus the root's FSDP2 parameters (embedding,
