@@ -28,8 +28,9 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   index (``ceil(d0 / G)``, the last ones fewer or none). HSDP replica copies: the compute copy
   of the matrices the rank's shard column owns on other replicas (the publish target). Not
   counted: in HSDP with a compute dtype narrower than the master's, an owner also holds the
-  compute copy of its own matrices from the publish (the end of a step) until their next
-  forward frees them, ``c`` per owned element.
+  compute copy of its own matrices from the publish (the end of a step) until their layer
+  reshards again (after its forward with ZeRO-3, its backward with ZeRO-2), ``c`` per owned
+  element.
 - *unsharded for forward*: with ZeRO-3, one layer at a time: dmuon's peer buffers (the layer's
   dedicated matrices that the rank's shard index does not own, compute dtype) plus FSDP2's
   all-gathered rest of the layer (norms, experts), plus the root's FSDP2 parameters (embedding,
