@@ -7,7 +7,12 @@ config, started the way the Scale guide starts a big model (meta device, ``dedic
 The runtime does not dedicate mixture-of-experts expert stacks yet; they stay with FSDP2. For
 the MoE model the comparison therefore covers the dense (dedicated) items, and the runtime's
 plan is compared with ``plan_owners`` on those items without the experts' base loads (the
-forecast adds them, for the experts each rank will step itself)."""
+forecast adds them, for the experts each rank will step itself).
+
+It also predicts, per rank, the payload of every collective dmuon issues in a step (the unit of
+the runtime's ``CommCounter``) and the bytes each rank keeps between steps; the runtime's
+counter and allocations after a real step match them exactly. FSDP2's own collectives are not
+in the counter, so only dmuon's part of the forecast's bytes per step is compared."""
 
 from __future__ import annotations
 
@@ -176,3 +181,134 @@ def test_forecast_items_and_owners_are_the_runtimes() -> None:
         assert bool(fc.plan.base_loads) == (family == moe)
         owners = {n: fc.plan.owner_of(n) for n, *_ in expected}
         assert {item[0]: item[4] for item in items} == owners
+
+
+# A tiny Llama with what the byte counts must get right: tied embeddings (one tensor for the
+# embedding and the head), a vocabulary no shard size divides (torch.chunk's shards are uneven
+# and FSDP2 pads them), 1-D biases and norms on AdamW.
+BYTES_CONFIG = {**_BASE, "vocab_size": 61}
+BYTES_CONFIG.update(attention_bias=True, tie_word_embeddings=True)
+# (replicas, ZeRO, reduce dtype): ZeRO-3 reduces in fp32 and ZeRO-2 in the bf16 compute dtype,
+# so each of the compute, reduce and master dtypes shows in the bytes.
+BYTE_LAYOUTS = {
+    2: [(1, 3, "float32"), (1, 2, "bfloat16")],
+    4: [(1, 3, "float32"), (1, 2, "bfloat16"), (2, 3, "float32"), (2, 2, "bfloat16")],
+}
+
+
+def _bytes_topology(world_size: int, replicas: int, zero: int, reduce: str) -> Topology:
+    return Topology(
+        world_size,
+        shard_size=world_size // replicas,
+        zero=zero,
+        param_dtype="bfloat16",
+        master_dtype="float32",
+        reduce_dtype=reduce,
+    )
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard): what
+    is allocated, padding included, each buffer once however many views share it."""
+    storages = {}
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        storages[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _counted_and_allocated(rank: int, world_size: int, layouts):
+    """Per layout, on this rank: its grid coordinate, what dmuon's CommCounter counted over
+    exactly one step (after a warm-up step), and the bytes of masters, optimizer states and
+    HSDP replica copies allocated after it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dmuon_fsdp import Muon, Role, dedicate_params, dedicated_params_of
+
+    out = []
+    for replicas, zero, reduce in layouts:
+        config = AutoConfig.for_model("llama", **BYTES_CONFIG)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        shard = world_size // replicas
+        if replicas > 1:
+            mesh = init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("rep", "shard"))
+            shard_mesh, extra = mesh["shard"], {"replicate_mesh": mesh["rep"]}
+        else:
+            mesh = shard_mesh = init_device_mesh("cpu", (shard,))
+            extra = {}
+        runtime = dedicate_params(
+            model,
+            shard_mesh,
+            _predicate,
+            reshard_after_forward=zero == 3,
+            patch_fully_shard=False,
+            **extra,
+        )
+        dedicated = dedicated_params_of(model)
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce)
+        )
+        for module in [*model.model.layers, model]:
+            fully_shard(
+                module,
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=zero == 3,
+                ignored_params=dedicated,
+            )
+        optimizer = Muon(model, lr=0.01, adamw_lr=1e-3)
+        tokens = (torch.arange(12).reshape(2, 6) + rank) % config.vocab_size
+
+        for warm_up in (True, False):  # the counter holds exactly the second step
+            if not warm_up:
+                runtime.counter.reset()
+            model(tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        counted = {key: entry["bytes"] for key, entry in runtime.counter.snapshot().items()}
+        ignored = {id(p) for p in dedicated}
+        masters = [dp.full for dp in runtime.params if dp.role is Role.OWNER]
+        masters += [p for p in model.parameters() if id(p) not in ignored]
+        states = [t for state in optimizer.state.values() for t in state.values()]
+        replica_packs = [
+            pack.buffer
+            for group in runtime.groups
+            for pack in group.packs
+            if pack.role is Role.REPLICA
+        ]
+        allocated = {
+            "masters": _storage_bytes(masters),
+            "optimizer states": _storage_bytes(t for t in states if isinstance(t, torch.Tensor)),
+            "HSDP replica copies": _storage_bytes(replica_packs),
+        }
+        coord = runtime.layout.coord
+        out.append(((coord.replicate, coord.shard), counted, allocated, runtime.plan.fingerprint()))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", sorted(BYTE_LAYOUTS))
+def test_forecast_bytes_and_state_are_what_the_runtime_counts_and_allocates(
+    world_size: int,
+) -> None:
+    layouts = BYTE_LAYOUTS[world_size]
+    results = run_distributed(_counted_and_allocated, world_size, layouts)
+    for index, (replicas, zero, reduce) in enumerate(layouts):
+        fc = forecast(
+            BYTES_CONFIG | {"model_type": "llama"},
+            _bytes_topology(world_size, replicas, zero, reduce),
+        )
+        seen = set()
+        for rank, per_layout in enumerate(results):
+            (r, s), counted, allocated, fingerprint = per_layout[index]
+            where = f"rank {rank} at (replicate {r}, shard {s}), {replicas} x {world_size // replicas}, ZeRO-{zero}"
+            assert fingerprint == fc.plan.fingerprint(), where
+            predicted = fc.rank(replicate=r, shard=s)
+            assert {k: v for k, v in counted.items() if v} == predicted.payload, where
+            assert allocated == predicted.state, where
+            seen.add((r, s))
+        assert len(seen) == world_size

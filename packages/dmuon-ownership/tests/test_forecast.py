@@ -33,6 +33,7 @@ TINY = {
 H, FF, KV, V, L = 64, 128, 32, 256, 3
 P_M = L * (2 * H * H + 2 * KV * H + 3 * FF * H)  # q, o; k, v; gate, up, down
 P_F = 2 * V * H + (2 * L + 1) * H  # embedding, head; two norms per layer and the final one
+STEPS_F = (2 + 2 * L + 1) * 4  # AdamW's float32 step scalar per FSDP2 tensor
 
 # A tiny Mixtral: 6 experts per stack, 2 layers.
 MOE = {
@@ -77,6 +78,86 @@ def test_bytes_per_step_follow_the_architecture_formulas(zero: int) -> None:
     assert fc.traffic[DMUON]["tp"] == (0.0, 0.0)
 
 
+def test_payload_per_rank_and_the_bytes_received_from_it() -> None:
+    # Payload (CommCounter's unit): every rank of a row carries every dedicated element once
+    # per round, in the round's dtype: bf16 broadcasts (ZeRO-3: two), an fp32 reduce.
+    G, R = 4, 2
+    topo = Topology(G * R, G, param_dtype="bf16", master_dtype="fp32", reduce_dtype="fp32")
+    fc = forecast(TINY, topo)
+    assert len(fc.ranks) == G * R
+    column = [0] * G
+    for it in fc.items:
+        column[fc.plan.owner_of(it.name).shard] += it.numel
+    # FSDP2's rounds over the other parameters: two bf16 all-gathers, an fp32 reduce-scatter,
+    # and in HSDP the all-reduce of its fp32 gradient shard.
+    rest_shard = (G - 1) / G * P_F * (2 * 2 + 4)
+    rest_replicate = 2 * (R - 1) / R * P_F * 4 / G
+    for r in range(R):
+        for s in range(G):
+            rank = fc.rank(replicate=r, shard=s)
+            assert (rank.replicate, rank.shard, rank.tp) == (r, s, 0)
+            want = {
+                "shard/broadcast": 2 * P_M * 2,
+                "shard/reduce": P_M * 4,
+                "replicate/reduce": column[s] * 4,
+                "replicate/publish": column[s] * 2,
+            }
+            assert rank.payload == {k: v for k, v in want.items() if v}
+    # Received: (n - 1) / n of each payload, plus FSDP2's rounds over the other parameters.
+    shard = (G - 1) / G * P_M * (2 * 2 + 4) + rest_shard
+    assert fc.traffic[DMUON]["shard"] == pytest.approx((shard, shard))
+    replicate = [(R - 1) / R * c * (4 + 2) + rest_replicate for c in column]
+    assert fc.traffic[DMUON]["replicate"].max == pytest.approx(max(replicate))
+    assert fc.traffic[DMUON]["replicate"].mean == pytest.approx(sum(replicate) / G)
+    # ZeRO-2 broadcasts once; one shard group of the 8 ranks has no replicate axis.
+    z2 = forecast(TINY, Topology(8, zero=2, param_dtype="bf16", reduce_dtype="fp32"))
+    assert {rank.payload["shard/broadcast"] for rank in z2.ranks} == {P_M * 2}
+    assert all(not any(k.startswith("replicate/") for k in r.payload) for r in z2.ranks)
+    # A world of one rank issues no collective.
+    assert forecast(TINY, Topology(1)).rank().payload == {}
+    with pytest.raises(ValueError, match=r"Forecast.rank: shard must be an int in \[0, 4\)"):
+        fc.rank(shard=4)
+
+
+def test_tensor_parallel_payload() -> None:
+    # Gather mode: every rank of an owner coordinate's TP group carries the whole matrix's NS
+    # input (fp32 momentum) to the TP owner and the update back, once each.
+    T = 8
+    fc = forecast(LLAMA_3_70B, Topology(512, shard_size=8, tp=T))
+    whole: dict[tuple[int, int], int] = {}
+    for it in fc.items:
+        if it.tp == T:
+            owner = fc.plan.owner_of(it.name)
+            key = (owner.replicate, owner.shard)
+            whole[key] = whole.get(key, 0) + it.numel * 4
+    for rank in fc.ranks:
+        carried = whole.get((rank.replicate, rank.shard), 0)
+        assert rank.payload.get("tp/gather", 0) == rank.payload.get("tp/scatter", 0) == carried
+
+
+def test_state_follows_fsdp2_padding_and_torch_chunk() -> None:
+    # 61 rows over 4 shard indices: torch.chunk gives 16, 16, 16, 13; FSDP2 allocates every
+    # shard padded to 16 rows (its masters), the optimizer states follow the unpadded shard.
+    config = {**TINY, "vocab_size": 61}
+    G = 4
+    fc = forecast(config, Topology(G, param_dtype="fp32"))
+    rows = [len(range(61)[s * 16 : (s + 1) * 16]) for s in range(G)]
+    assert rows == [16, 16, 16, 13]
+    norms = (2 * L + 1) * H // G  # every norm splits evenly
+    owned = [0] * G
+    for it in fc.items:
+        owned[fc.plan.owner_of(it.name).shard] += it.numel * 4
+    for s in range(G):
+        state = fc.rank(shard=s).state
+        assert state["masters"] == (2 * 16 * H + norms) * 4 + owned[s]
+        fsdp_states = (2 * rows[s] * H + norms) * 2 * 4 + (2 * L + 3) * 4  # moments, steps
+        assert state["optimizer states"] == fsdp_states + owned[s]
+        assert state["HSDP replica copies"] == 0
+    assert fc.memory[DMUON]["optimizer states"].max == max(
+        fc.rank(shard=s).state["optimizer states"] for s in range(G)
+    )
+
+
 def test_memory_adds_up_over_the_ranks() -> None:
     G, R = 4, 2
     topo = Topology(G * R, G)  # bf16 compute, fp32 masters and states
@@ -85,12 +166,15 @@ def test_memory_adds_up_over_the_ranks() -> None:
     mem = fc.memory[DMUON]
     # Each dedicated matrix has one owner in the whole grid; FSDP2 shards over G.
     assert mem["masters"].mean == pytest.approx(P_M * 4 / slots + P_F * 4 / G)
-    assert mem["optimizer states"].mean == pytest.approx(P_M * 4 / slots + P_F * 8 / G)
+    assert mem["optimizer states"].mean == pytest.approx(P_M * 4 / slots + P_F * 8 / G + STEPS_F)
     # A replica keeps the compute copy of what its shard column owns on the other replicas.
     assert mem["HSDP replica copies"].mean == pytest.approx((R - 1) * P_M * 2 / slots)
     assert fc.memory[ADAMW]["masters"].max == pytest.approx((P_M + P_F) * 4 / G)
-    assert fc.memory[ADAMW]["optimizer states"].max == pytest.approx((P_M + P_F) * 8 / G)
-    assert fc.memory[MUON]["optimizer states"].max == pytest.approx((P_M + 2 * P_F) * 4 / G)
+    steps = STEPS_F + 7 * L * 4  # with every dedicated matrix on AdamW too
+    assert fc.memory[ADAMW]["optimizer states"].max == pytest.approx((P_M + P_F) * 8 / G + steps)
+    assert fc.memory[MUON]["optimizer states"].max == pytest.approx(
+        (P_M + 2 * P_F) * 4 / G + STEPS_F
+    )
     # The most loaded owner holds what the plan gave it.
     owned = {slot: 0 for slot in range(slots)}
     for it in fc.items:
@@ -241,11 +325,33 @@ def test_command_line(tmp_path, capsys) -> None:
     assert "dmuon-plan: llama, 80 layers, 70.55 B parameters" in out
     assert "512 ranks = 8 replicas x 64 shards (HSDP)" in out
     assert "NS time (ms, PREDICTED)" in out and "PREDICTED: NS times" in out
+    step = next(line for line in out.splitlines() if "step time (ms, PREDICTED)" in line)
+    fc = forecast(LLAMA_3_70B, Topology(512, shard_size=64))
+    assert step.split()[-4:] == [
+        f"{v:,.2f}"
+        for v in (
+            fc.step_ms[DMUON].max,
+            fc.step_ms[DMUON].mean,
+            fc.step_ms[ADAMW].max,
+            fc.step_ms[MUON].max,
+        )
+    ]
+    assert "bytes per step (GiB received per rank)" in out
+    assert "GiB payload per rank, as CommCounter counts" in out
     assert main([str(tmp_path), "--ranks", "512", "--shard-size", "64", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["topology"]["replicas"] == 8
     assert data["plan"]["matrices"] == 560
-    assert set(data["predicted_ns_ms"]) == {DMUON, ADAMW, MUON}
+    assert set(data["predicted_ns_ms"]) == set(data["predicted_step_ms"]) == {DMUON, ADAMW, MUON}
+    payload = data["dmuon_payload_bytes_per_step"]
+    assert payload["shard/broadcast"]["max"] == fc.rank().payload["shard/broadcast"]
+    assert payload["replicate"]["mean"] == pytest.approx(
+        sum(
+            sum(v for k, v in rank.payload.items() if k.startswith("replicate/"))
+            for rank in fc.ranks
+        )
+        / 512
+    )
     assert data["ns_times"]["card"].startswith("NVIDIA H200")
     for argv, message in (
         (["--ranks", "10", "--shard-size", "4"], "shard_size=4 does not divide the 10"),

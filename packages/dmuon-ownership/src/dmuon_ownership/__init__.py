@@ -18,7 +18,7 @@ from ._cost import (
     ns_flops,
 )
 from ._expert_sources import ExpertSource
-from ._forecast import Forecast, Spread, Topology, forecast
+from ._forecast import Forecast, RankFigures, Spread, Topology, forecast
 from ._items import Owner, WorkItem
 from ._lpt import plan_owners
 from ._model_shapes import ModelShapes, model_shapes
@@ -44,6 +44,7 @@ __all__ = [
     "Owner",
     "ParamPolicy",
     "Plan",
+    "RankFigures",
     "ResolvedPolicy",
     "Route",
     "Spread",

@@ -17,24 +17,36 @@ Sizes per rank (``G`` shard size, ``R`` replicas, ``T`` TP degree; an item's loc
 elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of the param
 (compute), master, optimizer-state and reduce dtypes):
 
-- *kept between steps*: masters and optimizer states (Muon one buffer, AdamW two) of what a
-  rank owns (dmuon: its owned matrices whole, or its TP shard of them) and of its FSDP2 shards
-  (``ceil(d0 / G)`` rows, FSDP2 pads every shard to that); in HSDP a dmuon rank also keeps the
-  compute copy of the matrices its shard column owns on other replicas (the publish target).
+- *kept between steps*: the parameters' masters, the optimizer states and, in HSDP, the
+  replica copies, as the runtime allocates them; gradients, module buffers (rotary
+  frequencies) and the weights unsharded for forward and backward are not in it. Masters: a
+  rank's owned dedicated matrices whole (or its TP shard of them), and its FSDP2 shards as
+  FSDP2 allocates them, every shard index padded to ``ceil(d0 / G)`` rows (chunk 0's size, so
+  that all-gather inputs are equal). Optimizer states (Muon one buffer, AdamW two moments and
+  its ``step``, a float32 scalar per tensor): of the owned matrices, and of the FSDP2 shards as
+  ``DTensor.to_local()`` holds them, unpadded, ``torch.chunk``'s rows for the rank's shard
+  index (``ceil(d0 / G)``, the last ones fewer or none). HSDP replica copies: the compute copy
+  of the matrices the rank's shard column owns on other replicas (the publish target). Not
+  counted: in HSDP with a compute dtype narrower than the master's, an owner also holds the
+  compute copy of its own matrices from the publish (the end of a step) until their layer
+  reshards again (after its forward with ZeRO-3, its backward with ZeRO-2), ``c`` per owned
+  element.
 - *unsharded for forward*: with ZeRO-3, one layer at a time: dmuon's peer buffers (the layer's
   dedicated matrices that the rank's shard index does not own, compute dtype) plus FSDP2's
   all-gathered rest of the layer (norms, experts), plus the root's FSDP2 parameters (embedding,
   final norm, head, held for the whole forward); ZeRO-2 keeps every layer until backward.
   Prefetch holds the next layer as well, up to twice the one-layer figure.
-- *bytes per step*, per mesh axis, received per rank (ARCHITECTURE.md, "Bytes per step", with
-  each round in its own dtype): shard axis ``(G−1)/G`` times, for dmuon's matrices, ``b·c``
-  per broadcast round (2 with ZeRO-3, 1 with ZeRO-2) plus ``r`` for the reduce; for FSDP2 the
-  same rounds as all-gathers and a reduce-scatter, and FSDP2 + Muon one more all-gather of
-  every dedicated gradient; replicate axis: dmuon's reduce and publish, ``(R−1)/R`` times the
-  bytes its shard column owns (``r + c`` per element), FSDP2's all-reduce of its gradient shard,
-  ``2(R−1)/R·r·b/G``; TP axis: dmuon's gather mode (the TP owner receives ``(T−1)/T`` of a
-  matrix's momentum and sends back the update; the others receive their ``1/T``, optimizer
-  dtype), FSDP2 + Muon's all-gather of every TP-sharded gradient, nothing for AdamW.
+- *bytes per step*, per mesh axis and rank, in two units (see [Note: payload and wire bytes]):
+  the *payload* of dmuon's own collectives (:attr:`Forecast.ranks`), and the bytes *received*
+  (``traffic``), dmuon's derived from its payload, plus FSDP2's rounds over the other
+  parameters. Shard axis: dmuon's matrices ``b·c`` per broadcast round (2 with ZeRO-3, 1
+  with ZeRO-2) plus ``r`` for the reduce; FSDP2 the same rounds as all-gathers and a
+  reduce-scatter, and FSDP2 + Muon one more all-gather of every dedicated gradient; replicate
+  axis: dmuon's reduce and publish of the bytes its shard column owns (``r + c`` per
+  element), FSDP2's all-reduce of its gradient shard, ``2(R−1)/R·r·b/G`` received; TP axis:
+  dmuon's gather mode (the TP owner receives ``(T−1)/T`` of a matrix's momentum and sends back
+  the update; the others receive their ``1/T``, optimizer dtype), FSDP2 + Muon's all-gather of
+  every TP-sharded gradient, nothing for AdamW.
 - *optimizer work*: the planner's cost (:func:`ns_cost`, FLOP-equivalents, NS plus the
   elementwise pass) per rank, and the NS time of one step predicted from measured NS times
   ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
@@ -54,6 +66,28 @@ Experts are FSDP2 parameters sharded on dim 0 with ``torch.chunk`` semantics: sh
 holds experts ``[s·k, (s+1)·k)`` of each stack, ``k = ceil(E / G)``, so with ``G`` not
 dividing ``E`` (or ``G > E``) the last shard indices hold fewer or none, and the imbalance
 cannot be planned away; the forecast says so.
+
+[Note: payload and wire bytes]
+
+The runtime's ``CommCounter`` counts, per rank and ``(axis, kind)``, the *payload* of each
+collective it issues: the bytes of the tensor it carries, on every member of the group (a
+broadcast's sender and receivers alike). :attr:`Forecast.ranks` predicts exactly that, per
+rank and under the counter's keys (``"shard/broadcast"``, ``"shard/reduce"``,
+``"replicate/reduce"``, ``"replicate/publish"``, ``"tp/gather"``, ``"tp/scatter"``), counted
+from the shapes and the plan: per step, shard axis ``b·c`` per broadcast round and ``b·r`` for
+the reduce, ``b`` the elements of every dedicated matrix (all of them travel on every rank of
+a row); replicate axis, on the ranks of shard index ``s``, the reduce (``r``) and the publish
+(``c``) of the elements that shard column owns; TP axis, on each rank of an owner
+coordinate, the whole matrix (``o``) gathered and scattered for each TP matrix it owns. A
+collective on a group of one rank is never issued, so that axis counts nothing.
+
+``traffic`` is the bytes a rank *receives*: on a group of ``n`` ranks, ``(n−1)/n`` of a
+broadcast's, reduce's or publish's payload (the per-rank cost of a ring; ARCHITECTURE.md,
+"Bytes per step"), and for a TP matrix ``(T−1)/T`` of the gather's payload on its TP owner,
+``1/T`` of the scatter's on the others. dmuon's rows are derived from its payload; FSDP2's
+rounds (the other parameters in the dmuon column, every parameter in the FSDP2 columns) are
+counted the same way, but the runtime's counter does not see them, so only dmuon's payload can
+be compared with a run (``dmuon.get_comm_ctx(model).counter``).
 """
 
 from __future__ import annotations
@@ -73,11 +107,13 @@ from ._ns_times import NSTimes, load_ns_times
 from ._plan import Plan
 from ._route import Route, normalize_dtype
 
-__all__ = ["Forecast", "Spread", "Topology", "forecast"]
+__all__ = ["Forecast", "RankFigures", "Spread", "Topology", "forecast"]
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Muon(ns_batch_bytes=) default in dmuon-fsdp: momentum bytes of one NS call.
 DEFAULT_NS_BATCH_BYTES = 64 * 2**20
+# AdamW's ``step``: a float32 scalar per parameter tensor (torch.optim.AdamW's layout).
+ADAMW_STEP_BYTES = 4
 
 DMUON, ADAMW, MUON = "dmuon", "FSDP2 + AdamW", "FSDP2 + Muon"
 SETUPS = (DMUON, ADAMW, MUON)
@@ -188,13 +224,31 @@ class Spread(NamedTuple):
 
 
 @dataclass(frozen=True)
+class RankFigures:
+    """What one rank of dmuon's setup holds and issues, in bytes, exactly as the runtime
+    counts and allocates it (see [Note: payload and wire bytes]).
+
+    ``payload`` maps ``"axis/kind"``, the keys of the runtime's ``CommCounter.snapshot()``, to
+    the bytes of the tensors dmuon's own collectives carry on this rank in one step (only the
+    kinds it issues). ``state`` maps ``"masters"``, ``"optimizer states"`` and ``"HSDP replica
+    copies"`` to the bytes it keeps between steps (see [Note: the forecast])."""
+
+    replicate: int
+    shard: int
+    tp: int
+    payload: Mapping[str, int]
+    state: Mapping[str, int]
+
+
+@dataclass(frozen=True)
 class Forecast:
     """Per-rank figures of one model at one topology (see [Note: the forecast]).
 
     ``memory``, ``unsharded``, ``traffic``, ``work``, ``ns_ms`` and ``step_ms`` map a setup
     (``"dmuon"``, ``"FSDP2 + AdamW"``, ``"FSDP2 + Muon"``) to rows of :class:`Spread` values
-    in bytes, bytes, bytes per step, FLOP-equivalents and milliseconds. ``ns_ms`` (NS calls)
-    and ``step_ms`` (the optimizer step: NS and the elementwise passes) are predicted.
+    in bytes, bytes, bytes received per step, FLOP-equivalents and milliseconds. ``ns_ms`` (NS
+    calls) and ``step_ms`` (the optimizer step: NS and the elementwise passes) are predicted.
+    ``ranks`` holds every rank's exact :class:`RankFigures` for dmuon (:meth:`rank` finds one).
     """
 
     shapes: ModelShapes
@@ -207,7 +261,24 @@ class Forecast:
     work: Mapping[str, Spread]
     ns_ms: Mapping[str, Spread]
     step_ms: Mapping[str, Spread]
+    ranks: tuple[RankFigures, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
+
+    def rank(self, replicate: int = 0, shard: int = 0, tp: int = 0) -> RankFigures:
+        """The figures of the rank at grid coordinate (``replicate``, ``shard``) and TP index
+        ``tp`` (the runtime's ``layout.coord`` and ``layout.tp_index``)."""
+        topo = self.topology
+        for name, value, size in (
+            ("replicate", replicate, topo.replicas),
+            ("shard", shard, topo.shard),
+            ("tp", tp, topo.tp),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < size:
+                raise ValueError(
+                    f"Forecast.rank: {name} must be an int in [0, {size}) for {topo.describe()}, "
+                    f"got {value!r}"
+                )
+        return self.ranks[(replicate * topo.shard + shard) * topo.tp + tp]
 
     @property
     def items(self) -> tuple[WorkItem, ...]:
@@ -313,9 +384,24 @@ class _Forecaster:
         return -(-item.numel // item.tp)
 
     def shard_numel(self, item: WorkItem) -> int:
-        """Elements of one FSDP2 shard of ``item`` (padded to ``ceil(d0 / G)`` rows)."""
+        """Elements FSDP2 allocates for ``item`` on every rank: ``ceil(d0 / G)`` rows, the size
+        of chunk 0, to which it pads every shard."""
         rows = -(-item.shape[0] // self.G) if item.shape else 1
         return -(-(rows * math.prod(item.shape[1:])) // item.tp)
+
+    def chunk_numels(self, items: Iterable[WorkItem]) -> list[int]:
+        """Elements of ``items`` per shard index as ``DTensor.to_local()`` holds them, unpadded:
+        ``torch.chunk``'s rows of dim 0 (what FSDP2's optimizer states are made like). Items
+        are grouped by shape so that a wide shard group costs one pass per distinct shape."""
+        shapes: dict[tuple[int, int, int], int] = defaultdict(int)
+        for item in items:
+            rows = item.shape[0] if item.shape else 1
+            shapes[(rows, math.prod(item.shape[1:]), item.tp)] += 1
+        out = [0] * self.G
+        for (rows, per_row, tp), count in shapes.items():
+            for s in range(self.G):
+                out[s] += count * -(-(experts_held(rows, s, self.G) * per_row) // tp)
+        return out
 
     def experts_held(self, item: WorkItem, shard: int) -> int:
         """Experts of stack ``item`` that shard index ``shard`` holds (``torch.chunk``)."""
@@ -355,27 +441,47 @@ class _Forecaster:
             name: plan.slot_of(unit.owner) for unit in plan.units for name in unit.names
         }
         self.tp_owner = dict(plan.tp_owners)
+        state = self.rank_state()
+        payload, tp_received = self.rank_payload()
+        T = self.T
+        ranks = tuple(
+            RankFigures(slot // G, slot % G, t, payload[slot * T + t], state[slot])
+            for slot in range(G * R)
+            for t in range(T)
+        )
         return Forecast(
             shapes=self.shapes,
             topology=self.topo,
             plan=plan,
             ns_times=self.table,
-            memory=self.memory(),
+            memory=self.memory(state),
             unsharded=self.unsharded(),
-            traffic=self.traffic(),
+            traffic=self.traffic(payload, tp_received),
             work=self.work(shard_cost),
             **self.ns_time(),
+            ranks=ranks,
             notes=tuple(self.notes()),
         )
 
     # -- memory kept between steps -------------------------------------------------------------
 
-    def memory(self) -> dict[str, dict[str, Spread]]:
+    def adamw_states(self, items: Iterable[WorkItem]) -> list[int]:
+        """AdamW's state bytes per shard index of FSDP2 parameters ``items``: two moments of
+        the unpadded shard, and the step scalar of every tensor (also of an empty shard)."""
+        items = list(items)
+        return [2 * self.o * n + len(items) * ADAMW_STEP_BYTES for n in self.chunk_numels(items)]
+
+    def rank_state(self) -> list[dict[str, int]]:
+        """What each slot of dmuon's grid keeps between steps, in bytes; see [Note: the
+        forecast]. The ranks of one slot (its TP indices) keep the same."""
         G, R = self.G, self.R
         m, o, c = self.m, self.o, self.c
-        rest = sum(self.shard_numel(it) for it in self.shapes.fsdp)  # AdamW in every setup
-        experts = sum(self.shard_numel(it) for it in self.shapes.experts)
-        dense = sum(self.shard_numel(it) for it in self.shapes.dedicated)  # as FSDP2 shards
+        fsdp_items = self.shapes.fsdp + self.shapes.experts
+        fsdp_master = sum(self.shard_numel(it) for it in fsdp_items) * m
+        experts = self.chunk_numels(self.shapes.experts)  # Muon's one buffer
+        fsdp_states = [
+            a + n * o for a, n in zip(self.adamw_states(self.shapes.fsdp), experts, strict=True)
+        ]
         owned_master = [0] * (G * R)
         owned_states = [0] * (G * R)
         owned_copy = [0] * (G * R)
@@ -383,34 +489,39 @@ class _Forecaster:
             slot = self.slot_of[item.name]
             size = self.local(item)
             owned_master[slot] += size * m
-            owned_states[slot] += size * o * (1 if item.route is Route.MUON else 2)
+            if item.route is Route.MUON:
+                owned_states[slot] += size * o
+            else:
+                owned_states[slot] += 2 * size * o + ADAMW_STEP_BYTES
             owned_copy[slot] += size * c
         column = [0] * G  # compute bytes owned by each shard index, over the replicas
         for slot, size in enumerate(owned_copy):
             column[slot % G] += size
-        replica = [column[slot % G] - owned_copy[slot] if R > 1 else 0 for slot in range(G * R)]
-        fsdp_master = (rest + experts) * m
-        fsdp_states = rest * 2 * o + experts * o  # AdamW's two moments, Muon's one buffer
-        dmuon = {
-            "masters": Spread.of(fsdp_master + x for x in owned_master),
-            "optimizer states": Spread.of(fsdp_states + x for x in owned_states),
-            "HSDP replica copies": Spread.of(replica),
-            "total": Spread.of(
-                fsdp_master + fsdp_states + owned_master[s] + owned_states[s] + replica[s]
-                for s in range(G * R)
-            ),
-        }
-        masters = (rest + experts + dense) * m
+        return [
+            {
+                "masters": fsdp_master + owned_master[slot],
+                "optimizer states": fsdp_states[slot % G] + owned_states[slot],
+                "HSDP replica copies": column[slot % G] - owned_copy[slot] if R > 1 else 0,
+            }
+            for slot in range(G * R)
+        ]
+
+    def memory(self, state: list[dict[str, int]]) -> dict[str, dict[str, Spread]]:
+        keys = ("masters", "optimizer states", "HSDP replica copies")
+        dmuon = {key: Spread.of(row[key] for row in state) for key in keys}
+        dmuon["total"] = Spread.of(sum(row.values()) for row in state)
+        every = self.shapes.all_items
+        masters = sum(self.shard_numel(it) for it in every) * self.m
+        adamw = self.adamw_states(every)
+        muon_numel = self.chunk_numels(self.shapes.experts + self.shapes.dedicated)
+        muon = [a + n * self.o for a, n in zip(self.adamw_states(self.shapes.fsdp), muon_numel)]
         setups = {DMUON: dmuon}
-        for name, states in (
-            (ADAMW, (rest + experts + dense) * 2 * o),
-            (MUON, rest * 2 * o + (experts + dense) * o),
-        ):
+        for name, states in ((ADAMW, adamw), (MUON, muon)):
             setups[name] = {
                 "masters": Spread.uniform(masters),
-                "optimizer states": Spread.uniform(states),
+                "optimizer states": Spread.of(states),
                 "HSDP replica copies": Spread.uniform(0),
-                "total": Spread.uniform(masters + states),
+                "total": Spread.of(masters + x for x in states),
             }
         return setups
 
@@ -469,36 +580,69 @@ class _Forecaster:
         replicate = 2 * (R - 1) / R * elements * r / G
         return shard, replicate
 
-    def traffic(self) -> dict[str, dict[str, Spread]]:
+    def rank_payload(self) -> tuple[list[dict[str, int]], list[float]]:
+        """Per rank (slot-major, TP index minor): the payload of dmuon's collectives in one
+        step under ``CommCounter``'s keys, and the bytes it receives on the TP axis; see
+        [Note: payload and wire bytes]."""
         G, R, T = self.G, self.R, self.T
         c, r, o = self.c, self.r, self.o
-        dedicated = self.shapes.dedicated
-        rest = self.shapes.fsdp + self.shapes.experts
-        rest_shard, rest_replicate = self.fsdp_bytes(rest)
-        gathers = 2 if self.topo.zero == 3 else 1
-        elements = sum(self.local(item) for item in dedicated)
-        shard = (G - 1) / G * elements * (gathers * c + r) + rest_shard
-        column = [0] * G
-        tp_bytes = [[0.0] * T for _ in range(G * R)]
-        for item in dedicated:
+        rounds = 2 if self.topo.zero == 3 else 1
+        elements = 0
+        column = [0] * G  # elements owned by each shard index, over the replicas
+        tp_payload = [0] * (G * R)  # the whole TP matrices each owner coordinate steps
+        tp_received = [0.0] * (G * R * T)
+        for item in self.shapes.dedicated:
             slot = self.slot_of[item.name]
-            column[slot % G] += self.local(item) * (r + c)
+            size = self.local(item)
+            elements += size
+            column[slot % G] += size
             if item.tp > 1:
+                whole = size * item.tp * o
+                tp_payload[slot] += whole
                 owner = self.tp_owner[item.name]
                 for t in range(T):
                     share = (T - 1) / T if t == owner else 1 / T
-                    tp_bytes[slot][t] += share * item.numel * o
-        replicate = [(R - 1) / R * column[s] + rest_replicate for s in range(G)]
-        # Every rank of a grid coordinate; ranks off every owner coordinate move nothing on TP.
-        tp_all = [value for row in tp_bytes for value in row]
+                    tp_received[slot * T + t] += share * whole
+        payload = []
+        for slot in range(G * R):
+            counts = {}
+            if G > 1:
+                counts["shard/broadcast"] = rounds * elements * c
+                counts["shard/reduce"] = elements * r
+            if R > 1:
+                counts["replicate/reduce"] = column[slot % G] * r
+                counts["replicate/publish"] = column[slot % G] * c
+            counts["tp/gather"] = counts["tp/scatter"] = tp_payload[slot]
+            nonzero = {key: value for key, value in counts.items() if value}
+            payload += [nonzero] * T
+        return payload, tp_received
+
+    def traffic(
+        self, payload: list[dict[str, int]], tp_received: list[float]
+    ) -> dict[str, dict[str, Spread]]:
+        G, R, T = self.G, self.R, self.T
+        r = self.r
+        dedicated = self.shapes.dedicated
+        rest = self.shapes.fsdp + self.shapes.experts
+        rest_shard, rest_replicate = self.fsdp_bytes(rest)
+        # dmuon's received bytes from its payload: (n-1)/n of every collective on n ranks.
+        shard = [
+            (G - 1) / G * (p.get("shard/broadcast", 0) + p.get("shard/reduce", 0)) + rest_shard
+            for p in payload
+        ]
+        replicate = [
+            (R - 1) / R * (p.get("replicate/reduce", 0) + p.get("replicate/publish", 0))
+            + rest_replicate
+            for p in payload
+        ]
         all_shard, all_replicate = self.fsdp_bytes(dedicated + rest)
         muon_shard, muon_replicate = self.fsdp_bytes(dedicated, gather_grads=True)
         tp_muon = sum((T - 1) / T * item.numel * r for item in dedicated if item.tp > 1)
         return {
             DMUON: {
-                "shard": Spread.uniform(shard),
+                "shard": Spread.of(shard),
                 "replicate": Spread.of(replicate),
-                "tp": Spread.of(tp_all),
+                "tp": Spread.of(tp_received),
             },
             ADAMW: {
                 "shard": Spread.uniform(all_shard),

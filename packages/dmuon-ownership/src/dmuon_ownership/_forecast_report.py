@@ -7,12 +7,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._forecast import Forecast, Spread
+    from ._forecast import Forecast
+
+from ._forecast import Spread
 
 __all__ = ["as_dict", "render"]
 
 _GIB = 2**30
 _SETUPS = ("dmuon", "FSDP2 + AdamW", "FSDP2 + Muon")
+_AXES = (("shard", "shard axis"), ("replicate", "replicate axis"), ("tp", "TP axis"))
+_WIDTHS = (12, 12, 13, 12)
 
 
 def _billions(numel: int) -> str:
@@ -38,6 +42,19 @@ def _model_lines(fc: Forecast) -> list[str]:
     return lines
 
 
+def payload(fc: Forecast) -> dict[str, Spread]:
+    """dmuon's payload per ``"axis/kind"`` over every rank (a rank that does not issue a kind
+    counts 0 for it), and per axis (``"shard"``, ...): the runtime's ``CommCounter`` unit."""
+    keys = sorted({key for rank in fc.ranks for key in rank.payload})
+    axes = [axis for axis, _ in _AXES]
+    out = {key: Spread.of(rank.payload.get(key, 0) for rank in fc.ranks) for key in keys}
+    for axis in axes:
+        out[axis] = Spread.of(
+            sum(v for k, v in rank.payload.items() if k.split("/")[0] == axis) for rank in fc.ranks
+        )
+    return out
+
+
 def render(fc: Forecast) -> str:
     """The report ``dmuon-plan`` prints: one row per figure, dmuon's max and mean over the
     ranks and the max of each FSDP2 setup; predicted figures say so."""
@@ -59,8 +76,11 @@ def render(fc: Forecast) -> str:
         dmuon = table["dmuon"][key]
         cells = [dmuon.max / scale, dmuon.mean / scale]
         cells += [table[setup][key].max / scale for setup in _SETUPS[1:]]
-        widths = (12, 12, 13, 12)
-        return f"  {label:<36}" + "".join(f"{v:>{w},.2f}" for v, w in zip(cells, widths))
+        return f"  {label:<36}" + "".join(f"{v:>{w},.2f}" for v, w in zip(cells, _WIDTHS))
+
+    def dmuon_row(label: str, spread: Spread, scale: float) -> str:
+        cells = [f"{spread.max / scale:,.2f}", f"{spread.mean / scale:,.2f}", "-", "-"]
+        return f"  {label:<36}" + "".join(f"{v:>{w}}" for v, w in zip(cells, _WIDTHS))
 
     lines.append("kept between steps (GiB)")
     for key in ("masters", "optimizer states", "HSDP replica copies", "total"):
@@ -69,19 +89,38 @@ def render(fc: Forecast) -> str:
     lines.append(f"unsharded for forward (GiB, {zero})")
     lines.append(row("dmuon peer buffers", fc.unsharded, "dmuon peer buffers", _GIB))
     lines.append(row("all unsharded weights", fc.unsharded, "all", _GIB))
-    lines.append("bytes per step (GiB received)")
-    for key, label in (("shard", "shard axis"), ("replicate", "replicate axis"), ("tp", "TP axis")):
+    lines.append("bytes per step (GiB received per rank)")
+    for key, label in _AXES:
         lines.append(row(label, fc.traffic, key, _GIB))
+    lines.append("dmuon's collectives per step (GiB payload per rank, as CommCounter counts)")
+    sent = payload(fc)
+    for key, label in _AXES:
+        lines.append(dmuon_row(label, sent[key], _GIB))
     lines.append("optimizer step")
     work = {setup: {"work": fc.work[setup]} for setup in _SETUPS}
     lines.append(row("work (TFLOP-eq., planner cost)", work, "work", 1e12))
     ns = {setup: {"ns": fc.ns_ms[setup]} for setup in _SETUPS}
     lines.append(row("NS time (ms, PREDICTED)", ns, "ns", 1.0))
+    step = {setup: {"step": fc.step_ms[setup]} for setup in _SETUPS}
+    lines.append(row("step time (ms, PREDICTED)", step, "step", 1.0))
     lines.append("")
+    lines.append("FSDP2 columns: max over ranks.")
     lines.append(
-        "FSDP2 columns: max over ranks. Work and NS time: dmuon's owned matrices and own "
-        "experts; FSDP2 + Muon orthogonalises every matrix on every rank; AdamW's work is its "
-        "elementwise pass."
+        "kept between steps: masters (FSDP2 shards padded as FSDP2 allocates them), optimizer "
+        "states (AdamW's float32 step included), HSDP replica copies; no gradients or buffers."
+    )
+    lines.append(
+        "received: (n-1)/n of each collective's payload on a group of n ranks; the dmuon column "
+        "adds FSDP2's rounds over the other parameters."
+    )
+    lines.append(
+        "payload: the bytes of the tensors dmuon's own collectives carry on a rank, the unit of "
+        "its runtime's CommCounter (dmuon.get_comm_ctx(model).counter); FSDP2's are not in it."
+    )
+    lines.append(
+        "work, NS time: dmuon's owned matrices and own experts; FSDP2 + Muon orthogonalises "
+        "every matrix on every rank; AdamW's work is its elementwise pass. Step time: NS time "
+        "plus the step's elementwise passes."
     )
     if fc.notes:
         lines.append("notes:")
@@ -89,8 +128,9 @@ def render(fc: Forecast) -> str:
     table = fc.ns_times
     lines.append(
         f"PREDICTED: NS times from Newton-Schulz calls measured on {table.card} on {table.date} "
-        f"({table.source}), interpolated to other shapes by the FLOP model ns_flops; every "
-        "other figure is counted from the config and the plan."
+        f"({table.source}), interpolated to other shapes by the FLOP model ns_flops; step "
+        f"times add the elementwise passes at its {table.stream_gb_s:,.0f} GB/s; every other "
+        "figure is counted from the config and the plan."
     )
     return "\n".join(lines)
 
@@ -134,6 +174,7 @@ def as_dict(fc: Forecast) -> dict[str, Any]:
         "memory_bytes": _spreads(fc.memory),
         "unsharded_bytes": _spreads(fc.unsharded),
         "bytes_per_step": _spreads(fc.traffic),
+        "dmuon_payload_bytes_per_step": _spreads(payload(fc)),
         "work_flop_equivalents": _spreads(fc.work),
         "predicted_ns_ms": _spreads(fc.ns_ms),
         "predicted_step_ms": _spreads(fc.step_ms),

@@ -26,8 +26,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="dmuon-plan",
         description=(
             "Forecast, per rank, what dmuon holds (masters, optimizer states, buffers), moves "
-            "per step (per mesh axis) and computes (Newton-Schulz work and its predicted time), "
-            "next to FSDP2 + AdamW and FSDP2 + a plain Muon, from a model's config.json. "
+            "per step (per mesh axis: bytes received, and the payload of dmuon's own "
+            "collectives as its CommCounter counts it) and computes (Newton-Schulz work, its "
+            "predicted time and the predicted optimizer step time), next to FSDP2 + AdamW and "
+            "FSDP2 + a plain Muon, from a model's config.json. "
             f"Model types: {', '.join(MODEL_TYPES)}."
         ),
     )
