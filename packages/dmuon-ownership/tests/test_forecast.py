@@ -257,6 +257,24 @@ def test_kimi_k2_on_1024_ranks_plans_fast_and_balanced() -> None:
     without = plan_owners(fc.items, 128, 8, base_loads=fc.plan.base_loads)
     assert not without.expert_sources and without.imbalance + 1 > 1.06
     assert max(fc.plan.loads) < max(without.loads)
+    # Each sourced stack shard is broadcast over its shard column in fp32 (the master dtype),
+    # on top of the bf16 publish of the dense matrices the column owns: the forecast's
+    # replicate publish payload, on every replica of that shard.
+    stacks = {item.name: item for item in fc.shapes.experts}
+    for shard in {s.shard for s in fc.plan.expert_sources[:5]} | {127}:
+        sourced = sum(
+            3 * math.prod(stacks[s.stack].shape[1:]) * 4  # 3 experts per stack per shard
+            for s in fc.plan.expert_sources
+            if s.shard == shard
+        )
+        column = sum(
+            item.numel * 2
+            for item in fc.shapes.dedicated
+            if fc.plan.owner_of(item.name).shard == shard
+        )
+        for replicate in (0, 7):
+            payload = fc.rank(replicate=replicate, shard=shard).payload
+            assert payload.get("replicate/publish", 0) == column + sourced, shard
     assert fc.plan.base_loads and min(fc.plan.base_loads) > 0
     expert_share = min(fc.plan.base_loads) / max(fc.plan.loads)
     assert expert_share > 0.9  # the experts are most of every rank's work

@@ -4,11 +4,12 @@
 
 :func:`forecast` takes a model config and a :class:`Topology`, builds the work items
 (:func:`model_shapes`) and the owner plan (:func:`plan_owners`, the same call the runtime makes,
-with the experts' work as ``base_loads``), and adds up, per rank, what each of three setups
+with the expert stacks as ``experts``), and adds up, per rank, what each of three setups
 holds and moves; nothing is allocated.
 
 - **dmuon**: the ``dedicated`` matrices on their owners, the rest on FSDP2 (experts stepped
-  with Muon, each rank its own, everything else with AdamW).
+  with Muon, each rank its own, or under HSDP by the plan's expert source for all replicas of
+  a shard, which then broadcasts it; everything else with AdamW).
 - **FSDP2 + AdamW**: every parameter sharded, AdamW everywhere (two moments).
 - **FSDP2 + Muon**: every parameter sharded; each rank all-gathers the gradient of every
   dedicated matrix and orthogonalises all of them (a plain Muon on FSDP2); experts as in dmuon.
@@ -603,6 +604,14 @@ class _Forecaster:
                 for t in range(T):
                     share = (T - 1) / T if t == owner else 1 / T
                     tp_received[slot * T + t] += share * whole
+        # Expert sources: each stack shard one replica steps for all is broadcast over its
+        # shard column in the stack's (master) dtype, a collective every replica joins.
+        sourced = [0] * G
+        stacks = {item.name: item for item in self.shapes.experts}
+        for source in self.plan.expert_sources:
+            item = stacks[source.stack]
+            held = experts_held(item.shape[0], source.shard, G)
+            sourced[source.shard] += held * math.prod(item.shape[1:]) * self.m
         payload = []
         for slot in range(G * R):
             counts = {}
@@ -611,7 +620,7 @@ class _Forecaster:
                 counts["shard/reduce"] = elements * r
             if R > 1:
                 counts["replicate/reduce"] = column[slot % G] * r
-                counts["replicate/publish"] = column[slot % G] * c
+                counts["replicate/publish"] = column[slot % G] * c + sourced[slot % G]
             counts["tp/gather"] = counts["tp/scatter"] = tp_payload[slot]
             nonzero = {key: value for key, value in counts.items() if value}
             payload += [nonzero] * T
@@ -717,14 +726,25 @@ class _Forecaster:
             for t in range(T):
                 if item.tp == 1 or self.tp_owner[item.name] == t:
                     owned[slot][t].append(member)
+        # A stack shard another replica steps for all (an expert source) costs no NS here.
+        elsewhere = {(s.stack, s.shard): s.replicate for s in self.plan.expert_sources}
         times: dict[tuple[tuple[_Member, ...], tuple[int, ...]], float] = {}
         dmuon = []
         for slot in range(G * R):
-            held = self.holdings[slot % G]
+            shard, replicate = slot % G, slot // G
+            stepped = tuple(
+                count if elsewhere.get((item.name, shard), replicate) == replicate else 0
+                for count, item in zip(self.holdings[shard], self.shapes.experts)
+            )
+            members = [
+                _member(item.shape, count)
+                for count, item in zip(stepped, self.shapes.experts)
+                if count
+            ]
             for t in range(T):
-                key = (tuple(owned[slot][t]), held)
+                key = (tuple(owned[slot][t]), stepped)
                 if key not in times:
-                    times[key] = self.batched_ms(owned[slot][t] + expert_members[held])
+                    times[key] = self.batched_ms(owned[slot][t] + members)
                 dmuon.append(times[key])
         every = [_member(item.shape) for item in self.shapes.dedicated]
         per_holding = {
@@ -798,6 +818,14 @@ class _Forecaster:
                     f"({largest.name.rsplit('.', 2)[-2]}) is {share:.0%} of a rank's mean load; "
                     "fewer slots (tensor parallelism) or more work per slot even it out"
                 )
+        if self.plan.expert_sources:
+            sources = self.plan.expert_sources
+            notes.append(
+                f"expert sources: {len(sources)} expert stack shards on "
+                f"{len({s.shard for s in sources})} shard indices are stepped by one replica "
+                "for all and broadcast over the replicate axis (in the replicate publish row), "
+                "to even out the owned matrices on top of the experts"
+            )
         if self.topo.zero == 3:
             notes.append(
                 "unsharded for forward: one layer; prefetching the next holds up to twice that"
