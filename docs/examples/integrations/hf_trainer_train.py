@@ -14,8 +14,10 @@ builds ``dmuon.Muon``, clips with dmuon and checkpoints through ``dmuon.save_che
 
 The script trains 10 steps with a checkpoint after step 5, then builds the model again from other
 initial weights and resumes from that checkpoint with
-``trainer.train(resume_from_checkpoint=...)``. It exits non-zero unless the loss fell and the
-resumed steps' losses equal the uninterrupted run's bit for bit.
+``trainer.train(resume_from_checkpoint=...)``, and exports the result with
+``trainer.save_model``. It exits non-zero unless the loss fell, the resumed steps' losses and the
+evaluation loss after them equal the uninterrupted run's bit for bit, and ``from_pretrained``
+reads back the trained weights.
 """
 
 from __future__ import annotations
@@ -338,30 +340,42 @@ def training_arguments(output_dir: str, device: str) -> TrainingArguments:
     )
 
 
-def train(output_dir: str, device: str, seed: int, resume: str | None = None) -> dict[int, float]:
-    """One Trainer run; the logged loss (the mean over ranks) of every step it trained."""
+def train(
+    output_dir: str, device: str, seed: int, resume: str | None = None
+) -> tuple[DmuonTrainer, dict[int, float], float]:
+    """One Trainer run: the trainer, the logged loss (the mean over ranks) of every step this
+    run trained, and the evaluation loss after it."""
     args = training_arguments(output_dir, device)
     mesh = init_device_mesh(args.device.type, (args.world_size,))
+    rows = dataset()
     trainer = DmuonTrainer(
         build_model(seed, args.device, mesh),
         args,
-        train_dataset=dataset(),
+        train_dataset=rows,
+        eval_dataset=rows[: 2 * ROWS_PER_RANK * args.world_size],
         muon_kwargs={"lr": 0.02},
     )
     trainer.train(resume_from_checkpoint=resume)
-    first = trainer.state.global_step - STEPS + (0 if resume is None else SAVE_AT)
-    return {
+    start = 0 if resume is None else SAVE_AT  # a resumed log history holds the saved steps
+    losses = {
         entry["step"]: entry["loss"]
         for entry in trainer.state.log_history
-        if "loss" in entry and entry["step"] > first
+        if "loss" in entry and entry["step"] > start
     }
+    return trainer, losses, trainer.evaluate()["eval_loss"]
 
 
 def run(directory: str, device: str) -> None:
-    uninterrupted = train(os.path.join(directory, "run"), device, seed=0)
+    _, uninterrupted, eval_loss = train(os.path.join(directory, "run"), device, seed=0)
     saved = os.path.join(directory, "run", f"checkpoint-{SAVE_AT}")
     # Resume: other initial weights, which the checkpoint must replace.
-    resumed = train(os.path.join(directory, "resumed"), device, seed=1, resume=saved)
+    trainer, resumed, resumed_eval_loss = train(
+        os.path.join(directory, "resumed"), device, seed=1, resume=saved
+    )
+    # Export: Hugging Face's format, which a plain single-process model loads.
+    exported = os.path.join(directory, "exported")
+    trainer.save_model(exported)
+    weights = dmuon.get_model_state_dict(trainer.model, rank0_only=True)  # {} off rank 0
 
     if int(os.environ["RANK"]) != 0:
         return
@@ -370,14 +384,20 @@ def run(directory: str, device: str) -> None:
     if len(losses) != STEPS or not all(math.isfinite(x) for x in losses) or losses[-1] >= losses[0]:
         raise SystemExit(f"FAILED: the loss did not fall over {STEPS} steps: {uninterrupted}")
     expected = {step: loss for step, loss in uninterrupted.items() if step > SAVE_AT}
-    if resumed != expected:
+    if resumed != expected or resumed_eval_loss != eval_loss:
         raise SystemExit(
-            f"FAILED: the resumed run's losses {resumed} differ from the uninterrupted run's"
-            f" {expected}"
+            f"FAILED: the resumed run's losses {resumed} (evaluation {resumed_eval_loss}) differ"
+            f" from the uninterrupted run's {expected} (evaluation {eval_loss})"
         )
+    reloaded = LlamaForCausalLM.from_pretrained(exported).state_dict()
+    if reloaded.keys() != weights.keys() or not all(
+        torch.equal(reloaded[name], weight) for name, weight in weights.items()
+    ):
+        raise SystemExit(f"FAILED: from_pretrained({exported}) differs from the trained weights")
     print(
         f"OK: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {STEPS} steps; resumed from {saved},"
-        f" losses {list(resumed.values())} as without the checkpoint",
+        f" losses {list(resumed.values())} and evaluation loss {eval_loss} as without the"
+        f" checkpoint; the export loads with from_pretrained",
         flush=True,
     )
 
