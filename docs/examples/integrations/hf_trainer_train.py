@@ -275,11 +275,12 @@ def _check_training_arguments(trainer: Trainer) -> None:
         "load_best_model_at_end (checkpoints hold no safetensors to load)": (
             args.load_best_model_at_end
         ),
+        "push_to_hub (upload the folder trainer.save_model(path) writes)": args.push_to_hub,
     }
-    set_ = [name for name, on in refused.items() if on]
-    if set_:
+    given = [name for name, on in refused.items() if on]
+    if given:
         raise ValueError(
-            f"DmuonTrainer: unset {', '.join(set_)} in TrainingArguments; the model comes"
+            f"DmuonTrainer: unset {', '.join(given)} in TrainingArguments; the model comes"
             " sharded by dmuon and FSDP2 and is checkpointed by dmuon"
         )
 
