@@ -236,6 +236,7 @@ def docs(session: nox.Session) -> None:
 # resumed losses equal the uninterrupted run's bit for bit.
 INTEGRATIONS: dict[str, list[str]] = {
     "lightning_train.py": ["lightning==2.6.6"],
+    "hf_trainer_train.py": ["transformers==5.24.0", "accelerate==1.16.0"],
 }
 
 
