@@ -43,9 +43,6 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
     Trainer,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
     TrainingArguments,
 )
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
@@ -82,8 +79,8 @@ class DmuonTrainer(Trainer):
       (``AcceleratedOptimizer``).
     - optimizer: ``create_optimizer`` builds ``dmuon.Muon(model, ...)``; its param groups all
       hold ``"lr"``, so the Trainer's scheduler (``get_scheduler``) drives both routes.
-    - gradients: the Trainer zeroes with ``model.zero_grad()``, which does not reach the
-      owners' Muon gradients (``Muon.zero_grad`` does: a callback calls it after each step);
+    - gradients: the Trainer zeroes with ``model.zero_grad()``, which dmuon makes clear the
+      owners' Muon gradients too (``dedicate_params`` wraps the model's ``zero_grad``);
       micro-batches before the last of an accumulation run under ``dmuon.no_sync``; the
       clip (``_clip_grad_norm``, ``_get_grad_norm``) uses ``dmuon.clip_grad_norm_`` for the
       Muon gradients, which are not in ``param.grad``.
@@ -137,7 +134,6 @@ class DmuonTrainer(Trainer):
         self.muon_kwargs = dict(muon_kwargs or {})
         # See [Note: the Trainer's hooks under dmuon], preparation.
         self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
-        self.add_callback(_ZeroMuonGrads())
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Nothing to move: dmuon placed the model (see [Note: the Trainer's hooks under
@@ -242,21 +238,6 @@ def _unsharded_class(model: nn.Module) -> type[PreTrainedModel]:
         for c in type(model).__mro__
         if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule)
     )
-
-
-class _ZeroMuonGrads(TrainerCallback):
-    """``Muon.zero_grad()`` after every optimizer step: the Trainer's ``model.zero_grad()``
-    leaves the owners' Muon gradients, which the next backward would add to."""
-
-    def on_optimizer_step(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        optimizer: torch.optim.Optimizer | None = None,
-        **kwargs: Any,
-    ) -> None:
-        getattr(optimizer, "optimizer", optimizer).zero_grad()
 
 
 def _check_training_arguments(trainer: Trainer) -> None:
