@@ -191,8 +191,20 @@ BYTES_CONFIG.update(attention_bias=True, tie_word_embeddings=True)
 # (replicas, ZeRO, reduce dtype): ZeRO-3 reduces in fp32 and ZeRO-2 in the bf16 compute dtype,
 # so each of the compute, reduce and master dtypes shows in the bytes.
 BYTE_LAYOUTS = {
-    2: [(1, 3, "float32"), (1, 2, "bfloat16")],
-    4: [(1, 3, "float32"), (1, 2, "bfloat16"), (2, 3, "float32"), (2, 2, "bfloat16")],
+    2: [(1, 3, "float32", "llama"), (1, 2, "bfloat16", "llama")],
+    4: [
+        (1, 3, "float32", "llama"),
+        (1, 2, "bfloat16", "llama"),
+        (2, 3, "float32", "llama"),
+        (2, 2, "bfloat16", "llama"),
+        (2, 3, "float32", "qwen3_moe"),
+    ],
+}
+# A tiny Qwen3-MoE whose plan under HSDP 2 x 2 names expert sources: a replica steps some
+# expert stack shards for both and broadcasts them, which the payload must count.
+BYTES_CONFIGS = {
+    "llama": BYTES_CONFIG,
+    "qwen3_moe": {**BYTES_CONFIG, **FAMILIES["qwen3_moe"], "tie_word_embeddings": False},
 }
 
 
@@ -229,8 +241,8 @@ def _counted_and_allocated(rank: int, world_size: int, layouts):
     from dmuon_fsdp import Muon, Role, dedicate_params, dedicated_params_of
 
     out = []
-    for replicas, zero, reduce in layouts:
-        config = AutoConfig.for_model("llama", **BYTES_CONFIG)
+    for replicas, zero, reduce, family in layouts:
+        config = AutoConfig.for_model(family, **BYTES_CONFIGS[family])
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
         shard = world_size // replicas
@@ -243,7 +255,7 @@ def _counted_and_allocated(rank: int, world_size: int, layouts):
         runtime = dedicate_params(
             model,
             shard_mesh,
-            _predicate,
+            _muon,
             reshard_after_forward=zero == 3,
             patch_fully_shard=False,
             **extra,
@@ -286,7 +298,8 @@ def _counted_and_allocated(rank: int, world_size: int, layouts):
             "HSDP replica copies": _storage_bytes(replica_packs),
         }
         coord = runtime.layout.coord
-        out.append(((coord.replicate, coord.shard), counted, allocated, runtime.plan.fingerprint()))
+        plan = runtime.plan
+        out.append(((coord.replicate, coord.shard), counted, allocated, plan.fingerprint()))
     return out
 
 
@@ -297,15 +310,19 @@ def test_forecast_bytes_and_state_are_what_the_runtime_counts_and_allocates(
 ) -> None:
     layouts = BYTE_LAYOUTS[world_size]
     results = run_distributed(_counted_and_allocated, world_size, layouts)
-    for index, (replicas, zero, reduce) in enumerate(layouts):
+    for index, (replicas, zero, reduce, family) in enumerate(layouts):
         fc = forecast(
-            BYTES_CONFIG | {"model_type": "llama"},
+            BYTES_CONFIGS[family] | {"model_type": family},
             _bytes_topology(world_size, replicas, zero, reduce),
         )
+        assert bool(fc.plan.expert_sources) == (family == "qwen3_moe")
         seen = set()
         for rank, per_layout in enumerate(results):
             (r, s), counted, allocated, fingerprint = per_layout[index]
-            where = f"rank {rank} at (replicate {r}, shard {s}), {replicas} x {world_size // replicas}, ZeRO-{zero}"
+            where = (
+                f"{family} rank {rank} at (replicate {r}, shard {s}), "
+                f"{replicas} x {world_size // replicas}, ZeRO-{zero}"
+            )
             assert fingerprint == fc.plan.fingerprint(), where
             predicted = fc.rank(replicate=r, shard=s)
             assert {k: v for k, v in counted.items() if v} == predicted.payload, where
