@@ -8,6 +8,9 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import os
+import tempfile
+from datetime import timedelta
 
 import pytest
 import torch
@@ -260,3 +263,64 @@ def test_set_model_state_dict_from_rank0_loads_bit_for_bit_into_owners_only() ->
         assert out["hsdp"] and out["tp"] and out["ddp"], (rank, out)
         # Every rank raised rank 0's error, word for word.
         assert out["errors"] == results[0]["errors"], rank
+
+
+def _rank0_load_nccl(rank: int, world_size: int, init_file: str) -> None:
+    """The rank-0 load on CUDA with NCCL, where the allocator's peak shows what a rank held
+    at any moment of the load, not only what it kept."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+        device_id=torch.device("cuda", rank),
+    )
+    try:
+        want = _tiny().state_dict()  # on the CPU, as a Hugging Face file is read
+        with torch.device("meta"):
+            model = _tiny()
+        mesh = init_device_mesh("cuda", (world_size,))
+        runtime = dedicate_params(model, mesh, muon_predicate)
+        shard_layers_then_root(model, mesh)
+        model.to_empty(device="cuda")
+        Muon(model)
+        dedicated = {dp.fqn for dp in runtime.params}
+        largest = max(v.nbytes for k, v in want.items() if k not in dedicated)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        set_model_state_dict(model, want if rank == 0 else {}, broadcast_from_rank0=True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        got = get_model_state_dict(model)
+        assert _equal(got, want), rank
+        assert _holders_have(runtime, {k: v.cuda() for k, v in want.items()}), rank
+        if rank != 0:
+            # One broadcast full tensor and its shard (plus the verdict's few bytes); a
+            # received copy of an MLP weight this rank does not own (12 KiB) would not fit.
+            assert peak <= 2 * largest + 2048, (rank, peak, largest)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_set_model_state_dict_from_rank0_on_nccl_peaks_at_one_full_tensor() -> None:
+    world_size = min(torch.cuda.device_count(), 4)
+    if world_size < 2:
+        pytest.skip("needs two CUDA devices")
+    import torch.multiprocessing as mp
+
+    tests_dir = os.path.dirname(__file__)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [
+            tests_dir,
+            os.path.join(tests_dir, "..", "..", "..", "testing"),
+            *os.environ.get("PYTHONPATH", "").split(os.pathsep),
+        ]
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank0_load_nccl, args=(world_size, os.path.join(tmp, "init")), nprocs=world_size)
