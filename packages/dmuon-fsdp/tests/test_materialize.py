@@ -1,27 +1,46 @@
 """A meta-device model holds each dedicated weight only where it is kept: ``to_empty``,
-packing and loading never give a peer a weight it does not keep (see [Note: meta-device
-models]), and ``init_dedicated_`` gives the same values at every world size."""
+packing and loading (from a checkpoint, or from a dictionary on rank 0 alone) never give a
+peer a weight it does not keep (see [Note: meta-device models] and [Note: loading from rank
+0]), and ``init_dedicated_`` gives the same values at every world size."""
 
 from __future__ import annotations
 
 import gc
 import hashlib
 import math
+import os
+import tempfile
+from datetime import timedelta
 
 import pytest
 import torch
-from _models import TinyLlama, muon_predicate, shard_layers_then_root
+from _models import (
+    TinyLlama,
+    batch,
+    build,
+    loss_fn,
+    muon_predicate,
+    shard_layers_then_root,
+    tensor_parallel,
+)
+from _sgd_train import setup_model
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon_fsdp import (
     Muon,
+    Role,
     dedicate_params,
+    dedicate_params_ddp,
     get_model_state_dict,
+    get_runtime,
     init_dedicated_,
     load_checkpoint,
+    replicate,
     save_checkpoint,
+    set_model_state_dict,
 )
+from dmuon_fsdp.checkpoint._checkpoint import local_part
 from dmuon_testing.distributed import run_distributed
 
 DIM, HIDDEN = 32, 96  # dedicated weights 4x the rest, so a copy of them shows
@@ -123,3 +142,185 @@ def test_meta_model_holds_dedicated_weights_only_where_kept(tmp_path) -> None:
         digest = hashlib.sha256(f"{SEED}:{fqn}".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
         assert torch.equal(value, torch.empty(value.shape).normal_(0.0, 0.02, generator=g))
+
+
+# -- set_model_state_dict(..., broadcast_from_rank0=True) -----------------------------------------
+
+
+def _equal(got: dict[str, Tensor], want: dict[str, Tensor]) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def _holders_have(runtime, want: dict[str, Tensor]) -> bool:
+    """Every rank that keeps a dedicated weight (owner, HSDP replica, or any rank on the
+    replicated path) holds ``want``'s values; a sharded path's peers hold no storage."""
+    for dp in runtime.params:
+        kept = dp.role is not Role.PEER or runtime.config.replicated
+        if not kept:
+            if dp.tensor.untyped_storage().nbytes() != 0:
+                return False
+        elif not torch.equal(dp.tensor, local_part(dp, want[dp.fqn])):
+            return False
+    return True
+
+
+def _bad_dicts(want: dict[str, Tensor], proj: str) -> dict[str, tuple[object, str]]:
+    """Rank 0's bad dictionaries and the error each must raise, with values unlike the model's
+    so that a partial write would show."""
+    other = {k: v + 1.0 for k, v in want.items()}
+    norm = "layers.0.attn_norm.weight"
+    return {
+        "missing": ({k: v for k, v in other.items() if k != proj}, f"missing key.*{proj}"),
+        "shape": ({**other, proj: torch.zeros(2, 2)}, f"{proj}.*shape \\(2, 2\\)"),
+        "shape_fsdp": ({**other, norm: torch.zeros(3)}, f"{norm}.*shape \\(3,\\)"),
+        "dtype": ({**other, norm: other[norm].double()}, f"{norm}.*torch.float64"),
+        "not_a_mapping": ([1, 2], "state_dict must be a mapping"),
+    }
+
+
+def _rank0_load(rank: int, world_size: int):
+    out: dict[str, object] = {}
+    # 1-D, Z3, built on meta: rank 0 reads the dictionary before the baseline, so the growth
+    # measured on every rank is what the load itself leaves (the owned weights).
+    sd = _tiny().state_dict() if rank == 0 else {}
+    model, total = _on_meta(world_size)
+    before = _live_bytes()
+    model.to_empty(device="cpu")
+    optimizer = Muon(model)
+    set_model_state_dict(model, sd, broadcast_from_rank0=True)
+    out["growth"] = (_live_bytes() - before) / total
+    del sd
+    want = _tiny().state_dict()
+    runtime = get_runtime(model)
+    out["flat"] = _equal(get_model_state_dict(model), want) and _holders_have(runtime, want)
+
+    # A bad dictionary on rank 0 raises its error on every rank and writes nothing; what the
+    # other ranks pass is ignored.
+    proj = runtime.params[0].fqn
+    errors = {}
+    for label, (bad, match) in _bad_dicts(want, proj).items():
+        with pytest.raises(ValueError, match=match) as info:
+            set_model_state_dict(model, bad if rank == 0 else None, broadcast_from_rank0=True)  # type: ignore[arg-type]
+        errors[label] = str(info.value)
+    out["errors"] = errors
+    out["unchanged"] = _equal(get_model_state_dict(model), want) and _holders_have(runtime, want)
+    with pytest.raises(TypeError, match="broadcast_from_rank0 must be a bool"):
+        set_model_state_dict(model, {}, broadcast_from_rank0=1)  # type: ignore[arg-type]
+    del model, optimizer
+
+    # HSDP 2 x 2 with Z2: the peers' copies of the first forward are dropped, the replicas get
+    # the owners' bytes, and the next forward matches a twin loaded the every-rank way.
+    want = build(0).state_dict()
+    tokens = batch(0, 2)
+    hsdp, runtime = setup_model(world_size, replicate=2, reshard=False, seed=5)
+    Muon(hsdp)
+    with torch.no_grad():
+        loss_fn(hsdp, tokens)  # Z2 keeps the seed-5 weights on the peers
+    set_model_state_dict(hsdp, want if rank == 0 else {}, broadcast_from_rank0=True)
+    loaded = _equal(get_model_state_dict(hsdp), want) and _holders_have(runtime, want)
+    twin, _ = setup_model(world_size, replicate=2, reshard=False, seed=6)
+    set_model_state_dict(twin, want)
+    with torch.no_grad():
+        out["hsdp"] = loaded and torch.equal(loss_fn(hsdp, tokens), loss_fn(twin, tokens))
+    del hsdp, twin
+
+    # Tensor parallelism on a 2 x 2 (dp, tp) mesh, built on meta: each TP owner gets its shard.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        tp = build(0)
+    tensor_parallel(tp, mesh["tp"])
+    runtime = dedicate_params(tp, mesh["dp"], muon_predicate, small_param_threshold=0)
+    shard_layers_then_root(tp, mesh["dp"])
+    tp.to_empty(device="cpu")
+    Muon(tp)
+    set_model_state_dict(tp, want if rank == 0 else {}, broadcast_from_rank0=True)
+    out["tp"] = _equal(get_model_state_dict(tp), want) and _holders_have(runtime, want)
+    del tp
+
+    # The replicated (DDP) path: the owners' masters are loaded and published to every rank.
+    ddp = build(rank + 3)
+    ddp_mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params_ddp(ddp, ddp_mesh, muon_predicate, small_param_threshold=0)
+    replicate(ddp, ddp_mesh)
+    set_model_state_dict(ddp, want if rank == 0 else {}, broadcast_from_rank0=True)
+    out["ddp"] = (
+        _equal(get_model_state_dict(ddp), want)
+        and _equal(ddp.state_dict(), want)
+        and _holders_have(runtime, want)
+    )
+    return out
+
+
+@pytest.mark.distributed
+def test_set_model_state_dict_from_rank0_loads_bit_for_bit_into_owners_only() -> None:
+    results = run_distributed(_rank0_load, 4)
+    for rank, out in enumerate(results):
+        # The owned quarter of the dedicated weights (measured 0.26 on every rank, rank 0's
+        # dictionary excluded); a rank that kept every weight it passed on, or a copy of the
+        # dictionary, would grow by 1.0 or more.
+        assert out["growth"] <= 0.85, (rank, out["growth"])
+        assert out["flat"] and out["unchanged"], rank
+        assert out["hsdp"] and out["tp"] and out["ddp"], (rank, out)
+        # Every rank raised rank 0's error, word for word.
+        assert out["errors"] == results[0]["errors"], rank
+
+
+def _rank0_load_nccl(rank: int, world_size: int, init_file: str) -> None:
+    """The rank-0 load on CUDA with NCCL, where the allocator's peak shows what a rank held
+    at any moment of the load, not only what it kept."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+        device_id=torch.device("cuda", rank),
+    )
+    try:
+        want = _tiny().state_dict()  # on the CPU, as a Hugging Face file is read
+        with torch.device("meta"):
+            model = _tiny()
+        mesh = init_device_mesh("cuda", (world_size,))
+        runtime = dedicate_params(model, mesh, muon_predicate)
+        shard_layers_then_root(model, mesh)
+        model.to_empty(device="cuda")
+        Muon(model)
+        dedicated = {dp.fqn for dp in runtime.params}
+        largest = max(v.nbytes for k, v in want.items() if k not in dedicated)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        set_model_state_dict(model, want if rank == 0 else {}, broadcast_from_rank0=True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        got = get_model_state_dict(model)
+        assert _equal(got, want), rank
+        assert _holders_have(runtime, {k: v.cuda() for k, v in want.items()}), rank
+        if rank != 0:
+            # One broadcast full tensor and its shard (plus the verdict's few bytes); a
+            # received copy of an MLP weight this rank does not own (12 KiB) would not fit.
+            assert peak <= 2 * largest + 2048, (rank, peak, largest)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_set_model_state_dict_from_rank0_on_nccl_peaks_at_one_full_tensor() -> None:
+    world_size = min(torch.cuda.device_count(), 4)
+    if world_size < 2:
+        pytest.skip("needs two CUDA devices")
+    import torch.multiprocessing as mp
+
+    tests_dir = os.path.dirname(__file__)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [
+            tests_dir,
+            os.path.join(tests_dir, "..", "..", "..", "testing"),
+            *os.environ.get("PYTHONPATH", "").split(os.pathsep),
+        ]
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank0_load_nccl, args=(world_size, os.path.join(tmp, "init")), nprocs=world_size)

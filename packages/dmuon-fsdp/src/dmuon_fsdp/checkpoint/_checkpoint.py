@@ -28,7 +28,38 @@ it returns. Returned tensors never alias the model's or the optimizer's own.
 and membership; see :mod:`._state_layout`) before it writes anything, so a bad checkpoint
 raises ``ValueError`` naming the offending key and leaves model and optimizer exactly as they
 were. Loading needs no collective: every rank holds the full dictionary and takes its own part
-(the owner its full weight or state, FSDP2 parameters their shard).
+(the owner its full weight or state, FSDP2 parameters their shard). With
+``broadcast_from_rank0`` only rank 0 holds it; see [Note: loading from rank 0].
+
+[Note: loading from rank 0]
+``set_model_state_dict(..., broadcast_from_rank0=True)`` is the load of a checkpoint that only
+global rank 0 reads (a Hugging Face file too large for every rank's host memory), torch's
+``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)`` for dmuon. Rank 0 checks
+the dictionary exactly as the every-rank load does and broadcasts its verdict (the error's text,
+or nothing) before any tensor moves, so a bad dictionary raises the same ``ValueError`` on
+every rank and nothing is written anywhere. Then the entries travel in ``state_dict`` order,
+the reverse of :class:`_Gather`:
+
+- a dedicated weight goes point to point from rank 0 to its owner, straight into the owner's
+  ``full`` (with tensor parallelism to the owner coordinate of every TP grid, each its TP
+  shard, or the whole matrix where it is not split). A peer receives nothing and allocates
+  nothing. Consecutive dedicated weights of one hook boundary travel as one batch of sends,
+  waited before anything else moves, so rank 0 holds at most one boundary's outgoing copies;
+- an FSDP2 ``DTensor`` is broadcast whole, one at a time, and each rank keeps its shard
+  (``shard_like``), as torch does; a plain tensor (a buffer, or a parameter of the replicated
+  path) is broadcast straight into itself.
+
+So a rank other than 0 holds, beyond its own shards and owned weights, at most one full
+tensor at a time. In HSDP the plan gives each weight one global owner on the whole grid (an
+``Owner(shard, replicate)``; the other rows keep its copy on the owner's column replicas), and
+the weight goes to that owner alone, as the every-rank load writes only the owner's ``full``
+too: the closing ``after_step`` publishes each owner's packs
+to its shard column, the very broadcast that follows every optimizer step, so the replicas'
+copies are the owner's bytes by construction (with mixed precision the owner's compute copy,
+cast from the master just loaded), identical to what any step leaves. Sending the replicas
+their own copies from rank 0 would cost the same bytes again and still need the publish for
+a compute copy the replica does not cast itself. The replicated (DDP) path works the same way:
+the owners' masters are loaded and published to the shard group.
 
 Every function here is collective over the runtime's ranks (get_*: broadcasts, sends and
 ``full_tensor``; set_model_state_dict: the runtime's ``after_step``) and first drains the
@@ -74,6 +105,9 @@ __all__ = [
     "set_optimizer_state_dict",
     "shard_like",
 ]
+
+
+Entry = tuple[str, Tensor, DedicatedParam | None]
 
 
 def _aliases(a: Tensor, b: Tensor) -> bool:
@@ -206,39 +240,187 @@ def get_model_state_dict(
         return out
 
 
-def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor]) -> None:
+def set_model_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Tensor], *, broadcast_from_rank0: bool = False
+) -> None:
     """Load a full ``{fqn: tensor}`` dictionary (as :func:`get_model_state_dict` returns, or a
     plain model's ``state_dict()``); raises before modifying anything when a key is missing or
-    unexpected or a shape or dtype differs. Collective."""
+    unexpected or a shape or dtype differs. Collective.
+
+    ``broadcast_from_rank0=True``: only global rank 0 needs the dictionary (every other rank's
+    ``state_dict`` is ignored; pass ``{}``). Rank 0 checks it and every rank raises the same
+    ``ValueError`` when it does not fit; otherwise each dedicated weight goes from rank 0 to its
+    owner alone and every FSDP2 shard is cut from one broadcast tensor at a time (see [Note:
+    loading from rank 0])."""
+    if not isinstance(broadcast_from_rank0, bool):
+        raise TypeError(f"broadcast_from_rank0 must be a bool, got {broadcast_from_rank0!r}")
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_set_model"):
         runtime.drain()
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(
-                f"state_dict must be a mapping fqn -> tensor, got {type(state_dict).__name__}"
-            )
         entries = model_entries(model, runtime)
-        check_model(
-            "set_model_state_dict",
-            model_specs(entries),
-            {k: TensorSpec.of(v) if isinstance(v, Tensor) else None for k, v in state_dict.items()},
-            "the checkpoint must hold exactly the keys of model.state_dict() (same model"
-            " definition; take it with dmuon.get_model_state_dict)",
-        )
-        with torch.no_grad():
-            for key, target, dp in entries:
-                value = state_dict[key]
-                if dp is not None:
-                    if dp.full is not None:
-                        dp.full.copy_(local_part(dp, value))
-                elif isinstance(target, DTensor):
-                    local = shard_like(value, target)
-                    assert isinstance(local, DTensor)
-                    target.to_local().copy_(local.to_local())
-                else:
-                    target.copy_(value)
+        if broadcast_from_rank0:
+            _Scatter(runtime).load(entries, state_dict)
+        else:
+            _check_model_dict(entries, state_dict)
+            with torch.no_grad():
+                for key, target, dp in entries:
+                    value = state_dict[key]
+                    if dp is not None:
+                        if dp.full is not None:
+                            dp.full.copy_(local_part(dp, value))
+                    elif isinstance(target, DTensor):
+                        local = shard_like(value, target)
+                        assert isinstance(local, DTensor)
+                        target.to_local().copy_(local.to_local())
+                    else:
+                        target.copy_(value)
         # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
         runtime.after_step(async_=False)
+
+
+def _check_model_dict(entries: list[Entry], state_dict: object) -> None:
+    """Raise ``ValueError`` unless ``state_dict`` holds exactly the model's keys, shapes and
+    dtypes (see [Note: validate, then apply])."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(
+            f"state_dict must be a mapping fqn -> tensor, got {type(state_dict).__name__}"
+        )
+    check_model(
+        "set_model_state_dict",
+        model_specs(entries),
+        {k: TensorSpec.of(v) if isinstance(v, Tensor) else None for k, v in state_dict.items()},
+        "the checkpoint must hold exactly the keys of model.state_dict() (same model"
+        " definition; take it with dmuon.get_model_state_dict)",
+    )
+
+
+class _Scatter:
+    """Rank 0's full dictionary to where each tensor is kept; see [Note: loading from rank 0]."""
+
+    SOURCE = 0
+
+    def __init__(self, runtime: DedicatedRuntime) -> None:
+        self.runtime = runtime
+        # Every rank: with tensor parallelism rank 0 feeds every TP index's grid.
+        self.group = runtime.global_group
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size(self.group)
+        self.device = runtime.layout.device
+        self.is_source = self.rank == self.SOURCE
+        # The point-to-point transfers of the current boundary, and where each received
+        # tensor goes once they are waited (nothing when it was received in place).
+        self._ops: list[dist.P2POp] = []
+        self._landing: list[tuple[Tensor, Tensor]] = []
+        self._boundary: str | None = None
+
+    def load(self, entries: list[Entry], state_dict: object) -> None:
+        """Check on rank 0, share the verdict, then move every entry (collective)."""
+        self._share_verdict(entries, state_dict)
+        specs = model_specs(entries)
+        with torch.no_grad():
+            for key, target, dp in entries:
+                value = state_dict[key] if self.is_source else None  # type: ignore[index]
+                if dp is not None:
+                    self._to_owner(dp, value)
+                else:
+                    self._to_shards(target, value, specs[key])
+            self._flush()
+
+    def _share_verdict(self, entries: list[Entry], state_dict: object) -> None:
+        """Raise rank 0's ``ValueError`` on every rank (its text travels as bytes, so no
+        pickling), or return on every rank."""
+        error: ValueError | None = None
+        if self.is_source:
+            try:
+                _check_model_dict(entries, state_dict)
+            except ValueError as e:
+                error = e
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return
+        text = b"" if error is None else str(error).encode()
+        length = torch.tensor([len(text)], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=self.SOURCE, group=self.group)
+        size = int(length.item())
+        if size == 0:
+            return
+        data = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if self.is_source:
+            data.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+        dist.broadcast(data, src=self.SOURCE, group=self.group)
+        if error is not None:
+            raise error
+        raise ValueError(bytes(data.cpu().tolist()).decode())
+
+    def _to_owner(self, dp: DedicatedParam, value: Tensor | None) -> None:
+        """``value`` (rank 0's full weight) to the owner coordinate of every TP grid, each
+        its part: the TP shard of a split matrix (in TP-index order, as :func:`local_part`
+        cuts it), the whole matrix otherwise."""
+        if dp.boundary != self._boundary:
+            self._flush()
+            self._boundary = dp.boundary
+        for index, rank in enumerate(self.runtime.layout.tp_ranks(dp.owner)):
+            if self.is_source:
+                assert value is not None
+                part = value if dp.tp_dim is None else _tp_part(dp, value, index)
+                if rank == self.rank:
+                    assert dp.full is not None, f"{dp.fqn}: the owner holds no weight"
+                    dp.full.copy_(part)
+                else:
+                    send = part.detach().to(self.device, copy=False).contiguous()
+                    self._ops.append(dist.P2POp(dist.isend, send, rank, self.group))
+            elif rank == self.rank:
+                assert dp.full is not None, f"{dp.fqn}: the owner holds no weight"
+                into = dp.full
+                if not into.is_contiguous():
+                    into = torch.empty(dp.local_shape, dtype=dp.full.dtype, device=self.device)
+                    self._landing.append((into, dp.full))
+                self._ops.append(dist.P2POp(dist.irecv, into, self.SOURCE, self.group))
+
+    def _flush(self) -> None:
+        """Wait for the current boundary's transfers and copy what landed beside its target."""
+        if self._ops:
+            for work in dist.batch_isend_irecv(self._ops):
+                work.wait()
+        for landed, target in self._landing:
+            target.copy_(landed)
+        self._ops, self._landing = [], []
+
+    def _to_shards(self, target: Tensor, value: Tensor | None, spec: TensorSpec) -> None:
+        """``value`` broadcast whole from rank 0; an FSDP2 ``DTensor`` keeps its shard, a plain
+        tensor all of it (received in place when it is contiguous)."""
+        self._flush()
+        self._boundary = None
+        in_place = (
+            not isinstance(target, DTensor)
+            and target.is_contiguous()
+            and target.device == self.device
+        )
+        if in_place:
+            full = target.detach()
+            if self.is_source:
+                full.copy_(value)  # type: ignore[arg-type]
+        elif self.is_source:
+            assert value is not None
+            full = value.detach().to(self.device, copy=False).contiguous()
+        else:
+            full = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        if self.world > 1:
+            dist.broadcast(full, src=self.SOURCE, group=self.group)
+        if isinstance(target, DTensor):
+            local = shard_like(full, target)
+            assert isinstance(local, DTensor)
+            target.to_local().copy_(local.to_local())
+        elif not in_place:
+            target.copy_(full)
+
+
+def _tp_part(dp: DedicatedParam, full: Tensor, index: int) -> Tensor:
+    """TP index ``index``'s shard of a tensor-parallel matrix (equal shards, in order)."""
+    assert dp.tp_dim is not None
+    size = dp.local_shape[dp.tp_dim]
+    return full.narrow(dp.tp_dim, index * size, size)
 
 
 # -- optimizer --------------------------------------------------------------------------------
@@ -376,9 +558,7 @@ def local_part(dp: DedicatedParam | None, full: Tensor) -> Tensor:
     if dp is None or dp.tp_dim is None:
         return full
     assert isinstance(dp.param, DTensor)
-    size = dp.local_shape[dp.tp_dim]
-    index = dp.param.device_mesh.get_local_rank()
-    return full.narrow(dp.tp_dim, index * size, size)
+    return _tp_part(dp, full, dp.param.device_mesh.get_local_rank())
 
 
 def as_step(value: Tensor) -> Tensor:
