@@ -236,6 +236,8 @@ def docs(session: nox.Session) -> None:
 # resumed losses equal the uninterrupted run's bit for bit.
 INTEGRATIONS: dict[str, list[str]] = {
     "lightning_train.py": ["lightning==2.6.6"],
+    # torchtitan 0.3 imports Triton at import time (its expert-parallel kernels).
+    "torchtitan_train.py": ["torchtitan==0.3.0", TRITON],
 }
 
 
