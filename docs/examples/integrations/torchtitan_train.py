@@ -262,14 +262,16 @@ class DmuonOptimizersContainer(OptimizersContainer):
         self.muon.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        raise TypeError(
-            "DmuonOptimizersContainer is checkpointed by DmuonCheckpointManager (one "
-            "dmuon.AppState for the model and the optimizer): set the job's "
-            "checkpoint=DmuonCheckpointManager.Config(...)"
-        )
+        raise TypeError(NOT_ALONE)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.state_dict()
+        raise TypeError(NOT_ALONE)
+
+
+NOT_ALONE = (
+    "DmuonOptimizersContainer is checkpointed together with the model, in one dmuon.AppState, "
+    "by DmuonCheckpointManager: set the job's checkpoint=DmuonCheckpointManager.Config(...)"
+)
 
 
 class DmuonCheckpointManager(CheckpointManager):
