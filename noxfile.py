@@ -237,6 +237,8 @@ def docs(session: nox.Session) -> None:
 INTEGRATIONS: dict[str, list[str]] = {
     "lightning_train.py": ["lightning==2.6.6"],
     "hf_trainer_train.py": ["transformers==5.24.0", "accelerate==1.16.0"],
+    # torchtitan 0.3 imports Triton at import time (its expert-parallel kernels).
+    "torchtitan_train.py": ["torchtitan==0.3.0", TRITON],
 }
 
 

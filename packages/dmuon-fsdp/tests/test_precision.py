@@ -347,29 +347,58 @@ def init_weights(model: nn.Module) -> None:
                 nn.init.normal_(p, std=0.02) if p.ndim == 2 else nn.init.ones_(p)
 
 
+def init_weights_reading_back(model: nn.Module) -> None:
+    """An initialisation in torchtitan's style, which reads back what it wrote: torch's
+    ``trunc_normal_`` (a rejection sampler: it redraws the values outside its bounds, so how
+    much it draws depends on them) with bounds tight enough to redraw, and a weight assembled
+    from ``new_empty`` pieces and copied in (torchtitan's fused q/k/v)."""
+    torch.manual_seed(4321)
+    named = list(model.named_parameters())
+    with torch.no_grad():
+        for name, p in named:
+            if "up_proj" in name:
+                halves = [p.new_empty(p.shape[0] // 2, *p.shape[1:]) for _ in range(2)]
+                for half in halves:
+                    nn.init.trunc_normal_(half, std=0.02, a=-0.03, b=0.03)
+                p.copy_(torch.cat(halves))
+            elif "proj" in name:
+                nn.init.trunc_normal_(p, std=0.02, a=-0.03, b=0.03)
+        for name, p in named:
+            if "proj" not in name:
+                nn.init.normal_(p, std=0.02) if p.ndim == 2 else nn.init.ones_(p)
+
+
+INITS = (init_weights, init_weights_reading_back)
+
+
 def _meta_init(rank: int, world_size: int):
-    meta = _on_meta(world_size, True)
-    init_weights(meta)  # before packing: every rank holds each dedicated weight whole
-    optimizer = Muon(meta, **HYPER.muon_kwargs())  # packs: each weight kept on its owner
-    state = {k: v for k, v in get_model_state_dict(meta).items() if "proj" in k}
-    optimizer.zero_grad()
-    loss = lm_loss(meta, shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size))
-    loss.backward()
-    optimizer.step()
-    return state, _global(loss, world_size)
+    results = []
+    for init in INITS:
+        meta = _on_meta(world_size, True)
+        init(meta)  # before packing: a peer's writes run on scratch tensors it drops
+        optimizer = Muon(meta, **HYPER.muon_kwargs())  # packs: each weight kept on its owner
+        state = {k: v for k, v in get_model_state_dict(meta).items() if "proj" in k}
+        optimizer.zero_grad()
+        loss = lm_loss(meta, shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size))
+        loss.backward()
+        optimizer.step()
+        results.append((state, _global(loss, world_size)))
+    return results
 
 
 @pytest.mark.distributed
 def test_init_weights_on_a_meta_model_initialises_dedicated_weights_as_a_normal_model() -> None:
-    # The documented result (note "meta-device models"): before the runtime packs its
-    # parameters every rank holds the dedicated weights whole, so init_weights() gives them
-    # the values it gives a normally built model with the same generator state, and packing
-    # keeps the owners' copies.
+    # The documented result (note "meta-device models"): a model's own initialisation run on
+    # every rank gives the dedicated weights the values it gives a normally built model with
+    # the same generator state (a peer draws on scratch tensors, so the generators advance as
+    # on the owner, also where the draws depend on the values), and packing keeps the owners'.
     results = run_distributed(_meta_init, 2)
-    plain = build(0)
-    init_weights(plain)
-    want = {k: v for k, v in plain.state_dict().items() if "proj" in k}
-    for state, loss in results:
-        assert state.keys() == want.keys()
-        assert all(torch.equal(state[k], v) for k, v in want.items())
-        assert loss == loss and loss > 0  # the model trains after packing
+    for i, init in enumerate(INITS):
+        plain = build(0)
+        init(plain)
+        want = {k: v for k, v in plain.state_dict().items() if "proj" in k}
+        for rank_results in results:
+            state, loss = rank_results[i]
+            assert state.keys() == want.keys()
+            assert all(torch.equal(state[k], v) for k, v in want.items()), init.__name__
+            assert loss == loss and loss > 0  # the model trains after packing

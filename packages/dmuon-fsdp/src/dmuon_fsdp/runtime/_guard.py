@@ -92,6 +92,19 @@ _METADATA_METHODS = frozenset(
         "__len__",
         "__hash__",
         "_has_compatible_shallow_copy_type",  # nn.Module._apply compares tensor types
+        # New tensors that take only the dtype and device (``*_like``: and the shape) of the
+        # weight and none of its values: an initialisation may assemble a weight from
+        # ``w.new_empty(...)`` pieces and ``copy_`` them in (torchtitan's fused q/k/v does), or
+        # make its bounds with ``w.new_tensor(bound)`` (torch's ``trunc_normal_`` does).
+        "new_tensor",
+        "new_empty",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
     }
 )
 _ABSENT = "_dmuon_absent"
@@ -276,9 +289,11 @@ def _writes_unplaced(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 def _write_to_scratch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run the in-place ``func`` on a scratch tensor of the written weight's shape, dtype and
-    device, dropped at once: an initialisation run on every rank draws from the generators
-    exactly as on the owner (see [Note: meta-device models] in ``_runtime``), and the peer
-    keeps nothing."""
+    device, and return the scratch instead of the weight: an initialisation run on every rank
+    draws from the generators exactly as on the owner (see [Note: meta-device models] in
+    ``_runtime``), also one that reads back what it drew through the returned tensor (torch's
+    ``trunc_normal_`` redraws the values that fall outside its bounds: how often it draws
+    depends on them). The peer keeps nothing once the caller drops the scratch."""
     t = _written(args, kwargs)
     with disable_torch_function_subclass():
         scratch = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -286,7 +301,7 @@ def _write_to_scratch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             func(scratch, *args[1:], **kwargs)
         else:
             func(**{k: scratch if v is t else v for k, v in kwargs.items()})
-    return t
+    return scratch
 
 
 def set_unplaced(param: nn.Parameter, unplaced: bool) -> None:

@@ -460,8 +460,10 @@ def _check_materialised(dp: DedicatedParam) -> None:
       world size. A model's own ``init_weights()`` run on every rank with the same generator
       state also still gives each weight the values it gives a normally built model: on a
       peer each in-place write into a plain weight not packed yet runs on a scratch tensor of
-      its shape that is dropped at once (``_guard._write_to_scratch``), so the generators
-      advance exactly as on the owner, at the cost of one weight at a time on the peer.
+      its shape, which the write returns and the peer drops with it
+      (``_guard._write_to_scratch``), so the generators advance exactly as on the owner (an
+      initialisation that reads back what it drew reads the scratch), at the cost of one
+      weight at a time on the peer.
     - Packing then copies a kept weight into its pack and gives a peer's pack a buffer
       without storage (:func:`~._pack.without_storage`), so a peer allocates a dedicated
       weight only when a broadcast fills it for its layer's forward and backward. An owner
