@@ -47,6 +47,7 @@ TRANSLATED = [
     "guides/integrations/index.md",
     "guides/integrations/lightning.md",
     "guides/integrations/huggingface.md",
+    "guides/integrations/torchtitan.md",
 ]
 UNTRANSLATED: list[str] = []
 
