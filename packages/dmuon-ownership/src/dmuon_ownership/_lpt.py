@@ -213,13 +213,17 @@ def _expert_work_done(
     """Each slot's expert work once the sources are chosen: a stack shard with a source is
     worked on its source replica only."""
     source_of = {(s.stack, s.shard): s.replicate for s in sources}
+    work = [
+        [expert_work(stack, shard, shard_size) for _, stack in stacks]
+        for shard in range(shard_size)
+    ]
     done = []
     for slot in range(shard_size * replicate_size):
         shard, replicate = slot % shard_size, slot // shard_size
         done.append(
             math.fsum(
-                expert_work(stack, shard, shard_size)
-                for name, stack in stacks
+                cost
+                for (name, _), cost in zip(stacks, work[shard])
                 if source_of.get((name, shard), replicate) == replicate
             )
         )
