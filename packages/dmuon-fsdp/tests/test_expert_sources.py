@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from _moe import build_moe, moe_predicate
 from _reference import Hyper, lm_loss, make_batch, shard
+from test_moe import ROWS, SEQ, VOCAB, _steps
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -25,7 +26,7 @@ from dmuon_fsdp import (
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()
-STEPS, ROWS, SEQ, VOCAB = 4, 8, 8, 32
+STEPS = 4
 EXPERTS = 4
 
 
@@ -64,15 +65,7 @@ def _train(rank: int, world_size: int, sources: bool):
     finally:
         lpt.expert_sources = chosen
     optimizer = Muon(model, **HYPER.muon_kwargs())
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size))
-        loss.backward()
-        optimizer.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world_size)
+    losses = _steps(model, optimizer, rank, world_size, 0, STEPS)
     # The bytes the sources broadcast per step, from the plan and this rank's shards.
     params = dict(model.named_parameters())
     mine = runtime.coord.shard
@@ -94,7 +87,18 @@ def _train(rank: int, world_size: int, sources: bool):
                 work.wait()
             replicas_equal &= torch.equal(local, other)
     state = get_model_state_dict(model)
-    return losses, state, runtime.plan.expert_sources, expected, published, replicas_equal
+    # An infinity in a gradient of a stack shard that this rank only advances the momentum of
+    # (its replica steps it) skips the step on every rank.
+    skipped = True
+    if sources:
+        optimizer.zero_grad()
+        lm_loss(model, shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size)).backward()
+        first = runtime.plan.expert_sources[0]
+        if (runtime.coord.shard, runtime.coord.replicate) == (first.shard, 1 - first.replicate):
+            params[first.stack].grad.to_local().fill_(float("inf"))
+        optimizer.step()
+        skipped = bool(optimizer.last_step_stats.skipped)
+    return losses, state, runtime.plan.expert_sources, expected, published, replicas_equal, skipped
 
 
 def _refused(rank: int, world_size: int) -> str:
@@ -117,7 +121,7 @@ def _both(rank: int, world_size: int):
 @pytest.mark.distributed
 def test_expert_sources_train_bit_for_bit_like_every_replica_stepping() -> None:
     results = run_distributed(_both, 4)
-    (losses, state, sources, expected, published, equal), plain, _ = results[0]
+    (losses, state, sources, *_), plain, _ = results[0]
     plain_losses, plain_state, plain_sources, *_ = plain
     assert sources and not plain_sources, (sources, plain_sources)
     assert any(result[0][3] > 0 for result in results)
@@ -125,12 +129,14 @@ def test_expert_sources_train_bit_for_bit_like_every_replica_stepping() -> None:
     assert state.keys() == plain_state.keys()
     for key in state:
         assert torch.equal(state[key], plain_state[key]), key
-    for (_, _, _, expected, published, equal), (
+    for (*_, expected, published, equal, skipped), (
         *_,
         plain_published,
         plain_equal,
+        _,
     ), message in results:
         assert equal and plain_equal, "HSDP replicas hold different experts"
+        assert skipped, "an infinity in a receiver's expert gradient must skip the step everywhere"
         # What the sources add to the replicate axis is their shards' broadcast, nothing else.
         assert published - plain_published == expected, (published, expected)
         assert "fully_shard the experts' module" in message and ".experts.w" in message, message

@@ -595,6 +595,8 @@ class Muon(torch.optim.Optimizer):
         found = torch.zeros((), dtype=torch.float32, device=device)
         grads = [item.grad for items in work.batches for item in items]
         grads += [item.grad for item, _ in work.tensor_parallel]
+        # A stack shard another replica steps still advances its momentum here.
+        grads += [item.grad for item in work.momentum_only]
         grads += [local_tensor(g) for *_, gs, _ in work.adamw for g in gs]
         # An FSDP2 shard of a dimension smaller than the world (a (1, 1, d) class token on
         # two ranks) is empty on some ranks: nothing to check, and its inf-norm is an error.
