@@ -9,8 +9,9 @@ on the CPU otherwise). Started plainly, it spawns ``--world-size`` gloo ranks on
 with ``torch.multiprocessing``. Either way rank 0 prints the loss of every step, and the script
 exits non-zero unless the loss is finite and lower after the last step than before the first.
 It uses the public ``dmuon`` API only, in the order dmuon requires: build the model,
-``dmuon.dedicate_params``, ``fully_shard`` each layer and then the root (with
-``ignored_params=dmuon.dedicated_params_of(model)``), ``dmuon.Muon``.
+``dmuon.dedicate_params``, ``fully_shard`` each layer and then the root (plain calls: the
+patch ``dedicate_params`` installs makes them leave the dedicated matrices alone; without it,
+pass ``ignored_params=dmuon.dedicated_params_of(model)``), ``dmuon.Muon``.
 """
 
 from __future__ import annotations
@@ -83,12 +84,11 @@ def build(mesh: DeviceMesh, device: torch.device, seed: int = 0) -> tuple[TinyLM
 
     # 1. Choose the Muon matrices and give each one an owner rank (before fully_shard).
     dmuon.dedicate_params(model, mesh, predicate=lambda name, p: "proj" in name and p.ndim == 2)
-    # 2. Shard everything else with FSDP2, each layer and then the root; ignored_params leaves
-    #    the dedicated matrices to dmuon.
-    dedicated = dmuon.dedicated_params_of(model)
+    # 2. Shard everything else with FSDP2, each layer and then the root; fully_shard leaves the
+    #    dedicated matrices to dmuon.
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
-    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     # 3. One optimizer: Muon for the dedicated matrices, AdamW for the rest.
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3)
     return model, optimizer

@@ -147,10 +147,8 @@ def _deprecated_names_and_config(rank: int, world_size: int):
     assert runtime.plan.fingerprint() == new_runtime.plan.fingerprint()
     with pytest.raises(ValueError, match=r"got config= and debug_fence: pass each option once"):
         dedicate_params_ddp(build(0), mesh, muon_predicate, config=config, debug_fence=True)
-    with pytest.raises(ValueError, match=r"patch_fully_shard=True\): the replicated path"):
-        dedicate_params_ddp(
-            build(0), mesh, muon_predicate, config=DedicateConfig(patch_fully_shard=True)
-        )
+    # The replicated path calls no fully_shard: it never installs the patch.
+    assert not runtime.config.patch_fully_shard
 
 
 @pytest.mark.distributed

@@ -42,10 +42,10 @@ def _fully_shard_first(rank: int, world_size: int) -> None:
 
 # What every entry point says of a dedicated parameter that fully_shard took.
 _TAKEN = (
-    r"dedicated parameter 'layers\.0\.[\w.]+' was taken by fully_shard: FSDP2 replaced it on "
-    r"its module \(now {kind}\) because it was not in fully_shard's ignored_params.*"
-    r"ignored_params=dmuon\.dedicated_params_of\(model\) to every fully_shard call.*"
-    r"dedicate_params\(\.\.\., patch_fully_shard=True\)"
+    r"dedicated parameter 'layers\.0\.[\w.]+' \(owner: rank \d+; this rank \d+ is its \w+\) "
+    r"was taken by fully_shard \(FSDP2 replaced it on its module with {kind}\).*"
+    r"patch_fully_shard=True.*"
+    r"ignored_params=dmuon\.dedicated_params_of\(model\) to every fully_shard call"
 )
 
 
@@ -53,7 +53,7 @@ def _fully_shard_without_ignored_params(rank: int, world_size: int) -> None:
     uninstall_patch()  # the worker process outlives the tests it ran before
     mesh = _mesh(world_size)
     model = build(0)
-    dedicate_params(model, mesh, muon_predicate)  # the default: fully_shard is not patched
+    dedicate_params(model, mesh, muon_predicate, patch_fully_shard=False)
     fully_shard(model.layers[0], mesh=mesh)  # no ignored_params: FSDP2 shards the layer's all
     fully_shard(model, mesh=mesh, ignored_params=dedicated_params_of(model))
     shards = _TAKEN.format(kind="a DTensor shard")
@@ -72,7 +72,7 @@ def _fully_shard_without_ignored_params(rank: int, world_size: int) -> None:
     # A meta-device model: to_empty materialises FSDP2's shards, which are not adopted.
     with torch.device("meta"):
         meta = build(0)
-    dedicate_params(meta, mesh, muon_predicate)
+    dedicate_params(meta, mesh, muon_predicate, patch_fully_shard=False)
     fully_shard(meta.layers[0], mesh=mesh)
     meta.to_empty(device="cpu")
     with pytest.raises(RuntimeError, match=shards):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from _moe import ReferenceMoE, build_moe, moe_predicate
 from _reference import Hyper, lm_loss, make_batch, shard
 from test_checkpoint import _equal
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
@@ -194,6 +195,44 @@ def test_hf_moe_trains_with_gate_and_up_orthogonalised_apart(family) -> None:
     for rank_views in (r[1] for r in results):
         assert rank_views["model.layers.0.mlp.experts.gate_up_proj"] == (glu, gate_up, 4)
         assert rank_views["model.layers.0.mlp.experts.down_proj"][2] == 2
+
+
+class _OwnExperts(nn.Module):
+    """A user's own experts module named like Qwen's, without Hugging Face's flags."""
+
+    def __init__(self, gate_up_rows: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(4, gate_up_rows, 16))
+        self.down_proj = nn.Parameter(torch.randn(4, 16, 8))
+
+
+def _own_experts_views(rank: int, world_size: int) -> dict[str, object]:
+    """How Muon cuts each user-defined gate_up_proj: one matrix per expert unless its shape
+    is the gate and up of its down_proj (2 x 8 rows), or param_policy declares it."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = nn.Module()
+    model.layers = nn.ModuleList(  # type: ignore[assignment]
+        [_OwnExperts(rows) for rows in (8, 16, 16, 8)]
+    )
+    policy = {
+        "overrides": [
+            {"name": ["layers.2.gate_up_proj"], "set": {"glu": "joint"}},
+            {"name": ["layers.3.gate_up_proj"], "set": {"glu": "split"}},
+        ]
+    }
+    runtime = dedicate_params(model, mesh, lambda n, p: "gate_up" in n, param_policy=policy)
+    return {stack.fqn: (stack.view.batch, stack.view.split) for stack in runtime.local_muon}
+
+
+def test_only_a_fused_or_declared_gate_up_stack_is_split() -> None:
+    (views,) = run_distributed(_own_experts_views, 1)
+    concat = "gate and up apart (rows [gate; up])"
+    assert views == {
+        "layers.0.gate_up_proj": (4, None),  # (4, 8, 16) beside a (4, 16, 8) down: not fused
+        "layers.1.gate_up_proj": (8, concat),  # (4, 16, 16): the gate and up of that down
+        "layers.2.gate_up_proj": (4, None),  # declared joint
+        "layers.3.gate_up_proj": (8, concat),  # declared split
+    }
 
 
 # -- checkpoints, HSDP, one rank and the refused layout ----------------------------------------

@@ -12,7 +12,7 @@ from _sgd_train import setup_model
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dmuon_fsdp import Muon, WeightPart, dedicate_params_ddp, replicate
+from dmuon_fsdp import Muon, Role, WeightPart, dedicate_params_ddp, replicate
 from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
@@ -99,3 +99,66 @@ def test_post_update_hook_reaches_every_rank_before_the_next_forward() -> None:
 def test_register_post_update_hook_takes_a_callable() -> None:
     with pytest.raises(TypeError, match="register_post_update_hook takes a callable"):
         Muon.register_post_update_hook(object.__new__(Muon), "not a hook")  # type: ignore[arg-type]
+
+
+class _HookFailed(Exception):
+    pass
+
+
+def _raising_hook(rank: int, world_size: int, raising_ranks: tuple[int, ...]) -> dict:
+    """HSDP 2 x 2: a hook that raises on ``raising_ranks`` after the update. Each step must
+    end with every owner's replicas equal to it (the step applied everywhere), the hook's
+    exception on the ranks where it raised, and, when it raised on some ranks only, the same
+    error on every rank at the next step, which then changes nothing."""
+    model, runtime = setup_model(world_size, replicate=2, small_param_threshold=0)
+    optimizer = Muon(model, lr=0.05, replicate_async=True)
+
+    def hook(opt: Muon, parts: dict[str, WeightPart]) -> None:
+        if rank in raising_ranks:
+            raise _HookFailed(f"rank {rank}")
+
+    optimizer.register_post_update_hook(hook)
+    tokens = batch(0, ROWS).chunk(world_size)[rank]
+    raised: list[str] = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss_fn(model, tokens).backward()
+        try:
+            optimizer.step()
+        except (_HookFailed, RuntimeError) as exc:
+            raised.append(f"{type(exc).__name__}: {exc}")
+    runtime.drain()
+    # Each owner's weight and its replica's copy, everywhere.
+    mine = {
+        (dp.fqn, str(dp.role)): dp.param.detach().clone()
+        for dp in runtime.params
+        if dp.role is not Role.PEER
+    }
+    owners = {dp.fqn: dp.full.clone() for dp in runtime.owned if dp.full is not None}
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, (mine, owners))
+    full = {name: w for _, table in everyone for name, w in table.items()}
+    replicas_equal = all(
+        torch.equal(w, full[fqn])
+        for table, _ in everyone
+        for (fqn, role), w in table.items()
+        if role == "replica"
+    )
+    return {"raised": raised, "replicas equal": replicas_equal}
+
+
+@pytest.mark.distributed
+def test_a_raising_hook_leaves_every_replica_equal_and_reaches_every_rank() -> None:
+    # Raising everywhere: every rank sees the hook's exception at each step, nothing more.
+    for result in run_distributed(_raising_hook, 4, (0, 1, 2, 3)):
+        assert result["replicas equal"]
+        assert [r.split(":")[0] for r in result["raised"]] == ["_HookFailed", "_HookFailed"]
+    # Raising on rank 0 only: rank 0 at once; at the next step every rank, before changing
+    # anything (so no rank goes on alone).
+    results = run_distributed(_raising_hook, 4, (0,))
+    for rank, result in enumerate(results):
+        assert result["replicas equal"], rank
+        partial = "RuntimeError: a post-update hook raised on 1 of 4 ranks in the previous step"
+        expected = [*(["_HookFailed: rank 0"] if rank == 0 else []), partial]
+        assert [r[: len(e)] for r, e in zip(result["raised"], expected)] == expected, result
+        assert len(result["raised"]) == len(expected), result

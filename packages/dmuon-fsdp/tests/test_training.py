@@ -11,7 +11,13 @@ from _reference import Hyper, lm_loss, make_batch, shard, train_reference
 from _sgd_train import make_mesh, setup_model
 from torch.distributed.fsdp import fully_shard
 
-from dmuon_fsdp import Muon, dedicate_params, dedicated_params_of, uninstall_patch
+from dmuon_fsdp import (
+    Muon,
+    dedicate_params,
+    dedicated_params_of,
+    get_model_state_dict,
+    uninstall_patch,
+)
 from dmuon_fsdp.runtime._guard import is_dedicated
 from dmuon_fsdp.setup._fsdp_integration import is_installed
 from dmuon_ns import NewtonSchulz
@@ -69,15 +75,14 @@ def counting_muon(model, hyper: Hyper = HYPER) -> tuple[Muon, CountingNS]:
     return Muon(model, ns_backend=counting, **kwargs), counting
 
 
-def _patched_model(world_size: int, reshard: bool):
-    """The tiny model under the opt-in fully_shard patch: plain ``fully_shard`` calls, without
-    ``ignored_params``, leave the dedicated parameters alone."""
+def _plain_fully_shard_model(world_size: int, reshard: bool):
+    """The tiny model as the first public DMuon's script builds it: ``dedicate_params`` with
+    its defaults, then plain ``fully_shard`` calls (no ``ignored_params``), which its patch
+    makes leave the dedicated parameters alone."""
     model = build(0)
     mesh, _, _ = make_mesh(world_size, 1)
-    runtime = dedicate_params(
-        model, mesh, muon_predicate, reshard_after_forward=reshard, patch_fully_shard=True
-    )
-    assert is_installed()
+    runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    assert is_installed(), "dedicate_params installs the fully_shard patch by default"
     assert dedicated_params_of(model) == {dp.param for dp in runtime.params}
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -86,14 +91,14 @@ def _patched_model(world_size: int, reshard: bool):
     return model, runtime
 
 
-def _train_vs_reference(rank: int, world_size: int, reshard: bool, patched: bool = False):
+def _train_vs_reference(rank: int, world_size: int, reshard: bool, plain: bool = False):
     uninstall_patch()  # the worker process outlives the tests it ran before
     try:
-        if patched:
-            model, runtime = _patched_model(world_size, reshard)
+        if plain:
+            model, runtime = _plain_fully_shard_model(world_size, reshard)
         else:
-            model, runtime = setup_model(world_size, reshard=reshard)
-            assert not is_installed(), "dedicate_params' default leaves torch unpatched"
+            model, runtime = setup_model(world_size, reshard=reshard, patch_fully_shard=False)
+            assert not is_installed(), "patch_fully_shard=False leaves torch unpatched"
         optimizer, counting = counting_muon(model)
         losses = train_steps(model, optimizer, rank, world_size, STEPS)
     finally:
@@ -101,27 +106,23 @@ def _train_vs_reference(rank: int, world_size: int, reshard: bool, patched: bool
     owned_muon = sum(1 for dp in runtime.owned if dp.route == "muon")
     ref = None
     if rank == 0:
-        plain = build(0)
-        ref = train_reference(plain, _muon_names(plain), HYPER, STEPS, ROWS, SEQ, VOCAB)
-    return losses, ref, counting.matrices, owned_muon, len(runtime.params)
+        reference = build(0)
+        ref = train_reference(reference, _muon_names(reference), HYPER, STEPS, ROWS, SEQ, VOCAB)
+    weights = {k: v.clone() for k, v in get_model_state_dict(model).items()}
+    return losses, ref, counting.matrices, owned_muon, len(runtime.params), weights
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("world_size", "reshard", "rtol", "patched"),
-    [
-        (1, True, 1e-4, False),
-        (2, False, 2e-3, False),
-        (4, True, 2e-3, False),
-        (2, True, 2e-3, True),
-    ],
-    ids=["w1-z3", "w2-z2", "w4-z3", "w2-z3-fully-shard-patch"],
+    ("world_size", "reshard", "rtol"),
+    [(1, True, 1e-4), (2, False, 2e-3), (4, True, 2e-3)],
+    ids=["w1-z3", "w2-z2", "w4-z3"],
 )
-def test_losses_match_single_process_reference(world_size, reshard, rtol, patched):
-    """Through FSDP2's public seam (``ignored_params`` on every ``fully_shard``, the default),
-    and once through the opt-in patch that lets a plain ``fully_shard`` skip dedicated
-    parameters."""
-    results = run_distributed(_train_vs_reference, world_size, reshard, patched)
+def test_losses_match_single_process_reference(world_size, reshard, rtol):
+    """Through the patch-free route (``ignored_params`` on every ``fully_shard``); at world
+    size 2 also through plain ``fully_shard`` calls (the default patch), which must train bit
+    for bit alike."""
+    results = run_distributed(_train_vs_reference, world_size, reshard)
     losses = results[0][0]
     ref = results[0][1]
     assert all(r[0] == losses for r in results), "ranks disagree on the global loss"
@@ -135,6 +136,12 @@ def test_losses_match_single_process_reference(world_size, reshard, rtol, patche
     assert sum(r[2] for r in results) == n_matrices * STEPS
     for r in results:
         assert r[2] == r[3] * STEPS
+    if world_size == 2:
+        plain = run_distributed(_train_vs_reference, world_size, reshard, True)
+        for got, want in zip(plain, results):
+            assert got[0] == want[0], "plain fully_shard and ignored_params trained differently"
+            assert got[5].keys() == want[5].keys()
+            assert all(torch.equal(got[5][k], want[5][k]) for k in want[5])
 
 
 def _clip_protocol(rank: int, world_size: int):

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import POLICY_FIELDS, ParamPolicy, Route, validate_param_policy
 
+from ._matrix import MatrixView
 from .optim._optimizer import Muon
 from .runtime._group import DedicatedGroup
 from .runtime._param import DedicatedParam
@@ -139,6 +140,21 @@ def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
+def _matrices(
+    name: str, dp: DedicatedParam | None, runtime: DedicatedRuntime
+) -> dict[str, Any] | None:
+    """What Muon orthogonalises of a Muon-route parameter: how many matrices, their shape and
+    how they are cut out of it (``None``: not on the Muon route)."""
+    stacks = {stack.fqn: stack.view for stack in runtime.local_muon}
+    if name in stacks:
+        view = stacks[name]
+    elif dp is not None and dp.route is Route.MUON:
+        view = MatrixView.of(dp.shape, dp.fqn)
+    else:
+        return None
+    return {"count": view.batch, "shape": list(view.matrix_shape), "split": view.split}
+
+
 def _param_row(
     name: str,
     p: torch.Tensor,
@@ -178,6 +194,7 @@ def _param_row(
             "role": dp.role.value,
         }
     master, compute, reduce, optim, output = (_dtype_name(d) for d in dtypes)
+    row["matrices"] = _matrices(name, dp, runtime)
     row.update(
         {
             "dtype": master,

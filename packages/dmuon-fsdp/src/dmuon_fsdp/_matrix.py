@@ -115,6 +115,16 @@ class MatrixView:
         return self.shape[0] if len(self.shape) == 3 else None
 
     @property
+    def split(self) -> str | None:
+        """How a parameter's matrices are cut out of it beyond its experts, in words
+        (``None``: each 2-D slice is one matrix)."""
+        if self.glu is Glu.CONCAT:
+            return "gate and up apart (rows [gate; up])"
+        if self.glu is Glu.INTERLEAVED:
+            return "gate and up apart (interleaved last dim)"
+        return None
+
+    @property
     def matrix_shape(self) -> tuple[int, int]:
         return self.rows, self.cols
 

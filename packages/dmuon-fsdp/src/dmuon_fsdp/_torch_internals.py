@@ -38,6 +38,8 @@ __all__ = [
     "foreach_max_abs",
     "foreach_mul_",
     "fsdp_init_module",
+    "fsdp_init_running",
+    "fsdp_manages",
     "fsdp_mp_policy",
     "in_backward",
     "local_tensor",
@@ -182,9 +184,43 @@ def fsdp_init_module() -> ModuleType:
     """``torch.distributed.fsdp._fully_shard._fsdp_init``, whose
     :data:`FSDP_DISCOVERY_FUNCTIONS` the optional ``fully_shard`` patch wraps.
 
-    The patch is an opt-in for scripts that call ``fully_shard`` without ``ignored_params``
-    (see [Note: FSDP2 integration] in ``setup/_fsdp_integration``); the public way is that
-    argument. Imported on call: importing dmuon does not import FSDP2's internals."""
+    ``dedicate_params`` installs the patch unless told not to (see [Note: FSDP2 integration]
+    in ``setup/_fsdp_integration``); ``ignored_params`` is the patch-free way. Imported on
+    call: importing dmuon does not import FSDP2's internals."""
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     return _fsdp_init
+
+
+_FSDP_SOURCES = ("torch/distributed/fsdp/_fully_shard/", "torch\\distributed\\fsdp\\_fully_shard\\")
+
+
+def fsdp_init_running() -> bool:
+    """Whether the calling code runs inside FSDP2's ``fully_shard`` (a frame of its private
+    ``_fully_shard`` package is on the stack). Asked only on the way to an error (a dedicated
+    weight read where it is not held), to say that ``fully_shard`` took a dedicated parameter
+    instead of naming the operation it failed on: no public API says which caller a tensor
+    operation comes from."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if any(source in frame.f_code.co_filename for source in _FSDP_SOURCES):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def fsdp_manages(fsdp_module: FSDPModule, module: torch.nn.Module, name: str) -> bool:
+    """Whether ``fully_shard`` applied to ``fsdp_module`` manages the parameter ``name`` of
+    ``module`` (it replaced it with its DTensor shard, or in a forward with its unsharded copy).
+    Reads FSDP2's parameter group (``FSDPState._fsdp_param_group`` and each ``FSDPParam``'s
+    ``_module_info``): told apart from a parameter replaced by an assignment, which no public
+    API does."""
+    group = fsdp_module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return False
+    return any(
+        p._module_info.module is module and p._module_info.param_name == name
+        for p in group.fsdp_params
+    )

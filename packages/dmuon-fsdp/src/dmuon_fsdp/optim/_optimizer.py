@@ -24,7 +24,6 @@ reduced] in _qk_clip).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -59,7 +58,8 @@ from ._muon_math import (
 from ._param_groups import GroupDefaults, build_param_groups
 from ._qk_clip import QKClip
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
-from ._step_plan import AdamWEntry, MuonEntry, StepPlan, WeightPart
+from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
+from ._step_plan import AdamWEntry, MuonEntry, StepPlan
 from ._tp_ns import TensorParallelNS, TPMode
 
 __all__ = [
@@ -138,8 +138,6 @@ class StepOptions:
             check_bool(name, getattr(self, name))
 
 
-# ``hook(optimizer, parts)``: see [Note: the post-update hook] in _step_plan.
-PostUpdateHook = Callable[["Muon", Mapping[str, WeightPart]], None]
 _AdamWWork = tuple[dict[str, Any], list[Tensor], list[Tensor], list[Any]]
 
 
@@ -303,8 +301,9 @@ class Muon(torch.optim.Optimizer):
         if profile:
             self._runtime.hooks.time_forward_waits(device)
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
-        # An OrderedDict: RemovableHandle keeps a weak reference to it.
-        self._post_update_hooks: OrderedDict[int, PostUpdateHook] = OrderedDict()
+        self._hooks = StepHooks(
+            self._runtime.global_group if dist.is_initialized() else None, device
+        )
         self._checked_params = False
         self._constructing = True
         super().__init__(groups, {})
@@ -335,6 +334,7 @@ class Muon(torch.optim.Optimizer):
         self._qk_clip = qk_clip
         if qk_clip is not None:
             qk_clip.bind(model, self._runtime)
+            self.register_pre_step_hook(lambda optimizer: qk_clip.launch())
             self.register_post_update_hook(qk_clip.post_update)
 
     # -- structure ----------------------------------------------------------------------------
@@ -393,9 +393,17 @@ class Muon(torch.optim.Optimizer):
                 f"register_post_update_hook takes a callable (optimizer, parts) -> None, got "
                 f"{hook!r}"
             )
-        handle = RemovableHandle(self._post_update_hooks)
-        self._post_update_hooks[handle.id] = hook
-        return handle
+        return self._hooks.add_post_update(hook)
+
+    def register_pre_step_hook(self, hook: PreStepHook) -> RemovableHandle:
+        """Run ``hook(optimizer)`` at the start of every ``step()`` on every rank, before the
+        step waits for the gradient reduces (to launch work a post-update hook waits for).
+        Returns a handle whose ``remove()`` unregisters it."""
+        if not callable(hook):
+            raise TypeError(
+                f"register_pre_step_hook takes a callable (optimizer) -> None, got {hook!r}"
+            )
+        return self._hooks.add_pre_step(hook)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -408,11 +416,9 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         if not self._checked_params:
             self._check_params_current()
+        self._hooks.before_step(self)
         mark = self._start_profile()
         with span("dmuon::optimizer_step"):
-            if self._qk_clip is not None:
-                # In flight while the step runs; waited for by its post-update hook.
-                self._qk_clip.launch()
             work = self._collect()
             mark("wait_reduces")
             found = self._find_nonfinite(work) if self.options.skip_nonfinite else None
@@ -423,9 +429,13 @@ class Muon(torch.optim.Optimizer):
             with span("dmuon::adamw_step"):
                 self._adamw_update(work, found, skip)
             mark("adamw")
-            if self._post_update_hooks:
+            error = None
+            if self._hooks.post_update:
                 with span("dmuon::post_update"):
-                    self._post_update()
+                    # Published even when a hook raised: see [Note: a hook that raises].
+                    error = self._hooks.run_post_update(
+                        self, lambda: self._plan.weight_parts(self._runtime)
+                    )
                 mark("post_update")
             if self._plan.sourced:
                 with span("dmuon::expert_publish"):
@@ -433,6 +443,8 @@ class Muon(torch.optim.Optimizer):
                 mark("expert_publish")
             self._runtime.after_step(async_=self.options.replicate_async)
             mark("publish")
+        if error is not None:
+            raise error
         return loss
 
     def _start_profile(self) -> Callable[[str], None]:
@@ -503,11 +515,6 @@ class Muon(torch.optim.Optimizer):
         if skip is not None:
             self._skipped_steps.add_(skip.to(self._skipped_steps.device))
             self._last_skip = skip
-
-    def _post_update(self) -> None:
-        parts = self._plan.weight_parts(self._runtime)
-        for hook in list(self._post_update_hooks.values()):
-            hook(self, parts)
 
     def step_profile(self) -> dict[str, float]:
         """Milliseconds per phase of the last ``step()`` (see [Note: the step profile]):

@@ -32,6 +32,16 @@ over the sender's shard column into the global owner (stage two), which divides 
 and of sync/async publish; the only thing that changes it is the summation order of the reduce
 itself (1-D vs HSDP).
 
+[Note: a parameter without a gradient]
+
+As ``torch.optim`` leaves a parameter whose ``.grad`` is ``None`` untouched (no momentum, no
+weight decay), an owner sets ``DedicatedParam.grad`` only for a parameter that got a gradient:
+a frozen one (``requires_grad=False``) or one the step's forward did not use keeps its weight
+and momentum bit for bit. A pack still travels whole (its missing gradients as zeros), so that
+every rank issues the same collectives whatever its own backward reached; the owner decides
+from its own backward (``DedicatedParam.saw_grad``), which, as with FSDP2, sees the same
+parameters used as every other rank's.
+
 Pending reductions wait in one :class:`ReduceQueue`, in the order their packs completed. Stage
 two is issued at deterministic points (never "when stage one happens to be done"), so every
 member of a shard column issues the same sequence even when that group is shared with FSDP2
@@ -179,6 +189,7 @@ def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
                 out.zero_()
             else:
                 out.copy_(grad.reshape(-1))
+                dp.saw_grad = True
                 if stream is not None:
                     grad.record_stream(stream)
             dp.param.grad = None
@@ -211,14 +222,20 @@ def reduce_over_replicas(pending: PendingReduce, comm: DedicatedCommContext) -> 
 
 def finish_reduce(pending: PendingReduce, divisor: int) -> None:
     """Wait for the last stage and, on the global owner, add the sum divided by ``divisor`` to
-    each parameter's ``DedicatedParam.grad`` (a view of the reduced buffer when it was unset)."""
+    the ``DedicatedParam.grad`` of each parameter that got a gradient (a view of the reduced
+    buffer when it was unset; see [Note: a parameter without a gradient])."""
     assert not pending.needs_replicate_stage
     flat = wait(pending.result)
     pack = pending.pack
+    seen = [dp.saw_grad for dp in pack.params]
+    for dp in pack.params:
+        dp.saw_grad = False
     if pack.role is not Role.OWNER:
         return
     flat.div_(divisor)
-    for dp in pack.params:
+    for dp, saw in zip(pack.params, seen):
+        if not saw:
+            continue
         grad = flat[dp.offset : dp.offset + dp.numel].view(dp.local_shape)
         if dp.grad is None:
             dp.grad = grad
@@ -235,13 +252,14 @@ def _reduce_dtype(pack: Pack) -> torch.dtype:
 def keep_local_grads(pack: Pack) -> None:
     """A world of one rank: the local gradient is already the average, so it becomes
     ``DedicatedParam.grad`` without a copy (unless its reduce dtype differs; ``.grad`` is
-    still dropped)."""
+    still dropped). A parameter without one keeps its ``DedicatedParam.grad`` (see [Note: a
+    parameter without a gradient])."""
     dtype = _reduce_dtype(pack)
     for dp in pack.params:
         grad = dp.local_grad()
         dp.param.grad = None
         if grad is None:
-            grad = torch.zeros(dp.local_shape, dtype=dtype, device=pack.buffer.device)
+            continue
         grad = grad.to(dtype)
         if dp.grad is None:
             dp.grad = grad

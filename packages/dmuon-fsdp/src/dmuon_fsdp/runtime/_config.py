@@ -38,10 +38,10 @@ class DedicateConfig:
     process_group_policy: ProcessGroupPolicy = ProcessGroupPolicy.ISOLATED
     # Parameters below this many elements are packed with others of their boundary and owner.
     small_param_threshold: int = 5_000_000
-    # Opt in to wrapping FSDP2's module/state discovery so that fully_shard skips dedicated
-    # parameters even without ignored_params; see [Note: FSDP2 integration] in
-    # _fsdp_integration.
-    patch_fully_shard: bool = False
+    # Wrap FSDP2's module/state discovery so that a plain fully_shard skips dedicated
+    # parameters (False: pass ignored_params to every fully_shard); see [Note: FSDP2
+    # integration] in _fsdp_integration. The replicated path calls no fully_shard.
+    patch_fully_shard: bool = True
     # The replicated (DDP) path: every rank keeps every weight whole for forward and backward;
     # after a step the owners broadcast their updates (see [Note: the replicated path]).
     replicated: bool = False

@@ -54,9 +54,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._torch_internals import disable_torch_function_subclass, parse_to_args
+from .._torch_internals import disable_torch_function_subclass, fsdp_init_running, parse_to_args
 
 __all__ = [
+    "FULLY_SHARD_FIX",
     "GuardedDTensor",
     "GuardedParameter",
     "NotHeldError",
@@ -114,6 +115,14 @@ _UNPLACED = "_dmuon_unplaced"
 
 class NotHeldError(RuntimeError):
     """A dedicated weight was read on a rank that does not hold it right now."""
+
+
+FULLY_SHARD_FIX = (
+    "Let dedicate_params install its fully_shard patch (the default, patch_fully_shard=True) "
+    "so that a plain fully_shard(layer, mesh=mesh) skips dedicated parameters, or pass "
+    "ignored_params=dmuon.dedicated_params_of(model) to every fully_shard call (each layer and "
+    "the root, after dedicate_params)"
+)
 
 
 def _is_safe(func: Any) -> bool:
@@ -219,6 +228,13 @@ class _Guard:
                     return args[0]
                 if _writes_unplaced(func, args, kwargs):
                     return _write_to_scratch(func, args, kwargs)
+                if fsdp_init_running():
+                    # See [Note: a fully_shard that takes a dedicated parameter] in _runtime.
+                    where = absent.__dict__.get(_WHERE, "a dedicated parameter")
+                    raise RuntimeError(
+                        f"{where} was taken by fully_shard (it read the weight to shard it). "
+                        f"{FULLY_SHARD_FIX}"
+                    )
                 raise NotHeldError(_message(absent, func))
         # What nn.Parameter's own handler does (results stay plain tensors), written so that
         # torch.compile traces it: see [Note: reads on a peer].

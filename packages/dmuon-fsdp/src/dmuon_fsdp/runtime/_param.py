@@ -78,6 +78,9 @@ class DedicatedParam:
     offset: int = 0  # element offset inside the unit's packed buffer
     full: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+    # Whether a backward since the last reduce gave this rank a local gradient (see [Note: a
+    # parameter without a gradient] in _collectives).
+    saw_grad: bool = False
     # Tensor parallelism: the dim the TP shards split (None: not tensor-parallel); the runtime
     # then moves and steps this rank's shard (see [Note: tensor-parallel grids] in _mesh).
     tp_dim: int | None = None

@@ -36,12 +36,20 @@ from torch.distributed.tensor import DTensor
 from dmuon_ownership import Owner, ParamPolicy, Plan
 
 from .._profile import span
+from .._torch_internals import fsdp_manages
 from ..topology._comm import CommCounter, DedicatedCommContext
 from ..topology._mesh import MeshLayout
 from ._collectives import AllReduceQueue, ReduceQueue
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
-from ._guard import NotHeldError, guard_parameter, is_dedicated, set_held, set_unplaced
+from ._guard import (
+    FULLY_SHARD_FIX,
+    NotHeldError,
+    guard_parameter,
+    is_dedicated,
+    set_held,
+    set_unplaced,
+)
 from ._hooks import BoundaryHooks
 from ._pack import without_storage
 from ._param import DedicatedParam, LocalMuonParam, Role
@@ -52,12 +60,6 @@ __all__ = ["DedicatedRuntime", "get_runtime"]
 logger = logging.getLogger(__name__)
 
 RUNTIME_ATTR = "_dmuon_runtime"
-
-_FULLY_SHARD_FIX = (
-    "Pass ignored_params=dmuon.dedicated_params_of(model) to every fully_shard call (each "
-    "layer and the root, after dedicate_params), or call dmuon.dedicate_params(..., "
-    "patch_fully_shard=True) to make a plain fully_shard skip dedicated parameters"
-)
 
 
 class DedicatedRuntime:
@@ -110,7 +112,7 @@ class DedicatedRuntime:
 
     def lazy_init(self) -> None:
         """Check that every dedicated parameter is still the one registered on its module
-        (see [Note: parameters fully_shard took]), then finish packing (once): resolve each
+        (see [Note: a fully_shard that takes a dedicated parameter]), then finish packing (once): resolve each
         dedicated parameter's precision with the ``MixedPrecisionPolicy`` of the
         ``fully_shard`` that now encloses it and repack the groups whose precision changed; a
         model built on the meta device is packed here for the first time. Runs at the first
@@ -197,7 +199,7 @@ class DedicatedRuntime:
         return dp.precision is None and dp.role is Role.PEER and not self.config.replicated
 
     def _check_registered(self) -> None:
-        """[Note: parameters fully_shard took] ``fully_shard`` manages every parameter it is not
+        """[Note: a fully_shard that takes a dedicated parameter] ``fully_shard`` manages every parameter it is not
         told to ignore: it replaces each on its module with a sharded ``DTensor`` (and, during
         the module's forward, with an unsharded copy). A dedicated parameter it took would be
         updated twice (by dmuon on its owner, and as an FSDP2 shard by whoever steps those), so
@@ -206,35 +208,43 @@ class DedicatedRuntime:
         the object registered on its module. A parameter replaced under a ``fully_shard``
         module was taken by it (a ``fully_shard`` given ``ignored_params`` never touches
         them), whatever it was replaced with: a sharded ``DTensor``, or inside the module's
-        forward its unsharded copy. The check reads only the modules' parameters and changes
-        nothing, so a failed call leaves the model as it was."""
+        forward its unsharded copy (FSDP2's parameter group says which parameters it manages);
+        a parameter replaced by anything else (an assignment) is named as such. The check reads
+        only the modules' parameters and changes nothing, so a failed call leaves the model as
+        it was.
+
+        Such a ``fully_shard`` (one called with ``patch_fully_shard=False`` and without
+        ``ignored_params``) already fails on most ranks: sharding reads the weight, which a
+        peer does not hold, and the guard raises (see [Note: reads on a peer]). Both places
+        raise the same error with the same fixes (``FULLY_SHARD_FIX``), so every rank stops, at ``fully_shard`` or at ``Muon(model)`` at the latest,
+        before any of dmuon's collectives could wait for a rank that stopped."""
         for dp in self.params:
             current = dp.module._parameters.get(dp.name)
             if current is dp.param:
                 continue
-            if self._under_fully_shard(dp):
+            if self._taken_by_fully_shard(dp):
                 kind = "a DTensor shard" if isinstance(current, DTensor) else "its unsharded copy"
                 raise RuntimeError(
-                    f"dedicated parameter {dp.fqn!r} was taken by fully_shard: FSDP2 replaced "
-                    f"it on its module (now {kind}) because it was not in fully_shard's "
-                    f"ignored_params, and dmuon cannot train it. {_FULLY_SHARD_FIX}"
+                    f"{dp.where} was taken by fully_shard (FSDP2 replaced it on its module with "
+                    f"{kind}). {FULLY_SHARD_FIX}"
                 )
             raise RuntimeError(
                 f"dedicated parameter {dp.fqn!r} is no longer registered on its module: "
                 "something replaced it after dedicate_params (an assignment to the attribute, "
                 "or a fully_shard that took it through another module sharing it). "
-                f"{_FULLY_SHARD_FIX}; do not reassign dedicated parameters"
+                f"{FULLY_SHARD_FIX}; do not reassign dedicated parameters"
             )
 
-    def _under_fully_shard(self, dp: DedicatedParam) -> bool:
-        """Whether a module at or above ``dp``'s is a ``fully_shard`` module."""
+    def _taken_by_fully_shard(self, dp: DedicatedParam) -> bool:
+        """Whether a ``fully_shard`` module at or above ``dp``'s manages it."""
         from torch.distributed.fsdp import FSDPModule
 
         model = self._model()
         assert model is not None, "the model this runtime belongs to was deleted"
         parts = dp.fqn.split(".")[:-1]
         paths = (".".join(parts[:depth]) for depth in range(len(parts) + 1))
-        return any(isinstance(model.get_submodule(path), FSDPModule) for path in paths)
+        above = (model.get_submodule(path) for path in paths)
+        return any(isinstance(m, FSDPModule) and fsdp_manages(m, dp.module, dp.name) for m in above)
 
     # -- the contract surface ------------------------------------------------------------------
 

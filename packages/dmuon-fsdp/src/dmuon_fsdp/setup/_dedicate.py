@@ -12,7 +12,8 @@
 5. build the comm context (isolated groups are created here, collectively), pack each
    boundary's parameters per owner, free the peers' storage, publish the owners' weights to
    their shard column (HSDP);
-6. register hooks, install the optional ``fully_shard`` patch, attach the runtime to the model.
+6. register hooks, install the ``fully_shard`` patch (unless ``patch_fully_shard=False``),
+   attach the runtime to the model.
 
 [Note: what this runtime does not do]
 
@@ -85,7 +86,7 @@ def dedicate_params(
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
     process_group_policy: str = "isolated",
     small_param_threshold: int = 5_000_000,
-    patch_fully_shard: bool = False,
+    patch_fully_shard: bool = True,
     debug_fence: bool = False,
     config: DedicateConfig | None = None,
 ) -> DedicatedRuntime:
@@ -96,12 +97,13 @@ def dedicate_params(
     ``('replicate', 'shard')``; for HSDP pass ``hsdp['shard']`` and
     ``replicate_mesh=hsdp['replicate']``. ``predicate(fqn, param)`` selects parameters;
     ``param_policy`` routes them (``"muon"``, ``"adamw"``, or ``"sharded_adamw"``, which
-    leaves the parameter to FSDP2). Every later ``fully_shard`` must leave the dedicated
-    parameters alone: pass ``ignored_params=dmuon.dedicated_params_of(model)`` to each call
-    (layers and root). ``patch_fully_shard=True`` opts in to a wrapper that makes a plain
-    ``fully_shard`` skip them by itself (see [Note: FSDP2 integration] in
-    ``_fsdp_integration``); a dedicated parameter that ``fully_shard`` took anyway raises at
-    ``Muon(model)``, the first forward or a checkpoint call.
+    leaves the parameter to FSDP2). Every later ``fully_shard`` leaves the dedicated parameters
+    alone: ``patch_fully_shard=True`` (the default) installs a wrapper that makes a plain
+    ``fully_shard(layer, mesh=mesh)`` skip them (:func:`uninstall_patch` removes it); with
+    ``patch_fully_shard=False`` pass ``ignored_params=dmuon.dedicated_params_of(model)`` to each
+    ``fully_shard`` call (layers and root), FSDP2's public way (see [Note: FSDP2 integration] in
+    ``_fsdp_integration``). A dedicated parameter that ``fully_shard`` took anyway raises, on
+    every rank, at that ``fully_shard`` or at ``Muon(model)``.
 
     The options that shape the runtime (every keyword but ``replicate_mesh`` and
     ``param_policy``: the fields of :class:`DedicateConfig`) may instead come whole as
@@ -187,12 +189,8 @@ def dedicate_params_ddp(
                 f"dedicate_params_ddp got config= and {', '.join(sorted(options))}: pass each "
                 "option once, either as a keyword or in the DedicateConfig"
             )
-        if config.patch_fully_shard:
-            raise ValueError(
-                "dedicate_params_ddp got config=DedicateConfig(patch_fully_shard=True): the "
-                "replicated path calls no fully_shard; leave patch_fully_shard off"
-            )
-    config = replace(config, reshard_after_forward=False, replicated=True)
+    # The replicated path calls no fully_shard: nothing to patch.
+    config = replace(config, reshard_after_forward=False, replicated=True, patch_fully_shard=False)
     return _dedicate(model, mesh, predicate, config, None, param_policy)
 
 
@@ -302,6 +300,9 @@ def _dedicate(
     comm.counter.reset()
     if dist.get_rank() == 0:
         logger.info("dedicate_params: %s", plan.summary())
+        split = [f"{s.fqn} ({s.view.split})" for s in stacks if s.view.split is not None]
+        if split:
+            logger.info("dedicate_params: Muon orthogonalises apart: %s", ", ".join(split))
     return runtime
 
 
@@ -383,7 +384,8 @@ def _expert_stacks(
             continue
         path, _, name = fqn.rpartition(".")
         module = modules[path]
-        view = MatrixView.of(param.shape, fqn, **_expert_layout(name, module, resolved))
+        layout = _expert_layout(name, module, resolved, tuple(param.shape))
+        view = MatrixView.of(param.shape, fqn, **layout)
         check_expert_split(fqn, param)
         stacks.append(LocalMuonParam(fqn, module, name, view, resolved))
     return dedicated, stacks
@@ -411,17 +413,48 @@ def _planned_experts(
     return planned
 
 
-def _expert_layout(name: str, module: nn.Module, policy: ResolvedPolicy) -> dict[str, Any]:
-    """The GLU layout and orientation of an expert stack, from the flags Hugging Face's
-    experts modules carry (``is_transposed``, ``is_concatenated``, ``has_gate``: transformers
-    5 sets them on every experts module) and ``param_policy``'s ``glu``: a ``gate_up`` stack
-    holds gate and up, concatenated on its rows unless the module says interleaved; anything
-    else (torchtitan's separate ``w1``/``w3``/``w2``) is one matrix per expert."""
-    fused = "gate_up" in name and bool(getattr(module, "has_gate", True))
+def _expert_layout(
+    name: str, module: nn.Module, policy: ResolvedPolicy, shape: tuple[int, ...]
+) -> dict[str, Any]:
+    """The GLU layout and orientation of an expert stack (see [Note: fused gate and up]).
+
+    [Note: fused gate and up]
+    An expert stack holds gate and up together (orthogonalised apart, as two matrices per
+    expert) only where that is declared or recognised, never because of its name alone (a
+    user's own ``gate_up_proj`` may be one matrix): ``param_policy``'s ``glu`` declares it
+    (``'split'``, or ``'joint'`` for one matrix); otherwise a module that carries Hugging Face's
+    experts flags (``has_gate``, ``is_concatenated``, ``is_transposed``: transformers 5 sets
+    them on every experts module) says so; otherwise a ``gate_up`` stack is fused when its
+    shape is the gate and up of its module's ``down`` stack, ``(E, 2I, H)`` beside ``(E, H,
+    I)`` (transposed: ``(E, H, 2I)`` beside ``(E, I, H)``). Gate and up lie concatenated on
+    the rows unless the module says interleaved. ``summarize_param_groups`` shows the split
+    of each Muon parameter (its ``matrices`` entry) and ``dedicate_params`` logs the stacks
+    it split. Anything else (torchtitan's separate ``w1``/``w3``/``w2``) is one matrix per
+    expert."""
+    transposed = bool(getattr(module, "is_transposed", False))
+    if policy.glu is not None:
+        fused = policy.glu == "split"
+    elif "gate_up" not in name:
+        fused = False
+    elif hasattr(module, "has_gate"):
+        fused = bool(module.has_gate)
+    else:
+        down = getattr(module, name.replace("gate_up", "down"), None)
+        fused = isinstance(down, torch.Tensor) and _gate_and_up_of(shape, down.shape, transposed)
     glu = Glu.NONE
-    if fused and policy.glu != "joint":
+    if fused:
         glu = Glu.CONCAT if bool(getattr(module, "is_concatenated", True)) else Glu.INTERLEAVED
-    return {"glu": glu, "transposed": bool(getattr(module, "is_transposed", False))}
+    return {"glu": glu, "transposed": transposed}
+
+
+def _gate_and_up_of(shape: tuple[int, ...], down: torch.Size, transposed: bool) -> bool:
+    """Whether a stack of ``shape`` holds the gate and up projections whose down projection
+    has shape ``down`` (see [Note: fused gate and up])."""
+    if len(shape) != 3 or len(down) != 3 or shape[0] != down[0]:
+        return False
+    if transposed:  # gate_up (E, H, 2I), down (E, I, H)
+        return shape[1] == down[2] and shape[2] == 2 * down[1]
+    return shape[1] == 2 * down[2] and shape[2] == down[1]  # (E, 2I, H) and (E, H, I)
 
 
 def _work_items(

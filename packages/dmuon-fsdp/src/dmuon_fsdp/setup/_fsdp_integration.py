@@ -4,33 +4,33 @@
 
 ``fully_shard(module, ignored_params=...)`` already knows how to leave parameters out: they
 are not sharded, not moved, not reduced, and a submodule whose parameters are all ignored is
-not managed at all. That public argument is the integration: after ``dedicate_params``, pass
-``ignored_params=dedicated_params_of(model)`` to every ``fully_shard`` call (layers and
-root)::
+not managed at all. dmuon makes every ``fully_shard`` pass the dedicated parameters there, so
+that a training script written for FSDP2 needs no change after ``dedicate_params``::
 
-    dedicated = dmuon.dedicated_params_of(model)
+    dmuon.dedicate_params(model, mesh, predicate)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
-    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
-As an opt-in for code that calls ``fully_shard`` without that argument (existing training
-scripts, libraries that wrap it), ``dedicate_params(..., patch_fully_shard=True)`` (or
-:func:`install_patch` directly) wraps the two private functions of FSDP2 that receive
-``ignored_params`` (``FSDP_DISCOVERY_FUNCTIONS`` of the module
-``_torch_internals.fsdp_init_module`` returns, see [Note: private torch]) so that every
-parameter marked as dedicated joins the caller's ``ignored_params``. It is off by default:
-it reaches into torch's internals, and the public argument does the same job. The wrapper
-changes nothing for unmarked parameters, so a model without dmuon behaves exactly as before;
-it is never installed at import, is idempotent, and :func:`uninstall_patch` restores torch's
-functions.
+``dedicate_params`` installs, by default (``patch_fully_shard=True``), a wrapper around the
+two private functions of FSDP2 that receive ``ignored_params`` (``FSDP_DISCOVERY_FUNCTIONS``
+of the module ``_torch_internals.fsdp_init_module`` returns, see [Note: private torch]): every
+parameter marked as dedicated joins the caller's ``ignored_params``. The wrapper changes
+nothing for unmarked parameters, so a model without dmuon behaves exactly as before; it is
+never installed at import, installing it twice is a no-op, and :func:`uninstall_patch`
+restores torch's functions.
 
-Without either, ``fully_shard`` takes the dedicated parameters it reaches and replaces them
-with DTensors. ``Muon(model)``, the first forward and every checkpoint and diagnostics call
-check that each dedicated parameter is still the one registered on its module and raise,
-naming it and this fix, instead of training silently wrong (see [Note: parameters
-fully_shard took] in ``runtime/_runtime``). Call order is enforced too: ``dedicate_params``
-raises when any module of the model is already an FSDP module, or when a selected parameter
-is already a DTensor.
+The patch-free way is the public argument itself: with ``patch_fully_shard=False``, pass
+``ignored_params=dedicated_params_of(model)`` to every ``fully_shard`` call (layers and
+root). Both ways train bit for bit alike (a test runs both).
+
+Without either, ``fully_shard`` takes the dedicated parameters it reaches. Every rank then
+stops with one error that names both fixes (see [Note: a fully_shard that takes a dedicated
+parameter] in ``runtime/_runtime``): at that ``fully_shard`` on the ranks where sharding reads
+a weight they do not hold, at ``Muon(model)`` (or the first forward, or a checkpoint or
+diagnostics call) on the others, before any collective. Call order is enforced too:
+``dedicate_params`` raises when any module of the model is already an FSDP module, or when a
+selected parameter is already a DTensor.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def _fsdp_init() -> Any:
     if missing:
         raise RuntimeError(
             f"torch {torch.__version__} has no {', '.join(missing)} in {module.__name__}, "
-            "which dmuon's fully_shard patch wraps; leave dedicate_params' patch_fully_shard "
-            "off (the default) and pass fully_shard(..., "
+            "which dmuon's fully_shard patch wraps; call dedicate_params(..., "
+            "patch_fully_shard=False) and pass fully_shard(..., "
             "ignored_params=dmuon.dedicated_params_of(model)) instead"
         )
     return module
@@ -101,8 +101,8 @@ def _fsdp_init() -> Any:
 def install_patch() -> None:
     """Make ``fully_shard`` (and ``replicate``) skip dedicated parameters; idempotent.
 
-    An opt-in: ``dedicate_params(..., patch_fully_shard=True)`` calls it, and the public way is
-    ``fully_shard(..., ignored_params=dmuon.dedicated_params_of(model))``; see [Note: FSDP2
+    ``dedicate_params`` calls it unless given ``patch_fully_shard=False``; the patch-free way
+    is ``fully_shard(..., ignored_params=dmuon.dedicated_params_of(model))``; see [Note: FSDP2
     integration].
     """
     module = _fsdp_init()

@@ -1,0 +1,136 @@
+"""The hooks a ``Muon.step`` runs: pre-step hooks before anything is stepped, post-update hooks
+after the update and before the publish, and what happens when one of them raises.
+
+[Note: a hook that raises]
+A post-update hook runs on every rank between the update and the publish, so a hook that
+raised used to skip the publish: owners kept the new weights, their replicas the old ones, and
+a run that caught the error went on with replicas that differed. Now the step is applied
+everywhere: when a hook raises, the step still publishes (the weights as the update and the
+hooks that ran left them, so every replica equals its owner) and then re-raises on the rank
+where it raised. Changes a raising hook made before it raised stay, as with any exception
+in place.
+
+The other ranks learn of it without a host sync: every step with post-update hooks launches
+one SUM all-reduce of "a hook raised here" over every rank, which nothing waits for; the next
+``step()`` reads it (long complete by then; on CUDA through a pinned host copy and an event)
+before it changes anything. If a hook raised on some ranks but not on all, every rank raises
+there, naming those ranks, and that step is applied nowhere; a rank that already raised the
+hook's own exception raises this one too, so that no rank goes on alone. If it raised on
+every rank, every rank has already seen the exception, and the next step goes on.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from ._step_plan import WeightPart
+
+__all__ = ["PostUpdateHook", "PreStepHook", "StepHooks"]
+
+# ``hook(optimizer, parts)``: see [Note: the post-update hook] in _step_plan.
+# (The optimizer is typed ``Any`` here: this module sits below ``_optimizer``.)
+PostUpdateHook = Callable[[Any, Mapping[str, WeightPart]], None]
+# ``hook(optimizer)``, before the step waits for the gradient reduces: start work the
+# post-update hooks need (QK-clip's all-reduce of its statistic).
+PreStepHook = Callable[[Any], None]
+
+
+class _Outcome:
+    """One step's count of ranks whose post-update hooks raised, on its way to the host."""
+
+    def __init__(self, raised: bool, group: ProcessGroup | None, device: torch.device) -> None:
+        self.raised_here = raised
+        count = torch.tensor([float(raised)], device=device)
+        work = None
+        if group is not None and dist.get_world_size(group) > 1:
+            work = dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self._work = work
+        self._event: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            if work is not None:
+                work.wait()  # orders the current stream after it; the host goes on
+            self._count = _pinned_copy(count)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._count = count
+        self.world = dist.get_world_size(group) if group is not None else 1
+
+    def ranks_raised(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+        elif self._work is not None:
+            self._work.wait()
+        return round(float(self._count.item()))
+
+    def partial(self) -> bool:
+        raised = self.ranks_raised()
+        return 0 < raised < self.world
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+class StepHooks:
+    """The hooks of one optimizer (see [Note: a hook that raises])."""
+
+    def __init__(self, group: ProcessGroup | None, device: torch.device) -> None:
+        # OrderedDicts: RemovableHandle keeps a weak reference to them.
+        self.pre_step: OrderedDict[int, PreStepHook] = OrderedDict()
+        self.post_update: OrderedDict[int, PostUpdateHook] = OrderedDict()
+        self._group = group
+        self._device = device
+        self._last: _Outcome | None = None
+
+    @staticmethod
+    def _register(hooks: OrderedDict[int, Any], hook: object) -> RemovableHandle:
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    def add_pre_step(self, hook: PreStepHook) -> RemovableHandle:
+        return self._register(self.pre_step, hook)
+
+    def add_post_update(self, hook: PostUpdateHook) -> RemovableHandle:
+        return self._register(self.post_update, hook)
+
+    def before_step(self, optimizer: Any) -> None:
+        """Raise, on every rank alike, if a post-update hook of the last step raised on some
+        ranks only; then run the pre-step hooks."""
+        last, self._last = self._last, None
+        if last is not None and last.partial():
+            raise RuntimeError(
+                f"a post-update hook raised on {last.ranks_raised()} of {last.world} ranks in "
+                "the previous step (the step was applied and published everywhere); this step "
+                "is applied nowhere. Fix the hook so that it behaves alike on every rank: each "
+                "rank that raised reported the hook's own exception"
+            )
+        for hook in list(self.pre_step.values()):
+            hook(optimizer)
+
+    def run_post_update(
+        self, optimizer: Any, parts: Callable[[], Mapping[str, WeightPart]]
+    ) -> BaseException | None:
+        """Run the post-update hooks; return the exception one raised (the caller publishes,
+        then raises it), and share whether one did with every rank."""
+        if not self.post_update:
+            return None
+        error: BaseException | None = None
+        try:
+            given = parts()
+            for hook in list(self.post_update.values()):
+                hook(optimizer, given)
+        except Exception as exc:
+            error = exc
+        self._last = _Outcome(error is not None, self._group, self._device)
+        return error

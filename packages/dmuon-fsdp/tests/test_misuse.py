@@ -1,0 +1,126 @@
+"""Misuse on several ranks: each raises one clear error on every rank, naming the fix, within
+the test's timeout (no hang, and no rank that goes on alone while another stopped)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_fsdp import Muon, dedicate_params, load_checkpoint, save_checkpoint, uninstall_patch
+from dmuon_testing.distributed import run_distributed
+
+ROWS = 8
+_O_PROJ_ON_ADAMW = {"overrides": [{"name": ["*o_proj*"], "set": {"route": "adamw"}}]}
+
+
+def _plain_fully_shard_without_the_patch(mesh: DeviceMesh, root: str) -> None:
+    """The first public DMuon's script with the patch turned off: most ranks find out inside
+    fully_shard, the others at Muon(model)."""
+    uninstall_patch()
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate, patch_fully_shard=False)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    Muon(model)
+
+
+def _no_root_fully_shard(mesh: DeviceMesh, root: str) -> None:
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    Muon(model)
+
+
+def _dedicated_twice(mesh: DeviceMesh, root: str) -> None:
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    dedicate_params(model, mesh, muon_predicate)
+
+
+def _changed_after_muon(mesh: DeviceMesh, root: str) -> None:
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    model.layers[1].mlp.up_proj.weight = nn.Parameter(torch.zeros(24, 16))
+    loss_fn(model, batch(0, ROWS)).backward()
+    optimizer.step()
+
+
+def _checkpoint_with_other_routes(mesh: DeviceMesh, root: str) -> None:
+    """A checkpoint whose o_proj matrices were AdamW's, loaded strictly where they are Muon's:
+    its AdamW moments do not belong to this model."""
+
+    def trained(policy: dict | None) -> tuple[nn.Module, Muon]:
+        model = build(0)
+        dedicate_params(model, mesh, muon_predicate, param_policy=policy)
+        shard_layers_then_root(model, mesh)
+        optimizer = Muon(model)
+        loss_fn(model, batch(0, ROWS)).backward()
+        optimizer.step()
+        return model, optimizer
+
+    path = os.path.join(root, "adamw_o_proj")
+    save_checkpoint(path, *trained(_O_PROJ_ON_ADAMW))
+    load_checkpoint(path, *trained(None), strict=True)
+
+
+SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
+    "plain fully_shard, patch off": (
+        _plain_fully_shard_without_the_patch,
+        r"RuntimeError: dedicated parameter '[\w.]+' \(owner: rank \d; this rank \d is its "
+        r"\w+\) was taken by fully_shard .*patch_fully_shard=True.*"
+        r"ignored_params=dmuon\.dedicated_params_of\(model\)",
+    ),
+    "no fully_shard on the root": (
+        _no_root_fully_shard,
+        r"ValueError: \d+ trainable parameter\(s\) are neither dedicated nor managed by FSDP2.*"
+        r"fully_shard\(model\) on the root",
+    ),
+    "dedicate_params twice": (
+        _dedicated_twice,
+        r"RuntimeError: dedicate_params was already called on this TinyLlama; call it once",
+    ),
+    "a dedicated parameter replaced after Muon(model)": (
+        _changed_after_muon,
+        r"RuntimeError: dedicated parameter 'layers\.1\.mlp\.up_proj\.weight' is no longer "
+        r"registered on its module.*do not reassign dedicated parameters",
+    ),
+    "a checkpoint with other routes, strict": (
+        _checkpoint_with_other_routes,
+        r"ValueError: load_checkpoint: state: unexpected key\(s\) \[.layers\.0\.attn\.o_proj"
+        r"\.weight\.exp_avg.*the checkpoint is from a different model",
+    ),
+}
+
+
+def _every_misuse(rank: int, world_size: int, root: str) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    seen: dict[str, str] = {}
+    for name, (scenario, _) in SCENARIOS.items():
+        try:
+            scenario(mesh, root)
+        except Exception as exc:
+            seen[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            seen[name] = "no error"
+    uninstall_patch()
+    return seen
+
+
+@pytest.mark.distributed
+def test_each_misuse_raises_the_same_clear_error_on_every_rank(tmp_path) -> None:
+    per_rank = run_distributed(_every_misuse, 2, str(tmp_path))
+    for name, (_, expected) in SCENARIOS.items():
+        for rank, seen in enumerate(per_rank):
+            assert re.match(expected, seen[name], re.DOTALL), (name, rank, seen[name][:400])

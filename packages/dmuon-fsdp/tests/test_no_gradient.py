@@ -1,0 +1,111 @@
+"""A parameter without a gradient is left alone, as ``torch.optim`` leaves it: a dedicated
+matrix frozen mid-run (``requires_grad_(False)``) and the matrices of a block the step's
+forward skipped keep their weight and momentum bit for bit, with weight decay on, on every
+path (1-D, HSDP, tensor parallelism, the replicated path, expert stacks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import batch, build, loss_fn, muon_predicate, tensor_parallel
+from _moe import build_moe, moe_predicate
+from _sgd_train import setup_model
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_fsdp import (
+    Muon,
+    dedicate_params,
+    dedicate_params_ddp,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    replicate,
+)
+from dmuon_testing.distributed import run_distributed
+
+ROWS = 8
+FROZEN = "layers.0.mlp.up_proj.weight"
+# Matrices of the block whose MLP the second step's forward skips.
+UNUSED = ("layers.1.mlp.gate_proj.weight", "layers.1.mlp.up_proj.weight")
+STACK = "layers.1.experts.w1"  # an expert stack the second step's forward skips
+
+
+def _skip(module: nn.Module) -> None:
+    """Make the forward not use ``module`` (its parameters get no gradient)."""
+    module.forward = lambda x, *args: torch.zeros_like(x)  # type: ignore[method-assign]
+
+
+def _model(path: str, world_size: int) -> nn.Module:
+    if path == "moe":
+        model = build_moe(4)
+        mesh = init_device_mesh("cpu", (world_size,))
+        dedicate_params(model, mesh, moe_predicate)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if path == "ddp":
+        model = build(0)
+        mesh = init_device_mesh("cpu", (world_size,))
+        dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
+        replicate(model, mesh)
+        return model
+    if path == "tp":
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+        model = build(0)
+        tensor_parallel(model, mesh["tp"])
+        dedicate_params(model, mesh["dp"], muon_predicate, small_param_threshold=0)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+    model, _ = setup_model(world_size, replicate=2 if path == "hsdp" else 1)
+    return model
+
+
+def _step(model: nn.Module, optimizer: Muon, step: int, rank: int, world_size: int) -> None:
+    optimizer.zero_grad()
+    loss_fn(model, batch(step, ROWS).chunk(world_size)[rank]).backward()
+    optimizer.step()
+
+
+def _momenta(model: nn.Module, optimizer: Muon) -> dict[str, Tensor]:
+    state = get_optimizer_state_dict(model, optimizer)["state"]
+    return {k: v["momentum_buffer"] for k, v in state.items() if "momentum_buffer" in v}
+
+
+def _frozen_and_unused(rank: int, world_size: int, path: str) -> dict[str, object]:
+    model = _model(path, world_size)
+    optimizer = Muon(model, lr=0.05, weight_decay=0.1)
+    _step(model, optimizer, 0, rank, world_size)  # momentum exists for every matrix
+    if path == "moe":
+        still = [STACK]
+        _skip(model.layers[1].experts)
+    else:
+        still = [FROZEN, *UNUSED]
+        dict(model.named_parameters())[FROZEN].requires_grad_(False)
+        _skip(model.layers[1].mlp)
+    weights = get_model_state_dict(model)
+    momenta = _momenta(model, optimizer)
+    _step(model, optimizer, 1, rank, world_size)
+    after = get_model_state_dict(model)
+    after_momenta = _momenta(model, optimizer)
+    return {
+        "unchanged": {n: torch.equal(weights[n], after[n]) for n in still},
+        "momentum kept": {n: torch.equal(momenta[n], after_momenta[n]) for n in still},
+        "others moved": all(
+            not torch.equal(weights[n], after[n])
+            for n in after_momenta
+            if n not in still and "layers.1" not in n
+        ),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", ["1d", "hsdp", "tp", "ddp", "moe"])
+def test_a_matrix_without_a_gradient_keeps_its_weight_and_momentum(path: str) -> None:
+    for result in run_distributed(_frozen_and_unused, 2, path):
+        assert all(result["unchanged"].values()), result  # type: ignore[union-attr]
+        assert all(result["momentum kept"].values()), result  # type: ignore[union-attr]
+        assert result["others moved"], result
