@@ -53,7 +53,7 @@ the policy: bf16 broadcast and compute, fp32 reduce, fp32 masters and states on 
 attention, whose forward feeds ``clip.observe`` (``--qk-stat``: ``lse``, the default, runs the
 flash kernel that returns each row's log-sum-exp, ``torch.ops.aten._scaled_dot_product_flash_
 attention`` on CUDA with the key/value heads repeated to the query heads, and observes the bound
-``dmuon.max_logits_from_lse``; ``exact`` keeps SDPA and adds ``dmuon.max_logits``, one more
+``dmuon.qk_clip.max_logits_from_lse``; ``exact`` keeps SDPA and adds ``dmuon.max_logits``, one more
 ``Q Kᵀ`` in float32). Below its table: its step and fwd+bwd against ``dmuon``'s, measured in
 the same process (QK-clip's step work, one MAX all-reduce of the (layers, heads) maxima (none on
 one rank) and one row scale of every W_q and W_k, does not depend on how many heads are over τ).
@@ -195,7 +195,7 @@ def _observing(clip: Any, name: str, stat: QKStat) -> Any:
         else:
             flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
             out, logsumexp = flash(q, k, v, 0.0, True)
-        clip.observe(name, dmuon.max_logits_from_lse(logsumexp))
+        clip.observe(name, dmuon.qk_clip.max_logits_from_lse(logsumexp))
         return out
 
     return exact if stat is QKStat.EXACT else lse
@@ -258,7 +258,10 @@ def _build(
                 q = f"layers.{i}.self_attn.q_proj.weight"
                 clip.add(q, f"layers.{i}.self_attn.k_proj.weight", cfg.heads, cfg.n_kv_heads)
                 layer.self_attn.attend = _observing(clip, q, qk[1])
-        optimizers.append(dmuon.Muon(model, lr=0.02, adamw_lr=1e-4, qk_clip=clip))
+        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-4)
+        if clip is not None:
+            clip.attach(optimizer)
+        optimizers.append(optimizer)
     return _Built(model, optimizers, autocast=mixed and not sharded)
 
 

@@ -247,7 +247,7 @@ class DmuonOptimizersContainer(OptimizersContainer):
         )
         self.optimizers = [self.muon]
         self.muon_max_norm = config.muon_max_norm
-        self.dp_degree = dmuon.get_comm_ctx(model).layout.world_size
+        self.dp_degree = dmuon.runtime.get_comm_ctx(model).layout.world_size
         # Optimizer.__init__, as OptimizersContainer does, for the step hooks it registers.
         self._post_init(list(model.parameters()))
 
@@ -353,7 +353,7 @@ class DmuonCheckpointManager(CheckpointManager):
         if self.enable:
             assert not self.states[MODEL].state_dict()  # wraps no module: see the Note above
             del self.states[OPTIMIZER]
-            self.states[dmuon.CHECKPOINT_KEY] = dmuon.AppState(model, optimizers.muon)
+            self.states[dmuon.runtime.CHECKPOINT_KEY] = dmuon.AppState(model, optimizers.muon)
 
 
 def llama3_debugmodel_dmuon() -> Trainer.Config:

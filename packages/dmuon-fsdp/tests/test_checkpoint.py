@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon_fsdp import (
     Muon,
+    StepOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -231,7 +232,7 @@ def _hsdp(rank: int, world_size: int):
     n_matrices = len(runtime.params)
 
     model, _ = setup_model(world_size, replicate=2, reshard=False)
-    optimizer = Muon(model, **HYPER.muon_kwargs(), replicate_async=False)
+    optimizer = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(replicate_async=False))
     first = train_steps(model, optimizer, rank, world_size, SPLIT)
     model_sd, optim_sd = _snapshot(model, optimizer)
     resumed, _ = setup_model(world_size, replicate=2, seed=123)

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dmuon_fsdp import (
     Muon,
+    StepOptions,
     collect_forward_unshard_profile,
     dedicate_params,
     dedicated_params_of,
@@ -91,7 +92,7 @@ def _diagnose(rank: int, world_size: int):
         mp_policy=MixedPrecisionPolicy(BF16, FP32, output_dtype=FP32),
         ignored_params=dedicated,
     )
-    optimizer = Muon(model, lr=0.02, adamw_lr=1e-3, profile=True)
+    optimizer = Muon(model, lr=0.02, adamw_lr=1e-3, options=StepOptions(profile=True))
 
     # The counter and the wait times: cleared after a snapshot, counted afresh by the next step.
     profiles = []

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon_fsdp import (
     Muon,
+    StepOptions,
     collect_forward_unshard_profile,
     dedicate_params,
     get_optimizer_state_dict,
@@ -205,11 +206,11 @@ def _errors(rank: int, world_size: int):
     with pytest.raises(TypeError, match=r"param_groups\[0\]: nesterov must be a bool"):
         Muon(model, param_groups=[{"params": list(model.parameters()), "nesterov": "no"}])
     with pytest.raises(ValueError, match="lr_scaling"):
-        Muon(model, lr_scaling="sqrt")
+        Muon(model, options=StepOptions(lr_scaling="sqrt"))
     with pytest.raises(ValueError, match=r"an nn\.Module"):
         Muon(list(model.parameters()))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ns_batch_bytes must be a positive int"):
-        Muon(model, ns_batch_bytes=0)
+        Muon(model, options=StepOptions(ns_batch_bytes=0))
     with pytest.raises(ValueError, match="ns_backend must be 'gram', 'direct'"):
         Muon(model, ns_backend="svd")
     custom = NewtonSchulz(backend="direct", steps=3)

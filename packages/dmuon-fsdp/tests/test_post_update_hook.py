@@ -12,7 +12,7 @@ from _sgd_train import setup_model
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dmuon_fsdp import Muon, Role, WeightPart, dedicate_params_ddp, replicate
+from dmuon_fsdp import Muon, Role, StepOptions, WeightPart, dedicate_params_ddp, replicate
 from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
@@ -33,7 +33,7 @@ def _model(world_size: int, path: str) -> nn.Module:
 
 def _check(rank: int, world_size: int, path: str) -> dict[str, int]:
     model = _model(world_size, path)
-    optimizer = Muon(model, lr=0.05, replicate_async=path != "hsdp_sync")
+    optimizer = Muon(model, lr=0.05, options=StepOptions(replicate_async=path != "hsdp_sync"))
     unscaled: dict[str, torch.Tensor] = {}
     scaled: dict[str, torch.Tensor] = {}
     seen_parts: list[set[str]] = []
@@ -111,7 +111,7 @@ def _raising_hook(rank: int, world_size: int, raising_ranks: tuple[int, ...]) ->
     exception on the ranks where it raised, and, when it raised on some ranks only, the same
     error on every rank at the next step, which then changes nothing."""
     model, runtime = setup_model(world_size, replicate=2, small_param_threshold=0)
-    optimizer = Muon(model, lr=0.05, replicate_async=True)
+    optimizer = Muon(model, lr=0.05)
 
     def hook(opt: Muon, parts: dict[str, WeightPart]) -> None:
         if rank in raising_ranks:

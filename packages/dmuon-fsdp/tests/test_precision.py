@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from dmuon_fsdp import (
     Muon,
     Role,
+    StepOptions,
     dedicate_params,
     dedicate_params_ddp,
     dedicated_params_of,
@@ -226,7 +227,7 @@ def _policy_run(rank: int, world_size: int, replicated: bool, grad_dtype: str | 
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, ignored_params=dedicated)
         fully_shard(model, mesh=mesh, ignored_params=dedicated)
-    optimizer = Muon(model, **HYPER.muon_kwargs(), skip_nonfinite=skip)
+    optimizer = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(skip_nonfinite=skip))
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()

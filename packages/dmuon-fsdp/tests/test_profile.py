@@ -13,6 +13,7 @@ from _sgd_train import setup_model
 
 from dmuon_fsdp import (
     Muon,
+    StepOptions,
     collect_forward_unshard_profile,
     get_model_state_dict,
     summarize_param_groups,
@@ -26,7 +27,7 @@ STEPS = 6
 
 def _run(rank: int, world_size: int, profile: bool):
     model, _ = setup_model(world_size, small_param_threshold=0)
-    optimizer = Muon(model, **HYPER.muon_kwargs(), profile=profile)
+    optimizer = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(profile=profile))
     losses, profiles, step_ms = [], [], []
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -73,7 +74,7 @@ def test_step_profile_lists_every_phase_sums_to_the_step_and_changes_nothing() -
 
 def _unprofiled_read(rank: int, world_size: int) -> None:
     model, _ = setup_model(world_size)
-    with pytest.raises(ValueError, match=r"Muon\(model, \.\.\., profile=True\)"):
+    with pytest.raises(ValueError, match=r"options=dmuon\.StepOptions\(profile=True\)"):
         Muon(model).step_profile()
 
 

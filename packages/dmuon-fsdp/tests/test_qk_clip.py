@@ -35,7 +35,7 @@ from _attention import (
     wrap,
 )
 from _models import batch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dmuon_fsdp import (
     Muon,
@@ -59,7 +59,8 @@ def _zero_lr_step(path: str, kind: str, bias: bool, world_size: int) -> tuple[in
     runtime, dp_index, dp_size = wrap(model, path, world_size)
     clip = QKClip(tau=tau)
     attach(model, clip, kind)
-    optimizer = Muon(model, **ZERO_LR, qk_clip=clip)
+    optimizer = Muon(model, **ZERO_LR)
+    clip.attach(optimizer)
     local = tokens.chunk(dp_size)[dp_index]
     logits = model(local[:, :-1])
     F.cross_entropy(logits.reshape(-1, VOCAB), local[:, 1:].reshape(-1)).backward()
@@ -121,7 +122,8 @@ def _qk_norm_is_skipped(rank: int, world_size: int) -> dict[str, bool]:
     attach(model, clip, "qknorm")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        optimizer = Muon(model, **ZERO_LR, qk_clip=clip)
+        optimizer = Muon(model, **ZERO_LR)
+        clip.attach(optimizer)
     messages = [str(w.message) for w in caught if "QK-norm" in str(w.message)]
     tokens = batch(0, ROWS).chunk(dp_size)[dp_index]
     logits = model(tokens[:, :-1])
@@ -163,7 +165,8 @@ def _train(rank: int, world_size: int, tau: float, steps: int) -> dict[str, Any]
     _, dp_index, dp_size = wrap(model, "1d", world_size)
     clip = QKClip(tau=tau)
     attach(model, clip, "mha")
-    optimizer = Muon(model, lr=0.1, weight_decay=0.0, adamw_lr=1e-3, qk_clip=clip)
+    optimizer = Muon(model, lr=0.1, weight_decay=0.0, adamw_lr=1e-3)
+    clip.attach(optimizer)
     tokens = batch(0, ROWS)
     local = tokens.chunk(dp_size)[dp_index]
     peaks, landed, growth = [], [], []
@@ -255,8 +258,6 @@ def test_row_maps_and_clips_validate_their_arguments() -> None:
         clip.add("b.q_proj.weight", "a.k_proj.weight", 4)
     with pytest.raises(TypeError, match=r"must be a dmuon\.QKRowMap"):
         clip.add("c.q_proj.weight", "c.k_proj.weight", 4, q_rows=(("q", 8),))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"qk_clip must be a dmuon\.QKClip"):
-        Muon(nn.Linear(2, 2), qk_clip="yes")  # type: ignore[arg-type]
 
 
 def test_observe_records_the_maximum_of_training_forwards() -> None:
@@ -290,7 +291,7 @@ class _Runtime:
 def test_bind_checks_every_weight_against_the_model() -> None:
     model = ClipModel("mha")
     cases = [
-        ((), "QKClip with no attention"),
+        ((), "the QKClip has no attention"),
         ((("layers.0.attn.q.weight", "layers.0.attn.k_proj.weight", 4),), "is not a parameter"),
         ((("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight", 3),), "not a multiple"),
         (
@@ -397,7 +398,9 @@ def _gpu_worker(rank: int, init_file: str) -> None:
             wrap(model, "1d", 1, "cuda")
             clip = QKClip(tau=tau)
             attach(model, clip, "gqa")
-            optimizer = Muon(model, **ZERO_LR, qk_clip=clip if with_clip else None)
+            optimizer = Muon(model, **ZERO_LR)
+            if with_clip:
+                clip.attach(optimizer)
             if not with_clip:
                 for layer in model.layers:
                     layer.attn.clip = None

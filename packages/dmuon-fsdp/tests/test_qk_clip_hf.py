@@ -203,7 +203,8 @@ def _hf_step(rank: int, world_size: int) -> tuple[int, int]:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=ignored)
     fully_shard(model, mesh=mesh, ignored_params=ignored)
-    optimizer = Muon(model, **ZERO_LR, qk_clip=clip)
+    optimizer = Muon(model, **ZERO_LR)
+    clip.attach(optimizer)
     local = tokens.chunk(world_size)[rank]
     model(local, labels=local).loss.backward()
     optimizer.step()

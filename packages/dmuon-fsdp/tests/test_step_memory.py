@@ -100,7 +100,7 @@ def _step_memory(rank: int, world_size: int, variant: str) -> tuple[int, int]:
     """(bytes live before the second step, peak bytes the step adds) for ``variant``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon_fsdp import Muon, dedicate_params
+    from dmuon_fsdp import Muon, StepOptions, dedicate_params
 
     torch.manual_seed(0)
     model = _Stack().to(torch.bfloat16)
@@ -114,7 +114,12 @@ def _step_memory(rank: int, world_size: int, variant: str) -> tuple[int, int]:
         # NS iterates in bf16, as torch.optim.Muon's does (on CPU dmuon's default is fp32).
         ns = NewtonSchulz(dtype=torch.bfloat16)
         optimizers.append(
-            Muon(model, adamw_lr=1e-4, ns_batch_bytes=DIM * HIDDEN * 2, ns_backend=ns)
+            Muon(
+                model,
+                adamw_lr=1e-4,
+                ns_backend=ns,
+                options=StepOptions(ns_batch_bytes=DIM * HIDDEN * 2),
+            )
         )
     else:
         named = list(model.named_parameters())

@@ -20,6 +20,7 @@ from torch.nn.utils import parameters_to_vector
 from dmuon_fsdp import (
     Muon,
     NotHeldError,
+    StepOptions,
     dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -85,7 +86,9 @@ def _two_d(rank: int, world_size: int, tp_ns: str):
         if tp_ns == "gram":
             counting = None
             kwargs["ns_steps"] = HYPER.ns_steps
-        optimizer = Muon(model, **kwargs, ns_backend=counting or "gram", tp_ns=tp_ns)
+        optimizer = Muon(
+            model, **kwargs, ns_backend=counting or "gram", options=StepOptions(tp_ns=tp_ns)
+        )
         runtime.counter.reset()
         losses = _train(model, optimizer, dp_index, 2, STEPS)
         counts = runtime.counter.snapshot()
@@ -127,7 +130,7 @@ def _three_d(rank: int, world_size: int):
     out = {}
     for async_ in (True, False):
         model, _, dp_index = _tp_model((2, 2, 2))
-        optimizer = Muon(model, **HYPER.muon_kwargs(), replicate_async=async_)
+        optimizer = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(replicate_async=async_))
         out[async_] = _train(model, optimizer, dp_index, 4, STEPS)
     return out
 

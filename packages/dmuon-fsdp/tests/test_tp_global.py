@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import (
     Muon,
+    StepOptions,
     dedicate_params,
     dedicate_params_ddp,
     get_model_state_dict,
@@ -313,7 +314,7 @@ def _ns_modes(rank: int, world_size: int) -> dict:
     out = {}
     for mode in ("gram", "gather", "auto"):
         model, runtime, dp_index = _build("tp", hidden=WIDE_MLP)
-        optimizer = Muon(model, **HYPER.muon_kwargs(), tp_ns=mode)
+        optimizer = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(tp_ns=mode))
         runtime.counter.reset()
         losses = _train(model, optimizer, dp_index, 2, STEPS)
         counts = runtime.counter.snapshot()

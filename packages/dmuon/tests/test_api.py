@@ -7,53 +7,67 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import dmuon
 
 SUBPACKAGES = ("dmuon_fsdp", "dmuon_ns", "dmuon_clip", "dmuon_ownership")
 
-# Every public name documented for users of ``import dmuon`` (docs/api and the README).
-DOCUMENTED_NAMES = frozenset(
+# What a training script uses, at the top level: one page.
+TOP_LEVEL = frozenset(
     {
         # setup
         "dedicate_params",
-        "DedicateConfig",
-        "dedicated_params_of",
-        "install_patch",
-        "uninstall_patch",
         "dedicate_params_ddp",
         "replicate",
-        # optimizer
+        "dedicated_params_of",
+        "uninstall_patch",
+        "DedicateConfig",
+        # optimizer and what acts inside its step
         "Muon",
+        "StepOptions",
         "WeightPart",
-        # QK-clip
         "QKClip",
-        "QKRowMap",
         "max_logits",
-        "max_logits_from_lse",
-        "max_logits_from_scores",
-        # reads of a dedicated weight where it is not held
+        # training
+        "no_sync",
+        "clip_grad_norm_",
+        # checkpoints and weights
+        "save_checkpoint",
+        "load_checkpoint",
+        "AppState",
+        "get_model_state_dict",
+        "set_model_state_dict",
+        "get_optimizer_state_dict",
+        "set_optimizer_state_dict",
+        "init_dedicated_",
+        "CheckpointIntegrityError",
         "NotHeldError",
         # Newton–Schulz
+        "newton_schulz",
+        "NewtonSchulz",
+        "get_ns_backend",
+        # diagnostics and planning
+        "summarize_param_groups",
+        "summarize_comm_plan",
+        "forecast",
+        "Topology",
+    }
+)
+
+# The topic sub-modules and what each holds beyond the top level.
+SUBMODULES = {
+    "ns": {
+        "POLAR_EXPRESS_COEFFICIENTS",
+        "YOU_COEFFICIENTS",
         "NewtonSchulz",
         "newton_schulz",
         "gram_newton_schulz",
         "direct_newton_schulz",
-        "POLAR_EXPRESS_COEFFICIENTS",
-        "YOU_COEFFICIENTS",
         "get_ns_backend",
         "get_backend_status",
-        # state
-        "no_sync",
-        "prepare_muon_grads",
-        "wait_all_reduces",
-        "broadcast_all_updates",
-        "broadcast_all_updates_async",
-        "wait_all_replicate_broadcasts",
-        "get_dedicated_params",
-        "get_owned_params",
-        "get_comm_ctx",
-        "DedicatedCommContext",
-        # clipping
+    },
+    "clip": {
         "clip_grad_norm_",
         "register_muon_grad_clip_strategy",
         "MuonGradClipStats",
@@ -62,56 +76,69 @@ DOCUMENTED_NAMES = frozenset(
         "GradClipBucket",
         "GradClipBucketStats",
         "SegmentedGradClipResult",
-        # diagnostics
-        "summarize_param_groups",
-        "summarize_comm_plan",
-        "collect_forward_unshard_profile",
-        # checkpoint
-        "get_model_state_dict",
-        "set_model_state_dict",
-        "init_dedicated_",
-        "get_optimizer_state_dict",
-        "set_optimizer_state_dict",
-        "AppState",
-        "save_checkpoint",
-        "load_checkpoint",
+    },
+    "qk_clip": {
+        "QKClip",
+        "QKRowMap",
+        "max_logits",
+        "max_logits_from_lse",
+        "max_logits_from_scores",
+    },
+    "plan": {"Forecast", "ModelShapes", "Topology", "forecast", "model_shapes"},
+    "runtime": {
         "CHECKPOINT_KEY",
-        "CheckpointIntegrityError",
-        # the planner before the run (dmuon-plan)
-        "forecast",
-        "Forecast",
-        "Topology",
-        "model_shapes",
-        "ModelShapes",
-    }
-)
+        "DedicatedCommContext",
+        "broadcast_all_updates",
+        "broadcast_all_updates_async",
+        "collect_forward_unshard_profile",
+        "get_comm_ctx",
+        "get_dedicated_params",
+        "get_owned_params",
+        "install_patch",
+        "prepare_muon_grads",
+        "uninstall_patch",
+        "wait_all_reduces",
+        "wait_all_replicate_broadcasts",
+    },
+}
 
 
-def _providers() -> dict[str, object]:
-    """Documented name -> the object a sub-package exports under it (first provider wins)."""
-    found: dict[str, object] = {}
+def _provider(name: str) -> object:
+    """The object the first sub-package exporting ``name`` gives."""
     for package in SUBPACKAGES:
         module = importlib.import_module(package)
-        for name in getattr(module, "__all__", ()):
-            if name in DOCUMENTED_NAMES and name not in found:
-                found[name] = getattr(module, name)
-    return found
+        if name in getattr(module, "__all__", ()):
+            return getattr(module, name)
+    raise AssertionError(f"no sub-package exports {name!r}")
 
 
-def test_every_provided_documented_name_is_reexported() -> None:
-    provided = _providers()
-    assert provided, "no sub-package provides any documented name: the check would be vacuous"
-    missing = sorted(set(provided) - set(dmuon.__all__))
-    assert not missing, f"dmuon does not re-export {missing}"
-    for name, obj in provided.items():
-        assert getattr(dmuon, name) is obj, f"dmuon.{name} is not the sub-package's object"
-
-
-def test_all_is_exactly_the_provided_documented_names() -> None:
-    assert len(dmuon.__all__) == len(set(dmuon.__all__)), "duplicates in dmuon.__all__"
-    assert set(dmuon.__all__) == set(_providers())
+def test_the_top_level_fits_on_a_page_and_is_the_sub_packages_objects() -> None:
+    assert len(dmuon.__all__) == len(set(dmuon.__all__)) <= 30
+    assert set(dmuon.__all__) == TOP_LEVEL
     for name in dmuon.__all__:
-        assert hasattr(dmuon, name)
+        assert getattr(dmuon, name) is _provider(name), f"dmuon.{name}"
+
+
+def test_each_topic_module_reexports_its_names() -> None:
+    for module_name, names in SUBMODULES.items():
+        module = importlib.import_module(f"dmuon.{module_name}")
+        assert getattr(dmuon, module_name) is module, f"import dmuon reaches dmuon.{module_name}"
+        assert set(module.__all__) == names, module_name
+        for name in names:
+            assert getattr(module, name) is _provider(name), f"dmuon.{module_name}.{name}"
+
+
+def test_former_top_level_names_warn_and_name_their_new_place() -> None:
+    moved = {name: module for module, names in SUBMODULES.items() for name in names}
+    for name, module in moved.items():
+        if name in TOP_LEVEL:
+            continue
+        assert name not in dmuon.__all__
+        with pytest.warns(DeprecationWarning, match=rf"dmuon\.{name} moved to dmuon\.{module}"):
+            value = getattr(dmuon, name)
+        assert value is getattr(importlib.import_module(f"dmuon.{module}"), name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        dmuon.no_such_name  # noqa: B018
 
 
 def test_deprecated_names_stay_importable_outside_all() -> None:

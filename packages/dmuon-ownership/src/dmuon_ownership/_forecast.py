@@ -88,7 +88,7 @@ broadcast's, reduce's or publish's payload (the per-rank cost of a ring; ARCHITE
 ``1/T`` of the scatter's on the others. dmuon's rows are derived from its payload; FSDP2's
 rounds (the other parameters in the dmuon column, every parameter in the FSDP2 columns) are
 counted the same way, but the runtime's counter does not see them, so only dmuon's payload can
-be compared with a run (``dmuon.get_comm_ctx(model).counter``).
+be compared with a run (``dmuon.runtime.get_comm_ctx(model).counter``).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def render(fc: Forecast) -> str:
     )
     lines.append(
         "payload: the bytes of the tensors dmuon's own collectives carry on a rank, the unit of "
-        "its runtime's CommCounter (dmuon.get_comm_ctx(model).counter); FSDP2's are not in it."
+        "its runtime's CommCounter (dmuon.runtime.get_comm_ctx(model).counter); FSDP2's are not in it."
     )
     lines.append(
         "work, NS time: dmuon's owned matrices and own experts; FSDP2 + Muon orthogonalises "

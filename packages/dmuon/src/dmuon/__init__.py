@@ -2,88 +2,134 @@
 
     import dmuon
     dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
-    dedicated = dmuon.dedicated_params_of(model)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
-    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+        fully_shard(layer, mesh=mesh)  # leaves the dedicated matrices to dmuon
+    fully_shard(model, mesh=mesh)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
-Every name comes from one of the four packages (``dmuon_fsdp``: the runtime and optimizer,
-``dmuon_ns``: Newton–Schulz, ``dmuon_clip``: clipping, ``dmuon_ownership``: the planner
-before the run), imported as ``name as name`` (the explicit re-export type checkers read);
-``__all__`` is exactly those names but the deprecated ones (``_DEPRECATED``). This module holds
-no logic, and importing it does no work (no device queries, no compilation, no patching).
+The top level holds what a training script uses (one page: ``__all__``); the rest lives in
+public sub-modules by topic: :mod:`dmuon.ns` (Newton–Schulz kernels and coefficients),
+:mod:`dmuon.clip` (clipping strategies and bucketed clipping), :mod:`dmuon.qk_clip`
+(QK-clip row maps and the max-logit helpers), :mod:`dmuon.runtime` (explicit synchronisation,
+inspection, the comm context), each reachable after ``import dmuon``. Every name comes from one of the four packages (``dmuon_fsdp``,
+``dmuon_ns``, ``dmuon_clip``, ``dmuon_ownership``), imported as ``name as name`` (the explicit
+re-export type checkers read). Names that used to live at the top level still resolve there
+for one release, with a ``DeprecationWarning`` naming their new place. This module holds no
+logic, and importing it does no work (no device queries, no compilation, no patching).
 """
 
-from dmuon_clip import GradClipBucket as GradClipBucket
-from dmuon_clip import GradClipBucketStats as GradClipBucketStats
-from dmuon_clip import MuonGradClipStats as MuonGradClipStats
-from dmuon_clip import SegmentedGradClipResult as SegmentedGradClipResult
+from typing import Any as _Any
+
 from dmuon_clip import clip_grad_norm_ as clip_grad_norm_
-from dmuon_clip import clip_grad_norm_buckets_ as clip_grad_norm_buckets_
-from dmuon_clip import register_muon_grad_clip_strategy as register_muon_grad_clip_strategy
-from dmuon_clip import (
-    try_clip_optimizer_grad_norm_buckets_ as try_clip_optimizer_grad_norm_buckets_,
-)
-from dmuon_fsdp import CHECKPOINT_KEY as CHECKPOINT_KEY
 from dmuon_fsdp import AppState as AppState
 from dmuon_fsdp import CheckpointIntegrityError as CheckpointIntegrityError
 from dmuon_fsdp import DedicateConfig as DedicateConfig
-from dmuon_fsdp import DedicatedCommContext as DedicatedCommContext
 from dmuon_fsdp import Muon as Muon
 from dmuon_fsdp import NotHeldError as NotHeldError
 from dmuon_fsdp import QKClip as QKClip
-from dmuon_fsdp import QKRowMap as QKRowMap
+from dmuon_fsdp import StepOptions as StepOptions
 from dmuon_fsdp import WeightPart as WeightPart
-from dmuon_fsdp import broadcast_all_updates as broadcast_all_updates
-from dmuon_fsdp import broadcast_all_updates_async as broadcast_all_updates_async
-from dmuon_fsdp import collect_forward_unshard_profile as collect_forward_unshard_profile
 from dmuon_fsdp import dedicate_params as dedicate_params
 from dmuon_fsdp import dedicate_params_ddp as dedicate_params_ddp
-from dmuon_fsdp import dedicate_params_ddp_tp as dedicate_params_ddp_tp
 from dmuon_fsdp import dedicated_params_of as dedicated_params_of
-from dmuon_fsdp import get_comm_ctx as get_comm_ctx
-from dmuon_fsdp import get_dedicated_params as get_dedicated_params
 from dmuon_fsdp import get_model_state_dict as get_model_state_dict
 from dmuon_fsdp import get_optimizer_state_dict as get_optimizer_state_dict
-from dmuon_fsdp import get_owned_params as get_owned_params
 from dmuon_fsdp import init_dedicated_ as init_dedicated_
-from dmuon_fsdp import install_patch as install_patch
 from dmuon_fsdp import load_checkpoint as load_checkpoint
 from dmuon_fsdp import max_logits as max_logits
-from dmuon_fsdp import max_logits_from_lse as max_logits_from_lse
-from dmuon_fsdp import max_logits_from_scores as max_logits_from_scores
 from dmuon_fsdp import no_sync as no_sync
-from dmuon_fsdp import prepare_muon_grads as prepare_muon_grads
 from dmuon_fsdp import replicate as replicate
-from dmuon_fsdp import replicate_tp as replicate_tp
 from dmuon_fsdp import save_checkpoint as save_checkpoint
 from dmuon_fsdp import set_model_state_dict as set_model_state_dict
 from dmuon_fsdp import set_optimizer_state_dict as set_optimizer_state_dict
 from dmuon_fsdp import summarize_comm_plan as summarize_comm_plan
 from dmuon_fsdp import summarize_param_groups as summarize_param_groups
 from dmuon_fsdp import uninstall_patch as uninstall_patch
-from dmuon_fsdp import wait_all_reduces as wait_all_reduces
-from dmuon_fsdp import wait_all_replicate_broadcasts as wait_all_replicate_broadcasts
-from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS as POLAR_EXPRESS_COEFFICIENTS
-from dmuon_ns import YOU_COEFFICIENTS as YOU_COEFFICIENTS
 from dmuon_ns import NewtonSchulz as NewtonSchulz
-from dmuon_ns import direct_newton_schulz as direct_newton_schulz
-from dmuon_ns import get_backend_status as get_backend_status
 from dmuon_ns import get_ns_backend as get_ns_backend
-from dmuon_ns import gram_newton_schulz as gram_newton_schulz
 from dmuon_ns import newton_schulz as newton_schulz
-from dmuon_ownership import Forecast as Forecast
-from dmuon_ownership import ModelShapes as ModelShapes
 from dmuon_ownership import Topology as Topology
 from dmuon_ownership import forecast as forecast
-from dmuon_ownership import model_shapes as model_shapes
 
 __version__ = "0.1.0"
 
-# Deprecated names of dedicate_params_ddp and replicate: importable for one release, outside
-# __all__; each warns and names its replacement.
-_DEPRECATED = frozenset({"dedicate_params_ddp_tp", "replicate_tp"})
+# Every public name above, listed once (in their imports).
+__all__ = sorted(n for n in dict(globals()) if not n.startswith("_"))
 
-# Every public name above: the re-exports, listed once (in their imports).
-__all__ = sorted(n for n in dict(globals()) if not n.startswith("_") and n not in _DEPRECATED)
+# The topic sub-modules, reachable as dmuon.<module> after ``import dmuon`` (re-exports only:
+# importing them does no work either).
+from . import clip as clip
+from . import ns as ns
+from . import qk_clip as qk_clip
+from . import runtime as runtime
+
+# Former top-level names and the sub-module that holds each now (see ``__getattr__``).
+_MOVED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "POLAR_EXPRESS_COEFFICIENTS",
+            "YOU_COEFFICIENTS",
+            "direct_newton_schulz",
+            "get_backend_status",
+            "gram_newton_schulz",
+        ),
+        "ns",
+    ),
+    **dict.fromkeys(
+        (
+            "GradClipBucket",
+            "GradClipBucketStats",
+            "MuonGradClipStats",
+            "SegmentedGradClipResult",
+            "clip_grad_norm_buckets_",
+            "register_muon_grad_clip_strategy",
+            "try_clip_optimizer_grad_norm_buckets_",
+        ),
+        "clip",
+    ),
+    **dict.fromkeys(("QKRowMap", "max_logits_from_lse", "max_logits_from_scores"), "qk_clip"),
+    **dict.fromkeys(
+        (
+            "CHECKPOINT_KEY",
+            "DedicatedCommContext",
+            "broadcast_all_updates",
+            "broadcast_all_updates_async",
+            "collect_forward_unshard_profile",
+            "get_comm_ctx",
+            "get_dedicated_params",
+            "get_owned_params",
+            "install_patch",
+            "prepare_muon_grads",
+            "wait_all_reduces",
+            "wait_all_replicate_broadcasts",
+        ),
+        "runtime",
+    ),
+    **dict.fromkeys(("Forecast", "ModelShapes", "model_shapes"), "plan"),
+}
+# Names of earlier releases kept for one more, each with its replacement.
+_RENAMED = {
+    "dedicate_params_ddp_tp": "dmuon.dedicate_params_ddp",
+    "replicate_tp": "dmuon.replicate",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    """A former top-level name: warn, naming its new place, and return it."""
+    import importlib
+    import warnings
+
+    if name in _MOVED:
+        module = importlib.import_module(f"{__name__}.{_MOVED[name]}")
+        warnings.warn(
+            f"dmuon.{name} moved to dmuon.{_MOVED[name]}.{name}; the top-level name goes away "
+            "in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(module, name)
+    if name in _RENAMED:
+        import dmuon_fsdp
+
+        return getattr(dmuon_fsdp, name)  # warns itself when called, naming the replacement
+    raise AttributeError(f"module 'dmuon' has no attribute {name!r}")

@@ -310,7 +310,7 @@ def _table(
                 f"TP {opts.tp}: a rank holds 1/{opts.tp} of each projection, and dmuon's rounds"
                 f" move only those shards (P_M/{opts.tp} per TP index); NS of a sharded matrix"
                 " gathers it to one rank of its TP group or all-reduces Gram matrices ('tp NS',"
-                " Muon(tp_ns='auto'))."
+                " StepOptions(tp_ns='auto'))."
             ]
             if opts.tp > 1
             else []

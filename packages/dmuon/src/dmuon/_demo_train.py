@@ -198,7 +198,9 @@ def _build(
     optimizer: torch.optim.Optimizer
     clip = _qk_clip(opts, kind, model)
     if kind is not RunKind.ADAMW:
-        optimizer = dmuon.Muon(model, lr=opts.lr, adamw_lr=opts.adamw_lr, qk_clip=clip)
+        optimizer = dmuon.Muon(model, lr=opts.lr, adamw_lr=opts.adamw_lr)
+        if clip is not None:
+            clip.attach(optimizer)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=opts.adamw_lr, weight_decay=0.01)
     return model, optimizer, muon_bytes, clip
@@ -216,7 +218,7 @@ def train_run(
     result = RunResult(kind, muon_numel=numel, muon_itemsize=itemsize)
     counter = None
     if kind is not RunKind.ADAMW:
-        counter = dmuon.get_comm_ctx(model).counter
+        counter = dmuon.runtime.get_comm_ctx(model).counter
     # The ranks of one tensor-parallel group read the same rows (see build_mesh).
     dp_rank, dp_size = ctx.rank // opts.tp, ctx.world_size // opts.tp
     for step in range(opts.steps):

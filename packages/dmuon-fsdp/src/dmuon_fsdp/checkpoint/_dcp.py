@@ -201,7 +201,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: M
     with ``dcp.save`` (see [Note: the DCP layout]), and next to it ``dmuon_checksums.json``,
     the CRC32 of every chunk written, which :func:`load_checkpoint` verifies (see [Note:
     checkpoint integrity]); collective. For an asynchronous save call
-    ``dcp.async_save({dmuon.CHECKPOINT_KEY: dmuon.AppState(model, optimizer)}, ...)``, which
+    ``dcp.async_save({dmuon.runtime.CHECKPOINT_KEY: dmuon.AppState(model, optimizer)}, ...)``, which
     records no checksums."""
     with record_function("dmuon::save_checkpoint"):
         writer = integrity.ChecksumWriter(path)

@@ -25,7 +25,7 @@ reduced] in _qk_clip).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -56,7 +56,6 @@ from ._muon_math import (
     muon_batch,
 )
 from ._param_groups import GroupDefaults, build_param_groups
-from ._qk_clip import QKClip
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
 from ._step_plan import AdamWEntry, MuonEntry, StepPlan
@@ -113,6 +112,8 @@ class StepOptions:
     # How NS runs on a tensor-parallel matrix; see [Note: Newton–Schulz under tensor
     # parallelism] in _tp.
     tp_ns: TPMode = TPMode.AUTO
+    # Time every step's phases (``Muon.step_profile()``); see [Note: the step profile].
+    profile: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -134,7 +135,7 @@ class StepOptions:
             raise ValueError(
                 f"tp_ns must be one of {[m.value for m in TPMode]}, got {self.tp_ns!r}"
             ) from None
-        for name in ("replicate_async", "skip_nonfinite"):
+        for name in ("replicate_async", "skip_nonfinite", "profile"):
             check_bool(name, getattr(self, name))
 
 
@@ -153,22 +154,6 @@ class _StepWork(NamedTuple):
 
 def _no_mark(name: str) -> None:
     return None
-
-
-def _one_of(options: StepOptions | None, given: StepOptions) -> StepOptions:
-    """``options`` when given (then the separate keyword arguments must keep their
-    defaults), else the options built from those arguments."""
-    if options is None:
-        return given
-    if not isinstance(options, StepOptions):
-        raise TypeError(f"options must be a dmuon StepOptions, got {type(options).__name__}")
-    clashing = [f.name for f in fields(StepOptions) if getattr(given, f.name) != f.default]
-    if clashing:
-        raise ValueError(
-            f"Muon got options=StepOptions(...) and also {clashing} as keyword arguments; "
-            "set them in one place: inside StepOptions, or as keywords without options="
-        )
-    return options
 
 
 def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
@@ -223,9 +208,11 @@ class Muon(torch.optim.Optimizer):
     orthogonalises every matrix of a ``(batch, m, n)`` tensor and returns that shape
     (microsoft/dion's ``newton_schulz_func`` contract; ``ns_steps`` must then be left out).
 
-    ``qk_clip`` (a :class:`QKClip`) rescales, inside every ``step()``, the query and key
-    projection rows of each attention head whose largest logit of the step went over its
-    threshold (see [Note: QK-clip] in _qk_clip); it keeps no optimizer state.
+    The keywords are the first public DMuon's; how the step runs beyond them (the learning-rate
+    scaling, NS batching, the HSDP publish, the non-finite skip, NS under tensor parallelism,
+    the step profile) is ``options=StepOptions(...)``. Features that act inside the step attach
+    themselves as hooks: ``dmuon.QKClip(...).attach(optimizer)`` (QK-clip),
+    :meth:`register_post_update_hook`, :meth:`register_pre_step_hook`.
     """
 
     def __init__(
@@ -242,14 +229,8 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.01,
         adamw_eps: float = 1e-8,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
-        replicate_async: bool = True,
-        lr_scaling: LrScaling | str = LrScaling.MOONLIGHT,
-        ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
-        skip_nonfinite: bool = True,
-        profile: bool = False,
-        tp_ns: TPMode | str = TPMode.AUTO,
+        *,
         options: StepOptions | None = None,
-        qk_clip: QKClip | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -266,17 +247,14 @@ class Muon(torch.optim.Optimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
         )
-        given = StepOptions(
-            lr_scaling=lr_scaling,  # type: ignore[arg-type]
-            ns_batch_bytes=ns_batch_bytes,
-            replicate_async=replicate_async,
-            skip_nonfinite=skip_nonfinite,
-            tp_ns=tp_ns,  # type: ignore[arg-type]
-        )
-        self.options = _one_of(options, given)
-        check_bool("profile", profile)
-        if qk_clip is not None and not isinstance(qk_clip, QKClip):
-            raise TypeError(f"qk_clip must be a dmuon.QKClip or None, got {qk_clip!r}")
+        if options is None:
+            options = StepOptions()
+        elif not isinstance(options, StepOptions):
+            raise TypeError(
+                f"options must be a dmuon.StepOptions, got {type(options).__name__}: "
+                "Muon(model, ..., options=dmuon.StepOptions(replicate_async=False, ...))"
+            )
+        self.options = options
         self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
         self._runtime.lazy_init()
@@ -297,8 +275,8 @@ class Muon(torch.optim.Optimizer):
         )
         device = self._runtime.layout.device
         self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
-        self._timer = PhaseTimer(device) if profile else None
-        if profile:
+        self._timer = PhaseTimer(device) if options.profile else None
+        if options.profile:
             self._runtime.hooks.time_forward_waits(device)
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
         self._hooks = StepHooks(
@@ -331,11 +309,6 @@ class Muon(torch.optim.Optimizer):
             tp_ns=self.options.tp_ns,
         )
         compile_in_background(self._fused_layouts(), device)
-        self._qk_clip = qk_clip
-        if qk_clip is not None:
-            qk_clip.bind(model, self._runtime)
-            self.register_pre_step_hook(lambda optimizer: qk_clip.launch())
-            self.register_post_update_hook(qk_clip.post_update)
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -525,7 +498,7 @@ class Muon(torch.optim.Optimizer):
         if self._timer is None:
             raise ValueError(
                 "step_profile() needs the step profile: build the optimizer with "
-                "Muon(model, ..., profile=True)"
+                "Muon(model, ..., options=dmuon.StepOptions(profile=True))"
             )
         return self._timer.phases()
 

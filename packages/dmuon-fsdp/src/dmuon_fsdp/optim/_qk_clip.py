@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils.hooks import RemovableHandle
 
 from .._profile import span
 from .._torch_internals import foreach_mul_
@@ -215,14 +216,25 @@ class _Table(NamedTuple):
     views: list[Tensor]  # each part's factors, shaped to broadcast over its rows
 
 
+class RemovableHandles:
+    """Several hook handles removed together."""
+
+    def __init__(self, *handles: RemovableHandle) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 class QKClip:
     """QK-clip for :class:`Muon` (see [Note: QK-clip]): ``tau`` is the threshold τ of the
     largest logit per head (``math.inf``: only record the statistic), ``alpha`` the share
     ``α`` of the scale that goes to W_q (the rest goes to W_k).
 
     Register each attention with :meth:`add` (or :meth:`from_model` for Hugging Face
-    attention modules), pass the object to ``Muon(model, ..., qk_clip=clip)``, and call
-    :meth:`observe` in each attention's forward with the step's per-head maxima (see
+    attention modules), attach the object to the optimizer (``clip.attach(optimizer)``), and
+    call :meth:`observe` in each attention's forward with the step's per-head maxima (see
     ``dmuon.max_logits``). No optimizer state: checkpoints are unchanged.
     """
 
@@ -277,8 +289,7 @@ class QKClip:
         ``q_norm`` / ``k_norm`` submodule of the module holding the projections."""
         if self._bound:
             raise ValueError(
-                "QKClip.add after Muon(..., qk_clip=clip): add every attention before building"
-                " the optimizer"
+                "QKClip.add after clip.attach(optimizer): add every attention before attaching it"
             )
         for role, fqn in (("q", q), ("k", k)):
             if not isinstance(fqn, str) or not fqn:
@@ -295,13 +306,13 @@ class QKClip:
         for argument, mapping in (("q_rows", q_rows), ("k_rows", k_rows)):
             if mapping is not None and not isinstance(mapping, QKRowMap):
                 raise TypeError(
-                    f"QKClip.add({q!r}): {argument} must be a dmuon.QKRowMap or None, got"
+                    f"QKClip.add({q!r}): {argument} must be a dmuon.qk_clip.QKRowMap or None, got"
                     f" {mapping!r}"
                 )
         if q == k and (q_rows is None or k_rows is None):
             raise ValueError(
                 f"QKClip.add: {q!r} is both the query and the key projection (a fused weight);"
-                " pass q_rows= and k_rows= (dmuon.QKRowMap) to say where each head's q and k"
+                " pass q_rows= and k_rows= (dmuon.qk_clip.QKRowMap) to say where each head's q and k"
                 " rows are"
             )
         taken = {w for a in self._attentions for w in {a.q, a.k}}
@@ -424,17 +435,29 @@ class QKClip:
 
     # -- inside Muon --------------------------------------------------------------------------
 
+    def attach(self, optimizer: Any) -> RemovableHandles:
+        """Clip inside every ``step()`` of ``optimizer`` (a ``dmuon.Muon``): a pre-step hook
+        launches the all-reduce of the statistic, a post-update hook scales the rows (see
+        [Note: where the statistic is reduced]). Checks every attention against the
+        optimizer's model first (nothing is attached if that raises). Returns a handle whose
+        ``remove()`` detaches both hooks; a QKClip serves one optimizer."""
+        self.bind(optimizer.model, optimizer.runtime)
+        return RemovableHandles(
+            optimizer.register_pre_step_hook(lambda _: self.launch()),
+            optimizer.register_post_update_hook(self.post_update),
+        )
+
     def bind(self, model: nn.Module, runtime: DedicatedRuntime) -> None:
         """Check every attention against ``model`` and prepare the step (``Muon`` calls this;
         nothing changes if it raises)."""
         if self._bound:
             raise ValueError(
-                "this QKClip already belongs to an optimizer; build one QKClip per Muon"
+                "this QKClip is already attached to an optimizer; build one QKClip per Muon"
             )
         if not self._attentions:
             raise ValueError(
-                "Muon(qk_clip=...) got a QKClip with no attention: call clip.add(q, k,"
-                " num_heads) for each attention, or build it with QKClip.from_model(model)"
+                "QKClip.attach: the QKClip has no attention: call clip.add(q, k, num_heads) for"
+                " each attention, or build it with QKClip.from_model(model)"
             )
         params = dict(model.named_parameters())
         dedicated = {dp.fqn: dp for dp in runtime.params}
@@ -621,7 +644,7 @@ def _attention_rows(
             if total % count:
                 raise ValueError(
                     f"QKClip: {fqn!r} has {total} rows, not a multiple of its {count} heads;"
-                    f" pass {kind}_rows=dmuon.QKRowMap(...) to say where each head's rows are"
+                    f" pass {kind}_rows=dmuon.qk_clip.QKRowMap(...) to say where each head's rows are"
                 )
             mapping = QKRowMap(((kind, total // count),))
         if mapping.end(count) > total:

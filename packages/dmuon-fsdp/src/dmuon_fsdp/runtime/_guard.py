@@ -333,7 +333,7 @@ def _message(param: _Guard, func: Any) -> str:
         "dedicated weight whole only on its owner; other ranks receive it for their layer's "
         "forward and backward and free it afterwards. Read it with "
         "dmuon.get_model_state_dict(model) (collective: call it on every rank), on its owner "
-        "through dmuon.get_owned_params(model, rank)[i].full, or inside the forward of its "
+        "through dmuon.runtime.get_owned_params(model, rank)[i].full, or inside the forward of its "
         "layer; write whole weights with dmuon.set_model_state_dict(model, state_dict) "
         "(collective), initialise those of a meta-device model after to_empty with "
         "dmuon.init_dedicated_(model, fn) (on the ranks that keep them); for sharded checkpoints (model.state_dict() with DCP) use "
