@@ -368,7 +368,7 @@ def test_install_patch_is_idempotent_and_only_touches_marked_params() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     from dmuon_fsdp import install_patch
-    from dmuon_fsdp.runtime._guard import guard_parameter
+    from dmuon_fsdp.holder._guard import guard_parameter
     from dmuon_fsdp.setup._fsdp_integration import is_installed
 
     uninstall_patch()

@@ -40,7 +40,6 @@ from dmuon_fsdp import (
     save_checkpoint,
     set_model_state_dict,
 )
-from dmuon_fsdp.checkpoint._checkpoint import local_part
 from dmuon_testing.distributed import run_distributed
 
 DIM, HIDDEN = 32, 96  # dedicated weights 4x the rest, so a copy of them shows
@@ -159,7 +158,7 @@ def _holders_have(runtime, want: dict[str, Tensor]) -> bool:
         if not kept:
             if dp.tensor.untyped_storage().nbytes() != 0:
                 return False
-        elif not torch.equal(dp.tensor, local_part(dp, want[dp.fqn])):
+        elif not torch.equal(dp.tensor, dp.local_part(want[dp.fqn])):
             return False
     return True
 

@@ -167,7 +167,7 @@ def _hf_train(rank: int, world_size: int, family: str):
     views = {
         entry.fqn: (entry.view.glu, entry.view.matrix_shape, entry.matrices)
         for entry in optimizer._plan.muon
-        if entry.dp is None
+        if not entry.holder.dedicated
     }
     losses = []
     for step in range(STEPS):

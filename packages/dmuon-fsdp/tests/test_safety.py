@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import (
     Muon,
+    NotHeldError,
     Role,
     dedicate_params,
     dedicated_params_of,
@@ -31,7 +32,6 @@ from dmuon_fsdp import (
     get_optimizer_state_dict,
     set_model_state_dict,
 )
-from dmuon_fsdp.runtime._guard import NotHeldError
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()

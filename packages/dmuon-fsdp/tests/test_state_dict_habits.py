@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon_fsdp import Muon, dedicate_params, dedicate_params_ddp, replicate
-from dmuon_fsdp.runtime._pending import PendingParameter
+from dmuon_fsdp.holder._pending import PendingParameter
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()

@@ -1,5 +1,6 @@
-"""The runtime's shape, checked on its source: modules import each other in one direction, and
-only the group reads or writes its own state (callers use its verbs)."""
+"""The runtime's shape, checked on its source: modules import each other in one direction, each
+sub-package is reached through its ``__init__`` only, only the holder sub-package names the kinds
+of parameters, and only the group reads or writes its own state (callers use its verbs)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from pathlib import Path
 import dmuon_fsdp
 
 PACKAGE = Path(dmuon_fsdp.__file__).parent
-SUBPACKAGES = ("topology", "runtime", "setup", "optim", "checkpoint")
+SUBPACKAGES = ("topology", "holder", "runtime", "setup", "optim", "checkpoint")
 # The layers, bottom up ("": the top-level helper modules every layer may use, such as
 # _profile and _torch_internals). setup and optim sit side by side: neither imports the other.
 LAYERS = (
     "",
     "topology",
+    "holder",
     "runtime",
     "setup",
     "optim",
@@ -62,7 +64,10 @@ def _internal_imports(name: str, tree: ast.Module, known: set[str]) -> set[str]:
             if node.level == 0:
                 dotted = dotted[1:]
             stem = ".".join([*module, *dotted])
-            targets = [f"{stem}.{a.name}" if stem else a.name for a in node.names] + [stem]
+            targets = [f"{stem}.{a.name}" if stem else a.name for a in node.names]
+            if node.module or stem != ".".join(package):
+                # ``from . import _x`` names a sibling, not the package's own ``__init__``.
+                targets.append(stem)
         elif isinstance(node, ast.Import):
             targets = [
                 a.name.removeprefix("dmuon_fsdp.")
@@ -116,22 +121,81 @@ def test_no_import_cycle_in_dmuon_fsdp() -> None:
 
 
 def test_layers_import_downwards() -> None:
-    """topology <- runtime <- setup, optim <- checkpoint <- diagnostics, api (ARCHITECTURE.md)."""
+    """topology <- holder <- runtime <- setup, optim <- checkpoint <- diagnostics, api
+    (ARCHITECTURE.md)."""
     modules = _modules()
     upward = []
     for name, tree in modules.items():
-        if name in SUBPACKAGES:
-            continue  # a sub-package's __init__ holds only its docstring
         for target in _internal_imports(name, tree, set(modules)):
-            if target in SUBPACKAGES:
-                continue
             if _layer(target) > _layer(name) or {name.split(".")[0], target.split(".")[0]} == {
                 "setup",
                 "optim",
             }:
                 upward.append(f"{name} -> {target}")
     assert not upward, upward
-    assert _layer("optim._optimizer") > _layer("runtime._group") > _layer("topology._comm")
+    assert (
+        _layer("optim._optimizer")
+        > _layer("runtime._group")
+        > _layer("holder._dedicated")
+        > _layer("topology._comm")
+    )
+
+
+def _past_the_init(name: str, target: str) -> bool:
+    """Whether module ``name`` imports ``target``, a private module of another sub-package,
+    instead of that sub-package's ``__init__``."""
+    package, _, rest = target.partition(".")
+    return package in SUBPACKAGES and bool(rest) and name.split(".")[0] != package
+
+
+def test_sub_packages_are_reached_through_their_init() -> None:
+    """Each sub-package exports what its neighbours use from its ``__init__``; nothing outside
+    it imports its private modules."""
+    modules = _modules()
+    reaching = sorted(
+        f"{name} -> {target}"
+        for name, tree in modules.items()
+        for target in _internal_imports(name, tree, set(modules))
+        if _past_the_init(name, target)
+    )
+    assert not reaching, reaching
+    for package in SUBPACKAGES:
+        exported = getattr(dmuon_fsdp, package).__all__
+        assert exported and all(hasattr(getattr(dmuon_fsdp, package), n) for n in exported)
+
+
+def test_the_init_finder_finds_a_reach_past_it() -> None:
+    tree = ast.parse("from ..runtime._group import X\nfrom ..runtime import Y\nfrom ._a import Z")
+    known = {"runtime", "runtime._group", "optim._a", "optim._b"}
+    found = _internal_imports("optim._b", tree, known)
+    assert found == {"runtime", "runtime._group", "optim._a"}
+    assert [t for t in sorted(found) if _past_the_init("optim._b", t)] == ["runtime._group"]
+
+
+# The kinds of parameters (see [Note: the kinds of holders] in holder/_kinds): the families the
+# runtime is typed with (DedicatedParam, ExpertStack) may be named anywhere; the kinds that
+# narrow them, and the registry's list, only inside the holder sub-package.
+KIND_NAMES = frozenset({"TensorParallelParam", "SourcedExpertStack", "KINDS"})
+
+
+def test_only_the_holder_sub_package_names_the_kinds() -> None:
+    offenders = []
+    for name, tree in _modules().items():
+        if name.split(".")[0] == "holder":
+            continue
+        for node in ast.walk(tree):
+            named = (
+                node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else node.name
+                if isinstance(node, ast.alias)
+                else None
+            )
+            if named in KIND_NAMES:
+                offenders.append(f"{name}: {named}")
+    assert not offenders, offenders
 
 
 def test_internal_imports_resolve() -> None:

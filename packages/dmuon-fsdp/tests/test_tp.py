@@ -20,6 +20,7 @@ from torch.nn.utils import parameters_to_vector
 from dmuon_fsdp import (
     Muon,
     NotHeldError,
+    Role,
     StepOptions,
     dedicate_params,
     get_model_state_dict,
@@ -29,7 +30,6 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from dmuon_fsdp.runtime._param import Role
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()

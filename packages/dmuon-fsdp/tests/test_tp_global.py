@@ -27,7 +27,7 @@ from dmuon_fsdp import (
     get_model_state_dict,
     replicate,
 )
-from dmuon_fsdp.optim._tp_ns import TensorParallelNS, TPMode, choose, gram_of_shards
+from dmuon_fsdp.holder._tp_ns import TensorParallelNS, TPMode, choose, gram_of_shards
 from dmuon_fsdp.topology._comm import Axis, CommCounter, CommKind
 from dmuon_ns import NewtonSchulz
 from dmuon_ns.testing import reference_newton_schulz, relative_error

@@ -18,7 +18,7 @@ from dmuon_fsdp import (
     get_model_state_dict,
     uninstall_patch,
 )
-from dmuon_fsdp.runtime._guard import is_dedicated
+from dmuon_fsdp.holder import is_dedicated
 from dmuon_fsdp.setup._fsdp_integration import is_installed
 from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed

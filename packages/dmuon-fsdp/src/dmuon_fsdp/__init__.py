@@ -21,29 +21,32 @@ from ._diagnostics import (
 )
 from ._matrix import LrScaling
 from ._max_logits import max_logits, max_logits_from_lse, max_logits_from_scores
-from .checkpoint._checkpoint import (
+from .checkpoint import (
+    CHECKPOINT_KEY,
+    AppState,
+    CheckpointIntegrityError,
     get_model_state_dict,
     get_optimizer_state_dict,
+    init_dedicated_,
+    load_checkpoint,
+    save_checkpoint,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from .checkpoint._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
-from .checkpoint._init import init_dedicated_
-from .checkpoint._integrity import CheckpointIntegrityError
-from .optim._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
-from .optim._qk_clip import QKClip, QKRowMap
-from .optim._step_plan import WeightPart
-from .runtime._config import DedicateConfig
-from .runtime._guard import NotHeldError
-from .runtime._no_sync import no_sync
-from .runtime._param import DedicatedParam, Role
-from .runtime._runtime import DedicatedRuntime, get_runtime
-from .setup._dedicate import dedicate_params, dedicate_params_ddp
-from .setup._dedicate import dedicate_params_ddp_tp as dedicate_params_ddp_tp
-from .setup._fsdp_integration import dedicated_params_of, install_patch, uninstall_patch
-from .setup._replicate import replicate
-from .setup._replicate import replicate_tp as replicate_tp
-from .topology._comm import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
+from .holder import DedicatedParam, NotHeldError, Role, WeightPart
+from .optim import Muon, MuonClipGrads, MuonStepStats, QKClip, QKRowMap, StepOptions
+from .runtime import DedicateConfig, DedicatedRuntime, get_runtime, no_sync
+from .setup import (
+    dedicate_params,
+    dedicate_params_ddp,
+    dedicated_params_of,
+    install_patch,
+    replicate,
+    uninstall_patch,
+)
+from .setup import dedicate_params_ddp_tp as dedicate_params_ddp_tp
+from .setup import replicate_tp as replicate_tp
+from .topology import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
 
 __all__ = [
     "CHECKPOINT_KEY",

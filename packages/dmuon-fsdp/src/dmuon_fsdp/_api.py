@@ -6,9 +6,10 @@ from torch import nn
 
 from dmuon_ownership import Owner
 
-from .runtime._param import DedicatedParam
-from .runtime._runtime import get_runtime
-from .topology._comm import DedicatedCommContext
+from ._checks import is_int
+from .holder import DedicatedParam
+from .runtime import get_runtime
+from .topology import DedicatedCommContext
 
 __all__ = [
     "broadcast_all_updates",
@@ -32,12 +33,12 @@ def get_owned_params(model: nn.Module, rank: int | tuple[int, int]) -> list[Dedi
     coordinate ``(shard, replicate)`` in HSDP."""
     runtime = get_runtime(model)
     if isinstance(rank, tuple):
-        if len(rank) != 2 or not all(isinstance(x, int) for x in rank):
+        if len(rank) != 2 or not all(is_int(x) for x in rank):
             raise ValueError(
                 f"rank must be an int (global rank) or a (shard, replicate) pair, got {rank!r}"
             )
         coord = Owner(*rank)
-    elif isinstance(rank, int) and not isinstance(rank, bool):
+    elif is_int(rank):
         coord = runtime.layout.coord_of(rank)
     else:
         raise TypeError(

@@ -14,12 +14,12 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import POLICY_FIELDS, ParamPolicy, Route, validate_param_policy
 
+from ._checks import is_int
 from ._matrix import MatrixView
-from .optim._optimizer import Muon
-from .runtime._group import DedicatedGroup
-from .runtime._param import DedicatedParam
-from .runtime._precision import boundary_mp_policy
-from .runtime._runtime import DedicatedRuntime, get_runtime
+from ._torch_internals import local_shard
+from .holder import DedicatedParam, boundary_mp_policy
+from .optim import Muon
+from .runtime import DedicatedGroup, DedicatedRuntime, get_runtime
 
 __all__ = ["collect_forward_unshard_profile", "summarize_comm_plan", "summarize_param_groups"]
 
@@ -38,7 +38,7 @@ def _plain(value: Any) -> Any:
 
 
 def _check_max_rows(max_rows: object) -> int:
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+    if not is_int(max_rows) or max_rows < 0:
         raise ValueError(f"max_rows must be an int >= 0, got {max_rows!r}")
     return max_rows
 
@@ -111,7 +111,7 @@ def summarize_param_groups(
             if dp is None:
                 stepped.append(name)
                 stepped_numel += full
-                local_numel += p.to_local().numel() if isinstance(p, DTensor) else full
+                local_numel += local_shard(p).numel()
             elif dp.is_owner:
                 stepped.append(name)
                 stepped_numel += full

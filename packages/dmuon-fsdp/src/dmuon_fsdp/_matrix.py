@@ -27,13 +27,24 @@ layout, so the checkpoint layout does not depend on it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from torch import Tensor
 
-__all__ = ["Glu", "LrScaling", "MatrixView", "lr_scale", "matrices_of", "matrix_shape"]
+__all__ = [
+    "Glu",
+    "LrScaling",
+    "MatrixView",
+    "NSFunction",
+    "lr_scale",
+    "matrices_of",
+    "matrix_shape",
+]
+
+# Orthogonalises every matrix of a (batch, m, n) stack; returns a tensor of the same shape.
+NSFunction = Callable[[Tensor], Tensor]
 
 
 class Glu(StrEnum):

@@ -42,6 +42,7 @@ __all__ = [
     "fsdp_manages",
     "fsdp_mp_policy",
     "in_backward",
+    "local_shard",
     "local_tensor",
     "parse_to_args",
     "profiler_enabled",
@@ -129,6 +130,12 @@ def local_tensor(t: DTensor) -> Tensor:
     into its packed buffers (see [Note: storage of a dedicated parameter] in
     ``runtime/_param``)."""
     return t._local_tensor
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """What this rank holds of ``t``: a DTensor's local tensor (:func:`local_tensor`, the
+    object itself), or ``t`` itself."""
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def foreach_max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:

@@ -1,1 +1,24 @@
 """Checkpoints: the layout both formats share, full state dicts, and sharded DCP checkpoints."""
+
+from ._checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from ._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
+from ._init import init_dedicated_
+from ._integrity import CheckpointIntegrityError
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "AppState",
+    "CheckpointIntegrityError",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "init_dedicated_",
+    "load_checkpoint",
+    "save_checkpoint",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+]

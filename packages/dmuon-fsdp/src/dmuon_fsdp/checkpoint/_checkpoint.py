@@ -77,10 +77,11 @@ from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..optim._muon_math import step_dtype
-from ..optim._optimizer import Muon
-from ..runtime._param import DedicatedParam
-from ..runtime._runtime import DedicatedRuntime, get_runtime
+from .._checks import check_bool
+from .._torch_internals import local_shard
+from ..holder import DedicatedParam
+from ..optim import Muon, step_dtype
+from ..runtime import DedicatedRuntime, get_runtime
 from ._state_layout import (
     STATE_FIELDS,
     TensorSpec,
@@ -198,6 +199,14 @@ class _Gather:
         return self._out(full, fresh=fresh, cpu=self.cpu_offload)
 
 
+def copy_into(target: Tensor, full: Tensor) -> None:
+    """Write ``full`` into ``target``: into this rank's shard of a DTensor, or all of it."""
+    if isinstance(target, DTensor):
+        target.to_local().copy_(local_shard(shard_like(full, target)))
+    else:
+        target.copy_(full)
+
+
 def shard_like(full: Tensor, like: Tensor) -> Tensor:
     """``full`` laid out as ``like``: a DTensor with ``like``'s mesh and placements (this
     rank's shard, no communication), or a plain tensor on ``like``'s device."""
@@ -205,11 +214,6 @@ def shard_like(full: Tensor, like: Tensor) -> Tensor:
     if isinstance(like, DTensor):
         return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
     return value.clone()
-
-
-def _check_rank0_only(rank0_only: object) -> None:
-    if not isinstance(rank0_only, bool):
-        raise TypeError(f"rank0_only must be a bool, got {rank0_only!r}")
 
 
 # -- model ------------------------------------------------------------------------------------
@@ -223,7 +227,7 @@ def get_model_state_dict(
     ``cpu_offload`` moves each tensor to the CPU as soon as it is gathered; ``rank0_only``
     returns the dictionary on rank 0 and ``{}`` on every other rank (see [Note: one full
     tensor at a time])."""
-    _check_rank0_only(rank0_only)
+    check_bool("rank0_only", rank0_only)
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_get_model"):
         runtime.drain()
@@ -252,8 +256,7 @@ def set_model_state_dict(
     ``ValueError`` when it does not fit; otherwise each dedicated weight goes from rank 0 to its
     owner alone and every FSDP2 shard is cut from one broadcast tensor at a time (see [Note:
     loading from rank 0])."""
-    if not isinstance(broadcast_from_rank0, bool):
-        raise TypeError(f"broadcast_from_rank0 must be a bool, got {broadcast_from_rank0!r}")
+    check_bool("broadcast_from_rank0", broadcast_from_rank0)
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_set_model"):
         runtime.drain()
@@ -267,13 +270,9 @@ def set_model_state_dict(
                     value = state_dict[key]
                     if dp is not None:
                         if dp.full is not None:
-                            dp.full.copy_(local_part(dp, value))
-                    elif isinstance(target, DTensor):
-                        local = shard_like(value, target)
-                        assert isinstance(local, DTensor)
-                        target.to_local().copy_(local.to_local())
+                            dp.full.copy_(dp.local_part(value))
                     else:
-                        target.copy_(value)
+                        copy_into(target, value)
         # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
         runtime.after_step(async_=False)
 
@@ -355,7 +354,7 @@ class _Scatter:
 
     def _to_owner(self, dp: DedicatedParam, value: Tensor | None) -> None:
         """``value`` (rank 0's full weight) to the owner coordinate of every TP grid, each
-        its part: the TP shard of a split matrix (in TP-index order, as :func:`local_part`
+        its part: the TP shard of a split matrix (in TP-index order, as the holder's ``local_part``
         cuts it), the whole matrix otherwise."""
         if dp.boundary != self._boundary:
             self._flush()
@@ -363,7 +362,7 @@ class _Scatter:
         for index, rank in enumerate(self.runtime.layout.tp_ranks(dp.owner)):
             if self.is_source:
                 assert value is not None
-                part = value if dp.tp_dim is None else _tp_part(dp, value, index)
+                part = dp.tp_part(value, index)
                 if rank == self.rank:
                     assert dp.full is not None, f"{dp.fqn}: the owner holds no weight"
                     dp.full.copy_(part)
@@ -408,19 +407,8 @@ class _Scatter:
             full = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         if self.world > 1:
             dist.broadcast(full, src=self.SOURCE, group=self.group)
-        if isinstance(target, DTensor):
-            local = shard_like(full, target)
-            assert isinstance(local, DTensor)
-            target.to_local().copy_(local.to_local())
-        elif not in_place:
-            target.copy_(full)
-
-
-def _tp_part(dp: DedicatedParam, full: Tensor, index: int) -> Tensor:
-    """TP index ``index``'s shard of a tensor-parallel matrix (equal shards, in order)."""
-    assert dp.tp_dim is not None
-    size = dp.local_shape[dp.tp_dim]
-    return full.narrow(dp.tp_dim, index * size, size)
+        if not in_place:
+            copy_into(target, full)
 
 
 # -- optimizer --------------------------------------------------------------------------------
@@ -445,7 +433,7 @@ def get_optimizer_state_dict(
 
     ``cpu_offload`` and ``rank0_only`` as in :func:`get_model_state_dict` (the steps are always
     on the CPU, as ``torch.optim.AdamW`` keeps them)."""
-    _check_rank0_only(rank0_only)
+    check_bool("rank0_only", rank0_only)
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_get_optimizer"):
@@ -547,18 +535,11 @@ def set_optimizer_state_dict(
                 optimizer.state[p] = {
                     field: as_step(entry[field])
                     if field == "step"
-                    else shard_like(local_part(dp, entry[field]), like)
+                    else shard_like(
+                        entry[field] if dp is None else dp.local_part(entry[field]), like
+                    )
                     for field in STATE_FIELDS[group["optimizer"]]
                 }
-
-
-def local_part(dp: DedicatedParam | None, full: Tensor) -> Tensor:
-    """The part of a full tensor that this rank keeps for ``dp``: its TP shard of a
-    tensor-parallel matrix (equal shards, in TP-index order), the whole tensor otherwise."""
-    if dp is None or dp.tp_dim is None:
-        return full
-    assert isinstance(dp.param, DTensor)
-    return _tp_part(dp, full, dp.param.device_mesh.get_local_rank())
 
 
 def as_step(value: Tensor) -> Tensor:

@@ -58,9 +58,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Shard
 
-from ..optim._optimizer import Muon
-from ..runtime._param import DedicatedParam
-from ..runtime._runtime import DedicatedRuntime, get_runtime
+from .._torch_internals import local_shard
+from ..holder import DedicatedParam
+from ..optim import Muon
+from ..runtime import DedicatedRuntime, get_runtime
 from . import _integrity as integrity
 from . import _state_layout as layout
 from ._checkpoint import apply_param_groups, as_step, group_state
@@ -69,10 +70,6 @@ __all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
 
 # The key of the AppState in the dictionary save_checkpoint hands to DCP.
 CHECKPOINT_KEY = "dmuon"
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _as_saved(runtime: DedicatedRuntime, dp: DedicatedParam | None, t: Tensor) -> Tensor:
@@ -91,7 +88,7 @@ def _as_saved(runtime: DedicatedRuntime, dp: DedicatedParam | None, t: Tensor) -
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
-    a, b = _local(a), _local(b)
+    a, b = local_shard(a), local_shard(b)
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
@@ -173,7 +170,7 @@ class AppState(Stateful):
                     continue
                 source = loaded[key]
                 if not _same_tensor(source, target):
-                    _local(target).copy_(_local(source))
+                    local_shard(target).copy_(local_shard(source))
 
     def _install_optimizer(
         self, loaded: Mapping[str, Mapping[str, Tensor]], groups: Mapping[str, Any]
@@ -191,7 +188,11 @@ class AppState(Stateful):
             # A dedicated parameter's state is the owner's plain tensors (DCP read into their
             # TP-shard DTensor views under tensor parallelism).
             optimizer.state[p] = {
-                field: as_step(value) if field == "step" else value if dp is None else _local(value)
+                field: as_step(value)
+                if field == "step"
+                else value
+                if dp is None
+                else local_shard(value)
                 for field, value in entry.items()
             }
 

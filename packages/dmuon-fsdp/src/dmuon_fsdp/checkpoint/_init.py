@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from ..runtime._runtime import get_runtime
-from ._checkpoint import local_part
+from .._checks import is_int
+from ..runtime import get_runtime
 
 __all__ = ["init_dedicated_", "param_seed"]
 
@@ -45,7 +45,7 @@ def init_dedicated_(
     owners' publish."""
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(fqn, weight, generator), got {fn!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, got {seed!r}")
     runtime = get_runtime(model)
     with record_function("dmuon::init_dedicated"):
@@ -60,6 +60,6 @@ def init_dedicated_(
                     continue
                 whole = torch.empty(dp.shape, dtype=dp.full.dtype, device=dp.full.device)
                 fn(dp.fqn, whole, generator)
-                dp.full.copy_(local_part(dp, whole))
+                dp.full.copy_(dp.local_part(whole))
         # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
         runtime.after_step(async_=False)

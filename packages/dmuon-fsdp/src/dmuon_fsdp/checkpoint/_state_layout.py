@@ -29,10 +29,9 @@ from torch import Tensor, nn
 
 from dmuon_ownership import Route
 
-from ..optim._muon_math import fresh_state
-from ..optim._optimizer import Muon, optim_dtype
-from ..runtime._param import DedicatedParam
-from ..runtime._runtime import DedicatedRuntime
+from ..holder import DedicatedParam
+from ..optim import Muon, fresh_state, optim_dtype
+from ..runtime import DedicatedRuntime
 
 __all__ = [
     "GROUP_REQUIRED",

@@ -50,12 +50,13 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _functional_adamw
 
 from dmuon_ns import NewtonSchulz
 
-from .._matrix import MatrixView, matrices_of, matrix_shape
+from .._checks import is_int
+from .._matrix import MatrixView, NSFunction, matrices_of, matrix_shape
+from .._torch_internals import local_shard
 from ._fused import momentum_into, update_weight
 
 __all__ = [
@@ -64,7 +65,6 @@ __all__ = [
     "adamw_step",
     "fresh_state",
     "init_adamw_state",
-    "local_tensor",
     "make_newton_schulz",
     "momentum_only",
     "momentum_update",
@@ -74,9 +74,6 @@ __all__ = [
     "step_dtype",
     "weight_decay_and_update",
 ]
-
-# Orthogonalises every matrix of a (batch, m, n) stack; returns a tensor of the same shape.
-NSFunction = Callable[[Tensor], Tensor]
 
 
 def momentum_update(
@@ -112,7 +109,7 @@ def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NS
             f" (batch, m, n) tensor -> tensor, got {ns_backend!r}"
         )
     steps = 5 if ns_steps is None else ns_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not is_int(steps) or steps < 1:
         raise ValueError(f"ns_steps must be a positive int (5 is standard), got {ns_steps!r}")
     return NewtonSchulz(backend=ns_backend, steps=steps)
 
@@ -322,11 +319,6 @@ def fresh_state(route: str, like: Tensor, dtype: torch.dtype | None = None) -> d
     return init_adamw_state(like, dtype)
 
 
-def local_tensor(t: Tensor) -> Tensor:
-    """A DTensor's local shard (AdamW is elementwise: stepping the shards is the same math)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def adamw_step(
     params: list[Tensor],
     grads: list[Tensor],
@@ -354,11 +346,12 @@ def adamw_step(
             # The fused kernel keeps ``step`` on the parameters' device (torch's own layout).
             if state["step"].device != param.device:
                 state["step"] = state["step"].to(param.device, torch.float32)
+    # AdamW is elementwise: stepping the local shards of DTensors is the same math.
     _functional_adamw(
-        [local_tensor(p) for p in params],
-        [local_tensor(g) for g in grads],
-        [local_tensor(s["exp_avg"]) for s in states],
-        [local_tensor(s["exp_avg_sq"]) for s in states],
+        [local_shard(p) for p in params],
+        [local_shard(g) for g in grads],
+        [local_shard(s["exp_avg"]) for s in states],
+        [local_shard(s["exp_avg_sq"]) for s in states],
         [],
         [s["step"] for s in states],
         foreach=False if fused else None,

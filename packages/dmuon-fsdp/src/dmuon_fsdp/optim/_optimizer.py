@@ -11,15 +11,22 @@ a step *touches* for a dedicated parameter is different: the owner's ``Dedicated
 ranks skip dedicated parameters; their state stays empty.
 
 [Note: step order]
-``step()`` first waits for the pending gradient reductions (owned gradients are final after
-that), then runs Muon on the owned ``muon``-route matrices (momentum per matrix, one NS call
-per shape, then decay and update), then AdamW over every ``adamw`` subgroup (FSDP2 shards on
-all ranks, owned dedicated AdamW-route weights on their owners), and last tells the runtime
-that owned weights changed (``after_step``), which drops weights kept by peers (Z2) and, in
-HSDP, publishes the new weights to replicate peers (asynchronously when
-``replicate_async``). With ``qk_clip``, its all-reduce of the attention maxima is launched
-before anything else and waited for by its post-update hook (see [Note: where the statistic is
-reduced] in _qk_clip).
+``step()`` is a short list of phases, none of which knows what kind a parameter is (each
+parameter's holder answers for it, see [Note: the step plan] in _step_plan):
+
+1. the pre-step hooks (QK-clip launches its all-reduce there);
+2. collect: wait for the pending gradient reductions (owned gradients are final after that)
+   and read each planned parameter's tensors through its holder;
+3. the non-finite decision (see [Note: non-finite gradients] in _muon_math);
+4. Muon: per NS batch, momentum, one NS call and the decay and update; then the momentum of
+   the matrices another replica steps;
+5. AdamW over every ``adamw`` subgroup (FSDP2 shards on all ranks, owned dedicated
+   AdamW-route weights on their owners);
+6. the post-update hooks (see [Note: the post-update hook] in _step_plan);
+7. publish: each holder that sends its update on in the step does (expert sources, the
+   ``expert_publish`` phase), then the runtime's ``after_step`` drops weights kept by peers
+   (Z2) and, in HSDP and on the replicated path, publishes the owners' new weights
+   (asynchronously with ``replicate_async``).
 """
 
 from __future__ import annotations
@@ -37,20 +44,17 @@ from torch.utils.hooks import RemovableHandle
 
 from dmuon_ownership import Route
 
-from .._matrix import LrScaling, matrix_shape
+from .._checks import check_bool, is_int
+from .._matrix import LrScaling, NSFunction
 from .._profile import PhaseTimer, span
-from .._torch_internals import foreach_max_abs
-from ..runtime._config import check_bool
-from ..runtime._param import DedicatedParam, LocalMuonParam, counts_once
-from ..runtime._runtime import DedicatedRuntime, get_runtime
-from ..topology._comm import Axis, CommKind
+from .._torch_internals import foreach_max_abs, local_shard
+from ..holder import DedicatedParam, MuonEntry, ParamHolder, StepContext, TPMode
+from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
     MuonItem,
-    NSFunction,
     adamw_step,
     fresh_state,
-    local_tensor,
     make_newton_schulz,
     momentum_only,
     muon_batch,
@@ -58,8 +62,7 @@ from ._muon_math import (
 from ._param_groups import GroupDefaults, build_param_groups
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
-from ._step_plan import AdamWEntry, MuonEntry, StepPlan
-from ._tp_ns import TensorParallelNS, TPMode
+from ._step_plan import AdamWEntry, StepPlan
 
 __all__ = [
     "DEFAULT_NS_BATCH_BYTES",
@@ -124,7 +127,7 @@ class StepOptions:
             ) from None
         object.__setattr__(self, "lr_scaling", scaling)
         cap = self.ns_batch_bytes
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        if cap is not None and (not is_int(cap) or cap < 1):
             raise ValueError(
                 f"ns_batch_bytes must be a positive int (bytes of one NS batch) or None for one"
                 f" NS call per shape, got {cap!r}"
@@ -143,13 +146,13 @@ _AdamWWork = tuple[dict[str, Any], list[Tensor], list[Tensor], list[Any]]
 
 
 class _StepWork(NamedTuple):
-    """What one step touches: the Muon items per shape batch, the tensor-parallel ones with
-    their NS, and per AdamW group its tensors, gradients and states."""
+    """What one step touches: the Muon items of each NS batch with the batch's NS, those
+    whose momentum alone advances here, and per AdamW group its tensors, gradients and
+    states."""
 
-    batches: list[list[MuonItem]]
-    tensor_parallel: list[tuple[MuonItem, TensorParallelNS]]
+    batches: list[tuple[list[MuonItem], NSFunction | None]]
+    momentum_only: list[list[MuonItem]]  # stepped on another replica (expert sources)
     adamw: list[_AdamWWork]
-    momentum_only: list[MuonItem]  # stepped on another replica (expert sources)
 
 
 def _no_mark(name: str) -> None:
@@ -158,10 +161,15 @@ def _no_mark(name: str) -> None:
 
 def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
     """The dtype of a dedicated parameter's optimizer states (``None``: its tensor's)."""
-    if dp is None:
+    return None if dp is None else dp.optim_dtype
+
+
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """``closure()`` with gradients enabled, as ``torch.optim`` optimizers run it."""
+    if closure is None:
         return None
-    assert dp.precision is not None, f"{dp.fqn}: the runtime has not packed its parameters"
-    return dp.precision.optim
+    with torch.enable_grad():
+        return closure()
 
 
 def _check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntime) -> None:
@@ -262,16 +270,15 @@ class Muon(torch.optim.Optimizer):
         self._dedicated: dict[int, DedicatedParam] = {
             id(dp.param): dp for dp in self._runtime.params
         }
-        # Expert stacks stay FSDP2 parameters; found by their current objects.
-        self._stacks: dict[int, LocalMuonParam] = {
-            id(stack.param): stack for stack in self._runtime.local_muon
+        # Every holder by its parameter; expert stacks stay FSDP2 parameters, found by their
+        # current objects.
+        self._holders: dict[int, ParamHolder] = {
+            **self._dedicated,
+            **{id(stack.param): stack for stack in self._runtime.local_muon},
         }
         _check_every_param_is_synchronised(model, self._runtime)
         groups = build_param_groups(
-            model.named_parameters(),
-            {**self._dedicated, **self._stacks},
-            param_groups,
-            group_defaults,
+            model.named_parameters(), self._holders, param_groups, group_defaults
         )
         device = self._runtime.layout.device
         self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
@@ -298,15 +305,17 @@ class Muon(torch.optim.Optimizer):
             "adamw_eps": group_defaults.adamw_eps,
             "adamw_weight_decay": group_defaults.adamw_weight_decay,
         }
-        self._plan = StepPlan(
-            self.param_groups,
-            self._dedicated,
-            self._stacks,
-            self._runtime,
+        runtime = self._runtime
+        context = StepContext(
             self._ns,
-            lr_scaling=self.options.lr_scaling,
-            ns_batch_bytes=self.options.ns_batch_bytes,
-            tp_ns=self.options.tp_ns,
+            options.lr_scaling,
+            options.tp_ns,
+            runtime.layout,
+            runtime.plan,
+            runtime.comm_ctx,
+        )
+        self._plan = StepPlan(
+            self.param_groups, self._holders, context, ns_batch_bytes=options.ns_batch_bytes
         )
         compile_in_background(self._fused_layouts(), device)
 
@@ -341,20 +350,15 @@ class Muon(torch.optim.Optimizer):
         """What the fused step kernels will see of each matrix this rank steps (see [Note:
         compiling off the training thread] in _fused)."""
         for entry in self._plan.muon:
-            dp = entry.dp
-            if dp is None:
-                weight, grad = entry.param.dtype, entry.param.dtype
-            elif dp.full is None or dp.precision is None:
-                continue
-            else:
-                weight, grad = dp.full.dtype, dp.precision.reduce
-            yield FusedLayout(
-                entry.view.matrix_shape if dp is None else matrix_shape(dp.local_shape),
-                weight=weight,
-                grad=grad,
-                state=entry.state_dtype,
-                nesterov=bool(entry.group["nesterov"]),
-            )
+            dtypes = entry.holder.fused_dtypes()
+            if dtypes is not None:
+                yield FusedLayout(
+                    entry.matrix_shape,
+                    weight=dtypes[0],
+                    grad=dtypes[1],
+                    state=entry.state_dtype,
+                    nesterov=bool(entry.group["nesterov"]),
+                )
 
     def register_post_update_hook(self, hook: PostUpdateHook) -> RemovableHandle:
         """Run ``hook(optimizer, parts)`` in every ``step()`` on every rank, after the update
@@ -383,37 +387,22 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Muon on owned matrices, AdamW on the rest; see [Note: step order]."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self._checked_params:
-            self._check_params_current()
+        loss = _closure_loss(closure)
+        self._check_params_current()
         self._hooks.before_step(self)
         mark = self._start_profile()
         with span("dmuon::optimizer_step"):
             work = self._collect()
             mark("wait_reduces")
-            found = self._find_nonfinite(work) if self.options.skip_nonfinite else None
-            skip = None if found is None else found > 0
+            found, skip = self._nonfinite(work)
             mark("nonfinite_check")
             with span("dmuon::muon_step"):
                 self._muon_update(work, skip, mark)
             with span("dmuon::adamw_step"):
                 self._adamw_update(work, found, skip)
             mark("adamw")
-            error = None
-            if self._hooks.post_update:
-                with span("dmuon::post_update"):
-                    # Published even when a hook raised: see [Note: a hook that raises].
-                    error = self._hooks.run_post_update(
-                        self, lambda: self._plan.weight_parts(self._runtime)
-                    )
-                mark("post_update")
-            if self._plan.sourced:
-                with span("dmuon::expert_publish"):
-                    self._publish_sourced_experts()
-                mark("expert_publish")
+            error = self._post_update(mark)
+            self._plan.publish(self._runtime.comm_ctx, mark)
             self._runtime.after_step(async_=self.options.replicate_async)
             mark("publish")
         if error is not None:
@@ -431,44 +420,44 @@ class Muon(torch.optim.Optimizer):
         (states made on first use), with the group's hyperparameters of this step."""
         self._runtime.wait_all_reduces()
         plan = self._plan
-        batches = [items for part in plan.batches if (items := self._muon_items(part))]
-        tensor_parallel = [
-            (items[0], entry.tp_ns)
-            for entry in plan.tensor_parallel
-            if entry.tp_ns is not None and (items := self._muon_items([entry]))
+        batches = [
+            (items, part[0].ns) for part in plan.batches if (items := self._muon_items(part))
         ]
+        momentum = [items for part in plan.momentum_only if (items := self._muon_items(part))]
         adamw = [
             work for group, entries in plan.adamw if (work := self._adamw_work(group, entries))
         ]
-        return _StepWork(batches, tensor_parallel, adamw, self._muon_items(plan.momentum_only))
+        return _StepWork(batches, momentum, adamw)
+
+    def _nonfinite(self, work: _StepWork) -> tuple[Tensor | None, Tensor | None]:
+        """The non-finite decision (``found`` for torch's fused AdamW, ``skip`` for the Muon
+        passes), or ``(None, None)`` without ``skip_nonfinite``."""
+        if not self.options.skip_nonfinite:
+            return None, None
+        found = self._find_nonfinite(work)
+        return found, found > 0
 
     def _muon_update(
         self, work: _StepWork, skip: Tensor | None, mark: Callable[[str], None]
     ) -> None:
-        """Momentum, NS (one call per shape batch) and the update of every owned matrix."""
-        for items in work.batches:
-            muon_batch(items, self._ns, skip=skip, mark=mark)
-        for item, tp_ns in work.tensor_parallel:
-            muon_batch([item], tp_ns, skip=skip, mark=mark)
-        if work.momentum_only:
-            momentum_only(work.momentum_only, skip=skip)
+        """Momentum, NS (one call per batch, with the batch's NS) and the update of every
+        matrix this rank steps; the momentum alone of those another replica steps."""
+        for items, ns in work.batches:
+            assert ns is not None
+            muon_batch(items, ns, skip=skip, mark=mark)
+        for items in work.momentum_only:
+            momentum_only(items, skip=skip)
         mark("muon_update")
 
-    def _publish_sourced_experts(self) -> None:
-        """Each expert stack shard stepped on one replica, broadcast from it to the other
-        replicas of its shard (see [Note: stepping expert sources] in _step_plan)."""
-        comm = self._runtime.comm_ctx
-        pending = []
-        for entry in self._plan.sourced:
-            shard = local_tensor(entry.param)
-            assert entry.source is not None and shard.is_contiguous(), entry.fqn
-            pending.append(
-                dist.broadcast(shard, src=entry.source, group=comm.replicate_group, async_op=True)
-            )
-            comm.counter.record(Axis.REPLICATE, CommKind.PUBLISH, shard.numel() * shard.itemsize)
-        for work in pending:
-            assert work is not None
-            work.wait()
+    def _post_update(self, mark: Callable[[str], None]) -> BaseException | None:
+        """The post-update hooks; the exception one raised, which the step raises once it has
+        published (see [Note: a hook that raises] in _step_hooks)."""
+        if not self._hooks.post_update:
+            return None
+        with span("dmuon::post_update"):
+            error = self._hooks.run_post_update(self, self._plan.weight_parts)
+        mark("post_update")
+        return error
 
     def _adamw_update(self, work: _StepWork, found: Tensor | None, skip: Tensor | None) -> None:
         """AdamW over every group's tensors (torch's fused kernel skips on ``found``); counts
@@ -504,7 +493,10 @@ class Muon(torch.optim.Optimizer):
 
     def _check_params_current(self) -> None:
         """Catch an optimizer built before ``fully_shard``: FSDP2 then replaced the parameters
-        it holds, and stepping the old tensors would silently train nothing."""
+        it holds, and stepping the old tensors would silently train nothing (checked at the
+        first step)."""
+        if self._checked_params:
+            return
         current = {id(p) for p in self._model.parameters()}
         for group in self.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
@@ -518,31 +510,29 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_items(self, entries: Sequence[MuonEntry]) -> list[MuonItem]:
         """The step's item of each entry with a gradient (momentum buffer made on first
-        use), with its group's hyperparameters of this step: an owned matrix's full master
-        and averaged gradient, or this rank's shard of an expert stack and of its gradient."""
+        use), with its group's hyperparameters of this step: the tensors its holder steps (an
+        owned matrix's full master and averaged gradient, or this rank's shard of an expert
+        stack and of its gradient)."""
         items: list[MuonItem] = []
         for entry in entries:
-            dp, p, group = entry.dp, entry.param, entry.group
-            if dp is None:
-                weight, grad = p, p.grad
-            else:
-                assert dp.full is not None, f"{dp.fqn}: the owner holds no full weight"
-                weight, grad = dp.full, dp.grad
+            weight, grad = entry.holder.step_tensors()
             if grad is None:
                 continue
-            state = self.state[p]
+            assert weight is not None, f"{entry.fqn}: this rank holds no weight to step"
+            group = entry.group
+            state = self.state[entry.param]
             if not state:
-                state.update(fresh_state(Route.MUON, weight, optim_dtype(dp)))
+                state.update(fresh_state(Route.MUON, weight, entry.holder.optim_dtype))
             item = MuonItem(
-                weight=local_tensor(weight),
-                grad=local_tensor(grad),
-                buf=local_tensor(state["momentum_buffer"]),
+                weight=local_shard(weight),
+                grad=local_shard(grad),
+                buf=local_shard(state["momentum_buffer"]),
                 momentum=float(group["momentum"]),
                 nesterov=bool(group["nesterov"]),
                 lr=float(group["lr"]),
                 weight_decay=float(group["weight_decay"]),
                 scale=entry.scale,
-                view=None if dp is not None else entry.view,
+                view=entry.cut,
             )
             items.append(item)
         return items
@@ -555,13 +545,13 @@ class Muon(torch.optim.Optimizer):
         params: list[Tensor] = []
         grads: list[Tensor] = []
         states: list[Any] = []
-        for p, dp in entries:
-            target, grad = (p, p.grad) if dp is None else (dp.full, dp.grad)
+        for p, view in entries:
+            target, grad = view.step_tensors()
             if grad is None or target is None:
                 continue
             state = self.state[p]
             if not state:
-                state.update(fresh_state(Route.ADAMW, target, optim_dtype(dp)))
+                state.update(fresh_state(Route.ADAMW, target, view.optim_dtype))
             params.append(target)
             grads.append(grad)
             states.append(state)
@@ -573,11 +563,10 @@ class Muon(torch.optim.Optimizer):
         gradients] in _muon_math."""
         device = self._runtime.layout.device
         found = torch.zeros((), dtype=torch.float32, device=device)
-        grads = [item.grad for items in work.batches for item in items]
-        grads += [item.grad for item, _ in work.tensor_parallel]
+        grads = [item.grad for items, _ in work.batches for item in items]
         # A stack shard another replica steps still advances its momentum here.
-        grads += [item.grad for item in work.momentum_only]
-        grads += [local_tensor(g) for *_, gs, _ in work.adamw for g in gs]
+        grads += [item.grad for items in work.momentum_only for item in items]
+        grads += [local_shard(g) for *_, gs, _ in work.adamw for g in gs]
         # An FSDP2 shard of a dimension smaller than the world (a (1, 1, d) class token on
         # two ranks) is empty on some ranks: nothing to check, and its inf-norm is an error.
         grads = [g for g in grads if g.numel()]
@@ -625,13 +614,9 @@ class Muon(torch.optim.Optimizer):
         layout = self._runtime.layout
         # (gradient, is a copy): a whole matrix is held in every TP grid (counted in grid 0),
         # and an expert shard by every replica of its mesh (counted on the first).
-        owned: list[tuple[Tensor, bool]] = []
-        for entry in self._plan.muon:
-            if entry.dp is None:
-                if entry.param.grad is not None:
-                    owned.append((local_tensor(entry.param.grad), not counts_once(entry.param)))
-            elif entry.dp.grad is not None:
-                owned.append((entry.dp.grad, layout.tp_index > 0 and entry.dp.tp_dim is None))
+        owned = [
+            got for entry in self._plan.muon if (got := entry.holder.clip_grad(layout)) is not None
+        ]
         grads = [g for g, copy in owned if not copy]
         copies = tuple(g for g, copy in owned if copy)
         if owned:

@@ -32,8 +32,8 @@ from torch import Tensor
 
 from dmuon_ownership import Route
 
+from .._checks import check_bool, is_number
 from .._matrix import MatrixView
-from ..runtime._config import check_bool
 
 __all__ = ["GroupDefaults", "RoutedParam", "build_param_groups"]
 
@@ -67,7 +67,7 @@ class _DedicatedLike(Protocol):
 
 
 def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
     if value < low:
         raise ValueError(f"{where}: {key} must be >= {low}, got {value!r}")

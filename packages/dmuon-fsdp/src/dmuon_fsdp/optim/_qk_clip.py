@@ -72,11 +72,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.hooks import RemovableHandle
 
+from .._checks import is_int, is_number
 from .._profile import span
 from .._torch_internals import foreach_mul_
-from ..runtime._param import DedicatedParam
-from ..runtime._runtime import DedicatedRuntime
-from ._step_plan import WeightPart
+from ..holder import DedicatedParam, WeightPart
+from ..runtime import DedicatedRuntime
 
 __all__ = ["QKClip", "QKRowMap"]
 
@@ -123,7 +123,7 @@ class QKRowMap:
         for kind, rows in blocks:
             if kind not in _KINDS:
                 raise ValueError(f"QKRowMap: unknown row kind {kind!r}; use one of {list(_KINDS)}")
-            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            if not is_int(rows) or rows < 1:
                 raise ValueError(f"QKRowMap: rows of {kind!r} must be a positive int, got {rows!r}")
         if not any(kind != "skip" for kind, _ in blocks):
             raise ValueError(
@@ -134,7 +134,7 @@ class QKRowMap:
             value = getattr(self, name)
             if value is None and name == "stride":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"QKRowMap.{name} must be an int >= 0, got {value!r}")
         if self.stride is not None and self.stride < self.head_rows:
             raise ValueError(
@@ -240,7 +240,7 @@ class QKClip:
 
     def __init__(self, tau: float = 100.0, alpha: float = 0.5) -> None:
         for name, value in (("tau", tau), ("alpha", alpha)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_number(value):
                 raise TypeError(f"QKClip: {name} must be a number, got {value!r}")
         if not tau > 0:
             raise ValueError(
@@ -296,7 +296,7 @@ class QKClip:
                 raise TypeError(f"QKClip.add: {role} must be a parameter FQN (str), got {fqn!r}")
         kv = num_heads if num_kv_heads is None else num_kv_heads
         for what, count in (("num_heads", num_heads), ("num_kv_heads", kv)):
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            if not is_int(count) or count < 1:
                 raise ValueError(f"QKClip.add({q!r}): {what} must be a positive int, got {count!r}")
         if num_heads % kv:
             raise ValueError(
@@ -677,17 +677,23 @@ def _uses_qk_norm(model: nn.Module, attention: _Attention) -> bool:
     parts = attention.q.split(".")
     if len(parts) < 2:
         return False
-    holder = model.get_submodule(".".join(parts[:-2]))
-    return any(isinstance(getattr(holder, n, None), nn.Module) for n in ("q_norm", "k_norm"))
+    children = _children(model.get_submodule(".".join(parts[:-2])))
+    return "q_norm" in children or "k_norm" in children
+
+
+def _children(module: nn.Module) -> dict[str, nn.Module]:
+    """The submodules ``module`` registers, by attribute name."""
+    return dict(module.named_children())
 
 
 def _hf_attention(name: str, module: nn.Module) -> _Attention | None:
     """The ``QKClip.add`` arguments for a Hugging Face attention module, or ``None``."""
     config = getattr(module, "config", None)
     prefix = f"{name}." if name else ""
-    if isinstance(getattr(module, "kv_b_proj", None), nn.Module):
-        query = "q_b_proj" if isinstance(getattr(module, "q_b_proj", None), nn.Module) else "q_proj"
-        if not isinstance(getattr(module, query, None), nn.Module) or config is None:
+    children = _children(module)
+    if "kv_b_proj" in children:
+        query = "q_b_proj" if "q_b_proj" in children else "q_proj"
+        if query not in children or config is None:
             return None
         heads = int(config.num_attention_heads)
         nope, rope = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
@@ -701,8 +707,7 @@ def _hf_attention(name: str, module: nn.Module) -> _Attention | None:
             QKRowMap((("k", nope), ("skip", value))),
             False,
         )
-    q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
-    if not isinstance(q, nn.Module) or not isinstance(k, nn.Module):
+    if "q_proj" not in children or "k_proj" not in children:
         return None
     heads_of = getattr(config, "num_attention_heads", None)
     if config is None or heads_of is None:

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Route
 
-from ..runtime._param import DedicatedParam
+from ..holder import DedicatedParam
 
 __all__ = ["HOLDINGS_KEY", "for_saving", "install_dedicated_state", "split_for_load"]
 
@@ -62,13 +62,7 @@ def _holding(param: Tensor, dp: DedicatedParam | None) -> Holding | None:
     """Which state of ``param`` this rank holds (``None``: none); see [Note: loading another
     rank's optimizer state dict]."""
     if dp is not None:
-        if not dp.is_owner:
-            return None
-        tp_index = 0
-        if dp.tp_dim is not None:
-            assert isinstance(dp.param, DTensor)
-            tp_index = dp.param.device_mesh.get_local_rank()
-        return ("owner", tp_index)
+        return dp.holding()
     if isinstance(param, DTensor):
         coordinate = tuple(param.device_mesh.get_coordinate() or ())
         return ("shard", *(c for c, p in zip(coordinate, param.placements) if p.is_shard()))
@@ -158,7 +152,9 @@ def split_for_load(
     id_map = dict(zip(chain.from_iterable(saved_ids), live))
     torch_part["param_groups"] = _routes_back(groups, saved_groups)
     recorded = state_dict.get(HOLDINGS_KEY)
-    holdings = recorded.get("params") if isinstance(recorded, Mapping) else None
+    if not isinstance(recorded, Mapping):
+        recorded = {}
+    holdings = recorded.get("params")
     lacking: list[str] = []
     state: dict[Any, Any] = {}
     owned: dict[Tensor, tuple[DedicatedParam, Mapping[str, Any]]] = {}
@@ -184,7 +180,7 @@ def split_for_load(
         else:
             state[saved_id] = saved_state[saved_id]
     if lacking:
-        saver = recorded.get("rank") if isinstance(recorded, Mapping) else None
+        saver = recorded.get("rank")
         source = "another rank" if saver is None else f"rank {saver}"
         shown = ", ".join(repr(n) for n in lacking[:6]) + (" ..." if len(lacking) > 6 else "")
         raise ValueError(

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from ._step_plan import WeightPart
+from ..holder import WeightPart
 
 __all__ = ["PostUpdateHook", "PreStepHook", "StepHooks"]
 

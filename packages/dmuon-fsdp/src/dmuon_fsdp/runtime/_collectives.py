@@ -39,8 +39,8 @@ weight decay), an owner sets ``DedicatedParam.grad`` only for a parameter that g
 a frozen one (``requires_grad=False``) or one the step's forward did not use keeps its weight
 and momentum bit for bit. A pack still travels whole (its missing gradients as zeros), so that
 every rank issues the same collectives whatever its own backward reached; the owner decides
-from its own backward (``DedicatedParam.saw_grad``), which, as with FSDP2, sees the same
-parameters used as every other rank's.
+from its own backward (``DedicatedParam.saw_grad``, which its ``take_local_grad`` records),
+which, as with FSDP2, sees the same parameters used as every other rank's.
 
 Pending reductions wait in one :class:`ReduceQueue`, in the order their packs completed. Stage
 two is issued at deterministic points (never "when stage one happens to be done"), so every
@@ -62,9 +62,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .._profile import span
-from ..topology._comm import Axis, CommCounter, CommKind, DedicatedCommContext
+from .._torch_internals import local_shard
+from ..holder import Role
+from ..topology import Axis, CommCounter, CommKind, DedicatedCommContext
 from ._pack import Pack
-from ._param import Role, local_shard
 
 __all__ = [
     "AllReduceQueue",
@@ -183,16 +184,14 @@ def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         flat = torch.empty(pack.numel, dtype=_reduce_dtype(pack), device=device)
         for dp in pack.params:
-            grad = dp.local_grad()
+            grad = dp.take_local_grad()
             out = flat[dp.offset : dp.offset + dp.numel]
             if grad is None:
                 out.zero_()
             else:
                 out.copy_(grad.reshape(-1))
-                dp.saw_grad = True
                 if stream is not None:
                     grad.record_stream(stream)
-            dp.param.grad = None
     return flat
 
 
@@ -234,13 +233,8 @@ def finish_reduce(pending: PendingReduce, divisor: int) -> None:
         return
     flat.div_(divisor)
     for dp, saw in zip(pack.params, seen):
-        if not saw:
-            continue
-        grad = flat[dp.offset : dp.offset + dp.numel].view(dp.local_shape)
-        if dp.grad is None:
-            dp.grad = grad
-        else:
-            dp.grad.add_(grad)
+        if saw:
+            dp.accumulate_grad(flat[dp.offset : dp.offset + dp.numel].view(dp.local_shape))
 
 
 def _reduce_dtype(pack: Pack) -> torch.dtype:
@@ -256,15 +250,9 @@ def keep_local_grads(pack: Pack) -> None:
     parameter without a gradient])."""
     dtype = _reduce_dtype(pack)
     for dp in pack.params:
-        grad = dp.local_grad()
-        dp.param.grad = None
-        if grad is None:
-            continue
-        grad = grad.to(dtype)
-        if dp.grad is None:
-            dp.grad = grad
-        else:
-            dp.grad.add_(grad)
+        grad = dp.take_local_grad()
+        if grad is not None:
+            dp.accumulate_grad(grad.to(dtype))
 
 
 class ReduceQueue:

@@ -7,18 +7,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..topology._comm import ProcessGroupPolicy
+from .._checks import check_bool, is_int
+from ..topology import ProcessGroupPolicy
 
-__all__ = ["BoundaryPredicate", "DedicateConfig", "check_bool"]
+__all__ = ["BoundaryPredicate", "DedicateConfig"]
 
 BoundaryPredicate = Callable[[nn.Module], bool]
-
-
-def check_bool(name: str, value: object) -> bool:
-    """``value``, which must be a bool (a string such as ``"no"`` would be truthy)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -64,7 +58,7 @@ class DedicateConfig:
                 "lambda m: hasattr(m, '_is_action_layer')"
             )
         threshold = self.small_param_threshold
-        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+        if not is_int(threshold) or threshold < 0:
             raise ValueError(
                 f"small_param_threshold must be an int >= 0 (elements), got {threshold!r}"
             )

@@ -29,13 +29,11 @@ from enum import Enum, auto
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from ..topology._comm import Axis, CommKind, DedicatedCommContext
+from ..holder import DedicatedParam, Role
+from ..topology import Axis, CommKind, DedicatedCommContext
 from ._collectives import CollectiveResult, broadcast, wait
 from ._pack import Pack
-from ._param import DedicatedParam, Role
-from ._pending import clear_pending, mark_pending
 
 __all__ = ["DedicatedGroup", "GroupState"]
 
@@ -67,7 +65,7 @@ class DedicatedGroup:
     _state: GroupState = GroupState.UNSHARDED
     _broadcasts: list[CollectiveResult] = field(default_factory=list)
     _publishes: list[CollectiveResult] = field(default_factory=list)
-    _receiving: list[nn.Parameter] = field(default_factory=list)  # what the publishes write
+    _receiving: list[DedicatedParam] = field(default_factory=list)  # what the publishes write
     # Per forward/backward bookkeeping, cleared by :meth:`reset_backward`.
     backward_started: bool = False  # a pre-backward hook of this boundary fired
     needs_backward: bool = False  # the forward produced outputs that require grad
@@ -75,12 +73,12 @@ class DedicatedGroup:
     _finished: set[Pack] = field(default_factory=set)
 
     def pack(self) -> None:
-        """Build the packs: one per (owner, precision) of the members, and one per
-        ``DTensor`` member (tensor-parallel), see [Note: packs]."""
+        """Build the packs: one per (owner, precision) of the members, and one for each member
+        whose kind packs alone (tensor-parallel), see [Note: packs]."""
         split: dict[tuple[object, object, str], list[DedicatedParam]] = {}
         for dps in self.members:
             for dp in dps:
-                alone = dp.fqn if isinstance(dp.param, DTensor) else ""
+                alone = dp.fqn if dp.packs_alone else ""
                 split.setdefault((dp.owner, dp.precision, alone), []).append(dp)
         self.packs = [Pack.build(dps, self.comm.layout, self.replicated) for dps in split.values()]
         self._state = GroupState.RESHARDED if self._cycles else GroupState.UNSHARDED
@@ -185,16 +183,17 @@ class DedicatedGroup:
                 )
             )
         # Reads of the copies being written wait: see [Note: reads before a publish lands].
-        self._receiving = [
-            dp.param for p, _ in packs if p.role is not Role.OWNER for dp in p.params
-        ]
-        mark_pending(self._receiving, weakref.WeakMethod(self.wait_for_publish))
+        self._receiving = [dp for p, _ in packs if p.role is not Role.OWNER for dp in p.params]
+        wait = weakref.WeakMethod(self.wait_for_publish)
+        for dp in self._receiving:
+            dp.receive(wait)
 
     def wait_for_publish(self) -> None:
         for result in self._publishes:
             wait(result)
         self._publishes.clear()
-        clear_pending(self._receiving)
+        for dp in self._receiving:
+            dp.landed()
         self._receiving = []
 
     # -- per-backward bookkeeping ---------------------------------------------------------------

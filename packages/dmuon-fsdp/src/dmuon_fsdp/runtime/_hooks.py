@@ -36,10 +36,10 @@ from .._torch_internals import (
     tree_leaves,
     tree_map,
 )
+from ..holder import DedicatedParam
 from ._collectives import AllReduceQueue, ReduceQueue
 from ._group import DedicatedGroup
 from ._pack import Pack
-from ._param import DedicatedParam
 
 __all__ = ["BoundaryHooks"]
 

@@ -9,16 +9,14 @@ sender of a pack owned by ``(s, r_o)`` is ``(s, r)``: the owner itself in its ow
 the other rows of an HSDP grid the owner's column replica, which holds a published copy of the
 weight (see [Note: the grid] in :mod:`._mesh`).
 
-A tensor-parallel matrix (any ``DTensor`` parameter, one on a one-rank TP mesh too) gets a
-pack of its own: dynamo cannot fake a ``DTensor`` whose local shard shares its storage or
-starts at an offset into it (torch 2.13: "Attempted to set the storage of a tensor on device
-cpu to a storage on different device meta"), so a compiled block holding packed TP shards
-failed to trace. Its bytes are the same; it costs one more broadcast per matrix.
+A kind whose ``packs_alone`` is set (a tensor-parallel matrix: see ``TensorParallelParam``)
+gets a pack of its own.
 
 Only a peer pack (this rank neither owns nor replicates it) changes storage: it is allocated
-before a broadcast fills it and resized to zero afterwards. A sender's pack always holds the
-weight. Every parameter's ``.data`` is a view into its pack's buffer; see [Note: storage of a
-dedicated parameter] in :mod:`._param`.
+before a broadcast fills it and resized to zero afterwards, and its holders ``hold`` and
+``release`` their weights with it. A sender's pack always holds the weight. Every parameter's
+``.data`` is a view into its pack's buffer (its holder's ``place``); see [Note: storage of a
+dedicated parameter] in ``holder/_dedicated``.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ import torch
 
 from dmuon_ownership import Owner
 
-from ..topology._mesh import MeshLayout
-from ._guard import set_held, set_unplaced
-from ._param import DedicatedParam, Role
+from ..holder import DedicatedParam, Role
+from ..topology import MeshLayout
 
 __all__ = ["Pack", "without_storage"]
 
@@ -82,24 +79,11 @@ class Pack:
         offset = 0
         for dp in params:
             view = buffer[offset : offset + dp.numel].view(dp.local_shape)
-            if role is not Role.PEER or resident:
-                # A sender's current weight: as built, or its previous pack (a repack).
-                weight = dp.tensor.detach() if dp.full is None else dp.full
-                with torch.no_grad():
-                    view.copy_(weight)
-            dp.offset = offset
-            dp.dtype = precision.master
-            set_held(dp.param, True)  # a repack re-points a freed peer parameter
-            set_unplaced(dp.param, False)
+            keeps = role is not Role.PEER or resident
+            master = dp.place(view, offset, keeps=keeps, resident=resident)
             if masters is not None:
-                master = weight.to(precision.master)
+                assert master is not None
                 masters.append(master)
-                dp.full = master
-                dp.tensor.data = view if resident else master
-            else:
-                dp.tensor.data = view
-                if role is Role.OWNER:
-                    dp.full = view
             offset += dp.numel
         pack = cls(
             owner=owner,
@@ -147,7 +131,7 @@ class Pack:
                     view.copy_(master)
                     dp.tensor.data = view
         for dp in self.params:
-            set_held(dp.param, True)
+            dp.hold()
 
     def free(self) -> None:
         """Drop the buffer's storage; an owner's parameters point back at the masters."""
@@ -156,7 +140,7 @@ class Pack:
                 dp.tensor.data = master
         else:
             for dp in self.params:
-                set_held(dp.param, False)
+                dp.release()
         storage = self.buffer.untyped_storage()
         if storage.size() != 0:
             storage.resize_(0)

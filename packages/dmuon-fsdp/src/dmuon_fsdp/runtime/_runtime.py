@@ -35,25 +35,26 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Owner, ParamPolicy, Plan
 
+from .._checks import check_bool
 from .._profile import span
 from .._torch_internals import fsdp_manages
-from ..topology._comm import CommCounter, DedicatedCommContext
-from ..topology._mesh import MeshLayout
+from ..holder import (
+    FULLY_SHARD_FIX,
+    DedicatedParam,
+    ExpertStack,
+    NotHeldError,
+    ParamHolder,
+    Role,
+    boundary_mp_policy,
+    is_dedicated,
+    resolve_precision,
+)
+from ..topology import CommCounter, DedicatedCommContext, MeshLayout
 from ._collectives import AllReduceQueue, ReduceQueue
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
-from ._guard import (
-    FULLY_SHARD_FIX,
-    NotHeldError,
-    guard_parameter,
-    is_dedicated,
-    set_held,
-    set_unplaced,
-)
 from ._hooks import BoundaryHooks
 from ._pack import without_storage
-from ._param import DedicatedParam, LocalMuonParam, Role
-from ._precision import boundary_mp_policy, resolve_precision
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
 
@@ -96,7 +97,7 @@ class DedicatedRuntime:
         self.replicated_params: list[nn.Parameter] = []
         # Muon expert stacks stepped where FSDP2 puts them, and the param_policy that routed
         # every selected parameter (both set by dedicate_params).
-        self.local_muon: list[LocalMuonParam] = []
+        self.local_muon: list[ExpertStack] = []
         self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
         self._final = False  # packed with the precision fully_shard asks for
@@ -187,11 +188,10 @@ class DedicatedRuntime:
             materialised = dp.param.is_meta and not isinstance(current, DTensor)
             if not (swapped or materialised):
                 continue
-            guard_parameter(current, dp.where)
-            dp.param = current
+            dp.attach(current)
             self.hooks.rebind(index)
             if self._holds_nothing(dp):
-                _drop_storage(dp)
+                dp.drop_storage()
 
     def _holds_nothing(self, dp: DedicatedParam) -> bool:
         """Whether this rank keeps no storage for ``dp`` until it is packed: a peer's weight
@@ -259,11 +259,9 @@ class DedicatedRuntime:
         """Whether the next backward passes reduce dedicated gradients to their owners
         (``False``: accumulate locally, as ``no_sync`` does; the next synced backward reduces
         the sum). Mirrors FSDP2's ``FSDPModule.set_requires_gradient_sync``."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(
-                f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}"
-            )
-        self.hooks.requires_gradient_sync = requires_gradient_sync
+        self.hooks.requires_gradient_sync = check_bool(
+            "requires_gradient_sync", requires_gradient_sync
+        )
 
     def wait_all_reduces(self) -> None:
         """Block (CPU) or order the current stream (CUDA) until every owned gradient is final;
@@ -288,6 +286,11 @@ class DedicatedRuntime:
             if self.config.debug_fence:
                 self.drain()
                 self.comm_ctx.barrier()
+
+    @property
+    def holders(self) -> list[ParamHolder]:
+        """Every parameter dmuon took over: the dedicated ones, then the expert stacks."""
+        return [*self.params, *self.local_muon]
 
     def clear_grads(self) -> None:
         """Drop every owner's averaged gradient (``DedicatedParam.grad``): the next backward
@@ -374,7 +377,7 @@ class _CheckedApply:
             found = next((d for d in self._params if p is not None and d.param is p), None)
             if found is None or not self._holds_nothing(found):
                 continue
-            empty = _materialised_without_storage(fn, found.param)
+            empty = _materialised_without_storage(fn, found)
             if empty is not None:
                 materialised[name] = empty
         hidden = {**held, **{name: module._parameters[name] for name in materialised}}
@@ -389,14 +392,16 @@ class _CheckedApply:
 
 
 def _materialised_without_storage(
-    fn: Callable[[Tensor], Tensor], param: nn.Parameter
+    fn: Callable[[Tensor], Tensor], dp: DedicatedParam
 ) -> nn.Parameter | None:
-    """The parameter ``fn`` (a conversion of ``nn.Module._apply``) would make of the meta
-    parameter ``param``, without storage; ``None`` when ``param`` is not a plain meta
-    parameter or ``fn`` leaves it on the meta device (allocating nothing) or refuses it (then
+    """The parameter ``fn`` (a conversion of ``nn.Module._apply``) would make of ``dp``'s
+    meta parameter, without storage; ``None`` when the parameter is not on the meta device,
+    ``to_empty`` swaps its contents in place (a tensor-parallel ``DTensor``: it is freed once
+    adopted), or ``fn`` leaves it on the meta device (allocating nothing) or refuses it (then
     ``nn.Module._apply`` raises its own error). ``fn`` sees an empty stand-in, so the weight is
     never allocated."""
-    if not param.is_meta or isinstance(param, DTensor):
+    param = dp.param
+    if not param.is_meta or dp.swapped_by_to_empty:
         return None
     with torch.no_grad():
         try:
@@ -407,20 +412,6 @@ def _materialised_without_storage(
         return None
     empty = without_storage(param.shape, probe.dtype, probe.device)
     return nn.Parameter(empty, requires_grad=param.requires_grad)
-
-
-def _drop_storage(dp: DedicatedParam) -> None:
-    """Free the storage of ``dp``'s weight on a rank that keeps none before packing (a
-    tensor-parallel shard ``to_empty`` allocated; a plain weight materialised without storage
-    has none) and guard it: reads raise until packing gives it a place."""
-    tensor = dp.tensor
-    if tensor.is_meta:
-        return
-    storage = tensor.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
-    set_held(dp.param, False)
-    set_unplaced(dp.param, True)
 
 
 def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
@@ -495,8 +486,8 @@ def _check_materialised(dp: DedicatedParam) -> None:
 
 def get_runtime(model: nn.Module) -> DedicatedRuntime:
     """The runtime :func:`dedicate_params` attached to ``model``."""
-    runtime = getattr(model, RUNTIME_ATTR, None)
-    if not isinstance(runtime, DedicatedRuntime):
+    runtime: DedicatedRuntime | None = getattr(model, RUNTIME_ATTR, None)
+    if runtime is None:
         raise ValueError(
             f"{type(model).__name__} has no dmuon runtime: call dmuon.dedicate_params(model, "
             "mesh, predicate) first, on the same model object"

@@ -34,36 +34,52 @@ import logging
 import re
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields, replace
-from typing import Any, TypedDict, Unpack
+from typing import Any, NamedTuple, TypedDict, Unpack, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+import dmuon_ownership
 from dmuon_ownership import (
-    ExpertStack,
     Owner,
     ParamPolicy,
     Plan,
-    ResolvedPolicy,
-    Route,
     WorkItem,
     plan_owners,
     validate_param_policy,
 )
 
-from .._matrix import Glu, MatrixView
-from ..runtime._config import BoundaryPredicate, DedicateConfig
-from ..runtime._group import DedicatedGroup
-from ..runtime._guard import guard_parameter, is_dedicated, refuse_ddp
-from ..runtime._param import DedicatedParam, LocalMuonParam, Role, check_expert_split, local_shard
-from ..runtime._runtime import RUNTIME_ATTR, DedicatedRuntime, check_conversions
-from ..topology._comm import DedicatedCommContext, ProcessGroupPolicy
-from ..topology._mesh import MeshLayout, all_gather_ints, resolve_layout
-from ._fsdp_integration import check_call_order, install_patch, tp_dim
+from .._matrix import MatrixView
+from .._torch_internals import local_shard
+from ..holder import (
+    DedicatedParam,
+    ExpertStack,
+    Found,
+    ParamHolder,
+    Role,
+    is_dedicated,
+    kind_of,
+    refuse_ddp,
+)
+from ..runtime import (
+    RUNTIME_ATTR,
+    BoundaryPredicate,
+    DedicateConfig,
+    DedicatedGroup,
+    DedicatedRuntime,
+    check_conversions,
+)
+from ..topology import (
+    DedicatedCommContext,
+    MeshLayout,
+    ProcessGroupPolicy,
+    all_gather_ints,
+    resolve_layout,
+)
+from ._fsdp_integration import check_call_order, install_patch
 
 __all__ = ["dedicate_params", "dedicate_params_ddp", "dedicate_params_ddp_tp"]
 
@@ -259,8 +275,12 @@ def _dedicate(
     policy = validate_param_policy(param_policy)
     aliases = _aliases(model)
     modules = dict(model.named_modules())
-    selected, stacks = _expert_stacks(_select(model, aliases, predicate), policy, modules)
-    tp_mesh = check_call_order(model, selected, mesh)
+    claimed = _claim(_select(model, aliases, predicate), policy, modules)
+    # A kind FSDP2 holds (an expert stack) is stepped where it lies; every other selected
+    # parameter is dedicated (or, routed to sharded_adamw, left to FSDP2 as it is).
+    in_place = [claim for claim in claimed if claim.kind and not claim.kind.dedicated]
+    selected = [(f.fqn, f.param) for f, kind, _ in claimed if not kind or kind.dedicated]
+    tp_mesh, tp_dims = check_call_order(model, selected, mesh)
     layout = resolve_layout(mesh, replicate_mesh, tp_mesh)
     if config.replicated and layout.is_hsdp:
         raise ValueError(
@@ -269,15 +289,20 @@ def _dedicate(
             "hsdp['shard'], ..., replicate_mesh=hsdp['replicate']) and fully_shard"
         )
 
-    named_params = dict(selected)
-    items = _work_items(selected, aliases, policy, modules, config)
-    policies = {item.name: policy.resolve(item.name) for item in items}
+    # The plan's parameters are all of dedicated kinds.
+    packed = {
+        f.fqn: (f, cast("type[DedicatedParam]", kind))
+        for f, kind, _ in claimed
+        if kind and kind.dedicated
+    }
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    items = _work_items(packed.values(), aliases, modules, config, {n: tp for n in tp_dims})
     plan = plan_owners(
         items,
         layout.shard_size,
         layout.replicate_size,
         small_param_threshold=config.small_param_threshold,
-        experts=_planned_experts(stacks, config),
+        experts=_planned_experts(in_place, config),
     )
     _check_fingerprint(plan, layout)
 
@@ -286,9 +311,10 @@ def _dedicate(
         # As DistributedDataParallel does: every copy starts from its grid's first rank.
         with torch.no_grad():
             for item in items:
-                shard = local_shard(named_params[item.name]).detach()
+                shard = local_shard(packed[item.name][0].param).detach()
                 dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
-    params, groups = _build_groups(model, modules, plan, policies, layout, comm, config.replicated)
+    params, groups = _build_groups(model, modules, plan, packed, tp_dims, layout, comm, config)
+    stacks = [_held_in_place(claim, plan, layout) for claim in in_place]
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     runtime.local_muon = stacks
     runtime.param_policy = policy
@@ -370,119 +396,80 @@ def _select(
     return selected
 
 
-def _expert_stacks(
+class _Claim(NamedTuple):
+    """A selected parameter, its kind (``None``: left to FSDP2, the ``sharded_adamw`` route)
+    and its matrices (``None``: not on the Muon route)."""
+
+    found: Found
+    kind: type[ParamHolder] | None
+    view: MatrixView | None
+
+
+def _claim(
     selected: list[tuple[str, nn.Parameter]], policy: ParamPolicy, modules: Mapping[str, nn.Module]
-) -> tuple[list[tuple[str, nn.Parameter]], list[LocalMuonParam]]:
-    """Split the selection into the parameters to dedicate and the Muon expert stacks, which
-    stay where FSDP2 puts them (see [Note: expert stacks] in ``_param``)."""
-    dedicated: list[tuple[str, nn.Parameter]] = []
-    stacks: list[LocalMuonParam] = []
+) -> list[_Claim]:
+    """Ask the registry once per selected parameter for its kind (see [Note: the kinds of
+    holders] in ``holder/_kinds``), and the kind for its matrices (which checks that Muon can
+    step them)."""
+    claims = []
     for fqn, param in selected:
-        resolved = policy.resolve(fqn)
-        if resolved.route is not Route.MUON or MatrixView.of(param.shape, fqn).experts is None:
-            dedicated.append((fqn, param))
-            continue
         path, _, name = fqn.rpartition(".")
-        module = modules[path]
-        layout = _expert_layout(name, module, resolved, tuple(param.shape))
-        view = MatrixView.of(param.shape, fqn, **layout)
-        check_expert_split(fqn, param)
-        stacks.append(LocalMuonParam(fqn, module, name, view, resolved))
-    return dedicated, stacks
+        found = Found(fqn, param, modules[path], name, policy.resolve(fqn))
+        kind = kind_of(found)
+        claims.append(_Claim(found, kind, None if kind is None else kind.view_of(found)))
+    return claims
 
 
 def _planned_experts(
-    stacks: list[LocalMuonParam], config: DedicateConfig
-) -> list[tuple[str, ExpertStack]] | None:
+    in_place: list[_Claim], config: DedicateConfig
+) -> list[tuple[str, dmuon_ownership.ExpertStack]] | None:
     """The expert stacks FSDP2's dim-0 split will leave on the grid, for the planner to weigh
     (so that it puts dense matrices on the ranks with fewer experts) and, under HSDP, to pick
     expert sources (see [Note: expert sources] in dmuon_ownership); ``None``: nothing to weigh.
     A stack already split by expert parallelism is left out (its split is the EP mesh's); on
     the replicated path every rank steps every expert, which weighs every slot alike."""
-    stacks = [s for s in stacks if not isinstance(s.param, DTensor)]
-    if not stacks or config.replicated:
+    if config.replicated:
         return None
     planned = []
-    for stack in stacks:
-        view = stack.view
-        experts = view.experts
-        assert experts is not None, f"{stack.fqn} is not an expert stack"
-        planned.append(
-            (stack.fqn, ExpertStack(experts, view.rows, view.cols, view.batch // experts))
-        )
-    return planned
+    for found, kind, view in in_place:
+        assert kind is not None and view is not None
+        spec = cast("type[ExpertStack]", kind).planned(found, view)
+        if spec is not None:
+            planned.append((found.fqn, spec))
+    return planned or None
 
 
-def _expert_layout(
-    name: str, module: nn.Module, policy: ResolvedPolicy, shape: tuple[int, ...]
-) -> dict[str, Any]:
-    """The GLU layout and orientation of an expert stack (see [Note: fused gate and up]).
-
-    [Note: fused gate and up]
-    An expert stack holds gate and up together (orthogonalised apart, as two matrices per
-    expert) only where that is declared or recognised, never because of its name alone (a
-    user's own ``gate_up_proj`` may be one matrix): ``param_policy``'s ``glu`` declares it
-    (``'split'``, or ``'joint'`` for one matrix); otherwise a module that carries Hugging Face's
-    experts flags (``has_gate``, ``is_concatenated``, ``is_transposed``: transformers 5 sets
-    them on every experts module) says so; otherwise a ``gate_up`` stack is fused when its
-    shape is the gate and up of its module's ``down`` stack, ``(E, 2I, H)`` beside ``(E, H,
-    I)`` (transposed: ``(E, H, 2I)`` beside ``(E, I, H)``). Gate and up lie concatenated on
-    the rows unless the module says interleaved. ``summarize_param_groups`` shows the split
-    of each Muon parameter (its ``matrices`` entry) and ``dedicate_params`` logs the stacks
-    it split. Anything else (torchtitan's separate ``w1``/``w3``/``w2``) is one matrix per
-    expert."""
-    transposed = bool(getattr(module, "is_transposed", False))
-    if policy.glu is not None:
-        fused = policy.glu == "split"
-    elif "gate_up" not in name:
-        fused = False
-    elif hasattr(module, "has_gate"):
-        fused = bool(module.has_gate)
-    else:
-        down = getattr(module, name.replace("gate_up", "down"), None)
-        fused = isinstance(down, torch.Tensor) and _gate_and_up_of(shape, down.shape, transposed)
-    glu = Glu.NONE
-    if fused:
-        glu = Glu.CONCAT if bool(getattr(module, "is_concatenated", True)) else Glu.INTERLEAVED
-    return {"glu": glu, "transposed": transposed}
-
-
-def _gate_and_up_of(shape: tuple[int, ...], down: torch.Size, transposed: bool) -> bool:
-    """Whether a stack of ``shape`` holds the gate and up projections whose down projection
-    has shape ``down`` (see [Note: fused gate and up])."""
-    if len(shape) != 3 or len(down) != 3 or shape[0] != down[0]:
-        return False
-    if transposed:  # gate_up (E, H, 2I), down (E, I, H)
-        return shape[1] == down[2] and shape[2] == 2 * down[1]
-    return shape[1] == 2 * down[2] and shape[2] == down[1]  # (E, 2I, H) and (E, H, I)
+def _held_in_place(claim: _Claim, plan: Plan, layout: MeshLayout) -> ExpertStack:
+    """The holder of a parameter FSDP2 keeps, once the plan is made."""
+    found, kind, view = claim
+    assert kind is not None and view is not None
+    return cast("type[ExpertStack]", kind).build(found, view, plan, layout)
 
 
 def _work_items(
-    selected: list[tuple[str, nn.Parameter]],
+    packed: Iterable[tuple[Found, type[DedicatedParam]]],
     aliases: Mapping[int, list[str]],
-    policy: ParamPolicy,
     modules: Mapping[str, nn.Module],
     config: DedicateConfig,
+    tp: Mapping[str, int],
 ) -> list[WorkItem]:
-    """What the planner sees of each selected parameter that dmuon keeps (``sharded_adamw``
-    parameters stay ordinary FSDP2 parameters)."""
+    """What the planner sees of each dedicated parameter (``tp``: the TP degree of the
+    tensor-parallel ones)."""
     items: list[WorkItem] = []
-    for fqn, param in selected:
-        resolved = policy.resolve(fqn)
-        if resolved.route is Route.SHARDED_ADAMW:
-            continue
-        _check_param(fqn, param, resolved)
+    for found, _ in packed:
+        param = found.param
         boundary = _shared_boundary(aliases[id(param)], modules, config)
-        tp = param.device_mesh.size() if isinstance(param, DTensor) else 1
         items.append(
-            WorkItem(fqn, tuple(param.shape), boundary, resolved.route, param.element_size(), tp)
+            WorkItem(
+                found.fqn,
+                tuple(param.shape),
+                boundary,
+                found.policy.route,
+                param.element_size(),
+                tp.get(found.fqn, 1),
+            )
         )
     return items
-
-
-def _check_param(fqn: str, param: nn.Parameter, resolved: ResolvedPolicy) -> None:
-    if resolved.route is Route.MUON:
-        MatrixView.of(param.shape, fqn)
 
 
 def _is_default_boundary(name: str, modules: Mapping[str, nn.Module]) -> bool:
@@ -585,39 +572,37 @@ def _build_groups(
     model: nn.Module,
     modules: Mapping[str, nn.Module],
     plan: Plan,
-    policies: Mapping[str, ResolvedPolicy],
+    packed: Mapping[str, tuple[Found, type[DedicatedParam]]],
+    tp_dims: Mapping[str, int],
     layout: MeshLayout,
     comm: DedicatedCommContext,
-    replicated: bool,
+    config: DedicateConfig,
 ) -> tuple[list[DedicatedParam], list[DedicatedGroup]]:
-    """One ``DedicatedParam`` per planned parameter (guarded, see [Note: reads on a peer]) and
+    """One holder of its kind per planned parameter (guarded, see [Note: reads on a peer]) and
     one group per boundary; the groups pack their members later (``DedicatedRuntime.lazy_init``)."""
-    named = dict(model.named_parameters())
     params: list[DedicatedParam] = []
     # boundary -> owner -> members, both in plan order
     members: dict[str, dict[Owner, list[DedicatedParam]]] = defaultdict(dict)
     for unit in plan.units:
         role = _role(unit.owner, layout)
         for fqn in unit.names:
-            param = named[fqn]
-            module_name, _, attr = fqn.rpartition(".")
-            dp = DedicatedParam(
+            found, kind = packed[fqn]
+            dp = kind(
                 fqn=fqn,
-                param=param,
-                module=modules[module_name],
-                name=attr,
+                param=found.param,
+                module=found.module,
+                name=found.name,
                 boundary=unit.boundary,
                 owner=unit.owner,
                 role=role,
-                route=policies[fqn].route,
-                policy=policies[fqn],
-                tp_dim=tp_dim(param),
+                route=found.policy.route,
+                policy=found.policy,
+                tp_dim=tp_dims.get(fqn),
                 where=(
                     f"dedicated parameter {fqn!r} (owner: rank {layout.global_rank(unit.owner)};"
                     f" this rank {dist.get_rank()} is its {role.value})"
                 ),
             )
-            guard_parameter(param, dp.where)
             params.append(dp)
             members[unit.boundary].setdefault(unit.owner, []).append(dp)
     groups = []
@@ -625,7 +610,7 @@ def _build_groups(
         if name in members:
             dps = [dp for owned in members[name].values() for dp in owned]
             group = DedicatedGroup(name, modules[name], list(members[name].values()), comm)
-            group.replicated = replicated
+            group.replicated = config.replicated
             group.input_dtype, group.output_dtype = _boundary_casts(name, dps)
             groups.append(group)
     for name in _ancestors_of({dp.fqn for dp in params}):

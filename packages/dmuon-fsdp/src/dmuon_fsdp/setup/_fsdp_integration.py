@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .._torch_internals import FSDP_DISCOVERY_FUNCTIONS, fsdp_init_module
-from ..runtime._guard import is_dedicated
+from ..holder import is_dedicated
 
 __all__ = [
     "check_call_order",
@@ -53,7 +53,6 @@ __all__ = [
     "install_patch",
     "is_dedicated",
     "is_installed",
-    "tp_dim",
     "uninstall_patch",
 ]
 
@@ -130,13 +129,13 @@ def is_installed() -> bool:
 
 def check_call_order(
     model: nn.Module, selected: Iterable[tuple[str, nn.Parameter]], mesh: object
-) -> DeviceMesh | None:
+) -> tuple[DeviceMesh | None, dict[str, int]]:
     """Raise when FSDP2 (or any DTensor wrapper on the data-parallel ``mesh``) got to the
     model before dedicate_params; return the tensor-parallel mesh of the selected parameters
-    that are TP shards (DTensors on another mesh of more than one rank), or ``None``. Raises
-    when they do not fit dmuon's tensor parallelism (see [Note: tensor-parallel grids] in
-    _mesh); a DTensor on a one-rank mesh is a whole matrix (see [Note: degree-1 mesh
-    dimensions] in _mesh)."""
+    that are TP shards (DTensors on another mesh of more than one rank), or ``None``, and the
+    dim each TP shard splits, by FQN. Raises when they do not fit dmuon's tensor parallelism
+    (see [Note: tensor-parallel grids] in _mesh); a DTensor on a one-rank mesh is a whole
+    matrix (see [Note: degree-1 mesh dimensions] in _mesh)."""
     from torch.distributed.fsdp import FSDPModule
 
     for name, module in model.named_modules():
@@ -148,6 +147,7 @@ def check_call_order(
                 "dedicate_params -> fully_shard(layers) -> fully_shard(model) -> Muon)"
             )
     tp_mesh: DeviceMesh | None = None
+    tp_dims: dict[str, int] = {}
     for fqn, param in selected:
         if not isinstance(param, DTensor):
             continue
@@ -160,7 +160,7 @@ def check_call_order(
             )
         if param.device_mesh.size() == 1:
             continue
-        _check_tp(fqn, param)
+        tp_dims[fqn] = _tp_dim(fqn, param)
         if tp_mesh is None:
             tp_mesh = param.device_mesh
         elif param.device_mesh != tp_mesh:
@@ -168,32 +168,27 @@ def check_call_order(
                 f"tensor-parallel parameter {fqn!r} lives on another mesh than the other selected "
                 "ones; dmuon's tensor parallelism takes one TP mesh for every dedicated matrix"
             )
-    return tp_mesh
+    return tp_mesh, tp_dims
 
 
-def tp_dim(param: nn.Parameter) -> int | None:
-    """The dim a tensor-parallel parameter's shards split (``None``: not a TP shard, or a
-    DTensor on a one-rank mesh, which holds the whole matrix)."""
-    if not isinstance(param, DTensor) or param.device_mesh.size() == 1:
-        return None
-    placement = param.placements[0]
-    assert isinstance(placement, Shard)
-    return placement.dim % param.ndim
-
-
-def _check_tp(fqn: str, param: DTensor) -> None:
+def _tp_dim(fqn: str, param: DTensor) -> int:
+    """The dim a tensor-parallel parameter's shards split; raises unless dmuon can dedicate
+    it (one 1-D TP mesh, equal ``Shard`` shards)."""
     mesh, placements = param.device_mesh, param.placements
     dims = mesh.mesh_dim_names or ("unnamed",)
-    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
+    placement = placements[0]
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placement, Shard):
         raise NotImplementedError(
             f"parameter {fqn!r} is a DTensor with placements {tuple(placements)} on mesh dims "
             f"{dims}: dmuon dedicates tensor-parallel matrices sharded on one 1-D TP mesh "
             "(ColwiseParallel or RowwiseParallel: Shard(0) or Shard(1)); leave replicated "
             "parameters (SequenceParallel norms) out of the predicate"
         )
-    size = param.shape[placements[0].dim % param.ndim]
+    dim = placement.dim % param.ndim
+    size = param.shape[dim]
     if size % mesh.size():
         raise ValueError(
             f"tensor-parallel parameter {fqn!r} splits a dim of {size} over {mesh.size()} ranks "
             "unevenly; dmuon needs equal TP shards (pick a TP degree that divides it)"
         )
+    return dim

@@ -47,9 +47,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..runtime._guard import is_dedicated
-from ..runtime._param import DedicatedParam, local_shard
-from ..runtime._runtime import get_runtime
+from .._torch_internals import local_shard
+from ..holder import DedicatedParam, is_dedicated
+from ..runtime import get_runtime
 
 __all__ = ["replicate", "replicate_tp"]
 

@@ -3,7 +3,7 @@
 [Note: reads on a peer]
 
 Between uses a peer's dedicated parameter keeps its full shape but its storage is resized to
-zero (see [Note: storage of a dedicated parameter] in :mod:`._param`). Any kernel that read it
+zero (see [Note: storage of a dedicated parameter] in :mod:`._dedicated`). Any kernel that read it
 then would read out of bounds: ``p.norm()`` or ``parameters_to_vector`` crashed the process
 with SIGSEGV, ``print(p)`` and ``torch.save(model.state_dict())`` failed deep inside torch.
 
@@ -13,7 +13,8 @@ place, so identity, names and ``isinstance(p, nn.Parameter)`` are unchanged), wi
 ``__torch_function__`` that refuses every operation that would touch its storage and raises a
 ``RuntimeError`` naming the parameter, its owner and the supported ways to read it. While the
 weight is held (always on its owner; on a peer during its layer's forward and backward) the
-parameter is a plain ``nn.Parameter`` again (``set_held``), so its operations cost nothing
+parameter is a plain ``nn.Parameter`` again (its holder's state decides its class, see [Note:
+a holder's states] in :mod:`._holder`), so its operations cost nothing
 extra (a Python ``__torch_function__`` runs on every operation of a guarded class, which a
 small model's forward would pay hundreds of times a step). Metadata
 stays readable (shape, dtype, device, ``requires_grad``, ``.grad``, ``numel()``, hooks), and
@@ -47,6 +48,7 @@ a message that names dmuon's replicated path (``dedicate_params_ddp`` + ``replic
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
@@ -61,11 +63,13 @@ __all__ = [
     "GuardedDTensor",
     "GuardedParameter",
     "NotHeldError",
+    "attach_holder",
     "guard_parameter",
+    "holder_of",
+    "instances",
     "is_dedicated",
+    "is_safe",
     "refuse_ddp",
-    "set_held",
-    "set_unplaced",
 ]
 
 # Tensor-valued properties: each returns a tensor aliasing the (absent) storage.
@@ -108,9 +112,7 @@ _METADATA_METHODS = frozenset(
         "full_like",
     }
 )
-_ABSENT = "_dmuon_absent"
 _WHERE = "_dmuon_where"
-_UNPLACED = "_dmuon_unplaced"
 
 
 class NotHeldError(RuntimeError):
@@ -125,7 +127,8 @@ FULLY_SHARD_FIX = (
 )
 
 
-def _is_safe(func: Any) -> bool:
+def is_safe(func: Any) -> bool:
+    """Whether ``func`` reads only a tensor's metadata (or registers a hook on it)."""
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
         descriptor = getattr(func, "__self__", None)
@@ -192,20 +195,18 @@ def _same_device(requested: torch.device | None, actual: torch.device) -> bool:
     return requested.index is None or requested.index == actual.index
 
 
-def _absent_in(values: Iterable[Any]) -> _Guard | None:
+def instances(values: Iterable[Any], cls: type) -> Iterator[Any]:
+    """The ``cls`` instances among ``values`` and one level of their lists and tuples (torch
+    passes tensor lists as arguments)."""
     for value in values:
-        if isinstance(value, _Guard) and value.__dict__.get(_ABSENT, False):
-            return value
-        if isinstance(value, list | tuple):
-            for item in value:
-                if isinstance(item, _Guard) and item.__dict__.get(_ABSENT, False):
-                    return item
-    return None
+        items = value if isinstance(value, list | tuple) else (value,)
+        yield from (item for item in items if isinstance(item, cls))
 
 
 class _Guard:
     """What both guarded classes share: the check in ``__torch_function__`` and what ``repr``
-    says of an absent weight; see [Note: reads on a peer]."""
+    says of an absent weight; see [Note: reads on a peer]. A parameter has a guarded class
+    exactly while its holder does not hold its weight."""
 
     __slots__ = ()  # a mixin: the classes it joins keep torch.Tensor's layout
 
@@ -218,46 +219,41 @@ class _Guard:
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not torch.compiler.is_compiling():
-            # ``is None``, never truthiness: ``bool()`` of a tensor is itself an operation.
-            absent = _absent_in(args)
-            if absent is None:
-                absent = _absent_in(kwargs.values())
-            if absent is not None and not _is_safe(func):
+        if not torch.compiler.is_compiling() and not is_safe(func):
+            absent = next(instances([*args, *kwargs.values()], _Guard), None)
+            if absent is not None:
                 if _unchanged(func, args, kwargs):
                     return args[0]
                 if _writes_unplaced(func, args, kwargs):
                     return _write_to_scratch(func, args, kwargs)
+                holder = holder_of(absent)
                 if fsdp_init_running():
                     # See [Note: a fully_shard that takes a dedicated parameter] in _runtime.
-                    where = absent.__dict__.get(_WHERE, "a dedicated parameter")
                     raise RuntimeError(
-                        f"{where} was taken by fully_shard (it read the weight to shard it). "
-                        f"{FULLY_SHARD_FIX}"
+                        f"{holder.where} was taken by fully_shard (it read the weight to shard "
+                        f"it). {FULLY_SHARD_FIX}"
                     )
-                raise NotHeldError(_message(absent, func))
+                raise NotHeldError(holder.not_held_message(_qualname(func)))
         # What nn.Parameter's own handler does (results stay plain tensors), written so that
         # torch.compile traces it: see [Note: reads on a peer].
         with disable_torch_function_subclass():
             return func(*args, **kwargs)
 
-    def _absent_repr(self) -> str | None:
-        """What ``repr`` says while the weight is not held here (``None``: it is held)."""
-        if not self.__dict__.get(_ABSENT, False):
-            return None
+    def _absent_repr(self) -> str:
+        """What ``repr`` says while the weight is not held here."""
         t = cast(torch.Tensor, self)
         return (
             f"{type(self).__name__}(shape={tuple(t.shape)}, dtype={t.dtype}, "
-            f"device={t.device}: {self.__dict__.get(_WHERE, 'a dedicated weight')}, "
-            "not held on this rank between steps)"
+            f"device={t.device}: {holder_of(self).where}, not held on this rank between steps)"
         )
 
 
 class GuardedParameter(_Guard, nn.Parameter):
-    """The class of every dedicated ``nn.Parameter``; see [Note: reads on a peer]."""
+    """The class of a dedicated ``nn.Parameter`` while its weight is not held here; see
+    [Note: reads on a peer]."""
 
     def __repr__(self) -> str:  # type: ignore[override]  # as nn.Parameter's own
-        return self._absent_repr() or super().__repr__()
+        return self._absent_repr()
 
 
 class GuardedDTensor(_Guard, DTensor):
@@ -267,23 +263,26 @@ class GuardedDTensor(_Guard, DTensor):
     ``redistribute``, ``full_tensor``)."""
 
     def __repr__(self) -> str:  # type: ignore[override]  # DTensor's own takes no arguments
-        return self._absent_repr() or super().__repr__()
+        return self._absent_repr()
 
-    def _check_held(self, method: Any) -> None:
-        if self.__dict__.get(_ABSENT, False):
-            raise NotHeldError(_message(self, method))
+    def _refuse(self, method: Any) -> None:
+        raise NotHeldError(holder_of(self).not_held_message(_qualname(method)))
 
     def to_local(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._check_held(DTensor.to_local)
+        self._refuse(DTensor.to_local)
         return super().to_local(*args, **kwargs)
 
     def redistribute(self, *args: Any, **kwargs: Any) -> DTensor:
-        self._check_held(DTensor.redistribute)
+        self._refuse(DTensor.redistribute)
         return super().redistribute(*args, **kwargs)
 
     def full_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._check_held(DTensor.full_tensor)
+        self._refuse(DTensor.full_tensor)
         return super().full_tensor(*args, **kwargs)
+
+
+def _qualname(func: Any) -> str:
+    return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
 
 
 def _written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -295,21 +294,17 @@ def _written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _writes_unplaced(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``func`` writes in place into a peer's plain dedicated weight that was never
     packed (a meta-device model's after ``to_empty``)."""
-    t = _written(args, kwargs)
-    return (
-        _name(func).endswith("_")
-        and isinstance(t, GuardedParameter)
-        and t.__dict__.get(_UNPLACED, False)
-    )
+    holder = holder_of(_written(args, kwargs))
+    return _name(func).endswith("_") and holder is not None and holder.unplaced
 
 
 def _write_to_scratch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run the in-place ``func`` on a scratch tensor of the written weight's shape, dtype and
     device, and return the scratch instead of the weight: an initialisation run on every rank
     draws from the generators exactly as on the owner (see [Note: meta-device models] in
-    ``_runtime``), also one that reads back what it drew through the returned tensor (torch's
-    ``trunc_normal_`` redraws the values that fall outside its bounds: how often it draws
-    depends on them). The peer keeps nothing once the caller drops the scratch."""
+    ``runtime/_runtime``), also one that reads back what it drew through the returned tensor
+    (torch's ``trunc_normal_`` redraws the values that fall outside its bounds: how often it
+    draws depends on them). The peer keeps nothing once the caller drops the scratch."""
     t = _written(args, kwargs)
     with disable_torch_function_subclass():
         scratch = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -320,56 +315,39 @@ def _write_to_scratch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return scratch
 
 
-def set_unplaced(param: nn.Parameter, unplaced: bool) -> None:
-    """Record that ``param`` (a peer's, not held) has no place yet: see :func:`_writes_unplaced`."""
-    param.__dict__[_UNPLACED] = unplaced
-
-
-def _message(param: _Guard, func: Any) -> str:
-    what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    where = param.__dict__.get(_WHERE, "a dedicated parameter")
-    return (
-        f"{where} is not held on this rank right now (operation: {what}). dmuon keeps a "
-        "dedicated weight whole only on its owner; other ranks receive it for their layer's "
-        "forward and backward and free it afterwards. Read it with "
-        "dmuon.get_model_state_dict(model) (collective: call it on every rank), on its owner "
-        "through dmuon.runtime.get_owned_params(model, rank)[i].full, or inside the forward of its "
-        "layer; write whole weights with dmuon.set_model_state_dict(model, state_dict) "
-        "(collective), initialise those of a meta-device model after to_empty with "
-        "dmuon.init_dedicated_(model, fn) (on the ranks that keep them); for sharded checkpoints (model.state_dict() with DCP) use "
-        "dmuon.save_checkpoint / dmuon.load_checkpoint or dmuon.AppState(model, optimizer)"
-    )
-
-
 def guard_parameter(param: nn.Parameter, where: str) -> None:
     """Mark ``param`` as dedicated (see [Note: reads on a peer]); ``where`` names it and its
-    owner in error messages. The parameter starts held."""
+    owner in error messages. Its holder (:func:`attach_holder`) then decides its class."""
     if type(param) not in (nn.Parameter, GuardedParameter) and not isinstance(param, DTensor):
         raise TypeError(
             f"{where}: dmuon can dedicate a plain nn.Parameter or a tensor-parallel DTensor "
             f"parameter, not a {type(param).__name__}"
         )
     param.__dict__[_WHERE] = where
-    set_held(param, True)
+
+
+# Each dedicated parameter's holder, by the parameter's id (a holder owns its parameter, so
+# the id names one live object for as long as the entry lives). Kept out of the parameter's
+# ``__dict__``, which pickling a parameter saves and ``torch.load(weights_only=True)`` reads.
+_HOLDERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def attach_holder(param: nn.Parameter, holder: object, replaced: object = None) -> None:
+    """Let the guard of ``param`` reach its holder (``replaced``: the holder's previous
+    parameter, which leaves it)."""
+    if replaced is not None and replaced is not param:
+        _HOLDERS.pop(id(replaced), None)
+    _HOLDERS[id(param)] = holder
+
+
+def holder_of(param: object) -> Any:
+    """The holder of ``param`` (``None``: it has none)."""
+    return _HOLDERS.get(id(param))
 
 
 def is_dedicated(param: object) -> bool:
     """Whether ``dedicate_params`` took ``param`` over."""
-    return isinstance(param, torch.Tensor) and _WHERE in param.__dict__
-
-
-def set_held(param: nn.Parameter, held: bool) -> None:
-    """Record whether this rank holds ``param``'s weight now (a peer between uses does not).
-    A dedicated parameter has a guarded class only while it is not held: held, it is a plain
-    ``nn.Parameter`` (or ``DTensor``) and its operations cost what a plain one's do."""
-    if not is_dedicated(param):
-        return
-    param.__dict__[_ABSENT] = not held
-    if isinstance(param, DTensor):
-        cls: type[torch.Tensor] = DTensor if held else GuardedDTensor
-    else:
-        cls = nn.Parameter if held else GuardedParameter
-    param.__class__ = cls  # type: ignore[assignment]  # a parameter keeps _is_param
+    return _WHERE in getattr(param, "__dict__", {})
 
 
 class _RefuseDDP:

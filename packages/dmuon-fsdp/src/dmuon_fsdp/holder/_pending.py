@@ -15,7 +15,7 @@ over ``model.parameters()``, ``p.data``, ``p.detach()``, a weight norm logged af
 A ``state_dict`` pre-hook would cover the first of those reads and none of the others. So from
 the publish until it is waited on, each received parameter is a :class:`PendingParameter`
 (:class:`PendingDTensor` under tensor parallelism): the same object, its class switched in
-place as the guard of [Note: reads on a peer] does, whose ``__torch_function__`` waits for its
+place by its holder (the ``RECEIVING`` state of [Note: a holder's states] in :mod:`._holder`), whose ``__torch_function__`` waits for its
 boundary's publish before any operation that reads values (everything but metadata) and turns
 every parameter of that boundary back into a plain one. Metadata (shape, dtype, ``.grad``,
 ``requires_grad``, hooks) reads without waiting, so ``optimizer.zero_grad()`` after ``step()``
@@ -29,8 +29,7 @@ compiled code reads a pending weight; a compiled forward never does).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -38,35 +37,25 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._torch_internals import disable_dynamo, disable_torch_function_subclass
-from ._guard import _is_safe
+from ._guard import holder_of, instances, is_safe
 
-__all__ = ["PendingDTensor", "PendingParameter", "clear_pending", "mark_pending"]
-
-_WAIT = "_dmuon_publish_wait"
-
-Waiter = weakref.WeakMethod[Callable[[], None]]
+__all__ = ["PendingDTensor", "PendingParameter"]
 
 
 def _reads_values(func: Any) -> bool:
     # ``untyped_storage()`` is metadata to the guard (a freed weight's storage is empty), but
     # here it hands out the values.
-    return not _is_safe(func) or getattr(func, "__name__", "") == "untyped_storage"
+    return not is_safe(func) or getattr(func, "__name__", "") == "untyped_storage"
 
 
 @disable_dynamo
 def _land(values: Iterable[Any]) -> None:
     """Wait for the publish of every pending parameter among ``values`` (one level of lists
     and tuples, as torch passes tensor lists)."""
-    for value in values:
-        if isinstance(value, list | tuple):
-            _land(value)
-        elif isinstance(value, _Pending):
-            wait: Waiter | None = value.__dict__.get(_WAIT)
-            method = None if wait is None else wait()
-            if method is not None:
-                method()  # the group's wait_for_publish: clears every parameter it published
-            else:
-                clear_pending([value])
+    for value in instances(values, _Pending):
+        holder = holder_of(value)
+        if holder is not None:  # gone with its model: nothing publishes into it any more
+            holder.land()
 
 
 class _Pending:
@@ -84,8 +73,7 @@ class _Pending:
     ) -> Any:
         kwargs = kwargs or {}
         if _reads_values(func):
-            _land(args)
-            _land(kwargs.values())
+            _land([*args, *kwargs.values()])
         with disable_torch_function_subclass():
             return func(*args, **kwargs)
 
@@ -118,26 +106,3 @@ class PendingDTensor(_Pending, DTensor):
     def full_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         _land([self])
         return DTensor.full_tensor(self, *args, **kwargs)
-
-
-def mark_pending(params: Iterable[nn.Parameter], wait: Waiter) -> None:
-    """``params`` receive a publish that ``wait`` (a weak reference to their group's
-    ``wait_for_publish``) waits for. A parameter that is not held (a guarded peer's) is left
-    alone: it has no values to read."""
-    for param in params:
-        if type(param) is nn.Parameter:
-            cls: type[torch.Tensor] = PendingParameter
-        elif type(param) is DTensor:
-            cls = PendingDTensor
-        else:
-            continue
-        param.__dict__[_WAIT] = wait
-        param.__class__ = cls  # type: ignore[assignment]  # a parameter keeps _is_param
-
-
-def clear_pending(params: Iterable[Any]) -> None:
-    """The publish into ``params`` is waited on: they are plain parameters again."""
-    for param in params:
-        if param.__dict__.pop(_WAIT, None) is not None and isinstance(param, _Pending):
-            plain = DTensor if isinstance(param, DTensor) else nn.Parameter
-            param.__class__ = plain  # type: ignore[assignment]

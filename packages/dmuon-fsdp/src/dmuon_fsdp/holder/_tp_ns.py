@@ -3,7 +3,7 @@
 [Note: Newton–Schulz under tensor parallelism]
 
 A dedicated TP matrix ``W`` (m × n) is split along ``tp_dim`` into T equal shards, one per rank
-of the owner's TP group (see [Note: tensor-parallel grids] in :mod:`._mesh`); the momentum and
+of the owner's TP group (see [Note: tensor-parallel grids] in ``topology/_mesh``); the momentum and
 the NS input are elementwise, so each rank forms its shard of the input locally. NS needs the
 whole matrix, in one of two ways (``Muon(tp_ns=...)``):
 
@@ -43,8 +43,8 @@ from torch.distributed import ProcessGroup
 
 from dmuon_ns import NewtonSchulz, gram_newton_schulz_distributed
 
-from ..topology._comm import Axis, CommCounter, CommKind
-from ._muon_math import NSFunction
+from .._matrix import NSFunction
+from ..topology import Axis, CommCounter, CommKind
 
 __all__ = ["TPMode", "TensorParallelNS"]
 
@@ -55,13 +55,16 @@ class TPMode(StrEnum):
     GRAM = "gram"
 
 
+def gram_of(ns: NSFunction) -> NewtonSchulz | None:
+    """``ns`` when it is a Gram ``NewtonSchulz``, the one distributed Gram NS can run."""
+    return ns if isinstance(ns, NewtonSchulz) and ns.backend == "gram" else None
+
+
 def gram_applies(shape: tuple[int, int], tp_dim: int, ns: NSFunction) -> bool:
     """Whether distributed Gram NS is worth running on a matrix of ``shape`` split on
     ``tp_dim``: the shards must split the long side (either side of a square matrix), so that
     the Gram side is the short one, and ``ns`` must be a Gram ``NewtonSchulz``."""
-    return (
-        shape[1 - tp_dim] <= shape[tp_dim] and isinstance(ns, NewtonSchulz) and ns.backend == "gram"
-    )
+    return shape[1 - tp_dim] <= shape[tp_dim] and gram_of(ns) is not None
 
 
 def choose(mode: TPMode, shape: tuple[int, int], tp_dim: int, ns: NSFunction) -> TPMode:
@@ -97,6 +100,7 @@ class TensorParallelNS:
         self.group = group
         self.tp_owner = tp_owner  # global rank
         self.counter = counter
+        self._gram_ns = gram_of(ns)
 
     def __call__(self, batch: Tensor) -> Tensor:
         assert batch.shape[0] == 1, "tensor-parallel matrices run one at a time"
@@ -128,9 +132,8 @@ class TensorParallelNS:
             self.counter.record(Axis.TP, CommKind.ALL_REDUCE, t.numel() * t.element_size())
             dist.all_reduce(t, group=self.group)
 
-        ns = self.ns
-        assert isinstance(ns, NewtonSchulz)
-        return gram_of_shards(local, self.tp_dim, all_reduce, ns)
+        assert self._gram_ns is not None, "choose() takes gram only for a Gram NewtonSchulz"
+        return gram_of_shards(local, self.tp_dim, all_reduce, self._gram_ns)
 
 
 def gram_of_shards(

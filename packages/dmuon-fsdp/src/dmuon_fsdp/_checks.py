@@ -1,0 +1,30 @@
+"""What an argument must be, decided in one place for every layer.
+
+A ``bool`` is an ``int`` to Python, so "an int" and "a number" each need two checks that every
+validator used to spell out again; the predicates here say it once. Callers raise their own
+errors, whose messages name the argument and the fix (``check_bool`` is the one message that
+reads the same everywhere).
+"""
+
+from __future__ import annotations
+
+from typing import TypeGuard
+
+__all__ = ["check_bool", "is_int", "is_number"]
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an int and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is an int or a float and not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value``, which must be a bool (a string such as ``"no"`` would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value

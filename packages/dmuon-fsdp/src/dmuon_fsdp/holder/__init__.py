@@ -1,0 +1,57 @@
+"""Parameter holders: one object per parameter dmuon takes over, which owns its state on this
+rank and its verbs (see [Note: parameter holders] in ``_holder``), the kinds of them and the
+registry that picks a parameter's kind (``_kinds``), and what a parameter's class says of its
+state (the guard of a weight not held here, the wait for one being published)."""
+
+from ._dedicated import DedicatedParam, TensorParallelParam
+from ._experts import ExpertStack, SourcedExpertStack, check_expert_split
+from ._guard import (
+    FULLY_SHARD_FIX,
+    NotHeldError,
+    holder_of,
+    is_dedicated,
+    refuse_ddp,
+)
+from ._holder import (
+    Found,
+    HolderState,
+    MuonEntry,
+    ParamHolder,
+    Role,
+    StepContext,
+    WeightPart,
+    tensor_part,
+)
+from ._kinds import KINDS, KindRegistration, kind_of, register_kind
+from ._precision import Precision, boundary_mp_policy, resolve_precision
+from ._tp_ns import TensorParallelNS, TPMode
+
+__all__ = [
+    "FULLY_SHARD_FIX",
+    "KINDS",
+    "DedicatedParam",
+    "ExpertStack",
+    "Found",
+    "HolderState",
+    "KindRegistration",
+    "MuonEntry",
+    "NotHeldError",
+    "ParamHolder",
+    "Precision",
+    "Role",
+    "SourcedExpertStack",
+    "StepContext",
+    "TPMode",
+    "TensorParallelNS",
+    "TensorParallelParam",
+    "WeightPart",
+    "boundary_mp_policy",
+    "check_expert_split",
+    "holder_of",
+    "is_dedicated",
+    "kind_of",
+    "refuse_ddp",
+    "register_kind",
+    "resolve_precision",
+    "tensor_part",
+]

@@ -1,0 +1,437 @@
+"""The dedicated kinds: a matrix packed with its owner's others, and a tensor-parallel shard.
+
+[Note: storage of a dedicated parameter]
+
+The module keeps its registered ``nn.Parameter`` object for the whole run (so
+``named_parameters()``, ``state_dict()`` keys and parameter identity in the optimizer never
+change). Only ``param.data`` is swapped, once, at setup: it becomes a view into the packed
+buffer of its (boundary, owner) unit (:meth:`DedicatedParam.place`, see [Note: packs] in
+``runtime/_pack``). On the sender of the unit (the owner, and in HSDP every rank of the
+owner's shard column) that buffer always holds the weight; everywhere else its storage is
+resized to zero between uses, so the parameter keeps its full shape but holds no memory.
+Resizing the *storage* (not reassigning ``.data``) is what lets autograd's saved tensors, which
+alias that storage, see the weight again when it is re-broadcast before backward. ``param.data
+= view`` keeps the parameter's own version counter, so writes into the buffer never bump the
+counter autograd checks on the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, cast
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from dmuon_ownership import Owner, ResolvedPolicy, Route
+
+from .._matrix import MatrixView, NSFunction, matrix_shape
+from .._torch_internals import local_shard
+from ..topology import DedicatedCommContext, MeshLayout
+from ._guard import (
+    GuardedDTensor,
+    GuardedParameter,
+    attach_holder,
+    guard_parameter,
+)
+from ._holder import Found, HolderState, MuonEntry, ParamHolder, Role, StepContext, WeightPart
+from ._pending import PendingDTensor, PendingParameter
+from ._precision import Precision
+from ._tp_ns import TensorParallelNS, choose
+
+__all__ = ["DedicatedParam", "TensorParallelParam"]
+
+Waiter = weakref.WeakMethod[Callable[[], None]]
+
+
+@dataclass(eq=False)
+class DedicatedParam(ParamHolder):
+    """A parameter whose optimizer step runs only on its global owner: a plain matrix (or, on
+    the AdamW route, any plain parameter) packed with the others its owner sends for its hook
+    boundary.
+
+    ``full`` is the owner's authoritative full weight, in the master dtype (the tensor the
+    optimizer updates in place; ``None`` on other ranks); ``grad`` is the owner's averaged full
+    gradient after a synced backward, in the reduce dtype (``None`` elsewhere and after
+    ``zero_grad``). ``precision`` says which dtype is used where (see [Note: mixed precision]);
+    it and ``full`` are set when the runtime packs its parameters (:meth:`place`).
+    """
+
+    dedicated: ClassVar[bool] = True
+    # The parameter's class in each state; see [Note: a holder's states].
+    classes: ClassVar[Mapping[HolderState, type[Tensor]]] = {
+        HolderState.UNPLACED: GuardedParameter,
+        HolderState.RELEASED: GuardedParameter,
+        HolderState.HELD: nn.Parameter,
+        HolderState.RECEIVING: PendingParameter,
+    }
+    # Whether it travels in a pack of its own (see [Note: packs] in runtime/_pack).
+    packs_alone: ClassVar[bool] = False
+    # Whether ``to_empty`` swaps its contents into the same object (else it makes a new one).
+    swapped_by_to_empty: ClassVar[bool] = False
+
+    fqn: str
+    param: nn.Parameter
+    module: nn.Module
+    name: str  # attribute name on ``module``
+    boundary: str  # FQN of the hook boundary module ("" for the root)
+    owner: Owner
+    role: Role
+    route: Route
+    policy: ResolvedPolicy = field(default_factory=ResolvedPolicy)
+    precision: Precision | None = None
+    offset: int = 0  # element offset inside its pack's buffer
+    full: Tensor | None = None
+    grad: Tensor | None = None
+    # Whether a backward since the last reduce gave this rank a local gradient (see [Note: a
+    # parameter without a gradient] in runtime/_collectives).
+    saw_grad: bool = False
+    # Tensor parallelism: the dim the TP shards split (None: not tensor-parallel); the runtime
+    # then moves and steps this rank's shard (see [Note: tensor-parallel grids] in _mesh).
+    tp_dim: int | None = None
+    # Names the parameter, its owner and this rank's role in errors (see _guard).
+    where: str = ""
+    shape: torch.Size = field(init=False)  # the full (global) shape
+    local_shape: torch.Size = field(init=False)  # this rank's shard's (the full one without TP)
+    dtype: torch.dtype = field(init=False)  # the master dtype
+    _current: HolderState = field(default=HolderState.HELD, init=False, repr=False)
+    _wait: Waiter | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.shape = self.param.shape
+        self.local_shape = self.tensor.shape
+        self.dtype = self.param.dtype
+        self.attach(self.param)
+
+    @classmethod
+    def claims(cls, found: Found) -> bool:
+        """Every parameter the kinds before it leave."""
+        return True
+
+    @classmethod
+    def view_of(cls, found: Found) -> MatrixView | None:
+        """The matrix a Muon-route parameter is (raising, with the fix, for a shape Muon cannot
+        step); ``None`` on the AdamW route."""
+        if found.policy.route is not Route.MUON:
+            return None
+        return MatrixView.of(found.param.shape, found.fqn)
+
+    @property
+    def tensor(self) -> Tensor:
+        """What dmuon packs and steps: the parameter, or its local shard when it is a DTensor."""
+        return local_shard(self.param)
+
+    @property
+    def is_owner(self) -> bool:
+        return self.role is Role.OWNER
+
+    @property
+    def numel(self) -> int:
+        """Elements this rank packs (its TP shard's)."""
+        return math.prod(self.local_shape)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.fqn!r}, shape={tuple(self.shape)}, "
+            f"owner={tuple(self.owner)}, role={self.role.value}, route={self.route.value!r})"
+        )
+
+    # -- state: see [Note: a holder's states] --------------------------------------------------
+
+    @property
+    def state(self) -> HolderState:
+        return self._current
+
+    @property
+    def unplaced(self) -> bool:
+        return self._current is HolderState.UNPLACED
+
+    def _enter(self, state: HolderState) -> None:
+        self._current = state
+        self.param.__class__ = self.classes[state]  # type: ignore[assignment]  # keeps _is_param
+
+    def to_held(self) -> None:
+        assert self._current in (
+            HolderState.UNPLACED,
+            HolderState.RELEASED,
+            HolderState.RECEIVING,
+        ), f"{self.fqn}: to_held from {self._current.name}"
+        self._wait = None
+        self._enter(HolderState.HELD)
+
+    def to_released(self) -> None:
+        assert self._current in (HolderState.UNPLACED, HolderState.HELD), (
+            f"{self.fqn}: to_released from {self._current.name}"
+        )
+        self._enter(HolderState.RELEASED)
+
+    def to_unplaced(self) -> None:
+        assert self._current is HolderState.HELD, (
+            f"{self.fqn}: to_unplaced from {self._current.name}"
+        )
+        self._enter(HolderState.UNPLACED)
+
+    def to_receiving(self, wait: Waiter) -> None:
+        assert self._current is HolderState.HELD, (
+            f"{self.fqn}: to_receiving from {self._current.name}"
+        )
+        self._wait = wait
+        self._enter(HolderState.RECEIVING)
+
+    def attach(self, param: nn.Parameter) -> None:
+        """Take ``param`` over (at ``dedicate_params``, or the new object ``to_empty`` made of
+        a meta parameter): mark it dedicated and give it the class of the current state; a new
+        object holds what it was given."""
+        guard_parameter(param, self.where)
+        attach_holder(param, self, replaced=self.param)
+        self.param = param
+        if self._current is HolderState.HELD:
+            self._enter(HolderState.HELD)
+        else:
+            self.to_held()
+
+    # -- verbs: safe in any state --------------------------------------------------------------
+
+    def place(self, view: Tensor, offset: int, *, keeps: bool, resident: bool) -> Tensor | None:
+        """Move into ``view``, this parameter's slot of its pack buffer at ``offset``
+        (``keeps``: this rank keeps the weight, which is copied in; ``resident``: every rank
+        keeps it, the replicated path). With a compute dtype below the master the owner keeps
+        the master apart and returns it (see [Note: mixed precision])."""
+        precision = self.precision
+        assert precision is not None, f"{self.fqn}: resolve the precision before packing"
+        weight = None
+        if keeps:
+            # Its current weight: as built, or its previous pack's (a repack).
+            weight = self.tensor.detach() if self.full is None else self.full
+            with torch.no_grad():
+                view.copy_(weight)
+        self.offset = offset
+        self.dtype = precision.master
+        self.hold()  # a repack re-points a freed peer parameter
+        if self.role is Role.OWNER and precision.mixed:
+            assert weight is not None
+            master = weight.to(precision.master)
+            self.full = master
+            self.tensor.data = view if resident else master
+            return master
+        self.tensor.data = view
+        if self.role is Role.OWNER:
+            self.full = view
+        return None
+
+    def hold(self) -> None:
+        """This rank holds the weight again (a peer's pack got its storage back)."""
+        if self._current is not HolderState.HELD:
+            self.to_held()
+
+    def release(self) -> None:
+        """This rank no longer holds the weight (a peer's pack dropped its storage)."""
+        if self._current is not HolderState.RELEASED:
+            self.to_released()
+
+    def drop_storage(self) -> None:
+        """Free what ``to_empty`` allocated for the weight on a rank that keeps none before
+        packing (a tensor-parallel shard; a plain weight materialised without storage has
+        none): reads raise until packing gives it a place (see [Note: meta-device models] in
+        ``runtime/_runtime``)."""
+        tensor = self.tensor
+        if tensor.is_meta:
+            return
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+        self.to_unplaced()
+
+    def receive(self, wait: Waiter) -> None:
+        """A publish is overwriting this rank's copy; ``wait`` (its group's
+        ``wait_for_publish``) lands it. A weight not held here has nothing to overwrite."""
+        if self._current is HolderState.HELD:
+            self.to_receiving(wait)
+
+    def landed(self) -> None:
+        """The publish into this rank's copy was waited on."""
+        if self._current is HolderState.RECEIVING:
+            self.to_held()
+
+    def land(self) -> None:
+        """Wait for the publish into this rank's copy (a read needs its values)."""
+        wait = None if self._wait is None else self._wait()
+        if wait is not None:
+            wait()  # the group's wait_for_publish: lands every copy it published
+        self.landed()
+
+    def not_held_message(self, operation: str) -> str:
+        """The error a read of the weight raises while this rank does not hold it."""
+        return (
+            f"{self.where} is not held on this rank right now (operation: {operation}). dmuon "
+            "keeps a dedicated weight whole only on its owner; other ranks receive it for their "
+            "layer's forward and backward and free it afterwards. Read it with "
+            "dmuon.get_model_state_dict(model) (collective: call it on every rank), on its owner "
+            "through dmuon.runtime.get_owned_params(model, rank)[i].full, or inside the forward "
+            "of its layer; write whole weights with dmuon.set_model_state_dict(model, "
+            "state_dict) (collective), initialise those of a meta-device model after to_empty "
+            "with dmuon.init_dedicated_(model, fn) (on the ranks that keep them); for sharded "
+            "checkpoints (model.state_dict() with DCP) use dmuon.save_checkpoint / "
+            "dmuon.load_checkpoint or dmuon.AppState(model, optimizer)"
+        )
+
+    # -- the reduce target: see [Note: gradient reduction] in runtime/_collectives -------------
+
+    def take_local_grad(self) -> Tensor | None:
+        """This rank's local gradient (its TP shard's) on its way to the owner; the
+        parameter's ``.grad`` is dropped (FSDP2, AdamW and torch's clipping never see it)."""
+        grad = self.param.grad
+        self.param.grad = None
+        if grad is None:
+            return None
+        self.saw_grad = True
+        return local_shard(grad)
+
+    def accumulate_grad(self, grad: Tensor) -> None:
+        """Add ``grad``, this backward's averaged gradient, to the owner's ``grad`` (a view of
+        ``grad`` when it was unset)."""
+        if self.grad is None:
+            self.grad = grad
+        else:
+            self.grad.add_(grad)
+
+    # -- the step view: see [Note: parameter holders] ------------------------------------------
+
+    def newton_schulz(self, context: StepContext) -> NSFunction:
+        """How this matrix is orthogonalised: in the NS stacks of its shape (the optimizer's
+        function). A kind that orthogonalises otherwise overrides this."""
+        return context.ns
+
+    def muon_entry(self, group: dict[str, Any], context: StepContext) -> MuonEntry | None:
+        if not self.is_owner:
+            return None
+        assert self.precision is not None, f"{self.fqn}: the runtime has not packed its parameters"
+        view = MatrixView.of(self.shape, self.fqn)
+        return MuonEntry(
+            group,
+            self.param,
+            self,
+            view,
+            view.lr_scale(context.lr_scaling),
+            1,
+            matrix_shape(self.local_shape),
+            self.newton_schulz(context),
+            self.precision.optim,
+        )
+
+    @property
+    def steps_here(self) -> bool:
+        return self.is_owner
+
+    def step_tensors(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.full, self.grad
+
+    @property
+    def optim_dtype(self) -> torch.dtype | None:
+        assert self.precision is not None, f"{self.fqn}: the runtime has not packed its parameters"
+        return self.precision.optim
+
+    def weight_part(self, layout: MeshLayout) -> WeightPart:
+        """The owner's master: whole, or its TP shard at this rank's TP index."""
+        assert self.full is not None, f"{self.fqn}: the owner holds no full weight"
+        offsets = [0] * len(self.shape)
+        if self.tp_dim is not None:
+            offsets[self.tp_dim] = layout.tp_index * int(self.local_shape[self.tp_dim])
+        return WeightPart(self.full, tuple(offsets), tuple(self.shape))
+
+    def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
+        """The owner's averaged gradient; a whole matrix (not tensor-parallel) is kept in every
+        TP grid and counted in grid 0 (see [Note: global quantities] in ``topology/_comm``)."""
+        if self.grad is None:
+            return None
+        return self.grad, layout.tp_index > 0 and self.tp_dim is None
+
+    def fused_dtypes(self) -> tuple[torch.dtype, torch.dtype] | None:
+        if self.full is None or self.precision is None:
+            return None
+        return self.full.dtype, self.precision.reduce
+
+    def publish(self, comm: DedicatedCommContext) -> Any:
+        raise AssertionError("a dedicated parameter is published by its group")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def tp_part(self, full: Tensor, index: int) -> Tensor:
+        """TP index ``index``'s part of a full tensor laid out as the parameter: the whole
+        tensor (a kind that is not tensor-parallel)."""
+        return full
+
+    def local_part(self, full: Tensor) -> Tensor:
+        """The part of a full tensor laid out as the parameter that this rank keeps."""
+        return full
+
+    def holding(self) -> tuple[Any, ...] | None:
+        """Which state of it this rank's optimizer holds (``None``: none); see [Note: loading
+        another rank's optimizer state dict] in ``optim/_state_checks``."""
+        return ("owner", 0) if self.is_owner else None
+
+
+@dataclass(eq=False, repr=False)
+class TensorParallelParam(DedicatedParam):
+    """A tensor-parallel matrix: a ``DTensor`` whose local shard dmuon packs and steps (the
+    whole matrix on a one-rank TP mesh, ``tp_dim`` None). It travels in a pack of its own:
+    dynamo cannot fake a ``DTensor`` whose local shard shares its storage or starts at an
+    offset into it (torch 2.13: "Attempted to set the storage of a tensor on device cpu to a
+    storage on different device meta"), so a compiled block holding packed TP shards failed
+    to trace; its bytes are the same, at one more broadcast per matrix. Its Newton–Schulz is
+    :class:`~._tp_ns.TensorParallelNS` (see [Note: Newton–Schulz under tensor parallelism])."""
+
+    classes: ClassVar[Mapping[HolderState, type[Tensor]]] = {
+        HolderState.UNPLACED: GuardedDTensor,
+        HolderState.RELEASED: GuardedDTensor,
+        HolderState.HELD: DTensor,
+        HolderState.RECEIVING: PendingDTensor,
+    }
+    packs_alone: ClassVar[bool] = True
+    swapped_by_to_empty: ClassVar[bool] = True
+
+    @classmethod
+    def claims(cls, found: Found) -> bool:
+        """Any ``DTensor`` parameter (tensor parallelism applied before ``dedicate_params``)."""
+        return isinstance(found.param, DTensor)
+
+    def newton_schulz(self, context: StepContext) -> NSFunction:
+        if self.tp_dim is None:
+            return context.ns
+        comm = context.comm
+        assert comm.tp_group is not None
+        shape = MatrixView.of(self.shape, self.fqn).matrix_shape
+        owner = context.layout.tp_ranks(self.owner)[context.plan.tp_owner_of(self.fqn)]
+        return TensorParallelNS(
+            context.ns,
+            shape=shape,
+            tp_dim=self.tp_dim,
+            mode=choose(context.tp_ns, shape, self.tp_dim, context.ns),
+            group=comm.tp_group,
+            tp_owner=owner,
+            counter=comm.counter,
+        )
+
+    @property
+    def tp_index(self) -> int:
+        """This rank's index on the parameter's TP mesh."""
+        return cast(DTensor, self.param).device_mesh.get_local_rank()
+
+    def tp_part(self, full: Tensor, index: int) -> Tensor:
+        """TP index ``index``'s shard of a full tensor (equal shards, in order)."""
+        if self.tp_dim is None:
+            return full
+        size = self.local_shape[self.tp_dim]
+        return full.narrow(self.tp_dim, index * size, size)
+
+    def local_part(self, full: Tensor) -> Tensor:
+        return self.tp_part(full, self.tp_index)
+
+    def holding(self) -> tuple[Any, ...] | None:
+        if not self.is_owner:
+            return None
+        return ("owner", 0 if self.tp_dim is None else self.tp_index)
