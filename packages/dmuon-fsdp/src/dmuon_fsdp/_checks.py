@@ -20,7 +20,7 @@ def is_int(value: object) -> TypeGuard[int]:
 
 def is_number(value: object) -> TypeGuard[int | float]:
     """Whether ``value`` is an int or a float and not a bool."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return is_int(value) or isinstance(value, float)
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import POLICY_FIELDS, ParamPolicy, Route, validate_param_policy
 
 from ._checks import is_int
 from ._matrix import MatrixView
 from ._torch_internals import local_shard
-from .holder import DedicatedParam, boundary_mp_policy
+from .checkpoint import check_optimizer
+from .holder import DedicatedParam, tensor_view
 from .optim import Muon
 from .runtime import DedicatedGroup, DedicatedRuntime, get_runtime
 
@@ -87,10 +87,7 @@ def summarize_param_groups(
     in the order they apply, of the ``param_policy`` that ``dedicate_params`` was given (the
     runtime keeps it); a ``param_policy`` passed here must resolve every dedicated parameter
     as ``dedicate_params`` did, or ``ValueError`` is raised."""
-    if not isinstance(optimizer, Muon):
-        raise ValueError(f"optimizer must be a dmuon.Muon, got {type(optimizer).__name__}")
-    if optimizer.model is not model:
-        raise ValueError("optimizer was built on a different model object than the one given")
+    optimizer = check_optimizer(model, optimizer)
     _check_max_rows(max_rows)
     runtime = get_runtime(model)
     policy = runtime.param_policy if param_policy is None else _check_policy(param_policy, runtime)
@@ -170,14 +167,14 @@ def _param_row(
         # FSDP2 resolves its own policy: compute is param_dtype (else the sharded parameter's
         # dtype), reduce is reduce_dtype (else compute). AdamW keeps the moments of a
         # parameter that is not dedicated in that parameter's dtype, as torch's AdamW does.
-        sharded = isinstance(p, DTensor)
-        mp = boundary_mp_policy(modules, name.rpartition(".")[0]) if sharded else None
+        view = tensor_view(p)
+        mp = view.mp_policy(modules, name)
         fsdp_compute = getattr(mp, "param_dtype", None) or p.dtype
         fsdp_reduce = getattr(mp, "reduce_dtype", None) or fsdp_compute
         dtypes = (p.dtype, fsdp_compute, fsdp_reduce, p.dtype, getattr(mp, "output_dtype", None))
         row = {
             "name": name,
-            "route": "fsdp2" if sharded else "replicated",
+            "route": view.route,
             "shape": list(p.shape),
             "owner_rank": None,
         }

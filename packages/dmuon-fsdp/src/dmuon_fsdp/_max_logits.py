@@ -35,6 +35,8 @@ import math
 import torch
 from torch import Tensor
 
+from ._checks import is_int
+
 __all__ = ["max_logits", "max_logits_from_lse", "max_logits_from_scores"]
 
 # Logits one chunk may hold (float32 elements): 64 MiB.
@@ -80,7 +82,7 @@ def max_logits(
             " for an additive mask of 0 and -inf (or a large negative value) pass"
             " attn_mask=(mask == 0)"
         )
-    if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
+    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"max_logits: chunk_size must be a positive int, got {chunk_size!r}")
     group = heads // kv_heads
     scale = dim**-0.5 if scale is None else float(scale)

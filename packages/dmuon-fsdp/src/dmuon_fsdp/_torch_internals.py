@@ -48,7 +48,7 @@ __all__ = [
     "profiler_enabled",
     "queue_backward_callback",
     "tree_leaves",
-    "tree_map",
+    "tree_map_tensors",
 ]
 
 _P = ParamSpec("_P")
@@ -118,7 +118,7 @@ def fsdp_mp_policy(module: FSDPModule) -> Any:
 
     Uses ``module._get_fsdp_state()._mp_policy``: FSDP2 keeps the policy on the module's state
     and has no public getter, and dmuon resolves a dedicated parameter's dtypes from it (see
-    [Note: mixed precision] in ``runtime/_precision``)."""
+    [Note: mixed precision] in ``holder/_precision``)."""
     return module._get_fsdp_state()._mp_policy
 
 
@@ -128,7 +128,7 @@ def local_tensor(t: DTensor) -> Tensor:
     Uses ``DTensor._local_tensor``: the public ``to_local()`` returns a new autograd view while
     grad mode is on, not the object itself, and dmuon swaps that object's storage for a view
     into its packed buffers (see [Note: storage of a dedicated parameter] in
-    ``runtime/_param``)."""
+    ``holder/_dedicated``)."""
     return t._local_tensor
 
 
@@ -176,9 +176,9 @@ def tree_leaves(tree: Any) -> list[Any]:
     return _pytree.tree_leaves(tree)
 
 
-def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``tree`` with each leaf replaced by ``fn(leaf)`` (see :func:`tree_leaves`)."""
-    return _pytree.tree_map(fn, tree)
+def tree_map_tensors(fn: Callable[[Tensor], Any], tree: Any) -> Any:
+    """``tree`` with each tensor leaf replaced by ``fn(leaf)`` (see :func:`tree_leaves`)."""
+    return _pytree.tree_map_only(Tensor, fn, tree)
 
 
 # The two functions of FSDP2's ``_fsdp_init`` that receive ``ignored_params``, looked up as

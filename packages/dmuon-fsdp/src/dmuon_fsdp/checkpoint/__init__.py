@@ -9,11 +9,13 @@ from ._checkpoint import (
 from ._dcp import CHECKPOINT_KEY, AppState, load_checkpoint, save_checkpoint
 from ._init import init_dedicated_
 from ._integrity import CheckpointIntegrityError
+from ._state_layout import check_optimizer
 
 __all__ = [
     "CHECKPOINT_KEY",
     "AppState",
     "CheckpointIntegrityError",
+    "check_optimizer",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "init_dedicated_",

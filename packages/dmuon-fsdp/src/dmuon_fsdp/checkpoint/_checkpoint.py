@@ -75,11 +75,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._checks import check_bool
-from .._torch_internals import local_shard
-from ..holder import DedicatedParam
+from ..holder import DedicatedParam, tensor_view
 from ..optim import Muon, step_dtype
 from ..runtime import DedicatedRuntime, get_runtime
 from ._state_layout import (
@@ -109,10 +107,6 @@ __all__ = [
 
 
 Entry = tuple[str, Tensor, DedicatedParam | None]
-
-
-def _aliases(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class _Gather:
@@ -189,31 +183,16 @@ class _Gather:
 
     def from_shards(self, value: Tensor) -> Tensor | None:
         """``value`` whole: an FSDP2 DTensor all-gathered (collective), a plain tensor copied."""
-        if isinstance(value, DTensor):
-            full = value.full_tensor()
-            fresh = not _aliases(full, value.to_local())
-        else:
-            full, fresh = value, False
+        full, fresh = tensor_view(value).gathered()
         if not self.keeps:
             return None
         return self._out(full, fresh=fresh, cpu=self.cpu_offload)
 
 
-def copy_into(target: Tensor, full: Tensor) -> None:
-    """Write ``full`` into ``target``: into this rank's shard of a DTensor, or all of it."""
-    if isinstance(target, DTensor):
-        target.to_local().copy_(local_shard(shard_like(full, target)))
-    else:
-        target.copy_(full)
-
-
 def shard_like(full: Tensor, like: Tensor) -> Tensor:
     """``full`` laid out as ``like``: a DTensor with ``like``'s mesh and placements (this
     rank's shard, no communication), or a plain tensor on ``like``'s device."""
-    value = full.detach().to(device=like.device, dtype=like.dtype)
-    if isinstance(like, DTensor):
-        return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
-    return value.clone()
+    return tensor_view(like).like(full)
 
 
 # -- model ------------------------------------------------------------------------------------
@@ -272,7 +251,7 @@ def set_model_state_dict(
                         if dp.full is not None:
                             dp.full.copy_(dp.local_part(value))
                     else:
-                        copy_into(target, value)
+                        tensor_view(target).write(value)
         # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
         runtime.after_step(async_=False)
 
@@ -287,7 +266,7 @@ def _check_model_dict(entries: list[Entry], state_dict: object) -> None:
     check_model(
         "set_model_state_dict",
         model_specs(entries),
-        {k: TensorSpec.of(v) if isinstance(v, Tensor) else None for k, v in state_dict.items()},
+        {k: TensorSpec.of_saved(v) for k, v in state_dict.items()},
         "the checkpoint must hold exactly the keys of model.state_dict() (same model"
         " definition; take it with dmuon.get_model_state_dict)",
     )
@@ -391,11 +370,8 @@ class _Scatter:
         tensor all of it (received in place when it is contiguous)."""
         self._flush()
         self._boundary = None
-        in_place = (
-            not isinstance(target, DTensor)
-            and target.is_contiguous()
-            and target.device == self.device
-        )
+        view = tensor_view(target)
+        in_place = view.receives_in_place(self.device)
         if in_place:
             full = target.detach()
             if self.is_source:
@@ -408,7 +384,7 @@ class _Scatter:
         if self.world > 1:
             dist.broadcast(full, src=self.SOURCE, group=self.group)
         if not in_place:
-            copy_into(target, full)
+            view.write(full)
 
 
 # -- optimizer --------------------------------------------------------------------------------
@@ -492,9 +468,7 @@ def _saved_specs(where: str, saved_state: Mapping[str, Any]) -> dict[str, dict[s
     for fqn, entry in saved_state.items():
         if not isinstance(entry, Mapping):
             raise ValueError(f"{where}: state[{fqn!r}] must be a dict of tensors")
-        got[fqn] = {
-            field: TensorSpec.of(v) if isinstance(v, Tensor) else None for field, v in entry.items()
-        }
+        got[fqn] = {field: TensorSpec.of_saved(v) for field, v in entry.items()}
     return got
 
 

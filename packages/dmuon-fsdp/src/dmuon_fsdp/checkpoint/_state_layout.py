@@ -70,6 +70,11 @@ class TensorSpec(NamedTuple):
     def of(cls, value: Tensor) -> TensorSpec:
         return cls(tuple(value.shape), value.dtype)
 
+    @classmethod
+    def of_saved(cls, value: object) -> TensorSpec | None:
+        """The spec of a value a checkpoint holds (``None``: it is not a tensor)."""
+        return cls.of(value) if isinstance(value, Tensor) else None
+
 
 # -- what a model and an optimizer save ---------------------------------------------------------
 
@@ -98,6 +103,8 @@ def model_specs(
 
 
 def check_optimizer(model: nn.Module, optimizer: object) -> Muon:
+    """``optimizer``, which must be the ``Muon`` built on ``model`` (checkpoints and
+    diagnostics take no other)."""
     if not isinstance(optimizer, Muon):
         raise ValueError(
             f"optimizer must be the dmuon.Muon built on this model, got {type(optimizer).__name__}"

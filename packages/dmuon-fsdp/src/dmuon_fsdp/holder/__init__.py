@@ -1,7 +1,8 @@
 """Parameter holders: one object per parameter dmuon takes over, which owns its state on this
 rank and its verbs (see [Note: parameter holders] in ``_holder``), the kinds of them and the
-registry that picks a parameter's kind (``_kinds``), and what a parameter's class says of its
-state (the guard of a weight not held here, the wait for one being published)."""
+registry that picks a parameter's kind (``_kinds``), what a parameter's class says of its state
+(the guard of a weight not held here, the wait for one being published), and the view of a
+tensor dmuon does not take over (``_tensors``: a shard, or the whole tensor)."""
 
 from ._dedicated import DedicatedParam, TensorParallelParam
 from ._experts import ExpertStack, SourcedExpertStack, check_expert_split
@@ -20,10 +21,16 @@ from ._holder import (
     Role,
     StepContext,
     WeightPart,
-    tensor_part,
 )
 from ._kinds import KINDS, KindRegistration, kind_of, register_kind
-from ._precision import Precision, boundary_mp_policy, resolve_precision
+from ._precision import (
+    Precision,
+    boundary_mp_policy,
+    fsdp_modules,
+    fsdp_modules_above,
+    resolve_precision,
+)
+from ._tensors import ShardedTensor, TensorView, WholeTensor, tensor_view
 from ._tp_ns import TensorParallelNS, TPMode
 
 __all__ = [
@@ -39,19 +46,24 @@ __all__ = [
     "ParamHolder",
     "Precision",
     "Role",
+    "ShardedTensor",
     "SourcedExpertStack",
     "StepContext",
     "TPMode",
     "TensorParallelNS",
     "TensorParallelParam",
+    "TensorView",
     "WeightPart",
+    "WholeTensor",
     "boundary_mp_policy",
     "check_expert_split",
+    "fsdp_modules",
+    "fsdp_modules_above",
     "holder_of",
     "is_dedicated",
     "kind_of",
     "refuse_ddp",
     "register_kind",
     "resolve_precision",
-    "tensor_part",
+    "tensor_view",
 ]

@@ -91,7 +91,7 @@ class DedicatedParam(ParamHolder):
     # parameter without a gradient] in runtime/_collectives).
     saw_grad: bool = False
     # Tensor parallelism: the dim the TP shards split (None: not tensor-parallel); the runtime
-    # then moves and steps this rank's shard (see [Note: tensor-parallel grids] in _mesh).
+    # then moves and steps this rank's shard (see [Note: tensor-parallel grids] in topology/_mesh).
     tp_dim: int | None = None
     # Names the parameter, its owner and this rank's role in errors (see _guard).
     where: str = ""

@@ -47,9 +47,10 @@ from dmuon_ownership import Plan, ResolvedPolicy, Route
 from .._matrix import Glu, MatrixView, NSFunction
 from .._torch_internals import local_shard
 from ..topology import Axis, CommKind, DedicatedCommContext, MeshLayout
-from ._holder import Found, MuonEntry, ParamHolder, StepContext, WeightPart, tensor_part
+from ._holder import Found, MuonEntry, ParamHolder, StepContext, WeightPart
+from ._tensors import tensor_view
 
-__all__ = ["ExpertStack", "SourcedExpertStack", "check_expert_split", "counts_once"]
+__all__ = ["ExpertStack", "SourcedExpertStack", "check_expert_split"]
 
 
 @dataclass(eq=False)
@@ -97,8 +98,8 @@ class ExpertStack(ParamHolder):
     def planned(cls, found: Found, view: MatrixView) -> dmuon_ownership.ExpertStack | None:
         """What the planner weighs of the stack once FSDP2's dim-0 split leaves it on the grid
         (``None``: expert parallelism split it already, over a mesh of its own)."""
-        if isinstance(found.param, DTensor):
-            return None
+        if tensor_view(found.param).mesh_dims():
+            return None  # laid out over a mesh before FSDP2: expert parallelism
         experts = view.experts
         assert experts is not None, f"{found.fqn} is not an expert stack"
         return dmuon_ownership.ExpertStack(experts, view.rows, view.cols, view.batch // experts)
@@ -154,7 +155,7 @@ class ExpertStack(ParamHolder):
         return p, p.grad
 
     def weight_part(self, layout: MeshLayout) -> WeightPart:
-        return tensor_part(self.param)
+        return tensor_view(self.param).weight_part(layout)
 
     def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
         """This rank's shard of the gradient; it counts once, on the first replica of every
@@ -162,7 +163,7 @@ class ExpertStack(ParamHolder):
         p = self.param
         if p.grad is None:
             return None
-        return local_shard(p.grad), not counts_once(p)
+        return local_shard(p.grad), not tensor_view(p).counts_once()
 
     def fused_dtypes(self) -> tuple[torch.dtype, torch.dtype] | None:
         dtype = self.param.dtype
@@ -238,13 +239,9 @@ def _cuts_experts(placement: Placement, ndim: int) -> bool:
 def check_expert_split(fqn: str, param: Tensor) -> None:
     """Raise unless ``param``, an expert stack, can be stepped per expert where it lies: every
     mesh dim must shard its dim 0 or replicate it (see [Note: expert stacks])."""
-    if not isinstance(param, DTensor):
-        return
-    mesh = param.device_mesh
-    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     bad = [
         (name, placement)
-        for name, placement in zip(names, param.placements)
+        for name, placement in tensor_view(param).mesh_dims()
         if _cuts_experts(placement, param.ndim)
     ]
     if not bad:
@@ -256,17 +253,6 @@ def check_expert_split(fqn: str, param: Tensor) -> None:
         "default; with torchtitan-style meshes pass fully_shard(..., shard_placement_fn="
         "lambda p: Shard(0)) for the experts), or leave it out of the predicate"
     )
-
-
-def counts_once(param: Tensor) -> bool:
-    """Whether this rank's shard of ``param`` is the one copy to count in a global sum (a norm):
-    on every mesh dim that replicates it this rank is the first, and a plain tensor (the
-    replicated path, or one rank) counts on global rank 0."""
-    if not isinstance(param, DTensor):
-        return not dist.is_initialized() or dist.get_rank() == 0
-    coordinate = param.device_mesh.get_coordinate()
-    assert coordinate is not None, "a DTensor on a mesh this rank is not part of"
-    return all(c == 0 for c, p in zip(coordinate, param.placements) if p.is_replicate())
 
 
 def _expert_layout(

@@ -228,7 +228,7 @@ class _Guard:
                     return _write_to_scratch(func, args, kwargs)
                 holder = holder_of(absent)
                 if fsdp_init_running():
-                    # See [Note: a fully_shard that takes a dedicated parameter] in _runtime.
+                    # See [Note: a fully_shard that takes a dedicated parameter] in runtime/_runtime.
                     raise RuntimeError(
                         f"{holder.where} was taken by fully_shard (it read the weight to shard "
                         f"it). {FULLY_SHARD_FIX}"

@@ -58,12 +58,10 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Plan, ResolvedPolicy, Route
 
 from .._matrix import LrScaling, MatrixView, NSFunction
-from .._torch_internals import dtensor_shard_offsets, local_shard
 from ..topology import DedicatedCommContext, MeshLayout
 from ._tp_ns import TPMode
 
@@ -75,7 +73,6 @@ __all__ = [
     "Role",
     "StepContext",
     "WeightPart",
-    "tensor_part",
 ]
 
 
@@ -124,13 +121,6 @@ class WeightPart(NamedTuple):
     tensor: Tensor  # the values this rank updates, changed in place by a hook
     offsets: tuple[int, ...]  # index of tensor's first element in the full parameter, per dim
     shape: tuple[int, ...]  # the full parameter's shape
-
-
-def tensor_part(p: Tensor) -> WeightPart:
-    """This rank's shard of an FSDP2 (or other DTensor) parameter, or a plain one whole."""
-    if not isinstance(p, DTensor):
-        return WeightPart(p.detach(), (0,) * p.dim(), tuple(p.shape))
-    return WeightPart(local_shard(p).detach(), dtensor_shard_offsets(p), tuple(p.shape))
 
 
 class MuonEntry(NamedTuple):

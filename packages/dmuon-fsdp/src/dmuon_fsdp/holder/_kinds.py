@@ -53,11 +53,12 @@ class KindRegistration:
 
 
 def register_kind(kind: type[ParamHolder]) -> KindRegistration:
-    """Ask ``kind`` before every kind known now, from the next ``dedicate_params`` on (it
-    subclasses ``DedicatedParam`` or ``ExpertStack``, see [Note: the kinds of holders]).
-    Returns a registration whose ``remove()`` (or the end of a ``with`` block) takes it out."""
+    """Ask ``kind`` before every other kind (it subclasses ``DedicatedParam`` or
+    ``ExpertStack``, see [Note: the kinds of holders]), from the next ``dedicate_params`` on; a
+    kind registered already moves to the front. Returns a registration whose ``remove()`` (or
+    the end of a ``with`` block) takes it out."""
     if kind in KINDS:
-        raise ValueError(f"{kind.__name__} is registered already; remove it first")
+        KINDS.remove(kind)
     KINDS.insert(0, kind)
     return KindRegistration(kind)
 

@@ -38,8 +38,8 @@ policy come after ``dedicate_params``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -48,7 +48,16 @@ from dmuon_ownership import ResolvedPolicy
 
 from .._torch_internals import fsdp_mp_policy
 
-__all__ = ["Precision", "boundary_mp_policy", "resolve_precision"]
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+__all__ = [
+    "Precision",
+    "boundary_mp_policy",
+    "fsdp_modules",
+    "fsdp_modules_above",
+    "resolve_precision",
+]
 
 
 class Precision(NamedTuple):
@@ -67,17 +76,32 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
+def fsdp_modules(model: nn.Module) -> list[tuple[str, FSDPModule]]:
+    """The modules of ``model`` that ``fully_shard`` was applied to, by name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_modules_above(
+    lookup: Callable[[str], nn.Module | None], path: str
+) -> Iterator[FSDPModule]:
+    """The ``fully_shard`` modules at or above the module ``path``, nearest first (``lookup``
+    finds a module by name)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        module = lookup(".".join(parts[:depth]))
+        if isinstance(module, FSDPModule):
+            yield module
+
+
 def boundary_mp_policy(modules: Mapping[str, nn.Module], boundary: str) -> Any:
     """The ``MixedPrecisionPolicy`` of the nearest ``fully_shard`` module at or above the
     module ``boundary`` (``None`` when there is none)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    parts = boundary.split(".") if boundary else []
-    for i in range(len(parts), -1, -1):
-        module = modules.get(".".join(parts[:i]))
-        if isinstance(module, FSDPModule):
-            return fsdp_mp_policy(module)
-    return None
+    nearest = next(fsdp_modules_above(modules.get, boundary), None)
+    return None if nearest is None else fsdp_mp_policy(nearest)
 
 
 def resolve_precision(param_dtype: torch.dtype, policy: ResolvedPolicy, mp: Any) -> Precision:

@@ -336,7 +336,7 @@ def adamw_step(
     which leaves parameters and states untouched when it is set, decided on the device, as with
     ``torch.amp.GradScaler``; see [Note: non-finite gradients]. A gradient in another dtype
     than its parameter (a dedicated weight's reduce dtype below its master's) is upcast
-    first: see [Note: mixed precision] in ``runtime/_precision``."""
+    first: see [Note: mixed precision] in ``holder/_precision``."""
     if not params:
         return
     grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]

@@ -113,7 +113,7 @@ class StepOptions:
     # Skip the whole step when any gradient is not finite; see [Note: non-finite gradients].
     skip_nonfinite: bool = True
     # How NS runs on a tensor-parallel matrix; see [Note: Newton–Schulz under tensor
-    # parallelism] in _tp.
+    # parallelism] in holder/_tp_ns.
     tp_ns: TPMode = TPMode.AUTO
     # Time every step's phases (``Muon.step_profile()``); see [Note: the step profile].
     profile: bool = False

@@ -184,15 +184,13 @@ def _user_params(group: Mapping[str, Any], where: str) -> list[tuple[str | None,
         raise ValueError(f"{where}: 'params' must be an ordered list, not a set")
     out: list[tuple[str | None, Tensor]] = []
     for item in raw:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Tensor):
-            out.append((str(item[0]), item[1]))
-        elif isinstance(item, Tensor):
-            out.append((None, item))
-        else:
+        name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+        if not isinstance(tensor, Tensor):
             raise ValueError(
                 f"{where}: 'params' holds a {type(item).__name__}; give tensors or"
                 " (name, tensor) pairs from model.named_parameters()"
             )
+        out.append((None if name is None else str(name), tensor))
     return out
 
 
@@ -350,7 +348,7 @@ def build_param_groups(
     is_default = user_groups is None
     if user_groups is None:
         user_groups = [{"params": [p for _, p in trainable.values()]}]
-    elif isinstance(user_groups, Mapping) or not isinstance(user_groups, Sequence):
+    elif not isinstance(user_groups, Sequence):  # a dict is no Sequence
         raise ValueError(
             "param_groups must be a list of dicts like"
             " [{'params': [...], 'group_name': 'base', 'lr': ...}], got"

@@ -69,13 +69,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils.hooks import RemovableHandle
 
 from .._checks import is_int, is_number
 from .._profile import span
 from .._torch_internals import foreach_mul_
-from ..holder import DedicatedParam, WeightPart
+from ..holder import DedicatedParam, WeightPart, tensor_view
 from ..runtime import DedicatedRuntime
 
 __all__ = ["QKClip", "QKRowMap"]
@@ -616,8 +616,8 @@ def _check_param(
             f"QKClip: {fqn!r} is frozen (requires_grad=False), so no optimizer steps it and its"
             " rows cannot be scaled; unfreeze it or leave its attention out of the clip"
         )
-    if isinstance(param, DTensor) and fqn not in dedicated:
-        for placement in param.placements:
+    if fqn not in dedicated:
+        for _, placement in tensor_view(param).mesh_dims():
             if type(placement) not in (Shard, Replicate):
                 raise ValueError(
                     f"QKClip: {fqn!r} is a DTensor with placement {placement!r}, whose local"

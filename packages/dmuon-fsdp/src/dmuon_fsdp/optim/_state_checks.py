@@ -45,11 +45,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Route
 
-from ..holder import DedicatedParam
+from ..holder import DedicatedParam, tensor_view
 
 __all__ = ["HOLDINGS_KEY", "for_saving", "install_dedicated_state", "split_for_load"]
 
@@ -61,12 +60,7 @@ Holding = tuple[Any, ...]
 def _holding(param: Tensor, dp: DedicatedParam | None) -> Holding | None:
     """Which state of ``param`` this rank holds (``None``: none); see [Note: loading another
     rank's optimizer state dict]."""
-    if dp is not None:
-        return dp.holding()
-    if isinstance(param, DTensor):
-        coordinate = tuple(param.device_mesh.get_coordinate() or ())
-        return ("shard", *(c for c, p in zip(coordinate, param.placements) if p.is_shard()))
-    return ("whole",)
+    return tensor_view(param).holding() if dp is None else dp.holding()
 
 
 def _rank() -> int:

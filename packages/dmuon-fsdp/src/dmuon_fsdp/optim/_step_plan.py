@@ -43,37 +43,28 @@ from torch import Tensor
 from dmuon_ownership import Route
 
 from .._profile import span
-from ..holder import MuonEntry, ParamHolder, StepContext, WeightPart, tensor_part
-from ..topology import DedicatedCommContext, MeshLayout
+from ..holder import (
+    MuonEntry,
+    ParamHolder,
+    ShardedTensor,
+    StepContext,
+    WeightPart,
+    WholeTensor,
+    tensor_view,
+)
+from ..topology import DedicatedCommContext
 from ._muon_math import shape_batches
 
 __all__ = ["AdamWEntry", "StepPlan"]
 
 
-class _Plain:
-    """The step view of a parameter dmuon does not hold (an FSDP2 shard, a replicated
-    parameter): itself, stepped where it is."""
-
-    def __init__(self, param: Tensor) -> None:
-        self.param = param
-
-    steps_here = True
-    optim_dtype = None
-
-    def step_tensors(self) -> tuple[Tensor | None, Tensor | None]:
-        return self.param, self.param.grad
-
-    def weight_part(self, layout: MeshLayout) -> WeightPart:
-        return tensor_part(self.param)
-
-
 class AdamWEntry(NamedTuple):
-    """One parameter an AdamW group steps on this rank: the key of its state, and what it
-    steps (a dedicated weight's holder, which its owner steps through ``full``, or the
-    parameter itself)."""
+    """One parameter an AdamW group steps on this rank: the key of its state, and its step
+    view (a dedicated weight's holder, which its owner steps through ``full``, or the view of
+    the parameter itself, see [Note: tensor views] in ``holder/_tensors``)."""
 
     param: Tensor
-    view: ParamHolder | _Plain
+    view: ParamHolder | WholeTensor | ShardedTensor
 
 
 class StepPlan:
@@ -98,7 +89,7 @@ class StepPlan:
             elif group["optimizer"] == Route.ADAMW:
                 views = [(p, holders.get(id(p))) for p in group["params"]]
                 entries = [
-                    AdamWEntry(p, _Plain(p) if view is None else view)
+                    AdamWEntry(p, tensor_view(p) if view is None else view)
                     for p, view in views
                     if view is None or view.steps_here
                 ]

@@ -34,7 +34,7 @@ from .._torch_internals import (
     in_backward,
     queue_backward_callback,
     tree_leaves,
-    tree_map,
+    tree_map_tensors,
 )
 from ..holder import DedicatedParam
 from ._collectives import AllReduceQueue, ReduceQueue
@@ -285,7 +285,4 @@ def _replicated_grad(
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     """``tree`` with every floating-point tensor cast to ``dtype``."""
-    return tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        tree,
-    )
+    return tree_map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from ..holder import fsdp_modules
 from ._runtime import get_runtime
 
 __all__ = ["no_sync"]
@@ -23,17 +24,15 @@ __all__ = ["no_sync"]
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Skip gradient synchronisation for the backward passes run inside the context."""
-    from torch.distributed.fsdp import FSDPModule
-
     runtime = get_runtime(model)
-    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    sharded = [module for _, module in fsdp_modules(model)]
     previous = runtime.requires_gradient_sync
     runtime.set_requires_gradient_sync(False)
-    for module in fsdp_modules:
+    for module in sharded:
         module.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
         runtime.set_requires_gradient_sync(previous)
-        for module in fsdp_modules:
+        for module in sharded:
             module.set_requires_gradient_sync(True, recurse=False)

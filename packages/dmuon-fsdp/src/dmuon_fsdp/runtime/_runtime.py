@@ -46,6 +46,7 @@ from ..holder import (
     ParamHolder,
     Role,
     boundary_mp_policy,
+    fsdp_modules_above,
     is_dedicated,
     resolve_precision,
 )
@@ -182,7 +183,7 @@ class DedicatedRuntime:
         leaves anything else that replaced a parameter to :meth:`_check_registered`."""
         for index, dp in enumerate(self.params):
             current = dp.module._parameters.get(dp.name)
-            if not isinstance(current, nn.Parameter) or is_dedicated(current):
+            if current is None or is_dedicated(current):
                 continue
             swapped = current is dp.param
             materialised = dp.param.is_meta and not isinstance(current, DTensor)
@@ -237,14 +238,10 @@ class DedicatedRuntime:
 
     def _taken_by_fully_shard(self, dp: DedicatedParam) -> bool:
         """Whether a ``fully_shard`` module at or above ``dp``'s manages it."""
-        from torch.distributed.fsdp import FSDPModule
-
         model = self._model()
         assert model is not None, "the model this runtime belongs to was deleted"
-        parts = dp.fqn.split(".")[:-1]
-        paths = (".".join(parts[:depth]) for depth in range(len(parts) + 1))
-        above = (model.get_submodule(path) for path in paths)
-        return any(isinstance(m, FSDPModule) and fsdp_manages(m, dp.module, dp.name) for m in above)
+        above = fsdp_modules_above(model.get_submodule, dp.fqn.rpartition(".")[0])
+        return any(fsdp_manages(m, dp.module, dp.name) for m in above)
 
     # -- the contract surface ------------------------------------------------------------------
 
@@ -325,7 +322,7 @@ class _CheckedApply:
     checks first, in its ``_apply`` (what ``nn.Module``'s conversions all go through), whether
     the conversion would change any dedicated parameter under it, and refuses it before
     anything is converted, on every rank alike. Conversions that change nothing (``.to()`` the
-    device and dtype the model has: see [Note: reads on a peer] in ``_guard``) go through,
+    device and dtype the model has: see [Note: reads on a peer] in ``holder/_guard``) go through,
     converting the rest of the module and leaving the dedicated parameters alone, and before
     packing (a meta-device model's ``to_empty``) everything goes through."""
 
@@ -455,14 +452,14 @@ def _check_materialised(dp: DedicatedParam) -> None:
       parameter of the full shape whose storage holds zero bytes; a tensor-parallel
       ``DTensor`` (which ``nn.Module._apply`` swaps in place) is freed as soon as it is
       adopted, one module's shards at a time. Either way it is guarded at once (see [Note:
-      reads on a peer] in ``_guard``), and reads raise.
+      reads on a peer] in ``holder/_guard``), and reads raise.
     - Initialising: ``dmuon.init_dedicated_(model, fn)`` runs ``fn`` on the ranks that keep
       each weight, with a generator seeded from its name, so the values do not depend on the
       world size. A model's own ``init_weights()`` run on every rank with the same generator
       state also still gives each weight the values it gives a normally built model: on a
       peer each in-place write into a plain weight not packed yet runs on a scratch tensor of
       its shape, which the write returns and the peer drops with it
-      (``_guard._write_to_scratch``), so the generators advance exactly as on the owner (an
+      (``holder/_guard._write_to_scratch``), so the generators advance exactly as on the owner (an
       initialisation that reads back what it drew reads the scratch), at the cost of one
       weight at a time on the peer.
     - Packing then copies a kept weight into its pack and gives a peer's pack a buffer

@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .._torch_internals import FSDP_DISCOVERY_FUNCTIONS, fsdp_init_module
-from ..holder import is_dedicated
+from ..holder import fsdp_modules, is_dedicated
 
 __all__ = [
     "check_call_order",
@@ -136,16 +136,15 @@ def check_call_order(
     dim each TP shard splits, by FQN. Raises when they do not fit dmuon's tensor parallelism
     (see [Note: tensor-parallel grids] in _mesh); a DTensor on a one-rank mesh is a whole
     matrix (see [Note: degree-1 mesh dimensions] in _mesh)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            where = f"module {name!r}" if name else "the root module"
-            raise RuntimeError(
-                f"fully_shard was already applied to {where}: call "
-                "dmuon.dedicate_params(model, mesh, predicate) before fully_shard (order: "
-                "dedicate_params -> fully_shard(layers) -> fully_shard(model) -> Muon)"
-            )
+    sharded = fsdp_modules(model)
+    if sharded:
+        name = sharded[0][0]
+        where = f"module {name!r}" if name else "the root module"
+        raise RuntimeError(
+            f"fully_shard was already applied to {where}: call "
+            "dmuon.dedicate_params(model, mesh, predicate) before fully_shard (order: "
+            "dedicate_params -> fully_shard(layers) -> fully_shard(model) -> Muon)"
+        )
     tp_mesh: DeviceMesh | None = None
     tp_dims: dict[str, int] = {}
     for fqn, param in selected:
