@@ -60,9 +60,11 @@ from .._torch_internals import disable_torch_function_subclass, fsdp_init_runnin
 
 __all__ = [
     "FULLY_SHARD_FIX",
+    "RUN",
     "GuardedDTensor",
     "GuardedParameter",
     "NotHeldError",
+    "StateClass",
     "attach_holder",
     "guard_parameter",
     "holder_of",
@@ -203,10 +205,14 @@ def instances(values: Iterable[Any], cls: type) -> Iterator[Any]:
         yield from (item for item in items if isinstance(item, cls))
 
 
-class _Guard:
-    """What both guarded classes share: the check in ``__torch_function__`` and what ``repr``
-    says of an absent weight; see [Note: reads on a peer]. A parameter has a guarded class
-    exactly while its holder does not hold its weight."""
+# What ``StateClass._intercept`` returns to let an operation run as on a plain tensor.
+RUN = object()
+
+
+class StateClass:
+    """What the classes a holder gives its parameter in a state share (see [Note: a holder's
+    states] in ``_holder``): every torch function on one passes :meth:`_intercept` first, and
+    then runs as on a plain tensor."""
 
     __slots__ = ()  # a mixin: the classes it joins keep torch.Tensor's layout
 
@@ -219,25 +225,46 @@ class _Guard:
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not torch.compiler.is_compiling() and not is_safe(func):
-            absent = next(instances([*args, *kwargs.values()], _Guard), None)
-            if absent is not None:
-                if _unchanged(func, args, kwargs):
-                    return args[0]
-                if _writes_unplaced(func, args, kwargs):
-                    return _write_to_scratch(func, args, kwargs)
-                holder = holder_of(absent)
-                if fsdp_init_running():
-                    # See [Note: a fully_shard that takes a dedicated parameter] in runtime/_runtime.
-                    raise RuntimeError(
-                        f"{holder.where} was taken by fully_shard (it read the weight to shard "
-                        f"it). {FULLY_SHARD_FIX}"
-                    )
-                raise NotHeldError(holder.not_held_message(_qualname(func)))
+        result = cls._intercept(func, args, kwargs)
+        if result is not RUN:
+            return result
         # What nn.Parameter's own handler does (results stay plain tensors), written so that
         # torch.compile traces it: see [Note: reads on a peer].
         with disable_torch_function_subclass():
             return func(*args, **kwargs)
+
+    @classmethod
+    def _intercept(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The result of ``func`` when this state decides it, else ``RUN``."""
+        return RUN
+
+
+class _Guard(StateClass):
+    """What both guarded classes share: the check before every operation and what ``repr``
+    says of an absent weight; see [Note: reads on a peer]. A parameter has a guarded class
+    exactly while its holder does not hold its weight."""
+
+    __slots__ = ()
+
+    @classmethod
+    def _intercept(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if torch.compiler.is_compiling() or is_safe(func):
+            return RUN
+        absent = next(instances([*args, *kwargs.values()], _Guard), None)
+        if absent is None:
+            return RUN
+        if _unchanged(func, args, kwargs):
+            return args[0]
+        if _writes_unplaced(func, args, kwargs):
+            return _write_to_scratch(func, args, kwargs)
+        holder = holder_of(absent)
+        if fsdp_init_running():
+            # See [Note: a fully_shard that takes a dedicated parameter] in runtime/_runtime.
+            raise RuntimeError(
+                f"{holder.where} was taken by fully_shard (it read the weight to shard it). "
+                f"{FULLY_SHARD_FIX}"
+            )
+        raise NotHeldError(holder.not_held_message(_qualname(func)))
 
     def _absent_repr(self) -> str:
         """What ``repr`` says while the weight is not held here."""

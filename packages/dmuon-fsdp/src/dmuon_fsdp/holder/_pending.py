@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._torch_internals import disable_dynamo, disable_torch_function_subclass
-from ._guard import holder_of, instances, is_safe
+from .._torch_internals import disable_dynamo
+from ._guard import RUN, StateClass, holder_of, instances, is_safe
 
 __all__ = ["PendingDTensor", "PendingParameter"]
 
@@ -58,24 +58,17 @@ def _land(values: Iterable[Any]) -> None:
             holder.land()
 
 
-class _Pending:
-    """What both pending classes share; see [Note: reads before a publish lands]."""
+class _Pending(StateClass):
+    """What both pending classes share: a read of values waits for the publish first; see
+    [Note: reads before a publish lands]."""
 
-    __slots__ = ()  # a mixin: the classes it joins keep torch.Tensor's layout
+    __slots__ = ()
 
     @classmethod
-    def __torch_function__(
-        cls,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def _intercept(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _reads_values(func):
             _land([*args, *kwargs.values()])
-        with disable_torch_function_subclass():
-            return func(*args, **kwargs)
+        return RUN
 
 
 class PendingParameter(_Pending, nn.Parameter):
