@@ -40,13 +40,15 @@ class follows it (its holder switches it, see [Note: reads on a peer] in :mod:`.
 - ``HELD``: this rank holds the current weight (an owner and its replicas always; a peer from
   its boundary's broadcast to its reshard); a plain ``nn.Parameter`` (``DTensor``);
 - ``RELEASED``: packed, and this rank holds no storage for it (a peer between uses); guarded:
-  a read raises :class:`NotHeldError` with the holder's :meth:`ParamHolder.not_held_message`;
+  a read raises :class:`NotHeldError` with the holder's ``not_held_message``;
 - ``UNPLACED``: no place in a pack yet and no storage (a peer's weight that ``to_empty``
   materialised before packing); guarded, and in-place writes go to a scratch tensor;
 - ``RECEIVING``: a publish from the owner is overwriting this rank's copy; a read waits for it.
 
-Every change goes through a ``to_<state>()`` method that asserts the states it leaves; the
-verbs the runtime calls (``hold``, ``release``, ``receive``, ``landed``) are safe in any
+The states are those of the dedicated kinds (``DedicatedParam`` and its subclasses); a kind
+FSDP2 holds has none, FSDP2 moves its storage. Every change goes through a ``to_<state>()``
+method of ``DedicatedParam`` that asserts the states it leaves; the verbs the runtime calls
+(``place``, ``hold``, ``release``, ``drop_storage``, ``receive``, ``landed``) are safe in any
 state, as the group's are.
 """
 
