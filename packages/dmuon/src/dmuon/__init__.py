@@ -63,50 +63,8 @@ from . import ns as ns
 from . import qk_clip as qk_clip
 from . import runtime as runtime
 
-# Former top-level names and the sub-module that holds each now (see ``__getattr__``).
-_MOVED: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "POLAR_EXPRESS_COEFFICIENTS",
-            "YOU_COEFFICIENTS",
-            "direct_newton_schulz",
-            "get_backend_status",
-            "gram_newton_schulz",
-        ),
-        "ns",
-    ),
-    **dict.fromkeys(
-        (
-            "GradClipBucket",
-            "GradClipBucketStats",
-            "MuonGradClipStats",
-            "SegmentedGradClipResult",
-            "clip_grad_norm_buckets_",
-            "register_muon_grad_clip_strategy",
-            "try_clip_optimizer_grad_norm_buckets_",
-        ),
-        "clip",
-    ),
-    **dict.fromkeys(("QKRowMap", "max_logits_from_lse", "max_logits_from_scores"), "qk_clip"),
-    **dict.fromkeys(
-        (
-            "CHECKPOINT_KEY",
-            "DedicatedCommContext",
-            "broadcast_all_updates",
-            "broadcast_all_updates_async",
-            "collect_forward_unshard_profile",
-            "get_comm_ctx",
-            "get_dedicated_params",
-            "get_owned_params",
-            "install_patch",
-            "prepare_muon_grads",
-            "wait_all_reduces",
-            "wait_all_replicate_broadcasts",
-        ),
-        "runtime",
-    ),
-    **dict.fromkeys(("Forecast", "ModelShapes", "model_shapes"), "plan"),
-}
+# The topic modules that hold the former top-level names (see ``__getattr__``).
+_TOPICS = ("ns", "clip", "qk_clip", "runtime", "plan")
 # Names of earlier releases kept for one more, each with its replacement.
 _RENAMED = {
     "dedicate_params_ddp_tp": "dmuon.dedicate_params_ddp",
@@ -119,15 +77,16 @@ def __getattr__(name: str) -> _Any:
     import importlib
     import warnings
 
-    if name in _MOVED:
-        module = importlib.import_module(f"{__name__}.{_MOVED[name]}")
-        warnings.warn(
-            f"dmuon.{name} moved to dmuon.{_MOVED[name]}.{name}; the top-level name goes away "
-            "in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(module, name)
+    for topic in _TOPICS:
+        module = importlib.import_module(f"{__name__}.{topic}")
+        if name in module.__all__:
+            warnings.warn(
+                f"dmuon.{name} moved to dmuon.{topic}.{name}; the top-level name goes away in "
+                "the next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(module, name)
     if name in _RENAMED:
         import dmuon_fsdp
 
