@@ -256,7 +256,7 @@ def test_row_maps_and_clips_validate_their_arguments() -> None:
     clip.add("a.q_proj.weight", "a.k_proj.weight", 4, 2)
     with pytest.raises(ValueError, match="is already part of another attention"):
         clip.add("b.q_proj.weight", "a.k_proj.weight", 4)
-    with pytest.raises(TypeError, match=r"must be a dmuon\.QKRowMap"):
+    with pytest.raises(TypeError, match=r"must be a dmuon\.qk_clip\.QKRowMap"):
         clip.add("c.q_proj.weight", "c.k_proj.weight", 4, q_rows=(("q", 8),))  # type: ignore[arg-type]
 
 
