@@ -2,10 +2,9 @@
 
     import dmuon
     dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
-    dedicated = dmuon.dedicated_params_of(model)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
-    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+        fully_shard(layer, mesh=mesh)  # skips the dedicated matrices (dedicate_params' patch)
+    fully_shard(model, mesh=mesh)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
 Every name comes from one of the four packages (``dmuon_fsdp``: the runtime and optimizer,
