@@ -3,7 +3,7 @@
     import dmuon
     dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)  # leaves the dedicated matrices to dmuon
+        fully_shard(layer, mesh=mesh)  # skips the dedicated matrices (dedicate_params' patch)
     fully_shard(model, mesh=mesh)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
