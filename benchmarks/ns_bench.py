@@ -9,15 +9,15 @@ run, plus each one's error against float64 and its peak memory.
 Needs a CUDA device; the ``quack`` and gram-newton-schulz columns need quack-kernels and
 gram-newton-schulz importable (on the GPU machine, staged from wheels carried with the checkout).
 Inputs are random bf16 Gaussians. Times are medians of ``triton.testing.do_bench`` (CUDA
-events, L2 flushed between runs) after ``NewtonSchulz.tune`` (dmuon's autotuner otherwise
-measures over the calls after the first) and a first, untimed call that compiles,
+events, L2 flushed between runs) after ``NewtonSchulz.tune`` (which measures a shape that has no
+verdict; nothing where the shipped table holds it) and the untimed calls below,
 taken in ``--rounds`` interleaved rounds (each in a rotated method order) and reduced to the
 median over rounds.
 Errors are max over matrices of ‖out − ref‖_F/‖ref‖_F with ref the float64 iteration of the
 same algorithm and coefficients (``dmuon_ns.testing.reference_newton_schulz``).
 Peak memory (``peak MiB``) is ``torch.cuda.max_memory_allocated`` over a method's first three
-calls after its compile and tuning, above what was allocated before them (the input, the
-caller's), the result included; ``held MiB`` is what stays allocated after them (CUDA graphs'
+calls (the first compiles and captures; dmuon's ``tune`` comes before), above what was
+allocated before them (the input, the caller's), the result included; ``held MiB`` is what stays allocated after them (CUDA graphs'
 buffers, compiled callables' pools). For dmuon, ``kernel`` says which kernel auto ran and where
 its verdict came from (``table``, ``measured``) and ``tune s`` what ``NewtonSchulz.tune`` took.
 """
