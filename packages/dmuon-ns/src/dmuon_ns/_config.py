@@ -126,11 +126,13 @@ class NewtonSchulz:
     def tune(self, g: Tensor | list[Tensor] | tuple[Tensor, ...]) -> dict[str, str]:
         """Settle now which kernel runs each problem that ``self(g)`` would run.
 
-        With ``kernel="auto"`` on CUDA the autotuner otherwise measures a new problem over the
-        calls that follow its first one (``_autotune``'s [Note: cold start]); this does all of
-        it at once, for callers that rather pay before their first step. Only the shapes,
-        dtypes and devices of ``g`` are read, so ``torch.empty`` tensors will do. Returns
-        ``{"<op> <batch>x<m>x<n> <iteration dtype>": kernel name}``, one entry per problem.
+        With ``kernel="auto"`` on CUDA a problem runs the verdict's kernel, measured earlier on
+        this machine or shipped in the device's table, and torch where there is none; no call
+        measures anything (``_autotune``'s notes). This measures, now, every problem of ``g``
+        that has no verdict (a few seconds each), and keeps the verdicts on disk for later
+        processes. Only the shapes, dtypes and devices of ``g`` are read, so ``torch.empty``
+        tensors will do. Returns ``{"<op> <batch>x<m>x<n> <iteration dtype>": kernel name}``,
+        one entry per problem.
         """
         return tune(self, [g] if isinstance(g, Tensor) else list(g))
 

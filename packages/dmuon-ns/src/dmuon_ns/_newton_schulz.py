@@ -165,14 +165,16 @@ def direct_newton_schulz(
 
 
 def tune_pending() -> dict[str, str]:
-    """Finish now every kernel choice that ``kernel="auto"`` left open.
+    """Measure now every problem that ``kernel="auto"`` found no verdict for.
 
-    On CUDA, auto measures a new problem's candidate kernels over the calls after its first one,
-    a bounded share of the time at a time (``_autotune``'s [Note: cold start]). Call this
-    where a stall is welcome, e.g. after a training loop's first step, to measure what is left
-    of every problem seen so far at once. Returns ``{"<op> <batch>x<m>x<n> <iteration dtype>":
-    kernel name}`` for every problem auto has seen (empty on the CPU, where torch is the only
-    kernel). ``NewtonSchulz.tune(g)`` does the same for given tensors before their first call.
+    On CUDA, auto runs a problem on the kernel of its verdict (measured earlier on this
+    machine, or shipped in the device's table for common shapes) and on torch where there is
+    none; no NS call measures anything (``_autotune``'s notes). Call this where a stall is
+    welcome, e.g. after a training loop's first step, to measure every problem seen so far that
+    has no verdict (a few seconds each) and run its fastest kernel from the next call on.
+    Returns ``{"<op> <batch>x<m>x<n> <iteration dtype>": kernel name}`` for every problem auto
+    has seen (empty on the CPU, where torch is the only kernel). ``NewtonSchulz.tune(g)`` does
+    the same for given tensors before their first call.
     """
     from dmuon_ns import _autotune  # CUDA-only machinery, loaded on that path only
 
