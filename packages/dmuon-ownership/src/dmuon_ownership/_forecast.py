@@ -137,13 +137,22 @@ def _positive_int(where: str, value: object) -> int:
 class Topology:
     """The cluster and the sharding settings a forecast is for.
 
-    ``ranks`` in all; ``tp`` the tensor-parallel degree; ``shard_size`` the FSDP2 / dmuon
-    shard group (HSDP: ``replicas = ranks / (tp · shard_size)``; ``None``: every
-    data-parallel rank in one shard group); ``zero`` 3 (``reshard_after_forward=True``) or 2.
-    Dtypes by name (``"bf16"``, ``"float32"``, ...): ``param_dtype`` is what forward computes
-    in and broadcasts carry, ``master_dtype`` the weights the optimizer updates (and the
-    dtype the model is built in), ``optim_dtype`` its states (default: the master dtype),
-    ``reduce_dtype`` what gradients are summed in (default: the param dtype, FSDP2's rule).
+    Dtypes are given by name (``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``/``"half"``,
+    ``"fp32"``/``"float32"``/``"float"``) or as a torch dtype; another value raises
+    ``ValueError``.
+
+    Args:
+        ranks: the ranks in all, an int >= 1 and a multiple of ``tp``.
+        shard_size: the FSDP2 / dmuon shard group, an int >= 1 that divides ``ranks / tp``
+            (HSDP: ``replicas = ranks / (tp · shard_size)``); ``None``: every data-parallel
+            rank in one shard group.
+        tp: the tensor-parallel degree, an int >= 1.
+        zero: 3 (``reshard_after_forward=True``: weights freed after forward and gathered
+            again for backward) or 2 (kept from forward to backward).
+        param_dtype: what forward computes in and broadcasts carry.
+        master_dtype: the weights the optimizer updates (and the dtype the model is built in).
+        optim_dtype: the optimizer states' dtype; ``None``: the master dtype.
+        reduce_dtype: what gradients are summed in; ``None``: the param dtype, FSDP2's rule.
     """
 
     ranks: int
@@ -250,6 +259,28 @@ class Forecast:
     in bytes, bytes, bytes received per step, FLOP-equivalents and milliseconds. ``ns_ms`` (NS
     calls) and ``step_ms`` (the optimizer step: NS and the elementwise passes) are predicted.
     ``ranks`` holds every rank's exact :class:`RankFigures` for dmuon (:meth:`rank` finds one).
+    :func:`forecast` makes it; :meth:`render` gives the report ``dmuon-plan`` prints,
+    :meth:`to_dict` the same as plain data.
+
+    Args:
+        shapes: the model's parameters, as :func:`model_shapes` reads them from the config.
+        topology: the cluster and sharding settings forecast for.
+        plan: the owner plan, made by the call ``dedicate_params`` makes.
+        ns_times: the table of measured Newton–Schulz times the predictions come from.
+        memory: bytes kept between steps per rank: rows ``"masters"``, ``"optimizer
+            states"``, ``"HSDP replica copies"`` and ``"total"``.
+        unsharded: bytes of weights unsharded for forward per rank: rows ``"dmuon peer
+            buffers"`` and ``"all"``.
+        traffic: bytes received per rank in one step, per mesh axis: rows ``"shard"``,
+            ``"replicate"`` and ``"tp"``.
+        work: optimizer work per rank, in FLOP-equivalents (the planner's cost).
+        ns_ms: predicted milliseconds of Newton–Schulz calls per rank in one step.
+        step_ms: predicted milliseconds of the optimizer step per rank (NS and the
+            elementwise passes).
+        ranks: one :class:`RankFigures` per rank of dmuon's setup, in the order replicate,
+            shard, TP index; ``()``: none.
+        notes: remarks on the plan in words (uneven expert shares, an NS load imbalance above
+            5 %, expert sources, ...); ``()``: none.
     """
 
     shapes: ModelShapes
@@ -267,7 +298,13 @@ class Forecast:
 
     def rank(self, replicate: int = 0, shard: int = 0, tp: int = 0) -> RankFigures:
         """The figures of the rank at grid coordinate (``replicate``, ``shard``) and TP index
-        ``tp`` (the runtime's ``layout.coord`` and ``layout.tp_index``)."""
+        ``tp`` (the runtime's ``layout.coord`` and ``layout.tp_index``).
+
+        Args:
+            replicate: the rank's replica, an int in ``[0, replicas)``.
+            shard: its index in the shard group, an int in ``[0, shard_size)``.
+            tp: its tensor-parallel index, an int in ``[0, tp)``.
+        """
         topo = self.topology
         for name, value, size in (
             ("replicate", replicate, topo.replicas),
@@ -326,6 +363,18 @@ def forecast(
     shape the plan and the NS batches as in the run); ``ns_times`` is the table of measured NS
     times (default: the H200 one shipped with the package). Allocates nothing; see [Note: the
     forecast].
+
+    Args:
+        config: the model: a parsed Hugging Face ``config.json`` (a mapping), the path of that
+            file or of the model directory holding it, or a :class:`ModelShapes` (made with
+            ``tp`` equal to ``topology.tp``).
+        topology: the cluster and sharding settings (:class:`Topology`).
+        small_param_threshold: ``dedicate_params``'s option of that name, an int >= 0 in
+            elements (matrices of one layer below it share one owner).
+        ns_batch_bytes: ``StepOptions.ns_batch_bytes``, an int >= 1 (bytes of momentum in one
+            NS call); ``None``: one NS call per shape.
+        ns_times: the measured NS times predictions come from; ``None``: the H200 table
+            shipped with the package.
     """
     if not isinstance(topology, Topology):
         raise ValueError(

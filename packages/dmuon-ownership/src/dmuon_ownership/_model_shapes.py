@@ -67,7 +67,21 @@ _TP_SHARDED = frozenset(
 @dataclass(frozen=True)
 class ModelShapes:
     """The parameters of one config, by what dmuon does with them (see [Note: the
-    parameters of a config]). ``num_experts`` is 0 for a dense model."""
+    parameters of a config]). ``num_experts`` is 0 for a dense model.
+
+    Args:
+        model_type: the config's ``model_type`` (``"llama"``, ``"qwen3_moe"``,
+            ``"deepseek_v3"``, ...).
+        num_layers: its decoder layers (``num_hidden_layers``).
+        num_experts: the routed experts of its largest mixture-of-experts layer; 0 for a dense
+            model.
+        dedicated: every 2-D weight inside a decoder layer, route ``"muon"``: the items
+            ``dedicate_params`` plans owners for.
+        experts: the expert stacks ``(E, out, in)``, left to FSDP2 and stepped with Muon where
+            they are held.
+        fsdp: everything else (embeddings, norms, biases, the head), route
+            ``"sharded_adamw"``.
+    """
 
     model_type: str
     num_layers: int
@@ -165,6 +179,17 @@ def model_shapes(
     mixed precision): it sets ``WorkItem.itemsize``, as the runtime does. ``tp`` marks the
     items a tensor-parallel plan shards. Nothing is allocated. See [Note: the parameters of a
     config]; raises ``ValueError`` for an unsupported ``model_type`` or a missing field.
+
+    Args:
+        config: a parsed Hugging Face ``config.json`` (a mapping), the path of that file, or
+            the path of a model directory holding it; its ``model_type`` must be one of
+            ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``mixtral``, ``qwen3_moe``,
+            ``deepseek_v3``, ``kimi_k2``.
+        tp: the tensor-parallel degree, an int >= 1: items a Megatron-style plan shards
+            (attention projections, the dense MLP, the embedding, the head) get ``tp``, the
+            others 1.
+        dtype: the dtype of the parameters by name (``"bf16"``, ``"float32"``, ...) or a
+            torch dtype: it sets the items' itemsize (a DeepSeek-V3 router stays float32).
     """
     raw = _load(config)
     model_type = raw.get("model_type")
