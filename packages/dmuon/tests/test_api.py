@@ -9,7 +9,7 @@ import textwrap
 
 import dmuon
 
-SUBPACKAGES = ("dmuon_fsdp", "dmuon_ns", "dmuon_clip", "dmuon_ownership")
+SUBPACKAGES = ("dmuon_fsdp", "dmuon_ns", "dmuon_clip", "dmuon_ownership", "dmuon.plan")
 
 # Every public name documented for users of ``import dmuon`` (docs/api and the README).
 DOCUMENTED_NAMES = frozenset(

@@ -73,11 +73,12 @@ from dmuon_ns import get_backend_status as get_backend_status
 from dmuon_ns import get_ns_backend as get_ns_backend
 from dmuon_ns import gram_newton_schulz as gram_newton_schulz
 from dmuon_ns import newton_schulz as newton_schulz
-from dmuon_ownership import Forecast as Forecast
-from dmuon_ownership import ModelShapes as ModelShapes
-from dmuon_ownership import Topology as Topology
-from dmuon_ownership import forecast as forecast
-from dmuon_ownership import model_shapes as model_shapes
+
+from .plan import Forecast as Forecast
+from .plan import ModelShapes as ModelShapes
+from .plan import Topology as Topology
+from .plan import forecast as forecast
+from .plan import model_shapes as model_shapes
 
 __version__ = "0.1.0"
 
@@ -85,5 +86,8 @@ __version__ = "0.1.0"
 # __all__; each warns and names its replacement.
 _DEPRECATED = frozenset({"dedicate_params_ddp_tp", "replicate_tp"})
 
-# Every public name above: the re-exports, listed once (in their imports).
-__all__ = sorted(n for n in dict(globals()) if not n.startswith("_") and n not in _DEPRECATED)
+# Every public name above: the re-exports, listed once (in their imports). ``plan`` is the
+# sub-package the planner's names come from, not a name of its own.
+__all__ = sorted(
+    n for n in dict(globals()) if not n.startswith("_") and n not in _DEPRECATED | {"plan"}
+)

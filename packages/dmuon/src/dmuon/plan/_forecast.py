@@ -97,27 +97,29 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-from ._cost import ExpertStack, experts_held, ns_cost
-from ._items import WorkItem
-from ._lpt import plan_owners
-from ._model_shapes import ModelShapes, model_shapes
+from dmuon_ownership import (
+    ExpertStack,
+    Route,
+    WorkItem,
+    experts_held,
+    ns_cost,
+    plan_owners,
+)
+
+from ._figures import ADAMW, DMUON, MUON, Forecast, RankFigures
+from ._model_shapes import ITEMSIZE, ModelShapes, model_shapes
 from ._ns_times import NSTimes, load_ns_times
-from ._plan import Plan
-from ._route import Route, normalize_dtype
+from ._spread import Spread
+from ._topology import Topology
 
-__all__ = ["Forecast", "RankFigures", "Spread", "Topology", "forecast"]
+__all__ = ["DEFAULT_NS_BATCH_BYTES", "expert_stack", "forecast"]
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Muon(ns_batch_bytes=) default in dmuon-fsdp: momentum bytes of one NS call.
 DEFAULT_NS_BATCH_BYTES = 64 * 2**20
 # AdamW's ``step``: a float32 scalar per parameter tensor (torch.optim.AdamW's layout).
 ADAMW_STEP_BYTES = 4
-
-DMUON, ADAMW, MUON = "dmuon", "FSDP2 + AdamW", "FSDP2 + Muon"
-SETUPS = (DMUON, ADAMW, MUON)
 
 _Member = tuple[int, int, int]  # one tensor's NS input: (matrices, rows, cols)
 
@@ -125,181 +127,6 @@ _Member = tuple[int, int, int]  # one tensor's NS input: (matrices, rows, cols)
 def _member(shape: tuple[int, ...], matrices: int | None = None) -> _Member:
     count = math.prod(shape[:-2]) if matrices is None else matrices
     return count, shape[-2], shape[-1]
-
-
-def _positive_int(where: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"Topology: {where} must be an int >= 1, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The cluster and the sharding settings a forecast is for.
-
-    ``ranks`` in all; ``tp`` the tensor-parallel degree; ``shard_size`` the FSDP2 / dmuon
-    shard group (HSDP: ``replicas = ranks / (tp · shard_size)``; ``None``: every
-    data-parallel rank in one shard group); ``zero`` 3 (``reshard_after_forward=True``) or 2.
-    Dtypes by name (``"bf16"``, ``"float32"``, ...): ``param_dtype`` is what forward computes
-    in and broadcasts carry, ``master_dtype`` the weights the optimizer updates (and the
-    dtype the model is built in), ``optim_dtype`` its states (default: the master dtype),
-    ``reduce_dtype`` what gradients are summed in (default: the param dtype, FSDP2's rule).
-    """
-
-    ranks: int
-    shard_size: int | None = None
-    tp: int = 1
-    zero: int = 3
-    param_dtype: str = "bfloat16"
-    master_dtype: str = "float32"
-    optim_dtype: str | None = None
-    reduce_dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        ranks = _positive_int("ranks", self.ranks)
-        tp = _positive_int("tp", self.tp)
-        if ranks % tp:
-            raise ValueError(
-                f"Topology: ranks={ranks} is not a multiple of tp={tp}; the world is tp "
-                "data-parallel grids of equal size"
-            )
-        shard = ranks // tp if self.shard_size is None else self.shard_size
-        shard = _positive_int("shard_size", shard)
-        if (ranks // tp) % shard:
-            raise ValueError(
-                f"Topology: shard_size={shard} does not divide the {ranks // tp} data-parallel "
-                f"ranks (ranks / tp); HSDP needs replicas x shard_size = ranks / tp"
-            )
-        if self.zero not in (2, 3):
-            raise ValueError(
-                f"Topology: zero must be 2 (weights kept from forward to backward) or 3 "
-                f"(resharded after forward), got {self.zero!r}"
-            )
-        object.__setattr__(self, "shard_size", shard)
-        for name in ("param_dtype", "master_dtype"):
-            value = normalize_dtype(getattr(self, name), f"Topology: {name}")
-            if value is None:
-                raise ValueError(f"Topology: {name} needs a dtype, got None")
-            object.__setattr__(self, name, value)
-        optim = normalize_dtype(self.optim_dtype, "Topology: optim_dtype")
-        reduce = normalize_dtype(self.reduce_dtype, "Topology: reduce_dtype")
-        object.__setattr__(self, "optim_dtype", optim or self.master_dtype)
-        object.__setattr__(self, "reduce_dtype", reduce or self.param_dtype)
-
-    @property
-    def shard(self) -> int:
-        assert self.shard_size is not None
-        return self.shard_size
-
-    @property
-    def replicas(self) -> int:
-        return self.ranks // (self.tp * self.shard)
-
-    def describe(self) -> str:
-        layout = (
-            f"{self.replicas} replicas x {self.shard} shards (HSDP)"
-            if self.replicas > 1
-            else f"{self.shard} shards"
-        )
-        return (
-            f"{self.ranks} ranks = {layout}, TP {self.tp}, ZeRO-{self.zero}; param "
-            f"{self.param_dtype}, master {self.master_dtype}, optim {self.optim_dtype}, reduce "
-            f"{self.reduce_dtype}"
-        )
-
-
-class Spread(NamedTuple):
-    """A per-rank figure over every rank: its largest value and its mean."""
-
-    max: float
-    mean: float
-
-    @classmethod
-    def of(cls, values: Iterable[float]) -> Spread:
-        values = list(values)
-        return cls(max(values), math.fsum(values) / len(values)) if values else cls(0.0, 0.0)
-
-    @classmethod
-    def uniform(cls, value: float) -> Spread:
-        return cls(value, value)
-
-
-@dataclass(frozen=True)
-class RankFigures:
-    """What one rank of dmuon's setup holds and issues, in bytes, exactly as the runtime
-    counts and allocates it (see [Note: payload and wire bytes]).
-
-    ``payload`` maps ``"axis/kind"``, the keys of the runtime's ``CommCounter.snapshot()``, to
-    the bytes of the tensors dmuon's own collectives carry on this rank in one step (only the
-    kinds it issues). ``state`` maps ``"masters"``, ``"optimizer states"`` and ``"HSDP replica
-    copies"`` to the bytes it keeps between steps (see [Note: the forecast])."""
-
-    replicate: int
-    shard: int
-    tp: int
-    payload: Mapping[str, int]
-    state: Mapping[str, int]
-
-
-@dataclass(frozen=True)
-class Forecast:
-    """Per-rank figures of one model at one topology (see [Note: the forecast]).
-
-    ``memory``, ``unsharded``, ``traffic``, ``work``, ``ns_ms`` and ``step_ms`` map a setup
-    (``"dmuon"``, ``"FSDP2 + AdamW"``, ``"FSDP2 + Muon"``) to rows of :class:`Spread` values
-    in bytes, bytes, bytes received per step, FLOP-equivalents and milliseconds. ``ns_ms`` (NS
-    calls) and ``step_ms`` (the optimizer step: NS and the elementwise passes) are predicted.
-    ``ranks`` holds every rank's exact :class:`RankFigures` for dmuon (:meth:`rank` finds one).
-    """
-
-    shapes: ModelShapes
-    topology: Topology
-    plan: Plan
-    ns_times: NSTimes
-    memory: Mapping[str, Mapping[str, Spread]]
-    unsharded: Mapping[str, Mapping[str, Spread]]
-    traffic: Mapping[str, Mapping[str, Spread]]
-    work: Mapping[str, Spread]
-    ns_ms: Mapping[str, Spread]
-    step_ms: Mapping[str, Spread]
-    ranks: tuple[RankFigures, ...] = field(default=())
-    notes: tuple[str, ...] = field(default=())
-
-    def rank(self, replicate: int = 0, shard: int = 0, tp: int = 0) -> RankFigures:
-        """The figures of the rank at grid coordinate (``replicate``, ``shard``) and TP index
-        ``tp`` (the runtime's ``layout.coord`` and ``layout.tp_index``)."""
-        topo = self.topology
-        for name, value, size in (
-            ("replicate", replicate, topo.replicas),
-            ("shard", shard, topo.shard),
-            ("tp", tp, topo.tp),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < size:
-                raise ValueError(
-                    f"Forecast.rank: {name} must be an int in [0, {size}) for {topo.describe()}, "
-                    f"got {value!r}"
-                )
-        return self.ranks[(replicate * topo.shard + shard) * topo.tp + tp]
-
-    @property
-    def items(self) -> tuple[WorkItem, ...]:
-        """The work items the plan was made from: what ``dedicate_params`` plans."""
-        return self.shapes.dedicated
-
-    @property
-    def balance(self) -> float:
-        """max / mean of the plan's per-slot work, experts included."""
-        return 1.0 + self.plan.imbalance
-
-    def render(self) -> str:
-        from ._forecast_report import render
-
-        return render(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        from ._forecast_report import as_dict
-
-        return as_dict(self)
 
 
 def expert_stack(item: WorkItem) -> ExpertStack:
@@ -370,11 +197,11 @@ class _Forecaster:
         self.shapes, self.topo, self.table = shapes, topology, table
         self.threshold, self.batch_bytes = threshold, batch_bytes
         self.G, self.R, self.T = topology.shard, topology.replicas, topology.tp
-        self.c = _ITEMSIZE[topology.param_dtype]
-        self.m = _ITEMSIZE[topology.master_dtype]
+        self.c = ITEMSIZE[topology.param_dtype]
+        self.m = ITEMSIZE[topology.master_dtype]
         assert topology.optim_dtype is not None and topology.reduce_dtype is not None
-        self.o = _ITEMSIZE[topology.optim_dtype]
-        self.r = _ITEMSIZE[topology.reduce_dtype]
+        self.o = ITEMSIZE[topology.optim_dtype]
+        self.r = ITEMSIZE[topology.reduce_dtype]
         self._ms: dict[tuple[int, int, int], float] = {}
 
     # -- sizes ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
     dmuon-plan path/to/model_dir --ranks 2048 --replicas 8 --zero 2 --json
 
 Reads a Hugging Face ``config.json`` and prints :func:`forecast`'s report (or its JSON). No
-torch, no weights: the shapes come from the config.
+weights, no model: the shapes come from the config.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ._forecast import DEFAULT_NS_BATCH_BYTES, Topology, forecast
+from ._forecast import DEFAULT_NS_BATCH_BYTES, forecast
 from ._model_shapes import MODEL_TYPES
+from ._topology import Topology
 
 __all__ = ["main"]
 

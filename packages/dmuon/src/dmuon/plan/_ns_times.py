@@ -34,7 +34,7 @@ from functools import cached_property
 from importlib import resources
 from typing import Any
 
-from ._cost import ns_flops
+from dmuon_ownership import ns_flops
 
 __all__ = ["NSTimes", "load_ns_times"]
 

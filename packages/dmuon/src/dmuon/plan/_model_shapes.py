@@ -46,17 +46,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._items import WorkItem
-from ._route import Route, normalize_dtype
+from dmuon_ownership import Route, WorkItem, normalize_dtype
 
-__all__ = ["ModelShapes", "model_shapes"]
+__all__ = ["ITEMSIZE", "MODEL_TYPES", "ModelShapes", "model_shapes"]
 
 _GQA = ("llama", "mistral", "qwen2", "qwen3")
 _GQA_MOE = ("mixtral", "qwen3_moe")
 _MLA = ("deepseek_v3", "kimi_k2")
 MODEL_TYPES: tuple[str, ...] = (*_GQA, *_GQA_MOE, *_MLA)
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Projections a tensor-parallel plan shards (the last component before ".weight").
 _TP_SHARDED = frozenset(
     {"q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj"}
@@ -178,7 +177,7 @@ def model_shapes(
         raise ValueError(f"model_shapes: tp must be an int >= 1, got {tp!r}")
     canonical = normalize_dtype(dtype, "model_shapes: dtype")
     assert canonical is not None
-    itemsize = _ITEMSIZE[canonical]
+    itemsize = ITEMSIZE[canonical]
     cfg = _Config(raw, model_type)
     hidden = cfg.size("hidden_size")
     layers = cfg.size("num_hidden_layers")

@@ -1,20 +1,104 @@
-"""A :class:`Forecast` as text (what ``dmuon-plan`` prints) and as a JSON-ready dict."""
+"""What a forecast holds (:class:`Forecast`, :class:`RankFigures`), and how it shows it: as
+text (what ``dmuon-plan`` prints) and as a JSON-ready dict."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._forecast import Forecast
+from dmuon_ownership import Plan, WorkItem
 
-from ._forecast import Spread
+from ._model_shapes import ModelShapes
+from ._ns_times import NSTimes
+from ._spread import Spread
+from ._topology import Topology
 
-__all__ = ["as_dict", "render"]
+__all__ = ["ADAMW", "DMUON", "MUON", "SETUPS", "Forecast", "RankFigures", "as_dict", "render"]
+
+DMUON, ADAMW, MUON = "dmuon", "FSDP2 + AdamW", "FSDP2 + Muon"
+SETUPS = (DMUON, ADAMW, MUON)
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """What one rank of dmuon's setup holds and issues, in bytes, exactly as the runtime
+    counts and allocates it (see [Note: payload and wire bytes]).
+
+    ``payload`` maps ``"axis/kind"``, the keys of the runtime's ``CommCounter.snapshot()``, to
+    the bytes of the tensors dmuon's own collectives carry on this rank in one step (only the
+    kinds it issues). ``state`` maps ``"masters"``, ``"optimizer states"`` and ``"HSDP replica
+    copies"`` to the bytes it keeps between steps (see [Note: the forecast])."""
+
+    replicate: int
+    shard: int
+    tp: int
+    payload: Mapping[str, int]
+    state: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Per-rank figures of one model at one topology (see [Note: the forecast]).
+
+    ``memory``, ``unsharded``, ``traffic``, ``work``, ``ns_ms`` and ``step_ms`` map a setup
+    (``"dmuon"``, ``"FSDP2 + AdamW"``, ``"FSDP2 + Muon"``) to rows of :class:`Spread` values
+    in bytes, bytes, bytes received per step, FLOP-equivalents and milliseconds. ``ns_ms`` (NS
+    calls) and ``step_ms`` (the optimizer step: NS and the elementwise passes) are predicted.
+    ``ranks`` holds every rank's exact :class:`RankFigures` for dmuon (:meth:`rank` finds one).
+    """
+
+    shapes: ModelShapes
+    topology: Topology
+    plan: Plan
+    ns_times: NSTimes
+    memory: Mapping[str, Mapping[str, Spread]]
+    unsharded: Mapping[str, Mapping[str, Spread]]
+    traffic: Mapping[str, Mapping[str, Spread]]
+    work: Mapping[str, Spread]
+    ns_ms: Mapping[str, Spread]
+    step_ms: Mapping[str, Spread]
+    ranks: tuple[RankFigures, ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())
+
+    def rank(self, replicate: int = 0, shard: int = 0, tp: int = 0) -> RankFigures:
+        """The figures of the rank at grid coordinate (``replicate``, ``shard``) and TP index
+        ``tp`` (the runtime's ``layout.coord`` and ``layout.tp_index``)."""
+        topo = self.topology
+        for name, value, size in (
+            ("replicate", replicate, topo.replicas),
+            ("shard", shard, topo.shard),
+            ("tp", tp, topo.tp),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < size:
+                raise ValueError(
+                    f"Forecast.rank: {name} must be an int in [0, {size}) for {topo.describe()}, "
+                    f"got {value!r}"
+                )
+        return self.ranks[(replicate * topo.shard + shard) * topo.tp + tp]
+
+    @property
+    def items(self) -> tuple[WorkItem, ...]:
+        """The work items the plan was made from: what ``dedicate_params`` plans."""
+        return self.shapes.dedicated
+
+    @property
+    def balance(self) -> float:
+        """max / mean of the plan's per-slot work, experts included."""
+        return 1.0 + self.plan.imbalance
+
+    def render(self) -> str:
+        """The report ``dmuon-plan`` prints: one row per figure, dmuon's max and mean over the
+        ranks and the max of each FSDP2 setup; predicted figures say so."""
+        return render(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The forecast as plain JSON types (``dmuon-plan --json``)."""
+        return as_dict(self)
+
 
 _GIB = 2**30
-_SETUPS = ("dmuon", "FSDP2 + AdamW", "FSDP2 + Muon")
 _AXES = (("shard", "shard axis"), ("replicate", "replicate axis"), ("tp", "TP axis"))
 _WIDTHS = (12, 12, 13, 12)
 
@@ -75,7 +159,7 @@ def render(fc: Forecast) -> str:
     def row(label: str, table: Mapping[str, Mapping[str, Spread]], key: str, scale: float) -> str:
         dmuon = table["dmuon"][key]
         cells = [dmuon.max / scale, dmuon.mean / scale]
-        cells += [table[setup][key].max / scale for setup in _SETUPS[1:]]
+        cells += [table[setup][key].max / scale for setup in SETUPS[1:]]
         return f"  {label:<36}" + "".join(f"{v:>{w},.2f}" for v, w in zip(cells, _WIDTHS))
 
     def dmuon_row(label: str, spread: Spread, scale: float) -> str:
@@ -97,11 +181,11 @@ def render(fc: Forecast) -> str:
     for key, label in _AXES:
         lines.append(dmuon_row(label, sent[key], _GIB))
     lines.append("optimizer step")
-    work = {setup: {"work": fc.work[setup]} for setup in _SETUPS}
+    work = {setup: {"work": fc.work[setup]} for setup in SETUPS}
     lines.append(row("work (TFLOP-eq., planner cost)", work, "work", 1e12))
-    ns = {setup: {"ns": fc.ns_ms[setup]} for setup in _SETUPS}
+    ns = {setup: {"ns": fc.ns_ms[setup]} for setup in SETUPS}
     lines.append(row("NS time (ms, PREDICTED)", ns, "ns", 1.0))
-    step = {setup: {"step": fc.step_ms[setup]} for setup in _SETUPS}
+    step = {setup: {"step": fc.step_ms[setup]} for setup in SETUPS}
     lines.append(row("step time (ms, PREDICTED)", step, "step", 1.0))
     lines.append("")
     lines.append("FSDP2 columns: max over ranks.")

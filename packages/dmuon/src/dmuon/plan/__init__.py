@@ -1,0 +1,29 @@
+"""dmuon.plan: what dmuon will hold per rank, move per step and compute, before the run.
+
+:func:`forecast` turns a Hugging Face ``config.json`` (:func:`model_shapes` writes out its
+parameters, without building the model) and a :class:`Topology` into a :class:`Forecast`:
+per-rank figures (:class:`Spread` over the ranks, every rank's exact :class:`RankFigures`) of
+memory, bytes per step, optimizer work and the Newton–Schulz time predicted from measured NS
+times (:class:`NSTimes`, :func:`load_ns_times`). The owner plan is ``dmuon_ownership``'s
+``plan_owners``, the call the runtime makes. ``dmuon-plan`` prints the report. Pure Python:
+nothing is allocated and torch is not used.
+"""
+
+from ._figures import Forecast, RankFigures
+from ._forecast import forecast
+from ._model_shapes import ModelShapes, model_shapes
+from ._ns_times import NSTimes, load_ns_times
+from ._spread import Spread
+from ._topology import Topology
+
+__all__ = [
+    "Forecast",
+    "ModelShapes",
+    "NSTimes",
+    "RankFigures",
+    "Spread",
+    "Topology",
+    "forecast",
+    "load_ns_times",
+    "model_shapes",
+]
