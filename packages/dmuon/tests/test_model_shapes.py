@@ -115,10 +115,10 @@ def test_errors(tmp_path) -> None:
         model_shapes(LLAMA_3_70B, tp=0)
     with pytest.raises(ValueError, match=r"model_shapes: dtype: unsupported dtype 'int8'"):
         model_shapes(LLAMA_3_70B, dtype="int8")
-    with pytest.raises(ValueError, match=r"is not a file; pass a config.json or a model dir"):
+    with pytest.raises(ValueError, match=r"does not exist; pass a config.json or a model dir"):
         model_shapes(tmp_path / "nope.json")
     with pytest.raises(ValueError, match=r"config must be a dict \(a parsed config.json\)"):
         model_shapes(3)  # type: ignore[arg-type]
     (tmp_path / "list.json").write_text("[1]")
-    with pytest.raises(ValueError, match=r"holds no JSON object"):
+    with pytest.raises(ValueError, match=r"holds an array, not a JSON object"):
         model_shapes(tmp_path / "list.json")

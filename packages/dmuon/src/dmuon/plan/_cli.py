@@ -100,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         seconds = time.perf_counter() - start
     except ValueError as error:
-        parser.error(str(error))
+        # The message names the file or the option and what is wrong; no usage text, which
+        # is for arguments argparse itself rejects.
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
     else:

@@ -129,6 +129,15 @@ class _Config:
         return bool(self.raw.get(key, default) or False)
 
 
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+}
+
+
 def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
         return config
@@ -141,13 +150,41 @@ def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, An
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
+        if path.name == "config.json" and path.parent.is_dir():
+            what = f"{str(path.parent)!r} is a directory without a config.json"
+        elif path.exists():
+            what = f"{str(path)!r} is not a file"
+        else:
+            what = f"{str(path)!r} does not exist"
         raise ValueError(
-            f"model_shapes: {str(path)!r} is not a file; pass a config.json or a model directory "
-            "that holds one"
+            f"model_shapes: {what}; pass a config.json or a model directory that holds one"
         )
-    loaded = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"model_shapes: cannot read {str(path)!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"model_shapes: {str(path)!r} is not UTF-8 text (byte {error.start}: "
+            f"{error.reason}); a config.json is a UTF-8 JSON file"
+        ) from None
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as error:
+        # An unterminated string runs to the end of the file (a newline inside a string is
+        # "Invalid control character" instead): both mean the file stops mid-value.
+        ended = not text[error.pos :].strip() or error.msg.startswith("Unterminated string")
+        raise ValueError(
+            f"model_shapes: {str(path)!r} is not valid JSON: line {error.lineno}, column "
+            f"{error.colno}: {error.msg}"
+            + (" (the file ends there: is it cut short?)" if ended else "")
+        ) from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"model_shapes: {str(path)!r} holds no JSON object")
+        kind = "null" if loaded is None else _JSON_TYPES.get(type(loaded), "a JSON value")
+        raise ValueError(
+            f"model_shapes: {str(path)!r} holds {kind}, not a JSON object; a config.json is "
+            'one object of fields ({"model_type": ..., "hidden_size": ..., ...})'
+        )
     return loaded
 
 
