@@ -4,8 +4,8 @@
     python3 benchmarks/plan_bench.py --repeats 5
 
 With the packages installed (``dmuon.plan`` lives in the ``dmuon`` package, whose import
-brings torch); the planning itself is pure Python and uses no device. For each model (``benchmarks/configs/*.json``) at its
-topology, best of ``--repeats`` runs:
+brings torch); the planning itself is pure Python and uses no device. For each case of
+``CASES`` (configs in ``benchmarks/configs/``) at its topology, best of ``--repeats`` runs:
 
   items        the work items the owner plan places (the dedicated matrices)
   slots        shard x replicate grid (a TP group counts once)

@@ -5,19 +5,28 @@ parameters, without building the model) and a :class:`Topology` into a :class:`F
 per-rank figures (:class:`Spread` over the ranks, every rank's exact :class:`RankFigures`) of
 memory, bytes per step, optimizer work and the Newton–Schulz time predicted from measured NS
 times (:class:`NSTimes`, :func:`load_ns_times`). The owner plan is ``dmuon_ownership``'s
-``plan_owners``, the call the runtime makes. ``dmuon-plan`` prints the report. Pure Python:
-nothing is allocated and torch is not used.
+``plan_owners``, the call the runtime makes. On a :class:`GPU` (one of :data:`GPUS`, or a memory
+size), :attr:`Forecast.fit` (a :class:`Fit`) says whether each setup fits and predicts its step
+time with each mesh axis at its bandwidth (:class:`Links`). ``dmuon-plan`` prints the report.
+Pure Python: nothing is allocated and torch is not used.
 """
 
 from ._figures import Forecast, RankFigures
+from ._fit import Fit
 from ._forecast import forecast
+from ._gpus import GPU, GPUS, Link, Links
 from ._model_shapes import ModelShapes, model_shapes
 from ._ns_times import NSTimes, load_ns_times
 from ._spread import Spread
 from ._topology import Topology
 
 __all__ = [
+    "GPU",
+    "GPUS",
+    "Fit",
     "Forecast",
+    "Link",
+    "Links",
     "ModelShapes",
     "NSTimes",
     "RankFigures",

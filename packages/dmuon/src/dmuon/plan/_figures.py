@@ -10,6 +10,7 @@ from typing import Any
 
 from dmuon_ownership import Plan, WorkItem
 
+from ._fit import Fit
 from ._model_shapes import ModelShapes
 from ._ns_times import NSTimes
 from ._spread import Spread
@@ -47,6 +48,8 @@ class Forecast:
     in bytes, bytes, bytes received per step, FLOP-equivalents and milliseconds. ``ns_ms`` (NS
     calls) and ``step_ms`` (the optimizer step: NS and the elementwise passes) are predicted.
     ``ranks`` holds every rank's exact :class:`RankFigures` for dmuon (:meth:`rank` finds one).
+    ``fit``, for a forecast on a GPU (``forecast(..., gpu=...)``), says whether each setup fits
+    in its memory and predicts its step time there (see [Note: the fit and the step time]).
     """
 
     shapes: ModelShapes
@@ -61,6 +64,7 @@ class Forecast:
     step_ms: Mapping[str, Spread]
     ranks: tuple[RankFigures, ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
+    fit: Fit | None = None
 
     def rank(self, replicate: int = 0, shard: int = 0, tp: int = 0) -> RankFigures:
         """The figures of the rank at grid coordinate (``replicate``, ``shard``) and TP index
@@ -187,6 +191,9 @@ def render(fc: Forecast) -> str:
     lines.append(row("NS time (ms, PREDICTED)", ns, "ns", 1.0))
     step = {setup: {"step": fc.step_ms[setup]} for setup in SETUPS}
     lines.append(row("step time (ms, PREDICTED)", step, "step", 1.0))
+    if fc.fit is not None:
+        lines.append("")
+        lines.extend(fc.fit.lines(SETUPS, _ns_note(fc.ns_times)))
     lines.append("")
     lines.append("FSDP2 columns: max over ranks.")
     lines.append(
@@ -210,13 +217,34 @@ def render(fc: Forecast) -> str:
         lines.append("notes:")
         lines.extend(f"  - {note}" for note in fc.notes)
     table = fc.ns_times
-    lines.append(
-        f"PREDICTED: NS times from Newton-Schulz calls measured on {table.card} on {table.date} "
-        f"({table.source}), interpolated to other shapes by the FLOP model ns_flops; step "
-        f"times add the elementwise passes at its {table.stream_gb_s:,.0f} GB/s; every other "
-        "figure is counted from the config and the plan."
-    )
+    if table.scaled_from is None:
+        lines.append(
+            f"PREDICTED: NS times from Newton-Schulz calls measured on {table.card} on "
+            f"{table.date} ({table.source}), interpolated to other shapes by the FLOP model "
+            f"ns_flops; step times add the elementwise passes at its {table.stream_gb_s:,.0f} "
+            "GB/s; every other figure is counted from the config and the plan."
+        )
+    else:
+        lines.append(
+            f"PREDICTED, SCALED FROM {table.scaled_from.split(' (')[0]}: {table.card} has no "
+            f"measured NS times. NS times from calls measured on {table.scaled_from} on "
+            f"{table.date} ({table.source}), interpolated to other shapes by the FLOP model "
+            f"ns_flops, times {table.time_scale:.2f} (the ratio of the cards' dense bf16 "
+            f"rates); step times add the elementwise passes at {table.stream_gb_s:,.0f} GB/s "
+            "(the measured card's, scaled by the ratio of their memory bandwidths); every "
+            "other figure is counted from the config and the plan."
+        )
     return "\n".join(lines)
+
+
+def _ns_note(table: NSTimes) -> str:
+    measured_on = (table.scaled_from or table.card).split(" (")[0]
+    if table.scaled_from is None:
+        return f"NS times measured on {measured_on}"
+    return (
+        f"NS times SCALED FROM {measured_on} x{table.time_scale:.2f} (dense bf16 rates), not "
+        "measured on this card"
+    )
 
 
 def _spreads(table: Mapping[str, Any]) -> dict[str, Any]:
@@ -266,6 +294,11 @@ def as_dict(fc: Forecast) -> dict[str, Any]:
             "card": fc.ns_times.card,
             "date": fc.ns_times.date,
             "source": fc.ns_times.source,
+            "measured_on_this_card": fc.ns_times.scaled_from is None,
+            "scaled_from": fc.ns_times.scaled_from,
+            "time_scale": fc.ns_times.time_scale,
+            "stream_gb_s": fc.ns_times.stream_gb_s,
         },
         "notes": list(fc.notes),
+        **({"fit": fc.fit.as_dict()} if fc.fit is not None else {}),
     }

@@ -93,6 +93,7 @@ be compared with a run (``dmuon.get_comm_ctx(model).counter``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections import defaultdict
@@ -109,6 +110,8 @@ from dmuon_ownership import (
 )
 
 from ._figures import ADAMW, DMUON, MUON, Forecast, RankFigures
+from ._fit import Fit, fit_of
+from ._gpus import GPU, TABLE_GPU, Links, resolve_gpu
 from ._model_shapes import ITEMSIZE, ModelShapes, model_shapes
 from ._ns_times import NSTimes, load_ns_times
 from ._spread import Spread
@@ -145,14 +148,20 @@ def forecast(
     small_param_threshold: int = 5_000_000,
     ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
     ns_times: NSTimes | None = None,
+    gpu: GPU | str | float | None = None,
+    bandwidth: Mapping[str, float] | None = None,
 ) -> Forecast:
     """Plan ``config`` (a parsed ``config.json``, its path, a model directory, or a
     :class:`ModelShapes`) on ``topology`` and add up what every rank holds, moves and computes.
 
     ``small_param_threshold`` is ``dedicate_params``'s, ``ns_batch_bytes`` ``Muon``'s (they
     shape the plan and the NS batches as in the run); ``ns_times`` is the table of measured NS
-    times (default: the H200 one shipped with the package). Allocates nothing; see [Note: the
-    forecast].
+    times (default: the H200 one shipped with the package, scaled to ``gpu`` when that is
+    another card). ``gpu`` (a :class:`GPU`, a name of ``GPUS`` such as ``"h100-80g"``, or a
+    memory size in GiB) adds :attr:`Forecast.fit`: whether each setup fits on it and its step
+    time with each mesh axis at the GPU's bandwidth, or at ``bandwidth``'s GB/s per axis
+    (``{"replicate": 25.0}``). Allocates nothing; see [Note: the forecast] and [Note: the fit
+    and the step time].
     """
     if not isinstance(topology, Topology):
         raise ValueError(
@@ -179,8 +188,24 @@ def forecast(
             "forecast: ns_batch_bytes must be an int >= 1 (bytes of momentum in one NS call, "
             f"Muon's option) or None for no cap, got {ns_batch_bytes!r}"
         )
+    links: Links | None = None
+    if gpu is not None:
+        gpu = resolve_gpu(gpu)
+        links = Links.on(gpu, topology.ranks, topology.shard, topology.tp, dict(bandwidth or {}))
+    elif bandwidth is not None:
+        raise ValueError(
+            "forecast: bandwidth sets the mesh axes' GB/s on a GPU; give gpu= as well (e.g. "
+            'gpu="h100-80g")'
+        )
     table = ns_times or load_ns_times()
-    return _Forecaster(shapes, topology, table, small_param_threshold, ns_batch_bytes).run()
+    if ns_times is None and gpu is not None and _rates(gpu) != _rates(TABLE_GPU):
+        table = table.scaled(TABLE_GPU, gpu)
+    forecaster = _Forecaster(shapes, topology, table, small_param_threshold, ns_batch_bytes)
+    return forecaster.run(gpu, links)
+
+
+def _rates(gpu: GPU) -> tuple[float, float]:
+    return gpu.bf16_tflops, gpu.hbm_gb_s
 
 
 class _Forecaster:
@@ -251,7 +276,7 @@ class _Forecaster:
             if count
         )
 
-    def run(self) -> Forecast:
+    def run(self, gpu: GPU | None = None, links: Links | None = None) -> Forecast:
         G, R = self.G, self.R
         self.holdings = [self.held(s) for s in range(G)]
         costs = {held: self.expert_cost(held) for held in set(self.holdings)}
@@ -277,7 +302,8 @@ class _Forecaster:
             for slot in range(G * R)
             for t in range(T)
         )
-        return Forecast(
+        times = self.ns_time()
+        figures = Forecast(
             shapes=self.shapes,
             topology=self.topo,
             plan=plan,
@@ -286,10 +312,63 @@ class _Forecaster:
             unsharded=self.unsharded(),
             traffic=self.traffic(payload, tp_received),
             work=self.work(shard_cost),
-            **self.ns_time(),
+            ns_ms=times["ns_ms"],
+            step_ms=times["step_ms"],
             ranks=ranks,
             notes=tuple(self.notes()),
         )
+        if gpu is None or links is None:
+            return figures
+        return dataclasses.replace(figures, fit=self.fit(state, gpu, links))
+
+    # -- on a GPU ------------------------------------------------------------------------------
+
+    def fit(self, state: list[dict[str, int]], gpu: GPU, links: Links) -> Fit:
+        """Every rank's memory terms, bytes received per axis and optimizer step ms (see
+        [Note: the fit and the step time]), in rank order (slot-major, TP index minor)."""
+        G, R, T = self.G, self.R, self.T
+        count = G * R * T
+
+        def by_slot(values: list[float]) -> list[float]:
+            return [values[i // T] for i in range(count)]
+
+        def by_shard(values: list[float]) -> list[float]:
+            return [values[(i // T) % G] for i in range(count)]
+
+        def uniform(value: float) -> list[float]:
+            return [float(value)] * count
+
+        owned = [0.0] * (G * R)  # the averaged gradients of the matrices each slot owns
+        for item in self.shapes.dedicated:
+            owned[self.slot_of[item.name]] += self.local(item) * self.r
+        rest = self.shapes.fsdp + self.shapes.experts
+        rest_grads = sum(self.shard_numel(item) for item in rest) * self.m
+        all_grads = sum(self.shard_numel(item) for item in self.shapes.all_items) * self.m
+        rows: dict[str, dict[str, list[float]]] = {
+            DMUON: {
+                "masters": by_slot([row["masters"] for row in state]),
+                "optimizer states": by_slot([row["optimizer states"] for row in state]),
+                "HSDP replica copies": by_slot([row["HSDP replica copies"] for row in state]),
+                "gradients": by_slot([rest_grads + grads for grads in owned]),
+                "unsharded weights": by_shard(self.peak[DMUON]),
+                "unsharded gradients": uniform(self.layer_grads),
+                **{axis: list(values) for axis, values in self.received.items()},
+                "optimizer step": list(self.step_rows[DMUON]),
+            }
+        }
+        for setup in (ADAMW, MUON):
+            received = self.fsdp_received[setup]
+            rows[setup] = {
+                "masters": uniform(self.fsdp_masters),
+                "optimizer states": by_shard(self.fsdp_states[setup]),
+                "HSDP replica copies": uniform(0.0),
+                "gradients": uniform(all_grads),
+                "unsharded weights": uniform(self.peak[setup][0]),
+                "unsharded gradients": uniform(self.layer_grads),
+                **{axis: uniform(received[axis]) for axis in ("shard", "replicate", "tp")},
+                "optimizer step": by_shard(self.step_rows[setup]),
+            }
+        return fit_of(rows, gpu, links)
 
     # -- memory kept between steps -------------------------------------------------------------
 
@@ -343,6 +422,8 @@ class _Forecaster:
         adamw = self.adamw_states(every)
         muon_numel = self.chunk_numels(self.shapes.experts + self.shapes.dedicated)
         muon = [a + n * self.o for a, n in zip(self.adamw_states(self.shapes.fsdp), muon_numel)]
+        self.fsdp_masters = float(masters)
+        self.fsdp_states = {ADAMW: [float(x) for x in adamw], MUON: [float(x) for x in muon]}
         setups = {DMUON: dmuon}
         for name, states in ((ADAMW, adamw), (MUON, muon)):
             setups[name] = {
@@ -385,10 +466,20 @@ class _Forecaster:
 
         whole = [dedicated.get(b, 0) + fsdp.get(b, 0) for b in layers]
         fsdp_all = float(combine(whole) if whole else 0) + root
+        dmuon_all = per_shard(True)
+        # With a GPU (see [Note: the fit and the step time]): ZeRO-3's prefetch holds a second
+        # layer; in backward one layer's gradients and the root's wait for their reduction.
+        layers_held = 2 if self.topo.zero == 3 else 1
+        self.peak = {
+            DMUON: [layers_held * (held - root) + root for held in dmuon_all],
+            ADAMW: [layers_held * (fsdp_all - root) + root],
+            MUON: [layers_held * (fsdp_all - root) + root],
+        }
+        self.layer_grads = float(max(whole, default=0) + root)
         return {
             DMUON: {
                 "dmuon peer buffers": Spread.of(per_shard(False)),
-                "all": Spread.of(per_shard(True)),
+                "all": Spread.of(dmuon_all),
             },
             ADAMW: {"dmuon peer buffers": Spread.uniform(0), "all": Spread.uniform(fsdp_all)},
             MUON: {"dmuon peer buffers": Spread.uniform(0), "all": Spread.uniform(fsdp_all)},
@@ -474,6 +565,15 @@ class _Forecaster:
         all_shard, all_replicate = self.fsdp_bytes(dedicated + rest)
         muon_shard, muon_replicate = self.fsdp_bytes(dedicated, gather_grads=True)
         tp_muon = sum((T - 1) / T * item.numel * r for item in dedicated if item.tp > 1)
+        self.received = {"shard": shard, "replicate": replicate, "tp": tp_received}
+        self.fsdp_received = {
+            ADAMW: {"shard": all_shard, "replicate": all_replicate, "tp": 0.0},
+            MUON: {
+                "shard": muon_shard + rest_shard,
+                "replicate": muon_replicate + rest_replicate,
+                "tp": tp_muon,
+            },
+        }
         return {
             DMUON: {
                 "shard": Spread.of(shard),
@@ -599,6 +699,11 @@ class _Forecaster:
         dense = sum(item.numel for item in self.shapes.dedicated) * muon_ms
         step_muon = [muon[s] + dense + held_ms[self.holdings[s]] + rest for s in range(G)]
         every_shard = sum(self.shard_numel(it) for it in self.shapes.all_items)
+        self.step_rows = {
+            DMUON: step_dmuon,
+            ADAMW: [every_shard * adamw_ms] * G,
+            MUON: step_muon,
+        }
         return {
             "ns_ms": {
                 DMUON: Spread.of(dmuon),

@@ -86,17 +86,19 @@ class ModelShapes:
 
 
 class _Config:
-    """Field access that names the config and the field in its errors."""
+    """Field access that names the config (its file, when it came from one) and the field in
+    its errors."""
 
-    def __init__(self, raw: Mapping[str, Any], model_type: str) -> None:
+    def __init__(self, raw: Mapping[str, Any], model_type: str, at: str) -> None:
         self.raw = raw
         self.model_type = model_type
+        self.at = at  # " in '<path>'" for a config read from a file, else ""
 
     def need(self, key: str) -> Any:
         if key not in self.raw:
             raise ValueError(
-                f"model_shapes: config of model_type {self.model_type!r} has no {key!r}; "
-                "that field decides the shapes, so pass the model's full config.json"
+                f"model_shapes: config of model_type {self.model_type!r}{self.at} has no "
+                f"{key!r}; that field decides the shapes, so pass the model's full config.json"
             )
         return self.raw[key]
 
@@ -109,7 +111,8 @@ class _Config:
         low = 0 if allow_zero else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(
-                f"model_shapes: config field {key!r} must be an int >= {low}, got {value!r}"
+                f"model_shapes: config field {key!r}{self.at} must be an int >= {low}, got "
+                f"{value!r}"
             )
         return value
 
@@ -120,7 +123,7 @@ class _Config:
             if key in self.raw:
                 return self.size(key, allow_zero=allow_zero)
         raise ValueError(
-            f"model_shapes: config of model_type {self.model_type!r} has none of "
+            f"model_shapes: config of model_type {self.model_type!r}{self.at} has none of "
             f"{', '.join(repr(k) for k in keys)}; one of them decides the shapes, so pass the "
             "model's full config.json"
         )
@@ -138,9 +141,11 @@ _JSON_TYPES = {
 }
 
 
-def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
+def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Mapping[str, Any], str]:
+    """The config's fields, and where they came from for errors (``" in '<path>'"``, or ``""``
+    for a dict)."""
     if isinstance(config, Mapping):
-        return config
+        return config, ""
     if not isinstance(config, str | os.PathLike):
         raise ValueError(
             "model_shapes: config must be a dict (a parsed config.json) or the path of a "
@@ -185,7 +190,7 @@ def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, An
             f"model_shapes: {str(path)!r} holds {kind}, not a JSON object; a config.json is "
             'one object of fields ({"model_type": ..., "hidden_size": ..., ...})'
         )
-    return loaded
+    return loaded, f" in {str(path)!r}"
 
 
 def model_shapes(
@@ -200,13 +205,19 @@ def model_shapes(
     dtype the model's parameters have when ``dedicate_params`` sees them (the master dtype in
     mixed precision): it sets ``WorkItem.itemsize``, as the runtime does. ``tp`` marks the
     items a tensor-parallel plan shards. Nothing is allocated. See [Note: the parameters of a
-    config]; raises ``ValueError`` for an unsupported ``model_type`` or a missing field.
+    config]; raises ``ValueError`` naming the field (and the file the config came from) for
+    an unsupported ``model_type``, a missing field, or sizes that do not fit together.
     """
-    raw = _load(config)
-    model_type = raw.get("model_type")
+    raw, at = _load(config)
+    if "model_type" not in raw:
+        raise ValueError(
+            f"model_shapes: config{at} has no 'model_type'; it names the architecture, one of "
+            f"{', '.join(MODEL_TYPES)}"
+        )
+    model_type = raw["model_type"]
     if model_type not in MODEL_TYPES:
         raise ValueError(
-            f"model_shapes: model_type {model_type!r} is not supported; supported: "
+            f"model_shapes: model_type {model_type!r}{at} is not supported; supported: "
             f"{', '.join(MODEL_TYPES)} (a model with the same parameter names and shapes may "
             "set one of them as its model_type)"
         )
@@ -215,9 +226,10 @@ def model_shapes(
     canonical = normalize_dtype(dtype, "model_shapes: dtype")
     assert canonical is not None
     itemsize = ITEMSIZE[canonical]
-    cfg = _Config(raw, model_type)
+    cfg = _Config(raw, model_type, at)
     hidden = cfg.size("hidden_size")
     layers = cfg.size("num_hidden_layers")
+    _check_heads(cfg, hidden)
 
     dedicated: list[WorkItem] = []
     experts: list[WorkItem] = []
@@ -250,6 +262,26 @@ def model_shapes(
 
 
 _Param = tuple[str, tuple[int, ...], int]
+
+
+def _check_heads(cfg: _Config, hidden: int) -> None:
+    """The attention head counts fit together as transformers builds them: key/value heads
+    shared by equal groups of query heads, and, where ``head_dim`` is not given, heads of
+    ``hidden_size / num_attention_heads`` (a floor would build other shapes)."""
+    heads = cfg.size("num_attention_heads")
+    kv_heads = cfg.size("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"model_shapes: config field 'num_key_value_heads' ({kv_heads}){cfg.at} does not "
+            f"divide 'num_attention_heads' ({heads}): grouped-query attention shares each "
+            "key/value head among an equal group of query heads"
+        )
+    if cfg.model_type not in _MLA and cfg.raw.get("head_dim") is None and hidden % heads:
+        raise ValueError(
+            f"model_shapes: config field 'num_attention_heads' ({heads}){cfg.at} does not "
+            f"divide 'hidden_size' ({hidden}), and there is no 'head_dim' to say how wide a "
+            "head is"
+        )
 
 
 def _layer(cfg: _Config, index: int, hidden: int, itemsize: int) -> Iterator[_Param]:

@@ -22,11 +22,18 @@ Triton is 4–44 % slower than quack there). Pick the one that matches the softw
 Each table also carries the card's streaming bandwidth (``elementwise.gb_s``, measured by a
 memory-bound kernel on the same card), which prices the step's elementwise passes ([Note: the
 forecast]).
+
+Only H200 tables exist. For another card (:meth:`NSTimes.scaled`) every NS time is
+multiplied by the ratio of the two cards' dense bf16 rates (NS is matrix products, bound by
+the tensor cores: on an A100, 989 / 312 = 3.17 times the H200's), and the streaming bandwidth
+by the ratio of their memory bandwidths. The scaled table names both cards and the factors,
+and every report made from it says "scaled from" the measured card: it is not a measurement.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -35,6 +42,8 @@ from importlib import resources
 from typing import Any
 
 from dmuon_ownership import ns_flops
+
+from ._gpus import GPU
 
 __all__ = ["NSTimes", "load_ns_times"]
 
@@ -52,6 +61,10 @@ class NSTimes:
     restarts: int
     measured: tuple[tuple[int, int, int, float], ...]
     stream_gb_s: float  # bytes per ns the card's elementwise passes stream at
+    # Set on a table scaled to another card (see scaled): the card the times were measured
+    # on, and the factor every measured time is multiplied by.
+    scaled_from: str | None = None
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.measured:
@@ -64,6 +77,8 @@ class NSTimes:
                 )
         if not (math.isfinite(self.stream_gb_s) and self.stream_gb_s > 0):
             raise ValueError(f"NSTimes: stream_gb_s must be > 0, got {self.stream_gb_s!r}")
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise ValueError(f"NSTimes: time_scale must be > 0, got {self.time_scale!r}")
 
     @classmethod
     def from_json(cls, text: str) -> NSTimes:
@@ -106,14 +121,33 @@ class NSTimes:
             left = right - 1
             share = (x - logs[left]) / (logs[right] - logs[left])
             rate = rates[left] + share * (rates[right] - rates[left])
-        return work / rate
+        return work / rate * self.time_scale
 
     def stream_ms(self, nbytes: float) -> float:
         """Predicted milliseconds of elementwise passes that read and write ``nbytes``."""
         return nbytes / (self.stream_gb_s * 1e6)
 
     def label(self) -> str:
+        if self.scaled_from is not None:
+            return f"{self.card}, scaled from {self.scaled_from} (measured {self.date})"
         return f"{self.card}, measured {self.date}"
+
+    def scaled(self, source: GPU, target: GPU) -> NSTimes:
+        """This table, measured on ``source``, as a prediction for ``target`` (see [Note:
+        predicted NS times]): times x ``source.bf16_tflops / target.bf16_tflops``, streaming
+        bandwidth x ``target.hbm_gb_s / source.hbm_gb_s``."""
+        if self.scaled_from is not None:
+            raise ValueError(
+                f"NSTimes.scaled: this table is already scaled from {self.scaled_from}; scale "
+                "the measured table (load_ns_times()) instead"
+            )
+        return dataclasses.replace(
+            self,
+            card=target.label,
+            scaled_from=self.card,
+            time_scale=source.bf16_tflops / target.bf16_tflops,
+            stream_gb_s=self.stream_gb_s * target.hbm_gb_s / source.hbm_gb_s,
+        )
 
 
 def load_ns_times(name: str = _DEFAULT) -> NSTimes:
