@@ -14,8 +14,8 @@ Each mesh axis gets one bandwidth (:class:`Links`), per GPU and direction. The m
 a shard group, are neighbours: an axis whose group fits in one NVLink domain runs on NVLink;
 one whose group spans domains runs on the network, since a ring through several domains goes
 at the speed of its slowest hop. A collective then takes the bytes a rank receives on that
-axis over that bandwidth. These are link rates: NCCL reaches some 80-90 % of them on large
-messages, so the times they give are a lower bound.
+axis over that bandwidth. These are the links' datasheet rates, which NCCL does not reach, so
+the times they give are a lower bound.
 """
 
 from __future__ import annotations
