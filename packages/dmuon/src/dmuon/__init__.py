@@ -18,6 +18,7 @@ for one release, with a ``DeprecationWarning`` naming their new place. This modu
 logic, and importing it does no work (no device queries, no compilation, no patching).
 """
 
+from types import ModuleType as _Module
 from typing import Any as _Any
 
 from dmuon_clip import clip_grad_norm_ as clip_grad_norm_
@@ -48,18 +49,23 @@ from dmuon_fsdp import uninstall_patch as uninstall_patch
 from dmuon_ns import NewtonSchulz as NewtonSchulz
 from dmuon_ns import get_ns_backend as get_ns_backend
 from dmuon_ns import newton_schulz as newton_schulz
-from dmuon_ownership import Topology as Topology
-from dmuon_ownership import forecast as forecast
+
+from .plan import Topology as Topology
+from .plan import forecast as forecast
 
 __version__ = "0.1.0"
 
-# Every public name above, listed once (in their imports).
-__all__ = sorted(n for n in dict(globals()) if not n.startswith("_"))
+# Every public name above, listed once (in their imports); ``plan``, which the planner's two
+# names come from, is a topic module, not a name of the top level.
+__all__ = sorted(
+    n for n, v in dict(globals()).items() if not n.startswith("_") and not isinstance(v, _Module)
+)
 
 # The topic sub-modules, reachable as dmuon.<module> after ``import dmuon`` (re-exports only:
 # importing them does no work either).
 from . import clip as clip
 from . import ns as ns
+from . import plan as plan
 from . import qk_clip as qk_clip
 from . import runtime as runtime
 
