@@ -2,22 +2,19 @@
 
     python benchmarks/cold_start.py                          # every shape below, one process
     python benchmarks/cold_start.py --shapes 1024x4096 8192x28672
-    python benchmarks/cold_start.py --spread-s 120           # also: tuning spread over calls
 
 Needs a CUDA device. The autotune cache is a fresh temporary directory (``DMUON_NS_CACHE_DIR``,
-set before the first call), so no verdict of an earlier run helps; a tiny call first starts
-CUDA and cuBLAS, which every job pays once whatever the shapes. Then, per shape (random bf16
-input, ``kernel="auto"``):
+set before the first call), so no verdict of an earlier run helps (a table shipped for the
+card still does); a tiny call first starts CUDA and cuBLAS, which every job pays once whatever
+the shapes. Then, per shape (random bf16 input, ``kernel="auto"``):
 
-  first ms     the first call: what a new job pays for a new shape (no measuring, no compile)
-  warm ms      median of ``--warm`` calls right after, still on the provisional kernel
-  tune s       ``NewtonSchulz.tune``: measuring every candidate at once
+  first ms     the first call: what a new job pays for a new shape (the table's kernel,
+               compiled in it, or torch; never a measurement)
+  warm ms      median of ``--warm`` calls right after
+  tune s       ``NewtonSchulz.tune``: measuring every candidate at once (0 where a verdict
+               exists, e.g. from the table)
   tuned ms     median of ``--warm`` calls on the verdict's kernel
-  first-tuned  the cold start's cost over a settled call (the goal: at most 2 s)
-
-With ``--spread-s``, a second cache directory and new shapes' worth of calls measure the
-default path, where tuning is spread over the calls after the first: how many calls and
-seconds until the verdict is in, and the longest call on the way (one unit of tuning).
+  first-tuned  the cold start's cost over a settled call
 """
 
 from __future__ import annotations
@@ -62,32 +59,13 @@ def _cold_and_tuned(spec: str, warm: int) -> None:
     ns = dmuon_ns.NewtonSchulz()
     g = _input(spec, seed=0)
     first = _timed_s(lambda: ns(g))
-    provisional = statistics.median(_timed_s(lambda: ns(g)) for _ in range(warm))
+    warm_ms = statistics.median(_timed_s(lambda: ns(g)) for _ in range(warm))
     tune_s = _timed_s(lambda: ns.tune(g))
     (kernel,) = ns.tune(g).values()
     tuned = statistics.median(_timed_s(lambda: ns(g)) for _ in range(warm))
     print(
-        f"| {spec} | {first * 1e3:.1f} | {provisional * 1e3:.3f} | {tune_s:.1f}"
+        f"| {spec} | {first * 1e3:.1f} | {warm_ms * 1e3:.3f} | {tune_s:.1f}"
         f" | {tuned * 1e3:.3f} | {kernel} | {first - tuned:.2f} s |",
-        flush=True,
-    )
-
-
-def _spread(spec: str, budget_s: float) -> None:
-    import dmuon_ns
-    from dmuon_ns import _autotune
-
-    ns = dmuon_ns.NewtonSchulz()
-    g = _input(spec, seed=1)
-    times = [_timed_s(lambda: ns(g))]
-    start = time.perf_counter()
-    while not _autotune.verdicts() and time.perf_counter() - start < budget_s:
-        times.append(_timed_s(lambda: ns(g)))
-    settled = bool(_autotune.verdicts())
-    kernel = next(iter(_autotune.verdicts().values()))["kernel"] if settled else "(open)"
-    print(
-        f"| {spec} | {times[0] * 1e3:.1f} | {len(times)} | {time.perf_counter() - start:.1f}"
-        f" | {max(times[1:], default=0.0):.2f} | {kernel} |",
         flush=True,
     )
 
@@ -96,7 +74,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*", default=SHAPES)
     parser.add_argument("--warm", type=int, default=10, help="calls per warm median")
-    parser.add_argument("--spread-s", type=float, default=0.0, help="budget per shape, 0: skip")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cold_start needs a CUDA device")
@@ -111,21 +88,12 @@ def main() -> None:
     )
     print(f"# {dmuon_ns.get_ns_backend()}")
     print(
-        "| shape | first ms | warm ms (provisional) | tune s | tuned ms | verdict | first-tuned |\n"
+        "| shape | first ms | warm ms | tune s | tuned ms | verdict | first-tuned |\n"
         "|---|---|---|---|---|---|---|"
     )
     for spec in args.shapes:
         _cold_and_tuned(spec, args.warm)
         torch.cuda.empty_cache()
-    if args.spread_s > 0:
-        print(
-            "\n| shape | first ms | calls to verdict | s to verdict | longest later call s"
-            " | verdict |\n|---|---|---|---|---|---|"
-        )
-        for spec in args.shapes:
-            _fresh_cache()  # every shape starts with no verdict and no open choice
-            _spread(spec, args.spread_s)
-            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """How long the planner before the run takes at scale, and how even its plans are.
 
-    PYTHONPATH=packages/dmuon-ownership/src python3 benchmarks/plan_bench.py
-    PYTHONPATH=packages/dmuon-ownership/src python3 benchmarks/plan_bench.py --repeats 5
+    python3 benchmarks/plan_bench.py
+    python3 benchmarks/plan_bench.py --repeats 5
 
-Pure Python (no torch, no device). For each model (``benchmarks/configs/*.json``) at its
-topology, best of ``--repeats`` runs:
+With the packages installed (``dmuon.plan`` lives in the ``dmuon`` package, whose import
+brings torch); the planning itself is pure Python and uses no device. For each case of
+``CASES`` (configs in ``benchmarks/configs/``) at its topology, best of ``--repeats`` runs:
 
   items        the work items the owner plan places (the dedicated matrices)
   slots        shard x replicate grid (a TP group counts once)
@@ -30,8 +31,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dmuon_ownership import Topology, forecast, plan_owners
-from dmuon_ownership._forecast import expert_stack
+from dmuon.plan import Topology, forecast
+from dmuon.plan._forecast import expert_stack
+from dmuon_ownership import plan_owners
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 CASES = (

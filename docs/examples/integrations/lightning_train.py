@@ -6,8 +6,8 @@
 
 Lightning starts the other ranks itself (it runs this script again with ``LOCAL_RANK`` set)
 unless ``torchrun`` already did. The LightningModule applies dmuon in ``configure_model``
-(``dmuon.dedicate_params`` on the strategy's data-parallel mesh, then ``fully_shard`` with
-``ignored_params``) and returns ``dmuon.Muon(self, ...)`` from ``configure_optimizers``.
+(``dmuon.dedicate_params`` on the strategy's data-parallel mesh, then plain ``fully_shard``
+calls, which leave the dedicated matrices alone) and returns ``dmuon.Muon(self, ...)`` from ``configure_optimizers``.
 Checkpoints go through :class:`DmuonModelParallelStrategy`, which writes and reads them with
 ``dmuon.save_checkpoint`` / ``dmuon.load_checkpoint`` instead of the strategy's
 ``get_model_state_dict``, which reads every weight on every rank and so raises
@@ -128,10 +128,9 @@ class TinyLMModule(L.LightningModule):
             return
         mesh = self.device_mesh["data_parallel"]
         dmuon.dedicate_params(self, mesh, predicate=lambda name, p: "proj" in name and p.ndim == 2)
-        dedicated = dmuon.dedicated_params_of(self)
-        for layer in self.model.layers:
-            fully_shard(layer, mesh=mesh, ignored_params=dedicated)
-        fully_shard(self.model, mesh=mesh, ignored_params=dedicated)
+        for layer in self.model.layers:  # fully_shard leaves the dedicated matrices to dmuon
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
 
     def configure_optimizers(self) -> dmuon.Muon:
         return dmuon.Muon(self, lr=0.02, adamw_lr=3e-3)

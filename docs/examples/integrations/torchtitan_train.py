@@ -126,9 +126,10 @@ def parallelize_llama_dmuon(
     (a TP weight is a DTensor on the ``tp`` mesh, which dmuon shards by owner as it is) and
     after activation checkpointing (its wrapper renames the parameters, and dmuon keys its
     checkpoints by the names it saw), and before any ``fully_shard``. ``apply_fsdp_to_decoder``
-    calls ``fully_shard`` without ``ignored_params`` (distributed/fsdp.py), so dmuon is asked to
-    patch FSDP2 (``patch_fully_shard=True``): every ``fully_shard`` then leaves the dedicated
-    matrices alone, and torchtitan's FSDP2 setup (mixed precision, the reshard policy, its
+    calls ``fully_shard`` without ``ignored_params`` (distributed/fsdp.py), so it relies on the
+    patch ``dedicate_params`` installs by default (``patch_fully_shard=True``, spelled out
+    below): every ``fully_shard`` then leaves the dedicated matrices alone, and torchtitan's
+    FSDP2 setup (mixed precision, the reshard policy, its
     gradient scaling, HSDP on a ``dp_replicate`` axis) stays exactly its own. The dmuon mesh is
     torchtitan's ``fsdp`` axis, with ``dp_replicate`` as the replicate mesh under HSDP.
     """

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
 from torch.distributed.device_mesh import init_device_mesh
 
-from dmuon_fsdp import Axis, CommKind, Role, dedicate_params
+from dmuon_fsdp import Axis, CommKind, Role, dedicate_params, dedicate_params_ddp, replicate
 
 LR = 0.5
 ROWS = 8
@@ -64,6 +64,15 @@ def setup_model(
         **options,
     )
     shard_layers_then_root(model, mesh)
+    return model, runtime
+
+
+def ddp_model(world_size: int, seed: int = 0):
+    """The tiny model on the replicated (DDP) path: every matrix its own pack."""
+    model = build(seed)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
+    replicate(model, mesh)
     return model, runtime
 
 

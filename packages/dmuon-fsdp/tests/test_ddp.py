@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from _models import build, muon_numel, muon_predicate
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
+from _sgd_train import ddp_model
 from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon_fsdp import (
@@ -16,21 +17,12 @@ from dmuon_fsdp import (
     dedicate_params_ddp,
     get_model_state_dict,
     no_sync,
-    replicate,
 )
 from dmuon_testing.distributed import run_distributed
 
 HYPER = Hyper()
 STEPS = 8
 ROWS, SEQ, VOCAB = 8, 8, 32
-
-
-def _ddp_model(world_size: int, seed: int = 0):
-    model = build(seed)
-    mesh = init_device_mesh("cpu", (world_size,))
-    runtime = dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
-    replicate(model, mesh)
-    return model, runtime
 
 
 def _train(rank: int, world_size: int):
@@ -43,7 +35,7 @@ def _train(rank: int, world_size: int):
         )  # type: ignore[call-arg]
     # Other seeds per rank: replicate and the owners' first publish make every copy rank 0's
     # and the owner's, as DDP does.
-    model, runtime = _ddp_model(world_size, seed=rank if rank else 0)
+    model, runtime = ddp_model(world_size, seed=rank if rank else 0)
     optimizer = Muon(model, **HYPER.muon_kwargs())
     losses, steps = [], []
     for step in range(STEPS):
@@ -86,7 +78,7 @@ def test_ddp_path_matches_the_reference_with_two_rounds_of_bytes(world_size: int
 
 def _micro_batches(rank: int, world_size: int):
     tokens = shard(make_batch(0, 16, SEQ, VOCAB), rank, world_size)
-    acc, acc_runtime = _ddp_model(world_size)
+    acc, acc_runtime = ddp_model(world_size)
     for i, part in enumerate(tokens.chunk(4)):
         if i < 3:
             with no_sync(acc):
@@ -94,7 +86,7 @@ def _micro_batches(rank: int, world_size: int):
         else:
             (lm_loss(acc, part) / 4).backward()
     acc_runtime.wait_all_reduces()
-    big, big_runtime = _ddp_model(world_size)
+    big, big_runtime = ddp_model(world_size)
     lm_loss(big, tokens).backward()
     big_runtime.wait_all_reduces()
     big_grads = {dp.fqn: dp.grad for dp in big_runtime.owned}
@@ -126,7 +118,7 @@ def _deprecated_names_and_config(rank: int, world_size: int):
     assert caught[0].filename == __file__  # stacklevel=2: the caller's line
     with pytest.warns(DeprecationWarning, match=r"replicate_tp is deprecated.*dmuon\.replicate\("):
         dmuon_fsdp.replicate_tp(model, mesh)
-    new, new_runtime = _ddp_model(world_size)
+    new, new_runtime = ddp_model(world_size)
     assert old_runtime.config == new_runtime.config
     assert old_runtime.plan.fingerprint() == new_runtime.plan.fingerprint()
     assert len(old_runtime.replicated_params) == len(new_runtime.replicated_params)

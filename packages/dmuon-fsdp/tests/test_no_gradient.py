@@ -9,7 +9,7 @@ import pytest
 import torch
 from _models import batch, build, loss_fn, muon_predicate, tensor_parallel
 from _moe import build_moe, moe_predicate
-from _sgd_train import setup_model
+from _sgd_train import ddp_model, setup_model
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -17,10 +17,8 @@ from torch.distributed.fsdp import fully_shard
 from dmuon_fsdp import (
     Muon,
     dedicate_params,
-    dedicate_params_ddp,
     get_model_state_dict,
     get_optimizer_state_dict,
-    replicate,
 )
 from dmuon_testing.distributed import run_distributed
 
@@ -46,11 +44,7 @@ def _model(path: str, world_size: int) -> nn.Module:
         fully_shard(model, mesh=mesh)
         return model
     if path == "ddp":
-        model = build(0)
-        mesh = init_device_mesh("cpu", (world_size,))
-        dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
-        replicate(model, mesh)
-        return model
+        return ddp_model(world_size)[0]
     if path == "tp":
         mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
         model = build(0)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _models import batch, build, loss_fn, muon_predicate
-from _sgd_train import setup_model
+from _models import batch, loss_fn, muon_predicate
+from _sgd_train import ddp_model, setup_model
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from dmuon_fsdp import Muon, Role, StepOptions, WeightPart, dedicate_params_ddp, replicate
+from dmuon_fsdp import Muon, Role, StepOptions, WeightPart
 from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
@@ -20,11 +19,7 @@ ROWS = 8
 
 def _model(world_size: int, path: str) -> nn.Module:
     if path == "ddp":
-        model = build(0)
-        mesh = init_device_mesh("cpu", (world_size,))
-        dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
-        replicate(model, mesh)
-        return model
+        return ddp_model(world_size)[0]
     model, _ = setup_model(
         world_size, replicate=2 if path.startswith("hsdp") else 1, small_param_threshold=0
     )

@@ -1,7 +1,8 @@
-"""The autotuner (CPU, fake kernels): a first call never measures, later calls measure one
-candidate each within the tuning share, ``tune`` measures all at once; the fastest accurate
-kernel is kept, inaccurate, non-finite and failing ones are rejected, and verdicts are
-remembered in memory and on disk."""
+"""The autotuner (CPU, fake kernels): no call measures anything, ``tune`` and ``tune_pending``
+measure every candidate at once; the fastest accurate kernel is kept, inaccurate, non-finite
+and failing ones are rejected; verdicts are remembered in memory and on disk, or come from a
+shipped table, and run from a problem's first call; a verdict's kernel that fails gives way to
+torch."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, _autotune, _verdict_cache
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, _autotune, _tables, _verdict_cache
 from dmuon_ns._environment import CACHE_DIR_ENV
 from dmuon_ns._torch_kernel import TORCH_KERNEL
 
@@ -70,7 +71,7 @@ class FakeKernel:
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(_autotune, "_UNIT_TIMING_S", 0.02)  # minimum repetitions: fast tests
+    monkeypatch.setattr(_autotune, "_TIMING_S", 0.02)  # minimum repetitions: fast tests
     _autotune.clear_cache()
     yield
     _autotune.clear_cache()
@@ -83,14 +84,14 @@ def _x(shape=(2, 12, 40), dtype=torch.float16) -> Tensor:
 
 def _fast_verdict(x: Tensor) -> Any:
     """Tune ``x``'s problem to a verdict for "fast" over a slower "torch"."""
-    kernels = [FakeKernel("fast"), FakeKernel("torch", delay=0.005)]
+    kernels = [FakeKernel("fast"), FakeKernel("torch", delay=0.02)]
     return _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS, now=True)
 
 
 def test_picks_the_fastest_accurate_kernel():
-    slow = FakeKernel("slow", delay=0.02)
+    slow = FakeKernel("slow", delay=0.06)
     fast = FakeKernel("fast")
-    reference = FakeKernel("torch", delay=0.01)
+    reference = FakeKernel("torch", delay=0.03)
     chosen = _autotune.choose([slow, reference, fast], _x(), "gram", COEFFS, RESTARTS, now=True)
     assert chosen is fast
     (verdict,) = _autotune.verdicts().values()
@@ -102,7 +103,7 @@ def test_picks_the_fastest_accurate_kernel():
 @pytest.mark.parametrize("spoil", ["noise", "nan", "raise", "shape"])
 def test_rejects_unsound_kernels_however_fast(spoil):
     bad = FakeKernel("bad", spoil=spoil)
-    reference = FakeKernel("torch", delay=0.005)
+    reference = FakeKernel("torch", delay=0.02)
     # A kernel that fails is a deliberate degradation: reported, with its reason.
     reported = (
         pytest.warns(RuntimeWarning, match=r"kernel 'bad' failed .*kernel launch failed")
@@ -129,7 +130,7 @@ class KernelWithOwnFailures(FakeKernel):
 
 def test_a_kernel_names_the_exceptions_that_reject_it():
     own = KernelWithOwnFailures("own")
-    reference = FakeKernel("torch", delay=0.005)
+    reference = FakeKernel("torch", delay=0.02)
     with pytest.warns(RuntimeWarning, match="no tile config fits"):
         chosen = _autotune.choose([own, reference], _x(), "gram", COEFFS, RESTARTS, now=True)
     assert chosen is reference
@@ -152,12 +153,12 @@ def test_accuracy_bar_is_twice_torchs_error():
     # A kernel exactly as accurate as torch passes; one with an extra error of ~10× torch's
     # error fails (noise above), so the bar sits between the two.
     twin = FakeKernel("twin")
-    reference = FakeKernel("torch", delay=0.005)
+    reference = FakeKernel("torch", delay=0.02)
     assert _autotune.choose([reference, twin], _x(), "gram", COEFFS, RESTARTS, now=True) is twin
 
 
 def test_verdict_is_cached_in_memory():
-    fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.005)
+    fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.02)
     x = _x()
     _autotune.choose([fast, reference], x, "gram", COEFFS, RESTARTS, now=True)
     calls = (fast.calls, reference.calls)
@@ -166,8 +167,7 @@ def test_verdict_is_cached_in_memory():
     assert (fast.calls, reference.calls) == calls
 
 
-def test_verdict_survives_on_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(_autotune, "_QUIET_START_S", 0.0)  # units from the second call on
+def test_verdict_survives_on_disk(tmp_path):
     x = _x()
     _fast_verdict(x)
     path = tmp_path / "cache" / "verdicts.json"
@@ -176,22 +176,18 @@ def test_verdict_survives_on_disk(tmp_path, monkeypatch):
 
     _autotune.clear_cache()  # a new process: memory empty, disk kept
     fast, reference = FakeKernel("fast"), FakeKernel("torch")
-    # Nothing is measured again. The first call runs the provisional kernel (the verdict's
-    # kernel would compile inside it); the next runs the verdict's kernel once to warm it up
-    # in this process, and from then on it runs.
-    assert _autotune.choose([reference, fast], x, "gram", COEFFS, RESTARTS) is reference
-    assert fast.calls == reference.calls == 0
+    # Nothing is measured again, and the verdict's kernel runs from the first call on (the
+    # dispatcher runs it; choosing runs nothing).
     assert _autotune.choose([reference, fast], x, "gram", COEFFS, RESTARTS) is fast
-    assert (fast.calls, reference.calls) == (1, 0)
     assert _autotune.choose([reference, fast], x, "gram", COEFFS, RESTARTS, now=True) is fast
-    assert (fast.calls, reference.calls) == (1, 0)
+    assert fast.calls == reference.calls == 0
 
 
 def test_a_cached_kernel_that_is_no_longer_offered_is_retuned():
     x = _x()
     _fast_verdict(x)
     other = FakeKernel("other")
-    reference = FakeKernel("torch", delay=0.005)
+    reference = FakeKernel("torch", delay=0.02)
     assert _autotune.choose([reference, other], x, "gram", COEFFS, RESTARTS, now=True) is other
     assert other.calls > 0
 
@@ -200,13 +196,13 @@ def test_a_newly_available_kernel_is_compared_not_shadowed_by_an_old_verdict():
     # A verdict reached before the quack extra was installed must not decide for a process
     # that has it: the candidate set is part of the problem.
     x = _x()
-    first = FakeKernel("middling", delay=0.002)
-    reference = FakeKernel("torch", delay=0.005)
+    first = FakeKernel("middling", delay=0.01)
+    reference = FakeKernel("torch", delay=0.02)
     assert _autotune.choose([first, reference], x, "gram", COEFFS, RESTARTS, now=True) is first
     _autotune.clear_cache()  # a later process; the disk cache holds the old verdict
     newcomer = FakeKernel("newcomer")
     chosen = _autotune.choose(
-        [newcomer, FakeKernel("middling", delay=0.002), reference],
+        [newcomer, FakeKernel("middling", delay=0.01), reference],
         x,
         "gram",
         COEFFS,
@@ -217,7 +213,7 @@ def test_a_newly_available_kernel_is_compared_not_shadowed_by_an_old_verdict():
 
 
 def test_problem_key_separates_shape_dtype_op_and_coefficients():
-    fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.002)
+    fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.02)
     _autotune.choose([fast, reference], _x((2, 12, 40)), "gram", COEFFS, RESTARTS, now=True)
     _autotune.choose([fast, reference], _x((3, 12, 40)), "gram", COEFFS, RESTARTS, now=True)
     _autotune.choose(
@@ -256,98 +252,115 @@ def test_single_candidate_needs_no_tuning():
     assert _autotune.verdicts() == {}
 
 
-def test_a_first_call_measures_nothing():
-    slow, reference, fast = FakeKernel("slow", 0.01), FakeKernel("torch", 0.002), FakeKernel("f")
-    assert _autotune.choose([slow, reference, fast], _x(), "gram", COEFFS, RESTARTS) is reference
+def test_no_call_measures_anything():
+    slow, reference, fast = FakeKernel("slow", 0.06), FakeKernel("torch", 0.03), FakeKernel("f")
+    kernels = [slow, reference, fast]
+    for _ in range(5):  # however many calls a problem makes, and however late
+        assert _autotune.choose(kernels, _x(), "gram", COEFFS, RESTARTS) is reference
     assert slow.calls == reference.calls == fast.calls == 0
     assert _autotune.verdicts() == {}
-
-
-def test_later_calls_measure_one_candidate_each(monkeypatch):
-    monkeypatch.setattr(_autotune, "_TUNING_SHARE", 1.0)  # no wait between units
-    monkeypatch.setattr(_autotune, "_QUIET_START_S", 0.0)  # nor before the first
-    slow, reference, fast = FakeKernel("slow", 0.01), FakeKernel("torch", 0.002), FakeKernel("f")
-    kernels, x = [slow, reference, fast], _x()
-    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is reference
-    # Second call: one unit, the first candidate in priority order; no verdict yet.
-    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is reference
-    assert slow.calls > 0 and fast.calls == 0 and _autotune.verdicts() == {}
-    # Third call: the last candidate; the verdict is committed and runs from this call on.
-    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is fast
+    # Asking measures every candidate at once; the verdict runs from the next call on.
+    assert _autotune.choose(kernels, _x(), "gram", COEFFS, RESTARTS, now=True) is fast
     (verdict,) = _autotune.verdicts().values()
     assert verdict["kernel"] == "f" and set(verdict["ratios"]) == {"slow", "torch", "f"}
     assert verdict["ratios"]["f"] < verdict["ratios"]["torch"] == 1.0 < verdict["ratios"]["slow"]
     calls = (slow.calls, reference.calls, fast.calls)
-    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is fast
+    assert _autotune.choose(kernels, _x(), "gram", COEFFS, RESTARTS) is fast
     assert (slow.calls, reference.calls, fast.calls) == calls
 
 
-class ClockedKernel(FakeKernel):
-    """Each run takes one second of a fake clock."""
-
-    def __init__(self, name: str, clock: list[float]) -> None:
-        super().__init__(name)
-        self.clock = clock
-
-    def _finish(self, out: Tensor) -> Tensor:
-        self.clock[0] += 1.0
-        return super()._finish(out)
+def _table(monkeypatch, *rows: dict[str, Any]) -> None:
+    """A shipped table for the device the tests run on (the CPU)."""
+    entries = _tables.parse({"format": _tables.FORMAT_VERSION, "problems": list(rows)}, "test")
+    monkeypatch.setattr(_tables, "load", lambda device_name: entries)
 
 
-def test_units_take_at_most_the_tuning_share_of_the_time(monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr(_autotune, "_clock", lambda: clock[0])
-    a, b = ClockedKernel("a", clock), ClockedKernel("b", clock)
-    kernels, x = [a, b, FakeKernel("torch")], _x()
-    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)
-    clock[0] += _autotune._QUIET_START_S  # past the quiet start
-    before = clock[0]
-    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)  # measures a
-    unit = clock[0] - before
-    assert unit > 0 and a.calls > 0 and b.calls == 0
-    wait = unit * (1 - _autotune._TUNING_SHARE) / _autotune._TUNING_SHARE
-    clock[0] += 0.9 * wait  # too early: the call runs, no unit
-    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS).name == "torch"
-    assert b.calls == 0
-    clock[0] += 0.2 * wait
-    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)  # measures b: the verdict is in
-    assert b.calls > 0 and len(_autotune.verdicts()) == 1
+def _row(batch: int, ms: dict[str, float], **more: Any) -> dict[str, Any]:
+    return {"op": "gram", "batch": batch, "m": 12, "n": 40, "dtype": "float16", "ms": ms, **more}
 
 
-def test_no_unit_runs_in_the_quiet_start(monkeypatch):
-    # The first training steps run the provisional kernel only, however many calls they make
-    # (a problem split over batches calls several times a step); then units spread as usual.
-    clock = [1000.0]
-    monkeypatch.setattr(_autotune, "_clock", lambda: clock[0])
-    a, b = ClockedKernel("a", clock), ClockedKernel("b", clock)
-    kernels, x, y = [a, b, FakeKernel("torch")], _x(), _x(shape=(3, 24, 40))
-    for _ in range(5):  # a first "step": two problems, several calls each
-        assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS).name == "torch"
-        assert _autotune.choose(kernels, y, "gram", COEFFS, RESTARTS).name == "torch"
-    clock[0] += 0.99 * _autotune._QUIET_START_S  # later steps, still within the quiet start
-    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS).name == "torch"
-    assert a.calls == b.calls == 0 and _autotune.verdicts() == {}
-    clock[0] += 0.02 * _autotune._QUIET_START_S
-    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)  # the first unit: measures a
-    assert a.calls > 0 and b.calls == 0
-    # tune_pending settles everything at once, quiet start or not.
+def test_a_table_verdict_runs_from_the_first_call_without_measuring(monkeypatch):
+    _table(monkeypatch, _row(2, {"slow": 2.0, "torch": 1.0, "f": 0.5}))
+    slow, reference, fast = FakeKernel("slow"), FakeKernel("torch"), FakeKernel("f")
+    kernels = [slow, reference, fast]
+    assert _autotune.choose(kernels, _x(), "gram", COEFFS, RESTARTS) is fast
+    assert _autotune.choose(kernels, _x(), "gram", COEFFS, RESTARTS, now=True) is fast
+    assert _autotune.tune_pending() == {"gram 2x12x40 float16": "f"}
+    assert slow.calls == reference.calls == fast.calls == 0
+    (verdict,) = _autotune.verdicts().values()
+    assert verdict["table"] == "gram 2x12x40 float16" and verdict["kernel"] == "f"
+
+
+def test_a_table_answers_for_the_nearest_batch_and_only_for_kernels_it_compared(monkeypatch):
+    _table(
+        monkeypatch,
+        _row(1, {"torch": 1.0, "f": 2.0}),
+        _row(8, {"torch": 1.0, "f": 0.5}),
+        _row(4, {"torch": 1.0}, rejected={"f": "error 0.1 > 2 x torch's 0.01"}),
+    )
+    reference, fast = FakeKernel("torch"), FakeKernel("f")
+    assert _autotune.choose([fast, reference], _x((1, 12, 40)), "gram", COEFFS, RESTARTS).name == (
+        "torch"
+    )
+    assert _autotune.choose([fast, reference], _x((11, 12, 40)), "gram", COEFFS, RESTARTS) is fast
+    # A batch of 3 is nearer 4 (by ratio) than 1: there "f" failed the cross-check.
+    assert _autotune.choose([fast, reference], _x((3, 12, 40)), "gram", COEFFS, RESTARTS).name == (
+        "torch"
+    )
+    # A kernel the table never saw leaves the problem to the autotuner: torch until measured.
+    other = FakeKernel("other")
+    assert (
+        _autotune.choose([other, fast, reference], _x((8, 12, 40)), "gram", COEFFS, RESTARTS)
+        is reference
+    )
+    # Other shapes, ops or dtypes are not answered for.
+    for x, op in [(_x((8, 12, 48)), "gram"), (_x((8, 12, 40)), "direct")]:
+        assert _autotune.choose([fast, reference], x, op, COEFFS, RESTARTS) is reference
+    assert fast.calls == reference.calls == other.calls == 0
+
+
+def test_a_measured_verdict_comes_before_the_table(monkeypatch):
+    _table(monkeypatch, _row(2, {"torch": 1.0, "fast": 0.5}))
+    x = _x()
+    slower_here = FakeKernel("fast", delay=0.04)
+    with_table = _autotune.choose([slower_here, FakeKernel("torch")], x, "gram", COEFFS, RESTARTS)
+    assert with_table is slower_here and slower_here.calls == 0
     _autotune.clear_cache()
-    _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS)
-    assert set(_autotune.tune_pending().values()) <= {"a", "b", "torch"}
-    assert len(_autotune.verdicts()) == 1
+    _table(monkeypatch)  # a process where this problem was measured on this machine, not shipped
+    reference = FakeKernel("torch", delay=0.02)
+    assert _autotune.choose([slower_here, reference], x, "gram", COEFFS, RESTARTS, now=True) is (
+        reference
+    )
+    _autotune.clear_cache()  # a later process: the disk verdict wins over the table
+    _table(monkeypatch, _row(2, {"torch": 1.0, "fast": 0.5}))
+    assert _autotune.choose([slower_here, reference], x, "gram", COEFFS, RESTARTS) is reference
 
 
-def test_a_cached_kernel_that_fails_to_warm_up_is_reported_and_not_used(monkeypatch):
-    monkeypatch.setattr(_autotune, "_QUIET_START_S", 0.0)  # units from the second call on
+def test_a_verdict_kernel_that_fails_gives_way_to_torch():
     x = _x()
     _fast_verdict(x)
     _autotune.clear_cache()  # a new process, where "fast" now fails
     broken, reference = FakeKernel("fast", spoil="raise"), FakeKernel("torch")
-    assert _autotune.choose([reference, broken], x, "gram", COEFFS, RESTARTS) is reference
-    with pytest.warns(RuntimeWarning, match="cached verdict .*kernel launch failed"):
-        assert _autotune.choose([reference, broken], x, "gram", COEFFS, RESTARTS) is reference
-    assert _autotune.choose([reference, broken], x, "gram", COEFFS, RESTARTS) is reference
-    assert broken.calls == 1
+    kernels = [reference, broken]
+    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is broken
+    error = RuntimeError("kernel launch failed")
+    with pytest.warns(RuntimeWarning, match="disk verdict .*kernel launch failed"):
+        fallback = _autotune.failed(kernels, x, "gram", COEFFS, RESTARTS, broken, error)
+    assert fallback is reference
+    assert _autotune.choose(kernels, x, "gram", COEFFS, RESTARTS) is reference
+    # The provisional kernel failing, or running out of memory, is the caller's error.
+    assert _autotune.failed(kernels, x, "gram", COEFFS, RESTARTS, reference, error) is None
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    assert _autotune.failed(kernels, x, "gram", COEFFS, RESTARTS, broken, oom) is None
+
+
+def test_measure_ignores_every_verdict_and_commits_nothing(monkeypatch):
+    _table(monkeypatch, _row(2, {"torch": 1.0, "fast": 0.5}))
+    fast, reference = FakeKernel("fast", delay=0.03), FakeKernel("torch")
+    verdict = _autotune.measure([fast, reference], _x(), "gram", COEFFS, RESTARTS)
+    assert verdict["kernel"] == "torch" and set(verdict["times_ms"]) == {"fast", "torch"}
+    assert verdict["seconds"] > 0 and fast.calls > 0
+    assert _autotune.verdicts() == {}
 
 
 @pytest.mark.parametrize("where", ["sample", "kernel"])
@@ -356,7 +369,7 @@ def test_no_memory_to_measure_keeps_the_verdict_out_of_the_disk_cache(where, mon
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.9 GiB")
 
     fast, reference = FakeKernel("fast"), FakeKernel("torch")
-    if where == "sample":  # the float64 reference
+    if where == "sample":  # the sample and its float64 reference
         monkeypatch.setattr(_autotune._measure, "sample", no_memory)
     else:  # the candidate's run: no verdict on the kernel either
         monkeypatch.setattr(fast, "_finish", no_memory)
@@ -378,7 +391,7 @@ def test_bad_arguments_raise():
 def test_tune_pending_finishes_every_open_choice():
     import dmuon_ns
 
-    fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.002)
+    fast, reference = FakeKernel("fast"), FakeKernel("torch", delay=0.02)
     for shape in [(2, 12, 40), (1, 8, 24)]:
         assert _autotune.choose([fast, reference], _x(shape), "gram", COEFFS, RESTARTS) is reference
     assert _autotune.verdicts() == {} and fast.calls == 0

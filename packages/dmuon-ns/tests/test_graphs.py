@@ -45,7 +45,7 @@ def test_an_eager_run_finishes_the_last_product():
 
 
 def test_failed_capture_warns_once_and_falls_back_to_eager(monkeypatch, caplog):
-    def broken_capture(fn, x, variant):
+    def broken_capture(fn, x, variant, pool):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(_graphs, "_capture", broken_capture)
@@ -81,7 +81,7 @@ def test_capture_without_cuda_degrades_to_eager():
 
 
 def test_an_error_that_is_not_a_capture_failure_propagates(monkeypatch):
-    def buggy_capture(fn, x, variant):
+    def buggy_capture(fn, x, variant, pool):
         raise KeyError("a bug in the captured function")
 
     monkeypatch.setattr(_graphs, "_capture", buggy_capture)
@@ -98,24 +98,48 @@ class _FakeGraph:
         self.replays += 1
 
 
+class _FakePool(_graphs._Pool):
+    """The shared pool without CUDA: nothing to order between streams."""
+
+    def after_last_call(self) -> None:
+        self.calls.append("wait")
+
+    def call_enqueued(self) -> None:
+        self.calls.append("record")
+
+
 def test_a_key_holds_one_graph_and_a_new_variant_replaces_it(monkeypatch):
     # Capture and replay need CUDA; here a fake graph stands in for them, and the source
     # claims a CUDA device, so what is tested is which graph a call uses.
-    captured = []
+    captured, pool = [], _FakePool(torch.device("cuda"), handle=None)
+    pool.calls = []
+    eager_runs = []
 
-    def capture(fn, source, variant):
-        static_input = source.write(torch.empty(source.shape, dtype=source.dtype))
+    def capture(fn, source, variant, pool):
+        static_input = torch.empty(source.shape, dtype=source.dtype)
         entry = _graphs._Captured(_FakeGraph(), static_input, static_input * 2, variant)
-        captured.append(entry)
+        captured.append((entry, pool))
         return entry
 
+    def fn(t):
+        eager_runs.append(t)
+        return t * 2
+
     monkeypatch.setattr(_graphs, "_capture", capture)
+    monkeypatch.setattr(_graphs, "_pool", lambda device: pool)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     source = _OnCuda(prepare(torch.randn(2, 3, 4), torch.float32, 1e-7))
-    for variant in ("torch", "torch", "quack", "quack"):
-        out = _graphs.run_graphed(lambda t: t * 2, source, "problem", variant=variant)
-        assert torch.equal(out, source.write() * 2)
-    assert [entry.variant for entry in captured] == ["torch", "quack"]
-    assert [entry.graph.replays for entry in captured] == [2, 2]
+    outs = [
+        _graphs.run_graphed(fn, source, "problem", variant=variant)
+        for variant in ("torch", "torch", "quack", "quack")
+    ]
+    # A variant's first call runs eagerly and returns that result (the capture follows it);
+    # later calls replay. The fake graph's output is its static input doubled, as captured.
+    assert torch.equal(outs[0], source.write() * 2) and torch.equal(outs[2], outs[0])
+    assert len(eager_runs) == 2
+    assert [entry.variant for entry, _ in captured] == ["torch", "quack"]
+    assert [entry.graph.replays for entry, _ in captured] == [1, 1]
+    assert all(used is pool for _, used in captured)  # every graph captures into one pool
+    assert pool.calls == ["wait", "record"] * 4  # each call ordered after the pool's last
     (entry,) = _graphs._graphs.values()  # the torch graph is gone with its buffers
-    assert entry is captured[1]
+    assert entry is captured[1][0]

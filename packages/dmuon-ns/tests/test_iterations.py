@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
 from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS
-from dmuon_ns._iterations import TorchProducts, gram_iterations
+from dmuon_ns._iterations import Owned, TorchProducts, direct_iterations, gram_iterations
 
 
 class RecordingProducts(TorchProducts):
@@ -56,3 +58,50 @@ def test_a_single_step_ends_on_the_first_q() -> None:
     ((_, _, z),) = products.sym_calls  # no R update: Z' is the only symmetric product
     q, operand = last.operands
     assert _is_rounded_plus_identity(q, z, a) and operand is x
+
+
+class _Watching(TorchProducts):
+    """Torch products that note, at each Gram matrix, whether the original input is alive."""
+
+    def __init__(self, original: weakref.ref[Tensor]) -> None:
+        self.original = original
+        self.alive: list[bool] = []
+
+    def gram(self, x: Tensor) -> Tensor:
+        self.alive.append(self.original() is not None)
+        return super().gram(x)
+
+
+def _handed_over(run, owned: bool) -> list[bool]:
+    x = torch.randn(1, 8, 24, dtype=torch.float64)
+    products = _Watching(weakref.ref(x))
+    arg = Owned(x) if owned else x
+    if owned:
+        del x
+    run(products, arg).finish()
+    return products.alive
+
+
+def test_a_handed_over_input_is_freed_once_it_is_no_longer_read() -> None:
+    coeffs = tuple(tuple(row) for row in POLAR_EXPRESS_COEFFICIENTS[:3])
+
+    def gram(products, x):
+        return gram_iterations(products, x, coeffs, (2,))
+
+    def direct(products, x):
+        return direct_iterations(products, x, coeffs)
+
+    # The Gram form reads its input until the restart's product; the direct form until its
+    # first step's. A caller's own tensor stays alive, of course.
+    assert _handed_over(gram, owned=True) == [True, False]
+    assert _handed_over(gram, owned=False) == [True, True]
+    assert _handed_over(direct, owned=True) == [True, False, False]
+    assert _handed_over(direct, owned=False) == [True, True, True]
+    owned = Owned(torch.zeros(1, 2, 3))
+    owned.take()
+    try:
+        owned.take()
+    except RuntimeError as err:
+        assert "taken once" in str(err)
+    else:
+        raise AssertionError("an Owned input was taken twice")

@@ -111,3 +111,25 @@ def test_quack_tiles_are_chosen_only_under_the_releases_they_were_measured_on(
     monkeypatch.setattr(importlib.metadata, "version", version)
     expected = dispatch_level.gemm_symmetric if tiled else None
     assert quack_backend._tiled_symmetric() is expected
+
+
+def test_quack_products_never_autotune():
+    # quack's own autotuner would time tens of configurations at every new shape's first call
+    # (the backend's note): every plain product asks for its untuned configuration.
+    calls = []
+
+    def record(name):
+        def product(*args, **kwargs):
+            calls.append((name, kwargs))
+            return torch.zeros(1)
+
+        return product
+
+    products = object.__new__(quack_backend._QuackProducts)  # no quack needed for the calls
+    products._gemm, products._gemm_add = record("gemm"), record("gemm_add")
+    a = torch.zeros(1, 4, 4)
+    products.mm(a, a)
+    products.mm(a, a, out_dtype=torch.bfloat16)
+    products.mm_add(a, a, a, 0.5)
+    assert [name for name, _ in calls] == ["gemm", "gemm", "gemm_add"]
+    assert all(kwargs["tuned"] is False for _, kwargs in calls)

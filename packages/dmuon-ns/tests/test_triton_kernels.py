@@ -269,7 +269,7 @@ def test_the_autotuner_measures_the_real_triton_kernel(tmp_path, monkeypatch):
     from dmuon_ns._prepare import describe
 
     monkeypatch.setenv("DMUON_NS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_autotune, "_UNIT_TIMING_S", 0.01)
+    monkeypatch.setattr(_autotune, "_TIMING_S", 0.01)
     _autotune.clear_cache()
     problem = describe((2, 33, 70), torch.float16, DEVICE)
     kernels = [TRITON_KERNEL, TORCH_KERNEL]

@@ -11,7 +11,7 @@ import pytest
 
 import dmuon
 
-SUBPACKAGES = ("dmuon_fsdp", "dmuon_ns", "dmuon_clip", "dmuon_ownership")
+SUBPACKAGES = ("dmuon_fsdp", "dmuon_ns", "dmuon_clip", "dmuon_ownership", "dmuon.plan")
 
 # What a training script uses, at the top level: one page.
 TOP_LEVEL = frozenset(
@@ -84,7 +84,22 @@ SUBMODULES = {
         "max_logits_from_lse",
         "max_logits_from_scores",
     },
-    "plan": {"Forecast", "ModelShapes", "Topology", "forecast", "model_shapes"},
+    "plan": {
+        "Fit",
+        "Forecast",
+        "GPU",
+        "GPUS",
+        "Link",
+        "Links",
+        "ModelShapes",
+        "NSTimes",
+        "RankFigures",
+        "Spread",
+        "Topology",
+        "forecast",
+        "load_ns_times",
+        "model_shapes",
+    },
     "runtime": {
         "CHECKPOINT_KEY",
         "DedicatedCommContext",
@@ -104,7 +119,7 @@ SUBMODULES = {
 
 
 def _provider(name: str) -> object:
-    """The object the first sub-package exporting ``name`` gives."""
+    """The object the first provider exporting ``name`` gives."""
     for package in SUBPACKAGES:
         module = importlib.import_module(package)
         if name in getattr(module, "__all__", ()):

@@ -348,6 +348,22 @@ def try_clip_optimizer_grad_norm_buckets_(
     be the Muon group itself, since one collective serves all three segments. ``None`` entries in
     the grad lists (params without a grad) are skipped. ``max_norm`` is a float, ``None``, or a
     mapping with the keys ``"regular"``, ``"muon"``, ``"adamw"``.
+
+    Args:
+        optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``):
+            its owned Muon gradients are the ``"muon"`` segment.
+        regular_grads: the gradients of the ``"regular"`` segment (ordinary ``param.grad``,
+            or this rank's local shards of them), clipped by their own norm; ``None`` entries
+            are skipped.
+        adamw_grads: the gradients of the ``"adamw"`` segment, clipped by their own norm;
+            ``None`` entries are skipped.
+        max_norm: one threshold for all three segments, a finite number >= 0, or a mapping
+            ``{"regular": ..., "muon": ..., "adamw": ...}`` with one entry per segment;
+            ``None`` (for all or for one segment) measures without scaling.
+        process_group: ``None``: the regular and AdamW norms stay rank-local (replicated
+            gradients); otherwise the group their norms are summed over (each rank passing its
+            disjoint shard), which must be the optimizer's Muon group (``ValueError``
+            otherwise).
     """
     muon = optimizer.muon_grads_for_clip()
     copies = clip_copies(muon)

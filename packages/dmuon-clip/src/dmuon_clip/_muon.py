@@ -51,6 +51,22 @@ def clip_grad_norm_(
     device tensors: nothing here waits for the GPU, except ``error_if_nonfinite=True``, which
     reads ``found_inf`` on the host (a sync) and raises ``RuntimeError`` on every rank alike; the
     built-in strategies have not scaled anything by then.
+
+    Args:
+        optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;
+            another raises ``TypeError``); its owned Muon gradients are clipped, which the next
+            ``step()`` reads. Collective over every rank the optimizer runs on.
+        max_norm: the largest norm the Muon gradients keep, a finite number >= 0: when their
+            norm is larger they are scaled so that it is ``max_norm`` (within the ``1e-6`` of
+            the coefficient); ``None``: measure only.
+        norm_type: ``p`` of the p-norm, a number > 0 or ``float('inf')``.
+        error_if_nonfinite: ``True`` raises ``RuntimeError`` when the norm is NaN or infinite
+            (reading ``found_inf`` on the host, a sync); ``False`` reports it in ``found_inf``
+            and leaves the gradients untouched.
+        strategy: the name of a registered strategy: ``"global_norm"`` (one norm over every
+            Muon matrix of every owner), ``"per_matrix"`` (each matrix by its own norm; refused
+            under tensor parallelism), or one added with ``register_muon_grad_clip_strategy``.
+            An unknown name raises ``ValueError``.
     """
     max_norm = validate_max_norm(max_norm)
     norm_type = validate_norm_type(norm_type)

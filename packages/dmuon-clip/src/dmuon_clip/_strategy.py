@@ -40,7 +40,19 @@ def register_muon_grad_clip_strategy(
     """Make ``fn`` available as ``clip_grad_norm_(..., strategy=name)``.
 
     Raises ``ValueError`` when ``name`` is taken (pass ``overwrite=True`` to replace it), empty,
-    or ``fn`` is not callable."""
+    or ``fn`` is not callable.
+
+    Args:
+        name: the strategy's name, a non-empty string (the built-in ones are ``"global_norm"``
+            and ``"per_matrix"``).
+        fn: ``fn(grads, max_norm, norm_type, process_group, device) -> MuonGradClipStats``:
+            it gets the list of Muon gradients this rank owns, the validated ``max_norm``
+            (``None``: measure only) and ``norm_type``, the group over which a sum counts every
+            element once (``None``: not distributed) and the accumulator's device; it scales
+            the gradients in place and returns device-tensor stats, without a host sync.
+        overwrite: ``True`` replaces a strategy already registered under ``name``; ``False``
+            raises ``ValueError`` instead.
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"strategy name must be a non-empty string, got {name!r}")
     if not callable(fn):

@@ -66,10 +66,15 @@ class MuonGradClipStats:
     """The outcome of :func:`dmuon_clip.clip_grad_norm_`; every tensor lives on the device of
     the accumulator, so reading them is the only host sync.
 
-    ``total_norm``: fp32 0-dim, the norm before clipping. ``clip_coef``: fp32 0-dim, the factor the
-    grads were multiplied by (1.0 when nothing was clipped, when measuring only, or when the norm
-    is non-finite). ``clipped`` / ``found_inf``: bool 0-dim. ``param_count``: a Python ``int``,
-    the number of gradient tensors this rank clipped (rank-local; no collective counts them)."""
+    Args:
+        total_norm: fp32 0-dim, the norm before clipping.
+        clip_coef: fp32 0-dim, the factor the grads were multiplied by (1.0 when nothing was
+            clipped, when measuring only, or when the norm is non-finite).
+        clipped: bool 0-dim, whether the grads were scaled down.
+        found_inf: bool 0-dim, whether the norm was non-finite (the grads are then untouched).
+        param_count: a Python ``int``, the number of gradient tensors this rank clipped
+            (rank-local; no collective counts them).
+    """
 
     total_norm: Tensor
     clip_coef: Tensor
@@ -84,7 +89,17 @@ class GradClipBucket:
 
     ``reduce=True`` sums (or, for the inf-norm, maxes) the bucket's norm over ``process_group``:
     use it when each rank holds a disjoint part of the bucket (FSDP shards, Muon owners).
-    ``reduce=False`` keeps the norm rank-local (replicated grads, DDP)."""
+    ``reduce=False`` keeps the norm rank-local (replicated grads, DDP).
+
+    Args:
+        name: the bucket's name, a non-empty string, unique among the buckets of one call and
+            the key of its threshold in a ``max_norm`` mapping and of its stats.
+        grads: the bucket's gradient tensors, scaled in place (possibly none); plain tensors,
+            not DTensors (pass a DTensor's ``to_local()`` with ``reduce=True``); another
+            type raises ``ValueError``.
+        reduce: whether the bucket's norm is reduced over the call's ``process_group``; a
+            bool, the same on every rank.
+    """
 
     name: str
     grads: Sequence[Tensor]
@@ -116,12 +131,20 @@ def _is_dtensor(t: Tensor) -> bool:
 
 @dataclass(frozen=True)
 class GradClipBucketStats:
-    """Per-bucket outcome of a segmented clip. Tensors are 0-dim on the accumulator device:
-    ``total_norm`` and ``clip_coef`` fp32 (``clip_coef`` is the factor applied, 1.0 when not
-    clipped, measuring only, or non-finite), ``clipped`` and ``found_inf`` bool. ``max_norm`` is
-    the bucket's threshold (``None``: measured only). ``param_count`` is the Python ``int`` number
-    of tensors in the bucket on this rank. ``fastpath`` is ``True`` when the fused kernel handled
-    every tensor of the bucket."""
+    """Per-bucket outcome of a segmented clip. Tensors are 0-dim on the accumulator device.
+
+    Args:
+        name: the bucket's name, as given.
+        total_norm: fp32 0-dim, the bucket's norm before clipping.
+        max_norm: the bucket's threshold (``None``: measured only).
+        clip_coef: fp32 0-dim, the factor applied (1.0 when not clipped, measuring only, or
+            non-finite).
+        clipped: bool 0-dim, whether the bucket's grads were scaled down.
+        param_count: the Python ``int`` number of tensors in the bucket on this rank.
+        found_inf: bool 0-dim, whether the bucket's norm was non-finite (its grads are then
+            untouched).
+        fastpath: ``True`` when the fused kernel handled every tensor of the bucket.
+    """
 
     name: str
     total_norm: Tensor
@@ -135,9 +158,15 @@ class GradClipBucketStats:
 
 @dataclass(frozen=True)
 class SegmentedGradClipResult:
-    """``total_norm``: fp32 0-dim norm over every bucket combined (as if all grads were one
-    vector). ``bucket_stats``: one entry per bucket, in the order given. ``fastpath``: the fused
-    kernel handled every tensor. ``fallback_reason``: why it did not (``None`` when it did)."""
+    """The outcome of a segmented clip; ``result[name]`` is the stats of the bucket ``name``.
+
+    Args:
+        total_norm: fp32 0-dim norm over every bucket combined (as if all grads were one
+            vector).
+        bucket_stats: one :class:`GradClipBucketStats` per bucket, in the order given.
+        fastpath: the fused kernel handled every tensor.
+        fallback_reason: why it did not (``None`` when it did).
+    """
 
     total_norm: Tensor
     bucket_stats: tuple[GradClipBucketStats, ...]

@@ -24,13 +24,29 @@ __all__ = [
 
 
 def get_dedicated_params(model: nn.Module) -> list[DedicatedParam]:
-    """Every dedicated parameter of ``model``, in plan order (the same list on every rank)."""
+    """Every dedicated parameter of ``model``, in plan order (the same list on every rank).
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object: another one, a submodule
+            included, raises ``ValueError``).
+    """
     return list(get_runtime(model).params)
 
 
 def get_owned_params(model: nn.Module, rank: int | tuple[int, int]) -> list[DedicatedParam]:
     """The dedicated parameters whose global owner is ``rank``: a global rank (int), or a grid
-    coordinate ``(shard, replicate)`` in HSDP."""
+    coordinate ``(shard, replicate)`` in HSDP.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object: another one, a submodule
+            included, raises ``ValueError``).
+        rank: a global rank of this rank's grid (the ranks of its data-parallel mesh; with
+            tensor parallelism, those of its TP index), or an owner's grid coordinate
+            ``(shard, replicate)``, ``shard`` in ``range(shard_size)`` and ``replicate`` in
+            ``range(replicas)`` (``(shard, 0)`` without HSDP). A global rank off the grid
+            raises ``ValueError``, a coordinate off it matches nothing (an empty list), another
+            type raises ``TypeError``.
+    """
     runtime = get_runtime(model)
     if isinstance(rank, tuple):
         if len(rank) != 2 or not all(is_int(x) for x in rank):
@@ -48,33 +64,63 @@ def get_owned_params(model: nn.Module, rank: int | tuple[int, int]) -> list[Dedi
 
 
 def get_comm_ctx(model: nn.Module) -> DedicatedCommContext:
-    """The streams, process groups and byte counter of ``model``'s runtime."""
+    """The streams, process groups and byte counter of ``model``'s runtime.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object: another one, a submodule
+            included, raises ``ValueError``).
+    """
     return get_runtime(model).comm_ctx
 
 
 def wait_all_reduces(model: nn.Module) -> None:
-    """Wait until the owners' averaged gradients (``DedicatedParam.grad``) are final."""
+    """Wait until the owners' averaged gradients (``DedicatedParam.grad``) are final.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object: another one, a submodule
+            included, raises ``ValueError``).
+    """
     get_runtime(model).wait_all_reduces()
 
 
 def prepare_muon_grads(model: nn.Module) -> list[DedicatedParam]:
-    """Wait for pending reduces and return the owned parameters whose gradient is set."""
+    """Wait for pending reduces and return the owned parameters whose gradient is set.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object: another one, a submodule
+            included, raises ``ValueError``).
+    """
     runtime = get_runtime(model)
     runtime.wait_all_reduces()
     return [dp for dp in runtime.owned if dp.grad is not None]
 
 
 def broadcast_all_updates(model: nn.Module) -> None:
-    """After the owners changed their weights: publish them and wait (``after_step(False)``)."""
+    """After the owners changed their weights: publish them and wait (``after_step(False)``).
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object: another one, a submodule
+            included, raises ``ValueError``).
+    """
     get_runtime(model).after_step(async_=False)
 
 
 def broadcast_all_updates_async(model: nn.Module) -> None:
     """Like :func:`broadcast_all_updates`, but the HSDP publish is only launched; each
-    boundary's next forward waits for its own part."""
+    boundary's next forward waits for its own part.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object: another one, a submodule
+            included, raises ``ValueError``).
+    """
     get_runtime(model).after_step(async_=True)
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
-    """Wait for every pending HSDP publish (e.g. before reading or saving weights)."""
+    """Wait for every pending HSDP publish (e.g. before reading or saving weights).
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object: another one, a submodule
+            included, raises ``ValueError``).
+    """
     get_runtime(model).wait_all_replicate_broadcasts()

@@ -86,7 +86,17 @@ def summarize_param_groups(
     the indices into ``param_policy["overrides"]`` of the overrides that match the parameter,
     in the order they apply, of the ``param_policy`` that ``dedicate_params`` was given (the
     runtime keeps it); a ``param_policy`` passed here must resolve every dedicated parameter
-    as ``dedicate_params`` did, or ``ValueError`` is raised."""
+    as ``dedicate_params`` did, or ``ValueError`` is raised.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        optimizer: the :class:`Muon` built on ``model`` (on another model: ``ValueError``).
+        max_rows: the most parameter rows listed per group, an int >= 0 (``0``: none, only
+            the counts).
+        param_policy: the policy whose override indices ``policy_overrides`` lists, in the
+            form ``dedicate_params`` takes; ``None``: the one ``dedicate_params`` was given.
+    """
     optimizer = check_optimizer(model, optimizer)
     _check_max_rows(max_rows)
     runtime = get_runtime(model)
@@ -232,7 +242,14 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
 
     At most ``max_rows`` pack rows are listed, boundaries in order: every boundary keeps its
     name and ``num_packs``, its ``packs_omitted`` counts the packs not listed, and the top-level
-    ``rows_omitted`` their total."""
+    ``rows_omitted`` their total.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        max_rows: the most pack rows listed over all boundaries, an int >= 0 (``0``: none,
+            only the counts).
+    """
     _check_max_rows(max_rows)
     runtime = get_runtime(model)
     runtime.lazy_init()
@@ -291,6 +308,14 @@ def collect_forward_unshard_profile(
     ``clear=True`` starts a new count once the snapshot is taken: it resets the runtime's
     collective counter (every dmuon collective counts there, not only the forward's) and the
     forward wait times, so the next call reports only what happened after this one.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        synchronize: ``True`` waits for the runtime's CUDA device before the snapshot (no
+            effect off CUDA); ``False`` reads what has been recorded so far.
+        clear: ``True`` resets the collective counter and the forward wait times after the
+            snapshot; a bool (anything else raises ``ValueError``).
     """
     if not isinstance(clear, bool):
         raise ValueError(f"clear must be True or False, got {clear!r}")

@@ -62,7 +62,23 @@ def max_logits(
     broadcastable to ``(batch, heads, Lq, Lk)``, True where a query may attend. A head whose
     every logit is masked reports ``-inf``. ``chunk_size`` queries are done at a time (default:
     64 MiB of float32 logits per chunk). Costs one extra ``Q Kᵀ`` in float32 and no backward;
-    see [Note: three ways to the max logit]."""
+    see [Note: three ways to the max logit].
+
+    Args:
+        q: the queries, ``(..., heads, Lq, head_dim)``, as given to the attention (after any
+            rotary embedding); read, never differentiated.
+        k: the keys, ``(..., kv_heads, Lk, head_dim)`` with ``q``'s leading dimensions and
+            ``head_dim``, ``kv_heads`` dividing ``heads``; otherwise ``ValueError``.
+        scale: the factor of the logits, the attention's softmax scale; ``None``:
+            ``head_dim ** -0.5``, SDPA's default.
+        is_causal: ``True`` masks every key after its query (top-left aligned, as SDPA's
+            ``is_causal``); ``False`` masks nothing.
+        attn_mask: a boolean tensor broadcastable to ``(batch, heads, Lq, Lk)``, ``True``
+            where a query may attend; ``None``: no mask. Another dtype raises ``TypeError``
+            (an additive mask becomes ``mask == 0``).
+        chunk_size: how many query positions are computed at a time, an int >= 1 (it bounds
+            the float32 logits held at once); ``None``: as many as fit in 64 MiB.
+    """
     if q.shape[-1] != k.shape[-1] or q.shape[:-3] != k.shape[:-3]:
         raise ValueError(
             f"max_logits: q {tuple(q.shape)} and k {tuple(k.shape)} must be (batch, heads, L,"
@@ -115,7 +131,14 @@ def max_logits_from_scores(max_scores: Tensor, heads_dim: int = -2) -> Tensor:
     """Per-head maximum logit from flex attention's per-row maxima (exact): ``max_scores`` is
     ``aux.max_scores`` of ``flex_attention(..., return_aux=AuxRequest(max_scores=True))``,
     ``(batch, heads, L)``; rows with nothing to attend to hold ``-inf`` and drop out. Reduced
-    over every dimension but ``heads_dim``."""
+    over every dimension but ``heads_dim``.
+
+    Args:
+        max_scores: flex attention's per-row maxima, any shape with one dimension of heads
+            (``(batch, heads, L)`` as flex returns them).
+        heads_dim: the index of the heads dimension of ``max_scores`` (negative counts from
+            the end); one out of range raises ``ValueError``.
+    """
     return _reduce_but(max_scores, heads_dim, "max_logits_from_scores")
 
 
@@ -125,7 +148,13 @@ def max_logits_from_lse(lse: Tensor, heads_dim: int = -2) -> Tensor:
     [Note: three ways to the max logit]). ``lse`` is ``(batch, heads, L)`` (flash/efficient/
     cuDNN SDPA kernels, flash-attn's ``softmax_lse``, flex's ``AuxRequest(lse=True)``) or
     ``(heads, total_q)`` (variable-length kernels); both have heads at ``heads_dim=-2``. Non-
-    finite entries, which kernels write for rows with no key to attend to, drop out."""
+    finite entries, which kernels write for rows with no key to attend to, drop out.
+
+    Args:
+        lse: the kernel's log-sum-exp of each query row, any shape with one dimension of heads.
+        heads_dim: the index of the heads dimension of ``lse`` (negative counts from the end);
+            one out of range raises ``ValueError``.
+    """
     finite = torch.where(torch.isfinite(lse), lse, -math.inf)
     return _reduce_but(finite, heads_dim, "max_logits_from_lse")
 

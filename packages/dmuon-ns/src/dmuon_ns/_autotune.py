@@ -1,53 +1,52 @@
-"""Per-shape kernel choice for ``kernel="auto"``: an immediate choice, measurements spread over
-later calls, verdicts kept per machine.
+"""Per-shape kernel choice for ``kernel="auto"``: verdicts looked up at a problem's first call,
+measured only when asked, kept per machine and shipped for measured cards.
 
 [Note: what a verdict is]
 A verdict answers "which kernel is fastest *and* numerically sound for this problem" where the
 problem is (op, shape, dtype, device name, coefficients, restart iterations, the candidate
 kernels) plus the versions of torch and of this package (a new build may change the answer).
-How a candidate is measured is ``_measure``'s; where verdicts are kept is
-``_verdict_cache``'s.
+How a candidate is measured is ``_measure``'s; where measured verdicts are kept is
+``_verdict_cache``'s; the tables shipped with the package are ``_tables``'.
 
-[Note: cold start]
-Measuring is expensive the first time round: each accelerated kernel compiles for the shape
-(Triton tunes its tiles, CuTe DSL compiles its products) and the cross-check runs a float64
-iteration. Done before a problem's first call returned, it took 30-40 s per shape on an H200
-(142 s at 8192×28672) and made a first training step 11-14 s. So measuring never happens
-inside a first call:
+[Note: where a verdict comes from]
+At a problem's first call in a process, in this order:
 
-1. The first call of a problem in a process runs the *provisional* kernel: torch (cuBLAS,
-   nothing to compile; and the bar every other kernel is held to). Nothing is measured or
-   compiled. (Off CUDA, torch is the only candidate and nothing here runs at all.)
-2. No unit starts in the first ``_QUIET_START_S`` seconds after the process first opened a
-   choice: the first training steps, which also pay FSDP2's lazy initialisation, CUDA's and
-   Triton's start-up and the compiles of the optimizer's own kernels, run the provisional
-   kernel and nothing else. Without this, a problem whose matrices are split over several
-   batches made its second call, and so a unit, within the first step, and a unit that
-   compiles (CuTe DSL, Triton's tile candidates) lasts as long as the compile: first steps of
-   18-40 s against a warm 0.1-0.25 s on an H200. The compiles still happen, in the units of
-   later steps, each step paying at most one.
-3. After that, each later call of a problem whose choice is still open may do one *unit* of
-   work: one candidate run (compiled) on a sample, cross-checked against float64 and, when
-   it passes, timed against the provisional kernel, interleaved, for about
-   ``_UNIT_TIMING_S``; or, for a verdict read from disk, one run of its kernel, which
-   compiles it in this process before it replaces the provisional one. Units never overlap, and together they take at most
-   ``_TUNING_SHARE`` of the wall time: after a unit of d seconds the next waits
-   d·(1 − share)/share. A training step with several new shapes therefore pays one unit, not
-   one per shape; a unit that compiles lasts as long as the compile, once per kernel and
-   shape.
-4. After the last candidate's unit the verdict is committed (memory, then disk) and the
-   fastest sound kernel runs from then on. Candidates are ranked by their time relative
-   to the provisional kernel's in the same unit, so clocks that drift between units do not
-   decide.
-5. Callers that rather pay at once can: ``NewtonSchulz.tune(g)`` settles the problems of
-   given tensors before their first call (``choose(now=True)``), and ``dmuon_ns.tune_pending()``
-   settles every problem seen so far, e.g. after a training loop's first step
-   (``tune_pending``). Benchmarks do one or the other before they time.
+1. memory: a verdict measured or looked up earlier in this process;
+2. the on-disk cache: a verdict ``tune`` measured on this machine, in any process;
+3. the table of the device, shipped with the package (``_tables``' [Note: shipped tables]),
+   which covers the common shapes on the cards measured.
 
-A choice changes results only within the cross-check: the provisional kernel is the bar
-itself, and a verdict's kernel passed the cross-check on this problem. Inside another
-caller's CUDA-graph capture no unit runs (nothing may synchronise there): the call takes the
-current choice.
+The verdict's kernel runs from that first call on; that call compiles it where no earlier
+call did (Triton and CuTe DSL keep compiled kernels on disk, so a machine compiles a kernel
+once). A problem that none of them answers runs the *provisional* kernel, torch: cuBLAS,
+nothing to compile, and the bar every other kernel is held to. Either way the kernel a problem
+runs is fixed at its first call and changes only when ``tune`` is asked to measure it: the
+choice does not depend on timing noise of the run, and two runs of a job on one machine run
+the same kernels.
+
+[Note: measuring only when asked]
+No NS call measures anything: it never times candidates, compiles kernels it will not run or
+builds a float64 reference, however many calls a problem makes. Measuring happens where the
+caller asks for a stall:
+
+- ``NewtonSchulz.tune(g)`` settles the problems of given tensors before their first call;
+- ``dmuon_ns.tune_pending()`` settles every problem seen so far that has no verdict, e.g.
+  after a training loop's first step.
+
+Each problem is measured in one go: one sample of its shape (``_measure``), torch's error on
+it, then per candidate one run (which compiles it), the cross-check against float64 and, when
+it passes, ``_TIMING_S`` of interleaved timing against torch. Candidates are ranked by their
+time relative to torch's in the same comparison, so clocks that drift between candidates do
+not decide. The verdict is committed to memory, then disk. Inside another caller's CUDA-graph
+capture nothing may synchronise, so ``now`` is ignored there and the call takes the current
+choice.
+
+[Note: a verdict's kernel that fails]
+A verdict's kernel can fail where it was not measured (a cached verdict from another install,
+a table from another build): its first run raises one of the kernel's own failure types. The
+dispatcher then calls ``failed``: the failure is reported (``logging`` and ``warnings``) and
+the problem runs the provisional kernel for the rest of the process. Running out of memory is
+no verdict on a kernel and propagates.
 """
 
 from __future__ import annotations
@@ -65,23 +64,26 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dmuon_ns import _measure, _verdict_cache
+from dmuon_ns import _measure, _tables, _verdict_cache
 from dmuon_ns._coefficients import CoefficientRows
 from dmuon_ns._registry import NSKernel, Problem
 from dmuon_ns._verdict_cache import AutotuneVerdict
 
-__all__ = ["AutotuneVerdict", "choose", "clear_cache", "tune_pending", "verdicts"]
+__all__ = [
+    "AutotuneVerdict",
+    "choose",
+    "clear_cache",
+    "failed",
+    "measure",
+    "tune_pending",
+    "verdicts",
+]
 
 logger = logging.getLogger(__name__)
 
-# The most of the wall time that spread-out tuning units may take (see [Note: cold start]).
-_TUNING_SHARE = 0.1
-# How long after the process first opened a choice the first unit may start (step 2 of
-# [Note: cold start]).
-_QUIET_START_S = 30.0
-# Timing budget of one unit: the candidate and the provisional kernel, interleaved.
-_UNIT_TIMING_S = 0.1
-# The kernel that runs while a problem's choice is open (see [Note: cold start]).
+# Timing budget of one candidate: the candidate and the provisional kernel, interleaved.
+_TIMING_S = 0.1
+# The kernel that runs a problem without a verdict (see [Note: where a verdict comes from]).
 _PROVISIONAL = "torch"
 
 Coefficients = tuple[tuple[float, float, float], ...]
@@ -99,33 +101,25 @@ class _Problem(NamedTuple):
 
 @dataclass
 class _Choice:
-    """One problem's kernel: the one calls run now, and the units left before it is final."""
+    """One problem's kernel and where it came from (``None``: no verdict yet)."""
 
     problem: _Problem
     candidates: tuple[NSKernel, ...]
     provisional: NSKernel
-    kernel: NSKernel  # what calls run now
-    to_measure: list[NSKernel]
-    to_warm: NSKernel | None = None  # a verdict's kernel to run once before it is used
-    times_ms: dict[str, float] = field(default_factory=dict)
-    provisional_ms: list[float] = field(default_factory=list)
-    ratios: dict[str, float] = field(default_factory=dict)
-    errors: dict[str, float | None] = field(default_factory=dict)
-    rejected: dict[str, str] = field(default_factory=dict)
-    unmeasured: bool = False  # a candidate could not be measured here: keep the verdict local
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one unit at a time
+    kernel: NSKernel
+    source: str | None  # "memory", "disk", "table", "measured"
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one measurement at a time
 
     @property
     def open(self) -> bool:
-        return bool(self.to_measure) or self.to_warm is not None
+        return self.source is None
 
 
 _lock = threading.Lock()
-_memory: dict[str, AutotuneVerdict] = {}  # committed verdicts, read from disk or measured here
+_memory: dict[str, AutotuneVerdict] = {}  # committed verdicts, read or measured here
 _choices: dict[str, _Choice] = {}
-# _clock() time before which no spread-out unit starts; None until a choice is first opened.
-_next_unit_at: float | None = None
-_clock = time.monotonic
+# The call's arguments, as given, to its choice: spares a call the problem key's formatting.
+_fast: dict[tuple[Any, ...], _Choice] = {}
 
 
 def choose(
@@ -137,13 +131,13 @@ def choose(
     *,
     now: bool = False,
 ) -> Any:
-    """The kernel to run ``x``'s problem now (see [Note: cold start]).
+    """The kernel that runs ``x``'s problem (see [Note: where a verdict comes from]).
 
     ``candidates`` are in priority order and all usable on ``x.device``; ``op`` is ``"gram"``
-    or ``"direct"``. A single candidate is returned at once. Otherwise the first call runs the
-    provisional kernel, later calls may each do one unit of measurement, and once the verdict
-    is in, every call returns its kernel (a dictionary lookup). ``now=True`` does every unit
-    left at once and returns the verdict's kernel.
+    or ``"direct"``. A single candidate is returned at once. Otherwise the verdict's kernel,
+    looked up at the problem's first call, or the provisional kernel where there is none;
+    ``now=True`` measures a problem without a verdict first ([Note: measuring only when
+    asked]).
     """
     if op not in ("gram", "direct"):
         raise ValueError(f"op must be 'gram' or 'direct', got {op!r}")
@@ -151,24 +145,68 @@ def choose(
         raise ValueError("candidates must name at least one kernel (the 'torch' kernel)")
     if len(candidates) == 1:
         return candidates[0]
-    choice, first = _choice(tuple(candidates), x, op, coefficients, restart_iterations)
-    if now:
-        _finish(choice)
-    elif choice.open and not first:
-        # Inside another caller's CUDA-graph capture nothing may synchronise: no unit.
+    choice = _choice(tuple(candidates), x, op, coefficients, restart_iterations)
+    if now and choice.open:
         if not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _spread_unit(choice)
+            _settle(choice)
     return choice.kernel
 
 
 def tune_pending() -> dict[str, str]:
-    """Finish every choice still open (measure what is left, warm cached verdicts' kernels)
-    now; returns every problem seen so far, described, with the kernel it runs."""
+    """Measure every problem seen so far that has no verdict; returns every problem seen so
+    far, described, with the kernel it runs."""
     with _lock:
         choices = list(_choices.values())
     for choice in choices:
-        _finish(choice)
+        _settle(choice)
     return {_describe(choice.problem): choice.kernel.name for choice in choices}
+
+
+def failed(
+    candidates: Sequence[NSKernel],
+    x: Problem,
+    op: str,
+    coefficients: CoefficientRows,
+    restart_iterations: Sequence[int],
+    kernel: NSKernel,
+    error: Exception,
+) -> NSKernel | None:
+    """``kernel``, run for ``x``'s problem, raised ``error``, one of its failure types: report
+    it and run the provisional kernel for the problem from now on, which is returned (see
+    [Note: a verdict's kernel that fails]). ``None`` when ``kernel`` is the provisional one or
+    the problem never chose it: the error is then the caller's to raise."""
+    if len(candidates) < 2 or isinstance(error, torch.OutOfMemoryError):
+        return None
+    choice = _choice(tuple(candidates), x, op, coefficients, restart_iterations)
+    if kernel is choice.provisional or kernel is not choice.kernel:
+        return None
+    _measure.report(
+        f"dmuon-ns autotune: kernel {kernel.name!r}, the {choice.source} verdict for"
+        f" {_describe(choice.problem)}, failed ({type(error).__name__}: {error}); running"
+        f" {choice.provisional.name!r} for it in this process"
+    )
+    choice.kernel = choice.provisional
+    return choice.provisional
+
+
+def measure(
+    candidates: Sequence[NSKernel],
+    x: Problem,
+    op: str,
+    coefficients: CoefficientRows,
+    restart_iterations: Sequence[int],
+) -> AutotuneVerdict:
+    """Measure ``x``'s problem now, whatever verdict exists, and return the verdict (with
+    ``"seconds"``, the time the measurement took); nothing is committed. For the table
+    builder, ``benchmarks/ns_tables.py``."""
+    coeffs, restarts, names = _normalised(candidates, coefficients, restart_iterations)
+    key = _problem_key(op, x, coeffs, restarts, names)
+    problem = _Problem(key, x.shape, x.dtype, x.device, op, coeffs, restarts)
+    start = time.perf_counter()
+    with torch.no_grad():
+        verdict, _, _ = _measured(problem, tuple(candidates))
+    verdict["seconds"] = round(time.perf_counter() - start, 3)
+    return verdict
 
 
 def verdicts() -> dict[str, AutotuneVerdict]:
@@ -178,14 +216,22 @@ def verdicts() -> dict[str, AutotuneVerdict]:
 
 
 def clear_cache(*, disk: bool = False) -> None:
-    """Forget every verdict and open choice in memory (and the on-disk file when ``disk``)."""
-    global _next_unit_at
+    """Forget every verdict and choice in memory (and the on-disk file when ``disk``)."""
     with _lock:
         _memory.clear()
         _choices.clear()
-        _next_unit_at = None
+        _fast.clear()
     if disk:
         _verdict_cache.delete()
+
+
+def _normalised(
+    candidates: Sequence[NSKernel],
+    coefficients: CoefficientRows,
+    restart_iterations: Sequence[int],
+) -> tuple[Coefficients, tuple[int, ...], tuple[str, ...]]:
+    coeffs = tuple((float(a), float(b), float(c)) for a, b, c in coefficients)
+    return coeffs, tuple(int(i) for i in restart_iterations), tuple(k.name for k in candidates)
 
 
 def _choice(
@@ -194,198 +240,222 @@ def _choice(
     op: str,
     coefficients: CoefficientRows,
     restart_iterations: Sequence[int],
-) -> tuple[_Choice, bool]:
-    """The problem's choice, made on its first call (then ``True``) from a committed verdict
-    or as a measurement plan."""
-    coeffs = tuple((float(a), float(b), float(c)) for a, b, c in coefficients)
-    restarts = tuple(int(i) for i in restart_iterations)
-    names = tuple(kernel.name for kernel in candidates)
+) -> _Choice:
+    """The problem's choice, made at its first call (see [Note: where a verdict comes
+    from])."""
+    fast_key = (
+        op,
+        tuple(x.shape),
+        x.dtype,
+        x.device,
+        coefficients if isinstance(coefficients, tuple) else None,
+        tuple(restart_iterations),
+        candidates,
+    )
+    if fast_key[4] is not None:
+        with _lock:
+            known = _fast.get(fast_key)
+        if known is not None:
+            return known
+    coeffs, restarts, names = _normalised(candidates, coefficients, restart_iterations)
     key = _problem_key(op, x, coeffs, restarts, names)
     with _lock:
         existing = _choices.get(key)
-        verdict = _memory.get(key)
-    if existing is not None:
-        return existing, False
-    if verdict is None:
-        verdict = _verdict_cache.read().get(key)  # file I/O outside the lock
-    problem = _Problem(key, x.shape, x.dtype, x.device, op, coeffs, restarts)
+        verdict, source = _memory.get(key), "memory"
+    if existing is None:
+        if verdict is None:
+            verdict, source = _verdict_cache.read().get(key), "disk"  # file I/O outside the lock
+        by_name = {kernel.name: kernel for kernel in candidates}
+        provisional = by_name.get(_PROVISIONAL, candidates[0])
+        kernel: NSKernel | None = None
+        if verdict is not None and verdict.get("kernel") in by_name:
+            kernel = by_name[verdict["kernel"]]
+        else:
+            verdict, source = _table_verdict(x, op, names)
+            if verdict is not None:
+                kernel = by_name[verdict["kernel"]]
+        if kernel is None:
+            logger.info(
+                "dmuon-ns autotune %s: no verdict; %r runs until tune() or tune_pending()"
+                " measures %s",
+                key,
+                provisional.name,
+                ", ".join(repr(name) for name in names),
+            )
+        problem = _Problem(key, x.shape, x.dtype, x.device, op, coeffs, restarts)
+        made = _Choice(
+            problem,
+            candidates,
+            provisional,
+            kernel or provisional,
+            source if kernel is not None else None,
+        )
+        with _lock:
+            if verdict is not None and kernel is not None:
+                _memory.setdefault(key, verdict)
+            existing = _choices.setdefault(key, made)  # another thread may have been first
+    if fast_key[4] is not None:
+        with _lock:
+            _fast[fast_key] = existing
+    return existing
+
+
+def _table_verdict(
+    x: Problem, op: str, names: tuple[str, ...]
+) -> tuple[AutotuneVerdict | None, str]:
+    """The shipped table's verdict for the problem, when the device has a table that answers
+    for it (``_tables``' note; only measured CUDA cards have one)."""
+    if len(x.shape) != 3:
+        return None, "table"
+    entries = _tables.load(_device_name(x.device))
+    dtype = str(x.dtype).removeprefix("torch.")
+    batch, m, n = (int(s) for s in x.shape)
+    entry = _tables.entry_for(entries, op, batch, m, n, dtype)
+    if entry is None:
+        return None, "table"
+    kernel = _tables.verdict_kernel(entry, names)
+    if kernel is None:
+        return None, "table"
+    verdict: AutotuneVerdict = {
+        "kernel": kernel,
+        "times_ms": {name: entry.ms[name] for name in names if name in entry.ms},
+        "rejected": {name: entry.rejected[name] for name in names if name in entry.rejected},
+        "table": f"{op} {entry.batch}x{entry.m}x{entry.n} {entry.dtype}",
+    }
+    return verdict, "table"
+
+
+def _settle(choice: _Choice) -> None:
+    """Measure an open choice and commit its verdict ([Note: measuring only when asked])."""
+    with choice.lock:
+        if not choice.open:
+            return
+        start = time.perf_counter()
+        with torch.profiler.record_function("dmuon::ns_autotune"), torch.no_grad():
+            verdict, best, unmeasured = _measured(choice.problem, choice.candidates)
+        verdict["seconds"] = round(time.perf_counter() - start, 3)
+        key = choice.problem.key
+        logger.info(
+            "dmuon-ns autotune %s: chose %r (ms %s, rejected %s)",
+            key,
+            best.name,
+            verdict["times_ms"],
+            verdict["rejected"],
+        )
+        with _lock:
+            _memory[key] = verdict
+        if not unmeasured:  # another process may have the memory to measure them all
+            _verdict_cache.write({key: verdict})
+        choice.kernel, choice.source = best, "measured"
+
+
+def _measured(
+    problem: _Problem, candidates: tuple[NSKernel, ...]
+) -> tuple[AutotuneVerdict, NSKernel, bool]:
+    """Cross-check and time every candidate on one sample of the problem; the verdict, its
+    kernel and whether a candidate could not be measured (no memory)."""
     by_name = {kernel.name: kernel for kernel in candidates}
     provisional = by_name.get(_PROVISIONAL, candidates[0])
-    choice = _Choice(problem, candidates, provisional, provisional, to_measure=[])
-    if verdict is not None and verdict.get("kernel") in by_name:
-        chosen = by_name[verdict["kernel"]]
-        if chosen is not provisional:
-            choice.to_warm = chosen
-    else:
-        verdict = None
-        choice.to_measure = [k for k in candidates if k.name != _PROVISIONAL]
-        logger.info(
-            "dmuon-ns autotune %s: %r runs while %s are measured over the next calls",
-            key,
-            provisional.name,
-            ", ".join(repr(k.name) for k in choice.to_measure),
-        )
-    global _next_unit_at
-    with _lock:
-        if verdict is not None:
-            _memory[key] = verdict
-        kept = _choices.setdefault(key, choice)  # another thread may have been first
-        if kept.open and _next_unit_at is None:
-            _next_unit_at = _clock() + _QUIET_START_S
-    return kept, kept is choice
-
-
-def _finish(choice: _Choice) -> None:
-    while choice.open:
-        with choice.lock:
-            _unit(choice)
-
-
-def _spread_unit(choice: _Choice) -> None:
-    """One unit of ``choice``'s work, when the tuning share allows one now and no other unit
-    is running (see [Note: cold start])."""
-    global _next_unit_at
-    with _lock:
-        if _next_unit_at is None or _clock() < _next_unit_at:
-            return
-        _next_unit_at = math.inf  # claimed: no other unit starts until this one ends
-    start, ran = _clock(), False
-    try:
-        if choice.lock.acquire(blocking=False):
-            try:
-                ran = _unit(choice)
-            finally:
-                choice.lock.release()
-    finally:
-        elapsed = _clock() - start if ran else 0.0
-        with _lock:
-            _next_unit_at = _clock() + elapsed * (1 - _TUNING_SHARE) / _TUNING_SHARE
-
-
-def _unit(choice: _Choice) -> bool:
-    """The next unit of ``choice`` (its lock held); ``False`` when none was left."""
-    with torch.profiler.record_function("dmuon::ns_autotune"), torch.no_grad():
-        if choice.to_warm is not None:
-            kernel, choice.to_warm = choice.to_warm, None
-            _warm(choice, kernel)
-            return True
-        if not choice.to_measure:
-            return False
-        _measure_one(choice, choice.to_measure.pop(0))
-        if not choice.to_measure:
-            _commit(choice)
-        return True
-
-
-def _warm(choice: _Choice, kernel: NSKernel) -> None:
-    """Run a committed verdict's kernel once, so that its compile happens here, not in a
-    caller's call; then it replaces the provisional kernel."""
-    problem = choice.problem
-    failures: tuple[type[Exception], ...] = (
-        torch.OutOfMemoryError,
-        *_measure.failure_types(kernel),
-    )
+    times: dict[str, float] = {}
+    provisional_ms: list[float] = []
+    ratios: dict[str, float] = {}
+    errors: dict[str, float | None] = {}
+    rejected: dict[str, str] = {}
+    unmeasured = False
+    torch_error = math.inf
+    sample: _measure.Sample | None
     try:
         sample = _measure.sample(problem, problem.op, problem.coefficients, problem.restarts)
-        sample.run(kernel)
-        if problem.device.type == "cuda":
-            torch.cuda.synchronize(problem.device)
-    except failures as err:
-        _measure.report(
-            f"dmuon-ns autotune: kernel {kernel.name!r}, the cached verdict for"
-            f" {_describe(problem)}, failed ({type(err).__name__}: {err}); running"
-            f" {choice.provisional.name!r} for it in this process"
-        )
-        return
-    choice.kernel = kernel
-
-
-def _measure_one(choice: _Choice, kernel: NSKernel) -> None:
-    """Cross-check ``kernel`` on a sample and, if it passes, time it against the provisional
-    kernel (``_measure``'s notes). Running out of memory is no verdict on the kernel: the
-    candidate is left out here, and the verdict stays in this process (see ``_commit``)."""
-    try:
-        _cross_check_and_time(choice, kernel)
-    except torch.OutOfMemoryError as err:  # the float64 reference needs ~4x the input
-        choice.rejected[kernel.name] = f"not measured: out of memory ({err})"
-        choice.unmeasured = True
-        _measure.report(
-            f"dmuon-ns autotune: no memory left to measure {kernel.name!r} on"
-            f" {_describe(choice.problem)}; it is not used for this problem in this process"
-        )
-
-
-def _cross_check_and_time(choice: _Choice, kernel: NSKernel) -> None:
-    problem, base = choice.problem, choice.provisional
-    sample = _measure.sample(problem, problem.op, problem.coefficients, problem.restarts)
-    base_error = sample.error(sample.run(base))
-    torch_error = base_error if base.name == "torch" else sample.torch_error()
-    choice.errors[base.name] = base_error if math.isfinite(base_error) else None
-    try:
-        out = sample.run(kernel)
-    except torch.OutOfMemoryError:
-        raise  # no verdict on the kernel: see _measure_one
-    except _measure.failure_types(kernel) as err:
-        choice.rejected[kernel.name] = f"raised {type(err).__name__}: {err}"
-        _measure.report(
-            f"dmuon-ns autotune: kernel {kernel.name!r} failed on {_describe(problem)}"
-            f" ({choice.rejected[kernel.name]}); it is not used for this problem"
-        )
-        return
-    error = sample.error(out)
-    choice.errors[kernel.name] = error if math.isfinite(error) else None
-    rejection = sample.rejection(error, torch_error)
-    if rejection is not None:
-        choice.rejected[kernel.name] = rejection
-        return
-    kernel_ms, base_ms = _measure.compare_ms(
-        functools.partial(sample.run, kernel),
-        functools.partial(sample.run, base),
-        problem.device,
-        _UNIT_TIMING_S,
-    )
-    choice.times_ms[kernel.name] = kernel_ms
-    choice.provisional_ms.append(base_ms)
-    choice.ratios[kernel.name] = kernel_ms / max(base_ms, 1e-9)
-
-
-def _commit(choice: _Choice) -> None:
-    """The fastest sound candidate by its time relative to the provisional kernel (ties go
-    to the earlier in priority order); remembered in memory and on disk."""
-    ratios = dict(choice.ratios)
-    if choice.provisional.name == _PROVISIONAL:
+        base_error = sample.error(sample.run(provisional))
+        torch_error = base_error if provisional.name == "torch" else sample.torch_error()
+        errors[provisional.name] = base_error if math.isfinite(base_error) else None
+    except torch.OutOfMemoryError as err:  # the sample and its reference
+        for kernel in candidates:
+            if kernel is not provisional:
+                _no_memory(problem, kernel, err, rejected)
+        sample, unmeasured = None, True
+    for kernel in candidates:
+        if sample is None or kernel is provisional:
+            continue
+        try:
+            ms = _cross_check_and_time(sample, kernel, provisional, torch_error, errors, rejected)
+        except torch.OutOfMemoryError as err:
+            _no_memory(problem, kernel, err, rejected)
+            unmeasured = True
+            continue
+        if ms is not None:
+            times[kernel.name], base_ms = ms
+            provisional_ms.append(base_ms)
+            ratios[kernel.name] = times[kernel.name] / max(base_ms, 1e-9)
+    if provisional.name == _PROVISIONAL:
         ratios[_PROVISIONAL] = 1.0  # the bar itself: sound by definition
+    if provisional_ms and provisional.name not in times:
+        times[provisional.name] = statistics.median(provisional_ms)
     best: NSKernel | None = None
-    for kernel in choice.candidates:
+    for kernel in candidates:  # ties go to the earlier in priority order
         if kernel.name in ratios and (best is None or ratios[kernel.name] < ratios[best.name]):
             best = kernel
     if best is None:
         # Nothing passed (a provisional kernel other than torch failed too): the first
         # candidate by priority, which the dispatcher lists as the most trusted.
-        best = choice.candidates[0]
-    times = dict(choice.times_ms)
-    if choice.provisional_ms and choice.provisional.name not in times:
-        times[choice.provisional.name] = statistics.median(choice.provisional_ms)
+        best = candidates[0]
     verdict: AutotuneVerdict = {
         "kernel": best.name,
         "times_ms": {name: round(ms, 5) for name, ms in times.items()},
         "ratios": {name: round(ratio, 4) for name, ratio in ratios.items()},
-        "errors": choice.errors,
-        "rejected": choice.rejected,
+        "errors": errors,
+        "rejected": rejected,
     }
-    key = choice.problem.key
-    logger.info(
-        "dmuon-ns autotune %s: chose %r (ms %s, rejected %s)",
-        key,
-        best.name,
-        verdict["times_ms"],
-        choice.rejected,
+    return verdict, best, unmeasured
+
+
+def _cross_check_and_time(
+    sample: _measure.Sample,
+    kernel: NSKernel,
+    base: NSKernel,
+    torch_error: float,
+    errors: dict[str, float | None],
+    rejected: dict[str, str],
+) -> tuple[float, float] | None:
+    """Run ``kernel`` on the sample, cross-check it and, when it passes, time it against
+    ``base``: (kernel ms, base ms), or ``None`` with the reason in ``rejected``."""
+    try:
+        out = sample.run(kernel)
+    except torch.OutOfMemoryError:
+        raise  # no verdict on the kernel: the caller leaves it out here
+    except _measure.failure_types(kernel) as err:
+        rejected[kernel.name] = f"raised {type(err).__name__}: {err}"
+        _measure.report(
+            f"dmuon-ns autotune: kernel {kernel.name!r} failed on"
+            f" {sample.op} {'x'.join(str(s) for s in sample.input.shape)}"
+            f" ({rejected[kernel.name]}); it is not used for this problem"
+        )
+        return None
+    error = sample.error(out)
+    del out
+    errors[kernel.name] = error if math.isfinite(error) else None
+    rejection = sample.rejection(error, torch_error)
+    if rejection is not None:
+        rejected[kernel.name] = rejection
+        return None
+    return _measure.compare_ms(
+        functools.partial(sample.run, kernel),
+        functools.partial(sample.run, base),
+        sample.input.device,
+        _TIMING_S,
     )
-    with _lock:
-        _memory[key] = verdict
-    if not choice.unmeasured:  # another process may have the memory to measure them all
-        _verdict_cache.write({key: verdict})
-    choice.kernel = best
+
+
+def _no_memory(
+    problem: _Problem, kernel: NSKernel, err: Exception, rejected: dict[str, str]
+) -> None:
+    """Running out of memory is no verdict on ``kernel``: it is left out here, and the
+    verdict stays in this process."""
+    rejected[kernel.name] = f"not measured: out of memory ({err})"
+    _measure.report(
+        f"dmuon-ns autotune: no memory left to measure {kernel.name!r} on"
+        f" {_describe(problem)}; it is not used for this problem in this process"
+    )
 
 
 def _problem_key(
@@ -421,7 +491,8 @@ def _device_name(device: torch.device) -> str:
 
 @functools.cache
 def _package_version() -> str:
-    # Cached: the problem key is built on every NS call, and a metadata lookup scans sys.path.
+    # Cached: the problem key is built at every problem's first call, and a metadata lookup
+    # scans sys.path.
     try:
         return importlib.metadata.version("dmuon-ns")
     except importlib.metadata.PackageNotFoundError:

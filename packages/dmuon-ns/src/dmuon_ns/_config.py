@@ -58,6 +58,36 @@ class NewtonSchulz:
     is named (precedence in ``_registry``). ``cuda_graphs`` replays CUDA inputs through a
     captured graph per problem shape (inputs of at most 64 MiB; larger ones gain nothing from
     replay and run eagerly, see ``_dispatch``).
+
+    Args:
+        backend: the algorithm: ``"gram"`` runs Gram Newton–Schulz on non-square matrices and
+            direct NS on square ones; ``"direct"`` always runs direct NS. Both compute the same
+            polynomial and differ only in rounding. Another value raises ``ValueError``.
+        kernel: the kernel that runs it: ``"auto"`` (the ``DMUON_NS_KERNEL`` environment
+            variable if set, else the torch kernel off CUDA and the fastest available kernel,
+            measured per problem, on CUDA) or a registered kernel name (``"torch"``,
+            ``"triton"``, ``"quack"``), which must then be able to run on the input's device
+            (an error with the install hint otherwise). An unknown name raises ``ValueError``.
+        coefficients: the ``(a, b, c)`` row of each step, step ``i`` computing
+            ``X ← a·X + (b·R + c·R²)·X`` with ``R = X·Xᵀ``: a non-empty sequence of triples of
+            finite numbers, cut to ``steps`` rows or extended with its last one; ``None``:
+            ``POLAR_EXPRESS_COEFFICIENTS``.
+        restart_iterations: the steps before which the Gram form recomputes its Gram matrix
+            from the current iterate (bounding the error that builds up in half precision):
+            ints in ``[1, steps - 1]``; ``None``: ``(2,)`` where ``steps > 2``, else none.
+            Ignored by direct NS.
+        deterministic: ``True`` runs the plain torch kernel (no autotuning whose choice could
+            differ between runs or machines) unless ``kernel`` or ``DMUON_NS_KERNEL`` names a
+            kernel; ``False`` lets ``"auto"`` choose.
+        steps: the number of Newton–Schulz steps, an int >= 1 (5 is standard).
+        dtype: the dtype the iterations run in, ``torch.float16`` or ``torch.bfloat16``;
+            ``None``: fp32 where the torch kernel runs on the CPU, fp16 elsewhere. The result
+            has the input's dtype either way.
+        cuda_graphs: ``True`` replays CUDA inputs of at most 64 MiB through a CUDA graph
+            captured once per problem shape (fewer launches); ``False`` always runs eagerly.
+            No effect off CUDA.
+        eps: a finite float > 0: each matrix is scaled by ``1 / (‖G‖_F + eps)`` before the
+            iterations, so that a zero matrix stays zero.
     """
 
     backend: NSBackend | str = NSBackend.GRAM
@@ -126,11 +156,13 @@ class NewtonSchulz:
     def tune(self, g: Tensor | list[Tensor] | tuple[Tensor, ...]) -> dict[str, str]:
         """Settle now which kernel runs each problem that ``self(g)`` would run.
 
-        With ``kernel="auto"`` on CUDA the autotuner otherwise measures a new problem over the
-        calls that follow its first one (``_autotune``'s [Note: cold start]); this does all of
-        it at once, for callers that rather pay before their first step. Only the shapes,
-        dtypes and devices of ``g`` are read, so ``torch.empty`` tensors will do. Returns
-        ``{"<op> <batch>x<m>x<n> <iteration dtype>": kernel name}``, one entry per problem.
+        With ``kernel="auto"`` on CUDA a problem runs the verdict's kernel, measured earlier on
+        this machine or shipped in the device's table, and torch where there is none; no call
+        measures anything (``_autotune``'s notes). This measures, now, every problem of ``g``
+        that has no verdict (a few seconds each), and keeps the verdicts on disk for later
+        processes. Only the shapes, dtypes and devices of ``g`` are read, so ``torch.empty``
+        tensors will do. Returns ``{"<op> <batch>x<m>x<n> <iteration dtype>": kernel name}``,
+        one entry per problem.
         """
         return tune(self, [g] if isinstance(g, Tensor) else list(g))
 

@@ -11,8 +11,9 @@ their last product, which runs outside the graph (``_iterations``' [Note: the la
 
 [Note: which problems are graphed]
 A captured graph keeps its static input and the last product's operands allocated for the
-life of the process (and its intermediates reserved in a private pool), i.e. at least twice
-the problem's size per shape, on top of whatever the caller holds. Replay pays where the host
+life of the process, about twice the problem's size per shape, on top of whatever the caller
+holds (its intermediates live in a pool that every NS graph shares: ``_graphs``' [Note: one
+pool for every graph]). Replay pays where the host
 cannot keep ahead of the GPU: on an H200 it took a 1024×4096 call from 1.33 to 0.57 ms
 (benchmarks/HISTORY.md, Newton–Schulz run A), and the quack kernel spends ~40 µs of host time
 per product, as long as a whole product takes at 2048×8192. Above 64 MiB (8192×4096 in fp16)
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dmuon_ns._iterations import LastProduct, LoopKernel, finished
+from dmuon_ns._iterations import LastProduct, LoopKernel, Owned, finished
 from dmuon_ns._prepare import Prepared
 from dmuon_ns._registry import NSKernel, Problem, Resolution
 
@@ -51,14 +52,45 @@ def run(
 ) -> Tensor:
     """``op`` ("gram" or "direct") on the prepared input with the resolved kernel, the result
     written in ``out_dtype`` (``None``: the iteration dtype); ``coefficients`` holds exactly
-    one row per step."""
-    kernel = pick(resolution.kernels, prepared, op, coefficients, restart_iterations)
+    one row per step. Under auto, a verdict's kernel that fails falls back to the provisional
+    one (``_autotune``'s [Note: a verdict's kernel that fails])."""
+    kernels = resolution.kernels
+    kernel = pick(kernels, prepared, op, coefficients, restart_iterations)
+    call = (prepared, op, coefficients, restart_iterations, out_dtype, cuda_graphs)
+    try:
+        return _run_on(kernel, kernels, *call)
+    except Exception as err:
+        if len(kernels) < 2 or prepared.device.type != "cuda":
+            raise
+        from dmuon_ns import _autotune, _measure
+
+        if not isinstance(err, _measure.failure_types(kernel)):
+            raise
+        fallback = _autotune.failed(
+            kernels, prepared, op, coefficients, restart_iterations, kernel, err
+        )
+        if fallback is None:
+            raise
+    return _run_on(fallback, kernels, *call)
+
+
+def _run_on(
+    kernel: NSKernel,
+    candidates: Sequence[NSKernel],
+    prepared: Prepared,
+    op: str,
+    coefficients: tuple[tuple[float, float, float], ...],
+    restart_iterations: tuple[int, ...],
+    out_dtype: torch.dtype | None,
+    cuda_graphs: bool,
+) -> Tensor:
     if isinstance(kernel, LoopKernel):
         prepared = prepared._replace(scale_pass=kernel.scale_pass(prepared.source, prepared.norm))
 
-    def fn(x: Tensor) -> Tensor | LastProduct:
+    def fn(x: Tensor | Owned) -> Tensor | LastProduct:
         if isinstance(kernel, LoopKernel):
             return kernel.loop(op, x, coefficients, restart_iterations, out_dtype)
+        x = x.take() if isinstance(x, Owned) else x
         if op == "gram":
             return kernel.gram(x, coefficients, restart_iterations, out_dtype)
         return kernel.direct(x, coefficients, out_dtype)
@@ -69,10 +101,11 @@ def run(
 
         # The key names the candidates, the variant the one picked: a kernel asked for by name
         # keeps its own graph, and auto's problem keeps one, for its current pick.
-        candidates = tuple(k.name for k in resolution.kernels)
-        key = (candidates, op, coefficients, restart_iterations, out_dtype)
+        names = tuple(k.name for k in candidates)
+        key = (names, op, coefficients, restart_iterations, out_dtype)
         return _graphs.run_graphed(fn, prepared, key, variant=kernel.name)
-    return finished(fn(prepared.write()))
+    # Handed over: the loop frees the input once it has read it for the last time.
+    return finished(fn(Owned(prepared.write())))
 
 
 def pick(
@@ -85,7 +118,7 @@ def pick(
     now: bool = False,
 ) -> NSKernel:
     """The candidate that runs ``problem``: the only one, or the autotuner's choice on CUDA
-    (``now``: with its measurements finished now; ``_autotune``'s [Note: cold start])."""
+    (``now``: measured now where it has no verdict; ``_autotune``'s notes)."""
     if len(candidates) == 1 or problem.device.type != "cuda":
         return candidates[0]
     from dmuon_ns import _autotune

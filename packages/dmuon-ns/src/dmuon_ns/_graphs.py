@@ -17,19 +17,31 @@ graph ends before that product, whose operands are the graph's outputs, and each
 after the replay into a new tensor. Any other ``fn`` returns a tensor, and each call clones
 the graph's static output. Either way the caller's buffers are never aliased.
 
-One call of a key runs at a time (a lock per graph, from writing the input until the last
-product or the clone is enqueued), and calls sharing a key must be on one stream, as in a
-training loop: a replay on another stream could overwrite the static buffers while an earlier
-call's last product still reads them.
+[Note: one pool for every graph]
+Every NS graph on a device captures into one private memory pool. What a graph frees during
+its capture (the loop's intermediates) goes back to the pool, and later captures reuse it, so
+the intermediates of all shapes share one workspace, as large as the largest; each graph
+keeps only its static input and its outputs (the last product's operands) for itself, and a
+replaced graph's are freed. Sharing is safe because the graphs never run at once: a replay
+overwrites another graph's intermediates and possibly its outputs, so a call holds the
+pool's lock from writing its input until its last product (or clone) is enqueued, and a call
+on another stream than the pool's last one first waits for the last call's work on the GPU
+(an event recorded after each call), whatever the streams of the callers.
+
+A key's first call (and a new variant's) runs eagerly, on the caller's stream, and returns
+that result; the capture follows it. The eager run does what a warm-up before a capture is
+for: Triton's compiles and tile autotuning, CuTe DSL's compiles, the libraries' lazy
+initialisation, none of which may happen inside a capture. It runs in the ordinary allocator,
+so no memory stays cached on a side stream, and nothing runs twice.
 
 [Note: one graph per key]
 A key holds one graph at a time, tagged with the ``variant`` that ``fn`` runs. The dispatcher's
 key is the problem (op, coefficients, dtypes, shape) and the kernels it may run on, its variant
 the kernel picked: a kernel asked for by name has a key of its own, while under ``auto`` the
-pick moves from the provisional kernel to the verdict's (``_autotune``'s [Note: cold start]).
-A call with another variant captures anew and drops the old graph with its buffers, which
-would otherwise hold twice the problem's size for the life of the process, never to be
-replayed.
+pick moves when ``tune`` measures the problem or a verdict's kernel fails (``_autotune``'s
+notes). A call with another variant drops the old graph with its buffers, which would
+otherwise stay allocated for the life of the process, never to be replayed, and captures
+anew.
 
 [Note: capture failures]
 Capture can fail for reasons outside our control (a kernel that synchronises, an allocator
@@ -37,7 +49,7 @@ setting, a capture already running on the stream, no CUDA at all); CUDA and torc
 of them as ``RuntimeError``. The first failure for a key is reported once, through both
 ``logging`` and ``warnings``, and that key runs eagerly from then on; other keys still try to
 capture. Any other exception (a kernel library's own error type, a wrong return type) is not
-a capture problem and propagates. ``_capture`` makes its side stream before anything else on
+a capture problem and propagates. A capture makes the pool's handle before anything else on
 the device: without a usable CUDA that is the call that fails, with a ``RuntimeError`` on
 every torch build (a CPU build's allocator would raise ``AssertionError`` for a CUDA tensor).
 """
@@ -49,7 +61,7 @@ import threading
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -60,10 +72,6 @@ from dmuon_ns._registry import Problem
 __all__ = ["GraphInput", "clear_graphs", "graph_keys", "run_graphed"]
 
 logger = logging.getLogger(__name__)
-
-# Warm-up runs on a side stream before capture: the first compiles (Triton, CuTe DSL) and
-# autotunes library kernels, the next lets the caching allocator settle.
-_WARMUP_RUNS = 2
 
 
 class GraphInput(Problem, Protocol):
@@ -85,7 +93,32 @@ class _Captured:
     static_input: Tensor
     static_output: Output
     variant: Hashable  # see [Note: one graph per key]
-    lock: threading.Lock = field(default_factory=threading.Lock)  # see [Note: input and output]
+
+
+@dataclass
+class _Pool:
+    """The memory pool every NS graph on one device captures into ([Note: one pool for every
+    graph]), its lock and the event recorded after the last call's work."""
+
+    device: torch.device
+    handle: Any  # torch.cuda.graph_pool_handle()
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: torch.cuda.Event | None = None
+    stream: torch.cuda.Stream | None = None
+
+    def after_last_call(self) -> None:
+        """Order this call after the pool's last one when it comes from another stream."""
+        stream = torch.cuda.current_stream(self.device)
+        if self.done is not None and self.stream != stream:
+            stream.wait_event(self.done)
+
+    def call_enqueued(self) -> None:
+        """Record the end of this call's work for the next call (see the note)."""
+        stream = torch.cuda.current_stream(self.device)
+        if self.done is None:
+            self.done = torch.cuda.Event()
+        self.done.record(stream)
+        self.stream = stream
 
 
 @dataclass(frozen=True)
@@ -97,6 +130,7 @@ class _Eager:
 
 _lock = threading.Lock()
 _graphs: dict[Hashable, _Captured | _Eager] = {}
+_pools: dict[torch.device, _Pool] = {}
 
 
 def run_graphed(
@@ -118,22 +152,45 @@ def run_graphed(
     with _lock:
         entry = _graphs.get(full_key)
     if entry is None or entry.variant != variant:
-        entry = _capture_or_eager(fn, source, full_key, variant)
         with _lock:
-            _graphs[full_key] = entry  # a graph of another variant is dropped here
+            _graphs.pop(full_key, None)  # another variant's buffers go before the capture
+        pool = _pool(source.device)
+        with pool.lock:  # the capture may reuse what the pool's graphs read and write
+            pool.after_last_call()
+            result = finished(fn(source.write()))
+            entry = _capture_or_eager(fn, source, full_key, variant, pool)
+            pool.call_enqueued()
+        with _lock:
+            _graphs[full_key] = entry
+        return result
     if isinstance(entry, _Eager):
         return finished(fn(source.write()))
-    with entry.lock:
+    pool = _pool(source.device)
+    with pool.lock:
+        pool.after_last_call()
         source.write(entry.static_input)
         entry.graph.replay()
         output = entry.static_output
-        return output.finish() if isinstance(output, LastProduct) else output.clone()
+        result = output.finish() if isinstance(output, LastProduct) else output.clone()
+        pool.call_enqueued()
+    return result
+
+
+def _pool(device: torch.device) -> _Pool:
+    """The device's pool; making its handle is the first CUDA call of a capture (see [Note:
+    capture failures])."""
+    with _lock:
+        pool = _pools.get(device)
+        if pool is None:
+            pool = _pools[device] = _Pool(device, torch.cuda.graph_pool_handle())
+        return pool
 
 
 def clear_graphs() -> None:
-    """Drop every captured graph (and every eager fallback marker)."""
+    """Drop every captured graph (and every eager fallback marker) and the pools they shared."""
     with _lock:
         _graphs.clear()
+        _pools.clear()
 
 
 def graph_keys() -> dict[Hashable, str]:
@@ -143,11 +200,15 @@ def graph_keys() -> dict[Hashable, str]:
 
 
 def _capture_or_eager(
-    fn: Callable[[Tensor], Output], source: GraphInput, key: Hashable, variant: Hashable = None
+    fn: Callable[[Tensor], Output],
+    source: GraphInput,
+    key: Hashable,
+    variant: Hashable = None,
+    pool: _Pool | None = None,
 ) -> _Captured | _Eager:
     try:
         with torch.profiler.record_function("dmuon::ns_graph_capture"):
-            return _capture(fn, source, variant)
+            return _capture(fn, source, variant, pool)
     except RuntimeError as err:  # how CUDA reports a capture it cannot make; see the note
         message = (
             f"dmuon-ns: CUDA-graph capture failed for {key!r} ({type(err).__name__}: {err}); "
@@ -158,16 +219,15 @@ def _capture_or_eager(
         return _Eager(variant)
 
 
-def _capture(fn: Callable[[Tensor], Output], source: GraphInput, variant: Hashable) -> _Captured:
-    side = torch.cuda.Stream(device=source.device)  # first: see [Note: capture failures]
-    static_input = source.write(torch.empty(source.shape, dtype=source.dtype, device=source.device))
-    side.wait_stream(torch.cuda.current_stream(source.device))
-    with torch.cuda.stream(side):
-        for _ in range(_WARMUP_RUNS):
-            finished(fn(static_input))  # the last product too: it runs eagerly after replays
-    torch.cuda.current_stream(source.device).wait_stream(side)
+def _capture(
+    fn: Callable[[Tensor], Output], source: GraphInput, variant: Hashable, pool: _Pool | None
+) -> _Captured:
+    """Capture ``fn`` on a static input, after the call's eager run (see [Note: one pool for
+    every graph]); the input's contents do not matter to a capture, which runs nothing."""
+    pool = pool if pool is not None else _pool(source.device)  # first: see the note
+    static_input = torch.empty(source.shape, dtype=source.dtype, device=source.device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool.handle):
         static_output = fn(static_input)
     if not isinstance(static_output, Tensor | LastProduct):
         raise TypeError(

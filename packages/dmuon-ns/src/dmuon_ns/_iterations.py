@@ -43,6 +43,15 @@ graph: its result is then a fresh tensor of the caller's, where a product inside
 would write the graph's static output and need a copy out of it (a pass over the result:
 ~22 µs at 2048×8192 on an H200, benchmarks/HISTORY.md profile 4).
 
+[Note: the input is handed over]
+The loops take their input as a ``Tensor`` or as an ``Owned`` one. A caller that passes a
+tensor keeps a reference to it, so the input lives until the loop returns. The dispatcher's
+eager path hands its freshly written input over in an ``Owned`` instead: the loop then holds
+the only reference, and the input is freed when the loop no longer reads it (at the Gram
+form's first restart, or after the direct form's first step). The Gram form's last product
+then has the restarted iterate and the result alive, not the input as well: at 8192×28672
+that is 448 MiB less at the peak.
+
 [Note: one loop, several kernels]
 The torch, Triton and quack kernels differ only in how they multiply, so each hands these
 loops a ``Products`` object and all of them round at the same places: the autotuner's
@@ -66,6 +75,7 @@ __all__ = [
     "TORCH_PRODUCTS",
     "LastProduct",
     "LoopKernel",
+    "Owned",
     "Products",
     "TorchProducts",
     "as_dtype",
@@ -119,6 +129,33 @@ class TorchProducts:
 TORCH_PRODUCTS = TorchProducts()
 
 
+class Owned:
+    """An input handed over to a loop, which takes the only reference to it (see [Note: the
+    input is handed over])."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self._tensor: Tensor | None = tensor
+
+    def peek(self) -> Tensor:
+        """The tensor, still owned here (for a look at its shape and dtype)."""
+        if self._tensor is None:
+            raise RuntimeError("an Owned input is taken once")
+        return self._tensor
+
+    def take(self) -> Tensor:
+        """The tensor, once; the holder keeps no reference to it."""
+        tensor, self._tensor = self._tensor, None
+        if tensor is None:
+            raise RuntimeError("an Owned input is taken once")
+        return tensor
+
+
+def _taken(x: Tensor | Owned) -> Tensor:
+    return x.take() if isinstance(x, Owned) else x
+
+
 class LastProduct(NamedTuple):
     """A loop's final product, not yet run (see [Note: the last product])."""
 
@@ -138,7 +175,7 @@ def finished(output: Tensor | LastProduct) -> Tensor:
 
 def gram_iterations(
     products: Products,
-    x: Tensor,
+    x: Tensor | Owned,
     coefficients: CoefficientRows,
     restart_iterations: Sequence[int],
     out_dtype: torch.dtype | None = None,
@@ -153,6 +190,7 @@ def gram_iterations(
     """
     if not coefficients:
         raise ValueError("coefficients must hold at least one (a, b, c) row")
+    x = _taken(x)
     restarts = frozenset(restart_iterations)
     last = len(coefficients) - 1
     r = products.gram(x) if r is None else r
@@ -177,7 +215,7 @@ def gram_iterations(
 
 def direct_iterations(
     products: Products,
-    x: Tensor,
+    x: Tensor | Owned,
     coefficients: CoefficientRows,
     out_dtype: torch.dtype | None = None,
 ) -> LastProduct:
@@ -185,6 +223,7 @@ def direct_iterations(
     ``a·X + Z'·X``, which ``finish()`` writes in ``out_dtype``."""
     if not coefficients:
         raise ValueError("coefficients must hold at least one (a, b, c) row")
+    x = _taken(x)
     *steps, (a, b, c) = coefficients
     for a_i, b_i, c_i in steps:
         x = products.mm_add(_direct_z(products, x, b_i, c_i), x, x, a_i)  # a·X + Z'·X
@@ -249,13 +288,14 @@ class LoopKernel:
     def loop(
         self,
         op: str,
-        x: Tensor,
+        x: Tensor | Owned,
         coefficients: CoefficientRows,
         restart_iterations: Sequence[int],
         out_dtype: torch.dtype | None = None,
     ) -> LastProduct:
-        """``op`` ("gram" or "direct") up to its last product (see [Note: the last product])."""
-        products = self.products_for(x)
+        """``op`` ("gram" or "direct") up to its last product (see [Note: the last product]);
+        ``x`` may be handed over (see [Note: the input is handed over])."""
+        products = self.products_for(x.peek() if isinstance(x, Owned) else x)
         if op == "gram":
             return gram_iterations(products, x, coefficients, restart_iterations, out_dtype)
         if op == "direct":

@@ -79,6 +79,25 @@ def newton_schulz(
     shape and dtype. ``backend="gram"`` (default) runs Gram NS on non-square matrices and
     direct NS on square ones; ``"direct"`` always runs direct NS. See ``NewtonSchulz`` for the
     other arguments.
+
+    Args:
+        G: a real floating tensor (float16, bfloat16, float32 or float64) of shape
+            ``(..., rows, cols)``, at least 2-D and non-empty, each trailing matrix
+            orthogonalised on its own; or a list or tuple of such tensors, which comes back as
+            a list in the same order.
+        steps: the number of Newton–Schulz steps, an int >= 1.
+        coefficients: the ``(a, b, c)`` row of each step, a non-empty sequence of triples of
+            finite numbers (extended with its last row when shorter than ``steps``); ``None``:
+            ``POLAR_EXPRESS_COEFFICIENTS``.
+        backend: ``"gram"`` (Gram NS, direct on square matrices) or ``"direct"``.
+        kernel: ``"auto"`` or a kernel name (``"torch"``, ``"triton"``, ``"quack"``); see
+            :class:`NewtonSchulz`.
+        restart_iterations: the Gram form's restarts, ints in ``[1, steps - 1]``; ``None``:
+            ``(2,)`` where ``steps > 2``.
+        dtype: the iteration dtype, ``torch.float16`` or ``torch.bfloat16``; ``None``: fp32
+            where the torch kernel runs on the CPU, fp16 elsewhere.
+        eps: a finite float > 0 added to each matrix's Frobenius norm before scaling by it.
+        deterministic: ``True``: the plain torch kernel unless a kernel is named.
     """
     config = NewtonSchulz(
         backend=backend,
@@ -151,7 +170,24 @@ def _spelled(annotation: object) -> object:
 @_front_end
 @takes_newton_schulz_keywords
 def gram_newton_schulz(G: TensorOrList, **options: Unpack[_GramKeywords]) -> Tensor | list[Tensor]:
-    """``newton_schulz(G, backend="gram", ...)`` (square matrices still run direct NS)."""
+    """``newton_schulz(G, backend="gram", ...)`` (square matrices still run direct NS).
+
+    Args:
+        G: a real floating tensor (float16, bfloat16, float32 or float64) of shape
+            ``(..., rows, cols)``, at least 2-D and non-empty, each trailing matrix
+            orthogonalised on its own; or a list or tuple of such tensors, which comes back as
+            a list in the same order.
+        steps: the number of Newton–Schulz steps, an int >= 1.
+        coefficients: the ``(a, b, c)`` row of each step; ``None``:
+            ``POLAR_EXPRESS_COEFFICIENTS``. As for :func:`newton_schulz`.
+        kernel: ``"auto"`` or a kernel name; see :class:`NewtonSchulz`.
+        restart_iterations: the steps before which the Gram matrix is recomputed, ints in
+            ``[1, steps - 1]``; ``None``: ``(2,)`` where ``steps > 2``.
+        dtype: the iteration dtype, ``torch.float16`` or ``torch.bfloat16``; ``None``: the
+            device's default (fp32 for the torch kernel on the CPU, fp16 elsewhere).
+        eps: a finite float > 0 added to each matrix's Frobenius norm before scaling by it.
+        deterministic: ``True``: the plain torch kernel unless a kernel is named.
+    """
     return newton_schulz(G, backend=NSBackend.GRAM, **options)
 
 
@@ -160,19 +196,36 @@ def gram_newton_schulz(G: TensorOrList, **options: Unpack[_GramKeywords]) -> Ten
 def direct_newton_schulz(
     G: TensorOrList, **options: Unpack[_DirectKeywords]
 ) -> Tensor | list[Tensor]:
-    """``newton_schulz(G, backend="direct", ...)``: X ← aX + (bR + cR²)X with R = X·Xᵀ."""
+    """``newton_schulz(G, backend="direct", ...)``: X ← aX + (bR + cR²)X with R = X·Xᵀ.
+
+    Args:
+        G: a real floating tensor (float16, bfloat16, float32 or float64) of shape
+            ``(..., rows, cols)``, at least 2-D and non-empty, each trailing matrix
+            orthogonalised on its own; or a list or tuple of such tensors, which comes back as
+            a list in the same order.
+        steps: the number of Newton–Schulz steps, an int >= 1.
+        coefficients: the ``(a, b, c)`` row of each step; ``None``:
+            ``POLAR_EXPRESS_COEFFICIENTS``. As for :func:`newton_schulz`.
+        kernel: ``"auto"`` or a kernel name; see :class:`NewtonSchulz`.
+        dtype: the iteration dtype, ``torch.float16`` or ``torch.bfloat16``; ``None``: the
+            device's default (fp32 for the torch kernel on the CPU, fp16 elsewhere).
+        eps: a finite float > 0 added to each matrix's Frobenius norm before scaling by it.
+        deterministic: ``True``: the plain torch kernel unless a kernel is named.
+    """
     return newton_schulz(G, backend=NSBackend.DIRECT, **options)
 
 
 def tune_pending() -> dict[str, str]:
-    """Finish now every kernel choice that ``kernel="auto"`` left open.
+    """Measure now every problem that ``kernel="auto"`` found no verdict for.
 
-    On CUDA, auto measures a new problem's candidate kernels over the calls after its first one,
-    a bounded share of the time at a time (``_autotune``'s [Note: cold start]). Call this
-    where a stall is welcome, e.g. after a training loop's first step, to measure what is left
-    of every problem seen so far at once. Returns ``{"<op> <batch>x<m>x<n> <iteration dtype>":
-    kernel name}`` for every problem auto has seen (empty on the CPU, where torch is the only
-    kernel). ``NewtonSchulz.tune(g)`` does the same for given tensors before their first call.
+    On CUDA, auto runs a problem on the kernel of its verdict (measured earlier on this
+    machine, or shipped in the device's table for common shapes) and on torch where there is
+    none; no NS call measures anything (``_autotune``'s notes). Call this where a stall is
+    welcome, e.g. after a training loop's first step, to measure every problem seen so far that
+    has no verdict (a few seconds each) and run its fastest kernel from the next call on.
+    Returns ``{"<op> <batch>x<m>x<n> <iteration dtype>": kernel name}`` for every problem auto
+    has seen (empty on the CPU, where torch is the only kernel). ``NewtonSchulz.tune(g)`` does
+    the same for given tensors before their first call.
     """
     from dmuon_ns import _autotune  # CUDA-only machinery, loaded on that path only
 

@@ -32,6 +32,16 @@ which takes the tile shape. That function is below quack's documented interface,
 used only from the quack releases it was written and measured against
 (``_TILED_QUACK_RELEASES``); under another release, or on another architecture, quack's
 interface runs with its own tiles.
+
+[Note: no tuning inside quack]
+quack's ``gemm`` and ``gemm_add`` autotune by default: the first call of every new shape
+compiles and times each of their SM90 configurations (tens of them), with copies of the
+operands to defeat the L2 cache. Inside an NS call that is a stall of many seconds at an
+unpredictable point, and transient memory several times the operands'. This kernel calls them
+with ``tuned=False``: the configuration comes from quack's heuristic (nvMatmulHeuristics where
+it is installed, quack's SM90 default otherwise), as the Gram Newton–Schulz reference calls
+them, and a new shape costs at most the compile of a configuration not compiled before. The
+symmetric products, most of the work, take the tile shape of the note above.
 """
 
 from __future__ import annotations
@@ -140,13 +150,13 @@ class _QuackProducts(TorchProducts):
         return out
 
     def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-        out: Tensor = self._gemm(a, b, out_dtype=out_dtype)
+        out: Tensor = self._gemm(a, b, out_dtype=out_dtype, tuned=False)  # see the note
         return out
 
     def mm_add(
         self, a: Tensor, b: Tensor, c: Tensor, beta: float, out_dtype: torch.dtype | None = None
     ) -> Tensor:
-        out: Tensor = self._gemm_add(a, b, c, beta=beta, out_dtype=out_dtype)
+        out: Tensor = self._gemm_add(a, b, c, beta=beta, out_dtype=out_dtype, tuned=False)
         return out
 
 

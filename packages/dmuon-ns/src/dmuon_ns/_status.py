@@ -41,6 +41,10 @@ def get_backend_status(device: torch.device | str | None = None) -> dict[str, An
     kernel auto runs, or ``"autotune"`` when it times several candidates per shape (the
     verdicts are in ``dmuon_ns._autotune``). It describes ``kernel="auto"`` without
     ``DMUON_NS_KERNEL`` (``env_override`` shows that variable).
+
+    Args:
+        device: the device to answer for (a ``torch.device`` or a string such as ``"cuda:1"``);
+            ``None``: the current CUDA device when CUDA is available, else the CPU.
     """
     dev = _device(device)
     reasons = kernel_status(dev)
@@ -68,6 +72,12 @@ def get_ns_backend(
     For ``config`` (default ``NewtonSchulz()``) on ``device``; e.g. ``"gram NS (direct for
     square) | kernel torch | cpu | auto on cpu: the accelerated kernels need CUDA, plain torch
     runs"``.
+
+    Args:
+        config: the settings to describe (its ``backend``, ``kernel`` and ``deterministic``
+            decide the answer); ``None``: ``NewtonSchulz()``, the defaults.
+        device: the device to answer for (a ``torch.device`` or a string such as ``"cuda:1"``);
+            ``None``: the current CUDA device when CUDA is available, else the CPU.
     """
     config = config if config is not None else NewtonSchulz()
     dev = _device(device)

@@ -27,10 +27,12 @@ Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported).
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 from torch import Tensor
 
 from dmuon_ns._environment import triton_interpreting
@@ -208,7 +210,9 @@ def _to_storage(acc, ptr, INTERPRET: tl.constexpr):
 # On the GPU each product picks its tiles with Triton's autotuner, once per (batch, M, K
 # or N, epilogue, dtype): small Gram sides need small tiles to give the chip enough programs,
 # large ones want 128-wide tiles and deep pipelines. The lists are short because every entry
-# is compiled once per epilogue variant on first use.
+# is compiled once per epilogue variant on first use. Each candidate is timed for ~25 ms
+# (Triton's default is ~125 ms: a new shape then cost seconds of timing in its first call),
+# and the choices are kept in Triton's on-disk cache, so a machine times a product once.
 _SYM_TILES = (
     TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=3),
     TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=4),
@@ -221,11 +225,24 @@ _MM_TILES = (
     TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=8),
 )
 _TUNING_KEY = ["NB", "M", "N", "K", "HAS_C", "HAS_DIAG"]
+
+
+def _short_bench(fn: Any, quantiles: Any = None) -> Any:
+    """Triton's benchmark with a short warm-up and timing (see the tile note)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
 _sym_tuned = triton.autotune(
-    configs=[tiles.autotune_config(symmetric=True) for tiles in _SYM_TILES], key=_TUNING_KEY
+    configs=[tiles.autotune_config(symmetric=True) for tiles in _SYM_TILES],
+    key=_TUNING_KEY,
+    do_bench=_short_bench,
+    cache_results=True,
 )(_product_kernel)
 _mm_tuned = triton.autotune(
-    configs=[tiles.autotune_config(symmetric=False) for tiles in _MM_TILES], key=_TUNING_KEY
+    configs=[tiles.autotune_config(symmetric=False) for tiles in _MM_TILES],
+    key=_TUNING_KEY,
+    do_bench=_short_bench,
+    cache_results=True,
 )(_product_kernel)
 # Small tiles for the CPU interpreter, which spends milliseconds per operation of every program.
 _INTERPRETER_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=1)

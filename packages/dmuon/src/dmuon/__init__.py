@@ -3,7 +3,7 @@
     import dmuon
     dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)  # leaves the dedicated matrices to dmuon
+        fully_shard(layer, mesh=mesh)  # skips the dedicated matrices (dedicate_params' patch)
     fully_shard(model, mesh=mesh)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
@@ -18,6 +18,7 @@ for one release, with a ``DeprecationWarning`` naming their new place. This modu
 logic, and importing it does no work (no device queries, no compilation, no patching).
 """
 
+from types import ModuleType as _Module
 from typing import Any as _Any
 
 from dmuon_clip import clip_grad_norm_ as clip_grad_norm_
@@ -48,65 +49,28 @@ from dmuon_fsdp import uninstall_patch as uninstall_patch
 from dmuon_ns import NewtonSchulz as NewtonSchulz
 from dmuon_ns import get_ns_backend as get_ns_backend
 from dmuon_ns import newton_schulz as newton_schulz
-from dmuon_ownership import Topology as Topology
-from dmuon_ownership import forecast as forecast
+
+from .plan import Topology as Topology
+from .plan import forecast as forecast
 
 __version__ = "0.1.0"
 
-# Every public name above, listed once (in their imports).
-__all__ = sorted(n for n in dict(globals()) if not n.startswith("_"))
+# Every public name above, listed once (in their imports); ``plan``, which the planner's two
+# names come from, is a topic module, not a name of the top level.
+__all__ = sorted(
+    n for n, v in dict(globals()).items() if not n.startswith("_") and not isinstance(v, _Module)
+)
 
 # The topic sub-modules, reachable as dmuon.<module> after ``import dmuon`` (re-exports only:
 # importing them does no work either).
 from . import clip as clip
 from . import ns as ns
+from . import plan as plan
 from . import qk_clip as qk_clip
 from . import runtime as runtime
 
-# Former top-level names and the sub-module that holds each now (see ``__getattr__``).
-_MOVED: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "POLAR_EXPRESS_COEFFICIENTS",
-            "YOU_COEFFICIENTS",
-            "direct_newton_schulz",
-            "get_backend_status",
-            "gram_newton_schulz",
-        ),
-        "ns",
-    ),
-    **dict.fromkeys(
-        (
-            "GradClipBucket",
-            "GradClipBucketStats",
-            "MuonGradClipStats",
-            "SegmentedGradClipResult",
-            "clip_grad_norm_buckets_",
-            "register_muon_grad_clip_strategy",
-            "try_clip_optimizer_grad_norm_buckets_",
-        ),
-        "clip",
-    ),
-    **dict.fromkeys(("QKRowMap", "max_logits_from_lse", "max_logits_from_scores"), "qk_clip"),
-    **dict.fromkeys(
-        (
-            "CHECKPOINT_KEY",
-            "DedicatedCommContext",
-            "broadcast_all_updates",
-            "broadcast_all_updates_async",
-            "collect_forward_unshard_profile",
-            "get_comm_ctx",
-            "get_dedicated_params",
-            "get_owned_params",
-            "install_patch",
-            "prepare_muon_grads",
-            "wait_all_reduces",
-            "wait_all_replicate_broadcasts",
-        ),
-        "runtime",
-    ),
-    **dict.fromkeys(("Forecast", "ModelShapes", "model_shapes"), "plan"),
-}
+# The topic modules that hold the former top-level names (see ``__getattr__``).
+_TOPICS = ("ns", "clip", "qk_clip", "runtime", "plan")
 # Names of earlier releases kept for one more, each with its replacement.
 _RENAMED = {
     "dedicate_params_ddp_tp": "dmuon.dedicate_params_ddp",
@@ -119,15 +83,16 @@ def __getattr__(name: str) -> _Any:
     import importlib
     import warnings
 
-    if name in _MOVED:
-        module = importlib.import_module(f"{__name__}.{_MOVED[name]}")
-        warnings.warn(
-            f"dmuon.{name} moved to dmuon.{_MOVED[name]}.{name}; the top-level name goes away "
-            "in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(module, name)
+    for topic in _TOPICS:
+        module = importlib.import_module(f"{__name__}.{topic}")
+        if name in module.__all__:
+            warnings.warn(
+                f"dmuon.{name} moved to dmuon.{topic}.{name}; the top-level name goes away in "
+                "the next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(module, name)
     if name in _RENAMED:
         import dmuon_fsdp
 

@@ -6,7 +6,7 @@
     dmuon-demo --plot loss.png          # both loss curves (needs matplotlib)
     dmuon-demo --qk-clip 30 --lr 0.1    # a high lr grows the logits: dmuon with and without
                                         # QK-clip at τ = 30, per-layer max logit per step
-    torchrun --nproc-per-node 8 -m dmuon._demo --torchrun   # one process per GPU, NCCL
+    torchrun --nproc-per-node 8 --no-python dmuon-demo --torchrun   # one process per GPU, NCCL
 
 The command starts its own ranks with torch.multiprocessing, trains the baseline and then
 dmuon in the same processes on the same data from the same initial weights, prints one line
@@ -440,7 +440,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
         if torchrun and not {"RANK", "WORLD_SIZE"} <= os.environ.keys():
             raise ValueError(
                 "--torchrun: RANK and WORLD_SIZE are not set; start the demo with"
-                " `torchrun --nproc-per-node N -m dmuon._demo --torchrun`, or drop --torchrun"
+                " `torchrun --nproc-per-node N --no-python dmuon-demo --torchrun`, or drop --torchrun"
                 " to let it spawn --nproc ranks itself"
             )
         opts = _options(args, world_size)

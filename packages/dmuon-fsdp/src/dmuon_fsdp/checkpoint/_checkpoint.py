@@ -205,7 +205,18 @@ def get_model_state_dict(
 
     ``cpu_offload`` moves each tensor to the CPU as soon as it is gathered; ``rank0_only``
     returns the dictionary on rank 0 and ``{}`` on every other rank (see [Note: one full
-    tensor at a time])."""
+    tensor at a time]).
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        cpu_offload: ``True``: every tensor is returned on the CPU, moved there as soon as it
+            is gathered, so that at most one full tensor at a time lives on the device;
+            ``False``: on the device it was gathered on.
+        rank0_only: ``True``: only rank 0 keeps (and returns) the tensors, the other ranks
+            return ``{}``; ``False``: every rank returns the whole dictionary. A bool
+            (anything else raises ``TypeError``).
+    """
     check_bool("rank0_only", rank0_only)
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_get_model"):
@@ -234,7 +245,18 @@ def set_model_state_dict(
     ``state_dict`` is ignored; pass ``{}``). Rank 0 checks it and every rank raises the same
     ``ValueError`` when it does not fit; otherwise each dedicated weight goes from rank 0 to its
     owner alone and every FSDP2 shard is cut from one broadcast tensor at a time (see [Note:
-    loading from rank 0])."""
+    loading from rank 0]).
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        state_dict: ``{fqn: full tensor}`` with exactly the keys of ``model.state_dict()``,
+            each of the entry's full shape and dtype (on any device). Ignored on every rank
+            but 0 with ``broadcast_from_rank0=True``.
+        broadcast_from_rank0: ``True``: read the dictionary on global rank 0 only and send
+            each tensor to where it is kept; ``False``: every rank passes the whole dictionary.
+            A bool (anything else raises ``TypeError``).
+    """
     check_bool("broadcast_from_rank0", broadcast_from_rank0)
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_set_model"):
@@ -408,7 +430,19 @@ def get_optimizer_state_dict(
     """Full, FQN-keyed optimizer state (see [Note: the checkpoint format]); collective.
 
     ``cpu_offload`` and ``rank0_only`` as in :func:`get_model_state_dict` (the steps are always
-    on the CPU, as ``torch.optim.AdamW`` keeps them)."""
+    on the CPU, as ``torch.optim.AdamW`` keeps them).
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        optimizer: the :class:`Muon` built on ``model`` (another object raises
+            ``ValueError``).
+        cpu_offload: ``True``: every state tensor is returned on the CPU, moved there as soon
+            as it is gathered; ``False``: on the device it was gathered on (steps stay on the
+            CPU either way).
+        rank0_only: ``True``: only rank 0 returns the state, every other rank ``{}``;
+            ``False``: every rank returns it. A bool (anything else raises ``TypeError``).
+    """
     check_bool("rank0_only", rank0_only)
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)
@@ -477,7 +511,19 @@ def set_optimizer_state_dict(
 ) -> None:
     """Restore momentum buffers, Adam moments, steps and group hyperparameters from a full
     optimizer state dict; raises before modifying anything when it does not fit. A parameter
-    without an entry raises unless ``strict=False``, which starts it from fresh state."""
+    without an entry raises unless ``strict=False``, which starts it from fresh state.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        optimizer: the :class:`Muon` built on ``model`` (another object raises
+            ``ValueError``).
+        state_dict: a full optimizer state dict, ``{"state": {fqn: {field: tensor}},
+            "param_groups": ...}``, as :func:`get_optimizer_state_dict` returns it (from any
+            topology); every rank passes it.
+        strict: ``True``: a parameter without an entry in ``state_dict["state"]`` raises
+            ``ValueError``; ``False``: it starts from fresh state.
+    """
     where = "set_optimizer_state_dict"
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)

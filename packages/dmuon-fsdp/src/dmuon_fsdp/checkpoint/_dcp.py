@@ -103,6 +103,12 @@ class AppState(Stateful):
     See [Note: the DCP layout] for what it writes; each rank writes only what it holds.
     ``state_dict()`` and ``load_state_dict()`` are collective (they drain the runtime; loading
     ends with the runtime's ``after_step``).
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        optimizer: the :class:`Muon` built on ``model`` (another object raises
+            ``ValueError``).
     """
 
     def __init__(self, model: nn.Module, optimizer: Muon) -> None:
@@ -146,7 +152,13 @@ class AppState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install what DCP read into the tensors of :meth:`state_dict` (an optimizer state
         entry left out, as ``load_checkpoint(strict=False)`` does for one the checkpoint lacks,
-        starts from fresh state)."""
+        starts from fresh state).
+
+        Args:
+            state_dict: the dictionary :meth:`state_dict` returned, with the values DCP read
+                into it (keys ``"model"`` and ``"optim"``; anything else raises
+                ``ValueError``).
+        """
         where = "AppState.load_state_dict"
         with record_function("dmuon::dcp_load_state_dict"):
             if not isinstance(state_dict, Mapping) or set(state_dict) != {"model", "optim"}:
@@ -203,7 +215,16 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: M
     the CRC32 of every chunk written, which :func:`load_checkpoint` verifies (see [Note:
     checkpoint integrity]); collective. For an asynchronous save call
     ``dcp.async_save({dmuon.runtime.CHECKPOINT_KEY: dmuon.AppState(model, optimizer)}, ...)``, which
-    records no checksums."""
+    records no checksums.
+
+    Args:
+        path: the checkpoint directory, the same on every rank (DCP's ``FileSystemWriter``
+            writes there); a checksum record of an earlier save into it is removed first.
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        optimizer: the :class:`Muon` built on ``model`` (another object raises
+            ``ValueError``).
+    """
     with record_function("dmuon::save_checkpoint"):
         writer = integrity.ChecksumWriter(path)
         integrity.clear_checksums(path)
@@ -273,7 +294,20 @@ def load_checkpoint(
     the optimizer. A checkpoint that does not fit raises ``ValueError`` naming the key; a
     damaged one :class:`CheckpointIntegrityError` naming the file and what is wrong. A parameter
     without optimizer state in the checkpoint raises unless ``strict=False``, which starts it
-    from fresh state. Collective."""
+    from fresh state. Collective.
+
+    Args:
+        path: the checkpoint directory (every rank passes the same one). Without
+            ``dmuon_checksums.json`` (a checkpoint of your own ``dcp.save``) it loads with the
+            file checks but not the chunk checksums, and warns.
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        optimizer: the :class:`Muon` built on ``model`` (another object raises
+            ``ValueError``).
+        strict: ``True``: a parameter without optimizer state in the checkpoint raises
+            ``ValueError``; ``False``: such parameters start from fresh state, as before
+            their first step; everything else loads.
+    """
     where = "load_checkpoint"
     app = AppState(model, optimizer)
     with record_function("dmuon::load_checkpoint"):

@@ -42,7 +42,18 @@ def init_dedicated_(
     drawing from ``generator`` (see [Note: owners-only initialisation]). Call it after
     ``model.to_empty(device=...)``; the other parameters (FSDP2's shards, buffers) are the
     caller's to initialise. Collective: in HSDP and on the replicated path it ends with the
-    owners' publish."""
+    owners' publish.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``).
+        fn: ``fn(fqn, weight, generator)``, called once per dedicated weight on each rank
+            that keeps it (a tensor-parallel weight whole, then split); it fills ``weight`` in
+            place, drawing random numbers from ``generator`` (on the weight's device), and its
+            return value is ignored. Not callable: ``TypeError``.
+        seed: any int; each weight's generator is seeded from ``seed`` and the weight's FQN,
+            so that its values do not depend on the world size or on which rank owns it.
+    """
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(fqn, weight, generator), got {fn!r}")
     if not is_int(seed):

@@ -118,7 +118,17 @@ class StepContext(NamedTuple):
 
 class WeightPart(NamedTuple):
     """The part of one parameter that this rank steps (see [Note: the post-update hook] in
-    ``optim/_step_plan``)."""
+    ``optim/_step_plan``).
+
+    Args:
+        tensor: the values this rank updates: the owner's full master of a dedicated weight or
+            its tensor-parallel shard, this rank's shard of an FSDP2 parameter, or a
+            replicated parameter whole. A post-update hook may change it in place (never its
+            shape or dtype); every rank's next forward reads the result.
+        offsets: the index of ``tensor``'s first element in the full parameter, one int per
+            dimension (all zeros for a whole weight).
+        shape: the full parameter's shape.
+    """
 
     tensor: Tensor  # the values this rank updates, changed in place by a hook
     offsets: tuple[int, ...]  # index of tensor's first element in the full parameter, per dim

@@ -103,7 +103,34 @@ class MuonStepStats(NamedTuple):
 @dataclass(frozen=True)
 class StepOptions:
     """How :class:`Muon` steps, beyond the per-group hyperparameters; validated at
-    construction."""
+    construction.
+
+    Args:
+        lr_scaling: the factor ``s(m, n)`` the update of an ``m x n`` matrix is scaled by,
+            beside ``lr``: ``"moonlight"`` ``0.2·√max(m, n)``, so that the update's RMS
+            matches AdamW's and AdamW learning rates carry over; ``"original"`` (or
+            ``"spectral"``) ``√max(1, m/n)``, Keller Jordan's; ``"none"`` 1. A string or
+            ``LrScaling``; another value raises ``ValueError``.
+        ns_batch_bytes: same-shape matrices share one Newton–Schulz call up to this many bytes
+            of input (an int >= 1; a matrix larger than it runs alone); ``None``: one call per
+            shape, however large. Larger batches mean fewer kernel launches and more transient
+            memory (about five times the batch). The default is 64 MiB.
+        replicate_async: HSDP and the replicated path: ``True`` launches the publish of the
+            updated weights at the end of ``step()`` without waiting (each boundary's next
+            forward waits for its own part); ``False`` waits for it in ``step()``. A bool.
+        skip_nonfinite: ``True`` checks every gradient a rank is about to step with, and skips
+            the whole step on every rank when one is not finite (weights, states and step
+            counts unchanged; see ``last_step_stats``), without a host sync. ``False`` steps
+            regardless. A bool.
+        tp_ns: how Newton–Schulz runs on a tensor-parallel matrix: ``"gather"`` (the TP owner
+            gathers the shards, runs NS once, scatters the result), ``"gram"`` (distributed
+            Gram NS over the TP group, where the shards split the matrix's long side and the
+            NS is a Gram ``NewtonSchulz``; gather elsewhere), or ``"auto"`` (``"gram"`` where
+            it applies and the short side is at most half the long one, else gather). A
+            string or ``TPMode``; another value raises ``ValueError``.
+        profile: ``True`` times every step's phases, read with :meth:`Muon.step_profile`
+            (and records the forward's wait times). A bool.
+    """
 
     lr_scaling: LrScaling = LrScaling.MOONLIGHT
     # Same-shape matrices share one NS call up to this many bytes of input (None: no cap).
@@ -221,6 +248,45 @@ class Muon(torch.optim.Optimizer):
     the step profile) is ``options=StepOptions(...)``. Features that act inside the step attach
     themselves as hooks: ``dmuon.QKClip(...).attach(optimizer)`` (QK-clip),
     :meth:`register_post_update_hook`, :meth:`register_pre_step_hook`.
+
+    Args:
+        model: the model after ``dedicate_params`` and ``fully_shard`` (layers, then the root),
+            or after ``dedicate_params_ddp`` and ``replicate``; the optimizer steps its
+            trainable parameters. Not a parameter list (``ValueError``); a trainable parameter
+            that nothing synchronises (neither dedicated, nor FSDP2's, nor replicated) raises
+            ``ValueError``.
+        lr: the Muon learning rate, a finite number >= 0: each update is ``NS(input)`` times
+            ``lr * s(m, n)``, and decay multiplies the weight by ``1 - lr * weight_decay``.
+        momentum: the Muon momentum ``β`` of ``buf = β * buf + grad``, in ``[0, 1)``.
+        weight_decay: decoupled weight decay of the Muon matrices, a finite number >= 0 (``0``:
+            none).
+        ns_steps: Newton–Schulz iterations of the ``"gram"`` / ``"direct"`` backends, an
+            int >= 1; ``None``: 5. Must be ``None`` with a ``NewtonSchulz`` or a callable
+            ``ns_backend``, which carries its own.
+        nesterov: ``True``: the NS input is ``grad + momentum * buf`` (Nesterov); ``False``:
+            ``buf``. A bool.
+        ns_backend: the orthogonalisation: ``"gram"`` (Gram Newton–Schulz, direct NS on square
+            matrices), ``"direct"``, a ``NewtonSchulz``, or a callable ``(batch, m, n) tensor
+            -> tensor`` of the same shape. Another string raises ``ValueError``.
+        adamw_lr: the learning rate of the parameters AdamW steps (every trainable parameter
+            that Muon does not), a finite number >= 0.
+        adamw_betas: AdamW's ``(β1, β2)``, each in ``[0, 1)``.
+        adamw_weight_decay: AdamW's decoupled weight decay (as in ``torch.optim.AdamW``), a
+            finite number >= 0.
+        adamw_eps: AdamW's ``ε``, added to the denominator, a finite number >= 0.
+        param_groups: semantic groups: a list of dicts, each with ``"params"`` (parameters, or
+            ``(name, parameter)`` pairs, of the wrapped model: build them after
+            ``fully_shard``) and optionally ``"group_name"`` (unique, no ``/``), ``"lr"``,
+            ``"weight_decay"`` (both optimizers), ``"muon_lr"``, ``"adamw_lr"``,
+            ``"muon_weight_decay"``, ``"adamw_weight_decay"``, ``"momentum"``,
+            ``"nesterov"``, ``"adamw_betas"``, ``"adamw_eps"`` and ``"dmuon_route"``
+            (``"muon"`` or ``"adamw"``: every dedicated parameter of the group takes that
+            optimizer). Every trainable parameter must be in exactly one group; each becomes
+            the optimizer groups ``<name>/muon`` and ``<name>/adamw``; keys it leaves out take
+            the keywords above. ``None``: one ``muon`` and one ``adamw`` group of every
+            trainable parameter.
+        options: how the step runs beyond the hyperparameters (:class:`StepOptions`);
+            ``None``: ``StepOptions()``, every default.
     """
 
     def __init__(
@@ -364,7 +430,14 @@ class Muon(torch.optim.Optimizer):
         """Run ``hook(optimizer, parts)`` in every ``step()`` on every rank, after the update
         and before the publish; ``parts`` maps each FQN this rank steps to its
         :class:`WeightPart`, which the hook may change in place (see [Note: the post-update
-        hook]). Returns a handle whose ``remove()`` unregisters it."""
+        hook]). Returns a handle whose ``remove()`` unregisters it.
+
+        Args:
+            hook: a callable ``hook(optimizer, parts) -> None``, run after the hooks registered
+                before it; ``parts`` is a mapping ``{fqn: WeightPart}``. Not callable:
+                ``TypeError``. If it raises, the step still publishes, then re-raises (see
+                [Note: a hook that raises]).
+        """
         if not callable(hook):
             raise TypeError(
                 f"register_post_update_hook takes a callable (optimizer, parts) -> None, got "
@@ -375,7 +448,12 @@ class Muon(torch.optim.Optimizer):
     def register_pre_step_hook(self, hook: PreStepHook) -> RemovableHandle:
         """Run ``hook(optimizer)`` at the start of every ``step()`` on every rank, before the
         step waits for the gradient reduces (to launch work a post-update hook waits for).
-        Returns a handle whose ``remove()`` unregisters it."""
+        Returns a handle whose ``remove()`` unregisters it.
+
+        Args:
+            hook: a callable ``hook(optimizer) -> None``, run after the hooks registered before
+                it. Not callable: ``TypeError``.
+        """
         if not callable(hook):
             raise TypeError(
                 f"register_pre_step_hook takes a callable (optimizer) -> None, got {hook!r}"
@@ -386,39 +464,42 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Muon on owned matrices, AdamW on the rest; see [Note: step order]."""
+        """Muon on owned matrices, AdamW on the rest; see [Note: step order].
+
+        Args:
+            closure: ``None``, or a callable that recomputes the loss (run with gradients
+                enabled before the step) and returns it; ``step`` returns what it returned.
+        """
         loss = _closure_loss(closure)
-        self._check_params_current()
-        self._hooks.before_step(self)
-        mark = self._start_profile()
+        mark = self._begin()
         with span("dmuon::optimizer_step"):
-            work = self._collect()
-            mark("wait_reduces")
-            found, skip = self._nonfinite(work)
-            mark("nonfinite_check")
-            with span("dmuon::muon_step"):
-                self._muon_update(work, skip, mark)
-            with span("dmuon::adamw_step"):
-                self._adamw_update(work, found, skip)
-            mark("adamw")
+            work = self._collect(mark)
+            found, skip = self._nonfinite(work, mark)
+            self._muon_update(work, skip, mark)
+            self._adamw_update(work, found, skip, mark)
             error = self._post_update(mark)
-            self._plan.publish(self._runtime.comm_ctx, mark)
-            self._runtime.after_step(async_=self.options.replicate_async)
-            mark("publish")
+            self._publish(mark)
         if error is not None:
             raise error
         return loss
 
-    def _start_profile(self) -> Callable[[str], None]:
+    # -- the phases of a step: each closes its step-profile phase with ``mark`` ----------------
+
+    def _begin(self) -> Callable[[str], None]:
+        """Check the parameters (the first step), run the pre-step hooks and start the step
+        profile; returns its ``mark`` (see [Note: the step profile])."""
+        self._check_params_current()
+        self._hooks.before_step(self)
         if self._timer is None:
             return _no_mark
         self._timer.start()
         return self._timer.mark
 
-    def _collect(self) -> _StepWork:
+    def _collect(self, mark: Callable[[str], None]) -> _StepWork:
         """Wait for the gradient reduces; the Muon items and AdamW tensors this step touches
         (states made on first use), with the group's hyperparameters of this step."""
         self._runtime.wait_all_reduces()
+        mark("wait_reduces")
         plan = self._plan
         batches = [
             (items, part[0].ns) for part in plan.batches if (items := self._muon_items(part))
@@ -429,24 +510,26 @@ class Muon(torch.optim.Optimizer):
         ]
         return _StepWork(batches, momentum, adamw)
 
-    def _nonfinite(self, work: _StepWork) -> tuple[Tensor | None, Tensor | None]:
+    def _nonfinite(
+        self, work: _StepWork, mark: Callable[[str], None]
+    ) -> tuple[Tensor | None, Tensor | None]:
         """The non-finite decision (``found`` for torch's fused AdamW, ``skip`` for the Muon
         passes), or ``(None, None)`` without ``skip_nonfinite``."""
-        if not self.options.skip_nonfinite:
-            return None, None
-        found = self._find_nonfinite(work)
-        return found, found > 0
+        found = self._find_nonfinite(work) if self.options.skip_nonfinite else None
+        mark("nonfinite_check")
+        return found, None if found is None else found > 0
 
     def _muon_update(
         self, work: _StepWork, skip: Tensor | None, mark: Callable[[str], None]
     ) -> None:
         """Momentum, NS (one call per batch, with the batch's NS) and the update of every
         matrix this rank steps; the momentum alone of those another replica steps."""
-        for items, ns in work.batches:
-            assert ns is not None
-            muon_batch(items, ns, skip=skip, mark=mark)
-        for items in work.momentum_only:
-            momentum_only(items, skip=skip)
+        with span("dmuon::muon_step"):
+            for items, ns in work.batches:
+                assert ns is not None
+                muon_batch(items, ns, skip=skip, mark=mark)
+            for items in work.momentum_only:
+                momentum_only(items, skip=skip)
         mark("muon_update")
 
     def _post_update(self, mark: Callable[[str], None]) -> BaseException | None:
@@ -459,24 +542,39 @@ class Muon(torch.optim.Optimizer):
         mark("post_update")
         return error
 
-    def _adamw_update(self, work: _StepWork, found: Tensor | None, skip: Tensor | None) -> None:
+    def _publish(self, mark: Callable[[str], None]) -> None:
+        """The holders' own publish (expert sources), then the runtime's: replicas and peers
+        get the new weights (see [Note: step order])."""
+        self._plan.publish(self._runtime.comm_ctx, mark)
+        self._runtime.after_step(async_=self.options.replicate_async)
+        mark("publish")
+
+    def _adamw_update(
+        self,
+        work: _StepWork,
+        found: Tensor | None,
+        skip: Tensor | None,
+        mark: Callable[[str], None],
+    ) -> None:
         """AdamW over every group's tensors (torch's fused kernel skips on ``found``); counts
         a skipped step."""
-        for group, params, grads, states in work.adamw:
-            beta1, beta2 = group["betas"]
-            adamw_step(
-                params,
-                grads,
-                states,
-                lr=float(group["lr"]),
-                betas=(float(beta1), float(beta2)),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                found_inf=found,
-            )
-        if skip is not None:
-            self._skipped_steps.add_(skip.to(self._skipped_steps.device))
-            self._last_skip = skip
+        with span("dmuon::adamw_step"):
+            for group, params, grads, states in work.adamw:
+                beta1, beta2 = group["betas"]
+                adamw_step(
+                    params,
+                    grads,
+                    states,
+                    lr=float(group["lr"]),
+                    betas=(float(beta1), float(beta2)),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    found_inf=found,
+                )
+            if skip is not None:
+                self._skipped_steps.add_(skip.to(self._skipped_steps.device))
+                self._last_skip = skip
+        mark("adamw")
 
     def step_profile(self) -> dict[str, float]:
         """Milliseconds per phase of the last ``step()`` (see [Note: the step profile]):
@@ -590,7 +688,12 @@ class Muon(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of every parameter, dedicated ones' owner gradients included (those
-        always become ``None``: the runtime writes a fresh averaged gradient each backward)."""
+        always become ``None``: the runtime writes a fresh averaged gradient each backward).
+
+        Args:
+            set_to_none: ``True`` sets every other gradient to ``None`` (frees its memory);
+                ``False`` fills it with zeros, as ``torch.optim.Optimizer.zero_grad`` does.
+        """
         super().zero_grad(set_to_none=set_to_none)
         self._runtime.clear_grads()
 

@@ -107,6 +107,15 @@ class QKRowMap:
     ``QKRowMap((("q", 128),))``; an MLA query ``QKRowMap((("q", 128), ("q_rope", 64)))`` and its
     ``kv_b_proj`` ``QKRowMap((("k", 128), ("skip", 128)))``; the key third of a fused
     ``[Q | K | V]`` weight ``QKRowMap((("k", 128),), start=num_heads * 128)``.
+
+    Args:
+        blocks: one head's rows, in order, as ``(kind, rows)`` pairs: ``kind`` one of ``"q"``,
+            ``"k"``, ``"q_rope"``, ``"skip"``, ``rows`` an int >= 1; at least one block must
+            not be ``"skip"``. Anything else raises ``ValueError``.
+        start: the row of the weight where head 0 starts, an int >= 0.
+        stride: the rows from one head's start to the next, an int at least the rows of one
+            head (the sum of ``blocks``' rows); ``None``: exactly one head's rows, heads back
+            to back.
     """
 
     blocks: tuple[tuple[str, int], ...]
@@ -236,6 +245,13 @@ class QKClip:
     attention modules), attach the object to the optimizer (``clip.attach(optimizer)``), and
     call :meth:`observe` in each attention's forward with the step's per-head maxima (see
     ``dmuon.max_logits``). No optimizer state: checkpoints are unchanged.
+
+    Args:
+        tau: the threshold τ, a number > 0: after each step, a head whose largest logit ``S``
+            went over it has its query and key rows scaled so that its logits shrink by
+            ``τ / S``; ``math.inf``: never scale, only record the statistic.
+        alpha: the share α of the scale that goes to W_q, in ``[0, 1]``: a head's query rows
+            are multiplied by ``γ^α`` and its key rows by ``γ^(1−α)``.
     """
 
     def __init__(self, tau: float = 100.0, alpha: float = 0.5) -> None:
@@ -286,7 +302,24 @@ class QKClip:
         for grouped-query attention). ``q_rows`` / ``k_rows`` say where each head's rows sit
         (default: ``rows / heads`` rows per head, back to back, all scaled). ``qk_norm=True``
         marks an attention that normalises q and k (never scaled); ``None`` detects a
-        ``q_norm`` / ``k_norm`` submodule of the module holding the projections."""
+        ``q_norm`` / ``k_norm`` submodule of the module holding the projections.
+
+        Args:
+            q: the FQN of the query projection weight (as in ``model.named_parameters()``), a
+                non-empty string that no attention added before uses.
+            k: the FQN of the key projection weight; equal to ``q`` for a fused projection,
+                which then needs both ``q_rows`` and ``k_rows``.
+            num_heads: the attention's query heads, an int >= 1.
+            num_kv_heads: its key heads, an int >= 1 that divides ``num_heads``; ``None``: as
+                many as ``num_heads``.
+            q_rows: where each head's rows sit in the query weight (:class:`QKRowMap`);
+                ``None``: ``rows / num_heads`` rows per head, back to back, all ``"q"``.
+            k_rows: the same for the key weight; ``None``: ``rows / num_kv_heads`` rows per
+                key head, back to back, all ``"k"``.
+            qk_norm: ``True``: the attention normalises q and k after the projections, so it is
+                recorded but never scaled; ``False``: scaled; ``None``: ``True`` when the
+                module holding the projections has a ``q_norm`` or ``k_norm`` submodule.
+        """
         if self._bound:
             raise ValueError(
                 "QKClip.add after clip.attach(optimizer): add every attention before attaching it"
@@ -334,7 +367,15 @@ class QKClip:
         ``num_attention_heads``, ``num_key_value_heads`` and ``head_dim``; ``q_norm`` /
         ``k_norm`` marks QK-norm) and DeepSeek-V3's multi-head latent attention (``q_b_proj``,
         or ``q_proj`` without a query LoRA, and ``kv_b_proj``, with ``qk_nope_head_dim``,
-        ``qk_rope_head_dim`` and ``v_head_dim``)."""
+        ``qk_rope_head_dim`` and ``v_head_dim``).
+
+        Args:
+            model: the model whose attentions to add (before or after ``dedicate_params``:
+                only names and the modules' configs are read); one without a known attention
+                raises ``ValueError``.
+            tau: the threshold τ, as for :class:`QKClip`.
+            alpha: the share α of the scale for W_q, as for :class:`QKClip`.
+        """
         clip = cls(tau, alpha)
         for name, module in model.named_modules():
             found = _hf_attention(name, module)
@@ -376,7 +417,21 @@ class QKClip:
         entries, they are taken as heads ``tp_index * len(max_logits)`` onwards; elsewhere
         pass ``first_head``, the global index of the first one. ``training`` (default
         ``torch.is_grad_enabled()``) says whether this forward trains; one that does not
-        (evaluation, generation) is not recorded. Costs one in-place maximum on the device."""
+        (evaluation, generation) is not recorded. Costs one in-place maximum on the device.
+
+        Args:
+            q: the query weight FQN the attention was added with (:meth:`add`); another
+                raises ``ValueError``.
+            max_logits: a 1-D tensor of the largest logit of each head this rank computes in
+                this forward (all ``num_heads``, or this rank's share under tensor
+                parallelism), on the device the model trains on.
+            first_head: the global index of ``max_logits``' first head, an int >= 0 such that
+                every entry is one of the attention's heads; ``None``: 0 when ``max_logits``
+                covers every head, ``tp_index * len(max_logits)`` for a dedicated
+                tensor-parallel W_q.
+            training: whether this forward trains (only then is it recorded); ``None``:
+                ``torch.is_grad_enabled()``.
+        """
         if training is None:
             training = torch.is_grad_enabled()
         if not training:

@@ -19,7 +19,42 @@ BoundaryPredicate = Callable[[nn.Module], bool]
 class DedicateConfig:
     """The options of :func:`dedicate_params` that shape the runtime: given one by one as its
     keywords, or built once and passed whole as ``dedicate_params(..., config=...)``. Raises on
-    a bad value, naming the argument and what it takes."""
+    a bad value, naming the argument and what it takes.
+
+    Args:
+        reshard_after_forward: ``True`` (Z3): after a boundary's forward, every rank but the
+            owner frees the owner's broadcast weights, and the owner broadcasts them again
+            before backward. ``False`` (Z2): peers keep them until backward, one broadcast
+            round fewer per step for the memory of every layer's full weights. Pass the same
+            value to ``fully_shard``. A bool.
+        hook_boundary_predicate: ``predicate(module) -> bool``; a dedicated parameter is
+            gathered and reduced with its hook boundary, the lowest module on its path (the
+            module that holds it, then its parents up to the root) for which this returns
+            ``True``. ``None``: the lowest such module that is an item of an ``nn.ModuleList``
+            (``layers.N``, ``blocks.N``, ``h.N``) or is named ``layers.N`` / ``blocks.N``.
+        hook_boundary_strict: ``True`` raises ``ValueError`` at ``dedicate_params`` for a
+            dedicated parameter that has no hook boundary; ``False`` hooks it at the root
+            module (its weight then stays gathered for the whole forward and backward). A bool.
+        process_group_policy: where dmuon's collectives run: ``"isolated"`` (dmuon's own
+            process groups over the mesh's ranks, so that the trainer's collectives never
+            interleave with dmuon's asynchronous ones) or ``"shared"`` (the mesh's own groups:
+            fewer communicators, the ordering left to the caller). A string or
+            ``ProcessGroupPolicy``; anything else raises ``ValueError``.
+        small_param_threshold: an int >= 0, in elements: the dedicated parameters of one hook
+            boundary smaller than this are planned as one unit with one owner (one collective
+            instead of one each); ``0`` turns that packing off.
+        patch_fully_shard: ``True`` installs the ``fully_shard`` patch
+            (:func:`~dmuon.runtime.install_patch`), so that a plain ``fully_shard`` skips the
+            dedicated parameters; ``False`` installs nothing, and every ``fully_shard`` call
+            must then pass ``ignored_params=dmuon.dedicated_params_of(model)``. A bool.
+        replicated: ``True`` is the replicated (DDP) path, :func:`dedicate_params_ddp`'s: every
+            rank keeps every weight whole and the owners broadcast their updates after each
+            step. :func:`dedicate_params` refuses a config with ``True``; a bool.
+        debug_fence: ``True`` waits for every collective dmuon has in flight and runs a barrier
+            on each of dmuon's groups at the end of every ``step()`` (and of every weight
+            publish), removing the overlap across steps: for diagnosing ordering problems only,
+            never for speed. A bool.
+    """
 
     # Z3 (True): free peers' weights after forward and broadcast again for backward; Z2 keeps.
     reshard_after_forward: bool = True

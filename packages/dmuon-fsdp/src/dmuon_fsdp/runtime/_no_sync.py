@@ -23,7 +23,13 @@ __all__ = ["no_sync"]
 
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Skip gradient synchronisation for the backward passes run inside the context."""
+    """Skip gradient synchronisation for the backward passes run inside the context.
+
+    Args:
+        model: the model given to ``dedicate_params`` (that object; another raises
+            ``ValueError``): its dedicated parameters and every ``fully_shard`` module in it
+            skip their gradient reduce until the context exits.
+    """
     runtime = get_runtime(model)
     sharded = [module for _, module in fsdp_modules(model)]
     previous = runtime.requires_gradient_sync

@@ -127,6 +127,49 @@ def dedicate_params(
     differs raises a ``ValueError``).
     Returns the :class:`DedicatedRuntime`, also reachable as ``get_runtime(model)``.
     Collective: every rank must call it with the same arguments.
+
+    Args:
+        model: the model to train, built (materialised or on the meta device) and, with
+            tensor parallelism, already parallelised; not yet ``fully_shard``-ed. One call per
+            model: a second one raises ``RuntimeError``.
+        mesh: a 1-D ``DeviceMesh`` of the data-parallel ranks that shard the weights (the
+            owners are spread over it), or a 2-D one with dimensions named
+            ``('replicate', 'shard')`` for HSDP. Anything else raises ``TypeError`` or
+            ``ValueError``.
+        predicate: ``predicate(fqn, param) -> bool``, called for every trainable parameter
+            (under each of its names when it has several); the ones it accepts are dedicated.
+            Accepting none warns (no Muon step will run).
+        reshard_after_forward: Z3 (``True``) or Z2 (``False``); see
+            :class:`DedicateConfig`. Pass ``fully_shard`` the same value.
+        replicate_mesh: for HSDP with a 1-D ``mesh``, the 1-D ``DeviceMesh`` of the replicas
+            (``hsdp['replicate']``); each owner's weights are then kept by one rank per
+            replica. ``None``: no replicas, or they come from a 2-D ``mesh`` (giving both
+            raises ``ValueError``). A replicate mesh of one rank is no replication.
+        hook_boundary_predicate: which module a dedicated parameter is gathered and reduced
+            with; ``None``: the nearest layer-stack item. See :class:`DedicateConfig`.
+        hook_boundary_strict: whether a dedicated parameter without a hook boundary raises
+            (``True``) or is hooked at the root module (``False``); see
+            :class:`DedicateConfig`.
+        param_policy: per-parameter route and dtypes: ``{"defaults": {...}, "overrides":
+            [...]}`` with the fields ``route`` (``"muon"``, ``"adamw"`` or
+            ``"sharded_adamw"``), ``param_dtype``, ``grad_dtype``, ``master_dtype``,
+            ``optim_dtype``, ``output_dtype``, ``cast_forward_inputs`` and ``glu``, each
+            override selecting parameters by ``"name"`` (whole dotted components) or
+            ``"contains"`` (substrings) of their FQN (see the routing guide). ``None``: every
+            selected parameter takes route ``"muon"``, with no dtype override. A malformed
+            policy raises ``ValueError`` naming the key.
+        process_group_policy: ``"isolated"`` (dmuon's own process groups) or ``"shared"``
+            (the mesh's); see :class:`DedicateConfig`.
+        small_param_threshold: an int >= 0, in elements: smaller dedicated parameters of one
+            hook boundary share one owner (``0``: none do); see :class:`DedicateConfig`.
+        patch_fully_shard: ``True`` makes a plain ``fully_shard`` skip the dedicated
+            parameters; ``False`` leaves ``fully_shard`` alone, and each call must pass
+            ``ignored_params=dmuon.dedicated_params_of(model)``.
+        debug_fence: ``True`` drains dmuon's collectives and runs a barrier after every step
+            (diagnosis only); see :class:`DedicateConfig`.
+        config: all of the options above but ``replicate_mesh`` and ``param_policy`` as one
+            :class:`DedicateConfig` (its ``replicated`` must be ``False``); ``None``: the
+            keywords give them.
     """
     options = DedicateConfig(
         reshard_after_forward=reshard_after_forward,
@@ -188,7 +231,27 @@ def dedicate_params_ddp(
     first) the data-parallel dimension of the (dp, tp) mesh, as tensor-parallel matrices are
     recognised by their DTensor placements. The options but ``param_policy`` may instead come
     whole as ``config=DedicateConfig(...)`` (its ``reshard_after_forward`` does not apply).
-    Collective."""
+    Collective.
+
+    Args:
+        model: the model to train, built and, with tensor parallelism, already parallelised;
+            not sharded. One call per model.
+        mesh: the 1-D ``DeviceMesh`` of the data-parallel ranks (with tensor parallelism the
+            ``dp`` dimension of the ``(dp, tp)`` mesh). A 2-D ``('replicate', 'shard')`` mesh
+            with more than one replica raises ``ValueError``: the replicated path has no
+            shard x replicate grid.
+        predicate: ``predicate(fqn, param) -> bool``, called for every trainable parameter;
+            the ones it accepts are dedicated (owned by one rank, stepped there).
+        param_policy: per-parameter route and dtypes, as for :func:`dedicate_params`;
+            ``None``: every selected parameter takes route ``"muon"``.
+        config: the options as one :class:`DedicateConfig`; its ``reshard_after_forward``,
+            ``patch_fully_shard`` and ``replicated`` are replaced by this path's own. ``None``:
+            the keyword options give them (giving both raises ``ValueError``).
+        options: keyword options, each a field of :class:`DedicateConfig` with its meaning
+            and default: ``hook_boundary_predicate``, ``hook_boundary_strict``,
+            ``process_group_policy``, ``small_param_threshold`` and ``debug_fence``; any
+            other keyword raises ``TypeError``.
+    """
     unknown = sorted(set(options) - set(SharedOptions.__annotations__))
     if unknown:
         raise TypeError(

@@ -61,7 +61,12 @@ _ORIGINAL_ATTR = "_dmuon_original"
 
 def dedicated_params_of(model: nn.Module) -> set[nn.Parameter]:
     """The parameters of ``model`` that ``dedicate_params`` took over: pass them as
-    ``fully_shard(..., ignored_params=...)`` (see [Note: FSDP2 integration])."""
+    ``fully_shard(..., ignored_params=...)`` (see [Note: FSDP2 integration]).
+
+    Args:
+        model: the model given to ``dedicate_params``, or any of its submodules (a layer):
+            the dedicated parameters among its parameters, an empty set when it holds none.
+    """
     return {p for p in model.parameters() if is_dedicated(p)}
 
 

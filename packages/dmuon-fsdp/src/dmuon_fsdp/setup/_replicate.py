@@ -59,7 +59,14 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     replicated path]): broadcast them and the buffers from rank 0, and average their gradients
     over ``mesh`` after each synced backward. Call it after ``dedicate_params_ddp`` and before
     ``Muon(model)``; on a tensor-parallel model ``mesh`` is the data-parallel dimension of the
-    (dp, tp) mesh (TP shards are recognised by their DTensor placements). Collective."""
+    (dp, tp) mesh (TP shards are recognised by their DTensor placements). Collective.
+
+    Args:
+        model: the model :func:`dedicate_params_ddp` was called on; a model dedicated with
+            :func:`dedicate_params` raises ``ValueError``, a second call ``RuntimeError``.
+        mesh: the 1-D ``DeviceMesh`` given to :func:`dedicate_params_ddp` (the same number of
+            ranks; otherwise ``ValueError``).
+    """
     runtime = get_runtime(model)
     if not runtime.config.replicated:
         raise ValueError(

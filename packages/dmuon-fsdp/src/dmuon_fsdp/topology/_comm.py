@@ -189,6 +189,40 @@ class DedicatedCommContext:
     alone and hands it to the other grids' owners as a copy to scale
     (``Muon.muon_grads_for_clip``). A maximum (the non-finite check) needs no such care: every
     rank contributes its local gradients, FSDP2 and replicated ones included.
+
+    ``dedicate_params`` builds it (collectively); read it with ``get_comm_ctx(model)``.
+
+    Args:
+        layout: the runtime's resolved mesh: the shard x replicate grid of global ranks, this
+            rank's coordinate, the tensor-parallel degree and index, and the device.
+        policy: ``dedicate_params``'s ``process_group_policy``: ``"isolated"`` (the groups
+            below are dmuon's own, made over the mesh's ranks) or ``"shared"`` (the mesh's own
+            groups; without tensor parallelism ``world_group`` and ``global_group`` are then
+            the default group).
+        shard_group: this rank's replicate row: the ranks of its shard group, over which
+            owners broadcast their weights and gradients are reduced to their owner.
+        replicate_group: this rank's shard column, its HSDP replicas, over which the owners'
+            updated weights are published and gradients reduced across replicas; ``None``
+            without HSDP.
+        world_group: every rank of this rank's grid (with tensor parallelism, the grid of
+            its TP index).
+        tp_group: with tensor parallelism, the ranks at this rank's grid coordinate in every
+            TP index's grid, which Newton–Schulz of a sharded matrix runs over; ``None``
+            without.
+        global_group: every rank dmuon runs on (``world_group`` itself without tensor
+            parallelism), for quantities that must agree over the whole step.
+        broadcast_stream: the owners' weight broadcasts, at high priority (a forward or Z3
+            backward waits for them); ``None`` off CUDA.
+        reduce_stream: the shard-axis gradient reduces, at high priority (they free a
+            boundary's local gradients); ``None`` off CUDA.
+        replicate_reduce_stream: HSDP's replicate-axis reduces, at default priority and apart
+            from ``reduce_stream`` so that one boundary's replicate stage overlaps the next
+            one's shard stage; ``None`` off CUDA.
+        publish_stream: the HSDP publish of updated weights, at default priority (hidden
+            behind the next forward); ``None`` off CUDA.
+        counter: the payload bytes and call counts of every dmuon collective, per axis and
+            kind (``counter.snapshot()``, ``counter.bytes(axis)``, ``counter.reset()``);
+            default: a new, empty ``CommCounter``.
     """
 
     layout: MeshLayout

@@ -46,17 +46,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._items import WorkItem
-from ._route import Route, normalize_dtype
+from dmuon_ownership import Route, WorkItem, normalize_dtype
 
-__all__ = ["ModelShapes", "model_shapes"]
+__all__ = ["ITEMSIZE", "MODEL_TYPES", "ModelShapes", "model_shapes"]
 
 _GQA = ("llama", "mistral", "qwen2", "qwen3")
 _GQA_MOE = ("mixtral", "qwen3_moe")
 _MLA = ("deepseek_v3", "kimi_k2")
 MODEL_TYPES: tuple[str, ...] = (*_GQA, *_GQA_MOE, *_MLA)
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Projections a tensor-parallel plan shards (the last component before ".weight").
 _TP_SHARDED = frozenset(
     {"q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj"}
@@ -67,7 +66,21 @@ _TP_SHARDED = frozenset(
 @dataclass(frozen=True)
 class ModelShapes:
     """The parameters of one config, by what dmuon does with them (see [Note: the
-    parameters of a config]). ``num_experts`` is 0 for a dense model."""
+    parameters of a config]). ``num_experts`` is 0 for a dense model.
+
+    Args:
+        model_type: the config's ``model_type`` (``"llama"``, ``"qwen3_moe"``,
+            ``"deepseek_v3"``, ...).
+        num_layers: its decoder layers (``num_hidden_layers``).
+        num_experts: the routed experts of its largest mixture-of-experts layer; 0 for a dense
+            model.
+        dedicated: every 2-D weight inside a decoder layer, route ``"muon"``: the items
+            ``dedicate_params`` plans owners for.
+        experts: the expert stacks ``(E, out, in)``, left to FSDP2 and stepped with Muon where
+            they are held.
+        fsdp: everything else (embeddings, norms, biases, the head), route
+            ``"sharded_adamw"``.
+    """
 
     model_type: str
     num_layers: int
@@ -87,17 +100,19 @@ class ModelShapes:
 
 
 class _Config:
-    """Field access that names the config and the field in its errors."""
+    """Field access that names the config (its file, when it came from one) and the field in
+    its errors."""
 
-    def __init__(self, raw: Mapping[str, Any], model_type: str) -> None:
+    def __init__(self, raw: Mapping[str, Any], model_type: str, at: str) -> None:
         self.raw = raw
         self.model_type = model_type
+        self.at = at  # " in '<path>'" for a config read from a file, else ""
 
     def need(self, key: str) -> Any:
         if key not in self.raw:
             raise ValueError(
-                f"model_shapes: config of model_type {self.model_type!r} has no {key!r}; "
-                "that field decides the shapes, so pass the model's full config.json"
+                f"model_shapes: config of model_type {self.model_type!r}{self.at} has no "
+                f"{key!r}; that field decides the shapes, so pass the model's full config.json"
             )
         return self.raw[key]
 
@@ -110,7 +125,8 @@ class _Config:
         low = 0 if allow_zero else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(
-                f"model_shapes: config field {key!r} must be an int >= {low}, got {value!r}"
+                f"model_shapes: config field {key!r}{self.at} must be an int >= {low}, got "
+                f"{value!r}"
             )
         return value
 
@@ -121,7 +137,7 @@ class _Config:
             if key in self.raw:
                 return self.size(key, allow_zero=allow_zero)
         raise ValueError(
-            f"model_shapes: config of model_type {self.model_type!r} has none of "
+            f"model_shapes: config of model_type {self.model_type!r}{self.at} has none of "
             f"{', '.join(repr(k) for k in keys)}; one of them decides the shapes, so pass the "
             "model's full config.json"
         )
@@ -130,9 +146,20 @@ class _Config:
         return bool(self.raw.get(key, default) or False)
 
 
-def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+}
+
+
+def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Mapping[str, Any], str]:
+    """The config's fields, and where they came from for errors (``" in '<path>'"``, or ``""``
+    for a dict)."""
     if isinstance(config, Mapping):
-        return config
+        return config, ""
     if not isinstance(config, str | os.PathLike):
         raise ValueError(
             "model_shapes: config must be a dict (a parsed config.json) or the path of a "
@@ -142,14 +169,42 @@ def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, An
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
+        if path.name == "config.json" and path.parent.is_dir():
+            what = f"{str(path.parent)!r} is a directory without a config.json"
+        elif path.exists():
+            what = f"{str(path)!r} is not a file"
+        else:
+            what = f"{str(path)!r} does not exist"
         raise ValueError(
-            f"model_shapes: {str(path)!r} is not a file; pass a config.json or a model directory "
-            "that holds one"
+            f"model_shapes: {what}; pass a config.json or a model directory that holds one"
         )
-    loaded = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"model_shapes: cannot read {str(path)!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"model_shapes: {str(path)!r} is not UTF-8 text (byte {error.start}: "
+            f"{error.reason}); a config.json is a UTF-8 JSON file"
+        ) from None
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as error:
+        # An unterminated string runs to the end of the file (a newline inside a string is
+        # "Invalid control character" instead): both mean the file stops mid-value.
+        ended = not text[error.pos :].strip() or error.msg.startswith("Unterminated string")
+        raise ValueError(
+            f"model_shapes: {str(path)!r} is not valid JSON: line {error.lineno}, column "
+            f"{error.colno}: {error.msg}"
+            + (" (the file ends there: is it cut short?)" if ended else "")
+        ) from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"model_shapes: {str(path)!r} holds no JSON object")
-    return loaded
+        kind = "null" if loaded is None else _JSON_TYPES.get(type(loaded), "a JSON value")
+        raise ValueError(
+            f"model_shapes: {str(path)!r} holds {kind}, not a JSON object; a config.json is "
+            'one object of fields ({"model_type": ..., "hidden_size": ..., ...})'
+        )
+    return loaded, f" in {str(path)!r}"
 
 
 def model_shapes(
@@ -164,13 +219,30 @@ def model_shapes(
     dtype the model's parameters have when ``dedicate_params`` sees them (the master dtype in
     mixed precision): it sets ``WorkItem.itemsize``, as the runtime does. ``tp`` marks the
     items a tensor-parallel plan shards. Nothing is allocated. See [Note: the parameters of a
-    config]; raises ``ValueError`` for an unsupported ``model_type`` or a missing field.
+    config]; raises ``ValueError`` naming the field (and the file the config came from) for
+    an unsupported ``model_type``, a missing field, or sizes that do not fit together.
+
+    Args:
+        config: a parsed Hugging Face ``config.json`` (a mapping), the path of that file, or
+            the path of a model directory holding it; its ``model_type`` must be one of
+            ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``mixtral``, ``qwen3_moe``,
+            ``deepseek_v3``, ``kimi_k2``.
+        tp: the tensor-parallel degree, an int >= 1: items a Megatron-style plan shards
+            (attention projections, the dense MLP, the embedding, the head) get ``tp``, the
+            others 1.
+        dtype: the dtype of the parameters by name (``"bf16"``, ``"float32"``, ...) or a
+            torch dtype: it sets the items' itemsize (a DeepSeek-V3 router stays float32).
     """
-    raw = _load(config)
-    model_type = raw.get("model_type")
+    raw, at = _load(config)
+    if "model_type" not in raw:
+        raise ValueError(
+            f"model_shapes: config{at} has no 'model_type'; it names the architecture, one of "
+            f"{', '.join(MODEL_TYPES)}"
+        )
+    model_type = raw["model_type"]
     if model_type not in MODEL_TYPES:
         raise ValueError(
-            f"model_shapes: model_type {model_type!r} is not supported; supported: "
+            f"model_shapes: model_type {model_type!r}{at} is not supported; supported: "
             f"{', '.join(MODEL_TYPES)} (a model with the same parameter names and shapes may "
             "set one of them as its model_type)"
         )
@@ -178,10 +250,11 @@ def model_shapes(
         raise ValueError(f"model_shapes: tp must be an int >= 1, got {tp!r}")
     canonical = normalize_dtype(dtype, "model_shapes: dtype")
     assert canonical is not None
-    itemsize = _ITEMSIZE[canonical]
-    cfg = _Config(raw, model_type)
+    itemsize = ITEMSIZE[canonical]
+    cfg = _Config(raw, model_type, at)
     hidden = cfg.size("hidden_size")
     layers = cfg.size("num_hidden_layers")
+    _check_heads(cfg, hidden)
 
     dedicated: list[WorkItem] = []
     experts: list[WorkItem] = []
@@ -214,6 +287,26 @@ def model_shapes(
 
 
 _Param = tuple[str, tuple[int, ...], int]
+
+
+def _check_heads(cfg: _Config, hidden: int) -> None:
+    """The attention head counts fit together as transformers builds them: key/value heads
+    shared by equal groups of query heads, and, where ``head_dim`` is not given, heads of
+    ``hidden_size / num_attention_heads`` (a floor would build other shapes)."""
+    heads = cfg.size("num_attention_heads")
+    kv_heads = cfg.size("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"model_shapes: config field 'num_key_value_heads' ({kv_heads}){cfg.at} does not "
+            f"divide 'num_attention_heads' ({heads}): grouped-query attention shares each "
+            "key/value head among an equal group of query heads"
+        )
+    if cfg.model_type not in _MLA and cfg.raw.get("head_dim") is None and hidden % heads:
+        raise ValueError(
+            f"model_shapes: config field 'num_attention_heads' ({heads}){cfg.at} does not "
+            f"divide 'hidden_size' ({hidden}), and there is no 'head_dim' to say how wide a "
+            "head is"
+        )
 
 
 def _layer(cfg: _Config, index: int, hidden: int, itemsize: int) -> Iterator[_Param]:

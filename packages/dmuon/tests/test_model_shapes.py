@@ -1,16 +1,17 @@
 """model_shapes: a Hugging Face config as work items, without building the model.
 
-The names and shapes against transformers' own models are checked in dmuon-fsdp's
-``test_plan_forecast.py`` (it has torch and transformers); here: published parameter counts,
+The names and shapes against transformers' own models are checked in
+``test_plan_forecast.py`` (it builds them with transformers); here: published parameter counts,
 the three kinds, tensor parallelism and errors."""
 
 import json
 import math
 
 import pytest
-from ownership_models import DEEPSEEK_V3, KIMI_K2, LLAMA_3_70B
+from plan_configs import DEEPSEEK_V3, KIMI_K2, LLAMA_3_70B
 
-from dmuon_ownership import ModelShapes, Route, model_shapes
+from dmuon.plan import ModelShapes, model_shapes
+from dmuon_ownership import Route
 
 
 def test_llama_3_70b_has_its_published_parameter_count() -> None:
@@ -114,10 +115,10 @@ def test_errors(tmp_path) -> None:
         model_shapes(LLAMA_3_70B, tp=0)
     with pytest.raises(ValueError, match=r"model_shapes: dtype: unsupported dtype 'int8'"):
         model_shapes(LLAMA_3_70B, dtype="int8")
-    with pytest.raises(ValueError, match=r"is not a file; pass a config.json or a model dir"):
+    with pytest.raises(ValueError, match=r"does not exist; pass a config.json or a model dir"):
         model_shapes(tmp_path / "nope.json")
     with pytest.raises(ValueError, match=r"config must be a dict \(a parsed config.json\)"):
         model_shapes(3)  # type: ignore[arg-type]
     (tmp_path / "list.json").write_text("[1]")
-    with pytest.raises(ValueError, match=r"holds no JSON object"):
+    with pytest.raises(ValueError, match=r"holds an array, not a JSON object"):
         model_shapes(tmp_path / "list.json")

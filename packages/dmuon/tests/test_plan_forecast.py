@@ -1,4 +1,4 @@
-"""The planner before the run (``dmuon_ownership.forecast`` / ``dmuon-plan``) sees what the
+"""The planner before the run (``dmuon.plan.forecast`` / ``dmuon-plan``) sees what the
 runtime sees: its parameters are transformers' own for every supported family, and its work
 items and owner plan are those ``dedicate_params`` makes for a model built from the same
 config, started the way the Scale guide starts a big model (meta device, ``dedicate_params``,
@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon_ownership import Topology, forecast, model_shapes
-from dmuon_ownership._forecast import DEFAULT_NS_BATCH_BYTES
+from dmuon.plan import Topology, forecast, model_shapes
+from dmuon.plan._forecast import DEFAULT_NS_BATCH_BYTES
 from dmuon_testing.distributed import run_distributed
 
 pytest.importorskip("transformers")

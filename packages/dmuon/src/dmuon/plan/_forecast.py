@@ -88,36 +88,41 @@ broadcast's, reduce's or publish's payload (the per-rank cost of a ring; ARCHITE
 ``1/T`` of the scatter's on the others. dmuon's rows are derived from its payload; FSDP2's
 rounds (the other parameters in the dmuon column, every parameter in the FSDP2 columns) are
 counted the same way, but the runtime's counter does not see them, so only dmuon's payload can
-be compared with a run (``dmuon.runtime.get_comm_ctx(model).counter``).
+be compared with a run (``dmuon.get_comm_ctx(model).counter``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-from ._cost import ExpertStack, experts_held, ns_cost
-from ._items import WorkItem
-from ._lpt import plan_owners
-from ._model_shapes import ModelShapes, model_shapes
+from dmuon_ownership import (
+    ExpertStack,
+    Route,
+    WorkItem,
+    experts_held,
+    ns_cost,
+    plan_owners,
+)
+
+from ._figures import ADAMW, DMUON, MUON, Forecast, RankFigures
+from ._fit import Fit, fit_of
+from ._gpus import GPU, TABLE_GPU, Links, resolve_gpu
+from ._model_shapes import ITEMSIZE, ModelShapes, model_shapes
 from ._ns_times import NSTimes, load_ns_times
-from ._plan import Plan
-from ._route import Route, normalize_dtype
+from ._spread import Spread
+from ._topology import Topology
 
-__all__ = ["Forecast", "RankFigures", "Spread", "Topology", "forecast"]
+__all__ = ["DEFAULT_NS_BATCH_BYTES", "expert_stack", "forecast"]
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Muon(ns_batch_bytes=) default in dmuon-fsdp: momentum bytes of one NS call.
 DEFAULT_NS_BATCH_BYTES = 64 * 2**20
 # AdamW's ``step``: a float32 scalar per parameter tensor (torch.optim.AdamW's layout).
 ADAMW_STEP_BYTES = 4
-
-DMUON, ADAMW, MUON = "dmuon", "FSDP2 + AdamW", "FSDP2 + Muon"
-SETUPS = (DMUON, ADAMW, MUON)
 
 _Member = tuple[int, int, int]  # one tensor's NS input: (matrices, rows, cols)
 
@@ -125,181 +130,6 @@ _Member = tuple[int, int, int]  # one tensor's NS input: (matrices, rows, cols)
 def _member(shape: tuple[int, ...], matrices: int | None = None) -> _Member:
     count = math.prod(shape[:-2]) if matrices is None else matrices
     return count, shape[-2], shape[-1]
-
-
-def _positive_int(where: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"Topology: {where} must be an int >= 1, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The cluster and the sharding settings a forecast is for.
-
-    ``ranks`` in all; ``tp`` the tensor-parallel degree; ``shard_size`` the FSDP2 / dmuon
-    shard group (HSDP: ``replicas = ranks / (tp · shard_size)``; ``None``: every
-    data-parallel rank in one shard group); ``zero`` 3 (``reshard_after_forward=True``) or 2.
-    Dtypes by name (``"bf16"``, ``"float32"``, ...): ``param_dtype`` is what forward computes
-    in and broadcasts carry, ``master_dtype`` the weights the optimizer updates (and the
-    dtype the model is built in), ``optim_dtype`` its states (default: the master dtype),
-    ``reduce_dtype`` what gradients are summed in (default: the param dtype, FSDP2's rule).
-    """
-
-    ranks: int
-    shard_size: int | None = None
-    tp: int = 1
-    zero: int = 3
-    param_dtype: str = "bfloat16"
-    master_dtype: str = "float32"
-    optim_dtype: str | None = None
-    reduce_dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        ranks = _positive_int("ranks", self.ranks)
-        tp = _positive_int("tp", self.tp)
-        if ranks % tp:
-            raise ValueError(
-                f"Topology: ranks={ranks} is not a multiple of tp={tp}; the world is tp "
-                "data-parallel grids of equal size"
-            )
-        shard = ranks // tp if self.shard_size is None else self.shard_size
-        shard = _positive_int("shard_size", shard)
-        if (ranks // tp) % shard:
-            raise ValueError(
-                f"Topology: shard_size={shard} does not divide the {ranks // tp} data-parallel "
-                f"ranks (ranks / tp); HSDP needs replicas x shard_size = ranks / tp"
-            )
-        if self.zero not in (2, 3):
-            raise ValueError(
-                f"Topology: zero must be 2 (weights kept from forward to backward) or 3 "
-                f"(resharded after forward), got {self.zero!r}"
-            )
-        object.__setattr__(self, "shard_size", shard)
-        for name in ("param_dtype", "master_dtype"):
-            value = normalize_dtype(getattr(self, name), f"Topology: {name}")
-            if value is None:
-                raise ValueError(f"Topology: {name} needs a dtype, got None")
-            object.__setattr__(self, name, value)
-        optim = normalize_dtype(self.optim_dtype, "Topology: optim_dtype")
-        reduce = normalize_dtype(self.reduce_dtype, "Topology: reduce_dtype")
-        object.__setattr__(self, "optim_dtype", optim or self.master_dtype)
-        object.__setattr__(self, "reduce_dtype", reduce or self.param_dtype)
-
-    @property
-    def shard(self) -> int:
-        assert self.shard_size is not None
-        return self.shard_size
-
-    @property
-    def replicas(self) -> int:
-        return self.ranks // (self.tp * self.shard)
-
-    def describe(self) -> str:
-        layout = (
-            f"{self.replicas} replicas x {self.shard} shards (HSDP)"
-            if self.replicas > 1
-            else f"{self.shard} shards"
-        )
-        return (
-            f"{self.ranks} ranks = {layout}, TP {self.tp}, ZeRO-{self.zero}; param "
-            f"{self.param_dtype}, master {self.master_dtype}, optim {self.optim_dtype}, reduce "
-            f"{self.reduce_dtype}"
-        )
-
-
-class Spread(NamedTuple):
-    """A per-rank figure over every rank: its largest value and its mean."""
-
-    max: float
-    mean: float
-
-    @classmethod
-    def of(cls, values: Iterable[float]) -> Spread:
-        values = list(values)
-        return cls(max(values), math.fsum(values) / len(values)) if values else cls(0.0, 0.0)
-
-    @classmethod
-    def uniform(cls, value: float) -> Spread:
-        return cls(value, value)
-
-
-@dataclass(frozen=True)
-class RankFigures:
-    """What one rank of dmuon's setup holds and issues, in bytes, exactly as the runtime
-    counts and allocates it (see [Note: payload and wire bytes]).
-
-    ``payload`` maps ``"axis/kind"``, the keys of the runtime's ``CommCounter.snapshot()``, to
-    the bytes of the tensors dmuon's own collectives carry on this rank in one step (only the
-    kinds it issues). ``state`` maps ``"masters"``, ``"optimizer states"`` and ``"HSDP replica
-    copies"`` to the bytes it keeps between steps (see [Note: the forecast])."""
-
-    replicate: int
-    shard: int
-    tp: int
-    payload: Mapping[str, int]
-    state: Mapping[str, int]
-
-
-@dataclass(frozen=True)
-class Forecast:
-    """Per-rank figures of one model at one topology (see [Note: the forecast]).
-
-    ``memory``, ``unsharded``, ``traffic``, ``work``, ``ns_ms`` and ``step_ms`` map a setup
-    (``"dmuon"``, ``"FSDP2 + AdamW"``, ``"FSDP2 + Muon"``) to rows of :class:`Spread` values
-    in bytes, bytes, bytes received per step, FLOP-equivalents and milliseconds. ``ns_ms`` (NS
-    calls) and ``step_ms`` (the optimizer step: NS and the elementwise passes) are predicted.
-    ``ranks`` holds every rank's exact :class:`RankFigures` for dmuon (:meth:`rank` finds one).
-    """
-
-    shapes: ModelShapes
-    topology: Topology
-    plan: Plan
-    ns_times: NSTimes
-    memory: Mapping[str, Mapping[str, Spread]]
-    unsharded: Mapping[str, Mapping[str, Spread]]
-    traffic: Mapping[str, Mapping[str, Spread]]
-    work: Mapping[str, Spread]
-    ns_ms: Mapping[str, Spread]
-    step_ms: Mapping[str, Spread]
-    ranks: tuple[RankFigures, ...] = field(default=())
-    notes: tuple[str, ...] = field(default=())
-
-    def rank(self, replicate: int = 0, shard: int = 0, tp: int = 0) -> RankFigures:
-        """The figures of the rank at grid coordinate (``replicate``, ``shard``) and TP index
-        ``tp`` (the runtime's ``layout.coord`` and ``layout.tp_index``)."""
-        topo = self.topology
-        for name, value, size in (
-            ("replicate", replicate, topo.replicas),
-            ("shard", shard, topo.shard),
-            ("tp", tp, topo.tp),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < size:
-                raise ValueError(
-                    f"Forecast.rank: {name} must be an int in [0, {size}) for {topo.describe()}, "
-                    f"got {value!r}"
-                )
-        return self.ranks[(replicate * topo.shard + shard) * topo.tp + tp]
-
-    @property
-    def items(self) -> tuple[WorkItem, ...]:
-        """The work items the plan was made from: what ``dedicate_params`` plans."""
-        return self.shapes.dedicated
-
-    @property
-    def balance(self) -> float:
-        """max / mean of the plan's per-slot work, experts included."""
-        return 1.0 + self.plan.imbalance
-
-    def render(self) -> str:
-        from ._forecast_report import render
-
-        return render(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        from ._forecast_report import as_dict
-
-        return as_dict(self)
 
 
 def expert_stack(item: WorkItem) -> ExpertStack:
@@ -318,14 +148,38 @@ def forecast(
     small_param_threshold: int = 5_000_000,
     ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
     ns_times: NSTimes | None = None,
+    gpu: GPU | str | float | None = None,
+    bandwidth: Mapping[str, float] | None = None,
 ) -> Forecast:
     """Plan ``config`` (a parsed ``config.json``, its path, a model directory, or a
     :class:`ModelShapes`) on ``topology`` and add up what every rank holds, moves and computes.
 
     ``small_param_threshold`` is ``dedicate_params``'s, ``ns_batch_bytes`` ``Muon``'s (they
     shape the plan and the NS batches as in the run); ``ns_times`` is the table of measured NS
-    times (default: the H200 one shipped with the package). Allocates nothing; see [Note: the
-    forecast].
+    times (default: the H200 one shipped with the package, scaled to ``gpu`` when that is
+    another card). ``gpu`` (a :class:`GPU`, a name of ``GPUS`` such as ``"h100-80g"``, or a
+    memory size in GiB) adds :attr:`Forecast.fit`: whether each setup fits on it and its step
+    time with each mesh axis at the GPU's bandwidth, or at ``bandwidth``'s GB/s per axis
+    (``{"replicate": 25.0}``). Allocates nothing; see [Note: the forecast] and [Note: the fit
+    and the step time].
+
+    Args:
+        config: the model: a parsed Hugging Face ``config.json`` (a mapping), the path of that
+            file or of the model directory holding it, or a :class:`ModelShapes` (made with
+            ``tp`` equal to ``topology.tp``).
+        topology: the cluster and sharding settings (:class:`Topology`).
+        small_param_threshold: ``dedicate_params``'s option of that name, an int >= 0 in
+            elements (matrices of one layer below it share one owner).
+        ns_batch_bytes: ``StepOptions.ns_batch_bytes``, an int >= 1 (bytes of momentum in one
+            NS call); ``None``: one NS call per shape.
+        ns_times: the measured NS times predictions come from; ``None``: the H200 table
+            shipped with the package (scaled to ``gpu``'s dense bf16 rate for another card).
+        gpu: the card to fit on: a :class:`GPU`, the name of one in ``GPUS``
+            (``"h100-80g"``, ``"h200"``, ...), or a memory size in GiB (a number > 0, with
+            the H200's rates and links); ``None``: no fit verdict and no per-GPU step time.
+        bandwidth: GB/s per mesh axis (keys ``"shard"``, ``"replicate"``, ``"tp"``, values
+            > 0) overriding the GPU's links for the step-time prediction; ``None``: the
+            GPU's NVLink inside a domain, InfiniBand across.
     """
     if not isinstance(topology, Topology):
         raise ValueError(
@@ -352,8 +206,24 @@ def forecast(
             "forecast: ns_batch_bytes must be an int >= 1 (bytes of momentum in one NS call, "
             f"Muon's option) or None for no cap, got {ns_batch_bytes!r}"
         )
+    links: Links | None = None
+    if gpu is not None:
+        gpu = resolve_gpu(gpu)
+        links = Links.on(gpu, topology.ranks, topology.shard, topology.tp, dict(bandwidth or {}))
+    elif bandwidth is not None:
+        raise ValueError(
+            "forecast: bandwidth sets the mesh axes' GB/s on a GPU; give gpu= as well (e.g. "
+            'gpu="h100-80g")'
+        )
     table = ns_times or load_ns_times()
-    return _Forecaster(shapes, topology, table, small_param_threshold, ns_batch_bytes).run()
+    if ns_times is None and gpu is not None and _rates(gpu) != _rates(TABLE_GPU):
+        table = table.scaled(TABLE_GPU, gpu)
+    forecaster = _Forecaster(shapes, topology, table, small_param_threshold, ns_batch_bytes)
+    return forecaster.run(gpu, links)
+
+
+def _rates(gpu: GPU) -> tuple[float, float]:
+    return gpu.bf16_tflops, gpu.hbm_gb_s
 
 
 class _Forecaster:
@@ -370,11 +240,11 @@ class _Forecaster:
         self.shapes, self.topo, self.table = shapes, topology, table
         self.threshold, self.batch_bytes = threshold, batch_bytes
         self.G, self.R, self.T = topology.shard, topology.replicas, topology.tp
-        self.c = _ITEMSIZE[topology.param_dtype]
-        self.m = _ITEMSIZE[topology.master_dtype]
+        self.c = ITEMSIZE[topology.param_dtype]
+        self.m = ITEMSIZE[topology.master_dtype]
         assert topology.optim_dtype is not None and topology.reduce_dtype is not None
-        self.o = _ITEMSIZE[topology.optim_dtype]
-        self.r = _ITEMSIZE[topology.reduce_dtype]
+        self.o = ITEMSIZE[topology.optim_dtype]
+        self.r = ITEMSIZE[topology.reduce_dtype]
         self._ms: dict[tuple[int, int, int], float] = {}
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -424,7 +294,7 @@ class _Forecaster:
             if count
         )
 
-    def run(self) -> Forecast:
+    def run(self, gpu: GPU | None = None, links: Links | None = None) -> Forecast:
         G, R = self.G, self.R
         self.holdings = [self.held(s) for s in range(G)]
         costs = {held: self.expert_cost(held) for held in set(self.holdings)}
@@ -450,7 +320,8 @@ class _Forecaster:
             for slot in range(G * R)
             for t in range(T)
         )
-        return Forecast(
+        times = self.ns_time()
+        figures = Forecast(
             shapes=self.shapes,
             topology=self.topo,
             plan=plan,
@@ -459,10 +330,63 @@ class _Forecaster:
             unsharded=self.unsharded(),
             traffic=self.traffic(payload, tp_received),
             work=self.work(shard_cost),
-            **self.ns_time(),
+            ns_ms=times["ns_ms"],
+            step_ms=times["step_ms"],
             ranks=ranks,
             notes=tuple(self.notes()),
         )
+        if gpu is None or links is None:
+            return figures
+        return dataclasses.replace(figures, fit=self.fit(state, gpu, links))
+
+    # -- on a GPU ------------------------------------------------------------------------------
+
+    def fit(self, state: list[dict[str, int]], gpu: GPU, links: Links) -> Fit:
+        """Every rank's memory terms, bytes received per axis and optimizer step ms (see
+        [Note: the fit and the step time]), in rank order (slot-major, TP index minor)."""
+        G, R, T = self.G, self.R, self.T
+        count = G * R * T
+
+        def by_slot(values: list[float]) -> list[float]:
+            return [values[i // T] for i in range(count)]
+
+        def by_shard(values: list[float]) -> list[float]:
+            return [values[(i // T) % G] for i in range(count)]
+
+        def uniform(value: float) -> list[float]:
+            return [float(value)] * count
+
+        owned = [0.0] * (G * R)  # the averaged gradients of the matrices each slot owns
+        for item in self.shapes.dedicated:
+            owned[self.slot_of[item.name]] += self.local(item) * self.r
+        rest = self.shapes.fsdp + self.shapes.experts
+        rest_grads = sum(self.shard_numel(item) for item in rest) * self.m
+        all_grads = sum(self.shard_numel(item) for item in self.shapes.all_items) * self.m
+        rows: dict[str, dict[str, list[float]]] = {
+            DMUON: {
+                "masters": by_slot([row["masters"] for row in state]),
+                "optimizer states": by_slot([row["optimizer states"] for row in state]),
+                "HSDP replica copies": by_slot([row["HSDP replica copies"] for row in state]),
+                "gradients": by_slot([rest_grads + grads for grads in owned]),
+                "unsharded weights": by_shard(self.peak[DMUON]),
+                "unsharded gradients": uniform(self.layer_grads),
+                **{axis: list(values) for axis, values in self.received.items()},
+                "optimizer step": list(self.step_rows[DMUON]),
+            }
+        }
+        for setup in (ADAMW, MUON):
+            received = self.fsdp_received[setup]
+            rows[setup] = {
+                "masters": uniform(self.fsdp_masters),
+                "optimizer states": by_shard(self.fsdp_states[setup]),
+                "HSDP replica copies": uniform(0.0),
+                "gradients": uniform(all_grads),
+                "unsharded weights": uniform(self.peak[setup][0]),
+                "unsharded gradients": uniform(self.layer_grads),
+                **{axis: uniform(received[axis]) for axis in ("shard", "replicate", "tp")},
+                "optimizer step": by_shard(self.step_rows[setup]),
+            }
+        return fit_of(rows, gpu, links)
 
     # -- memory kept between steps -------------------------------------------------------------
 
@@ -516,6 +440,8 @@ class _Forecaster:
         adamw = self.adamw_states(every)
         muon_numel = self.chunk_numels(self.shapes.experts + self.shapes.dedicated)
         muon = [a + n * self.o for a, n in zip(self.adamw_states(self.shapes.fsdp), muon_numel)]
+        self.fsdp_masters = float(masters)
+        self.fsdp_states = {ADAMW: [float(x) for x in adamw], MUON: [float(x) for x in muon]}
         setups = {DMUON: dmuon}
         for name, states in ((ADAMW, adamw), (MUON, muon)):
             setups[name] = {
@@ -558,10 +484,20 @@ class _Forecaster:
 
         whole = [dedicated.get(b, 0) + fsdp.get(b, 0) for b in layers]
         fsdp_all = float(combine(whole) if whole else 0) + root
+        dmuon_all = per_shard(True)
+        # With a GPU (see [Note: the fit and the step time]): ZeRO-3's prefetch holds a second
+        # layer; in backward one layer's gradients and the root's wait for their reduction.
+        layers_held = 2 if self.topo.zero == 3 else 1
+        self.peak = {
+            DMUON: [layers_held * (held - root) + root for held in dmuon_all],
+            ADAMW: [layers_held * (fsdp_all - root) + root],
+            MUON: [layers_held * (fsdp_all - root) + root],
+        }
+        self.layer_grads = float(max(whole, default=0) + root)
         return {
             DMUON: {
                 "dmuon peer buffers": Spread.of(per_shard(False)),
-                "all": Spread.of(per_shard(True)),
+                "all": Spread.of(dmuon_all),
             },
             ADAMW: {"dmuon peer buffers": Spread.uniform(0), "all": Spread.uniform(fsdp_all)},
             MUON: {"dmuon peer buffers": Spread.uniform(0), "all": Spread.uniform(fsdp_all)},
@@ -647,6 +583,15 @@ class _Forecaster:
         all_shard, all_replicate = self.fsdp_bytes(dedicated + rest)
         muon_shard, muon_replicate = self.fsdp_bytes(dedicated, gather_grads=True)
         tp_muon = sum((T - 1) / T * item.numel * r for item in dedicated if item.tp > 1)
+        self.received = {"shard": shard, "replicate": replicate, "tp": tp_received}
+        self.fsdp_received = {
+            ADAMW: {"shard": all_shard, "replicate": all_replicate, "tp": 0.0},
+            MUON: {
+                "shard": muon_shard + rest_shard,
+                "replicate": muon_replicate + rest_replicate,
+                "tp": tp_muon,
+            },
+        }
         return {
             DMUON: {
                 "shard": Spread.of(shard),
@@ -772,6 +717,11 @@ class _Forecaster:
         dense = sum(item.numel for item in self.shapes.dedicated) * muon_ms
         step_muon = [muon[s] + dense + held_ms[self.holdings[s]] + rest for s in range(G)]
         every_shard = sum(self.shard_numel(it) for it in self.shapes.all_items)
+        self.step_rows = {
+            DMUON: step_dmuon,
+            ADAMW: [every_shard * adamw_ms] * G,
+            MUON: step_muon,
+        }
         return {
             "ns_ms": {
                 DMUON: Spread.of(dmuon),

@@ -6,18 +6,12 @@ import math
 import time
 
 import pytest
-from ownership_models import KIMI_K2, LLAMA_3_70B
+from plan_configs import KIMI_K2, LLAMA_3_70B
 
-from dmuon_ownership import (
-    Topology,
-    forecast,
-    load_ns_times,
-    model_shapes,
-    ns_cost,
-    plan_owners,
-)
-from dmuon_ownership._forecast import ADAMW, DMUON, MUON
-from dmuon_ownership._plan_cli import main
+from dmuon.plan import Topology, forecast, load_ns_times, model_shapes
+from dmuon.plan._cli import main
+from dmuon.plan._figures import ADAMW, DMUON, MUON
+from dmuon_ownership import ns_cost, plan_owners
 
 # A small Llama whose every first dimension divides by 4 (no FSDP2 padding at shard size 4).
 TINY = {

@@ -22,11 +22,18 @@ Triton is 4–44 % slower than quack there). Pick the one that matches the softw
 Each table also carries the card's streaming bandwidth (``elementwise.gb_s``, measured by a
 memory-bound kernel on the same card), which prices the step's elementwise passes ([Note: the
 forecast]).
+
+Only H200 tables exist. For another card (:meth:`NSTimes.scaled`) every NS time is
+multiplied by the ratio of the two cards' dense bf16 rates (NS is matrix products, bound by
+the tensor cores: on an A100, 989 / 312 = 3.17 times the H200's), and the streaming bandwidth
+by the ratio of their memory bandwidths. The scaled table names both cards and the factors,
+and every report made from it says "scaled from" the measured card: it is not a measurement.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -34,7 +41,9 @@ from functools import cached_property
 from importlib import resources
 from typing import Any
 
-from ._cost import ns_flops
+from dmuon_ownership import ns_flops
+
+from ._gpus import GPU
 
 __all__ = ["NSTimes", "load_ns_times"]
 
@@ -43,7 +52,21 @@ _DEFAULT = "ns_times_h200.json"
 
 @dataclass(frozen=True)
 class NSTimes:
-    """Measured NS calls (``(batch, rows, cols, ms)``) and the predictions they give."""
+    """Measured NS calls and the predictions they give (see [Note: predicted NS times]).
+
+    Args:
+        card: the card the times were measured on.
+        date: when they were measured.
+        source: the command or benchmark that measured them.
+        steps: NS iterations per call, an int >= 1.
+        restarts: Gram NS restarts per call.
+        measured: ``(batch, rows, cols, ms)`` per measured call: batch, rows and cols >= 1,
+            ms > 0.
+        stream_gb_s: the GB/s the card's elementwise passes stream at (> 0).
+        scaled_from: on a table scaled to another card, the card the times were measured on;
+            ``None``: measured on ``card``.
+        time_scale: the factor every measured time is multiplied by (> 0; 1.0: as measured).
+    """
 
     card: str
     date: str
@@ -52,6 +75,10 @@ class NSTimes:
     restarts: int
     measured: tuple[tuple[int, int, int, float], ...]
     stream_gb_s: float  # bytes per ns the card's elementwise passes stream at
+    # Set on a table scaled to another card (see scaled): the card the times were measured
+    # on, and the factor every measured time is multiplied by.
+    scaled_from: str | None = None
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.measured:
@@ -64,6 +91,8 @@ class NSTimes:
                 )
         if not (math.isfinite(self.stream_gb_s) and self.stream_gb_s > 0):
             raise ValueError(f"NSTimes: stream_gb_s must be > 0, got {self.stream_gb_s!r}")
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise ValueError(f"NSTimes: time_scale must be > 0, got {self.time_scale!r}")
 
     @classmethod
     def from_json(cls, text: str) -> NSTimes:
@@ -106,18 +135,41 @@ class NSTimes:
             left = right - 1
             share = (x - logs[left]) / (logs[right] - logs[left])
             rate = rates[left] + share * (rates[right] - rates[left])
-        return work / rate
+        return work / rate * self.time_scale
 
     def stream_ms(self, nbytes: float) -> float:
         """Predicted milliseconds of elementwise passes that read and write ``nbytes``."""
         return nbytes / (self.stream_gb_s * 1e6)
 
     def label(self) -> str:
+        if self.scaled_from is not None:
+            return f"{self.card}, scaled from {self.scaled_from} (measured {self.date})"
         return f"{self.card}, measured {self.date}"
+
+    def scaled(self, source: GPU, target: GPU) -> NSTimes:
+        """This table, measured on ``source``, as a prediction for ``target`` (see [Note:
+        predicted NS times]): times x ``source.bf16_tflops / target.bf16_tflops``, streaming
+        bandwidth x ``target.hbm_gb_s / source.hbm_gb_s``."""
+        if self.scaled_from is not None:
+            raise ValueError(
+                f"NSTimes.scaled: this table is already scaled from {self.scaled_from}; scale "
+                "the measured table (load_ns_times()) instead"
+            )
+        return dataclasses.replace(
+            self,
+            card=target.label,
+            scaled_from=self.card,
+            time_scale=source.bf16_tflops / target.bf16_tflops,
+            stream_gb_s=self.stream_gb_s * target.hbm_gb_s / source.hbm_gb_s,
+        )
 
 
 def load_ns_times(name: str = _DEFAULT) -> NSTimes:
-    """A measured table shipped with the package: ``ns_times_h200.json`` (the default, NS with
-    quack) or ``ns_times_h200_no_quack.json`` (see [Note: predicted NS times])."""
+    """A measured table shipped with the package (see [Note: predicted NS times]).
+
+    Args:
+        name: ``"ns_times_h200.json"`` (the default, NS with quack) or
+            ``"ns_times_h200_no_quack.json"``.
+    """
     text = resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
     return NSTimes.from_json(text)
