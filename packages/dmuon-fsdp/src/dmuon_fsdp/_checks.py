@@ -1,9 +1,9 @@
 """What an argument must be, decided in one place for every layer.
 
-A ``bool`` is an ``int`` to Python, so "an int" and "a number" each need two checks that every
-validator used to spell out again; the predicates here say it once. Callers raise their own
-errors, whose messages name the argument and the fix (``check_bool`` is the one message that
-reads the same everywhere).
+A ``bool`` is an ``int`` to Python, so "an int" and "a number" each take two checks; the
+predicates here say them once for every validator. Callers raise their own errors, whose
+messages name the argument and the fix (``check_bool`` is the one message that reads the same
+everywhere).
 """
 
 from __future__ import annotations
