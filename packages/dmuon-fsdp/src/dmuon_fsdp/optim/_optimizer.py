@@ -352,9 +352,7 @@ class Muon(torch.optim.Optimizer):
         if options.profile:
             self._runtime.hooks.time_forward_waits(device)
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
-        self._hooks = StepHooks(
-            self._runtime.global_group if dist.is_initialized() else None, device
-        )
+        self._hooks = StepHooks(self._runtime.comm_ctx.host_group)
         self._checked_params = False
         self._constructing = True
         super().__init__(groups, {})

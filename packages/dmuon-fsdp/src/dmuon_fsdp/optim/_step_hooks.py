@@ -10,10 +10,10 @@ hooks that ran left them, so every replica equals its owner) and then re-raises 
 where it raised. Changes a raising hook made before it raised stay, as with any exception
 in place.
 
-The other ranks learn of it without a host sync: every step with post-update hooks launches
-one SUM all-reduce of "a hook raised here" over every rank, which nothing waits for; the next
-``step()`` reads it (long complete by then; on CUDA through a pinned host copy and an event)
-before it changes anything. If a hook raised on some ranks but not on all, every rank raises
+The other ranks learn of it without waiting for the device: every step with post-update hooks
+launches one SUM all-reduce of "a hook raised here" over every rank on the host (a CPU tensor
+over a gloo group, see ``DedicatedCommContext.host_group``), which nothing waits for; the next
+``step()`` reads it (long complete by then) before it changes anything. If a hook raised on some ranks but not on all, every rank raises
 there, naming those ranks, and that step is applied nowhere; a rank that already raised the
 hook's own exception raises this one too, so that no rank goes on alone. If it raised on
 every rank, every rank has already seen the exception, and the next step goes on.
@@ -43,53 +43,37 @@ PreStepHook = Callable[[Any], None]
 
 
 class _Outcome:
-    """One step's count of ranks whose post-update hooks raised, on its way to the host."""
+    """One step's count of ranks whose post-update hooks raised, summed on the host (a CPU
+    tensor over a gloo group: no device work, so nothing waits for the device)."""
 
-    def __init__(self, raised: bool, group: ProcessGroup | None, device: torch.device) -> None:
-        self.raised_here = raised
-        count = torch.tensor([float(raised)], device=device)
-        work = None
-        if group is not None and dist.get_world_size(group) > 1:
-            work = dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self._work = work
-        self._event: torch.cuda.Event | None = None
-        if device.type == "cuda":
-            if work is not None:
-                work.wait()  # orders the current stream after it; the host goes on
-            self._count = _pinned_copy(count)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._count = count
-        self.world = dist.get_world_size(group) if group is not None else 1
+    def __init__(self, raised: bool, group: ProcessGroup | None) -> None:
+        self.count = torch.tensor([float(raised)])
+        self.world = 1 if group is None else dist.get_world_size(group)
+        self._work = None
+        if group is not None and self.world > 1:
+            self._work = dist.all_reduce(
+                self.count, op=dist.ReduceOp.SUM, group=group, async_op=True
+            )
 
     def ranks_raised(self) -> int:
-        if self._event is not None:
-            self._event.synchronize()
-        elif self._work is not None:
+        if self._work is not None:
             self._work.wait()
-        return round(float(self._count.item()))
+            self._work = None
+        return round(float(self.count.item()))
 
     def partial(self) -> bool:
         raised = self.ranks_raised()
         return 0 < raised < self.world
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
-
-
 class StepHooks:
     """The hooks of one optimizer (see [Note: a hook that raises])."""
 
-    def __init__(self, group: ProcessGroup | None, device: torch.device) -> None:
+    def __init__(self, host_group: Callable[[], ProcessGroup | None]) -> None:
         # OrderedDicts: RemovableHandle keeps a weak reference to them.
         self.pre_step: OrderedDict[int, PreStepHook] = OrderedDict()
         self.post_update: OrderedDict[int, PostUpdateHook] = OrderedDict()
-        self._group = group
-        self._device = device
+        self._host_group = host_group
         self._last: _Outcome | None = None
 
     @staticmethod
@@ -132,5 +116,5 @@ class StepHooks:
                 hook(optimizer, given)
         except Exception as exc:
             error = exc
-        self._last = _Outcome(error is not None, self._group, self._device)
+        self._last = _Outcome(error is not None, self._host_group())
         return error

@@ -120,6 +120,16 @@ class _Groups(NamedTuple):
 _ISOLATED: dict[tuple[object, ...], _Groups] = {}
 
 
+# The gloo group over every rank that ``host_group`` makes, once per process.
+_HOST_GROUP: dict[str, ProcessGroup] = {}
+
+
+def _new_gloo_group() -> ProcessGroup:
+    group = dist.new_group(backend="gloo")
+    assert group is not None
+    return group
+
+
 def _new_group(ranks: list[int]) -> ProcessGroup:
     group = dist.new_group(ranks)
     assert group is not None
@@ -279,6 +289,20 @@ class DedicatedCommContext:
             ctx.replicate_reduce_stream = torch.cuda.Stream(layout.device)
             ctx.publish_stream = torch.cuda.Stream(layout.device)
         return ctx
+
+    def host_group(self) -> ProcessGroup | None:
+        """A group over every rank that sums CPU tensors (gloo), for agreeing on the host
+        without waiting for the device (``None`` on one rank): ``global_group`` itself when its
+        backend serves CPU tensors, otherwise a gloo group over the default group's ranks, made
+        once per process at the first call. Collective at that first call: every rank makes it
+        at the same point of the run (see [Note: isolated groups are made once])."""
+        if dist.get_world_size(self.global_group) == 1:
+            return None
+        if "gloo" in str(dist.get_backend(self.global_group)):
+            return self.global_group
+        if _HOST_GROUP.get("group") is None:
+            _HOST_GROUP["group"] = _new_gloo_group()
+        return _HOST_GROUP["group"]
 
     def barrier(self) -> None:
         """Barrier on every dmuon-owned group (the debug fence)."""
