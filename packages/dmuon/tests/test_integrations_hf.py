@@ -114,7 +114,14 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
     trained = dmuon.get_model_state_dict(trainer.model, rank0_only=True)
 
     checkpoint = os.path.join(root, "run", f"checkpoint-{SAVE_AT}")
-    _, resumed, resumed_eval_loss = _train(root, "resumed", seed=1, resume=checkpoint)
+    second, resumed, resumed_eval_loss = _train(root, "resumed", seed=1, resume=checkpoint)
+    # model.load_state_dict of the checkpoint's full weights (tied: lm_head.weight is not in
+    # the file), as the Trainer's resume calls it, puts exactly those weights in the model.
+    from safetensors.torch import load_file
+
+    exported = load_file(os.path.join(checkpoint, "model.safetensors"))
+    loaded = second.model.load_state_dict(exported, strict=False)
+    reread = dmuon.get_model_state_dict(second.model, rank0_only=True)
     if rank != 0:
         return {}
     names = muon.muon_param_names()
@@ -130,6 +137,10 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
         "resumed": resumed,
         "resumed_eval_loss": resumed_eval_loss,
         "files": sorted(os.listdir(checkpoint)),
+        "exported": sorted(exported),
+        "load_result": (loaded.missing_keys, loaded.unexpected_keys),
+        "reloaded": all(torch.equal(reread[n], v) for n, v in exported.items())
+        and torch.equal(reread["lm_head.weight"], exported["model.embed_tokens.weight"]),
     }
 
 
@@ -148,6 +159,8 @@ def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path) -> None:
     # The checkpoint: dmuon's sharded one, the full weights, no rank-0 optimizer file.
     assert {"dmuon", "model.safetensors", "scheduler.pt", "trainer_state.json"} <= set(out["files"])
     assert "optimizer.pt" not in out["files"]
+    assert "lm_head.weight" not in out["exported"] and out["load_result"] == ([], [])
+    assert out["reloaded"]
     # Resumed from other initial weights: the later steps as without the checkpoint.
     later = {step: loss for step, loss in out["losses"].items() if step > SAVE_AT}
     assert {s: v for s, v in out["resumed"].items() if s > SAVE_AT} == later
