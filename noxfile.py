@@ -70,7 +70,8 @@ NEEDS_TORCH = {"dmuon-ns", "dmuon-clip", "dmuon-fsdp", "dmuon"}
 # Packages whose tests run Triton kernels in the interpreter (TRITON_INTERPRET=1) on CPU.
 NEEDS_TRITON = {"dmuon-ns", "dmuon-clip", "dmuon-fsdp", "dmuon"}
 # What one package's tests need beyond TEST_TOOLS (dmuon-fsdp: the Hugging Face export test;
-# dmuon: the planner's shapes against transformers' models).
+# dmuon: the planner's shapes against transformers' models, and the Trainer integration,
+# dmuon.integrations.hf).
 TEST_EXTRAS: dict[str, list[str]] = {
     "dmuon-fsdp": _group("test-hf"),
     "dmuon": _group("test-hf"),

@@ -7,10 +7,9 @@
 Started plainly, the script runs itself again under ``torchrun`` on ``--nproc`` ranks of this
 machine, as ``torchrun`` or ``accelerate launch`` would start a Trainer script. Each rank builds a
 tiny ``LlamaForCausalLM``, applies dmuon itself (``dmuon.dedicate_params`` on a 1-D mesh over
-every rank, then ``fully_shard`` on each decoder layer and the root with ``ignored_params``) and
-hands the sharded model to :class:`DmuonTrainer`, which keeps accelerate from wrapping it,
-builds ``dmuon.Muon``, clips with dmuon and checkpoints through ``dmuon.save_checkpoint`` /
-``dmuon.load_checkpoint``.
+every rank, then plain ``fully_shard`` calls on each decoder layer and the root) and
+hands the sharded model to ``dmuon.integrations.hf.DmuonTrainer``, which builds ``dmuon.Muon``,
+clips with dmuon and checkpoints through ``dmuon.save_checkpoint`` / ``dmuon.load_checkpoint``.
 
 The script trains 10 steps with a checkpoint after step 5, then builds the model again from other
 initial weights and resumes from that checkpoint with
@@ -29,241 +28,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
-from typing import Any
 
 import torch
-import transformers
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    Trainer,
-    TrainingArguments,
-)
-from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import dmuon
+from dmuon.integrations.hf import DmuonTrainer, DmuonTrainingArguments
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS, SAVE_AT = 64, 16, 4, 10, 5
-DMUON_DIR = "dmuon"  # the DCP checkpoint inside each checkpoint-N folder
-
-
-class DmuonTrainer(Trainer):
-    """``transformers.Trainer`` for a model that dmuon already runs.
-
-    ``model`` is the model after ``dmuon.dedicate_params`` and ``fully_shard``; ``muon_kwargs``
-    go to ``dmuon.Muon`` (its AdamW part defaults to the ``TrainingArguments``'
-    ``learning_rate``, ``weight_decay``, ``adam_beta1``/``adam_beta2`` and ``adam_epsilon``).
-
-    [Note: the Trainer's hooks under dmuon]
-    The Trainer reaches the model and the optimizer in six places where a dmuon model needs
-    another call; each override below replaces exactly one of them:
-
-    - placement: the Trainer moves the model to ``args.device`` (``model.to``), which dmuon
-      refuses once the dedicated matrices live in its packed buffers unless the call changes
-      nothing; on the CPU accelerate's device is ``cpu:0``, to which ``Tensor.to`` copies even a
-      CPU tensor. The model is built on its device before ``dedicate_params``, so
-      ``_move_model_to_device`` does nothing.
-    - preparation: ``accelerator.prepare(model, optimizer)`` wraps the model in
-      ``DistributedDataParallel`` (accelerate's ``MULTI_GPU`` and ``MULTI_CPU``), which refuses
-      FSDP2's DTensor parameters and would all-reduce what dmuon reduces to owners. Preparing
-      the model in ``__init__`` with ``accelerator.prepare_model(..., evaluation_mode=True)``
-      applies what accelerate adds to a sharded model (mixed-precision autocast) and marks it
-      prepared, so the Trainer's later ``prepare`` leaves it as it is; this is what the Trainer
-      itself does for a model sharded when it was loaded. The optimizer is still prepared
-      (``AcceleratedOptimizer``).
-    - optimizer: ``create_optimizer`` builds ``dmuon.Muon(model, ...)``; its param groups all
-      hold ``"lr"``, so the Trainer's scheduler (``get_scheduler``) drives both routes.
-    - gradients: the Trainer zeroes with ``model.zero_grad()``, which dmuon makes clear the
-      owners' Muon gradients too (``dedicate_params`` wraps the model's ``zero_grad``);
-      micro-batches before the last of an accumulation run under ``dmuon.no_sync``; the
-      clip (``_clip_grad_norm``, ``_get_grad_norm``) uses ``dmuon.clip_grad_norm_`` for the
-      Muon gradients, which are not in ``param.grad``.
-    - checkpoints: ``_save_optimizer_and_scheduler`` writes the model and the optimizer with
-      ``dmuon.save_checkpoint`` (sharded DCP; the Trainer's own ``get_model_state_dict`` and
-      ``model.state_dict()`` raise ``dmuon.NotHeldError`` on a dedicated matrix), and
-      ``_load_optimizer_and_scheduler`` reads them back once the optimizer exists;
-      ``_load_from_checkpoint``, which the Trainer calls before the optimizer exists, only
-      checks that the folder holds a dmuon checkpoint.
-    - export: ``save_model`` gathers the full weights (``dmuon.get_model_state_dict``) and
-      writes them with ``save_pretrained``.
-
-    The underscored methods are transformers' own (checked to exist, against the tested
-    version, when the trainer is built), so that ``resume_from_checkpoint`` and
-    ``max_grad_norm`` keep their meaning.
-    """
-
-    _TRAINER_METHODS = (
-        "_move_model_to_device",
-        "_clip_grad_norm",
-        "_get_grad_norm",
-        "_save_optimizer_and_scheduler",
-        "_load_from_checkpoint",
-        "_load_optimizer_and_scheduler",
-    )
-
-    def __init__(
-        self,
-        model: nn.Module,
-        args: TrainingArguments,
-        *,
-        muon_kwargs: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        missing = [name for name in self._TRAINER_METHODS if not hasattr(Trainer, name)]
-        if missing:
-            raise TypeError(
-                f"DmuonTrainer overrides Trainer methods that transformers"
-                f" {transformers.__version__} does not have: {missing}; it is written for"
-                " transformers 5.24"
-            )
-        if not isinstance(model, FSDPModule) or not dmuon.dedicated_params_of(model):
-            raise ValueError(
-                f"DmuonTrainer takes the model after dmuon.dedicate_params and fully_shard;"
-                f" {type(model).__name__} is not both dedicated and sharded: apply"
-                " dmuon.dedicate_params(model, mesh, predicate) and fully_shard(...,"
-                " ignored_params=dmuon.dedicated_params_of(model)) first"
-            )
-        super().__init__(model=model, args=args, **kwargs)
-        _check_training_arguments(self)
-        self.muon_kwargs = dict(muon_kwargs or {})
-        # See [Note: the Trainer's hooks under dmuon], preparation.
-        self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
-
-    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        """Nothing to move: dmuon placed the model (see [Note: the Trainer's hooks under
-        dmuon], placement)."""
-
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            kwargs = {
-                "adamw_lr": self.args.learning_rate,
-                "adamw_weight_decay": self.args.weight_decay,
-                "adamw_betas": (self.args.adam_beta1, self.args.adam_beta2),
-                "adamw_eps": self.args.adam_epsilon,
-                **self.muon_kwargs,
-            }
-            self.optimizer = dmuon.Muon(self.model if model is None else model, **kwargs)
-        return self.optimizer
-
-    def training_step(
-        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
-    ) -> Tensor:
-        if self.accelerator.sync_gradients:
-            return super().training_step(model, inputs, num_items_in_batch)
-        with dmuon.no_sync(self.model):  # a micro-batch before the last of an accumulation
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    def _clip_grad_norm(self, model: nn.Module) -> Tensor:
-        return self._grad_norm(self.args.max_grad_norm)
-
-    def _get_grad_norm(self, model: nn.Module, grad_norm: Tensor | None = None) -> Tensor:
-        return self._grad_norm(None) if grad_norm is None else grad_norm
-
-    def _grad_norm(self, max_norm: float | None) -> Tensor:
-        """The 2-norm of every gradient, FSDP2's and dmuon's Muon gradients together, before
-        clipping. With ``max_norm`` each kind is clipped by its own norm, as the clipping guide
-        does: ``torch.nn.utils`` on the FSDP2 parameters, ``dmuon.clip_grad_norm_`` on the
-        Muon matrices on their owners."""
-        dedicated = {id(p) for p in dmuon.dedicated_params_of(self.model)}
-        fsdp = [p for p in self.model.parameters() if id(p) not in dedicated and p.grad is not None]
-        fsdp_norm = torch.nn.utils.get_total_norm([p.grad for p in fsdp])
-        if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(fsdp, max_norm, fsdp_norm)
-        if isinstance(fsdp_norm, DTensor):
-            fsdp_norm = fsdp_norm.full_tensor()
-        muon_norm = dmuon.clip_grad_norm_(self._muon(), max_norm).total_norm
-        return torch.linalg.vector_norm(torch.stack([fsdp_norm, muon_norm.to(fsdp_norm)]))
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        dmuon.save_checkpoint(os.path.join(output_dir, DMUON_DIR), self.model, self._muon())
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if not os.path.isfile(os.path.join(resume_from_checkpoint, DMUON_DIR, ".metadata")):
-            raise ValueError(
-                f"{resume_from_checkpoint} holds no dmuon checkpoint ({DMUON_DIR}/ is missing"
-                " or empty): resume from a checkpoint-N folder that DmuonTrainer wrote without"
-                " save_only_model=True"
-            )
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
-        dmuon.load_checkpoint(os.path.join(checkpoint, DMUON_DIR), self.model, self._muon())
-        scheduler = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
-        self.lr_scheduler.load_state_dict(scheduler)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the full weights in Hugging Face's format (``from_pretrained`` reads them).
-        A checkpoint's weights go into its DCP folder instead, unless ``save_only_model``."""
-        if _internal_call and not self.args.save_only_model:
-            return
-        output_dir = self.args.output_dir if output_dir is None else output_dir
-        state = dmuon.get_model_state_dict(self.model, rank0_only=True)  # {} off rank 0
-        if not self.args.should_save:
-            return
-        config = self.model.config
-        with torch.device("meta"):  # no second copy of the weights: they come from `state`
-            export = _unsharded_class(self.model)(config)
-        export.load_state_dict(state, assign=True)
-        if config.tie_word_embeddings:
-            export.tie_weights()
-        export.save_pretrained(output_dir)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-
-    def _muon(self) -> dmuon.Muon:
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        if not isinstance(optimizer, dmuon.Muon):
-            raise TypeError(
-                f"DmuonTrainer steps one dmuon.Muon, got {type(optimizer).__name__}: leave"
-                " optimizers= unset (create_optimizer builds it from muon_kwargs) or pass"
-                " optimizers=(dmuon.Muon(model, ...), None)"
-            )
-        return optimizer
-
-
-def _unsharded_class(model: nn.Module) -> type[PreTrainedModel]:
-    """The model's own class: ``fully_shard`` swaps it for an ``FSDP<Name>`` subclass."""
-    return next(
-        c
-        for c in type(model).__mro__
-        if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule)
-    )
-
-
-def _check_training_arguments(trainer: Trainer) -> None:
-    """Refuse what would bypass dmuon (see [Note: the Trainer's hooks under dmuon])."""
-    args = trainer.args
-    refused = {
-        "fsdp / fsdp_config": trainer.is_fsdp_enabled,
-        "deepspeed": trainer.is_deepspeed_enabled,
-        "fp16 (its GradScaler does not see the Muon gradients; use bf16)": args.fp16,
-        "fp16_full_eval / bf16_full_eval (they cast the model)": (
-            args.fp16_full_eval or args.bf16_full_eval
-        ),
-        "torch_compile (compile the decoder layers yourself, see the compile guide)": (
-            args.torch_compile
-        ),
-        "load_best_model_at_end (checkpoints hold no safetensors to load)": (
-            args.load_best_model_at_end
-        ),
-        "push_to_hub (upload the folder trainer.save_model(path) writes)": args.push_to_hub,
-    }
-    given = [name for name, on in refused.items() if on]
-    if given:
-        raise ValueError(
-            f"DmuonTrainer: unset {', '.join(given)} in TrainingArguments; the model comes"
-            " sharded by dmuon and FSDP2 and is checkpointed by dmuon"
-        )
 
 
 def build_model(seed: int, device: torch.device, mesh: DeviceMesh) -> LlamaForCausalLM:
@@ -282,10 +57,9 @@ def build_model(seed: int, device: torch.device, mesh: DeviceMesh) -> LlamaForCa
     # The decoder layers' matrices (attention and MLP projections) go to Muon; embeddings,
     # norms and the head stay with FSDP2 and AdamW.
     dmuon.dedicate_params(model, mesh, predicate=lambda name, p: ".layers." in name and p.ndim == 2)
-    dedicated = dmuon.dedicated_params_of(model)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
-    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -303,8 +77,8 @@ def dataset() -> list[dict[str, Tensor]]:
     return rows
 
 
-def training_arguments(output_dir: str, device: str) -> TrainingArguments:
-    return TrainingArguments(
+def training_arguments(output_dir: str, device: str) -> DmuonTrainingArguments:
+    return DmuonTrainingArguments(
         output_dir=output_dir,
         use_cpu=device == "cpu",
         per_device_train_batch_size=ROWS_PER_RANK,

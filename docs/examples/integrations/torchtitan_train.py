@@ -2,6 +2,7 @@
 
     python docs/examples/integrations/torchtitan_train.py             # 2 CPU ranks (gloo)
     torchrun --nproc-per-node 2 docs/examples/integrations/torchtitan_train.py --dir /shared/ckpt
+    torchrun --nproc-per-node 1 docs/examples/integrations/torchtitan_train.py --device cuda
 
 The recipe is the first half of this file, three pieces a torchtitan job plugs in through its
 ``Trainer.Config``: :func:`parallelize_llama_dmuon` (torchtitan's ``parallelize_llama`` with
@@ -19,9 +20,10 @@ torchtitan's ``Trainer`` cannot start on a machine without an accelerator (it pi
 NCCL when it finds none, ``torchtitan/tools/utils.py`` line 55, and calls
 ``torch.cuda.set_device`` at ``torchtitan/trainer.py`` line 301). So the second half runs the
 same config through the same calls as ``Trainer.__init__``, ``Trainer.train`` and
-``Trainer.train_step``, in a short loop of its own, on gloo: build the two-layer debug model on
-the meta device, ``parallelize_fn``, ``to_empty``, ``init_weights``, the optimizer, LR-scheduler
-and checkpoint builders, then 10 steps with a checkpoint at step 5. It then builds everything
+``Trainer.train_step``, in a short loop of its own, on gloo (or, with ``--device cuda`` under
+``torchrun``, on NCCL and the GPUs): build the two-layer debug model on the meta device,
+``parallelize_fn``, ``to_empty``, ``init_weights``, the optimizer, LR-scheduler and checkpoint
+builders, then 10 steps with a checkpoint at step 5. It then builds everything
 again from other initial weights, resumes from step 5 with ``checkpointer.load`` and exits
 non-zero unless the loss fell and the resumed steps' losses equal the uninterrupted run's bit
 for bit.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -377,10 +380,11 @@ def llama3_debugmodel_dmuon() -> Trainer.Config:
 # The run: torchtitan's Trainer steps, on the CPU.
 
 
-def cpu_config(directory: str, resume_from: int | None) -> Trainer.Config:
-    """The job above, shrunk to run on two CPU ranks: two transformer blocks, SDPA attention
-    (torchtitan's language-model attentions, FlexAttention and varlen, are compiled or CUDA
-    kernels), 16 tokens a row, checkpoints every ``SAVE_AT`` steps into ``directory``."""
+def small_config(directory: str, resume_from: int | None) -> Trainer.Config:
+    """The job above, shrunk to run on CPU ranks as well as GPUs: two transformer blocks, SDPA
+    attention (torchtitan's language-model attentions, FlexAttention and varlen, are compiled
+    or CUDA kernels), 16 tokens a row, checkpoints every ``SAVE_AT`` steps into
+    ``directory``."""
     config = llama3_debugmodel_dmuon()
     assert config.model_spec is not None
     model = config.model_spec.model
@@ -403,15 +407,15 @@ def cpu_config(directory: str, resume_from: int | None) -> Trainer.Config:
 
 
 class Batches(Stateful):
-    """This rank's batches of the quickstart's learnable task, a new one each step; its
-    position is checkpointed, as torchtitan's dataloader's is."""
+    """This rank's batches of the quickstart's learnable task on ``device``, a new one each
+    step; its position is checkpointed, as torchtitan's dataloader's is."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size, self.taken = rank, world_size, 0
+    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+        self.rank, self.world_size, self.device, self.taken = rank, world_size, device, 0
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         while True:
-            tokens = batch(self.taken * self.world_size + self.rank, torch.device("cpu"))
+            tokens = batch(self.taken * self.world_size + self.rank, self.device)
             self.taken += 1
             yield tokens[:, :-1], tokens[:, 1:]
 
@@ -435,27 +439,30 @@ class TrainState(Stateful):
         self.step = state_dict["step"]
 
 
-def cpu_parallel_dims(config: Trainer.Config) -> ParallelDims:
-    """``Trainer.init_distributed``'s ``ParallelDims``, its meshes on the CPU: torchtitan
-    builds them on ``tools.utils.device_type``, which is ``"cuda"`` on a machine without an
-    accelerator (tools/utils.py line 55)."""
-    titan_parallel_dims.device_type = "cpu"  # type: ignore[attr-defined]
+def parallel_dims_on(config: Trainer.Config, device: torch.device) -> ParallelDims:
+    """``Trainer.init_distributed``'s ``ParallelDims``, its meshes on ``device``'s type:
+    torchtitan builds them on ``tools.utils.device_type``, which is ``"cuda"`` also on a
+    machine without an accelerator (tools/utils.py line 55)."""
+    titan_parallel_dims.device_type = device.type  # type: ignore[attr-defined]
     return ParallelDims.from_config(config.parallelism, dist.get_world_size())
 
 
 def sum_gradients_on_gloo(model: nn.Module) -> None:
     """FSDP2 divides gradients by the factor torchtitan sets (1) with ``PREMUL_SUM``, which
-    gloo lacks; a plain sum is the same with a factor of 1."""
+    gloo lacks; a plain sum is the same with a factor of 1. NCCL has it: nothing to do."""
+    if dist.get_backend() != "gloo":
+        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
 
 
-def run(config: Trainer.Config, seed: int) -> dict[int, float]:
-    """``Trainer.__init__`` and ``Trainer.train`` for ``config`` on this rank; returns the loss
-    of every step it trained (the sum over ranks of each rank's share, as the Trainer logs)."""
+def run(config: Trainer.Config, seed: int, device: torch.device) -> dict[int, float]:
+    """``Trainer.__init__`` and ``Trainer.train`` for ``config`` on this rank, on ``device``;
+    returns the loss of every step it trained (the sum over ranks of each rank's share, as the
+    Trainer logs)."""
     assert config.model_spec is not None
-    parallel_dims = cpu_parallel_dims(config)
+    parallel_dims = parallel_dims_on(config, device)
     dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
     model_config = config.model_spec.model
     model_config.update_from_config(config=config)
@@ -471,7 +478,7 @@ def run(config: Trainer.Config, seed: int) -> dict[int, float]:
         dump_folder=config.dump_folder,
     )
     sum_gradients_on_gloo(model)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     torch.manual_seed(seed)  # the same initial weights on every rank
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -482,7 +489,7 @@ def run(config: Trainer.Config, seed: int) -> dict[int, float]:
     lr_schedulers = config.lr_scheduler.build(
         optimizers=optimizers, training_steps=config.training.steps
     )
-    data = Batches(dist.get_rank(), dist.get_world_size())
+    data = Batches(dist.get_rank(), dist.get_world_size(), device)
     state = TrainState()
     checkpointer = config.checkpoint.build(
         dataloader=data,
@@ -498,7 +505,9 @@ def run(config: Trainer.Config, seed: int) -> dict[int, float]:
     )
 
     checkpointer.load(step=config.checkpoint.load_step)
-    batch_mesh, loss_mesh = parallel_dims.get_mesh("batch"), parallel_dims.get_mesh("loss")
+    # None on one rank: the sums below then reduce nothing, as the Trainer's do without DP.
+    batch_mesh = parallel_dims.get_optional_mesh("batch")
+    loss_mesh = parallel_dims.get_optional_mesh("loss")
     batches = iter(data)
     losses = {}
     try:
@@ -525,20 +534,23 @@ def run(config: Trainer.Config, seed: int) -> dict[int, float]:
     return losses
 
 
-def train_and_resume(directory: str | None) -> None:
+def train_and_resume(directory: str | None, device_type: str = "cpu") -> None:
     if directory is None:  # one temporary directory for all ranks, rank 0's
         made = [tempfile.mkdtemp(prefix="dmuon-torchtitan-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(made, src=0)
         try:
-            train_and_resume(str(made[0]))
+            train_and_resume(str(made[0]), device_type)
         finally:
             dist.barrier()
             if dist.get_rank() == 0:
                 shutil.rmtree(str(made[0]))
         return
-    uninterrupted = run(cpu_config(directory, resume_from=None), seed=0)
+    device = torch.device(
+        device_type, torch.cuda.current_device() if device_type == "cuda" else None
+    )
+    uninterrupted = run(small_config(directory, resume_from=None), seed=0, device=device)
     # Resume: other initial weights, which the checkpoint must replace.
-    resumed = run(cpu_config(directory, resume_from=SAVE_AT), seed=1)
+    resumed = run(small_config(directory, resume_from=SAVE_AT), seed=1, device=device)
     if dist.get_rank() != 0:
         return
     first = [uninterrupted[s] for s in sorted(uninterrupted)]
@@ -563,8 +575,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--world-size", type=int, default=2, help="ranks to spawn when not under torchrun"
     )
+    parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, under torchrun"
+    )
     args = parser.parse_args(argv)
-    launch(partial(train_and_resume, args.dir), args.world_size)
+    if args.device == "cuda" and "RANK" not in os.environ:
+        raise SystemExit(
+            "--device cuda runs under torchrun, one rank per GPU: torchrun --nproc-per-node N"
+            f" {__file__} --device cuda"
+        )
+    launch(partial(train_and_resume, args.dir, args.device), args.world_size)
 
 
 if __name__ == "__main__":

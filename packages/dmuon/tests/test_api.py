@@ -188,6 +188,8 @@ _NO_WORK = textwrap.dedent(
     import dmuon  # noqa: F401
 
     assert "triton" not in sys.modules, "import dmuon imported triton"
+    assert "transformers" not in sys.modules, "import dmuon imported transformers"
+    assert "dmuon.integrations" not in sys.modules, "import dmuon imported its integrations"
     assert not torch.cuda.is_initialized(), "import dmuon initialised CUDA"
     changed = [n for n, f in before.items() if getattr(_fsdp_init, n) is not f]
     assert not changed, f"import dmuon patched FSDP2: {changed}"
@@ -197,7 +199,8 @@ _NO_WORK = textwrap.dedent(
 
 
 def test_import_does_no_work() -> None:
-    """In a fresh interpreter: no triton import, no CUDA query or init, no FSDP2 patching."""
+    """In a fresh interpreter: no triton or transformers import, no CUDA query or init, no FSDP2
+    patching."""
     done = subprocess.run(
         [sys.executable, "-c", _NO_WORK], capture_output=True, text=True, timeout=180
     )

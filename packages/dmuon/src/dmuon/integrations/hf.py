@@ -1,0 +1,409 @@
+"""dmuon under the Hugging Face ``transformers.Trainer`` (transformers 5 with accelerate 1),
+through the Trainer's public hooks.
+
+    import dmuon
+    from dmuon.integrations.hf import DmuonTrainer, DmuonTrainingArguments
+
+    args = DmuonTrainingArguments(output_dir="out", max_steps=1000, save_steps=200,
+                                  learning_rate=3e-4, max_grad_norm=1.0)
+    mesh = init_device_mesh(args.device.type, (args.world_size,))  # args start the process group
+    model = LlamaForCausalLM(config).to(args.device)
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: ".layers." in n and p.ndim == 2)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    trainer = DmuonTrainer(model, args, train_dataset=rows, muon_kwargs={"lr": 0.02})
+    trainer.train(resume_from_checkpoint=True)   # True: the last checkpoint-N of output_dir
+    trainer.save_model("final")                  # full weights; from_pretrained reads them
+
+Importing this module imports ``transformers`` (``pip install "dmuon[hf]"``); ``import dmuon``
+does not import it.
+
+[Note: the Trainer's public hooks under dmuon]
+A dmuon model differs from what the Trainer expects in six places. Each is met through a
+public extension point; no underscored ``Trainer`` method is overridden.
+
+- Placement. ``Trainer.__init__`` moves the model to ``args.device`` unless the arguments'
+  ``place_model_on_device`` (a property that integrations override) says no. dmuon refuses a
+  ``.to()`` that would convert a dedicated matrix, and on the CPU accelerate's device is
+  ``cpu:0``, to which ``Tensor.to`` copies even a CPU tensor. :class:`DmuonTrainingArguments`
+  says no: the model is built on its device before ``dedicate_params``.
+- Preparation. ``accelerator.prepare(model, optimizer)`` wraps the model in
+  ``DistributedDataParallel``, which refuses FSDP2's DTensor parameters and would all-reduce
+  what dmuon reduces to owners. ``DmuonTrainer.__init__`` prepares the model once with
+  accelerate's public ``prepare_model(model, device_placement=False, evaluation_mode=True)``,
+  which adds what accelerate adds to a sharded model (the autocast of ``bf16``) and marks it
+  prepared, so that the Trainer's ``prepare`` returns it as it is.
+- Optimizer and gradients. ``create_optimizer`` builds ``dmuon.Muon`` (:func:`dmuon_optimizer`);
+  every param group holds its ``"lr"``, so the Trainer's scheduler drives both routes. The
+  Trainer zeroes with ``model.zero_grad()``, which ``dedicate_params`` makes clear the owners'
+  Muon gradients too. ``training_step`` runs the micro-batches before the last of an
+  accumulation under ``dmuon.no_sync``. The Trainer clips with ``max_grad_norm`` what it sees,
+  the ``param.grad`` of the FSDP2 parameters; the Muon gradients live on their owners, and a
+  callback's ``on_pre_optimizer_step`` (after the Trainer's clip, before ``step()``) clips them
+  with ``dmuon.clip_grad_norm_``, each kind by its own norm as the clipping guide does. ``log``
+  reports as ``grad_norm`` the norm of both kinds together.
+- Checkpoints. The Trainer writes a checkpoint with ``save_model(checkpoint, _internal_call=
+  True)``, then rank 0's ``optimizer.state_dict()`` (``optimizer.pt``), the scheduler, the RNG
+  states and the trainer state. ``save_model`` writes the model and the optimizer with
+  ``dmuon.save_checkpoint`` into ``checkpoint-N/dmuon`` (every rank what it holds) and the full
+  weights in Hugging Face's format (``model.safetensors``, one file). ``optimizer.pt`` holds
+  rank 0's part of the optimizer only, and every rank would load it on resume
+  (``Muon.load_state_dict`` refuses another rank's dictionary), so ``on_save`` deletes it.
+  The full weights cost what the Trainer's checkpoints of an unsharded model cost: rank 0
+  gathers them into its host memory, one tensor at a time, and writes them.
+- Resume. ``train(resume_from_checkpoint=...)`` first loads the checkpoint's weights file with
+  ``model.load_state_dict(weights, strict=False)``: it refuses a checkpoint without one, and
+  FSDP2's DTensor parameters refuse plain tensors. ``DmuonTrainer`` registers a
+  ``load_state_dict`` pre-hook on the model that loads a full dictionary of plain tensors with
+  ``dmuon.set_model_state_dict`` (each rank takes its part), which is why each checkpoint holds
+  the full weights. The Trainer restores its state, the data position and the RNG states as
+  usual; it loads no optimizer (``optimizer.pt`` is gone). ``DmuonTrainer.train`` checks that
+  the folder holds ``dmuon/`` and keeps its path, and ``on_train_begin`` (the optimizer and the
+  scheduler exist by then) loads the model and the optimizer with ``dmuon.load_checkpoint``
+  (all or nothing, checksums checked) and the scheduler from ``scheduler.pt``.
+- Export. ``save_model(path)`` gathers the full weights to rank 0
+  (``dmuon.get_model_state_dict(model, rank0_only=True)``) and writes them with
+  ``save_pretrained`` from a copy of the model built on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import transformers
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import get_last_checkpoint
+
+import dmuon
+
+__all__ = ["CHECKPOINT_DIR", "DmuonTrainer", "DmuonTrainingArguments", "dmuon_optimizer"]
+
+CHECKPOINT_DIR = "dmuon"  # the dmuon.save_checkpoint folder inside each checkpoint-N
+# One weights file per checkpoint (see [Note: the Trainer's public hooks under dmuon], resume):
+# the Trainer resumes a sharded one through model.state_dict(), which a dedicated matrix refuses.
+_ONE_FILE = "100TB"
+
+
+@dataclass
+class DmuonTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` for :class:`DmuonTrainer`: the same fields, and two differences.
+
+    The Trainer leaves the model where it is (``place_model_on_device`` is ``False``): build it
+    on ``args.device`` before ``dmuon.dedicate_params``. Settings that would go around dmuon are
+    refused when the arguments are built, with a ``ValueError`` naming them: ``fsdp`` and
+    ``deepspeed`` (the model comes sharded by dmuon and FSDP2), ``fp16`` (its ``GradScaler``
+    unscales ``param.grad`` only; use ``bf16``), ``fp16_full_eval`` / ``bf16_full_eval`` (they
+    cast the model with ``.to()``), ``torch_compile`` (compile the decoder layers yourself),
+    ``load_best_model_at_end`` and ``push_to_hub``.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        refused = {
+            "fsdp / fsdp_config (the model comes sharded by dmuon and FSDP2)": bool(self.fsdp),
+            "deepspeed (the model comes sharded by dmuon and FSDP2)": bool(self.deepspeed),
+            "fp16 (its GradScaler does not see the Muon gradients; use bf16)": self.fp16,
+            "fp16_full_eval / bf16_full_eval (they cast the model with .to())": (
+                self.fp16_full_eval or self.bf16_full_eval
+            ),
+            "torch_compile (compile the decoder layers yourself, see the compile guide)": (
+                self.torch_compile
+            ),
+            "load_best_model_at_end (not supported; every checkpoint-N loads with from_pretrained)": (
+                self.load_best_model_at_end
+            ),
+            "push_to_hub (upload the folder trainer.save_model(path) writes)": self.push_to_hub,
+        }
+        given = [name for name, on in refused.items() if on]
+        if given:
+            raise ValueError(f"DmuonTrainingArguments: unset {'; '.join(given)}")
+
+    @property
+    def place_model_on_device(self) -> bool:
+        """``False``: the model comes placed (see [Note: the Trainer's public hooks under
+        dmuon], placement)."""
+        return False
+
+
+def dmuon_optimizer(model: nn.Module, args: TrainingArguments, **muon_kwargs: Any) -> dmuon.Muon:
+    """``dmuon.Muon(model, **muon_kwargs)`` whose AdamW part (the parameters FSDP2 shards) takes
+    ``learning_rate``, ``weight_decay``, ``adam_beta1``/``adam_beta2`` and ``adam_epsilon`` from
+    ``args`` unless ``muon_kwargs`` sets ``adamw_lr``, ``adamw_weight_decay``, ``adamw_betas``
+    or ``adamw_eps``; Muon's own ``lr``, ``momentum`` and the rest come from ``muon_kwargs`` or
+    ``dmuon.Muon``'s defaults. ``args.optim`` is not read. :class:`DmuonTrainer` calls it with
+    its ``muon_kwargs``; ``DmuonTrainer(..., optimizers=(dmuon_optimizer(model, args, ...),
+    None))`` passes one built beforehand."""
+    kwargs = {
+        "adamw_lr": args.learning_rate,
+        "adamw_weight_decay": args.weight_decay,
+        "adamw_betas": (args.adam_beta1, args.adam_beta2),
+        "adamw_eps": args.adam_epsilon,
+        **muon_kwargs,
+    }
+    return dmuon.Muon(model, **kwargs)
+
+
+class DmuonTrainer(Trainer):
+    """``transformers.Trainer`` for a model that dmuon already runs.
+
+    ``model`` is the model after ``dmuon.dedicate_params`` and ``fully_shard``, built on
+    ``args.device``; ``args`` are :class:`DmuonTrainingArguments`; ``muon_kwargs`` go to
+    :func:`dmuon_optimizer` unless ``optimizers=(optimizer, scheduler)`` passes a ``dmuon.Muon``.
+    Every other keyword is the Trainer's (``train_dataset``, ``eval_dataset``,
+    ``data_collator``, ``processing_class``, ``callbacks``, ``compute_metrics``, ...), except
+    ``model_init`` and ``optimizer_cls_and_kwargs``, which are refused.
+
+    ``max_grad_norm`` clips the FSDP2 gradients and the Muon gradients each by its own norm;
+    ``gradient_accumulation_steps`` runs the micro-batches before the last under
+    ``dmuon.no_sync``. A checkpoint (``save_strategy``) holds ``dmuon/`` (``dmuon.save_checkpoint``:
+    the model and the optimizer, sharded), the full weights (``model.safetensors``, which
+    ``from_pretrained`` reads) and the Trainer's scheduler, RNG and state files;
+    ``train(resume_from_checkpoint=...)`` resumes from it bit for bit. ``save_model(path)``
+    writes the full weights in Hugging Face's format. See [Note: the Trainer's public hooks
+    under dmuon] for how each reaches the Trainer.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: DmuonTrainingArguments,
+        *,
+        muon_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(args, DmuonTrainingArguments):
+            raise TypeError(
+                f"DmuonTrainer: args must be DmuonTrainingArguments, got"
+                f" {type(args).__name__}; build them with"
+                " dmuon.integrations.hf.DmuonTrainingArguments(...), which takes every"
+                " TrainingArguments field"
+            )
+        for name in ("model_init", "optimizer_cls_and_kwargs"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"DmuonTrainer: {name} is not supported; pass the model after"
+                    " dmuon.dedicate_params and fully_shard, and set the optimizer with"
+                    " muon_kwargs= or optimizers=(dmuon_optimizer(model, args, ...), None)"
+                )
+        if not isinstance(model, FSDPModule) or not dmuon.dedicated_params_of(model):
+            raise ValueError(
+                f"DmuonTrainer: model must be dedicated and sharded, got"
+                f" {type(model).__name__}: apply dmuon.dedicate_params(model, mesh, predicate)"
+                " and fully_shard(...) to each decoder layer and the root first"
+            )
+        self.muon_kwargs = dict(muon_kwargs or {})
+        self.muon_grad_norm: Tensor | None = None  # the last step's, before clipping
+        self.resuming_from: str | None = None  # the checkpoint train() resumes from
+        self.saving_to: str | None = None  # the checkpoint being written
+        super().__init__(model=model, args=args, **kwargs)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise ValueError(
+                "DmuonTrainer: accelerate is configured for FSDP or DeepSpeed (accelerate"
+                " config or ACCELERATE_USE_* variables); launch without them: the model comes"
+                " sharded by dmuon and FSDP2"
+            )
+        # See [Note: the Trainer's public hooks under dmuon], preparation and resume.
+        self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
+        loader = _FullStateLoad()
+        _model(self).register_load_state_dict_pre_hook(loader.before)
+        _model(self).register_load_state_dict_post_hook(loader.after)
+        self.add_callback(_DmuonEvents(self))
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        trainer = cast(Any, self)  # the Trainer's attribute, typed or not
+        if trainer.optimizer is None:
+            target = _model(self) if model is None else model
+            trainer.optimizer = dmuon_optimizer(target, self.args, **self.muon_kwargs)
+        return cast(torch.optim.Optimizer, trainer.optimizer)
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> Tensor:
+        if self.accelerator.sync_gradients:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with dmuon.no_sync(_model(self)):  # a micro-batch before the last of an accumulation
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        """The Trainer's ``train``; ``resume_from_checkpoint`` (a ``checkpoint-N`` folder, or
+        ``True`` for the last one in ``output_dir``) must hold a dmuon checkpoint."""
+        checkpoint = _checkpoint_to_resume(resume_from_checkpoint, str(self.args.output_dir))
+        self.resuming_from = checkpoint
+        try:
+            return super().train(
+                resume_from_checkpoint=checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+            )
+        finally:
+            self.resuming_from = None
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the full weights in Hugging Face's format (``from_pretrained`` reads them);
+        collective. Within a checkpoint, also the model and the optimizer with
+        ``dmuon.save_checkpoint`` (unless ``save_only_model``)."""
+        output_dir = str(self.args.output_dir if output_dir is None else output_dir)
+        model = _model(self)
+        if _internal_call and not self.args.save_only_model:
+            self.saving_to = output_dir
+            dmuon.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), model, self.muon)
+        state = dmuon.get_model_state_dict(model, rank0_only=True)  # {} off rank 0
+        if not self.args.should_save:
+            return
+        config = cast(Any, model).config
+        with torch.device("meta"):  # no second copy of the weights: they come from `state`
+            export = _unsharded_class(model)(config)
+        export.load_state_dict(state, assign=True)
+        if config.tie_word_embeddings:
+            export.tie_weights()
+        if _internal_call:
+            export.save_pretrained(output_dir, max_shard_size=_ONE_FILE)
+        else:
+            export.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "grad_norm" in logs and self.muon_grad_norm is not None:
+            # See [Note: the Trainer's public hooks under dmuon], optimizer and gradients.
+            logs["grad_norm"] = math.hypot(logs["grad_norm"], self.muon_grad_norm.item())
+        super().log(logs, start_time)
+
+    @property
+    def muon(self) -> dmuon.Muon:
+        """The ``dmuon.Muon`` this trainer steps (under accelerate's ``AcceleratedOptimizer``)."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if not isinstance(optimizer, dmuon.Muon):
+            raise TypeError(
+                f"DmuonTrainer steps a dmuon.Muon, got {type(optimizer).__name__}: leave"
+                " optimizers= unset (the trainer builds it from muon_kwargs) or pass"
+                " optimizers=(dmuon_optimizer(model, args, ...), None)"
+            )
+        return optimizer
+
+
+class _DmuonEvents(TrainerCallback):
+    """The trainer's per-step and checkpoint events (see [Note: the Trainer's public hooks
+    under dmuon])."""
+
+    def __init__(self, trainer: DmuonTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any):
+        trainer = self.trainer
+        if trainer.resuming_from is None:
+            return
+        folder = trainer.resuming_from
+        dmuon.load_checkpoint(os.path.join(folder, CHECKPOINT_DIR), _model(trainer), trainer.muon)
+        schedule = torch.load(os.path.join(folder, SCHEDULER_NAME), weights_only=True)
+        cast(Any, trainer.lr_scheduler).load_state_dict(schedule)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
+    ):
+        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
+        stats = dmuon.clip_grad_norm_(self.trainer.muon, max_norm)
+        self.trainer.muon_grad_norm = stats.total_norm
+
+    def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any):
+        folder, self.trainer.saving_to = self.trainer.saving_to, None
+        if folder is not None and args.should_save:
+            optimizer_file = os.path.join(folder, OPTIMIZER_NAME)
+            if os.path.isfile(optimizer_file):
+                os.remove(optimizer_file)
+
+
+class _FullStateLoad:
+    """``model.load_state_dict`` of a full dictionary of plain tensors through
+    ``dmuon.set_model_state_dict`` (see [Note: the Trainer's public hooks under dmuon],
+    resume): a pre-hook on the root loads it and empties torch's copy of the dictionary, and
+    the post-hook drops the keys it loaded from ``missing_keys``. A dictionary of DTensors (a
+    sharded state dict) goes to torch's own load unchanged."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+
+    def before(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+        if prefix or not state_dict or any(isinstance(v, DTensor) for v in state_dict.values()):
+            return
+        full = dict(state_dict)
+        # save_pretrained writes one name of tied weights (lm_head.weight tied to the
+        # embedding): give every name of a tensor the value saved under another of its names.
+        names: dict[int, list[str]] = {}
+        for name, tensor in [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]:
+            names.setdefault(id(tensor), []).append(name)
+        for group in names.values():
+            given = [name for name in group if name in full]
+            for name in group:
+                if given and name not in full:
+                    full[name] = full[given[0]]
+        dmuon.set_model_state_dict(module, full)
+        self.loaded = set(full)
+        state_dict.clear()
+
+    def after(self, module: nn.Module, incompatible: Any) -> None:
+        missing = [key for key in incompatible.missing_keys if key not in self.loaded]
+        incompatible.missing_keys[:] = missing
+        self.loaded = set()
+
+
+def _checkpoint_to_resume(resume: str | bool | None, output_dir: str) -> str | None:
+    """The ``checkpoint-N`` folder ``train(resume_from_checkpoint=resume)`` resumes from."""
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise ValueError(
+                f"resume_from_checkpoint=True: no checkpoint-N folder in {output_dir}; pass"
+                " the folder to resume from, or False to start afresh"
+            )
+        resume = last
+    if not isinstance(resume, str | os.PathLike):
+        raise TypeError(
+            f"resume_from_checkpoint must be a checkpoint-N folder, True or False, got {resume!r}"
+        )
+    folder = os.fspath(resume)
+    if not os.path.isfile(os.path.join(folder, CHECKPOINT_DIR, ".metadata")):
+        raise ValueError(
+            f"resume_from_checkpoint={folder!r} holds no dmuon checkpoint ({CHECKPOINT_DIR}/"
+            " is missing or empty): resume from a checkpoint-N folder that DmuonTrainer wrote"
+            " without save_only_model=True"
+        )
+    return folder
+
+
+def _model(trainer: Trainer) -> nn.Module:
+    """The model the trainer runs (``DmuonTrainer`` takes no ``model_init``: never ``None``)."""
+    return cast(nn.Module, trainer.model)
+
+
+def _unsharded_class(model: nn.Module) -> type[PreTrainedModel]:
+    """The model's own class: ``fully_shard`` swaps it for an ``FSDP<Name>`` subclass."""
+    for cls in type(model).__mro__:
+        if issubclass(cls, PreTrainedModel) and not issubclass(cls, FSDPModule):
+            return cls
+    raise TypeError(
+        f"DmuonTrainer.save_model writes a transformers PreTrainedModel; {type(model).__name__}"
+        f" is not one (transformers {transformers.__version__})"
+    )

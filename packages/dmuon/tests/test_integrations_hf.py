@@ -1,0 +1,207 @@
+"""``dmuon.integrations.hf``: a tiny ``LlamaForCausalLM`` (tied embeddings) trained by
+``DmuonTrainer`` on 2 gloo ranks. The loss falls, ``dmuon.Muon`` steps the dedicated matrices,
+a checkpoint holds dmuon's sharded checkpoint and the full weights, and a run resumed from it in
+a model built from other weights logs the uninterrupted run's later losses and evaluation loss
+bit for bit. The shipped classes override no underscored transformers method."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from dmuon_testing.distributed import run_distributed
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from dmuon.integrations import hf
+
+VOCAB, SEQ, ROWS_PER_RANK, STEPS, SAVE_AT = 64, 16, 4, 6, 3
+
+
+def _plain_model(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=SEQ + 1,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _model(seed: int, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = _plain_model(seed)
+    dmuon.dedicate_params(model, mesh, predicate=lambda name, p: ".layers." in name and p.ndim == 2)
+    dedicated = dmuon.dedicated_params_of(model)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+    return model
+
+
+def _rows(world_size: int) -> list[dict[str, torch.Tensor]]:
+    """``t[i+1] = (5 t[i] + 3) mod VOCAB`` from a random start: learnable in a few steps."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(STEPS * ROWS_PER_RANK * world_size):
+        tokens = [int(torch.randint(0, VOCAB, (), generator=g))]
+        for _ in range(SEQ):
+            tokens.append((5 * tokens[-1] + 3) % VOCAB)
+        rows.append({"input_ids": torch.tensor(tokens), "labels": torch.tensor(tokens)})
+    return rows
+
+
+def _train(root: str, name: str, seed: int, resume: str | None = None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    args = hf.DmuonTrainingArguments(
+        output_dir=os.path.join(root, name),
+        use_cpu=True,
+        per_device_train_batch_size=ROWS_PER_RANK,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    mesh = init_device_mesh("cpu", (args.world_size,))
+    rows = _rows(args.world_size)
+    trainer = hf.DmuonTrainer(
+        _model(seed, mesh),
+        args,
+        train_dataset=rows,
+        eval_dataset=rows[: 2 * ROWS_PER_RANK * args.world_size],
+        muon_kwargs={"lr": 0.05},
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    return trainer, losses, trainer.evaluate()["eval_loss"]
+
+
+def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
+    import dmuon
+
+    # What torchrun sets, and accelerate reads to join the process group the pool started.
+    for key, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size}.items():
+        os.environ[key] = str(value)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+
+    trainer, losses, eval_loss = _train(root, "run", seed=0)
+    muon = trainer.muon
+    optimizer_state = dmuon.get_optimizer_state_dict(trainer.model, muon, rank0_only=True)
+    trained = dmuon.get_model_state_dict(trainer.model, rank0_only=True)
+
+    checkpoint = os.path.join(root, "run", f"checkpoint-{SAVE_AT}")
+    second, resumed, resumed_eval_loss = _train(root, "resumed", seed=1, resume=checkpoint)
+    # model.load_state_dict of the checkpoint's full weights (tied: lm_head.weight is not in
+    # the file), as the Trainer's resume calls it, puts exactly those weights in the model.
+    from safetensors.torch import load_file
+
+    exported = load_file(os.path.join(checkpoint, "model.safetensors"))
+    loaded = second.model.load_state_dict(exported, strict=False)
+    reread = dmuon.get_model_state_dict(second.model, rank0_only=True)
+    if rank != 0:
+        return {}
+    names = muon.muon_param_names()
+    initial = _plain_model(seed=0).state_dict()  # what the first run started from
+    state = optimizer_state["state"]
+    return {
+        "optimizer": type(muon).__name__,
+        "muon_names": names,
+        "momentum": {n: float(state[n]["momentum_buffer"].norm()) for n in names},
+        "moved": {n: not torch.equal(initial[n], trained[n]) for n in names},
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "resumed": resumed,
+        "resumed_eval_loss": resumed_eval_loss,
+        "files": sorted(os.listdir(checkpoint)),
+        "exported": sorted(exported),
+        "load_result": (loaded.missing_keys, loaded.unexpected_keys),
+        "reloaded": all(torch.equal(reread[n], v) for n, v in exported.items())
+        and torch.equal(reread["lm_head.weight"], exported["model.embed_tokens.weight"]),
+    }
+
+
+@pytest.mark.distributed
+def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path) -> None:
+    out = run_distributed(_train_save_resume, 2, str(tmp_path))[0]
+    assert out["optimizer"] == "Muon"
+    # Muon steps every dedicated matrix: 14 = 2 layers x (4 attention + 3 MLP) projections.
+    assert len(out["muon_names"]) == 14
+    assert all(out["momentum"][n] > 0 for n in out["muon_names"]), out["momentum"]
+    assert all(out["moved"].values()), out["moved"]
+    losses = [out["losses"][step] for step in range(1, STEPS + 1)]
+    assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < losses[0] - 0.3, (
+        losses
+    )
+    # The checkpoint: dmuon's sharded one, the full weights, no rank-0 optimizer file.
+    assert {"dmuon", "model.safetensors", "scheduler.pt", "trainer_state.json"} <= set(out["files"])
+    assert "optimizer.pt" not in out["files"]
+    assert "lm_head.weight" not in out["exported"] and out["load_result"] == ([], [])
+    assert out["reloaded"]
+    # Resumed from other initial weights: the later steps as without the checkpoint.
+    later = {step: loss for step, loss in out["losses"].items() if step > SAVE_AT}
+    assert {s: v for s, v in out["resumed"].items() if s > SAVE_AT} == later
+    assert out["resumed_eval_loss"] == out["eval_loss"]
+
+
+def test_no_underscored_transformers_method_is_overridden() -> None:
+    shipped = [
+        cls for cls in vars(hf).values() if isinstance(cls, type) and cls.__module__ == hf.__name__
+    ]
+    overridden: dict[str, set[str]] = {}
+    for cls in shipped:
+        for base in (Trainer, TrainerCallback, TrainingArguments):
+            if not issubclass(cls, base):
+                continue
+            own = {name for klass in cls.__mro__[: cls.__mro__.index(base)] for name in vars(klass)}
+            overridden[cls.__name__] = {name for name in own if hasattr(base, name)}
+    assert set(overridden) == {"DmuonTrainer", "DmuonTrainingArguments", "_DmuonEvents"}
+    private = {
+        cls: sorted(n for n in names if n.startswith("_") and not n.endswith("__"))
+        for cls, names in overridden.items()
+    }
+    assert not any(private.values()), private
+    # The public hooks it relies on are still the Trainer's.
+    assert {"__init__", "create_optimizer", "training_step", "train", "save_model", "log"} <= (
+        overridden["DmuonTrainer"]
+    )
+    assert overridden["DmuonTrainingArguments"] >= {"__post_init__", "place_model_on_device"}
+
+
+def test_bad_arguments_name_the_fix(tmp_path) -> None:
+    with pytest.raises(ValueError, match="unset torch_compile"):
+        hf.DmuonTrainingArguments(output_dir=str(tmp_path), use_cpu=True, torch_compile=True)
+    plain = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(TypeError, match="DmuonTrainingArguments"):
+        hf.DmuonTrainer(torch.nn.Linear(2, 2), plain)
+    args = hf.DmuonTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=r"dmuon\.dedicate_params"):
+        hf.DmuonTrainer(torch.nn.Linear(2, 2), args)
+    (tmp_path / "checkpoint-3").mkdir()
+    with pytest.raises(ValueError, match="holds no dmuon checkpoint"):
+        hf._checkpoint_to_resume(str(tmp_path / "checkpoint-3"), str(tmp_path))
+    with pytest.raises(ValueError, match="no checkpoint-N folder"):
+        hf._checkpoint_to_resume(True, str(tmp_path / "absent"))
