@@ -173,19 +173,14 @@ def gram_newton_schulz(G: TensorOrList, **options: Unpack[_GramKeywords]) -> Ten
     """``newton_schulz(G, backend="gram", ...)`` (square matrices still run direct NS).
 
     Args:
-        G: a real floating tensor (float16, bfloat16, float32 or float64) of shape
-            ``(..., rows, cols)``, at least 2-D and non-empty, each trailing matrix
-            orthogonalised on its own; or a list or tuple of such tensors, which comes back as
-            a list in the same order.
-        steps: the number of Newton–Schulz steps, an int >= 1.
-        coefficients: the ``(a, b, c)`` row of each step; ``None``:
-            ``POLAR_EXPRESS_COEFFICIENTS``. As for :func:`newton_schulz`.
-        kernel: ``"auto"`` or a kernel name; see :class:`NewtonSchulz`.
+        G: the matrices, as for :func:`newton_schulz`.
+        steps: the number of Newton–Schulz steps, as for :func:`newton_schulz`.
+        coefficients: the ``(a, b, c)`` row of each step, as for :func:`newton_schulz`.
+        kernel: ``"auto"`` or a kernel name, as for :func:`newton_schulz`.
         restart_iterations: the steps before which the Gram matrix is recomputed, ints in
             ``[1, steps - 1]``; ``None``: ``(2,)`` where ``steps > 2``.
-        dtype: the iteration dtype, ``torch.float16`` or ``torch.bfloat16``; ``None``: the
-            device's default (fp32 for the torch kernel on the CPU, fp16 elsewhere).
-        eps: a finite float > 0 added to each matrix's Frobenius norm before scaling by it.
+        dtype: the iteration dtype, as for :func:`newton_schulz`.
+        eps: the norm's guard, as for :func:`newton_schulz`.
         deterministic: ``True``: the plain torch kernel unless a kernel is named.
     """
     return newton_schulz(G, backend=NSBackend.GRAM, **options)
@@ -199,17 +194,12 @@ def direct_newton_schulz(
     """``newton_schulz(G, backend="direct", ...)``: X ← aX + (bR + cR²)X with R = X·Xᵀ.
 
     Args:
-        G: a real floating tensor (float16, bfloat16, float32 or float64) of shape
-            ``(..., rows, cols)``, at least 2-D and non-empty, each trailing matrix
-            orthogonalised on its own; or a list or tuple of such tensors, which comes back as
-            a list in the same order.
-        steps: the number of Newton–Schulz steps, an int >= 1.
-        coefficients: the ``(a, b, c)`` row of each step; ``None``:
-            ``POLAR_EXPRESS_COEFFICIENTS``. As for :func:`newton_schulz`.
-        kernel: ``"auto"`` or a kernel name; see :class:`NewtonSchulz`.
-        dtype: the iteration dtype, ``torch.float16`` or ``torch.bfloat16``; ``None``: the
-            device's default (fp32 for the torch kernel on the CPU, fp16 elsewhere).
-        eps: a finite float > 0 added to each matrix's Frobenius norm before scaling by it.
+        G: the matrices, as for :func:`newton_schulz`.
+        steps: the number of Newton–Schulz steps, as for :func:`newton_schulz`.
+        coefficients: the ``(a, b, c)`` row of each step, as for :func:`newton_schulz`.
+        kernel: ``"auto"`` or a kernel name, as for :func:`newton_schulz`.
+        dtype: the iteration dtype, as for :func:`newton_schulz`.
+        eps: the norm's guard, as for :func:`newton_schulz`.
         deterministic: ``True``: the plain torch kernel unless a kernel is named.
     """
     return newton_schulz(G, backend=NSBackend.DIRECT, **options)
