@@ -78,7 +78,7 @@ def test_default_is_muon_with_no_dtype_changes() -> None:
     assert resolve_param_policy("any.weight", None) == ResolvedPolicy()
     assert resolve_param_policy("any.weight", {}).route is Route.MUON
     assert ResolvedPolicy().route == "muon"
-    assert POLICY_FIELDS[0] == "route" and len(POLICY_FIELDS) == 8
+    assert POLICY_FIELDS[0] == "route" and len(POLICY_FIELDS) == 9
 
 
 def test_overrides_apply_in_order_and_set_only_their_fields() -> None:

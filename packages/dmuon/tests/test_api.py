@@ -103,6 +103,7 @@ SUBMODULES = {
     "runtime": {
         "CHECKPOINT_KEY",
         "DedicatedCommContext",
+        "MatrixSplit",
         "broadcast_all_updates",
         "broadcast_all_updates_async",
         "collect_forward_unshard_profile",

@@ -1,6 +1,7 @@
 """forecast / dmuon-plan: per-rank figures against independent sums, the K2 planning target,
 the measured NS table, the command line and errors."""
 
+import dataclasses
 import json
 import math
 import time
@@ -11,7 +12,7 @@ from plan_configs import KIMI_K2, LLAMA_3_70B
 from dmuon.plan import Topology, forecast, load_ns_times, model_shapes
 from dmuon.plan._cli import main
 from dmuon.plan._figures import ADAMW, DMUON, MUON
-from dmuon_ownership import ns_cost, plan_owners
+from dmuon_ownership import WorkItem, ns_cost, plan_owners
 
 # A small Llama whose every first dimension divides by 4 (no FSDP2 padding at shard size 4).
 TINY = {
@@ -315,6 +316,43 @@ def test_predicted_ns_time_batches_like_muon() -> None:
     wide = forecast(TINY, Topology(8))
     assert wide.ns_ms[MUON].max == pytest.approx(forecast(TINY, topo).ns_ms[MUON].max)
     assert wide.ns_ms[DMUON].max < wide.ns_ms[MUON].max
+
+
+def test_a_declared_split_is_planned_and_timed_as_its_pieces() -> None:
+    # TINY with each layer's q, k and v fused into one weight that declares its split, as
+    # dedicate_params hands it to the planner: the owner runs NS on q (H, H) and k, v (KV, H).
+    shapes = model_shapes(TINY)
+    fused: list[WorkItem] = []
+    for item in shapes.dedicated:
+        layer, _, leaf = item.name.partition(".self_attn.")
+        if leaf in ("k_proj.weight", "v_proj.weight"):
+            continue
+        if leaf == "q_proj.weight":
+            pieces = ((1, H, H), (2, KV, H))
+            item = WorkItem(f"{layer}.self_attn.qkv_proj.weight", (H + 2 * KV, H), item.boundary)
+            fused.append(dataclasses.replace(item, matrices=pieces))
+        else:
+            fused.append(item)
+    split = dataclasses.replace(shapes, dedicated=tuple(fused))
+    joint = dataclasses.replace(
+        split, dedicated=tuple(dataclasses.replace(it, matrices=()) for it in fused)
+    )
+    topo = Topology(1)
+    figures = {
+        name: forecast(model, topo, ns_batch_bytes=None)
+        for name, model in (("separate", TINY), ("split", split), ("joint", joint))
+    }
+    assert figures["split"].plan == plan_owners(split.dedicated, 1)
+    # Planned and timed as the separate q, k, v: the same work and the same NS calls.
+    loads = {name: fc.plan.loads for name, fc in figures.items()}
+    assert loads["split"] == loads["separate"] and loads["joint"][0] > loads["split"][0]
+    ns_ms = {name: fc.ns_ms[DMUON].max for name, fc in figures.items()}
+    assert ns_ms["split"] == pytest.approx(ns_ms["separate"])
+    assert ns_ms["joint"] != pytest.approx(ns_ms["separate"])
+    assert figures["split"].work[MUON].max == figures["separate"].work[MUON].max
+    # Bytes do not depend on how a weight is orthogonalised.
+    bytes_of = [forecast(m, Topology(4)).rank().payload for m in (split, joint)]
+    assert bytes_of[0] == bytes_of[1]
 
 
 def test_tensor_parallel_figures() -> None:

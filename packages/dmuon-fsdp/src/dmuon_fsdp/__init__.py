@@ -4,6 +4,8 @@
 and ``replicate``: still importable for one release, outside ``__all__``, and each warns.
 """
 
+from dmuon_ownership import MatrixSplit
+
 from ._api import (
     broadcast_all_updates,
     broadcast_all_updates_async,
@@ -60,6 +62,7 @@ __all__ = [
     "DedicatedParam",
     "DedicatedRuntime",
     "LrScaling",
+    "MatrixSplit",
     "Muon",
     "MuonClipGrads",
     "MuonStepStats",

@@ -14,7 +14,7 @@ from torch import nn
 from dmuon_ownership import POLICY_FIELDS, ParamPolicy, Route, validate_param_policy
 
 from ._checks import is_int
-from ._matrix import MatrixView
+from ._matrix import MatrixView, describe_pieces
 from ._torch_internals import local_shard
 from .checkpoint import check_optimizer
 from .holder import DedicatedParam, tensor_view
@@ -150,16 +150,34 @@ def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
 def _matrices(
     name: str, dp: DedicatedParam | None, runtime: DedicatedRuntime
 ) -> dict[str, Any] | None:
-    """What Muon orthogonalises of a Muon-route parameter: how many matrices, their shape and
-    how they are cut out of it (``None``: not on the Muon route)."""
+    """What Muon orthogonalises of a Muon-route parameter: how many matrices, their shape
+    (``None`` where a declared split's pieces differ), how they are cut out of it and, for a
+    declared split, each piece's rows, matrices and shape (``None``: not on the Muon route)."""
     stacks = {stack.fqn: stack.view for stack in runtime.local_muon}
     if name in stacks:
         view = stacks[name]
+    elif dp is not None and dp.route is Route.MUON and dp.pieces:
+        shapes = {piece.view.matrix_shape for piece in dp.pieces}
+        return {
+            "count": sum(piece.view.batch for piece in dp.pieces),
+            "shape": list(shapes.pop()) if len(shapes) == 1 else None,
+            "split": f"declared: {describe_pieces(dp.pieces)}",
+            "pieces": [
+                {
+                    "name": piece.name,
+                    "rows": [piece.start, piece.stop],
+                    "count": piece.view.batch,
+                    "shape": list(piece.view.matrix_shape),
+                }
+                for piece in dp.pieces
+            ],
+        }
     elif dp is not None and dp.route is Route.MUON:
         view = MatrixView.of(dp.shape, dp.fqn)
     else:
         return None
-    return {"count": view.batch, "shape": list(view.matrix_shape), "split": view.split}
+    shape = list(view.matrix_shape)
+    return {"count": view.batch, "shape": shape, "split": view.split, "pieces": None}
 
 
 def _param_row(

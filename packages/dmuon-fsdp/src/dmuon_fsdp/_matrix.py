@@ -12,7 +12,13 @@ at the number of dimensions of a Muon parameter:
   up]``) is ``2E`` matrices ``(I, H)``, and GPT-OSS's interleaved, transposed ``(E, H, 2I)``
   (``[..., ::2]`` gate, ``[..., 1::2]`` up) is ``2E`` matrices ``(H, I)``;
 - ``transposed`` says a stack stores ``(in, out)`` (GPT-OSS): NS does not care (NS of a
-  transpose is the transpose of NS), the learning-rate scale uses the logical ``(out, in)``.
+  transpose is the transpose of NS), the learning-rate scale uses the logical ``(out, in)``;
+- a 2-D weight with a declared split (a fused ``[q; k; v]`` or ``[gate; up]`` projection, see
+  [Note: declared splits] in ``dmuon_ownership``) is its *pieces* (:func:`pieces_of`):
+  consecutive row blocks, each a view of its own (``rows × cols`` matrices, one or one per
+  head), stepped as if it were a parameter of its own (its NS batch is its shape's, its
+  learning-rate scale its matrices'), while momentum and weight decay, being elementwise,
+  see the whole weight as before.
 
 It is asked by ``dedicate_params``, which validates a selected parameter
 (:meth:`MatrixView.of` raises, naming the parameter and the fix, for a shape it cannot step);
@@ -30,17 +36,23 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from torch import Tensor
+
+from dmuon_ownership import MatrixSplit
 
 __all__ = [
     "Glu",
     "LrScaling",
     "MatrixView",
     "NSFunction",
+    "Piece",
+    "describe_pieces",
     "lr_scale",
     "matrices_of",
     "matrix_shape",
+    "pieces_of",
 ]
 
 # Orthogonalises every matrix of a (batch, m, n) stack; returns a tensor of the same shape.
@@ -162,7 +174,7 @@ class MatrixView:
         """The matrices of ``t``, laid out as the parameter or as this rank's shard of it
         along the expert dim, each a ``rows × cols`` view (writes reach ``t``); the same
         order for every tensor of one parameter."""
-        if t.dim() == 2 and self.glu is Glu.NONE:
+        if t.dim() == 2 and self.batch == 1 and self.glu is Glu.NONE:
             return [t]
         if self.glu is Glu.INTERLEAVED:
             halves = t.unflatten(-1, (self.cols, 2)).unbind(-1)  # gate, up: strided views
@@ -186,3 +198,33 @@ def matrices_of(t: Tensor) -> list[Tensor]:
     """The matrices of ``t`` as :meth:`MatrixView.matrices` gives them for a plain weight or
     stack (no GLU): a 2-D tensor is its own one matrix."""
     return [t] if t.dim() == 2 else list(t.view(-1, *t.shape[-2:]).unbind(0))
+
+
+class Piece(NamedTuple):
+    """One piece of a 2-D weight with a declared split: its rows ``[start, stop)``, as
+    ``view``'s matrices (a ``(count · rows, cols)`` block: ``count`` matrices of ``rows``
+    rows)."""
+
+    name: str  # "q", "k", "v", or "rows a:b"
+    start: int
+    view: MatrixView
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.view.shape[0]
+
+
+def pieces_of(shape: Sequence[int], name: str, split: MatrixSplit) -> tuple[Piece, ...]:
+    """The pieces ``split`` cuts a 2-D weight of ``shape`` into, in row order (see [Note:
+    what Muon steps]); raises a ``ValueError`` naming ``name`` and the fix when it does not
+    fit the shape."""
+    cols = int(shape[-1])
+    return tuple(
+        Piece(b.name, b.start, MatrixView((b.matrices * b.rows, cols), b.matrices, b.rows, cols))
+        for b in split.blocks(shape, name)
+    )
+
+
+def describe_pieces(pieces: Sequence[Piece]) -> str:
+    """A split's pieces in words: ``"q 1 x (16, 16), k 1 x (8, 16), v 1 x (8, 16)"``."""
+    return ", ".join(f"{p.name} {p.view.batch} x ({p.view.rows}, {p.view.cols})" for p in pieces)

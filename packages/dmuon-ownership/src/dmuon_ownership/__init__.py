@@ -28,17 +28,20 @@ from ._policy import (
     validate_param_policy,
 )
 from ._route import Route, normalize_dtype
+from ._split import MatrixSplit, RowBlock
 
 __all__ = [
     "POLICY_FIELDS",
     "CostFn",
     "ExpertSource",
     "ExpertStack",
+    "MatrixSplit",
     "Owner",
     "ParamPolicy",
     "Plan",
     "ResolvedPolicy",
     "Route",
+    "RowBlock",
     "Unit",
     "UnknownParamError",
     "WorkItem",

@@ -11,6 +11,10 @@ from ._route import Route, parse_route
 __all__ = ["Owner", "WorkItem"]
 
 
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 class Owner(NamedTuple):
     """A coordinate on the shard × replicate grid; slot index = ``replicate * shard_size + shard``."""
 
@@ -37,6 +41,7 @@ class WorkItem:
     route: Route = Route.MUON
     itemsize: int = 2
     tp: int = 1
+    matrices: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -68,6 +73,40 @@ class WorkItem:
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{who}: {field_name} must be an int >= 1, got {value!r}")
+        self._check_matrices(who)
+
+    def _check_matrices(self, who: str) -> None:
+        try:
+            stacks = tuple(tuple(stack) for stack in self.matrices)
+        except TypeError:
+            stacks = None
+        if stacks is None or not all(
+            len(stack) == 3 and all(_positive(d) for d in stack) for stack in stacks
+        ):
+            raise ValueError(
+                f"{who}: matrices must be (count, rows, cols) triples of ints >= 1, got "
+                f"{self.matrices!r}"
+            )
+        object.__setattr__(self, "matrices", stacks)
+        if not stacks:
+            return
+        if self.route is not Route.MUON:
+            raise ValueError(
+                f"{who}: matrices (a declared split) are what Muon orthogonalises, but its "
+                f"route is {self.route.value!r}; drop them or route it to 'muon'"
+            )
+        covered = sum(math.prod(stack) for stack in stacks)
+        if covered != self.numel:
+            raise ValueError(
+                f"{who}: its matrices {stacks} hold {covered} elements, but its shape "
+                f"{self.shape} holds {self.numel}; the pieces of a split cover the weight once"
+            )
+
+    @property
+    def stacks(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes whose optimizer work adds up to this item's: its pieces' stacks under a
+        declared split, else its own shape."""
+        return self.matrices or (self.shape,)
 
     @property
     def numel(self) -> int:

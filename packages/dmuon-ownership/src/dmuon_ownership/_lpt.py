@@ -99,7 +99,8 @@ def plan_owners(
 ) -> Plan:
     """Assign every owned item to one slot of the ``shard_size × replicate_size`` grid.
 
-    ``cost(shape, route)`` gives an item's optimizer work (default :func:`ns_cost`).
+    ``cost(shape, route)`` gives an item's optimizer work (default :func:`ns_cost`); an item
+    with a declared split (``WorkItem.matrices``) costs the sum over its pieces' stacks.
     ``base_loads[slot]`` is work already on each slot, in the cost's unit (see [Note: base
     loads]; ``slot = replicate * shard_size + shard``). ``experts`` names the expert stacks
     FSDP2 splits over the shard axis (and replicates over the replicate axis): their work is
@@ -144,11 +145,11 @@ def plan_owners(
 
     owned = [it for it in ordered if it.route is not Route.SHARDED_ADAMW]
     sharded = tuple(it.name for it in ordered if it.route is Route.SHARDED_ADAMW)
-    # Layers repeat shapes: evaluate the cost once per (shape, route).
-    by_shape: dict[tuple[tuple[int, ...], Route], float] = {}
+    # Layers repeat shapes: evaluate the cost once per (shape, route, split).
+    by_shape: dict[tuple[tuple[int, ...], Route, tuple[tuple[int, int, int], ...]], float] = {}
     costs: dict[str, float] = {}
     for it in owned:
-        key = (it.shape, it.route)
+        key = (it.shape, it.route, it.matrices)
         if key not in by_shape:
             by_shape[key] = _cost_of(it, cost)
         costs[it.name] = by_shape[key]
@@ -273,17 +274,22 @@ def _tp_size(items: list[WorkItem]) -> int:
 
 
 def _cost_of(item: WorkItem, cost: CostFn) -> float:
-    value = cost(item.shape, item.route)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(
-            f"plan_owners: cost({item.shape}, {item.route.value!r}) for {item.name!r} returned "
-            f"{value!r}; the cost function must return a finite number >= 0"
-        )
-    return number
+    """The item's work: the sum over its stacks (one, or a declared split's pieces, see
+    [Note: declared splits] in ``_split``)."""
+    numbers = []
+    for shape in item.stacks:
+        value = cost(shape, item.route)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(
+                f"plan_owners: cost({shape}, {item.route.value!r}) for {item.name!r} returned "
+                f"{value!r}; the cost function must return a finite number >= 0"
+            )
+        numbers.append(number)
+    return math.fsum(numbers)
 
 
 def _make_atoms(owned: list[WorkItem], costs: dict[str, float], threshold: int) -> list[_Atom]:

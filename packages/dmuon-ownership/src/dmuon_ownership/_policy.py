@@ -37,6 +37,7 @@ from fnmatch import fnmatchcase
 from typing import Any, NamedTuple
 
 from ._route import Route, normalize_dtype, parse_route
+from ._split import MatrixSplit
 
 __all__ = [
     "POLICY_FIELDS",
@@ -47,7 +48,13 @@ __all__ = [
 ]
 
 _DTYPE_FIELDS = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "output_dtype")
-POLICY_FIELDS: tuple[str, ...] = ("route", *_DTYPE_FIELDS, "cast_forward_inputs", "glu")
+POLICY_FIELDS: tuple[str, ...] = (
+    "route",
+    *_DTYPE_FIELDS,
+    "cast_forward_inputs",
+    "glu",
+    "split",
+)
 # How a fused GLU expert stack (gate and up in one tensor) is orthogonalised: None reads the
 # layout from the model (gate and up apart), "split" asks for that, "joint" orthogonalises
 # each expert's fused matrix as one.
@@ -75,6 +82,8 @@ def _normalize_field(field_name: str, value: object, where: str) -> object:
                 f"(each expert's fused matrix as one), got {value!r}"
             )
         return value
+    if field_name == "split":
+        return MatrixSplit.parse(value, where)
     return normalize_dtype(value, where)
 
 
@@ -93,6 +102,8 @@ class ResolvedPolicy:
     cast_forward_inputs: bool = True
     # A fused GLU expert stack: see GLU_MODES.
     glu: str | None = None
+    # A fused 2-D weight's pieces, orthogonalised apart: see [Note: declared splits].
+    split: MatrixSplit | None = None
 
     def __post_init__(self) -> None:
         for name in POLICY_FIELDS:

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from dmuon_ownership import Owner, ResolvedPolicy, Route
+from dmuon_ownership import MatrixSplit, Owner, ResolvedPolicy, Route
 
-from .._matrix import MatrixView, NSFunction, matrix_shape
+from .._matrix import MatrixView, NSFunction, Piece, matrix_shape, pieces_of
 from .._torch_internals import local_shard
 from ..topology import DedicatedCommContext, MeshLayout
 from ._guard import (
@@ -95,7 +95,11 @@ class DedicatedParam(ParamHolder):
     tp_dim: int | None = None
     # Names the parameter, its owner and this rank's role in errors (see _guard).
     where: str = ""
+    # A declared split (see [Note: declared splits] in dmuon_ownership): its owner steps each
+    # piece as a matrix of its own (None: the weight is one matrix).
+    split: MatrixSplit | None = None
     shape: torch.Size = field(init=False)  # the full (global) shape
+    pieces: tuple[Piece, ...] = field(init=False)  # the declared split's pieces (or none)
     local_shape: torch.Size = field(init=False)  # this rank's shard's (the full one without TP)
     dtype: torch.dtype = field(init=False)  # the master dtype
     _current: HolderState = field(default=HolderState.HELD, init=False, repr=False)
@@ -105,6 +109,7 @@ class DedicatedParam(ParamHolder):
         self.shape = self.param.shape
         self.local_shape = self.tensor.shape
         self.dtype = self.param.dtype
+        self.pieces = () if self.split is None else pieces_of(self.shape, self.fqn, self.split)
         self.attach(self.param)
 
     @classmethod
@@ -115,10 +120,19 @@ class DedicatedParam(ParamHolder):
     @classmethod
     def view_of(cls, found: Found) -> MatrixView | None:
         """The matrix a Muon-route parameter is (raising, with the fix, for a shape Muon cannot
-        step); ``None`` on the AdamW route."""
+        step, or a declared split that does not fit it); ``None`` on the AdamW route."""
         if found.policy.route is not Route.MUON:
+            if found.split is not None:
+                raise ValueError(
+                    f"{found.fqn!r} has a declared split {found.split}, but its route is "
+                    f"{found.policy.route.value!r}: a split cuts the matrices Muon "
+                    "orthogonalises; declare it only for Muon-route weights"
+                )
             return None
-        return MatrixView.of(found.param.shape, found.fqn)
+        view = MatrixView.of(found.param.shape, found.fqn)
+        if found.split is not None:
+            pieces_of(found.param.shape, found.fqn, found.split)
+        return view
 
     @property
     def tensor(self) -> Tensor:
@@ -306,21 +320,36 @@ class DedicatedParam(ParamHolder):
         function). A kind that orthogonalises otherwise overrides this."""
         return context.ns
 
-    def muon_entry(self, group: dict[str, Any], context: StepContext) -> MuonEntry | None:
+    def muon_entries(self, group: dict[str, Any], context: StepContext) -> tuple[MuonEntry, ...]:
+        """Its owner's entry, or one per piece of a declared split: each piece's matrices go
+        into the NS batch of their shape, scaled for their shape (see [Note: what Muon
+        steps])."""
         if not self.is_owner:
-            return None
+            return ()
         assert self.precision is not None, f"{self.fqn}: the runtime has not packed its parameters"
-        view = MatrixView.of(self.shape, self.fqn)
-        return MuonEntry(
-            group,
-            self.param,
-            self,
-            view,
-            view.lr_scale(context.lr_scaling),
-            1,
-            matrix_shape(self.local_shape),
-            self.newton_schulz(context),
-            self.precision.optim,
+        ns = self.newton_schulz(context)
+        if not self.pieces:
+            view = MatrixView.of(self.shape, self.fqn)
+            scale = view.lr_scale(context.lr_scaling)
+            shape = matrix_shape(self.local_shape)
+            return (
+                MuonEntry(group, self.param, self, view, scale, 1, shape, ns, self.precision.optim),
+            )
+        return tuple(
+            MuonEntry(
+                group,
+                self.param,
+                self,
+                piece.view,
+                piece.view.lr_scale(context.lr_scaling),
+                piece.view.batch,
+                piece.view.matrix_shape,
+                ns,
+                self.precision.optim,
+                cut=piece.view,
+                rows=(piece.start, piece.stop),
+            )
+            for piece in self.pieces
         )
 
     @property
@@ -398,6 +427,20 @@ class TensorParallelParam(DedicatedParam):
     def claims(cls, found: Found) -> bool:
         """Any ``DTensor`` parameter (tensor parallelism applied before ``dedicate_params``)."""
         return isinstance(found.param, DTensor)
+
+    @classmethod
+    def view_of(cls, found: Found) -> MatrixView | None:
+        """As a plain matrix's; a declared split is refused where the matrix is sharded over
+        more than one TP rank (its shards cut across the pieces)."""
+        mesh = cast(DTensor, found.param).device_mesh
+        if found.split is not None and mesh.size() > 1:
+            raise ValueError(
+                f"{found.fqn!r} has a declared split {found.split}, but it is a tensor-parallel "
+                f"matrix (sharded over {mesh.size()} TP ranks), whose shards cut across the "
+                "pieces; declare the split only on weights that are not tensor-parallel, or "
+                "use separate q, k and v modules under tensor parallelism"
+            )
+        return super().view_of(found)
 
     def newton_schulz(self, context: StepContext) -> NSFunction:
         if self.tp_dim is None:

@@ -88,7 +88,14 @@ class ExpertStack(ParamHolder):
     @classmethod
     def view_of(cls, found: Found) -> MatrixView:
         """Its experts' matrices (see [Note: fused gate and up]); raises for a stack split
-        where its experts cannot be stepped whole."""
+        where its experts cannot be stepped whole, and for a declared split (which cuts the
+        rows of a 2-D weight; a fused gate and up stack says so with ``glu``)."""
+        if found.split is not None:
+            raise ValueError(
+                f"{found.fqn!r} (shape {tuple(found.param.shape)}) has a declared split "
+                f"{found.split}, but it is an expert stack, and a split cuts the rows of a 2-D "
+                "weight; for a fused gate and up stack set param_policy's glu='split' instead"
+            )
         layout = _expert_layout(found.name, found.module, found.policy, tuple(found.param.shape))
         view = MatrixView.of(found.param.shape, found.fqn, **layout)
         check_expert_split(found.fqn, found.param)
@@ -127,8 +134,11 @@ class ExpertStack(ParamHolder):
         same on every replica; see [Note: stepping expert sources])."""
         return True
 
-    def muon_entry(self, group: dict[str, Any], context: StepContext) -> MuonEntry:
+    def muon_entries(self, group: dict[str, Any], context: StepContext) -> tuple[MuonEntry, ...]:
         """This rank's shard of the stack, as FSDP2 left it."""
+        return (self._entry(group, context),)
+
+    def _entry(self, group: dict[str, Any], context: StepContext) -> MuonEntry:
         p = self.param
         check_expert_split(self.fqn, p)
         view = self.view
@@ -198,10 +208,10 @@ class SourcedExpertStack(ExpertStack):
             return None  # another replica steps it: only the momentum advances here
         return context.ns
 
-    def muon_entry(self, group: dict[str, Any], context: StepContext) -> MuonEntry:
-        entry = super().muon_entry(group, context)
+    def muon_entries(self, group: dict[str, Any], context: StepContext) -> tuple[MuonEntry, ...]:
+        entry = self._entry(group, context)
         _check_source_layout(self.fqn, entry.param, context.layout)
-        return entry
+        return (entry,)
 
     def publish(self, comm: DedicatedCommContext) -> Any:
         """Broadcast the stepped shard from its source over the shard's replicas."""

@@ -16,9 +16,10 @@ it is and builds its holder once the owner plan is made. The verbs, by who calls
   way to its owner, which also record whether the parameter got one this step (see [Note: a
   parameter without a gradient] in ``runtime/_collectives``);
 - the group's publish: ``receive`` and ``landed`` (a copy being overwritten by its owner's);
-- the step plan (``optim/_step_plan``): ``muon_entry``, the holder's step view (the tensors
+- the step plan (``optim/_step_plan``): ``muon_entries``, the holder's step view (the tensors
   the Muon step reads and writes, its matrices, and how its Newton–Schulz runs: batched with
-  its shape, through its own function, or not at all when only its momentum advances here),
+  its shape, through its own function, or not at all when only its momentum advances here;
+  one entry per piece of a declared split, see [Note: what Muon steps] in ``_matrix``),
   ``step_tensors``, ``weight_part`` (the post-update hook), ``clip_grad`` (dmuon-clip) and
   ``publish`` (after the post-update hooks, for kinds whose update reaches other ranks in the
   step);
@@ -61,7 +62,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from dmuon_ownership import Plan, ResolvedPolicy, Route
+from dmuon_ownership import MatrixSplit, Plan, ResolvedPolicy, Route
 
 from .._matrix import LrScaling, MatrixView, NSFunction
 from ..topology import DedicatedCommContext, MeshLayout
@@ -103,6 +104,9 @@ class Found(NamedTuple):
     module: nn.Module  # the module that registers it
     name: str  # its attribute name on ``module``
     policy: ResolvedPolicy
+    # The split declared for it (by the predicate's result or ``policy.split``; see [Note:
+    # declared splits] in dmuon_ownership), or None.
+    split: MatrixSplit | None = None
 
 
 class StepContext(NamedTuple):
@@ -137,12 +141,13 @@ class WeightPart(NamedTuple):
 
 class MuonEntry(NamedTuple):
     """A holder's step view: what one Muon parameter this rank steps looks like to the step
-    (see [Note: the step plan] in ``optim/_step_plan``)."""
+    (see [Note: the step plan] in ``optim/_step_plan``), or one piece of it where a split is
+    declared (``rows``)."""
 
     group: dict[str, Any]  # its param group (hyperparameters read at every step)
     param: Tensor  # the key of its optimizer state
     holder: ParamHolder
-    view: MatrixView  # its matrices, in the full parameter
+    view: MatrixView  # its matrices, in the full parameter (or in its piece's rows)
     scale: float  # the learning-rate scale of each matrix
     matrices: int  # how many matrices this rank steps (0: an empty shard)
     matrix_shape: tuple[int, int]  # of each matrix this rank stacks for Newton–Schulz
@@ -152,6 +157,8 @@ class MuonEntry(NamedTuple):
     # functions); see [Note: stepping expert sources] in ``_experts``.
     batch_tag: Hashable = False
     cut: MatrixView | None = None  # how the step cuts its tensors (None: as 2-D matrices)
+    # The rows of the parameter this entry steps: a piece of a declared split (None: all).
+    rows: tuple[int, int] | None = None
 
     @property
     def fqn(self) -> str:
@@ -184,8 +191,9 @@ class ParamHolder:
 
     # -- the step view -------------------------------------------------------------------------
 
-    def muon_entry(self, group: dict[str, Any], context: StepContext) -> MuonEntry | None:
-        """What the Muon step does with this parameter on this rank (``None``: nothing)."""
+    def muon_entries(self, group: dict[str, Any], context: StepContext) -> tuple[MuonEntry, ...]:
+        """What the Muon step does with this parameter on this rank: one entry, one per piece
+        of a declared split, or none (nothing here)."""
         raise NotImplementedError
 
     @property

@@ -191,6 +191,11 @@ def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
     return None if dp is None else dp.optim_dtype
 
 
+def _rows(t: Tensor, rows: tuple[int, int] | None) -> Tensor:
+    """``t``'s rows ``rows`` (a piece of a declared split: a view), or ``t`` whole."""
+    return t if rows is None else t[rows[0] : rows[1]]
+
+
 def _closure_loss(closure: Callable[[], float] | None) -> float | None:
     """``closure()`` with gradients enabled, as ``torch.optim`` optimizers run it."""
     if closure is None:
@@ -576,9 +581,12 @@ class Muon(torch.optim.Optimizer):
 
     def step_profile(self) -> dict[str, float]:
         """Milliseconds per phase of the last ``step()`` (see [Note: the step profile]):
-        ``wait_reduces``, ``nonfinite_check``, ``ns[<batch shape>]`` per NS call,
-        ``muon_update``, ``adamw``, ``post_update`` (with hooks), ``expert_publish`` (with
-        expert sources), ``publish``. Needs ``Muon(profile=True)``; on CUDA this
+        ``wait_reduces``, ``nonfinite_check``, ``ns[<batch shape>]`` per NS call (the pieces
+        of a weight with a declared split run in the calls of their own shapes: a fused
+        ``(32, 16)`` ``[q; k; v]`` split as ``q (16, 16)``, ``k`` and ``v (8, 16)`` shows
+        ``ns[...x16x16]`` and ``ns[...x8x16]``, not ``ns[1x32x16]``), ``muon_update``,
+        ``adamw``, ``post_update`` (with hooks), ``expert_publish`` (with expert sources),
+        ``publish``. Needs ``Muon(profile=True)``; on CUDA this
         waits for the step's recorded events, the step itself never does."""
         if self._timer is None:
             raise ValueError(
@@ -619,10 +627,13 @@ class Muon(torch.optim.Optimizer):
             state = self.state[entry.param]
             if not state:
                 state.update(fresh_state(Route.MUON, weight, entry.holder.optim_dtype))
+            weight, grad, buf = (
+                _rows(local_shard(t), entry.rows) for t in (weight, grad, state["momentum_buffer"])
+            )
             item = MuonItem(
-                weight=local_shard(weight),
-                grad=local_shard(grad),
-                buf=local_shard(state["momentum_buffer"]),
+                weight=weight,
+                grad=grad,
+                buf=buf,
                 momentum=float(group["momentum"]),
                 nesterov=bool(group["nesterov"]),
                 lr=float(group["lr"]),
@@ -716,7 +727,7 @@ class Muon(torch.optim.Optimizer):
         # (gradient, is a copy): a whole matrix is held in every TP grid (counted in grid 0),
         # and an expert shard by every replica of its mesh (counted on the first).
         owned = [
-            got for entry in self._plan.muon if (got := entry.holder.clip_grad(layout)) is not None
+            got for holder in self._plan.holders if (got := holder.clip_grad(layout)) is not None
         ]
         grads = [g for g, copy in owned if not copy]
         copies = tuple(g for g, copy in owned if copy)

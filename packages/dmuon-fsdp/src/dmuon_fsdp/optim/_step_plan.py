@@ -7,10 +7,13 @@ Which matrices a rank steps, how they are batched for Newton–Schulz, and how e
 orthogonalised depend only on the owner plan, the param groups and the packing, all fixed once
 ``Muon(model)`` is built (it finishes the runtime's packing first). So :class:`StepPlan` is
 built once, in the optimizer's constructor, from the step view each parameter's holder gives
-(``muon_entry``, see [Note: parameter holders] in ``holder/_holder``): the plan never asks
-what kind a parameter is. Entries whose matrices share a shape, dtype, device, Newton–Schulz
-function and batch tag share one NS call (up to ``ns_batch_bytes``); an entry whose NS is
-``None`` only advances its momentum here (another replica steps it), in stacks of their own.
+(``muon_entries``, see [Note: parameter holders] in ``holder/_holder``): the plan never asks
+what kind a parameter is. A weight with a declared split gives one entry per piece (its rows
+of the weight, see [Note: what Muon steps] in ``_matrix``), so each piece goes where a
+parameter of that shape would. Entries whose matrices share a shape, dtype, device,
+Newton–Schulz function and batch tag share one NS call (up to ``ns_batch_bytes``); an entry
+whose NS is ``None`` only advances its momentum here (another replica steps it), in stacks of
+their own.
 A step only reads what changes every step: the gradients (a matrix without one this step
 drops out of its batch), the hyperparameters of its group (a scheduler may change them) and
 the optimizer state, created on first use. The tensors themselves are read through their
@@ -84,8 +87,8 @@ class StepPlan:
         for group in param_groups:
             if group["optimizer"] == Route.MUON:
                 # Only parameters dmuon holds take the Muon route.
-                found = (holders[id(p)].muon_entry(group, context) for p in group["params"])
-                self.muon += [entry for entry in found if entry is not None]
+                for p in group["params"]:
+                    self.muon += holders[id(p)].muon_entries(group, context)
             elif group["optimizer"] == Route.ADAMW:
                 views = [(p, holders.get(id(p))) for p in group["params"]]
                 entries = [
@@ -94,6 +97,8 @@ class StepPlan:
                     if view is None or view.steps_here
                 ]
                 self.adamw.append((group, entries))
+        # Each Muon holder this rank steps once (a split weight has an entry per piece).
+        self.holders = list({id(e.holder): e.holder for e in self.muon}.values())
         stepped = [e for e in self.muon if e.matrices]
         self.batches = shape_batches(
             [e for e in stepped if e.ns is not None], _batch_key, _batch_size, ns_batch_bytes
@@ -103,10 +108,10 @@ class StepPlan:
         )
         # The holders that send their update on in the step, by phase (expert sources).
         self.publishing: dict[str, list[ParamHolder]] = {}
-        for entry in stepped:
-            phase = entry.holder.publish_phase
+        for holder in {id(e.holder): e.holder for e in stepped}.values():
+            phase = holder.publish_phase
             if phase is not None:
-                self.publishing.setdefault(phase, []).append(entry.holder)
+                self.publishing.setdefault(phase, []).append(holder)
         self._names = {
             id(p): name
             for group in param_groups
@@ -117,7 +122,7 @@ class StepPlan:
     def weight_parts(self) -> dict[str, WeightPart]:
         """Every part of a parameter this rank steps, by FQN (built at the first call)."""
         if self._parts is None:
-            parts = {entry.fqn: entry.holder.weight_part(self.layout) for entry in self.muon}
+            parts = {holder.fqn: holder.weight_part(self.layout) for holder in self.holders}
             for _, entries in self.adamw:
                 for p, view in entries:
                     parts[self._names[id(p)]] = view.weight_part(self.layout)

@@ -44,6 +44,7 @@ from torch import nn
 
 import dmuon_ownership
 from dmuon_ownership import (
+    MatrixSplit,
     Owner,
     ParamPolicy,
     Plan,
@@ -52,7 +53,7 @@ from dmuon_ownership import (
     validate_param_policy,
 )
 
-from .._matrix import MatrixView
+from .._matrix import MatrixView, describe_pieces, pieces_of
 from .._torch_internals import local_shard
 from ..holder import (
     DedicatedParam,
@@ -85,7 +86,9 @@ __all__ = ["dedicate_params", "dedicate_params_ddp", "dedicate_params_ddp_tp"]
 
 logger = logging.getLogger(__name__)
 
-Predicate = Callable[[str, nn.Parameter], bool]
+# ``predicate(fqn, param)``: truthy selects the parameter; a MatrixSplit result also declares
+# its split (see [Note: declared splits] in dmuon_ownership).
+Predicate = Callable[[str, nn.Parameter], bool | MatrixSplit]
 
 _LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+$")
 
@@ -138,7 +141,10 @@ def dedicate_params(
             ``ValueError``.
         predicate: ``predicate(fqn, param) -> bool``, called for every trainable parameter
             (under each of its names when it has several); the ones it accepts are dedicated.
-            Accepting none warns (no Muon step will run).
+            A ``dmuon.runtime.MatrixSplit`` result accepts the parameter and declares its
+            split: a fused 2-D weight (``[q; k; v]``, ``[gate; up]``) whose pieces Muon
+            orthogonalises apart, checked against its shape here (``ValueError`` naming the
+            parameter when it does not fit). Accepting none warns (no Muon step will run).
         reshard_after_forward: Z3 (``True``) or Z2 (``False``); see
             :class:`DedicateConfig`. Pass ``fully_shard`` the same value.
         replicate_mesh: for HSDP with a 1-D ``mesh``, the 1-D ``DeviceMesh`` of the replicas
@@ -153,11 +159,12 @@ def dedicate_params(
         param_policy: per-parameter route and dtypes: ``{"defaults": {...}, "overrides":
             [...]}`` with the fields ``route`` (``"muon"``, ``"adamw"`` or
             ``"sharded_adamw"``), ``param_dtype``, ``grad_dtype``, ``master_dtype``,
-            ``optim_dtype``, ``output_dtype``, ``cast_forward_inputs`` and ``glu``, each
-            override selecting parameters by ``"name"`` (whole dotted components) or
-            ``"contains"`` (substrings) of their FQN (see the routing guide). ``None``: every
-            selected parameter takes route ``"muon"``, with no dtype override. A malformed
-            policy raises ``ValueError`` naming the key.
+            ``optim_dtype``, ``output_dtype``, ``cast_forward_inputs``, ``glu`` and ``split``
+            (a ``MatrixSplit`` or a dict of its fields), each override selecting parameters by
+            ``"name"`` (whole dotted components) or ``"contains"`` (substrings) of their FQN
+            (see the routing guide). ``None``: every selected parameter takes route
+            ``"muon"``, with no dtype override. A malformed policy raises ``ValueError``
+            naming the key.
         process_group_policy: ``"isolated"`` (dmuon's own process groups) or ``"shared"``
             (the mesh's); see :class:`DedicateConfig`.
         small_param_threshold: an int >= 0, in elements: smaller dedicated parameters of one
@@ -241,7 +248,9 @@ def dedicate_params_ddp(
             with more than one replica raises ``ValueError``: the replicated path has no
             shard x replicate grid.
         predicate: ``predicate(fqn, param) -> bool``, called for every trainable parameter;
-            the ones it accepts are dedicated (owned by one rank, stepped there).
+            the ones it accepts are dedicated (owned by one rank, stepped there). A
+            ``MatrixSplit`` result also declares the parameter's split, as for
+            :func:`dedicate_params`.
         param_policy: per-parameter route and dtypes, as for :func:`dedicate_params`;
             ``None``: every selected parameter takes route ``"muon"``.
         config: the options as one :class:`DedicateConfig`; its ``reshard_after_forward``,
@@ -390,6 +399,7 @@ def _dedicate(
     if dist.get_rank() == 0:
         logger.info("dedicate_params: %s", plan.summary())
         split = [f"{s.fqn} ({s.view.split})" for s in stacks if s.view.split is not None]
+        split += [f"{dp.fqn} ({describe_pieces(dp.pieces)})" for dp in params if dp.pieces]
         if split:
             logger.info("dedicate_params: Muon orthogonalises apart: %s", ", ".join(split))
     return runtime
@@ -429,17 +439,36 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+class _Selected(NamedTuple):
+    """A parameter the predicate accepted, and the split its result declared (or ``None``)."""
+
+    fqn: str
+    param: nn.Parameter
+    split: MatrixSplit | None
+
+
+def _verdict(predicate: Predicate, names: list[str], param: nn.Parameter) -> object:
+    """The predicate's first truthy result over the parameter's names (else the last)."""
+    verdict: object = False
+    for name in names:
+        verdict = predicate(name, param)
+        if verdict:
+            break
+    return verdict
+
+
 def _select(
     model: nn.Module, aliases: Mapping[int, list[str]], predicate: Predicate
-) -> list[tuple[str, nn.Parameter]]:
-    """The trainable parameters ``predicate`` accepts under any of their names, by first name;
-    warns when it accepts none and raises when one is dedicated already."""
+) -> list[_Selected]:
+    """The trainable parameters ``predicate`` accepts under any of their names, by first name,
+    with the split a ``MatrixSplit`` result declares; warns when it accepts none and raises
+    when one is dedicated already."""
     selected = [
-        (fqn, param)
+        _Selected(fqn, param, verdict if isinstance(verdict, MatrixSplit) else None)
         for fqn, param in model.named_parameters()
-        if param.requires_grad and any(predicate(name, param) for name in aliases[id(param)])
+        if param.requires_grad and (verdict := _verdict(predicate, aliases[id(param)], param))
     ]
-    taken = [fqn for fqn, param in selected if is_dedicated(param)]
+    taken = [s.fqn for s in selected if is_dedicated(s.param)]
     if taken:
         raise RuntimeError(
             f"dedicate_params selected {taken[:5]}, which an earlier dedicate_params call "
@@ -469,18 +498,39 @@ class _Claim(NamedTuple):
 
 
 def _claim(
-    selected: list[tuple[str, nn.Parameter]], policy: ParamPolicy, modules: Mapping[str, nn.Module]
+    selected: list[_Selected], policy: ParamPolicy, modules: Mapping[str, nn.Module]
 ) -> list[_Claim]:
     """Ask the registry once per selected parameter for its kind (see [Note: the kinds of
     holders] in ``holder/_kinds``), and the kind for its matrices (which checks that Muon can
-    step them)."""
+    step them, and that a declared split fits them)."""
     claims = []
-    for fqn, param in selected:
+    for fqn, param, declared in selected:
         path, _, name = fqn.rpartition(".")
-        found = Found(fqn, param, modules[path], name, policy.resolve(fqn))
+        resolved = policy.resolve(fqn)
+        split = _split_of(fqn, declared, resolved.split)
+        found = Found(fqn, param, modules[path], name, resolved, split)
         kind = kind_of(found)
+        if kind is None and split is not None:
+            raise ValueError(
+                f"{fqn!r} has a declared split {split}, but its route is 'sharded_adamw' (left "
+                "to FSDP2 and AdamW): a split cuts the matrices Muon orthogonalises; declare it "
+                "only for Muon-route weights"
+            )
         claims.append(_Claim(found, kind, None if kind is None else kind.view_of(found)))
     return claims
+
+
+def _split_of(
+    fqn: str, declared: MatrixSplit | None, policy: MatrixSplit | None
+) -> MatrixSplit | None:
+    """The split of a parameter: the predicate's or ``param_policy``'s (both: they must be
+    the same)."""
+    if declared is not None and policy is not None and declared != policy:
+        raise ValueError(
+            f"{fqn!r} has two different splits: {declared} from the predicate and {policy} "
+            "from param_policy's split; declare it in one place"
+        )
+    return declared or policy
 
 
 def _planned_experts(
@@ -522,6 +572,7 @@ def _work_items(
     for found, _ in packed:
         param = found.param
         boundary = _shared_boundary(aliases[id(param)], modules, config)
+        pieces = () if found.split is None else pieces_of(param.shape, found.fqn, found.split)
         items.append(
             WorkItem(
                 found.fqn,
@@ -530,6 +581,8 @@ def _work_items(
                 found.policy.route,
                 param.element_size(),
                 tp.get(found.fqn, 1),
+                # A split weight's owner runs NS on its pieces: the planner weighs those.
+                tuple(piece.view.stack_shape for piece in pieces),
             )
         )
     return items
@@ -661,6 +714,7 @@ def _build_groups(
                 route=found.policy.route,
                 policy=found.policy,
                 tp_dim=tp_dims.get(fqn),
+                split=found.split,
                 where=(
                     f"dedicated parameter {fqn!r} (owner: rank {layout.global_rank(unit.owner)};"
                     f" this rank {dist.get_rank()} is its {role.value})"

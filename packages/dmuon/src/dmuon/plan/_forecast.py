@@ -52,7 +52,9 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   elementwise pass) per rank, and the NS time of one step predicted from measured NS times
   ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
   per shape, cut where the batch's momentum passes ``ns_batch_bytes``). A tensor-parallel
-  matrix is orthogonalised whole by its TP owner (gather mode).
+  matrix is orthogonalised whole by its TP owner (gather mode); a weight with a declared split
+  (``WorkItem.matrices``) as its pieces, each in the batch of its shape, and the planner
+  charges it their cost, as ``dedicate_params`` does.
 - *optimizer step time*: the NS time plus the step's elementwise passes, each memory-bound,
   at the table's streaming bandwidth. Per Muon element a rank steps: the non-finite check
   reads the gradient (``r``); the momentum pass reads the gradient and the buffer, writes the
@@ -130,6 +132,12 @@ _Member = tuple[int, int, int]  # one tensor's NS input: (matrices, rows, cols)
 def _member(shape: tuple[int, ...], matrices: int | None = None) -> _Member:
     count = math.prod(shape[:-2]) if matrices is None else matrices
     return count, shape[-2], shape[-1]
+
+
+def _members(item: WorkItem) -> list[_Member]:
+    """The NS input of a dedicated matrix: itself, or a declared split's pieces
+    (``WorkItem.matrices``), each in the batch of its own shape as ``Muon`` runs them."""
+    return [_member(stack) for stack in item.stacks]
 
 
 def expert_stack(item: WorkItem) -> ExpertStack:
@@ -618,7 +626,9 @@ class _Forecaster:
             dmuon = [load for row in plan.tp_loads for load in row]
         else:
             dmuon = list(plan.loads)
-        everything = math.fsum(ns_cost(item.shape, item.route) for item in self.shapes.dedicated)
+        everything = math.fsum(
+            ns_cost(stack, item.route) for item in self.shapes.dedicated for stack in item.stacks
+        )
         muon = [everything + shard_cost[s] for s in range(G)]
         adamw = [
             math.fsum(
@@ -667,10 +677,10 @@ class _Forecaster:
         owned: list[list[list[_Member]]] = [[[] for _ in range(T)] for _ in range(G * R)]
         for item in self.plan_order():
             slot = self.slot_of[item.name]
-            member = _member(item.shape)
+            pieces = _members(item)
             for t in range(T):
                 if item.tp == 1 or self.tp_owner[item.name] == t:
-                    owned[slot][t].append(member)
+                    owned[slot][t] += pieces
         # A stack shard another replica steps for all (an expert source) costs no NS here.
         elsewhere = {(s.stack, s.shard): s.replicate for s in self.plan.expert_sources}
         times: dict[tuple[tuple[_Member, ...], tuple[int, ...]], float] = {}
@@ -691,7 +701,7 @@ class _Forecaster:
                 if key not in times:
                     times[key] = self.batched_ms(owned[slot][t] + members)
                 dmuon.append(times[key])
-        every = [_member(item.shape) for item in self.shapes.dedicated]
+        every = [member for item in self.shapes.dedicated for member in _members(item)]
         per_holding = {
             held: self.batched_ms(every + expert_members[held]) for held in expert_members
         }
