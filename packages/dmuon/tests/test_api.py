@@ -50,8 +50,7 @@ TOP_LEVEL = frozenset(
         # diagnostics and planning
         "summarize_param_groups",
         "summarize_comm_plan",
-        "forecast",
-        "Topology",
+        "MatrixSplit",
     }
 )
 
@@ -103,7 +102,6 @@ SUBMODULES = {
     "runtime": {
         "CHECKPOINT_KEY",
         "DedicatedCommContext",
-        "MatrixSplit",
         "broadcast_all_updates",
         "broadcast_all_updates_async",
         "collect_forward_unshard_profile",

@@ -25,6 +25,7 @@ from dmuon_clip import clip_grad_norm_ as clip_grad_norm_
 from dmuon_fsdp import AppState as AppState
 from dmuon_fsdp import CheckpointIntegrityError as CheckpointIntegrityError
 from dmuon_fsdp import DedicateConfig as DedicateConfig
+from dmuon_fsdp import MatrixSplit as MatrixSplit
 from dmuon_fsdp import Muon as Muon
 from dmuon_fsdp import NotHeldError as NotHeldError
 from dmuon_fsdp import QKClip as QKClip
@@ -50,13 +51,9 @@ from dmuon_ns import NewtonSchulz as NewtonSchulz
 from dmuon_ns import get_ns_backend as get_ns_backend
 from dmuon_ns import newton_schulz as newton_schulz
 
-from .plan import Topology as Topology
-from .plan import forecast as forecast
-
 __version__ = "0.1.0"
 
-# Every public name above, listed once (in their imports); ``plan``, which the planner's two
-# names come from, is a topic module, not a name of the top level.
+# Every public name above, listed once (in their imports).
 __all__ = sorted(
     n for n, v in dict(globals()).items() if not n.startswith("_") and not isinstance(v, _Module)
 )

@@ -1,14 +1,12 @@
 """The runtime, for code that drives or inspects it beyond a training loop: explicit
 synchronisation, who owns what, the comm context and its streams, the forward profile, the
-``fully_shard`` patch, and the split of a fused weight into the matrices Muon orthogonalises
-(``MatrixSplit``, declared at ``dedicate_params``) (re-exported from ``dmuon_fsdp``).
+``fully_shard`` patch (re-exported from ``dmuon_fsdp``).
 
     from dmuon.runtime import wait_all_reduces, get_owned_params
 """
 
 from dmuon_fsdp import CHECKPOINT_KEY as CHECKPOINT_KEY
 from dmuon_fsdp import DedicatedCommContext as DedicatedCommContext
-from dmuon_fsdp import MatrixSplit as MatrixSplit
 from dmuon_fsdp import broadcast_all_updates as broadcast_all_updates
 from dmuon_fsdp import broadcast_all_updates_async as broadcast_all_updates_async
 from dmuon_fsdp import collect_forward_unshard_profile as collect_forward_unshard_profile

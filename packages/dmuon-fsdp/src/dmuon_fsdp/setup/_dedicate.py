@@ -141,7 +141,7 @@ def dedicate_params(
             ``ValueError``.
         predicate: ``predicate(fqn, param) -> bool``, called for every trainable parameter
             (under each of its names when it has several); the ones it accepts are dedicated.
-            A ``dmuon.runtime.MatrixSplit`` result accepts the parameter and declares its
+            A ``dmuon.MatrixSplit`` result accepts the parameter and declares its
             split: a fused 2-D weight (``[q; k; v]``, ``[gate; up]``) whose pieces Muon
             orthogonalises apart, checked against its shape here (``ValueError`` naming the
             parameter when it does not fit). Accepting none warns (no Muon step will run).
