@@ -17,8 +17,10 @@ ranges it wrote, usually from the page cache, and checksums them; rank 0 gathers
 writes the record (a temporary file, fsync, rename) after DCP wrote ``.metadata``. Loading,
 before DCP runs: the record (its own CRC), ``.metadata`` (its CRC, then unpickled), and every
 data file (present, with the size the save wrote; without a record: long enough for its
-chunks), all problems in one message. During DCP's read (:class:`VerifyingReader`) each chunk's
-bytes are read whole and compared with their CRC before ``torch.load`` sees them.
+chunks), all problems in one message. DCP's plan must then fill every element of every tensor
+the rank reads (:meth:`ScratchPlanner.create_local_plan`: a ``.metadata`` without a record may
+list too few chunks). During DCP's read (:class:`VerifyingReader`) each chunk's bytes are read
+whole and compared with their CRC before ``torch.load`` sees them.
 
 All or nothing. DCP reads into CPU scratch tensors (:class:`ScratchPlanner` hands them out in
 place of the live ones; tensors nothing live holds yet, the fresh state of parameters not
@@ -50,6 +52,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import zlib
@@ -65,6 +68,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 __all__ = [
@@ -108,6 +112,10 @@ def _damaged(
         f"{where}: checkpoint {os.fspath(path)!r} is damaged, nothing was loaded: {listed}."
         " Restore the files from a good copy of the checkpoint, or load an older checkpoint"
     )
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _crc(data: bytes | memoryview, value: int = 0) -> int:
@@ -515,6 +523,25 @@ class ScratchPlanner(DefaultLoadPlanner):
         self.direct = frozenset(direct)
         # Flat key -> (the live local tensor, its scratch copy).
         self.scratch: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's plan, checked to fill every element of every tensor this rank reads: a
+        ``.metadata`` without a record could list too few chunks for a key, which DCP would
+        leave unread (a scratch copy's garbage installed, a fresh state without storage)."""
+        plan = super().create_local_plan()
+        filled: dict[str, int] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                key = item.dest_index.fqn
+                filled[key] = filled.get(key, 0) + math.prod(item.lengths)
+        short = [
+            key
+            for key, value in self.state_dict.items()
+            if isinstance(value, Tensor) and filled.get(key, 0) < _local(value).numel()
+        ]
+        if short:
+            raise _Damage(f".metadata: no saved chunk covers part of {', '.join(short)}")
+        return plan
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
         if index.fqn in self.direct:
