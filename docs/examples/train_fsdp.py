@@ -160,9 +160,9 @@ def _run(job: Callable[[], None]) -> None:
     try:
         job()
     finally:
-        # Line the ranks up first: a rank that tears its gloo group down while a peer is still
-        # closing its own connections can abort at exit ("terminate called without an active
-        # exception"), after the job has finished.
+        # Every rank finishes its last collective, then stops gloo's worker threads while the
+        # interpreter still runs: one that lets go of a finished collective during interpreter
+        # exit aborts the process ("terminate called without an active exception").
         dist.barrier()
         dist.destroy_process_group()
 

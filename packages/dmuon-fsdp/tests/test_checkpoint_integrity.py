@@ -1,8 +1,9 @@
 """Checkpoints you can trust: ``save_checkpoint`` records the CRC32 of every chunk it writes and
 ``load_checkpoint`` verifies them, on any topology. A data file with flipped bytes, truncated or
-deleted, a garbage ``.metadata``, a damaged or stale checksum record, and a chunk that fails
-inside DCP's own read (no record) each raise ``CheckpointIntegrityError`` naming the checkpoint,
-the file and what is wrong, and leave the model and the optimizer bit for bit as they were.
+deleted, a garbage ``.metadata``, a damaged or stale checksum record, and without a record a
+chunk that fails inside DCP's own read or a ``.metadata`` that lists too few chunks each raise
+``CheckpointIntegrityError`` naming the checkpoint, the file and what is wrong, and leave the
+model and the optimizer bit for bit as they were.
 
 One world-2 call saves once and tries every damaged copy; a world-1 call loads the world-2
 checkpoint and one damaged copy of it on another topology.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 
@@ -106,6 +108,20 @@ def _torn_unrecorded(path: str) -> str:
     return key
 
 
+def _holes(path: str) -> str:
+    """No record, and ``.metadata`` rewritten without the chunks of the largest chunk's key:
+    DCP would read nothing into that tensor."""
+    os.remove(os.path.join(path, CHECKSUMS_FILE))
+    key, _, _ = _largest_chunk(path, VICTIM)
+    file = os.path.join(path, ".metadata")
+    with open(file, "rb") as f:
+        metadata = pickle.load(f)
+    metadata.state_dict_metadata[key].chunks = []
+    with open(file, "wb") as f:
+        pickle.dump(metadata, f)
+    return key
+
+
 def _damaged_loads(rank: int, world_size: int, root: str):
     model, _ = setup_model(world_size)
     optimizer = Muon(model, **HYPER.muon_kwargs())
@@ -127,6 +143,7 @@ def _damaged_loads(rank: int, world_size: int, root: str):
         "metadata": _garbage_metadata,
         "record": _edit_record,
         "torn": _torn_unrecorded,
+        "holes": _holes,
     }
     keys: dict[str, str | None] = {}
     errors: dict[str, str] = {}
@@ -194,6 +211,8 @@ def test_damaged_checkpoints_raise_naming_the_file_and_change_nothing(damaged):
         "record": f"{path('record')} {damaged_}{CHECKSUMS_FILE}: checksum mismatch: the record"
         " itself changed",
         "torn": f"{path('torn')} {damaged_}{VICTIM}: reading {re.escape(keys['torn'])} failed \\(",
+        "holes": f"{path('holes')} {damaged_}\\.metadata: no saved chunk covers part of"
+        f" {re.escape(keys['holes'])}",
         "stale": f"{path('stale')}: {CHECKSUMS_FILE} belongs to another save",
     }
     assert errors.keys() == want.keys()

@@ -27,27 +27,49 @@ under the current owner plan, their full weights and states (their TP shards und
 parallelism), whatever the TP degree they were saved at. DCP reads into the tensors
 ``state_dict()`` returned, which are the live ones (a parameter without state gets fresh
 tensors), so a plain ``dcp.load`` of an :class:`AppState` needs no second copy of the model;
-:func:`load_checkpoint` reads into scratch copies instead (see [Note: a failed load changes
-nothing]).
+:func:`load_checkpoint` reads the live ones into scratch copies instead (see [Note: a failed
+load changes nothing]).
 
 [Note: a failed load changes nothing]
 :func:`load_checkpoint` checks everything it can before DCP reads: the checksum record, the
 ``.metadata`` and the data files (see [Note: checkpoint integrity] in :mod:`._integrity`),
 then every key, full shape and dtype against the model and optimizer (the checks of
-:mod:`._state_layout`, the same on every rank). DCP then reads into CPU scratch tensors, each
-chunk checked against its checksum as it is read; only after the whole read succeeded on every
-rank and the param groups passed their check are the scratch tensors copied into the model and
-the optimizer. So a checkpoint that does not fit, a damaged file or an exception inside DCP
-leaves both bit for bit as they were. A user's own ``dcp.load`` of an :class:`AppState` reads
-into the live tensors: DCP's planner checks keys and shapes before reading (it converts
-dtypes), :meth:`AppState.load_state_dict` checks the param groups after the read, and nothing
-checks the bytes.
+:mod:`._state_layout`, the same on every rank). DCP then reads, each chunk checked against its
+checksum as it is read: every tensor the model or the optimizer holds into a CPU scratch
+tensor, and the state of a parameter the optimizer has not stepped yet into the new tensors
+that will hold it, which nothing else sees until the install. Only after the whole read
+succeeded on every rank and the param groups passed their check are the scratch tensors copied
+into the model and the optimizer and the new states installed. So a checkpoint that does not
+fit, a damaged file or an exception inside DCP leaves both bit for bit as they were. A user's
+own ``dcp.load`` of an :class:`AppState` reads into the live tensors: DCP's planner checks keys
+and shapes before reading (it converts dtypes), :meth:`AppState.load_state_dict` checks the
+param groups after the read, and nothing checks the bytes.
+
+[Note: what a load holds]
+During :func:`load_checkpoint` a rank holds, besides what it keeps afterwards:
+
+- a CPU copy of each live tensor it reads (its owned weights, FSDP2 shards and buffers, and the
+  optimizer state it already has), the price of all or nothing: a weight's old bytes must stay
+  until every rank has read everything, so its new bytes wait beside them;
+- one chunk in flight, its bytes and the tensor ``torch.load`` makes of them (see [Note: one
+  chunk in flight] in :mod:`._integrity`).
+
+The optimizer state of a parameter not stepped yet (the state of a fresh ``Muon``, as on the
+meta-device route: ``to_empty``, ``Muon``, ``load_checkpoint``) is read into the tensors the
+optimizer keeps, without a copy, and each gets its storage only when DCP reaches it. So on
+that route a rank owning ``w`` bytes of dedicated weights peaks at ``3 w`` (the weights, their
+copy, the momentum) plus its share of the FSDP2 state and one chunk; on a 1-D mesh of ``N``
+ranks ``w`` is about ``1/N`` of the dedicated weights (``test_materialize``, 4 ranks: 0.78x,
+where a copy of the momentum too and DCP's reader, which keeps a chunk while it reads the next,
+made 1.04x). HSDP replicas also keep their copies, which no read touches (the closing
+``after_step`` publishes them). On CUDA the copies and the chunk are host memory; the device
+holds what it keeps.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from typing import Any
 
 import torch
@@ -132,17 +154,43 @@ class AppState(Stateful):
                 out[key] = _as_saved(self.runtime, dp, dp.full)
         return out
 
-    def _optimizer_state(self) -> dict[str, Any]:
+    def _load_target(self, absent: set[str]) -> tuple[dict[str, Any], list[str]]:
+        """What :func:`load_checkpoint` reads into: :meth:`state_dict` without the optimizer
+        entries of ``absent``, each entry the optimizer does not hold yet without storage
+        until DCP reads into it; and the flattened keys of those entries (see [Note: what a
+        load holds])."""
+        self.runtime.drain()
+        fresh: list[str] = []
+        optim = self._optimizer_state(absent, fresh)
+        direct = [
+            f"{CHECKPOINT_KEY}.optim.state.{name}.{field}"
+            for name in fresh
+            for field in optim["state"][name]
+        ]
+        return {"model": self._model_tensors(), "optim": optim}, direct
+
+    def _optimizer_state(
+        self, absent: Set[str] = frozenset(), fresh: list[str] | None = None
+    ) -> dict[str, Any]:
+        """The optimizer's state by parameter name, a parameter not stepped yet with its fresh
+        state; with ``fresh`` (a load's target) that state holds no storage and its names are
+        appended to ``fresh``. Parameters in ``absent`` are left out."""
         optimizer = self.optimizer
         state: dict[str, dict[str, Tensor]] = {}
         for name, p, group in layout.optimizer_params(optimizer):
             dp = optimizer.dedicated_param(p)
-            if dp is not None and not dp.is_owner:
+            if (dp is not None and not dp.is_owner) or name in absent:
                 continue
             like = p if dp is None else dp.full
             assert like is not None
             route = group["optimizer"]
-            live = optimizer.state.get(p) or layout.fresh_state(route, like, layout.optim_dtype(dp))
+            live = optimizer.state.get(p)
+            if not live:
+                live = layout.fresh_state(route, like, layout.optim_dtype(dp))
+                if fresh is not None:
+                    for value in live.values():
+                        local_shard(value).untyped_storage().resize_(0)
+                    fresh.append(name)
             state[name] = {
                 field: _as_saved(self.runtime, dp, live[field])
                 for field in layout.STATE_FIELDS[route]
@@ -315,12 +363,9 @@ def load_checkpoint(
         metadata = integrity.read_metadata(where, path, checksums)
         integrity.check_files(where, path, metadata, checksums)
         absent = set(_check_metadata(app, metadata, where, strict=strict))
-        target = app.state_dict()
-        target["optim"]["state"] = {
-            fqn: entry for fqn, entry in target["optim"]["state"].items() if fqn not in absent
-        }
+        target, direct = app._load_target(absent)
         state = {CHECKPOINT_KEY: target}
-        scratch = integrity.load_verified(where, path, state, metadata, checksums)
+        scratch = integrity.load_verified(where, path, state, metadata, checksums, direct)
         layout.check_param_groups(
             where, app.optimizer, _param_groups(where, target["optim"]["param_groups"])
         )

@@ -17,25 +17,28 @@ ranges it wrote, usually from the page cache, and checksums them; rank 0 gathers
 writes the record (a temporary file, fsync, rename) after DCP wrote ``.metadata``. Loading,
 before DCP runs: the record (its own CRC), ``.metadata`` (its CRC, then unpickled), and every
 data file (present, with the size the save wrote; without a record: long enough for its
-chunks), all problems in one message. During DCP's read (:class:`VerifyingReader`) each chunk's
-bytes are read whole and compared with their CRC before ``torch.load`` sees them.
+chunks), all problems in one message. DCP's plan must then fill every element of every tensor
+the rank reads (:meth:`ScratchPlanner.create_local_plan`: a ``.metadata`` without a record may
+list too few chunks). During DCP's read (:class:`VerifyingReader`) each chunk's bytes are read
+whole and compared with their CRC before ``torch.load`` sees them.
 
 All or nothing. DCP reads into CPU scratch tensors (:class:`ScratchPlanner` hands them out in
-place of the live ones), and a failure on any rank fails the read on every rank (DCP gathers
-the ranks' errors). Only after every rank has read and checked everything, and the param
-groups have been checked, are the scratch tensors copied into the model and the optimizer,
-copies of checked shapes and dtypes that cannot fail halfway. So a damaged chunk, a missing
-file, an I/O error or any other exception inside DCP leaves the model and the optimizer bit for
-bit as they were.
+place of the live ones; tensors nothing live holds yet, the fresh state of parameters not
+stepped, are read as they are), and a failure on any rank fails the read on every rank (DCP
+gathers the ranks' errors). Only after every rank has read and checked everything, and the
+param groups have been checked, are the scratch tensors copied into the model and the
+optimizer, copies of checked shapes and dtypes that cannot fail halfway. So a damaged chunk, a
+missing file, an I/O error or any other exception inside DCP leaves the model and the optimizer
+bit for bit as they were.
 
 Cost. Saving: one read back of what each rank wrote (usually from the page cache) plus CRC32
 at the speed of zlib (about 2 GB/s per core), and a gather of about 30 bytes per chunk to rank
 0; the record holds as much (chunks are keys x ranks for FSDP2 tensors). Loading: CRC32 of the
 bytes DCP reads anyway (no extra read), a stat of every data file, and host memory for a copy
-of this rank's share of the model and optimizer state, which the install then copies into the
-live tensors. Measured on a CPU, one process, 512 MiB of fp32 tensors in the page cache: save
-1.5 s -> 1.8 s; load 0.87 s -> 0.52 s, faster, since ``torch.load`` of a chunk held in memory
-beats ``torch.load`` through DCP's file view.
+of the live tensors this rank reads, which the install then copies into them (see [Note: what
+a load holds] in :mod:`._dcp`). Measured on a CPU, one process, 512 MiB of fp32 tensors in the
+page cache: save 1.5 s -> 1.8 s; load 0.87 s -> 0.52 s, faster, since ``torch.load`` of a chunk
+held in memory beats ``torch.load`` through DCP's file view.
 
 Limits. A checkpoint without a record (written by your own ``dcp.save`` / ``dcp.async_save``,
 or a ``save_checkpoint`` interrupted between ``.metadata`` and the record) loads with the file
@@ -49,6 +52,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import zlib
@@ -63,6 +67,10 @@ from torch import Tensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from .._torch_internals import local_shard
 
 __all__ = [
     "CHECKSUMS_FILE",
@@ -387,9 +395,18 @@ def check_files(
 
 class VerifyingReader(FileSystemReader):
     """DCP's ``FileSystemReader`` that reads each chunk whole and checks it against the record
-    before handing it on (see [Note: checkpoint integrity]), and hands DCP the ``.metadata``
+    before deserialising it (see [Note: checkpoint integrity]), and hands DCP the ``.metadata``
     that was checked. Every failure inside its read becomes a :class:`_Damage` naming the file
-    and the chunk."""
+    and the chunk.
+
+    [Note: one chunk in flight]
+    ``FileSystemReader.read_data`` keeps a chunk's bytes and the tensor ``torch.load`` made of
+    them in loop variables until the next chunk replaces them, so while it reads a chunk it
+    still holds the previous one twice: four chunk-sized buffers at a time. This reader runs
+    that loop with one chunk per call of :meth:`_read_item`, in which the bytes are dropped as
+    soon as ``torch.load`` has made its tensor and the tensor once it is copied into its target
+    (allocated only then, see :class:`ScratchPlanner`): beyond its targets a rank holds at most
+    one chunk's bytes and its tensor."""
 
     def __init__(
         self, path: str | os.PathLike[str], metadata: Metadata, checksums: Checksums | None
@@ -402,7 +419,6 @@ class VerifyingReader(FileSystemReader):
             for index, info in metadata.storage_data.items()
         }
         self.current: Any = None
-        self.sliced = 0
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         assert self.metadata.storage_meta is not None
@@ -428,13 +444,19 @@ class VerifyingReader(FileSystemReader):
                     f"{name}: checksum mismatch in {entry} (bytes {offset}..{offset + length}:"
                     f" crc32 {got:#010x}, the save recorded {want:#010x})"
                 )
-        self.sliced += 1
         return io.BytesIO(data)
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        self.sliced = 0
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
         try:
-            future = super().read_data(plan, planner)
+            for name, items in per_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                    for item in items:
+                        self._read_item(stream, item, planner)
         except _Damage:
             raise
         except Exception as exc:
@@ -452,26 +474,80 @@ class VerifyingReader(FileSystemReader):
             if len(text) > 200:
                 text = text[:200] + "..."
             raise _Damage(f"{at} failed ({type(exc).__name__}: {text})") from exc
-        # Every chunk must have come through _slice_file, or its bytes went unchecked.
-        if self.sliced != len(plan.items):
-            raise AssertionError(
-                f"FileSystemReader read {len(plan.items)} chunks but checked {self.sliced}:"
-                " this torch no longer reads through _slice_file"
-            )
+        future: Future[None] = Future()
+        future.set_result(None)
         return future
+
+    def _read_item(self, stream: Any, item: ReadItem, planner: LoadPlanner) -> None:
+        """One chunk, read whole and checked, into its target (see [Note: one chunk in
+        flight]): DCP's own steps (its load-stream transforms, ``torch.load``, the narrowing
+        to the requested part), in the order that frees each buffer first."""
+        info = self.storage_data[item.storage_index]
+        data: Any = self.transforms.transform_load_stream(
+            item, info.transform_descriptors or (), self._slice_file(stream, info)
+        )
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(data.read(-1)))
+            return
+        if not data.seekable():
+            data = io.BytesIO(data.read(-1))
+        loaded = torch.load(data, map_location="cpu", weights_only=True)
+        del data
+        for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            if length < loaded.size(dim):
+                loaded = loaded.narrow(dim, offset, length)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != loaded.size():
+            raise AssertionError(
+                f"chunk {item.storage_index} has size {tuple(loaded.size())}, its target"
+                f" {tuple(target.size())}"
+            )
+        target.copy_(loaded)
+        del loaded
+        planner.commit_tensor(item, target)
 
 
 class ScratchPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, reading every tensor into a CPU scratch tensor instead of the
-    live one; :meth:`install` copies them over once the whole read succeeded (see [Note:
-    checkpoint integrity])."""
+    """DCP's default load planner, reading every live tensor into a CPU scratch tensor instead;
+    :meth:`install` copies them over once the whole read succeeded (see [Note: checkpoint
+    integrity]). The keys in ``direct`` name tensors nothing live holds yet (a parameter's
+    optimizer state before its first step): DCP reads into them as they are, and one whose
+    storage is empty gets its bytes when its first chunk arrives, so a rank never holds a
+    target before it is filled."""
 
-    def __init__(self) -> None:
+    def __init__(self, direct: Iterable[str] = ()) -> None:
         super().__init__()
+        self.direct = frozenset(direct)
         # Flat key -> (the live local tensor, its scratch copy).
         self.scratch: dict[str, tuple[Tensor, Tensor]] = {}
 
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's plan, checked to fill every element of every tensor this rank reads: a
+        ``.metadata`` without a record could list too few chunks for a key, which DCP would
+        leave unread (a scratch copy's garbage installed, a fresh state without storage)."""
+        plan = super().create_local_plan()
+        filled: dict[str, int] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                key = item.dest_index.fqn
+                filled[key] = filled.get(key, 0) + math.prod(item.lengths)
+        short = [
+            key
+            for key, value in self.state_dict.items()
+            if isinstance(value, Tensor) and filled.get(key, 0) < local_shard(value).numel()
+        ]
+        if short:
+            raise _Damage(f".metadata: no saved chunk covers part of {', '.join(short)}")
+        return plan
+
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        if index.fqn in self.direct:
+            target = super().lookup_tensor(index).detach()
+            storage = target.untyped_storage()
+            need = int(target.storage_offset() + target.numel()) * target.element_size()
+            if storage.nbytes() < need:
+                storage.resize_(need)
+            return target
         pair = self.scratch.get(index.fqn)
         if pair is None:
             live = super().lookup_tensor(index).detach()
@@ -491,10 +567,13 @@ def load_verified(
     state_dict: dict[str, Any],
     metadata: Metadata,
     checksums: Checksums | None,
+    direct: Iterable[str] = (),
 ) -> ScratchPlanner:
     """``dcp.load`` of ``state_dict`` into scratch tensors with every chunk checked; collective.
-    Returns the planner holding them; nothing live has changed yet. A checkpoint without a
-    record is loaded with its sizes checked only, and a warning."""
+    Returns the planner holding them; nothing live has changed yet. ``direct`` names the
+    flattened keys whose tensors nothing live holds, read in place (see
+    :class:`ScratchPlanner`). A checkpoint without a record is loaded with its sizes checked
+    only, and a warning."""
     if checksums is None and _world()[0] == 0:
         logger.warning(
             "%s: checkpoint %r has no %s (it was not written by dmuon.save_checkpoint): its"
@@ -503,7 +582,7 @@ def load_verified(
             os.fspath(path),
             CHECKSUMS_FILE,
         )
-    planner = ScratchPlanner()
+    planner = ScratchPlanner(direct)
     try:
         dcp.load(
             state_dict,
