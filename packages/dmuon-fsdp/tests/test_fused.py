@@ -136,6 +136,28 @@ _BODY = textwrap.dedent(
     _fused.update_weight(params, list(updates), None, decay, step, kernel=True)
     for i, (kp, p) in enumerate(zip(params, alone)):
         same_bits(kp, p, f"batched update {i}")
+    # A step split in two (the NS input during backward, the momentum in the step) gives
+    # momentum_into's bits, in each implementation; the first half leaves the buffer alone.
+    for state, grad_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
+        for nesterov in (True, False):
+            for kernel in (True, False):
+                buf = randn(33, 70, dtype=state)
+                grad = randn(33, 70, dtype=grad_dtype)
+                whole_buf, whole_out = buf.clone(), torch.empty_like(buf)
+                _fused.momentum_into(
+                    [whole_buf], [grad], [whole_out], None, momentum, nesterov, kernel=kernel
+                )
+                first_buf, first_out = buf.clone(), torch.empty_like(buf)
+                _fused.ns_input_into(
+                    [first_buf], [grad], [first_out], momentum, nesterov, kernel=kernel
+                )
+                where = f"split {state} nesterov={nesterov} kernel={kernel}"
+                assert torch.equal(first_buf, buf), where
+                assert torch.equal(first_out, whole_out), where
+                for name, skip in skips.items():
+                    second = buf.clone()
+                    _fused.advance_momentum([second], [grad], skip, momentum, kernel=kernel)
+                    assert torch.equal(second, buf if name == "on" else whole_buf), where
     # Not contiguous: the torch ops run instead.
     assert not _fused.fused_available(torch.zeros(4, 4, device=device).t())
     print("ok")

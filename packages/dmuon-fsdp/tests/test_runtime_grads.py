@@ -93,3 +93,25 @@ def test_grads_match_with_activation_checkpointing(reshard: bool) -> None:
     # unshard without disturbing the step's order, counters or freeing.
     # Also the planner's default packing: one pack (one owner) per boundary.
     run_distributed(_grads_match_reference, 4, reshard, True, 5_000_000)
+
+
+def _two_backwards(rank: int, world_size: int) -> bool:
+    """Two synced backward passes on the same batch before a step: each reduce adds its
+    average to the owner's gradient, so it is exactly twice the first."""
+    model, runtime = _setup(world_size, reshard=True)
+    tokens = _local(batch(0, ROWS), rank, world_size)
+    loss_fn(model, tokens).backward()
+    runtime.wait_all_reduces()
+    once = {dp.fqn: dp.grad.clone() for dp in runtime.owned}
+    runtime.clear_grads()
+    for _ in range(2):
+        loss_fn(model, tokens).backward()
+    runtime.wait_all_reduces()
+    assert once
+    for dp in runtime.owned:
+        assert torch.equal(dp.grad, 2 * once[dp.fqn]), dp.fqn
+    return True
+
+
+def test_a_second_backward_adds_its_gradient() -> None:
+    assert all(run_distributed(_two_backwards, 2))

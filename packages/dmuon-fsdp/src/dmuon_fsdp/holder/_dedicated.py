@@ -87,7 +87,7 @@ class DedicatedParam(ParamHolder):
     offset: int = 0  # element offset inside its pack's buffer
     full: Tensor | None = None
     grad: Tensor | None = None
-    # Whether a backward since the last reduce gave this rank a local gradient (see [Note: a
+    # Whether a backward since the last reduce was issued gave this rank a local gradient (see [Note: a
     # parameter without a gradient] in runtime/_collectives).
     saw_grad: bool = False
     # Tensor parallelism: the dim the TP shards split (None: not tensor-parallel); the runtime

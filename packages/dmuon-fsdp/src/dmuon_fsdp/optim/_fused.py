@@ -63,9 +63,11 @@ from torch import Tensor
 
 __all__ = [
     "FusedLayout",
+    "advance_momentum",
     "compile_in_background",
     "fused_available",
     "momentum_into",
+    "ns_input_into",
     "update_weight",
 ]
 
@@ -106,6 +108,8 @@ def _kernels() -> Any:
         VEC_GRAD: tl.constexpr,
         VEC_OUT: tl.constexpr,
         BLOCK: tl.constexpr,
+        STORE_BUF: tl.constexpr = True,
+        STORE_OUT: tl.constexpr = True,
     ):
         row = table_ptr + tl.program_id(1) * 3
         # Each operand's tensor of this matrix ([Note: one launch per batch]).
@@ -118,12 +122,14 @@ def _kernels() -> Any:
         old = tl.load(buf_ptr + offs, mask=mask)
         grad = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
         new = (old.to(tl.float32) * momentum + grad).to(old.dtype)
-        tl.store(buf_ptr + offs, tl.where(skip, old, new), mask=mask)
-        if NESTEROV:
-            value = grad + momentum * new.to(tl.float32)
-        else:
-            value = new.to(tl.float32)
-        tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
+        if STORE_BUF:
+            tl.store(buf_ptr + offs, tl.where(skip, old, new), mask=mask)
+        if STORE_OUT:
+            if NESTEROV:
+                value = grad + momentum * new.to(tl.float32)
+            else:
+                value = new.to(tl.float32)
+            tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def update_kernel(
@@ -296,35 +302,88 @@ def momentum_into(
     ``grads[i] + momentum·bufs[i]`` with Nesterov, ``bufs[i]`` without. ``kernel``: the Triton
     kernels (``True``), the torch ops (``False``) or, by default, the kernels where they run
     and are compiled (see [Note: fused momentum and update])."""
+    _momentum(bufs, grads, outs, skip, momentum, nesterov, kernel, store_buf=True)
+
+
+def ns_input_into(
+    bufs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    outs: Sequence[Tensor],
+    momentum: float,
+    nesterov: bool,
+    *,
+    kernel: bool | None = None,
+) -> None:
+    """The NS input of :func:`momentum_into` into ``outs`` (the same bits, as if the step were
+    not skipped), leaving ``bufs`` as they are: the first half of a step split in two (see
+    [Note: Newton–Schulz during backward] in ``_ns_overlap``)."""
+    _momentum(bufs, grads, outs, None, momentum, nesterov, kernel, store_buf=False)
+
+
+def advance_momentum(
+    bufs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    skip: Tensor | None,
+    momentum: float,
+    *,
+    kernel: bool | None = None,
+) -> None:
+    """``bufs[i]`` advanced exactly as :func:`momentum_into` advances it (kept when ``skip``
+    is set), without an NS input: the second half of a step split in two."""
+    _momentum(bufs, grads, None, skip, momentum, False, kernel, store_buf=True)
+
+
+def _momentum(
+    bufs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    outs: Sequence[Tensor] | None,
+    skip: Tensor | None,
+    momentum: float,
+    nesterov: bool,
+    kernel: bool | None,
+    *,
+    store_buf: bool,
+) -> None:
+    """The momentum pass: the buffers advanced (``store_buf``) and/or the NS input written
+    (``outs`` given), one arithmetic for all three uses."""
     momentum = float(momentum)
     if kernel is None:
-        kernel = _use_kernels(*bufs, *grads, *outs)
+        kernel = _use_kernels(*bufs, *grads, *(outs or ()))
     if kernel:
         momentum_kernel, _ = _kernels()
         _launch(
             momentum_kernel,
-            (bufs, grads, outs),
+            (bufs, grads, bufs if outs is None else outs),  # no NS input: never stored
             ("VEC_BUF", "VEC_GRAD", "VEC_OUT"),
             skip,
             bufs[0].numel(),
             momentum,
             NESTEROV=nesterov,
+            STORE_BUF=store_buf,
+            STORE_OUT=outs is not None,
         )
         return
-    for buf, grad, out in zip(bufs, grads, outs):
+    no_outs: list[Tensor | None] = [None] * len(bufs)
+    for buf, grad, out in zip(bufs, grads, no_outs if outs is None else outs):
         # The kernel's arithmetic, op for op; the wide values are formed in ``out`` when it
         # has their dtype (no temporary).
         wide = _wide(buf, grad)
-        new = out if out.dtype == wide else torch.empty_like(out, dtype=wide)
+        new = out if out is not None and out.dtype == wide else torch.empty_like(buf, dtype=wide)
         _times(buf, momentum, out=new).add_(grad)
-        _store(buf, new, skip)  # rounds once, to the buffer's dtype
+        if store_buf:
+            _store(buf, new, skip)  # rounds once, to the buffer's dtype
+            stored = buf
+        else:
+            stored = new.to(buf.dtype)  # the buffer as it would be stored
+        if out is None:
+            continue
         if nesterov:
             # grad + momentum·buf from the buffer as stored (a skipped step's input is unused).
-            _times(buf, momentum, out=new).add_(grad)
+            _times(stored, momentum, out=new).add_(grad)
             if new is not out:
                 out.copy_(new)
         else:
-            out.copy_(buf)
+            out.copy_(stored)
 
 
 def _times(t: Tensor, factor: float, *, out: Tensor) -> Tensor:
@@ -385,6 +444,7 @@ class FusedLayout(NamedTuple):
     grad: torch.dtype  # the reduced gradient
     state: torch.dtype  # the momentum buffer, the NS input and its result
     nesterov: bool
+    split: bool = False  # the step split in two passes too (ns_overlap)
 
 
 def compile_in_background(layouts: Iterable[FusedLayout], device: torch.device) -> None:
@@ -431,6 +491,11 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
             vec_state, vec_grad, vec_weight = (
                 16 // dtype.itemsize for dtype in (layout.state, layout.grad, layout.weight)
             )
+            # The one-pass momentum, and with ``split`` its two halves (ns_input_into,
+            # advance_momentum).
+            passes = (
+                [(True, True), (False, True), (True, False)] if layout.split else [(True, True)]
+            )
             compiled = [
                 momentum_kernel.warmup(
                     state,
@@ -440,14 +505,19 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                     skip,
                     n,
                     0.5,
-                    NESTEROV=layout.nesterov,
+                    NESTEROV=layout.nesterov and store_out,
                     VEC_BUF=vec_state,
                     VEC_GRAD=vec_grad,
                     VEC_OUT=vec_state,
                     BLOCK=_BLOCK,
+                    STORE_BUF=store_buf,
+                    STORE_OUT=store_out,
                     enable_fp_fusion=False,
                     grid=(1, 1),
-                ),
+                )
+                for store_buf, store_out in passes
+            ]
+            compiled.append(
                 update_kernel.warmup(
                     MockTensor(layout.weight),
                     state,
@@ -463,8 +533,8 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                     BLOCK=_BLOCK,
                     enable_fp_fusion=False,
                     grid=(1, 1),
-                ),
-            ]
+                )
+            )
             for kernel in compiled:
                 kernel.run  # noqa: B018 - builds the launcher and loads the module
     except Exception as err:  # raised on the training thread by _background_done

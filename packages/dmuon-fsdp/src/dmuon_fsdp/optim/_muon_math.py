@@ -57,12 +57,13 @@ from dmuon_ns import NewtonSchulz
 from .._checks import is_int
 from .._matrix import MatrixView, NSFunction, matrices_of, matrix_shape
 from .._torch_internals import local_shard
-from ._fused import momentum_into, update_weight
+from ._fused import advance_momentum, momentum_into, ns_input_into, update_weight
 
 __all__ = [
     "MuonItem",
     "NSFunction",
     "adamw_step",
+    "finish_batch",
     "fresh_state",
     "init_adamw_state",
     "make_newton_schulz",
@@ -70,6 +71,7 @@ __all__ = [
     "momentum_update",
     "muon_batch",
     "muon_step",
+    "ns_inputs",
     "shape_batches",
     "step_dtype",
     "weight_decay_and_update",
@@ -209,16 +211,25 @@ def muon_batch(
     updates = ns(batch)
     mark(f"ns[{'x'.join(map(str, batch.shape))}]")
     del batch
-    for (lr, weight_decay, scale), group in _grouped(owners, part, _update_key):
-        weight_decay_and_update(
-            [weights[i] for i in group],
-            [updates[i] for i in group],
-            lr=lr,
-            weight_decay=weight_decay,
-            scale=scale,
-            skip=skip,
-        )
+    _update(part, weights, owners, updates, skip)
     del updates
+
+
+def ns_inputs(part: Sequence[MuonItem]) -> Tensor:
+    """The NS input stack :func:`muon_batch` forms for ``part``, with every momentum buffer
+    left as it is: the first half of a step split in two (see [Note: Newton–Schulz during
+    backward] in _ns_overlap)."""
+    return _momentum_stack(part, None, advance=False)[0]
+
+
+def finish_batch(part: Sequence[MuonItem], updates: Tensor, *, skip: Tensor | None = None) -> None:
+    """The second half: each momentum buffer advanced and each weight decayed and updated
+    with ``updates`` (the NS of :func:`ns_inputs`), bit for bit as :func:`muon_batch` does
+    (kept when ``skip`` is set)."""
+    weights, grads, bufs, owners = _matrices(part)
+    for (momentum, _), group in _grouped(owners, part, _momentum_key):
+        advance_momentum([bufs[i] for i in group], [grads[i] for i in group], skip, momentum)
+    _update(part, weights, owners, updates, skip)
 
 
 def momentum_only(part: Sequence[MuonItem], skip: Tensor | None = None) -> None:
@@ -228,11 +239,11 @@ def momentum_only(part: Sequence[MuonItem], skip: Tensor | None = None) -> None:
     _momentum_stack(part, skip)
 
 
-def _momentum_stack(
-    part: Sequence[MuonItem], skip: Tensor | None
-) -> tuple[Tensor, list[Tensor], list[int]]:
-    """Advance every momentum buffer of ``part`` and return the NS input stack, the weight
-    matrices in its order and the index of the item each belongs to."""
+def _matrices(
+    part: Sequence[MuonItem],
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[int]]:
+    """The weight, gradient and momentum matrices of ``part`` in stack order, and the index
+    of the item each belongs to."""
     weights, grads, bufs, owners = [], [], [], []
     for index, item in enumerate(part):
         split = matrices_of if item.view is None else item.view.matrices
@@ -241,18 +252,47 @@ def _momentum_stack(
         grads += split(item.grad)
         weights += split(item.weight)
         owners += [index] * len(matrices)
+    return weights, grads, bufs, owners
+
+
+def _momentum_stack(
+    part: Sequence[MuonItem], skip: Tensor | None, *, advance: bool = True
+) -> tuple[Tensor, list[Tensor], list[int]]:
+    """Advance every momentum buffer of ``part`` (unless not ``advance``) and return the NS
+    input stack, the weight matrices in its order and the index of the item each belongs
+    to."""
+    weights, grads, bufs, owners = _matrices(part)
     first = bufs[0]
     batch = torch.empty((len(bufs), *first.shape), dtype=first.dtype, device=first.device)
     for (momentum, nesterov), group in _grouped(owners, part, _momentum_key):
-        momentum_update(
-            [bufs[i] for i in group],
-            [grads[i] for i in group],
-            [batch[i] for i in group],
-            momentum,
-            nesterov,
+        group_bufs = [bufs[i] for i in group]
+        group_grads = [grads[i] for i in group]
+        outs = [batch[i] for i in group]
+        if advance:
+            momentum_update(group_bufs, group_grads, outs, momentum, nesterov, skip=skip)
+        else:
+            ns_input_into(group_bufs, group_grads, outs, momentum, nesterov)
+    return batch, weights, owners
+
+
+def _update(
+    part: Sequence[MuonItem],
+    weights: Sequence[Tensor],
+    owners: Sequence[int],
+    updates: Tensor,
+    skip: Tensor | None,
+) -> None:
+    """Decay and update every weight matrix with its row of ``updates``, one pass per
+    hyperparameter group."""
+    for (lr, weight_decay, scale), group in _grouped(owners, part, _update_key):
+        weight_decay_and_update(
+            [weights[i] for i in group],
+            [updates[i] for i in group],
+            lr=lr,
+            weight_decay=weight_decay,
+            scale=scale,
             skip=skip,
         )
-    return batch, weights, owners
 
 
 def _momentum_key(item: MuonItem) -> tuple[float, bool]:

@@ -54,11 +54,13 @@ from ._fused import FusedLayout, compile_in_background
 from ._muon_math import (
     MuonItem,
     adamw_step,
+    finish_batch,
     fresh_state,
     make_newton_schulz,
     momentum_only,
     muon_batch,
 )
+from ._ns_overlap import NSOverlap
 from ._param_groups import GroupDefaults, build_param_groups
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
@@ -130,6 +132,13 @@ class StepOptions:
             string or ``TPMode``; another value raises ``ValueError``.
         profile: ``True`` times every step's phases, read with :meth:`Muon.step_profile`
             (and records the forward's wait times). A bool.
+        ns_overlap: ``True`` runs each owned NS batch during backward, as soon as the
+            reduces of its gradients land (on CUDA on a side stream beside backward), and
+            ``step()`` applies the updates: the same bits as ``False``, with the rank's
+            updates kept from backward to the step (memory about its owned matrices in the
+            momentum's dtype). A batch whose gradients or momentum change after backward (a
+            clip that scales them, another backward) is recomputed in the step.
+            Tensor-parallel matrices and expert stacks always run in the step. A bool.
     """
 
     lr_scaling: LrScaling = LrScaling.MOONLIGHT
@@ -144,6 +153,8 @@ class StepOptions:
     tp_ns: TPMode = TPMode.AUTO
     # Time every step's phases (``Muon.step_profile()``); see [Note: the step profile].
     profile: bool = False
+    # Newton–Schulz during backward; see [Note: Newton–Schulz during backward] in _ns_overlap.
+    ns_overlap: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -165,7 +176,7 @@ class StepOptions:
             raise ValueError(
                 f"tp_ns must be one of {[m.value for m in TPMode]}, got {self.tp_ns!r}"
             ) from None
-        for name in ("replicate_async", "skip_nonfinite", "profile"):
+        for name in ("replicate_async", "skip_nonfinite", "profile", "ns_overlap"):
             check_bool(name, getattr(self, name))
 
 
@@ -177,7 +188,7 @@ class _StepWork(NamedTuple):
     whose momentum alone advances here, and per AdamW group its tensors, gradients and
     states."""
 
-    batches: list[tuple[list[MuonItem], NSFunction | None]]
+    batches: list[tuple[int, list[MuonItem], NSFunction | None]]  # with its plan index
     momentum_only: list[list[MuonItem]]  # stepped on another replica (expert sources)
     adamw: list[_AdamWWork]
 
@@ -387,6 +398,15 @@ class Muon(torch.optim.Optimizer):
             self.param_groups, self._holders, context, ns_batch_bytes=options.ns_batch_bytes
         )
         compile_in_background(self._fused_layouts(), device)
+        self._overlap: NSOverlap | None = None
+        if options.ns_overlap:
+            self._overlap = NSOverlap(
+                self._plan.batches,
+                lambda entry: entry.holder.dedicated and entry.ns is self._ns,
+                self._muon_items,
+                device,
+            )
+        runtime.set_grad_listener(self._overlap)
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -427,6 +447,7 @@ class Muon(torch.optim.Optimizer):
                     grad=dtypes[1],
                     state=entry.state_dtype,
                     nesterov=bool(entry.group["nesterov"]),
+                    split=self.options.ns_overlap,
                 )
 
     def register_post_update_hook(self, hook: PostUpdateHook) -> RemovableHandle:
@@ -502,10 +523,14 @@ class Muon(torch.optim.Optimizer):
         """Wait for the gradient reduces; the Muon items and AdamW tensors this step touches
         (states made on first use), with the group's hyperparameters of this step."""
         self._runtime.wait_all_reduces()
+        if self._overlap is not None:
+            self._overlap.begin_step()
         mark("wait_reduces")
         plan = self._plan
         batches = [
-            (items, part[0].ns) for part in plan.batches if (items := self._muon_items(part))
+            (index, items, part[0].ns)
+            for index, part in enumerate(plan.batches)
+            if (items := self._muon_items(part))
         ]
         momentum = [items for part in plan.momentum_only if (items := self._muon_items(part))]
         adamw = [
@@ -527,12 +552,19 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """Momentum, NS (one call per batch, with the batch's NS) and the update of every
         matrix this rank steps; the momentum alone of those another replica steps."""
+        overlap = self._overlap
         with span("dmuon::muon_step"):
-            for items, ns in work.batches:
+            for index, items, ns in work.batches:
                 assert ns is not None
-                muon_batch(items, ns, skip=skip, mark=mark)
+                early = None if overlap is None else overlap.take(index, items)
+                if early is None:
+                    muon_batch(items, ns, skip=skip, mark=mark)
+                else:
+                    finish_batch(items, early, skip=skip)
             for items in work.momentum_only:
                 momentum_only(items, skip=skip)
+            if overlap is not None:
+                overlap.end_step()
         mark("muon_update")
 
     def _post_update(self, mark: Callable[[str], None]) -> BaseException | None:
@@ -670,7 +702,7 @@ class Muon(torch.optim.Optimizer):
         gradients] in _muon_math."""
         device = self._runtime.layout.device
         found = torch.zeros((), dtype=torch.float32, device=device)
-        grads = [item.grad for items, _ in work.batches for item in items]
+        grads = [item.grad for _, items, _ in work.batches for item in items]
         # A stack shard another replica steps still advances its momentum here.
         grads += [item.grad for items in work.momentum_only for item in items]
         grads += [local_shard(g) for *_, gs, _ in work.adamw for g in gs]

@@ -2,6 +2,7 @@
 collectives, the boundary groups and their hooks, and the ``DedicatedRuntime`` that holds it
 all for one model."""
 
+from ._collectives import GradListener
 from ._config import BoundaryPredicate, DedicateConfig
 from ._group import DedicatedGroup
 from ._no_sync import no_sync
@@ -13,6 +14,7 @@ __all__ = [
     "DedicateConfig",
     "DedicatedGroup",
     "DedicatedRuntime",
+    "GradListener",
     "check_conversions",
     "get_runtime",
     "no_sync",

@@ -39,8 +39,10 @@ weight decay), an owner sets ``DedicatedParam.grad`` only for a parameter that g
 a frozen one (``requires_grad=False``) or one the step's forward did not use keeps its weight
 and momentum bit for bit. A pack still travels whole (its missing gradients as zeros), so that
 every rank issues the same collectives whatever its own backward reached; the owner decides
-from its own backward (``DedicatedParam.saw_grad``, which its ``take_local_grad`` records),
-which, as with FSDP2, sees the same parameters used as every other rank's.
+from its own backward (``DedicatedParam.saw_grad``, which its ``take_local_grad`` records
+and each reduce takes along when it is issued: a second backward before the step reduces the
+pack again, and its gradient adds to the first), which, as with FSDP2, sees the same
+parameters used as every other rank's.
 
 Pending reductions wait in one :class:`ReduceQueue`, in the order their packs completed. Stage
 two is issued at deterministic points (never "when stage one happens to be done"), so every
@@ -54,8 +56,9 @@ blocks on CPU and never blocks the host on CUDA); the end of backward and
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -63,13 +66,14 @@ from torch.distributed import ProcessGroup
 
 from .._profile import span
 from .._torch_internals import local_shard
-from ..holder import Role
+from ..holder import DedicatedParam, Role
 from ..topology import Axis, CommCounter, CommKind, DedicatedCommContext
 from ._pack import Pack
 
 __all__ = [
     "AllReduceQueue",
     "CollectiveResult",
+    "GradListener",
     "PendingReduce",
     "ReduceQueue",
     "broadcast",
@@ -172,6 +176,8 @@ class PendingReduce(NamedTuple):
     pack: Pack
     result: CollectiveResult  # the last stage issued
     needs_replicate_stage: bool  # HSDP sender whose stage two is not issued yet
+    # Per parameter of the pack: whether this rank's backward gave it a local gradient.
+    seen: tuple[bool, ...]
 
 
 def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
@@ -198,13 +204,17 @@ def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
 def reduce_over_shards(pack: Pack, comm: DedicatedCommContext) -> PendingReduce:
     """Stage one: sum the pack's local gradients over the shard group into the row's sender."""
     flat = pack_grads(pack, comm.reduce_stream)
+    # Recorded per reduce: a second backward before the step submits the pack again.
+    seen = tuple(dp.saw_grad for dp in pack.params)
+    for dp in pack.params:
+        dp.saw_grad = False
     if comm.layout.shard_size > 1:
         result = reduce_sum(
             flat, pack.sender, comm.shard_group, comm.reduce_stream, comm.counter, Axis.SHARD
         )
     else:
         result = CollectiveResult(flat, None, _event_after(comm.reduce_stream))
-    return PendingReduce(pack, result, comm.layout.replicate_size > 1 and pack.is_sender)
+    return PendingReduce(pack, result, comm.layout.replicate_size > 1 and pack.is_sender, seen)
 
 
 def reduce_over_replicas(pending: PendingReduce, comm: DedicatedCommContext) -> PendingReduce:
@@ -216,7 +226,7 @@ def reduce_over_replicas(pending: PendingReduce, comm: DedicatedCommContext) -> 
     result = reduce_sum(
         flat, pending.pack.owner_rank, comm.replicate_group, stream, comm.counter, Axis.REPLICATE
     )
-    return PendingReduce(pending.pack, result, needs_replicate_stage=False)
+    return pending._replace(result=result, needs_replicate_stage=False)
 
 
 def finish_reduce(pending: PendingReduce, divisor: int) -> None:
@@ -226,13 +236,10 @@ def finish_reduce(pending: PendingReduce, divisor: int) -> None:
     assert not pending.needs_replicate_stage
     flat = wait(pending.result)
     pack = pending.pack
-    seen = [dp.saw_grad for dp in pack.params]
-    for dp in pack.params:
-        dp.saw_grad = False
     if pack.role is not Role.OWNER:
         return
     flat.div_(divisor)
-    for dp, saw in zip(pack.params, seen):
+    for dp, saw in zip(pack.params, pending.seen):
         if saw:
             dp.accumulate_grad(flat[dp.offset : dp.offset + dp.numel].view(dp.local_shape))
 
@@ -255,12 +262,32 @@ def keep_local_grads(pack: Pack) -> None:
             dp.accumulate_grad(grad.to(dtype))
 
 
+class GradListener(Protocol):
+    """Told during backward which parameters' gradients are final (see [Note: gradients
+    final during backward]); ``stream`` is where those reduces are finished on CUDA."""
+
+    stream: torch.cuda.Stream | None
+
+    def __call__(self, params: Sequence[DedicatedParam]) -> None: ...
+
+
 class ReduceQueue:
-    """The pending gradient reductions of one runtime, in submission order (FIFO)."""
+    """The pending gradient reductions of one runtime, in submission order (FIFO).
+
+    [Note: gradients final during backward]
+    Without a listener the owners' gradients become final in ``wait_all`` (the step). With
+    one (``Muon(options=StepOptions(ns_overlap=True))``), each submission also finishes every
+    older reduction whose last stage is issued (never the newest, which was issued just now:
+    on CPU finishing it would block backward until it lands; on CUDA it is finished on the
+    listener's stream, which waits for the reduce's event, so backward never waits), then
+    tells the listener the parameters of those packs. It only finishes sooner what
+    ``wait_all`` would finish: the same division, the same ``.grad``, the same collectives in
+    the same order on every rank (stage two is issued exactly as before)."""
 
     def __init__(self, comm: DedicatedCommContext) -> None:
         self._comm = comm
         self._pending: deque[PendingReduce] = deque()
+        self.listener: GradListener | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -270,9 +297,25 @@ class ReduceQueue:
         with span("dmuon::reduce"):
             if self._comm.layout.world_size == 1:
                 keep_local_grads(pack)
+                if self.listener is not None:
+                    self.listener(pack.params)
                 return
             self._pending.append(reduce_over_shards(pack, self._comm))
             self.issue_replicate_stages(keep_newest=True)
+        if self.listener is not None:
+            self._finish_older(self.listener)
+
+    def _finish_older(self, listener: GradListener) -> None:
+        """See [Note: gradients final during backward]."""
+        divisor = self._comm.layout.world_size
+        while len(self._pending) > 1 and not self._pending[0].needs_replicate_stage:
+            pending = self._pending.popleft()
+            stream = listener.stream
+            if stream is not None:
+                pending.result.tensor.record_stream(stream)
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                finish_reduce(pending, divisor)
+            listener(pending.pack.params)
 
     def issue_replicate_stages(self, *, keep_newest: bool = False) -> None:
         """Issue stage two of the queued reductions that need it, oldest first; with

@@ -51,7 +51,7 @@ from ..holder import (
     resolve_precision,
 )
 from ..topology import CommCounter, DedicatedCommContext, MeshLayout
-from ._collectives import AllReduceQueue, ReduceQueue
+from ._collectives import AllReduceQueue, GradListener, ReduceQueue
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
 from ._hooks import BoundaryHooks
@@ -259,6 +259,11 @@ class DedicatedRuntime:
         self.hooks.requires_gradient_sync = check_bool(
             "requires_gradient_sync", requires_gradient_sync
         )
+
+    def set_grad_listener(self, listener: GradListener | None) -> None:
+        """Tell ``listener`` during backward which owned gradients are final (``None``: stop);
+        see [Note: gradients final during backward] in :mod:`._collectives`."""
+        self.reduce_queue.listener = listener
 
     def wait_all_reduces(self) -> None:
         """Block (CPU) or order the current stream (CUDA) until every owned gradient is final;

@@ -1,0 +1,114 @@
+"""``StepOptions(ns_overlap=True)``: Newton–Schulz during backward gives the bits of the step
+without it (1-D and HSDP, Z2 and Z3, one batch per shape and one matrix per batch), also when
+gradients change after backward (no_sync accumulation, a second backward, a clip that scales
+them); and a profiler trace shows NS finishing while backward still runs."""
+
+from __future__ import annotations
+
+import torch
+from _models import batch, loss_fn
+from _reference import shard
+from _sgd_train import setup_model
+from torch.profiler import ProfilerActivity, profile
+
+from dmuon_fsdp import Muon, StepOptions, no_sync
+from dmuon_testing.distributed import run_distributed
+
+ROWS = 8
+STEPS = 5
+
+
+def _backward(model, step: int, rank: int, world_size: int) -> None:
+    loss_fn(model, shard(batch(step, ROWS), rank, world_size)).backward()
+
+
+def _train(rank, world_size, replicate, reshard, overlap, cap):
+    """Five steps: two plain, one accumulated under no_sync, one with two synced backward
+    passes, one whose Muon gradients are scaled in place before the step (what a clip does).
+    Returns each owned matrix's weight and momentum, and the early results used and found
+    stale."""
+    model, runtime = setup_model(world_size, replicate=replicate, reshard=reshard, n_layers=3)
+    options = StepOptions(ns_overlap=overlap, ns_batch_bytes=cap)
+    optimizer = Muon(model, lr=0.05, weight_decay=0.1, adamw_lr=1e-2, options=options)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        if step == 2:
+            with no_sync(model):
+                _backward(model, 100, rank, world_size)
+        _backward(model, step, rank, world_size)
+        if step == 3:
+            _backward(model, 200, rank, world_size)
+        if step == 4:
+            for grad in optimizer.muon_grads_for_clip().grads:
+                grad.mul_(0.5)
+        optimizer.step()
+    owned = {
+        dp.fqn: (dp.full.clone(), optimizer.state[dp.param]["momentum_buffer"].clone())
+        for dp in runtime.owned
+    }
+    overlap_state = optimizer._overlap
+    counts = (0, 0) if overlap_state is None else (overlap_state.used, overlap_state.stale)
+    return owned, counts
+
+
+def _same_bits(world_size: int, replicate: int) -> None:
+    for cap in (None, 1):  # one NS call per shape; one matrix per call
+        for reshard in (True, False):  # Z3, Z2
+            runs = {
+                overlap: run_distributed(_train, world_size, replicate, reshard, overlap, cap)
+                for overlap in (False, True)
+            }
+            used = sum(counts[0] for _, counts in runs[True])
+            stale = sum(counts[1] for _, counts in runs[True])
+            where = f"cap={cap} reshard={reshard}"
+            # Early results were used (plain steps) and some found stale (the second
+            # backward, the scaled gradients) and recomputed.
+            assert used > 0 and stale > 0, (where, used, stale)
+            assert sum(len(plain) for plain, _ in runs[False]) == 21, where  # 3 layers x 7
+            for (plain, _), (early, _) in zip(runs[False], runs[True]):
+                assert plain.keys() == early.keys(), where
+                for fqn, (weight, buf) in plain.items():
+                    assert torch.equal(weight, early[fqn][0]), (where, fqn)
+                    assert torch.equal(buf, early[fqn][1]), (where, fqn)
+
+
+def test_ns_overlap_is_bit_for_bit_on_a_1d_mesh() -> None:
+    _same_bits(2, replicate=1)
+
+
+def test_ns_overlap_is_bit_for_bit_under_hsdp() -> None:
+    _same_bits(4, replicate=2)
+
+
+def _trace(rank, world_size):
+    """One profiled iteration (after one that records the forward order) of a 4-layer model,
+    one matrix per NS call: when each ``dmuon::ns_overlap`` span ran, and when each backward
+    op of the autograd engine started."""
+    model, _ = setup_model(world_size, n_layers=4)
+    options = StepOptions(ns_overlap=True, ns_batch_bytes=1)
+    optimizer = Muon(model, lr=0.05, adamw_lr=1e-2, options=options)
+    for step in range(2):
+        optimizer.zero_grad()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _backward(model, step, rank, world_size)
+            optimizer.step()
+    ns = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.name == "dmuon::ns_overlap"
+    ]
+    backward = [
+        e.time_range.start
+        for e in prof.events()
+        if e.name.startswith("autograd::engine::evaluate_function")
+    ]
+    return ns, backward, optimizer._overlap.used
+
+
+def test_ns_overlap_runs_while_backward_goes_on() -> None:
+    for ns, backward, used in run_distributed(_trace, 2):
+        assert ns and used > 0
+        first_done = min(end for _, end in ns)
+        # Backward ops of earlier layers start after the first NS has finished.
+        later = [start for start in backward if start > first_done]
+        assert len(later) >= 4, (len(later), len(backward))
