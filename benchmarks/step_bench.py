@@ -49,7 +49,9 @@ model under ``fully_shard`` with the policy, FSDP2's usual mixed-precision setup
 fused AdamW on the rest; ``dmuon``: ``dedicate_params`` → ``fully_shard(...,
 ignored_params=dedicated_params_of(model))`` → ``dmuon.Muon`` (its dedicated parameters follow
 the policy: bf16 broadcast and compute, fp32 reduce, fp32 masters and states on the owner);
-``dmuon-qk`` (with ``--qk-clip TAU``): ``dmuon`` with ``dmuon.QKClip(tau=TAU)`` on every layer's
+``dmuon-overlap``: ``dmuon`` with ``StepOptions(ns_overlap=True)`` (Newton–Schulz during
+backward, on a side stream; its ``step ms`` is what is left for the step, ``iter ms`` says
+whether the whole iteration gained); ``dmuon-qk`` (with ``--qk-clip TAU``): ``dmuon`` with ``dmuon.QKClip(tau=TAU)`` on every layer's
 attention, whose forward feeds ``clip.observe`` (``--qk-stat``: ``lse``, the default, runs the
 flash kernel that returns each row's log-sum-exp, ``torch.ops.aten._scaled_dot_product_flash_
 attention`` on CUDA with the key/value heads repeated to the query heads, and observes the bound
@@ -90,7 +92,7 @@ CONFIGS = {
     "576x1536x30": LlamaConfig(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3),
     "tiny": LlamaConfig(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
 }
-VARIANTS = ("plain", "fsdp2", "adamw", "torch-muon", "dmuon", "dmuon-qk")
+VARIANTS = ("plain", "fsdp2", "adamw", "torch-muon", "dmuon", "dmuon-overlap", "dmuon-qk")
 
 
 class Precision(StrEnum):
@@ -222,7 +224,7 @@ def _build(
     if not mixed:
         model = model.to(torch.bfloat16)
     # Mixed AdamW is FSDP2's own mixed precision; unsharded mixed variants use autocast.
-    sharded = variant in ("fsdp2", "dmuon", "dmuon-qk") or (mixed and variant == "adamw")
+    sharded = variant.startswith(("fsdp2", "dmuon")) or (mixed and variant == "adamw")
     if sharded:
         shard_kwargs: dict[str, Any] = {}
         if mixed:
@@ -258,7 +260,8 @@ def _build(
                 q = f"layers.{i}.self_attn.q_proj.weight"
                 clip.add(q, f"layers.{i}.self_attn.k_proj.weight", cfg.heads, cfg.n_kv_heads)
                 layer.self_attn.attend = _observing(clip, q, qk[1])
-        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-4)
+        options = dmuon.StepOptions(ns_overlap=variant == "dmuon-overlap")
+        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-4, options=options)
         if clip is not None:
             clip.attach(optimizer)
         optimizers.append(optimizer)
@@ -411,13 +414,13 @@ def _report(
         f" heads={cfg.heads}/{cfg.n_kv_heads}kv; {total / 1e9:.3f} B params"
         f" ({muon / 1e9:.3f} B Muon-target), {precision.describe()}, {tokens} tokens per"
         " iteration",
-        f"{'variant':<11} {'fwd+bwd ms':>10} {'step ms':>9} {'iter ms':>9} {'peak GiB':>9}"
+        f"{'variant':<13} {'fwd+bwd ms':>10} {'step ms':>9} {'iter ms':>9} {'peak GiB':>9}"
         f" {'step GiB':>9}",
     ]
     for variant, m in results.items():
         step = f"{m.step_ms:9.2f}" if m.step_ms is not None else f"{'-':>9}"
         lines.append(
-            f"{variant:<11} {m.fwd_bwd_ms:10.2f} {step} {m.iter_ms:9.2f} {m.peak_gib:9.2f}"
+            f"{variant:<13} {m.fwd_bwd_ms:10.2f} {step} {m.iter_ms:9.2f} {m.peak_gib:9.2f}"
             f" {m.step_peak_gib:9.2f}"
         )
     mixed = precision is Precision.BF16_MIXED
@@ -431,6 +434,12 @@ def _report(
             what = _FIELD_LABELS[ratio.field]
             target = f" (target ≤ {ratio.mixed_target})" if mixed and ratio.mixed_target else ""
             lines.append(f"  dmuon {what} / {ratio.of} {what}: {a / b:.3f}{target}")
+    overlap = results.get("dmuon-overlap")
+    if overlap is not None and dmuon is not None:
+        lines.append(
+            f"  dmuon-overlap iter / dmuon iter: {overlap.iter_ms / dmuon.iter_ms:.3f}"
+            f" (target ≤ 1); step: {(overlap.step_ms or 0.0) / (dmuon.step_ms or 1.0):.3f}"
+        )
     clipped = results.get("dmuon-qk")
     if clipped is not None and dmuon is not None:
         lines.append(
@@ -440,11 +449,11 @@ def _report(
     lines.append(
         "first iteration (host clock, synchronised at both ends; dmuon's NS autotune cache empty)"
     )
-    lines.append(f"{'variant':<11} {'first s':>9} {'warm s':>9} {'first-warm s':>12}")
+    lines.append(f"{'variant':<13} {'first s':>9} {'warm s':>9} {'first-warm s':>12}")
     for variant, m in results.items():
         first, warm = m.first_iter_ms / 1e3, m.iter_ms / 1e3
         target = f"  (target ≤ {_COLD_START_TARGET_S:g})" if variant == "dmuon" else ""
-        lines.append(f"{variant:<11} {first:9.3f} {warm:9.3f} {first - warm:12.3f}{target}")
+        lines.append(f"{variant:<13} {first:9.3f} {warm:9.3f} {first - warm:12.3f}{target}")
     return "\n".join(lines)
 
 

@@ -5,7 +5,11 @@ them); and a profiler trace shows NS finishing while backward still runs."""
 
 from __future__ import annotations
 
+import tempfile
+
+import pytest
 import torch
+import torch.distributed as dist
 from _models import batch, loss_fn
 from _reference import shard
 from _sgd_train import setup_model
@@ -18,26 +22,28 @@ ROWS = 8
 STEPS = 5
 
 
-def _backward(model, step: int, rank: int, world_size: int) -> None:
-    loss_fn(model, shard(batch(step, ROWS), rank, world_size)).backward()
+def _backward(model, step: int, rank: int, world_size: int, device: str = "cpu") -> None:
+    loss_fn(model, shard(batch(step, ROWS), rank, world_size).to(device)).backward()
 
 
-def _train(rank, world_size, replicate, reshard, overlap, cap):
+def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
     """Five steps: two plain, one accumulated under no_sync, one with two synced backward
     passes, one whose Muon gradients are scaled in place before the step (what a clip does).
     Returns each owned matrix's weight and momentum, and the early results used and found
     stale."""
-    model, runtime = setup_model(world_size, replicate=replicate, reshard=reshard, n_layers=3)
+    model, runtime = setup_model(
+        world_size, replicate=replicate, reshard=reshard, n_layers=3, device=device
+    )
     options = StepOptions(ns_overlap=overlap, ns_batch_bytes=cap)
     optimizer = Muon(model, lr=0.05, weight_decay=0.1, adamw_lr=1e-2, options=options)
     for step in range(STEPS):
         optimizer.zero_grad()
         if step == 2:
             with no_sync(model):
-                _backward(model, 100, rank, world_size)
-        _backward(model, step, rank, world_size)
+                _backward(model, 100, rank, world_size, device)
+        _backward(model, step, rank, world_size, device)
         if step == 3:
-            _backward(model, 200, rank, world_size)
+            _backward(model, 200, rank, world_size, device)
         if step == 4:
             for grad in optimizer.muon_grads_for_clip().grads:
                 grad.mul_(0.5)
@@ -51,11 +57,11 @@ def _train(rank, world_size, replicate, reshard, overlap, cap):
     return owned, counts
 
 
-def _same_bits(world_size: int, replicate: int) -> None:
+def _same_bits(world_size: int, replicate: int, run=run_distributed, device="cpu") -> None:
     for cap in (None, 1):  # one NS call per shape; one matrix per call
         for reshard in (True, False):  # Z3, Z2
             runs = {
-                overlap: run_distributed(_train, world_size, replicate, reshard, overlap, cap)
+                overlap: run(_train, world_size, replicate, reshard, overlap, cap, device)
                 for overlap in (False, True)
             }
             used = sum(counts[0] for _, counts in runs[True])
@@ -112,3 +118,28 @@ def test_ns_overlap_runs_while_backward_goes_on() -> None:
         # Backward ops of earlier layers start after the first NS has finished.
         later = [start for start in backward if start > first_done]
         assert len(later) >= 4, (len(later), len(backward))
+
+
+def _on_one_gpu(fn, world_size, *args):
+    """``fn`` in this process, in a one-rank NCCL world on the first GPU."""
+    with tempfile.NamedTemporaryFile() as init:
+        dist.init_process_group(
+            "nccl",
+            init_method=f"file://{init.name}",
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", 0),
+        )
+        try:
+            return [fn(0, world_size, *args)]
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_ns_overlap_is_bit_for_bit_on_a_gpu() -> None:
+    """The side stream on CUDA (NS beside backward, CUDA-graphed NS, the fused passes):
+    the same bits as the step without it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _same_bits(1, replicate=1, run=_on_one_gpu, device="cuda")
