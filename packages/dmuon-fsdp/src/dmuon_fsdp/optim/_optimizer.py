@@ -618,7 +618,8 @@ class Muon(torch.optim.Optimizer):
         ``(32, 16)`` ``[q; k; v]`` split as ``q (16, 16)``, ``k`` and ``v (8, 16)`` shows
         ``ns[...x16x16]`` and ``ns[...x8x16]``, not ``ns[1x32x16]``), ``muon_update``,
         ``adamw``, ``post_update`` (with hooks), ``expert_publish`` (with expert sources),
-        ``publish``. Needs ``Muon(profile=True)``; on CUDA this
+        ``publish``; with ``ns_overlap`` only the NS calls the step itself ran (the others ran
+        during backward). Needs ``Muon(profile=True)``; on CUDA this
         waits for the step's recorded events, the step itself never does."""
         if self._timer is None:
             raise ValueError(
