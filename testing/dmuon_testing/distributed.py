@@ -25,10 +25,13 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 45.0
@@ -154,3 +157,19 @@ def run_distributed(
 def _close_all() -> None:
     while _pools:
         _pools.popitem()[1].close()
+
+
+@contextmanager
+def one_gpu_world() -> Iterator[torch.device]:
+    """This process as a one-rank NCCL world on the first GPU (the GPU tests' single card);
+    yields that device and destroys the process group on the way out."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with tempfile.NamedTemporaryFile() as init:
+        dist.init_process_group(
+            "nccl", init_method=f"file://{init.name}", rank=0, world_size=1, device_id=device
+        )
+        try:
+            yield device
+        finally:
+            dist.destroy_process_group()

@@ -5,18 +5,15 @@ them); and a profiler trace shows NS finishing while backward still runs."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 from _models import batch, loss_fn
 from _reference import shard
 from _sgd_train import setup_model
 from torch.profiler import ProfilerActivity, profile
 
 from dmuon_fsdp import Muon, StepOptions, no_sync
-from dmuon_testing.distributed import run_distributed
+from dmuon_testing.distributed import one_gpu_world, run_distributed
 
 ROWS = 8
 STEPS = 5
@@ -122,18 +119,8 @@ def test_ns_overlap_runs_while_backward_goes_on() -> None:
 
 def _on_one_gpu(fn, world_size, *args):
     """``fn`` in this process, in a one-rank NCCL world on the first GPU."""
-    with tempfile.NamedTemporaryFile() as init:
-        dist.init_process_group(
-            "nccl",
-            init_method=f"file://{init.name}",
-            rank=0,
-            world_size=1,
-            device_id=torch.device("cuda", 0),
-        )
-        try:
-            return [fn(0, world_size, *args)]
-        finally:
-            dist.destroy_process_group()
+    with one_gpu_world():
+        return [fn(0, world_size, *args)]
 
 
 @pytest.mark.gpu
