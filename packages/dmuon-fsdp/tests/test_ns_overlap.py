@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import batch, loss_fn
+from _models import batch, loss_fn, shard_layers_then_root
+from _moe import build_moe, moe_predicate
 from _reference import shard
-from _sgd_train import setup_model
+from _sgd_train import ddp_model, setup_model
+from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
-from dmuon_fsdp import Muon, StepOptions, no_sync
+from dmuon_fsdp import Muon, StepOptions, dedicate_params, no_sync
 from dmuon_testing.distributed import one_gpu_world, run_distributed
 
 ROWS = 8
@@ -81,6 +83,58 @@ def test_ns_overlap_is_bit_for_bit_on_a_1d_mesh() -> None:
 
 def test_ns_overlap_is_bit_for_bit_under_hsdp() -> None:
     _same_bits(4, replicate=2)
+
+
+def _model_on(path: str, world_size: int):
+    """The model of one other path, its runtime and this rank's data-parallel index and size:
+    tensor parallelism (2 x 2), the replicated (DDP) path, expert stacks with dense
+    matrices."""
+    if path == "tp":
+        from test_tp import _tp_model
+
+        model, runtime, dp_index = _tp_model((2, 2))
+        return model, runtime, dp_index, 2
+    if path == "ddp":
+        model, runtime = ddp_model(world_size)
+    else:
+        model = build_moe(4, "fused")
+        mesh = init_device_mesh("cpu", (world_size,))
+        runtime = dedicate_params(model, mesh, moe_predicate)
+        shard_layers_then_root(model, mesh)
+    return model, runtime, runtime.coord.shard, world_size
+
+
+def _losses_on(rank, world_size, path):
+    """Three steps of ``path`` without and with ``ns_overlap``: the losses of each."""
+    out = {}
+    for overlap in (False, True):
+        model, _, dp_index, dp_size = _model_on(path, world_size)
+        options = StepOptions(ns_overlap=overlap)
+        optimizer = Muon(model, lr=0.05, weight_decay=0.1, adamw_lr=1e-2, options=options)
+        losses = []
+        for step in range(3):
+            optimizer.zero_grad()
+            tokens = shard(batch(step, ROWS), dp_index, dp_size)
+            loss = loss_fn(model, tokens)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        out[overlap] = losses
+        if overlap:
+            out["used"] = optimizer._overlap.used
+    return out
+
+
+@pytest.mark.parametrize(("path", "world_size"), [("tp", 4), ("ddp", 2), ("moe", 2)])
+def test_ns_overlap_leaves_other_paths_bit_for_bit(path: str, world_size: int) -> None:
+    """Tensor-parallel matrices and expert stacks run in the step, the DDP path's and the
+    MoE model's dense matrices during backward: every loss the same bits."""
+    outs = run_distributed(_losses_on, world_size, path)
+    for out in outs:
+        assert out[False] == out[True], out
+    used = sum(out["used"] for out in outs)
+    # Every matrix of the TP model is tensor-parallel: nothing runs early there.
+    assert used == 0 if path == "tp" else used > 0, used
 
 
 def _trace(rank, world_size):
