@@ -368,3 +368,23 @@ def test_triton_symmetric_result_does_not_depend_on_the_autotuned_tiles():
     ]
     results = [matmul(r, z, c=r, alpha=0.7, beta=-1.3, symmetric=True, config=c) for c in configs]
     assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+def test_the_shipped_tiles_run_without_the_autotuner(monkeypatch):
+    # On a card with a tile table every product of the issue's shapes runs the table's tiles
+    # (_triton_tiles' note): Triton's autotuner, which compiles every candidate, never runs.
+    pytest.importorskip("triton")
+    from dmuon_ns import _triton_kernels, _triton_tiles
+
+    if _triton_tiles.tiles_file(torch.cuda.get_device_name()) is None:
+        pytest.skip(f"no shipped tile table for {torch.cuda.get_device_name()}")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the autotuner ran")
+
+    monkeypatch.setattr(_triton_kernels._sym_tuned, "run", refuse)
+    monkeypatch.setattr(_triton_kernels._mm_tuned, "run", refuse)
+    ns = NewtonSchulz(kernel="triton", cuda_graphs=False)
+    for m, n in ((1024, 4096), (2048, 8192), (4096, 14336), (4096, 4096)):
+        g = torch.randn(m, n, device="cuda")
+        assert relative_error(ns(g), reference_newton_schulz(g)) < 1.5e-2

@@ -26,6 +26,7 @@ copy); accumulation is fp32; any size works (tails are masked). On CPU the kerne
 Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,17 @@ import triton.testing
 from torch import Tensor
 
 from dmuon_ns._environment import triton_interpreting
+from dmuon_ns._triton_tiles import TileRow, load_tiles, nearest_tile
 
-__all__ = ["TRITON_PRODUCTS", "TileConfig", "TritonProducts", "matmul", "scale_cast"]
+__all__ = [
+    "MM_TILES",
+    "SYM_TILES",
+    "TRITON_PRODUCTS",
+    "TileConfig",
+    "TritonProducts",
+    "matmul",
+    "scale_cast",
+]
 
 # Triton decides between compiling and interpreting when it decorates a kernel, at import: the
 # kernels here follow the decision made then.
@@ -207,19 +217,20 @@ def _to_storage(acc, ptr, INTERPRET: tl.constexpr):
 
 
 # [Note: tile autotuning]
-# On the GPU each product picks its tiles with Triton's autotuner, once per (batch, M, K
+# On the GPU each product runs the tiles the card's shipped tile table picks ([Note: shipped
+# tiles] in _triton_tiles); on a card without one it picks them with Triton's autotuner, once per (batch, M, K
 # or N, epilogue, dtype): small Gram sides need small tiles to give the chip enough programs,
 # large ones want 128-wide tiles and deep pipelines. The lists are short because every entry
 # is compiled once per epilogue variant on first use. Each candidate is timed for ~25 ms
 # (Triton's default is ~125 ms: a new shape then cost seconds of timing in its first call),
 # and the choices are kept in Triton's on-disk cache, so a machine times a product once.
-_SYM_TILES = (
+SYM_TILES = (
     TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=3),
     TileConfig(block_m=128, block_k=64, num_warps=8, num_stages=4),
     TileConfig(block_m=64, block_k=64, num_warps=4, num_stages=4),
     TileConfig(block_m=64, block_k=128, num_warps=4, num_stages=3),
 )
-_MM_TILES = (
+MM_TILES = (
     TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=8),
     TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=8),
     TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=8),
@@ -233,17 +244,52 @@ def _short_bench(fn: Any, quantiles: Any = None) -> Any:
 
 
 _sym_tuned = triton.autotune(
-    configs=[tiles.autotune_config(symmetric=True) for tiles in _SYM_TILES],
+    configs=[tiles.autotune_config(symmetric=True) for tiles in SYM_TILES],
     key=_TUNING_KEY,
     do_bench=_short_bench,
     cache_results=True,
 )(_product_kernel)
 _mm_tuned = triton.autotune(
-    configs=[tiles.autotune_config(symmetric=False) for tiles in _MM_TILES],
+    configs=[tiles.autotune_config(symmetric=False) for tiles in MM_TILES],
     key=_TUNING_KEY,
     do_bench=_short_bench,
     cache_results=True,
 )(_product_kernel)
+
+
+@functools.cache
+def _shipped_rows(device: torch.device) -> tuple[TileRow, ...]:
+    """The tile table of ``device``'s card, measured with these candidates (see [Note:
+    shipped tiles] in ``_triton_tiles``); none for another card."""
+    name = torch.cuda.get_device_name(device)
+    return load_tiles(name, {"symmetric": SYM_TILES, "plain": MM_TILES})
+
+
+def _shipped_tile(
+    a: Tensor, out: Tensor, symmetric: bool, has_c: bool, has_diag: bool
+) -> TileConfig | None:
+    """The tiles the shipped table picks for this product, or ``None`` (the autotuner's)."""
+    rows = _shipped_rows(a.device)
+    if not rows:
+        return None
+    batch, m, k = a.shape
+    index = nearest_tile(
+        rows,
+        symmetric=symmetric,
+        has_c=has_c,
+        has_diag=has_diag,
+        batch=batch,
+        m=m,
+        n=out.shape[2],
+        k=k,
+        dtype=str(a.dtype).removeprefix("torch."),
+        out_dtype=str(out.dtype).removeprefix("torch."),
+    )
+    if index is None:
+        return None
+    return (SYM_TILES if symmetric else MM_TILES)[index]
+
+
 # Small tiles for the CPU interpreter, which spends milliseconds per operation of every program.
 _INTERPRETER_CONFIG = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=1)
 
@@ -333,6 +379,8 @@ def matmul(
         float(diag),
     )
     flags = dict(SYMMETRIC=symmetric, HAS_C=c is not None, HAS_DIAG=diag != 0.0)
+    if config is None and not _INTERPRETING:
+        config = _shipped_tile(a, out, symmetric, c is not None, diag != 0.0)
     if config is None and not _INTERPRETING:
         tuned = _sym_tuned if symmetric else _mm_tuned
 
