@@ -68,6 +68,13 @@ def test_the_nearest_product_of_the_same_kind_picks_its_fastest_tile():
     assert _pick(rows, 8192, 32768) == 1
     assert _pick(rows, 256, 1024, has_c=True) is None  # no product of that kind measured
     assert _pick(rows, 256, 1024, dtype="bfloat16") is None
+    # Another output dtype counts as distance 1 (an fp32 input's last product writes fp32).
+    out32 = _row(256, 1024, [0.3, 0.1]) | {"out_dtype": "float32"}
+    rows = _table(_row(256, 1024, [0.1, 0.2]), out32)
+    assert _pick(rows, 256, 1024) == 0
+    fp32 = dict(symmetric=True, has_c=False, has_diag=False, batch=1, m=256, n=256, k=1024)
+    assert _triton_tiles.nearest_tile(rows, **fp32, dtype="float16", out_dtype="float32") == 1
+    assert _triton_tiles.nearest_tile(rows, **fp32, dtype="float16", out_dtype="bfloat16") == 0
 
 
 def test_other_candidates_leave_the_products_to_the_autotuner():

@@ -8,8 +8,10 @@ meets before timing them: on a bare H200 the first step of an 8-layer H=4096 Lla
 A tile table (``tables/<card>-tiles.json``, written by ``benchmarks/ns_tiles.py`` on the card
 it names) holds, for every product the NS problems of the kernel table run (symmetric or
 plain, epilogue, batch, ``m``, ``n``, ``k``, dtypes), each candidate's measured time. A product
-then runs the fastest candidate of the nearest measured product of the same kind (distance:
-the sum of the absolute log-ratios of ``m``, ``n`` and ``k``, and a quarter of the batch's),
+then runs the fastest candidate of the nearest measured product of the same kind and operand
+dtype (distance: the sum of the absolute log-ratios of ``m``, ``n`` and ``k``, a quarter of
+the batch's, and 1 for another output dtype: the table measures bf16 NS inputs, and an fp32
+input's last product writes fp32),
 launched directly: one compile per tile it uses, no timing inside a call. A card without a
 table, or a table whose candidates are not the kernels' current ones, leaves every product to
 the autotuner as before.
@@ -115,14 +117,14 @@ def nearest_tile(
 ) -> int | None:
     """The index of the fastest candidate of the nearest measured product of this kind (see
     the note), or ``None`` when none of this kind was measured."""
-    kind = (symmetric, has_c, has_diag, dtype, out_dtype)
-    same = [r for r in rows if (r.symmetric, r.has_c, r.has_diag, r.dtype, r.out_dtype) == kind]
+    kind = (symmetric, has_c, has_diag, dtype)
+    same = [r for r in rows if (r.symmetric, r.has_c, r.has_diag, r.dtype) == kind]
     if not same:
         return None
 
     def distance(row: TileRow) -> float:
         logs = sum(abs(math.log(a / b)) for a, b in ((row.m, m), (row.n, n), (row.k, k)))
-        return logs + 0.25 * abs(math.log(row.batch / batch))
+        return logs + 0.25 * abs(math.log(row.batch / batch)) + (row.out_dtype != out_dtype)
 
     best = min(same, key=distance)
     return min(range(len(best.ms)), key=best.ms.__getitem__)
