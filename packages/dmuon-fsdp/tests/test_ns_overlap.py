@@ -5,6 +5,8 @@ them); and a profiler trace shows NS finishing while backward still runs."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _models import batch, loss_fn, shard_layers_then_root
@@ -27,7 +29,7 @@ def _backward(model, step: int, rank: int, world_size: int, device: str = "cpu")
 
 def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
     """Five steps: two plain, one accumulated under no_sync, one with two synced backward
-    passes, one whose Muon gradients are scaled in place before the step (what a clip does).
+    passes, one whose Muon gradients a clip scales in place before the step, unseen by torch.
     Returns each owned matrix's weight and momentum, and the early results used and found
     stale."""
     model, runtime = setup_model(
@@ -35,6 +37,7 @@ def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
     )
     options = StepOptions(ns_overlap=overlap, ns_batch_bytes=cap)
     optimizer = Muon(model, lr=0.05, weight_decay=0.1, adamw_lr=1e-2, options=options)
+    overlap_state = optimizer._overlap
     for step in range(STEPS):
         optimizer.zero_grad()
         if step == 2:
@@ -44,14 +47,22 @@ def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
         if step == 3:
             _backward(model, 200, rank, world_size, device)
         if step == 4:
-            for grad in optimizer.muon_grads_for_clip().grads:
-                grad.mul_(0.5)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                grads = optimizer.muon_grads_for_clip().grads
+            # The clip's protocol turns the option off, with a warning that says why.
+            assert optimizer._overlap is None
+            assert any("ns_overlap=True) is off" in str(w.message) for w in caught) == overlap
+            for grad in grads:
+                if device == "cpu":
+                    grad.numpy()[...] *= 0.5  # a write torch does not see, as a Triton kernel's
+                else:
+                    grad.mul_(0.5)
         optimizer.step()
     owned = {
         dp.fqn: (dp.full.clone(), optimizer.state[dp.param]["momentum_buffer"].clone())
         for dp in runtime.owned
     }
-    overlap_state = optimizer._overlap
     counts = (0, 0) if overlap_state is None else (overlap_state.used, overlap_state.stale)
     return owned, counts
 
@@ -67,7 +78,7 @@ def _same_bits(world_size: int, replicate: int, run=run_distributed, device="cpu
             stale = sum(counts[1] for _, counts in runs[True])
             where = f"cap={cap} reshard={reshard}"
             # Early results were used (plain steps) and some found stale (the second
-            # backward, the scaled gradients) and recomputed.
+            # backward) and recomputed.
             assert used > 0 and stale > 0, (where, used, stale)
             assert sum(len(plain) for plain, _ in runs[False]) == 21, where  # 3 layers x 7
             for (plain, _), (early, _) in zip(runs[False], runs[True]):

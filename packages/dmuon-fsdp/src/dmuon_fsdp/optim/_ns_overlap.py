@@ -18,11 +18,16 @@ The batches are the step plan's, so every NS call sees the same stack as without
 and the two halves perform the arithmetic of the one-pass kernels exactly (``ns_input_into``
 and ``advance_momentum`` in ``_fused``): the result is bit for bit that of
 ``ns_overlap=False``. A result is used only if everything it was computed from is unchanged
-at the step: each gradient and momentum buffer (the same tensor at the same version: in-place
-writes bump ``Tensor._version``) and the momentum and Nesterov of its group. A gradient
-scaled in place after backward (Muon-aware clipping that clips), a second backward that adds
-to the gradients before the step, a checkpoint loaded into the momentum: each makes the step
-recompute that batch, so the option never changes a result, only when it is computed. The
+at the step: each gradient and momentum buffer (the same tensor at the same version: torch's
+in-place writes bump ``Tensor._version``) and the momentum and Nesterov of its group. A
+gradient scaled in place by torch ops after backward, a second backward that adds to the
+gradients before the step, a checkpoint loaded into the momentum: each makes the step
+recompute that batch, so the option never changes a result, only when it is computed. A
+kernel that writes without torch's knowledge (a Triton launch) bumps no version: Muon-aware
+clipping, whose CUDA path scales the gradients so, gets them through
+``Muon.muon_grads_for_clip()``, which drops every early result and turns the option off with
+a warning (a clip needs the global norm, known only after backward, so nothing can run
+early). The
 non-finite skip needs every gradient, so it is decided in the step as before; a skipped step
 keeps weights and momentum exactly (the early half wrote neither).
 
@@ -33,6 +38,7 @@ owns; without the option a batch's update lives only while its NS runs.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -153,6 +159,17 @@ class NSOverlap(GradListener):
             # Made on the side stream, read and freed on this one.
             early.updates.record_stream(torch.cuda.current_stream(self._device))
         return early.updates
+
+    def stop(self, why: str) -> None:
+        """Drop every early result and say once why NS no longer runs during backward."""
+        self._results.clear()
+        warnings.warn(
+            f"StepOptions(ns_overlap=True) is off from now on: {why}, so Newton–Schulz runs in "
+            "the step, where it sees the final gradients. Clipping needs every gradient's "
+            "norm, known only once backward is done; drop ns_overlap when you clip",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def end_step(self) -> None:
         """Drop what the step did not use; every batch waits for all its reduces again."""

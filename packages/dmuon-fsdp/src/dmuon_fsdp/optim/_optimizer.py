@@ -136,9 +136,11 @@ class StepOptions:
             reduces of its gradients land (on CUDA on a side stream beside backward), and
             ``step()`` applies the updates: the same bits as ``False``, with the rank's
             updates kept from backward to the step (memory about its owned matrices in the
-            momentum's dtype). A batch whose gradients or momentum change after backward (a
-            clip that scales them, another backward) is recomputed in the step.
-            Tensor-parallel matrices and expert stacks always run in the step. A bool.
+            momentum's dtype). A batch whose gradients or momentum change after backward
+            (another backward, a checkpoint load) is recomputed in the step; Muon-aware
+            clipping (``muon_grads_for_clip``) turns the option off with a warning, since a
+            clip needs every gradient first. Tensor-parallel matrices and expert stacks
+            always run in the step. A bool.
     """
 
     lr_scaling: LrScaling = LrScaling.MOONLIGHT
@@ -754,8 +756,15 @@ class Muon(torch.optim.Optimizer):
     def muon_grads_for_clip(self) -> MuonClipGrads:
         """The owned Muon gradients, final (pending reduces waited), for global-norm clipping;
         scaling them in place changes what the next ``step()`` reads. Summed over every rank
-        they count each element once (see [Note: global quantities] in _comm)."""
+        they count each element once (see [Note: global quantities] in _comm). With
+        ``ns_overlap`` the NS results computed during backward are dropped (a clip may scale
+        every gradient, by a kernel torch does not see) and the next steps compute NS in the
+        step (see [Note: Newton–Schulz during backward])."""
         self._runtime.wait_all_reduces()
+        if self._overlap is not None:
+            self._overlap.stop("the gradients were handed to a clip (muon_grads_for_clip)")
+            self._runtime.set_grad_listener(None)
+            self._overlap = None
         layout = self._runtime.layout
         # (gradient, is a copy): a whole matrix is held in every TP grid (counted in grid 0),
         # and an expert shard by every replica of its mesh (counted on the first).
