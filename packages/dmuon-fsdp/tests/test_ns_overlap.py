@@ -28,7 +28,8 @@ def _backward(model, step: int, rank: int, world_size: int, device: str = "cpu")
 
 
 def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
-    """Five steps: two plain, one accumulated under no_sync, one with two synced backward
+    """Five steps: two plain (the second after a backward that zero_grad threw away), one
+    accumulated under no_sync, one with two synced backward
     passes, one whose Muon gradients a clip scales in place before the step, unseen by torch.
     Returns each owned matrix's weight and momentum, and the early results used and found
     stale."""
@@ -40,6 +41,9 @@ def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
     overlap_state = optimizer._overlap
     for step in range(STEPS):
         optimizer.zero_grad()
+        if step == 1:  # a backward whose gradients are thrown away before any step
+            _backward(model, 300, rank, world_size, device)
+            optimizer.zero_grad()
         if step == 2:
             with no_sync(model):
                 _backward(model, 100, rank, world_size, device)

@@ -97,7 +97,8 @@ def test_grads_match_with_activation_checkpointing(reshard: bool) -> None:
 
 def _two_backwards(rank: int, world_size: int) -> bool:
     """Two synced backward passes on the same batch before a step: each reduce adds its
-    average to the owner's gradient, so it is exactly twice the first."""
+    average to the owner's gradient, so it is exactly twice the first; a backward dropped by
+    ``clear_grads`` (the optimizer's ``zero_grad``) before its reduces landed adds nothing."""
     model, runtime = _setup(world_size, reshard=True)
     tokens = _local(batch(0, ROWS), rank, world_size)
     loss_fn(model, tokens).backward()
@@ -110,8 +111,16 @@ def _two_backwards(rank: int, world_size: int) -> bool:
     assert once
     for dp in runtime.owned:
         assert torch.equal(dp.grad, 2 * once[dp.fqn]), dp.fqn
+    # A backward thrown away (zero_grad) before its reduces were waited leaves nothing behind.
+    runtime.clear_grads()
+    loss_fn(model, _local(batch(1, ROWS), rank, world_size)).backward()
+    runtime.clear_grads()
+    loss_fn(model, tokens).backward()
+    runtime.wait_all_reduces()
+    for dp in runtime.owned:
+        assert torch.equal(dp.grad, once[dp.fqn]), dp.fqn
     return True
 
 
-def test_a_second_backward_adds_its_gradient() -> None:
+def test_a_second_backward_adds_its_gradient_and_zero_grad_drops_one() -> None:
     assert all(run_distributed(_two_backwards, 2))

@@ -72,6 +72,9 @@ def _source(item: MuonItem) -> _Source:
 class _Early(NamedTuple):
     sources: list[_Source]
     updates: Tensor  # the batch's NS result, one matrix per row
+    # The gradients and buffers it read, held so that no other tensor can take their storage
+    # (and so match their addresses and versions) before the step.
+    read: list[tuple[Tensor, Tensor]]
 
 
 class NSOverlap(GradListener):
@@ -137,7 +140,8 @@ class NSOverlap(GradListener):
                 self.stream.wait_stream(torch.cuda.current_stream(self._device))
                 with torch.cuda.stream(self.stream):
                     updates = ns(ns_inputs(items))
-        self._results[index] = _Early([_source(item) for item in items], updates)
+        read = [(item.grad, item.buf) for item in items]
+        self._results[index] = _Early([_source(item) for item in items], updates, read)
 
     def begin_step(self) -> None:
         """Order the step after every early half (CUDA: the current stream waits for the
@@ -172,6 +176,7 @@ class NSOverlap(GradListener):
         )
 
     def end_step(self) -> None:
-        """Drop what the step did not use; every batch waits for all its reduces again."""
+        """Drop what the step did not use; every batch waits for all its reduces again (also
+        at ``zero_grad``: the next backward starts new gradients)."""
         self._results.clear()
         self._missing = {index: set(holders) for index, holders in self._holders.items()}

@@ -740,6 +740,8 @@ class Muon(torch.optim.Optimizer):
         """
         super().zero_grad(set_to_none=set_to_none)
         self._runtime.clear_grads()
+        if self._overlap is not None:
+            self._overlap.end_step()
 
     # -- torch's state dict: see [Note: loading another rank's optimizer state dict] ----------
 

@@ -296,7 +296,12 @@ class DedicatedRuntime:
 
     def clear_grads(self) -> None:
         """Drop every owner's averaged gradient (``DedicatedParam.grad``): the next backward
-        starts a new accumulation."""
+        starts a new accumulation. Reduces still in flight (a backward thrown away before the
+        step) land first, so that none of them adds to the next gradients; every rank calls
+        this at the same point (``zero_grad``), so their collectives stay in step. (The
+        publishes of the last step stay in flight: each boundary's forward waits for its own.)"""
+        if len(self.reduce_queue):
+            self.reduce_queue.wait_all()
         for dp in self.params:
             dp.grad = None
 
