@@ -29,9 +29,8 @@ def _backward(model, step: int, rank: int, world_size: int, device: str = "cpu")
 
 def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
     """Five steps: two plain (the second after a backward that zero_grad threw away), one
-    accumulated under no_sync, one with two synced backward
-    passes, one whose Muon gradients a clip scales in place before the step, unseen by torch.
-    Returns each owned matrix's weight and momentum, and the early results used and found
+    accumulated under no_sync, one with two synced backward passes and its gradients halved
+    by a torch op, one whose Muon gradients a clip scales in place, unseen by torch. Returns each owned matrix's weight and momentum, and the early results used and found
     stale."""
     model, runtime = setup_model(
         world_size, replicate=replicate, reshard=reshard, n_layers=3, device=device
@@ -50,6 +49,10 @@ def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
         _backward(model, step, rank, world_size, device)
         if step == 3:
             _backward(model, 200, rank, world_size, device)
+            runtime.wait_all_reduces()  # every owned gradient final
+            for dp in runtime.owned:  # scaled by a torch op: their versions move
+                if dp.grad is not None:
+                    dp.grad.mul_(0.5)
         if step == 4:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -81,8 +84,8 @@ def _same_bits(world_size: int, replicate: int, run=run_distributed, device="cpu
             used = sum(counts[0] for _, counts in runs[True])
             stale = sum(counts[1] for _, counts in runs[True])
             where = f"cap={cap} reshard={reshard}"
-            # Early results were used (plain steps) and some found stale (the second
-            # backward) and recomputed.
+            # Early results were used (plain steps) and some found stale (the gradients
+            # scaled by a torch op after backward) and recomputed.
             assert used > 0 and stale > 0, (where, used, stale)
             assert sum(len(plain) for plain, _ in runs[False]) == 21, where  # 3 layers x 7
             for (plain, _), (early, _) in zip(runs[False], runs[True]):
