@@ -158,6 +158,18 @@ _BODY = textwrap.dedent(
                     second = buf.clone()
                     _fused.advance_momentum([second], [grad], skip, momentum, kernel=kernel)
                     assert torch.equal(second, buf if name == "on" else whole_buf), where
+    # A transposed result over several tiles with ragged edges ([Note: transposed updates]),
+    # two matrices in one launch.
+    for state in (torch.bfloat16, torch.float32):
+        ps = [randn(130, 70, dtype=state) for _ in range(2)]
+        us = randn(2, 70, 130, dtype=state).transpose(1, 2)
+        assert us[0].stride() == (1, 130)
+        alone = [p.clone() for p in ps]
+        for p, u in zip(alone, us):
+            _fused.update_weight([p], [u], None, decay, step, kernel=False)
+        _fused.update_weight(ps, list(us), None, decay, step, kernel=True)
+        for i, (kp, p) in enumerate(zip(ps, alone)):
+            same_bits(kp, p, f"tiled transposed update {state} {i}")
     # Not contiguous: the torch ops run instead.
     assert not _fused.fused_available(torch.zeros(4, 4, device=device).t())
     print("ok")

@@ -37,6 +37,15 @@ tensor of an operand starts on 16 bytes, its offsets are multiples of a 16-byte 
 elements and the kernel is told so (``VEC_*``), so it keeps the vector loads and stores that
 one tensor per launch gets. The arithmetic per element is unchanged.
 
+[Note: transposed updates]
+Newton–Schulz orthogonalises a tall matrix as its transpose, so its result is a transposed
+view (strides ``(1, rows)``). Read element by element in the weight's row-major order, as the
+update pass reads a row-major result, consecutive programs' lanes would load addresses
+``rows`` elements apart: one 32-byte sector per two-byte element, 16 times the traffic. For
+such a result the pass runs on square tiles instead (``transposed_update_kernel``): each tile
+of the result is loaded along its contiguous axis and the compiler moves it to the weight's
+layout through shared memory. The arithmetic per element is the same, so are the bits.
+
 [Note: compiling off the training thread]
 On a new node the first launch of these kernels cost about 2.3 s on an H200 (Triton's driver
 start and key hashing, the compile, and a C launcher built by the host compiler per signature),
@@ -72,6 +81,7 @@ __all__ = [
 ]
 
 _BLOCK = 1024
+_TILE = 64  # the edge of transposed_update_kernel's square tiles
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Compiles started by compile_in_background that the passes have not seen finish, and the
 # errors they met.
@@ -160,7 +170,40 @@ def _kernels() -> Any:
         new = (old.to(tl.float32) * decay + step * update).to(old.dtype)
         tl.store(p_ptr + offs, tl.where(skip, old, new), mask=mask)
 
-    return momentum_kernel, update_kernel
+    @triton.jit
+    def transposed_update_kernel(
+        p_ptr,
+        u_ptr,
+        table_ptr,
+        skip_ptr,
+        n,
+        cols,
+        u_row,
+        u_col,
+        decay,
+        step,
+        VEC_P: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # update_kernel's arithmetic on a BLOCK x BLOCK tile of a matrix whose NS result is a
+        # transposed view (u_row == 1): loaded as a tile, each operand is read along its own
+        # contiguous axis ([Note: transposed updates]).
+        row = table_ptr + tl.program_id(2) * 2
+        p_ptr += tl.multiple_of(tl.load(row), VEC_P)
+        u_ptr += tl.load(row + 1)
+        rows = n // cols
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = (r < rows)[:, None] & (c < cols)[None, :]
+        skip = tl.load(skip_ptr) != 0
+        p_offs = r[:, None] * cols + c[None, :]
+        old = tl.load(p_ptr + p_offs, mask=mask)
+        u_offs = r[:, None] * u_row + c[None, :] * u_col
+        update = tl.load(u_ptr + u_offs, mask=mask).to(tl.float32)
+        new = (old.to(tl.float32) * decay + step * update).to(old.dtype)
+        tl.store(p_ptr + p_offs, tl.where(skip, old, new), mask=mask)
+
+    return momentum_kernel, update_kernel, transposed_update_kernel
 
 
 def fused_available(*tensors: Tensor) -> bool:
@@ -195,6 +238,10 @@ def _background_done() -> bool:
 
 def _grid(n: int, matrices: int) -> tuple[int, int]:
     return ((n + _BLOCK - 1) // _BLOCK, matrices)
+
+
+def _tile_grid(rows: int, cols: int, matrices: int) -> tuple[int, int, int]:
+    return ((rows + _TILE - 1) // _TILE, (cols + _TILE - 1) // _TILE, matrices)
 
 
 @functools.cache
@@ -246,18 +293,25 @@ def _launch(
     skip: Tensor | None,
     n: int,
     *args: Any,
+    tiles: tuple[int, int] | None = None,
     **constexprs: Any,
 ) -> None:
     """Run ``kernel`` over the matrices of ``operands`` (one list per tensor argument, each
     ``n`` elements per matrix): one launch per dtype combination, each given its first tensors,
     its offset table, the skip flag, ``n`` and ``args``; ``vectors`` names the vector hint of
-    the leading operands (see [Note: one launch per batch])."""
+    the leading operands (see [Note: one launch per batch]). ``tiles``: a 2-D kernel's
+    ``(rows, cols)`` of one matrix, cut into ``_TILE`` squares; else blocks of ``_BLOCK``."""
     device = operands[0][0].device
     flag = _no_skip(device) if skip is None else skip
     for group in _by_dtypes(*operands):
         picked = [[ts[i] for i in group] for ts in operands]
         hints = {name: _vec(ts) for name, ts in zip(vectors, picked)}
-        kernel[_grid(n, len(group))](
+        grid: tuple[int, ...]
+        if tiles is None:
+            grid, block = _grid(n, len(group)), _BLOCK
+        else:
+            grid, block = _tile_grid(*tiles, len(group)), _TILE
+        kernel[grid](
             *(ts[0] for ts in picked),
             _table(picked, device),
             flag,
@@ -265,7 +319,7 @@ def _launch(
             *args,
             **constexprs,
             **hints,
-            BLOCK=_BLOCK,
+            BLOCK=block,
             enable_fp_fusion=False,
         )
 
@@ -350,7 +404,7 @@ def _momentum(
     if kernel is None:
         kernel = _use_kernels(*bufs, *grads, *(outs or ()))
     if kernel:
-        momentum_kernel, _ = _kernels()
+        momentum_kernel, _, _ = _kernels()
         _launch(
             momentum_kernel,
             (bufs, grads, bufs if outs is None else outs),  # no NS input: never stored
@@ -410,12 +464,13 @@ def update_weight(
     if kernel is None:
         kernel = _use_kernels(*params)
     if kernel:
-        _, update_kernel = _kernels()
+        _, update_kernel, transposed_update_kernel = _kernels()
         rows, cols = params[0].shape
         u_row, u_col = updates[0].stride()
+        transposed = _transposed(rows, cols, u_row, u_col)
         # The NS results are read through their strides: no vector hint for them.
         _launch(
-            update_kernel,
+            transposed_update_kernel if transposed else update_kernel,
             (params, updates),
             ("VEC_P",),
             skip,
@@ -425,6 +480,7 @@ def update_weight(
             u_col,
             decay,
             step,
+            tiles=(rows, cols) if transposed else None,
         )
         return
     for param, update in zip(params, updates):
@@ -433,6 +489,12 @@ def update_weight(
         # decay·param + step·update; a decay of 1 multiplies exactly, so it is left out.
         new.add_(param if decay == 1.0 else _times(param, decay, out=torch.empty_like(new)))
         _store(param, new, skip)  # rounds once, to the parameter's dtype
+
+
+def _transposed(rows: int, cols: int, u_row: int, u_col: int) -> bool:
+    """Whether an NS result with these strides is a transposed view (see [Note: transposed
+    updates])."""
+    return u_row == 1 and rows > 1 and cols > 1
 
 
 class FusedLayout(NamedTuple):
@@ -477,7 +539,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
     try:
         from triton.runtime.jit import MockTensor
 
-        momentum_kernel, update_kernel = _kernels()
+        momentum_kernel, update_kernel, transposed_update_kernel = _kernels()
         skip = MockTensor(torch.bool)
         table = MockTensor(torch.int64)
         torch.cuda.set_device(device)  # the current device is per thread; Triton keys on it
@@ -517,8 +579,9 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                 )
                 for store_buf, store_out in passes
             ]
+            transposed = _transposed(rows, cols, u_row, u_col)
             compiled.append(
-                update_kernel.warmup(
+                (transposed_update_kernel if transposed else update_kernel).warmup(
                     MockTensor(layout.weight),
                     state,
                     table,
@@ -530,7 +593,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                     0.5,
                     0.5,
                     VEC_P=vec_weight,
-                    BLOCK=_BLOCK,
+                    BLOCK=_TILE if transposed else _BLOCK,
                     enable_fp_fusion=False,
                     grid=(1, 1),
                 )
