@@ -14,7 +14,8 @@ expert matrix lands in the NS batch of its shape; ``torch.optim.Muon`` (lr scale
 update RMS, as dmuon does) steps one parameter per expert matrix. Reported: the median of
 ``optimizer.step()`` over ``--iters`` timed steps after ``--warmup`` ones (CUDA events), and the
 peak memory of the step. dmuon's NS choices are tuned (``dmuon_ns.tune_pending()``) after the
-warm-up steps, before timing.
+warm-up steps, and ``Muon(model)``'s background compile of the fused step kernels is waited
+for, before timing (until it ends the step runs their per-matrix torch-op fallback).
 """
 
 from __future__ import annotations
@@ -73,12 +74,24 @@ class Separate(nn.Module):
         )
 
 
+def _wait_for_fused_compile() -> None:
+    """Wait for ``Muon(model)``'s background compile of the fused step kernels: until it ends
+    the step runs their per-matrix torch-op fallback, and the timed steps are meant to run the
+    kernels."""
+    try:
+        from dmuon_fsdp.optim._fused import _join_background
+    except ImportError:  # a version without the background compile
+        return
+    _join_background()
+
+
 def _time(step, grads_of, iters: int, warmup: int, device: torch.device, tune=None):
     for _ in range(warmup):
         grads_of()
         step()
     if tune is not None:
         tune()
+        _wait_for_fused_compile()
     times = []
     torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
     for _ in range(iters):

@@ -39,7 +39,8 @@ and only after the first iteration settles the open choices with ``dmuon_ns.tune
 so the timed iterations run the tuned kernels. ``dmuon.Muon`` also compiles its fused Triton
 step kernels, in a background thread, which on a new node (an empty ``TRITON_CACHE_DIR``: point
 it at a new directory to measure one) takes a few seconds of that thread's time; the first
-iterations run the same arithmetic as torch ops meanwhile. cuBLAS is started before the first
+iterations run the same arithmetic as torch ops meanwhile; the timed ones start after it has
+finished. cuBLAS is started before the first
 variant, so no variant is charged for it.
 
 Variants: ``plain``: the model with no optimizer (fwd+bwd only); ``fsdp2``: the model under
@@ -268,6 +269,16 @@ def _build(
     return _Built(model, optimizers, autocast=mixed and not sharded)
 
 
+def _wait_for_fused_compile() -> None:
+    """Wait for ``Muon(model)``'s background compile of the fused step kernels: until it ends
+    the step runs their torch-op fallback, and the timed steps are meant to run the kernels."""
+    try:
+        from dmuon_fsdp.optim._fused import _join_background
+    except ImportError:  # a version without the background compile
+        return
+    _join_background()
+
+
 def measure(
     variant: str,
     cfg: LlamaConfig,
@@ -314,6 +325,8 @@ def measure(
             tune = getattr(dmuon_ns, "tune_pending", None)  # absent before the spread tuner
             if tune is not None:
                 tune()
+        if i == warmup and variant.startswith("dmuon"):
+            _wait_for_fused_compile()
         if i == warmup:
             _sync(device)
             if device.type == "cuda":
