@@ -42,7 +42,7 @@ Newton–Schulz orthogonalises a tall matrix as its transpose, so its result is 
 view (strides ``(1, rows)``). Read element by element in the weight's row-major order, as the
 update pass reads a row-major result, consecutive programs' lanes would load addresses
 ``rows`` elements apart: one 32-byte sector per two-byte element, 16 times the traffic. For
-such a result the pass runs on square tiles instead (``transposed_update_kernel``): each tile
+such a result the pass runs on square tiles instead (``update_kernel``'s ``TILED``): each tile
 of the result is loaded along its contiguous axis and the compiler moves it to the weight's
 layout through shared memory. The arithmetic per element is the same, so are the bits.
 
@@ -81,7 +81,7 @@ __all__ = [
 ]
 
 _BLOCK = 1024
-_TILE = 64  # the edge of transposed_update_kernel's square tiles
+_TILE = 64  # the edge of update_kernel's square tiles (TILED)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Compiles started by compile_in_background that the passes have not seen finish, and the
 # errors they met.
@@ -155,55 +155,31 @@ def _kernels() -> Any:
         step,
         VEC_P: tl.constexpr,
         BLOCK: tl.constexpr,
+        TILED: tl.constexpr = False,
     ):
-        row = table_ptr + tl.program_id(1) * 2
+        # TILED: BLOCK x BLOCK tiles of a matrix whose NS result is a transposed view
+        # (u_row == 1), each operand read along its own contiguous axis ([Note: transposed
+        # updates]); else BLOCK elements in the weight's row-major order.
+        row = table_ptr + tl.program_id(2 if TILED else 1) * 2
         p_ptr += tl.multiple_of(tl.load(row), VEC_P)
         u_ptr += tl.load(row + 1)  # read through its strides below: no vector hint
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        if TILED:
+            r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = (r < n // cols)[:, None] & (c < cols)[None, :]
+            offs = r[:, None] * cols + c[None, :]
+            u_offs = r[:, None] * u_row + c[None, :] * u_col
+        else:
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            u_offs = (offs // cols) * u_row + (offs % cols) * u_col
         skip = tl.load(skip_ptr) != 0
         old = tl.load(p_ptr + offs, mask=mask)
-        # The NS result may be a transposed view (tall matrices are orthogonalised as their
-        # transpose): address it by its strides.
-        u_offs = (offs // cols) * u_row + (offs % cols) * u_col
         update = tl.load(u_ptr + u_offs, mask=mask).to(tl.float32)
         new = (old.to(tl.float32) * decay + step * update).to(old.dtype)
         tl.store(p_ptr + offs, tl.where(skip, old, new), mask=mask)
 
-    @triton.jit
-    def transposed_update_kernel(
-        p_ptr,
-        u_ptr,
-        table_ptr,
-        skip_ptr,
-        n,
-        cols,
-        u_row,
-        u_col,
-        decay,
-        step,
-        VEC_P: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # update_kernel's arithmetic on a BLOCK x BLOCK tile of a matrix whose NS result is a
-        # transposed view (u_row == 1): loaded as a tile, each operand is read along its own
-        # contiguous axis ([Note: transposed updates]).
-        row = table_ptr + tl.program_id(2) * 2
-        p_ptr += tl.multiple_of(tl.load(row), VEC_P)
-        u_ptr += tl.load(row + 1)
-        rows = n // cols
-        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = (r < rows)[:, None] & (c < cols)[None, :]
-        skip = tl.load(skip_ptr) != 0
-        p_offs = r[:, None] * cols + c[None, :]
-        old = tl.load(p_ptr + p_offs, mask=mask)
-        u_offs = r[:, None] * u_row + c[None, :] * u_col
-        update = tl.load(u_ptr + u_offs, mask=mask).to(tl.float32)
-        new = (old.to(tl.float32) * decay + step * update).to(old.dtype)
-        tl.store(p_ptr + p_offs, tl.where(skip, old, new), mask=mask)
-
-    return momentum_kernel, update_kernel, transposed_update_kernel
+    return momentum_kernel, update_kernel
 
 
 def fused_available(*tensors: Tensor) -> bool:
@@ -404,7 +380,7 @@ def _momentum(
     if kernel is None:
         kernel = _use_kernels(*bufs, *grads, *(outs or ()))
     if kernel:
-        momentum_kernel, _, _ = _kernels()
+        momentum_kernel, _ = _kernels()
         _launch(
             momentum_kernel,
             (bufs, grads, bufs if outs is None else outs),  # no NS input: never stored
@@ -464,13 +440,13 @@ def update_weight(
     if kernel is None:
         kernel = _use_kernels(*params)
     if kernel:
-        _, update_kernel, transposed_update_kernel = _kernels()
+        _, update_kernel = _kernels()
         rows, cols = params[0].shape
         u_row, u_col = updates[0].stride()
         transposed = _transposed(rows, cols, u_row, u_col)
         # The NS results are read through their strides: no vector hint for them.
         _launch(
-            transposed_update_kernel if transposed else update_kernel,
+            update_kernel,
             (params, updates),
             ("VEC_P",),
             skip,
@@ -481,6 +457,7 @@ def update_weight(
             decay,
             step,
             tiles=(rows, cols) if transposed else None,
+            TILED=transposed,
         )
         return
     for param, update in zip(params, updates):
@@ -539,7 +516,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
     try:
         from triton.runtime.jit import MockTensor
 
-        momentum_kernel, update_kernel, transposed_update_kernel = _kernels()
+        momentum_kernel, update_kernel = _kernels()
         skip = MockTensor(torch.bool)
         table = MockTensor(torch.int64)
         torch.cuda.set_device(device)  # the current device is per thread; Triton keys on it
@@ -581,7 +558,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
             ]
             transposed = _transposed(rows, cols, u_row, u_col)
             compiled.append(
-                (transposed_update_kernel if transposed else update_kernel).warmup(
+                update_kernel.warmup(
                     MockTensor(layout.weight),
                     state,
                     table,
@@ -594,6 +571,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                     0.5,
                     VEC_P=vec_weight,
                     BLOCK=_TILE if transposed else _BLOCK,
+                    TILED=transposed,
                     enable_fp_fusion=False,
                     grid=(1, 1),
                 )
