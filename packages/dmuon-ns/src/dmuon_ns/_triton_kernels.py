@@ -269,10 +269,30 @@ def _shipped_tile(
     a: Tensor, out: Tensor, symmetric: bool, has_c: bool, has_diag: bool
 ) -> TileConfig | None:
     """The tiles the shipped table picks for this product, or ``None`` (the autotuner's)."""
-    rows = _shipped_rows(a.device)
+    batch, m, k = a.shape
+    return _pick_tile(
+        a.device, symmetric, has_c, has_diag, batch, m, out.shape[2], k, a.dtype, out.dtype
+    )
+
+
+@functools.cache
+def _pick_tile(
+    device: torch.device,
+    symmetric: bool,
+    has_c: bool,
+    has_diag: bool,
+    batch: int,
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> TileConfig | None:
+    """:func:`_shipped_tile`'s answer, looked up once per product (an eager NS call runs a
+    dozen products, each a scan of the table otherwise)."""
+    rows = _shipped_rows(device)
     if not rows:
         return None
-    batch, m, k = a.shape
     index = nearest_tile(
         rows,
         symmetric=symmetric,
@@ -280,10 +300,10 @@ def _shipped_tile(
         has_diag=has_diag,
         batch=batch,
         m=m,
-        n=out.shape[2],
+        n=n,
         k=k,
-        dtype=str(a.dtype).removeprefix("torch."),
-        out_dtype=str(out.dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),
+        out_dtype=str(out_dtype).removeprefix("torch."),
     )
     if index is None:
         return None
