@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="after timing, profile one more dmuon step: GPU time per kernel, busy and wall",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     os.environ.setdefault("DMUON_NS_CACHE_DIR", tempfile.mkdtemp(prefix="dmuon-ns-"))
@@ -189,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'torch.optim.Muon (one 2-D param per expert)':<42} {torch_ms:9.2f} {torch_peak:9.2f}")
     print(f"{'dmuon.Muon (3-D stacks, per expert)':<42} {dmuon_ms:9.2f} {dmuon_peak:9.2f}")
     print(f"dmuon / torch.optim.Muon = {dmuon_ms / torch_ms:.3f}  (target <= 0.5)")
+    if args.trace and device.type == "cuda":
+        from gpu_trace import trace
+
+        _fill_grads(params, 1)
+        trace("dmuon.Muon step", optimizer.step)
     dist.destroy_process_group()
     return 0
 

@@ -20,10 +20,10 @@ predecessor ends and its traced time then includes that wait.
 from __future__ import annotations
 
 import argparse
-import collections
 from collections.abc import Callable
 
 import torch
+from gpu_trace import trace
 from torch import Tensor
 
 from dmuon_ns._iterations import Products
@@ -105,40 +105,9 @@ def _products(m: int, n: int) -> None:
 
 
 def _trace(name: str, fn: Callable[[], object]) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-    wall = start.elapsed_time(end)
-    per_kernel: dict[str, list[float]] = collections.defaultdict(list)
-    intervals: list[tuple[float, float]] = []
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            per_kernel[event.name[:70]].append(event.device_time / 1e3)
-            intervals.append((event.time_range.start, event.time_range.end))
-    total = sum(sum(v) for v in per_kernel.values())
-    busy = _union_us(intervals) / 1e3
-    print(f"\n### {name}: wall {wall:.3f} ms, busy {busy:.3f} ms, kernel sum {total:.3f} ms\n")
-    print("| kernel | calls | ms |\n|---|---|---|")
-    for kname, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1])):
-        print(f"| `{kname}` | {len(times)} | {sum(times):.3f} |")
-
-
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    """Total length of the union of ``(start, end)`` intervals."""
-    covered, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            covered += end - max(start, reach)
-            reach = end
-    return covered
+    trace(name, fn, top=50)
 
 
 def _traces(m: int, n: int) -> None:

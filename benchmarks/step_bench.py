@@ -289,6 +289,7 @@ def measure(
     warmup: int,
     iters: int,
     qk: tuple[float, QKStat] | None = None,
+    trace_step: bool = False,
 ) -> Measured:
     if variant == "dmuon":
         _check_ns_cold()
@@ -359,6 +360,17 @@ def measure(
             whole.append((time.perf_counter() - host) * 1e3)
             fwd_bwd.append(timer.ms(t0, t1))
             step.append(timer.ms(t1, t2))
+    if trace_step and cuda:
+        from gpu_trace import trace
+
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        with forward_context():
+            model(inputs[0]).float().square().mean().backward()
+        trace(
+            f"{variant} step, {cfg.hidden}x{cfg.intermediate}x{cfg.layers}",
+            lambda opts=optimizers: [o.step() for o in opts],
+        )
     del model, optimizers, inputs
     gc.collect()
     if device.type == "cuda":
@@ -509,6 +521,12 @@ def main(argv: list[str] | None = None) -> int:
         help="how dmuon-qk's attention gets each head's max logit: lse (the flash kernel's"
         " log-sum-exp, an upper bound, default) or exact (dmuon.max_logits, one more Q Kᵀ)",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="after timing, profile one more step of each dmuon variant: GPU time per kernel,"
+        " busy and wall",
+    )
     args = p.parse_args(argv)
     if args.warmup < 1:
         p.error("--warmup must be >= 1: the first iteration runs before autotuning settles")
@@ -579,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.warmup,
                         args.iters,
                         qk,
+                        trace_step=args.trace and variant.startswith("dmuon"),
                     )
                     print(f"  measured {name} {variant}", file=sys.stderr, flush=True)
                 print(_report(name, cfg, results, args.tokens, args.precision), flush=True)
