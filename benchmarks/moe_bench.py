@@ -112,6 +112,10 @@ def _time(step, grads_of, iters: int, warmup: int, device: torch.device, tune=No
 
 
 def _fill_grads(params: list[torch.Tensor], seed: int) -> None:
+    """Fresh random gradients, the old ones dropped first (as ``zero_grad`` before a backward
+    does, so each step's gradients reuse the same memory)."""
+    for p in params:
+        p.grad = None
     gen = torch.Generator(device=params[0].device).manual_seed(seed)
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p
@@ -141,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also time dmuon with StepOptions(cuda_graph=True) (the Muon phase from a graph)",
+    )
     p.add_argument(
         "--trace",
         action="store_true",
@@ -173,16 +182,28 @@ def main(argv: list[str] | None = None) -> int:
     for layer in stack.layers:
         fully_shard(layer, mesh=mesh, ignored_params=dedicated)
     fully_shard(stack, mesh=mesh, ignored_params=dedicated)
-    optimizer = dmuon.Muon(stack, lr=0.02, weight_decay=0.0)
     params = list(stack.parameters())
-    dmuon_ms, dmuon_peak = _time(
-        optimizer.step,
-        lambda: _fill_grads(params, 1),
-        args.iters,
-        args.warmup,
-        device,
-        tune=getattr(dmuon_ns, "tune_pending", None),
-    )
+    rows = []
+    for graphed in (False, True) if args.cuda_graph else (False,):
+        options = dmuon.StepOptions(cuda_graph=True) if graphed else None
+        optimizer = dmuon.Muon(stack, lr=0.02, weight_decay=0.0, options=options)
+        ms, peak = _time(
+            optimizer.step,
+            lambda: _fill_grads(params, 1),
+            args.iters,
+            args.warmup,
+            device,
+            tune=getattr(dmuon_ns, "tune_pending", None),
+        )
+        label = "dmuon.Muon (3-D stacks, per expert)"
+        if graphed:
+            phase = optimizer._graphed
+            label = f"  with cuda_graph ({phase.replays} replays)"
+        rows.append((label, ms, peak))
+        if not graphed:
+            dmuon_ms = ms
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"MoE optimizer step, {args.layers} layers x {args.experts} experts, gate/up "
@@ -192,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"NS backend: {dmuon_ns.get_ns_backend()}")
     print(f"{'optimizer':<42} {'step ms':>9} {'peak GiB':>9}")
     print(f"{'torch.optim.Muon (one 2-D param per expert)':<42} {torch_ms:9.2f} {torch_peak:9.2f}")
-    print(f"{'dmuon.Muon (3-D stacks, per expert)':<42} {dmuon_ms:9.2f} {dmuon_peak:9.2f}")
+    for label, ms, peak in rows:
+        print(f"{label:<42} {ms:9.2f} {peak:9.2f}")
     print(f"dmuon / torch.optim.Muon = {dmuon_ms / torch_ms:.3f}  (target <= 0.5)")
     if args.trace and device.type == "cuda":
         from gpu_trace import trace

@@ -52,7 +52,9 @@ ignored_params=dedicated_params_of(model))`` → ``dmuon.Muon`` (its dedicated p
 the policy: bf16 broadcast and compute, fp32 reduce, fp32 masters and states on the owner);
 ``dmuon-overlap``: ``dmuon`` with ``StepOptions(ns_overlap=True)`` (Newton–Schulz during
 backward, on a side stream; its ``step ms`` is what is left for the step, ``iter ms`` says
-whether the whole iteration gained); ``dmuon-qk`` (with ``--qk-clip TAU``): ``dmuon`` with ``dmuon.QKClip(tau=TAU)`` on every layer's
+whether the whole iteration gained); ``dmuon-graph``: ``dmuon`` with
+``StepOptions(cuda_graph=True)`` (the Muon phase replayed from a CUDA graph; the line below its
+table counts its captures and replays); ``dmuon-qk`` (with ``--qk-clip TAU``): ``dmuon`` with ``dmuon.QKClip(tau=TAU)`` on every layer's
 attention, whose forward feeds ``clip.observe`` (``--qk-stat``: ``lse``, the default, runs the
 flash kernel that returns each row's log-sum-exp, ``torch.ops.aten._scaled_dot_product_flash_
 attention`` on CUDA with the key/value heads repeated to the query heads, and observes the bound
@@ -93,7 +95,16 @@ CONFIGS = {
     "576x1536x30": LlamaConfig(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3),
     "tiny": LlamaConfig(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
 }
-VARIANTS = ("plain", "fsdp2", "adamw", "torch-muon", "dmuon", "dmuon-overlap", "dmuon-qk")
+VARIANTS = (
+    "plain",
+    "fsdp2",
+    "adamw",
+    "torch-muon",
+    "dmuon",
+    "dmuon-overlap",
+    "dmuon-graph",
+    "dmuon-qk",
+)
 
 
 class Precision(StrEnum):
@@ -261,7 +272,9 @@ def _build(
                 q = f"layers.{i}.self_attn.q_proj.weight"
                 clip.add(q, f"layers.{i}.self_attn.k_proj.weight", cfg.heads, cfg.n_kv_heads)
                 layer.self_attn.attend = _observing(clip, q, qk[1])
-        options = dmuon.StepOptions(ns_overlap=variant == "dmuon-overlap")
+        options = dmuon.StepOptions(
+            ns_overlap=variant == "dmuon-overlap", cuda_graph=variant == "dmuon-graph"
+        )
         optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-4, options=options)
         if clip is not None:
             clip.attach(optimizer)
@@ -360,6 +373,13 @@ def measure(
             whole.append((time.perf_counter() - host) * 1e3)
             fwd_bwd.append(timer.ms(t0, t1))
             step.append(timer.ms(t1, t2))
+    graphed = getattr(optimizers[-1], "_graphed", None) if optimizers else None
+    if graphed is not None:
+        print(
+            f"  {variant}: {graphed.captures} captures, {graphed.replays} replays in"
+            f" {warmup + iters} steps",
+            file=sys.stderr,
+        )
     if trace_step and cuda:
         from gpu_trace import trace
 
@@ -464,6 +484,11 @@ def _report(
         lines.append(
             f"  dmuon-overlap iter / dmuon iter: {overlap.iter_ms / dmuon.iter_ms:.3f}"
             f" (target ≤ 1); step: {(overlap.step_ms or 0.0) / (dmuon.step_ms or 1.0):.3f}"
+        )
+    graph = results.get("dmuon-graph")
+    if graph is not None and dmuon is not None:
+        lines.append(
+            f"  dmuon-graph step / dmuon step: {(graph.step_ms or 0.0) / (dmuon.step_ms or 1.0):.3f}"
         )
     clipped = results.get("dmuon-qk")
     if clipped is not None and dmuon is not None:

@@ -137,6 +137,57 @@ _BODY = textwrap.dedent(
     _fused.update_weight(params, list(updates), None, decay, step, kernel=True)
     for i, (kp, p) in enumerate(zip(params, alone)):
         same_bits(kp, p, f"batched update {i}")
+    # Scalars from the device ([Note: hyperparameters on the device]): each matrix reads its
+    # row of the table, and gets the bits the scalar arguments give it (the arguments passed
+    # beside the table are wrong on purpose: the kernels must not read them).
+    hyper = [(0.9, 1 - 0.01 * 0.1, -0.01 * 2.0), (momentum, decay, step)]
+    values = torch.tensor(hyper, dtype=torch.float32, device=device)
+    rows = [1, 0, 1]
+    for nesterov in (True, False):
+        for name, skip in skips.items():
+            bufs = [randn(33, 70, dtype=torch.bfloat16) for _ in rows]
+            grads = [randn(33, 70, dtype=torch.float32) for _ in rows]
+            outs = [torch.empty(33, 70, dtype=torch.bfloat16, device=device) for _ in rows]
+            alone = [(b.clone(), o.clone()) for b, o in zip(bufs, outs)]
+            for (b, o), g, r in zip(alone, grads, rows):
+                _fused.momentum_into([b], [g], [o], skip, hyper[r][0], nesterov, kernel=True)
+            # The gradients from the device too: offsets from an anchor, the listed ones decoys.
+            anchor = torch.empty(16, dtype=torch.float32, device=device)
+            offsets = [(g.data_ptr() - anchor.data_ptr()) // 4 for g in grads]
+            grad_offsets = torch.tensor([0, *offsets], dtype=torch.int64, device=device)
+            decoys = [torch.zeros_like(g) for g in grads]
+            hps = {
+                "scalars": (_fused.DeviceScalars(values, rows), grads),
+                "scalars+grads": (
+                    _fused.DeviceScalars(
+                        values, rows, grad_offsets, [1, 2, 3], {torch.float32: anchor}
+                    ),
+                    decoys,
+                ),
+            }
+            for label, (hp, listed) in hps.items():
+                kbufs, kouts = [b.clone() for b in bufs], [o.clone() for o in outs]
+                _fused.momentum_into(kbufs, listed, kouts, skip, 0.0, nesterov, kernel=True, hp=hp)
+                for i, ((b, o), kb, ko) in enumerate(zip(alone, kbufs, kouts)):
+                    where = f"device momentum {label} {i} nesterov={nesterov} skip={name}"
+                    assert torch.equal(kb, b), where
+                    if name != "on":
+                        assert torch.equal(ko, o), where
+    for transposed in (False, True):
+        for name, skip in skips.items():
+            params = [randn(130, 70, dtype=torch.bfloat16) for _ in rows]
+            updates = [
+                randn(70, 130, dtype=torch.float32).t() if transposed
+                else randn(130, 70, dtype=torch.float32)
+                for _ in rows
+            ]
+            alone = [p.clone() for p in params]
+            for p, u, r in zip(alone, updates, rows):
+                _fused.update_weight([p], [u], skip, hyper[r][1], hyper[r][2], kernel=True)
+            hp = _fused.DeviceScalars(values, rows)
+            _fused.update_weight(params, updates, skip, 0.0, 0.0, kernel=True, hp=hp)
+            for i, (kp, p) in enumerate(zip(params, alone)):
+                assert torch.equal(kp, p), f"device update {i} transposed={transposed} {name}"
     # A step split in two (the NS input during backward, the momentum in the step) gives
     # momentum_into's bits, in each implementation; the first half leaves the buffer alone.
     for state, grad_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32)):

@@ -213,6 +213,10 @@ def _errors(rank: int, world_size: int):
         Muon(model, options=StepOptions(ns_batch_bytes=0))
     with pytest.raises(ValueError, match="ns_backend must be 'gram', 'direct'"):
         Muon(model, ns_backend="svd")
+    with pytest.raises(ValueError, match=r"exclude each other.*choose one"):
+        StepOptions(ns_overlap=True, cuda_graph=True)
+    with pytest.raises(ValueError, match=r"cuda_graph=True\) needs CUDA.*on cpu"):
+        Muon(model, options=StepOptions(cuda_graph=True))
     custom = NewtonSchulz(backend="direct", steps=3)
     assert Muon(model, ns_backend=custom).newton_schulz is custom
     assert Muon(model, ns_backend="direct", ns_steps=7).newton_schulz.steps == 7

@@ -24,7 +24,12 @@ from dmuon_ns._newton_schulz import (
     newton_schulz,
     tune_pending,
 )
-from dmuon_ns._registry import NSKernel, NSKernelUnavailableError, register_kernel
+from dmuon_ns._registry import (
+    NSKernel,
+    NSKernelUnavailableError,
+    kernel_choices_version,
+    register_kernel,
+)
 from dmuon_ns._status import get_backend_status, get_ns_backend
 
 __version__ = "0.1.0"
@@ -44,6 +49,7 @@ __all__ = [
     "get_ns_backend",
     "gram_newton_schulz",
     "gram_newton_schulz_distributed",
+    "kernel_choices_version",
     "newton_schulz",
     "register_kernel",
     "tune_pending",

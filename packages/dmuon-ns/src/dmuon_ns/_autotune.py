@@ -66,7 +66,7 @@ import torch
 
 from dmuon_ns import _measure, _tables, _verdict_cache
 from dmuon_ns._coefficients import CoefficientRows
-from dmuon_ns._registry import NSKernel, Problem
+from dmuon_ns._registry import NSKernel, Problem, choices_changed
 from dmuon_ns._verdict_cache import AutotuneVerdict
 
 __all__ = [
@@ -186,6 +186,7 @@ def failed(
         f" {choice.provisional.name!r} for it in this process"
     )
     choice.kernel = choice.provisional
+    choices_changed()
     return choice.provisional
 
 
@@ -221,6 +222,7 @@ def clear_cache(*, disk: bool = False) -> None:
         _memory.clear()
         _choices.clear()
         _fast.clear()
+    choices_changed()
     if disk:
         _verdict_cache.delete()
 
@@ -347,6 +349,7 @@ def _settle(choice: _Choice) -> None:
         if not unmeasured:  # another process may have the memory to measure them all
             _verdict_cache.write({key: verdict})
         choice.kernel, choice.source = best, "measured"
+    choices_changed()
 
 
 def _measured(

@@ -143,6 +143,23 @@ _kernels: dict[str, NSKernel] = {TORCH_KERNEL.name: TORCH_KERNEL}
 _import_failures: dict[str, str] = {}
 _optional_loaded = False
 _cache: dict[tuple[str, bool, torch.device, str | None], Resolution] = {}
+# See kernel_choices_version.
+_choices_version = 0
+
+
+def kernel_choices_version() -> int:
+    """A number that changes whenever the kernel some NS problem runs may change: a kernel
+    registered, a problem measured (``tune``, ``tune_pending``), a verdict's kernel that failed
+    and fell back, the autotune cache cleared. A caller that captures NS calls in a CUDA graph
+    of its own (which replays the kernels it captured) recaptures when it changes."""
+    return _choices_version
+
+
+def choices_changed() -> None:
+    """Advance :func:`kernel_choices_version` (the registry and the autotuner call this)."""
+    global _choices_version
+    with _lock:
+        _choices_version += 1
 
 
 def register_kernel(kernel: NSKernel) -> None:
@@ -165,6 +182,7 @@ def register_kernel(kernel: NSKernel) -> None:
         _kernels[name] = kernel
         _import_failures.pop(name, None)
         _cache.clear()
+    choices_changed()
 
 
 def clear_resolution_cache() -> None:

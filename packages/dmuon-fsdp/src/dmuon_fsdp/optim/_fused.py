@@ -46,6 +46,18 @@ such a result the pass runs on square tiles instead (``update_kernel``'s ``TILED
 of the result is loaded along its contiguous axis and the compiler moves it to the weight's
 layout through shared memory. The arithmetic per element is the same, so are the bits.
 
+[Note: hyperparameters on the device]
+A CUDA graph replays its kernels with the arguments they were captured with, while a step's
+learning rate (and with it the update's decay and step) changes at every step under a
+schedule. So the graphed Muon phase (``_graphed_step``) hands the kernels their scalars on the
+device: each launch's offset table gets one more column, the row of each matrix in an fp32
+``(momentum, decay, step)`` table (a ``DeviceScalars``), and the kernels compiled with ``HP``
+read their scalars from that row. The table holds the fp32 numbers the scalar arguments round
+to (a Python float passed to a kernel is rounded to fp32 just so), so the bits are those of the
+scalar arguments. A graphed phase makes its offset tables once (``static_tables``: a capture
+cannot copy from the host) and keeps them with its graph; only the scalar table is rewritten
+before each replay.
+
 [Note: compiling off the training thread]
 On a new node the first launch of these kernels cost about 2.3 s on an H200 (Triton's driver
 start and key hashing, the compile, and a C launcher built by the host compiler per signature),
@@ -61,22 +73,27 @@ compiles at its first launch. An error the thread met is raised by the first pas
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "DeviceScalars",
     "FusedLayout",
     "advance_momentum",
     "compile_in_background",
     "fused_available",
+    "kernels_ready",
     "momentum_into",
     "ns_input_into",
+    "static_tables",
     "update_weight",
 ]
 
@@ -89,6 +106,22 @@ _background: list[threading.Thread] = []
 _background_errors: list[Exception] = []
 # How long the interpreter's exit waits for a background compile.
 _EXIT_WAIT_S = 60.0
+# The offset tables of a graphed phase, while it runs (see static_tables).
+_static: ContextVar[dict[Any, Tensor] | None] = ContextVar("dmuon_static_tables", default=None)
+
+
+class DeviceScalars(NamedTuple):
+    """What the kernels read from the device in a graphed step ([Note: hyperparameters on the
+    device]): ``values`` is an fp32 ``(rows, 3)`` table of ``(momentum, decay, step)``,
+    ``rows[i]`` the row of the call's ``i``-th matrix. For the momentum pass also where the
+    gradients are: ``grad_offsets`` (int64) holds each gradient matrix's element offset from
+    the ``anchors`` tensor of its dtype, ``grad_rows[i]`` the call's ``i``-th matrix's entry."""
+
+    values: Tensor
+    rows: Sequence[int]
+    grad_offsets: Tensor | None = None
+    grad_rows: Sequence[int] | None = None
+    anchors: Mapping[torch.dtype, Tensor] | None = None
 
 
 def _interpreting() -> bool:
@@ -111,6 +144,8 @@ def _kernels() -> Any:
         out_ptr,
         table_ptr,
         skip_ptr,
+        hp_ptr,
+        grad_offsets_ptr,
         n,
         momentum,
         NESTEROV: tl.constexpr,
@@ -120,11 +155,22 @@ def _kernels() -> Any:
         BLOCK: tl.constexpr,
         STORE_BUF: tl.constexpr = True,
         STORE_OUT: tl.constexpr = True,
+        HP: tl.constexpr = False,
+        DEVICE_GRADS: tl.constexpr = False,
     ):
-        row = table_ptr + tl.program_id(1) * 3
+        if HP:
+            # The momentum from the device ([Note: hyperparameters on the device]).
+            row = table_ptr + tl.program_id(1) * 4
+            momentum = tl.load(hp_ptr + tl.load(row + 3) * 3)
+        else:
+            row = table_ptr + tl.program_id(1) * 3
+        if DEVICE_GRADS:
+            # The gradient's offset from the device too (the same note).
+            grad_ptr += tl.multiple_of(tl.load(grad_offsets_ptr + tl.load(row + 1)), VEC_GRAD)
+        else:
+            grad_ptr += tl.multiple_of(tl.load(row + 1), VEC_GRAD)
         # Each operand's tensor of this matrix ([Note: one launch per batch]).
         buf_ptr += tl.multiple_of(tl.load(row), VEC_BUF)
-        grad_ptr += tl.multiple_of(tl.load(row + 1), VEC_GRAD)
         out_ptr += tl.multiple_of(tl.load(row + 2), VEC_OUT)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -147,6 +193,7 @@ def _kernels() -> Any:
         u_ptr,
         table_ptr,
         skip_ptr,
+        hp_ptr,
         n,
         cols,
         u_row,
@@ -156,11 +203,19 @@ def _kernels() -> Any:
         VEC_P: tl.constexpr,
         BLOCK: tl.constexpr,
         TILED: tl.constexpr = False,
+        HP: tl.constexpr = False,
     ):
         # TILED: BLOCK x BLOCK tiles of a matrix whose NS result is a transposed view
         # (u_row == 1), each operand read along its own contiguous axis ([Note: transposed
         # updates]); else BLOCK elements in the weight's row-major order.
-        row = table_ptr + tl.program_id(2 if TILED else 1) * 2
+        if HP:
+            # The decay and step from the device ([Note: hyperparameters on the device]).
+            row = table_ptr + tl.program_id(2 if TILED else 1) * 3
+            hp = hp_ptr + tl.load(row + 2) * 3
+            decay = tl.load(hp + 1)
+            step = tl.load(hp + 2)
+        else:
+            row = table_ptr + tl.program_id(2 if TILED else 1) * 2
         p_ptr += tl.multiple_of(tl.load(row), VEC_P)
         u_ptr += tl.load(row + 1)  # read through its strides below: no vector hint
         if TILED:
@@ -193,6 +248,23 @@ def fused_available(*tensors: Tensor) -> bool:
     ):
         return False
     return _kernels() is not None
+
+
+def kernels_ready() -> bool:
+    """Whether every background compile has finished (see [Note: compiling off the training
+    thread]): until then the passes run as torch ops."""
+    return not _background or _background_done()
+
+
+def _no_scalars_by_value(hp: DeviceScalars | None) -> None:
+    """The torch ops take the scalars by value: inside a capture they would fix this step's
+    values in the graph, where the kernels read them from ``hp`` at each replay. Reported as a
+    failed capture (the graphed phase then runs eagerly)."""
+    if hp is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "dmuon: a Muon pass would capture its hyperparameters by value (the fused kernels"
+            " do not take these tensors: not contiguous, or not fp32/bf16/fp16)"
+        )
 
 
 def _use_kernels(*tensors: Tensor) -> bool:
@@ -233,17 +305,56 @@ def _zero_table(device: torch.device, columns: int) -> Tensor:
     return torch.zeros((1, columns), dtype=torch.int64, device=device)
 
 
-def _table(operands: Sequence[Sequence[Tensor]], device: torch.device) -> Tensor:
+def _table(
+    operands: Sequence[Sequence[Tensor]],
+    device: torch.device,
+    hp_rows: Sequence[int] | None,
+    grad_rows: Sequence[int] | None = None,
+) -> Tensor:
     """The launch's offset table: row ``i``, column ``j`` is the element offset of
-    ``operands[j][i]`` from ``operands[j][0]`` (see [Note: one launch per batch])."""
-    if len(operands[0]) == 1:
+    ``operands[j][i]`` from ``operands[j][0]`` (see [Note: one launch per batch]), and with
+    ``hp_rows`` a last column, the row of matrix ``i``'s scalars; with ``grad_rows`` the
+    second column holds those instead, each gradient's entry in the device's offsets
+    ([Note: hyperparameters on the device])."""
+    if len(operands[0]) == 1 and hp_rows is None:
         return _zero_table(device, len(operands))
     firsts = [(ts[0].data_ptr(), ts[0].element_size()) for ts in operands]
     rows = [
         [(ts[i].data_ptr() - base) // size for ts, (base, size) in zip(operands, firsts)]
         for i in range(len(operands[0]))
     ]
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    if grad_rows is not None:
+        for row, grad_row in zip(rows, grad_rows):
+            row[1] = grad_row
+    if hp_rows is not None:
+        rows = [[*row, hp_row] for row, hp_row in zip(rows, hp_rows)]
+    memo = _static.get()
+    if memo is None:
+        return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    key = (device, tuple(map(tuple, rows)))
+    table = memo.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Reported as a failed capture: the phase then runs eagerly.
+            raise RuntimeError(
+                "dmuon: a CUDA-graph capture of the Muon phase needed an offset table that its"
+                " eager run did not make"
+            )
+        table = memo[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+    return table
+
+
+@contextlib.contextmanager
+def static_tables(memo: dict[Any, Tensor]) -> Iterator[None]:
+    """While inside, each launch takes its offset table from ``memo`` (made there on first
+    use, never inside a CUDA-graph capture), which keeps it for the caller: a graph captured
+    inside reads the tables for as long as ``memo`` holds them ([Note: hyperparameters on the
+    device])."""
+    token = _static.set(memo)
+    try:
+        yield
+    finally:
+        _static.reset(token)
 
 
 def _vec(tensors: Sequence[Tensor]) -> int:
@@ -270,32 +381,52 @@ def _launch(
     n: int,
     *args: Any,
     tiles: tuple[int, int] | None = None,
+    hp: DeviceScalars | None = None,
+    with_grad_offsets: bool = False,
     **constexprs: Any,
 ) -> None:
     """Run ``kernel`` over the matrices of ``operands`` (one list per tensor argument, each
     ``n`` elements per matrix): one launch per dtype combination, each given its first tensors,
-    its offset table, the skip flag, ``n`` and ``args``; ``vectors`` names the vector hint of
-    the leading operands (see [Note: one launch per batch]). ``tiles``: a 2-D kernel's
-    ``(rows, cols)`` of one matrix, cut into ``_TILE`` squares; else blocks of ``_BLOCK``."""
+    its offset table, the skip flag, the scalar table, ``n`` and ``args``; ``vectors`` names
+    the vector hint of the leading operands (see [Note: one launch per batch]). ``tiles``: a
+    2-D kernel's ``(rows, cols)`` of one matrix, cut into ``_TILE`` squares; else blocks of
+    ``_BLOCK``. ``hp``: the scalars come from the device ([Note: hyperparameters on the
+    device]), not from ``args``."""
     device = operands[0][0].device
     flag = _no_skip(device) if skip is None else skip
     for group in _by_dtypes(*operands):
         picked = [[ts[i] for i in group] for ts in operands]
+        hp_rows = None if hp is None else [hp.rows[i] for i in group]
         hints = {name: _vec(ts) for name, ts in zip(vectors, picked)}
+        bases: list[Tensor] = [ts[0] for ts in picked]
+        grad_rows = grad_offsets = None
+        if hp is not None and hp.grad_rows is not None:
+            # The gradients (the second operand) from the device: offsets from an anchor.
+            assert hp.anchors is not None and hp.grad_offsets is not None
+            grad_rows = [hp.grad_rows[i] for i in group]
+            grad_offsets = hp.grad_offsets
+            bases[1] = hp.anchors[bases[1].dtype]
         grid: tuple[int, ...]
         if tiles is None:
             grid, block = _grid(n, len(group)), _BLOCK
         else:
             grid, block = _tile_grid(*tiles, len(group)), _TILE
+        grads: tuple[Tensor, ...] = ()
+        if with_grad_offsets:  # the momentum kernel's
+            grads = (flag if grad_offsets is None else grad_offsets,)  # read with DEVICE_GRADS
+            constexprs["DEVICE_GRADS"] = grad_offsets is not None
         kernel[grid](
-            *(ts[0] for ts in picked),
-            _table(picked, device),
+            *bases,
+            _table(picked, device, hp_rows, grad_rows),
             flag,
+            flag if hp is None else hp.values,  # never read without HP
+            *grads,
             n,
             *args,
             **constexprs,
             **hints,
             BLOCK=block,
+            HP=hp is not None,
             enable_fp_fusion=False,
         )
 
@@ -326,13 +457,15 @@ def momentum_into(
     nesterov: bool,
     *,
     kernel: bool | None = None,
+    hp: DeviceScalars | None = None,
 ) -> None:
     """For each matrix ``i`` (all of one shape): ``bufs[i] = momentum·bufs[i] + grads[i]``
     (kept when ``skip``, a 0-d bool tensor, is set) and the NS input into ``outs[i]``:
     ``grads[i] + momentum·bufs[i]`` with Nesterov, ``bufs[i]`` without. ``kernel``: the Triton
     kernels (``True``), the torch ops (``False``) or, by default, the kernels where they run
-    and are compiled (see [Note: fused momentum and update])."""
-    _momentum(bufs, grads, outs, skip, momentum, nesterov, kernel, store_buf=True)
+    and are compiled (see [Note: fused momentum and update]). ``hp``: the kernels read
+    ``momentum`` there (the same value; [Note: hyperparameters on the device])."""
+    _momentum(bufs, grads, outs, skip, momentum, nesterov, kernel, store_buf=True, hp=hp)
 
 
 def ns_input_into(
@@ -373,6 +506,7 @@ def _momentum(
     kernel: bool | None,
     *,
     store_buf: bool,
+    hp: DeviceScalars | None = None,
 ) -> None:
     """The momentum pass: the buffers advanced (``store_buf``) and/or the NS input written
     (``outs`` given), one arithmetic for all three uses."""
@@ -391,8 +525,11 @@ def _momentum(
             NESTEROV=nesterov,
             STORE_BUF=store_buf,
             STORE_OUT=outs is not None,
+            hp=hp,
+            with_grad_offsets=True,
         )
         return
+    _no_scalars_by_value(hp)
     no_outs: list[Tensor | None] = [None] * len(bufs)
     for buf, grad, out in zip(bufs, grads, no_outs if outs is None else outs):
         # The kernel's arithmetic, op for op; the wide values are formed in ``out`` when it
@@ -432,10 +569,11 @@ def update_weight(
     step: float,
     *,
     kernel: bool | None = None,
+    hp: DeviceScalars | None = None,
 ) -> None:
     """``params[i] = decay·params[i] + step·updates[i]`` (kept when ``skip`` is set) for 2-D
     ``params`` of one shape and ``updates`` of that shape, all with the same strides (any);
-    ``kernel`` as in :func:`momentum_into`."""
+    ``kernel`` and ``hp`` (which holds ``decay`` and ``step``) as in :func:`momentum_into`."""
     decay, step = float(decay), float(step)
     if kernel is None:
         kernel = _use_kernels(*params)
@@ -457,9 +595,11 @@ def update_weight(
             decay,
             step,
             tiles=(rows, cols) if transposed else None,
+            hp=hp,
             TILED=transposed,
         )
         return
+    _no_scalars_by_value(hp)
     for param, update in zip(params, updates):
         # The kernel's arithmetic, op for op.
         new = _times(update, step, out=torch.empty_like(param, dtype=_wide(param, update)))
@@ -484,6 +624,7 @@ class FusedLayout(NamedTuple):
     state: torch.dtype  # the momentum buffer, the NS input and its result
     nesterov: bool
     split: bool = False  # the step split in two passes too (ns_overlap)
+    hp: bool = False  # the scalars on the device (cuda_graph)
 
 
 def compile_in_background(layouts: Iterable[FusedLayout], device: torch.device) -> None:
@@ -519,6 +660,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
         momentum_kernel, update_kernel = _kernels()
         skip = MockTensor(torch.bool)
         table = MockTensor(torch.int64)
+        scalars = MockTensor(torch.float32)
         torch.cuda.set_device(device)  # the current device is per thread; Triton keys on it
         for layout in layouts:
             rows, cols = layout.shape
@@ -535,27 +677,34 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
             passes = (
                 [(True, True), (False, True), (True, False)] if layout.split else [(True, True)]
             )
-            compiled = [
-                momentum_kernel.warmup(
-                    state,
-                    MockTensor(layout.grad),
-                    state,
-                    table,
-                    skip,
-                    n,
-                    0.5,
-                    NESTEROV=layout.nesterov and store_out,
-                    VEC_BUF=vec_state,
-                    VEC_GRAD=vec_grad,
-                    VEC_OUT=vec_state,
-                    BLOCK=_BLOCK,
-                    STORE_BUF=store_buf,
-                    STORE_OUT=store_out,
-                    enable_fp_fusion=False,
-                    grid=(1, 1),
+            compiled = []
+            for store_buf, store_out in passes:
+                # The graphed step's one pass reads its scalars and gradients on the device.
+                device_scalars = layout.hp and store_buf and store_out
+                compiled.append(
+                    momentum_kernel.warmup(
+                        state,
+                        MockTensor(layout.grad),
+                        state,
+                        table,
+                        skip,
+                        scalars if device_scalars else skip,
+                        table if device_scalars else skip,
+                        n,
+                        0.5,
+                        NESTEROV=layout.nesterov and store_out,
+                        VEC_BUF=vec_state,
+                        VEC_GRAD=vec_grad,
+                        VEC_OUT=vec_state,
+                        BLOCK=_BLOCK,
+                        STORE_BUF=store_buf,
+                        STORE_OUT=store_out,
+                        HP=device_scalars,
+                        DEVICE_GRADS=device_scalars,
+                        enable_fp_fusion=False,
+                        grid=(1, 1),
+                    )
                 )
-                for store_buf, store_out in passes
-            ]
             transposed = _transposed(rows, cols, u_row, u_col)
             compiled.append(
                 update_kernel.warmup(
@@ -563,6 +712,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                     state,
                     table,
                     skip,
+                    scalars if layout.hp else skip,
                     n,
                     cols,
                     u_row,
@@ -572,6 +722,7 @@ def _compile_each(layouts: list[FusedLayout], device: torch.device) -> None:
                     VEC_P=vec_weight,
                     BLOCK=_TILE if transposed else _BLOCK,
                     TILED=transposed,
+                    HP=layout.hp,
                     enable_fp_fusion=False,
                     grid=(1, 1),
                 )

@@ -45,7 +45,7 @@ because NS first divides by the Frobenius norm the orthogonalised updates agree 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -57,21 +57,25 @@ from dmuon_ns import NewtonSchulz
 from .._checks import is_int
 from .._matrix import MatrixView, NSFunction, matrices_of, matrix_shape
 from .._torch_internals import local_shard
-from ._fused import advance_momentum, momentum_into, ns_input_into, update_weight
+from ._fused import DeviceScalars, advance_momentum, momentum_into, ns_input_into, update_weight
 
 __all__ = [
     "MuonItem",
     "NSFunction",
+    "StepScalars",
     "adamw_step",
     "finish_batch",
     "fresh_state",
+    "grad_matrices",
     "init_adamw_state",
     "make_newton_schulz",
+    "matrix_count",
     "momentum_only",
     "momentum_update",
     "muon_batch",
     "muon_step",
     "ns_inputs",
+    "scalar_rows",
     "shape_batches",
     "step_dtype",
     "weight_decay_and_update",
@@ -85,12 +89,15 @@ def momentum_update(
     momentum: float,
     nesterov: bool,
     skip: Tensor | None = None,
+    hp: DeviceScalars | None = None,
 ) -> None:
     """Advance each ``bufs[i]`` in place (``buf = momentum * buf + grad``, kept when ``skip``
     is set) and write its NS input into ``outs[i]``: ``grad + momentum * buf`` with Nesterov,
     ``buf`` without. All matrices have one shape; on CUDA one launch covers them (see [Note:
-    one launch per batch] in _fused). The arithmetic is [Note: fused momentum and update]'s."""
-    momentum_into(bufs, grads, outs, skip, momentum, nesterov)
+    one launch per batch] in _fused). The arithmetic is [Note: fused momentum and update]'s;
+    ``hp`` hands the kernels ``momentum`` on the device ([Note: hyperparameters on the
+    device])."""
+    momentum_into(bufs, grads, outs, skip, momentum, nesterov, hp=hp)
 
 
 def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NSFunction:
@@ -130,6 +137,42 @@ class MuonItem(NamedTuple):
     weight_decay: float
     scale: float  # MatrixView.lr_scale of each of its matrices
     view: MatrixView | None = None  # how its tensors split into matrices (None: matrices_of)
+
+
+class StepScalars(NamedTuple):
+    """What a graphed step's passes read on the device (see [Note: hyperparameters on the
+    device] in _fused): ``values``, the rows of :func:`scalar_rows` of every item the phase
+    steps; ``grad_offsets``, each gradient matrix's element offset from the ``anchors``
+    tensor of its dtype, in the phase's matrix order; and where a part starts in them
+    (``first`` item, ``first_matrix``): a part's items and matrices follow in order."""
+
+    values: Tensor
+    grad_offsets: Tensor
+    anchors: Mapping[torch.dtype, Tensor]
+    first: int
+    first_matrix: int
+
+    def rows(
+        self, owners: Sequence[int], group: Sequence[int], *, grads: bool = False
+    ) -> DeviceScalars:
+        """The tables and each row of the matrices ``group`` (indices into ``owners``, the
+        part's item of each matrix); with ``grads``, where their gradients are."""
+        rows = [self.first + owners[i] for i in group]
+        if not grads:
+            return DeviceScalars(self.values, rows)
+        grad_rows = [self.first_matrix + i for i in group]
+        return DeviceScalars(self.values, rows, self.grad_offsets, grad_rows, self.anchors)
+
+
+def matrix_count(item: MuonItem) -> int:
+    """How many matrices ``item`` holds."""
+    rows, cols = _item_rows_cols(item)
+    return item.buf.numel() // (rows * cols)
+
+
+def grad_matrices(item: MuonItem) -> list[Tensor]:
+    """``item``'s gradient matrices, in the order the passes take them."""
+    return (matrices_of if item.view is None else item.view.matrices)(item.grad)
 
 
 T = TypeVar("T")
@@ -203,15 +246,17 @@ def muon_batch(
     *,
     skip: Tensor | None = None,
     mark: Callable[[str], None] = lambda name: None,
+    scalars: StepScalars | None = None,
 ) -> None:
     """Momentum, one NS call and the update for ``part``, whose matrices share one shape,
-    dtype and device: each matrix's NS input is written straight into the stack."""
-    batch, weights, owners = _momentum_stack(part, skip)
+    dtype and device: each matrix's NS input is written straight into the stack. ``scalars``:
+    the kernels read the hyperparameters there (the same values)."""
+    batch, weights, owners = _momentum_stack(part, skip, scalars=scalars)
     mark("muon_update")
     updates = ns(batch)
     mark(f"ns[{'x'.join(map(str, batch.shape))}]")
     del batch
-    _update(part, weights, owners, updates, skip)
+    _update(part, weights, owners, updates, skip, scalars)
     del updates
 
 
@@ -232,11 +277,13 @@ def finish_batch(part: Sequence[MuonItem], updates: Tensor, *, skip: Tensor | No
     _update(part, weights, owners, updates, skip)
 
 
-def momentum_only(part: Sequence[MuonItem], skip: Tensor | None = None) -> None:
+def momentum_only(
+    part: Sequence[MuonItem], skip: Tensor | None = None, scalars: StepScalars | None = None
+) -> None:
     """Advance the momentum of ``part`` exactly as :func:`muon_batch` does, and nothing else:
     another replica steps these matrices (see [Note: stepping expert sources] in
     _step_plan); their NS input is written to a scratch stack and dropped."""
-    _momentum_stack(part, skip)
+    _momentum_stack(part, skip, scalars=scalars)
 
 
 def _matrices(
@@ -256,7 +303,11 @@ def _matrices(
 
 
 def _momentum_stack(
-    part: Sequence[MuonItem], skip: Tensor | None, *, advance: bool = True
+    part: Sequence[MuonItem],
+    skip: Tensor | None,
+    *,
+    advance: bool = True,
+    scalars: StepScalars | None = None,
 ) -> tuple[Tensor, list[Tensor], list[int]]:
     """Advance every momentum buffer of ``part`` (unless not ``advance``) and return the NS
     input stack, the weight matrices in its order and the index of the item each belongs
@@ -269,7 +320,8 @@ def _momentum_stack(
         group_grads = [grads[i] for i in group]
         outs = [batch[i] for i in group]
         if advance:
-            momentum_update(group_bufs, group_grads, outs, momentum, nesterov, skip=skip)
+            hp = None if scalars is None else scalars.rows(owners, group, grads=True)
+            momentum_update(group_bufs, group_grads, outs, momentum, nesterov, skip=skip, hp=hp)
         else:
             ns_input_into(group_bufs, group_grads, outs, momentum, nesterov)
     return batch, weights, owners
@@ -281,6 +333,7 @@ def _update(
     owners: Sequence[int],
     updates: Tensor,
     skip: Tensor | None,
+    scalars: StepScalars | None = None,
 ) -> None:
     """Decay and update every weight matrix with its row of ``updates``, one pass per
     hyperparameter group."""
@@ -292,6 +345,7 @@ def _update(
             weight_decay=weight_decay,
             scale=scale,
             skip=skip,
+            hp=None if scalars is None else scalars.rows(owners, group),
         )
 
 
@@ -326,12 +380,28 @@ def weight_decay_and_update(
     weight_decay: float,
     scale: float,
     skip: Tensor | None = None,
+    hp: DeviceScalars | None = None,
 ) -> None:
     """Decoupled weight decay ``p *= 1 - lr * wd`` and the step ``p -= lr * scale * update``, in
     place, in one pass per matrix (kept when ``skip`` is set, decided on the device), for
     matrices of one shape. The decay uses the unscaled ``lr``, as in torch.optim.Muon; the
-    arithmetic is [Note: fused momentum and update]'s (in _fused)."""
-    update_weight(params, updates, skip, 1.0 - lr * weight_decay, -lr * scale)
+    arithmetic is [Note: fused momentum and update]'s (in _fused); ``hp`` hands the kernels
+    the decay and step on the device."""
+    decay, step = _decay_and_step(lr, weight_decay, scale)
+    update_weight(params, updates, skip, decay, step, hp=hp)
+
+
+def _decay_and_step(lr: float, weight_decay: float, scale: float) -> tuple[float, float]:
+    """The update pass's two scalars: it computes ``decay·p + step·update``."""
+    return 1.0 - lr * weight_decay, -lr * scale
+
+
+def scalar_rows(items: Iterable[MuonItem]) -> list[tuple[float, float, float]]:
+    """Each item's ``(momentum, decay, step)``: the scalars its passes read from the device in
+    a graphed step (see [Note: hyperparameters on the device] in _fused)."""
+    return [
+        (item.momentum, *_decay_and_step(item.lr, item.weight_decay, item.scale)) for item in items
+    ]
 
 
 def step_dtype() -> torch.dtype:

@@ -42,6 +42,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from dmuon_ns import NewtonSchulz
 from dmuon_ownership import Route
 
 from .._checks import check_bool, is_int
@@ -51,6 +52,7 @@ from .._torch_internals import foreach_max_abs, local_shard
 from ..holder import DedicatedParam, MuonEntry, ParamHolder, StepContext, TPMode
 from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
+from ._graphed_step import GraphedMuonPhase, muon_phase
 from ._muon_math import (
     MuonItem,
     adamw_step,
@@ -141,6 +143,14 @@ class StepOptions:
             clipping (``muon_grads_for_clip``) turns the option off with a warning, since a
             clip needs every gradient first. Tensor-parallel matrices and expert stacks
             always run in the step. A bool.
+        cuda_graph: ``True`` captures the Muon phase of ``step()`` (momentum, Newton–Schulz
+            and update of every matrix the rank steps) in one CUDA graph and replays it from
+            the third step on, while the tensors and the batching stay the same (learning-rate
+            and other hyperparameter changes do not matter); a step where they changed runs
+            eagerly and the next one recaptures. Same bits as ``False``. Costs the phase's
+            transient memory kept between steps (about five times ``ns_batch_bytes``). Needs
+            CUDA and dmuon's own Newton–Schulz (a ``dmuon_ns.NewtonSchulz``); not with
+            ``ns_overlap`` or tensor-parallel matrices (``ValueError``). A bool.
     """
 
     lr_scaling: LrScaling = LrScaling.MOONLIGHT
@@ -157,6 +167,8 @@ class StepOptions:
     profile: bool = False
     # Newton–Schulz during backward; see [Note: Newton–Schulz during backward] in _ns_overlap.
     ns_overlap: bool = False
+    # Replay the Muon phase from a CUDA graph; see [Note: the graphed Muon phase].
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -178,8 +190,13 @@ class StepOptions:
             raise ValueError(
                 f"tp_ns must be one of {[m.value for m in TPMode]}, got {self.tp_ns!r}"
             ) from None
-        for name in ("replicate_async", "skip_nonfinite", "profile", "ns_overlap"):
+        for name in ("replicate_async", "skip_nonfinite", "profile", "ns_overlap", "cuda_graph"):
             check_bool(name, getattr(self, name))
+        if self.ns_overlap and self.cuda_graph:
+            raise ValueError(
+                "ns_overlap=True and cuda_graph=True exclude each other (NS runs during backward"
+                " in one, inside the step's graph in the other); choose one"
+            )
 
 
 _AdamWWork = tuple[dict[str, Any], list[Tensor], list[Tensor], list[Any]]
@@ -399,6 +416,7 @@ class Muon(torch.optim.Optimizer):
         self._plan = StepPlan(
             self.param_groups, self._holders, context, ns_batch_bytes=options.ns_batch_bytes
         )
+        self._graphed = self._graphed_phase(device) if options.cuda_graph else None
         compile_in_background(self._fused_layouts(), device)
         self._overlap: NSOverlap | None = None
         if options.ns_overlap:
@@ -450,7 +468,32 @@ class Muon(torch.optim.Optimizer):
                     state=entry.state_dtype,
                     nesterov=bool(entry.group["nesterov"]),
                     split=self.options.ns_overlap,
+                    hp=self.options.cuda_graph,
                 )
+
+    def _graphed_phase(self, device: torch.device) -> GraphedMuonPhase:
+        """The graphed Muon phase, after checking that it applies (see
+        ``StepOptions.cuda_graph``)."""
+        if device.type != "cuda":
+            raise ValueError(
+                f"StepOptions(cuda_graph=True) needs CUDA; this model's dedicated parameters"
+                f" are on {device}: drop the option there"
+            )
+        for entry in self._plan.muon:
+            if entry.ns is not None and not (
+                entry.ns is self._ns and isinstance(self._ns, NewtonSchulz)
+            ):
+                what = (
+                    "a tensor-parallel matrix"
+                    if entry.ns is not self._ns
+                    else f"a Newton–Schulz callable ({type(self._ns).__name__})"
+                )
+                raise ValueError(
+                    f"StepOptions(cuda_graph=True): {entry.fqn!r} steps with {what}, which the"
+                    " graph cannot capture; use ns_backend='gram'/'direct' or a"
+                    " dmuon_ns.NewtonSchulz without tensor parallelism, or drop cuda_graph"
+                )
+        return GraphedMuonPhase(device)
 
     def register_post_update_hook(self, hook: PostUpdateHook) -> RemovableHandle:
         """Run ``hook(optimizer, parts)`` in every ``step()`` on every rank, after the update
@@ -554,20 +597,34 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """Momentum, NS (one call per batch, with the batch's NS) and the update of every
         matrix this rank steps; the momentum alone of those another replica steps."""
-        overlap = self._overlap
         with span("dmuon::muon_step"):
-            for index, items, ns in work.batches:
-                assert ns is not None
-                early = None if overlap is None else overlap.take(index, items)
-                if early is None:
-                    muon_batch(items, ns, skip=skip, mark=mark)
-                else:
-                    finish_batch(items, early, skip=skip)
-            for items in work.momentum_only:
-                momentum_only(items, skip=skip)
-            if overlap is not None:
-                overlap.end_step()
+            if self._overlap is not None:
+                self._overlap_phase(work, self._overlap, skip, mark)
+            elif self._graphed is not None:
+                self._graphed.run(work.batches, work.momentum_only, skip, mark)
+            else:
+                muon_phase(work.batches, work.momentum_only, skip, mark)
         mark("muon_update")
+
+    def _overlap_phase(
+        self,
+        work: _StepWork,
+        overlap: NSOverlap,
+        skip: Tensor | None,
+        mark: Callable[[str], None],
+    ) -> None:
+        """The Muon phase with ``ns_overlap``: each batch whose NS ran during backward only
+        advances its momentum and takes its update; the others run whole."""
+        for index, items, ns in work.batches:
+            assert ns is not None
+            early = overlap.take(index, items)
+            if early is None:
+                muon_batch(items, ns, skip=skip, mark=mark)
+            else:
+                finish_batch(items, early, skip=skip)
+        for items in work.momentum_only:
+            momentum_only(items, skip=skip)
+        overlap.end_step()
 
     def _post_update(self, mark: Callable[[str], None]) -> BaseException | None:
         """The post-update hooks; the exception one raised, which the step raises once it has
