@@ -395,9 +395,19 @@ def test_tune_pending_finishes_every_open_choice():
     for shape in [(2, 12, 40), (1, 8, 24)]:
         assert _autotune.choose([fast, reference], _x(shape), "gram", COEFFS, RESTARTS) is reference
     assert _autotune.verdicts() == {} and fast.calls == 0
+    # A graph of NS calls captured now would run the reference: the version says when to
+    # recapture (it moves with the tune, and stays while nothing changes).
+    before = dmuon_ns.kernel_choices_version()
+    _autotune.choose([fast, reference], _x(), "gram", COEFFS, RESTARTS)
+    assert dmuon_ns.kernel_choices_version() == before
     assert dmuon_ns.tune_pending() == {
         "gram 2x12x40 float16": "fast",
         "gram 1x8x24 float16": "fast",
     }
+    assert dmuon_ns.kernel_choices_version() > before
     assert len(_autotune.verdicts()) == 2
     assert _autotune.choose([fast, reference], _x(), "gram", COEFFS, RESTARTS) is fast
+    settled = dmuon_ns.kernel_choices_version()
+    assert dmuon_ns.tune_pending() and dmuon_ns.kernel_choices_version() == settled
+    _autotune.clear_cache()
+    assert dmuon_ns.kernel_choices_version() > settled

@@ -383,6 +383,8 @@ class Muon(torch.optim.Optimizer):
         )
         device = self._runtime.layout.device
         self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        # Fixed for the runtime's life; asked once (the query costs host time every step).
+        self._global_size = dist.get_world_size(self._runtime.global_group)
         self._timer = PhaseTimer(device) if options.profile else None
         if options.profile:
             self._runtime.hooks.time_forward_waits(device)
@@ -773,12 +775,16 @@ class Muon(torch.optim.Optimizer):
             # The largest magnitude of each gradient (one foreach launch, any float dtype): NaN
             # or infinity there iff anywhere in the gradient.
             peaks = foreach_max_abs(grads)
-            found = (~torch.isfinite(torch.stack([p.float() for p in peaks])).all()).float()
+            # Stacked per dtype: one launch each, not a conversion per gradient.
+            by_dtype: dict[torch.dtype, list[Tensor]] = {}
+            for peak in peaks:
+                by_dtype.setdefault(peak.dtype, []).append(peak)
+            stacked = torch.cat([torch.stack(same).float() for same in by_dtype.values()])
+            found = (~torch.isfinite(stacked).all()).float()
         # Every rank, TP grids included: one decision for the step (see [Note: global
         # quantities] in _comm).
-        group = self._runtime.global_group
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        if self._global_size > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.global_group)
         return found
 
     @property
