@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["trace", "union_us"]
+__all__ = ["ns_tflop", "print_product_rate", "trace", "union_us"]
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
@@ -33,9 +33,10 @@ def _kernel_family(name: str) -> str:
     return name[:70]
 
 
-def trace(name: str, fn: Callable[[], object], *, top: int = 12) -> None:
+def trace(name: str, fn: Callable[[], object], *, top: int = 12) -> dict[str, float]:
     """Profile one call of ``fn`` (the caller warms it up) and print its wall, busy and
-    kernel-sum milliseconds and the ``top`` kernel families by GPU time."""
+    kernel-sum milliseconds and the ``top`` kernel families by GPU time; returns the
+    milliseconds of every family."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -67,3 +68,66 @@ def trace(name: str, fn: Callable[[], object], *, top: int = 12) -> None:
     if rest:
         calls = sum(len(t) for _, t in rest)
         print(f"| ({len(rest)} others) | {calls} | {sum(sum(t) for _, t in rest):.3f} |")
+    return {kname: sum(times) for kname, times in per_kernel.items()}
+
+
+# Kernel families that are matrix products (dmuon's Triton products, cuBLAS, CUTLASS/quack).
+_PRODUCT_MARKS = ("_product_kernel", "gemm", "xmma", "cutlass", "Gemm")
+
+
+def print_product_rate(kernel_ms: dict[str, float], tflop: float) -> None:
+    """The matrix products' share of a traced call and their throughput, given the TFLOP they
+    compute (:func:`ns_tflop`)."""
+    ms = sum(v for k, v in kernel_ms.items() if any(mark in k for mark in _PRODUCT_MARKS))
+    if ms > 0:
+        print(
+            f"\nNS products: {ms:.2f} ms for {tflop:.2f} TFLOP (a symmetric product counted"
+            f" once): {tflop / ms * 1e3:.0f} TFLOP/s"
+        )
+
+
+class _CountingProducts:
+    """The products of the NS loops on meta tensors, counting FLOPs: ``2·m·k·n`` for a plain
+    product, half of that for a symmetric one (computed once, as dmuon's kernels do)."""
+
+    def __init__(self) -> None:
+        self.flops = 0
+
+    def _count(self, a: torch.Tensor, b: torch.Tensor, symmetric: bool) -> None:
+        batch, m, k = a.shape
+        n = b.shape[-1]
+        self.flops += batch * m * k * n * (1 if symmetric else 2)
+
+    def gram(self, x: torch.Tensor) -> torch.Tensor:
+        self._count(x, x.mT, True)
+        return torch.bmm(x, x.mT)
+
+    def sym(self, a, b, c, *, alpha: float = 1.0, beta: float) -> torch.Tensor:
+        self._count(a, b, True)
+        return torch.bmm(a, b)
+
+    def mm(self, a, b, out_dtype=None) -> torch.Tensor:
+        self._count(a, b, False)
+        return torch.bmm(a, b)
+
+    def mm_add(self, a, b, c, beta: float, out_dtype=None) -> torch.Tensor:
+        self._count(a, b, False)
+        return torch.bmm(a, b)
+
+
+def ns_tflop(matrices: dict[tuple[int, int], int], ns: object) -> float:
+    """TFLOP of one Newton–Schulz call per matrix of each shape (``{(rows, cols): count}``) as
+    ``ns`` (a ``dmuon_ns.NewtonSchulz``) runs it: the Gram form for a non-square matrix under
+    the Gram backend, the direct form otherwise, on the short side."""
+    from dmuon_ns._iterations import direct_iterations, gram_iterations
+
+    counter = _CountingProducts()
+    for (rows, cols), count in matrices.items():
+        m, n = min(rows, cols), max(rows, cols)
+        x = torch.empty(count, m, n, device="meta")
+        coefficients = ns.step_coefficients  # type: ignore[attr-defined]
+        if getattr(ns, "backend", "gram") == "gram" and m != n:
+            gram_iterations(counter, x, coefficients, ns.restarts).finish()  # type: ignore[attr-defined,arg-type]
+        else:
+            direct_iterations(counter, x, coefficients).finish()  # type: ignore[arg-type]
+    return counter.flops / 1e12

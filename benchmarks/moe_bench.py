@@ -217,10 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<42} {ms:9.2f} {peak:9.2f}")
     print(f"dmuon / torch.optim.Muon = {dmuon_ms / torch_ms:.3f}  (target <= 0.5)")
     if args.trace and device.type == "cuda":
-        from gpu_trace import trace
+        from gpu_trace import ns_tflop, print_product_rate, trace
 
         _fill_grads(params, 1)
-        trace("dmuon.Muon step", optimizer.step)
+        kernel_ms = trace("dmuon.Muon step", optimizer.step)
+        shapes = {
+            (args.intermediate, args.hidden): 2 * args.layers * args.experts,
+            (args.hidden, args.intermediate): args.layers * args.experts,
+        }
+        print_product_rate(kernel_ms, ns_tflop(shapes, optimizer.newton_schulz))
     dist.destroy_process_group()
     return 0
 

@@ -67,6 +67,7 @@ one rank) and one row scale of every W_q and W_k, does not depend on how many he
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import os
@@ -381,16 +382,20 @@ def measure(
             file=sys.stderr,
         )
     if trace_step and cuda:
-        from gpu_trace import trace
+        from gpu_trace import ns_tflop, print_product_rate, trace
 
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         with forward_context():
             model(inputs[0]).float().square().mean().backward()
-        trace(
+        kernel_ms = trace(
             f"{variant} step, {cfg.hidden}x{cfg.intermediate}x{cfg.layers}",
             lambda opts=optimizers: [o.step() for o in opts],
         )
+        shapes = collections.Counter(
+            tuple(p.shape) for n, p in model.named_parameters() if muon_predicate(n, p)
+        )
+        print_product_rate(kernel_ms, ns_tflop(dict(shapes), optimizers[-1].newton_schulz))
     del model, optimizers, inputs
     gc.collect()
     if device.type == "cuda":
