@@ -82,16 +82,21 @@ def muon_phase(
     """Momentum, NS and update of every batch, then the momentum-only stacks; with
     ``tables``, the kernels read the items' scalars and gradient offsets there (rows in this
     order)."""
+    if tables is None:
+        for _, items, ns in batches:
+            assert ns is not None
+            muon_batch(items, ns, skip=skip, mark=mark)
+        for items in momentum:
+            momentum_only(items, skip)
+        return
     first = first_matrix = 0
     for _, items, ns in batches:
         assert ns is not None
-        scalars = None if tables is None else tables.scalars(first, first_matrix)
-        muon_batch(items, ns, skip=skip, mark=mark, scalars=scalars)
+        muon_batch(items, ns, skip=skip, mark=mark, scalars=tables.scalars(first, first_matrix))
         first += len(items)
         first_matrix += sum(matrix_count(item) for item in items)
     for items in momentum:
-        scalars = None if tables is None else tables.scalars(first, first_matrix)
-        momentum_only(items, skip, scalars)
+        momentum_only(items, skip, tables.scalars(first, first_matrix))
         first += len(items)
         first_matrix += sum(matrix_count(item) for item in items)
 
