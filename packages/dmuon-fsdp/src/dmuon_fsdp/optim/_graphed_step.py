@@ -173,8 +173,8 @@ class GraphedMuonPhase:
     ) -> None:
         """This step's Muon phase: replayed, eager on the graph's buffers, or (before the
         fused kernels are compiled, or after a failed capture) eager as without the option."""
-        if self._failed or not kernels_ready():
-            muon_phase(batches, momentum, skip, mark)
+        if self._failed or not kernels_ready() or not (batches or momentum):
+            muon_phase(batches, momentum, skip, mark)  # nothing to step: nothing to capture
             return
         items = [item for _, part, _ in batches for item in part]
         items += [item for part in momentum for item in part]

@@ -680,7 +680,8 @@ class Muon(torch.optim.Optimizer):
         ``ns[...x16x16]`` and ``ns[...x8x16]``, not ``ns[1x32x16]``), ``muon_update``,
         ``adamw``, ``post_update`` (with hooks), ``expert_publish`` (with expert sources),
         ``publish``; with ``ns_overlap`` only the NS calls the step itself ran (the others ran
-        during backward). Needs ``Muon(profile=True)``; on CUDA this
+        during backward); with ``cuda_graph`` a replayed step has no ``ns[...]`` phases (its
+        whole Muon phase is ``muon_update``). Needs ``Muon(profile=True)``; on CUDA this
         waits for the step's recorded events, the step itself never does."""
         if self._timer is None:
             raise ValueError(
