@@ -217,6 +217,8 @@ def _errors(rank: int, world_size: int):
         StepOptions(ns_overlap=True, cuda_graph=True)
     with pytest.raises(ValueError, match=r"cuda_graph=True\) needs CUDA.*on cpu"):
         Muon(model, options=StepOptions(cuda_graph=True))
+    with pytest.raises(ValueError, match=r"Newton–Schulz is a callable.*cannot capture"):
+        Muon(model, ns_backend=lambda x: x, options=StepOptions(cuda_graph=True))
     custom = NewtonSchulz(backend="direct", steps=3)
     assert Muon(model, ns_backend=custom).newton_schulz is custom
     assert Muon(model, ns_backend="direct", ns_steps=7).newton_schulz.steps == 7

@@ -476,25 +476,28 @@ class Muon(torch.optim.Optimizer):
     def _graphed_phase(self, device: torch.device) -> GraphedMuonPhase:
         """The graphed Muon phase, after checking that it applies (see
         ``StepOptions.cuda_graph``)."""
+        # Decided from what every rank holds alike, so that every rank raises.
+        tensor_parallel = [
+            dp.fqn
+            for dp in self._runtime.params
+            if dp.tp_dim is not None and dp.route is Route.MUON
+        ]
+        what = None
+        if not isinstance(self._ns, NewtonSchulz):
+            what = f"its Newton–Schulz is a callable ({type(self._ns).__name__})"
+        elif tensor_parallel:
+            what = f"{tensor_parallel[0]!r} is a tensor-parallel matrix (its NS gathers over TP)"
+        if what is not None:
+            raise ValueError(
+                f"StepOptions(cuda_graph=True): {what}, which the graph cannot capture; use"
+                " ns_backend='gram'/'direct' or a dmuon_ns.NewtonSchulz without tensor"
+                " parallelism, or drop cuda_graph"
+            )
         if device.type != "cuda":
             raise ValueError(
                 f"StepOptions(cuda_graph=True) needs CUDA; this model's dedicated parameters"
                 f" are on {device}: drop the option there"
             )
-        for entry in self._plan.muon:
-            if entry.ns is not None and not (
-                entry.ns is self._ns and isinstance(self._ns, NewtonSchulz)
-            ):
-                what = (
-                    "a tensor-parallel matrix"
-                    if entry.ns is not self._ns
-                    else f"a Newton–Schulz callable ({type(self._ns).__name__})"
-                )
-                raise ValueError(
-                    f"StepOptions(cuda_graph=True): {entry.fqn!r} steps with {what}, which the"
-                    " graph cannot capture; use ns_backend='gram'/'direct' or a"
-                    " dmuon_ns.NewtonSchulz without tensor parallelism, or drop cuda_graph"
-                )
         return GraphedMuonPhase(device)
 
     def register_post_update_hook(self, hook: PostUpdateHook) -> RemovableHandle:
