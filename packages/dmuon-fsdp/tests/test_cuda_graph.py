@@ -1,8 +1,15 @@
 """``StepOptions(cuda_graph=True)``: the Muon phase replayed from a CUDA graph gives the bits of
 the eager step under a learning-rate schedule, a skipped step, a clip and a post-update hook,
-and steps eagerly where the matrices stepped change."""
+and steps eagerly where the matrices stepped change (GPU); the phase run on the graph's device
+tables (scalars and gradient offsets) gives the bits of the plain phase (CPU, Triton's
+interpreter)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -76,3 +83,73 @@ def test_cuda_graph_gives_the_eager_bits() -> None:
     # read on the device). Step 5, with a matrix without a gradient, runs eagerly; the graph
     # stays, and steps 6 to 8 replay it.
     assert (captures, replays) == (1, 6), (captures, replays)
+
+
+# Run as a script under TRITON_INTERPRET=1: the fused passes run as (interpreted) kernels on
+# the CPU, where no graph can be captured but every table a replay reads is built and read.
+_TABLES_BODY = textwrap.dedent(
+    """
+    import tempfile
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
+    from dmuon_fsdp import Muon, StepOptions, dedicate_params
+    from dmuon_fsdp.optim._fused import static_tables
+    from dmuon_fsdp.optim._graphed_step import _Buffers, muon_phase
+
+    tmp = tempfile.mkdtemp()
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=0, world_size=1)
+
+    def on_tables(work, skip, mark):
+        parts = [items for _, items, _ in work.batches] + list(work.momentum_only)
+        items = [item for part in parts for item in part]
+        tables = _Buffers("signature", parts, skip is not None)
+        flag = tables.write(items, skip)
+        with static_tables(tables.tables):
+            muon_phase(work.batches, work.momentum_only, flag, mark, tables)
+
+    def train(tabled, cap):
+        model = build(0, 2)
+        runtime = dedicate_params(model, init_device_mesh("cpu", (1,)), muon_predicate)
+        shard_layers_then_root(model, init_device_mesh("cpu", (1,)))
+        options = StepOptions(ns_batch_bytes=cap)
+        optimizer = Muon(model, lr=0.05, weight_decay=0.1, adamw_lr=1e-2, options=options)
+        # Two parameter groups' worth of hyperparameters: the rows differ per matrix.
+        optimizer.param_groups[0]["lr"] = 0.03
+        if tabled:
+            optimizer._muon_update = on_tables
+        for step in range(3):
+            optimizer.zero_grad()
+            loss_fn(model, batch(step, 8)).backward()
+            optimizer.step()
+            optimizer.param_groups[0]["lr"] *= 0.5
+        return {
+            dp.fqn: (dp.full.clone(), optimizer.state[dp.param]["momentum_buffer"].clone())
+            for dp in runtime.owned
+        }
+
+    for cap in (None, 1):  # one NS call per shape; one matrix per call
+        plain, tabled = train(False, cap), train(True, cap)
+        assert plain.keys() == tabled.keys() and len(plain) == 14, cap
+        for fqn, tensors in plain.items():
+            for a, b in zip(tensors, tabled[fqn]):
+                assert torch.equal(a, b), (cap, fqn)
+    dist.destroy_process_group()
+    print("ok")
+    """
+)
+
+
+def test_the_phase_on_the_device_tables_gives_the_plain_bits() -> None:
+    pytest.importorskip("triton")
+    tests_dir = os.path.dirname(__file__)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _TABLES_BODY], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().endswith("ok")

@@ -24,15 +24,16 @@ left it:
   invalidates the graph; the skip flag is copied into the graph's own.
 
 A signature is captured at the second step in a row that has it (the first runs eagerly on
-the graph's scalar table: it compiles what a capture may not and makes the offset tables), and
+the graph's tables: it compiles what a capture may not and makes the offset tables), and
 replayed from the third; the capture records and runs nothing, the step's work is the eager
-run's. A new capture replaces the graph. A capture that fails (CUDA and torch report that as
+run's. The graph stays until another signature is captured, so a step that differs once (a
+matrix without a gradient) runs eagerly and the next one replays again. A capture that fails (CUDA and torch report that as
 ``RuntimeError``) is reported once, through ``logging`` and ``warnings``, and the phase runs
 eagerly from then on.
 
-The eager runs of a graphed optimizer read their scalars from the same table as the replays,
-and the table holds the fp32 numbers the scalar arguments round to: ``cuda_graph`` on or off,
-the bits are the same.
+The eager runs of a graphed optimizer read their scalars and gradients through the same tables
+as the replays, and the scalar table holds the fp32 numbers the scalar arguments round to:
+``cuda_graph`` on or off, the bits are the same (``tests/test_cuda_graph.py``, on a GPU).
 
 The cost is memory: the graph keeps the phase's transient memory (the NS stacks and their
 workspaces, as large as the largest batch's, about five times ``ns_batch_bytes``) in its own
@@ -59,7 +60,6 @@ from ._muon_math import (
     MuonItem,
     StepScalars,
     grad_matrices,
-    matrix_count,
     momentum_only,
     muon_batch,
     scalar_rows,
@@ -82,23 +82,13 @@ def muon_phase(
     """Momentum, NS and update of every batch, then the momentum-only stacks; with
     ``tables``, the kernels read the items' scalars and gradient offsets there (rows in this
     order)."""
-    if tables is None:
-        for _, items, ns in batches:
-            assert ns is not None
-            muon_batch(items, ns, skip=skip, mark=mark)
-        for items in momentum:
-            momentum_only(items, skip)
-        return
-    first = first_matrix = 0
-    for _, items, ns in batches:
+    parts = len(batches)
+    for index, (_, items, ns) in enumerate(batches):
         assert ns is not None
-        muon_batch(items, ns, skip=skip, mark=mark, scalars=tables.scalars(first, first_matrix))
-        first += len(items)
-        first_matrix += sum(matrix_count(item) for item in items)
-    for items in momentum:
-        momentum_only(items, skip, tables.scalars(first, first_matrix))
-        first += len(items)
-        first_matrix += sum(matrix_count(item) for item in items)
+        scalars = None if tables is None else tables.scalars(index)
+        muon_batch(items, ns, skip=skip, mark=mark, scalars=scalars)
+    for index, items in enumerate(momentum, parts):
+        momentum_only(items, skip, None if tables is None else tables.scalars(index))
 
 
 @functools.cache
@@ -113,7 +103,10 @@ class _Buffers:
     offsets, the skip flag and the offset tables (see [Note: hyperparameters on the device]
     in _fused)."""
 
-    def __init__(self, signature: Hashable, items: Sequence[MuonItem], skip: bool) -> None:
+    def __init__(
+        self, signature: Hashable, parts: Sequence[Sequence[MuonItem]], skip: bool
+    ) -> None:
+        items = [item for part in parts for item in part]
         device = items[0].buf.device
         self.signature = signature
         self.values = torch.empty((len(items), 3), dtype=torch.float32, device=device)
@@ -122,12 +115,20 @@ class _Buffers:
         self.anchors = {item.grad.dtype: _anchor(device, item.grad.dtype) for item in items}
         # Each gradient matrix's item and its element offset in the item's gradient: fixed by
         # the signature (the gradients' layouts), unlike the gradients' addresses.
-        owner, within = [], []
-        for index, item in enumerate(items):
-            start, size = item.grad.data_ptr(), item.grad.element_size()
-            for matrix in grad_matrices(item):
-                owner.append(index)
-                within.append((matrix.data_ptr() - start) // size)
+        # Where each part (an NS batch or a momentum-only stack, in the phase's order) starts
+        # among the items and among the gradient matrices.
+        owner: list[int] = []
+        within: list[int] = []
+        self._starts: list[tuple[int, int]] = []
+        first = 0
+        for part in parts:
+            self._starts.append((first, len(owner)))
+            for index, item in enumerate(part, first):
+                start, size = item.grad.data_ptr(), item.grad.element_size()
+                for matrix in grad_matrices(item):
+                    owner.append(index)
+                    within.append((matrix.data_ptr() - start) // size)
+            first += len(part)
         self._owner = torch.tensor(owner, dtype=torch.int64)
         self._within = torch.tensor(within, dtype=torch.int64)
         self.grad_offsets = torch.empty(len(owner), dtype=torch.int64, device=device)
@@ -148,7 +149,9 @@ class _Buffers:
             return None
         return self.skip.copy_(skip)
 
-    def scalars(self, first: int, first_matrix: int) -> StepScalars:
+    def scalars(self, part: int) -> StepScalars:
+        """What the passes of the phase's ``part``-th part read."""
+        first, first_matrix = self._starts[part]
         return StepScalars(self.values, self.grad_offsets, self.anchors, first, first_matrix)
 
 
@@ -176,8 +179,8 @@ class GraphedMuonPhase:
         if self._failed or not kernels_ready() or not (batches or momentum):
             muon_phase(batches, momentum, skip, mark)  # nothing to step: nothing to capture
             return
-        items = [item for _, part, _ in batches for item in part]
-        items += [item for part in momentum for item in part]
+        parts = [items for _, items, _ in batches] + list(momentum)
+        items = [item for part in parts for item in part]
         signature = _signature(batches, momentum, skip)
         captured = self._captured
         if self._graph is not None and captured is not None and captured.signature == signature:
@@ -188,7 +191,7 @@ class GraphedMuonPhase:
         warm = self._warm
         seen = warm is not None and warm.signature == signature
         if warm is None or not seen:
-            warm = self._warm = _Buffers(signature, items, skip is not None)
+            warm = self._warm = _Buffers(signature, parts, skip is not None)
         flag = warm.write(items, skip)
         with static_tables(warm.tables):
             muon_phase(batches, momentum, flag, mark, warm)

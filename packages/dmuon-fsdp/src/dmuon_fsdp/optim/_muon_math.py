@@ -69,7 +69,6 @@ __all__ = [
     "grad_matrices",
     "init_adamw_state",
     "make_newton_schulz",
-    "matrix_count",
     "momentum_only",
     "momentum_update",
     "muon_batch",
@@ -162,12 +161,6 @@ class StepScalars(NamedTuple):
             return DeviceScalars(self.values, rows)
         grad_rows = [self.first_matrix + i for i in group]
         return DeviceScalars(self.values, rows, self.grad_offsets, grad_rows, self.anchors)
-
-
-def matrix_count(item: MuonItem) -> int:
-    """How many matrices ``item`` holds."""
-    rows, cols = _item_rows_cols(item)
-    return item.buf.numel() // (rows * cols)
 
 
 def grad_matrices(item: MuonItem) -> list[Tensor]:
