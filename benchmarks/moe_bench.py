@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         help="after timing, profile one more dmuon step: GPU time per kernel, busy and wall",
     )
     args = p.parse_args(argv)
+    if args.cuda_graph and args.device == "cpu":
+        p.error("--cuda-graph needs --device cuda (the Muon phase as a CUDA graph)")
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     os.environ.setdefault("DMUON_NS_CACHE_DIR", tempfile.mkdtemp(prefix="dmuon-ns-"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -562,8 +562,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--warmup must be >= 1: the first iteration runs before autotuning settles")
     if args.variants is None:
         wanted = {v for v in VARIANTS if v != "dmuon-qk" or args.qk_clip is not None}
+        if args.device == "cpu":
+            wanted.discard("dmuon-graph")  # a CUDA graph
     else:
         wanted = {v for v in args.variants.split(",") if v}
+        if args.device == "cpu" and "dmuon-graph" in wanted:
+            p.error("--variants dmuon-graph needs --device cuda (the Muon phase as a CUDA graph)")
     unknown = sorted(wanted - set(VARIANTS))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
