@@ -46,18 +46,9 @@ def _row(m, k, ms, batch=1, symmetric=True, has_c=False):
 
 
 def _pick(rows, m, k, batch=1, symmetric=True, has_c=False, dtype="float16"):
-    return _triton_tiles.nearest_tile(
-        rows,
-        symmetric=symmetric,
-        has_c=has_c,
-        has_diag=False,
-        batch=batch,
-        m=m,
-        n=m if symmetric else 4 * m,
-        k=k,
-        dtype=dtype,
-        out_dtype=dtype,
-    )
+    n = m if symmetric else 4 * m
+    product = _triton_tiles.Product(symmetric, has_c, False, batch, m, n, k, dtype, dtype)
+    return _triton_tiles.nearest_tile(rows, product)
 
 
 def test_the_nearest_product_of_the_same_kind_picks_its_fastest_tile():
@@ -73,8 +64,10 @@ def test_the_nearest_product_of_the_same_kind_picks_its_fastest_tile():
     rows = _table(_row(256, 1024, [0.1, 0.2]), out32)
     assert _pick(rows, 256, 1024) == 0
     fp32 = dict(symmetric=True, has_c=False, has_diag=False, batch=1, m=256, n=256, k=1024)
-    assert _triton_tiles.nearest_tile(rows, **fp32, dtype="float16", out_dtype="float32") == 1
-    assert _triton_tiles.nearest_tile(rows, **fp32, dtype="float16", out_dtype="bfloat16") == 0
+    to32 = _triton_tiles.Product(**fp32, dtype="float16", out_dtype="float32")
+    to16 = _triton_tiles.Product(**fp32, dtype="float16", out_dtype="bfloat16")
+    assert _triton_tiles.nearest_tile(rows, to32) == 1
+    assert _triton_tiles.nearest_tile(rows, to16) == 0
 
 
 def test_other_candidates_leave_the_products_to_the_autotuner():

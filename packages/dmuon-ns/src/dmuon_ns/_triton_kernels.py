@@ -37,7 +37,7 @@ import triton.testing
 from torch import Tensor
 
 from dmuon_ns._environment import triton_interpreting
-from dmuon_ns._triton_tiles import TileRow, load_tiles, nearest_tile
+from dmuon_ns._triton_tiles import Product, TileRow, load_tiles, nearest_tile
 
 __all__ = [
     "MM_TILES",
@@ -270,44 +270,28 @@ def _shipped_tile(
 ) -> TileConfig | None:
     """The tiles the shipped table picks for this product, or ``None`` (the autotuner's)."""
     batch, m, k = a.shape
-    return _pick_tile(
-        a.device, symmetric, has_c, has_diag, batch, m, out.shape[2], k, a.dtype, out.dtype
+    product = Product(
+        symmetric, has_c, has_diag, batch, m, out.shape[2], k, _name(a.dtype), _name(out.dtype)
     )
+    return _pick_tile(a.device, product)
 
 
 @functools.cache
-def _pick_tile(
-    device: torch.device,
-    symmetric: bool,
-    has_c: bool,
-    has_diag: bool,
-    batch: int,
-    m: int,
-    n: int,
-    k: int,
-    dtype: torch.dtype,
-    out_dtype: torch.dtype,
-) -> TileConfig | None:
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def _pick_tile(device: torch.device, product: Product) -> TileConfig | None:
     """:func:`_shipped_tile`'s answer, looked up once per product (an eager NS call runs a
     dozen products, each a scan of the table otherwise)."""
     rows = _shipped_rows(device)
     if not rows:
         return None
-    index = nearest_tile(
-        rows,
-        symmetric=symmetric,
-        has_c=has_c,
-        has_diag=has_diag,
-        batch=batch,
-        m=m,
-        n=n,
-        k=k,
-        dtype=str(dtype).removeprefix("torch."),
-        out_dtype=str(out_dtype).removeprefix("torch."),
-    )
+    index = nearest_tile(rows, product)
     if index is None:
         return None
-    return (SYM_TILES if symmetric else MM_TILES)[index]
+    return (SYM_TILES if product.symmetric else MM_TILES)[index]
 
 
 # Small tiles for the CPU interpreter, which spends milliseconds per operation of every program.

@@ -29,10 +29,25 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["TileRow", "load_tiles", "nearest_tile", "parse_tiles", "tiles_file"]
+__all__ = ["Product", "TileRow", "load_tiles", "nearest_tile", "parse_tiles", "tiles_file"]
 
 FORMAT_VERSION = 1
 _FILES = {"NVIDIA H200": "nvidia-h200-tiles.json"}
+
+
+class Product(NamedTuple):
+    """A product the Triton kernel runs: its kind, sizes and dtypes (torch's names, without
+    ``torch.``)."""
+
+    symmetric: bool
+    has_c: bool
+    has_diag: bool
+    batch: int
+    m: int
+    n: int
+    k: int
+    dtype: str
+    out_dtype: str
 
 
 class TileRow(NamedTuple):
@@ -102,29 +117,19 @@ def load_tiles(device_name: str, candidates: dict[str, Sequence[Any]]) -> tuple[
     return parse_tiles(json.loads(source.read_text("utf-8")), name, candidates)
 
 
-def nearest_tile(
-    rows: Sequence[TileRow],
-    *,
-    symmetric: bool,
-    has_c: bool,
-    has_diag: bool,
-    batch: int,
-    m: int,
-    n: int,
-    k: int,
-    dtype: str,
-    out_dtype: str,
-) -> int | None:
-    """The index of the fastest candidate of the nearest measured product of this kind (see
-    the note), or ``None`` when none of this kind was measured."""
-    kind = (symmetric, has_c, has_diag, dtype)
+def nearest_tile(rows: Sequence[TileRow], product: Product) -> int | None:
+    """The index of the fastest candidate of the nearest measured product of ``product``'s
+    kind (see the note), or ``None`` when none of this kind was measured."""
+    kind = (product.symmetric, product.has_c, product.has_diag, product.dtype)
     same = [r for r in rows if (r.symmetric, r.has_c, r.has_diag, r.dtype) == kind]
     if not same:
         return None
+    m, n, k = product.m, product.n, product.k
 
     def distance(row: TileRow) -> float:
         logs = sum(abs(math.log(a / b)) for a, b in ((row.m, m), (row.n, n), (row.k, k)))
-        return logs + 0.25 * abs(math.log(row.batch / batch)) + (row.out_dtype != out_dtype)
+        batch = 0.25 * abs(math.log(row.batch / product.batch))
+        return logs + batch + (row.out_dtype != product.out_dtype)
 
     best = min(same, key=distance)
     return min(range(len(best.ms)), key=best.ms.__getitem__)
