@@ -155,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="after timing, profile one more dmuon step: GPU time per kernel, busy and wall",
     )
+    p.add_argument(
+        "--ns-batch-mib",
+        type=int,
+        metavar="MIB",
+        help="dmuon's StepOptions(ns_batch_bytes=MIB MiB); 0: no cap (default: dmuon's default)",
+    )
     args = p.parse_args(argv)
     if args.cuda_graph and args.device == "cpu":
         p.error("--cuda-graph needs --device cuda (the Muon phase as a CUDA graph)")
@@ -187,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     params = list(stack.parameters())
     rows = []
     for graphed in (False, True) if args.cuda_graph else (False,):
-        options = dmuon.StepOptions(cuda_graph=True) if graphed else None
+        batching = {}
+        if args.ns_batch_mib is not None:
+            batching["ns_batch_bytes"] = args.ns_batch_mib * 2**20 or None
+        options = dmuon.StepOptions(cuda_graph=graphed, **batching)
         optimizer = dmuon.Muon(stack, lr=0.02, weight_decay=0.0, options=options)
         ms, peak = _time(
             optimizer.step,

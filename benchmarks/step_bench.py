@@ -229,6 +229,7 @@ def _build(
     mesh: Any,
     precision: Precision,
     qk: tuple[float, QKStat] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> _Built:
     torch.manual_seed(0)
     with device:
@@ -273,14 +274,23 @@ def _build(
                 q = f"layers.{i}.self_attn.q_proj.weight"
                 clip.add(q, f"layers.{i}.self_attn.k_proj.weight", cfg.heads, cfg.n_kv_heads)
                 layer.self_attn.attend = _observing(clip, q, qk[1])
-        options = dmuon.StepOptions(
-            ns_overlap=variant == "dmuon-overlap", cuda_graph=variant == "dmuon-graph"
+        step_options = dmuon.StepOptions(
+            ns_overlap=variant == "dmuon-overlap",
+            cuda_graph=variant == "dmuon-graph",
+            **(options or {}),
         )
-        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-4, options=options)
+        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-4, options=step_options)
         if clip is not None:
             clip.attach(optimizer)
         optimizers.append(optimizer)
     return _Built(model, optimizers, autocast=mixed and not sharded)
+
+
+def _step_options(ns_batch_mib: int | None) -> dict[str, Any]:
+    """The ``dmuon.StepOptions`` fields the command line sets (``--ns-batch-mib``; 0: no cap)."""
+    if ns_batch_mib is None:
+        return {}
+    return {"ns_batch_bytes": ns_batch_mib * 2**20 or None}
 
 
 def _wait_for_fused_compile() -> None:
@@ -304,10 +314,11 @@ def measure(
     iters: int,
     qk: tuple[float, QKStat] | None = None,
     trace_step: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> Measured:
     if variant == "dmuon":
         _check_ns_cold()
-    model, optimizers, autocast = _build(variant, cfg, device, mesh, precision, qk)
+    model, optimizers, autocast = _build(variant, cfg, device, mesh, precision, qk, options)
     batch = max(1, tokens // cfg.seq_len)
     gen = torch.Generator(device=device).manual_seed(1)
     inputs = [
@@ -557,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         help="after timing, profile one more step of each dmuon variant: GPU time per kernel,"
         " busy and wall",
     )
+    p.add_argument(
+        "--ns-batch-mib",
+        type=int,
+        metavar="MIB",
+        help="dmuon's StepOptions(ns_batch_bytes=MIB MiB); 0: no cap (default: dmuon's default)",
+    )
     args = p.parse_args(argv)
     if args.warmup < 1:
         p.error("--warmup must be >= 1: the first iteration runs before autotuning settles")
@@ -632,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.iters,
                         qk,
                         trace_step=args.trace and variant.startswith("dmuon"),
+                        options=_step_options(args.ns_batch_mib),
                     )
                     print(f"  measured {name} {variant}", file=sys.stderr, flush=True)
                 print(_report(name, cfg, results, args.tokens, args.precision), flush=True)

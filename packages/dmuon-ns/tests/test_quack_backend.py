@@ -74,19 +74,29 @@ def test_small_or_unaligned_problems_stay_on_torch_products(monkeypatch):
         assert quack_backend._products_for(x) is expected, shape
 
 
-def test_symmetric_tiles_fill_the_last_round():
-    # H200: 132 SMs. At m = 4096 quack's 256-square clusters need 3 rounds for 2.06 rounds of
-    # work; 128-tiles need exactly 4 cheaper ones. 2048 and 8192 already fill their rounds.
-    small = quack_backend.SM90_SYM_TILES[1]
-    default = quack_backend.QUACK_SM90_TILES
+def test_symmetric_tiles_take_the_least_estimated_time():
+    # At a measured product the estimate is the measurement, so the pick is its fastest shape.
+    shapes = quack_backend.SM90_SYM_TILES
+    for product, times in quack_backend.SYM_TILE_MEASUREMENTS:
+        for tiles, us in zip(shapes, times, strict=True):
+            assert quack_backend.estimated_us(tiles, product, 132) == pytest.approx(us)
+        fastest = shapes[times.index(min(times))]
+        assert quack_backend.pick_sym_tiles(product, 132) is fastest, product
+    # Elsewhere the rounds are the product's own. H200: 132 SMs. At m = 4096 quack's
+    # 256-squares need 3 rounds for 2.06 rounds of work, 128-tiles exactly 4 cheaper ones.
+    default, small = shapes
     assert default.rounds(1, 4096, 132) == 3 and small.rounds(1, 4096, 132) == 4
-    assert quack_backend.pick_sym_tiles(1, 4096, 132) is small
-    assert quack_backend.pick_sym_tiles(1, 3072, 132) is small
-    for batch, m in [(1, 2048), (1, 8192), (32, 1024), (3, 4096)]:
-        assert quack_backend.pick_sym_tiles(batch, m, 132) is default, (batch, m)
-    # Fewer SMs move the boundary: 114 SMs (H100 PCIe) fit m = 4096 in 3 big rounds too.
-    assert default.rounds(1, 4096, 114) == 3 and small.rounds(1, 4096, 114) == 5
-    assert quack_backend.pick_sym_tiles(1, 4096, 114) is default
+    gram = quack_backend.SymProduct(1, 4096, 8192, gram=True)
+    assert quack_backend.pick_sym_tiles(gram, 132) is small
+    # Fewer SMs move the boundary. Two such Gram matrices: 5 big rounds on 132 SMs or on
+    # 114 (H100 PCIe), against 8 small ones on 132 and 10 on 114.
+    two = quack_backend.SymProduct(2, 4096, 14336, gram=True)
+    assert default.rounds(2, 4096, 132) == default.rounds(2, 4096, 114) == 5
+    assert small.rounds(2, 4096, 132) == 8 and small.rounds(2, 4096, 114) == 10
+    assert quack_backend.pick_sym_tiles(two, 132) is small
+    assert quack_backend.pick_sym_tiles(two, 114) is default
+    # A round's time is scaled by K from the nearest measured product (here 1 × 4096×14336).
+    assert quack_backend.estimated_us(small, gram, 132) == pytest.approx(368.7 * 8192 / 14336)
 
 
 @pytest.mark.parametrize(

@@ -19,19 +19,30 @@ quack's symmetric product is persistent: a fixed number of CTAs (clusters) walk 
 one triangle in rounds, so a problem runs ⌈tiles / slots⌉ rounds, and a last round that is
 nearly empty costs as much as a full one. On SM90 quack always uses 128×256 tiles in clusters
 of two (a 256×256 square per cluster, 66 slots on an H200's 132 SMs): at m = 4096 that is 136
-squares, 3 rounds of which the last is 4 squares (2.06 rounds of work). 128×128 tiles without
-a cluster give 528 tiles on 132 slots, exactly 4 rounds, each costing 0.61 of a big round
-(measured at 8192, where both fill every round). So per (batch, m) we pick the shape with the
-fewest estimated rounds × cost, ties to quack's own: on an H200 the m = 4096 products ran
-13-18 % faster (0.141 → 0.123 ms for R·R, 0.458 → 0.376 ms for X·Xᵀ at n = 14336; 2048 and
-8192 keep the default). Every shape computes each output element in the same K order, so
-X·Xᵀ and R·R (exactly symmetric) come out bit for bit the same; a product that is symmetric
-only in exact arithmetic (Q·Z') differs by rounding in the mirrored half, as it would
-between any two tilings. The choice goes through quack's dispatch-level ``gemm_symmetric``,
-which takes the tile shape. That function is below quack's documented interface, so it is
-used only from the quack releases it was written and measured against
+squares, 3 rounds of which the last is 4 squares (2.06 rounds of work). 128×128 ping-pong
+tiles without a cluster waste less of the last round (528 tiles on 132 slots: exactly 4
+rounds) but run each round at a lower rate, and which wins depends on the product: on an H200
+(``SYM_TILE_MEASUREMENTS``: 15 products of the benchmark, MoE and Llama shapes, timed with
+both shapes) 128×128 took R·R + C of 128 experts of 768 rows from 165 to 145 µs and a
+1024×4096 Gram matrix from 45 to 26 µs, while 128×256 stays faster at m = 8192 (2.76 against
+4.18 ms at K = 28672, where 128×128 rounds slow down) and for 128 Gram matrices of 768×2048.
+A product takes the shape with the least estimated time, rounds × the time of one round, where
+a round's time is that of the measured product nearest in m, K and whether it is a Gram matrix
+(then in batch), scaled by K (ties to quack's own). Every shape computes each output element
+in the same K order, so X·Xᵀ and R·R (exactly symmetric) come out bit for bit the same; a
+product that is symmetric only in exact arithmetic (Q·Z') differs by rounding in the mirrored
+half, as it would between any two tilings. The choice goes through quack's dispatch-level
+``gemm_symmetric``, which takes the tile shape. That function is below quack's documented
+interface, so it is used only from the quack releases it was written and measured against
 (``_TILED_QUACK_RELEASES``); under another release, or on another architecture, quack's
 interface runs with its own tiles.
+
+Two more shapes were faster at some products and are not used: 192×192 (X·Xᵀ at 2 × 2048×8192
+in 108 µs against 140: 132 squares, one round) and 64×128 in clusters of two (a 1024×4096
+Gram matrix in 20 µs). The first aborted the process inside CuTe DSL's compiler (4.8.1,
+``std::bad_variant_access``: no exception handler can catch it) for a product with C and a
+transposed B, and neither has been through these loops and the bit-for-bit test on a GPU
+(benchmarks/HISTORY.md, "The symmetric tile shapes").
 
 [Note: no tuning inside quack]
 quack's ``gemm`` and ``gemm_add`` autotune by default: the first call of every new shape
@@ -71,27 +82,80 @@ _TILED_QUACK_RELEASES = ("0.6.",)
 
 
 class SymTiles(NamedTuple):
-    """One SM90 tile shape of quack's symmetric product (see the module note)."""
+    """One SM90 tile shape of quack's symmetric product (see the module note): clusters of
+    ``cluster_m`` CTAs of ``tile_m``×``tile_n`` cover one ``tile_n`` square each."""
 
+    name: str
     tile_m: int
     tile_n: int
     cluster_m: int
     pingpong: bool
-    round_cost: float  # time of one round of tiles, relative to quack's default shape
 
     def rounds(self, batch: int, m: int, sms: int) -> int:
-        side = math.ceil(m / (self.tile_m * self.cluster_m))
+        side = math.ceil(m / self.tile_n)
         tiles = batch * side * (side + 1) // 2
         return math.ceil(tiles / (sms // self.cluster_m))
 
 
-QUACK_SM90_TILES = SymTiles(128, 256, 2, pingpong=False, round_cost=1.0)
-SM90_SYM_TILES = (QUACK_SM90_TILES, SymTiles(128, 128, 1, pingpong=True, round_cost=0.61))
+QUACK_SM90_TILES = SymTiles("128x256 c2", 128, 256, 2, pingpong=False)
+SM90_SYM_TILES = (QUACK_SM90_TILES, SymTiles("128x128 pingpong", 128, 128, 1, pingpong=True))
 
 
-def pick_sym_tiles(batch: int, m: int, sms: int) -> SymTiles:
-    """The SM90 tile shape with the fewest estimated rounds × cost (ties: quack's own)."""
-    return min(SM90_SYM_TILES, key=lambda t: t.rounds(batch, m, sms) * t.round_cost)
+class SymProduct(NamedTuple):
+    """A symmetric product of (batch, m, k) operands: a Gram matrix ``x·xᵀ`` (``gram``), or
+    ``alpha·a·b + beta·c``."""
+
+    batch: int
+    m: int
+    k: int
+    gram: bool
+
+
+# µs of each SM90_SYM_TILES shape, in order, per product: NVIDIA H200 (132 SMs), quack-kernels
+# 0.6.5, fp16 row-major operands, triton.testing.do_bench medians, 2026-12-04 20:03-20:08 UTC
+# (benchmarks/HISTORY.md, "The symmetric tile shapes").
+SYM_TILE_MEASUREMENTS: tuple[tuple[SymProduct, tuple[float, ...]], ...] = (
+    (SymProduct(128, 768, 768, False), (165.2, 145.4)),
+    (SymProduct(128, 768, 2048, True), (306.0, 320.5)),
+    (SymProduct(2, 2048, 2048, False), (65.4, 41.5)),
+    (SymProduct(2, 2048, 8192, True), (174.2, 140.2)),
+    (SymProduct(8, 2048, 2048, False), (144.2, 119.5)),
+    (SymProduct(48, 2048, 2048, False), (733.4, 695.1)),
+    (SymProduct(32, 512, 512, False), (34.3, 26.3)),
+    (SymProduct(32, 512, 2048, True), (54.3, 48.9)),
+    (SymProduct(1, 4096, 4096, False), (146.5, 117.6)),
+    (SymProduct(1, 4096, 14336, True), (468.2, 368.7)),
+    (SymProduct(2, 4096, 4096, False), (276.3, 236.1)),
+    (SymProduct(1, 1024, 1024, False), (22.4, 14.5)),
+    (SymProduct(1, 1024, 4096, True), (45.4, 25.6)),
+    (SymProduct(1, 8192, 8192, False), (800.3, 1007.2)),
+    (SymProduct(1, 8192, 28672, True), (2763.6, 4178.5)),
+)
+_MEASURED_SMS = 132
+
+
+def _distance(a: SymProduct, b: SymProduct) -> float:
+    """How far apart two products are for a round's time: m and K on a log scale, one unit
+    for a Gram matrix against a product that adds C (a round's epilogue reads C), and the
+    batch, which the rounds already count, weighed lightly (it moves a round's time only
+    through the caches)."""
+    shape = abs(math.log2(a.m / b.m)) + abs(math.log2(a.k / b.k)) + float(a.gram != b.gram)
+    return shape + abs(math.log2(a.batch / b.batch)) / 8
+
+
+def estimated_us(tiles: SymTiles, product: SymProduct, sms: int) -> float:
+    """``product``'s time on ``tiles``: its rounds × the time of one round of the nearest
+    measured product, scaled by K (see the module note)."""
+    index = SM90_SYM_TILES.index(tiles)
+    near, times = min(SYM_TILE_MEASUREMENTS, key=lambda entry: _distance(product, entry[0]))
+    per_round = times[index] / tiles.rounds(near.batch, near.m, _MEASURED_SMS)
+    return tiles.rounds(product.batch, product.m, sms) * per_round * product.k / near.k
+
+
+@functools.cache
+def pick_sym_tiles(product: SymProduct, sms: int) -> SymTiles:
+    """The SM90 tile shape with the least estimated time (ties: quack's own)."""
+    return min(SM90_SYM_TILES, key=lambda tiles: estimated_us(tiles, product, sms))
 
 
 @functools.cache
@@ -126,8 +190,9 @@ class _QuackProducts(TorchProducts):
         if sms is None:
             out: Tensor = self._gemm_symmetric(a, b, C=c, alpha=alpha, beta=beta)
             return out
-        batch, m = a.shape[0], a.shape[1]
-        tiles = pick_sym_tiles(batch, m, sms)
+        batch, m, k = a.shape
+        gram = c is None and alpha == 1.0 and b.mT.is_contiguous()
+        tiles = pick_sym_tiles(SymProduct(batch, m, k, gram), sms)
         out = torch.empty(batch, m, m, dtype=a.dtype, device=a.device)
         # The dispatch level takes B operand-shaped, (batch, m, k): the interface's ``b.mT``.
         self._tiled_symmetric(
