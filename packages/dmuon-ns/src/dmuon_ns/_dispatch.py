@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,9 +57,9 @@ def run(
     one (``_autotune``'s [Note: a verdict's kernel that fails])."""
     kernels = resolution.kernels
     kernel = pick(kernels, prepared, op, coefficients, restart_iterations)
-    call = (prepared, op, coefficients, restart_iterations, out_dtype, cuda_graphs)
+    call = _Call(prepared, op, coefficients, restart_iterations, out_dtype, cuda_graphs)
     try:
-        return _run_on(kernel, kernels, *call)
+        return _run_on(kernel, kernels, call)
     except Exception as err:
         if len(kernels) < 2 or prepared.device.type != "cuda":
             raise
@@ -71,28 +72,31 @@ def run(
         )
         if fallback is None:
             raise
-    return _run_on(fallback, kernels, *call)
+    return _run_on(fallback, kernels, call)
 
 
-def _run_on(
-    kernel: NSKernel,
-    candidates: Sequence[NSKernel],
-    prepared: Prepared,
-    op: str,
-    coefficients: tuple[tuple[float, float, float], ...],
-    restart_iterations: tuple[int, ...],
-    out_dtype: torch.dtype | None,
-    cuda_graphs: bool,
-) -> Tensor:
+class _Call(NamedTuple):
+    """One ``run``: what every kernel it may try runs on."""
+
+    prepared: Prepared
+    op: str
+    coefficients: tuple[tuple[float, float, float], ...]
+    restart_iterations: tuple[int, ...]
+    out_dtype: torch.dtype | None
+    cuda_graphs: bool
+
+
+def _run_on(kernel: NSKernel, candidates: Sequence[NSKernel], call: _Call) -> Tensor:
+    prepared, op, coefficients, restarts, out_dtype, cuda_graphs = call
     if isinstance(kernel, LoopKernel):
         prepared = prepared._replace(scale_pass=kernel.scale_pass(prepared.source, prepared.norm))
 
     def fn(x: Tensor | Owned) -> Tensor | LastProduct:
         if isinstance(kernel, LoopKernel):
-            return kernel.loop(op, x, coefficients, restart_iterations, out_dtype)
+            return kernel.loop(op, x, coefficients, restarts, out_dtype)
         x = x.take() if isinstance(x, Owned) else x
         if op == "gram":
-            return kernel.gram(x, coefficients, restart_iterations, out_dtype)
+            return kernel.gram(x, coefficients, restarts, out_dtype)
         return kernel.direct(x, coefficients, out_dtype)
 
     nbytes = math.prod(prepared.shape) * prepared.dtype.itemsize
@@ -102,7 +106,7 @@ def _run_on(
         # The key names the candidates, the variant the one picked: a kernel asked for by name
         # keeps its own graph, and auto's problem keeps one, for its current pick.
         names = tuple(k.name for k in candidates)
-        key = (names, op, coefficients, restart_iterations, out_dtype)
+        key = (names, op, coefficients, restarts, out_dtype)
         return _graphs.run_graphed(fn, prepared, key, variant=kernel.name)
     # Handed over: the loop frees the input once it has read it for the last time.
     return finished(fn(Owned(prepared.write())))
