@@ -93,7 +93,9 @@ def test_the_h200_tile_table_covers_every_kind_with_the_current_candidates():
     candidates = {"symmetric": _triton_kernels.SYM_TILES, "plain": _triton_kernels.MM_TILES}
     rows = _triton_tiles.parse_tiles(json.loads(text), name, candidates)
     assert rows, "measured with other candidates: rerun benchmarks/ns_tiles.py on an H200"
-    kinds = {(r.symmetric, r.has_c, r.has_diag) for r in rows}
+    kinds = {(r.product.symmetric, r.product.has_c, r.product.has_diag) for r in rows}
     # The Gram iteration's products: X·Xᵀ, the symmetric ones with C and a diagonal, Q·X.
     assert (True, False, False) in kinds and (False, False, False) in kinds
-    assert all(len(r.ms) == len(candidates["symmetric" if r.symmetric else "plain"]) for r in rows)
+    assert all(
+        len(r.ms) == len(candidates["symmetric" if r.product.symmetric else "plain"]) for r in rows
+    )

@@ -51,17 +51,9 @@ class Product(NamedTuple):
 
 
 class TileRow(NamedTuple):
-    """One measured product: its kind, sizes and dtypes, and each candidate's median ms."""
+    """One measured product and each candidate's median ms on it."""
 
-    symmetric: bool
-    has_c: bool
-    has_diag: bool
-    batch: int
-    m: int
-    n: int
-    k: int
-    dtype: str
-    out_dtype: str
+    product: Product
     ms: tuple[float, ...]
 
 
@@ -86,20 +78,18 @@ def parse_tiles(data: Any, where: str, candidates: dict[str, Sequence[Any]]) -> 
             ms = tuple(float(t) for t in row["ms"])
             if len(ms) != len(current[kind]):
                 raise ValueError(f"{len(ms)} times for {len(current[kind])} candidates")
-            rows.append(
-                TileRow(
-                    bool(row["symmetric"]),
-                    bool(row["has_c"]),
-                    bool(row["has_diag"]),
-                    int(row["batch"]),
-                    int(row["m"]),
-                    int(row["n"]),
-                    int(row["k"]),
-                    str(row["dtype"]),
-                    str(row["out_dtype"]),
-                    ms,
-                )
+            product = Product(
+                bool(row["symmetric"]),
+                bool(row["has_c"]),
+                bool(row["has_diag"]),
+                int(row["batch"]),
+                int(row["m"]),
+                int(row["n"]),
+                int(row["k"]),
+                str(row["dtype"]),
+                str(row["out_dtype"]),
             )
+            rows.append(TileRow(product, ms))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{where}: malformed product {row!r} ({err})") from err
     return tuple(rows)
@@ -120,16 +110,20 @@ def load_tiles(device_name: str, candidates: dict[str, Sequence[Any]]) -> tuple[
 def nearest_tile(rows: Sequence[TileRow], product: Product) -> int | None:
     """The index of the fastest candidate of the nearest measured product of ``product``'s
     kind (see the note), or ``None`` when none of this kind was measured."""
-    kind = (product.symmetric, product.has_c, product.has_diag, product.dtype)
-    same = [r for r in rows if (r.symmetric, r.has_c, r.has_diag, r.dtype) == kind]
+
+    def kind(p: Product) -> tuple[bool, bool, bool, str]:
+        return p.symmetric, p.has_c, p.has_diag, p.dtype
+
+    same = [r for r in rows if kind(r.product) == kind(product)]
     if not same:
         return None
-    m, n, k = product.m, product.n, product.k
 
     def distance(row: TileRow) -> float:
-        logs = sum(abs(math.log(a / b)) for a, b in ((row.m, m), (row.n, n), (row.k, k)))
-        batch = 0.25 * abs(math.log(row.batch / product.batch))
-        return logs + batch + (row.out_dtype != product.out_dtype)
+        near = row.product
+        sizes = ((near.m, product.m), (near.n, product.n), (near.k, product.k))
+        logs = sum(abs(math.log(a / b)) for a, b in sizes)
+        batch = 0.25 * abs(math.log(near.batch / product.batch))
+        return logs + batch + (near.out_dtype != product.out_dtype)
 
     best = min(same, key=distance)
     return min(range(len(best.ms)), key=best.ms.__getitem__)
