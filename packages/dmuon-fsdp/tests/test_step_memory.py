@@ -161,18 +161,19 @@ def test_world_size_one_step_holds_no_more_than_torch_muon() -> None:
     )
 
 
-def test_default_ns_cap_runs_large_matrices_alone() -> None:
-    # One NS call's transient memory is ~5x its stack, so stacking the big matrices of a
-    # Llama-3-8B stack (8 layers x gate/up/down of 4096x14336, bf16) cost ~2.3 GiB more than
-    # torch.optim.Muon's per-matrix loop. Meta tensors: only the batching decision runs.
+def test_default_ns_cap_bounds_each_stack_and_runs_the_largest_matrices_alone() -> None:
+    # One NS call's transient memory is ~5x its stack, so the default cap (256 MiB) bounds it:
+    # a Llama-3-8B MLP matrix (4096x14336, bf16, 112 MiB) goes in pairs, a Llama-3-70B one
+    # (8192x28672, 448 MiB) alone, and small matrices share calls (where batching pays).
+    # Meta tensors: only the batching decision runs.
     stacks: list[tuple[int, ...]] = []
 
     def fake_ns(batch: Tensor) -> Tensor:
         stacks.append(tuple(batch.shape))
         return torch.empty_like(batch)
 
-    shapes = [(14336, 4096)] * 16 + [(4096, 14336)] * 8 + [(4096, 4096)] * 16
-    shapes += [(1024, 4096)] * 16
+    shapes = [(14336, 4096)] * 16 + [(4096, 14336)] * 7 + [(4096, 4096)] * 16
+    shapes += [(1024, 4096)] * 40 + [(28672, 8192)] * 3
     items = []
     for shape in shapes:
         w = torch.empty(shape, dtype=torch.bfloat16, device="meta")
@@ -182,9 +183,12 @@ def test_default_ns_cap_runs_large_matrices_alone() -> None:
             )
         )
     _muon_math.muon_step(items, fake_ns, max_batch_bytes=DEFAULT_NS_BATCH_BYTES)
+    assert DEFAULT_NS_BATCH_BYTES == 256 * 2**20
     assert sorted(stacks) == sorted(
-        [(1, 14336, 4096)] * 16
-        + [(1, 4096, 14336)] * 8
-        + [(2, 4096, 4096)] * 8
-        + [(8, 1024, 4096)] * 2
-    )  # every MLP matrix alone; small matrices still share calls (that is where batching pays)
+        [(2, 14336, 4096)] * 8
+        + [(2, 4096, 14336)] * 3
+        + [(1, 4096, 14336)]  # the odd one out
+        + [(8, 4096, 4096)] * 2
+        + [(32, 1024, 4096), (8, 1024, 4096)]
+        + [(1, 28672, 8192)] * 3
+    )

@@ -78,10 +78,15 @@ __all__ = [
 ]
 
 # Cap on one batched NS input; see [Note: one Newton–Schulz call per shape] in _muon_math.
-# 64 MiB stacks every matrix up to 4096×4096 (bf16) in pairs or more, and runs a Llama-8B MLP
-# matrix (4096×14336, 112 MiB) alone, as torch.optim.Muon does: the stack's transient memory
-# is ~5× its size, so a 512 MiB cap cost ~2.3 GiB more than a per-matrix loop.
-DEFAULT_NS_BATCH_BYTES = 64 * 2**20
+# 256 MiB stacks 2048×8192 matrices (bf16) in eights and 4096×14336 ones (a Llama-8B MLP
+# matrix, 112 MiB) in pairs. Batches of two 2048² matrices leave the last of quack's
+# persistent rounds of product tiles half empty: on an H200 the 16-layer H=2048 bench stack
+# stepped in 0.456 × torch.optim.Muon's time at 256 MiB against 0.48–0.51 × at 64 MiB, for
+# 0.55 GiB more step memory (1.20 × torch.optim.Muon's); the H=4096 stack kept its time (0.22
+# GiB more), the MoE step its time and memory. The transient memory is ~5× the stack, and
+# each doubling of the cap buys less (no cap: 0.412 × for 3.5 GiB more); benchmarks/
+# HISTORY.md, "Training step".
+DEFAULT_NS_BATCH_BYTES = 256 * 2**20
 
 
 class MuonClipGrads(NamedTuple):
@@ -118,7 +123,7 @@ class StepOptions:
         ns_batch_bytes: same-shape matrices share one Newton–Schulz call up to this many bytes
             of input (an int >= 1; a matrix larger than it runs alone); ``None``: one call per
             shape, however large. Larger batches mean fewer kernel launches and more transient
-            memory (about five times the batch). The default is 64 MiB.
+            memory (about five times the batch). The default is 256 MiB.
         replicate_async: HSDP and the replicated path: ``True`` launches the publish of the
             updated weights at the end of ``step()`` without waiting (each boundary's next
             forward waits for its own part); ``False`` waits for it in ``step()``. A bool.

@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         "--ns-batch-bytes",
         type=int,
         default=DEFAULT_NS_BATCH_BYTES,
-        help="Muon's cap on one Newton-Schulz batch, in bytes of momentum (default 64 MiB)",
+        help="Muon's cap on one Newton-Schulz batch, in bytes of momentum (default 256 MiB)",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     cards = ", ".join(f"{name} ({gpu.memory_gib:.1f} GiB)" for name, gpu in GPUS.items())

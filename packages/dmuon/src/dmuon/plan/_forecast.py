@@ -122,7 +122,7 @@ from ._topology import Topology
 __all__ = ["DEFAULT_NS_BATCH_BYTES", "expert_stack", "forecast"]
 
 # Muon(ns_batch_bytes=) default in dmuon-fsdp: momentum bytes of one NS call.
-DEFAULT_NS_BATCH_BYTES = 64 * 2**20
+DEFAULT_NS_BATCH_BYTES = 256 * 2**20
 # AdamW's ``step``: a float32 scalar per parameter tensor (torch.optim.AdamW's layout).
 ADAMW_STEP_BYTES = 4
 
