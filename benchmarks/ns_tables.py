@@ -10,7 +10,8 @@ the date, card and versions. ``--log`` also records the seconds each measurement
 first problems pay the compiles). Problems are (op, batch, m, n) after the front end's
 transposition (m ≤ n): the issue's five shapes, the 2-D weights of Llama 3 (8B, 70B), Qwen
 2.5 7B, Qwen3 (8B, 30B-A3B), DeepSeek-V3 and Kimi K2, batched as the optimizer batches them
-(``ns_batch_bytes``, 64 MiB of bf16 by default) and alone, and expert stacks.
+(``ns_batch_bytes``: 64 MiB of bf16 by default until 2026-12-04, 256 MiB since) and alone,
+and expert stacks.
 """
 
 from __future__ import annotations
@@ -40,10 +41,15 @@ PROBLEMS: list[tuple[str, int, int, int]] = [
     ("gram", 32, 1024, 4096),
     ("direct", 2, 4096, 4096),
     ("gram", 2, 2048, 8192),
+    # The same at the 256 MiB cap.
+    ("gram", 8, 2048, 8192),
+    ("direct", 8, 4096, 4096),
+    ("gram", 2, 4096, 14336),
     # Llama 3 70B; Qwen3 8B; Qwen 2.5 7B.
     ("direct", 1, 8192, 8192),
     ("gram", 1, 1024, 8192),
     ("gram", 4, 1024, 8192),
+    ("gram", 16, 1024, 8192),
     ("gram", 1, 4096, 12288),
     ("direct", 1, 3584, 3584),
     ("direct", 2, 3584, 3584),
