@@ -442,7 +442,8 @@ def test_topology_and_forecast_errors() -> None:
 # 700 W, torch 2.11.0+cu130, triton 3.6.0, no quack installed) on 2026-12-03, 09:26-09:30 UTC:
 # `step_bench.py --config C --variants dmuon --warmup 3 --iters 10`, four runs per config
 # (BENCHMARKS.md, "The step in phases"). Those runs had no quack, so the prediction uses the
-# table of what NS runs without it.
+# table of what NS runs without it, and they batched NS at the then-default 64 MiB cap.
+STEP_BENCH_NS_BATCH_BYTES = 64 * 2**20
 STEP_BENCH_MS = {
     (2048, 8192, 16): (59.41, 59.62, 59.61, 60.91),
     (4096, 14336, 8): (171.93, 171.94, 172.40, 172.15),
@@ -466,7 +467,12 @@ def test_predicted_step_time_matches_the_h200_step_bench(
         "tie_word_embeddings": True,
     }
     topology = Topology(1, param_dtype="bf16", master_dtype="bf16")
-    fc = forecast(config, topology, ns_times=load_ns_times("ns_times_h200_no_quack.json"))
+    fc = forecast(
+        config,
+        topology,
+        ns_times=load_ns_times("ns_times_h200_no_quack.json"),
+        ns_batch_bytes=STEP_BENCH_NS_BATCH_BYTES,
+    )
     predicted = fc.step_ms[DMUON].max
     measured = STEP_BENCH_MS[(hidden, intermediate, layers)]
     print(
