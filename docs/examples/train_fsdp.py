@@ -160,11 +160,14 @@ def _run(job: Callable[[], None]) -> None:
     try:
         job()
     finally:
-        # Every rank finishes its last collective, then stops gloo's worker threads while the
-        # interpreter still runs: one that lets go of a finished collective during interpreter
-        # exit aborts the process ("terminate called without an active exception").
-        dist.barrier()
+        dist.barrier()  # no rank leaves while another still talks to it
         dist.destroy_process_group()
+    # A gloo worker thread may still be letting go of a finished collective when the
+    # interpreter shuts down, which aborts the process ("terminate called without an active
+    # exception", PyTorch's own; see the FAQ): leave without the interpreter's shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, job: Callable[[], None]) -> None:
