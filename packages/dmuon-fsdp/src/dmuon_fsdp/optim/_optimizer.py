@@ -84,8 +84,8 @@ __all__ = [
 # stepped in 0.456 × torch.optim.Muon's time at 256 MiB against 0.48–0.51 × at 64 MiB, for
 # 0.55 GiB more step memory (1.20 × torch.optim.Muon's); the H=4096 stack kept its time (0.22
 # GiB more), the MoE step its time and memory. The transient memory is ~5× the stack, and
-# each doubling of the cap buys less (no cap: 0.412 × for 3.5 GiB more); benchmarks/
-# HISTORY.md, "Training step".
+# each doubling of the cap buys less (no cap: 0.412 × for 3.0 GiB more than at 256 MiB);
+# benchmarks/HISTORY.md, "Training step".
 DEFAULT_NS_BATCH_BYTES = 256 * 2**20
 
 
