@@ -151,7 +151,7 @@ def test_world_size_one_step_holds_no_more_than_torch_muon() -> None:
     # Weights, one gradient and one momentum buffer per matrix, AdamW states: the same bytes
     # (a few scalars of slack: step counters, the loss).
     assert dmuon_before <= torch_before + 4096, (dmuon_before, torch_before)
-    # Measured 1.06x here (one more normalised NS input alive than torch's loop); a second
+    # Measured 1.02x here (one more scaled NS input alive than torch's loop); a second
     # copy of the weights or the gradients would be >= 1.3x.
     assert dmuon_before + dmuon_peak <= 1.1 * (torch_before + torch_peak), (
         dmuon_before,
@@ -162,7 +162,7 @@ def test_world_size_one_step_holds_no_more_than_torch_muon() -> None:
 
 
 def test_default_ns_cap_bounds_each_stack_and_runs_the_largest_matrices_alone() -> None:
-    # One NS call's transient memory is ~5x its stack, so the default cap (256 MiB) bounds it:
+    # One NS call's transient memory is 3.25-4x its stack, so the default cap (256 MiB) bounds it:
     # a Llama-3-8B MLP matrix (4096x14336, bf16, 112 MiB) goes in pairs, a Llama-3-70B one
     # (8192x28672, 448 MiB) alone, and small matrices share calls (where batching pays).
     # Meta tensors: only the batching decision runs.

@@ -105,3 +105,48 @@ def test_a_handed_over_input_is_freed_once_it_is_no_longer_read() -> None:
         assert "taken once" in str(err)
     else:
         raise AssertionError("an Owned input was taken twice")
+
+
+class _CountingSquares(TorchProducts):
+    """Torch products that note, before each product, how many of the m×m matrices they have
+    returned are still alive (the loop's references are the only ones)."""
+
+    def __init__(self) -> None:
+        self.squares: list[weakref.ref[Tensor]] = []
+        self.alive: list[tuple[str, int]] = []
+
+    def _note(self, kind: str, out_of: Tensor) -> Tensor:
+        self.alive.append((kind, sum(ref() is not None for ref in self.squares)))
+        return out_of
+
+    def _made(self, out: Tensor) -> Tensor:
+        if out.shape[-1] == out.shape[-2]:
+            self.squares.append(weakref.ref(out))
+        return out
+
+    def gram(self, x: Tensor) -> Tensor:
+        self._note("gram", x)
+        return self._made(super().gram(x))
+
+    def sym(self, a: Tensor, b: Tensor, c: Tensor, *, alpha: float = 1.0, beta: float) -> Tensor:
+        self._note("sym", a)
+        return self._made(super().sym(a, b, c, alpha=alpha, beta=beta))
+
+    def mm(self, a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        self._note("mm", a)
+        return self._made(super().mm(a, b, out_dtype))
+
+
+def test_each_m_by_m_matrix_is_dropped_once_it_is_read_for_the_last_time() -> None:
+    # [Note: m×m lifetimes]: a step forms its products beside R, Q and Z' at most, and the
+    # restart's Q·X (the first "mm") and the last product beside Q alone.
+    products = _CountingSquares()
+    coeffs = tuple(tuple(row) for row in POLAR_EXPRESS_COEFFICIENTS[:5])
+    last = gram_iterations(products, Owned(_scaled(2, 8, 24)), coeffs, (2,))
+    restart = next(alive for kind, alive in products.alive if kind == "mm")
+    assert restart == 1, products.alive
+    assert max(alive for _, alive in products.alive) == 3, products.alive
+    q, _ = last.operands
+    del last
+    assert sum(ref() is not None for ref in products.squares) == 1  # Q, held by the caller
+    assert q is not None

@@ -15,6 +15,16 @@ materialises ``X ← Q·X``, recomputes ``R = X·Xᵀ`` from it and resets ``Q =
 Dao-AILab/gram-newton-schulz, restarts at iteration 2 by default). A restart at iteration 0
 would be the starting state; the front end rejects it.
 
+[Note: m×m lifetimes]
+Every m×m matrix is dropped as soon as the loop has read it for the last time: the old ``R``
+before the new one is formed, ``R·Z'`` right after, ``Z'`` at the end of its step (unless it
+became the first ``Q``), and ``R`` after the step before a restart or the last step, which do
+not update it. So each product is formed beside three m×m matrices at most (``R``, ``Q`` and
+``Z'``, or ``Q``, ``Z'`` and ``R·Z'``), and a restart's ``Q·X`` beside ``Q`` alone: then the
+iterate, the restarted iterate and one m×m matrix are alive, where stale references used to
+keep three more (for a stack of 768×2048 experts, 1.1 times the input's size;
+``tests/test_iterations.py`` counts them).
+
 [Note: fused epilogues]
 ``aI + Z'`` with ``Z' = bR + cR²`` is never formed in half precision where it can be avoided:
 adding ``a`` (up to ~8) to a diagonal whose entries are ~b/m would round them away. Instead
@@ -196,19 +206,25 @@ def gram_iterations(
     r = products.gram(x) if r is None else r
     q: Tensor | None = None
     for i, (a, b, c) in enumerate(coefficients):
-        if i in restarts and q is not None:
+        if r is None:  # a restart (the step before dropped R): X ← Q·X, then R and Q afresh
+            assert q is not None
             x = products.mm(q, x)
-            r = products.gram(x)
             q = None
+            r = products.gram(x)
         z = products.sym(r, r, r, alpha=c, beta=b)  # Z' = b·R + c·R²
         if q is not None:
             q = products.sym(q, z, q, beta=a)  # Q·(aI + Z')
         if i < last and (i + 1) not in restarts:
             rz = products.sym(r, z, r, beta=a)  # R·(aI + Z')
+            del r  # read for the last time: freed before the new R is formed
             r = products.sym(z, rz, rz, beta=a)  # (aI + Z')·R·(aI + Z')
+            del rz
+        else:  # the next step restarts from X, or there is none: R is not read again
+            r = None
         if q is None:  # the first Q, Z' + aI, in place: Z' is not read again
             q = z
             q.diagonal(dim1=-2, dim2=-1).add_(a)
+        del z
     assert q is not None
     return LastProduct(functools.partial(products.mm, out_dtype=out_dtype), (q, x), out_dtype)
 

@@ -36,7 +36,7 @@ as the replays, and the scalar table holds the fp32 numbers the scalar arguments
 ``cuda_graph`` on or off, the bits are the same (``tests/test_cuda_graph.py``, on a GPU).
 
 The cost is memory: the graph keeps the phase's transient memory (the NS stacks and their
-workspaces, as large as the largest batch's, about five times ``ns_batch_bytes``) in its own
+workspaces, as large as the largest batch's, up to about four times ``ns_batch_bytes``) in its own
 pool from step to step, where the eager phase hands it back to the allocator for the forward
 and backward.
 """

@@ -83,7 +83,7 @@ __all__ = [
 # persistent rounds of product tiles half empty: on an H200 the 16-layer H=2048 bench stack
 # stepped in 0.456 × torch.optim.Muon's time at 256 MiB against 0.48–0.51 × at 64 MiB, for
 # 0.55 GiB more step memory (1.20 × torch.optim.Muon's); the H=4096 stack kept its time (0.22
-# GiB more), the MoE step its time and memory. The transient memory is ~5× the stack, and
+# GiB more), the MoE step its time and memory. The transient memory is 3.25–4 × the stack, and
 # each doubling of the cap buys less (no cap: 0.412 × for 3.0 GiB more than at 256 MiB);
 # benchmarks/HISTORY.md, "Training step".
 DEFAULT_NS_BATCH_BYTES = 256 * 2**20
@@ -123,7 +123,7 @@ class StepOptions:
         ns_batch_bytes: same-shape matrices share one Newton–Schulz call up to this many bytes
             of input (an int >= 1; a matrix larger than it runs alone); ``None``: one call per
             shape, however large. Larger batches mean fewer kernel launches and more transient
-            memory (about five times the batch). The default is 256 MiB.
+            memory (3.25 to 4 times the batch). The default is 256 MiB.
         replicate_async: HSDP and the replicated path: ``True`` launches the publish of the
             updated weights at the end of ``step()`` without waiting (each boundary's next
             forward waits for its own part); ``False`` waits for it in ``step()``. A bool.
@@ -153,7 +153,7 @@ class StepOptions:
             the third step on, while the tensors and the batching stay the same (learning-rate
             and other hyperparameter changes do not matter); a step where they changed runs
             eagerly and the next one recaptures. Same bits as ``False``. Costs the phase's
-            transient memory kept between steps (about five times ``ns_batch_bytes``). Needs
+            transient memory kept between steps (up to about four times ``ns_batch_bytes``). Needs
             CUDA and dmuon's own Newton–Schulz (a ``dmuon_ns.NewtonSchulz``); not with
             ``ns_overlap`` or tensor-parallel matrices (``ValueError``). A bool.
     """
