@@ -2,29 +2,24 @@
 
 At world size 1 dmuon holds exactly what torch's Muon holds (weights, one gradient, one
 momentum buffer per matrix) and its step's temporaries are those of Newton–Schulz on one
-stack. Accounting is by live tensor storage, not by an allocator: the bytes of every storage
-reachable from Python before the step, plus the peak of storages created by the step's ops
-(a ``TorchDispatchMode`` sees every op's output), so the figures are the same on any device
-and count exactly what a GPU allocator would hold for tensors.
+stack. Accounting is by live tensor storage (``dmuon_testing.memory``): the bytes of every
+storage reachable from Python before the step, plus the peak of storages created by the step's
+ops, so the figures are the same on any device and count exactly what a GPU allocator would
+hold for tensors.
 """
 
 from __future__ import annotations
-
-import gc
-import weakref
-from typing import Any
 
 import pytest
 import torch
 from _models import MLP, RMSNorm, muon_predicate, shard_layers_then_root
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dmuon_fsdp.optim import _muon_math
 from dmuon_fsdp.optim._optimizer import DEFAULT_NS_BATCH_BYTES
 from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
+from dmuon_testing.memory import StoragePeak, live_storages, storage_of
 
 DIM, HIDDEN, LAYERS = 128, 448, 2  # the 4096 : 14336 aspect of a Llama-3-8B MLP
 
@@ -48,52 +43,6 @@ class _Stack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
-
-
-def _storage(t: Tensor) -> torch.UntypedStorage | None:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    try:
-        storage = local.untyped_storage()
-        return storage if storage.data_ptr() else None
-    except RuntimeError:  # a storage resized away or without data
-        return None
-
-
-def _live_storages() -> dict[int, int]:
-    gc.collect()
-    live: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, Tensor):
-            storage = _storage(obj)
-            if storage is not None:
-                live[storage.data_ptr()] = storage.nbytes()
-    return live
-
-
-class _StepPeak(TorchDispatchMode):
-    """Peak bytes of the storages created by ops while the mode is on (and still alive)."""
-
-    def __init__(self, baseline: set[int]) -> None:
-        super().__init__()
-        self.baseline = baseline
-        self.outputs: list[weakref.ref[Tensor]] = []
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.outputs.extend(weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, Tensor))
-        alive, current = [], {}
-        for ref in self.outputs:
-            t = ref()
-            if t is None:
-                continue
-            alive.append(ref)
-            storage = _storage(t)
-            if storage is not None and storage.data_ptr() not in self.baseline:
-                current[storage.data_ptr()] = storage.nbytes()
-        self.outputs = alive
-        self.peak = max(self.peak, sum(current.values()))
-        return out
 
 
 def _step_memory(rank: int, world_size: int, variant: str) -> tuple[int, int]:
@@ -132,12 +81,12 @@ def _step_memory(rank: int, world_size: int, variant: str) -> tuple[int, int]:
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         model(x).float().square().mean().backward()
-        before = _live_storages()
+        before = live_storages()
         # ``.grad`` of a parameter is reachable only through the parameter.
         for p in model.parameters():
-            if p.grad is not None and (storage := _storage(p.grad)) is not None:
+            if p.grad is not None and (storage := storage_of(p.grad)) is not None:
                 before[storage.data_ptr()] = storage.nbytes()
-        mode = _StepPeak(set(before))
+        mode = StoragePeak(set(before))
         with mode:
             for opt in optimizers:
                 opt.step()

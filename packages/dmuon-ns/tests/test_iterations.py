@@ -148,3 +148,19 @@ def test_each_m_by_m_matrix_is_dropped_once_it_is_read_for_the_last_time() -> No
     # Once the loop has returned, the last product's Q is the only m×m matrix alive.
     assert sum(ref() is not None for ref in products.squares) == 1
     assert last.operands[0].shape == (2, 8, 8)
+
+
+def test_a_gram_call_peaks_at_its_iterate_the_restarted_one_and_q() -> None:
+    # A whole call at the 2:7 aspect of 4096×14336, by live storage: the scaled input and the
+    # restarted iterate (each the input's size) and Q (2/7 of it), nothing else at once. The
+    # iteration dtype is the input's, so the last product writes the result with no cast.
+    from dmuon_ns import NewtonSchulz
+    from dmuon_testing.memory import StoragePeak, live_storages
+
+    g = torch.randn(1, 64, 224, dtype=torch.bfloat16)
+    ns = NewtonSchulz(dtype=torch.bfloat16)
+    peak = StoragePeak(set(live_storages()))
+    with peak:
+        ns(g)
+    # (Plus the fp32 norm; the loop of before held three more m×m matrices: 3.14 × g.)
+    assert peak.peak <= 2 * g.nbytes + 64 * 64 * 2 + 64, peak.peak / g.nbytes
