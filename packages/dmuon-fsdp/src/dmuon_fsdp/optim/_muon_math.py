@@ -12,17 +12,17 @@ function is whatever the optimizer was given (a ``dmuon_ns.NewtonSchulz`` or any
 
 The NS inputs are written straight into the stack (no per-matrix temporary), and the stack
 lives only while its NS runs. Its transient memory peaks at 3.25 to 4 times the stack itself
-(measured on CPU by live storages: the stack, NS's scaled copy and the iterate after the
-restart, or the result, and one m×m matrix, 3.25 times for the 1:4 matrices of a Llama MLP and
-3.5 times for 3:8 experts; the stack, the iterate, ``Z'`` and the next iterate, 4 times, for a
-square matrix, which runs direct NS; CUDA-graph replay adds a static input and output), which
-for the large matrices of a big model would be several GiB if every
-same-shape matrix went into one stack: with a 512 MiB cap an 8-layer H=4096 Llama stack
-stepped with ~3.9 GiB more than torch.optim.Muon's per-matrix loop. So ``max_batch_bytes``
-caps one stack's input size: a shape whose matrices exceed it runs in a few calls, and a
-matrix larger than the cap runs alone. Batching pays off for small matrices (launch-bound),
-which always fit; a ``(14336, 4096)`` matrix already fills the GPU on its own. ``None`` lifts
-the cap (exactly one call per shape).
+(``benchmarks/ns_memory.py``, by live storages: for a wide or tall matrix the stack, NS's
+scaled copy and the iterate after the restart, or the result, and one m×m matrix, 3.25 times
+at the 1:4 of a Llama MLP and 3.5 times at the 3:8 of MoE experts; for a square one, which
+runs direct NS, the stack, the iterate, ``Z'`` and the next iterate, 4 times; CUDA-graph
+replay adds a static input and output), which for the large matrices of a big model would be
+several GiB if every same-shape matrix went into one stack: with a 512 MiB cap an 8-layer
+H=4096 Llama stack stepped with ~3.9 GiB more than torch.optim.Muon's per-matrix loop. So
+``max_batch_bytes`` caps one stack's input size: a shape whose matrices exceed it runs in a
+few calls, and a matrix larger than the cap runs alone. Batching pays off for small matrices
+(launch-bound), which always fit; a ``(14336, 4096)`` matrix already fills the GPU on its own.
+``None`` lifts the cap (exactly one call per shape).
 
 [Note: non-finite gradients]
 One NaN or infinity in any gradient would turn every weight it reaches non-finite: through NS
