@@ -7,7 +7,6 @@ import pytest
 import torch
 from _models import build
 from _reference import Hyper, lm_loss, make_batch
-from test_step_memory import _live_storages, _StepPeak, _storage
 from test_training import ROWS, SEQ, VOCAB, counting_muon, setup_model, train_steps
 from torch.utils._pytree import tree_flatten
 
@@ -22,6 +21,7 @@ from dmuon_fsdp import (
 from dmuon_fsdp.checkpoint._state_layout import fresh_state
 from dmuon_ownership import Route
 from dmuon_testing.distributed import run_distributed
+from dmuon_testing.memory import StoragePeak, live_storages, storage_of
 
 HYPER = Hyper(weight_decay=0.02)
 TOTAL, SPLIT = 6, 3
@@ -266,8 +266,8 @@ def test_hsdp_resume_ns_count_and_cross_topology_load():
     assert all(r[4] for r in results)
 
 
-class _Transients(_StepPeak):
-    """``_StepPeak`` that also records the largest single storage the ops create."""
+class _Transients(StoragePeak):
+    """``StoragePeak`` that also records the largest single storage the ops create."""
 
     def __init__(self, baseline: set[int]) -> None:
         super().__init__(baseline)
@@ -276,7 +276,7 @@ class _Transients(_StepPeak):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and (storage := _storage(t)) is not None:
+            if isinstance(t, torch.Tensor) and (storage := storage_of(t)) is not None:
                 if storage.data_ptr() not in self.baseline:
                     self.largest = max(self.largest, storage.nbytes())
         return out
@@ -287,7 +287,7 @@ def _rank0_only(rank: int, world_size: int):
     optimizer = Muon(model, **HYPER.muon_kwargs())
     train_steps(model, optimizer, rank, world_size, 2)
     everywhere = _snapshot(model, optimizer)
-    mode = _Transients(set(_live_storages()))
+    mode = _Transients(set(live_storages()))
     with mode:
         got = (
             get_model_state_dict(model, rank0_only=True),
