@@ -1,4 +1,5 @@
-"""The shared NS loops: where the Gram iteration rounds its first ``Q``."""
+"""The shared NS loops: where the Gram iteration rounds its first ``Q``, and how long each of
+its tensors lives."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import weakref
 import torch
 from torch import Tensor
 
-from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS
+from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, NewtonSchulz
 from dmuon_ns._iterations import Owned, TorchProducts, direct_iterations, gram_iterations
+from dmuon_testing.memory import StoragePeak, live_storages
 
 
 class RecordingProducts(TorchProducts):
@@ -154,9 +156,6 @@ def test_a_gram_call_peaks_at_its_iterate_the_restarted_one_and_q() -> None:
     # A whole call at the 2:7 aspect of 4096×14336, by live storage: the scaled input and the
     # restarted iterate (each the input's size) and Q (2/7 of it), nothing else at once. The
     # iteration dtype is the input's, so the last product writes the result with no cast.
-    from dmuon_ns import NewtonSchulz
-    from dmuon_testing.memory import StoragePeak, live_storages
-
     g = torch.randn(1, 64, 224, dtype=torch.bfloat16)
     ns = NewtonSchulz(dtype=torch.bfloat16)
     peak = StoragePeak(set(live_storages()))
