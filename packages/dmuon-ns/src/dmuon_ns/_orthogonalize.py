@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dmuon_ns import _dispatch
 from dmuon_ns._prepare import check_matrix, describe, iteration_dtype, prepare, restore
+from dmuon_ns._profiling import span
 from dmuon_ns._registry import resolve
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def op_for(config: NewtonSchulz, rows: int, cols: int) -> str:
 def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
     """NS of one tensor (2-D or batched) under ``config``, in ``g``'s shape and dtype."""
     check_matrix(g, what)
-    with torch.profiler.record_function("dmuon::newton_schulz"):
+    with span("dmuon::newton_schulz"):
         resolution = resolve(config.kernel, config.deterministic, g.device)
         names = [kernel.name for kernel in resolution.kernels]
         prepared = prepare(g, iteration_dtype(config.dtype, g.device, names), config.eps)
