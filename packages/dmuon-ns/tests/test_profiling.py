@@ -21,8 +21,9 @@ def test_a_call_is_a_named_range_in_a_trace() -> None:
 
 
 def test_no_range_is_entered_without_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(name: str) -> None:
-        raise AssertionError(f"record_function({name!r}) entered with no profiler running")
+    def refuse(self: torch.profiler.record_function) -> None:
+        raise AssertionError(f"record_function({self.name!r}) entered with no profiler running")
 
-    monkeypatch.setattr(torch.profiler, "record_function", refuse)
+    # The class itself, however a module imported it.
+    monkeypatch.setattr(torch.profiler.record_function, "__enter__", refuse)
     NewtonSchulz()(torch.randn(16, 40))

@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.profiler import record_function
 
 from dmuon_clip import _fastpath
+from dmuon_clip._profiling import span
 from dmuon_clip._types import (
     GradClipBucket,
     GradClipBucketStats,
@@ -211,7 +211,7 @@ def _all_reduce(sums: Tensor, n_reduce: int, p: float, process_group: Any) -> No
     if process_group is None or n_reduce == 0:
         return
     op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM
-    with record_function("dmuon::clip_all_reduce"):
+    with span("dmuon::clip_all_reduce"):
         dist.all_reduce(sums[:n_reduce], op=op, group=process_group)
 
 
@@ -240,7 +240,7 @@ def clip_grad_norm_buckets_(
         device: where the accumulators live; default: the first grad's device (CPU if there is
             none). With NCCL it must be this rank's CUDA device, also on ranks without grads.
     """
-    with torch.no_grad(), record_function("dmuon::clip_grad_norm_buckets"):
+    with torch.no_grad(), span("dmuon::clip_grad_norm_buckets"):
         plan = _make_plan(buckets, max_norm, norm_type, device)
         reason = _fastpath.unavailable_reason(plan.device, plan.norm_type)
         if reason is None:
@@ -273,7 +273,7 @@ def _run(
     max_norm_table = _fastpath.upload(
         [-1.0 if m is None else m for m in plan.max_norms], torch.float32, device
     )
-    with record_function("dmuon::clip_local_norms"):
+    with span("dmuon::clip_local_norms"):
         kernel_plan = None
         if kernel_tensors:
             sums, kernel_plan = _fastpath.partial_sums(kernel_tensors, n, device, inf_norm)
@@ -285,7 +285,7 @@ def _run(
         else:
             sums = torch.zeros(0, dtype=torch.float32, device=device)
     _all_reduce(sums, plan.n_reduce, p, process_group)
-    with record_function("dmuon::clip_scale"):
+    with span("dmuon::clip_scale"):
         if use_kernel:
             totals, coefs, clipped, found_inf, combined = _fastpath.finalize(
                 sums, max_norm_table, inf_norm

@@ -21,9 +21,9 @@ import dataclasses
 import math
 
 import torch
-from torch.profiler import record_function
 
 from dmuon_clip._buckets import scale_, validate_max_norm, validate_norm_type
+from dmuon_clip._profiling import span
 from dmuon_clip._strategy import get_muon_grad_clip_strategy, per_matrix_strategy
 from dmuon_clip._types import (
     MuonGradClipStats,
@@ -77,7 +77,7 @@ def clip_grad_norm_(
             "takes dmuon's Muon optimizer; clip plain param.grad with "
             "torch.nn.utils.clip_grad_norm_"
         )
-    with record_function("dmuon::clip_grad_norm"):
+    with span("dmuon::clip_grad_norm"):
         muon = optimizer.muon_grads_for_clip()
         if fn is per_matrix_strategy and is_tensor_parallel(muon):
             raise ValueError(
