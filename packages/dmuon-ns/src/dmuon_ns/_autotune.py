@@ -66,6 +66,7 @@ import torch
 
 from dmuon_ns import _measure, _tables, _verdict_cache
 from dmuon_ns._coefficients import CoefficientRows
+from dmuon_ns._profiling import span
 from dmuon_ns._registry import NSKernel, Problem, choices_changed
 from dmuon_ns._verdict_cache import AutotuneVerdict
 
@@ -333,7 +334,7 @@ def _settle(choice: _Choice) -> None:
         if not choice.open:
             return
         start = time.perf_counter()
-        with torch.profiler.record_function("dmuon::ns_autotune"), torch.no_grad():
+        with span("dmuon::ns_autotune"), torch.no_grad():
             verdict, best, unmeasured = _measured(choice.problem, choice.candidates)
         verdict["seconds"] = round(time.perf_counter() - start, 3)
         key = choice.problem.key

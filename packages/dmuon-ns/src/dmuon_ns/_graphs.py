@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from dmuon_ns._iterations import LastProduct, finished
+from dmuon_ns._profiling import span
 from dmuon_ns._registry import Problem
 
 __all__ = ["GraphInput", "clear_graphs", "graph_keys", "run_graphed"]
@@ -207,7 +208,7 @@ def _capture_or_eager(
     pool: _Pool | None = None,
 ) -> _Captured | _Eager:
     try:
-        with torch.profiler.record_function("dmuon::ns_graph_capture"):
+        with span("dmuon::ns_graph_capture"):
             return _capture(fn, source, variant, pool)
     except RuntimeError as err:  # how CUDA reports a capture it cannot make; see the note
         message = (
