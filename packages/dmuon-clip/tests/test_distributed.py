@@ -154,3 +154,27 @@ def _buckets_body(rank: int, world_size: int, norm_type: float) -> list[bool]:
 def test_buckets_one_collective_and_nonfinite_isolated(world_size: int, norm_type: float) -> None:
     flags = run_distributed(_buckets_body, world_size, norm_type)
     assert flags == [[False, False, True, False]] * world_size
+
+
+def _raise_body(rank: int, world_size: int, strategy: str) -> str:
+    gen = torch.Generator().manual_seed(200 + rank)
+    owned = [torch.randn(5, 7, generator=gen), torch.randn(2, 4, 3, generator=gen)]
+    if rank == world_size - 1:
+        owned[1][0, 0, 0] = math.nan  # one rank's gradient only
+    try:
+        clip_grad_norm_(
+            FakeMuon(owned, process_group=dist.group.WORLD),
+            1.0,
+            error_if_nonfinite=True,
+            strategy=strategy,
+        )
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("strategy", ["global_norm", "per_matrix"])
+def test_a_nonfinite_norm_on_one_rank_raises_on_every_rank(strategy: str) -> None:
+    # "per_matrix" finds it on that rank alone; the others would step on and wait for it.
+    messages = run_distributed(_raise_body, 2, strategy)
+    assert all("non-finite on some rank" in m for m in messages), messages

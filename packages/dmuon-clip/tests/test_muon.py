@@ -89,6 +89,38 @@ def test_per_matrix_strategy_leaves_a_nonfinite_matrix_alone() -> None:
     assert_close(grads[0], ref[0], rtol=RTOL)
 
 
+def test_per_matrix_strategy_clips_each_matrix_of_a_stack_alone() -> None:
+    # An expert stack (experts, rows, cols) is a batch of matrices: each takes its own
+    # coefficient, whatever share of the stack a rank holds.
+    gen = torch.Generator().manual_seed(5)
+    stack = torch.randn(4, 6, 5, generator=gen)
+    stack[1].mul_(100.0)  # one expert far above max_norm, the others below it
+    stack[3, 0, 0] = math.inf  # a non-finite expert: left as it is
+    want = [torch_clip([m.clone()], 2.0)[1][0] for m in stack]
+    want[3] = stack[3].clone()
+    whole, halves = stack.clone(), [stack[:1].clone(), stack[1:].clone()]
+    stats = clip_grad_norm_(FakeMuon([whole]), 2.0, strategy="per_matrix")
+    clip_grad_norm_(FakeMuon(halves), 2.0, strategy="per_matrix")
+    assert bool(stats.found_inf) and bool(stats.clipped)
+    for i, expert in enumerate(want):
+        assert_close(whole[i], expert, rtol=RTOL, equal_nan=True)
+    assert torch.equal(torch.cat(halves), whole)
+    assert float(stats.clip_coef) == pytest.approx(2.0 / (float(stack[1].norm()) + 1e-6), rel=RTOL)
+
+
+def test_per_matrix_strategy_clips_a_copy_by_its_own_norms() -> None:
+    # A copy (a stack shard another replica counts) must end as the counted original does
+    # there, not take this rank's smallest coefficient.
+    grads = _matrices(6)
+    grads[0].mul_(0.01)
+    copy = torch.randn(3, 7, 7, generator=torch.Generator().manual_seed(7))
+    counted = copy.clone()
+    clip_grad_norm_(FakeMuon([counted]), 1.0, strategy="per_matrix")
+    stats = clip_grad_norm_(FakeMuon(grads, copies=(copy,)), 1.0, strategy="per_matrix")
+    assert stats.param_count == 4
+    assert torch.equal(copy, counted)
+
+
 @pytest.mark.parametrize("max_norm", [0.3, None])
 def test_copies_take_the_coefficient_but_not_the_norm(max_norm: float | None) -> None:
     # Under tensor parallelism a whole matrix that every TP grid keeps is counted by one rank;

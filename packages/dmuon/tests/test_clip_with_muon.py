@@ -5,11 +5,13 @@ matrix is split over ranks or kept whole by every TP grid."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
 
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
 from dmuon_testing.distributed import run_distributed
@@ -198,3 +200,71 @@ def test_tensor_parallel_clip_counts_each_element_once_and_clips_like_one_proces
                 held.setdefault(fqn, []).append(got["tp_index"])
         # One owner per TP grid for every matrix: its shard, or (the head) a whole copy.
         assert {n: sorted(t) for n, t in held.items()} == {n: [0, 1] for n in clipped}, topology
+
+
+# -- per-matrix clipping of expert stacks under HSDP ---------------------------------------------
+
+MOE = dataclasses.replace(CFG, experts=4)
+
+
+def _per_matrix_reference(max_norm: float) -> dict[str, torch.Tensor]:
+    """The full-batch Muon gradients of one process, each matrix (each expert of a stack)
+    clipped by its own norm."""
+    torch.manual_seed(0)
+    model = TinyLlama(MOE)
+    _loss(model, _tokens()).backward()
+    out = {}
+    for n, p in model.named_parameters():
+        if muon_predicate(n, p):
+            g = p.grad.double()
+            norms = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
+            out[n] = g * torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    return out
+
+
+def _per_matrix_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    torch.manual_seed(0)
+    model = TinyLlama(MOE)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    runtime = dmuon.dedicate_params(
+        model, mesh["shard"], muon_predicate, replicate_mesh=mesh["replicate"]
+    )
+    dedicated = dmuon.dedicated_params_of(model)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    rows = ROWS // world_size
+    _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+    dmuon.clip_grad_norm_(optimizer, max_norm, strategy="per_matrix")
+    # Each replica's expert gradients as that replica holds them (gathered over its shards),
+    # and the dense matrices this rank owns.
+    got = {
+        n: p.grad.redistribute(placements=[p.grad.placements[0], Replicate()]).to_local()
+        for n, p in model.named_parameters()
+        if ".experts." in n
+    }
+    got |= {dp.fqn: dp.grad.clone() for dp in runtime.owned if dp.route == "muon"}
+    return got
+
+
+@pytest.mark.distributed
+def test_per_matrix_clips_every_expert_alone_on_every_replica() -> None:
+    # Every rank holds two of a stack's four experts; the second replica's shards are copies
+    # (the first counts them). Each expert must end as one process clips it alone.
+    want = _per_matrix_reference(1.0)
+    norms = sorted(float(torch.linalg.vector_norm(g)) for g in want.values())
+    max_norm = norms[len(norms) // 2] / 20  # clips most matrices, by different factors
+    want = _per_matrix_reference(max_norm)
+    results = run_distributed(_per_matrix_on_ranks, 4, max_norm)
+    seen = set()
+    for got in results:
+        for name, grad in got.items():
+            torch.testing.assert_close(grad.double(), want[name], rtol=1e-5, atol=1e-9)
+            seen.add(name)
+    assert seen == set(want)

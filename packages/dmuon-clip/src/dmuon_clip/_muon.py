@@ -21,6 +21,8 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from dmuon_clip._buckets import scale_, validate_max_norm, validate_norm_type
 from dmuon_clip._profiling import span
@@ -49,8 +51,9 @@ def clip_grad_norm_(
     ``min(max_norm / (total_norm + 1e-6), 1)``. ``max_norm=None`` measures without scaling. A
     non-finite norm sets ``found_inf`` and leaves the grads untouched. The returned stats are
     device tensors: nothing here waits for the GPU, except ``error_if_nonfinite=True``, which
-    reads ``found_inf`` on the host (a sync) and raises ``RuntimeError`` on every rank alike; the
-    built-in strategies have not scaled anything by then.
+    agrees on ``found_inf`` over the ranks (one small collective), reads it on the host (a sync)
+    and raises ``RuntimeError`` on every rank alike: ``"global_norm"`` has scaled nothing by
+    then, ``"per_matrix"`` every matrix of a finite norm.
 
     Args:
         optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;
@@ -60,9 +63,10 @@ def clip_grad_norm_(
             norm is larger they are scaled so that it is ``max_norm`` (within the ``1e-6`` of
             the coefficient); ``None``: measure only.
         norm_type: ``p`` of the p-norm, a number > 0 or ``float('inf')``.
-        error_if_nonfinite: ``True`` raises ``RuntimeError`` when the norm is NaN or infinite
-            (reading ``found_inf`` on the host, a sync); ``False`` reports it in ``found_inf``
-            and leaves the gradients untouched.
+        error_if_nonfinite: ``True`` raises ``RuntimeError`` on every rank when a norm is NaN
+            or infinite on any rank (agreed over the ranks, then read on the host: a sync);
+            ``False`` reports it in ``found_inf`` (rank-local under ``"per_matrix"``). Either
+            way a gradient of a non-finite norm is left as it is.
         strategy: the name of a registered strategy: ``"global_norm"`` (one norm over every
             Muon matrix of every owner), ``"per_matrix"`` (each matrix by its own norm; refused
             under tensor parallelism), or one added with ``register_muon_grad_clip_strategy``.
@@ -90,16 +94,38 @@ def clip_grad_norm_(
         )
         copies = clip_copies(muon)
         if copies:
-            # Another rank counted these matrices: they take the coefficient the strategy
-            # applied to the others (see [Note: where the Muon clip sits]).
-            if max_norm is not None:
+            # Another rank counted these matrices (see [Note: where the Muon clip sits]). They
+            # take the coefficient the strategy applied to the others; "per_matrix" has one per
+            # matrix, so a copy is clipped by its own norms, as the counting rank clips it.
+            if max_norm is not None and fn is per_matrix_strategy:
+                fn(copies, max_norm, norm_type, None, torch.device(muon.device))
+            elif max_norm is not None:
                 scale_(copies, stats.clip_coef)
             stats = dataclasses.replace(stats, param_count=stats.param_count + len(copies))
-    if error_if_nonfinite and bool(stats.found_inf):
+    if error_if_nonfinite and _on_any_rank(stats.found_inf, muon.process_group):
         raise RuntimeError(
-            f"the total norm of order {norm_type} of the Muon gradients is non-finite "
-            f"({float(stats.total_norm)}), so it cannot be clipped; the gradients were left "
-            "as they are. Pass error_if_nonfinite=False to get found_inf in the stats instead"
+            f"the norm of order {norm_type} of the Muon gradients is non-finite on some rank "
+            f"({float(stats.total_norm)} here), so it cannot be clipped; "
+            + _LEFT.get(strategy, f"strategy {strategy!r} decided what to scale")
+            + ". Pass error_if_nonfinite=False to get found_inf in the stats instead"
             + (" (inf-norm: a NaN is reported as inf)" if norm_type == math.inf else "")
         )
     return stats
+
+
+# What the built-in strategies did to the gradients when the norm is non-finite.
+_LEFT = {
+    "global_norm": "the gradients were left as they are",
+    "per_matrix": "each matrix of a finite norm was clipped, the others were left as they are",
+}
+
+
+def _on_any_rank(found_inf: Tensor, process_group: object) -> bool:
+    """Whether any rank of ``process_group`` found a non-finite norm (a host sync): a
+    strategy's ``found_inf`` may be rank-local ("per_matrix"'s is), and every rank must raise
+    alike, or the others would wait for it in their next collective."""
+    if process_group is None:
+        return bool(found_inf)
+    found = found_inf.to(torch.float32).reshape(1)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=process_group)
+    return bool(found)

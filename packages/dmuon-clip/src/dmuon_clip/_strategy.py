@@ -149,20 +149,21 @@ def global_norm_strategy(request: ClipRequest) -> MuonGradClipStats:
 
 @_builtin("per_matrix")
 def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
-    """Each matrix clipped by its own p-norm (``min(max_norm / (norm + 1e-6), 1)``); a matrix with
-    a non-finite norm is left untouched. A whole matrix lives on its owner, so no collective runs
-    and the stats are rank-local: ``total_norm`` is the joint norm of this rank's matrices before
-    clipping, ``clip_coef`` the smallest factor applied, ``clipped`` / ``found_inf`` whether any
-    local matrix was clipped / non-finite."""
+    """Each matrix clipped by its own p-norm (``min(max_norm / (norm + 1e-6), 1)``): a
+    gradient of shape ``(..., rows, cols)`` (an expert stack) is a batch of matrices, each
+    clipped alone, so a stack's result does not depend on how many of its experts a rank
+    holds; a matrix with a non-finite norm is left untouched. A whole matrix lives on its
+    owner, so no collective runs and the stats are rank-local: ``total_norm`` is the joint norm
+    of this rank's matrices before clipping, ``clip_coef`` the smallest factor applied,
+    ``clipped`` / ``found_inf`` whether any local matrix was clipped / non-finite."""
     grads, max_norm, p, _, dev = request  # whole matrices are local: no process group
     if not grads:
         zero = torch.zeros((), dtype=torch.float32, device=dev)
         false = torch.zeros((), dtype=torch.bool, device=dev)
         return MuonGradClipStats(zero, torch.ones_like(zero), false, false.clone(), 0)
     with torch.no_grad():
-        norms = torch.stack(
-            [torch.linalg.vector_norm(g, p, dtype=torch.float32).to(dev) for g in grads]
-        )
+        per_grad = [_matrix_norms(g, p).to(dev) for g in grads]
+        norms = torch.cat(per_grad)
         finite = torch.isfinite(norms)
         if p == math.inf:
             total = torch.where(norms.isnan(), math.inf, norms).max()
@@ -175,8 +176,8 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
             coefs = torch.clamp(torch.reciprocal(norms + 1e-6) * max_norm, max=1.0)
             clipped = finite & (coefs < 1.0)
             coefs = torch.where(clipped, coefs, 1.0)
-            for g, c in zip(grads, coefs.unbind()):
-                g.mul_(c.to(g.device))
+            for g, c in zip(grads, coefs.split([n.numel() for n in per_grad])):
+                g.mul_(c.to(g.device).reshape(*g.shape[:-2], 1, 1))
     return MuonGradClipStats(
         total_norm=total,
         clip_coef=coefs.min(),
@@ -184,3 +185,8 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
         found_inf=~finite.all(),
         param_count=len(grads),
     )
+
+
+def _matrix_norms(g: Tensor, p: float) -> Tensor:
+    """The p-norm of each matrix of ``g`` (..., rows, cols), flat, accumulated in fp32."""
+    return torch.linalg.vector_norm(g, p, dim=(-2, -1), dtype=torch.float32).reshape(-1)
