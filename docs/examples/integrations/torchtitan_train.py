@@ -223,7 +223,8 @@ class DmuonOptimizersContainer(OptimizersContainer):
         ``None`` leaves them unclipped."""
 
         muon_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-        """Any other ``dmuon.Muon`` argument (``momentum``, ``ns_steps``, ``lr_scaling``...)."""
+        """Any other ``dmuon.Muon`` argument (``momentum``, ``ns_steps``,
+        ``options=dmuon.StepOptions(lr_scaling=...)``...)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if len(model_parts) != 1:

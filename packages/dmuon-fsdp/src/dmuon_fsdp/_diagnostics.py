@@ -355,7 +355,7 @@ def collect_forward_unshard_profile(
                 "send_bytes_per_broadcast": sent,
                 "resident": all(p.has_storage() for p in group.packs),
                 # The last forward's wait for this boundary's broadcasts (ms), with
-                # Muon(profile=True); None otherwise, and after a clear until the next forward.
+                # StepOptions(profile=True); None otherwise, and after a clear until the next forward.
                 "forward_wait_ms": (
                     waits[group.fqn].phases().get("wait") if waits is not None else None
                 ),

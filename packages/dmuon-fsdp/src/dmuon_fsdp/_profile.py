@@ -2,11 +2,11 @@
 
 [Note: the step profile]
 
-``Muon(profile=True)`` splits every ``step()`` into phases: waiting for the gradient reduces,
-the non-finite check, each Newton–Schulz call (one per shape batch, named by its shape), the
-Muon update, AdamW, and the publish of the owners' updates (HSDP and the replicated path). A
-phase is the span between two marks. On CUDA a mark is an event recorded on the current stream,
-so marking never waits for the device; the times are read (and the events synchronised) only
+``StepOptions(profile=True)`` splits every ``step()`` into phases: waiting for the gradient
+reduces, the non-finite check, each Newton–Schulz call (one per shape batch, named by its
+shape), the Muon update, AdamW, and the publish of the owners' updates (HSDP and the replicated
+path). A phase is the span between two marks. On CUDA a mark is an event recorded on the
+current stream, so marking never waits for the device; the times are read (and the events synchronised) only
 when someone asks, by ``Muon.step_profile()``. On CPU a mark is the host clock, and with gloo's
 synchronous kernels that is the phase's cost. Marking changes no arithmetic, so a profiled run
 computes the same bits as an unprofiled one.

@@ -64,10 +64,12 @@ class NewtonSchulz:
             direct NS on square ones; ``"direct"`` always runs direct NS. Both compute the same
             polynomial and differ only in rounding. Another value raises ``ValueError``.
         kernel: the kernel that runs it: ``"auto"`` (the ``DMUON_NS_KERNEL`` environment
-            variable if set, else the torch kernel off CUDA and the fastest available kernel,
-            measured per problem, on CUDA) or a registered kernel name (``"torch"``,
-            ``"triton"``, ``"quack"``), which must then be able to run on the input's device
-            (an error with the install hint otherwise). An unknown name raises ``ValueError``.
+            variable if set, else the torch kernel off CUDA; on CUDA the kernel of the problem's
+            verdict, measured by ``tune``/``tune_pending`` or shipped in the device's table,
+            and torch where there is none: no call measures) or a registered kernel name
+            (``"torch"``, ``"triton"``, ``"quack"``), which must then be able to run on the
+            input's device (an error with the install hint otherwise). An unknown name raises
+            ``ValueError``.
         coefficients: the ``(a, b, c)`` row of each step, step ``i`` computing
             ``X ← a·X + (b·R + c·R²)·X`` with ``R = X·Xᵀ``: a non-empty sequence of triples of
             finite numbers, cut to ``steps`` rows or extended with its last one; ``None``:

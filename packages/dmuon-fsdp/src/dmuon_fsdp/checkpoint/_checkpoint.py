@@ -429,8 +429,8 @@ def get_optimizer_state_dict(
 ) -> dict[str, Any]:
     """Full, FQN-keyed optimizer state (see [Note: the checkpoint format]); collective.
 
-    ``cpu_offload`` and ``rank0_only`` as in :func:`get_model_state_dict` (the steps are always
-    on the CPU, as ``torch.optim.AdamW`` keeps them).
+    ``cpu_offload`` and ``rank0_only`` as in :func:`get_model_state_dict` (a dedicated
+    matrix's step is always on the CPU, as a non-fused ``torch.optim.AdamW`` keeps it).
 
     Args:
         model: the model given to ``dedicate_params`` (that object; another raises
@@ -438,8 +438,9 @@ def get_optimizer_state_dict(
         optimizer: the :class:`Muon` built on ``model`` (another object raises
             ``ValueError``).
         cpu_offload: ``True``: every state tensor is returned on the CPU, moved there as soon
-            as it is gathered; ``False``: on the device it was gathered on (steps stay on the
-            CPU either way).
+            as it is gathered; ``False``: on the device it was gathered on (a dedicated
+            matrix's step stays on the CPU either way; an FSDP2 parameter's step is where its
+            AdamW keeps it, on the device with the fused kernel).
         rank0_only: ``True``: only rank 0 returns the state, every other rank ``{}``;
             ``False``: every rank returns it. A bool (anything else raises ``TypeError``).
     """

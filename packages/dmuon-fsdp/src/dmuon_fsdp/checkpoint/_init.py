@@ -37,7 +37,8 @@ def param_seed(fqn: str, seed: int) -> int:
 def init_dedicated_(
     model: nn.Module, fn: Callable[[str, Tensor, torch.Generator], object], *, seed: int = 0
 ) -> None:
-    """Initialise every dedicated weight of ``model`` on the ranks that keep it: ``fn(fqn,
+    """Initialise every dedicated weight of ``model`` on its owner (each TP rank of it);
+    HSDP replicas and the replicated path's copies receive it by the closing publish. ``fn(fqn,
     weight, generator)`` fills ``weight`` (the full weight, in its master dtype) in place,
     drawing from ``generator`` (see [Note: owners-only initialisation]). Call it after
     ``model.to_empty(device=...)``; the other parameters (FSDP2's shards, buffers) are the
@@ -47,8 +48,8 @@ def init_dedicated_(
     Args:
         model: the model given to ``dedicate_params`` (that object; another raises
             ``ValueError``).
-        fn: ``fn(fqn, weight, generator)``, called once per dedicated weight on each rank
-            that keeps it (a tensor-parallel weight whole, then split); it fills ``weight`` in
+        fn: ``fn(fqn, weight, generator)``, called once per dedicated weight on its owner
+            (a tensor-parallel weight whole, then split); it fills ``weight`` in
             place, drawing random numbers from ``generator`` (on the weight's device), and its
             return value is ignored. Not callable: ``TypeError``.
         seed: any int; each weight's generator is seeded from ``seed`` and the weight's FQN,

@@ -5,7 +5,7 @@
 A dedicated TP matrix ``W`` (m × n) is split along ``tp_dim`` into T equal shards, one per rank
 of the owner's TP group (see [Note: tensor-parallel grids] in ``topology/_mesh``); the momentum and
 the NS input are elementwise, so each rank forms its shard of the input locally. NS needs the
-whole matrix, in one of two ways (``Muon(tp_ns=...)``):
+whole matrix, in one of two ways (``StepOptions(tp_ns=...)``):
 
 - ``"gather"``: the group's TP owner (the index the plan gives the matrix, spread over the
   group) gathers the T input shards, runs NS once on the whole matrix and scatters the result:

@@ -35,7 +35,7 @@ fused momentum and update] in _fused), and AdamW runs torch's fused kernel with 
 leaves the device (no host sync, as with GradScaler and a fused optimizer); the skip is counted
 in ``Muon.last_step_stats``. With a finite gradient the Muon update is bit for bit the
 unchecked step's; AdamW runs torch's fused kernel rather than its default one.
-``Muon(skip_nonfinite=False)`` turns the check off.
+``StepOptions(skip_nonfinite=False)`` turns the check off.
 
 [Note: momentum convention]
 ``buf = momentum * buf + grad`` (no ``1 - momentum`` damping) and the Nesterov input

@@ -286,7 +286,7 @@ class Muon(torch.optim.Optimizer):
     The keywords are the first public DMuon's; how the step runs beyond them (the learning-rate
     scaling, NS batching, the HSDP publish, the non-finite skip, NS under tensor parallelism,
     the step profile) is ``options=StepOptions(...)``. Features that act inside the step attach
-    themselves as hooks: ``dmuon.QKClip(...).attach(optimizer)`` (QK-clip),
+    themselves as hooks: ``dmuon.QKClip.from_model(model, ...).attach(optimizer)`` (QK-clip),
     :meth:`register_post_update_hook`, :meth:`register_pre_step_hook`.
 
     Args:
@@ -689,8 +689,9 @@ class Muon(torch.optim.Optimizer):
         ``adamw``, ``post_update`` (with hooks), ``expert_publish`` (with expert sources),
         ``publish``; with ``ns_overlap`` only the NS calls the step itself ran (the others ran
         during backward); with ``cuda_graph`` a replayed step has no ``ns[...]`` phases (its
-        whole Muon phase is ``muon_update``). Needs ``Muon(profile=True)``; on CUDA this
-        waits for the step's recorded events, the step itself never does."""
+        whole Muon phase is ``muon_update``). Needs ``Muon(model,
+        options=StepOptions(profile=True))`` (``ValueError`` otherwise); on CUDA this waits for
+        the step's recorded events, the step itself never does."""
         if self._timer is None:
             raise ValueError(
                 "step_profile() needs the step profile: build the optimizer with "

@@ -503,7 +503,7 @@ class QKClip:
         )
 
     def bind(self, model: nn.Module, runtime: DedicatedRuntime) -> None:
-        """Check every attention against ``model`` and prepare the step (``Muon`` calls this;
+        """Check every attention against ``model`` and prepare the step (``attach`` calls this;
         nothing changes if it raises)."""
         if self._bound:
             raise ValueError(

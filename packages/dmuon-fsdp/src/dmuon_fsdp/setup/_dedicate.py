@@ -128,7 +128,8 @@ def dedicate_params(
     ``param_policy``: the fields of :class:`DedicateConfig`) may instead come whole as
     ``config=DedicateConfig(...)``; then leave those keywords at their defaults (one that
     differs raises a ``ValueError``).
-    Returns the :class:`DedicatedRuntime`, also reachable as ``get_runtime(model)``.
+    Returns the runtime it attached to ``model``, whose ``.plan`` is the owner plan (its
+    ``fingerprint()`` is the one ``dmuon.plan`` prints for the same model and mesh).
     Collective: every rank must call it with the same arguments.
 
     Args:
