@@ -8,15 +8,17 @@ import json
 import pytest
 import torch
 from _models import build, muon_predicate, shard_layers_then_root
-from _reference import Hyper, train_reference
+from _reference import Hyper, lm_loss, make_batch, shard, train_reference
 from test_training import ROWS, SEQ, VOCAB, setup_model, train_steps
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dmuon_fsdp import (
     Muon,
     StepOptions,
     collect_forward_unshard_profile,
     dedicate_params,
+    dedicated_params_of,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
     summarize_comm_plan,
@@ -246,10 +248,35 @@ def _too_early_on_one_rank(rank: int, world_size: int) -> None:
         too_early.step()
 
 
+def _unsharded_at_step(rank: int, world_size: int) -> None:
+    # Z2 keeps a module's gathered weights after a forward: one run after backward (an
+    # evaluation) leaves FSDP2 holding them at step(), and stepping the shards would not reach
+    # the next forward. The first step says so, not "built before fully_shard".
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate, reshard_after_forward=False)
+    dedicated = dedicated_params_of(model)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, ignored_params=dedicated, reshard_after_forward=False)
+    optimizer = Muon(model)
+    batch = shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size)
+    lm_loss(model, batch).backward()
+    with torch.no_grad():
+        lm_loss(model, batch)
+    with pytest.raises(ValueError, match=r"FSDP2 holds '.*' unsharded.*call \.reshard\(\)"):
+        optimizer.step()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    optimizer.step()
+
+
 @pytest.mark.distributed
 def test_bad_param_groups_raise_at_construction():
     run_distributed(_errors, 2)
     run_distributed(_too_early_on_one_rank, 1)
+    run_distributed(_unsharded_at_step, 2)
 
 
 def _policy_routes(rank: int, world_size: int):

@@ -263,3 +263,41 @@ def test_model_zero_grad_clears_the_owners_gradients() -> None:
     for by_optimizer, by_model, ddp in run_distributed(_zeroing, 2):
         assert by_model == by_optimizer
         torch.testing.assert_close(torch.tensor(ddp), torch.tensor(by_optimizer), rtol=1e-5, atol=0)
+
+
+def _fsdp2(world_size: int) -> tuple[nn.Module, Muon]:
+    # Each layer's matrices packed onto one owner: layer i on rank i, at 4 ranks as at 2.
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    return model, Muon(model, **HYPER.muon_kwargs())
+
+
+def _saved_per_rank(rank: int, world_size: int) -> dict:
+    model, optimizer = _fsdp2(world_size)
+    _step(model, optimizer, 0, rank, world_size)
+    return _round_trip(optimizer.state_dict())
+
+
+def _loaded_on_fewer_ranks(rank: int, world_size: int, saved: list[dict]) -> list[str | None]:
+    model, optimizer = _fsdp2(world_size)
+    mine = saved[rank]
+    without = {k: v for k, v in mine.items() if k != "dmuon_holdings"}
+    errors = [_load(optimizer, mine), _load(optimizer, without)]
+    _step(model, optimizer, 1, rank, world_size)  # the refused loads left a usable optimizer
+    return errors
+
+
+@pytest.mark.distributed
+def test_a_per_rank_dict_of_another_world_size_is_refused() -> None:
+    # Ranks 0 and 1 own the same matrices at both sizes, but rank r of 4 and rank r of 2 hold
+    # other rows of every FSDP2 shard: torch's load paired them anyway, and its fused AdamW
+    # then wrote past the smaller shard (a heap corruption).
+    saved = run_distributed(_saved_per_rank, 4)
+    results = run_distributed(_loaded_on_fewer_ranks, 2, saved)
+    for rank, (with_holdings, without) in enumerate(results):
+        assert with_holdings is not None
+        assert f"saved on rank {rank} of 4 (this is rank {rank} of 2)" in with_holdings
+        assert "dmuon.set_optimizer_state_dict" in with_holdings
+        assert without is not None and "Nothing was loaded" in without, without

@@ -477,4 +477,6 @@ class TensorParallelParam(DedicatedParam):
     def holding(self) -> tuple[Any, ...] | None:
         if not self.is_owner:
             return None
-        return ("owner", 0 if self.tp_dim is None else self.tp_index)
+        if self.tp_dim is None:
+            return ("owner", 0)
+        return ("owner", self.tp_index, "of", cast(DTensor, self.param).device_mesh.size())

@@ -102,10 +102,13 @@ class ShardedTensor(TensorView):
         return WeightPart(local_tensor(t).detach(), dtensor_shard_offsets(t), tuple(t.shape))
 
     def holding(self) -> tuple[Any, ...]:
-        """This rank's coordinate on the mesh dims that shard it."""
+        """This rank's coordinate on the mesh dims that shard it, and their sizes: the same
+        coordinate on a mesh of another size holds other rows."""
         t = self.tensor
-        coordinate = tuple(t.device_mesh.get_coordinate() or ())
-        return ("shard", *(c for c, p in zip(coordinate, t.placements) if p.is_shard()))
+        mesh = t.device_mesh
+        coordinate = tuple(mesh.get_coordinate() or ())
+        dims = [i for i, p in enumerate(t.placements) if p.is_shard()]
+        return ("shard", *(coordinate[i] for i in dims), "of", *(mesh.size(i) for i in dims))
 
     def counts_once(self) -> bool:
         """On every mesh dim that replicates it this rank is the first."""

@@ -705,15 +705,26 @@ class Muon(torch.optim.Optimizer):
         first step)."""
         if self._checked_params:
             return
-        current = {id(p) for p in self._model.parameters()}
+        current = dict(self._model.named_parameters())
+        ids = {id(p) for p in current.values()}
         for group in self.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
-                if id(p) not in current:
+                if id(p) in ids:
+                    continue
+                now = current.get(name)
+                if isinstance(p, DTensor) and now is not None and not isinstance(now, DTensor):
+                    # FSDP2 registers a module's unsharded parameters while it holds them.
                     raise ValueError(
-                        f"Muon holds {name!r}, which is no longer a parameter of the model (was"
-                        " the optimizer built before fully_shard?); build it last:"
-                        " dedicate_params -> fully_shard (layers, then root) -> Muon(model)"
+                        f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update "
+                        "a shard the next forward does not read. A forward ran after backward "
+                        "with reshard_after_forward=False (an evaluation, say): call .reshard() "
+                        "on every FSDP2 module after it, or run it after optimizer.step()"
                     )
+                raise ValueError(
+                    f"Muon holds {name!r}, which is no longer a parameter of the model (was"
+                    " the optimizer built before fully_shard?); build it last:"
+                    " dedicate_params -> fully_shard (layers, then root) -> Muon(model)"
+                )
         self._checked_params = True
 
     def _muon_items(self, entries: Sequence[MuonEntry]) -> list[MuonItem]:

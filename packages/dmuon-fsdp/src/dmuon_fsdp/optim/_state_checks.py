@@ -11,18 +11,22 @@ state and the resumed run drifted from the uninterrupted one without an error. G
 owner's state in ``state_dict()`` would need a collective in a call that DDP scripts make on
 rank 0 alone, where it would hang.
 
-So ``state_dict()`` adds one entry, ``"dmuon_holdings"``: the saving rank and, per parameter
-(by torch's parameter index), which state that rank holds: ``("owner", tp_index)`` for a
-dedicated matrix it owns (its TP shard), ``("shard", *coordinate)`` for a DTensor parameter
-(its coordinate on the sharded mesh dimensions), ``("whole",)`` for a plain one (the same on
-every rank), nothing for a dedicated matrix another rank owns. ``load_state_dict`` compares it
-with this rank's holdings before anything is loaded, and raises, naming
-``dmuon.get_optimizer_state_dict`` / ``dmuon.set_optimizer_state_dict`` (the collective,
-full-state functions), when some state this rank steps is not the one in the dictionary. A
-dictionary loaded on the rank that saved it (or, on the replicated path, any rank whose owned
-matrices the saver also owned, such as a world of one) resumes bit for bit. A dictionary
-without the entry (built by hand, or by an older dmuon) is refused when it holds some state but
-none for a dedicated matrix this rank owns.
+So ``state_dict()`` adds one entry, ``"dmuon_holdings"``: the saving rank, the world size and,
+per parameter (by torch's parameter index), which state that rank holds: ``("owner", 0)`` for a
+dedicated matrix it owns whole, ``("owner", tp_index, "of", tp_size)`` for its TP shard of one,
+``("shard", *coordinate, "of", *sizes)`` for a DTensor parameter (its coordinate on the mesh
+dimensions that shard it, and their sizes: rank 0 of 3 and rank 0 of 2 hold other rows),
+``("whole",)`` for a plain one (the same on every rank), nothing for a dedicated matrix another
+rank owns. ``load_state_dict`` compares it with this rank's holdings before anything is loaded,
+and raises, naming ``dmuon.get_optimizer_state_dict`` / ``dmuon.set_optimizer_state_dict`` (the
+collective, full-state functions), when some state this rank steps is not the one in the
+dictionary. Every state tensor is also checked against the shape this rank steps (a dictionary
+built by hand has no holdings to compare): torch's load does not compare shapes, and its fused
+AdamW then wrote past the end of a smaller shard (a heap corruption on the CPU) where a
+dictionary saved on 3 ranks was loaded on 2. A dictionary loaded on the rank that saved it (or,
+on the replicated path, any rank whose owned matrices the saver also owned, such as a world of
+one) resumes bit for bit. A dictionary without the entry (built by hand, or by an older dmuon)
+is refused when it holds some state but none for a dedicated matrix this rank owns.
 
 The dictionary holds plain Python values and tensors only (each param group's route is
 written as its string), so ``torch.load``'s default ``weights_only=True`` reads it back; loading
@@ -48,6 +52,7 @@ from torch import Tensor
 
 from dmuon_ownership import Route
 
+from .._torch_internals import local_shard
 from ..holder import DedicatedParam, tensor_view
 
 __all__ = ["HOLDINGS_KEY", "for_saving", "install_dedicated_state", "split_for_load"]
@@ -65,6 +70,10 @@ def _holding(param: Tensor, dp: DedicatedParam | None) -> Holding | None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _indexed(groups: list[dict[str, Any]]) -> Iterator[tuple[int, Tensor, str]]:
@@ -94,7 +103,7 @@ def for_saving(
     return {
         **state_dict,
         "param_groups": groups,
-        HOLDINGS_KEY: {"rank": _rank(), "params": params},
+        HOLDINGS_KEY: {"rank": _rank(), "world_size": _world_size(), "params": params},
     }
 
 
@@ -116,6 +125,16 @@ def _routes_back(groups: list[dict[str, Any]], saved_groups: Sequence[Any]) -> l
 
 def _as_holding(value: Any) -> Holding | None:
     return tuple(value) if isinstance(value, list | tuple) else None
+
+
+def _wrong_shapes(entry: Any, shape: tuple[int, ...]) -> str:
+    """The state tensors of ``entry`` (0-dim ones, the AdamW step, aside) whose shape on this
+    rank (a DTensor's local shard) is not ``shape``, named with their shapes; empty when all
+    fit."""
+    if not isinstance(entry, Mapping):
+        return ""
+    found = {k: tuple(local_shard(v).shape) for k, v in entry.items() if isinstance(v, Tensor)}
+    return ", ".join(f"{k} {got} for {shape}" for k, got in found.items() if got and got != shape)
 
 
 def split_for_load(
@@ -150,6 +169,7 @@ def split_for_load(
         recorded = {}
     holdings = recorded.get("params")
     lacking: list[str] = []
+    misshapen: list[str] = []
     state: dict[Any, Any] = {}
     owned: dict[Tensor, tuple[DedicatedParam, Mapping[str, Any]]] = {}
     for saved_id, entry in saved_state.items():
@@ -169,13 +189,31 @@ def split_for_load(
             continue
         if saved_id not in saved_state:
             continue
-        if dp is not None:
-            owned[param] = (dp, saved_state[saved_id])
+        entry = saved_state[saved_id]
+        stepped = tuple(dp.full.shape) if dp is not None and dp.full is not None else None
+        wrong = _wrong_shapes(entry, stepped or tuple(local_shard(param).shape))
+        if wrong:
+            misshapen.append(f"{name!r} ({wrong})")
+        elif dp is not None:
+            owned[param] = (dp, entry)
         else:
-            state[saved_id] = saved_state[saved_id]
+            state[saved_id] = entry
+    if misshapen:
+        shown = ", ".join(misshapen[:4]) + (" ..." if len(misshapen) > 4 else "")
+        raise ValueError(
+            f"Muon.load_state_dict on rank {_rank()}: the state of {len(misshapen)} "
+            f"parameter(s) has another shape than this rank steps: {shown}. The dictionary "
+            "was saved on another topology (world size, mesh or tensor parallelism); "
+            "optimizer.state_dict() only loads where it was saved. Across topologies save "
+            "with dmuon.get_optimizer_state_dict(model, optimizer) and load with "
+            "dmuon.set_optimizer_state_dict(model, optimizer, state_dict) (or DCP: "
+            "dmuon.save_checkpoint / dmuon.load_checkpoint). Nothing was loaded"
+        )
     if lacking:
-        saver = recorded.get("rank")
+        saver, size = recorded.get("rank"), recorded.get("world_size")
         source = "another rank" if saver is None else f"rank {saver}"
+        if saver is not None and size is not None and size != _world_size():
+            source += f" of {size} (this is rank {_rank()} of {_world_size()})"
         shown = ", ".join(repr(n) for n in lacking[:6]) + (" ..." if len(lacking) > 6 else "")
         raise ValueError(
             f"Muon.load_state_dict on rank {_rank()}: this optimizer state dict was saved on "
