@@ -30,8 +30,9 @@ class MuonClipGradsLike(Protocol):
 
     Two optional attributes (read with a default, so an object without them still fits):
     ``copies`` (default none): gradients this rank scales with ``grads`` but that another rank
-    counts (a whole matrix kept by every tensor-parallel grid); they enter no norm and are
-    multiplied by the strategy's ``clip_coef``. ``tensor_parallel`` (default ``False``): some
+    counts (a whole matrix kept by every tensor-parallel grid, an expert stack shard kept by
+    every HSDP replica); they enter no norm and are multiplied by the strategy's ``clip_coef``
+    (``"per_matrix"`` clips each of their matrices by its own norm, as the counting rank does). ``tensor_parallel`` (default ``False``): some
     matrix is split over several ranks, so a matrix's own norm needs a collective and the
     rank-local ``"per_matrix"`` strategy is refused."""
 
