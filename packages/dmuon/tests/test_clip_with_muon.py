@@ -39,24 +39,38 @@ def _reference_muon_norm() -> float:
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 
 
-def _clip_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, object]:
+def _backward_on_ranks(cfg: LlamaConfig, rank: int, world_size: int, hsdp: bool = False):
+    """The demo model under dmuon and FSDP2 (1-D, or HSDP 2 × world/2) after one backward of
+    this rank's rows; (model, runtime, optimizer)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
 
     torch.manual_seed(0)
-    model = TinyLlama(CFG)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
-    dmuon.dedicate_params(model, mesh, muon_predicate)
+    model = TinyLlama(cfg)
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        runtime = dmuon.dedicate_params(
+            model, mesh["shard"], muon_predicate, replicate_mesh=mesh["replicate"]
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+        runtime = dmuon.dedicate_params(model, mesh, muon_predicate)
     dedicated = dmuon.dedicated_params_of(model)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=dedicated)
     fully_shard(model, mesh=mesh, ignored_params=dedicated)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
-
     rows = ROWS // world_size
     _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+    return model, runtime, optimizer
+
+
+def _clip_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, object]:
+    import dmuon
+
+    _, _, optimizer = _backward_on_ranks(CFG, rank, world_size)
     before = [g.clone() for g in optimizer.muon_grads_for_clip().grads]
     stats = dmuon.clip_grad_norm_(optimizer, max_norm)
     after = optimizer.muon_grads_for_clip().grads
@@ -223,24 +237,9 @@ def _per_matrix_reference(max_norm: float) -> dict[str, torch.Tensor]:
 
 
 def _per_matrix_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, torch.Tensor]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     import dmuon
 
-    torch.manual_seed(0)
-    model = TinyLlama(MOE)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    runtime = dmuon.dedicate_params(
-        model, mesh["shard"], muon_predicate, replicate_mesh=mesh["replicate"]
-    )
-    dedicated = dmuon.dedicated_params_of(model)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
-    fully_shard(model, mesh=mesh, ignored_params=dedicated)
-    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
-    rows = ROWS // world_size
-    _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+    model, runtime, optimizer = _backward_on_ranks(MOE, rank, world_size, hsdp=True)
     dmuon.clip_grad_norm_(optimizer, max_norm, strategy="per_matrix")
     # Each replica's expert gradients as that replica holds them (gathered over its shards),
     # and the dense matrices this rank owns.
