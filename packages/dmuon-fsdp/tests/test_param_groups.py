@@ -251,7 +251,7 @@ def _too_early_on_one_rank(rank: int, world_size: int) -> None:
 def _unsharded_at_step(rank: int, world_size: int) -> None:
     # Z2 keeps a module's gathered weights after a forward: one run after backward (an
     # evaluation) leaves FSDP2 holding them at step(), and stepping the shards would not reach
-    # the next forward. The first step says so, not "built before fully_shard".
+    # the next forward. Every step says so (the first one not "built before fully_shard").
     mesh = init_device_mesh("cpu", (world_size,))
     model = build(0)
     dedicate_params(model, mesh, muon_predicate, reshard_after_forward=False)
@@ -261,15 +261,17 @@ def _unsharded_at_step(rank: int, world_size: int) -> None:
     fully_shard(model, mesh=mesh, ignored_params=dedicated, reshard_after_forward=False)
     optimizer = Muon(model)
     batch = shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size)
-    lm_loss(model, batch).backward()
-    with torch.no_grad():
-        lm_loss(model, batch)
-    with pytest.raises(ValueError, match=r"FSDP2 holds '.*' unsharded.*call \.reshard\(\)"):
+    for _ in range(2):  # the first step, then a later one
+        lm_loss(model, batch).backward()
+        with torch.no_grad():
+            lm_loss(model, batch)
+        with pytest.raises(ValueError, match=r"FSDP2 holds '.*' unsharded.*call \.reshard\(\)"):
+            optimizer.step()
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         optimizer.step()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    optimizer.step()
+        optimizer.zero_grad()
 
 
 @pytest.mark.distributed

@@ -231,6 +231,15 @@ def _rows(t: Tensor, rows: tuple[int, int] | None) -> Tensor:
     return t if rows is None else t[rows[0] : rows[1]]
 
 
+def _unsharded_at_step(name: str) -> str:
+    return (
+        f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update a shard the next "
+        "forward does not read. A forward ran after backward with reshard_after_forward=False "
+        "(an evaluation, say), or backward ran with set_reshard_after_backward(False): call "
+        ".reshard() on every FSDP2 module before optimizer.step(), or run that forward after it"
+    )
+
+
 def _closure_loss(closure: Callable[[], float] | None) -> float | None:
     """``closure()`` with gradients enabled, as ``torch.optim`` optimizers run it."""
     if closure is None:
@@ -395,7 +404,9 @@ class Muon(torch.optim.Optimizer):
             self._runtime.hooks.time_forward_waits(device)
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
         self._hooks = StepHooks(self._runtime.comm_ctx.host_group)
-        self._checked_params = False
+        # (name, module, attribute, shard) of one FSDP2 parameter per module, found at the
+        # first step: see _check_params_current.
+        self._fsdp_probes: list[tuple[str, nn.Module, str, Tensor]] | None = None
         self._constructing = True
         super().__init__(groups, {})
         self._constructing = False
@@ -700,11 +711,20 @@ class Muon(torch.optim.Optimizer):
         return self._timer.phases()
 
     def _check_params_current(self) -> None:
-        """Catch an optimizer built before ``fully_shard``: FSDP2 then replaced the parameters
-        it holds, and stepping the old tensors would silently train nothing (checked at the
-        first step)."""
-        if self._checked_params:
-            return
+        """Catch an optimizer built before ``fully_shard`` (FSDP2 then replaced the parameters
+        it holds, and stepping the old tensors would silently train nothing; checked at the
+        first step), and, at every step, an FSDP2 module that holds its parameters unsharded:
+        stepping its shards would not reach the next forward, which reads the gathered copy
+        FSDP2 keeps (one parameter per module is looked at: FSDP2 swaps a module's parameters
+        together)."""
+        if self._fsdp_probes is None:
+            self._check_every_param()
+            self._fsdp_probes = self._probes()
+        for name, module, attr, shard in self._fsdp_probes:
+            if getattr(module, attr) is not shard:
+                raise ValueError(_unsharded_at_step(name))
+
+    def _check_every_param(self) -> None:
         current = dict(self._model.named_parameters())
         ids = {id(p) for p in current.values()}
         for group in self.param_groups:
@@ -714,18 +734,23 @@ class Muon(torch.optim.Optimizer):
                 now = current.get(name)
                 if isinstance(p, DTensor) and now is not None and not isinstance(now, DTensor):
                     # FSDP2 registers a module's unsharded parameters while it holds them.
-                    raise ValueError(
-                        f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update "
-                        "a shard the next forward does not read. A forward ran after backward "
-                        "with reshard_after_forward=False (an evaluation, say): call .reshard() "
-                        "on every FSDP2 module after it, or run it after optimizer.step()"
-                    )
+                    raise ValueError(_unsharded_at_step(name))
                 raise ValueError(
                     f"Muon holds {name!r}, which is no longer a parameter of the model (was"
                     " the optimizer built before fully_shard?); build it last:"
                     " dedicate_params -> fully_shard (layers, then root) -> Muon(model)"
                 )
-        self._checked_params = True
+
+    def _probes(self) -> list[tuple[str, nn.Module, str, Tensor]]:
+        """One FSDP2 parameter (a DTensor dmuon does not hold) of each module that has some."""
+        probes: dict[int, tuple[str, nn.Module, str, Tensor]] = {}
+        for group in self.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                if isinstance(p, DTensor) and self.dedicated_param(p) is None:
+                    prefix, _, attr = name.rpartition(".")
+                    module = self._model.get_submodule(prefix)
+                    probes.setdefault(id(module), (name, module, attr, p))
+        return list(probes.values())
 
     def _muon_items(self, entries: Sequence[MuonEntry]) -> list[MuonItem]:
         """The step's item of each entry with a gradient (momentum buffer made on first
