@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -231,8 +231,8 @@ def _rows(t: Tensor, rows: tuple[int, int] | None) -> Tensor:
     return t if rows is None else t[rows[0] : rows[1]]
 
 
-def _unsharded_at_step(name: str) -> str:
-    return (
+def _unsharded_at_step(name: str) -> NoReturn:
+    raise ValueError(
         f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update a shard the next "
         "forward does not read. A forward ran after backward with reshard_after_forward=False "
         "(an evaluation, say), or backward ran with set_reshard_after_backward(False): call "
@@ -722,7 +722,7 @@ class Muon(torch.optim.Optimizer):
             self._fsdp_probes = self._probes()
         for name, module, attr, shard in self._fsdp_probes:
             if getattr(module, attr) is not shard:
-                raise ValueError(_unsharded_at_step(name))
+                _unsharded_at_step(name)
 
     def _check_every_param(self) -> None:
         current = dict(self._model.named_parameters())
@@ -734,7 +734,7 @@ class Muon(torch.optim.Optimizer):
                 now = current.get(name)
                 if isinstance(p, DTensor) and now is not None and not isinstance(now, DTensor):
                     # FSDP2 registers a module's unsharded parameters while it holds them.
-                    raise ValueError(_unsharded_at_step(name))
+                    _unsharded_at_step(name)
                 raise ValueError(
                     f"Muon holds {name!r}, which is no longer a parameter of the model (was"
                     " the optimizer built before fully_shard?); build it last:"
