@@ -68,7 +68,7 @@ runtime's pending collectives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -265,7 +265,9 @@ def set_model_state_dict(
         if broadcast_from_rank0:
             _Scatter(runtime).load(entries, state_dict)
         else:
-            _check_model_dict(entries, state_dict)
+            _checked_on_every_rank(
+                runtime, "set_model_state_dict", lambda: _check_model_dict(entries, state_dict)
+            )
             with torch.no_grad():
                 for key, target, dp in entries:
                     value = state_dict[key]
@@ -276,6 +278,37 @@ def set_model_state_dict(
                         tensor_view(target).write(value)
         # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
         runtime.after_step(async_=False)
+
+
+def _checked_on_every_rank(
+    runtime: DedicatedRuntime, where: str, check: Callable[[], None]
+) -> None:
+    """Run ``check`` (it raises ``ValueError`` for a dictionary that does not fit) and agree
+    across ranks before anything is changed: when it failed on any rank, every rank raises (its
+    own error, or one naming the ranks that failed). Each rank passes its own dictionary, and a
+    rank that went on alone would write its part and then wait for the others in the next
+    collective."""
+    error: ValueError | None = None
+    try:
+        check()
+    except ValueError as e:
+        error = e
+    group = runtime.global_group
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    failed = torch.zeros(dist.get_world_size(group), device=runtime.layout.device)
+    failed[dist.get_rank(group)] = float(error is not None)
+    dist.all_reduce(failed, group=group)
+    ranks = [r for r, f in enumerate(failed.tolist()) if f]
+    if error is not None:
+        raise error
+    if ranks:
+        raise ValueError(
+            f"{where}: the dictionary did not fit on rank(s) {ranks}, whose errors say why; "
+            "nothing was loaded on any rank"
+        )
 
 
 def _check_model_dict(entries: list[Entry], state_dict: object) -> None:
@@ -530,14 +563,18 @@ def set_optimizer_state_dict(
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_set_optimizer"):
         runtime.drain()
-        _check_top(where, state_dict)
-        saved_groups = state_dict["param_groups"]
-        check_param_groups(where, optimizer, saved_groups)
-        saved_state = state_dict["state"]
         specs = optimizer_specs(optimizer)
-        got = _saved_specs(where, saved_state)
-        unexpected = [fqn for fqn in got if fqn not in specs]
-        check_optimizer_state(where, specs, got, unexpected, strict=strict)
+
+        def check() -> None:
+            _check_top(where, state_dict)
+            check_param_groups(where, optimizer, state_dict["param_groups"])
+            got = _saved_specs(where, state_dict["state"])
+            unexpected = [fqn for fqn in got if fqn not in specs]
+            check_optimizer_state(where, specs, got, unexpected, strict=strict)
+
+        _checked_on_every_rank(runtime, where, check)
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
         apply_param_groups(optimizer, saved_groups)
         optimizer.state.clear()
         with torch.no_grad():

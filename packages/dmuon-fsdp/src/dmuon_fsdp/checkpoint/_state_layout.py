@@ -27,10 +27,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from dmuon_ownership import Route
-
 from ..holder import DedicatedParam
-from ..optim import Muon, fresh_state, optim_dtype
+from ..optim import (
+    GROUP_REQUIRED,
+    STATE_FIELDS,
+    Muon,
+    checked_group_values,
+    fresh_state,
+    optim_dtype,
+)
 from ..runtime import DedicatedRuntime
 
 __all__ = [
@@ -50,15 +55,6 @@ __all__ = [
     "optimizer_specs",
 ]
 
-STATE_FIELDS: dict[Route, tuple[str, ...]] = {
-    Route.MUON: ("momentum_buffer",),
-    Route.ADAMW: ("step", "exp_avg", "exp_avg_sq"),
-}
-GROUP_REQUIRED: dict[Route, tuple[str, ...]] = {
-    Route.MUON: ("lr", "weight_decay", "momentum", "nesterov"),
-    Route.ADAMW: ("lr", "weight_decay", "betas", "eps"),
-}
-
 
 class TensorSpec(NamedTuple):
     """A tensor's full shape and dtype (``None``: any dtype, for the AdamW step)."""
@@ -72,8 +68,9 @@ class TensorSpec(NamedTuple):
 
     @classmethod
     def of_saved(cls, value: object) -> TensorSpec | None:
-        """The spec of a value a checkpoint holds (``None``: it is not a tensor)."""
-        return cls.of(value) if isinstance(value, Tensor) else None
+        """The spec of a value a checkpoint holds (``None``: it is not a tensor, or one on the
+        meta device, which holds no data to load)."""
+        return cls.of(value) if isinstance(value, Tensor) and not value.is_meta else None
 
 
 # -- what a model and an optimizer save ---------------------------------------------------------
@@ -159,7 +156,10 @@ def _check_tensor(
     where: str, key: str, got: TensorSpec | None, want: TensorSpec, holder: str
 ) -> None:
     if got is None:
-        raise ValueError(f"{where}: {key} holds no tensor in the checkpoint; {holder} keeps one")
+        raise ValueError(
+            f"{where}: {key} holds no tensor with data in the checkpoint (not a tensor, or one "
+            f"on the meta device); {holder} keeps one"
+        )
     if got.shape != want.shape:
         if want.shape == ():
             raise ValueError(
@@ -230,6 +230,7 @@ def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
             raise keys_error(
                 f"{where}: param_groups[{name!r}]", absent, [], "the group lacks hyperparameters"
             )
+        checked_group_values(saved, group["optimizer"], f"{where}: param_groups[{name!r}]")
 
 
 def check_optimizer_state(

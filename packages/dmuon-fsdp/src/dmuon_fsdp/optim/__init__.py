@@ -1,17 +1,21 @@
 """The optimizer: ``Muon`` and its step phases, the Muon and AdamW math, the fused Triton
 passes, semantic param groups, and QK-clip."""
 
-from ._muon_math import fresh_state, step_dtype
+from ._muon_math import STATE_FIELDS, fresh_state, step_dtype
 from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions, optim_dtype
+from ._param_groups import GROUP_REQUIRED, checked_group_values
 from ._qk_clip import QKClip, QKRowMap
 
 __all__ = [
+    "GROUP_REQUIRED",
+    "STATE_FIELDS",
     "Muon",
     "MuonClipGrads",
     "MuonStepStats",
     "QKClip",
     "QKRowMap",
     "StepOptions",
+    "checked_group_values",
     "fresh_state",
     "optim_dtype",
     "step_dtype",

@@ -55,6 +55,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _functional_adamw
 
 from dmuon_ns import NewtonSchulz
+from dmuon_ownership import Route
 
 from .._checks import is_int
 from .._matrix import MatrixView, NSFunction, matrices_of, matrix_shape
@@ -412,6 +413,13 @@ def init_adamw_state(param: Tensor, dtype: torch.dtype | None = None) -> dict[st
         "exp_avg": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
     }
+
+
+# The state tensors each route keeps per parameter (fresh_state makes them).
+STATE_FIELDS: dict[Route, tuple[str, ...]] = {
+    Route.MUON: ("momentum_buffer",),
+    Route.ADAMW: ("step", "exp_avg", "exp_avg_sq"),
+}
 
 
 def fresh_state(route: str, like: Tensor, dtype: torch.dtype | None = None) -> dict[str, Tensor]:

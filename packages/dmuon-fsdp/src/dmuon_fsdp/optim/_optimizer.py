@@ -859,7 +859,14 @@ class Muon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         torch_part, owned = split_for_load(self, self._dedicated, state_dict)
+        groups = self.param_groups
         super().load_state_dict(torch_part)
+        # torch loads into new group dicts, but the step plan (and with it every step) reads
+        # the groups it was built on: those take the loaded values and stay the groups, so a
+        # loaded lr, or a scheduler's after the load, reaches the step.
+        for group, loaded in zip(groups, self.param_groups, strict=True):
+            group.update(loaded)
+        self.param_groups = groups
         install_dedicated_state(self, owned)
 
     # -- the dmuon-clip protocol --------------------------------------------------------------

@@ -35,7 +35,13 @@ from dmuon_ownership import Route
 from .._checks import check_bool, is_number
 from .._matrix import MatrixView
 
-__all__ = ["GroupDefaults", "RoutedParam", "build_param_groups"]
+__all__ = [
+    "GROUP_REQUIRED",
+    "GroupDefaults",
+    "RoutedParam",
+    "build_param_groups",
+    "checked_group_values",
+]
 
 # The two optimizers a group can run; a group dict's "optimizer" holds one of them.
 OPTIMIZERS = (Route.MUON, Route.ADAMW)
@@ -89,6 +95,33 @@ def _check_betas(value: Any, where: str) -> tuple[float, float]:
         _check_fraction(value[0], "adamw_betas[0]", where),
         _check_fraction(value[1], "adamw_betas[1]", where),
     )
+
+
+# The hyperparameters each route's group steps with.
+GROUP_REQUIRED: dict[Route, tuple[str, ...]] = {
+    Route.MUON: ("lr", "weight_decay", "momentum", "nesterov"),
+    Route.ADAMW: ("lr", "weight_decay", "betas", "eps"),
+}
+
+
+def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> dict[str, Any]:
+    """The hyperparameters a loaded ``route`` group steps with, checked as construction checks
+    them (``ValueError`` naming the key; a loaded NaN lr or a three-beta tuple would otherwise
+    reach the next step), ``betas`` as a tuple. Raises ``KeyError`` for a missing one: the
+    callers check presence first, with their own message."""
+    if route is Route.MUON:
+        return {
+            "lr": _check_number(group["lr"], "lr", where),
+            "weight_decay": _check_number(group["weight_decay"], "weight_decay", where),
+            "momentum": _check_fraction(group["momentum"], "momentum", where),
+            "nesterov": check_bool(f"{where}: nesterov", group["nesterov"]),
+        }
+    return {
+        "lr": _check_number(group["lr"], "lr", where),
+        "weight_decay": _check_number(group["weight_decay"], "weight_decay", where),
+        "betas": _check_betas(group["betas"], where),
+        "eps": _check_number(group["eps"], "eps", where),
+    }
 
 
 @dataclass(frozen=True)
@@ -360,10 +393,18 @@ def build_param_groups(
     parsed, stale = _parse_groups(user_groups, trainable, dedicated)
     _check_coverage(parsed, stale, trainable, dedicated)
     out: list[dict[str, Any]] = []
+    named = {group.name for group in parsed}
     for group in parsed:
         if is_default:
             prefix = ""
+        elif group.name is not None:
+            prefix = f"{group.name}/"
         else:
-            prefix = f"{group.name if group.name is not None else f'group{group.position}'}/"
+            prefix = f"group{group.position}/"
+            if prefix[:-1] in named:  # checkpoints key the groups by name
+                raise ValueError(
+                    f"param_groups[{group.position}] has no group_name, and its default name "
+                    f"{prefix[:-1]!r} is another group's; give it a group_name"
+                )
         out.extend(_split_by_route(group, defaults, prefix))
     return out

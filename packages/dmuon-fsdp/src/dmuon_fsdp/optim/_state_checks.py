@@ -54,6 +54,8 @@ from dmuon_ownership import Route
 
 from .._torch_internals import local_shard
 from ..holder import DedicatedParam, tensor_view
+from ._muon_math import STATE_FIELDS
+from ._param_groups import GROUP_REQUIRED, checked_group_values
 
 __all__ = ["HOLDINGS_KEY", "for_saving", "install_dedicated_state", "split_for_load"]
 
@@ -119,7 +121,14 @@ def _routes_back(groups: list[dict[str, Any]], saved_groups: Sequence[Any]) -> l
                 f"{str(group['optimizer'])!r} but the state dict's group at its place with "
                 f"{route!r}; load a state dict of an optimizer built with the same param_groups"
             )
-        restored.append({**saved, "optimizer": Route(route)})
+        where = f"Muon.load_state_dict: param group {group['group_name']!r}"
+        absent = [k for k in GROUP_REQUIRED[group["optimizer"]] if k not in saved]
+        if absent:
+            raise ValueError(
+                f"{where} lacks {absent}; load a state dict of this optimizer's state_dict()"
+            )
+        values = checked_group_values(saved, group["optimizer"], where)
+        restored.append({**saved, **values, "optimizer": Route(route)})
     return restored
 
 
@@ -127,14 +136,25 @@ def _as_holding(value: Any) -> Holding | None:
     return tuple(value) if isinstance(value, list | tuple) else None
 
 
-def _wrong_shapes(entry: Any, shape: tuple[int, ...]) -> str:
-    """The state tensors of ``entry`` (0-dim ones, the AdamW step, aside) whose shape on this
-    rank (a DTensor's local shard) is not ``shape``, named with their shapes; empty when all
-    fit."""
+def _unfit(entry: Any, route: Route, shape: tuple[int, ...]) -> str:
+    """What in a parameter's loaded state ``entry`` does not fit the ``route`` this rank steps
+    it with on a tensor of ``shape``: a missing field (the next step would raise ``KeyError``
+    for it, every step after the load), a tensor without data (the meta device) or of another
+    shape on this rank (a DTensor's local shard; the 0-dim AdamW step aside). Empty when it
+    fits."""
     if not isinstance(entry, Mapping):
-        return ""
-    found = {k: tuple(local_shard(v).shape) for k, v in entry.items() if isinstance(v, Tensor)}
-    return ", ".join(f"{k} {got} for {shape}" for k, got in found.items() if got and got != shape)
+        return "not a dict of tensors"
+    problems = [f"no {field!r}" for field in STATE_FIELDS[route] if field not in entry]
+    for key, value in entry.items():
+        if not isinstance(value, Tensor):
+            continue
+        local = local_shard(value)
+        got = tuple(local.shape)
+        if local.is_meta:
+            problems.append(f"{key} on the meta device (no data)")
+        elif got and got != shape:
+            problems.append(f"{key} {got} for {shape}")
+    return ", ".join(problems)
 
 
 def split_for_load(
@@ -161,7 +181,9 @@ def split_for_load(
     if [len(ids) for ids in saved_ids] != [len(g["params"]) for g in groups]:
         return torch_part, {}
     # Saved index -> live parameter, by position, as torch's load pairs them.
-    live = [(p, name) for g in groups for p, name in zip(g["params"], g["param_names"])]
+    live = [
+        (p, name, g["optimizer"]) for g in groups for p, name in zip(g["params"], g["param_names"])
+    ]
     id_map = dict(zip(chain.from_iterable(saved_ids), live))
     torch_part["param_groups"] = _routes_back(groups, saved_groups)
     recorded = state_dict.get(HOLDINGS_KEY)
@@ -175,7 +197,7 @@ def split_for_load(
     for saved_id, entry in saved_state.items():
         if saved_id not in id_map:
             state[saved_id] = entry  # not a parameter's: torch keeps it as it is
-    for saved_id, (param, name) in id_map.items():
+    for saved_id, (param, name, route) in id_map.items():
         dp = dedicated.get(id(param))
         holding = _holding(param, dp)
         if holding is None:
@@ -191,7 +213,7 @@ def split_for_load(
             continue
         entry = saved_state[saved_id]
         stepped = tuple(dp.full.shape) if dp is not None and dp.full is not None else None
-        wrong = _wrong_shapes(entry, stepped or tuple(local_shard(param).shape))
+        wrong = _unfit(entry, route, stepped or tuple(local_shard(param).shape))
         if wrong:
             misshapen.append(f"{name!r} ({wrong})")
         elif dp is not None:
@@ -202,11 +224,11 @@ def split_for_load(
         shown = ", ".join(misshapen[:4]) + (" ..." if len(misshapen) > 4 else "")
         raise ValueError(
             f"Muon.load_state_dict on rank {_rank()}: the state of {len(misshapen)} "
-            f"parameter(s) has another shape than this rank steps: {shown}. The dictionary "
-            "was saved on another topology (world size, mesh or tensor parallelism); "
-            "optimizer.state_dict() only loads where it was saved. Across topologies save "
-            "with dmuon.get_optimizer_state_dict(model, optimizer) and load with "
-            "dmuon.set_optimizer_state_dict(model, optimizer, state_dict) (or DCP: "
+            f"parameter(s) does not fit what this rank steps: {shown}. A dictionary of "
+            "another topology (world size, mesh or tensor parallelism) has another shape than "
+            "this rank steps: optimizer.state_dict() only loads where it was saved. Across "
+            "topologies save with dmuon.get_optimizer_state_dict(model, optimizer) and load "
+            "with dmuon.set_optimizer_state_dict(model, optimizer, state_dict) (or DCP: "
             "dmuon.save_checkpoint / dmuon.load_checkpoint). Nothing was loaded"
         )
     if lacking:
