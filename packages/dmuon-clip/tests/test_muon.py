@@ -59,6 +59,14 @@ def test_nonfinite_is_reported_not_applied_and_can_raise() -> None:
         assert_close(got, old, rtol=0, equal_nan=True)
 
 
+def test_error_if_nonfinite_must_be_a_bool() -> None:
+    grads = _matrices()
+    before = [g.clone() for g in grads]
+    with pytest.raises(TypeError, match="error_if_nonfinite must be a bool, got 'no'"):
+        clip_grad_norm_(FakeMuon(grads), 0.1, error_if_nonfinite="no")  # type: ignore[arg-type]
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))
+
+
 def test_no_owned_grads() -> None:
     stats = clip_grad_norm_(FakeMuon([]), 1.0)
     assert float(stats.total_norm) == 0.0 and stats.param_count == 0

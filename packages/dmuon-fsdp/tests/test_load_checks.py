@@ -159,3 +159,51 @@ def _group_names(rank: int, world_size: int) -> None:
     groups = [{"params": params[:3], "group_name": "group1"}, {"params": params[3:]}]
     with pytest.raises(ValueError, match=r"default name 'group1' is another group's"):
         Muon(model, param_groups=groups)
+
+
+def _misuses(rank: int, world_size: int, directory: str) -> None:
+    import os
+
+    from dmuon_fsdp import QKClip, load_checkpoint, save_checkpoint
+
+    model, optimizer = _trained(world_size)
+    weights = _weights(model)
+    with pytest.raises(TypeError, match="closure must be None or a callable"):
+        optimizer.step(closure=42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="state_dict must be a dict"):
+        optimizer.load_state_dict(None)  # type: ignore[arg-type]
+    full = get_optimizer_state_dict(model, optimizer)
+    with pytest.raises(ValueError, match=r"full optimizer state dict.*set_optimizer_state_dict"):
+        optimizer.load_state_dict(full)
+    swapped = copy.deepcopy(full)
+    group = next(iter(swapped["param_groups"].values()))
+    group["params"] = group["params"][::-1]
+    with pytest.raises(ValueError, match="lists this group's parameters in another order"):
+        set_optimizer_state_dict(model, optimizer, swapped)
+    with pytest.raises(TypeError, match="cpu_offload must be a bool"):
+        get_model_state_dict(model, cpu_offload="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="strict must be a bool"):
+        set_optimizer_state_dict(model, optimizer, full, strict="no")  # type: ignore[arg-type]
+    a_file = os.path.join(directory, "a_file")
+    open(a_file, "w").close()
+    for call in (save_checkpoint, load_checkpoint):
+        with pytest.raises(ValueError, match="is a file; a checkpoint is a directory"):
+            call(a_file, model, optimizer)
+    q = "layers.0.attn.q_proj.weight"
+    clip = QKClip()
+    clip.add(q, "layers.0.attn.k_proj.weight", 2)
+    with pytest.raises(TypeError, match=r"QKClip\.attach takes dmuon's Muon"):
+        clip.attach(torch.optim.AdamW(model.parameters()))
+    norm = QKClip()
+    norm.add(q, "layers.0.attn_norm.weight", 2)
+    with pytest.raises(ValueError, match=r"'layers.0.attn_norm.weight' has shape \(16,\)"):
+        norm.attach(optimizer)
+    clip.attach(optimizer)
+    with pytest.raises(TypeError, match="max_logits must be a 1-D tensor"):
+        clip.observe(q, [1.0, 2.0])  # type: ignore[arg-type]
+    assert _same(_weights(model), weights)
+    _step(model, optimizer, 1)
+
+
+def test_misuses_raise_a_clear_error_and_change_nothing(tmp_path) -> None:
+    run_distributed(_misuses, 1, str(tmp_path))

@@ -33,6 +33,16 @@ def test_bad_tensor_in_a_list_is_named_by_index() -> None:
         NewtonSchulz()([torch.ones(2, 3, dtype=torch.int32)])
 
 
+def test_a_tensor_that_requires_grad_is_refused_with_grad_on() -> None:
+    g = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"G requires grad.*pass G\.detach\(\)"):
+        newton_schulz(g)
+    with torch.no_grad():
+        assert torch.equal(newton_schulz(g), newton_schulz(g.detach()))
+    with pytest.raises(ValueError, match="cuda_graphs must be a bool, got 'no'"):
+        NewtonSchulz(cuda_graphs="no")  # type: ignore[arg-type]
+
+
 def test_empty_batch_is_not_an_error() -> None:
     out = newton_schulz(torch.ones(0, 4, 6))
     assert out.shape == (0, 4, 6)
@@ -59,6 +69,7 @@ def test_empty_batch_is_not_an_error() -> None:
         ({"dtype": torch.float32}, "dtype is the iteration dtype and must be torch.float16"),
         ({"eps": 0.0}, "eps must be a positive finite float"),
         ({"eps": float("nan")}, "eps must be a positive finite float"),
+        ({"deterministic": "yes"}, "deterministic must be a bool, got 'yes'"),
     ],
 )
 def test_bad_config(kwargs: dict, match: str) -> None:

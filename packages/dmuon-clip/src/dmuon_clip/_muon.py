@@ -74,6 +74,8 @@ def clip_grad_norm_(
     """
     max_norm = validate_max_norm(max_norm)
     norm_type = validate_norm_type(norm_type)
+    if not isinstance(error_if_nonfinite, bool):  # a string such as "no" would be truthy
+        raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")
     fn = get_muon_grad_clip_strategy(strategy)
     if not callable(getattr(optimizer, "muon_grads_for_clip", None)):
         raise TypeError(

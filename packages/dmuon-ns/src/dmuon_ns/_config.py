@@ -142,8 +142,9 @@ class NewtonSchulz:
         restarts = _validate_restarts(self.restart_iterations, self.steps)
         set_(self, "restart_iterations", restarts)
         set_(self, "restarts", restarts)
-        set_(self, "deterministic", bool(self.deterministic))
-        set_(self, "cuda_graphs", bool(self.cuda_graphs))
+        for flag in ("deterministic", "cuda_graphs"):  # a string such as "no" would be truthy
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
 
     @overload
     def __call__(self, g: Tensor) -> Tensor: ...

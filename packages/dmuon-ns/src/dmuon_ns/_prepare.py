@@ -161,6 +161,11 @@ def check_matrix(g: object, what: str = "G") -> Tensor:
             f"{what} must have a real floating dtype (float16, bfloat16, float32, float64),"
             f" got {g.dtype}; cast it with .float() first"
         )
+    if g.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{what} requires grad, and NS has no backward: pass {what}.detach() (a gradient"
+            " or a momentum never requires grad), or call it under torch.no_grad()"
+        )
     if g.shape[-1] == 0 or g.shape[-2] == 0:
         raise ValueError(
             f"{what} is an empty matrix of shape {tuple(g.shape)}; NS needs at least one row"

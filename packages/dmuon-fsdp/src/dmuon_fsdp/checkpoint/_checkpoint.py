@@ -218,6 +218,7 @@ def get_model_state_dict(
             (anything else raises ``TypeError``).
     """
     check_bool("rank0_only", rank0_only)
+    check_bool("cpu_offload", cpu_offload)
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_get_model"):
         runtime.drain()
@@ -478,6 +479,7 @@ def get_optimizer_state_dict(
             ``False``: every rank returns it. A bool (anything else raises ``TypeError``).
     """
     check_bool("rank0_only", rank0_only)
+    check_bool("cpu_offload", cpu_offload)
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_get_optimizer"):
@@ -559,6 +561,7 @@ def set_optimizer_state_dict(
             ``ValueError``; ``False``: it starts from fresh state.
     """
     where = "set_optimizer_state_dict"
+    check_bool(f"{where}: strict", strict)
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)
     with record_function("dmuon::checkpoint_set_optimizer"):

@@ -80,6 +80,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Shard
 
+from .._checks import check_bool
 from .._torch_internals import local_shard
 from ..holder import DedicatedParam
 from ..optim import Muon
@@ -273,11 +274,20 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: M
         optimizer: the :class:`Muon` built on ``model`` (another object raises
             ``ValueError``).
     """
+    _check_not_a_file("save_checkpoint", path)
     with record_function("dmuon::save_checkpoint"):
         writer = integrity.ChecksumWriter(path)
         integrity.clear_checksums(path)
         dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, storage_writer=writer)
         integrity.record_checksums(writer, "save_checkpoint")
+
+
+def _check_not_a_file(where: str, path: str | os.PathLike[str]) -> None:
+    if os.path.isfile(path):
+        raise ValueError(
+            f"{where}: {os.fspath(path)!r} is a file; a checkpoint is a directory (DCP writes "
+            "one file per rank into it): pass a directory path"
+        )
 
 
 def _prefixed(prefix: str, metadata: Metadata) -> dict[str, layout.TensorSpec | None]:
@@ -357,6 +367,8 @@ def load_checkpoint(
             their first step; everything else loads.
     """
     where = "load_checkpoint"
+    check_bool(f"{where}: strict", strict)
+    _check_not_a_file(where, path)
     app = AppState(model, optimizer)
     with record_function("dmuon::load_checkpoint"):
         checksums = integrity.read_checksums(where, path)

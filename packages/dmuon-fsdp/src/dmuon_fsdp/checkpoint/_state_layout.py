@@ -212,6 +212,12 @@ def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
             raise ValueError(f"{where}: param_groups[{name!r}] must be a dict")
         expected = list(group["param_names"])
         got = list(saved.get("params", []))
+        if got != expected and sorted(got) == sorted(expected):
+            raise ValueError(
+                f"{where}: param_groups[{name!r}] lists this group's parameters in another "
+                "order than the optimizer (each state entry is keyed by name, but the order "
+                "is the group's); build the optimizer as when saving"
+            )
         if got != expected:
             raise keys_error(
                 f"{where}: param_groups[{name!r}]['params']",

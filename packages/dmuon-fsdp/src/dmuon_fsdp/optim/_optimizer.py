@@ -244,6 +244,11 @@ def _closure_loss(closure: Callable[[], float] | None) -> float | None:
     """``closure()`` with gradients enabled, as ``torch.optim`` optimizers run it."""
     if closure is None:
         return None
+    if not callable(closure):
+        raise TypeError(
+            f"Muon.step: closure must be None or a callable returning the loss, got "
+            f"{type(closure).__name__}"
+        )
     with torch.enable_grad():
         return closure()
 

@@ -442,6 +442,11 @@ class QKClip:
                 f"QKClip.observe: {q!r} was not added; pass the query weight FQN given to"
                 f" QKClip.add ({len(self._rows)} added, e.g. {next(iter(self._rows), None)!r})"
             )
+        if not isinstance(max_logits, Tensor):
+            raise TypeError(
+                f"QKClip.observe: max_logits must be a 1-D tensor of per-head maxima, got "
+                f"{type(max_logits).__name__}"
+            )
         count = max_logits.shape[0] if max_logits.dim() == 1 else -1
         if first_head is None:
             if count == row.heads:
@@ -496,6 +501,11 @@ class QKClip:
         [Note: where the statistic is reduced]). Checks every attention against the
         optimizer's model first (nothing is attached if that raises). Returns a handle whose
         ``remove()`` detaches both hooks; a QKClip serves one optimizer."""
+        if not callable(getattr(optimizer, "register_post_update_hook", None)):
+            raise TypeError(
+                f"QKClip.attach takes dmuon's Muon optimizer, got {type(optimizer).__name__}: "
+                "the clip runs inside Muon.step, as a post-update hook"
+            )
         self.bind(optimizer.model, optimizer.runtime)
         return RemovableHandles(
             optimizer.register_pre_step_hook(lambda _: self.launch()),
@@ -665,6 +675,11 @@ def _check_param(
         raise ValueError(
             f"QKClip: {fqn!r} is not a parameter of the model; pass FQNs as"
             f" model.named_parameters() lists them{f' (e.g. {near[0]!r})' if near else ''}"
+        )
+    if param.ndim != 2:
+        raise ValueError(
+            f"QKClip: {fqn!r} has shape {tuple(param.shape)}, not a projection matrix; pass the"
+            " q and k projections' weights (a norm's weight would be scaled as a head's rows)"
         )
     if not param.requires_grad:
         raise ValueError(

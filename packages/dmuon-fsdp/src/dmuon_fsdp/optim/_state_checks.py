@@ -118,8 +118,9 @@ def _routes_back(groups: list[dict[str, Any]], saved_groups: Sequence[Any]) -> l
         if route != group["optimizer"]:
             raise ValueError(
                 f"Muon.load_state_dict: param group {group['group_name']!r} steps with "
-                f"{str(group['optimizer'])!r} but the state dict's group at its place with "
-                f"{route!r}; load a state dict of an optimizer built with the same param_groups"
+                f"{_route_name(group['optimizer'])!r} but the state dict's group at its place "
+                f"with {_route_name(route)!r}; load a state dict of an optimizer built with the "
+                "same param_groups"
             )
         where = f"Muon.load_state_dict: param group {group['group_name']!r}"
         absent = [k for k in GROUP_REQUIRED[group["optimizer"]] if k not in saved]
@@ -130,6 +131,10 @@ def _routes_back(groups: list[dict[str, Any]], saved_groups: Sequence[Any]) -> l
         values = checked_group_values(saved, group["optimizer"], where)
         restored.append({**saved, **values, "optimizer": Route(route)})
     return restored
+
+
+def _route_name(route: Any) -> Any:
+    return route.value if isinstance(route, Route) else route
 
 
 def _as_holding(value: Any) -> Holding | None:
@@ -167,7 +172,17 @@ def split_for_load(
     entries, which :func:`install_dedicated_state` installs. A dictionary torch would refuse
     (another structure or group sizes) is handed on as it is, for torch's own error."""
     if not isinstance(state_dict, Mapping):
-        return state_dict, {}  # type: ignore[return-value]  # torch raises its own error
+        raise TypeError(
+            "Muon.load_state_dict: state_dict must be a dict, as optimizer.state_dict() "
+            f"returns, got {type(state_dict).__name__}"
+        )
+    if isinstance(state_dict.get("param_groups"), Mapping):
+        raise ValueError(
+            "Muon.load_state_dict: this is a full optimizer state dict (param groups by name, "
+            "as dmuon.get_optimizer_state_dict returns); load it with "
+            "dmuon.set_optimizer_state_dict(model, optimizer, state_dict) on every rank. "
+            "Nothing was loaded"
+        )
     torch_part = {k: v for k, v in state_dict.items() if k != HOLDINGS_KEY}
     saved_state = state_dict.get("state")
     saved_groups = state_dict.get("param_groups")
