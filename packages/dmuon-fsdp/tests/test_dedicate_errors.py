@@ -301,6 +301,13 @@ def _routes(rank: int, world_size: int) -> None:
     assert not isinstance(model.layers[0].attn_norm.weight, DTensor)
 
 
+def _policy_typo(rank: int, world_size: int) -> None:
+    # An override that matches no parameter changes nothing: a warning names it.
+    policy = {"overrides": [{"name": ["mpl", "down_proj"], "set": {"route": "adamw"}}]}
+    with pytest.warns(UserWarning, match=r"override name\(s\) \['mpl'\] match no parameter"):
+        dedicate_params(build(0), _mesh(world_size), muon_predicate, param_policy=policy)
+
+
 def _plan_differs(rank: int, world_size: int) -> None:
     # A rank-dependent predicate gives each rank another plan: caught before any weight moves.
     def predicate(n, p):
@@ -343,6 +350,7 @@ def _mesh_errors(rank: int, world_size: int) -> None:
         _boundary_predicate_lowest,
         _bad_arguments,
         _routes,
+        _policy_typo,
         _plan_differs,
         _config_argument,
     ],

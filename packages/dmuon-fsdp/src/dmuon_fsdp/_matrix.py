@@ -187,6 +187,12 @@ def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:
     return MatrixView.of(shape).lr_scale(scaling)
 
 
+def is_single_matrix(shape: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` is one 2-D matrix (a projection weight), not a vector,
+    a stack or a scalar."""
+    return len(shape) == 2
+
+
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     """``(rows, cols)`` of each matrix of a tensor of ``shape`` (a parameter, a TP shard of
     one, or a stack)."""

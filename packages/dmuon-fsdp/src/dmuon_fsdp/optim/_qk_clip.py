@@ -73,6 +73,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.utils.hooks import RemovableHandle
 
 from .._checks import is_int, is_number
+from .._matrix import is_single_matrix
 from .._profile import span
 from .._torch_internals import foreach_mul_
 from ..holder import DedicatedParam, WeightPart, tensor_view
@@ -533,6 +534,12 @@ class QKClip:
         for index, attention in enumerate(self._attentions):
             for fqn in (attention.q, attention.k):
                 _check_param(fqn, params, dedicated)
+                if not is_single_matrix(params[fqn].shape):
+                    raise ValueError(
+                        f"QKClip: {fqn!r} has shape {tuple(params[fqn].shape)}, not a projection "
+                        "matrix; pass the q and k projections' weights (a norm's weight would be "
+                        "scaled as a head's rows)"
+                    )
             if _uses_qk_norm(model, attention):
                 warnings.warn(
                     f"QKClip: the attention of {attention.q!r} normalises q and k (QK-norm), so"
@@ -675,11 +682,6 @@ def _check_param(
         raise ValueError(
             f"QKClip: {fqn!r} is not a parameter of the model; pass FQNs as"
             f" model.named_parameters() lists them{f' (e.g. {near[0]!r})' if near else ''}"
-        )
-    if param.ndim != 2:
-        raise ValueError(
-            f"QKClip: {fqn!r} has shape {tuple(param.shape)}, not a projection matrix; pass the"
-            " q and k projections' weights (a norm's weight would be scaled as a head's rows)"
         )
     if not param.requires_grad:
         raise ValueError(

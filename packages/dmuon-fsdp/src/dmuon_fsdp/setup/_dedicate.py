@@ -346,6 +346,16 @@ def _dedicate(
             "lambda n, p: 'proj' in n and p.ndim == 2"
         )
     policy = validate_param_policy(param_policy)
+    unmatched = policy.unmatched_tokens(name for name, _ in model.named_parameters())
+    if unmatched:
+        # Likely typos: an override that matches nothing changes nothing.
+        warnings.warn(
+            f"param_policy: the override name(s) {list(unmatched)} match no parameter of the "
+            f"{type(model).__name__}, so they change nothing; a name matches whole "
+            "dot-separated components of a parameter's FQN (see the routing guide)",
+            UserWarning,
+            stacklevel=3,
+        )
     aliases = _aliases(model)
     modules = dict(model.named_modules())
     claimed = _claim(_select(model, aliases, predicate), policy, modules)
