@@ -22,7 +22,7 @@ scalar counter of any dtype (it is loaded as the dtype ``torch.optim.AdamW`` use
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -239,6 +239,19 @@ def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
         checked_group_values(saved, group["optimizer"], f"{where}: param_groups[{name!r}]")
 
 
+_ALL_FIELDS = frozenset(f for fields in STATE_FIELDS.values() for f in fields)
+
+
+def _rerouted(where: str, keys: Sequence[str]) -> NoReturn:
+    shown = ", ".join(repr(k) for k in keys[:4]) + (" ..." if len(keys) > 4 else "")
+    raise ValueError(
+        f"{where}: the checkpoint holds {shown}: optimizer state of another route than the "
+        "parameter takes here (Muon keeps momentum_buffer; AdamW step, exp_avg and "
+        "exp_avg_sq), so it was saved with another predicate or param_policy. Build the "
+        "optimizer with the routes it was saved with"
+    )
+
+
 def check_optimizer_state(
     where: str,
     specs: Mapping[str, Mapping[str, TensorSpec]],
@@ -251,6 +264,10 @@ def check_optimizer_state(
     any entry left out) against ``specs``; ``unexpected`` are the checkpoint's keys that belong
     to no parameter. Returns the parameters without an entry, which only ``strict=False``
     accepts (see [Note: complete optimizer state])."""
+    # A field of a parameter this optimizer has, but of the other route's state.
+    rerouted = [key for key in unexpected if key.rpartition(".")[0] in specs]
+    if rerouted:
+        _rerouted(where, rerouted)
     if unexpected:
         raise keys_error(
             f"{where}: state", [], list(unexpected), "the checkpoint is from a different model"
@@ -261,6 +278,8 @@ def check_optimizer_state(
             continue
         missing = [f"{fqn}.{f}" for f in fields if f not in entry]
         extra = [f"{fqn}.{f}" for f in entry if f not in fields]
+        if extra and all(f in _ALL_FIELDS for f in entry):
+            _rerouted(where, extra)
         if missing or extra:
             raise keys_error(
                 f"{where}: state[{fqn!r}]",
