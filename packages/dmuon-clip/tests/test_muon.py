@@ -116,6 +116,15 @@ def test_per_matrix_strategy_clips_each_matrix_of_a_stack_alone() -> None:
     assert float(stats.clip_coef) == pytest.approx(2.0 / (float(stack[1].norm()) + 1e-6), rel=RTOL)
 
 
+def test_per_matrix_strategy_takes_fp64_gradients() -> None:
+    grads = [g.double() for g in _matrices(8)]
+    refs = [torch_clip([g.clone()], 0.5)[1][0] for g in grads]
+    stats = clip_grad_norm_(FakeMuon(grads), 0.5, strategy="per_matrix")
+    assert stats.total_norm.dtype == torch.float32 and bool(stats.clipped)
+    for got, want in zip(grads, refs):
+        assert_close(got, want, rtol=RTOL)
+
+
 def test_per_matrix_strategy_clips_a_copy_by_its_own_norms() -> None:
     # A copy (a stack shard another replica counts) must end as the counted original does
     # there, not take this rank's smallest coefficient.

@@ -188,5 +188,8 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
 
 
 def _matrix_norms(g: Tensor, p: float) -> Tensor:
-    """The p-norm of each matrix of ``g`` (..., rows, cols), flat, accumulated in fp32."""
-    return torch.linalg.vector_norm(g, p, dim=(-2, -1), dtype=torch.float32).reshape(-1)
+    """The p-norm of each matrix of ``g`` (..., rows, cols), flat, accumulated in fp32 (fp64
+    for fp64 gradients, which torch will not narrow), returned in fp32 as the stats are."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    norms = torch.linalg.vector_norm(g, p, dim=(-2, -1), dtype=acc)
+    return norms.reshape(-1).to(torch.float32)
