@@ -179,8 +179,9 @@ def _build(
     muon_bytes = (sum(p.numel() for p in muon), muon[0].element_size())
     reshard = opts.zero == 3
     if opts.tp > 1:  # order: parallelize_module -> dedicate_params -> fully_shard
+        tp_mesh = mesh["tp"]  # one object: each slice is a new mesh, which compile guards on
         for layer in model.layers:
-            parallelize_module(layer, mesh["tp"], TP_PLAN)
+            parallelize_module(layer, tp_mesh, TP_PLAN)
     if kind is not RunKind.ADAMW:
         dmuon.dedicate_params(
             model,
