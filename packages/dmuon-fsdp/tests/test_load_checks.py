@@ -207,33 +207,3 @@ def _misuses(rank: int, world_size: int, directory: str) -> None:
 
 def test_misuses_raise_a_clear_error_and_change_nothing(tmp_path) -> None:
     run_distributed(_misuses, 1, str(tmp_path))
-
-
-def _rerouted(rank: int, world_size: int, directory: str) -> list[str]:
-    from dmuon_fsdp import load_checkpoint, save_checkpoint
-
-    model, optimizer = _trained(world_size)
-    full = get_optimizer_state_dict(model, optimizer)
-    save_checkpoint(directory, model, optimizer)
-    # The same model, with the down projections routed to AdamW.
-    other = build(0)
-    mesh = init_device_mesh("cpu", (world_size,))
-    policy = {"overrides": [{"name": ["down_proj"], "set": {"route": "adamw"}}]}
-    dedicate_params(other, mesh, muon_predicate, small_param_threshold=0, param_policy=policy)
-    shard_layers_then_root(other, mesh)
-    moved = Muon(other, lr=0.02, adamw_lr=1e-3)
-    messages = []
-    for call in (
-        lambda: set_optimizer_state_dict(other, moved, full),
-        lambda: load_checkpoint(directory, other, moved),
-    ):
-        with pytest.raises(ValueError) as info:
-            call()
-        messages.append(str(info.value))
-    return messages
-
-
-def test_a_checkpoint_of_other_routes_says_so(tmp_path) -> None:
-    full, sharded = run_distributed(_rerouted, 1, str(tmp_path))[0]
-    assert "down_proj" in full and "routes" in full, full
-    assert "down_proj" in sharded and "another route" in sharded, sharded
