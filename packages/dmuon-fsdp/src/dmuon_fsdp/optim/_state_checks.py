@@ -169,8 +169,10 @@ def split_for_load(
 ) -> tuple[dict[str, Any], dict[Tensor, tuple[DedicatedParam, Mapping[str, Any]]]]:
     """Check that ``state_dict`` holds the state this rank keeps (raises otherwise, before
     anything is loaded) and split it into what torch loads and the owned dedicated matrices'
-    entries, which :func:`install_dedicated_state` installs. A dictionary torch would refuse
-    (another structure or group sizes) is handed on as it is, for torch's own error."""
+    entries, which :func:`install_dedicated_state` installs. Anything but a dict raises
+    ``TypeError``, the full dictionary of ``get_optimizer_state_dict`` a ``ValueError``; a
+    dictionary torch would refuse (another structure or group sizes) is handed on as it is, for
+    torch's own error."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             "Muon.load_state_dict: state_dict must be a dict, as optimizer.state_dict() "
