@@ -168,7 +168,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.dir is None:
             raise SystemExit("under torchrun pass --dir, a directory every rank can reach")
         torch.set_num_threads(1)
-        run(args.dir, args.device)
+        try:
+            run(args.dir, args.device)
+        finally:
+            # Stop gloo's threads while the interpreter still runs: at its exit they could abort
+            # the process after the work is done (docs/faq.md).
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         return
     directory = args.dir or tempfile.mkdtemp(prefix="dmuon-hf-trainer-")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
