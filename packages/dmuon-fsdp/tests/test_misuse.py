@@ -14,7 +14,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dmuon_fsdp import Muon, dedicate_params, load_checkpoint, save_checkpoint, uninstall_patch
+from dmuon_fsdp import (
+    Muon,
+    dedicate_params,
+    get_model_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    uninstall_patch,
+)
 from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
@@ -75,6 +82,37 @@ def _checkpoint_with_other_routes(mesh: DeviceMesh, root: str) -> None:
     load_checkpoint(path, *trained(None), strict=True)
 
 
+def _torch_optimizer(mesh: DeviceMesh, root: str) -> None:
+    """torch's AdamW over every parameter: it would never change the dedicated ones."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    loss_fn(model, batch(0, ROWS)).backward()
+    optimizer.step()
+
+
+def _torch_load_of_a_full_state_dict(mesh: DeviceMesh, root: str) -> None:
+    """model.load_state_dict of another model's full state dict: refused before any dedicated
+    weight (on its owner) took a value, so dmuon's full state dict is the one it had."""
+
+    def trained(seed: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        model = build(seed)
+        dedicate_params(model, mesh, muon_predicate)
+        shard_layers_then_root(model, mesh)
+        Muon(model)
+        return model, get_model_state_dict(model)
+
+    _, other = trained(1)
+    model, before = trained(0)
+    try:
+        model.load_state_dict(other)
+    finally:
+        after = get_model_state_dict(model)
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        assert not changed, f"the refused load changed {changed}"
+
+
 SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
     "plain fully_shard, patch off": (
         _plain_fully_shard_without_the_patch,
@@ -95,6 +133,16 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _changed_after_muon,
         r"RuntimeError: dedicated parameter 'layers\.1\.mlp\.up_proj\.weight' is no longer "
         r"registered on its module.*do not reassign dedicated parameters",
+    ),
+    "torch's AdamW over model.parameters()": (
+        _torch_optimizer,
+        r"ValueError: AdamW\.step\(\): its param_groups hold the dedicated parameter "
+        r"'layers\.\d\.\w+\.\w+_proj\.weight'.*never reaches \.grad.*dmuon\.Muon\(model",
+    ),
+    "model.load_state_dict of a full state dict": (
+        _torch_load_of_a_full_state_dict,
+        r"RuntimeError: load_state_dict: 'layers\.0\.attn\.q_proj\.weight' is the dedicated "
+        r"parameter .*nothing of dmuon's weights was changed.*dmuon\.set_model_state_dict",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

@@ -393,6 +393,8 @@ def test_init_weights_on_a_meta_model_initialises_dedicated_weights_as_a_normal_
     # every rank gives the dedicated weights the values it gives a normally built model with
     # the same generator state (a peer draws on scratch tensors, so the generators advance as
     # on the owner, also where the draws depend on the values), and packing keeps the owners'.
+    # It holds up to the first draw into an FSDP2 shard (a DTensor draws otherwise): INITS
+    # draw the dedicated projections first.
     results = run_distributed(_meta_init, 2)
     for i, init in enumerate(INITS):
         plain = build(0)

@@ -8,10 +8,13 @@ from ._dedicated import DedicatedParam, TensorParallelParam
 from ._experts import ExpertStack, SourcedExpertStack, check_expert_split
 from ._guard import (
     FULLY_SHARD_FIX,
+    STEPS_DEDICATED,
     NotHeldError,
     holder_of,
     is_dedicated,
     refuse_ddp,
+    refuse_foreign_optimizers,
+    refuse_module_load,
 )
 from ._holder import (
     Found,
@@ -36,6 +39,7 @@ from ._tp_ns import TensorParallelNS, TPMode
 __all__ = [
     "FULLY_SHARD_FIX",
     "KINDS",
+    "STEPS_DEDICATED",
     "DedicatedParam",
     "ExpertStack",
     "Found",
@@ -63,6 +67,8 @@ __all__ = [
     "is_dedicated",
     "kind_of",
     "refuse_ddp",
+    "refuse_foreign_optimizers",
+    "refuse_module_load",
     "register_kind",
     "resolve_precision",
     "tensor_view",

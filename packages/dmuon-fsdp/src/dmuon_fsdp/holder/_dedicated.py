@@ -290,7 +290,9 @@ class DedicatedParam(ParamHolder):
             "state_dict) (collective), initialise those of a meta-device model after to_empty "
             "with dmuon.init_dedicated_(model, fn) (on the ranks that keep them); for sharded "
             "checkpoints (model.state_dict() with DCP) use dmuon.save_checkpoint / "
-            "dmuon.load_checkpoint or dmuon.AppState(model, optimizer)"
+            "dmuon.load_checkpoint or dmuon.AppState(model, optimizer), and for the functions of "
+            "torch.distributed.checkpoint.state_dict (get_state_dict, "
+            "get_optimizer_state_dict, ...) dmuon's functions of the same names"
         )
 
     # -- the reduce target: see [Note: gradient reduction] in runtime/_collectives -------------

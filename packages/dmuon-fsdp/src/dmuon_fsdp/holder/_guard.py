@@ -44,23 +44,46 @@ at the same data-parallel index share its role (one plan per TP grid), so a refu
 them on peers): every module above a dedicated parameter carries a
 ``_ddp_params_and_buffers_to_ignore`` that raises when DDP reads it, on every rank alike, with
 a message that names dmuon's replicated path (``dedicate_params_ddp`` + ``replicate``).
+
+[Note: torch's paths that cannot reach a dedicated weight]
+Two of torch's own paths would touch dedicated weights only where they happen to be held, and
+fail or do nothing elsewhere, without a word:
+
+- ``model.load_state_dict(state_dict)`` copies each value into its parameter module by module
+  and reports the failures at the end: on the owner a dedicated weight took the new value,
+  while FSDP2's shards refused theirs, and the model was left a mix of two checkpoints
+  (torch's ``set_model_state_dict`` reaches the same copies). So on the sharded path
+  (``dedicate_params``) every module that holds dedicated parameters has a load pre-hook
+  (``refuse_module_load``) that raises when the dictionary has a value for one of them, before
+  the module loads anything, naming dmuon's loads. Modules loaded before it hold no dedicated
+  weight; FSDP2's shards among them refuse plain values as without dmuon. (The replicated
+  path, where every rank keeps every weight, loads through ``model.load_state_dict``.)
+- a torch optimizer given a dedicated parameter (``AdamW(model.parameters())``) would never
+  change it: its gradient goes to the owner through dmuon's runtime and never reaches
+  ``.grad``, which an optimizer reads as "no gradient this step". So ``dedicate_params``
+  installs one global step pre-hook (``refuse_foreign_optimizers``) that raises in the first
+  ``step()`` of any optimizer other than dmuon's whose groups hold a dedicated parameter, and
+  again whenever its groups change size.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._torch_internals import disable_torch_function_subclass, fsdp_init_running, parse_to_args
 
 __all__ = [
     "FULLY_SHARD_FIX",
     "RUN",
+    "STEPS_DEDICATED",
     "GuardedDTensor",
     "GuardedParameter",
     "NotHeldError",
@@ -72,6 +95,8 @@ __all__ = [
     "is_dedicated",
     "is_safe",
     "refuse_ddp",
+    "refuse_foreign_optimizers",
+    "refuse_module_load",
 ]
 
 # Tensor-valued properties: each returns a tensor aliasing the (absent) storage.
@@ -309,7 +334,13 @@ class GuardedDTensor(_Guard, DTensor):
 
 
 def _qualname(func: Any) -> str:
-    return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+    """How a refused operation is named: an attribute's setter by its attribute (``set .grad``:
+    torch's optimizer state functions set every parameter's gradient), else the function."""
+    name = getattr(func, "__name__", "")
+    if name in ("__set__", "__delete__"):
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "?")
+        return f"{'set' if name == '__set__' else 'delete'} .{attribute}"
+    return str(getattr(func, "__qualname__", None) or name or repr(func))
 
 
 def _written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -397,3 +428,61 @@ class _RefuseDDP:
 def refuse_ddp(module: nn.Module, where: str) -> None:
     """Make ``DistributedDataParallel(module)`` raise with a message naming dmuon's path."""
     module._ddp_params_and_buffers_to_ignore = _RefuseDDP(where)  # type: ignore[assignment]
+
+
+def refuse_module_load(module: nn.Module, names: Mapping[str, str]) -> None:
+    """Make ``load_state_dict`` raise at ``module`` when the dictionary has a value for one of
+    its dedicated parameters (``names``: attribute name -> FQN), before the module loads
+    anything; see [Note: torch's paths that cannot reach a dedicated weight]."""
+
+    def refuse(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any) -> None:
+        for name, fqn in names.items():
+            if prefix + name in state_dict:
+                raise RuntimeError(
+                    f"load_state_dict: {prefix + name!r} is the dedicated parameter {fqn!r},"
+                    " which dmuon keeps whole on its owner rank only, so torch's"
+                    " load_state_dict would change it there alone; nothing of dmuon's weights"
+                    " was changed. Load a full state dict with dmuon.set_model_state_dict("
+                    "model, state_dict) (collective; broadcast_from_rank0=True reads it on rank"
+                    " 0 only) and a sharded checkpoint with dmuon.load_checkpoint(path, model,"
+                    " optimizer) or dmuon.AppState(model, optimizer); torch's"
+                    " set_model_state_dict cannot reach them either"
+                )
+
+    module.register_load_state_dict_pre_hook(refuse)
+
+
+# The optimizers refuse_foreign_optimizers has checked, with the parameter count checked.
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# A class attribute of dmuon's own optimizers, which step dedicated parameters themselves.
+STEPS_DEDICATED = "_steps_dedicated_params"
+
+
+@functools.cache
+def refuse_foreign_optimizers() -> None:
+    """Make ``step()`` of every optimizer but dmuon's raise when its groups hold a dedicated
+    parameter (installed once per process); see [Note: torch's paths that cannot reach a
+    dedicated weight]."""
+    register_optimizer_step_pre_hook(_refuse_foreign_step)
+
+
+def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, STEPS_DEDICATED, False):
+        return
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _CHECKED_OPTIMIZERS.get(optimizer) == count:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if is_dedicated(p):
+                kind = type(optimizer).__name__
+                raise ValueError(
+                    f"{kind}.step(): its param_groups hold the dedicated parameter"
+                    f" {holder_of(p).fqn!r}, whose gradient goes to its owner rank through"
+                    f" dmuon's runtime and never reaches .grad, so {kind} would leave it"
+                    " unchanged. Step the model with dmuon.Muon(model, ...), which runs AdamW"
+                    " on the parameters it does not orthogonalize (param_policy routes a"
+                    " dedicated weight to AdamW), or leave the parameter out of"
+                    " dedicate_params' predicate"
+                )
+    _CHECKED_OPTIMIZERS[optimizer] = count

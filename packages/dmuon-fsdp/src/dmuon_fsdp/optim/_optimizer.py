@@ -343,6 +343,10 @@ class Muon(torch.optim.Optimizer):
             ``None``: ``StepOptions()``, every default.
     """
 
+    # It steps dedicated parameters itself (holder.STEPS_DEDICATED: torch's optimizers are
+    # refused them, see [Note: torch's paths that cannot reach a dedicated weight]).
+    _steps_dedicated_params = True
+
     def __init__(
         self,
         model: nn.Module,

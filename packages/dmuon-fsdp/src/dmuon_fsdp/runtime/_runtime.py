@@ -471,7 +471,10 @@ def _check_materialised(dp: DedicatedParam) -> None:
       its shape, which the write returns and the peer drops with it
       (``holder/_guard._write_to_scratch``), so the generators advance exactly as on the owner (an
       initialisation that reads back what it drew reads the scratch), at the cost of one
-      weight at a time on the peer.
+      weight at a time on the peer. That holds up to the first random draw into an FSDP2
+      shard: a ``DTensor``'s random ops do not advance the generator as a plain tensor of the
+      full shape does (on the CPU each rank draws its own shard only), and weights drawn after
+      it differ from a normally built model's.
     - Packing then copies a kept weight into its pack and gives a peer's pack a buffer
       without storage (:func:`~._pack.without_storage`), so a peer allocates a dedicated
       weight only when a broadcast fills it for its layer's forward and backward. An owner

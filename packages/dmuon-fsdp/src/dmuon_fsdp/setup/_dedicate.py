@@ -64,6 +64,8 @@ from ..holder import (
     is_dedicated,
     kind_of,
     refuse_ddp,
+    refuse_foreign_optimizers,
+    refuse_module_load,
 )
 from ..runtime import (
     RUNTIME_ATTR,
@@ -743,6 +745,15 @@ def _build_groups(
             groups.append(group)
     for name in _ancestors_of({dp.fqn for dp in params}):
         refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
+    # torch's load and torch's optimizers would reach the weights on their owners only (see
+    # [Note: torch's paths that cannot reach a dedicated weight] in holder/_guard).
+    if not config.replicated:
+        held: dict[nn.Module, dict[str, str]] = defaultdict(dict)
+        for dp in params:
+            held[dp.module][dp.name] = dp.fqn
+        for module, names in held.items():
+            refuse_module_load(module, names)
+    refuse_foreign_optimizers()
     return params, groups
 
 
