@@ -23,7 +23,8 @@ in-place writes bump ``Tensor._version``) and the momentum and Nesterov of its g
 gradient scaled in place by torch ops after backward, a second backward that adds to the
 gradients before the step, a checkpoint loaded into the momentum: each makes the step
 recompute that batch, so the option never changes a result, only when it is computed. A
-kernel that writes without torch's knowledge (a Triton launch) bumps no version: Muon-aware
+write without torch's count bumps no version: one through ``grad.data`` (the docs tell users
+to write in place on the tensor) or a kernel's (a Triton launch). Muon-aware
 clipping, whose CUDA path scales the gradients so, gets them through
 ``Muon.muon_grads_for_clip()``, which drops every early result and turns the option off with
 a warning (a clip needs the global norm, known only after backward, so nothing can run

@@ -144,7 +144,8 @@ class StepOptions:
             ``step()`` applies the updates: the same bits as ``False``, with the rank's
             updates kept from backward to the step (memory about its owned matrices in the
             momentum's dtype). A batch whose gradients or momentum change after backward
-            (another backward, a checkpoint load) is recomputed in the step; Muon-aware
+            (another backward, a checkpoint load, an in-place op; not a write through
+            ``.data``, which torch does not count) is recomputed in the step; Muon-aware
             clipping (``muon_grads_for_clip``) turns the option off with a warning, since a
             clip needs every gradient first. Tensor-parallel matrices and expert stacks
             always run in the step. A bool.
