@@ -205,6 +205,32 @@ def test_registry() -> None:
     assert "halve" not in registered_muon_grad_clip_strategies()
 
 
+def test_a_registered_per_matrix_strategy_clips_copies_alone_and_is_refused_under_tp() -> None:
+    # A strategy of one coefficient per matrix, registered as such: a copy is clipped by
+    # calling it on the copies (not by this rank's clip_coef), and tensor parallelism refuses it.
+    def by_own_norm(grads, max_norm, norm_type, process_group, device):
+        coefs = [min(max_norm / (float(g.norm()) + 1e-6), 1.0) for g in grads]
+        for g, c in zip(grads, coefs):
+            g.mul_(c)
+        z = torch.zeros((), device=device)
+        return MuonGradClipStats(z, z + min(coefs), z.bool() | True, z.bool(), len(grads))
+
+    register_muon_grad_clip_strategy("own", by_own_norm, per_matrix=True)
+    try:
+        grads = _matrices(2)
+        grads[0].mul_(0.01)  # this rank's smallest coefficient is near 1
+        copy = 10 * torch.randn(7, 7, generator=torch.Generator().manual_seed(3))
+        expected = copy * min(1.0 / (float(copy.norm()) + 1e-6), 1.0)
+        clip_grad_norm_(FakeMuon(grads, copies=(copy,)), 1.0, strategy="own")
+        assert torch.equal(copy, expected)
+        with pytest.raises(ValueError, match="strategy='own' clips each matrix by the norm"):
+            clip_grad_norm_(FakeMuon(_matrices(), tensor_parallel=True), 1.0, strategy="own")
+        with pytest.raises(TypeError, match="per_matrix must be a bool"):
+            register_muon_grad_clip_strategy("own", by_own_norm, overwrite=True, per_matrix=1)  # type: ignore[arg-type]
+    finally:
+        unregister_muon_grad_clip_strategy("own")
+
+
 def test_optimizer_without_the_protocol() -> None:
     class PlainOptimizer:  # e.g. a torch.optim optimizer: no dmuon protocol
         def step(self) -> None: ...

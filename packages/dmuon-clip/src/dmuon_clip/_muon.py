@@ -26,7 +26,7 @@ from torch import Tensor
 
 from dmuon_clip._buckets import scale_, validate_max_norm, validate_norm_type
 from dmuon_clip._profiling import span
-from dmuon_clip._strategy import get_muon_grad_clip_strategy, per_matrix_strategy
+from dmuon_clip._strategy import clips_per_matrix, get_muon_grad_clip_strategy
 from dmuon_clip._types import (
     MuonGradClipStats,
     SupportsMuonGradsForClip,
@@ -85,9 +85,10 @@ def clip_grad_norm_(
         )
     with span("dmuon::clip_grad_norm"):
         muon = optimizer.muon_grads_for_clip()
-        if fn is per_matrix_strategy and is_tensor_parallel(muon):
+        per_matrix = clips_per_matrix(strategy)
+        if per_matrix and is_tensor_parallel(muon):
             raise ValueError(
-                "strategy='per_matrix' clips each matrix by the norm this rank sees of it, but "
+                f"strategy={strategy!r} clips each matrix by the norm this rank sees of it, but "
                 "under tensor parallelism a rank holds only its TP shard of a matrix; use "
                 "strategy='global_norm' (the default), which reduces over every rank"
             )
@@ -97,9 +98,10 @@ def clip_grad_norm_(
         copies = clip_copies(muon)
         if copies:
             # Another rank counted these matrices (see [Note: where the Muon clip sits]). They
-            # take the coefficient the strategy applied to the others; "per_matrix" has one per
-            # matrix, so a copy is clipped by its own norms, as the counting rank clips it.
-            if max_norm is not None and fn is per_matrix_strategy:
+            # take the coefficient the strategy applied to the others; a per-matrix strategy
+            # has one per matrix, so a copy is clipped by its own norms, as the counting rank
+            # clips it.
+            if max_norm is not None and per_matrix:
                 fn(copies, max_norm, norm_type, None, torch.device(muon.device))
             elif max_norm is not None:
                 scale_(copies, stats.clip_coef)

@@ -32,10 +32,12 @@ MuonGradClipStrategy = Callable[
 ]
 
 _STRATEGIES: dict[str, MuonGradClipStrategy] = {}
+# The strategies registered with per_matrix=True.
+_PER_MATRIX: set[str] = set()
 
 
 def register_muon_grad_clip_strategy(
-    name: str, fn: MuonGradClipStrategy, *, overwrite: bool = False
+    name: str, fn: MuonGradClipStrategy, *, overwrite: bool = False, per_matrix: bool = False
 ) -> None:
     """Make ``fn`` available as ``clip_grad_norm_(..., strategy=name)``.
 
@@ -52,6 +54,11 @@ def register_muon_grad_clip_strategy(
             the gradients in place and returns device-tensor stats, without a host sync.
         overwrite: ``True`` replaces a strategy already registered under ``name``; ``False``
             raises ``ValueError`` instead.
+        per_matrix: ``True`` when ``fn`` clips each matrix by a coefficient of its own
+            (``"per_matrix"`` does): the gradients another rank counts (``.copies``) are then
+            clipped by calling ``fn`` on them too, where a strategy of one coefficient scales
+            them by its ``clip_coef``; and ``clip_grad_norm_`` refuses it under tensor
+            parallelism, where a rank holds a part of a matrix. A bool.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"strategy name must be a non-empty string, got {name!r}")
@@ -65,7 +72,12 @@ def register_muon_grad_clip_strategy(
             f"a Muon grad clip strategy named {name!r} is already registered; pass "
             "overwrite=True to replace it, or pick another name"
         )
+    if not isinstance(per_matrix, bool):
+        raise TypeError(f"per_matrix must be a bool, got {per_matrix!r}")
     _STRATEGIES[name] = fn
+    _PER_MATRIX.discard(name)
+    if per_matrix:
+        _PER_MATRIX.add(name)
 
 
 def unregister_muon_grad_clip_strategy(name: str) -> None:
@@ -75,11 +87,17 @@ def unregister_muon_grad_clip_strategy(name: str) -> None:
             f"no Muon grad clip strategy named {name!r}; registered: {sorted(_STRATEGIES)}"
         )
     del _STRATEGIES[name]
+    _PER_MATRIX.discard(name)
 
 
 def registered_muon_grad_clip_strategies() -> tuple[str, ...]:
     """The names ``clip_grad_norm_(strategy=...)`` accepts, sorted."""
     return tuple(sorted(_STRATEGIES))
+
+
+def clips_per_matrix(name: str) -> bool:
+    """Whether the strategy registered as ``name`` was registered with ``per_matrix=True``."""
+    return name in _PER_MATRIX
 
 
 def get_muon_grad_clip_strategy(name: str) -> MuonGradClipStrategy:
@@ -104,7 +122,7 @@ class ClipRequest(NamedTuple):
 
 
 def _builtin(
-    name: str,
+    name: str, *, per_matrix: bool = False
 ) -> Callable[[Callable[[ClipRequest], MuonGradClipStats]], MuonGradClipStrategy]:
     """Register ``fn(request)`` under ``name`` as a strategy of the public signature (which
     is written here once)."""
@@ -122,7 +140,7 @@ def _builtin(
             p = validate_norm_type(norm_type)
             return fn(ClipRequest(list(grads), max_norm, p, process_group, torch.device(device)))
 
-        register_muon_grad_clip_strategy(name, strategy)
+        register_muon_grad_clip_strategy(name, strategy, per_matrix=per_matrix)
         return strategy
 
     return register
@@ -147,7 +165,7 @@ def global_norm_strategy(request: ClipRequest) -> MuonGradClipStats:
     )
 
 
-@_builtin("per_matrix")
+@_builtin("per_matrix", per_matrix=True)
 def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
     """Each matrix clipped by its own p-norm (``min(max_norm / (norm + 1e-6), 1)``): a
     gradient of shape ``(..., rows, cols)`` (an expert stack) is a batch of matrices, each
