@@ -1,6 +1,7 @@
 """Measure the kernel table that ``dmuon_ns`` ships for this card (``_tables``' note).
 
     python benchmarks/ns_tables.py --out packages/dmuon-ns/src/dmuon_ns/tables/nvidia-h200.json
+    python benchmarks/ns_tables.py --out ... --add   # only the problems the file lacks
 
 Needs a CUDA device. For every problem below, the autotuner's own measurement
 (``_autotune.measure``: the cross-check against float64, then each candidate timed against
@@ -45,6 +46,11 @@ PROBLEMS: list[tuple[str, int, int, int]] = [
     ("gram", 8, 2048, 8192),
     ("direct", 8, 4096, 4096),
     ("gram", 2, 4096, 14336),
+    # Llama 3.2 1B (its q and o, 16 layers: 32 matrices of 8 MiB in one call at the cap) and 3B.
+    ("direct", 1, 2048, 2048),
+    ("direct", 32, 2048, 2048),
+    ("direct", 1, 3072, 3072),
+    ("direct", 14, 3072, 3072),
     # Llama 3 70B; Qwen3 8B; Qwen 2.5 7B.
     ("direct", 1, 8192, 8192),
     ("gram", 1, 1024, 8192),
@@ -96,6 +102,12 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the table file to write")
     parser.add_argument("--log", default=None, help="JSON lines: every measurement in full")
     parser.add_argument("--budget-s", type=float, default=600.0, help="stop starting problems")
+    parser.add_argument(
+        "--add",
+        action="store_true",
+        help="keep the problems --out already has and measure only the others; each new row"
+        " carries its own date, command and versions",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ns_tables needs a CUDA device")
@@ -108,9 +120,21 @@ def main() -> None:
     kernels = resolve("auto", False, device, use_env=False).kernels
     print(f"# candidates: {[k.name for k in kernels]}", flush=True)
     log = open(args.log, "a") if args.log else None
+    measured = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python", *sys.argv]),
+        "candidates": [k.name for k in kernels],
+        **_versions(),
+    }
+    kept: dict = {}
+    if args.add and Path(args.out).exists():
+        kept = json.loads(Path(args.out).read_text(encoding="utf-8"))
+        if kept.get("device") != torch.cuda.get_device_name():
+            raise SystemExit(f"--add: {args.out} is the table of {kept.get('device')!r}")
+    have = {(r["op"], r["batch"], r["m"], r["n"]) for r in kept.get("problems", [])}
     rows = []
     start = time.perf_counter()
-    for op, batch, m, n in PROBLEMS:
+    for op, batch, m, n in [p for p in PROBLEMS if p not in have]:
         if time.perf_counter() - start > args.budget_s:
             print(f"# budget spent, skipping {op} {batch}x{m}x{n}", flush=True)
             continue
@@ -126,6 +150,8 @@ def main() -> None:
             "ms": verdict["times_ms"],
             "rejected": verdict["rejected"],
         }
+        if kept:
+            row["measured"] = measured  # not the file's: the rows it had keep that one
         rows.append(row)
         print(
             f"{op:>6} {batch:>3}x{m}x{n}: {verdict['kernel']:<6} {verdict['times_ms']}"
@@ -139,13 +165,8 @@ def main() -> None:
     table = {
         "format": 1,
         "device": torch.cuda.get_device_name(),
-        "measured": {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": " ".join(["python", *sys.argv]),
-            "candidates": [k.name for k in kernels],
-            **_versions(),
-        },
-        "problems": rows,
+        "measured": kept.get("measured", measured),
+        "problems": [*kept.get("problems", []), *rows],
     }
     Path(args.out).write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     print(f"# wrote {len(rows)} problems to {args.out} in {time.perf_counter() - start:.1f} s")
