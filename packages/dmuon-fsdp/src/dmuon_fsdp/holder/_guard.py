@@ -467,8 +467,11 @@ def refuse_foreign_optimizers() -> None:
 
 
 def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if getattr(optimizer, STEPS_DEDICATED, False):
-        return
+    inner = optimizer
+    while inner is not None:  # dmuon's, or a wrapper around it (``.optimizer``: accelerate's)
+        if getattr(inner, STEPS_DEDICATED, False):
+            return
+        inner = getattr(inner, "optimizer", None)
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _CHECKED_OPTIMIZERS.get(optimizer) == count:
         return
