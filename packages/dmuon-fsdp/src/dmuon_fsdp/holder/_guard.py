@@ -468,7 +468,7 @@ def refuse_foreign_optimizers() -> None:
 
 def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     inner = optimizer
-    while inner is not None:  # dmuon's, or a wrapper around it (``.optimizer``: accelerate's)
+    for _ in range(4):  # dmuon's, or a wrapper around it (``.optimizer``: accelerate's)
         if getattr(inner, STEPS_DEDICATED, False):
             return
         inner = getattr(inner, "optimizer", None)
