@@ -170,6 +170,11 @@ def test_llama_3_8b_on_8_gib_does_not_fit(tmp_path, capsys) -> None:
     assert data["fit"]["largest_term"][DMUON]["max_rank"] == "optimizer states"
     assert main([_config(tmp_path), "--ranks", "8", "--gpu-memory", "8"]) == 0
     assert set(_verdicts(capsys.readouterr().out).values()) == {"does not fit"}
+    # From Python: the verdict is false unless the rank that needs the most fits.
+    fits = forecast(_config(tmp_path), Topology(8), gpu=8).fit.fits(DMUON)  # type: ignore[union-attr]
+    assert fits == (False, False) and not fits and not fits.max_rank
+    roomy = forecast(_config(tmp_path), Topology(8), gpu=141).fit.fits(DMUON)  # type: ignore[union-attr]
+    assert roomy and roomy.max_rank and roomy.mean_rank
 
 
 def test_another_card_scales_the_h200_ns_times_and_says_so(tmp_path, capsys) -> None:

@@ -40,12 +40,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._gpus import GPU, Links
 from ._spread import Spread
 
-__all__ = ["MEMORY_TERMS", "TIME_ROWS", "Fit", "fit_of"]
+__all__ = ["MEMORY_TERMS", "TIME_ROWS", "Fit", "Fits", "fit_of"]
 
 MEMORY_TERMS = (
     "masters",
@@ -63,6 +63,17 @@ TIME_ROWS: dict[str, str | None] = {
     "TP axis": "tp",
 }
 _GIB = 2**30
+
+
+class Fits(NamedTuple):
+    """Whether a setup fits the GPU's memory on the rank that needs the most and on the mean
+    rank; true (``if fit.fits("dmuon"):``) only when it fits on every rank."""
+
+    max_rank: bool
+    mean_rank: bool
+
+    def __bool__(self) -> bool:
+        return self.max_rank
 
 
 @dataclass(frozen=True)
@@ -89,11 +100,12 @@ class Fit:
     largest: Mapping[str, tuple[str, str]]
     step_ms: Mapping[str, Mapping[str, Spread]]
 
-    def fits(self, setup: str) -> tuple[bool, bool]:
-        """Whether ``setup`` fits on the rank that needs the most, and on the mean rank."""
+    def fits(self, setup: str) -> Fits:
+        """Whether ``setup`` fits on the rank that needs the most, and on the mean rank (true
+        only when it fits on every rank)."""
         total = self.memory[setup]["total"]
         capacity = self.gpu.memory_bytes
-        return total.max <= capacity, total.mean <= capacity
+        return Fits(total.max <= capacity, total.mean <= capacity)
 
     def lines(self, setups: Sequence[str], ns_note: str) -> list[str]:
         """The fit and step-time section of the report, in the columns of the one above it."""
