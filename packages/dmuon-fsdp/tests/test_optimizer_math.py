@@ -172,8 +172,10 @@ def test_make_newton_schulz():
     custom = NewtonSchulz(backend="gram", steps=3)
     assert make_newton_schulz(custom, None) is custom
     assert make_newton_schulz(_polar64_batch, None) is _polar64_batch
-    with pytest.raises(ValueError, match="ns_steps=7 was given with a callable ns_backend"):
+    with pytest.raises(ValueError, match="ns_steps=7 was given with a NewtonSchulz ns_backend"):
         make_newton_schulz(custom, 7)
+    with pytest.raises(ValueError, match="ns_steps=7 was given with a callable ns_backend"):
+        make_newton_schulz(_polar64_batch, 7)
     with pytest.raises(ValueError, match="ns_backend"):
         make_newton_schulz("cholesky", 5)
     with pytest.raises(ValueError, match="ns_steps"):

@@ -109,9 +109,11 @@ def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NS
     ``None`` (the callable carries its own)."""
     if callable(ns_backend):
         if ns_steps is not None:
+            what = type(ns_backend).__name__ if isinstance(ns_backend, NewtonSchulz) else "callable"
             raise ValueError(
-                f"ns_steps={ns_steps!r} was given with a callable ns_backend, which runs its own "
-                "iterations; drop ns_steps or pass ns_backend='gram'/'direct'"
+                f"ns_steps={ns_steps!r} was given with a {what} ns_backend, which runs its own "
+                "iterations (a NewtonSchulz its steps=); drop ns_steps, or pass "
+                "ns_backend='gram'/'direct'"
             )
         return ns_backend
     if ns_backend not in ("gram", "direct"):
