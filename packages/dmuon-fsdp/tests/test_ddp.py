@@ -78,28 +78,43 @@ def test_ddp_path_matches_the_reference_with_two_rounds_of_bytes(world_size: int
 
 def _micro_batches(rank: int, world_size: int):
     tokens = shard(make_batch(0, 16, SEQ, VOCAB), rank, world_size)
-    acc, acc_runtime = ddp_model(world_size)
-    for i, part in enumerate(tokens.chunk(4)):
-        if i < 3:
-            with no_sync(acc):
-                (lm_loss(acc, part) / 4).backward()
-        else:
-            (lm_loss(acc, part) / 4).backward()
-    acc_runtime.wait_all_reduces()
     big, big_runtime = ddp_model(world_size)
     lm_loss(big, tokens).backward()
+    # The replicated gradients are final when backward returns, as under DDP (a clip before
+    # step() reads them): nothing waited for them here.
+    big_params = dict(big.named_parameters())
+    replicated = {n: big_params[n].grad.clone() for n in _names(big, big_runtime)}
     big_runtime.wait_all_reduces()
     big_grads = {dp.fqn: dp.grad for dp in big_runtime.owned}
-    for dp in acc_runtime.owned:
-        torch.testing.assert_close(dp.grad, big_grads[dp.fqn], rtol=1e-5, atol=1e-7)
-    big_params = dict(big.named_parameters())
-    for param in acc_runtime.replicated_params:
-        name = next(n for n, p in acc.named_parameters() if p is param)
-        torch.testing.assert_close(param.grad, big_params[name].grad, rtol=1e-5, atol=1e-7)
+    for name, grad in replicated.items():
+        assert torch.equal(grad, big_params[name].grad), name
+    # Four micro-batches, each but the last under no_sync, or each synchronised (DDP's slower
+    # way): both give the large batch's gradients.
+    for synced in (False, True):
+        acc, acc_runtime = ddp_model(world_size)
+        for i, part in enumerate(tokens.chunk(4)):
+            if i < 3 and not synced:
+                with no_sync(acc):
+                    (lm_loss(acc, part) / 4).backward()
+            else:
+                (lm_loss(acc, part) / 4).backward()
+        acc_params = dict(acc.named_parameters())
+        for name in replicated:
+            torch.testing.assert_close(
+                acc_params[name].grad, replicated[name], rtol=1e-5, atol=1e-7, msg=name
+            )
+        acc_runtime.wait_all_reduces()
+        for dp in acc_runtime.owned:
+            torch.testing.assert_close(dp.grad, big_grads[dp.fqn], rtol=1e-5, atol=1e-7)
+
+
+def _names(model: torch.nn.Module, runtime) -> list[str]:
+    ids = {id(p) for p in runtime.replicated_params}
+    return [n for n, p in model.named_parameters() if id(p) in ids]
 
 
 @pytest.mark.distributed
-def test_ddp_path_no_sync_matches_one_large_batch() -> None:
+def test_ddp_path_micro_batches_match_one_large_batch() -> None:
     run_distributed(_micro_batches, 2)
 
 

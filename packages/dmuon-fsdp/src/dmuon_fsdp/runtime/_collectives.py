@@ -338,7 +338,7 @@ class ReduceQueue:
 class AllReduceQueue:
     """Gradients of replicated parameters being summed over the shard group (the replicated
     path's counterpart of DDP's buckets, one collective per parameter), averaged when
-    waited."""
+    waited: at the end of the backward that issued them (``BoundaryHooks.hook_replicated``)."""
 
     def __init__(self, comm: DedicatedCommContext) -> None:
         self._comm = comm

@@ -73,6 +73,7 @@ class BoundaryHooks:
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
         self._initialised = False
+        self._all_reduces: AllReduceQueue | None = None  # the replicated path's (hook_replicated)
         self._handles: list[RemovableHandle] = []
         # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
         # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
@@ -99,7 +100,11 @@ class BoundaryHooks:
 
     def hook_replicated(self, params: list[nn.Parameter], queue: AllReduceQueue) -> None:
         """The replicated path: each of ``params`` joins ``queue`` once its gradient is
-        accumulated (not inside ``no_sync``)."""
+        accumulated (not inside ``no_sync``), and the end of that backward waits for the queue
+        and averages, so that ``.grad`` is final when ``backward()`` returns, as under DDP: a
+        clip or a read of the gradient before ``step()`` sees the average, and a micro-batch
+        without ``no_sync`` accumulates onto it."""
+        self._all_reduces = queue
         weak_self = weakref.ref(self)
         for param in params:
             self._grad_handles.append(
@@ -241,6 +246,8 @@ class BoundaryHooks:
                 group.reset_backward()
             # End of backward: on CPU, issue every replicate stage still waiting.
             self.reduce_queue.issue_replicate_stages()
+            if self._all_reduces is not None:
+                self._all_reduces.wait_all()  # the replicated gradients, averaged
 
     # -- setup checks ----------------------------------------------------------------------------
 
@@ -281,6 +288,7 @@ def _replicated_grad(
         return
     if hooks.requires_gradient_sync:
         queue.submit(param.grad)
+        hooks._queue_final_callback()  # which waits for it (see hook_replicated)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
