@@ -55,6 +55,36 @@ def _model(seed: int, mesh):
     return model
 
 
+def _moe_model(seed: int, mesh):
+    """A transformers 5 Qwen3-MoE (its experts stacked (E, out, in)), every matrix on Muon:
+    ``save_pretrained`` writes each expert under its own name."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import dmuon
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=SEQ + 1,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    dmuon.dedicate_params(model, mesh, lambda name, p: p.ndim >= 2 and ".layers." in name)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _rows(world_size: int) -> list[dict[str, torch.Tensor]]:
     """``t[i+1] = (5 t[i] + 3) mod VOCAB`` from a random start: learnable in a few steps."""
     g = torch.Generator().manual_seed(0)
@@ -67,7 +97,7 @@ def _rows(world_size: int) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def _train(root: str, name: str, seed: int, resume: str | None = None):
+def _train(root: str, name: str, seed: int, resume: str | None = None, build=_model):
     from torch.distributed.device_mesh import init_device_mesh
 
     args = hf.DmuonTrainingArguments(
@@ -89,7 +119,7 @@ def _train(root: str, name: str, seed: int, resume: str | None = None):
     mesh = init_device_mesh("cpu", (args.world_size,))
     rows = _rows(args.world_size)
     trainer = hf.DmuonTrainer(
-        _model(seed, mesh),
+        build(seed, mesh),
         args,
         train_dataset=rows,
         eval_dataset=rows[: 2 * ROWS_PER_RANK * args.world_size],
@@ -165,6 +195,25 @@ def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path) -> None:
     later = {step: loss for step, loss in out["losses"].items() if step > SAVE_AT}
     assert {s: v for s, v in out["resumed"].items() if s > SAVE_AT} == later
     assert out["resumed_eval_loss"] == out["eval_loss"]
+
+
+def _moe_resume(rank: int, world_size: int, root: str) -> dict:
+    for key, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size}.items():
+        os.environ[key] = str(value)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    _, losses, _ = _train(root, "moe", seed=0, build=_moe_model)
+    checkpoint = os.path.join(root, "moe", f"checkpoint-{SAVE_AT}")
+    _, resumed, _ = _train(root, "moe-resumed", seed=1, resume=checkpoint, build=_moe_model)
+    return {"losses": losses, "resumed": resumed}
+
+
+@pytest.mark.distributed
+def test_a_mixture_of_experts_run_resumes_bit_for_bit(tmp_path) -> None:
+    # The checkpoint's weights file names each expert apart (save_pretrained), the model holds
+    # them stacked: the resume takes the weights from the dmuon checkpoint instead.
+    out = run_distributed(_moe_resume, 2, str(tmp_path))[0]
+    later = {step: loss for step, loss in out["losses"].items() if step > SAVE_AT}
+    assert later and {s: v for s, v in out["resumed"].items() if s > SAVE_AT} == later
 
 
 def test_no_underscored_transformers_method_is_overridden() -> None:

@@ -58,7 +58,9 @@ public extension point; no underscored ``Trainer`` method is overridden.
   FSDP2's DTensor parameters refuse plain tensors. ``DmuonTrainer`` registers a
   ``load_state_dict`` pre-hook on the model that loads a full dictionary of plain tensors with
   ``dmuon.set_model_state_dict`` (each rank takes its part), which is why each checkpoint holds
-  the full weights. The Trainer restores its state, the data position and the RNG states as
+  the full weights; during a resume the hook leaves that load out, since ``on_train_begin``
+  loads the same weights from ``dmuon/`` (and a transformers 5 mixture-of-experts model's file
+  names each expert apart, where the model holds them stacked). The Trainer restores its state, the data position and the RNG states as
   usual; it loads no optimizer (``optimizer.pt`` is gone). ``DmuonTrainer.train`` checks that
   the folder holds ``dmuon/`` and keeps its path, and ``on_train_begin`` (the optimizer and the
   scheduler exist by then) loads the model and the optimizer with ``dmuon.load_checkpoint``
@@ -215,7 +217,7 @@ class DmuonTrainer(Trainer):
             )
         # See [Note: the Trainer's public hooks under dmuon], preparation and resume.
         self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
-        loader = _FullStateLoad()
+        loader = _FullStateLoad(self)
         _model(self).register_load_state_dict_pre_hook(loader.before)
         _model(self).register_load_state_dict_post_hook(loader.after)
         self.add_callback(_DmuonEvents(self))
@@ -335,13 +337,23 @@ class _FullStateLoad:
     ``dmuon.set_model_state_dict`` (see [Note: the Trainer's public hooks under dmuon],
     resume): a pre-hook on the root loads it and empties torch's copy of the dictionary, and
     the post-hook drops the keys it loaded from ``missing_keys``. A dictionary of DTensors (a
-    sharded state dict) goes to torch's own load unchanged."""
+    sharded state dict) goes to torch's own load unchanged. While ``train`` resumes, the
+    Trainer's load of the checkpoint's weights file is left out: ``on_train_begin`` loads the
+    same weights from its ``dmuon/`` folder, and the file holds what ``save_pretrained``
+    wrote, which for a transformers 5 mixture-of-experts model names each expert apart where
+    the model holds them stacked."""
 
-    def __init__(self) -> None:
+    def __init__(self, trainer: DmuonTrainer) -> None:
+        self.trainer = trainer
         self.loaded: set[str] = set()
+        self.deferred = False
 
     def before(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
         if prefix or not state_dict or any(isinstance(v, DTensor) for v in state_dict.values()):
+            return
+        if self.trainer.resuming_from is not None:
+            self.deferred = True
+            state_dict.clear()
             return
         full = dict(state_dict)
         # save_pretrained writes one name of tied weights (lm_head.weight tied to the
@@ -362,6 +374,10 @@ class _FullStateLoad:
         state_dict.clear()
 
     def after(self, module: nn.Module, incompatible: Any) -> None:
+        if self.deferred:  # every weight comes from the dmuon checkpoint in on_train_begin
+            self.deferred = False
+            incompatible.missing_keys.clear()
+            return
         missing = [key for key in incompatible.missing_keys if key not in self.loaded]
         incompatible.missing_keys[:] = missing
         self.loaded = set()
