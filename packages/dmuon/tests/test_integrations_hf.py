@@ -22,23 +22,23 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from dmuon.integrations import hf
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS, SAVE_AT = 64, 16, 4, 6, 3
+# The decoder both test models share (a Llama, a Qwen3-MoE).
+_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=SEQ + 1,
+)
 
 
 def _plain_model(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=SEQ + 1,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**_TINY, tie_word_embeddings=True))
 
 
 def _model(seed: int, mesh):
@@ -65,17 +65,7 @@ def _moe_model(seed: int, mesh):
 
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=SEQ + 1,
+        **_TINY, moe_intermediate_size=8, head_dim=8, num_experts=4, num_experts_per_tok=2
     )
     model = Qwen3MoeForCausalLM(config)
     dmuon.dedicate_params(model, mesh, lambda name, p: p.ndim >= 2 and ".layers." in name)
