@@ -31,9 +31,13 @@ MuonGradClipStrategy = Callable[
     [list[Tensor], float | None, float, Any, torch.device], MuonGradClipStats
 ]
 
-_STRATEGIES: dict[str, MuonGradClipStrategy] = {}
-# The strategies registered with per_matrix=True.
-_PER_MATRIX: set[str] = set()
+
+class _Registered(NamedTuple):
+    fn: MuonGradClipStrategy
+    per_matrix: bool  # one coefficient per matrix (see register_muon_grad_clip_strategy)
+
+
+_STRATEGIES: dict[str, _Registered] = {}
 
 
 def register_muon_grad_clip_strategy(
@@ -74,10 +78,7 @@ def register_muon_grad_clip_strategy(
         )
     if not isinstance(per_matrix, bool):
         raise TypeError(f"per_matrix must be a bool, got {per_matrix!r}")
-    _STRATEGIES[name] = fn
-    _PER_MATRIX.discard(name)
-    if per_matrix:
-        _PER_MATRIX.add(name)
+    _STRATEGIES[name] = _Registered(fn, per_matrix)
 
 
 def unregister_muon_grad_clip_strategy(name: str) -> None:
@@ -87,7 +88,6 @@ def unregister_muon_grad_clip_strategy(name: str) -> None:
             f"no Muon grad clip strategy named {name!r}; registered: {sorted(_STRATEGIES)}"
         )
     del _STRATEGIES[name]
-    _PER_MATRIX.discard(name)
 
 
 def registered_muon_grad_clip_strategies() -> tuple[str, ...]:
@@ -97,12 +97,13 @@ def registered_muon_grad_clip_strategies() -> tuple[str, ...]:
 
 def clips_per_matrix(name: str) -> bool:
     """Whether the strategy registered as ``name`` was registered with ``per_matrix=True``."""
-    return name in _PER_MATRIX
+    registered = _STRATEGIES.get(name)
+    return registered is not None and registered.per_matrix
 
 
 def get_muon_grad_clip_strategy(name: str) -> MuonGradClipStrategy:
     try:
-        return _STRATEGIES[name]
+        return _STRATEGIES[name].fn
     except KeyError:
         raise ValueError(
             f"unknown Muon grad clip strategy {name!r}; registered: {sorted(_STRATEGIES)} "
