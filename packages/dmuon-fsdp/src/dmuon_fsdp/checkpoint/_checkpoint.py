@@ -285,31 +285,46 @@ def _checked_on_every_rank(
     runtime: DedicatedRuntime, where: str, check: Callable[[], None]
 ) -> None:
     """Run ``check`` (it raises ``ValueError`` for a dictionary that does not fit) and agree
-    across ranks before anything is changed: when it failed on any rank, every rank raises (its
-    own error, or one naming the ranks that failed). Each rank passes its own dictionary, and a
-    rank that went on alone would write its part and then wait for the others in the next
-    collective."""
+    across ranks before anything is changed (:func:`_agree`). Each rank passes its own
+    dictionary, and a rank that went on alone would write its part and then wait for the
+    others in the next collective."""
     error: ValueError | None = None
     try:
         check()
     except ValueError as e:
         error = e
+    _agree(runtime, where, error)
+
+
+def _agree(runtime: DedicatedRuntime, where: str, error: ValueError | None) -> None:
+    """Return on every rank when no rank has an ``error``; else raise on every rank: a failed
+    rank its own error, the others the first failed rank's text (it travels as bytes, so
+    nothing is pickled), naming the ranks that failed. Collective over the global group."""
     group = runtime.global_group
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
-    failed = torch.zeros(dist.get_world_size(group), device=runtime.layout.device)
-    failed[dist.get_rank(group)] = float(error is not None)
-    dist.all_reduce(failed, group=group)
-    ranks = [r for r, f in enumerate(failed.tolist()) if f]
+    text = b"" if error is None else (str(error) or repr(error)).encode()
+    lengths = torch.zeros(
+        dist.get_world_size(group), dtype=torch.int64, device=runtime.layout.device
+    )
+    lengths[dist.get_rank(group)] = len(text)
+    dist.all_reduce(lengths, group=group)
+    failed = [r for r, n in enumerate(lengths.tolist()) if n]
+    if not failed:
+        return
+    first = failed[0]
+    data = torch.empty(int(lengths[first]), dtype=torch.uint8, device=runtime.layout.device)
+    if error is not None and dist.get_rank(group) == first:
+        data.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+    dist.broadcast(data, group=group, group_src=first)
     if error is not None:
         raise error
-    if ranks:
-        raise ValueError(
-            f"{where}: the dictionary did not fit on rank(s) {ranks}, whose errors say why; "
-            "nothing was loaded on any rank"
-        )
+    raise ValueError(
+        f"{bytes(data.cpu().tolist()).decode()} [{where} failed on rank(s) {failed}; nothing"
+        " was loaded on any rank]"
+    )
 
 
 def _check_model_dict(entries: list[Entry], state_dict: object) -> None:
@@ -361,31 +376,15 @@ class _Scatter:
             self._flush()
 
     def _share_verdict(self, entries: list[Entry], state_dict: object) -> None:
-        """Raise rank 0's ``ValueError`` on every rank (its text travels as bytes, so no
-        pickling), or return on every rank."""
+        """Check the dictionary on rank 0 and raise its ``ValueError`` on every rank, or return
+        on every rank."""
         error: ValueError | None = None
         if self.is_source:
             try:
                 _check_model_dict(entries, state_dict)
             except ValueError as e:
                 error = e
-        if self.world == 1:
-            if error is not None:
-                raise error
-            return
-        text = b"" if error is None else str(error).encode()
-        length = torch.tensor([len(text)], dtype=torch.int64, device=self.device)
-        dist.broadcast(length, src=self.SOURCE, group=self.group)
-        size = int(length.item())
-        if size == 0:
-            return
-        data = torch.empty(size, dtype=torch.uint8, device=self.device)
-        if self.is_source:
-            data.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
-        dist.broadcast(data, src=self.SOURCE, group=self.group)
-        if error is not None:
-            raise error
-        raise ValueError(bytes(data.cpu().tolist()).decode())
+        _agree(self.runtime, "set_model_state_dict", error)
 
     def _to_owner(self, dp: DedicatedParam, value: Tensor | None) -> None:
         """``value`` (rank 0's full weight) to the owner coordinate of every TP grid, each

@@ -258,7 +258,8 @@ class DmuonTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the full weights in Hugging Face's format (``from_pretrained`` reads them);
-        collective. Within a checkpoint, also the model and the optimizer with
+        collective: call it on every rank, not under ``is_world_process_zero()`` (rank 0 would
+        wait for the others' weights). Within a checkpoint, also the model and the optimizer with
         ``dmuon.save_checkpoint`` (unless ``save_only_model``)."""
         output_dir = str(self.args.output_dir if output_dir is None else output_dir)
         model = _model(self)
