@@ -198,9 +198,10 @@ class DmuonOptimizersContainer(OptimizersContainer):
     over the data-parallel ranks. dmuon averages the Muon gradients over them (it divides the
     sum by the data-parallel degree ``W``). Muon's update does not depend on the gradient's
     scale (momentum is linear and Newton–Schulz normalises its input), so that changes nothing
-    but the norm: ``Trainer.train_step`` clips FSDP2's gradients (``training.max_norm``) and
-    never sees the Muon ones, which :meth:`step` clips at ``muon_max_norm / W``, the same
-    coefficient as ``muon_max_norm`` on torchtitan's scale.
+    but the norm: ``Trainer.train_step`` clips FSDP2's gradients (``training.max_norm``,
+    expert stacks included) and never sees those of the dedicated weights, which :meth:`step`
+    clips at ``muon_max_norm / W``, the same coefficient as ``muon_max_norm`` on torchtitan's
+    scale.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -219,8 +220,8 @@ class DmuonOptimizersContainer(OptimizersContainer):
         adamw_eps: float = 1e-8
 
         muon_max_norm: float | None = 1.0
-        """Clip the Muon gradients to this global norm (on torchtitan's gradient scale);
-        ``None`` leaves them unclipped."""
+        """Clip the dedicated weights' gradients to this global norm (on torchtitan's gradient
+        scale); ``None`` leaves them unclipped."""
 
         muon_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
         """Any other ``dmuon.Muon`` argument (``momentum``, ``ns_steps``,
@@ -253,6 +254,8 @@ class DmuonOptimizersContainer(OptimizersContainer):
         self.optimizers = [self.muon]
         self.muon_max_norm = config.muon_max_norm
         self.dp_degree = dmuon.runtime.get_comm_ctx(model).layout.world_size
+        # torchtitan clips every param.grad; the dedicated weights' gradients are not there.
+        self.held = dmuon.dedicated_params_of(model)
         # Optimizer.__init__, as OptimizersContainer does, for the step hooks it registers.
         self._post_init(list(model.parameters()))
 
@@ -260,7 +263,8 @@ class DmuonOptimizersContainer(OptimizersContainer):
         if closure is not None:
             raise ValueError("DmuonOptimizersContainer.step takes no closure, as torchtitan's")
         if self.muon_max_norm is not None:
-            dmuon.clip_grad_norm_(self.muon, self.muon_max_norm / self.dp_degree)
+            max_norm = self.muon_max_norm / self.dp_degree
+            dmuon.clip_grad_norm_(self.muon, max_norm, params=self.held)
         self.muon.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -13,7 +13,7 @@ class MuonClipGrads(NamedTuple):
     process_group: Any
     device: torch.device
     copies: tuple[Tensor, ...] = ()
-    tensor_parallel: bool = False
+    sharded: bool = False
 
 
 class FakeMuon:
@@ -23,17 +23,15 @@ class FakeMuon:
         process_group: Any = None,
         device: Any = "cpu",
         copies: tuple[Tensor, ...] = (),
-        tensor_parallel: bool = False,
+        sharded: bool = False,
     ):
         self.grads = grads
         self.process_group = process_group
         self.device = torch.device(device)
         self.copies = copies
-        self.tensor_parallel = tensor_parallel
+        self.sharded = sharded
         self.calls = 0
 
     def muon_grads_for_clip(self) -> MuonClipGrads:
         self.calls += 1
-        return MuonClipGrads(
-            self.grads, self.process_group, self.device, self.copies, self.tensor_parallel
-        )
+        return MuonClipGrads(self.grads, self.process_group, self.device, self.copies, self.sharded)

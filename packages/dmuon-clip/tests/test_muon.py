@@ -160,8 +160,8 @@ def test_copies_take_the_coefficient_but_not_the_norm(max_norm: float | None) ->
 def test_per_matrix_is_refused_under_tensor_parallelism() -> None:
     grads = _matrices(4)
     before = [g.clone() for g in grads]
-    opt = FakeMuon(grads, tensor_parallel=True)
-    with pytest.raises(ValueError, match="strategy='per_matrix' clips each matrix by the norm"):
+    opt = FakeMuon(grads, sharded=True)
+    with pytest.raises(ValueError, match="strategy='per_matrix' clips each tensor by the norm"):
         clip_grad_norm_(opt, 0.1, strategy="per_matrix")
     assert all(torch.equal(g, b) for g, b in zip(grads, before))
     total, ref = torch_clip(grads, 0.1)
@@ -223,8 +223,8 @@ def test_a_registered_per_matrix_strategy_clips_copies_alone_and_is_refused_unde
         expected = copy * min(1.0 / (float(copy.norm()) + 1e-6), 1.0)
         clip_grad_norm_(FakeMuon(grads, copies=(copy,)), 1.0, strategy="own")
         assert torch.equal(copy, expected)
-        with pytest.raises(ValueError, match="strategy='own' clips each matrix by the norm"):
-            clip_grad_norm_(FakeMuon(_matrices(), tensor_parallel=True), 1.0, strategy="own")
+        with pytest.raises(ValueError, match="strategy='own' clips each tensor by the norm"):
+            clip_grad_norm_(FakeMuon(_matrices(), sharded=True), 1.0, strategy="own")
         with pytest.raises(TypeError, match="per_matrix must be a bool"):
             register_muon_grad_clip_strategy("own", by_own_norm, overwrite=True, per_matrix=1)  # type: ignore[arg-type]
     finally:

@@ -125,7 +125,7 @@ def _global_quantities(model, runtime, dp_index: int) -> dict:
         "tp_dims": {dp.fqn: dp.tp_dim for dp in runtime.owned},
         "tp_index": runtime.layout.tp_index,
         "copies": copies,
-        "tensor_parallel": clip.tensor_parallel,
+        "sharded": clip.sharded,
         "tp_shard": tp_shard,
         "adamw_shard": adamw_shard,
         "after": (bool(stats.skipped), int(stats.skipped_steps)),
@@ -189,7 +189,7 @@ def test_clip_norm_counts_every_element_of_every_muon_matrix_once(global_checks,
         got = r[topology]
         # Summed over the optimizer's group, each rank's counted gradients make the true norm.
         assert got["norm"] == pytest.approx(want, rel=1e-5), (got["norm"], want)
-        assert got["tensor_parallel"]
+        assert got["sharded"]
         for fqn, grad in got["grads"].items():
             tp_dim = got["tp_dims"][fqn]
             full = reference[fqn]

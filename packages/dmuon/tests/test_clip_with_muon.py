@@ -172,7 +172,7 @@ def _clip_tp_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, 
         _loss(model, _tokens()[dp_index * rows : (dp_index + 1) * rows]).backward()
         # A matrix's own norm needs its TP shards: refused before anything is scaled.
         before = [g.clone() for g in optimizer.muon_grads_for_clip().grads]
-        with pytest.raises(ValueError, match="tensor parallelism"):
+        with pytest.raises(ValueError, match="a tensor-parallel matrix"):
             dmuon.clip_grad_norm_(optimizer, max_norm, strategy="per_matrix")
         after = optimizer.muon_grads_for_clip().grads
         untouched = all(torch.equal(a, b) for a, b in zip(before, after))
@@ -267,3 +267,99 @@ def test_per_matrix_clips_every_expert_alone_on_every_replica() -> None:
             torch.testing.assert_close(grad.double(), want[name], rtol=1e-5, atol=1e-9)
             seen.add(name)
     assert seen == set(want)
+
+
+# -- params: which gradients ------------------------------------------------------------------
+
+TO_ADAMW = "layers.0.self_attn.o_proj.weight"  # dedicated, stepped by AdamW on its owner
+POLICY = {"overrides": [{"name": [TO_ADAMW], "set": {"route": "adamw"}}]}
+
+
+def _route_of(name: str, p: torch.Tensor) -> str:
+    return "muon" if muon_predicate(name, p) and name != TO_ADAMW else "adamw"
+
+
+def _reference_norms() -> dict[str, float]:
+    """One process, the full batch: the 2-norm of each route's gradients, of both, and of the
+    dedicated weights' (every selected matrix but the expert stacks)."""
+    torch.manual_seed(0)
+    model = TinyLlama(MOE)
+    _loss(model, _tokens()).backward()
+    sets: dict[str, list[torch.Tensor]] = {"muon": [], "adamw": [], "all": [], "held": []}
+    for n, p in model.named_parameters():
+        g = p.grad.double()
+        sets[_route_of(n, p)].append(g)
+        sets["all"].append(g)
+        if muon_predicate(n, p) and ".experts." not in n:
+            sets["held"].append(g)
+    return {
+        k: float(torch.linalg.vector_norm(torch.stack([g.norm() for g in v])))
+        for k, v in sets.items()
+    }
+
+
+def _params_on_ranks(rank: int, world_size: int, max_norms: dict[str, float]) -> dict[str, float]:
+    """For each selection: its norm, then the norms of every selection after clipping it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    out: dict[str, float] = {}
+    for params, max_norm in max_norms.items():
+        torch.manual_seed(0)
+        model = TinyLlama(MOE)
+        mesh = init_device_mesh("cpu", (world_size,))
+        dmuon.dedicate_params(model, mesh, muon_predicate, param_policy=POLICY)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+        rows = ROWS // world_size
+        _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+        chosen = dmuon.dedicated_params_of(model) if params == "held" else params
+        out[params] = dmuon.clip_grad_norm_(optimizer, max_norm, params=chosen).total_norm.item()
+        for after in ("muon", "adamw"):
+            norm = dmuon.clip_grad_norm_(optimizer, None, params=after).total_norm.item()
+            out[f"{params}, then {after}"] = norm
+        optimizer.step()  # the step reads the clipped gradients
+    return out
+
+
+@pytest.mark.distributed
+def test_each_selection_is_clipped_once_by_its_own_norm() -> None:
+    # An expert stack is an FSDP2 parameter on the Muon route, a dedicated weight may take the
+    # AdamW route on its owner: each selection holds exactly its gradients, each counted once.
+    want = _reference_norms()
+    max_norms = {k: want[k] / 4 for k in ("muon", "adamw", "all", "held")}
+    results = run_distributed(_params_on_ranks, 2, max_norms)
+    for got in results:
+        for params in max_norms:
+            assert got[params] == pytest.approx(want[params], rel=1e-5), params
+        # Clipping one route scales it to max_norm and leaves the other as it was.
+        assert got["muon, then muon"] == pytest.approx(max_norms["muon"], rel=1e-5)
+        assert got["muon, then adamw"] == pytest.approx(want["adamw"], rel=1e-5)
+        assert got["adamw, then adamw"] == pytest.approx(max_norms["adamw"], rel=1e-5)
+        assert got["adamw, then muon"] == pytest.approx(want["muon"], rel=1e-5)
+        # One coefficient for both: each keeps its share.
+        share = max_norms["all"] / want["all"]
+        assert got["all, then muon"] == pytest.approx(want["muon"] * share, rel=1e-5)
+        assert got["all, then adamw"] == pytest.approx(want["adamw"] * share, rel=1e-5)
+
+
+def _bad_params(rank: int, world_size: int) -> None:
+    import dmuon
+
+    _, _, optimizer = _backward_on_ranks(CFG, rank, world_size)
+    with pytest.raises(ValueError, match="pass 'muon', 'adamw', 'all'"):
+        dmuon.clip_grad_norm_(optimizer, 1.0, params="experts")
+    stranger = torch.nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+        dmuon.clip_grad_norm_(optimizer, 1.0, params=[stranger])
+    with pytest.raises(ValueError, match="clips each tensor by the norm this rank sees"):
+        dmuon.clip_grad_norm_(optimizer, 1.0, params="adamw", strategy="per_matrix")
+
+
+@pytest.mark.distributed
+def test_params_that_are_not_the_optimizers_are_refused() -> None:
+    run_distributed(_bad_params, 2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from dmuon_clip._types import (
     MuonGradClipStats,
     SupportsMuonGradsForClip,
     clip_copies,
-    is_tensor_parallel,
+    is_sharded,
 )
 
 __all__ = ["clip_grad_norm_"]
@@ -43,8 +44,10 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     strategy: str = "global_norm",
+    params: str | Iterable[Tensor] = "muon",
 ) -> MuonGradClipStats:
-    """Clip dmuon's Muon gradients in place (see [Note: where the Muon clip sits]).
+    """Clip dmuon's Muon gradients in place (see [Note: where the Muon clip sits]), or, with
+    ``params``, those of its AdamW route or of both.
 
     With the default ``"global_norm"`` strategy the norm is taken over every Muon matrix of every
     owner with one collective, and the coefficient is ``torch.nn.utils.clip_grad_norm_``'s,
@@ -71,26 +74,37 @@ def clip_grad_norm_(
             Muon matrix of every owner), ``"per_matrix"`` (each matrix by its own norm; refused
             under tensor parallelism), or one added with ``register_muon_grad_clip_strategy``.
             An unknown name raises ``ValueError``.
+        params: which gradients: ``"muon"`` (the Muon route's: the dedicated matrices on
+            their owners, expert stacks), ``"adamw"`` (the AdamW route's: FSDP2 shards of the
+            embeddings, norms, head..., and dedicated weights routed to AdamW, on their
+            owners), ``"all"`` (both, by one norm, as ``torch.nn.utils.clip_grad_norm_(
+            model.parameters())`` on a model without dmuon), or an iterable of the optimizer's
+            parameters. All but ``"muon"`` need ``optimizer.grads_for_clip(params)``.
     """
     max_norm = validate_max_norm(max_norm)
     norm_type = validate_norm_type(norm_type)
     if not isinstance(error_if_nonfinite, bool):  # a string such as "no" would be truthy
         raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")
     fn = get_muon_grad_clip_strategy(strategy)
-    if not callable(getattr(optimizer, "muon_grads_for_clip", None)):
+    method = "muon_grads_for_clip" if isinstance(params, str) and params == "muon" else None
+    if not callable(getattr(optimizer, method or "grads_for_clip", None)):
         raise TypeError(
-            f"{type(optimizer).__name__} has no muon_grads_for_clip(); dmuon_clip.clip_grad_norm_ "
-            "takes dmuon's Muon optimizer; clip plain param.grad with "
-            "torch.nn.utils.clip_grad_norm_"
+            f"{type(optimizer).__name__} has no {method or 'grads_for_clip'}();"
+            " dmuon_clip.clip_grad_norm_ takes dmuon's Muon optimizer; clip plain param.grad"
+            " with torch.nn.utils.clip_grad_norm_"
         )
     with span("dmuon::clip_grad_norm"):
-        muon = optimizer.muon_grads_for_clip()
+        if method is not None:
+            muon = optimizer.muon_grads_for_clip()
+        else:
+            muon = optimizer.grads_for_clip(params)  # type: ignore[attr-defined]
         per_matrix = clips_per_matrix(strategy)
-        if per_matrix and is_tensor_parallel(muon):
+        if per_matrix and is_sharded(muon):
             raise ValueError(
-                f"strategy={strategy!r} clips each matrix by the norm this rank sees of it, but "
-                "under tensor parallelism a rank holds only its TP shard of a matrix; use "
-                "strategy='global_norm' (the default), which reduces over every rank"
+                f"strategy={strategy!r} clips each tensor by the norm this rank sees of it, but"
+                " a rank holds only a shard of some of these gradients (a tensor-parallel"
+                " matrix, or FSDP2's shard of an AdamW parameter); use"
+                " strategy='global_norm' (the default), which reduces over every rank"
             )
         stats = fn(
             list(muon.grads), max_norm, norm_type, muon.process_group, torch.device(muon.device)
@@ -108,13 +122,19 @@ def clip_grad_norm_(
             stats = dataclasses.replace(stats, param_count=stats.param_count + len(copies))
     if error_if_nonfinite and _on_any_rank(stats.found_inf, muon.process_group):
         raise RuntimeError(
-            f"the norm of order {norm_type} of the Muon gradients is non-finite on some rank "
+            f"the norm of order {norm_type} of the gradients to clip ({_label(params)}) is"
+            " non-finite on some rank "
             f"({float(stats.total_norm)} here), so it cannot be clipped; "
             + _LEFT.get(strategy, f"strategy {strategy!r} decided what to scale")
             + ". Pass error_if_nonfinite=False to get found_inf in the stats instead"
             + (" (inf-norm: a NaN is reported as inf)" if norm_type == math.inf else "")
         )
     return stats
+
+
+def _label(params: str | Iterable[Tensor]) -> str:
+    names = {"muon": "Muon", "adamw": "AdamW", "all": "Muon and AdamW"}
+    return names.get(params, "given") if isinstance(params, str) else "given"
 
 
 # What the built-in strategies did to the gradients when the norm is non-finite.

@@ -20,21 +20,22 @@ __all__ = [
 
 
 class MuonClipGradsLike(Protocol):
-    """What ``optimizer.muon_grads_for_clip()`` returns (ARCHITECTURE.md, dmuon-fsdp contract).
+    """What ``optimizer.grads_for_clip(params)`` returns (ARCHITECTURE.md, dmuon-fsdp contract).
 
-    ``grads``: the averaged gradients this rank owns (possibly none): whole matrices, or
-    tensor-parallel shards of them. ``process_group``: the group over which a sum of
-    ``grads``' elements counts every element of every Muon matrix exactly once; ``None`` when
-    not distributed. ``device``: where the norm accumulator lives (it must be a device the
-    group's backend can reduce, e.g. CUDA for NCCL).
+    ``grads``: this rank's part of the gradients to clip (possibly none): whole matrices on
+    their owners, or shards. ``process_group``: the group over which a sum of ``grads``'
+    elements counts every element of every selected gradient exactly once; ``None`` when not
+    distributed. ``device``: where the norm accumulator lives (it must be a device the group's
+    backend can reduce, e.g. CUDA for NCCL).
 
     Two optional attributes (read with a default, so an object without them still fits):
     ``copies`` (default none): gradients this rank scales with ``grads`` but that another rank
-    counts (a whole matrix kept by every tensor-parallel grid, an expert stack shard kept by
-    every HSDP replica); they enter no norm and are multiplied by the strategy's ``clip_coef``
-    (``"per_matrix"`` clips each of their matrices by its own norm, as the counting rank does). ``tensor_parallel`` (default ``False``): some
-    matrix is split over several ranks, so a matrix's own norm needs a collective and the
-    rank-local ``"per_matrix"`` strategy is refused."""
+    counts (a whole matrix kept by every tensor-parallel grid, a shard kept by every HSDP
+    replica); they enter no norm and are multiplied by the strategy's ``clip_coef``
+    (``"per_matrix"`` clips each of their matrices by its own norm, as the counting rank does).
+    ``sharded`` (default ``False``): some gradient is split over several ranks (a TP shard of
+    a matrix, an FSDP2 shard of an AdamW parameter), so its own norm needs a collective and
+    the rank-local ``"per_matrix"`` strategy is refused."""
 
     @property
     def grads(self) -> Sequence[Tensor]: ...
@@ -51,13 +52,15 @@ def clip_copies(muon: MuonClipGradsLike) -> list[Tensor]:
     return list(getattr(muon, "copies", ()))
 
 
-def is_tensor_parallel(muon: MuonClipGradsLike) -> bool:
-    """``muon.tensor_parallel`` (see :class:`MuonClipGradsLike`), ``False`` when absent."""
-    return bool(getattr(muon, "tensor_parallel", False))
+def is_sharded(muon: MuonClipGradsLike) -> bool:
+    """``muon.sharded`` (see :class:`MuonClipGradsLike`), ``False`` when absent."""
+    return bool(getattr(muon, "sharded", False))
 
 
 class SupportsMuonGradsForClip(Protocol):
-    """An optimizer that hands its dedicated Muon gradients to dmuon-clip (dmuon's ``Muon``)."""
+    """An optimizer that hands its gradients to dmuon-clip (dmuon's ``Muon``):
+    ``muon_grads_for_clip()`` those of its Muon route; ``grads_for_clip(params)``, which
+    :func:`dmuon_clip.clip_grad_norm_` needs for any other ``params``, those ``params`` names."""
 
     def muon_grads_for_clip(self) -> MuonClipGradsLike: ...
 

@@ -170,10 +170,7 @@ class ExpertStack(ParamHolder):
     def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
         """This rank's shard of the gradient; it counts once, on the first replica of every
         mesh dim that replicates it (the others pass it as a copy)."""
-        p = self.param
-        if p.grad is None:
-            return None
-        return local_shard(p.grad), not tensor_view(p).counts_once()
+        return tensor_view(self.param).clip_grad(layout)
 
     def fused_dtypes(self) -> tuple[torch.dtype, torch.dtype] | None:
         dtype = self.param.dtype

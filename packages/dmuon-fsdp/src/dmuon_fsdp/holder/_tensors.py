@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from .._torch_internals import dtensor_shard_offsets, local_tensor
+from .._torch_internals import dtensor_shard_offsets, local_shard, local_tensor
 from ..topology import MeshLayout
 from ._holder import WeightPart
 from ._precision import boundary_mp_policy
@@ -44,6 +44,24 @@ class TensorView:
 
     def step_tensors(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tensor, self.tensor.grad
+
+    def clip_grad(self, layout: MeshLayout | None = None) -> tuple[Tensor, bool] | None:
+        """This rank's part of the gradient and whether another rank counts it (a copy: scaled,
+        not counted; see [Note: global quantities] in ``topology/_comm``); ``None``: no
+        gradient."""
+        grad = self.tensor.grad
+        if grad is None:
+            return None
+        return local_shard(grad), not self.counts_once()
+
+    def counts_once(self) -> bool:
+        """Whether this rank's copy is the one a global sum counts."""
+        raise NotImplementedError
+
+    @property
+    def split_over_ranks(self) -> bool:
+        """Whether ranks hold different parts of it, so its own norm needs a collective."""
+        return False
 
 
 class WholeTensor(TensorView):
@@ -96,6 +114,11 @@ class ShardedTensor(TensorView):
 
     route = "fsdp2"
     tensor: DTensor
+
+    @property
+    def split_over_ranks(self) -> bool:
+        t = self.tensor
+        return any(p.is_shard() and t.device_mesh.size(i) > 1 for i, p in enumerate(t.placements))
 
     def weight_part(self, layout: MeshLayout | None = None) -> WeightPart:
         t = self.tensor

@@ -49,7 +49,7 @@ from .._checks import check_bool, is_int
 from .._matrix import LrScaling, NSFunction
 from .._profile import PhaseTimer, span
 from .._torch_internals import foreach_max_abs, local_shard
-from ..holder import DedicatedParam, MuonEntry, ParamHolder, StepContext, TPMode
+from ..holder import DedicatedParam, MuonEntry, ParamHolder, ShardedTensor, StepContext, TPMode
 from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
 from ._graphed_step import GraphedMuonPhase, muon_phase
@@ -90,15 +90,18 @@ DEFAULT_NS_BATCH_BYTES = 256 * 2**20
 
 
 class MuonClipGrads(NamedTuple):
-    """What ``Muon.muon_grads_for_clip()`` hands to dmuon-clip (ARCHITECTURE.md)."""
+    """What ``Muon.grads_for_clip()`` hands to dmuon-clip (ARCHITECTURE.md)."""
 
-    grads: list[Tensor]  # averaged gradients (whole, or TP shards) this rank owns and counts
+    grads: list[Tensor]  # this rank's part of the gradients (whole or shards), which it counts
     process_group: ProcessGroup | None  # every rank: a sum over it counts each element once
     device: torch.device  # where the norm accumulator lives
-    # Whole matrices that every TP grid keeps: counted on grid 0, copies (scaled, not counted)
-    # on the others; see [Note: global quantities] in _comm.
+    # Gradients other ranks keep too (a whole matrix in every TP grid, a shard on every
+    # replica): counted on one, copies (scaled, not counted) on the others; see [Note: global
+    # quantities] in _comm.
     copies: tuple[Tensor, ...] = ()
-    tensor_parallel: bool = False  # a matrix's norm needs its TP shards on other ranks
+    # Some gradient is split over ranks (a TP shard, an FSDP2 shard of an AdamW parameter): its
+    # own norm needs a collective.
+    sharded: bool = False
 
 
 class MuonStepStats(NamedTuple):
@@ -882,27 +885,47 @@ class Muon(torch.optim.Optimizer):
     # -- the dmuon-clip protocol --------------------------------------------------------------
 
     def muon_grads_for_clip(self) -> MuonClipGrads:
-        """The owned Muon gradients, final (pending reduces waited), for global-norm clipping;
-        scaling them in place changes what the next ``step()`` reads. Summed over every rank
-        they count each element once (see [Note: global quantities] in _comm). With
-        ``ns_overlap`` the NS results computed during backward are dropped (a clip may scale
-        every gradient, by a kernel torch does not see) and the next steps compute NS in the
-        step (see [Note: Newton–Schulz during backward])."""
+        """The owned Muon gradients, final, for clipping: ``grads_for_clip("muon")``."""
+        return self.grads_for_clip("muon")
+
+    def grads_for_clip(self, params: str | Iterable[Tensor] = "muon") -> MuonClipGrads:
+        """This rank's part of the final gradients (pending reduces waited) of the parameters
+        ``params`` names, for clipping: scaling them in place changes what the next ``step()``
+        reads. Summed over every rank they count each element once (see [Note: global
+        quantities] in _comm). Where a Muon gradient is among them, the NS results that
+        ``ns_overlap`` computed during backward are dropped (a clip may scale every gradient,
+        by a kernel torch does not see) and the next steps compute NS in the step (see [Note:
+        Newton–Schulz during backward]).
+
+        Args:
+            params: ``"muon"`` (every Muon-route parameter: dedicated matrices on their owners,
+                expert stacks), ``"adamw"`` (every AdamW-route one: FSDP2 shards, dedicated
+                weights on their owners), ``"all"``, or an iterable of this optimizer's
+                parameters (frozen ones are skipped; another tensor raises ``ValueError``).
+        """
+        chosen = self._clip_selection(params)
         self._runtime.wait_all_reduces()
-        if self._overlap is not None:
-            self._overlap.stop("the gradients were handed to a clip (muon_grads_for_clip)")
+        if self._overlap is not None and not chosen.isdisjoint(self.muon_param_names()):
+            self._overlap.stop("the gradients were handed to a clip (grads_for_clip)")
             self._runtime.set_grad_listener(None)
             self._overlap = None
         layout = self._runtime.layout
-        # (gradient, is a copy): a whole matrix is held in every TP grid (counted in grid 0),
-        # and an expert shard by every replica of its mesh (counted on the first).
-        owned = [
-            got for holder in self._plan.holders if (got := holder.clip_grad(layout)) is not None
-        ]
-        grads = [g for g, copy in owned if not copy]
-        copies = tuple(g for g, copy in owned if copy)
-        if owned:
-            device = owned[0][0].device
+        grads: list[Tensor] = []
+        copies: list[Tensor] = []
+        sharded = False
+        for fqn, view in self._plan.clip_views():
+            if fqn not in chosen:
+                continue
+            # A whole matrix is held in every TP grid (counted in grid 0), an expert shard or
+            # an FSDP2 shard by every replica of its mesh (counted on the first).
+            sharded |= layout.tp_size > 1 or (
+                isinstance(view, ShardedTensor) and view.split_over_ranks
+            )
+            got = view.clip_grad(layout)
+            if got is not None:
+                (copies if got[1] else grads).append(got[0])
+        if grads or copies:
+            device = (grads or copies)[0].device
         elif self._runtime.params:
             device = self._runtime.params[0].param.device
         else:
@@ -910,7 +933,43 @@ class Muon(torch.optim.Optimizer):
         group = (
             self._runtime.global_group if dist.is_available() and dist.is_initialized() else None
         )
-        return MuonClipGrads(grads, group, device, copies, tensor_parallel=layout.tp_size > 1)
+        return MuonClipGrads(grads, group, device, tuple(copies), sharded=sharded)
+
+    def _clip_selection(self, params: str | Iterable[Tensor]) -> set[str]:
+        """The FQNs ``grads_for_clip(params)`` takes (the same on every rank)."""
+        routes = {
+            "muon": (Route.MUON,),
+            "adamw": (Route.ADAMW,),
+            "all": (Route.MUON, Route.ADAMW),
+        }
+        if isinstance(params, str):
+            if params not in routes:
+                raise ValueError(
+                    f"params={params!r}: pass 'muon', 'adamw', 'all' or an iterable of this"
+                    " optimizer's parameters"
+                )
+            return {
+                name
+                for group in self.param_groups
+                if group["optimizer"] in routes[params]
+                for name in group["param_names"]
+            }
+        names = {
+            id(p): name
+            for group in self.param_groups
+            for p, name in zip(group["params"], group["param_names"])
+        }
+        chosen = set()
+        for p in params:
+            if isinstance(p, Tensor) and id(p) in names:
+                chosen.add(names[id(p)])
+            elif not (isinstance(p, Tensor) and not p.requires_grad):
+                raise ValueError(
+                    f"params holds a {type(p).__name__} that is not a parameter of this"
+                    " optimizer (another model's, or a copy); pass the optimizer's own"
+                    " parameters, or 'muon', 'adamw' or 'all'"
+                )
+        return chosen
 
     def muon_param_names(self) -> list[str]:
         """FQNs of every Muon-route matrix, in group order (the same on every rank)."""

@@ -37,7 +37,7 @@ must not change shapes or dtypes. QK-clip is its first user.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -118,6 +118,15 @@ class StepPlan:
             for name, p in zip(group["param_names"], group["params"])
         }
         self._parts: dict[str, WeightPart] | None = None
+
+    def clip_views(self) -> Iterator[tuple[str, ParamHolder | WholeTensor | ShardedTensor]]:
+        """Every parameter this rank steps, by FQN, with the view that hands its gradient to a
+        clip (``clip_grad``)."""
+        for holder in self.holders:
+            yield holder.fqn, holder
+        for _, entries in self.adamw:
+            for p, view in entries:
+                yield self._names[id(p)], view
 
     def weight_parts(self) -> dict[str, WeightPart]:
         """Every part of a parameter this rank steps, by FQN (built at the first call)."""

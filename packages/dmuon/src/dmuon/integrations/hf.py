@@ -40,10 +40,11 @@ public extension point; no underscored ``Trainer`` method is overridden.
   Trainer zeroes with ``model.zero_grad()``, which ``dedicate_params`` makes clear the owners'
   Muon gradients too. ``training_step`` runs the micro-batches before the last of an
   accumulation under ``dmuon.no_sync``. The Trainer clips with ``max_grad_norm`` what it sees,
-  the ``param.grad`` of the FSDP2 parameters; the Muon gradients live on their owners, and a
-  callback's ``on_pre_optimizer_step`` (after the Trainer's clip, before ``step()``) clips them
-  with ``dmuon.clip_grad_norm_``, each kind by its own norm as the clipping guide does. ``log``
-  reports as ``grad_norm`` the norm of both kinds together.
+  the ``param.grad`` of the FSDP2 parameters (expert stacks included); the gradients of the
+  dedicated weights live on their owners, and a callback's ``on_pre_optimizer_step`` (after
+  the Trainer's clip, before ``step()``) clips them with ``dmuon.clip_grad_norm_(...,
+  params=dmuon.dedicated_params_of(model))``, each kind by its own norm, every gradient once.
+  ``log`` reports as ``grad_norm`` the norm of both kinds together.
 - Checkpoints. The Trainer writes a checkpoint with ``save_model(checkpoint, _internal_call=
   True)``, then rank 0's ``optimizer.state_dict()`` (``optimizer.pt``), the scheduler, the RNG
   states and the trainer state. ``save_model`` writes the model and the optimizer with
@@ -166,7 +167,8 @@ class DmuonTrainer(Trainer):
     ``data_collator``, ``processing_class``, ``callbacks``, ``compute_metrics``, ...), except
     ``model_init`` and ``optimizer_cls_and_kwargs``, which are refused.
 
-    ``max_grad_norm`` clips the FSDP2 gradients and the Muon gradients each by its own norm;
+    ``max_grad_norm`` clips the FSDP2 gradients and those of the dedicated weights each by
+    its own norm;
     ``gradient_accumulation_steps`` runs the micro-batches before the last under
     ``dmuon.no_sync``. A checkpoint (``save_strategy``) holds ``dmuon/`` (``dmuon.save_checkpoint``:
     the model and the optimizer, sharded), the full weights (``model.safetensors``, which
@@ -205,7 +207,7 @@ class DmuonTrainer(Trainer):
                 " and fully_shard(...) to each decoder layer and the root first"
             )
         self.muon_kwargs = dict(muon_kwargs or {})
-        self.muon_grad_norm: Tensor | None = None  # the last step's, before clipping
+        self.held_grad_norm: Tensor | None = None  # the dedicated weights', before clipping
         self.resuming_from: str | None = None  # the checkpoint train() resumes from
         self.saving_to: str | None = None  # the checkpoint being written
         super().__init__(model=model, args=args, **kwargs)
@@ -284,9 +286,9 @@ class DmuonTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "grad_norm" in logs and self.muon_grad_norm is not None:
+        if "grad_norm" in logs and self.held_grad_norm is not None:
             # See [Note: the Trainer's public hooks under dmuon], optimizer and gradients.
-            logs["grad_norm"] = math.hypot(logs["grad_norm"], self.muon_grad_norm.item())
+            logs["grad_norm"] = math.hypot(logs["grad_norm"], self.held_grad_norm.item())
         super().log(logs, start_time)
 
     @property
@@ -322,8 +324,10 @@ class _DmuonEvents(TrainerCallback):
         self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
     ):
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
-        stats = dmuon.clip_grad_norm_(self.trainer.muon, max_norm)
-        self.trainer.muon_grad_norm = stats.total_norm
+        # The Trainer clipped every param.grad; the dedicated weights' gradients are not there.
+        held = dmuon.dedicated_params_of(_model(self.trainer))
+        stats = dmuon.clip_grad_norm_(self.trainer.muon, max_norm, params=held)
+        self.trainer.held_grad_norm = stats.total_norm
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any):
         folder, self.trainer.saving_to = self.trainer.saving_to, None
