@@ -92,6 +92,46 @@ def _torch_optimizer(mesh: DeviceMesh, root: str) -> None:
     optimizer.step()
 
 
+def _grad_scaler(mesh: DeviceMesh, root: str) -> None:
+    """torch's GradScaler: its unscale_ and inf check read param.grad only."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(loss_fn(model, batch(0, ROWS))).backward()
+    scaler.step(optimizer)
+
+
+def _unfrozen_after_muon(mesh: DeviceMesh, root: str) -> None:
+    """A parameter frozen when Muon was built, trainable later (staged fine-tuning)."""
+    model = build(0)
+    model.norm.requires_grad_(False)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    model.norm.requires_grad_(True)
+    loss_fn(model, batch(0, ROWS)).backward()
+    optimizer.step()
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3)
+
+
+class _ConvModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_ConvBlock()])
+
+
+def _conv_kernel_selected(mesh: DeviceMesh, root: str) -> None:
+    """A predicate that takes every parameter of two or more dims takes a Conv1d kernel."""
+    dedicate_params(_ConvModel(), mesh, lambda n, p: p.ndim >= 2)
+
+
 def _torch_load_of_a_full_state_dict(mesh: DeviceMesh, root: str) -> None:
     """model.load_state_dict of another model's full state dict: refused before any dedicated
     weight (on its owner) took a value, so dmuon's full state dict is the one it had."""
@@ -143,6 +183,21 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _torch_load_of_a_full_state_dict,
         r"RuntimeError: load_state_dict: 'layers\.0\.attn\.q_proj\.weight' is the dedicated "
         r"parameter .*nothing of dmuon's weights was changed.*dmuon\.set_model_state_dict",
+    ),
+    "a GradScaler": (
+        _grad_scaler,
+        r"RuntimeError: Muon\.step\(\) was called by a GradScaler: loss scaling does not reach.*"
+        r"Train in bfloat16",
+    ),
+    "a parameter unfrozen after Muon(model)": (
+        _unfrozen_after_muon,
+        r"ValueError: 1 parameter\(s\) require grad but were frozen when Muon\(model\) was built"
+        r".*'norm\.weight'.*before dedicate_params and Muon\(model\)",
+    ),
+    "a Conv1d kernel selected": (
+        _conv_kernel_selected,
+        r"ValueError: 'layers\.0\.conv\.weight' \(shape \(4, 4, 3\)\) is the kernel of a Conv1d, not"
+        r" a stack of experts.*route it to 'adamw'",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

@@ -420,6 +420,9 @@ class Muon(torch.optim.Optimizer):
         # (name, module, attribute, shard) of one FSDP2 parameter per module, found at the
         # first step: see _check_params_current.
         self._fsdp_probes: list[tuple[str, nn.Module, str, Tensor]] | None = None
+        # The parameters frozen when it was built, which it never steps: see
+        # _check_none_unfrozen.
+        self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self._constructing = True
         super().__init__(groups, {})
         self._constructing = False
@@ -592,6 +595,8 @@ class Muon(torch.optim.Optimizer):
         """Check the parameters (the first step), run the pre-step hooks and start the step
         profile; returns its ``mark`` (see [Note: the step profile])."""
         self._check_params_current()
+        self._check_no_loss_scaling()
+        self._check_none_unfrozen()
         self._hooks.before_step(self)
         if self._timer is None:
             return _no_mark
@@ -736,6 +741,41 @@ class Muon(torch.optim.Optimizer):
         for name, module, attr, shard in self._fsdp_probes:
             if getattr(module, attr) is not shard:
                 _unsharded_at_step(name)
+
+    # torch's GradScaler hands an optimizer that says it handles loss scaling itself its scale and
+    # found_inf as attributes and calls step(): the one way to notice a GradScaler.
+    _step_supports_amp_scaling = True
+
+    def _check_no_loss_scaling(self) -> None:
+        """Refuse a step through ``torch.amp.GradScaler`` (or FSDP2's ``ShardedGradScaler``):
+        its ``unscale_`` and inf check read ``param.grad``, where the gradients dmuon holds on
+        owners are not, so they would stay scaled and an overflow in them would not lower the
+        scale."""
+        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise RuntimeError(
+                "Muon.step() was called by a GradScaler: loss scaling does not reach the"
+                " gradients dmuon holds on owners (unscale_ reads param.grad only, so they would"
+                " stay scaled, and an overflow in them would not lower the scale); nothing was"
+                " stepped. Train in bfloat16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16)),"
+                " which needs no loss scaling"
+            )
+
+    def _check_none_unfrozen(self) -> None:
+        """Refuse a step while a parameter frozen at construction is trainable: no group
+        holds it, so its gradient would be thrown away, where a torch optimizer built over
+        ``model.parameters()`` would train it."""
+        unfrozen = [name for name, p in self._frozen if p.requires_grad]
+        if unfrozen:
+            raise ValueError(
+                f"{len(unfrozen)} parameter(s) require grad but were frozen when Muon(model) was"
+                f" built, so no group steps them (first: {unfrozen[:3]}); nothing was stepped."
+                " Muon takes the trainable parameters when it is built: make them trainable"
+                " before dedicate_params and Muon(model), and freeze them with"
+                " requires_grad_(False) for the steps they should not train (a parameter"
+                " without a gradient is skipped and keeps its value)"
+            )
 
     def _check_every_param(self) -> None:
         current = dict(self._model.named_parameters())
