@@ -1,7 +1,8 @@
 """A parameter without a gradient is left alone, as ``torch.optim`` leaves it: a dedicated
 matrix frozen mid-run (``requires_grad_(False)``) and the matrices of a block the step's
 forward skipped keep their weight and momentum bit for bit, with weight decay on, on every
-path (1-D, HSDP, tensor parallelism, the replicated path, expert stacks)."""
+path (1-D, HSDP, tensor parallelism, the replicated path, expert stacks); made trainable
+again, the frozen matrix trains."""
 
 from __future__ import annotations
 
@@ -85,7 +86,14 @@ def _frozen_and_unused(rank: int, world_size: int, path: str) -> dict[str, objec
     _step(model, optimizer, 1, rank, world_size)
     after = get_model_state_dict(model)
     after_momenta = _momenta(model, optimizer)
+    # Trainable again (the fix the optimizer's refusal of a parameter unfrozen after it was
+    # built names): the next step trains it.
+    if path != "moe":
+        dict(model.named_parameters())[FROZEN].requires_grad_(True)
+        _step(model, optimizer, 2, rank, world_size)
+    again = get_model_state_dict(model)
     return {
+        "trains again": path == "moe" or not torch.equal(after[FROZEN], again[FROZEN]),
         "unchanged": {n: torch.equal(weights[n], after[n]) for n in still},
         "momentum kept": {n: torch.equal(momenta[n], after_momenta[n]) for n in still},
         "others moved": all(
@@ -103,3 +111,4 @@ def test_a_matrix_without_a_gradient_keeps_its_weight_and_momentum(path: str) ->
         assert all(result["unchanged"].values()), result  # type: ignore[union-attr]
         assert all(result["momentum kept"].values()), result  # type: ignore[union-attr]
         assert result["others moved"], result
+        assert result["trains again"], result
