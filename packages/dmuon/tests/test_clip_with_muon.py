@@ -110,6 +110,15 @@ def _with_head(name: str, p: torch.Tensor) -> bool:
     return muon_predicate(name, p) or name == HEAD
 
 
+def _reference_adamw_norm() -> float:
+    """The full-batch norm of the gradients the AdamW route steps (the norms, the embedding)."""
+    torch.manual_seed(0)
+    model = TinyLlama(CFG)
+    _loss(model, _tokens()).backward()
+    grads = [p.grad.double() for n, p in model.named_parameters() if not _with_head(n, p)]
+    return math.sqrt(sum(float(g.square().sum()) for g in grads))
+
+
 def _reference_clipped(max_norm: float) -> tuple[float, dict[str, torch.Tensor]]:
     """The full-batch Muon gradients of one process, clipped as torch.nn.utils would."""
     torch.manual_seed(0)
@@ -176,6 +185,7 @@ def _clip_tp_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, 
             dmuon.clip_grad_norm_(optimizer, max_norm, strategy="per_matrix")
         after = optimizer.muon_grads_for_clip().grads
         untouched = all(torch.equal(a, b) for a, b in zip(before, after))
+        adamw = dmuon.clip_grad_norm_(optimizer, None, params="adamw").total_norm.item()
         stats = dmuon.clip_grad_norm_(optimizer, max_norm)
         owned = [dp for dp in runtime.owned if dp.route == "muon"]
         out[topology] = {
@@ -185,6 +195,7 @@ def _clip_tp_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, 
             "grads": {dp.fqn: (dp.grad.clone(), dp.tp_dim) for dp in owned},
             "tp_index": runtime.layout.tp_index,
             "untouched": untouched,
+            "adamw": adamw,
         }
         optimizer.step()
     return out
@@ -195,6 +206,7 @@ def test_tensor_parallel_clip_counts_each_element_once_and_clips_like_one_proces
     expected, _ = _reference_clipped(1.0)
     max_norm = expected / 4  # forces clipping
     _, clipped = _reference_clipped(max_norm)
+    adamw = _reference_adamw_norm()
     results = run_distributed(_clip_tp_on_ranks, 4, max_norm)
     for topology in TOPOLOGIES:
         held: dict[str, list[int]] = {}
@@ -204,6 +216,8 @@ def test_tensor_parallel_clip_counts_each_element_once_and_clips_like_one_proces
             assert got["total_norm"] == pytest.approx(expected, rel=1e-5), topology
             assert got["clip_coef"] == pytest.approx(max_norm / (expected + 1e-6), rel=1e-5)
             assert got["param_count"] == len(got["grads"])
+            # Every TP grid keeps the parameters laid out without the TP dim: counted once.
+            assert got["adamw"] == pytest.approx(adamw, rel=1e-5), topology
             for fqn, (grad, tp_dim) in got["grads"].items():
                 want = clipped[fqn]
                 if tp_dim is not None:

@@ -45,14 +45,18 @@ class TensorView:
     def step_tensors(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tensor, self.tensor.grad
 
-    def clip_grad(self, layout: MeshLayout | None = None) -> tuple[Tensor, bool] | None:
+    def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
         """This rank's part of the gradient and whether another rank counts it (a copy: scaled,
         not counted; see [Note: global quantities] in ``topology/_comm``); ``None``: no
         gradient."""
         grad = self.tensor.grad
         if grad is None:
             return None
-        return local_shard(grad), not self.counts_once()
+        return local_shard(grad), not (self.counts_once() and self.counted_in_grid(layout))
+
+    def counted_in_grid(self, layout: MeshLayout) -> bool:
+        """Whether this rank's TP grid counts it in a sum over every grid."""
+        return True
 
     def counts_once(self) -> bool:
         """Whether this rank's copy is the one a global sum counts."""
@@ -114,6 +118,14 @@ class ShardedTensor(TensorView):
 
     route = "fsdp2"
     tensor: DTensor
+
+    def counted_in_grid(self, layout: MeshLayout) -> bool:
+        """A tensor laid out without the TP mesh dim (a norm, the embedding of a
+        tensor-parallel model) is kept by every TP grid alike: grid 0 counts it."""
+        if layout.tp_mesh is None or layout.tp_index == 0:
+            return True
+        names = self.tensor.device_mesh.mesh_dim_names or ()
+        return any(name in names for name in layout.tp_mesh.mesh_dim_names or ())
 
     @property
     def split_over_ranks(self) -> bool:
