@@ -396,3 +396,32 @@ def _rebuild(rank: int, world_size: int, policy: str):
 def test_rebuilding_a_model_leaks_no_group_thread_or_file(policy: str) -> None:
     for seen in run_distributed(_rebuild, 2, policy):
         assert all(counts == seen[0] for counts in seen), seen
+
+
+# -- nothing waits longer than the user said -------------------------------------------------------
+
+
+def _timeouts(rank: int, world_size: int) -> list[float]:
+    from datetime import timedelta
+
+    from dmuon_fsdp import get_comm_ctx
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    model = build(0)
+    dedicate_params(model, mesh["shard"], muon_predicate, replicate_mesh=mesh["replicate"])
+    ctx = get_comm_ctx(model)
+    groups = [ctx.shard_group, ctx.replicate_group, ctx.world_group, ctx.global_group]
+
+    def timeout(group) -> timedelta:
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    want = timeout(dist.group.WORLD)
+    return [timeout(g) / want for g in groups]
+
+
+@pytest.mark.distributed
+def test_dmuons_own_groups_time_out_as_the_default_group_does() -> None:
+    # The worker pool's default group has a short timeout: a collective dmuon issues on its
+    # own groups must fail after it too, not after torch's half-hour default.
+    for ratios in run_distributed(_timeouts, 4):
+        assert ratios == [1.0, 1.0, 1.0, 1.0], ratios

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FSDP_DISCOVERY_FUNCTIONS",
+    "default_group_timeout",
     "disable_dynamo",
     "disable_torch_function_subclass",
     "dtensor_shard_offsets",
@@ -53,6 +55,25 @@ __all__ = [
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
+
+
+def default_group_timeout() -> timedelta | None:
+    """The timeout of the default process group (``init_process_group(timeout=...)``);
+    ``None`` when torch does not say.
+
+    Uses ``ProcessGroup._device_types`` and ``_get_backend(device).options._timeout``: no
+    public function reads a group's timeout, and ``new_group(timeout=None)`` takes torch's
+    default (30 minutes for gloo, 10 for NCCL), not the default group's."""
+    import torch.distributed as dist
+
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        backend = group._get_backend(group._device_types[0])
+        timeout = backend.options._timeout  # type: ignore[attr-defined]
+    except (AttributeError, IndexError, RuntimeError, AssertionError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def profiler_enabled() -> bool:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .._torch_internals import default_group_timeout
 from ._mesh import MeshLayout
 
 __all__ = ["Axis", "CommCounter", "CommKind", "DedicatedCommContext", "ProcessGroupPolicy"]
@@ -124,14 +125,19 @@ _ISOLATED: dict[tuple[object, ...], _Groups] = {}
 _HOST_GROUP: dict[str, ProcessGroup] = {}
 
 
+# dmuon's groups time out as the default group does (``init_process_group(timeout=...)``):
+# ``new_group`` alone would take torch's default, and a hang in dmuon's traffic would outlast
+# the timeout the user set by up to half an hour.
+
+
 def _new_gloo_group() -> ProcessGroup:
-    group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo", timeout=default_group_timeout())
     assert group is not None
     return group
 
 
 def _new_group(ranks: list[int]) -> ProcessGroup:
-    group = dist.new_group(ranks)
+    group = dist.new_group(ranks, timeout=default_group_timeout())
     assert group is not None
     return group
 
