@@ -112,3 +112,38 @@ def test_a_matrix_without_a_gradient_keeps_its_weight_and_momentum(path: str) ->
         assert all(result["momentum kept"].values()), result  # type: ignore[union-attr]
         assert result["others moved"], result
         assert result["trains again"], result
+
+
+def _loss_before_the_last_layer(rank: int, world_size: int, path: str) -> dict[str, bool]:
+    """Every layer's forward runs, but the loss is taken on the first layer's output (a probe,
+    a distillation of hidden states): the last layer's backward never runs on any rank."""
+    model = _model(path, world_size)
+    optimizer = Muon(model, lr=0.05, weight_decay=0.1)
+    _step(model, optimizer, 0, rank, world_size)
+    hidden: list[Tensor] = []
+    model.layers[0].register_forward_hook(lambda module, args, out: hidden.append(out))
+    weights = get_model_state_dict(model)
+    momenta = _momenta(model, optimizer)
+    optimizer.zero_grad()
+    model(batch(1, ROWS).chunk(world_size)[rank])
+    hidden[0].square().mean().backward()
+    optimizer.step()
+    after = get_model_state_dict(model)
+    after_momenta = _momenta(model, optimizer)
+    last = [n for n in after_momenta if n.startswith("layers.1.")]
+    return {
+        "last layer kept": bool(last) and all(torch.equal(weights[n], after[n]) for n in last),
+        "its momentum kept": all(torch.equal(momenta[n], after_momenta[n]) for n in last),
+        "first layer moved": all(
+            not torch.equal(weights[n], after[n])
+            for n in after_momenta
+            if n.startswith("layers.0.")
+        ),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", ["1d", "hsdp"])
+def test_a_layer_whose_backward_never_runs_keeps_its_weights(path: str) -> None:
+    for result in run_distributed(_loss_before_the_last_layer, 2 if path == "1d" else 4, path):
+        assert all(result.values()), result

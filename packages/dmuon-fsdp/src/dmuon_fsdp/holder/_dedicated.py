@@ -301,9 +301,11 @@ class DedicatedParam(ParamHolder):
         """This rank's local gradient (its TP shard's) on its way to the owner; the
         parameter's ``.grad`` is dropped (FSDP2, AdamW and torch's clipping never see it)."""
         grad = self.param.grad
-        self.param.grad = None
         if grad is None:
+            # Nothing to drop. Its layer's backward may not have run at all (a loss taken
+            # before it), so a peer may hold no weight now, and setting .grad raises there.
             return None
+        self.param.grad = None
         self.saw_grad = True
         return local_shard(grad)
 
