@@ -339,8 +339,25 @@ def _check_model_dict(entries: list[Entry], state_dict: object) -> None:
         model_specs(entries),
         {k: TensorSpec.of_saved(v) for k, v in state_dict.items()},
         "the checkpoint must hold exactly the keys of model.state_dict() (same model"
-        " definition; take it with dmuon.get_model_state_dict)",
+        " definition; take it with dmuon.get_model_state_dict)" + _tied_hint(entries, state_dict),
     )
+
+
+def _tied_hint(entries: list[Entry], state_dict: Mapping[str, object]) -> str:
+    """How to fill a key the dictionary lacks whose weight it holds under a tied key (a
+    safetensors file of ``save_pretrained`` keeps one key of a tied pair)."""
+    keys_of: dict[int, list[str]] = {}
+    for key, target, _ in entries:
+        keys_of.setdefault(id(target), []).append(key)
+    for keys in keys_of.values():
+        held = [k for k in keys if k in state_dict]
+        lacking = [k for k in keys if k not in state_dict]
+        if held and lacking:
+            return (
+                f". {lacking[0]!r} is tied to {held[0]!r} (one weight, two keys): add it,"
+                f" sd[{lacking[0]!r}] = sd[{held[0]!r}]"
+            )
+    return ""
 
 
 class _Scatter:

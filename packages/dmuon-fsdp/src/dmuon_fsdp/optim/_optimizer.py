@@ -238,9 +238,11 @@ def _rows(t: Tensor, rows: tuple[int, int] | None) -> Tensor:
 def _unsharded_at_step(name: str) -> NoReturn:
     raise ValueError(
         f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update a shard the next "
-        "forward does not read. A forward ran after backward with reshard_after_forward=False "
-        "(an evaluation, say), or backward ran with set_reshard_after_backward(False): call "
-        ".reshard() on every FSDP2 module before optimizer.step(), or run that forward after it"
+        "forward does not read. A forward ran after backward (an evaluation, say) and left it "
+        "unsharded, as FSDP2 leaves the root module's parameters and those of a module with "
+        "reshard_after_forward=False; or backward ran with set_reshard_after_backward(False): "
+        "call .reshard() on every FSDP2 module before optimizer.step(), or run that forward "
+        "after it"
     )
 
 
