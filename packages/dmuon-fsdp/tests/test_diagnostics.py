@@ -120,6 +120,12 @@ def _diagnose(rank: int, world_size: int):
 
     plans = {rows: summarize_comm_plan(model, max_rows=rows) for rows in (0, 1, 64)}
     json.dumps([groups, plans, profiles])  # JSON-friendly
+    # What one step moves, as the runtime counts it.
+    counter = get_runtime(model).comm_ctx.counter
+    counter.reset()
+    _step(model, optimizer, rank, world_size, 4)
+    moved = {key: entry["bytes"] for key, entry in counter.snapshot().items()}
+    plans["moved"] = moved
 
     errors = []
     for call in (
@@ -156,6 +162,18 @@ def test_rows_report_every_dtype_and_the_overrides_that_matched(diagnosed):
         for group in unknown:
             for row in group["rows"]:
                 assert row == rows[row["name"]]
+
+
+@pytest.mark.distributed
+def test_comm_plan_payload_is_what_a_step_moves(diagnosed):
+    # Weights broadcast in bf16, gradients reduced in fp32 (bf16 for layers.1), whichever
+    # rank owns them: the same plan on every rank, equal to the runtime's own count.
+    for _, _, _, plans, _, _ in diagnosed:
+        assert plans[64]["payload_bytes_per_step"] == plans["moved"]
+    assert (
+        diagnosed[0][3][64]["payload_bytes_per_step"]
+        == diagnosed[1][3][64]["payload_bytes_per_step"]
+    )
 
 
 @pytest.mark.distributed

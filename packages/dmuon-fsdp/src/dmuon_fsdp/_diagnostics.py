@@ -254,9 +254,10 @@ def _pack_info(group: DedicatedGroup, limit: int) -> list[dict[str, Any]]:
 def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, Any]:
     """The ownership plan as this rank sees it: grid, per-slot loads and imbalance, each hook
     boundary's packs (owner, sender in this rank's row, role, bytes), and the bytes one
-    training step moves on each axis: every Muon element travels once per broadcast round
-    (two in Z3, one in Z2) and once per reduce round; HSDP adds one replicate-axis reduce and
-    one publish round.
+    training step moves on each axis: every dedicated element travels once per broadcast round
+    (two in Z3, one in Z2), in its pack's dtype, and once per reduce round, in its reduce
+    dtype; HSDP adds one replicate-axis reduce and one publish round; an axis of one rank
+    moves nothing.
 
     At most ``max_rows`` pack rows are listed, boundaries in order: every boundary keeps its
     name and ``num_packs``, its ``packs_omitted`` counts the packs not listed, and the top-level
@@ -274,13 +275,21 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
     layout = runtime.layout
     loads = [float(x) for x in runtime.plan.loads]
     mean = sum(loads) / len(loads) if loads else 0.0
-    muon_bytes = sum(dp.numel * dp.param.element_size() for dp in runtime.params)
+    # Weights travel in their packs' dtype (the compute dtype), gradients in the reduce dtype:
+    # the same on every rank, whichever it owns.
+    sent = sum(pack.nbytes for group in runtime.groups for pack in group.packs)
+    reduced = 0
+    for dp in runtime.params:
+        assert dp.precision is not None, f"{dp.fqn}: packed by lazy_init"
+        reduced += dp.numel * dp.precision.reduce.itemsize
     z3 = runtime.reshard_after_forward
-    rounds = {"broadcast": 2 if z3 else 1, "reduce": 1}
-    per_step: dict[str, int] = {f"shard/{k}": v * muon_bytes for k, v in rounds.items()}
+    per_step: dict[str, int] = {}
+    if layout.shard_size > 1:
+        per_step["shard/broadcast"] = (2 if z3 else 1) * sent
+        per_step["shard/reduce"] = reduced
     if layout.is_hsdp:
-        per_step["replicate/reduce"] = muon_bytes
-        per_step["replicate/publish"] = muon_bytes
+        per_step["replicate/reduce"] = reduced
+        per_step["replicate/publish"] = sent
     boundaries = []
     left = max_rows
     for group in runtime.groups:
