@@ -954,15 +954,15 @@ class Muon(torch.optim.Optimizer):
         layout = self._runtime.layout
         grads: list[Tensor] = []
         copies: list[Tensor] = []
-        sharded = False
+        # The same answer on every rank (the clip refuses "per_matrix" on all of them alike):
+        # TP splits matrices, and every rank holds a view of each FSDP2 parameter.
+        sharded = layout.tp_size > 1
         for fqn, view in self._plan.clip_views():
             if fqn not in chosen:
                 continue
             # A whole matrix is held in every TP grid (counted in grid 0), an expert shard or
             # an FSDP2 shard by every replica of its mesh (counted on the first).
-            sharded |= layout.tp_size > 1 or (
-                isinstance(view, ShardedTensor) and view.split_over_ranks
-            )
+            sharded |= isinstance(view, ShardedTensor) and view.split_over_ranks
             got = view.clip_grad(layout)
             if got is not None:
                 (copies if got[1] else grads).append(got[0])
@@ -996,11 +996,7 @@ class Muon(torch.optim.Optimizer):
                 if group["optimizer"] in routes[params]
                 for name in group["param_names"]
             }
-        names = {
-            id(p): name
-            for group in self.param_groups
-            for p, name in zip(group["params"], group["param_names"])
-        }
+        names = self._plan.names
         chosen = set()
         for p in params:
             if isinstance(p, Tensor) and id(p) in names:

@@ -112,7 +112,8 @@ class StepPlan:
             phase = holder.publish_phase
             if phase is not None:
                 self.publishing.setdefault(phase, []).append(holder)
-        self._names = {
+        # Every parameter of the groups' FQN, by id.
+        self.names = {
             id(p): name
             for group in param_groups
             for name, p in zip(group["param_names"], group["params"])
@@ -126,7 +127,7 @@ class StepPlan:
             yield holder.fqn, holder
         for _, entries in self.adamw:
             for p, view in entries:
-                yield self._names[id(p)], view
+                yield self.names[id(p)], view
 
     def weight_parts(self) -> dict[str, WeightPart]:
         """Every part of a parameter this rank steps, by FQN (built at the first call)."""
@@ -134,7 +135,7 @@ class StepPlan:
             parts = {holder.fqn: holder.weight_part(self.layout) for holder in self.holders}
             for _, entries in self.adamw:
                 for p, view in entries:
-                    parts[self._names[id(p)]] = view.weight_part(self.layout)
+                    parts[self.names[id(p)]] = view.weight_part(self.layout)
             self._parts = parts
         return self._parts
 

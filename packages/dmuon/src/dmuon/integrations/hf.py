@@ -310,6 +310,7 @@ class _DmuonEvents(TrainerCallback):
 
     def __init__(self, trainer: DmuonTrainer) -> None:
         self.trainer = trainer
+        self.held: set[nn.Parameter] | None = None  # the dedicated weights, found once
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any):
         trainer = self.trainer
@@ -325,8 +326,9 @@ class _DmuonEvents(TrainerCallback):
     ):
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
         # The Trainer clipped every param.grad; the dedicated weights' gradients are not there.
-        held = dmuon.dedicated_params_of(_model(self.trainer))
-        stats = dmuon.clip_grad_norm_(self.trainer.muon, max_norm, params=held)
+        if self.held is None:
+            self.held = dmuon.dedicated_params_of(_model(self.trainer))
+        stats = dmuon.clip_grad_norm_(self.trainer.muon, max_norm, params=self.held)
         self.trainer.held_grad_norm = stats.total_norm
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any):
