@@ -74,3 +74,29 @@ def test_no_sync_matches_one_large_batch(reshard: bool) -> None:
     # Z3 broadcasts twice per micro-batch. One reduce round either way.
     rounds = 2 * MICRO if reshard else 1
     assert counts[0] == {"broadcast": rounds * p_m, "reduce": p_m}
+
+
+def _discarded_micro_batch(rank: int, world_size: int) -> None:
+    rows = ROWS * world_size
+    tokens = batch(0, rows).chunk(world_size)[rank]
+    model, runtime = _wrapped(world_size, reshard=True)
+    with no_sync(model):
+        loss_fn(model, batch(1, rows).chunk(world_size)[rank]).backward()
+    # Thrown away (a NaN loss, a skipped batch): zero_grad sets .grad = None on every
+    # parameter, also a peer's, which holds its local gradient but no weight now (Z3).
+    model.zero_grad()
+    assert all(dp.param.grad is None for dp in runtime.params)
+    loss_fn(model, tokens).backward()
+    runtime.wait_all_reduces()
+
+    clean_model, clean = _wrapped(world_size, reshard=True)
+    loss_fn(clean_model, tokens).backward()
+    clean.wait_all_reduces()
+    clean_grads = {dp.fqn: dp.grad for dp in clean.owned}
+    for dp in runtime.owned:
+        assert torch.equal(dp.grad, clean_grads[dp.fqn]), dp.fqn
+
+
+@pytest.mark.distributed
+def test_a_discarded_no_sync_micro_batch_leaves_no_gradient() -> None:
+    run_distributed(_discarded_micro_batch, 2)

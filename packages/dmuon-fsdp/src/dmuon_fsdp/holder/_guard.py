@@ -164,6 +164,18 @@ def is_safe(func: Any) -> bool:
     return name in _METADATA_METHODS
 
 
+def _drops_grad(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``func`` drops the parameter's gradient (``p.grad = None``, ``del p.grad``):
+    what ``zero_grad`` does to every parameter, a peer's too, whose gradient is its own local
+    one while ``no_sync`` accumulates (see ``runtime/_no_sync``). It reads no weight."""
+    name = _name(func)
+    if name not in ("__set__", "__delete__"):
+        return False
+    if getattr(getattr(func, "__self__", None), "__name__", "") != "grad":
+        return False
+    return name == "__delete__" or (len(args) > 1 and args[1] is None)
+
+
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "")
 
@@ -273,7 +285,7 @@ class _Guard(StateClass):
 
     @classmethod
     def _intercept(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if torch.compiler.is_compiling() or is_safe(func):
+        if torch.compiler.is_compiling() or is_safe(func) or _drops_grad(func, args):
             return RUN
         absent = next(instances([*args, *kwargs.values()], _Guard), None)
         if absent is None:
