@@ -183,11 +183,14 @@ def test_make_newton_schulz():
 
 
 def test_adamw_step_matches_torch_adamw():
+    # torch.optim.AdamW(fused=True), bit for bit: the kernel every step runs (see adamw_step).
     gen = torch.Generator().manual_seed(2)
     ref = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)), torch.nn.Parameter(torch.randn(7))]
     ours = [p.detach().clone() for p in ref]
     states = [init_adamw_state(p) for p in ours]
-    opt = torch.optim.AdamW(ref, lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
+    opt = torch.optim.AdamW(
+        ref, lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, fused=True
+    )
     for _ in range(5):
         grads = [torch.randn(p.shape, generator=gen) for p in ref]
         for p, g in zip(ref, grads):

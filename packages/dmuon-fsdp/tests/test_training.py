@@ -13,6 +13,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import (
     Muon,
+    StepOptions,
     dedicate_params,
     dedicated_params_of,
     get_model_state_dict,
@@ -189,3 +190,21 @@ def test_muon_grads_for_clip_protocol(world_size):
     assert sorted(all_names) == sorted(_muon_names(model)), "every matrix exactly once"
     for _, total, want in results:
         assert total == pytest.approx(want, rel=1e-5)
+
+
+def _with_and_without_the_check(rank: int, world_size: int):
+    states = []
+    for skip in (True, False):
+        model, _ = setup_model(world_size)
+        optimizer = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(skip_nonfinite=skip))
+        train_steps(model, optimizer, rank, world_size, 3)
+        states.append(get_model_state_dict(model))
+    return states
+
+
+@pytest.mark.distributed
+def test_the_non_finite_check_changes_no_bit_of_a_finite_step():
+    # Both steps run the same kernels (torch's fused AdamW included): the check only decides.
+    for checked, unchecked in run_distributed(_with_and_without_the_check, 2):
+        for name, value in checked.items():
+            assert torch.equal(unchecked[name], value), name

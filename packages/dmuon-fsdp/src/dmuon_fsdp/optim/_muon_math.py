@@ -34,8 +34,8 @@ fused momentum and update] in _fused), and AdamW runs torch's fused kernel with 
 ``found_inf``, which leaves parameters, moments and step counts untouched. The decision never
 leaves the device (no host sync, as with GradScaler and a fused optimizer); the skip is counted
 in ``Muon.last_step_stats``. With a finite gradient the Muon update is bit for bit the
-unchecked step's; AdamW runs torch's fused kernel rather than its default one.
-``StepOptions(skip_nonfinite=False)`` turns the check off.
+unchecked step's, and AdamW runs torch's fused kernel either way (the same bits with the check
+off, ``StepOptions(skip_nonfinite=False)``, as with it on and every gradient finite).
 
 [Note: momentum convention]
 ``buf = momentum * buf + grad`` (no ``1 - momentum`` damping) and the Nesterov input
@@ -445,22 +445,20 @@ def adamw_step(
     weight_decay: float,
     found_inf: Tensor | None = None,
 ) -> None:
-    """One AdamW step through torch's functional AdamW, so the numbers are those of
-    ``torch.optim.AdamW`` with the same hyperparameters (its default single-tensor / foreach
-    choice). With ``found_inf`` (a 0-d float tensor, nonzero: skip) torch's fused kernel runs,
-    which leaves parameters and states untouched when it is set, decided on the device, as with
+    """One AdamW step through torch's fused AdamW kernel, so the numbers are those of
+    ``torch.optim.AdamW(fused=True)`` with the same hyperparameters, whether or not the step
+    checks for non-finite gradients. With ``found_inf`` (a 0-d float tensor, nonzero: skip) the
+    kernel leaves parameters and states untouched when it is set, decided on the device, as with
     ``torch.amp.GradScaler``; see [Note: non-finite gradients]. A gradient in another dtype
     than its parameter (a dedicated weight's reduce dtype below its master's) is upcast
     first: see [Note: mixed precision] in ``holder/_precision``."""
     if not params:
         return
     grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
-    fused = found_inf is not None
-    if fused:
-        for param, state in zip(params, states):
-            # The fused kernel keeps ``step`` on the parameters' device (torch's own layout).
-            if state["step"].device != param.device:
-                state["step"] = state["step"].to(param.device, torch.float32)
+    for param, state in zip(params, states):
+        # The fused kernel keeps ``step`` on the parameters' device (torch's own layout).
+        if state["step"].device != param.device:
+            state["step"] = state["step"].to(param.device, torch.float32)
     # AdamW is elementwise: stepping the local shards of DTensors is the same math.
     _functional_adamw(
         [local_shard(p) for p in params],
@@ -469,8 +467,8 @@ def adamw_step(
         [local_shard(s["exp_avg_sq"]) for s in states],
         [],
         [s["step"] for s in states],
-        foreach=False if fused else None,
-        fused=True if fused else None,
+        foreach=False,
+        fused=True,
         found_inf=found_inf,
         grad_scale=None,
         has_complex=any(torch.is_complex(p) for p in params),
