@@ -19,6 +19,7 @@ from dmuon_fsdp import (
     collect_forward_unshard_profile,
     dedicate_params,
     dedicated_params_of,
+    get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
     summarize_comm_plan,
@@ -130,6 +131,73 @@ def test_overrides_scheduler_and_diagnostics():
         received = sum(b["recv_bytes_per_broadcast"] for b in r[3]["boundaries"])
         sent = sum(b["send_bytes_per_broadcast"] for b in r[3]["boundaries"])
         assert received + sent == muon_bytes
+
+
+def _schedule(groups: int, steps: int) -> list[tuple[list[float], float]]:
+    """Each step's (lr of every group, momentum) under OneCycleLR, from torch's own scheduler
+    on an SGD optimizer with momentum."""
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(groups)]
+    sgd = torch.optim.SGD([{"params": [p]} for p in params], lr=0.01, momentum=0.9)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.04, total_steps=steps + 1)
+    values = []
+    for _ in range(steps):
+        values.append(([g["lr"] for g in sgd.param_groups], sgd.param_groups[0]["momentum"]))
+        sgd.step()
+        cycle.step()
+    return values
+
+
+def _group_edits(rank: int, world_size: int):
+    """The same hyperparameters reach the step however they are set: written in place, as
+    replaced group dicts (a tensor lr among them), or by OneCycleLR (its momentum cycles AdamW's
+    beta1 too); a tensor lr saves and loads."""
+    steps = 3
+    schedule = _schedule(2, steps)
+    runs = {}
+    for how in ("in_place", "replaced", "one_cycle"):
+        model, _ = setup_model(world_size)
+        optimizer = Muon(model, lr=0.01, adamw_lr=0.01)
+        cycle = None
+        if how == "one_cycle":
+            cycle = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=0.04, total_steps=steps + 1
+            )
+        for step, (lrs, momentum) in enumerate(schedule):
+            if how == "in_place":
+                for group, lr in zip(optimizer.param_groups, lrs):
+                    group["lr"] = lr
+                    if group["optimizer"] == "muon":
+                        group["momentum"] = momentum
+                    else:
+                        group["betas"] = (momentum, group["betas"][1])
+            elif how == "replaced":
+                for i, (group, lr) in enumerate(zip(optimizer.param_groups, lrs)):
+                    key = "momentum" if group["optimizer"] == "muon" else "betas"
+                    value = momentum if key == "momentum" else (momentum, group["betas"][1])
+                    optimizer.param_groups[i] = {
+                        **group,
+                        "lr": torch.tensor(lr, dtype=torch.float64),
+                        key: value,
+                    }
+            train_steps(model, optimizer, rank, world_size, 1, start=step, scheduler=cycle)
+        runs[how] = {k: v.clone() for k, v in get_model_state_dict(model).items()}
+    # OneCycleLR's momentum of the last step is AdamW's beta1 now (its next step's value waits
+    # under "momentum" for the next step); a tensor lr saves and loads.
+    betas = [g["betas"] for g in optimizer.param_groups if g["optimizer"] == "adamw"]
+    optimizer.param_groups[0]["lr"] = torch.tensor(0.01, dtype=torch.float64)
+    set_optimizer_state_dict(model, optimizer, get_optimizer_state_dict(model, optimizer))
+    return runs, betas, schedule[-1][1]
+
+
+@pytest.mark.distributed
+def test_group_edits_reach_the_step():
+    results = run_distributed(_group_edits, 2)
+    for runs, betas, momentum in results:
+        for name, value in runs["in_place"].items():
+            assert torch.equal(runs["replaced"][name], value), name
+            assert torch.equal(runs["one_cycle"][name], value), name
+        assert betas == [(momentum, 0.999)]
+    assert results[0][0]["in_place"].keys() == results[1][0]["in_place"].keys()
 
 
 def _forced_route(rank: int, world_size: int):

@@ -63,7 +63,7 @@ from ._muon_math import (
     muon_batch,
 )
 from ._ns_overlap import NSOverlap
-from ._param_groups import GroupDefaults, build_param_groups
+from ._param_groups import GroupDefaults, build_param_groups, take_group_edits
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
 from ._step_plan import AdamWEntry, StepPlan
@@ -428,6 +428,8 @@ class Muon(torch.optim.Optimizer):
         self._constructing = True
         super().__init__(groups, {})
         self._constructing = False
+        # The group dicts the step plan reads; see [Note: edits to the groups].
+        self._built_groups = tuple(self.param_groups)
         # For introspection only: every group carries its own values, so nothing is merged.
         self.defaults = {
             "lr": group_defaults.lr,
@@ -596,6 +598,7 @@ class Muon(torch.optim.Optimizer):
     def _begin(self) -> Callable[[str], None]:
         """Check the parameters (the first step), run the pre-step hooks and start the step
         profile; returns its ``mark`` (see [Note: the step profile])."""
+        take_group_edits(self.param_groups, self._built_groups)
         self._check_params_current()
         self._check_no_loss_scaling()
         self._check_none_unfrozen()

@@ -19,20 +19,45 @@ groups before ``fully_shard``: FSDP2 replaces each parameter with a new DTensor 
 the old tensors are "stale" and the new ones "missing". A stale tensor has no name of its own;
 the error names the model parameters of the same shape that no group covers, which is almost
 always the one it was meant to be.
+
+[Note: hyperparameter values]
+A hyperparameter is a real number: a Python or NumPy number, or a one-element tensor, as torch's
+optimizers take an ``lr`` tensor. Numbers are kept as floats; a tensor is kept itself, and the
+step reads its value at every step (``float(group["lr"])``), so a tensor changed in place
+reaches the next step. The same check runs at construction, on a replaced group and on a
+loaded state dict, so a value the step ran with is never refused when its checkpoint loads.
+
+[Note: edits to the groups]
+The step plan keeps the group dicts construction made and reads their hyperparameters at every
+step. Two edits the user (or a scheduler) makes outside them are taken in at the start of each
+``step()``, before anything is read:
+
+- a group dict replaced in ``param_groups`` (``param_groups[i] = {**g, "lr": ...}``), which a
+  torch optimizer would step with: its values are copied into the dict it replaced, which goes
+  back in its place (a replacement that holds other parameters, another optimizer or lacks a
+  hyperparameter raises instead: the groups are fixed at construction);
+- ``"momentum"`` written into an AdamW group: torch's schedulers that cycle momentum
+  (``OneCycleLR``, ``CyclicLR``) write the first-moment coefficient under ``"momentum"`` in
+  every group when the optimizer's ``defaults`` has that key (Muon's does), and under
+  ``"betas"`` otherwise. It is AdamW's ``beta1``: it moves into ``betas``, so both optimizers
+  follow the cycle, as a ``torch.optim.Muon`` and a ``torch.optim.AdamW`` would each under their
+  own scheduler.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+import torch
 from torch import Tensor
 
 from dmuon_ownership import Route
 
-from .._checks import check_bool, is_number
+from .._checks import check_bool
 from .._matrix import MatrixView
 
 __all__ = [
@@ -41,6 +66,7 @@ __all__ = [
     "RoutedParam",
     "build_param_groups",
     "checked_group_values",
+    "take_group_edits",
 ]
 
 # The two optimizers a group can run; a group dict's "optimizer" holds one of them.
@@ -72,18 +98,35 @@ class _DedicatedLike(Protocol):
     shape: Any
 
 
-def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> float:
-    if not is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
-    if value < low:
+def _real(value: Any) -> float | None:
+    """``value`` as a float if it is a real scalar: a Python or NumPy number (not a bool) or
+    a one-element real tensor; else ``None``."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            return None
+        return float(value.detach())
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> Any:
+    """``value`` checked (see [Note: hyperparameter values]): a float, or the tensor itself."""
+    number = _real(value)
+    if number is None or not math.isfinite(number):
+        raise ValueError(
+            f"{where}: {key} must be a finite number (a float or a one-element tensor),"
+            f" got {value!r}"
+        )
+    if number < low:
         raise ValueError(f"{where}: {key} must be >= {low}, got {value!r}")
-    return float(value)
+    return value if isinstance(value, Tensor) else number
 
 
-def _check_fraction(value: Any, key: str, where: str) -> float:
+def _check_fraction(value: Any, key: str, where: str) -> Any:
     """A number in [0, 1): momentum and the AdamW betas."""
     number = _check_number(value, key, where)
-    if number >= 1.0:
+    if float(number) >= 1.0:
         raise ValueError(f"{where}: {key} must lie in [0, 1), got {value!r}")
     return number
 
@@ -122,6 +165,54 @@ def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> 
         "betas": _check_betas(group["betas"], where),
         "eps": _check_number(group["eps"], "eps", where),
     }
+
+
+def take_group_edits(groups: list[dict[str, Any]], built: Sequence[dict[str, Any]]) -> None:
+    """Bring what the user changed in ``groups`` (the optimizer's ``param_groups``) into the
+    group dicts the step plan reads (``built``, the ones construction made), in place; see
+    [Note: edits to the groups]. Raises ``ValueError`` for a replaced group that is not the
+    same group (other parameters, another optimizer, a hyperparameter missing)."""
+    if len(groups) != len(built):
+        raise ValueError(
+            f"Muon.param_groups holds {len(groups)} groups but Muon was built with"
+            f" {len(built)}: its groups are fixed at construction; change a group's"
+            " hyperparameters in place (param_groups[i]['lr'] = ...), or build Muon with the"
+            " groups you need (Muon(model, param_groups=[...]))"
+        )
+    for i, (group, own) in enumerate(zip(groups, built)):
+        if group is not own:
+            _check_replacement(group, own)
+            own.clear()
+            own.update(group)
+            groups[i] = own
+        if own["optimizer"] == Route.ADAMW and "momentum" in own:
+            beta1 = _check_fraction(
+                own.pop("momentum"), "momentum", f"param group {own['group_name']!r}"
+            )
+            own["betas"] = (beta1, own["betas"][1])
+
+
+def _check_replacement(group: Mapping[str, Any], own: Mapping[str, Any]) -> None:
+    name = own["group_name"]
+    same = (
+        isinstance(group, Mapping)
+        and group.get("optimizer") == own["optimizer"]
+        and [id(p) for p in group.get("params", ())] == [id(p) for p in own["params"]]
+    )
+    if not same:
+        raise ValueError(
+            f"Muon.param_groups: group {name!r} was replaced by a dict that holds other"
+            " parameters or another optimizer; Muon's groups are fixed at construction: change"
+            " a group's hyperparameters in place (param_groups[i]['lr'] = ...), or build Muon"
+            " with the groups you need (Muon(model, param_groups=[...]))"
+        )
+    absent = [k for k in GROUP_REQUIRED[own["optimizer"]] if k not in group]
+    if absent:
+        raise ValueError(
+            f"Muon.param_groups: group {name!r} was replaced by a dict without {absent}; copy"
+            " the group with its keys ({**group, 'lr': ...}) or set the value in place"
+        )
+    checked_group_values(group, own["optimizer"], f"Muon.param_groups: group {name!r}")
 
 
 @dataclass(frozen=True)
