@@ -186,13 +186,27 @@ def _group_edits(rank: int, world_size: int):
     betas = [g["betas"] for g in optimizer.param_groups if g["optimizer"] == "adamw"]
     optimizer.param_groups[0]["lr"] = torch.tensor(0.01, dtype=torch.float64)
     set_optimizer_state_dict(model, optimizer, get_optimizer_state_dict(model, optimizer))
-    return runs, betas, schedule[-1][1]
+    # A replacement that is not the same group is refused before the step changes anything.
+    first, second = optimizer.param_groups[0], optimizer.param_groups[1]
+    errors = []
+    for replacement in ({**first, "params": second["params"]}, {"params": first["params"]}):
+        optimizer.param_groups[0] = replacement
+        before = {k: v.clone() for k, v in get_model_state_dict(model).items()}
+        with pytest.raises(ValueError) as info:
+            train_steps(model, optimizer, rank, world_size, 1, start=steps)
+        errors.append(str(info.value))
+        after = get_model_state_dict(model)
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+        optimizer.param_groups[0] = first
+    return runs, betas, schedule[-1][1], errors
 
 
 @pytest.mark.distributed
 def test_group_edits_reach_the_step():
     results = run_distributed(_group_edits, 2)
-    for runs, betas, momentum in results:
+    for runs, betas, momentum, errors in results:
+        assert "replaced by a dict that holds other parameters" in errors[0]
+        assert "replaced by a dict without ['group_name', 'param_names', 'optimizer', 'lr'" in errors[1]
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name

@@ -192,27 +192,30 @@ def take_group_edits(groups: list[dict[str, Any]], built: Sequence[dict[str, Any
             own["betas"] = (beta1, own["betas"][1])
 
 
-def _check_replacement(group: Mapping[str, Any], own: Mapping[str, Any]) -> None:
-    name = own["group_name"]
-    same = (
-        isinstance(group, Mapping)
-        and group.get("optimizer") == own["optimizer"]
-        and [id(p) for p in group.get("params", ())] == [id(p) for p in own["params"]]
-    )
-    if not same:
+def _check_replacement(group: Any, own: Mapping[str, Any]) -> None:
+    name, route = own["group_name"], own["optimizer"]
+    where = f"Muon.param_groups: group {name!r}"
+    params = group.get("params", ()) if isinstance(group, Mapping) else ()
+    if [id(p) for p in params] != [id(p) for p in own["params"]]:
         raise ValueError(
-            f"Muon.param_groups: group {name!r} was replaced by a dict that holds other"
-            " parameters or another optimizer; Muon's groups are fixed at construction: change"
-            " a group's hyperparameters in place (param_groups[i]['lr'] = ...), or build Muon"
-            " with the groups you need (Muon(model, param_groups=[...]))"
+            f"{where} was replaced by a dict that holds other parameters; Muon's groups are"
+            " fixed at construction: change a group's hyperparameters in place"
+            " (param_groups[i]['lr'] = ...), or build Muon with the groups you need"
+            " (Muon(model, param_groups=[...]))"
         )
-    absent = [k for k in GROUP_REQUIRED[own["optimizer"]] if k not in group]
+    required = ("group_name", "param_names", "optimizer", *GROUP_REQUIRED[route])
+    absent = [k for k in required if k not in group]
     if absent:
         raise ValueError(
-            f"Muon.param_groups: group {name!r} was replaced by a dict without {absent}; copy"
-            " the group with its keys ({**group, 'lr': ...}) or set the value in place"
+            f"{where} was replaced by a dict without {absent}; copy the group with its keys"
+            " ({**group, 'lr': ...}) or set the value in place"
         )
-    checked_group_values(group, own["optimizer"], f"Muon.param_groups: group {name!r}")
+    if group["optimizer"] != route:
+        raise ValueError(
+            f"{where} steps with {route.value!r}; the dict that replaced it says"
+            f" {group['optimizer']!r}: a group's optimizer is fixed at construction"
+        )
+    checked_group_values(group, route, where)
 
 
 @dataclass(frozen=True)
