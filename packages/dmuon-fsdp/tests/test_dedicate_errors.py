@@ -177,6 +177,11 @@ def _non_matrix(rank: int, world_size: int) -> None:
         match=r"'layers\.0\.attn_norm\.weight' \(shape \(16,\)\).*2-D matrix.*p\.ndim == 2",
     ):
         dedicate_params(model, _mesh(world_size), lambda n, p: "layers" in n)
+    # A sparse embedding's gradient is a sparse tensor, which the owner's reduce cannot take.
+    model = build(0)
+    model.embed_tokens.sparse = True
+    with pytest.raises(ValueError, match=r"'embed_tokens\.weight' belongs to a Embedding built"):
+        dedicate_params(model, _mesh(world_size), lambda n, p: n == "embed_tokens.weight")
 
 
 def _strict_boundary(rank: int, world_size: int) -> None:

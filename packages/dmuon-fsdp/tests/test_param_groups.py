@@ -206,7 +206,10 @@ def test_group_edits_reach_the_step():
     results = run_distributed(_group_edits, 2)
     for runs, betas, momentum, errors in results:
         assert "replaced by a dict that holds other parameters" in errors[0]
-        assert "replaced by a dict without ['group_name', 'param_names', 'optimizer', 'lr'" in errors[1]
+        assert (
+            "replaced by a dict without ['group_name', 'param_names', 'optimizer', 'lr'"
+            in errors[1]
+        )
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon_fsdp import (
@@ -90,6 +90,7 @@ def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
         assert f"owner: rank {runtime.global_rank(named[0].owner)}" in message, message
         assert "dmuon.get_model_state_dict(model)" in message, message
         outcome[label] = "clear error"
+        return message
 
     ema = torch.zeros(tuple(p.shape))
     expect_not_held("norm", lambda: p.norm())
@@ -118,9 +119,37 @@ def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
     # The supported read gives every rank the value.
     full = get_model_state_dict(model)
     assert torch.equal(full[peer.fqn], full[peer.fqn]) and full[peer.fqn].shape == peer.shape
+    # The forward of a module that does not hold the weight: the error says so.
+    x = torch.zeros(2, p.shape[1])
+    message = expect_not_held("another module's forward", lambda: _Borrower(p)(x))
+    assert "read in the forward of a _Borrower that does not hold it" in message, message
     # Inside forward the weight is held: training goes on after the refused reads.
     assert math.isfinite(float(_step(model, optimizer, rank, world_size, step=1)))
+    # Last, as each leaves its module half changed: a method registered with FSDP2's
+    # register_fsdp_forward_method on the layer (FSDP2 gathers its own parameters for it, not
+    # dmuon's), and a parametrization registered after dedicate_params.
+    layer = model.get_submodule(".".join(peer.fqn.split(".")[:2]))
+    layer.reads = lambda x: torch.nn.functional.linear(x, p)
+    register_fsdp_forward_method(layer, "reads")
+    message = expect_not_held("register_fsdp_forward_method", lambda: layer.reads(x))
+    assert "register_fsdp_forward_method, which gathers FSDP2's parameters" in message
+    module = model.get_submodule(peer.fqn.rpartition(".")[0])
+    message = expect_not_held(
+        "parametrization", lambda: torch.nn.utils.parametrizations.weight_norm(module)
+    )
+    assert "register it before dedicate_params" in message, message
     return outcome
+
+
+class _Borrower(torch.nn.Module):
+    """Reads another module's weight in its forward."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.borrowed = [weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.borrowed[0])
 
 
 @pytest.mark.distributed
@@ -137,6 +166,9 @@ def test_reads_on_a_non_owner_raise_a_clear_error_and_never_crash() -> None:
         "print",
         "no-op conversions",
         "converting",
+        "another module's forward",
+        "register_fsdp_forward_method",
+        "parametrization",
     }
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "dtensor_shard_offsets",
     "foreach_max_abs",
     "foreach_mul_",
+    "fsdp_forward_method_running",
     "fsdp_init_module",
     "fsdp_init_running",
     "fsdp_manages",
@@ -224,16 +225,29 @@ _FSDP_SOURCES = ("torch/distributed/fsdp/_fully_shard/", "torch\\distributed\\fs
 
 
 def fsdp_init_running() -> bool:
-    """Whether the calling code runs inside FSDP2's ``fully_shard`` (a frame of its private
-    ``_fully_shard`` package is on the stack). Asked only on the way to an error (a dedicated
-    weight read where it is not held), to say that ``fully_shard`` took a dedicated parameter
-    instead of naming the operation it failed on: no public API says which caller a tensor
-    operation comes from."""
+    """Whether the calling code runs inside FSDP2's ``fully_shard`` (a frame of the function
+    ``fully_shard`` of its private ``_fully_shard`` package is on the stack). Asked only on the
+    way to an error (a dedicated weight read where it is not held), to say that ``fully_shard``
+    took a dedicated parameter instead of naming the operation it failed on: no public API
+    says which caller a tensor operation comes from."""
+    return _fsdp_frame("fully_shard")
+
+
+def fsdp_forward_method_running() -> bool:
+    """Whether the calling code runs inside a method that ``register_fsdp_forward_method``
+    wrapped (its ``wrapped_method``, which runs FSDP2's pre- and post-forward around the
+    method, not the module's forward hooks). Asked only on the way to an error, as
+    :func:`fsdp_init_running`."""
+    return _fsdp_frame("wrapped_method")
+
+
+def _fsdp_frame(function: str) -> bool:
     import sys
 
-    frame = sys._getframe(1)
+    frame = sys._getframe(2)
     while frame is not None:
-        if any(source in frame.f_code.co_filename for source in _FSDP_SOURCES):
+        code = frame.f_code
+        if code.co_name == function and any(s in code.co_filename for s in _FSDP_SOURCES):
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False

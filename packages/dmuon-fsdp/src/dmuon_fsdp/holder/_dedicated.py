@@ -278,10 +278,12 @@ class DedicatedParam(ParamHolder):
             wait()  # the group's wait_for_publish: lands every copy it published
         self.landed()
 
-    def not_held_message(self, operation: str) -> str:
-        """The error a read of the weight raises while this rank does not hold it."""
+    def not_held_message(self, operation: str, cause: str = "") -> str:
+        """The error a read of the weight raises while this rank does not hold it; ``cause``
+        says what in the caller made the read, where that is known."""
         return (
-            f"{self.where} is not held on this rank right now (operation: {operation}). dmuon "
+            f"{self.where} is not held on this rank right now (operation: {operation}). "
+            f"{cause + ' ' if cause else ''}dmuon "
             "keeps a dedicated weight whole only on its owner; other ranks receive it for their "
             "layer's forward and backward and free it afterwards. Read it with "
             "dmuon.get_model_state_dict(model) (collective: call it on every rank), on its owner "

@@ -69,6 +69,7 @@ fail or do nothing elsewhere, without a word:
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
@@ -78,7 +79,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._torch_internals import disable_torch_function_subclass, fsdp_init_running, parse_to_args
+from .._torch_internals import (
+    disable_torch_function_subclass,
+    fsdp_forward_method_running,
+    fsdp_init_running,
+    parse_to_args,
+)
 
 __all__ = [
     "FULLY_SHARD_FIX",
@@ -301,7 +307,7 @@ class _Guard(StateClass):
                 f"{holder.where} was taken by fully_shard (it read the weight to shard it). "
                 f"{FULLY_SHARD_FIX}"
             )
-        raise NotHeldError(holder.not_held_message(_qualname(func)))
+        raise NotHeldError(holder.not_held_message(_qualname(func), _read_from(absent)))
 
     def _absent_repr(self) -> str:
         """What ``repr`` says while the weight is not held here."""
@@ -330,7 +336,7 @@ class GuardedDTensor(_Guard, DTensor):
         return self._absent_repr()
 
     def _refuse(self, method: Any) -> None:
-        raise NotHeldError(holder_of(self).not_held_message(_qualname(method)))
+        raise NotHeldError(holder_of(self).not_held_message(_qualname(method), _read_from(self)))
 
     def to_local(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._refuse(DTensor.to_local)
@@ -343,6 +349,46 @@ class GuardedDTensor(_Guard, DTensor):
     def full_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._refuse(DTensor.full_tensor)
         return super().full_tensor(*args, **kwargs)
+
+
+_PARAMETRIZE_FILES = ("nn/utils/parametrize.py", "nn/utils/parametrizations.py")
+
+
+def _read_from(param: Any) -> str:
+    """What the caller's stack says of a refused read (walked only when one is refused): a
+    parametrization being registered, or the forward of a module that does not hold the
+    weight. Empty when neither."""
+    if fsdp_forward_method_running():
+        return (
+            "It was read in a method registered with register_fsdp_forward_method, which "
+            "gathers FSDP2's parameters but not dmuon's: a dedicated weight is gathered for "
+            "its layer's forward (a call of the module). Call the layer itself from that "
+            "method, or register the method on the root module and have it call the layers."
+        )
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.replace("\\", "/").endswith(_PARAMETRIZE_FILES):
+            return (
+                "A parametrization (torch.nn.utils.parametrize, weight_norm, spectral_norm, "
+                "orthogonal) reads the weight when it is registered: register it before "
+                "dedicate_params, whose predicate then selects "
+                "'<module>.parametrizations.weight.original'."
+            )
+        module = frame.f_locals.get("self") if code.co_name == "forward" else None
+        if isinstance(module, nn.Module):
+            if any(p is param for p in module.parameters()):
+                return ""
+            return (
+                f"It was read in the forward of a {type(module).__name__} that does not hold "
+                "it: a dedicated weight is gathered for the forward and backward of its own "
+                "layer, so another layer finds it freed on the ranks that do not own it (and "
+                "its owner waits for them). Use the weight in its own module or in a module "
+                "that holds both uses, or keep it gathered from its forward to its backward "
+                "(reshard_after_forward=False) where a later layer reads an earlier one's."
+            )
+        frame = frame.f_back
+    return ""
 
 
 def _qualname(func: Any) -> str:

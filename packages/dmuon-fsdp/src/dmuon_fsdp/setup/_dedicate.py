@@ -523,6 +523,17 @@ def _claim(
         split = _split_of(fqn, declared, resolved.split)
         found = Found(fqn, param, modules[path], name, resolved, split)
         kind = kind_of(found)
+        module = found.module
+        if (
+            kind is not None
+            and isinstance(module, nn.Embedding | nn.EmbeddingBag)
+            and module.sparse
+        ):
+            raise ValueError(
+                f"{fqn!r} belongs to a {type(module).__name__} built with sparse=True, whose"
+                " gradient is a sparse tensor; dmuon reduces a dense gradient to each weight's"
+                f" owner: build it with sparse=False, or leave {fqn!r} out of the predicate"
+            )
         if kind is None and split is not None:
             raise ValueError(
                 f"{fqn!r} has a declared split {split}, but its route is 'sharded_adamw' (left "
