@@ -96,8 +96,8 @@ def test_register_post_update_hook_takes_a_callable() -> None:
         Muon.register_post_update_hook(object.__new__(Muon), "not a hook")  # type: ignore[arg-type]
 
 
-class _HookFailed(Exception):
-    pass
+class _HookFailed(BaseException):
+    """Not an ``Exception``, as ``KeyboardInterrupt`` (Ctrl-C in a hook) is not one."""
 
 
 def _raising_hook(rank: int, world_size: int, raising_ranks: tuple[int, ...]) -> dict:

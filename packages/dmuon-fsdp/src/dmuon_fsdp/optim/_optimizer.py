@@ -242,7 +242,9 @@ def _unsharded_at_step(name: str) -> NoReturn:
         "unsharded, as FSDP2 leaves the root module's parameters and those of a module with "
         "reshard_after_forward=False; or backward ran with set_reshard_after_backward(False): "
         "call .reshard() on every FSDP2 module before optimizer.step(), or run that forward "
-        "after it"
+        "after it. After a forward or backward that raised, recover as FSDP2 does: "
+        "model.reset_iter_state() on the root module, then optimizer.zero_grad(), then the "
+        "next iteration"
     )
 
 
@@ -558,7 +560,9 @@ class Muon(torch.optim.Optimizer):
     def register_pre_step_hook(self, hook: PreStepHook) -> RemovableHandle:
         """Run ``hook(optimizer)`` at the start of every ``step()`` on every rank, before the
         step waits for the gradient reduces (to launch work a post-update hook waits for).
-        Returns a handle whose ``remove()`` unregisters it.
+        Returns a handle whose ``remove()`` unregisters it. The hook must behave alike on every
+        rank: one that raises on some ranks only takes them out of the step while the others
+        wait for them in its collectives (see [Note: a hook that raises]).
 
         Args:
             hook: a callable ``hook(optimizer) -> None``, run after the hooks registered before

@@ -7,8 +7,8 @@ raised used to skip the publish: owners kept the new weights, their replicas the
 a run that caught the error went on with replicas that differed. Now the step is applied
 everywhere: when a hook raises, the step still publishes (the weights as the update and the
 hooks that ran left them, so every replica equals its owner) and then re-raises on the rank
-where it raised. Changes a raising hook made before it raised stay, as with any exception
-in place.
+where it raised, whatever it raised (a ``KeyboardInterrupt`` from Ctrl-C in a hook too).
+Changes a raising hook made before it raised stay, as with any exception in place.
 
 The other ranks learn of it without waiting for the device: every step with post-update hooks
 launches one SUM all-reduce of "a hook raised here" over every rank on the host (a CPU tensor
@@ -17,6 +17,11 @@ over a gloo group, see ``DedicatedCommContext.host_group``), which nothing waits
 there, naming those ranks, and that step is applied nowhere; a rank that already raised the
 hook's own exception raises this one too, so that no rank goes on alone. If it raised on
 every rank, every rank has already seen the exception, and the next step goes on.
+
+A pre-step hook runs before the step's collectives, so a rank whose pre-step hook raised
+leaves the step while the others enter them and wait for it: nothing can tell them without a
+collective in every step. A pre-step hook must behave alike on every rank (raise everywhere or
+nowhere), as any code that issues collectives must; ``register_pre_step_hook`` says so.
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ class StepHooks:
             given = parts()
             for hook in list(self.post_update.values()):
                 hook(optimizer, given)
-        except Exception as exc:
+        except BaseException as exc:  # a KeyboardInterrupt too: the publish comes first
             error = exc
         self._last = _Outcome(error is not None, self._host_group())
         return error

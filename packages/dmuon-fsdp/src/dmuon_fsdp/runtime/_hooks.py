@@ -11,6 +11,17 @@ pre-backward of a backward pass queues a final callback on the autograd engine t
 packs whose parameters got no gradient, frees what is left, and issues the last replicate-axis
 reductions.
 
+[Note: a backward that raised]
+When backward raises (a hook's error, an out-of-memory), the autograd engine drops the
+callbacks queued on it, so the final callback never runs. Its flag would stay set and no later
+backward would queue another: a pack holding a parameter without a gradient (unused, frozen, an
+expert that got no tokens) would never be reduced again, and every matrix of that pack would
+silently stop training. So the first forward pre-hook of the next forward (never a recompute,
+which runs inside backward) sees the flag still set, drops it, resets every boundary's backward
+counters and frees what the aborted backward gathered. What the aborted backward had reduced
+already stays in the owners' gradients, as FSDP2 keeps the shards it reduce-scattered: the
+recovery is FSDP2's (``model.reset_iter_state()`` on the root), then ``optimizer.zero_grad()``.
+
 Prefetch follows the forward order recorded by the previous forward (the first forward has no
 prefetch): forward prefetches the next boundary, backward the previous one. All ranks run the
 same model, so every rank issues the same collectives in the same order; a boundary used in a
@@ -144,6 +155,8 @@ class BoundaryHooks:
             with span("dmuon::pre_forward_recompute"):
                 group.unshard()
         else:
+            if self._final_queued:
+                self._recover_from_aborted_backward()
             self._unshard_for_forward(group)
         if group.input_dtype is not None:
             return _cast_floats(args, group.input_dtype)
@@ -248,6 +261,15 @@ class BoundaryHooks:
             self.reduce_queue.issue_replicate_stages()
             if self._all_reduces is not None:
                 self._all_reduces.wait_all()  # the replicated gradients, averaged
+
+    def _recover_from_aborted_backward(self) -> None:
+        """A forward (not a recompute) begins while the final callback of the last backward
+        is still due: that backward raised, and the autograd engine dropped the callbacks
+        queued on it (see [Note: a backward that raised])."""
+        self._final_queued = False
+        for group in self.groups:
+            group.reset_backward()
+            group.reshard()
 
     # -- setup checks ----------------------------------------------------------------------------
 
