@@ -157,6 +157,10 @@ def _policy_head(rank: int, world_size: int):
         },
     )
     dedicated = dedicated_params_of(model)
+    # A fully_shard of its own inside a bf16 layer computes one MLP matrix in fp32: FSDP2
+    # casts that module's inputs to fp32, and dmuon's copy of its weight follows.
+    down = model.layers[0].mlp.down_proj
+    fully_shard(down, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     for layer in model.layers:
         fully_shard(
             layer,
@@ -177,6 +181,8 @@ def _policy_head(rank: int, world_size: int):
     assert head.precision is not None and head.precision.compute == torch.float32
     proj = next(dp for dp in runtime.params if "proj" in dp.fqn)
     assert proj.precision is not None and proj.precision.compute == BF16
+    down = next(dp for dp in runtime.params if dp.fqn == "layers.0.mlp.down_proj.weight")
+    assert down.precision is not None and down.precision.compute == torch.float32
     return losses, [dp.fqn for dp in runtime.params]
 
 

@@ -8,7 +8,8 @@ A dedicated parameter has four dtypes (:class:`Precision`):
   updates: the parameter's own dtype, or ``param_policy``'s ``master_dtype``;
 - ``compute``: what is broadcast and what forward and backward read: ``param_policy``'s
   ``param_dtype``, else the ``param_dtype`` of the ``MixedPrecisionPolicy`` of the nearest
-  ``fully_shard`` module that holds the parameter's hook boundary, else the master dtype;
+  ``fully_shard`` module that holds the parameter (its hook boundary's, or one applied to a
+  module inside the boundary, which casts that module's inputs), else the master dtype;
 - ``reduce``: what the gradient is summed in on its way to the owner (and then the dtype of
   ``DedicatedParam.grad``): ``grad_dtype``, else FSDP2's ``reduce_dtype``, else the compute
   dtype (FSDP2's own rule);

@@ -147,12 +147,16 @@ class DedicatedRuntime:
         memory at once."""
         changed = False
         for group in self.groups:
-            mp = boundary_mp_policy(modules, group.fqn) if final else None
             members = [dp for dps in group.members for dp in dps]
             precisions = []
             for dp in members:
                 _check_materialised(dp)
                 param_dtype = dp.dtype if dp.precision is not None else dp.param.dtype
+                # The policy of the nearest fully_shard module that holds the parameter: its
+                # boundary's, or that of a fully_shard module inside the boundary, which casts
+                # the inputs of the module that reads the weight.
+                path = dp.fqn.rpartition(".")[0]
+                mp = boundary_mp_policy(modules, path) if final else None
                 precisions.append(resolve_precision(param_dtype, dp.policy, mp))
             if group.packs and precisions == [dp.precision for dp in members]:
                 continue
