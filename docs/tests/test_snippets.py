@@ -56,8 +56,28 @@ def bound_and_used(source: str) -> tuple[set[str], set[str]]:
     return bound, used
 
 
+def module_level_names(source: str) -> set[str]:
+    """The names ``source`` binds at module level: those of its functions and classes, not the
+    parameters and locals inside them (a snippet cannot read those)."""
+    bound: set[str] = set()
+    pending: list[ast.AST] = list(ast.parse(source).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+            continue
+        if isinstance(node, ast.Lambda):
+            continue
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        pending.extend(ast.iter_child_nodes(node))
+    return bound
+
+
 def setup_names() -> set[str]:
-    names = set(dir(builtins)) | bound_and_used(SETUP.read_text(encoding="utf-8"))[0]
+    names = set(dir(builtins)) | module_level_names(SETUP.read_text(encoding="utf-8"))
     for block in python_blocks(INDEX):
         names |= bound_and_used(block)[0]
     return names
