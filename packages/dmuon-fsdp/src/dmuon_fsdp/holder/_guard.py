@@ -72,6 +72,7 @@ import functools
 import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -365,7 +366,7 @@ def _read_from(param: Any) -> str:
             "its layer's forward (a call of the module). Call the layer itself from that "
             "method, or register the method on the root module and have it call the layers."
         )
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_filename.replace("\\", "/").endswith(_PARAMETRIZE_FILES):
