@@ -17,10 +17,11 @@ for the default process group, and ``torch.compiler.is_compiling()``. The patch 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import torch
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FSDP_DISCOVERY_FUNCTIONS",
+    "caller_frames",
     "default_group_timeout",
     "disable_dynamo",
     "disable_torch_function_subclass",
@@ -242,15 +244,20 @@ def fsdp_forward_method_running() -> bool:
 
 
 def _fsdp_frame(function: str) -> bool:
-    import sys
+    return any(
+        frame.f_code.co_name == function
+        and any(s in frame.f_code.co_filename for s in _FSDP_SOURCES)
+        for frame in caller_frames()
+    )
 
-    frame = sys._getframe(2)
+
+def caller_frames() -> Iterator[FrameType]:
+    """The Python frames on the stack, innermost first: how the errors above tell which code
+    made a tensor operation (no public API says). Walked only on the way to an error."""
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
-        if code.co_name == function and any(s in code.co_filename for s in _FSDP_SOURCES):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
+        yield frame
+        frame = frame.f_back
 
 
 def fsdp_manages(fsdp_module: FSDPModule, module: torch.nn.Module, name: str) -> bool:

@@ -69,10 +69,8 @@ fail or do nothing elsewhere, without a word:
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -81,6 +79,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._torch_internals import (
+    caller_frames,
     disable_torch_function_subclass,
     fsdp_forward_method_running,
     fsdp_init_running,
@@ -366,8 +365,7 @@ def _read_from(param: Any) -> str:
             "its layer's forward (a call of the module). Call the layer itself from that "
             "method, or register the method on the root module and have it call the layers."
         )
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
+    for frame in caller_frames():
         code = frame.f_code
         if code.co_filename.replace("\\", "/").endswith(_PARAMETRIZE_FILES):
             return (
@@ -388,7 +386,6 @@ def _read_from(param: Any) -> str:
                 "that holds both uses, or keep it gathered from its forward to its backward "
                 "(reshard_after_forward=False) where a later layer reads an earlier one's."
             )
-        frame = frame.f_back
     return ""
 
 
