@@ -2,8 +2,8 @@
 
 [Note: the step profile]
 
-``StepOptions(profile=True)`` splits every ``step()`` into phases: waiting for the gradient
-reduces, the non-finite check, each Newton–Schulz call (one per shape batch, named by its
+``StepOptions(profile=True)`` splits every ``step()`` into phases that cover it from its first
+line to its last: the checks and pre-step hooks, waiting for the gradient reduces, the non-finite check, each Newton–Schulz call (one per shape batch, named by its
 shape), the Muon update, AdamW, and the publish of the owners' updates (HSDP and the replicated
 path). A phase is the span between two marks. On CUDA a mark is an event recorded on the
 current stream, so marking never waits for the device; the times are read (and the events synchronised) only

@@ -600,17 +600,19 @@ class Muon(torch.optim.Optimizer):
     # -- the phases of a step: each closes its step-profile phase with ``mark`` ----------------
 
     def _begin(self) -> Callable[[str], None]:
-        """Check the parameters (the first step), run the pre-step hooks and start the step
-        profile; returns its ``mark`` (see [Note: the step profile])."""
+        """Start the step profile, take the param-group edits, check the parameters (all of
+        them at the first step) and run the pre-step hooks; returns the profile's ``mark``
+        (see [Note: the step profile])."""
+        mark = _no_mark if self._timer is None else self._timer.mark
+        if self._timer is not None:
+            self._timer.start()
         take_group_edits(self.param_groups, self._built_groups)
         self._check_params_current()
         self._check_no_loss_scaling()
         self._check_none_unfrozen()
         self._hooks.before_step(self)
-        if self._timer is None:
-            return _no_mark
-        self._timer.start()
-        return self._timer.mark
+        mark("pre_step")
+        return mark
 
     def _collect(self, mark: Callable[[str], None]) -> _StepWork:
         """Wait for the gradient reduces; the Muon items and AdamW tensors this step touches
@@ -720,6 +722,7 @@ class Muon(torch.optim.Optimizer):
 
     def step_profile(self) -> dict[str, float]:
         """Milliseconds per phase of the last ``step()`` (see [Note: the step profile]):
+        ``pre_step`` (the param-group edits, the parameter checks and the pre-step hooks),
         ``wait_reduces``, ``nonfinite_check``, ``ns[<batch shape>]`` per NS call (the pieces
         of a weight with a declared split run in the calls of their own shapes: a fused
         ``(32, 16)`` ``[q; k; v]`` split as ``q (16, 16)``, ``k`` and ``v (8, 16)`` shows
