@@ -121,15 +121,26 @@ class _ConvBlock(nn.Module):
         self.conv = nn.Conv1d(4, 4, 3)
 
 
-class _ConvModel(nn.Module):
+class _BilinearBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([_ConvBlock()])
+        self.bilinear = nn.Bilinear(4, 4, 2)
+
+
+class _Stacked(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([block])
 
 
 def _conv_kernel_selected(mesh: DeviceMesh, root: str) -> None:
     """A predicate that takes every parameter of two or more dims takes a Conv1d kernel."""
-    dedicate_params(_ConvModel(), mesh, lambda n, p: p.ndim >= 2)
+    dedicate_params(_Stacked(_ConvBlock()), mesh, lambda n, p: p.ndim >= 2)
+
+
+def _bilinear_weight_selected(mesh: DeviceMesh, root: str) -> None:
+    """The same predicate takes a Bilinear's (out, in1, in2) weight."""
+    dedicate_params(_Stacked(_BilinearBlock()), mesh, lambda n, p: p.ndim >= 2)
 
 
 def _torch_load_of_a_full_state_dict(mesh: DeviceMesh, root: str) -> None:
@@ -198,6 +209,11 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _conv_kernel_selected,
         r"ValueError: 'layers\.0\.conv\.weight' \(shape \(4, 4, 3\)\) is the kernel of a Conv1d, not"
         r" a stack of experts.*route it to 'adamw'",
+    ),
+    "a Bilinear weight selected": (
+        _bilinear_weight_selected,
+        r"ValueError: 'layers\.0\.bilinear\.weight' \(shape \(2, 4, 4\)\) is the weight of a "
+        r"Bilinear, not a stack of experts",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

@@ -90,9 +90,10 @@ class ExpertStack(ParamHolder):
         """Its experts' matrices (see [Note: fused gate and up]); raises for a stack split
         where its experts cannot be stepped whole, and for a declared split (which cuts the
         rows of a 2-D weight; a fused gate and up stack says so with ``glu``)."""
-        if isinstance(found.module, (nn.Conv1d, nn.ConvTranspose1d)):
+        if isinstance(found.module, (nn.Conv1d, nn.ConvTranspose1d, nn.Bilinear)):
+            what = "weight" if isinstance(found.module, nn.Bilinear) else "kernel"
             raise ValueError(
-                f"{found.fqn!r} (shape {tuple(found.param.shape)}) is the kernel of a"
+                f"{found.fqn!r} (shape {tuple(found.param.shape)}) is the {what} of a"
                 f" {type(found.module).__name__}, not a stack of experts: Muon would"
                 " orthogonalise each of its slices on dim 0 apart. Leave it out of the"
                 " predicate (keep p.ndim == 2, or name the expert stacks), or route it to"
