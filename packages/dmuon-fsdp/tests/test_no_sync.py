@@ -7,7 +7,7 @@ import torch
 from _models import batch, build, loss_fn, muon_numel, muon_predicate, shard_layers_then_root
 from torch.distributed.device_mesh import init_device_mesh
 
-from dmuon_fsdp import dedicate_params, no_sync
+from dmuon_fsdp import Muon, dedicate_params, get_model_state_dict, no_sync
 from dmuon_testing.distributed import run_distributed
 
 MICRO = 4
@@ -100,3 +100,28 @@ def _discarded_micro_batch(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_a_discarded_no_sync_micro_batch_leaves_no_gradient() -> None:
     run_distributed(_discarded_micro_batch, 2)
+
+
+def _step_after_no_sync_only(rank: int, world_size: int) -> None:
+    rows = ROWS * world_size
+    model, runtime = _wrapped(world_size, reshard=True)
+    optimizer = Muon(model)
+    before = get_model_state_dict(model)
+    for i in range(2):  # the whole accumulation inside the context: nothing is ever reduced
+        with no_sync(model):
+            loss_fn(model, batch(i, rows).chunk(world_size)[rank]).backward()
+    with pytest.raises(RuntimeError, match=r"the last backward ran inside dmuon\.no_sync"):
+        optimizer.step()
+    after = get_model_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before), "the refused step changed weights"
+    # Discarded, the accumulation no longer blocks the step; a synced backward then trains.
+    optimizer.zero_grad()
+    loss_fn(model, batch(2, rows).chunk(world_size)[rank]).backward()
+    optimizer.step()
+    trained = get_model_state_dict(model)
+    assert all(not torch.equal(before[dp.fqn], trained[dp.fqn]) for dp in runtime.params)
+
+
+@pytest.mark.distributed
+def test_a_step_after_backwards_only_inside_no_sync_is_refused() -> None:
+    run_distributed(_step_after_no_sync_only, 2)

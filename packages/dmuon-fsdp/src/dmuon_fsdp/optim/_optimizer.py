@@ -600,12 +600,13 @@ class Muon(torch.optim.Optimizer):
     # -- the phases of a step: each closes its step-profile phase with ``mark`` ----------------
 
     def _begin(self) -> Callable[[str], None]:
-        """Start the step profile, take the param-group edits, check the parameters (all of
-        them at the first step) and run the pre-step hooks; returns the profile's ``mark``
-        (see [Note: the step profile])."""
+        """Start the step profile, check that the gradients were reduced, take the param-group
+        edits, check the parameters (all of them at the first step) and run the pre-step
+        hooks; returns the profile's ``mark`` (see [Note: the step profile])."""
         mark = _no_mark if self._timer is None else self._timer.mark
         if self._timer is not None:
             self._timer.start()
+        self._runtime.check_gradients_synced()
         take_group_edits(self.param_groups, self._built_groups)
         self._check_params_current()
         self._check_no_loss_scaling()

@@ -77,6 +77,9 @@ class BoundaryHooks:
         self.reduce_queue = reduce_queue
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
+        # The last backward ran under no_sync and no synced one followed: its gradients are
+        # accumulated on each rank but not reduced (see [Note: a step after no_sync]).
+        self.unsynced_backward = False
         self._on_first_forward = on_first_forward
         self.wait_timers: dict[str, PhaseTimer] | None = None
         self._pack_of_param: list[tuple[DedicatedGroup, Pack]] = []  # set at the first forward
@@ -251,6 +254,7 @@ class BoundaryHooks:
     def _post_backward_final(self) -> None:
         with span("dmuon::post_backward_final"):
             self._final_queued = False
+            self.unsynced_backward = not self.requires_gradient_sync
             for group in self.groups:
                 if not group.backward_touched:
                     continue

@@ -308,6 +308,28 @@ class DedicatedRuntime:
             self.reduce_queue.wait_all()
         for dp in self.params:
             dp.grad = None
+        self.hooks.unsynced_backward = False
+
+    def check_gradients_synced(self) -> None:
+        """Refuse a step whose gradients were accumulated under ``no_sync`` and never reduced.
+
+        [Note: a step after no_sync]
+        Inside ``no_sync`` every rank keeps its local gradient on the parameter, and only the
+        next synced backward reduces the sum to the owners. A step taken right after a
+        backward under ``no_sync`` (the whole accumulation wrapped in the context, or a
+        pipeline schedule's step inside it) would find no owner gradient and leave every
+        dedicated matrix as it was, while FSDP2's parameters, whose reduce-scatter was skipped
+        too, got none either. The flag that decides it is set at the end of every backward,
+        which every rank runs, so all ranks raise together; ``zero_grad`` (which discards the
+        accumulation) clears it."""
+        if self.hooks.unsynced_backward:
+            raise RuntimeError(
+                "Muon.step(): the last backward ran inside dmuon.no_sync(model), and no "
+                "backward outside it followed, so its gradients were accumulated on each rank "
+                "but never reduced and the step would leave the weights as they are. Run the "
+                "last micro-batch's backward outside no_sync (it reduces the whole "
+                "accumulation), or call optimizer.zero_grad() to discard it"
+            )
 
     def drain(self) -> None:
         """Wait for every collective dmuon has in flight (packing first, if not yet done)."""
