@@ -320,6 +320,14 @@ def _plan_differs(rank: int, world_size: int) -> None:
 
     with pytest.raises(RuntimeError, match=r"owner plan differs across ranks.*same predicate"):
         dedicate_params(build(0), _mesh(world_size), predicate)
+    # The same plan on models that differ elsewhere (pipeline stages taken for HSDP replicas:
+    # the first owns the embedding, the last the head) is caught too, and names the cause.
+    model = build(0)
+    if rank == 1:
+        model.extra_head = torch.nn.Linear(4, 4, bias=False)
+        model.extra_head.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"owner plan differs across ranks.*pipeline"):
+        dedicate_params(model, _mesh(world_size), muon_predicate)
 
 
 def _mesh_errors(rank: int, world_size: int) -> None:
@@ -332,7 +340,8 @@ def _mesh_errors(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"replicate_mesh does not match mesh"):
         dedicate_params(build(0), hsdp["shard"], muon_predicate, replicate_mesh=hsdp["shard"])
     with pytest.raises(
-        ValueError, match=r"do not multiply to the world size: shard 2 x replicate 1 != 4"
+        ValueError,
+        match=r"do not multiply to the world size: shard 2 x replicate 1 != 4.*pipeline",
     ):
         dedicate_params(build(0), hsdp["shard"], muon_predicate)
     with pytest.raises(ValueError, match=r"replicate_mesh must be a 1-D DeviceMesh"):

@@ -30,6 +30,7 @@ another on the broadcast stream (not in one coalesced group call).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import warnings
@@ -389,7 +390,7 @@ def _dedicate(
         small_param_threshold=config.small_param_threshold,
         experts=_planned_experts(in_place, config),
     )
-    _check_fingerprint(plan, layout)
+    _check_fingerprint(plan, model, layout)
 
     comm = DedicatedCommContext.build(layout, config.process_group_policy)
     if config.replicated and layout.world_size > 1:
@@ -686,8 +687,13 @@ def _common_prefix(paths: list[list[str]]) -> list[str]:
     return prefix
 
 
-def _check_fingerprint(plan: Plan, layout: MeshLayout) -> None:
-    mine = plan.fingerprint()
+def _check_fingerprint(plan: Plan, model: nn.Module, layout: MeshLayout) -> None:
+    """Every rank must hold the same model and plan: the plan's fingerprint and every
+    parameter's name and (global) shape, hashed together and compared across ranks. The names
+    catch models that differ outside the plan too, such as pipeline stages passed as HSDP
+    replicas, whose first step would otherwise hang."""
+    params = "".join(f"{name}:{tuple(p.shape)};" for name, p in model.named_parameters())
+    mine = hashlib.sha256(f"{plan.fingerprint()}|{params}".encode()).hexdigest()
     # The sha256 hex digest as 16 ints of 16 bits each, compared across ranks.
     digits = [int(mine[i : i + 4], 16) for i in range(0, len(mine), 4)]
     everyone = all_gather_ints(digits, layout.device)
@@ -696,7 +702,8 @@ def _check_fingerprint(plan: Plan, layout: MeshLayout) -> None:
         raise RuntimeError(
             f"dmuon's owner plan differs across ranks (this rank {mine[:12]}, others "
             f"{[d[:12] for d in differing]}): every rank must build the same model and call "
-            "dedicate_params with the same predicate, policy and meshes"
+            "dedicate_params with the same predicate, policy and meshes (the stages of "
+            "pipeline parallelism hold different models: dmuon does not support them)"
         )
 
 
