@@ -148,14 +148,14 @@ def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
 
 
 def _matrices(
-    name: str, dp: DedicatedParam | None, runtime: DedicatedRuntime
+    p: torch.Tensor, dp: DedicatedParam | None, runtime: DedicatedRuntime
 ) -> dict[str, Any] | None:
     """What Muon orthogonalises of a Muon-route parameter: how many matrices, their shape
     (``None`` where a declared split's pieces differ), how they are cut out of it and, for a
     declared split, each piece's rows, matrices and shape (``None``: not on the Muon route)."""
-    stacks = {stack.fqn: stack.view for stack in runtime.local_muon}
-    if name in stacks:
-        view = stacks[name]
+    stacks = {id(stack.param): stack.view for stack in runtime.local_muon}
+    if id(p) in stacks:
+        view = stacks[id(p)]
     elif dp is not None and dp.route is Route.MUON and dp.pieces:
         shapes = {piece.view.matrix_shape for piece in dp.pieces}
         return {
@@ -219,7 +219,7 @@ def _param_row(
             "role": dp.role.value,
         }
     master, compute, reduce, optim, output = (_dtype_name(d) for d in dtypes)
-    row["matrices"] = _matrices(name, dp, runtime)
+    row["matrices"] = _matrices(p, dp, runtime)
     row.update(
         {
             "dtype": master,

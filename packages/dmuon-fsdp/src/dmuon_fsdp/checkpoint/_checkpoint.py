@@ -94,6 +94,7 @@ from ._state_layout import (
     optim_dtype,
     optimizer_params,
     optimizer_specs,
+    state_keys,
 )
 
 __all__ = [
@@ -463,14 +464,15 @@ class _Scatter:
 
 
 def group_state(optimizer: Muon) -> dict[str, dict[str, Any]]:
-    """Every param group's hyperparameters and ``"params"`` (its FQNs), by group name."""
+    """Every param group's hyperparameters and ``"params"`` (its parameters' keys, see [Note:
+    optimizer state keys]), by group name."""
     return {
         group["group_name"]: {
             **{k: v for k, v in group.items() if k not in ("params", "param_names")},
             "optimizer": str(group["optimizer"]),
-            "params": list(group["param_names"]),
+            "params": keys,
         }
-        for group in optimizer.param_groups
+        for group, keys in zip(optimizer.param_groups, state_keys(optimizer), strict=True)
     }
 
 

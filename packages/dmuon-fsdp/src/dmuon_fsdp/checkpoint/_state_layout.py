@@ -53,6 +53,7 @@ __all__ = [
     "optim_dtype",
     "optimizer_params",
     "optimizer_specs",
+    "state_keys",
 ]
 
 
@@ -113,12 +114,35 @@ def check_optimizer(model: nn.Module, optimizer: object) -> Muon:
     return optimizer
 
 
-def optimizer_params(optimizer: Muon) -> list[tuple[str, Tensor, dict[str, Any]]]:
-    """``(fqn, parameter, param group)`` for every parameter the optimizer steps."""
+def state_keys(optimizer: Muon) -> list[list[str]]:
+    """Per param group, the key of each of its parameters in the checkpoints: the
+    parameter's key in ``model.state_dict()`` (the first, for a tied one), which is also the
+    model state dict's key.
+
+    [Note: optimizer state keys]
+    A group's ``param_names`` are ``model.named_parameters()``' names, as torch's optimizers
+    keep them, and the code that finds a parameter's module goes by them. A wrapper may drop
+    its own prefix from the state dict only: activation checkpointing's ``checkpoint_wrapper``
+    names a weight ``layers.0._checkpoint_wrapped_module.mlp.w`` among the parameters and
+    ``layers.0.mlp.w`` in ``state_dict()``. The optimizer state is keyed as the model state, so
+    a checkpoint taken with such a wrapper loads without it, and the other way round, as
+    torch's ``get_optimizer_state_dict`` allows."""
+    keys: dict[int, str] = {}
+    for key, value in optimizer.model.state_dict(keep_vars=True).items():
+        keys.setdefault(id(value), key)
     return [
-        (name, p, group)
+        [keys.get(id(p), name) for name, p in zip(group["param_names"], group["params"])]
         for group in optimizer.param_groups
-        for name, p in zip(group["param_names"], group["params"])
+    ]
+
+
+def optimizer_params(optimizer: Muon) -> list[tuple[str, Tensor, dict[str, Any]]]:
+    """``(key, parameter, param group)`` for every parameter the optimizer steps (see [Note:
+    optimizer state keys])."""
+    return [
+        (key, p, group)
+        for group, keys in zip(optimizer.param_groups, state_keys(optimizer), strict=True)
+        for key, p in zip(keys, group["params"])
     ]
 
 
@@ -205,12 +229,11 @@ def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
             unexpected,
             "build the optimizer with the same param_groups (group names) as when saving",
         )
-    for group in optimizer.param_groups:
+    for group, expected in zip(optimizer.param_groups, state_keys(optimizer), strict=True):
         name = group["group_name"]
         saved = saved_groups[name]
         if not isinstance(saved, Mapping):
             raise ValueError(f"{where}: param_groups[{name!r}] must be a dict")
-        expected = list(group["param_names"])
         got = list(saved.get("params", []))
         if got != expected and sorted(got) == sorted(expected):
             raise ValueError(

@@ -958,7 +958,7 @@ class Muon(torch.optim.Optimizer):
         """
         chosen = self._clip_selection(params)
         self._runtime.wait_all_reduces()
-        if self._overlap is not None and not chosen.isdisjoint(self.muon_param_names()):
+        if self._overlap is not None and not chosen.isdisjoint(self._route_ids(Route.MUON)):
             self._overlap.stop("the gradients were handed to a clip (grads_for_clip)")
             self._runtime.set_grad_listener(None)
             self._overlap = None
@@ -968,8 +968,8 @@ class Muon(torch.optim.Optimizer):
         # The same answer on every rank (the clip refuses "per_matrix" on all of them alike):
         # TP splits matrices, and every rank holds a view of each FSDP2 parameter.
         sharded = layout.tp_size > 1
-        for fqn, view in self._plan.clip_views():
-            if fqn not in chosen:
+        for param, view in self._plan.clip_views():
+            if id(param) not in chosen:
                 continue
             # A whole matrix is held in every TP grid (counted in grid 0), an expert shard or
             # an FSDP2 shard by every replica of its mesh (counted on the first).
@@ -988,8 +988,10 @@ class Muon(torch.optim.Optimizer):
         )
         return MuonClipGrads(grads, group, device, tuple(copies), sharded=sharded)
 
-    def _clip_selection(self, params: str | Iterable[Tensor]) -> set[str]:
-        """The FQNs ``grads_for_clip(params)`` takes (the same on every rank)."""
+    def _clip_selection(self, params: str | Iterable[Tensor]) -> set[int]:
+        """The ids of the parameters ``grads_for_clip(params)`` takes (the same on every rank).
+        By identity, not by name: a wrapper added after ``dedicate_params`` (activation
+        checkpointing, ``torch.compile``) renames the parameters, not the tensors."""
         routes = {
             "muon": (Route.MUON,),
             "adamw": (Route.ADAMW,),
@@ -1001,17 +1003,12 @@ class Muon(torch.optim.Optimizer):
                     f"params={params!r}: pass 'muon', 'adamw', 'all' or an iterable of this"
                     " optimizer's parameters"
                 )
-            return {
-                name
-                for group in self.param_groups
-                if group["optimizer"] in routes[params]
-                for name in group["param_names"]
-            }
+            return set().union(*(self._route_ids(route) for route in routes[params]))
         names = self._plan.names
         chosen = set()
         for p in params:
             if isinstance(p, Tensor) and id(p) in names:
-                chosen.add(names[id(p)])
+                chosen.add(id(p))
             elif not (isinstance(p, Tensor) and not p.requires_grad):
                 raise ValueError(
                     f"params holds a {type(p).__name__} that is not a parameter of this"
@@ -1019,6 +1016,10 @@ class Muon(torch.optim.Optimizer):
                     " parameters, or 'muon', 'adamw' or 'all'"
                 )
         return chosen
+
+    def _route_ids(self, route: Route) -> set[int]:
+        """The ids of the parameters of every group of ``route``."""
+        return {id(p) for g in self.param_groups if g["optimizer"] == route for p in g["params"]}
 
     def muon_param_names(self) -> list[str]:
         """FQNs of every Muon-route matrix, in group order (the same on every rank)."""

@@ -120,14 +120,13 @@ class StepPlan:
         }
         self._parts: dict[str, WeightPart] | None = None
 
-    def clip_views(self) -> Iterator[tuple[str, ParamHolder | WholeTensor | ShardedTensor]]:
-        """Every parameter this rank steps, by FQN, with the view that hands its gradient to a
-        clip (``clip_grad``)."""
-        for holder in self.holders:
-            yield holder.fqn, holder
+    def clip_views(self) -> Iterator[tuple[Tensor, ParamHolder | WholeTensor | ShardedTensor]]:
+        """Every parameter this rank steps, with the view that hands its gradient to a clip
+        (``clip_grad``)."""
+        for entry in {id(e.holder): e for e in self.muon}.values():
+            yield entry.param, entry.holder
         for _, entries in self.adamw:
-            for p, view in entries:
-                yield self.names[id(p)], view
+            yield from entries
 
     def weight_parts(self) -> dict[str, WeightPart]:
         """Every part of a parameter this rank steps, by FQN (built at the first call)."""
