@@ -143,6 +143,16 @@ def _bilinear_weight_selected(mesh: DeviceMesh, root: str) -> None:
     dedicate_params(_Stacked(_BilinearBlock()), mesh, lambda n, p: p.ndim >= 2)
 
 
+def _untied_by_to_empty(mesh: DeviceMesh, root: str) -> None:
+    """A tied embedding and head, dedicated on the meta device: to_empty unties them."""
+    with torch.device("meta"):
+        model = build(0, tie=True)
+    dedicate_params(model, mesh, lambda n, p: p.ndim == 2)
+    shard_layers_then_root(model, mesh)
+    model.to_empty(device="cpu")
+    Muon(model)
+
+
 def _torch_load_of_a_full_state_dict(mesh: DeviceMesh, root: str) -> None:
     """model.load_state_dict of another model's full state dict: refused before any dedicated
     weight (on its owner) took a value, so dmuon's full state dict is the one it had."""
@@ -214,6 +224,11 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _bilinear_weight_selected,
         r"ValueError: 'layers\.0\.bilinear\.weight' \(shape \(2, 4, 4\)\) is the weight of a "
         r"Bilinear, not a stack of experts",
+    ),
+    "a tied weight untied by to_empty": (
+        _untied_by_to_empty,
+        r"ValueError: 'lm_head\.weight' was tied to the dedicated weight 'embed_tokens\.weight'"
+        r".*Tie it again after to_empty",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

@@ -264,9 +264,9 @@ def _closure_loss(closure: Callable[[], float] | None) -> float | None:
 def _check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntime) -> None:
     """On more than one rank, a trainable parameter that is neither dedicated nor managed by
     FSDP2 (a DTensor) nor replicated (``replicate``) gets no gradient synchronisation at all:
-    each rank would train its own copy and the ranks would drift apart without an error."""
-    if runtime.layout.world_size == 1:
-        return
+    each rank would train its own copy and the ranks would drift apart without an error. A
+    dedicated weight's tied name that holds a parameter of its own (untied by ``to_empty``)
+    is refused on any number of ranks: it would train apart from the weight."""
     synchronised = {id(p) for p in runtime.replicated_params}
     synchronised |= {id(dp.param) for dp in runtime.params}
     loose = [
@@ -274,7 +274,15 @@ def _check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRunti
         for name, p in model.named_parameters()
         if p.requires_grad and id(p) not in synchronised and not isinstance(p, DTensor)
     ]
-    if loose:
+    if untied := [(n, runtime.tied_names[n]) for n in loose if n in runtime.tied_names]:
+        name, tied_to = untied[0]
+        raise ValueError(
+            f"{name!r} was tied to the dedicated weight {tied_to!r} at dedicate_params and is "
+            "a parameter of its own now, which nothing would synchronise: model.to_empty() "
+            "(or another materialisation) unties weights. Tie it again after to_empty, as for "
+            f"any model: model.{name} = model.{tied_to} (or model.tie_weights())"
+        )
+    if loose and runtime.layout.world_size > 1:
         shown = ", ".join(repr(n) for n in loose[:8]) + (" ..." if len(loose) > 8 else "")
         raise ValueError(
             f"{len(loose)} trainable parameter(s) are neither dedicated nor managed by FSDP2 (or "

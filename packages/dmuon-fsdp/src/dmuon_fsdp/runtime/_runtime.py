@@ -99,6 +99,9 @@ class DedicatedRuntime:
         # Muon expert stacks stepped where FSDP2 puts them, and the param_policy that routed
         # every selected parameter (both set by dedicate_params).
         self.local_muon: list[ExpertStack] = []
+        # The other names of each tied dedicated weight (alias -> its name), for the error when
+        # a materialisation untied them (see _adopt_materialised).
+        self.tied_names: dict[str, str] = {}
         self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
         self._final = False  # packed with the precision fully_shard asks for

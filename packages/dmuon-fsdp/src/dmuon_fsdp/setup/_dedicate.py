@@ -404,6 +404,9 @@ def _dedicate(
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     runtime.local_muon = stacks
     runtime.param_policy = policy
+    runtime.tied_names = {
+        alias: dp.fqn for dp in params for alias in aliases[id(dp.param)] if alias != dp.fqn
+    }
     if config.patch_fully_shard:
         install_patch()
     setattr(model, RUNTIME_ATTR, runtime)
