@@ -3,6 +3,7 @@ the test's timeout (no hang, and no rank that goes on alone while another stoppe
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from dmuon_fsdp import (
     Muon,
     dedicate_params,
+    dedicate_params_ddp,
     get_model_state_dict,
     load_checkpoint,
     save_checkpoint,
@@ -153,6 +155,21 @@ def _untied_by_to_empty(mesh: DeviceMesh, root: str) -> None:
     Muon(model)
 
 
+def _deepcopy_after_dedicate(mesh: DeviceMesh, root: str) -> None:
+    """AveragedModel's deepcopy, built after dedicate_params (before fully_shard): a rank
+    reaches a weight it does not hold."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    copy.deepcopy(model)
+
+
+def _deepcopy_on_the_replicated_path(mesh: DeviceMesh, root: str) -> None:
+    """There every rank holds every weight, and the copy reaches the runtime."""
+    model = build(0)
+    dedicate_params_ddp(model, mesh, muon_predicate)
+    copy.deepcopy(model)
+
+
 def _torch_load_of_a_full_state_dict(mesh: DeviceMesh, root: str) -> None:
     """model.load_state_dict of another model's full state dict: refused before any dedicated
     weight (on its owner) took a value, so dmuon's full state dict is the one it had."""
@@ -229,6 +246,16 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _untied_by_to_empty,
         r"ValueError: 'lm_head\.weight' was tied to the dedicated weight 'embed_tokens\.weight'"
         r".*Tie it again after to_empty",
+    ),
+    "copy.deepcopy after dedicate_params": (
+        _deepcopy_after_dedicate,
+        r"NotHeldError: .*copy\.deepcopy cannot copy a model after dedicate_params.*"
+        r"register_post_update_hook",
+    ),
+    "copy.deepcopy on the replicated path": (
+        _deepcopy_on_the_replicated_path,
+        r"TypeError: copy\.deepcopy cannot copy a model after dedicate_params.*Copy the model "
+        r"before dedicate_params",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

@@ -352,6 +352,14 @@ class GuardedDTensor(_Guard, DTensor):
 
 
 _PARAMETRIZE_FILES = ("nn/utils/parametrize.py", "nn/utils/parametrizations.py")
+# Why a model after dedicate_params cannot be copied, and what to do instead.
+_NO_DEEPCOPY = (
+    "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
+    "AveragedModel copies its model so), as it cannot copy one after fully_shard: its weights "
+    "live on their owners and its hooks reach dmuon's process groups. Copy the model before "
+    "dedicate_params, or keep an average of the weights where they are stepped, with "
+    "Muon.register_post_update_hook (its parts are this rank's share of every weight)."
+)
 
 
 def _read_from(param: Any) -> str:
@@ -367,6 +375,8 @@ def _read_from(param: Any) -> str:
         )
     for frame in caller_frames():
         code = frame.f_code
+        if code.co_name == "deepcopy" and code.co_filename.endswith("copy.py"):
+            return _NO_DEEPCOPY
         if code.co_filename.replace("\\", "/").endswith(_PARAMETRIZE_FILES):
             return (
                 "A parametrization (torch.nn.utils.parametrize, weight_norm, spectral_norm, "

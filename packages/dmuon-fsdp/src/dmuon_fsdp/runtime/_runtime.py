@@ -350,6 +350,17 @@ class DedicatedRuntime:
         """Remove every hook (the parameters keep their current storage)."""
         self.hooks.remove()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> DedicatedRuntime:
+        """Refuse, naming the fix: ``copy.deepcopy`` of the model reaches its runtime (the
+        model's attribute) last, after every weight, so this is what the replicated path, whose
+        ranks hold every weight, meets first."""
+        raise TypeError(
+            "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
+            "AveragedModel copies its model so): its runtime holds dmuon's process groups. "
+            "Copy the model before dedicate_params, or keep an average of the weights where "
+            "they are stepped, with Muon.register_post_update_hook"
+        )
+
 
 class _CheckedApply:
     """[Note: conversions after packing] Once a dedicated weight lives in a pack (a view into
