@@ -38,6 +38,7 @@ TRANSLATED = [
     "guides/checkpoints.md",
     "guides/mixed-precision.md",
     "guides/moe.md",
+    "guides/ema.md",
     "guides/qk-clip.md",
     "guides/routing.md",
     "guides/newton-schulz.md",

@@ -5,7 +5,7 @@ parses, and uses only names that it binds, that an earlier block of its page bin
 guides' setup binds (``docs/examples/guide_setup.py`` and "the usual wrap" on
 ``docs/guides/index.md``): a reader who pastes the setup and a page's snippets in order meets
 no ``NameError``. The tuning page's snippets also run, after the setup, as one script on one
-gloo rank.
+gloo rank, and so do the EMA page's after the usual wrap.
 """
 
 from __future__ import annotations
@@ -111,11 +111,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.distributed
-def test_the_tuning_page_runs_after_the_setup(tmp_path: Path) -> None:
-    page = DOCS / "guides" / "tuning.md"
-    script = tmp_path / "tuning.py"
-    parts = [SETUP.read_text(encoding="utf-8"), *python_blocks(page)]
+def _run_after_the_setup(tmp_path: Path, blocks: list[str]) -> str:
+    """Run the setup and ``blocks`` as one script on one gloo rank; its output."""
+    script = tmp_path / "page.py"
+    parts = [SETUP.read_text(encoding="utf-8"), *blocks]
     script.write_text("\n\n".join([*parts, "dist.destroy_process_group()\n"]), encoding="utf-8")
     env = {
         **os.environ,
@@ -138,6 +137,19 @@ def test_the_tuning_page_runs_after_the_setup(tmp_path: Path) -> None:
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-8000:]
+    return output
+
+
+@pytest.mark.distributed
+def test_the_ema_page_runs_after_the_usual_wrap(tmp_path: Path) -> None:
+    blocks = [*python_blocks(INDEX), *python_blocks(DOCS / "guides" / "ema.md")]
+    output = _run_after_the_setup(tmp_path, blocks)
+    assert output.count("EMA loss") == 4, output[-8000:]
+
+
+@pytest.mark.distributed
+def test_the_tuning_page_runs_after_the_setup(tmp_path: Path) -> None:
+    output = _run_after_the_setup(tmp_path, python_blocks(DOCS / "guides" / "tuning.md"))
     # The logging advice shows the owner plan; the groups are the ones the page names.
     assert "dedicate_params: 14 params assigned to 1 ranks" in output, output[-8000:]
     assert "['base/muon', 'base/adamw', 'io/muon', 'io/adamw']" in output

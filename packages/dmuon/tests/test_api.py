@@ -27,6 +27,7 @@ TOP_LEVEL = frozenset(
         "Muon",
         "StepOptions",
         "WeightPart",
+        "EMA",
         "QKClip",
         "max_logits",
         # training

@@ -21,6 +21,7 @@ from ._diagnostics import (
     summarize_comm_plan,
     summarize_param_groups,
 )
+from ._ema import EMA
 from ._matrix import LrScaling
 from ._max_logits import max_logits, max_logits_from_lse, max_logits_from_scores
 from .checkpoint import (
@@ -52,6 +53,7 @@ from .topology import Axis, CommCounter, CommKind, DedicatedCommContext, Process
 
 __all__ = [
     "CHECKPOINT_KEY",
+    "EMA",
     "AppState",
     "Axis",
     "CheckpointIntegrityError",

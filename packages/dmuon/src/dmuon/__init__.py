@@ -22,6 +22,7 @@ from types import ModuleType as _Module
 from typing import Any as _Any
 
 from dmuon_clip import clip_grad_norm_ as clip_grad_norm_
+from dmuon_fsdp import EMA as EMA
 from dmuon_fsdp import AppState as AppState
 from dmuon_fsdp import CheckpointIntegrityError as CheckpointIntegrityError
 from dmuon_fsdp import DedicateConfig as DedicateConfig

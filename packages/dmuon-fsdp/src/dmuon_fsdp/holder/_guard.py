@@ -356,9 +356,9 @@ _PARAMETRIZE_FILES = ("nn/utils/parametrize.py", "nn/utils/parametrizations.py")
 _NO_DEEPCOPY = (
     "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
     "AveragedModel copies its model so), as it cannot copy one after fully_shard: its weights "
-    "live on their owners and its hooks reach dmuon's process groups. Copy the model before "
-    "dedicate_params, or keep an average of the weights where they are stepped, with "
-    "Muon.register_post_update_hook (its parts are this rank's share of every weight)."
+    "live on their owners and its hooks reach dmuon's process groups. For an average of the "
+    "weights use dmuon.EMA(optimizer), which keeps it where each weight is stepped; for "
+    "another copy, copy the model before dedicate_params."
 )
 
 

@@ -356,9 +356,9 @@ class DedicatedRuntime:
         ranks hold every weight, meets first."""
         raise TypeError(
             "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
-            "AveragedModel copies its model so): its runtime holds dmuon's process groups. "
-            "Copy the model before dedicate_params, or keep an average of the weights where "
-            "they are stepped, with Muon.register_post_update_hook"
+            "AveragedModel copies its model so): its runtime holds dmuon's process groups. For "
+            "an average of the weights use dmuon.EMA(optimizer), which keeps it where each "
+            "weight is stepped; for another copy, copy the model before dedicate_params"
         )
 
 

@@ -1,0 +1,217 @@
+"""An exponential moving average of the weights, kept where each weight is stepped.
+
+[Note: the weight EMA]
+``torch.optim.swa_utils.AveragedModel`` keeps its average in a copy of the model, and a model
+after ``dedicate_params`` (or after ``fully_shard``) cannot be copied: a rank holds only its
+share of the weights. An average needs no copy. After every update, a post-update hook gets
+the part of each weight that this rank stepped (see [Note: the post-update hook]): the
+owner's full master of a dedicated matrix, this rank's FSDP2 shard, a tensor-parallel shard, a
+replicated weight whole. :class:`EMA` keeps its average beside each part, so it costs every
+rank its share of the model (as the optimizer states do), moves no byte and needs no host sync:
+
+    average ← average + (1 − decay)·(weight − average)
+
+in ``dtype`` (fp32 by default, whatever the weight's dtype: a bf16 average would stop moving
+once the change per step falls below bf16's resolution). A step skipped for a non-finite
+gradient leaves the average too (the factor is 0 on the device). The average starts at the
+weights the optimizer holds when the ``EMA`` is built.
+
+Using the average goes through the model: :meth:`EMA.applied` writes it into the parts and
+ends the way a step ends (the owners publish, FSDP2 modules gather again), so every rank's
+forward computes with it, on any path (1-D, HSDP, TP, replicated, expert stacks); on exit the
+weights come back bit for bit. Saving and loading go through the model too, with dmuon's
+topology-free state dicts (:meth:`EMA.state_dict` gathers the averaged weights like
+:func:`get_model_state_dict`), so an average saved at one world size loads at another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .checkpoint import get_model_state_dict, set_model_state_dict
+from .holder import WeightPart, fsdp_modules
+from .optim import Muon
+
+__all__ = ["EMA"]
+
+
+def _no_mark(name: str) -> None:
+    pass
+
+
+class EMA:
+    """An exponential moving average of every weight ``optimizer`` steps, kept where each part
+    of it is stepped (see [Note: the weight EMA]).
+
+    Build it once the weights hold their starting values (after initialisation, or after a
+    checkpoint load), and after any :class:`QKClip` of the optimizer, so that it averages the
+    clipped weights. It registers a post-update hook; :meth:`remove` takes it out.
+
+    Args:
+        optimizer: the :class:`Muon` whose weights are averaged.
+        decay: the weight of the old average at each step, a float in (0, 1) (0.999: about the
+            last 1000 steps).
+        dtype: the dtype the average is kept in (``torch.float32``); a floating dtype.
+    """
+
+    def __init__(
+        self, optimizer: Muon, decay: float = 0.999, *, dtype: torch.dtype = torch.float32
+    ) -> None:
+        if not isinstance(optimizer, Muon):
+            raise TypeError(
+                f"EMA takes the dmuon.Muon whose weights it averages, got {type(optimizer).__name__}"
+            )
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+            raise ValueError(f"EMA: decay must be a float in (0, 1), e.g. 0.999, got {decay!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"EMA: dtype must be a floating torch.dtype, got {dtype!r}")
+        self.decay = float(decay)
+        self._optimizer = optimizer
+        with torch.no_grad():
+            self._average = {
+                name: part.tensor.detach().to(dtype, copy=True)
+                for name, part in self._parts().items()
+            }
+        self._handle = optimizer.register_post_update_hook(self._update)
+
+    @property
+    def average(self) -> Mapping[str, Tensor]:
+        """This rank's part of the average of each weight it steps, by name (the parts'
+        layout: see :class:`WeightPart`)."""
+        return self._average
+
+    def remove(self) -> None:
+        """Stop averaging (unregister the hook); the average keeps its last value."""
+        self._handle.remove()
+
+    def _parts(self) -> dict[str, WeightPart]:
+        return self._optimizer._plan.weight_parts()
+
+    @torch.no_grad()
+    def _update(self, optimizer: Muon, parts: Mapping[str, WeightPart]) -> None:
+        names = list(self._average)
+        averages = [self._average[n] for n in names]
+        weights = [parts[n].tensor.to(a.dtype) for n, a in zip(names, averages, strict=True)]
+        if not averages:
+            return
+        rate = 1.0 - self.decay
+        skipped = optimizer.last_step_stats.skipped
+        if skipped is None:
+            torch._foreach_lerp_(averages, weights, rate)
+        else:
+            factor = torch.where(skipped.to(averages[0].device), 0.0, rate).to(averages[0].dtype)
+            # A 0-d tensor weight, which the op takes and torch's stubs do not list.
+            torch._foreach_lerp_(averages, weights, factor)  # type: ignore[call-overload]
+
+    # -- using the average ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Within the block the model computes with the average (every rank: collective on
+        entry and exit; call it between steps, on every rank). On exit the weights and buffers
+        are those of before, bit for bit."""
+        with self._swapped(keep=False):
+            yield
+
+    @contextlib.contextmanager
+    def _swapped(self, *, keep: bool) -> Iterator[None]:
+        """The average in the model for the block; ``keep``: what the model holds at the end
+        of the block becomes the average (a load)."""
+        model = self._optimizer.model
+        parts = self._parts()
+        weights = {name: part.tensor.clone() for name, part in parts.items()}
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
+        self._write(parts, self._average)
+        try:
+            yield
+            if keep:
+                with torch.no_grad():
+                    for name, part in parts.items():
+                        self._average[name].copy_(part.tensor)
+        finally:
+            self._write(parts, weights)
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
+
+    def _write(self, parts: Mapping[str, WeightPart], values: Mapping[str, Tensor]) -> None:
+        """Write ``values`` into ``parts`` and end as a step ends, so that every rank's next
+        forward reads them: no collective of dmuon's in flight reads the old values, no FSDP2
+        module keeps a gathered copy (the root's stays gathered after a forward without a
+        backward), and the owners publish (see [Note: step order])."""
+        optimizer = self._optimizer
+        optimizer._runtime.drain()
+        for _, module in fsdp_modules(optimizer.model):
+            module.reshard()
+        with torch.no_grad():
+            for name, part in parts.items():
+                part.tensor.copy_(values[name])
+        optimizer._publish(_no_mark)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self, *, cpu_offload: bool = True, rank0_only: bool = False) -> dict[str, Any]:
+        """``{"decay": float, "weights": {fqn: full tensor}}``: the averaged weights gathered
+        as :func:`get_model_state_dict` gathers the model's (buffers are the model's own).
+        Collective; it loads at any topology.
+
+        Args:
+            cpu_offload: ``True``: each tensor moves to the CPU as soon as it is gathered;
+                ``False``: it stays on the device. A bool.
+            rank0_only: ``True``: only rank 0 keeps the weights (the others get ``{}`` under
+                ``"weights"``); ``False``: every rank does. A bool.
+        """
+        with self.applied():
+            weights = get_model_state_dict(
+                self._optimizer.model, cpu_offload=cpu_offload, rank0_only=rank0_only
+            )
+        return {"decay": self.decay, "weights": weights}
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], *, broadcast_from_rank0: bool = False
+    ) -> None:
+        """Load what :meth:`state_dict` returned; the model's weights and buffers are
+        unchanged. Collective; raises on every rank, before anything changes, when it does not
+        fit.
+
+        Args:
+            state_dict: ``{"decay": float in (0, 1), "weights": {fqn: full tensor}}`` with
+                every key of the model's state dict, as :func:`set_model_state_dict` takes it
+                (ignored on every rank but 0 with ``broadcast_from_rank0``).
+            broadcast_from_rank0: ``True``: only global rank 0 reads ``state_dict`` (pass
+                ``{}`` elsewhere) and sends each weight where it is kept. A bool.
+        """
+        decay = _decay_of(state_dict)
+        group = self._optimizer._runtime.comm_ctx.host_group()
+        if broadcast_from_rank0 and group is not None:
+            sent = torch.tensor([math.nan if decay is None else decay], dtype=torch.float64)
+            dist.broadcast(sent, src=0, group=group)
+            decay = None if math.isnan(sent.item()) else sent.item()
+        if decay is None:
+            raise ValueError(
+                "EMA.load_state_dict takes what EMA.state_dict() returned: "
+                "{'decay': float in (0, 1), 'weights': {fqn: tensor}}"
+            )
+        weights = state_dict.get("weights", {}) if isinstance(state_dict, Mapping) else {}
+        with self._swapped(keep=True):
+            set_model_state_dict(
+                self._optimizer.model, weights, broadcast_from_rank0=broadcast_from_rank0
+            )
+        self.decay = decay
+
+
+def _decay_of(state_dict: object) -> float | None:
+    """The decay of an EMA state dict, or ``None`` where it is not one."""
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("weights"), Mapping):
+        return None
+    decay = state_dict.get("decay")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+        return None
+    return float(decay)
