@@ -22,6 +22,7 @@ LAYERS = (
     "optim",
     "checkpoint",
     "_diagnostics",
+    "_ema",
     "_api",
     "__init__",
 )

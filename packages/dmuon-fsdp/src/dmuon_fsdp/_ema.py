@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._torch_internals import foreach_lerp_
 from .checkpoint import get_model_state_dict, set_model_state_dict
 from .holder import WeightPart, fsdp_modules
 from .optim import Muon
@@ -104,11 +105,10 @@ class EMA:
         rate = 1.0 - self.decay
         skipped = optimizer.last_step_stats.skipped
         if skipped is None:
-            torch._foreach_lerp_(averages, weights, rate)
+            foreach_lerp_(averages, weights, rate)
         else:
             factor = torch.where(skipped.to(averages[0].device), 0.0, rate).to(averages[0].dtype)
-            # A 0-d tensor weight, which the op takes and torch's stubs do not list.
-            torch._foreach_lerp_(averages, weights, factor)  # type: ignore[call-overload]
+            foreach_lerp_(averages, weights, factor)
 
     # -- using the average ----------------------------------------------------------------------
 

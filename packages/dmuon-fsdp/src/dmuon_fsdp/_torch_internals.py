@@ -39,6 +39,7 @@ __all__ = [
     "disable_dynamo",
     "disable_torch_function_subclass",
     "dtensor_shard_offsets",
+    "foreach_lerp_",
     "foreach_max_abs",
     "foreach_mul_",
     "fsdp_forward_method_running",
@@ -178,6 +179,17 @@ def foreach_mul_(tensors: Sequence[Tensor], factors: Sequence[Tensor]) -> None:
     Uses ``torch._foreach_mul_``: no public function multiplies a list of tensors in one
     launch."""
     torch._foreach_mul_(list(tensors), list(factors))
+
+
+def foreach_lerp_(
+    tensors: Sequence[Tensor], ends: Sequence[Tensor], weight: float | Tensor
+) -> None:
+    """``tensors[i] += weight·(ends[i] − tensors[i])`` in place for every ``i``, one fused
+    launch per device and dtype; ``weight`` a float or a 0-dim tensor (read on the device).
+
+    Uses ``torch._foreach_lerp_``: no public function interpolates a list of tensors in one
+    launch (its stubs do not list the 0-dim tensor weight, which the op takes)."""
+    torch._foreach_lerp_(list(tensors), list(ends), weight)  # type: ignore[arg-type]
 
 
 def dtensor_shard_offsets(t: DTensor) -> tuple[int, ...]:
