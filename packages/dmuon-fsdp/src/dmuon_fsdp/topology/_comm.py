@@ -117,12 +117,23 @@ class _Groups(NamedTuple):
     all: ProcessGroup  # every rank
 
 
-# Isolated groups per (default group, layout), made once per process; see the note below.
+# Isolated groups per layout, and the gloo group ``host_group`` makes, kept for the default
+# group they were made under (see [Note: isolated groups are made once]).
 _ISOLATED: dict[tuple[object, ...], _Groups] = {}
-
-
-# The gloo group over every rank that ``host_group`` makes, once per process.
 _HOST_GROUP: dict[str, ProcessGroup] = {}
+_MADE_UNDER: list[ProcessGroup | None] = [None]
+
+
+def _groups_of_this_world() -> None:
+    """Forget the groups made under an earlier default process group: a
+    ``destroy_process_group`` destroyed them with it. Compared by identity (the kept default
+    group cannot be freed, so its ``id`` cannot pass to the new one), and dropped, not kept
+    for good (each holds threads and sockets until freed)."""
+    world = dist.group.WORLD
+    if _MADE_UNDER[0] is not world:
+        _ISOLATED.clear()
+        _HOST_GROUP.clear()
+        _MADE_UNDER[0] = world
 
 
 # dmuon's groups time out as the default group does (``init_process_group(timeout=...)``):
@@ -155,8 +166,10 @@ def _isolated_groups(layout: MeshLayout) -> _Groups:
     each issues its collectives in program order on every rank. Creation is collective
     (``new_group`` is entered by every rank for every group, in the same order), and so is the
     lookup: all ranks ask for the same layouts in the same order, so they all find or all
-    create."""
-    key = (id(dist.group.WORLD), layout.is_hsdp, layout.all_rank_of)
+    create. A new default process group (``destroy_process_group``, then
+    ``init_process_group``) starts afresh on every rank alike."""
+    _groups_of_this_world()
+    key = (layout.is_hsdp, layout.all_rank_of)
     found = _ISOLATED.get(key)
     if found is None:
         grids = layout.all_rank_of
@@ -306,6 +319,7 @@ class DedicatedCommContext:
             return None
         if "gloo" in str(dist.get_backend(self.global_group)):
             return self.global_group
+        _groups_of_this_world()
         if _HOST_GROUP.get("group") is None:
             _HOST_GROUP["group"] = _new_gloo_group()
         return _HOST_GROUP["group"]

@@ -1,0 +1,43 @@
+"""A new default process group (``destroy_process_group`` then ``init_process_group``, as a
+sweep or a notebook does) gets dmuon groups of its own: the groups made under the destroyed
+one are dropped, not kept (they hold threads and sockets) nor taken for the new one's (see
+[Note: isolated groups are made once])."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from _reference import Hyper, lm_loss, make_batch, shard
+from _sgd_train import setup_model
+
+from dmuon_fsdp import Muon, get_model_state_dict
+from dmuon_fsdp.topology import _comm
+from dmuon_testing.distributed import run_distributed
+
+
+def _cycles(rank: int, world_size: int, root: str) -> None:
+    finals = []
+    for cycle in range(3):
+        if cycle:
+            dist.destroy_process_group()
+            store = dist.FileStore(f"{root}/store-{cycle}", world_size)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+            )
+        model, _ = setup_model(world_size)
+        optimizer = Muon(model, **Hyper().muon_kwargs())
+        lm_loss(model, shard(make_batch(0, 8, 8, 32), rank, world_size)).backward()
+        optimizer.step()
+        assert len(_comm._ISOLATED) == 1, f"cycle {cycle}: {len(_comm._ISOLATED)} layouts kept"
+        assert _comm._MADE_UNDER[0] is dist.group.WORLD
+        finals.append(get_model_state_dict(model))
+    # Each cycle trains the same model from the same start: the same weights.
+    assert all(torch.equal(finals[0][k], f[k]) for f in finals[1:] for k in finals[0])
+
+
+@pytest.mark.distributed
+def test_a_new_default_process_group_gets_new_dmuon_groups(tmp_path) -> None:
+    run_distributed(_cycles, 2, str(tmp_path))
