@@ -355,6 +355,12 @@ def _silent_cases(rank: int, world_size: int) -> None:
         RuntimeError, match=r"already dedicated.*call dedicate_params once, on the whole model"
     ):
         dedicate_params(whole, mesh, muon_predicate)
+    # Two models that share a block, each dedicated: the message says how to train both.
+    first, second = build(0), build(1)
+    second.layers[0] = first.layers[0]
+    dedicate_params(first, mesh, muon_predicate)
+    with pytest.raises(RuntimeError, match=r"another model that shares them.*one root module"):
+        dedicate_params(second, mesh, muon_predicate)
 
 
 @pytest.mark.distributed

@@ -489,8 +489,10 @@ def _select(
     if taken:
         raise RuntimeError(
             f"dedicate_params selected {taken[:5]}, which an earlier dedicate_params call "
-            "already dedicated (on a module that contains them); call dedicate_params once, on "
-            "the whole model, with a predicate that selects every Muon matrix"
+            "already dedicated: on a submodule of this model (call dedicate_params once, on "
+            "the whole model, with a predicate that selects every Muon matrix), or on another "
+            "model that shares them (put both models under one root module, dedicate that "
+            "once and step it with one Muon)"
         )
     if not selected:
         trainable = sum(1 for p in model.parameters() if p.requires_grad)
