@@ -5,7 +5,7 @@ parses, and uses only names that it binds, that an earlier block of its page bin
 guides' setup binds (``docs/examples/guide_setup.py`` and "the usual wrap" on
 ``docs/guides/index.md``): a reader who pastes the setup and a page's snippets in order meets
 no ``NameError``. The tuning page's snippets also run, after the setup, as one script on one
-gloo rank, and so do the EMA page's after the usual wrap.
+gloo rank, and the EMA page's after the usual wrap on two.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_after_the_setup(tmp_path: Path, blocks: list[str]) -> str:
-    """Run the setup and ``blocks`` as one script on one gloo rank; its output."""
+def _run_after_the_setup(tmp_path: Path, blocks: list[str], ranks: int = 1) -> str:
+    """Run the setup and ``blocks`` as one script on ``ranks`` gloo ranks (``torchrun``
+    beyond one); its output."""
     script = tmp_path / "page.py"
     parts = [SETUP.read_text(encoding="utf-8"), *blocks]
     script.write_text("\n\n".join([*parts, "dist.destroy_process_group()\n"]), encoding="utf-8")
@@ -125,14 +126,21 @@ def _run_after_the_setup(tmp_path: Path, blocks: list[str]) -> str:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "CUDA_VISIBLE_DEVICES": "",  # the CPU path, as CI runs it
+        "OMP_NUM_THREADS": "1",
     }
+    launch = [sys.executable, str(script)]
+    if ranks > 1:
+        launch = [
+            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)),
+            *("--master-addr", "127.0.0.1", "--master-port", env["MASTER_PORT"], str(script)),
+        ]
     done = subprocess.run(
-        [sys.executable, str(script)],
+        launch,
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=300,
         check=False,
     )
     output = done.stdout + done.stderr
@@ -143,7 +151,8 @@ def _run_after_the_setup(tmp_path: Path, blocks: list[str]) -> str:
 @pytest.mark.distributed
 def test_the_ema_page_runs_after_the_usual_wrap(tmp_path: Path) -> None:
     blocks = [*python_blocks(INDEX), *python_blocks(DOCS / "guides" / "ema.md")]
-    output = _run_after_the_setup(tmp_path, blocks)
+    # Two ranks: a snippet that ran a forward on one rank only would hang here.
+    output = _run_after_the_setup(tmp_path, blocks, ranks=2)
     assert output.count("EMA loss") == 4, output[-8000:]
 
 
