@@ -80,6 +80,9 @@ class EMA:
                 name: part.tensor.detach().to(dtype, copy=True)
                 for name, part in self._parts().items()
             }
+        # The step's lists, made once: the averages are only ever written in place.
+        self._names = list(self._average)
+        self._averages = list(self._average.values())
         self._handle = optimizer.register_post_update_hook(self._update)
 
     @property
@@ -97,11 +100,10 @@ class EMA:
 
     @torch.no_grad()
     def _update(self, optimizer: Muon, parts: Mapping[str, WeightPart]) -> None:
-        names = list(self._average)
-        averages = [self._average[n] for n in names]
-        weights = [parts[n].tensor.to(a.dtype) for n, a in zip(names, averages, strict=True)]
+        averages = self._averages
         if not averages:
             return
+        weights = [parts[n].tensor.to(averages[0].dtype) for n in self._names]
         rate = 1.0 - self.decay
         skipped = optimizer.last_step_stats.skipped
         if skipped is None:
