@@ -116,7 +116,10 @@ def _run_after_the_setup(tmp_path: Path, blocks: list[str], ranks: int = 1) -> s
     beyond one); its output."""
     script = tmp_path / "page.py"
     parts = [SETUP.read_text(encoding="utf-8"), *blocks]
-    script.write_text("\n\n".join([*parts, "dist.destroy_process_group()\n"]), encoding="utf-8")
+    # The ending the FAQ gives for a gloo run whose exit status matters: leave each rank
+    # without the interpreter's shutdown, where gloo may abort (pytorch/pytorch#190489).
+    ending = "import sys\ndist.destroy_process_group()\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n"
+    script.write_text("\n\n".join([*parts, ending]), encoding="utf-8")
     env = {
         **os.environ,
         "RANK": "0",
