@@ -1,6 +1,11 @@
-"""``no_sync``: micro-batches accumulate locally and one synced backward reduces their sum."""
+"""``no_sync``: micro-batches accumulate locally and one synced backward reduces their sum.
+FSDP2's own ``model.set_requires_gradient_sync(False)`` does the same for dmuon's reduces
+([Note: FSDP2's gradient sync])."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,7 +29,20 @@ def _wrapped(world_size: int, reshard: bool):
     return model, runtime
 
 
-def _accumulate_vs_large_batch(rank: int, world_size: int, reshard: bool) -> dict:
+@contextlib.contextmanager
+def _fsdp2_sync_off(model) -> Iterator[None]:
+    """A loop written for FSDP2 alone: its flag on the root, which recurses into the layers."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+UNSYNCED = {"dmuon.no_sync": no_sync, "fsdp2": _fsdp2_sync_off}
+
+
+def _accumulate_vs_large_batch(rank: int, world_size: int, reshard: bool, how: str) -> dict:
     tokens = batch(0, ROWS * MICRO * world_size).chunk(world_size)[rank]
     micro = tokens.chunk(MICRO)
 
@@ -32,7 +50,7 @@ def _accumulate_vs_large_batch(rank: int, world_size: int, reshard: bool) -> dic
     acc.counter.reset()
     for i, part in enumerate(micro):
         if i < MICRO - 1:
-            with no_sync(acc_model):
+            with UNSYNCED[how](acc_model):
                 (loss_fn(acc_model, part) / MICRO).backward()
             # Nothing was reduced: the local gradient stays on the parameter.
             assert all(dp.param.grad is not None for dp in acc.params)
@@ -65,10 +83,11 @@ def _accumulate_vs_large_batch(rank: int, world_size: int, reshard: bool) -> dic
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("how", UNSYNCED)
 @pytest.mark.parametrize("reshard", [True, False], ids=["z3", "z2"])
-def test_no_sync_matches_one_large_batch(reshard: bool) -> None:
+def test_no_sync_matches_one_large_batch(reshard: bool, how: str) -> None:
     world_size = 2
-    counts = run_distributed(_accumulate_vs_large_batch, world_size, reshard)
+    counts = run_distributed(_accumulate_vs_large_batch, world_size, reshard, how)
     p_m = muon_numel(build(0)) * 4
     # Z2 keeps the weights over the accumulation: one broadcast round for all micro-batches;
     # Z3 broadcasts twice per micro-batch. One reduce round either way.
@@ -102,13 +121,13 @@ def test_a_discarded_no_sync_micro_batch_leaves_no_gradient() -> None:
     run_distributed(_discarded_micro_batch, 2)
 
 
-def _step_after_no_sync_only(rank: int, world_size: int) -> None:
+def _step_after_no_sync_only(rank: int, world_size: int, how: str) -> None:
     rows = ROWS * world_size
     model, runtime = _wrapped(world_size, reshard=True)
     optimizer = Muon(model)
     before = get_model_state_dict(model)
     for i in range(2):  # the whole accumulation inside the context: nothing is ever reduced
-        with no_sync(model):
+        with UNSYNCED[how](model):
             loss_fn(model, batch(i, rows).chunk(world_size)[rank]).backward()
     with pytest.raises(RuntimeError, match=r"the last backward ran inside dmuon\.no_sync"):
         optimizer.step()
@@ -123,5 +142,6 @@ def _step_after_no_sync_only(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.distributed
-def test_a_step_after_backwards_only_inside_no_sync_is_refused() -> None:
-    run_distributed(_step_after_no_sync_only, 2)
+@pytest.mark.parametrize("how", UNSYNCED)
+def test_a_step_after_backwards_only_inside_no_sync_is_refused(how: str) -> None:
+    run_distributed(_step_after_no_sync_only, 2, how)

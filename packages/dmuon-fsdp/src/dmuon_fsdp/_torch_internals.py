@@ -43,6 +43,7 @@ __all__ = [
     "foreach_max_abs",
     "foreach_mul_",
     "fsdp_forward_method_running",
+    "fsdp_gradient_sync_off",
     "fsdp_init_module",
     "fsdp_init_running",
     "fsdp_manages",
@@ -145,6 +146,24 @@ def fsdp_mp_policy(module: FSDPModule) -> Any:
     and has no public getter, and dmuon resolves a dedicated parameter's dtypes from it (see
     [Note: mixed precision] in ``holder/_precision``)."""
     return module._get_fsdp_state()._mp_policy
+
+
+def fsdp_gradient_sync_off(modules: Sequence[FSDPModule]) -> bool:
+    """Whether ``set_requires_gradient_sync(False)`` is in effect on every FSDP2 parameter group
+    of ``modules`` (``False`` when they have none).
+
+    Reads ``FSDPParamGroup.reduce_grads`` through ``module._get_fsdp_state()``: FSDP2 keeps the
+    flag on its parameter groups and has no public getter (torch 2.13 holds a list of groups in
+    ``_fsdp_param_groups``, torch 2.11 one group or none in ``_fsdp_param_group``)."""
+    groups = []
+    for module in modules:
+        state = module._get_fsdp_state()
+        many = getattr(state, "_fsdp_param_groups", None)
+        if many is not None:
+            groups.extend(many)
+        elif state._fsdp_param_group is not None:
+            groups.append(state._fsdp_param_group)
+    return bool(groups) and not any(group.reduce_grads for group in groups)
 
 
 def local_tensor(t: DTensor) -> Tensor:

@@ -60,7 +60,9 @@ class BoundaryHooks:
 
     ``reduce_queue`` receives each pack whose local gradients are complete;
     ``reshard_after_forward`` is Z3 (``True``) or Z2; ``requires_gradient_sync`` is ``False``
-    inside ``no_sync`` (see [Note: the step protocol] in :mod:`._runtime`).
+    inside ``no_sync`` (see [Note: the step protocol] in :mod:`._runtime`), and
+    ``fsdp_sync_off`` says whether FSDP2's own gradient sync is off on the whole model (see
+    [Note: FSDP2's gradient sync] in :mod:`._no_sync`).
     """
 
     def __init__(
@@ -71,12 +73,16 @@ class BoundaryHooks:
         *,
         reshard_after_forward: bool,
         on_first_forward: Callable[[], None],
+        fsdp_sync_off: Callable[[], bool],
     ) -> None:
         self.groups = list(groups)
         self.params = list(params)
         self.reduce_queue = reduce_queue
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
+        self._fsdp_sync_off = fsdp_sync_off
+        # Whether the backward under way reduces: both flags, read once at its first hook.
+        self._syncing = True
         # The last backward ran under no_sync and no synced one followed: its gradients are
         # accumulated on each rank but not reduced (see [Note: a step after no_sync]).
         self.unsynced_backward = False
@@ -229,6 +235,7 @@ class BoundaryHooks:
     def _queue_final_callback(self) -> None:
         if not self._final_queued:
             self._final_queued = True
+            self._syncing = self.requires_gradient_sync and not self._fsdp_sync_off()
             self._order = list(self._current)
             queue_backward_callback(self._post_backward_final)
 
@@ -244,17 +251,17 @@ class BoundaryHooks:
     def _pack_done(self, group: DedicatedGroup, pack: Pack) -> None:
         if not group.finish_pack(pack):
             return
-        if self.requires_gradient_sync:
+        if self._syncing:
             self.reduce_queue.submit(pack)
         # Z2 keeps its weights across no_sync micro-batches so that they are not broadcast
         # again; otherwise a boundary's weights are freed once its backward is done.
-        if group.all_packs_finished and (self.reshard_after_forward or self.requires_gradient_sync):
+        if group.all_packs_finished and (self.reshard_after_forward or self._syncing):
             group.reshard()
 
     def _post_backward_final(self) -> None:
         with span("dmuon::post_backward_final"):
             self._final_queued = False
-            self.unsynced_backward = not self.requires_gradient_sync
+            self.unsynced_backward = not self._syncing
             for group in self.groups:
                 if not group.backward_touched:
                     continue
@@ -312,9 +319,9 @@ def _replicated_grad(
     hooks, queue = weak_hooks(), weak_queue()
     if hooks is None or queue is None or param.grad is None:
         return
-    if hooks.requires_gradient_sync:
+    hooks._queue_final_callback()  # which waits for the queue (see hook_replicated)
+    if hooks._syncing:
         queue.submit(param.grad)
-        hooks._queue_final_callback()  # which waits for it (see hook_replicated)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

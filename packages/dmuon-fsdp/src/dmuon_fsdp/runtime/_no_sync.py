@@ -6,6 +6,16 @@ broadcast again), and FSDP2 modules of the model skip their reduce-scatter
 (``set_requires_gradient_sync(False)``). The first backward after the context reduces the
 accumulated sum, so k micro-batches under ``no_sync`` plus one synced micro-batch give the
 gradient of their union (the mean over micro-batches if each loss is divided by k + 1).
+
+[Note: FSDP2's gradient sync]
+An FSDP2 user turns reduces off with ``model.set_requires_gradient_sync(False)`` on the root,
+which recurses into every ``fully_shard`` module; accelerate's ``no_sync`` and the Hugging Face
+``Trainer`` do the same for a model sharded with FSDP2. dmuon follows that flag too: a backward
+that starts while FSDP2's gradient sync is off on every parameter group of the model reduces
+no dedicated gradient either, exactly as inside ``no_sync``. The flags are read once per
+backward, at its first hook, so every rank (which sets them at the same point of its loop)
+decides alike. Sync off on some modules only (``recurse=False``) leaves dmuon reducing, which
+costs traffic, never correctness.
 """
 
 from __future__ import annotations

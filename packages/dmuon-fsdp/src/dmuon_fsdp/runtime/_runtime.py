@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ from dmuon_ownership import Owner, ParamPolicy, Plan
 
 from .._checks import check_bool
 from .._profile import span
-from .._torch_internals import fsdp_manages
+from .._torch_internals import fsdp_gradient_sync_off, fsdp_manages
 from ..holder import (
     FULLY_SHARD_FIX,
     DedicatedParam,
@@ -46,6 +46,7 @@ from ..holder import (
     ParamHolder,
     Role,
     boundary_mp_policy,
+    fsdp_modules,
     fsdp_modules_above,
     is_dedicated,
     resolve_precision,
@@ -56,6 +57,9 @@ from ._config import DedicateConfig
 from ._group import DedicatedGroup
 from ._hooks import BoundaryHooks
 from ._pack import without_storage
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
 
@@ -104,6 +108,7 @@ class DedicatedRuntime:
         self.tied_names: dict[str, str] = {}
         self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
+        self._fsdp_modules: list[FSDPModule] | None = None  # set at the first backward
         self._final = False  # packed with the precision fully_shard asks for
         self.hooks = BoundaryHooks(
             groups,
@@ -111,6 +116,7 @@ class DedicatedRuntime:
             self.reduce_queue,
             reshard_after_forward=config.reshard_after_forward,
             on_first_forward=self._init_at_first_forward,
+            fsdp_sync_off=self._fsdp_sync_off,
         )
         if not any(dp.param.is_meta for dp in params):
             self._pack(dict(model.named_modules()), final=False)
@@ -135,6 +141,16 @@ class DedicatedRuntime:
         (``to_empty``'s replacements were adopted when it ran)."""
         self._check_registered()
         self._finish_packing()
+
+    def _fsdp_sync_off(self) -> bool:
+        """Whether FSDP2's gradient sync is off on every ``fully_shard`` module of the model
+        (see [Note: FSDP2's gradient sync] in :mod:`._no_sync`). The modules are found at the
+        first backward, after the first forward, by which ``fully_shard`` has run."""
+        if self._fsdp_modules is None:
+            model = self._model()
+            assert model is not None, "the model this runtime belongs to was deleted"
+            self._fsdp_modules = [module for _, module in fsdp_modules(model)]
+        return fsdp_gradient_sync_off(self._fsdp_modules)
 
     def _finish_packing(self) -> None:
         if self._final:
@@ -327,10 +343,11 @@ class DedicatedRuntime:
         accumulation) clears it."""
         if self.hooks.unsynced_backward:
             raise RuntimeError(
-                "Muon.step(): the last backward ran inside dmuon.no_sync(model), and no "
-                "backward outside it followed, so its gradients were accumulated on each rank "
-                "but never reduced and the step would leave the weights as they are. Run the "
-                "last micro-batch's backward outside no_sync (it reduces the whole "
+                "Muon.step(): the last backward ran inside dmuon.no_sync(model) (or with "
+                "FSDP2's model.set_requires_gradient_sync(False)), and no synced backward "
+                "followed, so its gradients were accumulated on each rank but never reduced "
+                "and the step would leave the weights as they are. Run the last micro-batch's "
+                "backward outside no_sync, with gradient sync on (it reduces the whole "
                 "accumulation), or call optimizer.zero_grad() to discard it"
             )
 
