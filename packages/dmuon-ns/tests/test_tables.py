@@ -55,13 +55,20 @@ def test_a_malformed_table_is_an_error_naming_the_file(data):
         _tables.parse(data, "broken.json")
 
 
-def test_the_h200_table_covers_the_common_shapes_for_every_kernel():
-    assert _tables.table_file("NVIDIA H200") == "nvidia-h200.json"
-    assert _tables.table_file("NVIDIA H100 80GB HBM3") is None  # measured cards only
-    text = importlib.resources.files("dmuon_ns").joinpath("tables", "nvidia-h200.json")
+@pytest.mark.parametrize(
+    ("card", "file", "date"),
+    [
+        ("NVIDIA H200", "nvidia-h200.json", "2026-12-04"),
+        ("NVIDIA H100 80GB HBM3", "nvidia-h100.json", "2026-12-05"),
+    ],
+)
+def test_each_card_table_covers_the_common_shapes_for_every_kernel(card, file, date):
+    assert _tables.table_file(card) == file
+    assert _tables.table_file("NVIDIA H100 PCIe") is None  # measured cards only
+    text = importlib.resources.files("dmuon_ns").joinpath("tables", file)
     data = json.loads(text.read_text("utf-8"))
-    assert data["device"] == "NVIDIA H200" and data["measured"]["date"].startswith("2026-12-04")
-    entries = _tables.load("NVIDIA H200")
+    assert data["device"] == card and data["measured"]["date"].startswith(date)
+    entries = _tables.load(card)
     assert len(entries) == len(data["problems"]) >= 40
     for entry in entries:
         assert set(entry.ms) | set(entry.rejected) == {"quack", "triton", "torch"}, entry

@@ -1,5 +1,5 @@
 """The Triton tile tables shipped with the package: their format, the nearest-product rule, and
-what the H200 table covers (no GPU needed: the tables are data)."""
+what the H200 and H100 tables cover (no GPU needed: the tables are data)."""
 
 from __future__ import annotations
 
@@ -84,15 +84,17 @@ def test_a_malformed_table_names_the_file():
     assert _triton_tiles.tiles_file("Some GPU") is None
 
 
-def test_the_h200_tile_table_covers_every_kind_with_the_current_candidates():
+@pytest.mark.parametrize("card", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_each_card_tile_table_covers_every_kind_with_the_current_candidates(card):
     pytest.importorskip("triton")
     from dmuon_ns import _triton_kernels
 
-    name = _triton_tiles.tiles_file("NVIDIA H200")
+    name = _triton_tiles.tiles_file(card)
+    assert name is not None, card
     text = importlib.resources.files("dmuon_ns").joinpath("tables", name).read_text("utf-8")
     candidates = {"symmetric": _triton_kernels.SYM_TILES, "plain": _triton_kernels.MM_TILES}
     rows = _triton_tiles.parse_tiles(json.loads(text), name, candidates)
-    assert rows, "measured with other candidates: rerun benchmarks/ns_tiles.py on an H200"
+    assert rows, f"measured with other candidates: rerun benchmarks/ns_tiles.py on the {card}"
     kinds = {(r.product.symmetric, r.product.has_c, r.product.has_diag) for r in rows}
     # The Gram iteration's products: X·Xᵀ, the symmetric ones with C and a diagonal, Q·X.
     assert (True, False, False) in kinds and (False, False, False) in kinds

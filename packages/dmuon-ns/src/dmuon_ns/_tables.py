@@ -19,8 +19,9 @@ versions: a table measured under other versions still ranks the same products;
 ``NewtonSchulz.tune`` measures on the machine itself where that is in doubt, and its verdict
 (kept in the on-disk cache) comes first.
 
-Only cards that were measured have a table: the H200's. No other card's numbers are
-written down, estimated or carried over.
+Only cards that were measured have a table: the H200 and the H100 80GB HBM3 (SXM), each
+named as ``torch.cuda.get_device_name`` reports it. No other card's numbers are written down,
+estimated or carried over (an H100 PCIe or NVL reports another name and gets none).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple
 __all__ = ["FORMAT_VERSION", "TableEntry", "entry_for", "load", "table_file", "verdict_kernel"]
 
 FORMAT_VERSION = 1
-_TABLES = {"NVIDIA H200": "nvidia-h200.json"}
+_TABLES = {"NVIDIA H200": "nvidia-h200.json", "NVIDIA H100 80GB HBM3": "nvidia-h100.json"}
 
 
 class TableEntry(NamedTuple):

@@ -32,7 +32,10 @@ from typing import Any, NamedTuple
 __all__ = ["Product", "TileRow", "load_tiles", "nearest_tile", "parse_tiles", "tiles_file"]
 
 FORMAT_VERSION = 1
-_FILES = {"NVIDIA H200": "nvidia-h200-tiles.json"}
+_FILES = {
+    "NVIDIA H200": "nvidia-h200-tiles.json",
+    "NVIDIA H100 80GB HBM3": "nvidia-h100-tiles.json",
+}
 
 
 class Product(NamedTuple):
