@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.utils import parameters_to_vector
 
 from dmuon_fsdp import (
+    EMA,
     Muon,
     NotHeldError,
     Role,
@@ -358,3 +359,42 @@ def test_ddp_path_with_tensor_parallelism_matches_the_reference() -> None:
     ref = train_reference(plain, names, HYPER, STEPS, ROWS, SEQ, VOCAB)
     for step, (got, want) in enumerate(zip(losses, ref)):
         assert abs(got - want) <= 2e-3 * abs(want), f"step {step}: {got} vs {want}"
+
+
+def _ema_tp(rank: int, world_size: int) -> None:
+    """The weight EMA with tensor parallelism: kept beside each TP shard where it is stepped."""
+    model, _, dp_index = _tp_model((2, 2))
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    ema = EMA(optimizer, decay=0.75)
+    names = {name for name, _ in model.named_parameters()}
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {k: v for k, v in get_model_state_dict(model).items() if k in names}
+
+    reference = {k: v.float() for k, v in weights().items()}
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), dp_index, 2))
+        (loss * float("nan") if step == 1 else loss).backward()  # the second step is skipped
+        optimizer.step()
+        factor = torch.zeros(()) if step == 1 else torch.tensor(0.25)
+        now = weights()
+        torch._foreach_lerp_(list(reference.values()), [now[k] for k in reference], factor)
+    averaged = ema.state_dict()["weights"]
+    assert set(averaged) == set(reference)
+    assert all(torch.equal(averaged[k], reference[k].to(averaged[k].dtype)) for k in reference)
+
+    other, _, _ = _tp_model((2, 2))
+    set_model_state_dict(other, averaged)
+    tokens = shard(make_batch(9, ROWS, SEQ, VOCAB), dp_index, 2)
+    before = get_model_state_dict(model)
+    with torch.no_grad(), ema.applied():
+        loss = lm_loss(model, tokens)
+    assert torch.equal(loss, lm_loss(other, tokens).detach())
+    after = get_model_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.distributed
+def test_the_weight_ema_under_tensor_parallelism_is_the_recurrence_and_applies() -> None:
+    run_distributed(_ema_tp, 4)
