@@ -14,8 +14,9 @@ which recurses into every ``fully_shard`` module; accelerate's ``no_sync`` and t
 that starts while FSDP2's gradient sync is off on every parameter group of the model reduces
 no dedicated gradient either, exactly as inside ``no_sync``. The flags are read once per
 backward, at its first hook, so every rank (which sets them at the same point of its loop)
-decides alike. Sync off on some modules only (``recurse=False``) leaves dmuon reducing, which
-costs traffic, never correctness.
+decides alike. Sync off on some modules only (``recurse=False``), or HSDP's
+``set_requires_all_reduce(False)`` alone (reduce-scatter but no all-reduce across replicas),
+leaves dmuon reducing in full, which costs traffic, never correctness.
 """
 
 from __future__ import annotations
