@@ -301,3 +301,51 @@ def test_a_per_rank_dict_of_another_world_size_is_refused() -> None:
         assert f"saved on rank {rank} of 4 (this is rank {rank} of 2)" in with_holdings
         assert "dmuon.set_optimizer_state_dict" in with_holdings
         assert without is not None and "Nothing was loaded" in without, without
+
+
+def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
+    """Z2 with FSDP2 computing in bf16 keeps the compute copies after an evaluation forward
+    ([Note: state dicts see the parameters]): a layer's ``state_dict()`` then reads what it reads
+    after a step (the owner's fp32 master, a peer's ``NotHeldError``), and training goes on
+    bit for bit like a run without the evaluation and the read."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from dmuon_fsdp import NotHeldError, dedicated_params_of, get_model_state_dict
+
+    runs = {}
+    for evaluate in (True, False):
+        model = build(0)
+        mesh = init_device_mesh("cpu", (world_size,))
+        dedicate_params(model, mesh, muon_predicate, reshard_after_forward=False)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        ignored = dedicated_params_of(model)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+        optimizer = Muon(model, **HYPER.muon_kwargs())
+        _step(model, optimizer, 0, rank, world_size)
+        name = "layers.0.attn.q_proj.weight"
+        if evaluate:
+            with torch.no_grad():
+                lm_loss(model, shard(make_batch(9, ROWS, SEQ, VOCAB), rank, world_size))
+            try:  # the first layer's matrices, all on one owner
+                read = model.layers[0].state_dict()[name.removeprefix("layers.0.")]
+            except NotHeldError:
+                read = None
+            full = get_model_state_dict(model)[name]
+            owner = any(dp.fqn == name for dp in optimizer.runtime.owned)
+            runs["read"] = (owner, read is None or torch.equal(read, full), read)
+        _step(model, optimizer, 1, rank, world_size)
+        runs[evaluate] = get_model_state_dict(model)
+    owner, equal, read = runs["read"]
+    return {
+        "owner reads the master": not owner or (read is not None and equal),
+        "peer raises": owner or read is None,
+        "same training": all(torch.equal(runs[True][k], runs[False][k]) for k in runs[False]),
+    }
+
+
+@pytest.mark.distributed
+def test_z2_state_dict_after_an_evaluation_reads_as_after_a_step() -> None:
+    for result in run_distributed(_z2_after_evaluation, 2):
+        assert all(result.values()), result

@@ -111,6 +111,12 @@ class BoundaryHooks:
                     functools.partial(_weak_hook, weak_self, "_post_forward", index)
                 )
             )
+            before_state_dict = functools.partial(_weak_hook, weak_self, "_state_dict", index)
+            for module in {
+                id(dp.module): dp.module for dps in group.members for dp in dps
+            }.values():
+                self._handles.append(module.register_state_dict_pre_hook(before_state_dict))
+                self._handles.append(module.register_load_state_dict_pre_hook(before_state_dict))
         self._grad_handles = [self._grad_hook(index) for index in range(len(self.params))]
 
     def _grad_hook(self, index: int) -> RemovableHandle:
@@ -216,6 +222,19 @@ class BoundaryHooks:
             for tensor in tensors:
                 tensor.register_hook(functools.partial(self._pre_backward, group))
         return output
+
+    def _state_dict(self, index: int, *args: Any) -> None:
+        """[Note: state dicts see the parameters]
+        Z2 keeps a boundary's weights after a forward without a backward (an evaluation)
+        until the next step, as FSDP2 keeps its own gathered: each module then holds the
+        compute copy, in the compute dtype, on peers and owner alike. ``state_dict()`` and
+        ``load_state_dict()`` of a module holding dedicated parameters first drop those kept
+        weights, as FSDP2's own pre-hooks put its sharded parameters back: a read sees what
+        it sees after a step (the owner's master; a peer's raises ``NotHeldError``), never
+        the compute copy, and a load never writes into a copy about to be freed. Like FSDP2's,
+        a later forward gathers again, so every rank calls them alike."""
+        if not in_backward():
+            self.groups[index].reshard()
 
     # -- backward --------------------------------------------------------------------------------
 
