@@ -191,6 +191,18 @@ def _torch_load_of_a_full_state_dict(mesh: DeviceMesh, root: str) -> None:
         assert not changed, f"the refused load changed {changed}"
 
 
+def _autograd_grad_over_the_parameters(mesh: DeviceMesh, root: str) -> None:
+    """A gradient taken with torch.autograd.grad over the model's parameters (a gradient
+    penalty, a per-parameter norm): refused before the backward runs, on every rank (each is
+    a peer of some dedicated weight)."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    Muon(model)
+    loss = loss_fn(model, batch(0, 4))
+    torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+
+
 SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
     "plain fully_shard, patch off": (
         _plain_fully_shard_without_the_patch,
@@ -256,6 +268,11 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _deepcopy_on_the_replicated_path,
         r"TypeError: copy\.deepcopy cannot copy a model after dedicate_params.*dmuon\.EMA.*"
         r"copy the model before dedicate_params",
+    ),
+    "torch.autograd.grad over the parameters": (
+        _autograd_grad_over_the_parameters,
+        r"NotHeldError: .*\(operation: grad\).*torch\.autograd\.grad and backward\(inputs=\.\.\.\) "
+        r"cannot take a dedicated weight.*Call loss\.backward\(\) without inputs",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

@@ -307,7 +307,9 @@ class _Guard(StateClass):
                 f"{holder.where} was taken by fully_shard (it read the weight to shard it). "
                 f"{FULLY_SHARD_FIX}"
             )
-        raise NotHeldError(holder.not_held_message(_qualname(func), _read_from(absent)))
+        operation = _qualname(func)
+        hint = _AUTOGRAD if operation in _AUTOGRAD_CALLS else _read_from(absent)
+        raise NotHeldError(holder.not_held_message(operation, hint))
 
     def _absent_repr(self) -> str:
         """What ``repr`` says while the weight is not held here."""
@@ -359,6 +361,16 @@ _NO_DEEPCOPY = (
     "live on their owners and its hooks reach dmuon's process groups. For an average of the "
     "weights use dmuon.EMA(optimizer), which keeps it where each weight is stepped; for "
     "another copy, copy the model before dedicate_params."
+)
+
+
+# torch.autograd.grad(outputs, inputs) and Tensor.backward(inputs=...) given a dedicated weight.
+_AUTOGRAD_CALLS = ("grad", "backward", "Tensor.backward")
+_AUTOGRAD = (
+    "torch.autograd.grad and backward(inputs=...) cannot take a dedicated weight: its gradient "
+    "reaches its owner through the reduce that a backward of the whole loss starts on every "
+    "rank (FSDP2's sharded parameters get no gradient from them either). Call loss.backward() "
+    "without inputs on every rank; to differentiate with respect to activations, pass those."
 )
 
 
