@@ -7,6 +7,7 @@ tensor dmuon does not take over (``_tensors``: a shard, or the whole tensor)."""
 from ._dedicated import DedicatedParam, TensorParallelParam
 from ._experts import ExpertStack, SourcedExpertStack, check_expert_split
 from ._guard import (
+    DEEPCOPY_FIX,
     FULLY_SHARD_FIX,
     STEPS_DEDICATED,
     NotHeldError,
@@ -37,6 +38,7 @@ from ._tensors import ShardedTensor, TensorView, WholeTensor, tensor_view
 from ._tp_ns import TensorParallelNS, TPMode
 
 __all__ = [
+    "DEEPCOPY_FIX",
     "FULLY_SHARD_FIX",
     "KINDS",
     "STEPS_DEDICATED",

@@ -87,6 +87,7 @@ from .._torch_internals import (
 )
 
 __all__ = [
+    "DEEPCOPY_FIX",
     "FULLY_SHARD_FIX",
     "RUN",
     "STEPS_DEDICATED",
@@ -354,13 +355,15 @@ class GuardedDTensor(_Guard, DTensor):
 
 
 _PARAMETRIZE_FILES = ("nn/utils/parametrize.py", "nn/utils/parametrizations.py")
-# Why a model after dedicate_params cannot be copied, and what to do instead.
+# What to do instead of copying a model after dedicate_params (here and the runtime's refusal).
+DEEPCOPY_FIX = (
+    "For an average of the weights use dmuon.EMA(optimizer), which keeps it where each weight "
+    "is stepped; for another copy, copy the model before dedicate_params"
+)
 _NO_DEEPCOPY = (
     "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
     "AveragedModel copies its model so), as it cannot copy one after fully_shard: its weights "
-    "live on their owners and its hooks reach dmuon's process groups. For an average of the "
-    "weights use dmuon.EMA(optimizer), which keeps it where each weight is stepped; for "
-    "another copy, copy the model before dedicate_params."
+    f"live on their owners and its hooks reach dmuon's process groups. {DEEPCOPY_FIX}."
 )
 
 

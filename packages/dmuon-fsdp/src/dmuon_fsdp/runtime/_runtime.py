@@ -39,6 +39,7 @@ from .._checks import check_bool
 from .._profile import span
 from .._torch_internals import fsdp_gradient_sync_off, fsdp_manages
 from ..holder import (
+    DEEPCOPY_FIX,
     FULLY_SHARD_FIX,
     DedicatedParam,
     ExpertStack,
@@ -373,9 +374,8 @@ class DedicatedRuntime:
         ranks hold every weight, meets first."""
         raise TypeError(
             "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
-            "AveragedModel copies its model so): its runtime holds dmuon's process groups. For "
-            "an average of the weights use dmuon.EMA(optimizer), which keeps it where each "
-            "weight is stepped; for another copy, copy the model before dedicate_params"
+            f"AveragedModel copies its model so): its runtime holds dmuon's process groups. "
+            f"{DEEPCOPY_FIX}"
         )
 
 
