@@ -376,8 +376,9 @@ def test_dedicate_errors_and_options(body) -> None:
 
 @pytest.mark.distributed
 def test_fully_shard_without_ignored_params_raises_at_every_entry_point() -> None:
-    """The default leaves fully_shard unpatched: a dedicated parameter it took is named, with
-    the fix, at Muon(model), checkpoint and diagnostics calls and the first forward."""
+    """With ``patch_fully_shard=False`` (the default patches it) a ``fully_shard`` without
+    ``ignored_params`` takes the dedicated parameters: each is named, with the fix, at
+    Muon(model), checkpoint and diagnostics calls and the first forward."""
     run_distributed(_fully_shard_without_ignored_params, 1)
 
 

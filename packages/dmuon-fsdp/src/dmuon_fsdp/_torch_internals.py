@@ -5,7 +5,9 @@
 dmuon reaches below torch's public API in a few places where no public API does the job. All
 of them live here, each in one function that says what it uses and why nothing public serves,
 so that a torch upgrade is checked in one file and the rest of ``dmuon_fsdp`` reads as public
-torch (``tests/test_structure.py`` fails when another module reaches private torch). Tested
+torch (``tests/test_structure.py`` fails when another module reaches private torch, but for
+``checkpoint/_integrity.py``, whose checksum reader subclasses DCP's reader and overrides one of
+its private methods). Tested
 with torch 2.11 (the GPU machine) and torch 2.13 (CI).
 
 Two public substitutes were chosen over private names elsewhere: ``torch.distributed.group.WORLD``

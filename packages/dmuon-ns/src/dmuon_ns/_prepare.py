@@ -12,8 +12,9 @@
    ``Prepared.write`` straight into the kernel's input: a new tensor, or the static input of
    the CUDA graph that replays the call, which then needs no copy of its own.
 
-``restore`` undoes 1 and 2; the kernels already write the input's dtype (fp16, bf16, fp32) from
-their last product, so its cast only acts for float64. A zero matrix stays zero:
+``restore`` undoes 1 and 2; the kernels already return the input's dtype (fp16, bf16, fp32),
+written by their last product or cast after their loop (``_iterations``' [Note: the result
+dtype]), so its cast only acts for float64. A zero matrix stays zero:
 0 · 1/(0 + eps) = 0, and every NS polynomial maps 0 to 0.
 
 [Note: the scaling pass follows the kernel]

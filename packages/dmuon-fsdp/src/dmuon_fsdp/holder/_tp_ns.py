@@ -80,7 +80,7 @@ def choose(mode: TPMode, shape: tuple[int, int], tp_dim: int, ns: NSFunction) ->
 
 class TensorParallelNS:
     """An NS function on a one-matrix ``(1, *local_shape)`` stack of TP shards, for
-    ``muon_step``: it returns this rank's shard of NS of the whole matrix."""
+    ``muon_batch``: it returns this rank's shard of NS of the whole matrix."""
 
     def __init__(
         self,

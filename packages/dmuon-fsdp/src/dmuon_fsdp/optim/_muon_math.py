@@ -8,7 +8,8 @@ shape are stacked into a single ``(batch, m, n)`` tensor and orthogonalised by o
 a rank that owns twelve ``(1024, 4096)`` projections issues one batched NS instead of twelve. NS acts on each matrix of the batch independently, so the
 result equals twelve separate calls up to the rounding of batched matrix products. The NS
 function is whatever the optimizer was given (a ``dmuon_ns.NewtonSchulz`` or any callable on a
-``(batch, m, n)`` stack), and :func:`muon_step` is its only caller.
+``(batch, m, n)`` stack), called once per batch: by :func:`muon_batch`, or early, during
+backward, by ``ns_overlap`` (``_ns_overlap``).
 
 The NS inputs are written straight into the stack (no per-matrix temporary), and the stack
 lives only while its NS runs. Its transient memory peaks at 3.25 to 4 times the stack itself
@@ -128,7 +129,7 @@ def make_newton_schulz(ns_backend: str | NSFunction, ns_steps: int | None) -> NS
 
 
 class MuonItem(NamedTuple):
-    """One owned Muon parameter for :func:`muon_step`: where to read and write, and its
+    """One owned Muon parameter for :func:`muon_batch`: where to read and write, and its
     hyperparameters. Tensors are laid out as the parameter (or this rank's TP shard of it):
     one matrix, or a stack of them (see [Note: what Muon steps] in _matrix)."""
 
@@ -280,7 +281,7 @@ def momentum_only(
 ) -> None:
     """Advance the momentum of ``part`` exactly as :func:`muon_batch` does, and nothing else:
     another replica steps these matrices (see [Note: stepping expert sources] in
-    _step_plan); their NS input is written to a scratch stack and dropped."""
+    holder/_experts); their NS input is written to a scratch stack and dropped."""
     _momentum_stack(part, skip, scalars=scalars)
 
 

@@ -26,7 +26,8 @@ recompute that batch, so the option never changes a result, only when it is comp
 write without torch's count bumps no version: one through ``grad.data`` (the docs tell users
 to write in place on the tensor) or a kernel's (a Triton launch). Muon-aware
 clipping, whose CUDA path scales the gradients so, gets them through
-``Muon.muon_grads_for_clip()``, which drops every early result and turns the option off with
+``Muon.grads_for_clip()`` (``muon_grads_for_clip()`` included), which, for a selection with a
+Muon gradient, drops every early result and turns the option off with
 a warning (a clip needs the global norm, known only after backward, so nothing can run
 early). The
 non-finite skip needs every gradient, so it is decided in the step as before; a skipped step

@@ -1,9 +1,7 @@
 """The dedicated runtime: the one object ``dedicate_params`` attaches to a model.
 
-The optimizer, checkpoint and diagnostics talk to the runtime only through the surface
-listed in ARCHITECTURE.md ("dmuon-fsdp inside"): ``params``, ``owned``, ``coord``,
-``world_group``, ``global_group``, ``global_rank``, ``wait_all_reduces``, ``after_step`` and
-``drain``. It owns the groups (:mod:`._group`), the queue of pending gradient reductions
+The optimizer, checkpoint and diagnostics talk to the runtime through the surface listed in
+ARCHITECTURE.md ("dmuon-fsdp inside"). It owns the groups (:mod:`._group`), the queue of pending gradient reductions
 (:class:`~._collectives.ReduceQueue`) and the hooks (:mod:`._hooks`), which are handed both.
 
 [Note: the step protocol]

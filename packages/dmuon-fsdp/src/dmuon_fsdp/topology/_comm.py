@@ -52,8 +52,8 @@ class CommKind(StrEnum):
 class CommCounter:
     """Payload bytes and call counts of every collective issued, keyed by (axis, kind).
 
-    The payload of a broadcast or reduce is the size of the tensor it carries (see [Note: bytes
-    per step] in ARCHITECTURE.md: every Muon element travels once per round); the wire cost per
+    The payload of a broadcast or reduce is the size of the tensor it carries (see "Bytes per
+    step" in ARCHITECTURE.md: every Muon element travels once per round); the wire cost per
     rank is that times (n - 1) / n for a group of n ranks, which callers derive themselves.
     """
 
