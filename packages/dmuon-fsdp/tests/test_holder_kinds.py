@@ -75,6 +75,19 @@ def _identity_update(weight: Tensor, grad: Tensor) -> Tensor:
     return w * (1 - HYPER.lr * HYPER.weight_decay) - HYPER.lr * scale * update
 
 
+class _NoClassmethod(DedicatedParam):
+    def claims(self, found: Found) -> bool:  # type: ignore[override]
+        return False
+
+
+def test_register_kind_refuses_what_is_not_a_holder_class() -> None:
+    with pytest.raises(TypeError, match="is not a holder class"):
+        register_kind(dict)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="claims must be a classmethod"):
+        register_kind(_NoClassmethod)
+    assert _NoClassmethod not in KINDS and dict not in KINDS
+
+
 @pytest.mark.distributed
 def test_a_kind_registered_in_the_holder_sub_package_trains_on_two_ranks() -> None:
     toy = run_distributed(_train, 2, True)

@@ -165,7 +165,21 @@ def test_ns_runs_once_per_shape_and_batching_keeps_each_matrix():
             assert float(s.max()) < 1.3 and float(s.min()) > 0.5
 
 
-def test_make_newton_schulz():
+@pytest.mark.parametrize("wrong", ["first matrix", "not a tensor"])
+def test_an_ns_function_returning_another_shape_is_refused_before_the_update(wrong):
+    items = _items([(8, 16), (8, 16)], 3)
+    before = [(i.weight.clone(), i.buf.clone()) for i in items]
+
+    def bad_ns(x):
+        return x[:1] if wrong == "first matrix" else x.tolist()
+
+    with pytest.raises(
+        ValueError, match=r"bad_ns.* for a \(batch, m, n\) input of shape \(2, 8, 16\)"
+    ):
+        muon_step(items, bad_ns, max_batch_bytes=None)
+    # The weights were not touched (the momentum is advanced before NS runs).
+    assert all(torch.equal(i.weight, w) for i, (w, _) in zip(items, before))
+
     ns = make_newton_schulz("direct", 7)
     assert ns.backend == "direct" and ns.steps == 7
     assert make_newton_schulz("gram", None).steps == 5

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dmuon_ns._coefficients import Coefficients, coefficients_for_steps, validate_coefficients
 from dmuon_ns._orthogonalize import orthogonalize, orthogonalize_many, tune
-from dmuon_ns._registry import kernel_names
+from dmuon_ns._registry import REGISTER_HINT, kernel_names
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -67,7 +67,8 @@ class NewtonSchulz:
             variable if set, else the torch kernel off CUDA; on CUDA the kernel of the problem's
             verdict, measured by ``tune``/``tune_pending`` or shipped in the device's table,
             and torch where there is none: no call measures) or a registered kernel name
-            (``"torch"``, ``"triton"``, ``"quack"``), which must then be able to run on the
+            (``"torch"``, ``"triton"``, ``"quack"``, or one of your own registered with
+            :func:`~dmuon_ns.register_kernel` in this process), which must then be able to run on the
             input's device (an error with the install hint otherwise). An unknown name raises
             ``ValueError``.
         coefficients: the ``(a, b, c)`` row of each step, step ``i`` computing
@@ -118,13 +119,15 @@ class NewtonSchulz:
             raise ValueError(
                 f"kernel: unknown NS kernel {self.kernel!r}; known kernels are 'auto', "
                 + ", ".join(repr(k) for k in known)
+                + f"; {REGISTER_HINT}"
             )
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive int, got {self.steps!r}")
         if self.dtype is not None and self.dtype not in _ITERATION_DTYPES:
             raise ValueError(
                 f"dtype is the iteration dtype and must be torch.float16 or torch.bfloat16, or"
-                f" None for the device's default (fp32 on the CPU, fp16 on CUDA), got"
+                f" None for the default (fp32 where the torch kernel runs on the CPU, fp16"
+                f" elsewhere), got"
                 f" {self.dtype!r}"
             )
         eps = self.eps

@@ -90,8 +90,8 @@ def newton_schulz(
             finite numbers (extended with its last row when shorter than ``steps``); ``None``:
             ``POLAR_EXPRESS_COEFFICIENTS``.
         backend: ``"gram"`` (Gram NS, direct on square matrices) or ``"direct"``.
-        kernel: ``"auto"`` or a kernel name (``"torch"``, ``"triton"``, ``"quack"``); see
-            :class:`NewtonSchulz`.
+        kernel: ``"auto"`` or a kernel name (``"torch"``, ``"triton"``, ``"quack"``, or one
+            registered with :func:`register_kernel`); see :class:`NewtonSchulz`.
         restart_iterations: the Gram form's restarts, ints in ``[1, steps - 1]``; ``None``:
             ``(2,)`` where ``steps > 2``.
         dtype: the iteration dtype, ``torch.float16`` or ``torch.bfloat16``; ``None``: fp32

@@ -42,6 +42,7 @@ from dmuon_ns._torch_kernel import TORCH_KERNEL
 __all__ = [
     "AUTO_PRIORITY",
     "KERNEL_ENV",
+    "REGISTER_HINT",
     "NSKernel",
     "NSKernelUnavailableError",
     "Problem",
@@ -55,6 +56,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# How a name becomes known: said by every "unknown NS kernel" error.
+REGISTER_HINT = (
+    "a kernel of your own is registered with dmuon_ns.register_kernel(kernel) in every process"
+    " before its first use"
+)
 
 # Optional kernels: name -> (module that registers it on import, install hint).
 _OPTIONAL_KERNELS: dict[str, tuple[str, str]] = {
@@ -163,7 +170,14 @@ def choices_changed() -> None:
 
 
 def register_kernel(kernel: NSKernel) -> None:
-    """Make ``kernel`` available under ``kernel.name`` (replacing a kernel of that name)."""
+    """Make ``kernel`` available under ``kernel.name`` (replacing a kernel of that name), in
+    this process: ``kernel=`` and ``DMUON_NS_KERNEL`` then select it, as the built-in ones.
+
+    Args:
+        kernel: an :class:`NSKernel`: a ``name`` (a non-empty string other than ``"auto"``),
+            ``unavailable_reason(device)`` and the ``gram`` and ``direct`` iterations; anything
+            else raises ``ValueError``.
+    """
     name = getattr(kernel, "name", None)
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(
@@ -283,6 +297,7 @@ def _named(name: str, rule: str, why: str, device: torch.device) -> Resolution:
         raise ValueError(
             f"{source}: unknown NS kernel {name!r}; known kernels are 'auto', "
             + ", ".join(repr(k) for k in known)
+            + f"; {REGISTER_HINT}"
         )
     if name in _OPTIONAL_KERNELS:
         _load_optional()

@@ -323,7 +323,9 @@ class DedicatedParam(ParamHolder):
 
     def newton_schulz(self, context: StepContext) -> NSFunction:
         """How this matrix is orthogonalised: in the NS stacks of its shape (the optimizer's
-        function). A kind that orthogonalises otherwise overrides this."""
+        function, ``context.ns``). A kind that orthogonalises otherwise overrides this with a
+        function of a ``(batch, m, n)`` stack that returns that shape; matrices share a batch
+        only where their kinds return the same function object."""
         return context.ns
 
     def muon_entries(self, group: dict[str, Any], context: StepContext) -> tuple[MuonEntry, ...]:

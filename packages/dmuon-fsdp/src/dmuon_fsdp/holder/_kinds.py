@@ -24,6 +24,8 @@ while with :func:`register_kind`.
 
 from __future__ import annotations
 
+import inspect
+
 from dmuon_ownership import Route
 
 from ._dedicated import DedicatedParam, TensorParallelParam
@@ -57,6 +59,16 @@ def register_kind(kind: type[ParamHolder]) -> KindRegistration:
     ``ExpertStack``, see [Note: the kinds of holders]), from the next ``dedicate_params`` on; a
     kind registered already moves to the front. Returns a registration whose ``remove()`` (or
     the end of a ``with`` block) takes it out."""
+    if not (isinstance(kind, type) and issubclass(kind, ParamHolder)):
+        raise TypeError(
+            f"register_kind: {kind!r} is not a holder class; a kind subclasses DedicatedParam,"
+            " TensorParallelParam or ExpertStack (dmuon_fsdp.holder)"
+        )
+    if not isinstance(inspect.getattr_static(kind, "claims"), classmethod):
+        raise TypeError(
+            f"register_kind: {kind.__name__}.claims must be a classmethod,"
+            " claims(cls, found) -> bool (add @classmethod)"
+        )
     if kind in KINDS:
         KINDS.remove(kind)
     KINDS.insert(0, kind)

@@ -78,6 +78,7 @@ __all__ = [
     "muon_batch",
     "muon_step",
     "ns_inputs",
+    "orthogonalized",
     "scalar_rows",
     "shape_batches",
     "step_dtype",
@@ -252,11 +253,25 @@ def muon_batch(
     the kernels read the hyperparameters there (the same values)."""
     batch, weights, owners = _momentum_stack(part, skip, scalars=scalars)
     mark("muon_update")
-    updates = ns(batch)
+    updates = orthogonalized(ns, batch)
     mark(f"ns[{'x'.join(map(str, batch.shape))}]")
     del batch
     _update(part, weights, owners, updates, skip, scalars)
     del updates
+
+
+def orthogonalized(ns: NSFunction, batch: Tensor) -> Tensor:
+    """``ns(batch)``, refused unless it has the batch's shape: an update of another shape
+    would be broadcast into the weights (or fail deep in the update pass)."""
+    updates = ns(batch)
+    if not isinstance(updates, Tensor) or updates.shape != batch.shape:
+        got = tuple(updates.shape) if isinstance(updates, Tensor) else type(updates).__name__
+        raise ValueError(
+            f"the Newton–Schulz function {ns!r} returned {got} for a (batch, m, n) input of"
+            f" shape {tuple(batch.shape)}; it must return a tensor of its input's shape (every"
+            " matrix of the batch orthogonalised on its own)"
+        )
+    return updates
 
 
 def ns_inputs(part: Sequence[MuonItem]) -> Tensor:

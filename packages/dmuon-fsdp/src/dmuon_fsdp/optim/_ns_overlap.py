@@ -50,7 +50,7 @@ from torch import Tensor
 from .._profile import span
 from ..holder import MuonEntry
 from ..runtime import GradListener
-from ._muon_math import MuonItem, ns_inputs
+from ._muon_math import MuonItem, ns_inputs, orthogonalized
 
 __all__ = ["NSOverlap"]
 
@@ -137,11 +137,11 @@ class NSOverlap(GradListener):
         assert ns is not None
         with span("dmuon::ns_overlap"):
             if self.stream is None:
-                updates = ns(ns_inputs(items))
+                updates = orthogonalized(ns, ns_inputs(items))
             else:
                 self.stream.wait_stream(torch.cuda.current_stream(self._device))
                 with torch.cuda.stream(self.stream):
-                    updates = ns(ns_inputs(items))
+                    updates = orthogonalized(ns, ns_inputs(items))
         read = [(item.grad, item.buf) for item in items]
         self._results[index] = _Early([_source(item) for item in items], updates, read)
 
