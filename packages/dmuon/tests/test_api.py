@@ -66,6 +66,8 @@ SUBMODULES = {
         "direct_newton_schulz",
         "get_ns_backend",
         "get_backend_status",
+        "NSKernel",
+        "register_kernel",
     },
     "clip": {
         "clip_grad_norm_",
