@@ -204,6 +204,13 @@ def test_registry() -> None:
         unregister_muon_grad_clip_strategy("halve")
     assert "halve" not in registered_muon_grad_clip_strategies()
 
+    register_muon_grad_clip_strategy("nothing", lambda *args: None)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(TypeError, match="'nothing' returned NoneType; a strategy returns"):
+            clip_grad_norm_(FakeMuon(_matrices()), 1.0, strategy="nothing")
+    finally:
+        unregister_muon_grad_clip_strategy("nothing")
+
 
 def test_a_registered_per_matrix_strategy_clips_copies_alone_and_is_refused_under_tp() -> None:
     # A strategy of one coefficient per matrix, registered as such: a copy is clipped by

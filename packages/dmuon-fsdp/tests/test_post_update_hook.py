@@ -157,3 +157,38 @@ def test_a_raising_hook_leaves_every_replica_equal_and_reaches_every_rank() -> N
         expected = [*(["_HookFailed: rank 0"] if rank == 0 else []), partial]
         assert [r[: len(e)] for r, e in zip(result["raised"], expected)] == expected, result
         assert len(result["raised"]) == len(expected), result
+
+
+def _rebinding_hook(rank: int, world_size: int) -> list[str]:
+    """A hook that rebinds a part (``.data =``) or replaces one in ``parts``: refused on every
+    rank, naming the part, instead of a weight that silently stops reaching the forward."""
+    model, _ = setup_model(world_size, small_param_threshold=0)
+    optimizer = Muon(model, lr=0.05)
+    raised = []
+    for how in ("rebind", "replace"):
+
+        def hook(opt: Muon, parts: dict[str, WeightPart], how: str = how) -> None:
+            name = sorted(parts)[0]
+            if how == "rebind":
+                parts[name].tensor.data = parts[name].tensor.detach() * 0.5
+            else:
+                parts[name] = parts[name]._replace(tensor=parts[name].tensor.clone())
+
+        handle = optimizer.register_post_update_hook(hook)
+        optimizer.zero_grad()
+        loss_fn(model, batch(0, ROWS).chunk(world_size)[rank]).backward()
+        try:
+            optimizer.step()
+        except (RuntimeError, TypeError) as exc:
+            raised.append(f"{type(exc).__name__}: {exc}")
+        handle.remove()
+    return raised
+
+
+@pytest.mark.distributed
+def test_a_hook_that_rebinds_or_replaces_a_part_is_refused_on_every_rank() -> None:
+    for raised in run_distributed(_rebinding_hook, 2):
+        rebind, replace = raised
+        assert rebind.startswith("RuntimeError: a post-update hook gave these parts another")
+        assert "never through .data =" in rebind
+        assert replace.startswith("TypeError") and "does not support item assignment" in replace

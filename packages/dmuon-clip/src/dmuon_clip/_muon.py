@@ -109,6 +109,11 @@ def clip_grad_norm_(
         stats = fn(
             list(muon.grads), max_norm, norm_type, muon.process_group, torch.device(muon.device)
         )
+        if not isinstance(stats, MuonGradClipStats):
+            raise TypeError(
+                f"the clip strategy {strategy!r} returned {type(stats).__name__}; a strategy"
+                " returns MuonGradClipStats (see register_muon_grad_clip_strategy)"
+            )
         copies = clip_copies(muon)
         if copies:
             # Another rank counted these matrices (see [Note: where the Muon clip sits]). They

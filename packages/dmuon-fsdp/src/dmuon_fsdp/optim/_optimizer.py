@@ -549,8 +549,11 @@ class Muon(torch.optim.Optimizer):
     def register_post_update_hook(self, hook: PostUpdateHook) -> RemovableHandle:
         """Run ``hook(optimizer, parts)`` in every ``step()`` on every rank, after the update
         and before the publish; ``parts`` maps each FQN this rank steps to its
-        :class:`WeightPart`, which the hook may change in place (see [Note: the post-update
-        hook]). Returns a handle whose ``remove()`` unregisters it.
+        :class:`WeightPart`, which the hook may change in place, never its storage, shape or
+        dtype (``RuntimeError`` after the hooks ran, naming the parts; see [Note: the
+        post-update hook]). Register and remove a hook alike on every rank: a step with
+        post-update hooks joins a small collective on every rank. Returns a handle whose
+        ``remove()`` unregisters it.
 
         Args:
             hook: a callable ``hook(optimizer, parts) -> None``, run after the hooks registered
@@ -952,7 +955,9 @@ class Muon(torch.optim.Optimizer):
     def grads_for_clip(self, params: str | Iterable[Tensor] = "muon") -> MuonClipGrads:
         """This rank's part of the final gradients (pending reduces waited) of the parameters
         ``params`` names, for clipping: scaling them in place changes what the next ``step()``
-        reads. Summed over every rank they count each element once (see [Note: global
+        reads. Scale ``.copies`` by the same factor too: they are the gradients other ranks
+        count and this rank steps as well (HSDP replicas, TP grids), and left unscaled they
+        make the replicas diverge. Summed over every rank ``.grads`` count each element once (see [Note: global
         quantities] in _comm). Where a Muon gradient is among them, the NS results that
         ``ns_overlap`` computed during backward are dropped (a clip may scale every gradient,
         by a kernel torch does not see) and the next steps compute NS in the step (see [Note:

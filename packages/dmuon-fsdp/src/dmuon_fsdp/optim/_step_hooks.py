@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -69,6 +70,11 @@ class _Outcome:
     def partial(self) -> bool:
         raised = self.ranks_raised()
         return 0 < raised < self.world
+
+
+def _layout(tensor: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
+    """Where and how a part's values live: a hook may change them, never this."""
+    return tensor.data_ptr(), tensor.shape, tensor.dtype
 
 
 class StepHooks:
@@ -116,9 +122,20 @@ class StepHooks:
             return None
         error: BaseException | None = None
         try:
-            given = parts()
+            given = MappingProxyType(dict(parts()))  # read-only: a replaced part goes nowhere
+            before = {name: _layout(part.tensor) for name, part in given.items()}
             for hook in list(self.post_update.values()):
                 hook(optimizer, given)
+            moved = [name for name, part in given.items() if _layout(part.tensor) != before[name]]
+            if moved:
+                raise RuntimeError(
+                    "a post-update hook gave these parts another storage, shape or dtype: "
+                    + ", ".join(moved[:4])
+                    + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
+                    + "; the weights then no longer reach what the forward reads. Change a"
+                    " part's tensor in place (mul_, copy_, clamp_ ...), never through .data ="
+                    " or resize_"
+                )
         except BaseException as exc:  # a KeyboardInterrupt too: the publish comes first
             error = exc
         self._last = _Outcome(error is not None, self._host_group())
