@@ -59,6 +59,7 @@ TOP_LEVEL = frozenset(
 SUBMODULES = {
     "ns": {
         "POLAR_EXPRESS_COEFFICIENTS",
+        "QUINTIC_COEFFICIENTS",
         "YOU_COEFFICIENTS",
         "NewtonSchulz",
         "newton_schulz",

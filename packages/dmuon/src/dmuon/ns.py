@@ -7,6 +7,7 @@ A kernel of your own (an ``NSKernel``) joins the built-in ones through ``registe
 """
 
 from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS as POLAR_EXPRESS_COEFFICIENTS
+from dmuon_ns import QUINTIC_COEFFICIENTS as QUINTIC_COEFFICIENTS
 from dmuon_ns import YOU_COEFFICIENTS as YOU_COEFFICIENTS
 from dmuon_ns import NewtonSchulz as NewtonSchulz
 from dmuon_ns import NSKernel as NSKernel

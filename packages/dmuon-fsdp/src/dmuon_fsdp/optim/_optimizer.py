@@ -184,7 +184,9 @@ class StepOptions:
             scaling = LrScaling(self.lr_scaling)
         except ValueError:
             raise ValueError(
-                f"lr_scaling must be one of {[s.value for s in LrScaling]}, got {self.lr_scaling!r}"
+                f"lr_scaling must be one of {[s.value for s in LrScaling]}, got"
+                f" {self.lr_scaling!r} (torch.optim.Muon's adjust_lr_fn='match_rms_adamw' is"
+                " 'moonlight', its default 'original' or None is 'original')"
             ) from None
         object.__setattr__(self, "lr_scaling", scaling)
         cap = self.ns_batch_bytes
