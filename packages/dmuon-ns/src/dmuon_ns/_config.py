@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dmuon_ns._coefficients import Coefficients, coefficients_for_steps, validate_coefficients
 from dmuon_ns._orthogonalize import orthogonalize, orthogonalize_many, tune
-from dmuon_ns._registry import REGISTER_HINT, kernel_names
+from dmuon_ns._registry import kernel_names, unknown_kernel
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -114,13 +114,8 @@ class NewtonSchulz:
         set_(self, "backend", NSBackend(backend))
         if not isinstance(self.kernel, str):
             raise ValueError(f"kernel must be a string such as 'auto', got {self.kernel!r}")
-        known = kernel_names()
-        if self.kernel != "auto" and self.kernel not in known:
-            raise ValueError(
-                f"kernel: unknown NS kernel {self.kernel!r}; known kernels are 'auto', "
-                + ", ".join(repr(k) for k in known)
-                + f"; {REGISTER_HINT}"
-            )
+        if self.kernel != "auto" and self.kernel not in kernel_names():
+            raise unknown_kernel("kernel", self.kernel)
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive int, got {self.steps!r}")
         if self.dtype is not None and self.dtype not in _ITERATION_DTYPES:

@@ -42,7 +42,6 @@ from dmuon_ns._torch_kernel import TORCH_KERNEL
 __all__ = [
     "AUTO_PRIORITY",
     "KERNEL_ENV",
-    "REGISTER_HINT",
     "NSKernel",
     "NSKernelUnavailableError",
     "Problem",
@@ -53,15 +52,23 @@ __all__ = [
     "kernel_status",
     "register_kernel",
     "resolve",
+    "unknown_kernel",
 ]
 
 logger = logging.getLogger(__name__)
 
-# How a name becomes known: said by every "unknown NS kernel" error.
-REGISTER_HINT = (
-    "a kernel of your own is registered with dmuon_ns.register_kernel(kernel) in every process"
-    " before its first use"
-)
+
+def unknown_kernel(source: str, name: str) -> ValueError:
+    """The error for a kernel ``name`` that no kernel registered here has, asked for by
+    ``source`` (``kernel=`` or the environment variable): the known names, and how a kernel
+    of one's own becomes known."""
+    return ValueError(
+        f"{source}: unknown NS kernel {name!r}; known kernels are 'auto', "
+        + ", ".join(repr(k) for k in kernel_names())
+        + "; a kernel of your own is registered with dmuon_ns.register_kernel(kernel) in every"
+        " process before its first use"
+    )
+
 
 # Optional kernels: name -> (module that registers it on import, install hint).
 _OPTIONAL_KERNELS: dict[str, tuple[str, str]] = {
@@ -291,14 +298,9 @@ def _resolve(kernel: str, deterministic: bool, device: torch.device, env: str | 
 
 
 def _named(name: str, rule: str, why: str, device: torch.device) -> Resolution:
-    known = kernel_names()
-    if name not in known:
+    if name not in kernel_names():
         source = "kernel" if rule == "kernel=" else f"the {KERNEL_ENV} environment variable"
-        raise ValueError(
-            f"{source}: unknown NS kernel {name!r}; known kernels are 'auto', "
-            + ", ".join(repr(k) for k in known)
-            + f"; {REGISTER_HINT}"
-        )
+        raise unknown_kernel(source, name)
     if name in _OPTIONAL_KERNELS:
         _load_optional()
     reason = _unavailable(name, device)

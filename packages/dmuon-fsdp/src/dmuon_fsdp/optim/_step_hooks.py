@@ -122,7 +122,7 @@ class StepHooks:
             return None
         error: BaseException | None = None
         try:
-            given = MappingProxyType(dict(parts()))  # read-only: a replaced part goes nowhere
+            given = MappingProxyType(parts())  # read-only: a replaced part goes nowhere
             before = {name: _layout(part.tensor) for name, part in given.items()}
             for hook in list(self.post_update.values()):
                 hook(optimizer, given)
