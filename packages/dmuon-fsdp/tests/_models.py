@@ -148,6 +148,12 @@ def muon_numel(model: nn.Module) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if muon_predicate(n, p))
 
 
+def reduce_numel(model: nn.Module) -> int:
+    """The elements one reduce round carries: every Muon element and one presence flag per
+    matrix (see [Note: a parameter without a gradient] in dmuon_fsdp.runtime._collectives)."""
+    return sum(p.numel() + 1 for n, p in model.named_parameters() if muon_predicate(n, p))
+
+
 def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron-style tensor parallelism of every block: q/k/v and gate/up column-wise, o and
     down row-wise (the residual stream stays whole on every TP rank)."""

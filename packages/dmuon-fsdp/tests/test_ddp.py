@@ -67,11 +67,12 @@ def test_ddp_path_matches_the_reference_with_two_rounds_of_bytes(world_size: int
     ref = train_reference(plain, names, HYPER, STEPS, ROWS, SEQ, VOCAB)
     for step, (got, want) in enumerate(zip(losses, ref)):
         assert abs(got - want) <= 2e-3 * abs(want), f"step {step}: {got} vs {want}"
-    # Per step each Muon element travels once to its owner and once back: 2(N-1)/N·P_M.
+    # Per step each Muon element travels once to its owner and once back: 2(N-1)/N·P_M; the
+    # reduce also carries one presence flag per matrix.
     p_m = muon_numel(build(0)) * 4
     for _, steps, _ in results:
         for counts in steps:
-            assert counts["shard/reduce"]["bytes"] == p_m
+            assert counts["shard/reduce"]["bytes"] == p_m + 4 * len(names)
             assert counts["shard/publish"]["bytes"] == p_m
             assert "shard/broadcast" not in counts
 

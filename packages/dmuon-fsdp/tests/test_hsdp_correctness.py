@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import build, muon_numel
+from _models import build, muon_numel, reduce_numel
 from _sgd_train import RunResult, merge_owned, sgd_run
 
 from dmuon_testing.distributed import run_distributed
@@ -64,18 +64,20 @@ def test_hsdp_matches_1d_async_sync_z2_z3_and_bytes() -> None:
     # ranks {0, 1} and {2, 3}); the replicate axis adds one reduce and one publish round, each
     # summing to P_M over the G replicate groups (the ranks of one row together).
     p_m = muon_numel(build(0)) * 4
+    reduced = reduce_numel(build(0)) * 4  # and a presence flag per matrix
     for key, broadcast_rounds in (("hsdp_async", 2), ("hsdp_z2", 1)):
         results = runs[key]
         for step in range(STEPS):
             for result in results:
                 step_bytes = result.bytes_per_step[step]
                 assert step_bytes["shard/broadcast"] == broadcast_rounds * p_m
-                assert step_bytes["shard/reduce"] == p_m
+                assert step_bytes["shard/reduce"] == reduced
             for row in ((0, 1), (2, 3)):
-                for kind in ("reduce", "publish"):
+                for kind, want in (("reduce", reduced), ("publish", p_m)):
                     total = sum(results[r].bytes_per_step[step][f"replicate/{kind}"] for r in row)
-                    assert total == p_m, (key, step, row, kind)
+                    assert total == want, (key, step, row, kind)
     for result in runs["hsdp_1x4"]:  # G = 1: every rank is its own row, and in every column
         for step_bytes in result.bytes_per_step:
             assert step_bytes["shard/broadcast"] == step_bytes["shard/reduce"] == 0
-            assert step_bytes["replicate/reduce"] == step_bytes["replicate/publish"] == p_m
+            assert step_bytes["replicate/reduce"] == reduced
+            assert step_bytes["replicate/publish"] == p_m

@@ -81,12 +81,13 @@ def _train(rank: int, world_size: int, experts: int, layout: str, replicate: int
     # What dmuon moved: the dense dedicated matrices' rounds only (fp32, Z3: two broadcasts
     # and one reduce per step); no expert byte goes through dmuon.
     dense = sum(p.numel() for p in dedicated) * 4 * (world_size // replicate > 1)
+    flags = len(dedicated) * 4 * (world_size // replicate > 1)  # one per matrix per reduce
     counter = runtime.counter
     moved = (
         counter.bytes(Axis.SHARD, CommKind.BROADCAST),
         counter.bytes(Axis.SHARD, CommKind.REDUCE),
     )
-    assert moved == (2 * STEPS * dense, STEPS * dense), (moved, dense)
+    assert moved == (2 * STEPS * dense, STEPS * (dense + flags)), (moved, dense)
     state = get_model_state_dict(model)
     return losses, local_experts, {k: v for k, v in state.items() if "experts" in k}
 

@@ -2,25 +2,38 @@
 matrix frozen mid-run (``requires_grad_(False)``) and the matrices of a block the step's
 forward skipped keep their weight and momentum bit for bit, with weight decay on, on every
 path (1-D, HSDP, tensor parallelism, the replicated path, expert stacks); made trainable
-again, the frozen matrix trains."""
+again, the frozen matrix trains. A matrix only some ranks' forwards used trains on the
+gradients those ranks gave, also when its owner is among the ranks that left it out."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
-from _models import batch, build, loss_fn, muon_predicate, tensor_parallel
+from _models import (
+    batch,
+    build,
+    loss_fn,
+    muon_predicate,
+    shard_layers_then_root,
+    tensor_parallel,
+)
 from _moe import build_moe, moe_predicate
-from _sgd_train import ddp_model, setup_model
+from _sgd_train import ddp_model, make_mesh, setup_model
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dmuon_fsdp import (
     Muon,
+    StepOptions,
     dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
+    no_sync,
 )
+from dmuon_fsdp.holder import Role
 from dmuon_testing.distributed import run_distributed
 
 ROWS = 8
@@ -198,3 +211,115 @@ def test_training_goes_on_after_a_backward_that_raised() -> None:
             assert torch.equal(recovered["retried"][name], value), name
         # Every dedicated matrix trains on: none waits for a reduce that never comes.
         assert clean["moved next"] and recovered["moved next"]
+
+
+BRANCH = "layers.0.mlp.branch.weight"
+
+
+def _branch_predicate(name: str, param: nn.Parameter) -> bool:
+    """The second block's matrices and the first block's branch: the first block's hook
+    boundary then holds one pack, reduced last in backward on every rank whether or not the
+    rank took the branch (the collectives line up; see the FAQ for when they do not)."""
+    return param.ndim == 2 and ((name.startswith("layers.1.") and "proj" in name) or name == BRANCH)
+
+
+def _with_branch(model: nn.Module) -> nn.Module:
+    """Give the first block's MLP a residual branch that ``mlp.branch_mode`` turns on
+    (``"use"``), off (``"skip"``: the branch's weight gets no gradient) or to zero (``"zero"``:
+    its output times zero, the FAQ's way to keep a skipped weight's backward)."""
+    mlp = model.layers[0].mlp
+    torch.manual_seed(1)
+    mlp.branch = nn.Linear(mlp.down_proj.out_features, mlp.down_proj.out_features, bias=False)
+    mlp.branch_mode = "use"
+    forward = mlp.forward
+
+    def with_branch(x: Tensor) -> Tensor:
+        out = forward(x)
+        if mlp.branch_mode == "skip":
+            return out
+        branch = mlp.branch(x)
+        return out + (branch * 0 if mlp.branch_mode == "zero" else branch)
+
+    mlp.forward = with_branch
+    return model
+
+
+def _branch_on_some_ranks(
+    rank: int, world_size: int, replicate: int, skipper: str, how: str, options: dict[str, bool]
+) -> dict[str, object]:
+    """Three steps in which one rank (the branch weight's owner, or another) leaves the branch
+    out, ``how``: ``"skip"`` or the reference ``"zero"``; with ``options["accumulate"]`` two
+    micro-batches per step, the rank leaving it out in the first only; with
+    ``options["no_sync"]`` the first of them under ``no_sync``."""
+    model = _with_branch(build(0))
+    mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate)
+    runtime = dedicate_params(model, shard_mesh, _branch_predicate, replicate_mesh=replicate_mesh)
+    shard_layers_then_root(model, mesh)
+    (branch,) = [dp for dp in runtime.params if dp.fqn == BRANCH]
+    owns = torch.tensor([float(branch.role is Role.OWNER)])
+    owners = [torch.zeros(1) for _ in range(world_size)]
+    torch.distributed.all_gather(owners, owns)
+    owner = [int(o) for o in owners].index(1)
+    leaves_out = owner if skipper == "owner" else (owner + 1) % world_size
+    optimizer = Muon(
+        model,
+        lr=0.05,
+        weight_decay=0.1,
+        options=StepOptions(ns_overlap=options.get("ns_overlap", False)),
+    )
+    unsynced = options.get("no_sync", False)
+    micro = 2 if options.get("accumulate") or unsynced else 1
+    for step in range(3):
+        optimizer.zero_grad()
+        for index in range(micro):
+            first = index == 0
+            model.layers[0].mlp.branch_mode = how if rank == leaves_out and first else "use"
+            if unsynced and not first:
+                # No rank takes the branch in the reduced micro-batch: every rank's pack is
+                # complete only at the end of backward, so the reduces line up.
+                model.layers[0].mlp.branch_mode = "skip"
+            rows = batch(step * micro + index, ROWS).chunk(world_size)[rank]
+            with no_sync(model) if unsynced and first else nullcontext():
+                (loss_fn(model, rows) / micro).backward()
+        optimizer.step()
+    return {"weights": get_model_state_dict(model), "momenta": _momenta(model, optimizer)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("world_size", "replicate", "skipper", "options"),
+    [
+        (2, 1, "owner", {}),
+        (2, 1, "peer", {}),
+        (2, 1, "owner", {"ns_overlap": True}),
+        (2, 1, "owner", {"accumulate": True}),
+        (2, 1, "owner", {"no_sync": True}),
+        (4, 2, "owner", {}),
+    ],
+    ids=[
+        "1d-owner",
+        "1d-peer",
+        "1d-owner-ns_overlap",
+        "1d-owner-accumulate",
+        "1d-owner-no_sync",
+        "hsdp-owner",
+    ],
+)
+def test_a_matrix_some_ranks_leave_out_trains_on_what_the_others_gave(
+    world_size: int, replicate: int, skipper: str, options: dict[str, bool]
+) -> None:
+    """A weight one rank's forward leaves out (a branch it did not take, an expert that got
+    no token there) trains on the gradients the other ranks gave, also when that rank is its
+    owner: bit for bit as when the rank runs it on zero (output times zero)."""
+    skipped = run_distributed(
+        _branch_on_some_ranks, world_size, replicate, skipper, "skip", options
+    )
+    zeroed = run_distributed(_branch_on_some_ranks, world_size, replicate, skipper, "zero", options)
+    for got, want in zip(skipped, zeroed, strict=True):
+        assert got["weights"].keys() == want["weights"].keys()
+        for name, value in want["weights"].items():
+            assert torch.equal(got["weights"][name], value), name
+        assert got["momenta"].keys() == want["momenta"].keys()
+        assert BRANCH in want["momenta"]
+        for name, value in want["momenta"].items():
+            assert torch.equal(got["momenta"][name], value), name

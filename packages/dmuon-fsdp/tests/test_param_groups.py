@@ -124,7 +124,7 @@ def test_overrides_scheduler_and_diagnostics():
     muon_bytes = 4 * sum(p.numel() for n, p in model.named_parameters() if muon_predicate(n, p))
     assert plan["payload_bytes_per_step"] == {
         "shard/broadcast": 2 * muon_bytes,
-        "shard/reduce": muon_bytes,
+        "shard/reduce": muon_bytes + 4 * len(muon_names),  # and a presence flag per matrix
     }
     assert [b["name"] for b in profile["boundaries"]] == ["layers.0", "layers.1"]
     for r in results:

@@ -17,7 +17,7 @@ STEPS = 4
 
 
 def _worker(rank: int, world_size: int, init_file: str) -> None:
-    from _models import build, muon_numel
+    from _models import build, muon_numel, reduce_numel
     from _sgd_train import merge_owned, reference_sgd, sgd_run
 
     torch.cuda.set_device(rank)
@@ -56,11 +56,13 @@ def _worker(rank: int, world_size: int, init_file: str) -> None:
             torch.tensor(per_key["z3"][0].losses), torch.tensor(ref_losses), rtol=1e-4, atol=0
         )
         p_m = muon_numel(build(0)) * 4 if world_size > 1 else 0  # one rank sends nothing
+        # A reduce also carries a presence flag per matrix.
+        reduced = reduce_numel(build(0)) * 4 if world_size > 1 else 0
         for key, rounds in (("z2", 1), ("z3", 2)):
             for result in per_key[key]:
                 for step_bytes in result.bytes_per_step:
                     assert step_bytes["shard/broadcast"] == rounds * p_m
-                    assert step_bytes["shard/reduce"] == p_m
+                    assert step_bytes["shard/reduce"] == reduced
         if "hsdp_async" in per_key:
             assert per_key["hsdp_async"][0].losses == per_key["hsdp_sync"][0].losses
             for name, value in weights["hsdp_async"].items():

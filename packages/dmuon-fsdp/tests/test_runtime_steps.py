@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import build, muon_numel, shard_layers_then_root
+from _models import build, muon_numel, reduce_numel, shard_layers_then_root
 from _sgd_train import RunResult, merge_owned, reference_sgd, sgd_run
 
 from dmuon_testing.distributed import run_distributed
@@ -42,6 +42,7 @@ def test_steps_match_reference_z2_equals_z3_and_bytes(world_size: int) -> None:
 
     # Per step, every Muon element travels once per round (ARCHITECTURE.md, bytes per step).
     p_m = muon_numel(build(0)) * 4  # float32 bytes
+    reduced = reduce_numel(build(0)) * 4  # and a presence flag per matrix
     n = world_size
     for rank_result in results:
         for run, broadcast_rounds in ((rank_result[0], 1), (rank_result[1], 2)):
@@ -50,13 +51,14 @@ def test_steps_match_reference_z2_equals_z3_and_bytes(world_size: int) -> None:
                     assert sum(step_bytes.values()) == 0  # (N-1)/N = 0: nothing is sent
                     continue
                 assert step_bytes["shard/broadcast"] == broadcast_rounds * p_m
-                assert step_bytes["shard/reduce"] == p_m
+                assert step_bytes["shard/reduce"] == reduced
                 assert step_bytes["replicate/reduce"] == 0
                 assert step_bytes["replicate/publish"] == 0
                 # Wire cost per rank: dmuon-Z2
-                # 2(N-1)/N · P_M, dmuon-Z3 3(N-1)/N · P_M.
+                # 2(N-1)/N · P_M, dmuon-Z3 3(N-1)/N · P_M (and the flags).
                 wire = (step_bytes["shard/broadcast"] + step_bytes["shard/reduce"]) * (n - 1) / n
-                assert wire == pytest.approx((broadcast_rounds + 1) * (n - 1) / n * p_m)
+                rounds = broadcast_rounds * p_m + reduced
+                assert wire == pytest.approx(rounds * (n - 1) / n)
 
 
 def _model_is_freed(rank: int, world_size: int, shard: bool, train: bool) -> bool:

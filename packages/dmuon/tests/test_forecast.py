@@ -27,6 +27,7 @@ TINY = {
 }
 H, FF, KV, V, L = 64, 128, 32, 256, 3
 P_M = L * (2 * H * H + 2 * KV * H + 3 * FF * H)  # q, o; k, v; gate, up, down
+K = L * 7  # the dedicated matrices: a reduce carries one presence flag for each
 P_F = 2 * V * H + (2 * L + 1) * H  # embedding, head; two norms per layer and the final one
 STEPS_F = (2 + 2 * L + 1) * 4  # AdamW's float32 step scalar per FSDP2 tensor
 
@@ -46,6 +47,7 @@ MOE = {
 def test_the_parameter_split_this_file_assumes() -> None:
     shapes = model_shapes(TINY)
     assert sum(it.numel for it in shapes.dedicated) == P_M
+    assert len(shapes.dedicated) == K
     assert sum(it.numel for it in shapes.fsdp) == P_F
 
 
@@ -53,13 +55,14 @@ def test_the_parameter_split_this_file_assumes() -> None:
 def test_bytes_per_step_follow_the_architecture_formulas(zero: int) -> None:
     # One dtype everywhere (2 bytes), so the formulas hold as written: per rank on the shard
     # axis dmuon moves (rounds)(G-1)/G P_M with rounds 3 (ZeRO-3) or 2, FSDP2 + AdamW the same,
-    # FSDP2 + Muon one more; everything else is FSDP2's, the same in every setup.
+    # FSDP2 + Muon one more; everything else is FSDP2's, the same in every setup. dmuon's
+    # reduce also carries a presence flag per matrix.
     G, R = 4, 2
     topo = Topology(G * R, G, zero=zero, param_dtype="bf16", master_dtype="bf16")
     fc = forecast(TINY, topo)
     rounds = 3 if zero == 3 else 2
     share = (G - 1) / G * 2
-    assert fc.traffic[DMUON]["shard"].max == pytest.approx(rounds * share * (P_M + P_F))
+    assert fc.traffic[DMUON]["shard"].max == pytest.approx(rounds * share * (P_M + P_F) + share * K)
     assert fc.traffic[ADAMW]["shard"].max == pytest.approx(rounds * share * (P_M + P_F))
     assert fc.traffic[MUON]["shard"].max == pytest.approx(
         share * ((rounds + 1) * P_M + rounds * P_F)
@@ -67,7 +70,8 @@ def test_bytes_per_step_follow_the_architecture_formulas(zero: int) -> None:
     # Replicate axis: dmuon's reduce + publish sum to P_M over the G columns, FSDP2 all-reduces
     # its shard; at one dtype the means agree and dmuon's max is its fullest column.
     replicate = 2 * (R - 1) / R * 2 * (P_M + P_F) / G
-    assert fc.traffic[DMUON]["replicate"].mean == pytest.approx(replicate)
+    flags = (R - 1) / R * 2 * K / G
+    assert fc.traffic[DMUON]["replicate"].mean == pytest.approx(replicate + flags)
     assert fc.traffic[ADAMW]["replicate"].max == pytest.approx(replicate)
     assert fc.traffic[DMUON]["replicate"].max >= fc.traffic[DMUON]["replicate"].mean
     assert fc.traffic[DMUON]["tp"] == (0.0, 0.0)
@@ -75,14 +79,16 @@ def test_bytes_per_step_follow_the_architecture_formulas(zero: int) -> None:
 
 def test_payload_per_rank_and_the_bytes_received_from_it() -> None:
     # Payload (CommCounter's unit): every rank of a row carries every dedicated element once
-    # per round, in the round's dtype: bf16 broadcasts (ZeRO-3: two), an fp32 reduce.
+    # per round, in the round's dtype: bf16 broadcasts (ZeRO-3: two), an fp32 reduce, which
+    # also carries one presence flag per matrix.
     G, R = 4, 2
     topo = Topology(G * R, G, param_dtype="bf16", master_dtype="fp32", reduce_dtype="fp32")
     fc = forecast(TINY, topo)
     assert len(fc.ranks) == G * R
-    column = [0] * G
+    column, matrices = [0] * G, [0] * G
     for it in fc.items:
         column[fc.plan.owner_of(it.name).shard] += it.numel
+        matrices[fc.plan.owner_of(it.name).shard] += 1
     # FSDP2's rounds over the other parameters: two bf16 all-gathers, an fp32 reduce-scatter,
     # and in HSDP the all-reduce of its fp32 gradient shard.
     rest_shard = (G - 1) / G * P_F * (2 * 2 + 4)
@@ -93,15 +99,18 @@ def test_payload_per_rank_and_the_bytes_received_from_it() -> None:
             assert (rank.replicate, rank.shard, rank.tp) == (r, s, 0)
             want = {
                 "shard/broadcast": 2 * P_M * 2,
-                "shard/reduce": P_M * 4,
-                "replicate/reduce": column[s] * 4,
+                "shard/reduce": (P_M + K) * 4,
+                "replicate/reduce": (column[s] + matrices[s]) * 4,
                 "replicate/publish": column[s] * 2,
             }
             assert rank.payload == {k: v for k, v in want.items() if v}
     # Received: (n - 1) / n of each payload, plus FSDP2's rounds over the other parameters.
-    shard = (G - 1) / G * P_M * (2 * 2 + 4) + rest_shard
+    shard = (G - 1) / G * (P_M * (2 * 2 + 4) + K * 4) + rest_shard
     assert fc.traffic[DMUON]["shard"] == pytest.approx((shard, shard))
-    replicate = [(R - 1) / R * c * (4 + 2) + rest_replicate for c in column]
+    replicate = [
+        (R - 1) / R * (c * (4 + 2) + k * 4) + rest_replicate
+        for c, k in zip(column, matrices, strict=True)
+    ]
     assert fc.traffic[DMUON]["replicate"].max == pytest.approx(max(replicate))
     assert fc.traffic[DMUON]["replicate"].mean == pytest.approx(sum(replicate) / G)
     # ZeRO-2 broadcasts once; one shard group of the 8 ranks has no replicate axis.

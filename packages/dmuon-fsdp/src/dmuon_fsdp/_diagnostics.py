@@ -256,7 +256,7 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
     boundary's packs (owner, sender in this rank's row, role, bytes), and the bytes one
     training step moves on each axis: every dedicated element travels once per broadcast round
     (two in Z3, one in Z2), in its pack's dtype, and once per reduce round, in its reduce
-    dtype; HSDP adds one replicate-axis reduce and one publish round; an axis of one rank
+    dtype, with one more element per matrix (its presence flag); HSDP adds one replicate-axis reduce and one publish round; an axis of one rank
     moves nothing.
 
     At most ``max_rows`` pack rows are listed, boundaries in order: every boundary keeps its
@@ -281,7 +281,8 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
     reduced = 0
     for dp in runtime.params:
         assert dp.precision is not None, f"{dp.fqn}: packed by lazy_init"
-        reduced += dp.numel * dp.precision.reduce.itemsize
+        # Its gradient and its presence flag (see [Note: a parameter without a gradient]).
+        reduced += (dp.numel + 1) * dp.precision.reduce.itemsize
     z3 = runtime.reshard_after_forward
     per_step: dict[str, int] = {}
     if layout.shard_size > 1:

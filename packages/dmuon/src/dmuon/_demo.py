@@ -375,7 +375,9 @@ def _max_logit_report(results: Sequence[RunResult], opts: DemoOptions) -> str:
 
 
 def _plot_max_logits(path: str, results: Sequence[RunResult], opts: DemoOptions) -> None:
-    """Each layer's largest logit per step: dmuon without QK-clip solid, with it dashed."""
+    """Each layer's largest logit per step: dmuon without QK-clip solid, with it dashed
+    (drawn only for a run with QK-clip, ``opts.qk_clip`` set)."""
+    assert opts.qk_clip is not None
     import matplotlib
 
     matplotlib.use("Agg")

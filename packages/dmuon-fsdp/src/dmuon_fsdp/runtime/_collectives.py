@@ -35,14 +35,21 @@ itself (1-D vs HSDP).
 [Note: a parameter without a gradient]
 
 As ``torch.optim`` leaves a parameter whose ``.grad`` is ``None`` untouched (no momentum, no
-weight decay), an owner sets ``DedicatedParam.grad`` only for a parameter that got a gradient:
-a frozen one (``requires_grad=False``) or one the step's forward did not use keeps its weight
-and momentum bit for bit. A pack still travels whole (its missing gradients as zeros), so that
-every rank issues the same collectives whatever its own backward reached; the owner decides
-from its own backward (``DedicatedParam.saw_grad``, which its ``take_local_grad`` records
-and each reduce takes along when it is issued: a second backward before the step reduces the
-pack again, and its gradient adds to the first), which, as with FSDP2, sees the same
-parameters used as every other rank's.
+weight decay), an owner sets ``DedicatedParam.grad`` only for a parameter that got a gradient
+on some rank: a frozen one (``requires_grad=False``) or one no rank's forward used keeps its
+weight and momentum bit for bit. A pack still travels whole (its missing gradients as zeros),
+so that every rank issues the same collectives whatever its own backward reached, and behind
+its gradients it carries one presence flag per parameter (1 where this rank's backward gave
+the parameter a local gradient since its last reduce, ``DedicatedParam.saw_grad``), summed
+with them: positive on the owner iff some rank used the parameter. The owner decides from
+its own backward where it can: a parameter it saw itself is present. One it did not see but
+that can train (an expert no token reached on the owner only, a branch only some ranks took)
+is decided by the flag, which only the device knows: the owner keeps such a gradient aside,
+and ``ReduceQueue.wait_all`` reads every flag kept aside in one host copy (the one host
+synchronisation of this path, paid only by an owner with a trainable parameter it did not
+see) before it adds the gradients that are present. Kept in order per parameter: once one
+of its gradients waits for its flag, its later ones (a second backward before the step)
+wait too, so that they add in the order of the backwards.
 
 Pending reductions wait in one :class:`ReduceQueue`, in the order their packs completed. Stage
 two is issued at deterministic points (never "when stage one happens to be done"), so every
@@ -182,18 +189,22 @@ class PendingReduce(NamedTuple):
 
 def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
     """Copy the local gradients of ``pack`` into one new flat buffer in their reduce dtype
-    (zeros for a parameter without one) and drop the parameters' ``.grad``. On CUDA the copy
+    (zeros for a parameter without one), followed by the pack's presence flags (see [Note: a
+    parameter without a gradient]), and drop the parameters' ``.grad``. On CUDA the copy
     runs on ``stream``."""
     device = pack.buffer.device
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        flat = torch.empty(pack.numel, dtype=_reduce_dtype(pack), device=device)
-        for dp in pack.params:
+        flat = torch.empty(pack.numel + len(pack.params), dtype=_reduce_dtype(pack), device=device)
+        flags = flat[pack.numel :]
+        flags.fill_(1)
+        for index, dp in enumerate(pack.params):
             grad = dp.take_local_grad()
             out = flat[dp.offset : dp.offset + dp.numel]
             if grad is None:
                 out.zero_()
+                flags[index].zero_()
             else:
                 out.copy_(grad.reshape(-1))
                 if stream is not None:
@@ -229,19 +240,58 @@ def reduce_over_replicas(pending: PendingReduce, comm: DedicatedCommContext) -> 
     return pending._replace(result=result, needs_replicate_stage=False)
 
 
-def finish_reduce(pending: PendingReduce, divisor: int) -> None:
+def finish_reduce(pending: PendingReduce, divisor: int, undecided: Undecided) -> None:
     """Wait for the last stage and, on the global owner, add the sum divided by ``divisor`` to
-    the ``DedicatedParam.grad`` of each parameter that got a gradient (a view of the reduced
-    buffer when it was unset; see [Note: a parameter without a gradient])."""
+    the ``DedicatedParam.grad`` of each parameter this rank's backward gave a gradient (a view
+    of the reduced buffer when it was unset); a trainable parameter it did not see waits in
+    ``undecided`` for its presence flag (see [Note: a parameter without a gradient])."""
     assert not pending.needs_replicate_stage
     flat = wait(pending.result)
     pack = pending.pack
     if pack.role is not Role.OWNER:
         return
-    flat.div_(divisor)
-    for dp, saw in zip(pack.params, pending.seen):
-        if saw:
-            dp.accumulate_grad(flat[dp.offset : dp.offset + dp.numel].view(dp.local_shape))
+    grads = flat[: pack.numel]
+    grads.div_(divisor)
+    for index, (dp, saw) in enumerate(zip(pack.params, pending.seen)):
+        grad = grads[dp.offset : dp.offset + dp.numel].view(dp.local_shape)
+        if dp in undecided:
+            undecided.add(dp, grad, None if saw else flat[pack.numel + index])
+        elif saw:
+            dp.accumulate_grad(grad)
+        elif dp.param.requires_grad:
+            undecided.add(dp, grad, flat[pack.numel + index])
+
+
+class Undecided:
+    """The owner's reduced gradients that wait for their presence flag, in arrival order
+    (``flag`` ``None``: present, but after one that waits); see [Note: a parameter without
+    a gradient]."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[DedicatedParam, torch.Tensor, torch.Tensor | None]] = []
+        self._params: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, dp: DedicatedParam) -> bool:
+        return id(dp) in self._params
+
+    def add(self, dp: DedicatedParam, grad: torch.Tensor, flag: torch.Tensor | None) -> None:
+        self._entries.append((dp, grad, flag))
+        self._params.add(id(dp))
+
+    def decide(self) -> None:
+        """Read the flags (one host copy) and add each gradient some rank produced."""
+        if not self._entries:
+            return
+        flags = [flag for _, _, flag in self._entries if flag is not None]
+        used = iter((torch.stack(flags) > 0).tolist())
+        for dp, grad, flag in self._entries:
+            if flag is None or next(used):
+                dp.accumulate_grad(grad)
+        self._entries.clear()
+        self._params.clear()
 
 
 def _reduce_dtype(pack: Pack) -> torch.dtype:
@@ -287,10 +337,11 @@ class ReduceQueue:
     def __init__(self, comm: DedicatedCommContext) -> None:
         self._comm = comm
         self._pending: deque[PendingReduce] = deque()
+        self._undecided = Undecided()
         self.listener: GradListener | None = None
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._undecided)
 
     def submit(self, pack: Pack) -> None:
         """Start reducing ``pack``'s local gradients towards its owner."""
@@ -314,7 +365,7 @@ class ReduceQueue:
             if stream is not None:
                 pending.result.tensor.record_stream(stream)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                finish_reduce(pending, divisor)
+                finish_reduce(pending, divisor, self._undecided)
             listener(pending.pack.params)
 
     def issue_replicate_stages(self, *, keep_newest: bool = False) -> None:
@@ -332,7 +383,13 @@ class ReduceQueue:
         self.issue_replicate_stages()
         divisor = self._comm.layout.world_size
         while self._pending:
-            finish_reduce(self._pending.popleft(), divisor)
+            finish_reduce(self._pending.popleft(), divisor, self._undecided)
+        if len(self._undecided):
+            stream = None if self.listener is None else self.listener.stream
+            if stream is not None:
+                # Some flags were finished on the listener's stream.
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
+            self._undecided.decide()
 
 
 class AllReduceQueue:

@@ -77,10 +77,11 @@ collective it issues: the bytes of the tensor it carries, on every member of the
 broadcast's sender and receivers alike). :attr:`Forecast.ranks` predicts exactly that, per
 rank and under the counter's keys (``"shard/broadcast"``, ``"shard/reduce"``,
 ``"replicate/reduce"``, ``"replicate/publish"``, ``"tp/gather"``, ``"tp/scatter"``), counted
-from the shapes and the plan: per step, shard axis ``b·c`` per broadcast round and ``b·r`` for
-the reduce, ``b`` the elements of every dedicated matrix (all of them travel on every rank of
-a row); replicate axis, on the ranks of shard index ``s``, the reduce (``r``) and the publish
-(``c``) of the elements that shard column owns; TP axis, on each rank of an owner
+from the shapes and the plan: per step, shard axis ``b·c`` per broadcast round and
+``(b + k)·r`` for the reduce, ``b`` the elements of every dedicated matrix (all of them travel
+on every rank of a row) and ``k`` their number (a reduce carries one presence flag per
+matrix); replicate axis, on the ranks of shard index ``s``, the reduce (``r``, with the flags)
+and the publish (``c``) of the elements that shard column owns; TP axis, on each rank of an owner
 coordinate, the whole matrix (``o``) gathered and scattered for each TP matrix it owns. A
 collective on a group of one rank is never issued, so that axis counts nothing.
 
@@ -534,6 +535,7 @@ class _Forecaster:
         rounds = 2 if self.topo.zero == 3 else 1
         elements = 0
         column = [0] * G  # elements owned by each shard index, over the replicas
+        flags = [0] * G  # and their matrices: a reduce carries one presence flag per matrix
         tp_payload = [0] * (G * R)  # the whole TP matrices each owner coordinate steps
         tp_received = [0.0] * (G * R * T)
         for item in self.shapes.dedicated:
@@ -541,6 +543,7 @@ class _Forecaster:
             size = self.local(item)
             elements += size
             column[slot % G] += size
+            flags[slot % G] += 1
             if item.tp > 1:
                 whole = size * item.tp * o
                 tp_payload[slot] += whole
@@ -561,9 +564,9 @@ class _Forecaster:
             counts = {}
             if G > 1:
                 counts["shard/broadcast"] = rounds * elements * c
-                counts["shard/reduce"] = elements * r
+                counts["shard/reduce"] = (elements + sum(flags)) * r
             if R > 1:
-                counts["replicate/reduce"] = column[slot % G] * r
+                counts["replicate/reduce"] = (column[slot % G] + flags[slot % G]) * r
                 counts["replicate/publish"] = column[slot % G] * c + sourced[slot % G]
             counts["tp/gather"] = counts["tp/scatter"] = tp_payload[slot]
             nonzero = {key: value for key, value in counts.items() if value}
