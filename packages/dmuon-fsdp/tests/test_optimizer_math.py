@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 from torch.optim import _muon as torch_muon_module
 
+from dmuon_fsdp import Muon, StepOptions
 from dmuon_fsdp._matrix import LrScaling, lr_scale
 from dmuon_fsdp.optim._muon_math import (
     MuonItem,
@@ -75,6 +77,24 @@ def test_muon_update_matches_torch_muon(monkeypatch, nesterov, scaling, torch_sc
     _our_muon_steps(ours, grads, lr=0.03, momentum=0.9, nesterov=nesterov, wd=0.1, scaling=scaling)
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a.detach(), rtol=1e-9, atol=1e-9)
+
+
+def test_torch_keywords_and_step_options_are_refused_with_what_dmuon_takes():
+    """Every keyword of torch.optim.Muon that dmuon.Muon does not take, torch.optim.AdamW's
+    betas and each StepOptions field passed to Muon() raise a TypeError naming dmuon's way."""
+    ours = set(inspect.signature(Muon).parameters)
+    torch_only = set(inspect.signature(torch.optim.Muon).parameters) - ours
+    assert torch_only  # adjust_lr_fn, ns_coefficients, eps, params
+    model = torch.nn.Linear(2, 2)
+    for name in [*sorted(torch_only), "betas"]:
+        with pytest.raises(TypeError, match=f"Muon\\(\\) takes no keyword '{name}'") as error:
+            Muon(model, **{name: None})
+        assert "is not a keyword of dmuon.Muon" not in str(error.value), name
+    for name in StepOptions.__dataclass_fields__:
+        with pytest.raises(TypeError, match=f"options=dmuon.StepOptions\\({name}=...\\)"):
+            Muon(model, **{name: None})
+    with pytest.raises(TypeError, match=r"'foo': foo is not a keyword of dmuon\.Muon$"):
+        Muon(model, foo=1)
 
 
 def test_momentum_formulas():

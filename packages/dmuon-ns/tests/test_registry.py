@@ -12,6 +12,7 @@ from torch import Tensor
 
 import dmuon_ns
 from dmuon_ns import (
+    QUINTIC_COEFFICIENTS,
     NewtonSchulz,
     NSKernelUnavailableError,
     _registry,
@@ -205,9 +206,20 @@ def test_backend_status_reports_the_override(monkeypatch: pytest.MonkeyPatch) ->
 def test_ns_backend_line() -> None:
     line = get_ns_backend(device="cpu")
     assert line.startswith("gram NS") and "kernel torch" in line and "| cpu |" in line
+    assert "5 steps of Polar Express coefficients in float32 |" in line
     assert "need CUDA" in line
-    line = get_ns_backend(NewtonSchulz(backend="direct", deterministic=True), "cpu")
-    assert line.startswith("direct NS") and "deterministic=True" in line
+    quintic = NewtonSchulz(
+        backend="direct",
+        deterministic=True,
+        coefficients=QUINTIC_COEFFICIENTS,
+        steps=6,
+        dtype=torch.bfloat16,
+    )
+    line = get_ns_backend(quintic, "cpu")
+    assert line.startswith("direct NS, 6 steps of quintic coefficients in bfloat16 |")
+    assert "deterministic=True" in line
+    line = get_ns_backend(NewtonSchulz(coefficients=[(3.0, -3.0, 1.0)]), "cpu")
+    assert "5 steps of custom coefficients" in line
     line = get_ns_backend(NewtonSchulz(kernel="triton"), "cpu")
     assert "kernel triton unavailable" in line
     assert "\n" not in line

@@ -10,8 +10,15 @@ from typing import Any
 
 import torch
 
+from dmuon_ns._coefficients import (
+    POLAR_EXPRESS_COEFFICIENTS,
+    QUINTIC_COEFFICIENTS,
+    YOU_COEFFICIENTS,
+    YOU_SIX_STEP_COEFFICIENTS,
+)
 from dmuon_ns._config import NewtonSchulz
 from dmuon_ns._environment import kernel_override
+from dmuon_ns._prepare import iteration_dtype
 from dmuon_ns._registry import NSKernelUnavailableError, kernel_status, resolve
 
 __all__ = ["get_backend_status", "get_ns_backend"]
@@ -67,15 +74,17 @@ def get_backend_status(device: torch.device | str | None = None) -> dict[str, An
 def get_ns_backend(
     config: NewtonSchulz | None = None, device: torch.device | str | None = None
 ) -> str:
-    """One line: the algorithm, the kernel that runs, the device (SM or "cpu") and why.
+    """One line: the algorithm, its steps, coefficients and iteration dtype, the kernel that
+    runs, the device (SM or "cpu") and why.
 
     For ``config`` (default ``NewtonSchulz()``) on ``device``; e.g. ``"gram NS (direct for
-    square) | kernel torch | cpu | auto on cpu: the accelerated kernels need CUDA, plain torch
-    runs"``.
+    square), 5 steps of Polar Express coefficients in float32 | kernel torch | cpu | auto on
+    cpu: the accelerated kernels need CUDA, plain torch runs"``. The coefficients are named
+    when they are one of the published tables (``"Polar Express"``, ``"You"``, ``"You
+    six-step"``, ``"quintic"``), else ``"custom"``.
 
     Args:
-        config: the settings to describe (its ``backend``, ``kernel`` and ``deterministic``
-            decide the answer); ``None``: ``NewtonSchulz()``, the defaults.
+        config: the settings to describe; ``None``: ``NewtonSchulz()``, the defaults.
         device: the device to answer for (a ``torch.device`` or a string such as ``"cuda:1"``);
             ``None``: the current CUDA device when CUDA is available, else the CPU.
     """
@@ -84,10 +93,25 @@ def get_ns_backend(
     sm = _sm(dev)
     where = f"sm{sm}" if sm is not None else dev.type
     algorithm = "gram NS (direct for square)" if config.backend == "gram" else "direct NS"
+    steps = f"{config.steps} steps of {_coefficients_name(config.coefficients)} coefficients"
     try:
         resolution = resolve(config.kernel, config.deterministic, dev)
     except NSKernelUnavailableError as err:
-        return f"{algorithm} | kernel {config.kernel} unavailable | {where} | {err}"
+        return f"{algorithm}, {steps} | kernel {config.kernel} unavailable | {where} | {err}"
     names = [k.name for k in resolution.kernels]
     kernel = names[0] if len(names) == 1 else "auto(" + "|".join(names) + ")"
-    return f"{algorithm} | kernel {kernel} | {where} | {resolution.reason}"
+    dtype = str(iteration_dtype(config.dtype, dev, names)).removeprefix("torch.")
+    return f"{algorithm}, {steps} in {dtype} | kernel {kernel} | {where} | {resolution.reason}"
+
+
+def _coefficients_name(coefficients: object) -> str:
+    """The name of a published coefficient table, else ``"custom"``."""
+    for name, table in (
+        ("Polar Express", POLAR_EXPRESS_COEFFICIENTS),
+        ("You", YOU_COEFFICIENTS),
+        ("You six-step", YOU_SIX_STEP_COEFFICIENTS),
+        ("quintic", QUINTIC_COEFFICIENTS),
+    ):
+        if coefficients == table:
+            return name
+    return "custom"

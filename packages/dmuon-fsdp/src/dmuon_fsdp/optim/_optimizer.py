@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, Never, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -359,6 +359,9 @@ class Muon(torch.optim.Optimizer):
             trainable parameter.
         options: how the step runs beyond the hyperparameters (:class:`StepOptions`);
             ``None``: ``StepOptions()``, every default.
+        other_keywords: none is taken; a :class:`StepOptions` field or a keyword of
+            ``torch.optim.Muon`` or ``torch.optim.AdamW`` raises ``TypeError`` naming what
+            dmuon takes instead.
     """
 
     # It steps dedicated parameters itself (holder.STEPS_DEDICATED: torch's optimizers are
@@ -381,7 +384,13 @@ class Muon(torch.optim.Optimizer):
         param_groups: Sequence[Mapping[str, Any]] | None = None,
         *,
         options: StepOptions | None = None,
+        **other_keywords: Never,
     ) -> None:
+        if other_keywords:
+            raise TypeError(
+                f"Muon() takes no keyword {', '.join(map(repr, other_keywords))}: "
+                + _instead_of(other_keywords)
+            )
         if not isinstance(model, nn.Module):
             raise ValueError(
                 f"Muon takes the wrapped model (an nn.Module), got {type(model).__name__};"
@@ -1044,3 +1053,41 @@ class Muon(torch.optim.Optimizer):
             if group["optimizer"] == Route.MUON
             for name in group["param_names"]
         ]
+
+
+# What a keyword of torch's optimizers is called here (see _instead_of).
+_TORCH_KEYWORDS = {
+    "adjust_lr_fn": (
+        "torch.optim.Muon's adjust_lr_fn is options=dmuon.StepOptions(lr_scaling=...):"
+        ' "original" for None or "original", "moonlight" (the default) for "match_rms_adamw"'
+    ),
+    "ns_coefficients": (
+        "torch.optim.Muon's ns_coefficients go to ns_backend=dmuon.NewtonSchulz("
+        "coefficients=...), its own being dmuon.ns.QUINTIC_COEFFICIENTS"
+    ),
+    "eps": (
+        "torch.optim.Muon's eps (the NS normalisation's) is"
+        " ns_backend=dmuon.NewtonSchulz(eps=...), torch.optim.AdamW's is adamw_eps"
+    ),
+    "betas": "torch.optim.AdamW's betas are adamw_betas",
+    "params": "Muon takes the model itself (its first argument), not its parameters",
+}
+
+
+def _instead_of(keywords: Iterable[str]) -> str:
+    """What dmuon takes instead of ``keywords``, which ``Muon()`` does not take, where it
+    knows (a StepOptions field, a keyword of torch's Muon or AdamW)."""
+    fields = set(StepOptions.__dataclass_fields__)
+    hints = []
+    guide = False
+    for name in keywords:
+        if name in fields:
+            hints.append(f"{name} is a StepOptions field: options=dmuon.StepOptions({name}=...)")
+        elif name in _TORCH_KEYWORDS:
+            hints.append(_TORCH_KEYWORDS[name])
+            guide = True
+        else:
+            hints.append(f"{name} is not a keyword of dmuon.Muon")
+    if guide:
+        hints[-1] += " (the tuning guide's 'Moving from torch.optim.Muon' maps every keyword)"
+    return "; ".join(hints)
