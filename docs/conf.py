@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sphinx.application import Sphinx
+
 project = "dmuon"
 author = "the dmuon authors"
 copyright = "2026, the dmuon authors"
@@ -27,3 +32,15 @@ napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = "dmuon"
+
+
+def setup(app: Sphinx) -> None:
+    """A public docstring that refers to a design note gets the note's text at its end (see
+    ``docs/_notes.py``)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _notes import append_notes
+
+    app.connect("autodoc-process-docstring", append_notes)

@@ -1,7 +1,7 @@
 """Profiler ranges that cost nothing when no profiler runs: ``span`` opens a
 ``torch.profiler`` range only while a profiler records on this thread. ``record_function``
-alone costs tens of µs of host time per use with none running (dmuon-ns's [Note: profiler
-ranges] has the figures); a clip enters four or five ranges per step."""
+alone costs tens of µs of host time per use with none running (dmuon-ns's [Note: NS
+profiler ranges] has the figures); a clip enters four or five ranges per step."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Profiler ranges that cost nothing when no profiler runs.
 
-[Note: profiler ranges]
+[Note: NS profiler ranges]
 Every NS call names its work for ``torch.profiler`` traces ("dmuon::newton_schulz", ...).
 ``torch.profiler.record_function`` enters and leaves two operators even when no profiler is
 recording: about 6 µs of host time per call on a CPU, about 20 µs on a GPU host (the
