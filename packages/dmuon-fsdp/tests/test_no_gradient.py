@@ -323,3 +323,55 @@ def test_a_matrix_some_ranks_leave_out_trains_on_what_the_others_gave(
         assert BRANCH in want["momenta"]
         for name, value in want["momenta"].items():
             assert torch.equal(got["momenta"][name], value), name
+
+
+def _layer_left_out_when_synced(rank: int, world_size: int, path: str, how: str) -> dict:
+    """Two micro-batches per step: the first under ``no_sync`` runs every layer, the second
+    (synced) leaves the second layer out on every rank (LayerDrop with a seed the ranks share),
+    ``how``: ``"skip"`` or the reference ``"zero"`` (the layer's change to its input times
+    zero, so that its backward runs and adds nothing)."""
+    if path == "ddp":
+        model = ddp_model(world_size)[0]
+    else:
+        model = setup_model(world_size, reshard=path == "z3")[0]
+    mode = {"now": "run"}
+
+    def forward(tokens: Tensor) -> Tensor:
+        x = model.embed_tokens(tokens)
+        for index, layer in enumerate(model.layers):
+            if index != 1 or mode["now"] == "run":
+                x = layer(x)
+            elif mode["now"] == "zero":
+                x = x + (layer(x) - x) * 0
+            # "skip": the layer is not called at all
+        return model.lm_head(model.norm(x))
+
+    model.forward = forward
+    optimizer = Muon(model, lr=0.05, weight_decay=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        for index in range(2):
+            mode["now"] = "run" if index == 0 else how
+            rows = batch(2 * step + index, ROWS).chunk(world_size)[rank]
+            with no_sync(model) if index == 0 else nullcontext():
+                (loss_fn(model, rows) / 2).backward()
+        optimizer.step()
+    return {"weights": get_model_state_dict(model), "momenta": _momenta(model, optimizer)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", ["z3", "z2", "ddp"])
+def test_a_layer_every_rank_leaves_out_of_the_synced_micro_batch_still_trains(path: str) -> None:
+    """The layer's gradients of the micro-batch under ``no_sync`` reach its owners (on the
+    replicated path, its replicated parameters' all-reduce too) although the synced backward
+    never reaches the layer: bit for bit the run whose second micro-batch runs the layer times
+    zero."""
+    skipped = run_distributed(_layer_left_out_when_synced, 2, path, "skip")
+    zeroed = run_distributed(_layer_left_out_when_synced, 2, path, "zero")
+    for got, want in zip(skipped, zeroed, strict=True):
+        assert got["weights"].keys() == want["weights"].keys()
+        for name, value in want["weights"].items():
+            assert torch.equal(got["weights"][name], value), name
+        assert any(name.startswith("layers.1.") for name in want["momenta"])
+        for name, value in want["momenta"].items():
+            assert torch.equal(got["momenta"][name], value), name

@@ -136,6 +136,57 @@ def test_fsdp2_mixed_precision_matches_a_bf16_compute_reference(world_size, resh
     assert all(b == expected for r in results for b in r[1]), results[0][1]
 
 
+def _autocast(rank: int, world_size: int, reshard: bool):
+    """Training under ``torch.autocast`` (bf16), the habit of many scripts and of Hugging
+    Face's ``bf16=True``: the model stays fp32 and autocast casts per op."""
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=reshard)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    losses = []
+    for step in range(4):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            loss = lm_loss(model, shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size))
+        loss.backward()
+        optimizer.step()
+        losses.append(_global(loss, world_size))
+    for dp in runtime.params:
+        if dp.is_owner:
+            assert dp.param.dtype == torch.float32  # autocast casts a copy per op
+            assert optimizer.state[dp.param]["momentum_buffer"].dtype == torch.float32
+    return losses, get_model_state_dict(model)
+
+
+@pytest.mark.distributed
+def test_autocast_trains_like_an_autocast_reference_and_z2_equals_z3() -> None:
+    z3 = run_distributed(_autocast, 2, True)
+    z2 = run_distributed(_autocast, 2, False)
+    for got, want in zip(z2, z3, strict=True):
+        assert got[0] == want[0]
+        for name, value in want[1].items():
+            assert torch.equal(got[1][name], value), name
+            assert value.dtype == torch.float32, name
+    names = [n for n, p in build(0).named_parameters() if muon_predicate(n, p)]
+    master = build(0)
+    optimizer = ReferenceMuonAdamW(master, names, HYPER)
+    ref = []
+    for step in range(4):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            loss = lm_loss(master, make_batch(step, ROWS, SEQ, VOCAB))
+        loss.backward()
+        optimizer.step()
+        ref.append(float(loss.detach()))
+    # The same first loss; then bf16 rounding of two half-batch backwards against one (about
+    # 2e-4 of the loss in four steps).
+    assert z3[0][0][0] == ref[0]
+    for step, (got, want) in enumerate(zip(z3[0][0], ref)):
+        assert abs(got - want) <= 1e-3 * abs(want), f"step {step}: {got} vs {want}"
+    assert ref[-1] < ref[0]
+
+
 def _policy_head(rank: int, world_size: int):
     # A bf16 backbone (FSDP2's policy on the layers) with an fp32 head: the root has no
     # policy, and param_policy pins the dedicated head to fp32 explicitly.

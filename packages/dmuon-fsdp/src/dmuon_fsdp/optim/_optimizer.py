@@ -793,8 +793,9 @@ class Muon(torch.optim.Optimizer):
                 "Muon.step() was called by a GradScaler: loss scaling does not reach the"
                 " gradients dmuon holds on owners (unscale_ reads param.grad only, so they would"
                 " stay scaled, and an overflow in them would not lower the scale); nothing was"
-                " stepped. Train in bfloat16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16)),"
-                " which needs no loss scaling"
+                " stepped. Train in bfloat16, which needs no loss scaling: drop the scaler and"
+                " run under torch.autocast(device_type, dtype=torch.bfloat16), or give FSDP2"
+                " MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
             )
 
     def _check_none_unfrozen(self) -> None:

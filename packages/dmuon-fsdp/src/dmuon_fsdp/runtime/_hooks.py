@@ -86,6 +86,9 @@ class BoundaryHooks:
         # The last backward ran under no_sync and no synced one followed: its gradients are
         # accumulated on each rank but not reduced (see [Note: a step after no_sync]).
         self.unsynced_backward = False
+        # The boundaries (indices) a backward under no_sync reached since the last synced one:
+        # see [Note: boundaries the synced backward does not reach].
+        self._unsynced: set[int] = set()
         self._on_first_forward = on_first_forward
         self.wait_timers: dict[str, PhaseTimer] | None = None
         self._pack_of_param: list[tuple[DedicatedGroup, Pack]] = []  # set at the first forward
@@ -94,6 +97,9 @@ class BoundaryHooks:
         self._final_queued = False
         self._initialised = False
         self._all_reduces: AllReduceQueue | None = None  # the replicated path's (hook_replicated)
+        self._replicated: list[nn.Parameter] = []
+        # The replicated parameters (ids) whose gradient the backward under way submitted.
+        self._replicated_sent: set[int] = set()
         self._handles: list[RemovableHandle] = []
         # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
         # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
@@ -131,6 +137,7 @@ class BoundaryHooks:
         clip or a read of the gradient before ``step()`` sees the average, and a micro-batch
         without ``no_sync`` accumulates onto it."""
         self._all_reduces = queue
+        self._replicated = list(params)
         weak_self = weakref.ref(self)
         for param in params:
             self._grad_handles.append(
@@ -278,19 +285,49 @@ class BoundaryHooks:
             group.reshard()
 
     def _post_backward_final(self) -> None:
+        """[Note: boundaries the synced backward does not reach]
+        Inside ``no_sync`` a boundary's local gradients stay on its parameters until a synced
+        backward reduces them. A synced backward that does not reach the boundary at all (a
+        layer every rank skips in the last micro-batch: LayerDrop with a seed the ranks share,
+        an early exit) reduces it here all the same, as it reduces a pack whose parameters got
+        no gradient in it; otherwise those gradients would never reach their owners and the
+        step would leave the layer's matrices as they were, without a word. Every rank skips
+        alike, so every rank issues these reduces, in the boundaries' order."""
         with span("dmuon::post_backward_final"):
             self._final_queued = False
             self.unsynced_backward = not self._syncing
-            for group in self.groups:
-                if not group.backward_touched:
+            for index, group in enumerate(self.groups):
+                if not (group.backward_touched or (self._syncing and index in self._unsynced)):
                     continue
+                if not self._syncing:
+                    self._unsynced.add(index)
                 for pack in group.packs:
                     self._pack_done(group, pack)  # packs with unused params count as zero
                 group.reset_backward()
+            if self._syncing:
+                self._unsynced.clear()
+                self._send_replicated_left()
             # End of backward: on CPU, issue every replicate stage still waiting.
             self.reduce_queue.issue_replicate_stages()
             if self._all_reduces is not None:
                 self._all_reduces.wait_all()  # the replicated gradients, averaged
+
+    def _send_replicated_left(self) -> None:
+        """The replicated path's part of [Note: boundaries the synced backward does not
+        reach]: a replicated parameter that holds a gradient the synced backward did not
+        accumulate into (its micro-batches under ``no_sync`` did) is all-reduced now, in the
+        parameters' order, as on every rank."""
+        if self._all_reduces is not None:
+            for param in self._replicated:
+                if param.grad is not None and id(param) not in self._replicated_sent:
+                    self._all_reduces.submit(param.grad)
+        self._replicated_sent.clear()
+
+    def forget_unsynced(self) -> None:
+        """The local gradients of the backwards under ``no_sync`` were dropped (``zero_grad``):
+        no boundary waits for a synced backward any more."""
+        self.unsynced_backward = False
+        self._unsynced.clear()
 
     def _recover_from_aborted_backward(self) -> None:
         """A forward (not a recompute) begins while the final callback of the last backward
@@ -340,6 +377,7 @@ def _replicated_grad(
         return
     hooks._queue_final_callback()  # which waits for the queue (see hook_replicated)
     if hooks._syncing:
+        hooks._replicated_sent.add(id(param))
         queue.submit(param.grad)
 
 

@@ -326,7 +326,7 @@ class DedicatedRuntime:
             self.reduce_queue.wait_all()
         for dp in self.params:
             dp.grad = None
-        self.hooks.unsynced_backward = False
+        self.hooks.forget_unsynced()
 
     def check_gradients_synced(self) -> None:
         """Refuse a step whose gradients were accumulated under ``no_sync`` and never reduced.
