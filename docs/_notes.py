@@ -98,18 +98,54 @@ def _text(lines: list[str], index: int, header_end: int) -> str:
     return "\n".join([body[0], *(line[indent:] for line in body[1:])]).strip()
 
 
+# "[Note: x] in ``runtime/_runtime``", "``_prepare``'s [Note: x]", "``_iterations``' [Note:
+# x]": where a note lives, for
+# readers of the sources; the site shows the note itself, so the pointer goes.
+_POINTER_AFTER = re.compile(r"(\[Note:[^\]]+\])\s+in\s+``[\w./]+``")
+_POINTER_BEFORE = re.compile(r"``[\w./]+``'s?\s+(\[Note:)")
+# A Sphinx role, which a literal block would show raw.
+_ROLE = re.compile(r":(?:py:)?[a-z]+:`~?\.?([^`]+)`")
+# The notes each page has shown in full, and under which object.
+_SHOWN: dict[str, dict[str, str]] = {}
+
+
 def append_notes(app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
-    """Add to a docstring (``lines``, reStructuredText) the text of each note it refers to."""
-    names = references("\n".join(lines))
+    """Add to a docstring (``lines``, reStructuredText) the text of each note it cites: in
+    full the first time a page cites it, then as a pointer to that first object. A note the
+    docstring defines itself is not repeated."""
+    text = "\n".join(lines)
+    defined_here = {normalise(m.group(1)) for m in DEFINITION.finditer(text)}
+    names = [n for n in references(text) if n not in defined_here]
     if not names:
         return
+    lines[:] = _without_pointers(text).splitlines()
+    page = getattr(getattr(app, "env", None), "docname", "")
+    shown = _SHOWN.setdefault(page, {})
     notes = _cached_definitions()
     lines += ["", ".. rubric:: Design notes referred to above", ""]
     for note_name in names:
         (note,) = notes[note_name]
+        if note_name in shown:
+            lines += [f"**[Note: {note_name}]**: shown above, under ``{shown[note_name]}``.", ""]
+            continue
+        shown[note_name] = name
         lines += [f"**[Note: {note_name}]** (``{note.path}``, line {note.line})::", ""]
-        lines += [f"    {line}" if line else "" for line in note.text.splitlines()]
+        body = _ROLE.sub(r"``\1``", _without_pointers(note.text))
+        lines += [f"    {line}" if line else "" for line in body.splitlines()]
         lines.append("")
+
+
+def _without_pointers(text: str) -> str:
+    return _POINTER_BEFORE.sub(r"\1", _POINTER_AFTER.sub(r"\1", text))
+
+
+def hide_type_docstrings(
+    app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]
+) -> None:
+    """A documented constant (a tuple, a str) has no docstring of its own: drop the one its
+    type would lend it ("Built-in immutable sequence..."); the page's text describes it."""
+    if what == "data" and type(obj).__doc__ and obj.__doc__ == type(obj).__doc__:
+        lines.clear()
 
 
 _CACHE: dict[str, list[Note]] = {}

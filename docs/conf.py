@@ -23,7 +23,7 @@ myst_enable_extensions = ["colon_fence", "dollarmath", "deflist"]
 myst_heading_anchors = 3
 
 # The API reference documents the names `dmuon` exports, where users import them from.
-autodoc_default_options = {"members": False}
+autodoc_default_options: dict[str, object] = {}
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_preserve_defaults = True
@@ -35,12 +35,13 @@ html_title = "dmuon"
 
 
 def setup(app: Sphinx) -> None:
-    """A public docstring that refers to a design note gets the note's text at its end (see
-    ``docs/_notes.py``)."""
+    """A public docstring that refers to a design note gets the note's text at its end, and a
+    constant no docstring of its type (see ``docs/_notes.py``)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _notes import append_notes
+    from _notes import append_notes, hide_type_docstrings
 
     app.connect("autodoc-process-docstring", append_notes)
+    app.connect("autodoc-process-docstring", hide_type_docstrings)

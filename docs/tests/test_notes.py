@@ -69,9 +69,32 @@ def test_a_public_docstring_gets_the_text_of_the_notes_it_refers_to(obj: str) ->
     lines = inspect.getdoc(target).splitlines()
     names = _notes.references("\n".join(lines))
     assert names, obj
+    _notes._SHOWN.clear()  # a new page: every note in full
     _notes.append_notes(None, "", obj, target, None, lines)
     text = "\n".join(lines)
     for name in names:
         note = _notes.definitions()[name][0]
         assert f"**[Note: {name}]** (``{note.path}``" in text
-        assert note.text.splitlines()[-1].strip() in text
+        last = note.text.splitlines()[-1].strip()
+        assert _notes._ROLE.sub(r"``\1``", _notes._without_pointers(last)) in text
+
+
+def test_a_page_shows_a_note_in_full_once_and_no_type_docstrings() -> None:
+    """The second docstring of a page that cites a note gets a pointer to the first; a note
+    a docstring defines itself is not appended to it; sphinx roles do not reach the literal
+    blocks; a constant shows no docstring of its type."""
+    _notes._SHOWN.clear()
+    first = ["Reads the notes (see [Note: the forecast] in ``_forecast``)."]
+    second = ["Also [Note: the forecast]."]
+    _notes.append_notes(None, "", "first", None, None, first)
+    _notes.append_notes(None, "", "second", None, None, second)
+    assert first[0] == "Reads the notes (see [Note: the forecast])."
+    assert sum("**[Note: the forecast]** (``" in line for line in first) == 1
+    assert not any(":attr:`" in line or ":class:`" in line for line in first)
+    assert "**[Note: the forecast]**: shown above, under ``first``." in second
+    own = ["[Note: the forecast]", "Its text, then a citation of [Note: the forecast]."]
+    _notes.append_notes(None, "", "own", None, None, own)
+    assert len(own) == 2
+    constant = ["Built-in immutable sequence."]
+    _notes.hide_type_docstrings(None, "data", "X", (1, 2), None, constant)
+    assert constant == []

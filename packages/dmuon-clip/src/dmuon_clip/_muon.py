@@ -77,8 +77,8 @@ def clip_grad_norm_(
         params: which gradients: ``"muon"`` (the Muon route's: the dedicated matrices on
             their owners, expert stacks), ``"adamw"`` (the AdamW route's: FSDP2 shards of the
             embeddings, norms, head..., and dedicated weights routed to AdamW, on their
-            owners), ``"all"`` (both, by one norm, as ``torch.nn.utils.clip_grad_norm_(
-            model.parameters())`` on a model without dmuon), or an iterable of the optimizer's
+            owners), ``"all"`` (both, by one norm, as torch's ``clip_grad_norm_`` of
+            ``model.parameters()`` on a model without dmuon), or an iterable of the optimizer's
             parameters. All but ``"muon"`` need ``optimizer.grads_for_clip(params)``.
     """
     max_norm = validate_max_norm(max_norm)

@@ -96,7 +96,9 @@ def prepare_muon_grads(model: nn.Module) -> list[DedicatedParam]:
 
 
 def broadcast_all_updates(model: nn.Module) -> None:
-    """After the owners changed their weights: publish them and wait (``after_step(False)``).
+    """After the owners changed their weights: publish them to every rank that keeps a copy
+    and wait until it has landed (what ``step()`` does, and waits for, with
+    ``StepOptions(replicate_async=False)``).
 
     Args:
         model: the model given to ``dedicate_params`` (that object: another one, a submodule

@@ -330,8 +330,10 @@ def collect_forward_unshard_profile(
     (packs it neither owns nor replicates) and sends, whether its weights are resident now,
     and the collectives counted since the runtime's counter was last reset.
 
-    The runtime records payloads and call counts, not per-collective wait times; measuring
-    those needs a profiler trace (the ``dmuon::pre_forward`` and ``dmuon::prefetch`` ranges).
+    The runtime records payloads and call counts, and, with ``StepOptions(profile=True)``,
+    each boundary's wait for its broadcasts before its forward (``forward_wait_ms``); the
+    time of each collective itself needs a profiler trace (the ``dmuon::pre_forward`` and
+    ``dmuon::prefetch`` ranges).
     ``synchronize=True`` waits for the device first so that the snapshot is settled.
     ``clear=True`` starts a new count once the snapshot is taken: it resets the runtime's
     collective counter (every dmuon collective counts there, not only the forward's) and the

@@ -145,10 +145,11 @@ def max_logits_from_scores(max_scores: Tensor, heads_dim: int = -2) -> Tensor:
 def max_logits_from_lse(lse: Tensor, heads_dim: int = -2) -> Tensor:
     """A per-head upper bound of the maximum logit from the log-sum-exp a fused attention
     kernel returns: ``max(lse) ≥ S_max``, above it by at most ``ln`` of the keys per row (see
-    [Note: three ways to the max logit]). ``lse`` is ``(batch, heads, L)`` (flash/efficient/
-    cuDNN SDPA kernels, flash-attn's ``softmax_lse``, flex's ``AuxRequest(lse=True)``) or
-    ``(heads, total_q)`` (variable-length kernels); both have heads at ``heads_dim=-2``. Non-
-    finite entries, which kernels write for rows with no key to attend to, drop out.
+    [Note: three ways to the max logit]). ``lse`` is ``(batch, heads, L)`` (the flash,
+    efficient and cuDNN SDPA kernels, flash-attn's ``softmax_lse``, flex's
+    ``AuxRequest(lse=True)``) or ``(heads, total_q)`` (variable-length kernels); both have heads
+    at ``heads_dim=-2``. Entries that are not finite, which kernels write for rows with no key
+    to attend to, drop out.
 
     Args:
         lse: the kernel's log-sum-exp of each query row, any shape with one dimension of heads.

@@ -53,11 +53,11 @@ class NewtonSchulz:
     input's dtype either way.
     ``coefficients`` defaults to ``POLAR_EXPRESS_COEFFICIENTS`` (a set shorter than ``steps``
     repeats its last row); ``restart_iterations`` defaults to ``(2,)`` (the Gram form's
-    restarts, ignored by the direct form; see ``_torch_kernel``). ``kernel`` is ``"auto"`` or a
-    registered kernel name; ``deterministic=True`` means the plain torch kernel unless a kernel
-    is named (precedence in ``_registry``). ``cuda_graphs`` replays CUDA inputs through a
-    captured graph per problem shape (inputs of at most 64 MiB; larger ones gain nothing from
-    replay and run eagerly, see ``_dispatch``).
+    restarts, ignored by the direct form). ``kernel`` is ``"auto"`` or a registered kernel
+    name; ``deterministic=True`` means the plain torch kernel unless a kernel is named (a named
+    kernel first, then ``DMUON_NS_KERNEL``, then ``deterministic``, then auto). ``cuda_graphs``
+    replays CUDA inputs through a captured graph per problem shape (inputs of at most 64 MiB;
+    larger ones gain nothing from replay and run eagerly).
 
     Args:
         backend: the algorithm: ``"gram"`` runs Gram Newton–Schulz on non-square matrices and

@@ -45,8 +45,8 @@ def get_backend_status(device: torch.device | str | None = None) -> dict[str, An
     Returns ``{"device": str, "sm": int | None, "env_override": str | None,
     "auto_choice": str, "auto_candidates": [str, ...], "auto_reason": str,
     "kernels": {name: {"available": bool, "reason": str | None}}}``. ``auto_choice`` is the
-    kernel auto runs, or ``"autotune"`` when it times several candidates per shape (the
-    verdicts are in ``dmuon_ns._autotune``). It describes ``kernel="auto"`` without
+    kernel auto runs, or ``"autotune"`` when it times several candidates per shape (once per
+    shape and device, or from the shipped tables). It describes ``kernel="auto"`` without
     ``DMUON_NS_KERNEL`` (``env_override`` shows that variable).
 
     Args:

@@ -124,8 +124,9 @@ class AppState(Stateful):
         dcp.save({"dmuon": dmuon.AppState(model, optimizer), "data": loader}, checkpoint_id=path)
 
     See [Note: the DCP layout] for what it writes; each rank writes only what it holds.
-    ``state_dict()`` and ``load_state_dict()`` are collective (they drain the runtime; loading
-    ends with the runtime's ``after_step``).
+    ``state_dict()`` and ``load_state_dict()`` are collective (they first finish dmuon's
+    collectives in flight; a load ends by publishing the loaded weights to the ranks that keep
+    copies, as a step does).
 
     Args:
         model: the model given to ``dedicate_params`` (that object; another raises

@@ -315,7 +315,8 @@ class Muon(torch.optim.Optimizer):
     orthogonalises every matrix of a ``(batch, m, n)`` tensor and returns that shape
     (microsoft/dion's ``newton_schulz_func`` contract; ``ns_steps`` must then be left out).
 
-    The keywords are the first public DMuon's; how the step runs beyond them (the learning-rate
+    The keywords are those of the first public DMuon (``lr`` to ``param_groups``); how the step
+    runs beyond them (the learning-rate
     scaling, NS batching, the HSDP publish, the non-finite skip, NS under tensor parallelism,
     the step profile) is ``options=StepOptions(...)``. Features that act inside the step attach
     themselves as hooks: ``dmuon.QKClip.from_model(model, ...).attach(optimizer)`` (QK-clip),

@@ -249,8 +249,8 @@ def dedicate_params_ddp(
             not sharded. One call per model.
         mesh: the 1-D ``DeviceMesh`` of the data-parallel ranks (with tensor parallelism the
             ``dp`` dimension of the ``(dp, tp)`` mesh). A 2-D ``('replicate', 'shard')`` mesh
-            with more than one replica raises ``ValueError``: the replicated path has no
-            shard x replicate grid.
+            with one replica stands for its shard dimension; with more than one it raises
+            ``ValueError``: the replicated path has no shard x replicate grid.
         predicate: ``predicate(fqn, param) -> bool``, called for every trainable parameter;
             the ones it accepts are dedicated (owned by one rank, stepped there). A
             ``MatrixSplit`` result also declares the parameter's split, as for

@@ -103,7 +103,8 @@ def _fsdp_init() -> Any:
 
 
 def install_patch() -> None:
-    """Make ``fully_shard`` (and ``replicate``) skip dedicated parameters; idempotent.
+    """Make ``fully_shard`` (and torch's composable ``replicate``, which shares its parameter
+    discovery) skip dedicated parameters; idempotent.
 
     ``dedicate_params`` calls it unless given ``patch_fully_shard=False``; the patch-free way
     is ``fully_shard(..., ignored_params=dmuon.dedicated_params_of(model))``; see [Note: FSDP2
