@@ -11,7 +11,7 @@ import dmuon
 
 DOCS = Path(__file__).resolve().parent.parent
 DIRECTIVE = re.compile(
-    r"^\.\. auto(?:function|class|data|exception)::\s+dmuon\.((?:\w+\.)?\w+)\s*$", re.M
+    r"^\.\. auto(?:function|class|data|exception)::\s+dmuon\.((?:\w+\.)?\w+)(?:\(\))?\s*$", re.M
 )
 
 

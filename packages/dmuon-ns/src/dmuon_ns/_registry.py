@@ -108,7 +108,10 @@ class NSKernel(Protocol):
 
     name: str
 
-    def unavailable_reason(self, device: torch.device) -> str | None: ...
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Why the kernel cannot run on ``device`` (a missing package, an old GPU), or
+        ``None`` when it can; auto leaves out a kernel that cannot."""
+        ...
 
     def gram(
         self,
@@ -117,7 +120,10 @@ class NSKernel(Protocol):
         restart_iterations: Sequence[int],
         out_dtype: torch.dtype | None = None,
         /,
-    ) -> Tensor: ...
+    ) -> Tensor:
+        """Gram Newton–Schulz of ``x``: one step per row of ``coefficients``, the Gram matrix
+        rebuilt from the iterate at each step of ``restart_iterations``."""
+        ...
 
     def direct(
         self,
@@ -125,7 +131,10 @@ class NSKernel(Protocol):
         coefficients: CoefficientRows,
         out_dtype: torch.dtype | None = None,
         /,
-    ) -> Tensor: ...
+    ) -> Tensor:
+        """Direct Newton–Schulz of ``x``: one step ``X ← aX + (bA + cA²)X``, ``A = XXᵀ``, per
+        row ``(a, b, c)`` of ``coefficients``."""
+        ...
 
 
 def cuda_capability_reason(device: torch.device, min_major: int) -> str | None:

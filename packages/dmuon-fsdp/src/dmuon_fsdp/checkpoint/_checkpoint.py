@@ -31,6 +31,10 @@ were. Loading needs no collective: every rank holds the full dictionary and take
 (the owner its full weight or state, FSDP2 parameters their shard). With
 ``broadcast_from_rank0`` only rank 0 holds it; see [Note: loading from rank 0].
 
+Every function here is collective over the runtime's ranks (get_*: broadcasts, sends and
+``full_tensor``; set_model_state_dict: the runtime's ``after_step``) and first drains the
+runtime's pending collectives.
+
 [Note: loading from rank 0]
 ``set_model_state_dict(..., broadcast_from_rank0=True)`` is the load of a checkpoint that only
 global rank 0 reads (a Hugging Face file too large for every rank's host memory), torch's
@@ -60,10 +64,6 @@ cast from the master just loaded), identical to what any step leaves. Sending th
 their own copies from rank 0 would cost the same bytes again and still need the publish for
 a compute copy the replica does not cast itself. The replicated (DDP) path works the same way:
 the owners' masters are loaded and published to the shard group.
-
-Every function here is collective over the runtime's ranks (get_*: broadcasts, sends and
-``full_tensor``; set_model_state_dict: the runtime's ``after_step``) and first drains the
-runtime's pending collectives.
 """
 
 from __future__ import annotations

@@ -98,7 +98,9 @@ class BoundaryHooks:
         self._initialised = False
         self._all_reduces: AllReduceQueue | None = None  # the replicated path's (hook_replicated)
         self._replicated: list[nn.Parameter] = []
-        # The replicated parameters (ids) whose gradient the backward under way submitted.
+        # Replicated parameters (ids) whose gradient a backward under no_sync accumulated since
+        # the last synced one, and those whose gradient the synced backward under way submitted.
+        self._replicated_unsynced: set[int] = set()
         self._replicated_sent: set[int] = set()
         self._handles: list[RemovableHandle] = []
         # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
@@ -314,13 +316,15 @@ class BoundaryHooks:
 
     def _send_replicated_left(self) -> None:
         """The replicated path's part of [Note: boundaries the synced backward does not
-        reach]: a replicated parameter that holds a gradient the synced backward did not
-        accumulate into (its micro-batches under ``no_sync`` did) is all-reduced now, in the
+        reach]: a replicated parameter whose gradient micro-batches under ``no_sync``
+        accumulated and the synced backward did not add to is all-reduced now, in the
         parameters' order, as on every rank."""
         if self._all_reduces is not None:
+            left = self._replicated_unsynced - self._replicated_sent
             for param in self._replicated:
-                if param.grad is not None and id(param) not in self._replicated_sent:
+                if id(param) in left and param.grad is not None:
                     self._all_reduces.submit(param.grad)
+        self._replicated_unsynced.clear()
         self._replicated_sent.clear()
 
     def forget_unsynced(self) -> None:
@@ -328,6 +332,7 @@ class BoundaryHooks:
         no boundary waits for a synced backward any more."""
         self.unsynced_backward = False
         self._unsynced.clear()
+        self._replicated_unsynced.clear()
 
     def _recover_from_aborted_backward(self) -> None:
         """A forward (not a recompute) begins while the final callback of the last backward
@@ -379,6 +384,8 @@ def _replicated_grad(
     if hooks._syncing:
         hooks._replicated_sent.add(id(param))
         queue.submit(param.grad)
+    else:
+        hooks._replicated_unsynced.add(id(param))
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
