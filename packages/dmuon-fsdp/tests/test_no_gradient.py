@@ -330,8 +330,16 @@ def _layer_left_out_when_synced(rank: int, world_size: int, path: str, how: str)
     (synced) leaves the second layer out on every rank (LayerDrop with a seed the ranks share),
     ``how``: ``"skip"`` or the reference ``"zero"`` (the layer's change to its input times
     zero, so that its backward runs and adds nothing)."""
+    dp_rank, dp_size = rank, world_size
     if path == "ddp":
         model = ddp_model(world_size)[0]
+    elif path == "tp":  # (dp 2, tp 2): the TP pair of a data-parallel rank reads its rows
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+        model = build(0)
+        tensor_parallel(model, mesh["tp"])
+        dedicate_params(model, mesh["dp"], muon_predicate, small_param_threshold=0)
+        shard_layers_then_root(model, mesh["dp"])
+        dp_rank, dp_size = mesh["dp"].get_local_rank(), 2
     else:
         model = setup_model(world_size, reshard=path == "z3")[0]
     mode = {"now": "run"}
@@ -352,7 +360,7 @@ def _layer_left_out_when_synced(rank: int, world_size: int, path: str, how: str)
         optimizer.zero_grad()
         for index in range(2):
             mode["now"] = "run" if index == 0 else how
-            rows = batch(2 * step + index, ROWS).chunk(world_size)[rank]
+            rows = batch(2 * step + index, ROWS).chunk(dp_size)[dp_rank]
             with no_sync(model) if index == 0 else nullcontext():
                 (loss_fn(model, rows) / 2).backward()
         optimizer.step()
@@ -360,14 +368,15 @@ def _layer_left_out_when_synced(rank: int, world_size: int, path: str, how: str)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("path", ["z3", "z2", "ddp"])
+@pytest.mark.parametrize("path", ["z3", "z2", "ddp", "tp"])
 def test_a_layer_every_rank_leaves_out_of_the_synced_micro_batch_still_trains(path: str) -> None:
     """The layer's gradients of the micro-batch under ``no_sync`` reach its owners (on the
     replicated path, its replicated parameters' all-reduce too) although the synced backward
     never reaches the layer: bit for bit the run whose second micro-batch runs the layer times
     zero."""
-    skipped = run_distributed(_layer_left_out_when_synced, 2, path, "skip")
-    zeroed = run_distributed(_layer_left_out_when_synced, 2, path, "zero")
+    world_size = 4 if path == "tp" else 2
+    skipped = run_distributed(_layer_left_out_when_synced, world_size, path, "skip")
+    zeroed = run_distributed(_layer_left_out_when_synced, world_size, path, "zero")
     for got, want in zip(skipped, zeroed, strict=True):
         assert got["weights"].keys() == want["weights"].keys()
         for name, value in want["weights"].items():
