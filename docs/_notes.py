@@ -63,15 +63,11 @@ def definitions(root: Path = ROOT) -> dict[str, list[Note]]:
         for match in DEFINITION.finditer(source):
             index = source.count("\n", 0, match.start())
             name = normalise(match.group(1))
-            text = _text(lines, index, match.end() - match.start() - _line_start(source, match))
+            # A definition starts its line (``^``), so its end is a column of that line.
+            text = _text(lines, index, match.end() - match.start())
             rel = path.relative_to(root).as_posix()
             found.setdefault(name, []).append(Note(name, rel, index + 1, text))
     return found
-
-
-def _line_start(source: str, match: re.Match[str]) -> int:
-    """How far the match begins past the start of its line (zero: it starts the line)."""
-    return match.start() - (source.rfind("\n", 0, match.start()) + 1)
 
 
 def _text(lines: list[str], index: int, header_end: int) -> str:

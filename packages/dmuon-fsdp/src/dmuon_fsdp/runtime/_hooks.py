@@ -319,7 +319,7 @@ class BoundaryHooks:
         reach]: a replicated parameter whose gradient micro-batches under ``no_sync``
         accumulated and the synced backward did not add to is all-reduced now, in the
         parameters' order, as on every rank."""
-        if self._all_reduces is not None:
+        if self._all_reduces is not None and self._replicated_unsynced:
             left = self._replicated_unsynced - self._replicated_sent
             for param in self._replicated:
                 if id(param) in left and param.grad is not None:
@@ -382,7 +382,8 @@ def _replicated_grad(
         return
     hooks._queue_final_callback()  # which waits for the queue (see hook_replicated)
     if hooks._syncing:
-        hooks._replicated_sent.add(id(param))
+        if hooks._replicated_unsynced:  # only then does the end of backward need to know
+            hooks._replicated_sent.add(id(param))
         queue.submit(param.grad)
     else:
         hooks._replicated_unsynced.add(id(param))
