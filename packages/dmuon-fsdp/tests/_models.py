@@ -90,12 +90,13 @@ class TinyLlama(nn.Module):
         vocab: int = VOCAB,
         dim: int = DIM,
         hidden: int = HIDDEN,
-        checkpoint: bool = False,
+        checkpoint: bool | str = False,
         tie: bool = False,
         share_mlp: bool = False,
     ) -> None:
         super().__init__()
-        self.checkpoint = checkpoint  # non-reentrant activation checkpointing per layer
+        # Activation checkpointing per layer: True (non-reentrant) or "reentrant".
+        self.checkpoint = checkpoint
         self.embed_tokens = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, HEADS, hidden) for _ in range(n_layers))
         self.norm = RMSNorm(dim)
@@ -110,7 +111,8 @@ class TinyLlama(nn.Module):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             if self.checkpoint:
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+                reentrant = self.checkpoint == "reentrant"
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=reentrant)
             else:
                 x = layer(x)
         return self.lm_head(self.norm(x))
@@ -119,7 +121,7 @@ class TinyLlama(nn.Module):
 def build(
     seed: int = 0,
     n_layers: int = 2,
-    checkpoint: bool = False,
+    checkpoint: bool | str = False,
     tie: bool = False,
     share_mlp: bool = False,
     hidden: int = HIDDEN,

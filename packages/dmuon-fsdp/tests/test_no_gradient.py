@@ -29,9 +29,11 @@ from dmuon_fsdp import (
     Muon,
     StepOptions,
     dedicate_params,
+    dedicate_params_ddp,
     get_model_state_dict,
     get_optimizer_state_dict,
     no_sync,
+    replicate,
 )
 from dmuon_fsdp.holder import Role
 from dmuon_testing.distributed import run_distributed
@@ -213,21 +215,20 @@ def test_training_goes_on_after_a_backward_that_raised() -> None:
         assert clean["moved next"] and recovered["moved next"]
 
 
-BRANCH = "layers.0.mlp.branch.weight"
+BRANCH = "layers.1.mlp.branch.weight"
 
 
 def _branch_predicate(name: str, param: nn.Parameter) -> bool:
-    """The second block's matrices and the first block's branch: the first block's hook
-    boundary then holds one pack, reduced last in backward on every rank whether or not the
-    rank took the branch (the collectives line up; see the FAQ for when they do not)."""
-    return param.ndim == 2 and ((name.startswith("layers.1.") and "proj" in name) or name == BRANCH)
+    return param.ndim == 2 and ("proj" in name or name == BRANCH)
 
 
 def _with_branch(model: nn.Module) -> nn.Module:
-    """Give the first block's MLP a residual branch that ``mlp.branch_mode`` turns on
+    """Give the last block's MLP a residual branch that ``mlp.branch_mode`` turns on
     (``"use"``), off (``"skip"``: the branch's weight gets no gradient) or to zero (``"zero"``:
-    its output times zero, the FAQ's way to keep a skipped weight's backward)."""
-    mlp = model.layers[0].mlp
+    its output times zero, the FAQ's way to keep a skipped weight's backward). The last block
+    is the first that backward reaches: every collective of the first block follows the
+    branch's."""
+    mlp = model.layers[1].mlp
     torch.manual_seed(1)
     mlp.branch = nn.Linear(mlp.down_proj.out_features, mlp.down_proj.out_features, bias=False)
     mlp.branch_mode = "use"
@@ -244,23 +245,43 @@ def _with_branch(model: nn.Module) -> nn.Module:
     return model
 
 
-def _branch_on_some_ranks(
-    rank: int, world_size: int, replicate: int, skipper: str, how: str, options: dict[str, bool]
-) -> dict[str, object]:
-    """Three steps in which one rank (the branch weight's owner, or another) leaves the branch
-    out, ``how``: ``"skip"`` or the reference ``"zero"``; with ``options["accumulate"]`` two
-    micro-batches per step, the rank leaving it out in the first only; with
-    ``options["no_sync"]`` the first of them under ``no_sync``."""
+def _branch_model(path: str, world_size: int) -> tuple[nn.Module, list, int, int]:
+    """The model with the branch on ``path``; its dedicated parameters, and this rank's
+    data-parallel rank and size (under tensor parallelism both ranks of a TP pair read the
+    same rows)."""
     model = _with_branch(build(0))
-    mesh, shard_mesh, replicate_mesh = make_mesh(world_size, replicate)
+    rank = torch.distributed.get_rank()
+    if path == "tp":  # (dp 2, tp 2)
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh["tp"])
+        runtime = dedicate_params(model, mesh["dp"], _branch_predicate, small_param_threshold=0)
+        shard_layers_then_root(model, mesh["dp"])
+        return model, runtime.params, mesh["dp"].get_local_rank(), 2
+    if path == "ddp":
+        mesh = init_device_mesh("cpu", (world_size,))
+        runtime = dedicate_params_ddp(model, mesh, _branch_predicate, small_param_threshold=0)
+        replicate(model, mesh)
+        return model, runtime.params, rank, world_size
+    mesh, shard_mesh, replicate_mesh = make_mesh(world_size, 2 if path == "hsdp" else 1)
     runtime = dedicate_params(model, shard_mesh, _branch_predicate, replicate_mesh=replicate_mesh)
     shard_layers_then_root(model, mesh)
-    (branch,) = [dp for dp in runtime.params if dp.fqn == BRANCH]
-    owns = torch.tensor([float(branch.role is Role.OWNER)])
+    return model, runtime.params, rank, world_size
+
+
+def _branch_on_some_ranks(
+    rank: int, world_size: int, path: str, skipper: str, how: str, options: dict[str, bool]
+) -> dict[str, object]:
+    """Three steps in which one data-parallel rank (the branch weight's owner, or another)
+    leaves the branch out, ``how``: ``"skip"`` or the reference ``"zero"``; with
+    ``options["accumulate"]`` two micro-batches per step, the rank leaving it out in the
+    first only; with ``options["no_sync"]`` the first of them under ``no_sync``."""
+    model, params, dp_rank, dp_size = _branch_model(path, world_size)
+    (branch,) = [dp for dp in params if dp.fqn == BRANCH]
+    owns = torch.tensor([float(dp_rank if branch.role is Role.OWNER else -1)])
     owners = [torch.zeros(1) for _ in range(world_size)]
     torch.distributed.all_gather(owners, owns)
-    owner = [int(o) for o in owners].index(1)
-    leaves_out = owner if skipper == "owner" else (owner + 1) % world_size
+    owner = int(max(owners))
+    leaves_out = owner if skipper == "owner" else (owner + 1) % dp_size
     optimizer = Muon(
         model,
         lr=0.05,
@@ -273,12 +294,8 @@ def _branch_on_some_ranks(
         optimizer.zero_grad()
         for index in range(micro):
             first = index == 0
-            model.layers[0].mlp.branch_mode = how if rank == leaves_out and first else "use"
-            if unsynced and not first:
-                # No rank takes the branch in the reduced micro-batch: every rank's pack is
-                # complete only at the end of backward, so the reduces line up.
-                model.layers[0].mlp.branch_mode = "skip"
-            rows = batch(step * micro + index, ROWS).chunk(world_size)[rank]
+            model.layers[1].mlp.branch_mode = how if dp_rank == leaves_out and first else "use"
+            rows = batch(step * micro + index, ROWS).chunk(dp_size)[dp_rank]
             with no_sync(model) if unsynced and first else nullcontext():
                 (loss_fn(model, rows) / micro).backward()
         optimizer.step()
@@ -287,14 +304,16 @@ def _branch_on_some_ranks(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("world_size", "replicate", "skipper", "options"),
+    ("world_size", "path", "skipper", "options"),
     [
-        (2, 1, "owner", {}),
-        (2, 1, "peer", {}),
-        (2, 1, "owner", {"ns_overlap": True}),
-        (2, 1, "owner", {"accumulate": True}),
-        (2, 1, "owner", {"no_sync": True}),
-        (4, 2, "owner", {}),
+        (2, "1d", "owner", {}),
+        (2, "1d", "peer", {}),
+        (2, "1d", "owner", {"ns_overlap": True}),
+        (2, "1d", "owner", {"accumulate": True}),
+        (2, "1d", "owner", {"no_sync": True}),
+        (4, "hsdp", "owner", {}),
+        (4, "tp", "owner", {}),
+        (2, "ddp", "owner", {}),
     ],
     ids=[
         "1d-owner",
@@ -303,18 +322,20 @@ def _branch_on_some_ranks(
         "1d-owner-accumulate",
         "1d-owner-no_sync",
         "hsdp-owner",
+        "tp-owner",
+        "ddp-owner",
     ],
 )
 def test_a_matrix_some_ranks_leave_out_trains_on_what_the_others_gave(
-    world_size: int, replicate: int, skipper: str, options: dict[str, bool]
+    world_size: int, path: str, skipper: str, options: dict[str, bool]
 ) -> None:
     """A weight one rank's forward leaves out (a branch it did not take, an expert that got
     no token there) trains on the gradients the other ranks gave, also when that rank is its
-    owner: bit for bit as when the rank runs it on zero (output times zero)."""
-    skipped = run_distributed(
-        _branch_on_some_ranks, world_size, replicate, skipper, "skip", options
-    )
-    zeroed = run_distributed(_branch_on_some_ranks, world_size, replicate, skipper, "zero", options)
+    owner: bit for bit as when the rank runs it on zero (output times zero). The branch is in
+    the block backward reaches first, so the collectives of the other block must follow it
+    in the same order on every rank (see [Note: reduce points] in dmuon_fsdp.runtime._order)."""
+    skipped = run_distributed(_branch_on_some_ranks, world_size, path, skipper, "skip", options)
+    zeroed = run_distributed(_branch_on_some_ranks, world_size, path, skipper, "zero", options)
     for got, want in zip(skipped, zeroed, strict=True):
         assert got["weights"].keys() == want["weights"].keys()
         for name, value in want["weights"].items():
@@ -382,5 +403,45 @@ def test_a_layer_every_rank_leaves_out_of_the_synced_micro_batch_still_trains(pa
         for name, value in want["weights"].items():
             assert torch.equal(got["weights"][name], value), name
         assert any(name.startswith("layers.1.") for name in want["momenta"])
+        for name, value in want["momenta"].items():
+            assert torch.equal(got["momenta"][name], value), name
+
+
+PENALISED = ("layers.1.mlp.up_proj.weight", "layers.1.mlp_norm.weight")
+
+
+def _penalty_before_or_after_forward(rank: int, world_size: int, when: str) -> dict[str, object]:
+    """Two steps on the replicated path, with a penalty on a dedicated matrix and a replicated
+    norm of the last block added to the loss, computed ``"before"`` the forward (backward then
+    reaches it after the block's reduce point) or ``"after"`` it."""
+    model = ddp_model(world_size)[0]
+    optimizer = Muon(model, lr=0.05, weight_decay=0.1)
+    weights = [model.get_parameter(name) for name in PENALISED]
+    for step in range(2):
+        optimizer.zero_grad()
+        rows = batch(step, ROWS).chunk(world_size)[rank]
+        if when == "before":
+            penalty = sum(w.square().sum() for w in weights)
+            loss = loss_fn(model, rows)
+        else:
+            loss = loss_fn(model, rows)
+            penalty = sum(w.square().sum() for w in weights)
+        (loss + 1e-2 * penalty).backward()
+        optimizer.step()
+    return {"weights": get_model_state_dict(model), "momenta": _momenta(model, optimizer)}
+
+
+@pytest.mark.distributed
+def test_a_gradient_after_the_reduce_point_is_sent_at_the_end_of_backward() -> None:
+    """A penalty taken before the forward reaches its weights after their block's reduce
+    point: those gradients are sent at the end of backward (the matrix's pack again, the norm's
+    all-reduce), bit for bit as when the penalty follows the forward (see [Note: reduce
+    points] in dmuon_fsdp.runtime._order)."""
+    before = run_distributed(_penalty_before_or_after_forward, 2, "before")
+    after = run_distributed(_penalty_before_or_after_forward, 2, "after")
+    for got, want in zip(before, after, strict=True):
+        for name, value in want["weights"].items():
+            assert torch.equal(got["weights"][name], value), name
+        assert PENALISED[0] in want["momenta"]
         for name, value in want["momenta"].items():
             assert torch.equal(got["momenta"][name], value), name

@@ -16,7 +16,7 @@ from dmuon_testing.distributed import run_distributed
 ROWS = 8
 
 
-def _setup(world_size: int, reshard: bool, checkpoint: bool = False, threshold: int = 0):
+def _setup(world_size: int, reshard: bool, checkpoint: bool | str = False, threshold: int = 0):
     model = build(0, 2, checkpoint)
     mesh = init_device_mesh("cpu", (world_size,))
     runtime = dedicate_params(
@@ -35,7 +35,7 @@ def _local(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def _grads_match_reference(
-    rank: int, world_size: int, reshard: bool, checkpoint: bool = False, threshold: int = 0
+    rank: int, world_size: int, reshard: bool, checkpoint: bool | str = False, threshold: int = 0
 ) -> None:
     model, runtime = _setup(world_size, reshard, checkpoint, threshold)
     owners = {dp.owner for dp in runtime.params}
@@ -87,12 +87,18 @@ def test_grads_match_single_process(world_size: int, reshard: bool) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("reshard", [True, False], ids=["z3", "z2"])
-def test_grads_match_with_activation_checkpointing(reshard: bool) -> None:
+@pytest.mark.parametrize(
+    ("reshard", "checkpoint"),
+    [(True, True), (False, True), (True, "reentrant")],
+    ids=["z3", "z2", "z3-reentrant"],
+)
+def test_grads_match_with_activation_checkpointing(reshard: bool, checkpoint: bool | str) -> None:
     # The recompute runs each boundary's forward again inside backward; its hooks must
-    # unshard without disturbing the step's order, counters or freeing.
-    # Also the planner's default packing: one pack (one owner) per boundary.
-    run_distributed(_grads_match_reference, 4, reshard, True, 5_000_000)
+    # unshard without disturbing the step's order, counters or freeing. Reentrant
+    # checkpointing runs the forward without grad: the recompute's graph carries the
+    # boundary's reduce point. Also the planner's default packing: one pack (one owner) per
+    # boundary.
+    run_distributed(_grads_match_reference, 4, reshard, checkpoint, 5_000_000)
 
 
 def _two_backwards(rank: int, world_size: int) -> bool:
@@ -124,3 +130,38 @@ def _two_backwards(rank: int, world_size: int) -> bool:
 
 def test_a_second_backward_adds_its_gradient_and_zero_grad_drops_one() -> None:
     assert all(run_distributed(_two_backwards, 2))
+
+
+def _first_layer_twice(rank: int, world_size: int) -> None:
+    """The first block runs twice per forward (one boundary, two reduce points): its owners'
+    gradients are the single-process model's."""
+
+    def twice(model: torch.nn.Module) -> torch.nn.Module:
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            x = model.embed_tokens(tokens)
+            for layer in (model.layers[0], model.layers[0], model.layers[1]):
+                x = layer(x)
+            return model.lm_head(model.norm(x))
+
+        model.forward = forward  # type: ignore[method-assign]
+        return model
+
+    model = twice(build(0))
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, muon_predicate, small_param_threshold=0)
+    shard_layers_then_root(model, mesh)
+    tokens = batch(0, ROWS)
+    loss_fn(model, _local(tokens, rank, world_size)).backward()
+    runtime.wait_all_reduces()
+    ref = twice(build(0))
+    loss_fn(ref, tokens).backward()
+    ref_params = dict(ref.named_parameters())
+    owned = [dp for dp in runtime.params if dp.is_owner]
+    assert owned
+    for dp in owned:
+        torch.testing.assert_close(dp.grad, ref_params[dp.fqn].grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_a_boundary_called_twice_per_forward_gets_its_whole_gradient() -> None:
+    run_distributed(_first_layer_twice, 2)

@@ -23,8 +23,9 @@ returned work handle is waited on instead of an event.
 [Note: gradient reduction]
 
 A pack's gradient is reduced when every one of its parameters has its local gradient
-(``register_post_accumulate_grad_hook``), or at the end of backward for parameters that got
-none (they count as zero). The local gradients are copied into one flat buffer, the parameters'
+(``register_post_accumulate_grad_hook``) and the packs before it in its boundary's order have
+left, or at the boundary's reduce point (the end of backward where it has none) for
+parameters that got none: they count as zero (see [Note: reduce points] in :mod:`._order`). The local gradients are copied into one flat buffer, the parameters'
 ``.grad`` is dropped (FSDP2, AdamW and ``torch.nn.utils.clip_grad_norm_`` never see it), and
 the buffer is summed over the shard group into the row's sender (stage one), then, in HSDP,
 over the sender's shard column into the global owner (stage two), which divides once by

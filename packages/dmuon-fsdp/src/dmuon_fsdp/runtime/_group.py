@@ -33,6 +33,7 @@ from torch import nn
 from ..holder import DedicatedParam, Role
 from ..topology import Axis, CommKind, DedicatedCommContext
 from ._collectives import CollectiveResult, broadcast, wait
+from ._order import ReduceOrder
 from ._pack import Pack
 
 __all__ = ["DedicatedGroup", "GroupState"]
@@ -71,6 +72,13 @@ class DedicatedGroup:
     needs_backward: bool = False  # the forward produced outputs that require grad
     _grads_seen: dict[Pack, int] = field(default_factory=dict)
     _finished: set[Pack] = field(default_factory=set)
+    # The order this boundary's collectives leave in (its packs, then on the replicated path
+    # its replicated parameters), set at the first forward; see [Note: reduce points].
+    order: ReduceOrder[object] = field(default_factory=lambda: ReduceOrder(()))
+    # Reduce points registered by the forwards since the last backward, and reached by the
+    # backward under way.
+    points: int = 0
+    points_reached: int = 0
 
     def pack(self) -> None:
         """Build the packs: one per (owner, precision) of the members, and one for each member
@@ -201,8 +209,10 @@ class DedicatedGroup:
     def reset_backward(self) -> None:
         self.backward_started = False
         self.needs_backward = False
+        self.points_reached = 0
         self._grads_seen.clear()
         self._finished.clear()
+        self.order.reset()
 
     @property
     def backward_touched(self) -> bool:

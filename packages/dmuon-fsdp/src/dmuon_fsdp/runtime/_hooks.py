@@ -3,13 +3,15 @@
 [Note: hooks and prefetch]
 
 Per hook boundary (a module): a forward pre-hook (wait for this boundary's broadcast, launched
-by the previous boundary's prefetch or now; launch the next boundary's), a forward hook (Z3:
-free; register a hook on every output that requires grad, the first of which to fire is the
-boundary's pre-backward), and per dedicated parameter a post-accumulate-grad hook (count the
-pack's gradients; a complete pack is reduced, a complete boundary freed). The first
-pre-backward of a backward pass queues a final callback on the autograd engine that handles
-packs whose parameters got no gradient, frees what is left, and issues the last replicate-axis
-reductions.
+by the previous boundary's prefetch or now; launch the next boundary's; pass the forward's
+inputs through the boundary's reduce point), a forward hook (Z3: free; register a hook on
+every output that requires grad, the first of which to fire is the boundary's pre-backward),
+and per dedicated parameter a post-accumulate-grad hook (count the pack's gradients; a
+complete pack leaves in the boundary's order, a boundary whose packs all left is freed). The
+reduce point's backward sends what is left of the boundary (see [Note: reduce points] in
+:mod:`._order`). The first pre-backward of a backward pass queues a final callback on the
+autograd engine that sends what no reduce point sent, frees what is left, and issues the last
+replicate-axis reductions.
 
 [Note: a backward that raised]
 When backward raises (a hook's error, an out-of-memory), the autograd engine drops the
@@ -50,6 +52,7 @@ from .._torch_internals import (
 from ..holder import DedicatedParam
 from ._collectives import AllReduceQueue, ReduceQueue
 from ._group import DedicatedGroup
+from ._order import ReduceOrder
 from ._pack import Pack
 
 __all__ = ["BoundaryHooks"]
@@ -91,7 +94,17 @@ class BoundaryHooks:
         self._unsynced: set[int] = set()
         self._on_first_forward = on_first_forward
         self.wait_timers: dict[str, PhaseTimer] | None = None
-        self._pack_of_param: list[tuple[DedicatedGroup, Pack]] = []  # set at the first forward
+        # Per dedicated parameter: its boundary's index and its pack (set at the first forward).
+        self._pack_of_param: list[tuple[int, Pack]] = []
+        # A replicated parameter inside a boundary (id -> the boundary's index) leaves in that
+        # boundary's order; one outside every boundary when its gradient is in.
+        self._boundary_of_replicated: dict[int, int] = {}
+        # No forward ran since the last backward ended: the next one starts counting the
+        # boundaries' reduce points afresh.
+        self._backward_ended = True
+        # Items whose gradient came after their boundary sent them, sent again at the end of
+        # backward: id -> (boundary, place in its order, item); see [Note: reduce points].
+        self._late: dict[int, tuple[int, int, object]] = {}
         self._order: list[DedicatedGroup] = []  # forward order of the previous forward
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
@@ -111,7 +124,8 @@ class BoundaryHooks:
         for index, group in enumerate(self.groups):
             self._handles.append(
                 group.module.register_forward_pre_hook(
-                    functools.partial(_weak_hook, weak_self, "_pre_forward", index)
+                    functools.partial(_weak_hook, weak_self, "_pre_forward", index),
+                    with_kwargs=True,
                 )
             )
             self._handles.append(
@@ -169,22 +183,50 @@ class BoundaryHooks:
             return None
         return self._order[index] if 0 <= index < len(self._order) else None
 
-    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> Any:
+    def _pre_forward(
+        self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         group = self.groups[index]
         if not self._initialised:
             self._first_forward()
         if in_backward():
             # Activation checkpointing recomputes this forward inside backward: the weights
-            # are needed again; order, counters and freeing belong to the real forward.
+            # are needed again; order, counters and freeing belong to the real forward. A
+            # forward that ran without grad (reentrant checkpointing) left the reduce point
+            # to this recompute, whose graph the backward runs.
             with span("dmuon::pre_forward_recompute"):
                 group.unshard()
+            adds_point = group.points == 0
         else:
             if self._final_queued:
                 self._recover_from_aborted_backward()
+            if self._backward_ended:
+                self._backward_ended = False
+                for each in self.groups:
+                    each.points = 0
             self._unshard_for_forward(group)
+            adds_point = True
         if group.input_dtype is not None:
-            return _cast_floats(args, group.input_dtype)
-        return None
+            args = _cast_floats(args, group.input_dtype)
+        if adds_point and torch.is_grad_enabled():
+            args, kwargs = self._with_reduce_point(index, args, kwargs)
+        return args, kwargs
+
+    def _with_reduce_point(
+        self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The boundary's forward inputs passed through its reduce point (see [Note: reduce
+        points] in :mod:`._order`); unchanged when none of them needs a gradient."""
+        inputs = (args, kwargs)
+        tensors = [
+            t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not tensors:
+            return args, kwargs
+        self.groups[index].points += 1
+        reached = functools.partial(_weak_hook, weakref.ref(self), "_reduce_point", index)
+        outputs = iter(_ReducePoint.apply(reached, *tensors))
+        return tree_map_tensors(lambda t: next(outputs) if t.requires_grad else t, inputs)
 
     def time_forward_waits(self, device: torch.device) -> None:
         """Time each boundary's wait for its broadcasts before its forward (the step
@@ -271,10 +313,66 @@ class BoundaryHooks:
         # Usually queued by a pre-backward already; not when the forward ran without grad
         # (reentrant activation checkpointing) and only the recompute built the graph.
         self._queue_final_callback()
-        group, pack = self._pack_of_param[index]
+        boundary, pack = self._pack_of_param[index]
+        if self._is_late(boundary, pack):
+            return
+        group = self.groups[boundary]
         if group.count_grad(pack):
             with span("dmuon::post_backward"):
-                self._pack_done(group, pack)
+                self._send(group, [(item, True) for item in group.order.complete(pack)])
+
+    def _is_late(self, boundary: int, item: object) -> bool:
+        """Whether boundary ``boundary`` sent ``item`` in this backward already; if so, it is
+        sent again at the end of backward (see [Note: reduce points] in :mod:`._order`)."""
+        order = self.groups[boundary].order
+        if not order.passed(item):
+            return False
+        self._late[id(item)] = (boundary, order.index(item), item)
+        return True
+
+    def _reduce_point(self, index: int) -> None:
+        """The backward of boundary ``index``'s forward inputs is done: at its last reduce
+        point, send every collective of the boundary not sent yet (see [Note: reduce
+        points] in :mod:`._order`)."""
+        group = self.groups[index]
+        group.points_reached += 1
+        if group.points_reached < group.points:
+            return
+        self._queue_final_callback()
+        with span("dmuon::post_backward"):
+            self._send(group, group.order.rest())
+
+    def _send(
+        self, group: DedicatedGroup, items: list[tuple[object, bool]], again: bool = False
+    ) -> None:
+        """Send ``items`` of ``group``'s order (each with whether its local gradient came in
+        this backward): a pack is reduced, a replicated parameter all-reduced. ``again``: a
+        pack's late gradients, after the pack was sent."""
+        for item, complete in items:
+            if isinstance(item, Pack):
+                if not again:
+                    self._pack_done(group, item)  # a parameter without a gradient is zero
+                elif self._syncing:
+                    self.reduce_queue.submit(item)
+            else:
+                assert isinstance(item, torch.Tensor)
+                self._send_replicated(item, complete)
+
+    def _send_replicated(self, param: torch.Tensor, complete: bool) -> None:
+        """All-reduce ``param``'s gradient if this backward gave it one (``complete``) or
+        ``no_sync`` micro-batches left one; inside ``no_sync``, remember it for the synced
+        backward. A gradient already averaged (a synced backward before, none now) is never
+        sent twice."""
+        assert self._all_reduces is not None
+        unsynced = id(param) in self._replicated_unsynced
+        if param.grad is None or not (complete or unsynced):
+            return
+        if not self._syncing:
+            self._replicated_unsynced.add(id(param))
+            return
+        if self._replicated_unsynced:  # only then does the end of backward need to know
+            self._replicated_sent.add(id(param))
+        self._all_reduces.submit(param.grad)
 
     def _pack_done(self, group: DedicatedGroup, pack: Pack) -> None:
         if not group.finish_pack(pack):
@@ -297,15 +395,18 @@ class BoundaryHooks:
         alike, so every rank issues these reduces, in the boundaries' order."""
         with span("dmuon::post_backward_final"):
             self._final_queued = False
+            self._backward_ended = True
             self.unsynced_backward = not self._syncing
             for index, group in enumerate(self.groups):
                 if not (group.backward_touched or (self._syncing and index in self._unsynced)):
                     continue
                 if not self._syncing:
                     self._unsynced.add(index)
-                for pack in group.packs:
-                    self._pack_done(group, pack)  # packs with unused params count as zero
+                self._send(group, group.order.rest())
                 group.reset_backward()
+            for boundary, _, item in sorted(self._late.values(), key=lambda late: late[:2]):
+                self._send(self.groups[boundary], [(item, True)], again=True)
+            self._late.clear()
             if self._syncing:
                 self._unsynced.clear()
                 self._send_replicated_left()
@@ -339,6 +440,8 @@ class BoundaryHooks:
         is still due: that backward raised, and the autograd engine dropped the callbacks
         queued on it (see [Note: a backward that raised])."""
         self._final_queued = False
+        self._backward_ended = True
+        self._late.clear()
         for group in self.groups:
             group.reset_backward()
             group.reshard()
@@ -350,8 +453,17 @@ class BoundaryHooks:
         dedicated parameter registered, and packs them), then learn which pack each
         parameter's gradient goes to."""
         self._on_first_forward()
-        where = {id(dp): (g, pack) for g in self.groups for pack in g.packs for dp in pack.params}
+        where = {
+            id(dp): (index, pack)
+            for index, group in enumerate(self.groups)
+            for pack in group.packs
+            for dp in pack.params
+        }
         self._pack_of_param = [where[id(dp)] for dp in self.params]
+        placed = _place_replicated(self.groups, self._replicated)
+        self._boundary_of_replicated = {key: index for key, (index, _) in placed.items()}
+        for index, group in enumerate(self.groups):
+            group.order = ReduceOrder(_reduce_order(group, index, self._replicated, placed))
         self._initialised = True
 
 
@@ -381,14 +493,69 @@ def _replicated_grad(
     if hooks is None or queue is None or param.grad is None:
         return
     hooks._queue_final_callback()  # which waits for the queue (see hook_replicated)
-    if hooks._syncing:
-        if hooks._replicated_unsynced:  # only then does the end of backward need to know
-            hooks._replicated_sent.add(id(param))
-        queue.submit(param.grad)
-    else:
-        hooks._replicated_unsynced.add(id(param))
+    boundary = hooks._boundary_of_replicated.get(id(param))
+    if boundary is None:
+        hooks._send_replicated(param, complete=True)
+    elif not hooks._is_late(boundary, param):
+        group = hooks.groups[boundary]
+        hooks._send(group, [(item, True) for item in group.order.complete(param)])
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     """``tree`` with every floating-point tensor cast to ``dtype``."""
     return tree_map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+class _ReducePoint(torch.autograd.Function):
+    """The identity on a boundary's forward inputs; its backward, which the autograd engine
+    runs once their gradients are computed, calls ``reached`` (see [Note: reduce points] in
+    :mod:`._order`)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, reached: Callable[[], None], *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.reached = reached
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        ctx.reached()
+        return (None, *grads)
+
+
+def _place_replicated(
+    groups: Sequence[DedicatedGroup], params: Sequence[nn.Parameter]
+) -> dict[int, tuple[int, int]]:
+    """Each replicated parameter inside a boundary (by id): the index of the innermost
+    boundary whose module holds it, and its module's position in that module's walk."""
+    wanted = {id(p) for p in params}
+    found: dict[int, tuple[int, int, int]] = {}  # id -> (modules in the boundary, index, position)
+    for index, group in enumerate(groups):
+        modules = list(group.module.modules())
+        for position, module in enumerate(modules):
+            for param in module.parameters(recurse=False):
+                key = id(param)
+                if key in wanted and (key not in found or len(modules) < found[key][0]):
+                    found[key] = (len(modules), index, position)
+    return {key: (index, position) for key, (_, index, position) in found.items()}
+
+
+def _reduce_order(
+    group: DedicatedGroup,
+    index: int,
+    replicated: Sequence[nn.Parameter],
+    placed: dict[int, tuple[int, int]],
+) -> list[object]:
+    """Boundary ``index``'s collectives in the order they leave (see [Note: reduce points] in
+    :mod:`._order`): its packs, then its replicated parameters, each latest-used first (the
+    module walked last first, as backward reaches them); ties keep the packs' order."""
+    position = {id(module): i for i, module in enumerate(group.module.modules())}
+    packs = sorted(
+        group.packs,
+        key=lambda pack: min(position.get(id(dp.module), 0) for dp in pack.params),
+        reverse=True,
+    )
+    mine = [p for p in replicated if placed.get(id(p), (None, 0))[0] == index]
+    mine.sort(key=lambda p: placed[id(p)][1], reverse=True)
+    return [*packs, *mine]
