@@ -245,7 +245,9 @@ def _with_branch(model: nn.Module) -> nn.Module:
     return model
 
 
-def _branch_model(path: str, world_size: int) -> tuple[nn.Module, list, int, int]:
+def _branch_model(
+    path: str, world_size: int, shared: bool = False
+) -> tuple[nn.Module, list, int, int]:
     """The model with the branch on ``path``; its dedicated parameters, and this rank's
     data-parallel rank and size (under tensor parallelism both ranks of a TP pair read the
     same rows)."""
@@ -263,7 +265,13 @@ def _branch_model(path: str, world_size: int) -> tuple[nn.Module, list, int, int
         replicate(model, mesh)
         return model, runtime.params, rank, world_size
     mesh, shard_mesh, replicate_mesh = make_mesh(world_size, 2 if path == "hsdp" else 1)
-    runtime = dedicate_params(model, shard_mesh, _branch_predicate, replicate_mesh=replicate_mesh)
+    runtime = dedicate_params(
+        model,
+        shard_mesh,
+        _branch_predicate,
+        replicate_mesh=replicate_mesh,
+        process_group_policy="shared" if shared else "isolated",
+    )
     shard_layers_then_root(model, mesh)
     return model, runtime.params, rank, world_size
 
@@ -274,8 +282,10 @@ def _branch_on_some_ranks(
     """Three steps in which one data-parallel rank (the branch weight's owner, or another)
     leaves the branch out, ``how``: ``"skip"`` or the reference ``"zero"``; with
     ``options["accumulate"]`` two micro-batches per step, the rank leaving it out in the
-    first only; with ``options["no_sync"]`` the first of them under ``no_sync``."""
-    model, params, dp_rank, dp_size = _branch_model(path, world_size)
+    first only; with ``options["no_sync"]`` the first of them under ``no_sync``; with
+    ``options["shared"]`` dmuon's collectives share FSDP2's process groups, so they must
+    also keep their place among FSDP2's reduce-scatters."""
+    model, params, dp_rank, dp_size = _branch_model(path, world_size, options.get("shared", False))
     (branch,) = [dp for dp in params if dp.fqn == BRANCH]
     owns = torch.tensor([float(dp_rank if branch.role is Role.OWNER else -1)])
     owners = [torch.zeros(1) for _ in range(world_size)]
@@ -312,6 +322,7 @@ def _branch_on_some_ranks(
         (2, "1d", "owner", {"accumulate": True}),
         (2, "1d", "owner", {"no_sync": True}),
         (4, "hsdp", "owner", {}),
+        (4, "hsdp", "peer", {"shared": True}),
         (4, "tp", "owner", {}),
         (2, "ddp", "owner", {}),
     ],
@@ -322,6 +333,7 @@ def _branch_on_some_ranks(
         "1d-owner-accumulate",
         "1d-owner-no_sync",
         "hsdp-owner",
+        "hsdp-peer-shared",
         "tp-owner",
         "ddp-owner",
     ],
