@@ -74,7 +74,7 @@ class DedicatedGroup:
     _finished: set[Pack] = field(default_factory=set)
     # The order this boundary's collectives leave in (its packs, then on the replicated path
     # its replicated parameters), set at the first forward; see [Note: reduce points].
-    order: ReduceOrder[object] = field(default_factory=lambda: ReduceOrder(()))
+    order: ReduceOrder[Pack | torch.Tensor] = field(default_factory=lambda: ReduceOrder(()))
     # Reduce points registered by the forwards since the last backward, and reached by the
     # backward under way.
     points: int = 0

@@ -104,7 +104,7 @@ class BoundaryHooks:
         self._backward_ended = True
         # Items whose gradient came after their boundary sent them, sent again at the end of
         # backward: id -> (boundary, place in its order, item); see [Note: reduce points].
-        self._late: dict[int, tuple[int, int, object]] = {}
+        self._late: dict[int, tuple[int, int, Pack | torch.Tensor]] = {}
         self._order: list[DedicatedGroup] = []  # forward order of the previous forward
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
@@ -321,7 +321,7 @@ class BoundaryHooks:
             with span("dmuon::post_backward"):
                 self._send(group, [(item, True) for item in group.order.complete(pack)])
 
-    def _is_late(self, boundary: int, item: object) -> bool:
+    def _is_late(self, boundary: int, item: Pack | torch.Tensor) -> bool:
         """Whether boundary ``boundary`` sent ``item`` in this backward already; if so, it is
         sent again at the end of backward (see [Note: reduce points] in :mod:`._order`)."""
         order = self.groups[boundary].order
@@ -342,21 +342,26 @@ class BoundaryHooks:
         with span("dmuon::post_backward"):
             self._send(group, group.order.rest())
 
-    def _send(
-        self, group: DedicatedGroup, items: list[tuple[object, bool]], again: bool = False
-    ) -> None:
+    def _send(self, group: DedicatedGroup, items: list[tuple[Pack | torch.Tensor, bool]]) -> None:
         """Send ``items`` of ``group``'s order (each with whether its local gradient came in
-        this backward): a pack is reduced, a replicated parameter all-reduced. ``again``: a
-        pack's late gradients, after the pack was sent."""
+        this backward): a pack is reduced, a replicated parameter all-reduced."""
         for item, complete in items:
             if isinstance(item, Pack):
-                if not again:
-                    self._pack_done(group, item)  # a parameter without a gradient is zero
-                elif self._syncing:
+                self._pack_done(group, item)  # a parameter without a gradient counts as zero
+            else:
+                self._send_replicated(item, complete)
+
+    def _send_late(self) -> None:
+        """Send what came after its boundary had sent it, in the boundaries' order and each
+        boundary's: a pack again whole (what it sent already is zero now), a replicated
+        parameter's gradient (see [Note: reduce points] in :mod:`._order`)."""
+        for _, _, item in sorted(self._late.values(), key=lambda late: late[:2]):
+            if isinstance(item, Pack):
+                if self._syncing:
                     self.reduce_queue.submit(item)
             else:
-                assert isinstance(item, torch.Tensor)
-                self._send_replicated(item, complete)
+                self._send_replicated(item, complete=True)
+        self._late.clear()
 
     def _send_replicated(self, param: torch.Tensor, complete: bool) -> None:
         """All-reduce ``param``'s gradient if this backward gave it one (``complete``) or
@@ -404,9 +409,7 @@ class BoundaryHooks:
                     self._unsynced.add(index)
                 self._send(group, group.order.rest())
                 group.reset_backward()
-            for boundary, _, item in sorted(self._late.values(), key=lambda late: late[:2]):
-                self._send(self.groups[boundary], [(item, True)], again=True)
-            self._late.clear()
+            self._send_late()
             if self._syncing:
                 self._unsynced.clear()
                 self._send_replicated_left()
@@ -546,7 +549,7 @@ def _reduce_order(
     index: int,
     replicated: Sequence[nn.Parameter],
     placed: dict[int, tuple[int, int]],
-) -> list[object]:
+) -> list[Pack | torch.Tensor]:
     """Boundary ``index``'s collectives in the order they leave (see [Note: reduce points] in
     :mod:`._order`): its packs, then its replicated parameters, each latest-used first (the
     module walked last first, as backward reaches them); ties keep the packs' order."""
