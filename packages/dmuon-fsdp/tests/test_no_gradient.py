@@ -222,7 +222,7 @@ def _branch_predicate(name: str, param: nn.Parameter) -> bool:
     return param.ndim == 2 and ("proj" in name or name == BRANCH)
 
 
-def _with_branch(model: nn.Module) -> nn.Module:
+def _with_branch(model: nn.Module, bias: bool = False) -> nn.Module:
     """Give the last block's MLP a residual branch that ``mlp.branch_mode`` turns on
     (``"use"``), off (``"skip"``: the branch's weight gets no gradient) or to zero (``"zero"``:
     its output times zero, the FAQ's way to keep a skipped weight's backward). The last block
@@ -230,7 +230,7 @@ def _with_branch(model: nn.Module) -> nn.Module:
     branch's."""
     mlp = model.layers[1].mlp
     torch.manual_seed(1)
-    mlp.branch = nn.Linear(mlp.down_proj.out_features, mlp.down_proj.out_features, bias=False)
+    mlp.branch = nn.Linear(mlp.down_proj.out_features, mlp.down_proj.out_features, bias=bias)
     mlp.branch_mode = "use"
     forward = mlp.forward
 
@@ -246,12 +246,12 @@ def _with_branch(model: nn.Module) -> nn.Module:
 
 
 def _branch_model(
-    path: str, world_size: int, shared: bool = False
+    path: str, world_size: int, shared: bool = False, bias: bool = False
 ) -> tuple[nn.Module, list, int, int]:
     """The model with the branch on ``path``; its dedicated parameters, and this rank's
     data-parallel rank and size (under tensor parallelism both ranks of a TP pair read the
     same rows)."""
-    model = _with_branch(build(0))
+    model = _with_branch(build(0), bias)
     rank = torch.distributed.get_rank()
     if path == "tp":  # (dp 2, tp 2)
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
@@ -284,8 +284,11 @@ def _branch_on_some_ranks(
     ``options["accumulate"]`` two micro-batches per step, the rank leaving it out in the
     first only; with ``options["no_sync"]`` the first of them under ``no_sync``; with
     ``options["shared"]`` dmuon's collectives share FSDP2's process groups, so they must
-    also keep their place among FSDP2's reduce-scatters."""
-    model, params, dp_rank, dp_size = _branch_model(path, world_size, options.get("shared", False))
+    also keep their place among FSDP2's reduce-scatters; with ``options["bias"]`` (the
+    replicated path) the branch has a bias, which the replicated path all-reduces."""
+    model, params, dp_rank, dp_size = _branch_model(
+        path, world_size, options.get("shared", False), options.get("bias", False)
+    )
     (branch,) = [dp for dp in params if dp.fqn == BRANCH]
     owns = torch.tensor([float(dp_rank if branch.role is Role.OWNER else -1)])
     owners = [torch.zeros(1) for _ in range(world_size)]
@@ -325,6 +328,7 @@ def _branch_on_some_ranks(
         (4, "hsdp", "peer", {"shared": True}),
         (4, "tp", "owner", {}),
         (2, "ddp", "owner", {}),
+        (2, "ddp", "peer", {"bias": True}),
     ],
     ids=[
         "1d-owner",
@@ -336,6 +340,7 @@ def _branch_on_some_ranks(
         "hsdp-peer-shared",
         "tp-owner",
         "ddp-owner",
+        "ddp-peer-bias",
     ],
 )
 def test_a_matrix_some_ranks_leave_out_trains_on_what_the_others_gave(
@@ -457,3 +462,40 @@ def test_a_gradient_after_the_reduce_point_is_sent_at_the_end_of_backward() -> N
         assert PENALISED[0] in want["momenta"]
         for name, value in want["momenta"].items():
             assert torch.equal(got["momenta"][name], value), name
+
+
+def _branch_no_rank_takes(rank: int, world_size: int) -> dict[str, object]:
+    """Three steps on the replicated path in which no rank takes the branch (it has a bias):
+    the weights before and after, and the optimizer's state of the branch."""
+    model = _with_branch(build(0), bias=True)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params_ddp(model, mesh, _branch_predicate, small_param_threshold=0)
+    replicate(model, mesh)
+    before = {name: p.detach().clone() for name, p in model.layers[1].mlp.branch.named_parameters()}
+    optimizer = Muon(model, lr=0.05, weight_decay=0.1)
+    model.layers[1].mlp.branch_mode = "skip"
+    for step in range(3):
+        optimizer.zero_grad()
+        loss_fn(model, batch(step, ROWS).chunk(world_size)[rank]).backward()
+        optimizer.step()
+    after = {name: p.detach().clone() for name, p in model.layers[1].mlp.branch.named_parameters()}
+    states = [optimizer.state[p] for p in model.layers[1].mlp.branch.parameters()]
+    return {
+        "before": before,
+        "after": after,
+        "grads": [p.grad for p in model.layers[1].mlp.branch.parameters()],
+        "states": states,
+    }
+
+
+@pytest.mark.distributed
+def test_a_replicated_parameter_no_rank_used_is_left_alone() -> None:
+    """On the replicated path a bias no rank's forward used keeps its value, no gradient and
+    no optimizer state, as DDP and ``torch.optim`` leave it, although its boundary's bucket
+    travelled (see [Note: replicated parameters a rank left out] in
+    dmuon_fsdp.runtime._collectives)."""
+    for result in run_distributed(_branch_no_rank_takes, 2):
+        for name, value in result["before"].items():
+            assert torch.equal(result["after"][name], value), name
+        assert result["grads"] == [None, None]
+        assert all(not state for state in result["states"])

@@ -71,6 +71,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from .._profile import span
 from .._torch_internals import local_shard
@@ -84,6 +85,7 @@ __all__ = [
     "GradListener",
     "PendingReduce",
     "ReduceQueue",
+    "ReplicatedBucket",
     "broadcast",
     "finish_reduce",
     "keep_local_grads",
@@ -393,14 +395,42 @@ class ReduceQueue:
             self._undecided.decide()
 
 
+class ReplicatedBucket(NamedTuple):
+    """The replicated parameters of one boundary on the replicated path, all-reduced together
+    once its backward is done (see [Note: replicated parameters a rank left out])."""
+
+    params: list[torch.Tensor]
+
+
+class _SentBucket(NamedTuple):
+    params: list[torch.Tensor]
+    new: list[bool]  # whether this rank sent a gradient of this backward for each
+    numel: int
+    result: CollectiveResult
+
+
 class AllReduceQueue:
     """Gradients of replicated parameters being summed over the shard group (the replicated
-    path's counterpart of DDP's buckets, one collective per parameter), averaged when
-    waited: at the end of the backward that issued them (``BoundaryHooks.hook_replicated``)."""
+    path's counterpart of DDP's buckets), averaged when waited: at the end of the backward
+    that issued them (``BoundaryHooks.hook_replicated``). A parameter outside every boundary
+    goes alone, in place, as soon as its gradient is in; a boundary's go in one bucket per
+    dtype.
+
+    [Note: replicated parameters a rank left out]
+    A boundary's replicated parameters (its norms and biases) travel in one flat buffer per
+    dtype, the same on every rank whatever each rank's forward used: a parameter without a
+    gradient of this backward here goes as zeros, and behind the gradients each carries a
+    presence flag (1 where this rank sends a gradient of this backward, or of ``no_sync``
+    micro-batches), summed with them. Waited, a gradient this rank sent becomes the average;
+    one it did not send is decided by its flag, read in one host copy (only a rank with such
+    a parameter pays it): the average where some rank sent one, otherwise ``.grad`` stays as
+    it was (``None``, as DDP leaves a parameter no rank used, or the average an earlier synced
+    backward left, which is then not summed again)."""
 
     def __init__(self, comm: DedicatedCommContext) -> None:
         self._comm = comm
         self._pending: list[CollectiveResult] = []
+        self._buckets: list[_SentBucket] = []
 
     def submit(self, grad: torch.Tensor) -> None:
         grad = local_shard(grad)
@@ -416,8 +446,85 @@ class AllReduceQueue:
             _issue(grad, stream, "all_reduce", op=dist.ReduceOp.SUM, group=comm.shard_group)
         )
 
+    def submit_bucket(self, bucket: ReplicatedBucket, new: Sequence[bool]) -> None:
+        """All-reduce ``bucket``'s gradients (zeros where a parameter has none) and presence
+        flags (``new``: whether this rank sends a gradient of this backward for each); see
+        [Note: replicated parameters a rank left out]."""
+        comm = self._comm
+        if comm.layout.shard_size == 1:
+            return  # one rank: each gradient is its own average already
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, param in enumerate(bucket.params):
+            by_dtype.setdefault(param.dtype, []).append(index)
+        for dtype, indices in by_dtype.items():
+            params = [bucket.params[i] for i in indices]
+            flags_of = [new[i] for i in indices]
+            self._buckets.append(self._send(params, flags_of, dtype))
+
+    def _send(self, params: list[torch.Tensor], new: list[bool], dtype: torch.dtype) -> _SentBucket:
+        comm = self._comm
+        numel = sum(local_shard(param).numel() for param in params)
+        device = local_shard(params[0]).device
+        stream = comm.reduce_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            flat = torch.empty(numel + len(params), dtype=dtype, device=device)
+            flags = flat[numel:]
+            flags.fill_(1)
+            offset = 0
+            for index, (param, sent) in enumerate(zip(params, new)):
+                size = local_shard(param).numel()
+                out = flat[offset : offset + size]
+                grad = None if param.grad is None else local_shard(param.grad)
+                if grad is None:
+                    out.zero_()
+                else:
+                    out.copy_(grad.reshape(-1))
+                    if stream is not None:
+                        grad.record_stream(stream)
+                if not sent:
+                    flags[index].zero_()
+                offset += size
+        comm.counter.record(Axis.SHARD, CommKind.ALL_REDUCE, flat.numel() * flat.element_size())
+        result = _issue(flat, stream, "all_reduce", op=dist.ReduceOp.SUM, group=comm.shard_group)
+        return _SentBucket(params, list(new), numel, result)
+
     def wait_all(self) -> None:
         divisor = self._comm.layout.shard_size
         for result in self._pending:
             wait(result).div_(divisor)
         self._pending.clear()
+        undecided: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for bucket in self._buckets:
+            flat = wait(bucket.result)
+            flat[: bucket.numel].div_(divisor)
+            flags = flat[bucket.numel :]
+            offset = 0
+            for index, (param, sent) in enumerate(zip(bucket.params, bucket.new)):
+                local = local_shard(param)
+                value = flat[offset : offset + local.numel()].view(local.shape)
+                offset += local.numel()
+                if sent:
+                    _set_grad(param, value)
+                else:
+                    undecided.append((param, value, flags[index]))
+        self._buckets.clear()
+        if undecided:
+            used = (torch.stack([flag for _, _, flag in undecided]) > 0).tolist()
+            for (param, value, _), some_rank_sent in zip(undecided, used):
+                if some_rank_sent:
+                    _set_grad(param, value)
+
+
+def _set_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``value`` (this rank's part) ``param``'s gradient: copied into the one it has, or,
+    where it has none, a new one (a DTensor like ``param`` where it is one)."""
+    if param.grad is not None:
+        local_shard(param.grad).copy_(value)
+    elif isinstance(param, DTensor):
+        param.grad = DTensor.from_local(
+            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+    else:
+        param.grad = value

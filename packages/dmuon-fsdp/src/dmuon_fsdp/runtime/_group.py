@@ -32,7 +32,7 @@ from torch import nn
 
 from ..holder import DedicatedParam, Role
 from ..topology import Axis, CommKind, DedicatedCommContext
-from ._collectives import CollectiveResult, broadcast, wait
+from ._collectives import CollectiveResult, ReplicatedBucket, broadcast, wait
 from ._order import ReduceOrder
 from ._pack import Pack
 
@@ -73,8 +73,9 @@ class DedicatedGroup:
     _grads_seen: dict[Pack, int] = field(default_factory=dict)
     _finished: set[Pack] = field(default_factory=set)
     # The order this boundary's collectives leave in (its packs, then on the replicated path
-    # its replicated parameters), set at the first forward; see [Note: reduce points].
-    order: ReduceOrder[Pack | torch.Tensor] = field(default_factory=lambda: ReduceOrder(()))
+    # the bucket of its replicated parameters), set at the first forward; see [Note: reduce
+    # points].
+    order: ReduceOrder[Pack | ReplicatedBucket] = field(default_factory=lambda: ReduceOrder(()))
     # Reduce points registered by the forwards since the last backward, and reached by the
     # backward under way.
     points: int = 0

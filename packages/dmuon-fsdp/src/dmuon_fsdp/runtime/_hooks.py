@@ -50,7 +50,7 @@ from .._torch_internals import (
     tree_map_tensors,
 )
 from ..holder import DedicatedParam
-from ._collectives import AllReduceQueue, ReduceQueue
+from ._collectives import AllReduceQueue, ReduceQueue, ReplicatedBucket
 from ._group import DedicatedGroup
 from ._order import ReduceOrder
 from ._pack import Pack
@@ -96,9 +96,11 @@ class BoundaryHooks:
         self.wait_timers: dict[str, PhaseTimer] | None = None
         # Per dedicated parameter: its boundary's index and its pack (set at the first forward).
         self._pack_of_param: list[tuple[int, Pack]] = []
-        # A replicated parameter inside a boundary (id -> the boundary's index) leaves in that
-        # boundary's order; one outside every boundary when its gradient is in.
-        self._boundary_of_replicated: dict[int, int] = {}
+        # A replicated parameter inside a boundary (id -> the boundary's index and bucket)
+        # leaves in that boundary's bucket; one outside every boundary when its gradient is in.
+        self._bucket_of_replicated: dict[int, tuple[int, ReplicatedBucket]] = {}
+        # Replicated parameters (ids) whose gradient the backward under way accumulated.
+        self._replicated_complete: set[int] = set()
         # No forward ran since the last backward ended: the next one starts counting the
         # boundaries' reduce points afresh.
         self._backward_ended = True
@@ -314,20 +316,23 @@ class BoundaryHooks:
         # (reentrant activation checkpointing) and only the recompute built the graph.
         self._queue_final_callback()
         boundary, pack = self._pack_of_param[index]
-        if self._is_late(boundary, pack):
+        if self._is_late(boundary, pack, pack):
             return
         group = self.groups[boundary]
         if group.count_grad(pack):
             with span("dmuon::post_backward"):
-                self._send(group, [(item, True) for item in group.order.complete(pack)])
+                self._send(group, group.order.complete(pack))
 
-    def _is_late(self, boundary: int, item: Pack | torch.Tensor) -> bool:
-        """Whether boundary ``boundary`` sent ``item`` in this backward already; if so, it is
-        sent again at the end of backward (see [Note: reduce points] in :mod:`._order`)."""
+    def _is_late(
+        self, boundary: int, item: Pack | torch.Tensor, sent_in: Pack | ReplicatedBucket
+    ) -> bool:
+        """Whether boundary ``boundary`` sent ``sent_in`` (``item``'s pack or bucket) in this
+        backward already; if so, ``item`` is sent again at the end of backward (see [Note:
+        reduce points] in :mod:`._order`)."""
         order = self.groups[boundary].order
-        if not order.passed(item):
+        if not order.passed(sent_in):
             return False
-        self._late[id(item)] = (boundary, order.index(item), item)
+        self._late[id(item)] = (boundary, order.index(sent_in), item)
         return True
 
     def _reduce_point(self, index: int) -> None:
@@ -342,14 +347,31 @@ class BoundaryHooks:
         with span("dmuon::post_backward"):
             self._send(group, group.order.rest())
 
-    def _send(self, group: DedicatedGroup, items: list[tuple[Pack | torch.Tensor, bool]]) -> None:
-        """Send ``items`` of ``group``'s order (each with whether its local gradient came in
-        this backward): a pack is reduced, a replicated parameter all-reduced."""
-        for item, complete in items:
+    def _send(self, group: DedicatedGroup, items: list[Pack | ReplicatedBucket]) -> None:
+        """Send ``items`` of ``group``'s order: a pack is reduced, a bucket all-reduced."""
+        for item in items:
             if isinstance(item, Pack):
                 self._pack_done(group, item)  # a parameter without a gradient counts as zero
             else:
-                self._send_replicated(item, complete)
+                self._send_bucket(item)
+
+    def _send_bucket(self, bucket: ReplicatedBucket) -> None:
+        """All-reduce a boundary's replicated gradients, each flagged with whether this rank
+        sends one of this backward or of ``no_sync`` micro-batches (see [Note: replicated
+        parameters a rank left out] in :mod:`._collectives`); inside ``no_sync``, remember
+        which it accumulated."""
+        assert self._all_reduces is not None
+        new = [
+            p.grad is not None
+            and (id(p) in self._replicated_complete or id(p) in self._replicated_unsynced)
+            for p in bucket.params
+        ]
+        if not self._syncing:
+            self._replicated_unsynced.update(id(p) for p, n in zip(bucket.params, new) if n)
+            return
+        if self._replicated_unsynced:  # only then does the end of backward need to know
+            self._replicated_sent.update(id(p) for p in bucket.params)
+        self._all_reduces.submit_bucket(bucket, new)
 
     def _send_late(self) -> None:
         """Send what came after its boundary had sent it, in the boundaries' order and each
@@ -360,17 +382,15 @@ class BoundaryHooks:
                 if self._syncing:
                     self.reduce_queue.submit(item)
             else:
-                self._send_replicated(item, complete=True)
+                self._send_replicated(item)
         self._late.clear()
 
-    def _send_replicated(self, param: torch.Tensor, complete: bool) -> None:
-        """All-reduce ``param``'s gradient if this backward gave it one (``complete``) or
-        ``no_sync`` micro-batches left one; inside ``no_sync``, remember it for the synced
-        backward. A gradient already averaged (a synced backward before, none now) is never
-        sent twice."""
+    def _send_replicated(self, param: torch.Tensor) -> None:
+        """All-reduce the gradient this backward gave ``param`` (a parameter outside every
+        boundary, or one whose boundary sent its bucket already); inside ``no_sync``,
+        remember it for the synced backward."""
         assert self._all_reduces is not None
-        unsynced = id(param) in self._replicated_unsynced
-        if param.grad is None or not (complete or unsynced):
+        if param.grad is None:
             return
         if not self._syncing:
             self._replicated_unsynced.add(id(param))
@@ -410,6 +430,7 @@ class BoundaryHooks:
                 self._send(group, group.order.rest())
                 group.reset_backward()
             self._send_late()
+            self._replicated_complete.clear()
             if self._syncing:
                 self._unsynced.clear()
                 self._send_replicated_left()
@@ -445,6 +466,7 @@ class BoundaryHooks:
         self._final_queued = False
         self._backward_ended = True
         self._late.clear()
+        self._replicated_complete.clear()
         for group in self.groups:
             group.reset_backward()
             group.reshard()
@@ -464,9 +486,16 @@ class BoundaryHooks:
         }
         self._pack_of_param = [where[id(dp)] for dp in self.params]
         placed = _place_replicated(self.groups, self._replicated)
-        self._boundary_of_replicated = {key: index for key, (index, _) in placed.items()}
         for index, group in enumerate(self.groups):
-            group.order = ReduceOrder(_reduce_order(group, index, self._replicated, placed))
+            packs = _latest_used_first(group)
+            mine: list[torch.Tensor] = [
+                p for p in self._replicated if placed.get(id(p), (-1, 0))[0] == index
+            ]
+            mine.sort(key=lambda p: placed[id(p)][1], reverse=True)
+            bucket = [ReplicatedBucket(mine)] if mine else []
+            group.order = ReduceOrder([*packs, *bucket])
+            for param in mine:
+                self._bucket_of_replicated[id(param)] = (index, bucket[0])
         self._initialised = True
 
 
@@ -496,12 +525,11 @@ def _replicated_grad(
     if hooks is None or queue is None or param.grad is None:
         return
     hooks._queue_final_callback()  # which waits for the queue (see hook_replicated)
-    boundary = hooks._boundary_of_replicated.get(id(param))
-    if boundary is None:
-        hooks._send_replicated(param, complete=True)
-    elif not hooks._is_late(boundary, param):
-        group = hooks.groups[boundary]
-        hooks._send(group, [(item, True) for item in group.order.complete(param)])
+    place = hooks._bucket_of_replicated.get(id(param))
+    if place is None:
+        hooks._send_replicated(param)
+    elif not hooks._is_late(place[0], param, place[1]):
+        hooks._replicated_complete.add(id(param))  # sent with its boundary's bucket
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -544,21 +572,13 @@ def _place_replicated(
     return {key: (index, position) for key, (_, index, position) in found.items()}
 
 
-def _reduce_order(
-    group: DedicatedGroup,
-    index: int,
-    replicated: Sequence[nn.Parameter],
-    placed: dict[int, tuple[int, int]],
-) -> list[Pack | torch.Tensor]:
-    """Boundary ``index``'s collectives in the order they leave (see [Note: reduce points] in
-    :mod:`._order`): its packs, then its replicated parameters, each latest-used first (the
-    module walked last first, as backward reaches them); ties keep the packs' order."""
+def _latest_used_first(group: DedicatedGroup) -> list[Pack]:
+    """``group``'s packs in the order they leave (see [Note: reduce points] in :mod:`._order`):
+    latest-used first (the module walked last first, as backward reaches them); ties keep the
+    packs' order."""
     position = {id(module): i for i, module in enumerate(group.module.modules())}
-    packs = sorted(
+    return sorted(
         group.packs,
         key=lambda pack: min(position.get(id(dp.module), 0) for dp in pack.params),
         reverse=True,
     )
-    mine = [p for p in replicated if placed.get(id(p), (None, 0))[0] == index]
-    mine.sort(key=lambda p: placed[id(p)][1], reverse=True)
-    return [*packs, *mine]

@@ -12,9 +12,10 @@ mismatch, hangs, or, where two mispaired buffers have the same size (tensor-para
 sums gradients of different weights without a word.
 
 So each boundary issues its collectives in one fixed order, the same on every rank (the
-packs, latest-used first, as backward completes them when every rank uses everything; then
-the replicated parameters, in the same sense), and an item leaves only once all before it
-have. What a rank's forward left out is sent (as zeros, with its presence flag at zero: see
+packs, latest-used first, as backward completes them when every rank uses everything; then,
+on the replicated path, one bucket of its replicated parameters: see [Note: replicated
+parameters a rank left out] in :mod:`._collectives`), and an item leaves only once all
+before it have. What a rank's forward left out is sent (as zeros, with its presence flag at zero: see
 [Note: a parameter without a gradient]) at the boundary's **reduce point**, where its backward
 is over on every rank: an autograd function on the boundary's forward inputs whose backward
 runs once their gradients are computed, as FSDP2's post-backward does. By then the autograd
@@ -77,8 +78,8 @@ class ReduceOrder(Generic[Item]):
             self._next += 1
         return self.items[start : self._next]
 
-    def rest(self) -> list[tuple[Item, bool]]:
-        """Every item not sent yet, in order, each with whether its local gradient came in
-        this backward: the boundary's reduce point, or the end of backward."""
+    def rest(self) -> list[Item]:
+        """Every item not sent yet, in order: at the boundary's reduce point, or at the end of
+        backward."""
         start, self._next = self._next, len(self.items)
-        return [(item, id(item) in self._complete) for item in self.items[start:]]
+        return self.items[start:]
