@@ -25,10 +25,11 @@ returned work handle is waited on instead of an event.
 A pack's gradient is reduced when every one of its parameters has its local gradient
 (``register_post_accumulate_grad_hook``) and the packs before it in its boundary's order have
 left, or at the boundary's reduce point (the end of backward where it has none) for
-parameters that got none: they count as zero (see [Note: reduce points] in :mod:`._order`). The local gradients are copied into one flat buffer, the parameters'
-``.grad`` is dropped (FSDP2, AdamW and ``torch.nn.utils.clip_grad_norm_`` never see it), and
-the buffer is summed over the shard group into the row's sender (stage one), then, in HSDP,
-over the sender's shard column into the global owner (stage two), which divides once by
+parameters that got none: they count as zero (see [Note: reduce points] in :mod:`._order`).
+The local gradients are copied into one flat buffer, the parameters' ``.grad`` is dropped
+(FSDP2, AdamW and ``torch.nn.utils.clip_grad_norm_`` never see it), and the buffer is summed
+over the shard group into the row's sender (stage one), then, in HSDP, over the sender's
+shard column into the global owner (stage two), which divides once by
 ``G · R``. Summing first and dividing once at the end makes the result independent of Z2/Z3
 and of sync/async publish; the only thing that changes it is the summation order of the reduce
 itself (1-D vs HSDP).
@@ -418,14 +419,14 @@ class AllReduceQueue:
 
     [Note: replicated parameters a rank left out]
     A boundary's replicated parameters (its norms and biases) travel in one flat buffer per
-    dtype, the same on every rank whatever each rank's forward used: a parameter without a
-    gradient of this backward here goes as zeros, and behind the gradients each carries a
-    presence flag (1 where this rank sends a gradient of this backward, or of ``no_sync``
-    micro-batches), summed with them. Waited, a gradient this rank sent becomes the average;
-    one it did not send is decided by its flag, read in one host copy (only a rank with such
-    a parameter pays it): the average where some rank sent one, otherwise ``.grad`` stays as
-    it was (``None``, as DDP leaves a parameter no rank used, or the average an earlier synced
-    backward left, which is then not summed again)."""
+    dtype, the same on every rank whatever each rank's forward used: each parameter's
+    ``.grad`` (zeros where it has none), and behind them one presence flag each (1 where this
+    backward, or ``no_sync`` micro-batches before it, gave this rank a new gradient), summed
+    with them. Waited, a parameter this rank flagged gets the average. One it did not flag is
+    decided by the flags' sum, read in one host copy (paid only by a rank that holds such a
+    parameter): the average where some rank flagged it; otherwise its ``.grad`` stays as it
+    was: ``None`` where no rank used it, as DDP leaves it, or the average an earlier synced
+    backward left (every rank holds it alike, so it is never averaged twice)."""
 
     def __init__(self, comm: DedicatedCommContext) -> None:
         self._comm = comm
@@ -459,9 +460,11 @@ class AllReduceQueue:
         for dtype, indices in by_dtype.items():
             params = [bucket.params[i] for i in indices]
             flags_of = [new[i] for i in indices]
-            self._buckets.append(self._send(params, flags_of, dtype))
+            self._buckets.append(self._issue_bucket(params, flags_of, dtype))
 
-    def _send(self, params: list[torch.Tensor], new: list[bool], dtype: torch.dtype) -> _SentBucket:
+    def _issue_bucket(
+        self, params: list[torch.Tensor], new: list[bool], dtype: torch.dtype
+    ) -> _SentBucket:
         comm = self._comm
         numel = sum(local_shard(param).numel() for param in params)
         device = local_shard(params[0]).device

@@ -550,7 +550,9 @@ class _ReducePoint(torch.autograd.Function):
         return inputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, *grads: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         ctx.reached()
         return (None, *grads)
 

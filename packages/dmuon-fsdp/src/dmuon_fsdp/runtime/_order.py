@@ -11,20 +11,20 @@ collectives would pair with other ranks' collectives of other packs. That stops 
 mismatch, hangs, or, where two mispaired buffers have the same size (tensor-parallel shards),
 sums gradients of different weights without a word.
 
-So each boundary issues its collectives in one fixed order, the same on every rank (the
-packs, latest-used first, as backward completes them when every rank uses everything; then,
-on the replicated path, one bucket of its replicated parameters: see [Note: replicated
-parameters a rank left out] in :mod:`._collectives`), and an item leaves only once all
-before it have. What a rank's forward left out is sent (as zeros, with its presence flag at zero: see
-[Note: a parameter without a gradient]) at the boundary's **reduce point**, where its backward
-is over on every rank: an autograd function on the boundary's forward inputs whose backward
-runs once their gradients are computed, as FSDP2's post-backward does. By then the autograd
-engine has accumulated every gradient of the boundary's weights (it runs a weight's gradient
-accumulation as soon as that gradient is ready, before any node created earlier in forward).
-A boundary called k times per forward reaches its point at the k-th. A boundary whose inputs
-need no gradient (the first block after a frozen embedding, a boundary holding the embedding)
-has no reduce point: what is left goes at the end of backward, where each rank issues it in
-the boundaries' order, which is safe only for the last boundary backward reaches.
+So each boundary issues its collectives in one fixed order, the same on every rank (the packs,
+latest-used first, as backward completes them when every rank uses everything; then, on the
+replicated path, one bucket of its replicated parameters: see [Note: replicated parameters a
+rank left out] in :mod:`._collectives`), and an item leaves only once all before it have. What
+a rank's forward left out is sent (as zeros, with its presence flag at zero: see [Note: a
+parameter without a gradient]) at the boundary's **reduce point**, where its backward is over
+on every rank: an autograd function on the boundary's forward inputs whose backward runs once
+their gradients are computed, as FSDP2's post-backward does. By then the autograd engine has
+accumulated every gradient of the boundary's weights (it runs a weight's gradient accumulation
+as soon as that gradient is ready, before any node created earlier in forward). A boundary
+called k times per forward reaches its point at the k-th. A boundary whose inputs need no
+gradient (the first block after a frozen embedding, a boundary holding the embedding) has no
+reduce point: what is left goes at the end of backward, where each rank issues it in the
+boundaries' order, which is safe only for the last boundary backward reaches.
 
 So a rank may leave out any weight of a boundary with a reduce point; skipping a whole
 boundary on some ranks only still stops in the forward, where the others wait for its
