@@ -58,6 +58,7 @@ __all__ = [
     "queue_backward_callback",
     "tree_leaves",
     "tree_map_tensors",
+    "will_run",
 ]
 
 _P = ParamSpec("_P")
@@ -120,6 +121,13 @@ def in_backward() -> bool:
     Uses ``torch._C._current_graph_task_id``, as FSDP2 does for the same question; no public
     API tells a forward hook that it runs inside backward."""
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def will_run(node: Any) -> bool:
+    """Whether the backward under way runs autograd ``node`` (call it from inside that
+    backward). Uses ``torch._C._will_engine_execute_node``, the check behind torch's public
+    ``torch.autograd.graph.register_multi_grad_hook``: torch has no public one."""
+    return bool(torch._C._will_engine_execute_node(node))
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

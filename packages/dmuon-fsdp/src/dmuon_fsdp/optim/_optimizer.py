@@ -937,8 +937,10 @@ class Muon(torch.optim.Optimizer):
             set_to_none: ``True`` sets every other gradient to ``None`` (frees its memory);
                 ``False`` fills it with zeros, as ``torch.optim.Optimizer.zero_grad`` does.
         """
-        super().zero_grad(set_to_none=set_to_none)
+        # First the runtime: an all-reduce still in flight would write a replicated gradient
+        # after torch's zero_grad cleared it.
         self._runtime.clear_grads()
+        super().zero_grad(set_to_none=set_to_none)
         if self._overlap is not None:
             self._overlap.end_step()
 

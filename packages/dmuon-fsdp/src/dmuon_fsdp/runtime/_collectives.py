@@ -432,8 +432,15 @@ class AllReduceQueue:
         self._comm = comm
         self._pending: list[CollectiveResult] = []
         self._buckets: list[_SentBucket] = []
+        # Parameters (ids) whose whole gradient went again after their bucket (a late one):
+        # the bucket does not write them.
+        self._resent: set[int] = set()
 
-    def submit(self, grad: torch.Tensor) -> None:
+    def submit(self, grad: torch.Tensor, resends: torch.Tensor | None = None) -> None:
+        """All-reduce ``grad`` in place; ``resends``: the parameter whose bucket carried an
+        earlier part of it (see [Note: reduce points] in :mod:`._order`)."""
+        if resends is not None:
+            self._resent.add(id(resends))
         grad = local_shard(grad)
         comm = self._comm
         if comm.layout.shard_size == 1:
@@ -489,9 +496,24 @@ class AllReduceQueue:
                 if not sent:
                     flags[index].zero_()
                 offset += size
+            copied = _event_after(stream)
+        if copied is not None:
+            # A late gradient adds to .grad in place: not before the copy has read it.
+            torch.cuda.current_stream(device).wait_event(copied)
         comm.counter.record(Axis.SHARD, CommKind.ALL_REDUCE, flat.numel() * flat.element_size())
         result = _issue(flat, stream, "all_reduce", op=dist.ReduceOp.SUM, group=comm.shard_group)
         return _SentBucket(params, list(new), numel, result)
+
+    def discard(self) -> None:
+        """Wait for what is in flight and write none of it (``zero_grad`` after a backward
+        that was thrown away)."""
+        for result in self._pending:
+            wait(result)
+        for bucket in self._buckets:
+            wait(bucket.result)
+        self._pending.clear()
+        self._buckets.clear()
+        self._resent.clear()
 
     def wait_all(self) -> None:
         divisor = self._comm.layout.shard_size
@@ -508,11 +530,14 @@ class AllReduceQueue:
                 local = local_shard(param)
                 value = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
+                if id(param) in self._resent:
+                    continue  # its whole gradient went again, and is averaged above
                 if sent:
                     _set_grad(param, value)
                 else:
                     undecided.append((param, value, flags[index]))
         self._buckets.clear()
+        self._resent.clear()
         if undecided:
             used = (torch.stack([flag for _, _, flag in undecided]) > 0).tolist()
             for (param, value, _), some_rank_sent in zip(undecided, used):

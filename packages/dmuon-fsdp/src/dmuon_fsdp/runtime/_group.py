@@ -26,6 +26,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,9 +77,12 @@ class DedicatedGroup:
     # the bucket of its replicated parameters), set at the first forward; see [Note: reduce
     # points].
     order: ReduceOrder[Pack | ReplicatedBucket] = field(default_factory=lambda: ReduceOrder(()))
-    # Reduce points registered by the forwards since the last backward, and reached by the
+    # The reduce points (their autograd nodes, weakly) registered by the forwards since the
+    # last backward; how many of them the backward under way runs (known at the first it
+    # reaches) and has reached.
     # backward under way.
-    points: int = 0
+    points: list[weakref.ref[Any]] = field(default_factory=list)
+    points_due: int = 0
     points_reached: int = 0
 
     def pack(self) -> None:
@@ -210,6 +214,7 @@ class DedicatedGroup:
     def reset_backward(self) -> None:
         self.backward_started = False
         self.needs_backward = False
+        self.points_due = 0
         self.points_reached = 0
         self._grads_seen.clear()
         self._finished.clear()

@@ -48,6 +48,7 @@ from .._torch_internals import (
     queue_backward_callback,
     tree_leaves,
     tree_map_tensors,
+    will_run,
 )
 from ..holder import DedicatedParam
 from ._collectives import AllReduceQueue, ReduceQueue, ReplicatedBucket
@@ -198,14 +199,14 @@ class BoundaryHooks:
             # to this recompute, whose graph the backward runs.
             with span("dmuon::pre_forward_recompute"):
                 group.unshard()
-            adds_point = group.points == 0
+            adds_point = not group.points
         else:
             if self._final_queued:
                 self._recover_from_aborted_backward()
             if self._backward_ended:
                 self._backward_ended = False
                 for each in self.groups:
-                    each.points = 0
+                    each.points.clear()
             self._unshard_for_forward(group)
             adds_point = True
         if group.input_dtype is not None:
@@ -225,9 +226,10 @@ class BoundaryHooks:
         ]
         if not tensors:
             return args, kwargs
-        self.groups[index].points += 1
         reached = functools.partial(_weak_hook, weakref.ref(self), "_reduce_point", index)
-        outputs = iter(_ReducePoint.apply(reached, *tensors))
+        passed = _ReducePoint.apply(reached, *tensors)
+        self.groups[index].points.append(weakref.ref(passed[0].grad_fn))
+        outputs = iter(passed)
         return tree_map_tensors(lambda t: next(outputs) if t.requires_grad else t, inputs)
 
     def time_forward_waits(self, device: torch.device) -> None:
@@ -341,7 +343,13 @@ class BoundaryHooks:
         points] in :mod:`._order`)."""
         group = self.groups[index]
         group.points_reached += 1
-        if group.points_reached < group.points:
+        if group.points_reached == 1:
+            # The points of this boundary this backward runs: not those of a forward whose
+            # graph was dropped, or that another backward takes.
+            group.points_due = sum(
+                1 for ref in group.points if (node := ref()) is not None and will_run(node)
+            )
+        if group.points_reached < group.points_due:
             return
         self._queue_final_callback()
         with span("dmuon::post_backward"):
@@ -382,13 +390,14 @@ class BoundaryHooks:
                 if self._syncing:
                     self.reduce_queue.submit(item)
             else:
-                self._send_replicated(item)
+                self._send_replicated(item, late=True)
         self._late.clear()
 
-    def _send_replicated(self, param: torch.Tensor) -> None:
+    def _send_replicated(self, param: torch.Tensor, late: bool = False) -> None:
         """All-reduce the gradient this backward gave ``param`` (a parameter outside every
-        boundary, or one whose boundary sent its bucket already); inside ``no_sync``,
-        remember it for the synced backward."""
+        boundary, or, ``late``, one whose boundary sent its bucket already: the whole
+        gradient goes again, and the bucket does not write it); inside ``no_sync``, remember
+        it for the synced backward."""
         assert self._all_reduces is not None
         if param.grad is None:
             return
@@ -397,7 +406,7 @@ class BoundaryHooks:
             return
         if self._replicated_unsynced:  # only then does the end of backward need to know
             self._replicated_sent.add(id(param))
-        self._all_reduces.submit(param.grad)
+        self._all_reduces.submit(param.grad, resends=param if late else None)
 
     def _pack_done(self, group: DedicatedGroup, pack: Pack) -> None:
         if not group.finish_pack(pack):

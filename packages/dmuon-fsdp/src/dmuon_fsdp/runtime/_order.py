@@ -21,14 +21,20 @@ on every rank: an autograd function on the boundary's forward inputs whose backw
 their gradients are computed, as FSDP2's post-backward does. By then the autograd engine has
 accumulated every gradient of the boundary's weights (it runs a weight's gradient accumulation
 as soon as that gradient is ready, before any node created earlier in forward). A boundary
-called k times per forward reaches its point at the k-th. A boundary whose inputs need no
+called k times reaches its point at the last of the k that this backward runs (the autograd
+engine says which it runs: a forward whose graph was dropped does not count); under reentrant
+checkpointing each recompute runs a backward of its own, so there the first sends and the
+other calls' gradients arrive late (below). A boundary whose inputs need no
 gradient (the first block after a frozen embedding, a boundary holding the embedding) has no
 reduce point: what is left goes at the end of backward, where each rank issues it in the
 boundaries' order, which is safe only for the last boundary backward reaches.
 
-So a rank may leave out any weight of a boundary with a reduce point; skipping a whole
+So a rank may leave out any weight of a boundary with a reduce point. Skipping a whole
 boundary on some ranks only still stops in the forward, where the others wait for its
-weights, as under FSDP2.
+weights, as under FSDP2; on the replicated path, which broadcasts nothing before a forward,
+it mispairs the reduces instead. On the replicated path, too, a replicated parameter outside
+every boundary is all-reduced as soon as its gradient is in: a boundary that reads one (a
+table the layers share) must not have weights left out by some ranks only.
 
 A gradient can still arrive after its boundary's reduce point, where part of it comes from a
 use outside the boundary's forward that backward reaches later (a penalty on the weight taken

@@ -324,6 +324,9 @@ class DedicatedRuntime:
         publishes of the last step stay in flight: each boundary's forward waits for its own.)"""
         if len(self.reduce_queue):
             self.reduce_queue.wait_all()
+        # The replicated path's all-reduces of a backward thrown away: waited, not written
+        # (``zero_grad`` clears the replicated gradients after this).
+        self.all_reduce_queue.discard()
         for dp in self.params:
             dp.grad = None
         self.hooks.forget_unsynced()
