@@ -196,23 +196,40 @@ def pack_grads(pack: Pack, stream: torch.cuda.Stream | None) -> torch.Tensor:
     (zeros for a parameter without one), followed by the pack's presence flags (see [Note: a
     parameter without a gradient]), and drop the parameters' ``.grad``. On CUDA the copy
     runs on ``stream``."""
-    device = pack.buffer.device
+    grads = [(dp.numel, dp.take_local_grad()) for dp in pack.params]
+    flags = [grad is not None for _, grad in grads]
+    return _flatten_with_flags(grads, flags, _reduce_dtype(pack), pack.buffer.device, stream)
+
+
+def _flatten_with_flags(
+    grads: Sequence[tuple[int, torch.Tensor | None]],
+    flags: Sequence[bool],
+    dtype: torch.dtype,
+    device: torch.device,
+    stream: torch.cuda.Stream | None,
+) -> torch.Tensor:
+    """One new buffer for one collective: the gradients (``(numel, grad)`` each, zeros for a
+    ``None`` one) one after the other, then a flag per gradient, 1 where ``flags`` says so,
+    else 0. On CUDA the copy runs on ``stream``, after the current stream's work."""
+    numel = sum(size for size, _ in grads)
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        flat = torch.empty(pack.numel + len(pack.params), dtype=_reduce_dtype(pack), device=device)
-        flags = flat[pack.numel :]
-        flags.fill_(1)
-        for index, dp in enumerate(pack.params):
-            grad = dp.take_local_grad()
-            out = flat[dp.offset : dp.offset + dp.numel]
+        flat = torch.empty(numel + len(grads), dtype=dtype, device=device)
+        marks = flat[numel:]
+        marks.fill_(1)
+        offset = 0
+        for index, ((size, grad), flag) in enumerate(zip(grads, flags)):
+            out = flat[offset : offset + size]
+            offset += size
             if grad is None:
                 out.zero_()
-                flags[index].zero_()
             else:
                 out.copy_(grad.reshape(-1))
                 if stream is not None:
                     grad.record_stream(stream)
+            if not flag:
+                marks[index].zero_()
     return flat
 
 
@@ -473,35 +490,20 @@ class AllReduceQueue:
         self, params: list[torch.Tensor], new: list[bool], dtype: torch.dtype
     ) -> _SentBucket:
         comm = self._comm
-        numel = sum(local_shard(param).numel() for param in params)
+        grads = [
+            (local_shard(p).numel(), None if p.grad is None else local_shard(p.grad))
+            for p in params
+        ]
         device = local_shard(params[0]).device
         stream = comm.reduce_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            flat = torch.empty(numel + len(params), dtype=dtype, device=device)
-            flags = flat[numel:]
-            flags.fill_(1)
-            offset = 0
-            for index, (param, sent) in enumerate(zip(params, new)):
-                size = local_shard(param).numel()
-                out = flat[offset : offset + size]
-                grad = None if param.grad is None else local_shard(param.grad)
-                if grad is None:
-                    out.zero_()
-                else:
-                    out.copy_(grad.reshape(-1))
-                    if stream is not None:
-                        grad.record_stream(stream)
-                if not sent:
-                    flags[index].zero_()
-                offset += size
-            copied = _event_after(stream)
+        flat = _flatten_with_flags(grads, new, dtype, device, stream)
+        copied = _event_after(stream)
         if copied is not None:
             # A late gradient adds to .grad in place: not before the copy has read it.
             torch.cuda.current_stream(device).wait_event(copied)
         comm.counter.record(Axis.SHARD, CommKind.ALL_REDUCE, flat.numel() * flat.element_size())
         result = _issue(flat, stream, "all_reduce", op=dist.ReduceOp.SUM, group=comm.shard_group)
+        numel = flat.numel() - len(params)
         return _SentBucket(params, list(new), numel, result)
 
     def discard(self) -> None:

@@ -72,15 +72,13 @@ class DedicatedGroup:
     backward_started: bool = False  # a pre-backward hook of this boundary fired
     needs_backward: bool = False  # the forward produced outputs that require grad
     _grads_seen: dict[Pack, int] = field(default_factory=dict)
-    _finished: set[Pack] = field(default_factory=set)
     # The order this boundary's collectives leave in (its packs, then on the replicated path
-    # the bucket of its replicated parameters), set at the first forward; see [Note: reduce
-    # points].
+    # the bucket of its replicated parameters), set at the first forward, and how far this
+    # backward got through it; see [Note: reduce points].
     order: ReduceOrder[Pack | ReplicatedBucket] = field(default_factory=lambda: ReduceOrder(()))
     # The reduce points (their autograd nodes, weakly) registered by the forwards since the
     # last backward; how many of them the backward under way runs (known at the first it
     # reaches) and has reached.
-    # backward under way.
     points: list[weakref.ref[Any]] = field(default_factory=list)
     points_due: int = 0
     points_reached: int = 0
@@ -217,7 +215,6 @@ class DedicatedGroup:
         self.points_due = 0
         self.points_reached = 0
         self._grads_seen.clear()
-        self._finished.clear()
         self.order.reset()
 
     @property
@@ -231,14 +228,8 @@ class DedicatedGroup:
         self._grads_seen[pack] = seen
         return seen == len(pack.params)
 
-    def finish_pack(self, pack: Pack) -> bool:
-        """Mark ``pack``'s gradient as dealt with in this backward; ``False`` if it already
-        was (so each pack is reduced at most once per backward)."""
-        if pack in self._finished:
-            return False
-        self._finished.add(pack)
-        return True
-
     @property
-    def all_packs_finished(self) -> bool:
-        return len(self._finished) == len(self.packs)
+    def all_packs_sent(self) -> bool:
+        """Whether every pack left in this backward (each leaves once: its order hands it out
+        once per backward)."""
+        return all(self.order.passed(pack) for pack in self.packs)

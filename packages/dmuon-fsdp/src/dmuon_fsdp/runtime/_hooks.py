@@ -115,9 +115,11 @@ class BoundaryHooks:
         self._all_reduces: AllReduceQueue | None = None  # the replicated path's (hook_replicated)
         self._replicated: list[nn.Parameter] = []
         # Replicated parameters (ids) whose gradient a backward under no_sync accumulated since
-        # the last synced one, and those whose gradient the synced backward under way submitted.
+        # the last synced one; the replicated parameters outside every boundary, and those of
+        # them whose gradient the synced backward under way submitted.
         self._replicated_unsynced: set[int] = set()
-        self._replicated_sent: set[int] = set()
+        self._root_replicated: list[nn.Parameter] = []
+        self._root_replicated_sent: set[int] = set()
         self._handles: list[RemovableHandle] = []
         # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
         # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
@@ -356,12 +358,18 @@ class BoundaryHooks:
             self._send(group, group.order.rest())
 
     def _send(self, group: DedicatedGroup, items: list[Pack | ReplicatedBucket]) -> None:
-        """Send ``items`` of ``group``'s order: a pack is reduced, a bucket all-reduced."""
+        """Send ``items`` of ``group``'s order: a pack is reduced (a parameter without a
+        gradient counts as zero), a bucket all-reduced. A boundary whose packs all left is
+        freed; Z2 keeps its weights across ``no_sync`` micro-batches so that they are not
+        broadcast again."""
         for item in items:
-            if isinstance(item, Pack):
-                self._pack_done(group, item)  # a parameter without a gradient counts as zero
-            else:
+            if not isinstance(item, Pack):
                 self._send_bucket(item)
+            elif self._syncing:
+                self.reduce_queue.submit(item)
+        sent_a_pack = any(isinstance(item, Pack) for item in items)
+        if sent_a_pack and group.all_packs_sent and (self.reshard_after_forward or self._syncing):
+            group.reshard()
 
     def _send_bucket(self, bucket: ReplicatedBucket) -> None:
         """All-reduce a boundary's replicated gradients, each flagged with whether this rank
@@ -377,8 +385,6 @@ class BoundaryHooks:
         if not self._syncing:
             self._replicated_unsynced.update(id(p) for p, n in zip(bucket.params, new) if n)
             return
-        if self._replicated_unsynced:  # only then does the end of backward need to know
-            self._replicated_sent.update(id(p) for p in bucket.params)
         self._all_reduces.submit_bucket(bucket, new)
 
     def _send_late(self) -> None:
@@ -404,19 +410,9 @@ class BoundaryHooks:
         if not self._syncing:
             self._replicated_unsynced.add(id(param))
             return
-        if self._replicated_unsynced:  # only then does the end of backward need to know
-            self._replicated_sent.add(id(param))
+        if self._replicated_unsynced and not late:  # the end of backward needs to know
+            self._root_replicated_sent.add(id(param))
         self._all_reduces.submit(param.grad, resends=param if late else None)
-
-    def _pack_done(self, group: DedicatedGroup, pack: Pack) -> None:
-        if not group.finish_pack(pack):
-            return
-        if self._syncing:
-            self.reduce_queue.submit(pack)
-        # Z2 keeps its weights across no_sync micro-batches so that they are not broadcast
-        # again; otherwise a boundary's weights are freed once its backward is done.
-        if group.all_packs_finished and (self.reshard_after_forward or self._syncing):
-            group.reshard()
 
     def _post_backward_final(self) -> None:
         """[Note: boundaries the synced backward does not reach]
@@ -450,16 +446,18 @@ class BoundaryHooks:
 
     def _send_replicated_left(self) -> None:
         """The replicated path's part of [Note: boundaries the synced backward does not
-        reach]: a replicated parameter whose gradient micro-batches under ``no_sync``
-        accumulated and the synced backward did not add to is all-reduced now, in the
-        parameters' order, as on every rank."""
+        reach] for the parameters outside every boundary (a boundary's bucket carries its own,
+        flagged as sent: see :meth:`_send_bucket`): one whose gradient micro-batches under
+        ``no_sync`` accumulated and the synced backward did not send is all-reduced now, in
+        the parameters' order, as on every rank."""
         if self._all_reduces is not None and self._replicated_unsynced:
-            left = self._replicated_unsynced - self._replicated_sent
-            for param in self._replicated:
-                if id(param) in left and param.grad is not None:
+            for param in self._root_replicated:
+                key = id(param)
+                left = key in self._replicated_unsynced and key not in self._root_replicated_sent
+                if left and param.grad is not None:
                     self._all_reduces.submit(param.grad)
         self._replicated_unsynced.clear()
-        self._replicated_sent.clear()
+        self._root_replicated_sent.clear()
 
     def forget_unsynced(self) -> None:
         """The local gradients of the backwards under ``no_sync`` were dropped (``zero_grad``):
@@ -505,6 +503,7 @@ class BoundaryHooks:
             group.order = ReduceOrder([*packs, *bucket])
             for param in mine:
                 self._bucket_of_replicated[id(param)] = (index, bucket[0])
+        self._root_replicated = [p for p in self._replicated if id(p) not in placed]
         self._initialised = True
 
 
