@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import pytest
@@ -58,10 +59,12 @@ def test_step_profile_lists_every_phase_sums_to_the_step_and_changes_nothing() -
             assert PHASES <= names, PHASES - names
             assert any(name.startswith("ns[") for name in names), names
         # The phases cover the step from its first line to its last, so only the call itself
-        # lies outside them. Summed over the steps after the first (which makes the states).
-        total = sum(sum(phases.values()) for phases in profiles[1:])
-        measured = sum(step_ms[1:])
-        assert abs(total - measured) <= 0.1 * measured, (profiles, step_ms)
+        # lies outside them. Per step after the first (which makes the states), the median:
+        # a preemption or a garbage collection of this busy test process that lands in the
+        # call's few lines in one step says nothing about what the phases cover.
+        outside = [ms - sum(p.values()) for p, ms in zip(profiles[1:], step_ms[1:])]
+        step = statistics.median(step_ms[1:])
+        assert abs(statistics.median(outside)) <= 0.1 * step, (profiles, step_ms)
         assert all(w is not None and w >= 0 for w in waits)
         muon_group = next(g for g in rows if g["optimizer"] == "muon")
         assert len(muon_group["rows"]) == 3 and muon_group["rows_omitted"] > 0
