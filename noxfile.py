@@ -101,6 +101,13 @@ def _mirror_pip_find_links() -> None:
 
 _mirror_pip_find_links()
 
+# uv installs without compiling bytecode, so a Python told not to write any
+# (PYTHONDONTWRITEBYTECODE, set on some CI machines) compiles torch's thousands of modules from
+# source in every process it starts: each gloo rank, each demo run. The tests start dozens, and
+# on two cores that doubled a suite's time. Python's default (write the cache on first import,
+# into the session's venv and the gitignored __pycache__ folders) pays it once per session.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 def _editable(*names: str) -> list[str]:
     args: list[str] = []
