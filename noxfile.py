@@ -6,6 +6,7 @@ nox -s "tests(package='dmuon-ns')"   # one package's tests
 nox -s docs                          # build the docs site (warnings are errors) and check it
 nox -s smoke                         # install as a user would, train 2 ranks, checkpoint
 nox -s root                          # `pytest` at the root, the `uv run pytest` route
+nox -s extended                      # the slow tests CI leaves out (marked extended)
 nox -s demo -- --steps 20            # the main job (extra args go to dmuon-demo)
 nox -s integrations                  # training frameworks' recipes on 2 gloo ranks (not in CI)
 
@@ -120,18 +121,42 @@ def _closure(package: str) -> list[str]:
     return [*PACKAGES[package], package]
 
 
-@nox.session
-@nox.parametrize("package", list(PACKAGES))
-def tests(session: nox.Session, package: str) -> None:
-    """pytest for one package, CPU only (gloo for distributed tests, Triton in the interpreter)."""
+def _test_deps(package: str) -> list[str]:
     deps = [*TEST_TOOLS, *TEST_EXTRAS.get(package, [])]
     if package in NEEDS_TORCH:
         deps.append(TORCH)
     if package in NEEDS_TRITON:
         deps.append(TRITON)
-    session.install(*deps, *_editable(*_closure(package)))
+    return deps
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """pytest for one package, CPU only (gloo for distributed tests, Triton in the interpreter),
+    without the GPU tests and the extended ones (``nox -s extended``)."""
+    session.install(*_test_deps(package), *_editable(*_closure(package)))
     session.chdir(ROOT / "packages" / package)
-    session.run("pytest", "-m", "not gpu", "-q", *session.posargs)
+    session.run("pytest", "-m", "not gpu and not extended", "-q", *session.posargs)
+
+
+# pytest's exit status when no test was selected: a package without extended tests.
+NO_TESTS_COLLECTED = 5
+
+
+@nox.session
+def extended(session: nox.Session) -> None:
+    """The tests marked ``extended`` in every package, CPU only: slow ones (eight gloo ranks,
+    torch.compile under tensor parallelism) whose parts faster tests in the ``tests`` sessions
+    cover, left out of CI for its time."""
+    deps = {dep for package in PACKAGES for dep in _test_deps(package)}
+    session.install(*sorted(deps), *_editable(*PACKAGES))
+    for package in PACKAGES:
+        session.chdir(ROOT / "packages" / package)
+        session.run(
+            "pytest", "-m", "extended and not gpu", "-q", *session.posargs,
+            success_codes=[0, NO_TESTS_COLLECTED],
+        )  # fmt: skip
 
 
 @nox.session

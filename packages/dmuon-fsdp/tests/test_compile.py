@@ -51,7 +51,11 @@ def _all_modes(rank: int, world_size: int, reshards: tuple[bool, ...]):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("world_size", "reshards"), [(1, (True,)), (2, (True, False))])
+@pytest.mark.parametrize(
+    ("world_size", "reshards"),
+    # One rank (extended) runs what two ranks run, without broadcasts.
+    [pytest.param(1, (True,), marks=pytest.mark.extended), (2, (True, False))],
+)
 def test_compiled_blocks_and_models_match_eager_and_compile_once(world_size, reshards):
     for result in run_distributed(_all_modes, world_size, reshards):
         for (reshard, mode), (eager, losses, graphs, breaks) in result.items():

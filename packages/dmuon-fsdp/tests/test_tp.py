@@ -136,6 +136,9 @@ def _three_d(rank: int, world_size: int):
     return out
 
 
+# Extended: eight ranks on CI's two cores. Its parts run in CI: HSDP (test_hsdp_correctness),
+# tensor parallelism (above) and the 3-D mesh's gradients and skip (test_tp_global).
+@pytest.mark.extended
 @pytest.mark.distributed
 def test_three_d_hsdp_with_tensor_parallelism_matches_the_reference() -> None:
     results = run_distributed(_three_d, 8)
@@ -340,6 +343,9 @@ def _tp_compiled(rank: int, world_size: int):
     return out
 
 
+# Extended: compiles under tensor parallelism for half a minute. Its parts run in CI:
+# compiled blocks (test_compile) and tensor parallelism (above).
+@pytest.mark.extended
 @pytest.mark.distributed
 def test_compiled_tensor_parallel_blocks_match_eager_and_compile_once() -> None:
     # Needs one pack per TP matrix and a plain DTensor while held (see [Note: reads on a
