@@ -186,18 +186,33 @@ def _group_edits(rank: int, world_size: int):
     betas = [g["betas"] for g in optimizer.param_groups if g["optimizer"] == "adamw"]
     optimizer.param_groups[0]["lr"] = torch.tensor(0.01, dtype=torch.float64)
     set_optimizer_state_dict(model, optimizer, get_optimizer_state_dict(model, optimizer))
-    # A replacement that is not the same group is refused before the step changes anything.
+    # A replacement that is not the same group, or a value out of range written in place, is
+    # refused before the step changes anything.
     first, second = optimizer.param_groups[0], optimizer.param_groups[1]
+    edits = [
+        (0, {**first, "params": second["params"]}),
+        (0, {"params": first["params"]}),
+        (0, {"lr": float("nan")}),
+        (0, {"momentum": 1.5}),
+        (1, {"lr": -0.01}),
+        (1, {"betas": (0.9, 1.0)}),
+    ]
     errors = []
-    for replacement in ({**first, "params": second["params"]}, {"params": first["params"]}):
-        optimizer.param_groups[0] = replacement
+    for index, edit in edits:
+        group = optimizer.param_groups[index]
+        kept = dict(group)
+        if "params" in edit:
+            optimizer.param_groups[index] = edit
+        else:
+            group.update(edit)
         before = {k: v.clone() for k, v in get_model_state_dict(model).items()}
         with pytest.raises(ValueError) as info:
             train_steps(model, optimizer, rank, world_size, 1, start=steps)
         errors.append(str(info.value))
         after = get_model_state_dict(model)
         assert all(torch.equal(after[k], v) for k, v in before.items())
-        optimizer.param_groups[0] = first
+        group.update(kept)
+        optimizer.param_groups[index] = group
     return runs, betas, schedule[-1][1], errors
 
 
@@ -210,11 +225,43 @@ def test_group_edits_reach_the_step():
             "replaced by a dict without ['group_name', 'param_names', 'optimizer', 'lr'"
             in errors[1]
         )
+        assert "group 'muon': lr must be a finite number" in errors[2]
+        assert "group 'muon': momentum must lie in [0, 1)" in errors[3]
+        assert "group 'adamw': lr must be >= 0.0" in errors[4]
+        assert "group 'adamw': adamw_betas[1] must lie in [0, 1)" in errors[5]
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name
         assert betas == [(momentum, 0.999)]
     assert results[0][0]["in_place"].keys() == results[1][0]["in_place"].keys()
+
+
+def _one_lr_tensor(rank: int, world_size: int):
+    """One user group's lr as a float and as a tensor, under a scheduler with a factor per
+    optimizer group (the tuning guide's LambdaLR([f_muon, f_adamw]))."""
+    out = {}
+    for kind in ("float", "tensor"):
+        model, _ = setup_model(world_size)
+        lr = 0.02 if kind == "float" else torch.tensor(0.02, dtype=torch.float64)
+        groups = [{"params": list(model.parameters()), "group_name": "all", "lr": lr}]
+        optimizer = Muon(model, param_groups=groups)
+        factors = {"muon": lambda step: 0.5**step, "adamw": lambda step: 0.1}
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, [factors[g["optimizer"]] for g in optimizer.param_groups]
+        )
+        train_steps(model, optimizer, rank, world_size, 3, scheduler=scheduler)
+        lrs = {g["group_name"]: float(g["lr"]) for g in optimizer.param_groups}
+        out[kind] = (lrs, get_model_state_dict(model))
+    return out
+
+
+@pytest.mark.distributed
+def test_a_tensor_lr_is_each_groups_own_under_a_scheduler():
+    for result in run_distributed(_one_lr_tensor, 2):
+        (float_lrs, float_weights), (tensor_lrs, tensor_weights) = result.values()
+        assert float_lrs == tensor_lrs == {"all/muon": 0.02 * 0.5**3, "all/adamw": 0.02 * 0.1}
+        for name, value in float_weights.items():
+            assert torch.equal(tensor_weights[name], value), name
 
 
 def _forced_route(rank: int, world_size: int):

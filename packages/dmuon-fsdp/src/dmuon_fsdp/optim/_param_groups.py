@@ -22,10 +22,15 @@ always the one it was meant to be.
 
 [Note: hyperparameter values]
 A hyperparameter is a real number: a Python or NumPy number, or a one-element tensor, as torch's
-optimizers take an ``lr`` tensor. Numbers are kept as floats; a tensor is kept itself, and the
-step reads its value at every step (``float(group["lr"])``), so a tensor changed in place
-reaches the next step. The same check runs at construction, on a replaced group and on a
-loaded state dict, so a value the step ran with is never refused when its checkpoint loads.
+optimizers take an ``lr`` tensor. Numbers are kept as floats. Each optimizer group holds a
+tensor of its own, copied at construction from the one given: one user group's ``lr`` feeds
+both its ``/muon`` and its ``/adamw`` group, and a default feeds every group, while a scheduler
+writes each group's value in place (``group["lr"].fill_(...)``, one factor per group); shared,
+the last write would set every group's rate. The step reads each group's value at every step
+(``float(group["lr"])``), so ``param_groups[i]["lr"]`` changed in place reaches the next step.
+The same check runs at construction, at every step (on every group: a value changed in place
+is checked there, before anything is updated), on a replaced group and on a loaded state dict,
+so a value the step ran with is never refused when its checkpoint loads.
 
 [Note: edits to the groups]
 The step plan keeps the group dicts construction made and reads their hyperparameters at every
@@ -185,11 +190,13 @@ def take_group_edits(groups: list[dict[str, Any]], built: Sequence[dict[str, Any
             own.clear()
             own.update(group)
             groups[i] = own
+        where = f"Muon.param_groups: group {own['group_name']!r}"
         if own["optimizer"] == Route.ADAMW and "momentum" in own:
-            beta1 = _check_fraction(
-                own.pop("momentum"), "momentum", f"param group {own['group_name']!r}"
-            )
+            beta1 = _check_fraction(own.pop("momentum"), "momentum", where)
             own["betas"] = (beta1, own["betas"][1])
+        # A value written in place (param_groups[i]["lr"] = nan) is checked before the step
+        # reads it, as a replaced group is.
+        checked_group_values(own, own["optimizer"], where)
 
 
 def _check_replacement(group: Any, own: Mapping[str, Any]) -> None:
@@ -429,7 +436,7 @@ def _split_by_route(
             "param_names": [r.fqn for r in members],
             "group_name": f"{prefix}{route.value}",
             "optimizer": route,
-            **hyper,
+            **{key: _own_copy(value) for key, value in hyper.items()},
         }
 
     def number(key: str, shared: Any, default: float) -> float:
@@ -451,6 +458,14 @@ def _split_by_route(
         eps=number("adamw_eps", None, defaults.adamw_eps),
     )
     return muon, adamw
+
+
+def _own_copy(value: Any) -> Any:
+    """A group's own copy of a tensor hyperparameter (in a pair too); other values as they are
+    (see [Note: hyperparameter values])."""
+    if isinstance(value, tuple):
+        return tuple(_own_copy(item) for item in value)
+    return value.detach().clone() if isinstance(value, Tensor) else value
 
 
 def build_param_groups(
