@@ -35,16 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._profile import no_mark
 from ._torch_internals import foreach_lerp_
 from .checkpoint import get_model_state_dict, set_model_state_dict
 from .holder import WeightPart, fsdp_modules
 from .optim import Muon
 
 __all__ = ["EMA"]
-
-
-def _no_mark(name: str) -> None:
-    pass
 
 
 class EMA:
@@ -155,7 +152,7 @@ class EMA:
         with torch.no_grad():
             for name, part in parts.items():
                 part.tensor.copy_(values[name])
-        optimizer._publish(_no_mark)
+        optimizer._publish(no_mark)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

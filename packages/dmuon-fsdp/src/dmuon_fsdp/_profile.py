@@ -34,7 +34,7 @@ from torch.autograd.profiler import record_function
 
 from ._torch_internals import profiler_enabled
 
-__all__ = ["PhaseTimer", "span"]
+__all__ = ["PhaseTimer", "no_mark", "span"]
 
 _NOTHING = contextlib.nullcontext()
 
@@ -45,6 +45,11 @@ def span(name: str) -> contextlib.AbstractContextManager[Any]:
     if profiler_enabled():
         return record_function(name)
     return _NOTHING
+
+
+def no_mark(name: str) -> None:
+    """The ``mark`` of a step without the step profile: closes no phase."""
+    return None
 
 
 class PhaseTimer:

@@ -55,6 +55,7 @@ from torch import Tensor
 from dmuon_ns import kernel_choices_version
 
 from .._matrix import NSFunction
+from .._profile import no_mark
 from ._fused import kernels_ready, static_tables
 from ._muon_math import (
     MuonItem,
@@ -205,7 +206,7 @@ class GraphedMuonPhase:
         graph = torch.cuda.CUDAGraph()
         try:
             with static_tables(warm.tables), torch.cuda.graph(graph):
-                muon_phase(batches, momentum, warm.skip, _no_mark, warm)
+                muon_phase(batches, momentum, warm.skip, no_mark, warm)
         except RuntimeError as err:  # how CUDA reports a capture it cannot make
             self._failed = True
             self._warm = None
@@ -218,10 +219,6 @@ class GraphedMuonPhase:
             return
         self._graph, self._captured, self._warm = graph, warm, None
         self.captures += 1
-
-
-def _no_mark(name: str) -> None:
-    return None
 
 
 def _signature(

@@ -60,6 +60,7 @@ from dmuon_ownership import Route
 
 from .._checks import is_int
 from .._matrix import MatrixView, NSFunction, matrices_of, matrix_shape
+from .._profile import no_mark
 from .._torch_internals import local_shard
 from ._fused import DeviceScalars, advance_momentum, momentum_into, ns_input_into, update_weight
 
@@ -226,7 +227,7 @@ def muon_step(
     *,
     max_batch_bytes: int | None,
     skip: Tensor | None = None,
-    mark: Callable[[str], None] | None = None,
+    mark: Callable[[str], None] = no_mark,
 ) -> None:
     """The Muon update of every item: momentum, NS batched by shape (see [Note: one
     Newton–Schulz call per shape]), decoupled weight decay and the scaled update.
@@ -234,7 +235,6 @@ def muon_step(
     ``skip`` (a 0-d bool tensor) makes the step keep every weight and momentum buffer as it
     was when it is set, decided on the device; see [Note: non-finite gradients]. ``mark(name)``
     (the step profile) closes the phases "muon_update" and "ns[<batch shape>]"."""
-    mark = mark or _no_mark
     for part in shape_batches(items, _item_key, _item_size, max_batch_bytes):
         muon_batch(part, ns, skip=skip, mark=mark)
     mark("muon_update")
@@ -245,7 +245,7 @@ def muon_batch(
     ns: NSFunction,
     *,
     skip: Tensor | None = None,
-    mark: Callable[[str], None] = lambda name: None,
+    mark: Callable[[str], None] = no_mark,
     scalars: StepScalars | None = None,
 ) -> None:
     """Momentum, one NS call and the update for ``part``, whose matrices share one shape,
@@ -380,10 +380,6 @@ def _grouped(
     for i, owner in enumerate(owners):
         groups.setdefault(key(items[owner]), []).append(i)
     return groups.items()
-
-
-def _no_mark(name: str) -> None:
-    return None
 
 
 def weight_decay_and_update(

@@ -47,7 +47,7 @@ from dmuon_ownership import Route
 
 from .._checks import check_bool, is_int
 from .._matrix import LrScaling, NSFunction
-from .._profile import PhaseTimer, span
+from .._profile import PhaseTimer, no_mark, span
 from .._torch_internals import foreach_max_abs, local_shard
 from ..holder import DedicatedParam, MuonEntry, ParamHolder, ShardedTensor, StepContext, TPMode
 from ..runtime import DedicatedRuntime, get_runtime
@@ -221,10 +221,6 @@ class _StepWork(NamedTuple):
     batches: list[tuple[int, list[MuonItem], NSFunction | None]]  # with its plan index
     momentum_only: list[list[MuonItem]]  # stepped on another replica (expert sources)
     adamw: list[_AdamWWork]
-
-
-def _no_mark(name: str) -> None:
-    return None
 
 
 def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
@@ -626,7 +622,7 @@ class Muon(torch.optim.Optimizer):
         """Start the step profile, check that the gradients were reduced, take the param-group
         edits, check the parameters (all of them at the first step) and run the pre-step
         hooks; returns the profile's ``mark`` (see [Note: the step profile])."""
-        mark = _no_mark if self._timer is None else self._timer.mark
+        mark = no_mark if self._timer is None else self._timer.mark
         if self._timer is not None:
             self._timer.start()
         self._runtime.check_gradients_synced()
@@ -661,10 +657,16 @@ class Muon(torch.optim.Optimizer):
         self, work: _StepWork, mark: Callable[[str], None]
     ) -> tuple[Tensor | None, Tensor | None]:
         """The non-finite decision (``found`` for torch's fused AdamW, ``skip`` for the Muon
-        passes), or ``(None, None)`` without ``skip_nonfinite``."""
-        found = self._find_nonfinite(work) if self.options.skip_nonfinite else None
+        passes), counted in the step stats, or ``(None, None)`` without ``skip_nonfinite``."""
+        if not self.options.skip_nonfinite:
+            mark("nonfinite_check")
+            return None, None
+        found = self._find_nonfinite(work)
+        skip = found > 0
+        self._skipped_steps.add_(skip.to(self._skipped_steps.device))
+        self._last_skip = skip
         mark("nonfinite_check")
-        return found, None if found is None else found > 0
+        return found, skip
 
     def _muon_update(
         self, work: _StepWork, skip: Tensor | None, mark: Callable[[str], None]
@@ -724,8 +726,7 @@ class Muon(torch.optim.Optimizer):
         skip: Tensor | None,
         mark: Callable[[str], None],
     ) -> None:
-        """AdamW over every group's tensors (torch's fused kernel skips on ``found``); counts
-        a skipped step."""
+        """AdamW over every group's tensors (torch's fused kernel skips on ``found``)."""
         with span("dmuon::adamw_step"):
             for group, params, grads, states in work.adamw:
                 beta1, beta2 = group["betas"]
@@ -739,9 +740,6 @@ class Muon(torch.optim.Optimizer):
                     weight_decay=float(group["weight_decay"]),
                     found_inf=found,
                 )
-            if skip is not None:
-                self._skipped_steps.add_(skip.to(self._skipped_steps.device))
-                self._last_skip = skip
         mark("adamw")
 
     def step_profile(self) -> dict[str, float]:
@@ -854,9 +852,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             assert weight is not None, f"{entry.fqn}: this rank holds no weight to step"
             group = entry.group
-            state = self.state[entry.param]
-            if not state:
-                state.update(fresh_state(Route.MUON, weight, entry.holder.optim_dtype))
+            state = self._state_for(entry.param, Route.MUON, weight, entry.holder.optim_dtype)
             weight, grad, buf = (
                 _rows(local_shard(t), entry.rows) for t in (weight, grad, state["momentum_buffer"])
             )
@@ -886,13 +882,20 @@ class Muon(torch.optim.Optimizer):
             target, grad = view.step_tensors()
             if grad is None or target is None:
                 continue
-            state = self.state[p]
-            if not state:
-                state.update(fresh_state(Route.ADAMW, target, view.optim_dtype))
+            state = self._state_for(p, Route.ADAMW, target, view.optim_dtype)
             params.append(target)
             grads.append(grad)
             states.append(state)
         return (group, params, grads, states) if params else None
+
+    def _state_for(
+        self, param: Tensor, route: Route, like: Tensor, dtype: torch.dtype | None
+    ) -> dict[str, Any]:
+        """``param``'s optimizer state, made for ``route`` like ``like`` at its first step."""
+        state = self.state[param]
+        if not state:
+            state.update(fresh_state(route, like, dtype))
+        return state
 
     def _find_nonfinite(self, work: _StepWork) -> Tensor:
         """1.0 when any gradient any rank is about to step with holds a NaN or an infinity, on
