@@ -4,6 +4,7 @@ forcing, schedulers, and the construction errors for stale / duplicate / missing
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -249,17 +250,27 @@ def _one_lr_tensor(rank: int, world_size: int):
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, [factors[g["optimizer"]] for g in optimizer.param_groups]
         )
-        train_steps(model, optimizer, rank, world_size, 3, scheduler=scheduler)
+        # The step reads each group's lr once, not once per matrix it steps.
+        lr_storage = {g["lr"].data_ptr() for g in optimizer.param_groups if kind == "tensor"}
+        reads: list[bool] = []
+
+        def counted(t, reads=reads, lr_storage=lr_storage, to_float=torch.Tensor.__float__):
+            reads.append(t.data_ptr() in lr_storage)
+            return to_float(t)
+
+        with mock.patch.object(torch.Tensor, "__float__", counted):
+            train_steps(model, optimizer, rank, world_size, 3, scheduler=scheduler)
         lrs = {g["group_name"]: float(g["lr"]) for g in optimizer.param_groups}
-        out[kind] = (lrs, get_model_state_dict(model))
+        out[kind] = (lrs, get_model_state_dict(model), sum(reads))
     return out
 
 
 @pytest.mark.distributed
 def test_a_tensor_lr_is_each_groups_own_under_a_scheduler():
     for result in run_distributed(_one_lr_tensor, 2):
-        (float_lrs, float_weights), (tensor_lrs, tensor_weights) = result.values()
+        (float_lrs, float_weights, _), (tensor_lrs, tensor_weights, reads) = result.values()
         assert float_lrs == tensor_lrs == {"all/muon": 0.02 * 0.5**3, "all/adamw": 0.02 * 0.1}
+        assert reads == 3 * 2  # steps × groups
         for name, value in float_weights.items():
             assert torch.equal(tensor_weights[name], value), name
 

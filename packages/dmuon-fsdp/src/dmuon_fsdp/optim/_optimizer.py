@@ -63,7 +63,7 @@ from ._muon_math import (
     muon_batch,
 )
 from ._ns_overlap import NSOverlap
-from ._param_groups import GroupDefaults, build_param_groups, take_group_edits
+from ._param_groups import GroupDefaults, build_param_groups, group_numbers, take_group_edits
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
 from ._step_plan import AdamWEntry, StepPlan
@@ -210,13 +210,14 @@ class StepOptions:
             )
 
 
+# Per AdamW group: its numbers of this step (``group_numbers``), tensors, gradients, states.
 _AdamWWork = tuple[dict[str, Any], list[Tensor], list[Tensor], list[Any]]
 
 
 class _StepWork(NamedTuple):
     """What one step touches: the Muon items of each NS batch with the batch's NS, those
-    whose momentum alone advances here, and per AdamW group its tensors, gradients and
-    states."""
+    whose momentum alone advances here, and per AdamW group its hyperparameters, tensors,
+    gradients and states."""
 
     batches: list[tuple[int, list[MuonItem], NSFunction | None]]  # with its plan index
     momentum_only: list[list[MuonItem]]  # stepped on another replica (expert sources)
@@ -479,7 +480,7 @@ class Muon(torch.optim.Optimizer):
             self._overlap = NSOverlap(
                 self._plan.batches,
                 lambda entry: entry.holder.dedicated and entry.ns is self._ns,
-                self._muon_items,
+                lambda entries: self._muon_items(entries, {}),
                 device,
             )
         runtime.set_grad_listener(self._overlap)
@@ -604,9 +605,9 @@ class Muon(torch.optim.Optimizer):
                 enabled before the step) and returns it; ``step`` returns what it returned.
         """
         loss = _closure_loss(closure)
-        mark = self._begin()
+        mark, numbers = self._begin()
         with span("dmuon::optimizer_step"):
-            work = self._collect(mark)
+            work = self._collect(numbers, mark)
             found, skip = self._nonfinite(work, mark)
             self._muon_update(work, skip, mark)
             self._adamw_update(work, found, skip, mark)
@@ -618,23 +619,26 @@ class Muon(torch.optim.Optimizer):
 
     # -- the phases of a step: each closes its step-profile phase with ``mark`` ----------------
 
-    def _begin(self) -> Callable[[str], None]:
+    def _begin(self) -> tuple[Callable[[str], None], dict[int, dict[str, Any]]]:
         """Start the step profile, check that the gradients were reduced, take the param-group
         edits, check the parameters (all of them at the first step) and run the pre-step
-        hooks; returns the profile's ``mark`` (see [Note: the step profile])."""
+        hooks; returns the profile's ``mark`` (see [Note: the step profile]) and each group's
+        hyperparameters of this step (``take_group_edits``)."""
         mark = no_mark if self._timer is None else self._timer.mark
         if self._timer is not None:
             self._timer.start()
         self._runtime.check_gradients_synced()
-        take_group_edits(self.param_groups, self._built_groups)
+        numbers = take_group_edits(self.param_groups, self._built_groups)
         self._check_params_current()
         self._check_no_loss_scaling()
         self._check_none_unfrozen()
         self._hooks.before_step(self)
         mark("pre_step")
-        return mark
+        return mark, numbers
 
-    def _collect(self, mark: Callable[[str], None]) -> _StepWork:
+    def _collect(
+        self, numbers: dict[int, dict[str, Any]], mark: Callable[[str], None]
+    ) -> _StepWork:
         """Wait for the gradient reduces; the Muon items and AdamW tensors this step touches
         (states made on first use), with the group's hyperparameters of this step."""
         self._runtime.wait_all_reduces()
@@ -645,11 +649,15 @@ class Muon(torch.optim.Optimizer):
         batches = [
             (index, items, part[0].ns)
             for index, part in enumerate(plan.batches)
-            if (items := self._muon_items(part))
+            if (items := self._muon_items(part, numbers))
         ]
-        momentum = [items for part in plan.momentum_only if (items := self._muon_items(part))]
+        momentum = [
+            items for part in plan.momentum_only if (items := self._muon_items(part, numbers))
+        ]
         adamw = [
-            work for group, entries in plan.adamw if (work := self._adamw_work(group, entries))
+            work
+            for group, entries in plan.adamw
+            if (work := self._adamw_work(numbers[id(group)], entries))
         ]
         return _StepWork(batches, momentum, adamw)
 
@@ -729,15 +737,14 @@ class Muon(torch.optim.Optimizer):
         """AdamW over every group's tensors (torch's fused kernel skips on ``found``)."""
         with span("dmuon::adamw_step"):
             for group, params, grads, states in work.adamw:
-                beta1, beta2 = group["betas"]
                 adamw_step(
                     params,
                     grads,
                     states,
-                    lr=float(group["lr"]),
-                    betas=(float(beta1), float(beta2)),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
+                    lr=group["lr"],
+                    betas=group["betas"],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
                     found_inf=found,
                 )
         mark("adamw")
@@ -840,18 +847,24 @@ class Muon(torch.optim.Optimizer):
                     probes.setdefault(id(module), (name, module, attr, p))
         return list(probes.values())
 
-    def _muon_items(self, entries: Sequence[MuonEntry]) -> list[MuonItem]:
+    def _muon_items(
+        self, entries: Sequence[MuonEntry], numbers: dict[int, dict[str, Any]]
+    ) -> list[MuonItem]:
         """The step's item of each entry with a gradient (momentum buffer made on first
-        use), with its group's hyperparameters of this step: the tensors its holder steps (an
-        owned matrix's full master and averaged gradient, or this rank's shard of an expert
-        stack and of its gradient)."""
+        use), with its group's hyperparameters from ``numbers`` (by the group's ``id``; a
+        group missing there is read now and added: NS during backward reads the groups as
+        they are then): the tensors its holder steps (an owned matrix's full master and
+        averaged gradient, or this rank's shard of an expert stack and of its gradient)."""
         items: list[MuonItem] = []
         for entry in entries:
             weight, grad = entry.holder.step_tensors()
             if grad is None:
                 continue
             assert weight is not None, f"{entry.fqn}: this rank holds no weight to step"
-            group = entry.group
+            group = numbers.get(id(entry.group))
+            if group is None:
+                where = f"Muon.param_groups: group {entry.group['group_name']!r}"
+                group = numbers[id(entry.group)] = group_numbers(entry.group, Route.MUON, where)
             state = self._state_for(entry.param, Route.MUON, weight, entry.holder.optim_dtype)
             weight, grad, buf = (
                 _rows(local_shard(t), entry.rows) for t in (weight, grad, state["momentum_buffer"])
@@ -860,10 +873,10 @@ class Muon(torch.optim.Optimizer):
                 weight=weight,
                 grad=grad,
                 buf=buf,
-                momentum=float(group["momentum"]),
-                nesterov=bool(group["nesterov"]),
-                lr=float(group["lr"]),
-                weight_decay=float(group["weight_decay"]),
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
                 scale=entry.scale,
                 view=entry.cut,
             )
@@ -873,8 +886,9 @@ class Muon(torch.optim.Optimizer):
     def _adamw_work(
         self, group: dict[str, Any], entries: Sequence[AdamWEntry]
     ) -> _AdamWWork | None:
-        """The tensors one AdamW group steps on this rank (FSDP2 shards; dedicated AdamW-route
-        weights on their owners), their gradients and states (made on first use)."""
+        """The tensors one AdamW group (its ``group_numbers`` of this step) steps on this
+        rank (FSDP2 shards; dedicated AdamW-route weights on their owners), their gradients
+        and states (made on first use)."""
         params: list[Tensor] = []
         grads: list[Tensor] = []
         states: list[Any] = []

@@ -26,11 +26,11 @@ optimizers take an ``lr`` tensor. Numbers are kept as floats. Each optimizer gro
 tensor of its own, copied at construction from the one given: one user group's ``lr`` feeds
 both its ``/muon`` and its ``/adamw`` group, and a default feeds every group, while a scheduler
 writes each group's value in place (``group["lr"].fill_(...)``, one factor per group); shared,
-the last write would set every group's rate. The step reads each group's value at every step
-(``float(group["lr"])``), so ``param_groups[i]["lr"]`` changed in place reaches the next step.
-The same check runs at construction, at every step (on every group: a value changed in place
-is checked there, before anything is updated), on a replaced group and on a loaded state dict,
-so a value the step ran with is never refused when its checkpoint loads.
+the last write would set every group's rate. The step reads and checks each group's values once at
+its start (``group_numbers``: one host read per tensor value, not one per matrix), before
+anything is updated, so ``param_groups[i]["lr"]`` changed in place reaches the next step. The
+same check runs at construction, on a replaced group and on a loaded state dict, so a value the
+step ran with is never refused when its checkpoint loads.
 
 [Note: edits to the groups]
 The step plan keeps the group dicts construction made and reads their hyperparameters at every
@@ -71,6 +71,7 @@ __all__ = [
     "RoutedParam",
     "build_param_groups",
     "checked_group_values",
+    "group_numbers",
     "take_group_edits",
 ]
 
@@ -115,8 +116,9 @@ def _real(value: Any) -> float | None:
     return None
 
 
-def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> Any:
-    """``value`` checked (see [Note: hyperparameter values]): a float, or the tensor itself."""
+def _number(value: Any, key: str, where: str, *, low: float = 0.0) -> float:
+    """``value`` checked (see [Note: hyperparameter values]), as a float: one host read of a
+    tensor."""
     number = _real(value)
     if number is None or not math.isfinite(number):
         raise ValueError(
@@ -125,24 +127,42 @@ def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> Any:
         )
     if number < low:
         raise ValueError(f"{where}: {key} must be >= {low}, got {value!r}")
-    return value if isinstance(value, Tensor) else number
+    return number
 
 
-def _check_fraction(value: Any, key: str, where: str) -> Any:
+def _fraction(value: Any, key: str, where: str) -> float:
     """A number in [0, 1): momentum and the AdamW betas."""
-    number = _check_number(value, key, where)
-    if float(number) >= 1.0:
+    number = _number(value, key, where)
+    if number >= 1.0:
         raise ValueError(f"{where}: {key} must lie in [0, 1), got {value!r}")
     return number
 
 
-def _check_betas(value: Any, where: str) -> tuple[float, float]:
+def _kept(value: Any, number: float) -> Any:
+    """What a group holds for a checked ``value``: the tensor itself (a scheduler writes it in
+    place), else the float."""
+    return value if isinstance(value, Tensor) else number
+
+
+def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> Any:
+    return _kept(value, _number(value, key, where, low=low))
+
+
+def _check_fraction(value: Any, key: str, where: str) -> Any:
+    return _kept(value, _fraction(value, key, where))
+
+
+def _betas(value: Any, where: str) -> tuple[float, float]:
     if not isinstance(value, Sequence) or len(value) != 2:
         raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {value!r}")
     return (
-        _check_fraction(value[0], "adamw_betas[0]", where),
-        _check_fraction(value[1], "adamw_betas[1]", where),
+        _fraction(value[0], "adamw_betas[0]", where),
+        _fraction(value[1], "adamw_betas[1]", where),
     )
+
+
+def _check_betas(value: Any, where: str) -> tuple[Any, Any]:
+    return tuple(map(_kept, value, _betas(value, where)))  # type: ignore[return-value]
 
 
 # The hyperparameters each route's group steps with.
@@ -152,31 +172,45 @@ GROUP_REQUIRED: dict[Route, tuple[str, ...]] = {
 }
 
 
-def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> dict[str, Any]:
-    """The hyperparameters a loaded ``route`` group steps with, checked as construction checks
-    them (``ValueError`` naming the key; a loaded NaN lr or a three-beta tuple would otherwise
-    reach the next step), ``betas`` as a tuple. Raises ``KeyError`` for a missing one: the
-    callers check presence first, with their own message."""
+def group_numbers(group: Mapping[str, Any], route: Route, where: str) -> dict[str, Any]:
+    """The hyperparameters a ``route`` group steps with, checked as construction checks them
+    (``ValueError`` naming the key: a NaN lr written in place or loaded would otherwise reach
+    the step) and read as Python numbers, once (a tensor's value costs a host read), ``betas``
+    as a pair of floats. Raises ``KeyError`` for a missing one: the callers check presence
+    first, with their own message."""
     if route is Route.MUON:
         return {
-            "lr": _check_number(group["lr"], "lr", where),
-            "weight_decay": _check_number(group["weight_decay"], "weight_decay", where),
-            "momentum": _check_fraction(group["momentum"], "momentum", where),
+            "lr": _number(group["lr"], "lr", where),
+            "weight_decay": _number(group["weight_decay"], "weight_decay", where),
+            "momentum": _fraction(group["momentum"], "momentum", where),
             "nesterov": check_bool(f"{where}: nesterov", group["nesterov"]),
         }
     return {
-        "lr": _check_number(group["lr"], "lr", where),
-        "weight_decay": _check_number(group["weight_decay"], "weight_decay", where),
-        "betas": _check_betas(group["betas"], where),
-        "eps": _check_number(group["eps"], "eps", where),
+        "lr": _number(group["lr"], "lr", where),
+        "weight_decay": _number(group["weight_decay"], "weight_decay", where),
+        "betas": _betas(group["betas"], where),
+        "eps": _number(group["eps"], "eps", where),
     }
 
 
-def take_group_edits(groups: list[dict[str, Any]], built: Sequence[dict[str, Any]]) -> None:
+def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> dict[str, Any]:
+    """``group_numbers`` as a group keeps them: a tensor stays the tensor it was (a loaded
+    group's tensor lr goes on being written in place by its scheduler), ``betas`` a tuple."""
+    numbers = group_numbers(group, route, where)
+    if "betas" in numbers:
+        numbers["betas"] = tuple(map(_kept, group["betas"], numbers["betas"]))
+    return {key: _kept(group[key], number) for key, number in numbers.items()}
+
+
+def take_group_edits(
+    groups: list[dict[str, Any]], built: Sequence[dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
     """Bring what the user changed in ``groups`` (the optimizer's ``param_groups``) into the
     group dicts the step plan reads (``built``, the ones construction made), in place; see
-    [Note: edits to the groups]. Raises ``ValueError`` for a replaced group that is not the
-    same group (other parameters, another optimizer, a hyperparameter missing)."""
+    [Note: edits to the groups]. Returns each built group's ``group_numbers`` by the group's
+    ``id``: the values this step computes with, read once. Raises ``ValueError`` for a
+    replaced group that is not the same group (other parameters, another optimizer, a
+    hyperparameter missing)."""
     if len(groups) != len(built):
         raise ValueError(
             f"Muon.param_groups holds {len(groups)} groups but Muon was built with"
@@ -184,6 +218,7 @@ def take_group_edits(groups: list[dict[str, Any]], built: Sequence[dict[str, Any
             " hyperparameters in place (param_groups[i]['lr'] = ...), or build Muon with the"
             " groups you need (Muon(model, param_groups=[...]))"
         )
+    numbers: dict[int, dict[str, Any]] = {}
     for i, (group, own) in enumerate(zip(groups, built)):
         if group is not own:
             _check_replacement(group, own)
@@ -196,7 +231,8 @@ def take_group_edits(groups: list[dict[str, Any]], built: Sequence[dict[str, Any
             own["betas"] = (beta1, own["betas"][1])
         # A value written in place (param_groups[i]["lr"] = nan) is checked before the step
         # reads it, as a replaced group is.
-        checked_group_values(own, own["optimizer"], where)
+        numbers[id(own)] = group_numbers(own, own["optimizer"], where)
+    return numbers
 
 
 def _check_replacement(group: Any, own: Mapping[str, Any]) -> None:
