@@ -430,6 +430,62 @@ def test_a_layer_every_rank_leaves_out_of_the_synced_micro_batch_still_trains(pa
             assert torch.equal(got["momenta"][name], value), name
 
 
+def _norm_used_outside_its_dropped_layer(
+    rank: int, world_size: int, how: str, unsynced: bool
+) -> dict[str, Tensor]:
+    """The replicated path; every forward leaves the second layer out on every rank (``how``:
+    ``"skip"``, or the reference ``"zero"``: the layer's change to its input times zero),
+    while its MLP norm, a replicated parameter of that layer's boundary, weighs a penalty
+    from the rank's own rows: its gradient comes from outside the boundary, whose own backward
+    never runs. With ``unsynced``, a micro-batch under ``no_sync`` first."""
+    model = ddp_model(world_size)[0]
+    norm = model.get_parameter(NORM)
+
+    def forward(tokens: Tensor) -> Tensor:
+        x = model.embed_tokens(tokens)
+        for index, layer in enumerate(model.layers):
+            if index != 1:
+                x = layer(x)
+            elif how == "zero":
+                x = x + (layer(x) - x) * 0
+        return model.lm_head(model.norm(x))
+
+    model.forward = forward
+    optimizer = Muon(model, lr=0.05, weight_decay=0.1)
+
+    def loss(rows: Tensor) -> Tensor:
+        return loss_fn(model, rows) + 1e-2 * (norm * rows.float().mean()).square().sum()
+
+    for step in range(2):
+        optimizer.zero_grad()
+        if unsynced:
+            with no_sync(model):
+                loss(batch(10 + step, ROWS).chunk(world_size)[rank]).backward()
+        loss(batch(step, ROWS).chunk(world_size)[rank]).backward()
+        optimizer.step()
+    return get_model_state_dict(model)
+
+
+NORM = "layers.1.mlp_norm.weight"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("unsynced", [False, True], ids=["synced", "after-no_sync"])
+def test_a_replicated_weight_used_only_outside_its_dropped_layer_is_averaged(
+    unsynced: bool,
+) -> None:
+    """Its boundary's bucket leaves at the end of backward: every rank ends on the same norm,
+    bit for bit the run whose layer runs times zero (the layer's matrices differ there: they
+    get zero gradients instead of none)."""
+    skipped = run_distributed(_norm_used_outside_its_dropped_layer, 2, "skip", unsynced)
+    zeroed = run_distributed(_norm_used_outside_its_dropped_layer, 2, "zero", unsynced)
+    for got, want in zip(skipped, zeroed, strict=True):
+        assert torch.equal(got[NORM], skipped[0][NORM])
+        for name, value in want.items():
+            if name == NORM or not name.startswith("layers.1."):
+                assert torch.equal(got[name], value), name
+
+
 PENALISED = ("layers.1.mlp.up_proj.weight", "layers.1.mlp_norm.weight")
 
 

@@ -422,13 +422,22 @@ class BoundaryHooks:
         an early exit) reduces it here all the same, as it reduces a pack whose parameters got
         no gradient in it; otherwise those gradients would never reach their owners and the
         step would leave the layer's matrices as they were, without a word. Every rank skips
-        alike, so every rank issues these reduces, in the boundaries' order."""
+        alike, so every rank issues these reduces, in the boundaries' order. The same holds
+        for a boundary's replicated parameter that gets a gradient from outside the boundary
+        in a backward that never reaches the boundary itself (a norm of a dropped layer that a
+        penalty reads): its bucket leaves here, or its average would never be taken and every
+        rank would step its own gradient."""
         with span("dmuon::post_backward_final"):
             self._final_queued = False
             self._backward_ended = True
             self.unsynced_backward = not self._syncing
+            # Boundaries whose bucket holds a replicated gradient of this backward although
+            # the boundary's own backward never ran (a weight of a dropped layer, used outside
+            # it): the bucket leaves here as if it had.
+            reached = {self._bucket_of_replicated[key][0] for key in self._replicated_complete}
             for index, group in enumerate(self.groups):
-                if not (group.backward_touched or (self._syncing and index in self._unsynced)):
+                due = group.backward_touched or index in reached
+                if not (due or (self._syncing and index in self._unsynced)):
                     continue
                 if not self._syncing:
                     self._unsynced.add(index)
