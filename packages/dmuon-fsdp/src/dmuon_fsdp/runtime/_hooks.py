@@ -362,12 +362,14 @@ class BoundaryHooks:
         gradient counts as zero), a bucket all-reduced. A boundary whose packs all left is
         freed; Z2 keeps its weights across ``no_sync`` micro-batches so that they are not
         broadcast again."""
+        sent_a_pack = False
         for item in items:
             if not isinstance(item, Pack):
                 self._send_bucket(item)
-            elif self._syncing:
+                continue
+            sent_a_pack = True
+            if self._syncing:
                 self.reduce_queue.submit(item)
-        sent_a_pack = any(isinstance(item, Pack) for item in items)
         if sent_a_pack and group.all_packs_sent and (self.reshard_after_forward or self._syncing):
             group.reshard()
 
