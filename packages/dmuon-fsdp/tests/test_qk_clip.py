@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _attention import (
     HEAD_DIM,
+    HEADS,
+    KV_HEADS,
     ROWS,
     VOCAB,
     ZERO_LR,
@@ -328,6 +330,13 @@ def test_bind_checks_every_weight_against_the_model() -> None:
             clip.add(q, k, heads, kv, **maps)
         with pytest.raises(ValueError, match=message):
             clip.bind(model, _Runtime())  # type: ignore[arg-type]
+    # Grouped-query attention added without num_kv_heads: its key heads read as half their
+    # size (half of each would be scaled); the message says which count to pass.
+    clip = QKClip()
+    clip.add("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight", HEADS)
+    message = f"{HEAD_DIM} query rows per head.*{HEAD_DIM // 2} key rows.*num_kv_heads={KV_HEADS}"
+    with pytest.raises(ValueError, match=message):
+        clip.bind(ClipModel("gqa"), _Runtime())  # type: ignore[arg-type]
     model.layers[0].attn.k_proj.weight.requires_grad_(False)
     clip = QKClip()
     clip.add("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight", 4)
