@@ -120,6 +120,22 @@ def _run(rank: int, world_size: int, case: str) -> None:
     loaded = EMA(third_optimizer, decay=0.5)
     with pytest.raises(ValueError, match=r"EMA\.load_state_dict takes what EMA\.state_dict"):
         loaded.load_state_dict({"decay": 1.5, "weights": saved["weights"]})
+    # A mistake on one rank raises on every rank (the others would wait in the load), before
+    # anything changes; so does a construction with another decay on one rank.
+    with pytest.raises(
+        ValueError, match=r"EMA\.state_dict\(\) returned.*not so on rank\(s\) \[1\]"
+    ):
+        loaded.load_state_dict(saved if rank != 1 else {})
+    with pytest.raises(ValueError, match=rf"hold other decays \(rank 0: {DECAY}, rank 1: 0\.5"):
+        loaded.load_state_dict({**saved, "decay": DECAY if rank == 0 else 0.5})
+    lacking = dict(list(saved["weights"].items())[1:])
+    with pytest.raises(ValueError, match=r"EMA\.load_state_dict: the averaged weights: .*missing"):
+        loaded.load_state_dict({**saved, "weights": lacking})
+    with pytest.raises(
+        ValueError, match=r"EMA: decay differs across ranks \(rank 0: 0\.5, rank 1: 0\.25"
+    ):
+        EMA(third_optimizer, decay=0.5 if rank == 0 else 0.25)
+    assert loaded.decay == 0.5
     if case == "hsdp 2x2":  # only rank 0 reads the file
         loaded.load_state_dict(saved if rank == 0 else {}, broadcast_from_rank0=True)
     else:

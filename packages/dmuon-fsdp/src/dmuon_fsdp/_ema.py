@@ -50,7 +50,8 @@ class EMA:
 
     Build it once the weights hold their starting values (after initialisation, or after a
     checkpoint load), and after any :class:`QKClip` of the optimizer, so that it averages the
-    clipped weights. It registers a post-update hook; :meth:`remove` takes it out.
+    clipped weights. It registers a post-update hook; :meth:`remove` takes it out. Collective:
+    every rank builds it, with the same ``decay`` (``ValueError`` on every rank otherwise).
 
     Args:
         optimizer: the :class:`Muon` whose weights are averaged.
@@ -70,8 +71,14 @@ class EMA:
             raise ValueError(f"EMA: decay must be a float in (0, 1), e.g. 0.999, got {decay!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"EMA: dtype must be a floating torch.dtype, got {dtype!r}")
-        self.decay = float(decay)
         self._optimizer = optimizer
+        decays = _on_every_rank(float(decay), self._host_group())
+        if len(set(decays)) > 1:
+            raise ValueError(
+                f"EMA: decay differs across ranks ({_by_rank(decays)}): each rank would average"
+                " at its own rate; build the EMA with the same decay on every rank"
+            )
+        self.decay = float(decay)
         with torch.no_grad():
             self._average = {
                 name: part.tensor.detach().to(dtype, copy=True)
@@ -94,6 +101,9 @@ class EMA:
 
     def _parts(self) -> dict[str, WeightPart]:
         return self._optimizer._plan.weight_parts()
+
+    def _host_group(self) -> dist.ProcessGroup | None:
+        return self._optimizer._runtime.comm_ctx.host_group()
 
     @torch.no_grad()
     def _update(self, optimizer: Muon, parts: Mapping[str, WeightPart]) -> None:
@@ -188,22 +198,59 @@ class EMA:
                 ``{}`` elsewhere) and sends each weight where it is kept. A bool.
         """
         decay = _decay_of(state_dict)
-        group = self._optimizer._runtime.comm_ctx.host_group()
-        if broadcast_from_rank0 and group is not None:
-            sent = torch.tensor([math.nan if decay is None else decay], dtype=torch.float64)
-            dist.broadcast(sent, src=0, group=group)
-            decay = None if math.isnan(sent.item()) else sent.item()
-        if decay is None:
+        group = self._host_group()
+        if broadcast_from_rank0:
+            decays = [_from_rank0(decay, group)]
+            where = " (on rank 0, the one rank that reads it with broadcast_from_rank0=True)"
+        else:
+            decays = _on_every_rank(decay, group)
+            where = " (not so on rank(s) {})"
+        missing = [rank for rank, each in enumerate(decays) if each is None]
+        if missing:
             raise ValueError(
                 "EMA.load_state_dict takes what EMA.state_dict() returned: "
                 "{'decay': float in (0, 1), 'weights': {fqn: tensor}}"
+                + (where.format(missing) if group is not None else "")
+            )
+        if len(set(decays)) > 1:
+            raise ValueError(
+                f"EMA.load_state_dict: the ranks' state dicts hold other decays"
+                f" ({_by_rank(decays)}); load the same state dict on every rank, or pass it on"
+                " rank 0 with broadcast_from_rank0=True"
             )
         weights = state_dict.get("weights", {}) if isinstance(state_dict, Mapping) else {}
-        with self._swapped(keep=True):
-            set_model_state_dict(
-                self._optimizer.model, weights, broadcast_from_rank0=broadcast_from_rank0
-            )
-        self.decay = decay
+        try:
+            with self._swapped(keep=True):
+                set_model_state_dict(
+                    self._optimizer.model, weights, broadcast_from_rank0=broadcast_from_rank0
+                )
+        except ValueError as error:  # raised on every rank, nothing changed
+            raise ValueError(f"EMA.load_state_dict: the averaged weights: {error}") from None
+        self.decay = decays[0]
+
+
+def _on_every_rank(value: float | None, group: dist.ProcessGroup | None) -> list[float | None]:
+    """Every rank's ``value`` by rank (``None`` stays ``None``), gathered over the host
+    ``group`` (``None``: one rank). Collective."""
+    if group is None:
+        return [value]
+    mine = torch.tensor([math.nan if value is None else value], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [None if math.isnan(t.item()) else t.item() for t in every]
+
+
+def _from_rank0(value: float | None, group: dist.ProcessGroup | None) -> float | None:
+    """Rank 0's ``value`` on every rank. Collective."""
+    if group is None:
+        return value
+    sent = torch.tensor([math.nan if value is None else value], dtype=torch.float64)
+    dist.broadcast(sent, group=group, group_src=0)
+    return None if math.isnan(sent.item()) else sent.item()
+
+
+def _by_rank(values: list[float | None]) -> str:
+    return ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
 
 
 def _decay_of(state_dict: object) -> float | None:

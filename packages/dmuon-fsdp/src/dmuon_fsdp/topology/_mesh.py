@@ -172,12 +172,20 @@ def resolve_layout(
     world = dist.get_world_size()
     if shard_size * replicate_size * tp_size != world:
         tp = f" x tensor-parallel {tp_size}" if tp_size > 1 else ""
+        no_tp = (
+            ""
+            if tp_size > 1
+            else " With tensor parallelism, parallelize the model first (torch's"
+            " parallelize_module, then dedicate_params): dmuon reads the tensor-parallel mesh"
+            " from the model's DTensor weights, and found none."
+        )
         raise ValueError(
             f"mesh sizes do not multiply to the world size: shard {shard_size} x replicate "
             f"{replicate_size}{tp} != {world} ranks; dmuon's data-parallel grid must cover every "
-            "rank (pass the full data-parallel mesh, or replicate_mesh for HSDP). A mesh over "
-            "part of the ranks, as each stage of pipeline parallelism has, is not supported; "
-            "nor is a pipeline dimension as replicate_mesh (replicas must hold the same model)"
+            f"rank (pass the full data-parallel mesh, or replicate_mesh for HSDP).{no_tp} A mesh"
+            " over part of the ranks, as each stage of pipeline parallelism has, is not"
+            " supported; nor is a pipeline dimension as replicate_mesh (replicas must hold the"
+            " same model)"
         )
     coord = Owner(shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank())
     tp_index = 0 if tp_mesh is None else tp_mesh.get_local_rank()
