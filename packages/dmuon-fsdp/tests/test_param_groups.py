@@ -241,17 +241,18 @@ def _one_lr_tensor(rank: int, world_size: int):
     """One user group's lr as a float and as a tensor, under a scheduler with a factor per
     optimizer group (the tuning guide's LambdaLR([f_muon, f_adamw]))."""
     out = {}
-    for kind in ("float", "tensor"):
+    for kind in ("float", "tensor", "tensor, NS during backward"):
         model, _ = setup_model(world_size)
         lr = 0.02 if kind == "float" else torch.tensor(0.02, dtype=torch.float64)
         groups = [{"params": list(model.parameters()), "group_name": "all", "lr": lr}]
-        optimizer = Muon(model, param_groups=groups)
+        options = StepOptions(ns_overlap=kind.endswith("backward"))
+        optimizer = Muon(model, param_groups=groups, options=options)
         factors = {"muon": lambda step: 0.5**step, "adamw": lambda step: 0.1}
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, [factors[g["optimizer"]] for g in optimizer.param_groups]
         )
         # The step reads each group's lr once, not once per matrix it steps.
-        lr_storage = {g["lr"].data_ptr() for g in optimizer.param_groups if kind == "tensor"}
+        lr_storage = {g["lr"].data_ptr() for g in optimizer.param_groups if kind != "float"}
         reads: list[bool] = []
 
         def counted(t, reads=reads, lr_storage=lr_storage, to_float=torch.Tensor.__float__):
@@ -261,18 +262,48 @@ def _one_lr_tensor(rank: int, world_size: int):
         with mock.patch.object(torch.Tensor, "__float__", counted):
             train_steps(model, optimizer, rank, world_size, 3, scheduler=scheduler)
         lrs = {g["group_name"]: float(g["lr"]) for g in optimizer.param_groups}
-        out[kind] = (lrs, get_model_state_dict(model), sum(reads))
+        early = optimizer._overlap.used if optimizer._overlap is not None else 0
+        out[kind] = (lrs, get_model_state_dict(model), sum(reads), early)
     return out
+
+
+def _lr_set_by_a_pre_step_hook(rank: int, world_size: int) -> list[str]:
+    """The weights a step moved whose pre-step hook set every group's lr to 0 in place."""
+    model, _ = setup_model(world_size)
+    optimizer = Muon(model, lr=0.02, weight_decay=0.1)
+    train_steps(model, optimizer, rank, world_size, 1)
+
+    def stop(optimizer: Muon) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+
+    optimizer.register_pre_step_hook(stop)
+    before = get_model_state_dict(model)
+    train_steps(model, optimizer, rank, world_size, 1, start=1)
+    after = get_model_state_dict(model)
+    return [name for name, value in before.items() if not torch.equal(after[name], value)]
+
+
+@pytest.mark.distributed
+def test_a_pre_step_hook_sets_the_lr_of_its_own_step():
+    assert run_distributed(_lr_set_by_a_pre_step_hook, 2) == [[], []]
 
 
 @pytest.mark.distributed
 def test_a_tensor_lr_is_each_groups_own_under_a_scheduler():
-    for result in run_distributed(_one_lr_tensor, 2):
-        (float_lrs, float_weights, _), (tensor_lrs, tensor_weights, reads) = result.values()
-        assert float_lrs == tensor_lrs == {"all/muon": 0.02 * 0.5**3, "all/adamw": 0.02 * 0.1}
+    results = run_distributed(_one_lr_tensor, 2)
+    for result in results:
+        (float_lrs, float_weights, *_), *tensor_runs = result.values()
+        (_, _, reads, _), (_, _, overlap_reads, early) = tensor_runs
         assert reads == 3 * 2  # steps × groups
-        for name, value in float_weights.items():
-            assert torch.equal(tensor_weights[name], value), name
+        # NS during backward reads the Muon group once in each backward that ran a batch
+        # early on this rank (all three, or none where the rank's reduces land in the step).
+        assert overlap_reads == 3 * 2 + (3 if early else 0)
+        for lrs, weights, *_ in tensor_runs:
+            assert lrs == float_lrs == {"all/muon": 0.02 * 0.5**3, "all/adamw": 0.02 * 0.1}
+            for name, value in float_weights.items():
+                assert torch.equal(weights[name], value), name
+    assert any(result["tensor, NS during backward"][3] for result in results)
 
 
 def _forced_route(rank: int, world_size: int):

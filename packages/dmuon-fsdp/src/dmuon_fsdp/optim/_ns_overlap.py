@@ -41,8 +41,8 @@ owns; without the option a batch's update lives only while its NS runs.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -87,8 +87,11 @@ class NSOverlap(GradListener):
         batches: the step plan's NS batches (entries of one shape and NS function each).
         eligible: whether an entry's NS may run early (a dedicated matrix orthogonalised by
             the optimizer's own, collective-free Newton–Schulz).
-        items_of: the step's items of a batch's entries with a gradient (the optimizer's:
-            states made on first use, the group's hyperparameters now).
+        items_of: the step's items of a batch's entries with a gradient, given each group's
+            hyperparameters by the group's ``id`` (the optimizer's: states made on first use).
+        numbers: each Muon group's hyperparameters as they are now, by the group's ``id``,
+            never raising; read at the first early batch of a backward, kept until
+            ``end_step``.
         device: where the step runs; a CUDA device gets the side stream.
     """
 
@@ -96,13 +99,16 @@ class NSOverlap(GradListener):
         self,
         batches: Sequence[Sequence[MuonEntry]],
         eligible: Callable[[MuonEntry], bool],
-        items_of: Callable[[Sequence[MuonEntry]], list[MuonItem]],
+        items_of: Callable[[Sequence[MuonEntry], Mapping[int, dict[str, Any]]], list[MuonItem]],
+        numbers: Callable[[], Mapping[int, dict[str, Any]]],
         device: torch.device,
     ) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._device = device
         self._batches = [list(batch) for batch in batches]
         self._items_of = items_of
+        self._read_numbers = numbers
+        self._numbers: Mapping[int, dict[str, Any]] | None = None
         # The holders each early batch waits for, and the early batches of each holder.
         self._holders: dict[int, frozenset[int]] = {}
         self._batches_of: dict[int, list[int]] = {}
@@ -130,7 +136,9 @@ class NSOverlap(GradListener):
 
     def _run(self, index: int) -> None:
         self._results.pop(index, None)
-        items = self._items_of(self._batches[index])
+        if self._numbers is None:
+            self._numbers = self._read_numbers()
+        items = self._items_of(self._batches[index], self._numbers)
         if not items:
             return
         ns = self._batches[index][0].ns
@@ -181,4 +189,5 @@ class NSOverlap(GradListener):
         """Drop what the step did not use; every batch waits for all its reduces again (also
         at ``zero_grad``: the next backward starts new gradients)."""
         self._results.clear()
+        self._numbers = None
         self._missing = {index: set(holders) for index, holders in self._holders.items()}

@@ -63,7 +63,7 @@ from ._muon_math import (
     muon_batch,
 )
 from ._ns_overlap import NSOverlap
-from ._param_groups import GroupDefaults, build_param_groups, group_numbers, take_group_edits
+from ._param_groups import GroupDefaults, build_param_groups, peeked_numbers, take_group_edits
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
 from ._step_plan import AdamWEntry, StepPlan
@@ -480,7 +480,12 @@ class Muon(torch.optim.Optimizer):
             self._overlap = NSOverlap(
                 self._plan.batches,
                 lambda entry: entry.holder.dedicated and entry.ns is self._ns,
-                lambda entries: self._muon_items(entries, {}),
+                self._muon_items,
+                lambda: {
+                    id(g): peeked_numbers(g)
+                    for g in self._built_groups
+                    if g["optimizer"] == Route.MUON
+                },
                 device,
             )
         runtime.set_grad_listener(self._overlap)
@@ -633,6 +638,8 @@ class Muon(torch.optim.Optimizer):
         self._check_no_loss_scaling()
         self._check_none_unfrozen()
         self._hooks.before_step(self)
+        if self._hooks.pre_step:  # a hook may set this step's values (an adaptive lr)
+            numbers = take_group_edits(self.param_groups, self._built_groups)
         mark("pre_step")
         return mark, numbers
 
@@ -848,12 +855,11 @@ class Muon(torch.optim.Optimizer):
         return list(probes.values())
 
     def _muon_items(
-        self, entries: Sequence[MuonEntry], numbers: dict[int, dict[str, Any]]
+        self, entries: Sequence[MuonEntry], numbers: Mapping[int, dict[str, Any]]
     ) -> list[MuonItem]:
         """The step's item of each entry with a gradient (momentum buffer made on first
-        use), with its group's hyperparameters from ``numbers`` (by the group's ``id``; a
-        group missing there is read now and added: NS during backward reads the groups as
-        they are then): the tensors its holder steps (an owned matrix's full master and
+        use), with its group's hyperparameters from ``numbers`` (``group_numbers`` by the
+        group's ``id``): the tensors its holder steps (an owned matrix's full master and
         averaged gradient, or this rank's shard of an expert stack and of its gradient)."""
         items: list[MuonItem] = []
         for entry in entries:
@@ -861,10 +867,7 @@ class Muon(torch.optim.Optimizer):
             if grad is None:
                 continue
             assert weight is not None, f"{entry.fqn}: this rank holds no weight to step"
-            group = numbers.get(id(entry.group))
-            if group is None:
-                where = f"Muon.param_groups: group {entry.group['group_name']!r}"
-                group = numbers[id(entry.group)] = group_numbers(entry.group, Route.MUON, where)
+            group = numbers[id(entry.group)]
             state = self._state_for(entry.param, Route.MUON, weight, entry.holder.optim_dtype)
             weight, grad, buf = (
                 _rows(local_shard(t), entry.rows) for t in (weight, grad, state["momentum_buffer"])

@@ -28,7 +28,9 @@ both its ``/muon`` and its ``/adamw`` group, and a default feeds every group, wh
 writes each group's value in place (``group["lr"].fill_(...)``, one factor per group); shared,
 the last write would set every group's rate. The step reads and checks each group's values once at
 its start (``group_numbers``: one host read per tensor value, not one per matrix), before
-anything is updated, so ``param_groups[i]["lr"]`` changed in place reaches the next step. The
+anything is updated, and again after the pre-step hooks if there are any (a hook may set the
+step's lr), so ``param_groups[i]["lr"]`` changed in place reaches the next step. NS during
+backward reads a Muon group's values once per backward, unchecked (``peeked_numbers``). The
 same check runs at construction, on a replaced group and on a loaded state dict, so a value the
 step ran with is never refused when its checkpoint loads.
 
@@ -72,6 +74,7 @@ __all__ = [
     "build_param_groups",
     "checked_group_values",
     "group_numbers",
+    "peeked_numbers",
     "take_group_edits",
 ]
 
@@ -145,10 +148,12 @@ def _kept(value: Any, number: float) -> Any:
 
 
 def _check_number(value: Any, key: str, where: str, *, low: float = 0.0) -> Any:
+    """``value`` checked by ``_number``, as a group keeps it (``_kept``)."""
     return _kept(value, _number(value, key, where, low=low))
 
 
 def _check_fraction(value: Any, key: str, where: str) -> Any:
+    """``value`` checked by ``_fraction``, as a group keeps it (``_kept``)."""
     return _kept(value, _fraction(value, key, where))
 
 
@@ -162,6 +167,7 @@ def _betas(value: Any, where: str) -> tuple[float, float]:
 
 
 def _check_betas(value: Any, where: str) -> tuple[Any, Any]:
+    """``value`` checked by ``_betas``, each beta as a group keeps it (``_kept``)."""
     return tuple(map(_kept, value, _betas(value, where)))  # type: ignore[return-value]
 
 
@@ -193,13 +199,32 @@ def group_numbers(group: Mapping[str, Any], route: Route, where: str) -> dict[st
     }
 
 
+def peeked_numbers(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A Muon group's values as ``group_numbers`` reads them, but unchecked: NaN where a value
+    is not a real number. For NS during backward, which must not raise there (each owner would
+    stop its backward at another point, and the ranks' collectives part); the step checks the
+    values, and an early result computed from others than it steps with is not used."""
+
+    def peek(key: str) -> float:
+        number = _real(group.get(key))
+        return math.nan if number is None else number
+
+    return {
+        "lr": peek("lr"),
+        "weight_decay": peek("weight_decay"),
+        "momentum": peek("momentum"),
+        "nesterov": group.get("nesterov") is True,
+    }
+
+
 def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> dict[str, Any]:
     """``group_numbers`` as a group keeps them: a tensor stays the tensor it was (a loaded
     group's tensor lr goes on being written in place by its scheduler), ``betas`` a tuple."""
     numbers = group_numbers(group, route, where)
+    kept = {key: _kept(group[key], number) for key, number in numbers.items() if key != "betas"}
     if "betas" in numbers:
-        numbers["betas"] = tuple(map(_kept, group["betas"], numbers["betas"]))
-    return {key: _kept(group[key], number) for key, number in numbers.items()}
+        kept["betas"] = tuple(map(_kept, group["betas"], numbers["betas"]))
+    return kept
 
 
 def take_group_edits(
