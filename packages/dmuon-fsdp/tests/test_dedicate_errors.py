@@ -341,8 +341,8 @@ def _mesh_errors(rank: int, world_size: int) -> None:
         dedicate_params(build(0), hsdp["shard"], muon_predicate, replicate_mesh=hsdp["shard"])
     with pytest.raises(
         ValueError,
-        match=r"do not multiply to the world size: shard 2 x replicate 1 != 4.*parallelize the"
-        r" model first.*pipeline",
+        match=r"do not multiply to the world size: shard 2 x replicate 1 != 4.*tensor-parallel,"
+        r" parallelize it first.*pipeline",
     ):
         dedicate_params(build(0), hsdp["shard"], muon_predicate)
     with pytest.raises(ValueError, match=r"replicate_mesh must be a 1-D DeviceMesh"):

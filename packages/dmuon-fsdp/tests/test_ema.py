@@ -121,20 +121,24 @@ def _run(rank: int, world_size: int, case: str) -> None:
     with pytest.raises(ValueError, match=r"EMA\.load_state_dict takes what EMA\.state_dict"):
         loaded.load_state_dict({"decay": 1.5, "weights": saved["weights"]})
     # A mistake on one rank raises on every rank (the others would wait in the load), before
-    # anything changes; so does a construction with another decay on one rank.
-    with pytest.raises(
-        ValueError, match=r"EMA\.state_dict\(\) returned.*not so on rank\(s\) \[1\]"
-    ):
+    # anything changes; so does a construction with another decay or dtype on one rank.
+    start = {name: value.clone() for name, value in loaded.average.items()}
+    with pytest.raises(ValueError, match=r"EMA\.state_dict\(\) returned"):
         loaded.load_state_dict(saved if rank != 1 else {})
     with pytest.raises(ValueError, match=rf"hold other decays \(rank 0: {DECAY}, rank 1: 0\.5"):
         loaded.load_state_dict({**saved, "decay": DECAY if rank == 0 else 0.5})
     lacking = dict(list(saved["weights"].items())[1:])
     with pytest.raises(ValueError, match=r"EMA\.load_state_dict: the averaged weights: .*missing"):
         loaded.load_state_dict({**saved, "weights": lacking})
+    assert all(torch.equal(loaded.average[name], value) for name, value in start.items())
+    with pytest.raises(ValueError, match=r"EMA: decay must be a float in \(0, 1\)|EMA failed on"):
+        EMA(third_optimizer, decay=0.5 if rank == 0 else 2.0)
     with pytest.raises(
         ValueError, match=r"EMA: decay differs across ranks \(rank 0: 0\.5, rank 1: 0\.25"
     ):
         EMA(third_optimizer, decay=0.5 if rank == 0 else 0.25)
+    with pytest.raises(ValueError, match=r"EMA: dtype differs across ranks"):
+        EMA(third_optimizer, decay=0.5, dtype=torch.float32 if rank == 0 else torch.float64)
     assert loaded.decay == 0.5
     if case == "hsdp 2x2":  # only rank 0 reads the file
         loaded.load_state_dict(saved if rank == 0 else {}, broadcast_from_rank0=True)

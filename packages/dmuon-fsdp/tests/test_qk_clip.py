@@ -37,7 +37,7 @@ from _attention import (
     wrap,
 )
 from _models import batch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dmuon_fsdp import (
     Muon,
@@ -337,6 +337,15 @@ def test_bind_checks_every_weight_against_the_model() -> None:
     message = f"{HEAD_DIM} query rows per head.*{HEAD_DIM // 2} key rows.*num_kv_heads={KV_HEADS}"
     with pytest.raises(ValueError, match=message):
         clip.bind(ClipModel("gqa"), _Runtime())  # type: ignore[arg-type]
+    # Qwen2.5-7B's counts (28 query heads of 8 rows here, 4 key heads): the key rows are not
+    # even a multiple of 28, and the message still names the count to pass.
+    qwen = nn.ModuleDict(
+        {"attn": nn.ModuleDict({"q_proj": nn.Linear(8, 28 * 8), "k_proj": nn.Linear(8, 4 * 8)})}
+    )
+    clip = QKClip()
+    clip.add("attn.q_proj.weight", "attn.k_proj.weight", 28)
+    with pytest.raises(ValueError, match=r"not a multiple of its 28 heads.*num_kv_heads=4"):
+        clip.bind(qwen, _Runtime())  # type: ignore[arg-type]
     model.layers[0].attn.k_proj.weight.requires_grad_(False)
     clip = QKClip()
     clip.add("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight", 4)

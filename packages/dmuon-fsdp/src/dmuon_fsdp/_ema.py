@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from ._profile import no_mark
 from ._torch_internals import foreach_lerp_
-from .checkpoint import get_model_state_dict, set_model_state_dict
+from .checkpoint import checked_on_every_rank, get_model_state_dict, set_model_state_dict
 from .holder import WeightPart, fsdp_modules
 from .optim import Muon
 
@@ -67,16 +68,25 @@ class EMA:
             raise TypeError(
                 f"EMA takes the dmuon.Muon whose weights it averages, got {type(optimizer).__name__}"
             )
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
-            raise ValueError(f"EMA: decay must be a float in (0, 1), e.g. 0.999, got {decay!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"EMA: dtype must be a floating torch.dtype, got {dtype!r}")
+
+        def check() -> None:
+            if _valid_decay(decay) is None:
+                raise ValueError(f"EMA: decay must be a float in (0, 1), e.g. 0.999, got {decay!r}")
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"EMA: dtype must be a floating torch.dtype, got {dtype!r}")
+
         self._optimizer = optimizer
-        decays = _on_every_rank(float(decay), self._host_group())
-        if len(set(decays)) > 1:
+        checked_on_every_rank(optimizer.runtime, "EMA", check)
+        seen = _on_every_rank((float(decay), zlib.crc32(str(dtype).encode())), self._host_group())
+        if len({rate for rate, _ in seen}) > 1:
             raise ValueError(
-                f"EMA: decay differs across ranks ({_by_rank(decays)}): each rank would average"
-                " at its own rate; build the EMA with the same decay on every rank"
+                f"EMA: decay differs across ranks ({_by_rank(seen)}): each rank would average at"
+                " its own rate; build the EMA with the same decay on every rank"
+            )
+        if len({kind for _, kind in seen}) > 1:
+            raise ValueError(
+                f"EMA: dtype differs across ranks (this rank's: {dtype}); build the EMA with the"
+                " same dtype on every rank"
             )
         self.decay = float(decay)
         with torch.no_grad():
@@ -200,18 +210,24 @@ class EMA:
         decay = _decay_of(state_dict)
         group = self._host_group()
         if broadcast_from_rank0:
-            decays = [_from_rank0(decay, group)]
-            where = " (on rank 0, the one rank that reads it with broadcast_from_rank0=True)"
-        else:
-            decays = _on_every_rank(decay, group)
-            where = " (not so on rank(s) {})"
-        missing = [rank for rank, each in enumerate(decays) if each is None]
-        if missing:
+            decay = _from_rank0(decay, group)
+        if decay is None and broadcast_from_rank0:  # rank 0's, on every rank
             raise ValueError(
-                "EMA.load_state_dict takes what EMA.state_dict() returned: "
-                "{'decay': float in (0, 1), 'weights': {fqn: tensor}}"
-                + (where.format(missing) if group is not None else "")
+                "EMA.load_state_dict takes what EMA.state_dict() returned: {'decay': float in"
+                " (0, 1), 'weights': {fqn: tensor}}, on rank 0 (with broadcast_from_rank0=True"
+                " it alone reads it)"
             )
+
+        def check() -> None:
+            if decay is None:
+                raise ValueError(
+                    "EMA.load_state_dict takes what EMA.state_dict() returned: {'decay': float"
+                    " in (0, 1), 'weights': {fqn: tensor}}"
+                )
+
+        checked_on_every_rank(self._optimizer.runtime, "EMA.load_state_dict", check)
+        assert decay is not None  # else check() raised, on every rank
+        decays = _on_every_rank((decay,), group)
         if len(set(decays)) > 1:
             raise ValueError(
                 f"EMA.load_state_dict: the ranks' state dicts hold other decays"
@@ -226,18 +242,20 @@ class EMA:
                 )
         except ValueError as error:  # raised on every rank, nothing changed
             raise ValueError(f"EMA.load_state_dict: the averaged weights: {error}") from None
-        self.decay = decays[0]
+        self.decay = decay
 
 
-def _on_every_rank(value: float | None, group: dist.ProcessGroup | None) -> list[float | None]:
-    """Every rank's ``value`` by rank (``None`` stays ``None``), gathered over the host
+def _on_every_rank(
+    values: tuple[float, ...], group: dist.ProcessGroup | None
+) -> list[tuple[float, ...]]:
+    """Every rank's ``values`` by rank (each exact in a float64), gathered over the host
     ``group`` (``None``: one rank). Collective."""
     if group is None:
-        return [value]
-    mine = torch.tensor([math.nan if value is None else value], dtype=torch.float64)
+        return [values]
+    mine = torch.tensor(values, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    return [None if math.isnan(t.item()) else t.item() for t in every]
+    return [tuple(t.tolist()) for t in every]
 
 
 def _from_rank0(value: float | None, group: dist.ProcessGroup | None) -> float | None:
@@ -249,15 +267,19 @@ def _from_rank0(value: float | None, group: dist.ProcessGroup | None) -> float |
     return None if math.isnan(sent.item()) else sent.item()
 
 
-def _by_rank(values: list[float | None]) -> str:
-    return ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+def _by_rank(values: list[tuple[float, ...]]) -> str:
+    return ", ".join(f"rank {rank}: {value[0]}" for rank, value in enumerate(values))
 
 
 def _decay_of(state_dict: object) -> float | None:
     """The decay of an EMA state dict, or ``None`` where it is not one."""
     if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("weights"), Mapping):
         return None
-    decay = state_dict.get("decay")
+    return _valid_decay(state_dict.get("decay"))
+
+
+def _valid_decay(decay: object) -> float | None:
+    """``decay`` as a float if it is a number in (0, 1), else ``None``."""
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
         return None
     return float(decay)

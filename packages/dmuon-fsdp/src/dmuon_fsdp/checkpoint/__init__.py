@@ -1,6 +1,7 @@
 """Checkpoints: the layout both formats share, full state dicts, and sharded DCP checkpoints."""
 
 from ._checkpoint import (
+    checked_on_every_rank,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -16,6 +17,7 @@ __all__ = [
     "AppState",
     "CheckpointIntegrityError",
     "check_optimizer",
+    "checked_on_every_rank",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "init_dedicated_",

@@ -267,7 +267,7 @@ def set_model_state_dict(
         if broadcast_from_rank0:
             _Scatter(runtime).load(entries, state_dict)
         else:
-            _checked_on_every_rank(
+            checked_on_every_rank(
                 runtime, "set_model_state_dict", lambda: _check_model_dict(entries, state_dict)
             )
             with torch.no_grad():
@@ -282,9 +282,7 @@ def set_model_state_dict(
         runtime.after_step(async_=False)
 
 
-def _checked_on_every_rank(
-    runtime: DedicatedRuntime, where: str, check: Callable[[], None]
-) -> None:
+def checked_on_every_rank(runtime: DedicatedRuntime, where: str, check: Callable[[], None]) -> None:
     """Run ``check`` (it raises ``ValueError`` for a dictionary that does not fit) and agree
     across ranks before anything is changed (:func:`_agree`). Each rank passes its own
     dictionary, and a rank that went on alone would write its part and then wait for the
@@ -593,7 +591,7 @@ def set_optimizer_state_dict(
             unexpected = [fqn for fqn in got if fqn not in specs]
             check_optimizer_state(where, specs, got, unexpected, strict=strict)
 
-        _checked_on_every_rank(runtime, where, check)
+        checked_on_every_rank(runtime, where, check)
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         apply_param_groups(optimizer, saved_groups)

@@ -707,12 +707,14 @@ def _attention_rows(
     heads, kv = attention.heads, attention.kv_heads
     q_group = slot + torch.arange(heads) // (heads // kv)
     k_group = slot + torch.arange(kv)
-    sides = [
-        (attention.q, _row_map(attention.q, attention.q_rows, heads, "q", params), heads, q_group),
-        (attention.k, _row_map(attention.k, attention.k_rows, kv, "k", params), kv, k_group),
-    ]
-    _check_head_size(attention, sides[0][1], sides[1][1], params)
-    for fqn, mapping, count, group in sides:
+    q_map = _row_map(attention.q, attention.q_rows, heads, "q", params)
+    hint = _kv_heads_hint(attention, _kind_rows(q_map, "q"), params)
+    k_map = _row_map(attention.k, attention.k_rows, kv, "k", params, hint)
+    _check_head_size(attention, q_map, k_map, hint)
+    for fqn, mapping, count, group in (
+        (attention.q, q_map, heads, q_group),
+        (attention.k, k_map, kv, k_group),
+    ):
         total = params[fqn].shape[0]
         rows, powers = mapping.rows_and_powers(count, alpha)
         table = _Rows(
@@ -732,16 +734,23 @@ def _attention_rows(
 
 
 def _row_map(
-    fqn: str, mapping: QKRowMap | None, count: int, kind: str, params: Mapping[str, nn.Parameter]
+    fqn: str,
+    mapping: QKRowMap | None,
+    count: int,
+    kind: str,
+    params: Mapping[str, nn.Parameter],
+    hint: str = "",
 ) -> QKRowMap:
     """``mapping``, or the default one (``rows / count`` rows per head, back to back, all
-    ``kind``), checked against the weight's rows."""
+    ``kind``), checked against the weight's rows; ``hint`` ends the message of a default
+    map that does not fit."""
     total = params[fqn].shape[0]
     if mapping is None:
         if total % count:
             raise ValueError(
-                f"QKClip: {fqn!r} has {total} rows, not a multiple of its {count} heads;"
-                f" pass {kind}_rows=dmuon.qk_clip.QKRowMap(...) to say where each head's rows are"
+                f"QKClip: {fqn!r} has {total} rows, not a multiple of its {count} heads{hint};"
+                f" or pass {kind}_rows=dmuon.qk_clip.QKRowMap(...) to say where each head's rows"
+                " are"
             )
         mapping = QKRowMap(((kind, total // count),))
     if mapping.end(count) > total:
@@ -756,29 +765,35 @@ def _kind_rows(mapping: QKRowMap, kind: str) -> int:
     return sum(rows for each, rows in mapping.blocks if each == kind)
 
 
-def _check_head_size(
-    attention: _Attention, q_map: QKRowMap, k_map: QKRowMap, params: Mapping[str, nn.Parameter]
-) -> None:
+def _kv_heads_hint(attention: _Attention, q_rows: int, params: Mapping[str, nn.Parameter]) -> str:
+    """For an attention added with as many key heads as query heads and its default key map:
+    the ``num_kv_heads`` its key weight holds at the query heads' size, when that is a
+    grouped-query count (fewer, dividing ``num_heads``); else empty."""
+    k_total = params[attention.k].shape[0]
+    if attention.k_rows is not None or attention.kv_heads != attention.heads or not q_rows:
+        return ""
+    kv, rest = divmod(k_total, q_rows)
+    if rest or not 0 < kv < attention.heads or attention.heads % kv:
+        return ""
+    return (
+        f"; for grouped-query attention pass num_kv_heads={kv}"
+        f" (QKClip.add({attention.q!r}, {attention.k!r}, num_heads={attention.heads},"
+        f" num_kv_heads={kv}))"
+    )
+
+
+def _check_head_size(attention: _Attention, q_map: QKRowMap, k_map: QKRowMap, hint: str) -> None:
     """A query head's ``"q"`` rows and a key head's ``"k"`` rows meet in one dot product, so
     they are as many: otherwise the head counts given do not describe the weights (a GQA
     attention added without ``num_kv_heads`` would scale half of each key head)."""
     q_rows, k_rows = _kind_rows(q_map, "q"), _kind_rows(k_map, "k")
-    if q_rows == k_rows:
-        return
-    hint = ""
-    k_total = params[attention.k].shape[0]
-    if attention.k_rows is None and q_rows and k_total % q_rows == 0:
-        hint = (
-            f"; for grouped-query attention pass num_kv_heads={k_total // q_rows}"
-            f" (QKClip.add({attention.q!r}, {attention.k!r}, num_heads={attention.heads},"
-            f" num_kv_heads={k_total // q_rows}))"
+    if q_rows != k_rows:
+        raise ValueError(
+            f"QKClip: the attention of {attention.q!r} has {q_rows} query rows per head"
+            f" ({attention.heads} heads) but {k_rows} key rows per head in {attention.k!r}"
+            f" ({attention.kv_heads} key heads), and q·kᵀ needs heads of one size{hint}; or"
+            " pass q_rows= / k_rows= (dmuon.qk_clip.QKRowMap) to say where each head's rows are"
         )
-    raise ValueError(
-        f"QKClip: the attention of {attention.q!r} has {q_rows} query rows per head"
-        f" ({attention.heads} heads) but {k_rows} key rows per head in {attention.k!r}"
-        f" ({attention.kv_heads} key heads), and q·kᵀ needs heads of one size{hint}; or pass"
-        " q_rows= / k_rows= (dmuon.qk_clip.QKRowMap) to say where each head's rows are"
-    )
 
 
 def _uses_qk_norm(model: nn.Module, attention: _Attention) -> bool:

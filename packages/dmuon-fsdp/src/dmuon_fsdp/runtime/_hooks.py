@@ -428,7 +428,8 @@ class BoundaryHooks:
         for a boundary's replicated parameter that gets a gradient from outside the boundary
         in a backward that never reaches the boundary itself (a norm of a dropped layer that a
         penalty reads): its bucket leaves here, or its average would never be taken and every
-        rank would step its own gradient."""
+        rank would step its own gradient. Such a weight, like one outside every boundary, gets
+        a gradient on every rank or on none (the ranks decide alone whether to send)."""
         with span("dmuon::post_backward_final"):
             self._final_queued = False
             self._backward_ended = True
@@ -436,9 +437,11 @@ class BoundaryHooks:
             # Boundaries whose bucket holds a replicated gradient of this backward although
             # the boundary's own backward never ran (a weight of a dropped layer, used outside
             # it): the bucket leaves here as if it had.
-            reached = {self._bucket_of_replicated[key][0] for key in self._replicated_complete}
+            fed_from_outside = {
+                self._bucket_of_replicated[key][0] for key in self._replicated_complete
+            }
             for index, group in enumerate(self.groups):
-                due = group.backward_touched or index in reached
+                due = group.backward_touched or index in fed_from_outside
                 if not (due or (self._syncing and index in self._unsynced)):
                     continue
                 if not self._syncing:

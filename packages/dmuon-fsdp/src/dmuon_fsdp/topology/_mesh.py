@@ -175,7 +175,7 @@ def resolve_layout(
         no_tp = (
             ""
             if tp_size > 1
-            else " With tensor parallelism, parallelize the model first (torch's"
+            else " If the model is tensor-parallel, parallelize it first (torch's"
             " parallelize_module, then dedicate_params): dmuon reads the tensor-parallel mesh"
             " from the model's DTensor weights, and found none."
         )
