@@ -481,11 +481,7 @@ class Muon(torch.optim.Optimizer):
                 self._plan.batches,
                 lambda entry: entry.holder.dedicated and entry.ns is self._ns,
                 self._muon_items,
-                lambda: {
-                    id(g): peeked_numbers(g)
-                    for g in self._built_groups
-                    if g["optimizer"] == Route.MUON
-                },
+                self._peeked_muon_numbers,
                 device,
             )
         runtime.set_grad_listener(self._overlap)
@@ -885,6 +881,15 @@ class Muon(torch.optim.Optimizer):
             )
             items.append(item)
         return items
+
+    def _peeked_muon_numbers(self) -> dict[int, dict[str, Any]]:
+        """Each Muon group's hyperparameters as they are now, unchecked (``peeked_numbers``):
+        what NS during backward computes with, where nothing may raise."""
+        return {
+            id(group): peeked_numbers(group)
+            for group in self._built_groups
+            if group["optimizer"] == Route.MUON
+        }
 
     def _adamw_work(
         self, group: dict[str, Any], entries: Sequence[AdamWEntry]
