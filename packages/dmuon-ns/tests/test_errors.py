@@ -16,6 +16,7 @@ from dmuon_ns import NewtonSchulz, gram_newton_schulz_distributed, newton_schulz
         (torch.ones(4, 4, dtype=torch.int64), "real floating dtype .* got torch.int64"),
         (torch.ones(4, 4, dtype=torch.bool), "real floating dtype"),
         (torch.ones(4, 4, dtype=torch.complex64), "real floating dtype .* got torch.complex64"),
+        (torch.ones(4, 4).to(torch.float8_e4m3fn), "real floating dtype .* got torch.float8"),
         (torch.ones(0, 4), r"empty matrix of shape \(0, 4\)"),
         (torch.ones(3, 4, 0), r"empty matrix of shape \(3, 4, 0\)"),
         ([[1.0, 2.0]], "must be a torch.Tensor"),
@@ -41,6 +42,16 @@ def test_a_tensor_that_requires_grad_is_refused_with_grad_on() -> None:
         assert torch.equal(newton_schulz(g), newton_schulz(g.detach()))
     with pytest.raises(ValueError, match="cuda_graphs must be a bool, got 'no'"):
         NewtonSchulz(cuda_graphs="no")  # type: ignore[arg-type]
+
+
+def test_get_ns_backend_names_a_bad_argument() -> None:
+    from dmuon_ns import get_ns_backend
+
+    with pytest.raises(TypeError, match=r"takes a dmuon\.NewtonSchulz \(or None\), got 'gram'"):
+        get_ns_backend("gram")  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda': this torch sees no CUDA device"):
+            get_ns_backend(device="cuda")
 
 
 def test_empty_batch_is_not_an_error() -> None:

@@ -157,7 +157,7 @@ def check_matrix(g: object, what: str = "G") -> Tensor:
             f"{what} must have at least 2 dims (a matrix or a batch of matrices), got shape"
             f" {tuple(g.shape)}; reshape it to (rows, cols) first"
         )
-    if g.is_complex() or not g.is_floating_point():
+    if g.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(
             f"{what} must have a real floating dtype (float16, bfloat16, float32, float64),"
             f" got {g.dtype}; cast it with .float() first"

@@ -26,7 +26,13 @@ __all__ = ["get_backend_status", "get_ns_backend"]
 
 def _device(device: torch.device | str | None) -> torch.device:
     if device is not None:
-        return torch.device(device)
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device {str(device)!r}: this torch sees no CUDA device"
+                " (torch.cuda.is_available() is False); ask about 'cpu', or leave device=None"
+            )
+        return dev
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -88,6 +94,11 @@ def get_ns_backend(
         device: the device to answer for (a ``torch.device`` or a string such as ``"cuda:1"``);
             ``None``: the current CUDA device when CUDA is available, else the CPU.
     """
+    if config is not None and not isinstance(config, NewtonSchulz):
+        raise TypeError(
+            f"get_ns_backend takes a dmuon.NewtonSchulz (or None), got {config!r}; e.g."
+            f" get_ns_backend(NewtonSchulz(backend='gram'))"
+        )
     config = config if config is not None else NewtonSchulz()
     dev = _device(device)
     sm = _sm(dev)
