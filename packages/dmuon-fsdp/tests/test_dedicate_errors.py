@@ -261,6 +261,8 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         get_runtime(build(0))
     model = build(0)
     dedicate_params(model, mesh, muon_predicate)
+    with pytest.raises(ValueError, match=r"a part of the model given to dmuon.dedicate_params"):
+        get_runtime(model.layers[0])
     with pytest.raises(RuntimeError, match=r"already called on this TinyLlama"):
         dedicate_params(model, mesh, muon_predicate)
     with pytest.raises(ValueError, match=r"rank must be an int .* or a \(shard, replicate\) pair"):

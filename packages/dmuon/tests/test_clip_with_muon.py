@@ -377,3 +377,42 @@ def _bad_params(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_params_that_are_not_the_optimizers_are_refused() -> None:
     run_distributed(_bad_params, 2)
+
+
+def _per_tensor_adamw_on_the_replicated_path(
+    rank: int, world_size: int, max_norm: float
+) -> dict[str, torch.Tensor]:
+    """The AdamW gradients on the replicated path after ``per_matrix`` clipping: whole tensors
+    there (norms and biases 1-D), each clipped by its own norm, on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+
+    torch.manual_seed(0)
+    model = TinyLlama(CFG)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dmuon.dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
+    dmuon.replicate(model, mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    rows = ROWS // world_size
+    _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+    dmuon.clip_grad_norm_(optimizer, max_norm, params="adamw", strategy="per_matrix")
+    return {n: p.grad.clone() for n, p in model.named_parameters() if not muon_predicate(n, p)}
+
+
+@pytest.mark.distributed
+def test_per_matrix_clips_each_adamw_tensor_whole_on_the_replicated_path() -> None:
+    torch.manual_seed(0)
+    model = TinyLlama(CFG)
+    _loss(model, _tokens()).backward()
+    max_norm = 0.05
+    want = {}
+    for name, p in model.named_parameters():
+        if not muon_predicate(name, p):
+            coef = min(max_norm / (float(p.grad.double().norm()) + 1e-6), 1.0)
+            want[name] = p.grad.double() * coef
+    assert any(v.ndim == 1 for v in want.values())
+    for got in run_distributed(_per_tensor_adamw_on_the_replicated_path, 2, max_norm):
+        assert got.keys() == want.keys()
+        for name, grad in got.items():
+            torch.testing.assert_close(grad.double(), want[name], rtol=1e-5, atol=1e-9)

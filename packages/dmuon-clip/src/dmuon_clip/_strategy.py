@@ -171,7 +171,9 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
     """Each matrix clipped by its own p-norm (``min(max_norm / (norm + 1e-6), 1)``): a
     gradient of shape ``(..., rows, cols)`` (an expert stack) is a batch of matrices, each
     clipped alone, so a stack's result does not depend on how many of its experts a rank
-    holds; a matrix with a non-finite norm is left untouched. A whole matrix lives on its
+    holds; a tensor of fewer dims (an AdamW parameter's gradient on the replicated path, a
+    norm or a bias) is clipped whole by its norm; a matrix with a non-finite norm is left
+    untouched. A whole matrix lives on its
     owner, so no collective runs and the stats are rank-local: ``total_norm`` is the joint norm
     of this rank's matrices before clipping, ``clip_coef`` the smallest factor applied,
     ``clipped`` / ``found_inf`` whether any local matrix was clipped / non-finite."""
@@ -196,7 +198,7 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
             clipped = finite & (coefs < 1.0)
             coefs = torch.where(clipped, coefs, 1.0)
             for g, c in zip(grads, coefs.split([n.numel() for n in per_grad])):
-                g.mul_(c.to(g.device).reshape(*g.shape[:-2], 1, 1))
+                g.mul_(_per_matrix(c, g))
     return MuonGradClipStats(
         total_norm=total,
         clip_coef=coefs.min(),
@@ -208,7 +210,15 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
 
 def _matrix_norms(g: Tensor, p: float) -> Tensor:
     """The p-norm of each matrix of ``g`` (..., rows, cols), flat, accumulated in fp32 (fp64
-    for fp64 gradients, which torch will not narrow), returned in fp32 as the stats are."""
+    for fp64 gradients, which torch will not narrow), returned in fp32 as the stats are; a
+    tensor of fewer dims (a norm's or a bias's gradient, on the replicated path) is one."""
     acc = torch.promote_types(g.dtype, torch.float32)
-    norms = torch.linalg.vector_norm(g, p, dim=(-2, -1), dtype=acc)
+    norms = torch.linalg.vector_norm(g, p, dim=(-2, -1) if g.ndim >= 2 else None, dtype=acc)
     return norms.reshape(-1).to(torch.float32)
+
+
+def _per_matrix(coefs: Tensor, g: Tensor) -> Tensor:
+    """``coefs`` (one per matrix of ``g``, as ``_matrix_norms`` counts them) shaped to scale
+    ``g``."""
+    coefs = coefs.to(g.device)
+    return coefs.reshape(*g.shape[:-2], 1, 1) if g.ndim >= 2 else coefs.reshape(())

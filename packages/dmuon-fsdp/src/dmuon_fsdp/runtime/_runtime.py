@@ -556,6 +556,12 @@ def get_runtime(model: nn.Module) -> DedicatedRuntime:
     """The runtime :func:`dedicate_params` attached to ``model``."""
     runtime: DedicatedRuntime | None = getattr(model, RUNTIME_ATTR, None)
     if runtime is None:
+        if any(is_dedicated(p) for p in model.parameters()):
+            raise ValueError(
+                f"{type(model).__name__} is a part of the model given to dmuon.dedicate_params"
+                " (it holds dedicated parameters) but not that model: pass the model itself,"
+                " the root module dedicate_params took"
+            )
         raise ValueError(
             f"{type(model).__name__} has no dmuon runtime: call dmuon.dedicate_params(model, "
             "mesh, predicate) first, on the same model object"
