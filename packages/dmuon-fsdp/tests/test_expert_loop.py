@@ -6,6 +6,8 @@ dmuon_fsdp.runtime._order)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,3 +96,31 @@ def test_an_expert_loop_that_skips_experts_without_tokens_trains_like_one_proces
         assert abs(got - ref) <= 2e-3 * abs(ref), f"step {step}: {got} vs {ref}"
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=2e-3, atol=2e-4)
+
+
+def _boundary_warnings(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    """The warnings ``dedicate_params`` gives the expert loop with the default hook
+    boundaries (each expert its own, inside its layer), and with the layer as boundary."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    caught = []
+    for predicate in (None, lambda module: isinstance(module, Block)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            dedicate_params(
+                _model(),
+                mesh,
+                muon_predicate,
+                hook_boundary_predicate=predicate,
+                small_param_threshold=0,
+            )
+        caught.append([str(w.message) for w in seen if "hook boundaries" in str(w.message)])
+    return caught[0], caught[1]
+
+
+@pytest.mark.distributed
+def test_experts_hooked_one_by_one_inside_a_layer_are_warned_about() -> None:
+    default, at_layer = run_distributed(_boundary_warnings, 2)[0]
+    assert at_layer == []
+    assert len(default) == 1
+    assert "16 hook boundaries lie inside another layer" in default[0]
+    assert "'layers.0.mlp.experts.0'" in default[0] and "hook_boundary_predicate" in default[0]

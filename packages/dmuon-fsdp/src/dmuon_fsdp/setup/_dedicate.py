@@ -383,6 +383,8 @@ def _dedicate(
     }
     tp = 1 if tp_mesh is None else tp_mesh.size()
     items = _work_items(packed.values(), aliases, modules, config, {n: tp for n in tp_dims})
+    if config.hook_boundary_predicate is None:
+        _warn_nested_boundaries({item.boundary for item in items}, modules)
     plan = plan_owners(
         items,
         layout.shard_size,
@@ -625,6 +627,31 @@ def _is_default_boundary(name: str, modules: Mapping[str, nn.Module]) -> bool:
         return True
     parent, _, last = name.rpartition(".")
     return last.isdigit() and isinstance(modules.get(parent), nn.ModuleList)
+
+
+def _warn_nested_boundaries(boundaries: set[str], modules: Mapping[str, nn.Module]) -> None:
+    """Warn when a default hook boundary lies inside another layer-stack item (experts kept
+    as an ``nn.ModuleList`` inside each decoder layer): each then waits for its own broadcast
+    when it runs, so a rank that skips one (an expert no token picked there) leaves the others
+    waiting. Hooked at the outer layer, each rank may skip whichever it likes."""
+    nested = sorted(
+        name
+        for name in boundaries
+        if any(
+            _is_default_boundary(outer, modules)
+            for outer in (name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1))
+        )
+    )
+    if nested:
+        message = (
+            f"dedicate_params: {len(nested)} hook boundaries lie inside another layer of the"
+            f" stack ({', '.join(repr(n) for n in nested[:3])}{', ...' if len(nested) > 3 else ''}):"
+            " each is gathered when it runs, so every rank must run each of them. If a rank may"
+            " skip one (a loop over experts that skips those no token picked), hook at the"
+            " outer layer instead: hook_boundary_predicate=lambda m: isinstance(m, DecoderLayer)"
+        )
+        logger.warning(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def _boundary_of(
