@@ -209,31 +209,32 @@ class EMA:
         """
         decay = _decay_of(state_dict)
         group = self._host_group()
-        if broadcast_from_rank0:
+        if broadcast_from_rank0:  # rank 0's decay, on every rank
             decay = _from_rank0(decay, group)
-        if decay is None and broadcast_from_rank0:  # rank 0's, on every rank
-            raise ValueError(
-                "EMA.load_state_dict takes what EMA.state_dict() returned: {'decay': float in"
-                " (0, 1), 'weights': {fqn: tensor}}, on rank 0 (with broadcast_from_rank0=True"
-                " it alone reads it)"
-            )
-
-        def check() -> None:
             if decay is None:
                 raise ValueError(
                     "EMA.load_state_dict takes what EMA.state_dict() returned: {'decay': float"
-                    " in (0, 1), 'weights': {fqn: tensor}}"
+                    " in (0, 1), 'weights': {fqn: tensor}}, on rank 0 (with"
+                    " broadcast_from_rank0=True it alone reads it)"
                 )
+        else:  # each rank read its own: agree before the load
 
-        checked_on_every_rank(self._optimizer.runtime, "EMA.load_state_dict", check)
-        assert decay is not None  # else check() raised, on every rank
-        decays = _on_every_rank((decay,), group)
-        if len(set(decays)) > 1:
-            raise ValueError(
-                f"EMA.load_state_dict: the ranks' state dicts hold other decays"
-                f" ({_by_rank(decays)}); load the same state dict on every rank, or pass it on"
-                " rank 0 with broadcast_from_rank0=True"
-            )
+            def check() -> None:
+                if decay is None:
+                    raise ValueError(
+                        "EMA.load_state_dict takes what EMA.state_dict() returned: {'decay':"
+                        " float in (0, 1), 'weights': {fqn: tensor}}"
+                    )
+
+            checked_on_every_rank(self._optimizer.runtime, "EMA.load_state_dict", check)
+            assert decay is not None  # else check() raised, on every rank
+            decays = _on_every_rank((decay,), group)
+            if len(set(decays)) > 1:
+                raise ValueError(
+                    f"EMA.load_state_dict: the ranks' state dicts hold other decays"
+                    f" ({_by_rank(decays)}); load the same state dict on every rank, or pass it"
+                    " on rank 0 with broadcast_from_rank0=True"
+                )
         weights = state_dict.get("weights", {}) if isinstance(state_dict, Mapping) else {}
         try:
             with self._swapped(keep=True):

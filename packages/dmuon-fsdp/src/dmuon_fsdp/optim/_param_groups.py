@@ -30,7 +30,7 @@ the last write would set every group's rate. The step reads and checks each grou
 its start (``group_numbers``: one host read per tensor value, not one per matrix), before
 anything is updated, and again after the pre-step hooks if there are any (a hook may set the
 step's lr), so ``param_groups[i]["lr"]`` changed in place reaches the next step. NS during
-backward reads a Muon group's values once per backward, unchecked (``peeked_numbers``). The
+backward reads a Muon group's momentum once per backward, unchecked (``peeked_numbers``). The
 same check runs at construction, on a replaced group and on a loaded state dict, so a value the
 step ran with is never refused when its checkpoint loads.
 
@@ -200,19 +200,17 @@ def group_numbers(group: Mapping[str, Any], route: Route, where: str) -> dict[st
 
 
 def peeked_numbers(group: Mapping[str, Any]) -> dict[str, Any]:
-    """A Muon group's values as ``group_numbers`` reads them, but unchecked: NaN where a value
-    is not a real number. For NS during backward, which must not raise there (each owner would
-    stop its backward at another point, and the ranks' collectives part); the step checks the
-    values, and an early result computed from others than it steps with is not used."""
-
-    def peek(key: str) -> float:
-        number = _real(group.get(key))
-        return math.nan if number is None else number
-
+    """What NS during backward reads of a Muon group: its momentum (unchecked, NaN where it is
+    not a real number) and Nesterov; ``lr`` and ``weight_decay`` NaN, unread (the early half
+    uses neither, so a tensor lr costs no host read inside backward). Nothing here raises:
+    each owner would stop its backward at another point, and the ranks' collectives part. The
+    step checks the values, and an early result computed from others than it steps with is
+    not used."""
+    momentum = _real(group.get("momentum"))
     return {
-        "lr": peek("lr"),
-        "weight_decay": peek("weight_decay"),
-        "momentum": peek("momentum"),
+        "lr": math.nan,
+        "weight_decay": math.nan,
+        "momentum": math.nan if momentum is None else momentum,
         "nesterov": group.get("nesterov") is True,
     }
 
