@@ -132,7 +132,7 @@ def test_the_cpu_default_is_fp32_and_an_explicit_dtype_is_honoured() -> None:
     assert iteration_dtype(None, cuda, ["torch"]) == torch.float16
     assert iteration_dtype(None, cuda, ["quack", "triton", "torch"]) == torch.float16
     assert iteration_dtype(None, cpu, ["triton"]) == torch.float16  # takes fp16/bf16 only
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
         assert iteration_dtype(dtype, cpu, ["torch"]) == dtype
     # End to end: fp32 lands far closer to float64 than either half precision can.
     g = torch.randn(48, 128, generator=torch.Generator().manual_seed(13))
@@ -142,6 +142,8 @@ def test_the_cpu_default_is_fp32_and_an_explicit_dtype_is_honoured() -> None:
         for dtype in (None, torch.float16, torch.bfloat16)
     }
     assert errors[None] < 1e-4 < 1e-3 < errors[torch.float16] < errors[torch.bfloat16]
+    # Asked for by name, fp32 is the CPU's default run, bit for bit.
+    assert torch.equal(newton_schulz(g, dtype=torch.float32), newton_schulz(g))
 
 
 @pytest.mark.parametrize(

@@ -120,6 +120,13 @@ def test_precedence(fake: RecordingKernel, monkeypatch: pytest.MonkeyPatch) -> N
     assert len(fake.calls) == 1
     newton_schulz(torch.randn(8, 24), kernel="torch")
     assert len(fake.calls) == 1
+    # fp32 iterations run torch whatever the environment says (no other kernel takes them),
+    # on CUDA too, where auto would otherwise offer the accelerated kernels.
+    for device in (CPU, torch.device("cuda")):
+        resolution = NewtonSchulz(dtype=torch.float32).resolution(device)
+        assert resolution.kernels == (TORCH_KERNEL,) and resolution.rule == "dtype"
+    newton_schulz(torch.randn(8, 24), dtype=torch.float32)
+    assert len(fake.calls) == 1
     monkeypatch.setenv("DMUON_NS_KERNEL", "auto")
     assert _registry.resolve("auto", True, CPU).rule == "deterministic"
 

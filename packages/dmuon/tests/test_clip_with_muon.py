@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
+from dmuon_clip import MuonGradClipStats, register_muon_grad_clip_strategy
 from dmuon_testing.distributed import run_distributed
 
 CFG = LlamaConfig(vocab=64, hidden=32, intermediate=64, layers=2, heads=2, seq_len=8)
@@ -379,14 +380,40 @@ def test_params_that_are_not_the_optimizers_are_refused() -> None:
     run_distributed(_bad_params, 2)
 
 
+def _users_per_matrix(
+    grads: list[torch.Tensor],
+    max_norm: float | None,
+    norm_type: float,
+    process_group: object,
+    device: torch.device,
+) -> MuonGradClipStats:
+    """A user's strategy registered with ``per_matrix=True``: written for matrices (a stack's
+    last two dims), each clipped by its own 2-norm; it raises for a gradient of fewer dims."""
+    assert max_norm is not None and norm_type == 2.0
+    if any(g.ndim < 2 for g in grads):
+        raise AssertionError(f"a per-matrix strategy got shapes {[g.shape for g in grads]}")
+    norms = [torch.linalg.vector_norm(g.double(), dim=(-2, -1), keepdim=True) for g in grads]
+    for g, norm in zip(grads, norms):
+        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(g.dtype))
+    total = torch.cat([n.reshape(-1) for n in norms] or [torch.zeros(0)]).norm().float()
+    one, no = torch.ones((), device=device), torch.zeros((), dtype=torch.bool, device=device)
+    return MuonGradClipStats(total, one, no, no.clone(), len(grads))
+
+
 def _per_tensor_adamw_on_the_replicated_path(
-    rank: int, world_size: int, max_norm: float
+    rank: int, world_size: int, max_norm: float, strategy: str
 ) -> dict[str, torch.Tensor]:
-    """The AdamW gradients on the replicated path after ``per_matrix`` clipping: whole tensors
-    there (norms and biases 1-D), each clipped by its own norm, on every rank."""
+    """The AdamW gradients on the replicated path after a per-matrix clip (the built-in one or
+    a user's): whole tensors there (norms and biases 1-D), each clipped by its own norm, on
+    every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
+
+    if strategy == "users":
+        register_muon_grad_clip_strategy(
+            strategy, _users_per_matrix, overwrite=True, per_matrix=True
+        )
 
     torch.manual_seed(0)
     model = TinyLlama(CFG)
@@ -396,12 +423,13 @@ def _per_tensor_adamw_on_the_replicated_path(
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
     rows = ROWS // world_size
     _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
-    dmuon.clip_grad_norm_(optimizer, max_norm, params="adamw", strategy="per_matrix")
+    dmuon.clip_grad_norm_(optimizer, max_norm, params="adamw", strategy=strategy)
     return {n: p.grad.clone() for n, p in model.named_parameters() if not muon_predicate(n, p)}
 
 
 @pytest.mark.distributed
-def test_per_matrix_clips_each_adamw_tensor_whole_on_the_replicated_path() -> None:
+@pytest.mark.parametrize("strategy", ["per_matrix", "users"])
+def test_per_matrix_clips_each_adamw_tensor_whole_on_the_replicated_path(strategy: str) -> None:
     torch.manual_seed(0)
     model = TinyLlama(CFG)
     _loss(model, _tokens()).backward()
@@ -412,7 +440,7 @@ def test_per_matrix_clips_each_adamw_tensor_whole_on_the_replicated_path() -> No
             coef = min(max_norm / (float(p.grad.double().norm()) + 1e-6), 1.0)
             want[name] = p.grad.double() * coef
     assert any(v.ndim == 1 for v in want.values())
-    for got in run_distributed(_per_tensor_adamw_on_the_replicated_path, 2, max_norm):
+    for got in run_distributed(_per_tensor_adamw_on_the_replicated_path, 2, max_norm, strategy):
         assert got.keys() == want.keys()
         for name, grad in got.items():
             torch.testing.assert_close(grad.double(), want[name], rtol=1e-5, atol=1e-9)

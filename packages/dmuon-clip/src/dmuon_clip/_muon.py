@@ -106,9 +106,10 @@ def clip_grad_norm_(
                 " matrix, or FSDP2's shard of an AdamW parameter); use"
                 " strategy='global_norm' (the default), which reduces over every rank"
             )
-        stats = fn(
-            list(muon.grads), max_norm, norm_type, muon.process_group, torch.device(muon.device)
-        )
+        grads = list(muon.grads)
+        if per_matrix:  # a tensor of fewer dims is one matrix of its own (see _as_matrix)
+            grads = [_as_matrix(g) for g in grads]
+        stats = fn(grads, max_norm, norm_type, muon.process_group, torch.device(muon.device))
         if not isinstance(stats, MuonGradClipStats):
             raise TypeError(
                 f"the clip strategy {strategy!r} returned {type(stats).__name__}; a strategy"
@@ -121,7 +122,8 @@ def clip_grad_norm_(
             # has one per matrix, so a copy is clipped by its own norms, as the counting rank
             # clips it.
             if max_norm is not None and per_matrix:
-                fn(copies, max_norm, norm_type, None, torch.device(muon.device))
+                matrices = [_as_matrix(g) for g in copies]
+                fn(matrices, max_norm, norm_type, None, torch.device(muon.device))
             elif max_norm is not None:
                 scale_(copies, stats.clip_coef)
             stats = dataclasses.replace(stats, param_count=stats.param_count + len(copies))
@@ -135,6 +137,16 @@ def clip_grad_norm_(
             + (" (inf-norm: a NaN is reported as inf)" if norm_type == math.inf else "")
         )
     return stats
+
+
+def _as_matrix(g: Tensor) -> Tensor:
+    """``g`` as a per-matrix strategy sees it: itself from 2 dims up (a matrix, or an expert
+    stack's batch of them), else a 1 × n view (in place, its scaling is ``g``'s): the gradient
+    of a norm or a bias, which ``params="adamw"`` or ``"all"`` selects on the replicated path,
+    is clipped whole by its own norm."""
+    while g.ndim < 2:
+        g = g.unsqueeze(0)
+    return g
 
 
 def _label(params: str | Iterable[Tensor]) -> str:

@@ -62,7 +62,9 @@ def register_muon_grad_clip_strategy(
             (``"per_matrix"`` does): the gradients another rank counts (``.copies``) are then
             clipped by calling ``fn`` on them too, where a strategy of one coefficient scales
             them by its ``clip_coef``; and ``clip_grad_norm_`` refuses it under tensor
-            parallelism, where a rank holds a part of a matrix. A bool.
+            parallelism, where a rank holds a part of a matrix. Such an ``fn`` gets every
+            gradient with 2 dims or more: a norm's or a bias's (``params="adamw"`` on the
+            replicated path) comes as a 1 × n view. A bool.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"strategy name must be a non-empty string, got {name!r}")
@@ -171,10 +173,8 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
     """Each matrix clipped by its own p-norm (``min(max_norm / (norm + 1e-6), 1)``): a
     gradient of shape ``(..., rows, cols)`` (an expert stack) is a batch of matrices, each
     clipped alone, so a stack's result does not depend on how many of its experts a rank
-    holds; a tensor of fewer dims (an AdamW parameter's gradient on the replicated path, a
-    norm or a bias) is clipped whole by its norm; a matrix with a non-finite norm is left
-    untouched. A whole matrix lives on its
-    owner, so no collective runs and the stats are rank-local: ``total_norm`` is the joint norm
+    holds (``clip_grad_norm_`` hands a norm's or a bias's gradient over as a 1 × n matrix); a
+    matrix with a non-finite norm is left untouched. A whole matrix lives on its owner, so no collective runs and the stats are rank-local: ``total_norm`` is the joint norm
     of this rank's matrices before clipping, ``clip_coef`` the smallest factor applied,
     ``clipped`` / ``found_inf`` whether any local matrix was clipped / non-finite."""
     grads, max_norm, p, _, dev = request  # whole matrices are local: no process group
@@ -210,15 +210,13 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
 
 def _matrix_norms(g: Tensor, p: float) -> Tensor:
     """The p-norm of each matrix of ``g`` (..., rows, cols), flat, accumulated in fp32 (fp64
-    for fp64 gradients, which torch will not narrow), returned in fp32 as the stats are; a
-    tensor of fewer dims (a norm's or a bias's gradient, on the replicated path) is one."""
+    for fp64 gradients, which torch will not narrow), returned in fp32 as the stats are."""
     acc = torch.promote_types(g.dtype, torch.float32)
-    norms = torch.linalg.vector_norm(g, p, dim=(-2, -1) if g.ndim >= 2 else None, dtype=acc)
+    norms = torch.linalg.vector_norm(g, p, dim=(-2, -1), dtype=acc)
     return norms.reshape(-1).to(torch.float32)
 
 
 def _per_matrix(coefs: Tensor, g: Tensor) -> Tensor:
     """``coefs`` (one per matrix of ``g``, as ``_matrix_norms`` counts them) shaped to scale
     ``g``."""
-    coefs = coefs.to(g.device)
-    return coefs.reshape(*g.shape[:-2], 1, 1) if g.ndim >= 2 else coefs.reshape(())
+    return coefs.to(g.device).reshape(*g.shape[:-2], 1, 1)

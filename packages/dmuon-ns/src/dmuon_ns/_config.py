@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dmuon_ns._coefficients import Coefficients, coefficients_for_steps, validate_coefficients
 from dmuon_ns._orthogonalize import orthogonalize, orthogonalize_many, tune
-from dmuon_ns._registry import kernel_names, unknown_kernel
+from dmuon_ns._registry import Resolution, kernel_names, resolve, unknown_kernel
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_RESTART_ITERATIONS", "NSBackend", "NewtonSchulz"]
 
 DEFAULT_RESTART_ITERATIONS: tuple[int, ...] = (2,)
-_ITERATION_DTYPES = (torch.float16, torch.bfloat16)
+_ITERATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class NSBackend(StrEnum):
@@ -47,10 +47,11 @@ class NewtonSchulz:
         ns = NewtonSchulz(backend="gram", steps=5)
         update = ns(momentum)
 
-    ``dtype`` is the dtype the iterations run in: ``torch.float16``, ``torch.bfloat16``, or
-    ``None`` (default) for the fast one where the call runs: fp32 where the torch kernel runs
-    on the CPU, fp16 otherwise (``_prepare``'s [Note: the iteration dtype]); the result has the
-    input's dtype either way.
+    ``dtype`` is the dtype the iterations run in: ``torch.float16``, ``torch.bfloat16``,
+    ``torch.float32`` (the torch kernel's products only: a reference run, a precision check),
+    or ``None`` (default) for the fast one where the call runs: fp32 where the torch kernel
+    runs on the CPU, fp16 otherwise (``_prepare``'s [Note: the iteration dtype]); the result
+    has the input's dtype either way.
     ``coefficients`` defaults to ``POLAR_EXPRESS_COEFFICIENTS`` (a set shorter than ``steps``
     repeats its last row); ``restart_iterations`` defaults to ``(2,)`` (the Gram form's
     restarts, ignored by the direct form). ``kernel`` is ``"auto"`` or a registered kernel
@@ -83,9 +84,10 @@ class NewtonSchulz:
             differ between runs or machines) unless ``kernel`` or ``DMUON_NS_KERNEL`` names a
             kernel; ``False`` lets ``"auto"`` choose.
         steps: the number of Newton–Schulz steps, an int >= 1 (5 is standard).
-        dtype: the dtype the iterations run in, ``torch.float16`` or ``torch.bfloat16``;
-            ``None``: fp32 where the torch kernel runs on the CPU, fp16 elsewhere. The result
-            has the input's dtype either way.
+        dtype: the dtype the iterations run in, ``torch.float16``, ``torch.bfloat16`` or
+            ``torch.float32`` (which runs the torch kernel: the others multiply fp16 and bf16
+            only); ``None``: fp32 where the torch kernel runs on the CPU, fp16 elsewhere. The
+            result has the input's dtype either way.
         cuda_graphs: ``True`` replays CUDA inputs of at most 64 MiB through a CUDA graph
             captured once per problem shape (fewer launches); ``False`` always runs eagerly.
             No effect off CUDA.
@@ -120,10 +122,15 @@ class NewtonSchulz:
             raise ValueError(f"steps must be a positive int, got {self.steps!r}")
         if self.dtype is not None and self.dtype not in _ITERATION_DTYPES:
             raise ValueError(
-                f"dtype is the iteration dtype and must be torch.float16 or torch.bfloat16, or"
-                f" None for the default (fp32 where the torch kernel runs on the CPU, fp16"
-                f" elsewhere), got"
-                f" {self.dtype!r}"
+                f"dtype is the iteration dtype and must be torch.float16, torch.bfloat16 or"
+                f" torch.float32, or None for the default (fp32 where the torch kernel runs on"
+                f" the CPU, fp16 elsewhere), got {self.dtype!r}"
+            )
+        if self.dtype == torch.float32 and self.kernel not in ("auto", "torch"):
+            raise ValueError(
+                f"dtype=torch.float32 iterates on the 'torch' kernel only; kernel"
+                f" {self.kernel!r} multiplies fp16 and bf16. Pass kernel='torch' (or 'auto'),"
+                f" or dtype=torch.bfloat16 for {self.kernel!r}"
             )
         eps = self.eps
         if (
@@ -166,6 +173,11 @@ class NewtonSchulz:
         one entry per problem.
         """
         return tune(self, [g] if isinstance(g, Tensor) else list(g))
+
+    def resolution(self, device: torch.device) -> Resolution:
+        """The kernel(s) this config runs on ``device`` (``_registry``'s [Note: kernel
+        precedence])."""
+        return resolve(self.kernel, self.deterministic, device, fp32=self.dtype == torch.float32)
 
 
 def _validate_restarts(restarts: Iterable[int] | None, steps: int) -> tuple[int, ...]:

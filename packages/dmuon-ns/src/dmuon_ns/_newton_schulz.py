@@ -94,8 +94,9 @@ def newton_schulz(
             registered with :func:`register_kernel`); see :class:`NewtonSchulz`.
         restart_iterations: the Gram form's restarts, ints in ``[1, steps - 1]``; ``None``:
             ``(2,)`` where ``steps > 2``.
-        dtype: the iteration dtype, ``torch.float16`` or ``torch.bfloat16``; ``None``: fp32
-            where the torch kernel runs on the CPU, fp16 elsewhere.
+        dtype: the iteration dtype, ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``
+            (the torch kernel only); ``None``: fp32 where the torch kernel runs on the CPU,
+            fp16 elsewhere.
         eps: a finite float > 0 added to each matrix's Frobenius norm before scaling by it.
         deterministic: ``True``: the plain torch kernel unless a kernel is named.
     """

@@ -29,7 +29,8 @@ computes torch's formula bit for bit: the pass changes the speed, never the resu
 ``dtype=None`` (the default) lets the kernel and device that run the call pick the dtype
 the iterations run in: fp32 where the torch kernel runs on the CPU, fp16 everywhere else (CUDA,
 and every other kernel, whose products take fp16 and bf16 only). An explicit ``torch.float16``
-or ``torch.bfloat16`` is always honoured.
+or ``torch.bfloat16`` is always honoured; an explicit ``torch.float32`` runs the torch kernel
+(``_registry``'s [Note: kernel precedence]), on any device.
 
 Why fp32 on the CPU, measured with ``benchmarks/ns_cpu_bench.py`` (BENCHMARKS.md,
 "Newton–Schulz on the CPU": a 2-core AMD EPYC with AVX-512 BF16, torch 2.13, one thread, Gram

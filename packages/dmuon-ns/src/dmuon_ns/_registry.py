@@ -3,16 +3,19 @@
 [Note: kernel precedence]
 ``resolve()`` applies, first match wins:
 
-1. an explicit ``kernel=`` other than ``"auto"``;
-2. the environment override ``DMUON_NS_KERNEL`` (read by ``_environment.kernel_override``;
+1. an explicit ``kernel=`` other than ``"auto"`` (``NewtonSchulz`` refuses one other than
+   ``"torch"`` with fp32 iterations);
+2. fp32 iterations (``dtype=torch.float32``), which only the torch kernel runs: every other
+   kernel multiplies fp16 and bf16 (Triton's fp32 dot would be TF32);
+3. the environment override ``DMUON_NS_KERNEL`` (read by ``_environment.kernel_override``;
    ``"auto"`` or empty means unset);
-3. ``deterministic=True``, which means the plain torch kernel (cuBLAS products, no autotune
+4. ``deterministic=True``, which means the plain torch kernel (cuBLAS products, no autotune
    whose choice could differ between runs or machines);
-4. auto: on CUDA every available kernel in ``AUTO_PRIORITY`` order, for ``_autotune`` to pick
+5. auto: on CUDA every available kernel in ``AUTO_PRIORITY`` order, for ``_autotune`` to pick
    from per problem; on any other device the torch kernel, because the accelerated kernels are
    CUDA kernels (the Triton interpreter on CPU exists for tests, which ask for it by name).
 
-A kernel named by 1 or 2 that cannot run on the device is an error carrying the kernel's own
+A kernel named by 1 or 3 that cannot run on the device is an error carrying the kernel's own
 ``unavailable_reason`` (an install hint), never a silent fallback: whoever names a kernel wants
 to measure or rely on it. Auto always runs something and says what (``get_ns_backend``).
 
@@ -97,7 +100,7 @@ class Problem(Protocol):
 @runtime_checkable
 class NSKernel(Protocol):
     """What a kernel implements. ``x`` is (batch, m, n) with m ≤ n, contiguous, fp16/bf16
-    (fp32 only for the torch kernel on the CPU: ``_prepare``'s [Note: the iteration dtype]),
+    (fp32 only for the torch kernel: ``_prepare``'s [Note: the iteration dtype]),
     already normalised; the result has the same shape, in ``out_dtype`` (``None``: ``x``'s
     dtype), which a kernel should write from its last product rather than cast afterwards.
     ``coefficients`` has exactly one row per step; ``restart_iterations`` are the steps at which
@@ -165,7 +168,7 @@ _lock = threading.Lock()
 _kernels: dict[str, NSKernel] = {TORCH_KERNEL.name: TORCH_KERNEL}
 _import_failures: dict[str, str] = {}
 _optional_loaded = False
-_cache: dict[tuple[str, bool, torch.device, str | None], Resolution] = {}
+_cache: dict[tuple[str, bool, torch.device, str | None, bool], Resolution] = {}
 # See kernel_choices_version.
 _choices_version = 0
 
@@ -261,24 +264,36 @@ def kernel_status(device: torch.device) -> dict[str, str | None]:
 
 
 def resolve(
-    kernel: str, deterministic: bool, device: torch.device, *, use_env: bool = True
+    kernel: str,
+    deterministic: bool,
+    device: torch.device,
+    *,
+    use_env: bool = True,
+    fp32: bool = False,
 ) -> Resolution:
-    """Decide which kernel(s) run on ``device`` (see the precedence note). ``use_env=False``
-    answers as if ``DMUON_NS_KERNEL`` were unset (for status reports)."""
+    """Decide which kernel(s) run on ``device`` (see the precedence note); ``fp32``: the
+    iterations run in fp32. ``use_env=False`` answers as if ``DMUON_NS_KERNEL`` were unset
+    (for status reports)."""
     env = kernel_override() if use_env else None
-    key = (kernel, deterministic, device, env)
+    key = (kernel, deterministic, device, env, fp32)
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    resolution = _resolve(kernel, deterministic, device, env)
+    resolution = _resolve(kernel, deterministic, device, env, fp32)
     with _lock:
         _cache[key] = resolution
     return resolution
 
 
-def _resolve(kernel: str, deterministic: bool, device: torch.device, env: str | None) -> Resolution:
+def _resolve(
+    kernel: str, deterministic: bool, device: torch.device, env: str | None, fp32: bool
+) -> Resolution:
     if kernel != "auto":
         return _named(kernel, "kernel=", f"kernel={kernel!r} was asked for", device)
+    if fp32:
+        return Resolution(
+            (TORCH_KERNEL,), "dtype", "dtype=torch.float32 runs plain torch (fp32 products)"
+        )
     if env is not None:
         name = env.lower()
         return _named(name, KERNEL_ENV, f"{KERNEL_ENV}={env!r} overrides auto", device)

@@ -32,8 +32,8 @@ from ..optim import (
     GROUP_REQUIRED,
     STATE_FIELDS,
     Muon,
-    checked_group_values,
     fresh_state,
+    group_numbers,
     optim_dtype,
 )
 from ..runtime import DedicatedRuntime
@@ -259,7 +259,7 @@ def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
             raise keys_error(
                 f"{where}: param_groups[{name!r}]", absent, [], "the group lacks hyperparameters"
             )
-        checked_group_values(saved, group["optimizer"], f"{where}: param_groups[{name!r}]")
+        group_numbers(saved, group["optimizer"], f"{where}: param_groups[{name!r}]")
 
 
 _ALL_FIELDS = frozenset(f for fields in STATE_FIELDS.values() for f in fields)

@@ -3,7 +3,7 @@ passes, semantic param groups, and QK-clip."""
 
 from ._muon_math import STATE_FIELDS, fresh_state, step_dtype
 from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions, optim_dtype
-from ._param_groups import GROUP_REQUIRED, checked_group_values
+from ._param_groups import GROUP_REQUIRED, group_numbers
 from ._qk_clip import QKClip, QKRowMap
 
 __all__ = [
@@ -15,8 +15,8 @@ __all__ = [
     "QKClip",
     "QKRowMap",
     "StepOptions",
-    "checked_group_values",
     "fresh_state",
+    "group_numbers",
     "optim_dtype",
     "step_dtype",
 ]

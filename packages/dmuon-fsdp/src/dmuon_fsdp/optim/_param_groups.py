@@ -281,7 +281,7 @@ def _check_replacement(group: Any, own: Mapping[str, Any]) -> None:
             f"{where} steps with {route.value!r}; the dict that replaced it says"
             f" {group['optimizer']!r}: a group's optimizer is fixed at construction"
         )
-    checked_group_values(group, route, where)
+    group_numbers(group, route, where)  # before it replaces anything
 
 
 @dataclass(frozen=True)

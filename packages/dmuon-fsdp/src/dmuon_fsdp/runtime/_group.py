@@ -72,6 +72,9 @@ class DedicatedGroup:
     backward_started: bool = False  # a pre-backward hook of this boundary fired
     needs_backward: bool = False  # the forward produced outputs that require grad
     _grads_seen: dict[Pack, int] = field(default_factory=dict)
+    # The replicated path: one of this boundary's replicated weights got a gradient, perhaps
+    # from outside the boundary (a norm of a dropped layer that a penalty reads).
+    replicated_grad_seen: bool = False
     # The order this boundary's collectives leave in (its packs, then on the replicated path
     # the bucket of its replicated parameters), set at the first forward, and how far this
     # backward got through it; see [Note: reduce points].
@@ -215,12 +218,14 @@ class DedicatedGroup:
         self.points_due = 0
         self.points_reached = 0
         self._grads_seen.clear()
+        self.replicated_grad_seen = False
         self.order.reset()
 
     @property
     def backward_touched(self) -> bool:
-        """Whether the current backward reached this boundary at all."""
-        return self.needs_backward or bool(self._grads_seen)
+        """Whether the current backward reached this boundary at all, or gave one of its
+        replicated weights a gradient from outside it."""
+        return self.needs_backward or bool(self._grads_seen) or self.replicated_grad_seen
 
     def count_grad(self, pack: Pack) -> bool:
         """One more parameter of ``pack`` has its local gradient; ``True`` once all have."""

@@ -434,15 +434,8 @@ class BoundaryHooks:
             self._final_queued = False
             self._backward_ended = True
             self.unsynced_backward = not self._syncing
-            # Boundaries whose bucket holds a replicated gradient of this backward although
-            # the boundary's own backward never ran (a weight of a dropped layer, used outside
-            # it): the bucket leaves here as if it had.
-            fed_from_outside = {
-                self._bucket_of_replicated[key][0] for key in self._replicated_complete
-            }
             for index, group in enumerate(self.groups):
-                due = group.backward_touched or index in fed_from_outside
-                if not (due or (self._syncing and index in self._unsynced)):
+                if not (group.backward_touched or (self._syncing and index in self._unsynced)):
                     continue
                 if not self._syncing:
                     self._unsynced.add(index)
@@ -552,6 +545,7 @@ def _replicated_grad(
         hooks._send_replicated(param)
     elif not hooks._is_late(place[0], param, place[1]):
         hooks._replicated_complete.add(id(param))  # sent with its boundary's bucket
+        hooks.groups[place[0]].replicated_grad_seen = True  # even if its backward never runs
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
