@@ -134,9 +134,6 @@ def test_fp32_iterations_run_torch_on_cuda_and_beat_fp16():
     assert "float32 | kernel torch" in dmuon_ns.get_ns_backend(fp32, device=g.device)
     fp32_error = relative_error(fp32(g), reference)
     assert fp32_error < 1e-4 < 1e-3 < relative_error(newton_schulz(g), reference)
-    # The same fp32 products as on the CPU (cuBLAS and the CPU's BLAS round apart).
-    cpu = NewtonSchulz(dtype=torch.float32)(g.cpu())
-    assert relative_error(fp32(g).cpu(), cpu) < 1e-5
 
 
 def test_a_shipped_table_decides_from_the_first_call(tmp_path, monkeypatch):
