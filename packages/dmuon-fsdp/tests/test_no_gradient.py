@@ -8,6 +8,7 @@ gradients those ranks gave, also when its owner is among the ranks that left it 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -245,13 +246,39 @@ def _with_branch(model: nn.Module, bias: bool = False) -> nn.Module:
     return model
 
 
+@dataclass
+class _Hidden:
+    """A layer's input and output wrapped in a dataclass that torch's pytree does not know."""
+
+    x: Tensor
+
+
+def _with_dataclass_edges(model: nn.Module) -> nn.Module:
+    """Each layer takes and returns a ``_Hidden``: dmuon finds the tensors inside it as FSDP2
+    does (the output's for the gather before backward under Z3, the input's for the reduce
+    point a rank that skips a weight needs)."""
+    for layer in model.layers:
+        layer.forward = lambda h, forward=layer.forward: _Hidden(forward(h.x))
+
+    def forward(tokens: Tensor) -> Tensor:
+        hidden = _Hidden(model.embed_tokens(tokens))
+        for layer in model.layers:
+            hidden = layer(hidden)
+        return model.lm_head(model.norm(hidden.x))
+
+    model.forward = forward
+    return model
+
+
 def _branch_model(
-    path: str, world_size: int, shared: bool = False, bias: bool = False
+    path: str, world_size: int, shared: bool = False, bias: bool = False, edges: bool = False
 ) -> tuple[nn.Module, list, int, int]:
     """The model with the branch on ``path``; its dedicated parameters, and this rank's
     data-parallel rank and size (under tensor parallelism both ranks of a TP pair read the
-    same rows)."""
+    same rows). ``edges``: the layers take and return dataclasses."""
     model = _with_branch(build(0), bias)
+    if edges:
+        model = _with_dataclass_edges(model)
     rank = torch.distributed.get_rank()
     if path == "tp":  # (dp 2, tp 2)
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
@@ -286,9 +313,14 @@ def _branch_on_some_ranks(
     ``options["shared"]`` dmuon's collectives share FSDP2's process groups, so they must
     also keep their place among FSDP2's reduce-scatters; with ``options["discard"]`` each
     step starts with a forward whose graph no backward takes; with ``options["bias"]`` (the
-    replicated path) the branch has a bias, which the replicated path all-reduces."""
+    replicated path) the branch has a bias, which the replicated path all-reduces; with
+    ``options["dataclass"]`` each layer takes and returns a dataclass."""
     model, params, dp_rank, dp_size = _branch_model(
-        path, world_size, options.get("shared", False), options.get("bias", False)
+        path,
+        world_size,
+        options.get("shared", False),
+        options.get("bias", False),
+        options.get("dataclass", False),
     )
     (branch,) = [dp for dp in params if dp.fqn == BRANCH]
     owns = torch.tensor([float(dp_rank if branch.role is Role.OWNER else -1)])
@@ -329,6 +361,7 @@ def _branch_on_some_ranks(
         (2, "1d", "owner", {"accumulate": True}),
         (2, "1d", "owner", {"no_sync": True}),
         (2, "1d", "peer", {"discard": True}),
+        (2, "1d", "peer", {"dataclass": True}),
         (4, "hsdp", "owner", {}),
         (4, "hsdp", "peer", {"shared": True}),
         (4, "tp", "owner", {}),
@@ -342,6 +375,7 @@ def _branch_on_some_ranks(
         "1d-owner-accumulate",
         "1d-owner-no_sync",
         "1d-peer-discard",
+        "1d-peer-dataclass",
         "hsdp-owner",
         "hsdp-peer-shared",
         "tp-owner",

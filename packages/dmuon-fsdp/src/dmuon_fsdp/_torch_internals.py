@@ -19,6 +19,7 @@ for the default process group, and ``torch.compiler.is_compiling()``. The patch 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -234,16 +235,49 @@ def dtensor_shard_offsets(t: DTensor) -> tuple[int, ...]:
 
 
 def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of a pytree (nested tuples, lists, dicts, dataclasses torch registers).
+    """The leaves of a module's inputs or outputs: nested tuples, lists, dicts, the classes
+    torch's pytree knows (``ModelOutput`` and its kin register there), and dataclasses it does
+    not know, opened field by field (init fields, in order), as FSDP2 opens them for its
+    backward hooks.
 
-    Uses ``torch.utils._pytree``: torch has no public pytree module, and this one knows the
-    containers that module outputs are made of (``ModelOutput`` and its kin register there)."""
-    return _pytree.tree_leaves(tree)
+    Uses ``torch.utils._pytree``: torch has no public pytree module. A dataclass a layer takes
+    or returns without registering it is a leaf there; left closed, its tensors would get no
+    backward hook (a Z3 weight never gathered again for backward, a reduce point missing where
+    a rank skips a weight)."""
+    leaves: list[Any] = []
+    for leaf in _pytree.tree_leaves(tree):
+        if _is_dataclass_instance(leaf):
+            for field in dataclasses.fields(leaf):
+                if field.init:
+                    leaves.extend(tree_leaves(getattr(leaf, field.name)))
+        else:
+            leaves.append(leaf)
+    return leaves
 
 
 def tree_map_tensors(fn: Callable[[Tensor], Any], tree: Any) -> Any:
-    """``tree`` with each tensor leaf replaced by ``fn(leaf)`` (see :func:`tree_leaves`)."""
-    return _pytree.tree_map_only(Tensor, fn, tree)
+    """``tree`` with each tensor leaf replaced by ``fn(leaf)``, in :func:`tree_leaves`'s
+    order; a dataclass with a field changed is rebuilt with ``dataclasses.replace``."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return fn(x)
+        if not _is_dataclass_instance(x):
+            return x
+        changes = {}
+        for field in dataclasses.fields(x):
+            if field.init:
+                old = getattr(x, field.name)
+                new = tree_map_tensors(fn, old)
+                if new is not old:
+                    changes[field.name] = new
+        return dataclasses.replace(x, **changes) if changes else x
+
+    return _pytree.tree_map(leaf, tree)
+
+
+def _is_dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
 # The two functions of FSDP2's ``_fsdp_init`` that receive ``ignored_params``, looked up as
