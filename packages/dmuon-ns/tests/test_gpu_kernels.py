@@ -130,7 +130,7 @@ def test_fp32_iterations_run_torch_on_cuda_and_beat_fp16():
     g = torch.randn(384, 1536, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     reference = reference_newton_schulz(g)
     fp32 = NewtonSchulz(dtype=torch.float32)
-    assert fp32.resolution(g.device).kernels == (TORCH_KERNEL,)
+    assert fp32._resolution(g.device).kernels == (TORCH_KERNEL,)
     assert "float32 | kernel torch" in dmuon_ns.get_ns_backend(fp32, device=g.device)
     fp32_error = relative_error(fp32(g), reference)
     assert fp32_error < 1e-4 < 1e-3 < relative_error(newton_schulz(g), reference)

@@ -142,8 +142,11 @@ def test_the_cpu_default_is_fp32_and_an_explicit_dtype_is_honoured() -> None:
         for dtype in (None, torch.float16, torch.bfloat16)
     }
     assert errors[None] < 1e-4 < 1e-3 < errors[torch.float16] < errors[torch.bfloat16]
-    # Asked for by name, fp32 is the CPU's default run, bit for bit.
+    # Asked for by name, fp32 is the CPU's default run, bit for bit; an autocast region
+    # around the call changes nothing (it would run the products in bf16).
     assert torch.equal(newton_schulz(g, dtype=torch.float32), newton_schulz(g))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(newton_schulz(g, dtype=torch.float32), newton_schulz(g))
 
 
 @pytest.mark.parametrize(

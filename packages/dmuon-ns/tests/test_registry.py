@@ -123,7 +123,7 @@ def test_precedence(fake: RecordingKernel, monkeypatch: pytest.MonkeyPatch) -> N
     # fp32 iterations run torch whatever the environment says (no other kernel takes them),
     # on CUDA too, where auto would otherwise offer the accelerated kernels.
     for device in (CPU, torch.device("cuda")):
-        resolution = NewtonSchulz(dtype=torch.float32).resolution(device)
+        resolution = NewtonSchulz(dtype=torch.float32)._resolution(device)
         assert resolution.kernels == (TORCH_KERNEL,) and resolution.rule == "dtype"
     newton_schulz(torch.randn(8, 24), dtype=torch.float32)
     assert len(fake.calls) == 1

@@ -174,9 +174,10 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
     gradient of shape ``(..., rows, cols)`` (an expert stack) is a batch of matrices, each
     clipped alone, so a stack's result does not depend on how many of its experts a rank
     holds (``clip_grad_norm_`` hands a norm's or a bias's gradient over as a 1 × n matrix); a
-    matrix with a non-finite norm is left untouched. A whole matrix lives on its owner, so no collective runs and the stats are rank-local: ``total_norm`` is the joint norm
-    of this rank's matrices before clipping, ``clip_coef`` the smallest factor applied,
-    ``clipped`` / ``found_inf`` whether any local matrix was clipped / non-finite."""
+    matrix with a non-finite norm is left untouched. A whole matrix lives on its owner, so no
+    collective runs and the stats are rank-local: ``total_norm`` is the joint norm of this
+    rank's matrices before clipping, ``clip_coef`` the smallest factor applied, ``clipped`` /
+    ``found_inf`` whether any local matrix was clipped / non-finite."""
     grads, max_norm, p, _, dev = request  # whole matrices are local: no process group
     if not grads:
         zero = torch.zeros((), dtype=torch.float32, device=dev)

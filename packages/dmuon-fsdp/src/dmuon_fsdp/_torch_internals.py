@@ -19,6 +19,7 @@ for the default process group, and ``torch.compiler.is_compiling()``. The patch 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -235,49 +236,82 @@ def dtensor_shard_offsets(t: DTensor) -> tuple[int, ...]:
 
 
 def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of a module's inputs or outputs: nested tuples, lists, dicts, the classes
-    torch's pytree knows (``ModelOutput`` and its kin register there), and dataclasses it does
-    not know, opened field by field (init fields, in order), as FSDP2 opens them for its
-    backward hooks.
+    """The leaves of a module's inputs or outputs, found as FSDP2 finds the tensors it hooks:
+    inside the containers torch's pytree knows (tuples, lists, dicts, named tuples, and the
+    classes registered there, such as transformers' ``ModelOutput``) and inside dataclasses it
+    does not know, every field in order.
 
-    Uses ``torch.utils._pytree``: torch has no public pytree module. A dataclass a layer takes
-    or returns without registering it is a leaf there; left closed, its tensors would get no
-    backward hook (a Z3 weight never gathered again for backward, a reduce point missing where
-    a rank skips a weight)."""
-    leaves: list[Any] = []
-    for leaf in _pytree.tree_leaves(tree):
-        if _is_dataclass_instance(leaf):
-            for field in dataclasses.fields(leaf):
-                if field.init:
-                    leaves.extend(tree_leaves(getattr(leaf, field.name)))
-        else:
-            leaves.append(leaf)
-    return leaves
+    Uses ``torch.utils._pytree``'s node registry (``SUPPORTED_NODES``, ``_get_node_type``):
+    torch has no public pytree module, and one level at a time is what lets
+    :func:`tree_map_tensors` rebuild only what changed. A dataclass left closed would hide its
+    tensors from the backward hooks (a Z3 weight never gathered again for backward, a reduce
+    point missing where a rank skips a weight)."""
+    return _leaves(tree, 0)
+
+
+def _leaves(tree: Any, depth: int) -> list[Any]:
+    node = _node(tree, depth)
+    if node is None:
+        return [tree]
+    return [leaf for child in node[0] for leaf in _leaves(child, depth + 1)]
 
 
 def tree_map_tensors(fn: Callable[[Tensor], Any], tree: Any) -> Any:
     """``tree`` with each tensor leaf replaced by ``fn(leaf)``, in :func:`tree_leaves`'s
-    order; a dataclass with a field changed is rebuilt with ``dataclasses.replace``."""
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, Tensor):
-            return fn(x)
-        if not _is_dataclass_instance(x):
-            return x
-        changes = {}
-        for field in dataclasses.fields(x):
-            if field.init:
-                old = getattr(x, field.name)
-                new = tree_map_tensors(fn, old)
-                if new is not old:
-                    changes[field.name] = new
-        return dataclasses.replace(x, **changes) if changes else x
-
-    return _pytree.tree_map(leaf, tree)
+    order. Only a container with a child that changed is rebuilt (as FSDP2's
+    ``replace_grad_tensors`` does): a list or a dataclass a layer writes into stays the
+    caller's object when no tensor in it changes. A dataclass is rebuilt as a shallow copy
+    with the changed fields set (no ``__init__`` runs; frozen and ``init=False`` fields
+    alike)."""
+    return _mapped(fn, tree, 0)
 
 
-def _is_dataclass_instance(x: Any) -> bool:
-    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+def _mapped(fn: Callable[[Tensor], Any], tree: Any, depth: int) -> Any:
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    node = _node(tree, depth)
+    if node is None:
+        return tree
+    children, rebuild = node
+    new = [_mapped(fn, child, depth + 1) for child in children]
+    if all(n is c for n, c in zip(new, children, strict=True)):
+        return tree
+    return rebuild(new)
+
+
+# Deeper than any module's inputs or outputs: a structure that refers back to itself.
+_MAX_DEPTH = 64
+
+
+def _node(tree: Any, depth: int) -> tuple[list[Any], Callable[[list[Any]], Any]] | None:
+    """``tree``'s children one level down and how to rebuild it from new ones; ``None`` for a
+    leaf (a tensor, a number, an object neither pytree nor ``dataclasses`` knows)."""
+    if isinstance(tree, Tensor):
+        return None
+    if depth > _MAX_DEPTH:
+        raise RuntimeError(
+            f"a module's inputs or outputs nest deeper than {_MAX_DEPTH} containers (a"
+            f" {type(tree).__qualname__} that refers back to itself?); dmuon looks for the"
+            " tensors in them as FSDP2 does"
+        )
+    node_type = _pytree._get_node_type(tree)
+    if node_type in _pytree.SUPPORTED_NODES:
+        spec = _pytree.SUPPORTED_NODES[node_type]
+        children, context = spec.flatten_fn(tree)
+        return list(children), lambda new: spec.unflatten_fn(new, context)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        names = [field.name for field in dataclasses.fields(tree)]
+        old = [getattr(tree, name) for name in names]
+
+        def rebuild(new: list[Any]) -> Any:
+            copied = copy.copy(tree)
+            for name, before, after in zip(names, old, new, strict=True):
+                if after is not before:
+                    object.__setattr__(copied, name, after)  # frozen dataclasses too
+            return copied
+
+        return old, rebuild
+    return None
 
 
 # The two functions of FSDP2's ``_fsdp_init`` that receive ``ignored_params``, looked up as

@@ -128,9 +128,9 @@ class NewtonSchulz:
             )
         if self.dtype == torch.float32 and self.kernel not in ("auto", "torch"):
             raise ValueError(
-                f"dtype=torch.float32 iterates on the 'torch' kernel only; kernel"
-                f" {self.kernel!r} multiplies fp16 and bf16. Pass kernel='torch' (or 'auto'),"
-                f" or dtype=torch.bfloat16 for {self.kernel!r}"
+                f"dtype=torch.float32 iterates on the 'torch' kernel only, the one dmuon-ns"
+                f" runs fp32 products on; got kernel={self.kernel!r}. Pass kernel='torch' (or"
+                f" 'auto'), or dtype=torch.bfloat16 for {self.kernel!r}"
             )
         eps = self.eps
         if (
@@ -174,7 +174,7 @@ class NewtonSchulz:
         """
         return tune(self, [g] if isinstance(g, Tensor) else list(g))
 
-    def resolution(self, device: torch.device) -> Resolution:
+    def _resolution(self, device: torch.device) -> Resolution:
         """The kernel(s) this config runs on ``device`` (``_registry``'s [Note: kernel
         precedence])."""
         return resolve(self.kernel, self.deterministic, device, fp32=self.dtype == torch.float32)

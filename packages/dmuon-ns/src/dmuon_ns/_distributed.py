@@ -31,7 +31,7 @@ from torch import Tensor
 from dmuon_ns._config import NewtonSchulz
 from dmuon_ns._iterations import TorchProducts, as_dtype, gram_iterations
 from dmuon_ns._newton_schulz import NSKeywords, takes_newton_schulz_keywords
-from dmuon_ns._prepare import check_matrix, iteration_dtype
+from dmuon_ns._prepare import check_matrix, iteration_dtype, without_autocast
 from dmuon_ns._profiling import span
 
 __all__ = ["gram_newton_schulz_distributed"]
@@ -62,7 +62,7 @@ def gram_newton_schulz_distributed(
     # The config object validates the arguments exactly as the front end does.
     config = NewtonSchulz(**options)
     rows, cols = x_local.shape[-2], x_local.shape[-1]
-    with span("dmuon::newton_schulz_distributed"):
+    with span("dmuon::newton_schulz_distributed"), without_autocast(x_local.device):
         x32 = x_local.reshape(-1, rows, cols).float()
         r32 = torch.bmm(x32, x32.mT)
         all_reduce(r32)

@@ -17,7 +17,14 @@ import torch
 from torch import Tensor
 
 from dmuon_ns import _dispatch
-from dmuon_ns._prepare import check_matrix, describe, iteration_dtype, prepare, restore
+from dmuon_ns._prepare import (
+    check_matrix,
+    describe,
+    iteration_dtype,
+    prepare,
+    restore,
+    without_autocast,
+)
 from dmuon_ns._profiling import span
 
 if TYPE_CHECKING:
@@ -40,8 +47,8 @@ def op_for(config: NewtonSchulz, rows: int, cols: int) -> str:
 def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
     """NS of one tensor (2-D or batched) under ``config``, in ``g``'s shape and dtype."""
     check_matrix(g, what)
-    with span("dmuon::newton_schulz"):
-        resolution = config.resolution(g.device)
+    with span("dmuon::newton_schulz"), without_autocast(g.device):
+        resolution = config._resolution(g.device)
         names = [kernel.name for kernel in resolution.kernels]
         prepared = prepare(g, iteration_dtype(config.dtype, g.device, names), config.eps)
         op = op_for(config, g.shape[-2], g.shape[-1])
@@ -78,7 +85,7 @@ def tune(config: NewtonSchulz, gs: Sequence[Tensor]) -> dict[str, str]:
     chosen: dict[str, str] = {}
     for (shape, _, device), members in _batches(gs).items():
         batched = shape if len(members) == 1 else (len(members), *shape)
-        resolution = config.resolution(device)
+        resolution = config._resolution(device)
         names = [kernel.name for kernel in resolution.kernels]
         problem = describe(batched, iteration_dtype(config.dtype, device, names), device)
         op = op_for(config, shape[-2], shape[-1])

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -117,6 +118,15 @@ class Prepared(NamedTuple):
             )
         self.scale_pass(self.source, self.norm, self.eps, out)
         return out
+
+
+def without_autocast(device: torch.device) -> AbstractContextManager[object]:
+    """A region where the products run in the iteration dtype even inside the caller's
+    ``torch.autocast`` (which would turn the torch kernel's fp32 or fp16 products into bf16
+    ones); nothing when autocast is off, as it is outside such a region."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return nullcontext()
 
 
 def iteration_dtype(

@@ -5,8 +5,8 @@
 
 1. an explicit ``kernel=`` other than ``"auto"`` (``NewtonSchulz`` refuses one other than
    ``"torch"`` with fp32 iterations);
-2. fp32 iterations (``dtype=torch.float32``), which only the torch kernel runs: every other
-   kernel multiplies fp16 and bf16 (Triton's fp32 dot would be TF32);
+2. fp32 iterations (``dtype=torch.float32``), which only the torch kernel runs: Triton's and
+   quack's products take fp16 and bf16 (Triton's fp32 dot would be TF32);
 3. the environment override ``DMUON_NS_KERNEL`` (read by ``_environment.kernel_override``;
    ``"auto"`` or empty means unset);
 4. ``deterministic=True``, which means the plain torch kernel (cuBLAS products, no autotune
@@ -160,7 +160,7 @@ class Resolution(NamedTuple):
     priority order), the rule that chose them and a human-readable reason."""
 
     kernels: tuple[NSKernel, ...]
-    rule: str  # "kernel=", "DMUON_NS_KERNEL", "deterministic", "auto"
+    rule: str  # "kernel=", "dtype", "DMUON_NS_KERNEL", "deterministic", "auto"
     reason: str
 
 

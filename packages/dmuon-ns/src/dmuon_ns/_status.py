@@ -106,7 +106,7 @@ def get_ns_backend(
     algorithm = "gram NS (direct for square)" if config.backend == "gram" else "direct NS"
     steps = f"{config.steps} steps of {_coefficients_name(config.coefficients)} coefficients"
     try:
-        resolution = config.resolution(dev)
+        resolution = config._resolution(dev)
     except NSKernelUnavailableError as err:
         return f"{algorithm}, {steps} | kernel {config.kernel} unavailable | {where} | {err}"
     names = [k.name for k in resolution.kernels]

@@ -211,8 +211,8 @@ class BoundaryHooks:
                     each.points.clear()
             self._unshard_for_forward(group)
             adds_point = True
-        if group.input_dtype is not None:
-            args = _cast_floats(args, group.input_dtype)
+        if group.input_dtype is not None:  # positional and keyword inputs, as FSDP2 casts
+            args, kwargs = _cast_floats((args, kwargs), group.input_dtype)
         if adds_point and torch.is_grad_enabled():
             args, kwargs = self._with_reduce_point(index, args, kwargs)
         return args, kwargs
