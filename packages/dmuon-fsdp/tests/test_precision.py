@@ -462,3 +462,39 @@ def test_init_weights_on_a_meta_model_initialises_dedicated_weights_as_a_normal_
             assert state.keys() == want.keys()
             assert all(torch.equal(state[k], v) for k, v in want.items()), init.__name__
             assert loss == loss and loss > 0  # the model trains after packing
+
+
+class _ScaledLayer(nn.Module):
+    """A layer with a keyword input; it records the dtypes its forward sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.seen: tuple[torch.dtype, torch.dtype] | None = None
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        self.seen = (x.dtype, scale.dtype)
+        return self.proj(x) * scale
+
+
+def _dtypes_a_layer_sees(rank: int, world_size: int) -> list[tuple[torch.dtype, torch.dtype]]:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList(_ScaledLayer() for _ in range(2))
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = {"overrides": [{"name": ["proj"], "set": {"param_dtype": "bfloat16"}}]}
+    dedicate_params(
+        model, mesh, lambda n, p: "proj" in n, small_param_threshold=0, param_policy=policy
+    )
+    x = torch.randn(4, 8)
+    for layer in model.layers:
+        x = layer(x, scale=torch.full((8,), 0.5))
+    return [layer.seen for layer in model.layers]
+
+
+@pytest.mark.distributed
+def test_keyword_inputs_are_cast_as_positional_ones() -> None:
+    """A boundary whose weights compute in bf16 gets its floating inputs cast to bf16, keyword
+    ones too, as FSDP2's ``cast_forward_inputs`` casts both."""
+    for seen in run_distributed(_dtypes_a_layer_sees, 2):
+        assert seen == [(torch.bfloat16, torch.bfloat16)] * 2
