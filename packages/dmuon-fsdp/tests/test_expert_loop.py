@@ -123,4 +123,6 @@ def test_experts_hooked_one_by_one_inside_a_layer_are_warned_about() -> None:
     assert at_layer == []
     assert len(default) == 1
     assert "16 hook boundaries lie inside another layer" in default[0]
-    assert "'layers.0.mlp.experts.0'" in default[0] and "hook_boundary_predicate" in default[0]
+    assert "'layers.0.mlp.experts.0'" in default[0]
+    # The fix names the model's own layer class, the stack item above the experts.
+    assert "hook_boundary_predicate=lambda m: isinstance(m, Block)" in default[0]

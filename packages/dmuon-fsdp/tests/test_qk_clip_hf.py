@@ -83,6 +83,27 @@ def test_from_model_finds_hugging_face_attention() -> None:
             assert attention.q_rows == QKRowMap((("q", head_dim),))
             assert attention.k_rows == QKRowMap((("k", head_dim),))
         assert _uses_qk_norm(model, attention) == (name == "qwen3"), name
+    transformers = pytest.importorskip("transformers")
+    # An encoder-decoder whose decoder has fewer heads than its encoder: each attention
+    # takes its own module's count (the config's num_attention_heads is the encoder's).
+    bart = transformers.BartForConditionalGeneration(
+        transformers.BartConfig(
+            vocab_size=64,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+        )
+    )
+    heads = {
+        a.q.rsplit(".", 2)[0]: (a.heads, a.q_rows) for a in QKClip.from_model(bart)._attentions
+    }
+    assert heads["model.encoder.layers.0.self_attn"] == (4, QKRowMap((("q", 8),)))
+    assert heads["model.decoder.layers.0.self_attn"] == (2, QKRowMap((("q", 16),)))
+    assert heads["model.decoder.layers.0.encoder_attn"] == (2, QKRowMap((("q", 16),)))
     with pytest.raises(ValueError, match="found no attention"):
         QKClip.from_model(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="has q_proj and k_proj but no config"):

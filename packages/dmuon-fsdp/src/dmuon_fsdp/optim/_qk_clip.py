@@ -808,6 +808,14 @@ def _uses_qk_norm(model: nn.Module, attention: _Attention) -> bool:
     return "q_norm" in children or "k_norm" in children
 
 
+def _count(holder: object, attribute: str) -> int | None:
+    """``holder.attribute`` when it is a positive int (a head count), else ``None``."""
+    value = getattr(holder, attribute, None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
 def _children(module: nn.Module) -> dict[str, nn.Module]:
     """The submodules ``module`` registers, by attribute name."""
     return dict(module.named_children())
@@ -836,14 +844,17 @@ def _hf_attention(name: str, module: nn.Module) -> _Attention | None:
         )
     if "q_proj" not in children or "k_proj" not in children:
         return None
-    heads_of = getattr(config, "num_attention_heads", None)
+    # The module's own head count first: an encoder-decoder's config holds the encoder's
+    # (BART maps num_attention_heads to encoder_attention_heads), its decoder modules theirs.
+    heads_of = _count(module, "num_heads") or _count(config, "num_attention_heads")
     if config is None or heads_of is None:
         raise ValueError(
             f"QKClip.from_model: {name!r} has q_proj and k_proj but no config with"
             " num_attention_heads; add it with clip.add(q, k, num_heads, num_kv_heads)"
         )
-    heads = int(heads_of)
-    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    heads = heads_of
+    groups = _count(module, "num_key_value_groups")  # Llama and its kin: heads per kv head
+    kv = heads // groups if groups else _count(config, "num_key_value_heads") or heads
     head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
     head_dim = int(head_dim or config.hidden_size // heads)
     return _Attention(

@@ -634,21 +634,21 @@ def _warn_nested_boundaries(boundaries: set[str], modules: Mapping[str, nn.Modul
     as an ``nn.ModuleList`` inside each decoder layer): each then waits for its own broadcast
     when it runs, so a rank that skips one (an expert no token picked there) leaves the others
     waiting. Hooked at the outer layer, each rank may skip whichever it likes."""
-    nested = sorted(
-        name
-        for name in boundaries
-        if any(
-            _is_default_boundary(outer, modules)
-            for outer in (name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1))
-        )
-    )
-    if nested:
+    outer: dict[str, str] = {}  # nested boundary -> the outermost stack item above it
+    for name in boundaries:
+        above = [name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)]
+        items = [a for a in above if _is_default_boundary(a, modules)]
+        if items:
+            outer[name] = items[-1]
+    if outer:
+        nested = sorted(outer)
+        layer = type(modules[outer[nested[0]]]).__name__
         message = (
             f"dedicate_params: {len(nested)} hook boundaries lie inside another layer of the"
             f" stack ({', '.join(repr(n) for n in nested[:3])}{', ...' if len(nested) > 3 else ''}):"
             " each is gathered when it runs, so every rank must run each of them. If a rank may"
             " skip one (a loop over experts that skips those no token picked), hook at the"
-            " outer layer instead: hook_boundary_predicate=lambda m: isinstance(m, DecoderLayer)"
+            f" outer layer instead: hook_boundary_predicate=lambda m: isinstance(m, {layer})"
         )
         logger.warning(message)
         warnings.warn(message, stacklevel=4)
