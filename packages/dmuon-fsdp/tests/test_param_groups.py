@@ -504,3 +504,55 @@ def test_policy_adamw_route_steps_on_owner_and_matches_reference():
     stepped = sorted(n for r in results for n in r[4])
     assert stepped == adamw_dedicated
     assert losses == pytest.approx(ref, rel=2e-3)
+
+
+class _Twins(torch.nn.Module):
+    """A Hugging Face ``Conv1D`` (weight stored ``(in, out)``, as GPT-2's ``c_attn``) and a
+    Linear whose weight is its transpose, summed."""
+
+    def __init__(self) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.conv = Conv1D(96, 32)  # in 32, out 96
+        self.conv.bias.requires_grad_(False)  # zeros, as the Linear has none
+        self.linear = torch.nn.Linear(32, 96, bias=False)
+        with torch.no_grad():
+            self.linear.weight.copy_(self.conv.weight.T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) + self.linear(x)
+
+
+def _conv1d_and_linear_after_a_step(rank: int, world_size: int, scaling: str) -> float:
+    """Each layer holds a Hugging Face ``Conv1D`` (weight stored ``(in, out)``) and a Linear
+    whose weight is its transpose, fed the same input: their gradients, momenta and NS
+    results are transposes of each other, so their steps are too when the lr scale reads the
+    Conv1D weight as ``(out, in)``. Returns the largest difference after a step."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(_Twins() for _ in range(2))
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, lambda n, p: n.endswith("weight"), small_param_threshold=0)
+    optimizer = Muon(model, lr=0.1, weight_decay=0.0, options=StepOptions(lr_scaling=scaling))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(rank))  # full rank
+    loss = sum(layer(x).square().sum() for layer in model.layers)
+    loss.backward()
+    optimizer.step()
+    weights = get_model_state_dict(model)
+    return max(
+        float(
+            (weights[f"layers.{i}.conv.weight"] - weights[f"layers.{i}.linear.weight"].T)
+            .abs()
+            .max()
+        )
+        for i in range(2)
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("scaling", ["original", "moonlight"])
+def test_a_conv1d_weight_stored_in_out_is_scaled_as_its_linear_twin(scaling: str) -> None:
+    pytest.importorskip("transformers")
+    for difference in run_distributed(_conv1d_and_linear_after_a_step, 2, scaling):
+        assert difference < 1e-6, difference

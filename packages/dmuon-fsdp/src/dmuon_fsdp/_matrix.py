@@ -11,8 +11,10 @@ at the number of dimensions of a Muon parameter:
   (:class:`Glu`): Hugging Face's concatenated ``gate_up_proj (E, 2I, H)`` (rows ``[gate;
   up]``) is ``2E`` matrices ``(I, H)``, and GPT-OSS's interleaved, transposed ``(E, H, 2I)``
   (``[..., ::2]`` gate, ``[..., 1::2]`` up) is ``2E`` matrices ``(H, I)``;
-- ``transposed`` says a stack stores ``(in, out)`` (GPT-OSS): NS does not care (NS of a
-  transpose is the transpose of NS), the learning-rate scale uses the logical ``(out, in)``;
+- ``transposed`` says a stack stores ``(in, out)`` (GPT-OSS), or a 2-D weight does (Hugging
+  Face's ``Conv1D``, GPT-2's): NS does not care (NS of a transpose is the transpose of NS), the
+  learning-rate scale uses the logical ``(out, in)``; a declared split still cuts the stored
+  rows;
 - a 2-D weight with a declared split (a fused ``[q; k; v]`` or ``[gate; up]`` projection, see
   [Note: declared splits] in ``dmuon_ownership``) is its *pieces* (:func:`pieces_of`):
   consecutive row blocks, each a view of its own (``rows × cols`` matrices, one or one per

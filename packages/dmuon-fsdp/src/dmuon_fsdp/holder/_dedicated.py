@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -102,6 +102,9 @@ class DedicatedParam(ParamHolder):
     pieces: tuple[Piece, ...] = field(init=False)  # the declared split's pieces (or none)
     local_shape: torch.Size = field(init=False)  # this rank's shard's (the full one without TP)
     dtype: torch.dtype = field(init=False)  # the master dtype
+    # Stored (in, out), as Hugging Face's Conv1D (GPT-2) stores its weight: the learning-rate
+    # scale reads it the other way round (MatrixView.transposed); NS does not care.
+    stored_in_out: bool = field(init=False)
     _current: HolderState = field(default=HolderState.HELD, init=False, repr=False)
     _wait: Waiter | None = field(default=None, init=False, repr=False)
 
@@ -110,6 +113,7 @@ class DedicatedParam(ParamHolder):
         self.local_shape = self.tensor.shape
         self.dtype = self.param.dtype
         self.pieces = () if self.split is None else pieces_of(self.shape, self.fqn, self.split)
+        self.stored_in_out = _stores_in_out(self.module, self.name, self.shape)
         self.attach(self.param)
 
     @classmethod
@@ -337,7 +341,7 @@ class DedicatedParam(ParamHolder):
         assert self.precision is not None, f"{self.fqn}: the runtime has not packed its parameters"
         ns = self.newton_schulz(context)
         if not self.pieces:
-            view = MatrixView.of(self.shape, self.fqn)
+            view = MatrixView.of(self.shape, self.fqn, transposed=self.stored_in_out)
             scale = view.lr_scale(context.lr_scaling)
             shape = matrix_shape(self.local_shape)
             return (
@@ -488,3 +492,17 @@ class TensorParallelParam(DedicatedParam):
         if self.tp_dim is None:
             return ("owner", 0)
         return ("owner", self.tp_index, "of", cast(DTensor, self.param).device_mesh.size())
+
+
+def _stores_in_out(module: nn.Module, name: str, shape: Sequence[int]) -> bool:
+    """Whether ``module.<name>`` is a matrix stored ``(in, out)``: the weight of Hugging Face's
+    ``Conv1D`` (``transformers.pytorch_utils``; GPT-2's ``c_attn``, ``c_fc``, ``c_proj``), whose
+    ``nf`` output features are its columns."""
+    kind = type(module)
+    return (
+        name == "weight"
+        and kind.__name__ == "Conv1D"
+        and kind.__module__.startswith("transformers.")
+        and len(shape) == 2
+        and getattr(module, "nf", None) == shape[1]
+    )
