@@ -306,3 +306,15 @@ def test_a_split_that_does_not_fit_its_weight_is_refused_naming_it() -> None:
             _only(True),
             {"overrides": [{"name": ["proj.0"], "set": {"split": {"heads": 4, "kv_heads": 3}}}]},
         )
+    # A Conv1D weight stores (in, out): a split of its stored rows would cut its inputs.
+    transformers = pytest.importorskip("transformers")
+    gpt2 = nn.Module()
+    gpt2.layers = nn.ModuleList(nn.Module() for _ in range(2))
+    for layer in gpt2.layers:
+        layer.c_attn = transformers.pytorch_utils.Conv1D(32, DIM)  # (DIM, 32): q, k, v columns
+    with pytest.raises(
+        ValueError, match=r"'layers\.0\.c_attn\.weight' has a declared split .* but it is a Conv1D"
+    ):
+        dedicate_params(
+            gpt2, None, lambda n, p: QKV_SPLIT if n.endswith("c_attn.weight") else False
+        )

@@ -135,6 +135,14 @@ class DedicatedParam(ParamHolder):
             return None
         view = MatrixView.of(found.param.shape, found.fqn)
         if found.split is not None:
+            if _stores_in_out(found.module, found.name, found.param.shape):
+                raise ValueError(
+                    f"{found.fqn!r} has a declared split {found.split}, but it is a Conv1D"
+                    " weight stored (in, out): a split cuts the stored rows, its input"
+                    " features, not its fused outputs (q, k, v of GPT-2's c_attn). Drop the"
+                    " split (the weight is then one matrix), or replace the Conv1D by an"
+                    " nn.Linear holding its transpose and split that"
+                )
             pieces_of(found.param.shape, found.fqn, found.split)
         return view
 
