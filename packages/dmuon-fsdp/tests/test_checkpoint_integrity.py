@@ -1,7 +1,8 @@
 """Checkpoints you can trust: ``save_checkpoint`` records the CRC32 of every chunk it writes and
 ``load_checkpoint`` verifies them, on any topology. A data file with flipped bytes, truncated or
-deleted, a garbage ``.metadata``, a damaged or stale checksum record, and without a record a
-chunk that fails inside DCP's own read or a ``.metadata`` that lists too few chunks each raise
+deleted, a garbage ``.metadata``, a damaged, stale or deleted checksum record, and in a
+checkpoint saved without one (a plain ``dcp.save``) a chunk that fails inside DCP's own read or
+a ``.metadata`` that lists too few chunks each raise
 ``CheckpointIntegrityError`` naming the checkpoint, the file and what is wrong, and leave the
 model and the optimizer bit for bit as they were.
 
@@ -98,9 +99,14 @@ def _edit_record(path: str) -> None:
         json.dump(record, f)
 
 
-def _torn_unrecorded(path: str) -> str:
-    """No record, and the largest chunk's header overwritten: torch.load fails inside DCP."""
+def _unrecorded(path: str) -> None:
+    """``save_checkpoint``'s record deleted: ``.metadata`` says there was one."""
     os.remove(os.path.join(path, CHECKSUMS_FILE))
+
+
+def _torn_unrecorded(path: str) -> str:
+    """A checkpoint without a record (a plain ``dcp.save``), the largest chunk's header
+    overwritten: torch.load fails inside DCP."""
     key, offset, _ = _largest_chunk(path, VICTIM)
     with open(os.path.join(path, VICTIM), "r+b") as f:
         f.seek(offset)
@@ -109,9 +115,8 @@ def _torn_unrecorded(path: str) -> str:
 
 
 def _holes(path: str) -> str:
-    """No record, and ``.metadata`` rewritten without the chunks of the largest chunk's key:
-    DCP would read nothing into that tensor."""
-    os.remove(os.path.join(path, CHECKSUMS_FILE))
+    """A checkpoint without a record (a plain ``dcp.save``), ``.metadata`` rewritten without the
+    chunks of the largest chunk's key: DCP would read nothing into that tensor."""
     key, _, _ = _largest_chunk(path, VICTIM)
     file = os.path.join(path, ".metadata")
     with open(file, "rb") as f:
@@ -129,6 +134,8 @@ def _damaged_loads(rank: int, world_size: int, root: str):
     saved = _state(model, optimizer)
     good = os.path.join(root, "good")
     save_checkpoint(good, model, optimizer)
+    own = os.path.join(root, "own")  # the same state by a plain dcp.save: no record
+    dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=own)
     # The live state moves on (weights, moments, a hyperparameter), so that any partial load
     # would show.
     train_steps(model, optimizer, rank, world_size, 1, start=2)
@@ -137,21 +144,22 @@ def _damaged_loads(rank: int, world_size: int, root: str):
     assert not _equal(before[:2], saved[:2])
 
     cases = {
-        "flipped": _flip,
-        "truncated": _truncate,
-        "deleted": _delete,
-        "metadata": _garbage_metadata,
-        "record": _edit_record,
-        "torn": _torn_unrecorded,
-        "holes": _holes,
+        "flipped": (good, _flip),
+        "truncated": (good, _truncate),
+        "deleted": (good, _delete),
+        "metadata": (good, _garbage_metadata),
+        "record": (good, _edit_record),
+        "unrecorded": (good, _unrecorded),
+        "torn": (own, _torn_unrecorded),
+        "holes": (own, _holes),
     }
     keys: dict[str, str | None] = {}
     errors: dict[str, str] = {}
     unchanged: dict[str, bool] = {}
-    for name, damage in cases.items():
+    for name, (source, damage) in cases.items():
         path = os.path.join(root, name)
         if rank == 0:
-            shutil.copytree(good, path)
+            shutil.copytree(source, path)
             keys[name] = damage(path)
         dist.barrier()
         with pytest.raises(CheckpointIntegrityError) as info:
@@ -210,6 +218,8 @@ def test_damaged_checkpoints_raise_naming_the_file_and_change_nothing(damaged):
         "unreadable \\(UnpicklingError",
         "record": f"{path('record')} {damaged_}{CHECKSUMS_FILE}: checksum mismatch: the record"
         " itself changed",
+        "unrecorded": f"{path('unrecorded')} was written by dmuon.save_checkpoint, which records"
+        f" its checksums in {CHECKSUMS_FILE}, and that file is missing: nothing was loaded",
         "torn": f"{path('torn')} {damaged_}{VICTIM}: reading {re.escape(keys['torn'])} failed \\(",
         "holes": f"{path('holes')} {damaged_}\\.metadata: no saved chunk covers part of"
         f" {re.escape(keys['holes'])}",

@@ -358,7 +358,8 @@ def load_checkpoint(
     Args:
         path: the checkpoint directory (every rank passes the same one). Without
             ``dmuon_checksums.json`` (a checkpoint of your own ``dcp.save``) it loads with the
-            file checks but not the chunk checksums, and logs a warning (rank 0).
+            file checks but not the chunk checksums, and logs a warning (rank 0); one that
+            :func:`save_checkpoint` wrote raises :class:`CheckpointIntegrityError` without it.
         model: the model given to ``dedicate_params`` (that object; another raises
             ``ValueError``).
         optimizer: the :class:`Muon` built on ``model`` (another object raises
