@@ -237,8 +237,14 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         dedicate_params(build(0), mesh, muon_predicate, process_group_policy="private")
     with pytest.raises(TypeError, match=r"predicate must be a callable"):
         dedicate_params(build(0), mesh, "proj")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"reshard_after_forward must be a bool"):
+    with pytest.raises(
+        TypeError,
+        match=r"reshard_after_forward must be a bool, got 2: dmuon has no partial reshard.*"
+        r"Pass the int to fully_shard only",
+    ):
         dedicate_params(build(0), mesh, muon_predicate, reshard_after_forward=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"reshard_after_forward must be a bool, got 'no'"):
+        dedicate_params(build(0), mesh, muon_predicate, reshard_after_forward="no")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"mesh must be a torch.distributed DeviceMesh"):
         dedicate_params(build(0), [0], muon_predicate)
     # Per-parameter dtypes are honoured (tests/test_precision.py); one boundary cannot cast its

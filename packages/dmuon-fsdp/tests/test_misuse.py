@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from dmuon_fsdp import (
     Muon,
@@ -203,6 +204,18 @@ def _autograd_grad_over_the_parameters(mesh: DeviceMesh, root: str) -> None:
     torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
 
 
+def _cpu_offload(mesh: DeviceMesh, root: str) -> None:
+    """FSDP2's CPU offloading on one layer: its shards, gradients and AdamW states would live
+    on the CPU beside dedicated matrices stepped on the device (on a GPU the first step
+    raised a device mismatch; refused on every device alike)."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    fully_shard(model.layers[0], mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model.layers[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    Muon(model)
+
+
 SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
     "plain fully_shard, patch off": (
         _plain_fully_shard_without_the_patch,
@@ -274,6 +287,11 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         r"NotHeldError: .*\(operation: grad\).*torch\.autograd\.grad and backward\(inputs=\.\.\.\) "
         r"cannot take a dedicated weight.*Call loss\.backward\(\) without inputs",
     ),
+    "CPU offloading": (
+        _cpu_offload,
+        r"ValueError: fully_shard\('layers\.0'\) was given offload_policy=CPUOffloadPolicy\(\),"
+        r" which dmuon does not support.*Call fully_shard without offload_policy",
+    ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,
         r"ValueError: load_checkpoint: the checkpoint holds .layers\.0\.attn\.o_proj\.weight"
@@ -302,3 +320,35 @@ def test_each_misuse_raises_the_same_clear_error_on_every_rank(tmp_path) -> None
     for name, (_, expected) in SCENARIOS.items():
         for rank, seen in enumerate(per_rank):
             assert re.match(expected, seen[name], re.DOTALL), (name, rank, seen[name][:400])
+
+
+def _z2_in_fully_shard_only(rank: int, world_size: int) -> list[list[str]]:
+    """``reshard_after_forward=False`` on every layer's fully_shard: a warning while
+    dedicate_params keeps its default (Z3), none once it is given False too, nor for
+    torchtitan's habit of keeping only the last layer (the others reshard)."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    seen = []
+    for dedicated, kept in ((True, (False, False)), (False, (False, False)), (True, (True, False))):
+        model = build(0)
+        dedicate_params(model, mesh, muon_predicate, reshard_after_forward=dedicated)
+        for layer, reshard in zip(model.layers, kept, strict=True):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Muon(model)
+        seen.append([str(w.message) for w in caught if "reshard_after_forward" in str(w.message)])
+    uninstall_patch()
+    return seen
+
+
+@pytest.mark.distributed
+def test_z2_asked_of_fully_shard_alone_is_warned() -> None:
+    for seen in run_distributed(_z2_in_fully_shard_only, 2):
+        warned, both_z2, last_layer_only = seen
+        assert len(warned) == 1 and re.search(
+            r"every fully_shard below the root was given reshard_after_forward=False \(Z2\), but"
+            r" dedicate_params was not.*pass reshard_after_forward=False to dedicate_params",
+            warned[0],
+        ), warned
+        assert both_z2 == [] and last_layer_only == []

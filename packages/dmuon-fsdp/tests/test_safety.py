@@ -125,6 +125,20 @@ def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
     assert "read in the forward of a _Borrower that does not hold it" in message, message
     # Inside forward the weight is held: training goes on after the refused reads.
     assert math.isfinite(float(_step(model, optimizer, rank, world_size, step=1)))
+    # torch's optimizer getter takes optimizer.state_dict() as every parameter's state (rank
+    # 0's full dictionary lacked the other owners' matrices): refused on every rank, naming
+    # dmuon's; the optimizer's own state_dict() answers as before.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_optim
+
+    for full in (False, True):
+        with pytest.raises(
+            RuntimeError,
+            match=r"called by torch.*get_optimizer_state_dict.*"
+            r"dmuon\.get_optimizer_state_dict\(model, optimizer\)",
+        ):
+            torch_optim(model, optimizer, options=StateDictOptions(full_state_dict=full))
+    outcome["dcp get_optimizer_state_dict"] = "clear error"
+    assert optimizer.state_dict()["state"]
     # Last, as each leaves its module half changed: a method registered with FSDP2's
     # register_fsdp_forward_method on the layer (FSDP2 gathers its own parameters for it, not
     # dmuon's), and a parametrization registered after dedicate_params.
@@ -163,6 +177,7 @@ def test_reads_on_a_non_owner_raise_a_clear_error_and_never_crash() -> None:
         "parameters_to_vector",
         "torch.save(state_dict)",
         "dcp get_model_state_dict",
+        "dcp get_optimizer_state_dict",
         "print",
         "no-op conversions",
         "converting",

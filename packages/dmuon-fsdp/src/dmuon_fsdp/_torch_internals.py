@@ -52,12 +52,15 @@ __all__ = [
     "fsdp_init_running",
     "fsdp_manages",
     "fsdp_mp_policy",
+    "fsdp_offloads_to_cpu",
+    "fsdp_reshards_after_forward",
     "in_backward",
     "local_shard",
     "local_tensor",
     "parse_to_args",
     "profiler_enabled",
     "queue_backward_callback",
+    "torch_optim_state_dict_running",
     "tree_leaves",
     "tree_map_tensors",
     "will_run",
@@ -160,13 +163,10 @@ def fsdp_mp_policy(module: FSDPModule) -> Any:
     return module._get_fsdp_state()._mp_policy
 
 
-def fsdp_gradient_sync_off(modules: Sequence[FSDPModule]) -> bool:
-    """Whether ``set_requires_gradient_sync(False)`` is in effect on every FSDP2 parameter group
-    of ``modules`` (``False`` when they have none).
-
-    Reads ``FSDPParamGroup.reduce_grads`` through ``module._get_fsdp_state()``: FSDP2 keeps the
-    flag on its parameter groups and has no public getter (torch 2.13 holds a list of groups in
-    ``_fsdp_param_groups``, torch 2.11 one group or none in ``_fsdp_param_group``)."""
+def _fsdp_param_groups(modules: Sequence[FSDPModule]) -> list[Any]:
+    """The FSDP2 parameter groups (``FSDPParamGroup``) of ``modules``, through
+    ``module._get_fsdp_state()``: FSDP2 has no public accessor (torch 2.13 holds a list of groups
+    in ``_fsdp_param_groups``, torch 2.11 one group or none in ``_fsdp_param_group``)."""
     groups = []
     for module in modules:
         state = module._get_fsdp_state()
@@ -175,7 +175,42 @@ def fsdp_gradient_sync_off(modules: Sequence[FSDPModule]) -> bool:
             groups.extend(many)
         elif state._fsdp_param_group is not None:
             groups.append(state._fsdp_param_group)
+    return groups
+
+
+def fsdp_gradient_sync_off(modules: Sequence[FSDPModule]) -> bool:
+    """Whether ``set_requires_gradient_sync(False)`` is in effect on every FSDP2 parameter group
+    of ``modules`` (``False`` when they have none).
+
+    Reads ``FSDPParamGroup.reduce_grads``: FSDP2 keeps the flag on its parameter groups and has
+    no public getter."""
+    groups = _fsdp_param_groups(modules)
     return bool(groups) and not any(group.reduce_grads for group in groups)
+
+
+def fsdp_offloads_to_cpu(module: FSDPModule) -> bool:
+    """Whether ``fully_shard`` was given a ``CPUOffloadPolicy`` for ``module``.
+
+    Reads ``FSDPParamGroup.offload_policy``: FSDP2 keeps the policy on its parameter groups and
+    has no public getter."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return any(
+        isinstance(group.offload_policy, CPUOffloadPolicy) for group in _fsdp_param_groups([module])
+    )
+
+
+def fsdp_reshards_after_forward(module: FSDPModule) -> bool | None:
+    """Whether FSDP2 frees ``module``'s gathered parameters after its forward
+    (``reshard_after_forward`` not ``False``; an int reshards to a smaller group); ``None``
+    when ``fully_shard`` left it no parameters.
+
+    Reads ``FSDPParamGroup.post_forward_mesh_info``, ``None`` exactly when FSDP2 keeps them:
+    FSDP2 has no public getter."""
+    groups = _fsdp_param_groups([module])
+    if not groups:
+        return None
+    return any(group.post_forward_mesh_info is not None for group in groups)
 
 
 def local_tensor(t: DTensor) -> Tensor:
@@ -350,6 +385,24 @@ def fsdp_forward_method_running() -> bool:
     method, not the module's forward hooks). Asked only on the way to an error, as
     :func:`fsdp_init_running`."""
     return _fsdp_frame("wrapped_method")
+
+
+_DCP_STATE_DICT_SOURCES = (
+    "torch/distributed/checkpoint/state_dict.py",
+    "torch\\distributed\\checkpoint\\state_dict.py",
+)
+
+
+def torch_optim_state_dict_running() -> bool:
+    """Whether the calling code runs inside ``torch.distributed.checkpoint.state_dict``'s
+    ``_get_optim_state_dict``, behind its ``get_optimizer_state_dict`` and ``get_state_dict``
+    (which read ``optimizer.state_dict()`` as every rank's whole state, or its DTensor
+    shards). No public API says which caller asks for a state dict."""
+    return any(
+        frame.f_code.co_name == "_get_optim_state_dict"
+        and any(s in frame.f_code.co_filename for s in _DCP_STATE_DICT_SOURCES)
+        for frame in caller_frames()
+    )
 
 
 def _fsdp_frame(function: str) -> bool:

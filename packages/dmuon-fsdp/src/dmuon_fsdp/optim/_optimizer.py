@@ -31,6 +31,7 @@ parameter's holder answers for it, see [Note: the step plan] in _step_plan):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Never, NoReturn
@@ -48,8 +49,22 @@ from dmuon_ownership import Route
 from .._checks import check_bool, is_int
 from .._matrix import LrScaling, NSFunction
 from .._profile import PhaseTimer, no_mark, span
-from .._torch_internals import foreach_max_abs, local_shard
-from ..holder import DedicatedParam, MuonEntry, ParamHolder, ShardedTensor, StepContext, TPMode
+from .._torch_internals import (
+    foreach_max_abs,
+    fsdp_offloads_to_cpu,
+    fsdp_reshards_after_forward,
+    local_shard,
+    torch_optim_state_dict_running,
+)
+from ..holder import (
+    DedicatedParam,
+    MuonEntry,
+    ParamHolder,
+    ShardedTensor,
+    StepContext,
+    TPMode,
+    fsdp_modules,
+)
 from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
 from ._graphed_step import GraphedMuonPhase, muon_phase
@@ -295,6 +310,37 @@ def _check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRunti
         )
 
 
+def _check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> None:
+    """What ``fully_shard`` was given that dmuon does not follow: a ``CPUOffloadPolicy``
+    (refused: FSDP2 would keep its shards, their gradients and AdamW's states on the CPU, while
+    the dedicated matrices and their momentum stay whole on the owners' device, and the step
+    would mix the two), and ``reshard_after_forward=False`` on every ``fully_shard`` below the
+    root while dmuon reshards (Z3): dmuon's Z2 or Z3 is ``dedicate_params``' own
+    ``reshard_after_forward`` (warned: the results are the same, the traffic is not)."""
+    below_root = []
+    for name, module in fsdp_modules(model):
+        if fsdp_offloads_to_cpu(module):
+            raise ValueError(
+                f"fully_shard({name or 'model'!r}) was given offload_policy=CPUOffloadPolicy(),"
+                " which dmuon does not support: FSDP2 would keep that module's shards, their"
+                " gradients and AdamW's states on the CPU, while dmuon keeps each dedicated"
+                " matrix and its momentum whole on its owner's device and steps them there."
+                " Call fully_shard without offload_policy"
+            )
+        if name:
+            below_root.append(fsdp_reshards_after_forward(module))
+    kept = [reshards for reshards in below_root if reshards is not None]
+    if runtime.reshard_after_forward and kept and not any(kept):
+        warnings.warn(
+            "every fully_shard below the root was given reshard_after_forward=False (Z2), but"
+            " dedicate_params was not: dmuon frees each layer's dedicated matrices after its"
+            " forward and broadcasts them again for backward (Z3). For Z2 pass"
+            " reshard_after_forward=False to dedicate_params too (the results are the same"
+            " either way)",
+            stacklevel=3,
+        )
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for dmuon's dedicated matrices (owner only), AdamW for everything else.
 
@@ -426,6 +472,7 @@ class Muon(torch.optim.Optimizer):
             **{id(stack.param): stack for stack in self._runtime.local_muon},
         }
         _check_every_param_is_synchronised(model, self._runtime)
+        _check_fully_shard_options(model, self._runtime)
         groups = build_param_groups(
             model.named_parameters(), self._holders, param_groups, group_defaults
         )
@@ -972,6 +1019,16 @@ class Muon(torch.optim.Optimizer):
     # -- torch's state dict: see [Note: loading another rank's optimizer state dict] ----------
 
     def state_dict(self) -> dict[str, Any]:
+        if torch_optim_state_dict_running():
+            raise RuntimeError(
+                "Muon.state_dict() was called by torch.distributed.checkpoint.state_dict's"
+                " get_optimizer_state_dict (or get_state_dict), which takes it for every"
+                " parameter's state on every rank, or its DTensor shard: a dedicated matrix's"
+                " state is kept on its owner alone, so the result would lack the other owners'"
+                " without an error. Use dmuon.get_optimizer_state_dict(model, optimizer) (the"
+                " full state, collective), or dmuon.save_checkpoint / dmuon.AppState for a"
+                " sharded checkpoint"
+            )
         return for_saving(self, self._dedicated, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -79,6 +79,12 @@ class DedicateConfig:
     debug_fence: bool = False
 
     def __post_init__(self) -> None:
+        if is_int(self.reshard_after_forward):
+            raise TypeError(
+                f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}:"
+                " dmuon has no partial reshard (FSDP2's int reshards to a smaller group after"
+                " forward). Pass the int to fully_shard only, and True (Z3) or False (Z2) here"
+            )
         for name in (
             "reshard_after_forward",
             "hook_boundary_strict",
