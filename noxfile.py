@@ -274,6 +274,7 @@ def docs(session: nox.Session) -> None:
 INTEGRATIONS: dict[str, list[str]] = {
     "lightning_train.py": ["lightning==2.6.6"],
     "hf_trainer_train.py": ["transformers==5.24.0", "accelerate==1.16.0"],
+    "accelerate_train.py": ["transformers==5.24.0", "accelerate==1.16.0"],
     # torchtitan 0.3 imports Triton at import time (its expert-parallel kernels).
     "torchtitan_train.py": ["torchtitan==0.3.0", TRITON],
 }
@@ -283,7 +284,7 @@ INTEGRATIONS: dict[str, list[str]] = {
 def integrations(session: nox.Session) -> None:
     """Each framework recipe's example on 2 gloo ranks, after installing the framework at its
     pinned version and the five packages; left out of the default sessions (CI time)."""
-    frameworks = [pin for pins in INTEGRATIONS.values() for pin in pins]
+    frameworks = sorted({pin for pins in INTEGRATIONS.values() for pin in pins})
     session.install(TORCH, *frameworks, *_editable(*INSTALL_ORDER))
     session.chdir(ROOT)
     for script in INTEGRATIONS:
