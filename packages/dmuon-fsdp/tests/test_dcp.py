@@ -17,17 +17,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
 from test_checkpoint import HYPER, _equal
 from test_training import setup_model, train_steps
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dmuon_fsdp import (
     CHECKPOINT_KEY,
     AppState,
     Muon,
+    dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
     load_checkpoint,
@@ -317,3 +320,46 @@ def test_damaged_dcp_checkpoints_raise_before_anything_changes(tmp_path):
         assert fresh, "strict=False starts the missing matrix from fresh momentum"
     # Every rank checks the whole checkpoint and reaches the same verdict.
     assert all(r[0] == results[0][0] for r in results)
+
+
+_O_PROJ_ON_ADAMW = {"overrides": [{"name": ["*o_proj*"], "set": {"route": "adamw"}}]}
+
+
+def _model_only(rank: int, world_size: int, root: str):
+    """A checkpoint's weights into a model whose o_proj matrices moved from Muon to AdamW
+    since the save: the optimizer's state cannot follow (refused), the weights alone can."""
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def trained(seed: int, policy):
+        model = build(seed)
+        dedicate_params(model, mesh, muon_predicate, param_policy=policy)
+        shard_layers_then_root(model, mesh)
+        optimizer = Muon(model)
+        loss_fn(model, batch(seed, 8)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return model, optimizer
+
+    path = os.path.join(root, "ckpt")
+    saved_model, saved_optimizer = trained(0, None)
+    save_checkpoint(path, saved_model, saved_optimizer)
+    saved = get_model_state_dict(saved_model)
+    model, optimizer = trained(1, _O_PROJ_ON_ADAMW)
+    state_before = get_optimizer_state_dict(model, optimizer)
+    with pytest.raises(ValueError, match=r"another predicate or param_policy.*load_checkpoint"):
+        load_checkpoint(path, model, optimizer)
+    load_checkpoint(path, model)
+    weights = _equal(get_model_state_dict(model), saved)
+    state_kept = _equal(get_optimizer_state_dict(model, optimizer), state_before)
+    loss = loss_fn(model, batch(2, 8))
+    loss.backward()
+    optimizer.step()
+    return weights, state_kept, bool(torch.isfinite(loss))
+
+
+@pytest.mark.distributed
+def test_load_checkpoint_without_the_optimizer_takes_the_weights_alone(tmp_path) -> None:
+    for weights, state_kept, trains in run_distributed(_model_only, 2, str(tmp_path)):
+        assert weights, "the loaded weights are not the saved ones"
+        assert state_kept, "a model-only load changed the optimizer's state"
+        assert trains

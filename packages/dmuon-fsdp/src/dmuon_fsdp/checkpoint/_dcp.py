@@ -115,6 +115,32 @@ def _same_tensor(a: Tensor, b: Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
+def _model_tensors(model: nn.Module, runtime: DedicatedRuntime) -> dict[str, Tensor]:
+    """The model's part of :meth:`AppState.state_dict`: the live tensors this rank holds."""
+    out: dict[str, Tensor] = {}
+    for key, value, dp in layout.model_entries(model, runtime):
+        if dp is None:
+            out[key] = value.detach()
+        elif dp.is_owner:
+            assert dp.full is not None
+            out[key] = _as_saved(runtime, dp, dp.full)
+    return out
+
+
+def _install_model(
+    model: nn.Module, runtime: DedicatedRuntime, loaded: Mapping[str, Tensor]
+) -> None:
+    """Copy what DCP read (``loaded``, keyed as :func:`_model_tensors`) into the live tensors."""
+    with torch.no_grad():
+        for key, value, dp in layout.model_entries(model, runtime):
+            target = value if dp is None else dp.full
+            if target is None:
+                continue
+            source = loaded[key]
+            if not _same_tensor(source, target):
+                local_shard(target).copy_(local_shard(source))
+
+
 class AppState(Stateful):
     """A dmuon model and its :class:`Muon` optimizer as one DCP ``Stateful``.
 
@@ -147,14 +173,7 @@ class AppState(Stateful):
             return {"model": self._model_tensors(), "optim": self._optimizer_state()}
 
     def _model_tensors(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for key, value, dp in layout.model_entries(self.model, self.runtime):
-            if dp is None:
-                out[key] = value.detach()
-            elif dp.is_owner:
-                assert dp.full is not None
-                out[key] = _as_saved(self.runtime, dp, dp.full)
-        return out
+        return _model_tensors(self.model, self.runtime)
 
     def _load_target(self, absent: set[str]) -> tuple[dict[str, Any], list[str]]:
         """What :func:`load_checkpoint` reads into: :meth:`state_dict` without the optimizer
@@ -225,14 +244,7 @@ class AppState(Stateful):
             self.runtime.after_step(async_=False)
 
     def _install_model(self, loaded: Mapping[str, Tensor]) -> None:
-        with torch.no_grad():
-            for key, value, dp in layout.model_entries(self.model, self.runtime):
-                target = value if dp is None else dp.full
-                if target is None:
-                    continue
-                source = loaded[key]
-                if not _same_tensor(source, target):
-                    local_shard(target).copy_(local_shard(source))
+        _install_model(self.model, self.runtime, loaded)
 
     def _install_optimizer(
         self, loaded: Mapping[str, Mapping[str, Tensor]], groups: Mapping[str, Any]
@@ -304,9 +316,11 @@ def _prefixed(prefix: str, metadata: Metadata) -> dict[str, layout.TensorSpec | 
     return found
 
 
-def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bool) -> list[str]:
-    """Check every tensor of the checkpoint against the model and optimizer (see [Note: a
-    failed load changes nothing]); returns the parameters without optimizer state."""
+def _check_model_metadata(
+    model: nn.Module, runtime: DedicatedRuntime, metadata: Metadata, where: str
+) -> None:
+    """Check the checkpoint's model tensors against the model (see [Note: a failed load
+    changes nothing])."""
     root = f"{CHECKPOINT_KEY}."
     if not any(key.startswith(root) for key in metadata.state_dict_metadata):
         raise ValueError(
@@ -314,17 +328,24 @@ def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bo
             f" {sorted({k.split('.')[0] for k in metadata.state_dict_metadata})}); write it with"
             f" dmuon.save_checkpoint or dcp.save({{{CHECKPOINT_KEY!r}: dmuon.AppState(...)}})"
         )
+    layout.check_model(
+        where,
+        layout.model_specs(layout.model_entries(model, runtime)),
+        _prefixed(f"{root}model.", metadata),
+        "the checkpoint must hold exactly the keys of model.state_dict() (same model definition)",
+    )
+
+
+def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bool) -> list[str]:
+    """Check every tensor of the checkpoint against the model and optimizer (see [Note: a
+    failed load changes nothing]); returns the parameters without optimizer state."""
+    root = f"{CHECKPOINT_KEY}."
+    _check_model_metadata(app.model, app.runtime, metadata, where)
     if f"{root}optim.param_groups" not in metadata.state_dict_metadata:
         raise ValueError(
             f"{where}: the checkpoint has no {root}optim.param_groups entry; it was not written"
             " by dmuon.save_checkpoint / AppState, or it is damaged"
         )
-    layout.check_model(
-        where,
-        layout.model_specs(layout.model_entries(app.model, app.runtime)),
-        _prefixed(f"{root}model.", metadata),
-        "the checkpoint must hold exactly the keys of model.state_dict() (same model definition)",
-    )
     specs = layout.optimizer_specs(app.optimizer)
     saved = _prefixed(f"{root}optim.state.", metadata)
     got: dict[str, dict[str, layout.TensorSpec | None]] = {}
@@ -344,7 +365,11 @@ def _param_groups(where: str, value: Any) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: Muon, *, strict: bool = True
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: Muon | None = None,
+    *,
+    strict: bool = True,
 ) -> None:
     """Load a checkpoint written by :func:`save_checkpoint` (or a ``dcp.save`` /
     ``dcp.async_save`` of ``{"dmuon": AppState(...)}``) on any topology: another world size,
@@ -353,7 +378,9 @@ def load_checkpoint(
     the optimizer. A checkpoint that does not fit raises ``ValueError`` naming the key; a
     damaged one :class:`CheckpointIntegrityError` naming the file and what is wrong. A parameter
     without optimizer state in the checkpoint raises unless ``strict=False``, which starts it
-    from fresh state. Collective.
+    from fresh state. Without ``optimizer`` only the model's weights and buffers are read: to
+    start a new optimizer from a checkpoint's weights (fine-tuning, or routes changed since the
+    save). Collective.
 
     Args:
         path: the checkpoint directory (every rank passes the same one). Without
@@ -363,14 +390,18 @@ def load_checkpoint(
         model: the model given to ``dedicate_params`` (that object; another raises
             ``ValueError``).
         optimizer: the :class:`Muon` built on ``model`` (another object raises
-            ``ValueError``).
+            ``ValueError``); ``None``: the model alone is loaded, the checkpoint's optimizer
+            state is not read, and a ``Muon`` built before keeps its state.
         strict: ``True``: a parameter without optimizer state in the checkpoint raises
             ``ValueError``; ``False``: such parameters start from fresh state, as before
-            their first step; everything else loads.
+            their first step; everything else loads. Unused without ``optimizer``.
     """
     where = "load_checkpoint"
     check_bool(f"{where}: strict", strict)
     _check_not_a_file(where, path)
+    if optimizer is None:
+        _load_model(where, path, model)
+        return
     app = AppState(model, optimizer)
     with record_function("dmuon::load_checkpoint"):
         checksums = integrity.read_checksums(where, path)
@@ -385,3 +416,23 @@ def load_checkpoint(
         )
         scratch.install()
         app.load_state_dict(target)
+
+
+def _load_model(where: str, path: str | os.PathLike[str], model: nn.Module) -> None:
+    """:func:`load_checkpoint` without an optimizer: the model's tensors alone, checked and read
+    as there, then published as a step's weights are."""
+    runtime = get_runtime(model)
+    with record_function("dmuon::load_checkpoint"):
+        checksums = integrity.read_checksums(where, path)
+        metadata = integrity.read_metadata(where, path, checksums)
+        integrity.check_files(where, path, metadata, checksums)
+        _check_model_metadata(model, runtime, metadata, where)
+        runtime.drain()
+        target = {"model": _model_tensors(model, runtime)}
+        scratch = integrity.load_verified(
+            where, path, {CHECKPOINT_KEY: target}, metadata, checksums
+        )
+        scratch.install()
+        _install_model(model, runtime, target["model"])
+        # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
+        runtime.after_step(async_=False)

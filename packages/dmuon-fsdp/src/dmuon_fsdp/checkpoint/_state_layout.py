@@ -272,6 +272,12 @@ def _rerouted(where: str, keys: Sequence[str]) -> NoReturn:
         "parameter takes here (Muon keeps momentum_buffer; AdamW step, exp_avg and "
         "exp_avg_sq), so it was saved with another predicate or param_policy. Build the "
         "optimizer with the routes it was saved with"
+        + (
+            ", or take the weights alone with load_checkpoint(path, model), without the"
+            " optimizer (it keeps its state)"
+            if where.startswith("load_checkpoint")
+            else ""
+        )
     )
 
 
