@@ -155,6 +155,14 @@ def train(
                 if accelerator.is_main_process:
                     torch.save(schedule.state_dict(), os.path.join(saved, "schedule.pt"))
                 accelerator.wait_for_everyone()
+    if not resume:  # accelerate's own state functions read weights a rank does not hold
+        try:
+            accelerator.get_state_dict(model)
+        except dmuon.NotHeldError as error:
+            if "accelerate read every weight" not in str(error):
+                raise
+        else:
+            raise SystemExit("FAILED: accelerator.get_state_dict read every dedicated weight")
     return losses, norms
 
 

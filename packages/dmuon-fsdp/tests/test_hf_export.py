@@ -43,7 +43,13 @@ def _export(rank: int, world_size: int, root: str, tie: bool):
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    from dmuon_fsdp import Muon, dedicate_params, dedicated_params_of, get_model_state_dict
+    from dmuon_fsdp import (
+        Muon,
+        NotHeldError,
+        dedicate_params,
+        dedicated_params_of,
+        get_model_state_dict,
+    )
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(_config(tie))
@@ -62,6 +68,11 @@ def _export(rank: int, world_size: int, root: str, tie: bool):
     probe = make_batch(99, 2, SEQ, VOCAB)
     with torch.no_grad():
         trained_logits = _logits(model, probe)
+
+    # save_pretrained on the sharded model reads weights a rank does not hold: refused on
+    # every rank, with the recipe below named.
+    with pytest.raises(NotHeldError, match=r"save_pretrained reads every weight.*rank0_only"):
+        model.save_pretrained(os.path.join(root, f"naive-tie{tie}"))
 
     # The recipe (README, "Hugging Face export").
     out_dir = os.path.join(root, f"hf-tie{tie}")

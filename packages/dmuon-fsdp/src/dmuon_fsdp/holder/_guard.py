@@ -366,6 +366,24 @@ _NO_DEEPCOPY = (
     f"live on their owners and its hooks reach dmuon's process groups. {DEEPCOPY_FIX}."
 )
 
+# Hugging Face calls that read every weight of a model, by (function, file), and what to do.
+_SAVE_PRETRAINED = (
+    "transformers' save_pretrained reads every weight of the model: gather them with "
+    "dmuon.get_model_state_dict(model, rank0_only=True) on every rank and write them from a "
+    "copy of the model on the meta device (the checkpoints guide, 'Hugging Face export')."
+)
+_ACCELERATE = (
+    "accelerate read every weight of the model (its FSDP plugin's prepare, save_state, "
+    "get_state_dict or save_model): use no FSDP plugin, and dmuon.save_checkpoint for "
+    "checkpoints (the Hugging Face guide, 'A training loop of your own with accelerate')."
+)
+_WHOLE_MODEL_READERS = (
+    ("save_pretrained", "transformers/modeling_utils.py", _SAVE_PRETRAINED),
+    ("prepare", "accelerate/accelerator.py", _ACCELERATE),
+    ("save_state", "accelerate/accelerator.py", _ACCELERATE),
+    ("get_state_dict", "accelerate/accelerator.py", _ACCELERATE),
+    ("save_model", "accelerate/accelerator.py", _ACCELERATE),
+)
 
 # torch.autograd.grad(outputs, inputs) and Tensor.backward(inputs=...) given a dedicated weight.
 _AUTOGRAD_CALLS = ("grad", "backward", "Tensor.backward")
@@ -392,7 +410,11 @@ def _read_from(param: Any) -> str:
         code = frame.f_code
         if code.co_name == "deepcopy" and code.co_filename.endswith("copy.py"):
             return _NO_DEEPCOPY
-        if code.co_filename.replace("\\", "/").endswith(_PARAMETRIZE_FILES):
+        file = code.co_filename.replace("\\", "/")
+        for function, source, hint in _WHOLE_MODEL_READERS:
+            if code.co_name == function and file.endswith(source):
+                return hint
+        if file.endswith(_PARAMETRIZE_FILES):
             return (
                 "A parametrization (torch.nn.utils.parametrize, weight_norm, spectral_norm, "
                 "orthogonal) reads the weight when it is registered: register it before "
