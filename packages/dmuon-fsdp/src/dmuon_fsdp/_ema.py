@@ -41,6 +41,7 @@ from ._torch_internals import foreach_lerp_
 from .checkpoint import checked_on_every_rank, get_model_state_dict, set_model_state_dict
 from .holder import WeightPart, fsdp_modules
 from .optim import Muon
+from .topology import all_gather_numbers
 
 __all__ = ["EMA"]
 
@@ -253,10 +254,8 @@ def _on_every_rank(
     ``group`` (``None``: one rank). Collective."""
     if group is None:
         return [values]
-    mine = torch.tensor(values, dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return [tuple(t.tolist()) for t in every]
+    gathered = all_gather_numbers(values, torch.device("cpu"), dtype=torch.float64, group=group)
+    return [tuple(row) for row in gathered]
 
 
 def _from_rank0(value: float | None, group: dist.ProcessGroup | None) -> float | None:

@@ -80,7 +80,7 @@ from ..topology import (
     DedicatedCommContext,
     MeshLayout,
     ProcessGroupPolicy,
-    all_gather_ints,
+    all_gather_numbers,
     resolve_layout,
 )
 from ._fsdp_integration import check_call_order, install_patch
@@ -728,7 +728,7 @@ def _check_fingerprint(plan: Plan, model: nn.Module, layout: MeshLayout) -> None
     mine = hashlib.sha256(f"{plan.fingerprint()}|{params}".encode()).hexdigest()
     # The sha256 hex digest as 16 ints of 16 bits each, compared across ranks.
     digits = [int(mine[i : i + 4], 16) for i in range(0, len(mine), 4)]
-    everyone = all_gather_ints(digits, layout.device)
+    everyone = all_gather_numbers(digits, layout.device)
     differing = sorted({"".join(f"{d:04x}" for d in row) for row in everyone} - {mine})
     if differing:
         raise RuntimeError(

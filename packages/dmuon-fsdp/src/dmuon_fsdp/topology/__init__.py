@@ -2,7 +2,7 @@
 tensor-parallel index) and the comm context (process groups, streams, byte counter)."""
 
 from ._comm import Axis, CommCounter, CommKind, DedicatedCommContext, ProcessGroupPolicy
-from ._mesh import MeshLayout, all_gather_ints, resolve_layout
+from ._mesh import MeshLayout, all_gather_numbers, resolve_layout
 
 __all__ = [
     "Axis",
@@ -11,6 +11,6 @@ __all__ = [
     "DedicatedCommContext",
     "MeshLayout",
     "ProcessGroupPolicy",
-    "all_gather_ints",
+    "all_gather_numbers",
     "resolve_layout",
 ]

@@ -13,7 +13,9 @@ about how a ``DeviceMesh`` lays ranks out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon_ownership import Owner
 
-__all__ = ["MeshLayout", "all_gather_ints", "resolve_layout"]
+__all__ = ["MeshLayout", "all_gather_numbers", "resolve_layout"]
 
 _HSDP_HINT = (
     "build it with init_device_mesh(device, (replicate, shard), "
@@ -84,14 +86,21 @@ class MeshLayout:
         )
 
 
-def all_gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
-    """Every rank's ``values`` (same length everywhere), in rank order; collective over the
-    default group. A tensor collective, not ``all_gather_object``: no pickling, and nothing
-    beyond torch is needed at run time."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [[int(v) for v in t.tolist()] for t in everyone]
+def all_gather_numbers(
+    values: Sequence[float],
+    device: torch.device,
+    *,
+    dtype: torch.dtype = torch.int64,
+    group: dist.ProcessGroup | None = None,
+) -> list[list[Any]]:
+    """Every rank's ``values`` (same length everywhere), in rank order, as ``dtype`` holds them
+    (int64: ints; float64: floats, and ints below 2**53 exactly); collective over ``group``
+    (the default group: ``None``). A tensor collective, not ``all_gather_object``: no
+    pickling, and nothing beyond torch is needed at run time."""
+    mine = torch.tensor(values, dtype=dtype, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
 
 
 def _check_1d(mesh: object, argument: str) -> DeviceMesh:
@@ -193,7 +202,7 @@ def resolve_layout(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(shard_mesh.device_type)
-    gathered = all_gather_ints([coord.shard, coord.replicate, tp_index, dist.get_rank()], device)
+    gathered = all_gather_numbers([coord.shard, coord.replicate, tp_index, dist.get_rank()], device)
     grids: list[list[list[int | None]]] = [
         [[None] * shard_size for _ in range(replicate_size)] for _ in range(tp_size)
     ]
