@@ -17,9 +17,10 @@ The loop accumulates 2 micro-batches per step (the first under ``dmuon.no_sync``
 one norm with ``dmuon.clip_grad_norm_(..., params="all")`` and saves with
 ``dmuon.save_checkpoint`` after step 5 of 10. It then builds the model again from other
 initial weights, loads that checkpoint and trains steps 6 to 10 again. It exits non-zero unless
-the loss fell, the resumed steps' losses equal the uninterrupted run's bit for bit, and, on the
-first step, the clip's norm is the norm of every gradient (and ``accelerator.clip_grad_norm_``
-saw only the AdamW ones).
+the loss fell, the resumed steps' losses equal the uninterrupted run's bit for bit, on the
+first step the clip's norm is the norm of every gradient (and ``accelerator.clip_grad_norm_``
+saw only the AdamW ones), and ``accelerator.get_state_dict`` raises dmuon's ``NotHeldError``
+naming what to use instead.
 """
 
 from __future__ import annotations

@@ -348,7 +348,9 @@ def _model_only(rank: int, world_size: int, root: str):
     state_before = get_optimizer_state_dict(model, optimizer)
     with pytest.raises(ValueError, match=r"another predicate or param_policy.*load_checkpoint"):
         load_checkpoint(path, model, optimizer)
-    load_checkpoint(path, model)
+    with pytest.raises(ValueError, match=r"strict=False applies to the optimizer state"):
+        load_checkpoint(path, model, None, strict=False)
+    load_checkpoint(path, model, None)
     weights = _equal(get_model_state_dict(model), saved)
     state_kept = _equal(get_optimizer_state_dict(model, optimizer), state_before)
     loss = loss_fn(model, batch(2, 8))

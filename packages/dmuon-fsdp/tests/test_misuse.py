@@ -324,19 +324,23 @@ def test_each_misuse_raises_the_same_clear_error_on_every_rank(tmp_path) -> None
 
 def _z2_in_fully_shard_only(rank: int, world_size: int) -> list[list[str]]:
     """``reshard_after_forward=False`` on every layer's fully_shard: a warning while
-    dedicate_params keeps its default (Z3), none once it is given False too, nor for
-    torchtitan's habit of keeping only the last layer (the others reshard)."""
+    dedicate_params keeps its default (Z3), also where the model is wrapped (Lightning), none
+    once it is given False too, nor for torchtitan's habit of keeping only the last layer (the
+    others reshard)."""
     mesh = init_device_mesh("cpu", (world_size,))
     seen = []
-    for dedicated, kept in ((True, (False, False)), (False, (False, False)), (True, (True, False))):
+    cases = ((True, (False, False)), (False, (False, False)), (True, (True, False)))
+    for wrapped, (dedicated, kept) in [(False, case) for case in cases] + [(True, cases[0])]:
         model = build(0)
-        dedicate_params(model, mesh, muon_predicate, reshard_after_forward=dedicated)
+        # Lightning's layout: the module given to dmuon holds the one fully_shard takes.
+        outer = nn.ModuleDict({"model": model}) if wrapped else model
+        dedicate_params(outer, mesh, muon_predicate, reshard_after_forward=dedicated)
         for layer, reshard in zip(model.layers, kept, strict=True):
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            Muon(model)
+            Muon(outer)
         seen.append([str(w.message) for w in caught if "reshard_after_forward" in str(w.message)])
     uninstall_patch()
     return seen
@@ -345,10 +349,12 @@ def _z2_in_fully_shard_only(rank: int, world_size: int) -> list[list[str]]:
 @pytest.mark.distributed
 def test_z2_asked_of_fully_shard_alone_is_warned() -> None:
     for seen in run_distributed(_z2_in_fully_shard_only, 2):
-        warned, both_z2, last_layer_only = seen
-        assert len(warned) == 1 and re.search(
-            r"every fully_shard below the root was given reshard_after_forward=False \(Z2\), but"
-            r" dedicate_params was not.*pass reshard_after_forward=False to dedicate_params",
-            warned[0],
-        ), warned
+        warned, both_z2, last_layer_only, wrapped = seen
+        for warning in (warned, wrapped):
+            assert len(warning) == 1 and re.search(
+                r"every fully_shard below the root was given reshard_after_forward=False \(Z2\),"
+                r" but dedicate_params was not.*pass reshard_after_forward=False to"
+                r" dedicate_params",
+                warning[0],
+            ), warning
         assert both_z2 == [] and last_layer_only == []

@@ -139,6 +139,27 @@ def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
             torch_optim(model, optimizer, options=StateDictOptions(full_state_dict=full))
     outcome["dcp get_optimizer_state_dict"] = "clear error"
     assert optimizer.state_dict()["state"]
+    # torch's setter asks the same function for the dictionary it loads into: a full state
+    # dict (dmuon's, keyed as torch keys it) loads through it.
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict as torch_set
+
+    full = get_optimizer_state_dict(model, optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [names[id(p)] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
+    _step(model, optimizer, rank, world_size, step=2)
+    torch_set(
+        model,
+        optimizer,
+        {"state": dict(full["state"]), "param_groups": groups},
+        options=StateDictOptions(full_state_dict=True),
+    )
+    assert _equal_states(get_optimizer_state_dict(model, optimizer)["state"], full["state"])
     # Last, as each leaves its module half changed: a method registered with FSDP2's
     # register_fsdp_forward_method on the layer (FSDP2 gathers its own parameters for it, not
     # dmuon's), and a parametrization registered after dedicate_params.
@@ -153,6 +174,16 @@ def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
     )
     assert "register it before dedicate_params" in message, message
     return outcome
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[name].keys() == b[name].keys()
+        and all(
+            torch.equal(torch.as_tensor(a[name][f]), torch.as_tensor(b[name][f])) for f in a[name]
+        )
+        for name in a
+    )
 
 
 class _Borrower(torch.nn.Module):

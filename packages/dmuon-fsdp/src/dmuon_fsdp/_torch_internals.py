@@ -206,7 +206,9 @@ def fsdp_reshards_after_forward(module: FSDPModule) -> bool | None:
     when ``fully_shard`` left it no parameters.
 
     Reads ``FSDPParamGroup.post_forward_mesh_info``, ``None`` exactly when FSDP2 keeps them:
-    FSDP2 has no public getter."""
+    FSDP2 has no public getter. For a module inside another ``fully_shard`` module it is what
+    ``fully_shard`` was given; the outermost one's FSDP2 sets to ``None`` at its lazy init (the
+    first forward) unless it was given ``True``, since backward follows at once."""
     groups = _fsdp_param_groups([module])
     if not groups:
         return None
@@ -395,14 +397,17 @@ _DCP_STATE_DICT_SOURCES = (
 
 def torch_optim_state_dict_running() -> bool:
     """Whether the calling code runs inside ``torch.distributed.checkpoint.state_dict``'s
-    ``_get_optim_state_dict``, behind its ``get_optimizer_state_dict`` and ``get_state_dict``
-    (which read ``optimizer.state_dict()`` as every rank's whole state, or its DTensor
-    shards). No public API says which caller asks for a state dict."""
-    return any(
-        frame.f_code.co_name == "_get_optim_state_dict"
-        and any(s in frame.f_code.co_filename for s in _DCP_STATE_DICT_SOURCES)
+    ``_get_optim_state_dict`` for its getters (``get_optimizer_state_dict``,
+    ``get_state_dict``), which take ``optimizer.state_dict()`` for every rank's whole state or
+    its DTensor shards. Not for its setters: ``_load_optim_state_dict`` asks the same function
+    for the dictionary it loads into, which a dmuon optimizer's own ``load_state_dict``
+    completes. No public API says which caller asks for a state dict."""
+    names = {
+        frame.f_code.co_name
         for frame in caller_frames()
-    )
+        if any(s in frame.f_code.co_filename for s in _DCP_STATE_DICT_SOURCES)
+    }
+    return "_get_optim_state_dict" in names and "_load_optim_state_dict" not in names
 
 
 def _fsdp_frame(function: str) -> bool:

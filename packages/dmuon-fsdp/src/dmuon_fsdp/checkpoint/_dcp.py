@@ -68,11 +68,13 @@ holds what it keeps.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Set
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
@@ -90,6 +92,8 @@ from . import _state_layout as layout
 from ._checkpoint import apply_param_groups, as_step, group_state
 
 __all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
 
 # The key of the AppState in the dictionary save_checkpoint hands to DCP.
 CHECKPOINT_KEY = "dmuon"
@@ -367,7 +371,7 @@ def _param_groups(where: str, value: Any) -> dict[str, Any]:
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
-    optimizer: Muon | None = None,
+    optimizer: Muon | None,
     *,
     strict: bool = True,
 ) -> None:
@@ -378,9 +382,10 @@ def load_checkpoint(
     the optimizer. A checkpoint that does not fit raises ``ValueError`` naming the key; a
     damaged one :class:`CheckpointIntegrityError` naming the file and what is wrong. A parameter
     without optimizer state in the checkpoint raises unless ``strict=False``, which starts it
-    from fresh state. Without ``optimizer`` only the model's weights and buffers are read: to
+    from fresh state. With ``optimizer=None`` only the model's weights and buffers are read: to
     start a new optimizer from a checkpoint's weights (fine-tuning, or routes changed since the
-    save). Collective.
+    save); it has no default, so that a resume cannot leave the optimizer out by mistake.
+    Collective.
 
     Args:
         path: the checkpoint directory (every rank passes the same one). Without
@@ -390,16 +395,23 @@ def load_checkpoint(
         model: the model given to ``dedicate_params`` (that object; another raises
             ``ValueError``).
         optimizer: the :class:`Muon` built on ``model`` (another object raises
-            ``ValueError``); ``None``: the model alone is loaded, the checkpoint's optimizer
-            state is not read, and a ``Muon`` built before keeps its state.
+            ``ValueError``); ``None``: the model alone is loaded (logged on rank 0), the
+            checkpoint's optimizer state is not read, and a ``Muon`` built before keeps its
+            state.
         strict: ``True``: a parameter without optimizer state in the checkpoint raises
             ``ValueError``; ``False``: such parameters start from fresh state, as before
-            their first step; everything else loads. Unused without ``optimizer``.
+            their first step; everything else loads. ``False`` with ``optimizer=None`` raises
+            ``ValueError`` (there is no optimizer state to be strict about).
     """
     where = "load_checkpoint"
     check_bool(f"{where}: strict", strict)
     _check_not_a_file(where, path)
     if optimizer is None:
+        if not strict:
+            raise ValueError(
+                f"{where}: strict=False applies to the optimizer state, and optimizer=None loads"
+                " the model alone; pass the optimizer, or leave strict at True"
+            )
         _load_model(where, path, model)
         return
     app = AppState(model, optimizer)
@@ -436,3 +448,10 @@ def _load_model(where: str, path: str | os.PathLike[str], model: nn.Module) -> N
         _install_model(model, runtime, target["model"])
         # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
         runtime.after_step(async_=False)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(
+            "%s: loaded the model's weights and buffers from %r; optimizer=None, so no"
+            " optimizer state was read",
+            where,
+            os.fspath(path),
+        )

@@ -239,8 +239,8 @@ def record_checksums(writer: ChecksumWriter, where: str) -> None:
     if error[0] is not None:
         raise OSError(
             f"{where}: checkpoint {root!r} was written but its {CHECKSUMS_FILE} could not be"
-            f" ({error[0]}); it loads without checksums. Free space or fix permissions and save"
-            " again"
+            f" ({error[0]}), so load_checkpoint will refuse it (its .metadata says a record was"
+            " written). Free space or fix permissions and save again"
         )
 
 

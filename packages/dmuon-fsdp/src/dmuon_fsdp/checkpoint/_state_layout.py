@@ -273,8 +273,8 @@ def _rerouted(where: str, keys: Sequence[str]) -> NoReturn:
         "exp_avg_sq), so it was saved with another predicate or param_policy. Build the "
         "optimizer with the routes it was saved with"
         + (
-            ", or take the weights alone with load_checkpoint(path, model), without the"
-            " optimizer (it keeps its state)"
+            ", or take the weights alone with load_checkpoint(path, model, None) (the"
+            " optimizer keeps its state)"
             if where.startswith("load_checkpoint")
             else ""
         )

@@ -366,7 +366,7 @@ _NO_DEEPCOPY = (
     f"live on their owners and its hooks reach dmuon's process groups. {DEEPCOPY_FIX}."
 )
 
-# Hugging Face calls that read every weight of a model, by (function, file), and what to do.
+# Hugging Face calls that read every weight of a model: (function, file, what to do instead).
 _SAVE_PRETRAINED = (
     "transformers' save_pretrained reads every weight of the model: gather them with "
     "dmuon.get_model_state_dict(model, rank0_only=True) on every rank and write them from a "

@@ -314,11 +314,15 @@ def _check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> N
     """What ``fully_shard`` was given that dmuon does not follow: a ``CPUOffloadPolicy``
     (refused: FSDP2 would keep its shards, their gradients and AdamW's states on the CPU, while
     the dedicated matrices and their momentum stay whole on the owners' device, and the step
-    would mix the two), and ``reshard_after_forward=False`` on every ``fully_shard`` below the
-    root while dmuon reshards (Z3): dmuon's Z2 or Z3 is ``dedicate_params``' own
-    ``reshard_after_forward`` (warned: the results are the same, the traffic is not)."""
-    below_root = []
-    for name, module in fsdp_modules(model):
+    would mix the two), and ``reshard_after_forward=False`` on every ``fully_shard`` module
+    inside another while dmuon reshards (Z3): dmuon's Z2 or Z3 is ``dedicate_params``' own
+    ``reshard_after_forward`` (warned: the results are the same, the traffic is not). The
+    outermost ``fully_shard`` module is left out: FSDP2 keeps its parameters after forward
+    whatever it was given."""
+    modules = fsdp_modules(model)
+    names = [name for name, _ in modules]
+    inner = []
+    for name, module in modules:
         if fsdp_offloads_to_cpu(module):
             raise ValueError(
                 f"fully_shard({name or 'model'!r}) was given offload_policy=CPUOffloadPolicy(),"
@@ -327,10 +331,10 @@ def _check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> N
                 " matrix and its momentum whole on its owner's device and steps them there."
                 " Call fully_shard without offload_policy"
             )
-        if name:
-            below_root.append(fsdp_reshards_after_forward(module))
-    kept = [reshards for reshards in below_root if reshards is not None]
-    if runtime.reshard_after_forward and kept and not any(kept):
+        if any(other != name and (not other or name.startswith(f"{other}.")) for other in names):
+            inner.append(fsdp_reshards_after_forward(module))
+    reshards = [flag for flag in inner if flag is not None]
+    if runtime.reshard_after_forward and reshards and not any(reshards):
         warnings.warn(
             "every fully_shard below the root was given reshard_after_forward=False (Z2), but"
             " dedicate_params was not: dmuon frees each layer's dedicated matrices after its"
