@@ -358,3 +358,28 @@ def test_z2_asked_of_fully_shard_alone_is_warned() -> None:
                 warning[0],
             ), warning
         assert both_z2 == [] and last_layer_only == []
+
+
+def _frozen_after_dedicate(rank: int, world_size: int) -> list[str]:
+    """A dedicated matrix frozen between dedicate_params and Muon(model) (a LoRA base frozen
+    late): it stays dedicated, gathered for every forward and never stepped; warned."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    model.layers[0].attn.q_proj.weight.requires_grad_(False)
+    shard_layers_then_root(model, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Muon(model)
+    uninstall_patch()
+    return [str(w.message) for w in caught if "frozen after dedicate_params" in str(w.message)]
+
+
+@pytest.mark.distributed
+def test_a_matrix_frozen_after_dedicate_params_is_warned() -> None:
+    for seen in run_distributed(_frozen_after_dedicate, 2):
+        assert len(seen) == 1 and re.search(
+            r"1 dedicated parameter\(s\) were frozen after dedicate_params \(first:"
+            r" \['layers\.0\.attn\.q_proj\.weight'\]\).*Freeze them before dedicate_params",
+            seen[0],
+        ), seen

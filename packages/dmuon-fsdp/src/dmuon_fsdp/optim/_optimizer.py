@@ -495,6 +495,14 @@ class Muon(torch.optim.Optimizer):
         # The parameters frozen when it was built, which it never steps: see
         # _check_none_unfrozen.
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen := [dp.fqn for dp in self._runtime.params if not dp.param.requires_grad]:
+            warnings.warn(
+                f"{len(frozen)} dedicated parameter(s) were frozen after dedicate_params (first:"
+                f" {frozen[:3]}): each is still kept whole on its owner and broadcast for its"
+                " layer's forward, and no step trains it. Freeze them before dedicate_params,"
+                " which then leaves them to fully_shard (sharded, as any frozen weight)",
+                stacklevel=2,
+            )
         self._constructing = True
         super().__init__(groups, {})
         self._constructing = False
