@@ -1,4 +1,5 @@
-"""clip_grad_norm_ for Muon grads (single process) and the strategy registry."""
+"""clip_grad_norm_ and clip_grad_value_ for Muon grads (single process) and the strategy
+registry."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import dmuon_clip
 from dmuon_clip import (
     MuonGradClipStats,
     clip_grad_norm_,
+    clip_grad_value_,
     register_muon_grad_clip_strategy,
     registered_muon_grad_clip_strategies,
     try_clip_optimizer_grad_norm_buckets_,
@@ -245,6 +247,33 @@ def test_optimizer_without_the_protocol() -> None:
     opt = PlainOptimizer()
     with pytest.raises(TypeError, match=r"torch\.nn\.utils\.clip_grad_norm_"):
         clip_grad_norm_(opt, 1.0)  # type: ignore[arg-type]
+
+
+def test_clip_grad_value_clamps_grads_and_copies_as_torch_does() -> None:
+    grads, copies = _matrices(0), tuple(_matrices(1)[:1])
+    grads[1][0, 0] = math.nan  # stays NaN, as in torch
+    references = [torch.nn.Parameter(torch.zeros_like(g)) for g in [*grads, *copies]]
+    for p, g in zip(references, [*grads, *copies], strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_value_(references, 0.5)
+    clip_grad_value_(FakeMuon(grads, copies=copies), 0.5)
+    for got, ref in zip([*grads, *copies], references, strict=True):
+        assert torch.equal(got.nan_to_num(7.0), ref.grad.nan_to_num(7.0))
+    assert math.isnan(grads[1][0, 0])
+    assert 0.0 < max(float(g.abs().max()) for g in _matrices(0)) - 0.5  # something was clamped
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan])
+def test_clip_grad_value_refuses_a_value_it_cannot_clamp_to(bad: float) -> None:
+    grads = _matrices()
+    before = [g.clone() for g in grads]
+    with pytest.raises(ValueError, match="clip_value must be a finite number >= 0"):
+        clip_grad_value_(FakeMuon(grads), bad)
+    with pytest.raises(TypeError, match="clip_value must be a number, got True"):
+        clip_grad_value_(FakeMuon(grads), True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"torch\.nn\.utils\.clip_grad_value_"):
+        clip_grad_value_(object(), 1.0)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
 
 
 def test_try_clip_returns_none_on_cpu_and_touches_nothing(monkeypatch) -> None:

@@ -362,6 +362,63 @@ def test_each_selection_is_clipped_once_by_its_own_norm() -> None:
         assert got["all, then adamw"] == pytest.approx(want["adamw"] * share, rel=1e-5)
 
 
+def _clamped_reference() -> tuple[float, dict[str, float]]:
+    """One process, the full batch: a clip value below each route's largest gradient element,
+    and each route's norm after every gradient is clamped to it."""
+    torch.manual_seed(0)
+    model = TinyLlama(MOE)
+    _loss(model, _tokens()).backward()
+    routes: dict[str, list[torch.Tensor]] = {"muon": [], "adamw": []}
+    for n, p in model.named_parameters():
+        routes[_route_of(n, p)].append(p.grad.double())
+    value = 0.5 * min(max(float(g.abs().max()) for g in gs) for gs in routes.values())
+    norms = {
+        route: float(
+            torch.linalg.vector_norm(torch.stack([g.clamp(-value, value).norm() for g in gs]))
+        )
+        for route, gs in routes.items()
+    }
+    return value, norms
+
+
+def _value_clip_on_ranks(rank: int, world_size: int, value: float) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    torch.manual_seed(0)
+    model = TinyLlama(MOE)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dmuon.dedicate_params(model, mesh, muon_predicate, param_policy=POLICY)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    rows = ROWS // world_size
+    _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+    dmuon.clip.clip_grad_value_(optimizer, value, params="all")
+    held = optimizer.grads_for_clip("all")
+    largest = max(float(g.abs().max()) for g in [*held.grads, *held.copies] if g.numel())
+    out = {
+        r: dmuon.clip_grad_norm_(optimizer, None, params=r).total_norm.item()
+        for r in ("muon", "adamw")
+    }
+    optimizer.step()
+    return {**out, "largest": largest}
+
+
+@pytest.mark.distributed
+def test_clip_grad_value_clamps_every_gradient_where_it_is_kept() -> None:
+    # torch.nn.utils.clip_grad_value_ never sees a dedicated matrix's gradient (it lives on the
+    # owner, not in param.grad): dmuon's clamps both routes, as torch's would in one process.
+    value, want = _clamped_reference()
+    for got in run_distributed(_value_clip_on_ranks, 2, value):
+        assert got["largest"] <= value
+        for route in ("muon", "adamw"):
+            assert got[route] == pytest.approx(want[route], rel=1e-5), route
+
+
 def _bad_params(rank: int, world_size: int) -> None:
     import dmuon
 

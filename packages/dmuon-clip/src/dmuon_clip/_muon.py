@@ -1,4 +1,4 @@
-"""``clip_grad_norm_`` for dmuon's dedicated Muon gradients.
+"""``clip_grad_norm_`` and ``clip_grad_value_`` for dmuon's dedicated Muon gradients.
 
 [Note: where the Muon clip sits]
 dmuon's Muon gradients do not live in ``param.grad``: after backward each matrix's averaged
@@ -19,23 +19,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from dmuon_clip._buckets import scale_, validate_max_norm, validate_norm_type
 from dmuon_clip._profiling import span
 from dmuon_clip._strategy import clips_per_matrix, get_muon_grad_clip_strategy
 from dmuon_clip._types import (
+    MuonClipGradsLike,
     MuonGradClipStats,
     SupportsMuonGradsForClip,
     clip_copies,
     is_sharded,
 )
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
 
 def clip_grad_norm_(
@@ -86,18 +88,9 @@ def clip_grad_norm_(
     if not isinstance(error_if_nonfinite, bool):  # a string such as "no" would be truthy
         raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")
     fn = get_muon_grad_clip_strategy(strategy)
-    method = "muon_grads_for_clip" if isinstance(params, str) and params == "muon" else None
-    if not callable(getattr(optimizer, method or "grads_for_clip", None)):
-        raise TypeError(
-            f"{type(optimizer).__name__} has no {method or 'grads_for_clip'}();"
-            " dmuon_clip.clip_grad_norm_ takes dmuon's Muon optimizer; clip plain param.grad"
-            " with torch.nn.utils.clip_grad_norm_"
-        )
+    take = _grads_for_clip(optimizer, params, "clip_grad_norm_")
     with span("dmuon::clip_grad_norm"):
-        if method is not None:
-            muon = optimizer.muon_grads_for_clip()
-        else:
-            muon = optimizer.grads_for_clip(params)  # type: ignore[attr-defined]
+        muon = take()
         per_matrix = clips_per_matrix(strategy)
         if per_matrix and is_sharded(muon):
             raise ValueError(
@@ -137,6 +130,59 @@ def clip_grad_norm_(
             + (" (inf-norm: a NaN is reported as inf)" if norm_type == math.inf else "")
         )
     return stats
+
+
+def clip_grad_value_(
+    optimizer: SupportsMuonGradsForClip,
+    clip_value: float,
+    params: str | Iterable[Tensor] = "muon",
+) -> None:
+    """Clamp dmuon's Muon gradients in place to ``[-clip_value, clip_value]``, or, with
+    ``params``, those of its AdamW route or of both: what ``torch.nn.utils.clip_grad_value_``
+    does to ``param.grad``, which never holds a dedicated matrix's gradient (see [Note: where
+    the Muon clip sits]). Each element is clamped where it is kept, every copy of a matrix
+    alike, so nothing is communicated beyond the optimizer's handing over of the gradients;
+    a NaN stays NaN, as in torch. Call it on every rank between ``backward()`` and ``step()``.
+
+    Args:
+        optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;
+            another raises ``TypeError``).
+        clip_value: the largest magnitude a gradient element keeps, a finite number >= 0.
+        params: which gradients, as for :func:`clip_grad_norm_`: ``"muon"``, ``"adamw"``,
+            ``"all"`` (as torch's ``clip_grad_value_`` of ``model.parameters()`` on a model
+            without dmuon), or an iterable of the optimizer's parameters.
+    """
+    if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)):
+        raise TypeError(f"clip_value must be a number, got {clip_value!r}")
+    if not (math.isfinite(clip_value) and clip_value >= 0):
+        raise ValueError(f"clip_value must be a finite number >= 0, got {clip_value!r}")
+    take = _grads_for_clip(optimizer, params, "clip_grad_value_")
+    with span("dmuon::clip_grad_value"), torch.no_grad():
+        muon = take()
+        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for g in [*muon.grads, *clip_copies(muon)]:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
+        for tensors in by_kind.values():
+            torch._foreach_clamp_min_(tensors, -clip_value)
+            torch._foreach_clamp_max_(tensors, clip_value)
+
+
+def _grads_for_clip(
+    optimizer: SupportsMuonGradsForClip, params: str | Iterable[Tensor], where: str
+) -> Callable[[], MuonClipGradsLike]:
+    """How to take the gradients ``params`` selects from ``optimizer`` (called inside the
+    clip's span); raises ``TypeError`` for an optimizer without the clip protocol."""
+    method = "muon_grads_for_clip" if isinstance(params, str) and params == "muon" else None
+    if not callable(getattr(optimizer, method or "grads_for_clip", None)):
+        raise TypeError(
+            f"{type(optimizer).__name__} has no {method or 'grads_for_clip'}();"
+            f" dmuon_clip.{where} takes dmuon's Muon optimizer; clip plain param.grad"
+            f" with torch.nn.utils.{where}"
+        )
+    if method is not None:
+        return optimizer.muon_grads_for_clip
+    return lambda: optimizer.grads_for_clip(params)  # type: ignore[attr-defined]
 
 
 def _as_matrix(g: Tensor) -> Tensor:
