@@ -313,25 +313,34 @@ def _reference_norms() -> dict[str, float]:
     }
 
 
-def _params_on_ranks(rank: int, world_size: int, max_norms: dict[str, float]) -> dict[str, float]:
-    """For each selection: its norm, then the norms of every selection after clipping it."""
+def _moe_after_backward(rank: int, world_size: int):
+    """The MoE demo model with o_proj on AdamW (POLICY), 1-D FSDP2 and dmuon, after one
+    backward of this rank's rows: (model, optimizer)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
 
+    torch.manual_seed(0)
+    model = TinyLlama(MOE)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dmuon.dedicate_params(model, mesh, muon_predicate, param_policy=POLICY)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    rows = ROWS // world_size
+    _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+    return model, optimizer
+
+
+def _params_on_ranks(rank: int, world_size: int, max_norms: dict[str, float]) -> dict[str, float]:
+    """For each selection: its norm, then the norms of every selection after clipping it."""
+    import dmuon
+
     out: dict[str, float] = {}
     for params, max_norm in max_norms.items():
-        torch.manual_seed(0)
-        model = TinyLlama(MOE)
-        mesh = init_device_mesh("cpu", (world_size,))
-        dmuon.dedicate_params(model, mesh, muon_predicate, param_policy=POLICY)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
-        rows = ROWS // world_size
-        _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+        model, optimizer = _moe_after_backward(rank, world_size)
         chosen = dmuon.dedicated_params_of(model) if params == "held" else params
         out[params] = dmuon.clip_grad_norm_(optimizer, max_norm, params=chosen).total_norm.item()
         for after in ("muon", "adamw"):
@@ -382,21 +391,9 @@ def _clamped_reference() -> tuple[float, dict[str, float]]:
 
 
 def _value_clip_on_ranks(rank: int, world_size: int, value: float) -> dict[str, float]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     import dmuon
 
-    torch.manual_seed(0)
-    model = TinyLlama(MOE)
-    mesh = init_device_mesh("cpu", (world_size,))
-    dmuon.dedicate_params(model, mesh, muon_predicate, param_policy=POLICY)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
-    rows = ROWS // world_size
-    _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
+    _, optimizer = _moe_after_backward(rank, world_size)
     dmuon.clip.clip_grad_value_(optimizer, value, params="all")
     held = optimizer.grads_for_clip("all")
     largest = max(float(g.abs().max()) for g in [*held.grads, *held.copies] if g.numel())
