@@ -35,6 +35,7 @@ from dmuon_fsdp import (
     load_checkpoint,
     save_checkpoint,
 )
+from dmuon_fsdp.checkpoint import _integrity as integrity
 from dmuon_fsdp.checkpoint._integrity import CHECKSUMS_FILE
 from dmuon_testing.distributed import run_distributed
 
@@ -178,6 +179,19 @@ def _damaged_loads(rank: int, world_size: int, root: str):
     errors["stale"] = str(info.value)
     unchanged["stale"] = _equal(_state(model, optimizer), before)
 
+    # One rank sees no record where the others do (a shared file system's stale view of a file
+    # just written): every rank raises, none waits in DCP for it.
+    real = integrity.read_checksums
+    if rank == 1:
+        integrity.read_checksums = lambda where, path: None
+    try:
+        with pytest.raises(CheckpointIntegrityError) as info:
+            load_checkpoint(good, model, optimizer)
+    finally:
+        integrity.read_checksums = real
+    errors["unseen"] = str(info.value)
+    unchanged["unseen"] = _equal(_state(model, optimizer), before)
+
     # A plain dcp.load ignores the record; load_checkpoint of the good copy restores it all.
     plain = dcp.load({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=good) is None
     plain_same = _equal(_state(model, optimizer)[:2], saved[:2])
@@ -197,8 +211,14 @@ def damaged(tmp_path_factory):
 def test_damaged_checkpoints_raise_naming_the_file_and_change_nothing(damaged):
     root, results = damaged
     keys, errors, unchanged, _, _, _ = results[0]
-    # Every rank reaches the same verdict with the same message.
+    # Every rank reaches the same verdict with the same message, but where one rank alone
+    # failed: it raises its own error, the others name it.
+    unseen = [r[1].pop("unseen") for r in results]
     assert all(r[1] == errors for r in results)
+    assert "and that file is missing" in unseen[1] and "failed on rank" not in unseen[1]
+    assert unseen[0].startswith(unseen[1]) and unseen[0].endswith(
+        "[load_checkpoint failed on rank(s) [1]; nothing was loaded on any rank]"
+    ), unseen
     for name, same in unchanged.items():
         assert same, f"{name}: a failed load changed the model or the optimizer"
     for r in results:

@@ -80,6 +80,7 @@ from .._checks import check_bool
 from ..holder import DedicatedParam, tensor_view
 from ..optim import Muon, step_dtype
 from ..runtime import DedicatedRuntime, get_runtime
+from ._integrity import CheckpointIntegrityError
 from ._state_layout import (
     STATE_FIELDS,
     TensorSpec,
@@ -304,7 +305,9 @@ def _agree(runtime: DedicatedRuntime, where: str, error: ValueError | None) -> N
         if error is not None:
             raise error
         return
-    text = b"" if error is None else (str(error) or repr(error)).encode()
+    # The first byte says whether it was a CheckpointIntegrityError, the others raise one too.
+    kind = b"I" if isinstance(error, CheckpointIntegrityError) else b"V"
+    text = b"" if error is None else kind + (str(error) or repr(error)).encode()
     lengths = torch.zeros(
         dist.get_world_size(group), dtype=torch.int64, device=runtime.layout.device
     )
@@ -320,10 +323,13 @@ def _agree(runtime: DedicatedRuntime, where: str, error: ValueError | None) -> N
     dist.broadcast(data, group=group, group_src=first)
     if error is not None:
         raise error
-    raise ValueError(
-        f"{bytes(data.cpu().tolist()).decode()} [{where} failed on rank(s) {failed}; nothing"
-        " was loaded on any rank]"
+    sent = bytes(data.cpu().tolist())
+    named = ValueError(
+        f"{sent[1:].decode()} [{where} failed on rank(s) {failed}; nothing was loaded on any rank]"
     )
+    if sent[:1] == b"I":
+        raise CheckpointIntegrityError(str(named))
+    raise named
 
 
 def _check_model_dict(entries: list[Entry], state_dict: object) -> None:

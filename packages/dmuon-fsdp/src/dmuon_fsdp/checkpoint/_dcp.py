@@ -34,7 +34,10 @@ load changes nothing]).
 :func:`load_checkpoint` checks everything it can before DCP reads: the checksum record, the
 ``.metadata`` and the data files (see [Note: checkpoint integrity] in :mod:`._integrity`),
 then every key, full shape and dtype against the model and optimizer (the checks of
-:mod:`._state_layout`, the same on every rank). DCP then reads, each chunk checked against its
+:mod:`._state_layout`, the same on every rank). Each rank reads the files itself, so the ranks
+agree on these checks before DCP's first collective (:func:`checked_on_every_rank`): where one
+rank sees the files otherwise (a shared file system's stale view), it raises its error and
+the others one that names it, instead of waiting for it inside DCP. DCP then reads, each chunk checked against its
 checksum as it is read: every tensor the model or the optimizer holds into a CPU scratch
 tensor, and the state of a parameter the optimizer has not stepped yet into the new tensors
 that will hold it, which nothing else sees until the install. Only after the whole read
@@ -89,7 +92,7 @@ from ..optim import Muon
 from ..runtime import DedicatedRuntime, get_runtime
 from . import _integrity as integrity
 from . import _state_layout as layout
-from ._checkpoint import apply_param_groups, as_step, group_state
+from ._checkpoint import apply_param_groups, as_step, checked_on_every_rank, group_state
 
 __all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
 
@@ -416,10 +419,13 @@ def load_checkpoint(
         return
     app = AppState(model, optimizer)
     with record_function("dmuon::load_checkpoint"):
-        checksums = integrity.read_checksums(where, path)
-        metadata = integrity.read_metadata(where, path, checksums)
-        integrity.check_files(where, path, metadata, checksums)
-        absent = set(_check_metadata(app, metadata, where, strict=strict))
+        checksums, metadata = _read_checked(where, path, app.runtime)
+        absent: set[str] = set()
+        checked_on_every_rank(
+            app.runtime,
+            where,
+            lambda: absent.update(_check_metadata(app, metadata, where, strict=strict)),
+        )
         target, direct = app._load_target(absent)
         state = {CHECKPOINT_KEY: target}
         scratch = integrity.load_verified(where, path, state, metadata, checksums, direct)
@@ -430,15 +436,34 @@ def load_checkpoint(
         app.load_state_dict(target)
 
 
+def _read_checked(
+    where: str, path: str | os.PathLike[str], runtime: DedicatedRuntime
+) -> tuple[integrity.Checksums | None, Metadata]:
+    """The checkpoint's record and ``.metadata``, its files checked, agreed across ranks: every
+    rank reads the files itself, and one that sees them otherwise (a shared file system's stale
+    view of a file just written) raises on every rank instead of leaving the others waiting in
+    DCP's first collective."""
+    read: list[Any] = []
+
+    def check() -> None:
+        checksums = integrity.read_checksums(where, path)
+        metadata = integrity.read_metadata(where, path, checksums)
+        integrity.check_files(where, path, metadata, checksums)
+        read.extend((checksums, metadata))
+
+    checked_on_every_rank(runtime, where, check)
+    return read[0], read[1]
+
+
 def _load_model(where: str, path: str | os.PathLike[str], model: nn.Module) -> None:
     """:func:`load_checkpoint` without an optimizer: the model's tensors alone, checked and read
     as there, then published as a step's weights are."""
     runtime = get_runtime(model)
     with record_function("dmuon::load_checkpoint"):
-        checksums = integrity.read_checksums(where, path)
-        metadata = integrity.read_metadata(where, path, checksums)
-        integrity.check_files(where, path, metadata, checksums)
-        _check_model_metadata(model, runtime, metadata, where)
+        checksums, metadata = _read_checked(where, path, runtime)
+        checked_on_every_rank(
+            runtime, where, lambda: _check_model_metadata(model, runtime, metadata, where)
+        )
         runtime.drain()
         target = {"model": _model_tensors(model, runtime)}
         scratch = integrity.load_verified(
