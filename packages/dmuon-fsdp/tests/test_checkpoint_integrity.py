@@ -191,6 +191,20 @@ def _damaged_loads(rank: int, world_size: int, root: str):
         integrity.read_checksums = real
     errors["unseen"] = str(info.value)
     unchanged["unseen"] = _equal(_state(model, optimizer), before)
+    # An I/O error on one rank (permissions, a stale file handle) likewise.
+    if rank == 1:
+
+        def denied(where, path):
+            raise PermissionError(13, "Permission denied", os.path.join(path, CHECKSUMS_FILE))
+
+        integrity.read_checksums = denied
+    try:
+        with pytest.raises(CheckpointIntegrityError) as info:
+            load_checkpoint(good, model, optimizer)
+    finally:
+        integrity.read_checksums = real
+    errors["denied"] = str(info.value)
+    unchanged["denied"] = _equal(_state(model, optimizer), before)
 
     # A plain dcp.load ignores the record; load_checkpoint of the good copy restores it all.
     plain = dcp.load({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=good) is None
@@ -214,11 +228,15 @@ def test_damaged_checkpoints_raise_naming_the_file_and_change_nothing(damaged):
     # Every rank reaches the same verdict with the same message, but where one rank alone
     # failed: it raises its own error, the others name it.
     unseen = [r[1].pop("unseen") for r in results]
+    denied = [r[1].pop("denied") for r in results]
     assert all(r[1] == errors for r in results)
-    assert "and that file is missing" in unseen[1] and "failed on rank" not in unseen[1]
-    assert unseen[0].startswith(unseen[1]) and unseen[0].endswith(
-        "[load_checkpoint failed on rank(s) [1]; nothing was loaded on any rank]"
-    ), unseen
+    assert "and that file is missing" in unseen[1]
+    assert "reading checkpoint" in denied[1] and "PermissionError" in denied[1]
+    for alone in (unseen, denied):
+        assert "failed on rank" not in alone[1]
+        assert alone[0].startswith(alone[1]) and alone[0].endswith(
+            "[load_checkpoint failed on rank(s) [1]; nothing was loaded on any rank]"
+        ), alone
     for name, same in unchanged.items():
         assert same, f"{name}: a failed load changed the model or the optimizer"
     for r in results:

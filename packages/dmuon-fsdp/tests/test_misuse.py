@@ -372,14 +372,15 @@ def _frozen_after_dedicate(rank: int, world_size: int) -> list[str]:
         warnings.simplefilter("always")
         Muon(model)
     uninstall_patch()
-    return [str(w.message) for w in caught if "frozen after dedicate_params" in str(w.message)]
+    return [str(w.message) for w in caught if "frozen between dedicate_params" in str(w.message)]
 
 
 @pytest.mark.distributed
 def test_a_matrix_frozen_after_dedicate_params_is_warned() -> None:
     for seen in run_distributed(_frozen_after_dedicate, 2):
         assert len(seen) == 1 and re.search(
-            r"1 dedicated parameter\(s\) were frozen after dedicate_params \(first:"
-            r" \['layers\.0\.attn\.q_proj\.weight'\]\).*Freeze them before dedicate_params",
+            r"1 dedicated parameter\(s\) were frozen between dedicate_params and Muon\(model\)"
+            r" \(first: \['layers\.0\.attn\.q_proj\.weight'\]\): it is still kept whole.*"
+            r"freeze it before dedicate_params.*freeze it after Muon\(model\)",
             seen[0],
         ), seen

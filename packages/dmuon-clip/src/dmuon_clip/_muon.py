@@ -143,6 +143,8 @@ def clip_grad_value_(
     the Muon clip sits]). Each element is clamped where it is kept, every copy of a matrix
     alike, so nothing is communicated beyond the optimizer's handing over of the gradients;
     a NaN stays NaN, as in torch. Call it on every rank between ``backward()`` and ``step()``.
+    As every clip of Muon gradients, the first one turns dmuon's ``ns_overlap`` off (NS
+    during backward would have read them unclamped).
 
     Args:
         optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;

@@ -284,10 +284,10 @@ def set_model_state_dict(
 
 
 def checked_on_every_rank(runtime: DedicatedRuntime, where: str, check: Callable[[], None]) -> None:
-    """Run ``check`` (it raises ``ValueError`` for a dictionary that does not fit) and agree
-    across ranks before anything is changed (:func:`_agree`). Each rank passes its own
-    dictionary, and a rank that went on alone would write its part and then wait for the
-    others in the next collective."""
+    """Run ``check`` (it raises ``ValueError`` for what does not fit: a dictionary, a
+    checkpoint's files) and agree across ranks before anything is changed (:func:`_agree`).
+    Each rank checks its own dictionary or its own view of the files, and a rank that went on
+    alone would write its part and then wait for the others in the next collective."""
     error: ValueError | None = None
     try:
         check()
@@ -299,7 +299,9 @@ def checked_on_every_rank(runtime: DedicatedRuntime, where: str, check: Callable
 def _agree(runtime: DedicatedRuntime, where: str, error: ValueError | None) -> None:
     """Return on every rank when no rank has an ``error``; else raise on every rank: a failed
     rank its own error, the others the first failed rank's text (it travels as bytes, so
-    nothing is pickled), naming the ranks that failed. Collective over the global group."""
+    nothing is pickled, its first byte saying whether to raise a
+    :class:`CheckpointIntegrityError` or a ``ValueError``), naming the ranks that failed.
+    Collective over the global group."""
     group = runtime.global_group
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:

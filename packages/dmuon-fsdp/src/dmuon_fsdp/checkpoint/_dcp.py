@@ -408,7 +408,6 @@ def load_checkpoint(
     """
     where = "load_checkpoint"
     check_bool(f"{where}: strict", strict)
-    _check_not_a_file(where, path)
     if optimizer is None:
         if not strict:
             raise ValueError(
@@ -446,9 +445,16 @@ def _read_checked(
     read: list[Any] = []
 
     def check() -> None:
-        checksums = integrity.read_checksums(where, path)
-        metadata = integrity.read_metadata(where, path, checksums)
-        integrity.check_files(where, path, metadata, checksums)
+        _check_not_a_file(where, path)
+        try:
+            checksums = integrity.read_checksums(where, path)
+            metadata = integrity.read_metadata(where, path, checksums)
+            integrity.check_files(where, path, metadata, checksums)
+        except OSError as error:  # permissions, a stale NFS handle: raised on every rank
+            raise integrity.CheckpointIntegrityError(
+                f"{where}: reading checkpoint {os.fspath(path)!r} failed:"
+                f" {type(error).__name__}: {error}; nothing was loaded"
+            ) from error
         read.extend((checksums, metadata))
 
     checked_on_every_rank(runtime, where, check)

@@ -496,11 +496,17 @@ class Muon(torch.optim.Optimizer):
         # _check_none_unfrozen.
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         if frozen := [dp.fqn for dp in self._runtime.params if not dp.param.requires_grad]:
+            kept = (
+                "its gradient is still reduced to its owner and its weight published"
+                if self._runtime.config.replicated
+                else "it is still kept whole on its owner and broadcast for its layer's forward"
+            )
             warnings.warn(
-                f"{len(frozen)} dedicated parameter(s) were frozen after dedicate_params (first:"
-                f" {frozen[:3]}): each is still kept whole on its owner and broadcast for its"
-                " layer's forward, and no step trains it. Freeze them before dedicate_params,"
-                " which then leaves them to fully_shard (sharded, as any frozen weight)",
+                f"{len(frozen)} dedicated parameter(s) were frozen between dedicate_params and"
+                f" Muon(model) (first: {frozen[:3]}): {kept}, and no step will ever train it"
+                " (Muon takes the trainable parameters when it is built). To keep it frozen,"
+                " freeze it before dedicate_params, which then leaves it alone; to train it"
+                " later, freeze it after Muon(model)",
                 stacklevel=2,
             )
         self._constructing = True
