@@ -179,32 +179,23 @@ def _damaged_loads(rank: int, world_size: int, root: str):
     errors["stale"] = str(info.value)
     unchanged["stale"] = _equal(_state(model, optimizer), before)
 
-    # One rank sees no record where the others do (a shared file system's stale view of a file
-    # just written): every rank raises, none waits in DCP for it.
-    real = integrity.read_checksums
-    if rank == 1:
-        integrity.read_checksums = lambda where, path: None
-    try:
-        with pytest.raises(CheckpointIntegrityError) as info:
-            load_checkpoint(good, model, optimizer)
-    finally:
-        integrity.read_checksums = real
-    errors["unseen"] = str(info.value)
-    unchanged["unseen"] = _equal(_state(model, optimizer), before)
-    # An I/O error on one rank (permissions, a stale file handle) likewise.
-    if rank == 1:
+    # Rank 1 alone sees no record where the others do (a shared file system's stale view of a
+    # file just written), or gets an I/O error (permissions, a stale file handle): every rank
+    # raises, none waits in DCP for it.
+    def denied(where, path):
+        raise PermissionError(13, "Permission denied", os.path.join(path, CHECKSUMS_FILE))
 
-        def denied(where, path):
-            raise PermissionError(13, "Permission denied", os.path.join(path, CHECKSUMS_FILE))
-
-        integrity.read_checksums = denied
-    try:
-        with pytest.raises(CheckpointIntegrityError) as info:
-            load_checkpoint(good, model, optimizer)
-    finally:
-        integrity.read_checksums = real
-    errors["denied"] = str(info.value)
-    unchanged["denied"] = _equal(_state(model, optimizer), before)
+    for name, read_on_rank_1 in (("unseen", lambda where, path: None), ("denied", denied)):
+        real = integrity.read_checksums
+        if rank == 1:
+            integrity.read_checksums = read_on_rank_1
+        try:
+            with pytest.raises(CheckpointIntegrityError) as info:
+                load_checkpoint(good, model, optimizer)
+        finally:
+            integrity.read_checksums = real
+        errors[name] = str(info.value)
+        unchanged[name] = _equal(_state(model, optimizer), before)
 
     # A plain dcp.load ignores the record; load_checkpoint of the good copy restores it all.
     plain = dcp.load({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=good) is None
