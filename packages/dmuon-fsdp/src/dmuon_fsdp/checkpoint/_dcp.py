@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 import torch
@@ -418,12 +418,12 @@ def load_checkpoint(
         return
     app = AppState(model, optimizer)
     with record_function("dmuon::load_checkpoint"):
-        checksums, metadata = _read_checked(where, path, app.runtime)
         absent: set[str] = set()
-        checked_on_every_rank(
-            app.runtime,
+        checksums, metadata = _read_checked(
             where,
-            lambda: absent.update(_check_metadata(app, metadata, where, strict=strict)),
+            path,
+            app.runtime,
+            lambda metadata: absent.update(_check_metadata(app, metadata, where, strict=strict)),
         )
         target, direct = app._load_target(absent)
         state = {CHECKPOINT_KEY: target}
@@ -436,12 +436,16 @@ def load_checkpoint(
 
 
 def _read_checked(
-    where: str, path: str | os.PathLike[str], runtime: DedicatedRuntime
+    where: str,
+    path: str | os.PathLike[str],
+    runtime: DedicatedRuntime,
+    check_tensors: Callable[[Metadata], None],
 ) -> tuple[integrity.Checksums | None, Metadata]:
-    """The checkpoint's record and ``.metadata``, its files checked, agreed across ranks: every
-    rank reads the files itself, and one that sees them otherwise (a shared file system's stale
-    view of a file just written) raises on every rank instead of leaving the others waiting in
-    DCP's first collective."""
+    """The checkpoint's record and ``.metadata``, its files checked and its tensors by
+    ``check_tensors``, agreed across ranks in one collective: every rank reads the files
+    itself, and one that sees them otherwise (a shared file system's stale view of a file just
+    written) raises on every rank instead of leaving the others waiting in DCP's first
+    collective."""
     read: list[Any] = []
 
     def check() -> None:
@@ -455,6 +459,7 @@ def _read_checked(
                 f"{where}: reading checkpoint {os.fspath(path)!r} failed:"
                 f" {type(error).__name__}: {error}; nothing was loaded"
             ) from error
+        check_tensors(metadata)
         read.extend((checksums, metadata))
 
     checked_on_every_rank(runtime, where, check)
@@ -466,9 +471,11 @@ def _load_model(where: str, path: str | os.PathLike[str], model: nn.Module) -> N
     as there, then published as a step's weights are."""
     runtime = get_runtime(model)
     with record_function("dmuon::load_checkpoint"):
-        checksums, metadata = _read_checked(where, path, runtime)
-        checked_on_every_rank(
-            runtime, where, lambda: _check_model_metadata(model, runtime, metadata, where)
+        checksums, metadata = _read_checked(
+            where,
+            path,
+            runtime,
+            lambda metadata: _check_model_metadata(model, runtime, metadata, where),
         )
         runtime.drain()
         target = {"model": _model_tensors(model, runtime)}
