@@ -65,7 +65,15 @@ def _train(rank: int, world_size: int, sources: bool):
     finally:
         lpt.expert_sources = chosen
     optimizer = Muon(model, **HYPER.muon_kwargs())
+    # What a post-update hook is handed must be the stepped weight: a receiving replica's
+    # shard of a sourced stack still holds the old one then (the source's broadcast comes
+    # after the hooks), so it is not among that rank's parts.
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    optimizer.register_post_update_hook(
+        lambda _, parts: seen.update({n: (p.tensor, p.tensor.clone()) for n, p in parts.items()})
+    )
     losses = _steps(model, optimizer, rank, world_size, 0, STEPS)
+    stale = [name for name, (now, at_hook) in seen.items() if not torch.equal(now, at_hook)]
     # The bytes the sources broadcast per step, from the plan and this rank's shards.
     params = dict(model.named_parameters())
     mine = runtime.coord.shard
@@ -98,7 +106,16 @@ def _train(rank: int, world_size: int, sources: bool):
             params[first.stack].grad.to_local().fill_(float("inf"))
         optimizer.step()
         skipped = bool(optimizer.last_step_stats.skipped)
-    return losses, state, runtime.plan.expert_sources, expected, published, replicas_equal, skipped
+    return (
+        losses,
+        state,
+        runtime.plan.expert_sources,
+        expected,
+        published,
+        replicas_equal,
+        skipped,
+        stale,
+    )
 
 
 def _refused(rank: int, world_size: int) -> str:
@@ -129,12 +146,16 @@ def test_expert_sources_train_bit_for_bit_like_every_replica_stepping() -> None:
     assert state.keys() == plain_state.keys()
     for key in state:
         assert torch.equal(state[key], plain_state[key]), key
-    for (*_, expected, published, equal, skipped), (
+    for (*_, expected, published, equal, skipped, stale), (
         *_,
         plain_published,
         plain_equal,
         _,
+        _,
     ), message in results:
+        assert not stale, (
+            f"a post-update hook was handed a shard before its source's update: {stale}"
+        )
         assert equal and plain_equal, "HSDP replicas hold different experts"
         assert skipped, "an infinity in a receiver's expert gradient must skip the step everywhere"
         # What the sources add to the replicate axis is their shards' broadcast, nothing else.

@@ -97,8 +97,13 @@ class StepPlan:
                     if view is None or view.steps_here
                 ]
                 self.adamw.append((group, entries))
-        # Each Muon holder this rank steps once (a split weight has an entry per piece).
-        self.holders = list({id(e.holder): e.holder for e in self.muon}.values())
+        # Each Muon holder this rank steps once (a split weight has an entry per piece). Not
+        # a stack shard whose momentum alone advances here (``ns`` None: an expert source on
+        # another replica steps it and broadcasts it after the post-update hooks), whose
+        # weight would read, in a hook, as it was before the step.
+        self.holders = list(
+            {id(e.holder): e.holder for e in self.muon if e.ns is not None}.values()
+        )
         stepped = [e for e in self.muon if e.matrices]
         self.batches = shape_batches(
             [e for e in stepped if e.ns is not None], _batch_key, _batch_size, ns_batch_bytes
