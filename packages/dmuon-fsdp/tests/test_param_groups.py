@@ -197,6 +197,9 @@ def _group_edits(rank: int, world_size: int):
         (0, {"momentum": 1.5}),
         (1, {"lr": -0.01}),
         (1, {"betas": (0.9, 1.0)}),
+        # torch.optim.Muon's per-group keys, and a user group's, mean nothing to a step.
+        (0, {"ns_steps": 3}),
+        (1, {"adamw_lr": 0.1}),
     ]
     errors = []
     for index, edit in edits:
@@ -212,6 +215,7 @@ def _group_edits(rank: int, world_size: int):
         errors.append(str(info.value))
         after = get_model_state_dict(model)
         assert all(torch.equal(after[k], v) for k, v in before.items())
+        group.clear()
         group.update(kept)
         optimizer.param_groups[index] = group
     return runs, betas, schedule[-1][1], errors
@@ -230,6 +234,8 @@ def test_group_edits_reach_the_step():
         assert "group 'muon': momentum must lie in [0, 1)" in errors[3]
         assert "group 'adamw': lr must be >= 0.0" in errors[4]
         assert "group 'adamw': adamw_betas[1] must lie in [0, 1)" in errors[5]
+        assert "group 'muon' holds ['ns_steps'], which no step reads" in errors[6]
+        assert "group 'adamw' holds ['adamw_lr'], which no step reads" in errors[7]
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name

@@ -225,6 +225,35 @@ def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> 
     return kept
 
 
+# Keys a step never reads that mean something elsewhere, with where that is: torch.optim.Muon's
+# per-group options, which dmuon fixes at construction for every group, and the keys of a
+# user group, which construction turns into the optimizer groups' own. Written into an
+# optimizer group they would change nothing without a word (see take_group_edits).
+_INERT_KEYS = {
+    "ns_steps": "Muon(ns_steps=...) or ns_backend=dmuon.NewtonSchulz(steps=...), fixed when"
+    " Muon is built",
+    "ns_coefficients": "ns_backend=dmuon.NewtonSchulz(coefficients=...), fixed when Muon is built",
+    "adjust_lr_fn": "options=dmuon.StepOptions(lr_scaling=...), fixed when Muon is built",
+    "muon_lr": "'lr' of the '.../muon' group",
+    "adamw_lr": "'lr' of the '.../adamw' group",
+    "muon_weight_decay": "'weight_decay' of the '.../muon' group",
+    "adamw_weight_decay": "'weight_decay' of the '.../adamw' group",
+    "adamw_betas": "'betas' of the '.../adamw' group",
+    "adamw_eps": "'eps' of the '.../adamw' group",
+    **{key: "Muon(model, param_groups=[...]), fixed when Muon is built" for key in _ROUTE_KEYS},
+}
+
+
+def _check_no_inert_keys(group: Mapping[str, Any], where: str) -> None:
+    inert = [key for key in _INERT_KEYS if key in group]
+    if inert:
+        raise ValueError(
+            f"{where} holds {inert}, which no step reads (the step would go on without them):"
+            + "; ".join(f" {key} is {_INERT_KEYS[key]}" for key in inert)
+            + ". Delete the key from the group"
+        )
+
+
 def take_group_edits(
     groups: list[dict[str, Any]], built: Sequence[dict[str, Any]]
 ) -> dict[int, dict[str, Any]]:
@@ -249,6 +278,7 @@ def take_group_edits(
             own.update(group)
             groups[i] = own
         where = f"Muon.param_groups: group {own['group_name']!r}"
+        _check_no_inert_keys(own, where)
         if own["optimizer"] == Route.ADAMW and "momentum" in own:
             beta1 = _check_fraction(own.pop("momentum"), "momentum", where)
             own["betas"] = (beta1, own["betas"][1])
