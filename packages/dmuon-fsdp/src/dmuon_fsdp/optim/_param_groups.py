@@ -249,7 +249,7 @@ def _check_no_inert_keys(group: Mapping[str, Any], where: str) -> None:
     if inert:
         raise ValueError(
             f"{where} holds {inert}, which no step reads (the step would go on without them):"
-            + "; ".join(f" {key} is {_INERT_KEYS[key]}" for key in inert)
+            + ";".join(f" {key} is {_INERT_KEYS[key]}" for key in inert)
             + ". Delete the key from the group"
         )
 
