@@ -22,6 +22,7 @@ from dmuon_fsdp import (
     dedicated_params_of,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_runtime,
     set_optimizer_state_dict,
     summarize_comm_plan,
     summarize_param_groups,
@@ -397,7 +398,8 @@ def _errors(rank: int, world_size: int):
     with pytest.raises(ValueError, match=r"exclude each other.*choose one"):
         StepOptions(ns_overlap=True, cuda_graph=True)
     with pytest.raises(ValueError, match=r"cuda_graph=True\) needs CUDA.*on cpu"):
-        Muon(model, options=StepOptions(cuda_graph=True))
+        Muon(model, options=StepOptions(cuda_graph=True, profile=True))
+    assert get_runtime(model).hooks.wait_timers is None, "a failed Muon() left forward timing on"
     with pytest.raises(ValueError, match=r"Newton–Schulz is a callable.*cannot capture"):
         Muon(model, ns_backend=lambda x: x, options=StepOptions(cuda_graph=True))
     custom = NewtonSchulz(backend="direct", steps=3)
@@ -406,6 +408,8 @@ def _errors(rank: int, world_size: int):
     optimizer = Muon(model)
     with pytest.raises(ValueError, match=r"Muon\(model, param_groups=\[\.\.\.\]\)"):
         optimizer.add_param_group({"params": []})
+    with pytest.raises(AttributeError):  # fixed at construction: the plan and hooks read it
+        optimizer.options = StepOptions(skip_nonfinite=False)  # type: ignore[misc]
 
     # Wrong call order: before fully_shard, the model's other parameters are unsynchronised.
     early = build(0)

@@ -461,7 +461,7 @@ class Muon(torch.optim.Optimizer):
                 f"options must be a dmuon.StepOptions, got {type(options).__name__}: "
                 "Muon(model, ..., options=dmuon.StepOptions(replicate_async=False, ...))"
             )
-        self.options = options
+        self._options = options
         self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
         self._runtime.lazy_init()
@@ -485,8 +485,6 @@ class Muon(torch.optim.Optimizer):
         # Fixed for the runtime's life; asked once (the query costs host time every step).
         self._global_size = dist.get_world_size(self._runtime.global_group)
         self._timer = PhaseTimer(device) if options.profile else None
-        if options.profile:
-            self._runtime.hooks.time_forward_waits(device)
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
         self._hooks = StepHooks(self._runtime.comm_ctx.host_group)
         # (name, module, attribute, shard) of one FSDP2 parameter per module, found at the
@@ -550,6 +548,8 @@ class Muon(torch.optim.Optimizer):
                 device,
             )
         runtime.set_grad_listener(self._overlap)
+        if options.profile:  # last: a construction that failed leaves the runtime as it was
+            runtime.hooks.time_forward_waits(device)
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -560,6 +560,13 @@ class Muon(torch.optim.Optimizer):
                 " group as Muon(model, param_groups=[...]) instead of add_param_group()"
             )
         super().add_param_group(param_group)
+
+    @property
+    def options(self) -> StepOptions:
+        """The :class:`StepOptions` it was built with, fixed for its life: several shape the
+        step plan, the CUDA graph and the hooks at construction (build a new ``Muon`` to change
+        them)."""
+        return self._options
 
     @property
     def runtime(self) -> DedicatedRuntime:
@@ -734,7 +741,7 @@ class Muon(torch.optim.Optimizer):
     ) -> tuple[Tensor | None, Tensor | None]:
         """The non-finite decision (``found`` for torch's fused AdamW, ``skip`` for the Muon
         passes), counted in the step stats, or ``(None, None)`` without ``skip_nonfinite``."""
-        if not self.options.skip_nonfinite:
+        if not self._options.skip_nonfinite:
             mark("nonfinite_check")
             return None, None
         found = self._find_nonfinite(work)
@@ -792,7 +799,7 @@ class Muon(torch.optim.Optimizer):
         """The holders' own publish (expert sources), then the runtime's: replicas and peers
         get the new weights (see [Note: step order])."""
         self._plan.publish(self._runtime.comm_ctx, mark)
-        self._runtime.after_step(async_=self.options.replicate_async)
+        self._runtime.after_step(async_=self._options.replicate_async)
         mark("publish")
 
     def _adamw_update(
