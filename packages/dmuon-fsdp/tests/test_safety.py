@@ -31,6 +31,7 @@ from dmuon_fsdp import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
+    summarize_param_groups,
 )
 from dmuon_testing.distributed import run_distributed
 
@@ -516,3 +517,28 @@ def test_dmuons_own_groups_time_out_as_the_default_group_does() -> None:
     # own groups must fail after it too, not after torch's half-hour default.
     for ratios in run_distributed(_timeouts, 4):
         assert ratios == [1.0, 1.0, 1.0, 1.0], ratios
+
+
+def _tied_head_routed_by_its_alias(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build(0, tie=True)
+    policy = {"overrides": [{"name": ["lm_head"], "set": {"route": "sharded_adamw"}}]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dedicate_params(model, mesh, lambda n, p: p.ndim == 2, param_policy=policy)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    summarize_param_groups(model, optimizer, param_policy=policy)  # resolves it alike
+    dedicated = {id(p) for p in dedicated_params_of(model)}
+    names = [n for n, p in model.named_parameters() if id(p) in dedicated]
+    return names, [str(w.message) for w in caught if "param_policy" in str(w.message)]
+
+
+@pytest.mark.distributed
+def test_a_tied_head_is_routed_by_its_second_name() -> None:
+    # The predicate accepts a tied weight under any of its names; param_policy must too (it
+    # routed the pair by 'embed_tokens' only, put it on Muon and warned that 'lm_head' matched
+    # no parameter).
+    for names, policy_warnings in run_distributed(_tied_head_routed_by_its_alias, 2):
+        assert "embed_tokens.weight" not in names and names, names
+        assert not policy_warnings, policy_warnings

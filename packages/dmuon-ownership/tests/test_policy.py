@@ -382,3 +382,21 @@ def test_glu_mode_of_fused_expert_stacks() -> None:
     assert resolve_param_policy("layers.0.mlp.experts.down_proj", policy).glu is None
     with pytest.raises(ValueError, match="glu must be 'split'"):
         resolve_param_policy("x", {"defaults": {"glu": "fused"}})
+
+
+def test_a_parameter_with_several_names_matches_by_any_of_them() -> None:
+    # A tied embedding and head: named_parameters() names it embed_tokens.weight only, but an
+    # override naming lm_head must route it, as dedicate_params' predicate sees both names.
+    policy = ParamPolicy.from_dict(
+        {
+            "defaults": {"route": "muon"},
+            "overrides": [
+                {"name": ["lm_head"], "set": {"route": "sharded_adamw"}},
+                {"name": ["embed_tokens"], "set": {"optim_dtype": "fp32"}},
+            ],
+        }
+    )
+    assert policy.resolve("embed_tokens.weight").route is Route.MUON
+    tied = policy.resolve("embed_tokens.weight", ["embed_tokens.weight", "lm_head.weight"])
+    assert tied.route is Route.SHARDED_ADAMW and tied.optim_dtype == "float32"
+    assert policy.matching("embed_tokens.weight", ["lm_head.weight"]) == (0, 1)

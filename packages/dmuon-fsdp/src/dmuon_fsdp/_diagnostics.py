@@ -5,7 +5,7 @@ world view gathers the dictionaries itself (e.g. ``all_gather_object``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,13 +44,15 @@ def _check_max_rows(max_rows: object) -> int:
 
 
 def _check_policy(
-    param_policy: Mapping[str, Any] | ParamPolicy, runtime: DedicatedRuntime
+    param_policy: Mapping[str, Any] | ParamPolicy,
+    runtime: DedicatedRuntime,
+    aliases: Mapping[int, list[str]],
 ) -> ParamPolicy:
     """``param_policy`` parsed, and checked to be the one ``dedicate_params`` was given: it
     must resolve every dedicated parameter as the runtime did."""
     policy = validate_param_policy(param_policy)
     for dp in sorted(runtime.params, key=lambda dp: dp.fqn):
-        resolved = policy.resolve(dp.fqn)
+        resolved = policy.resolve(dp.fqn, aliases.get(id(dp.param), ()))
         differ = [
             f"{field} {getattr(resolved, field)!r} here, {getattr(dp.policy, field)!r} there"
             for field in POLICY_FIELDS
@@ -100,13 +102,21 @@ def summarize_param_groups(
     optimizer = check_optimizer(model, optimizer)
     _check_max_rows(max_rows)
     runtime = get_runtime(model)
-    policy = runtime.param_policy if param_policy is None else _check_policy(param_policy, runtime)
+    # Every name of each parameter: an override may match a tied parameter by either.
+    aliases: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(fqn)
+    policy = (
+        runtime.param_policy
+        if param_policy is None
+        else _check_policy(param_policy, runtime, aliases)
+    )
     modules = dict(model.named_modules())
     out = []
     for group in optimizer.param_groups:
         names: list[str] = list(group["param_names"])
         rows = [
-            _param_row(name, p, optimizer, runtime, modules, policy)
+            _param_row(name, p, optimizer, runtime, modules, policy, aliases.get(id(p), ()))
             for name, p in zip(names[:max_rows], group["params"])
         ]
         stepped: list[str] = []
@@ -187,6 +197,7 @@ def _param_row(
     runtime: DedicatedRuntime,
     modules: Mapping[str, nn.Module],
     policy: ParamPolicy | None,
+    aliases: Sequence[str] = (),
 ) -> dict[str, Any]:
     dp: DedicatedParam | None = optimizer.dedicated_param(p)
     dtypes: tuple[Any, ...]
@@ -228,7 +239,7 @@ def _param_row(
             "reduce_dtype": reduce,
             "optim_dtype": optim,
             "output_dtype": output,
-            "policy_overrides": None if policy is None else list(policy.matching(name)),
+            "policy_overrides": None if policy is None else list(policy.matching(name, aliases)),
         }
     )
     return row

@@ -259,20 +259,23 @@ class ParamPolicy:
         )
         return cls(defaults, overrides)
 
-    def matching(self, name: str) -> tuple[int, ...]:
+    def matching(self, name: str, aliases: Iterable[str] = ()) -> tuple[int, ...]:
         """The indices (into ``param_policy['overrides']``) of the overrides that apply to
-        parameter ``name``, in policy order: the ones :meth:`resolve` applies."""
-        components = name.split(".")
+        parameter ``name``, in policy order: the ones :meth:`resolve` applies. ``aliases``
+        are the parameter's other names (a tied embedding and head): an override that matches
+        any of them applies, as the predicate of ``dedicate_params`` accepts any of them."""
+        names = [(n, n.split(".")) for n in dict.fromkeys((name, *aliases))]
         return tuple(
             index
             for index, override in enumerate(self.overrides)
-            if override.matches(name, components)
+            if any(override.matches(n, components) for n, components in names)
         )
 
-    def resolve(self, name: str) -> ResolvedPolicy:
-        """The defaults, then every matching override in order (each sets only its fields)."""
+    def resolve(self, name: str, aliases: Iterable[str] = ()) -> ResolvedPolicy:
+        """The defaults, then every override that matches ``name`` or one of its ``aliases``,
+        in policy order (each sets only its fields)."""
         fields: dict[str, Any] = {}
-        for index in self.matching(name):
+        for index in self.matching(name, aliases):
             fields.update(self.overrides[index].values)
         return dataclasses.replace(self.defaults, **fields) if fields else self.defaults
 

@@ -349,7 +349,10 @@ def _dedicate(
             "lambda n, p: 'proj' in n and p.ndim == 2"
         )
     policy = validate_param_policy(param_policy)
-    unmatched = policy.unmatched_tokens(name for name, _ in model.named_parameters())
+    # Every name, a tied parameter's second one too: an override may route it by either.
+    unmatched = policy.unmatched_tokens(
+        name for name, _ in model.named_parameters(remove_duplicate=False)
+    )
     if unmatched:
         # Likely typos: an override that matches nothing changes nothing.
         warnings.warn(
@@ -361,7 +364,7 @@ def _dedicate(
         )
     aliases = _aliases(model)
     modules = dict(model.named_modules())
-    claimed = _claim(_select(model, aliases, predicate), policy, modules)
+    claimed = _claim(_select(model, aliases, predicate), policy, modules, aliases)
     # A kind FSDP2 holds (an expert stack) is stepped where it lies; every other selected
     # parameter is dedicated (or, routed to sharded_adamw, left to FSDP2 as it is).
     in_place = [claim for claim in claimed if claim.kind and not claim.kind.dedicated]
@@ -519,7 +522,10 @@ class _Claim(NamedTuple):
 
 
 def _claim(
-    selected: list[_Selected], policy: ParamPolicy, modules: Mapping[str, nn.Module]
+    selected: list[_Selected],
+    policy: ParamPolicy,
+    modules: Mapping[str, nn.Module],
+    aliases: Mapping[int, list[str]],
 ) -> list[_Claim]:
     """Ask the registry once per selected parameter for its kind (see [Note: the kinds of
     holders] in ``holder/_kinds``), and the kind for its matrices (which checks that Muon can
@@ -527,7 +533,8 @@ def _claim(
     claims = []
     for fqn, param, declared in selected:
         path, _, name = fqn.rpartition(".")
-        resolved = policy.resolve(fqn)
+        # By every name, as _select asks the predicate: a tied head routed as 'lm_head'.
+        resolved = policy.resolve(fqn, aliases.get(id(param), ()))
         split = _split_of(fqn, declared, resolved.split)
         found = Found(fqn, param, modules[path], name, resolved, split)
         kind = kind_of(found)
