@@ -418,8 +418,9 @@ def _read_from(param: Any) -> str:
             return (
                 "A parametrization (torch.nn.utils.parametrize, weight_norm, spectral_norm, "
                 "orthogonal) reads the weight when it is registered: register it before "
-                "dedicate_params, whose predicate then selects "
-                "'<module>.parametrizations.weight.original'."
+                "dedicate_params, whose predicate then selects the matrix it keeps: "
+                "'<module>.parametrizations.weight.original' ('original1', the direction, "
+                "under weight_norm, whose 'original0' is the (out, 1) magnitude)."
             )
         module = frame.f_locals.get("self") if code.co_name == "forward" else None
         if isinstance(module, nn.Module):
