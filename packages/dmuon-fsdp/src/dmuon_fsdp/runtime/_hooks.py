@@ -129,13 +129,12 @@ class BoundaryHooks:
         for index, group in enumerate(self.groups):
             self._handles.append(
                 group.module.register_forward_pre_hook(
-                    functools.partial(_weak_hook, weak_self, "_pre_forward", index),
-                    with_kwargs=True,
+                    _untraced_hook(weak_self, "_pre_forward", index), with_kwargs=True
                 )
             )
             self._handles.append(
                 group.module.register_forward_hook(
-                    functools.partial(_weak_hook, weak_self, "_post_forward", index)
+                    _untraced_hook(weak_self, "_post_forward", index)
                 )
             )
             before_state_dict = functools.partial(_weak_hook, weak_self, "_state_dict", index)
@@ -529,6 +528,23 @@ def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) 
 @disable_dynamo
 def _untraced(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
+
+
+def _untraced_hook(
+    weak_hooks: weakref.ref[BoundaryHooks], method: str, index: int
+) -> Callable[..., Any]:
+    """A module forward hook that calls ``hooks.<method>(index, ...)``, itself never traced.
+
+    A block compiled in place (``block.compile(fullgraph=True)``, torchtitan's per-block
+    compile) traces its own ``_call_impl`` and with it the block's hooks. Dynamo runs a hook
+    that is itself disabled eagerly around the graph, as it runs FSDP2's, but a traced hook
+    that calls a disabled function is a graph break, which ``fullgraph=True`` refuses. (The
+    first call imports the compiler, as FSDP2's own hooks do in eager mode.)"""
+
+    def untraced(*args: Any) -> Any:
+        return _weak_hook(weak_hooks, method, index, *args)
+
+    return disable_dynamo(untraced)
 
 
 def _replicated_grad(
