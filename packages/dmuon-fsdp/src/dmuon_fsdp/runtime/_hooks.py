@@ -515,8 +515,9 @@ class BoundaryHooks:
 
 def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) -> Any:
     """Call ``hooks.<method>(*args)`` if the hooks are still alive. Never traced by
-    ``torch.compile``: dmuon's collectives run eagerly at a compiled block's edges (and in
-    eager mode nothing imports the compiler)."""
+    ``torch.compile``: dmuon's collectives run eagerly at a compiled block's edges (in eager
+    mode this path imports nothing; the forward hooks are disabled callables themselves, see
+    ``_untraced_hook``)."""
     hooks = weak_hooks()
     if hooks is None:
         return None
