@@ -170,6 +170,12 @@ class DedicatedGroup:
         comm = self.comm
         if self.replicated:
             if comm.layout.shard_size == 1:
+                # No peer to send to, but the owner's compute copy is resident (never cast
+                # again by an unshard): cast it from the new master, or every later forward
+                # would compute with the weights of before the step.
+                for pack in self.packs:
+                    if pack.masters is not None:
+                        pack.alloc()
                 return
             group, axis = comm.shard_group, Axis.SHARD
             packs = [(pack, pack.sender) for pack in self.packs]
