@@ -27,9 +27,11 @@ from dmuon_fsdp import (
     NotHeldError,
     Role,
     dedicate_params,
+    dedicate_params_ddp,
     dedicated_params_of,
     get_model_state_dict,
     get_optimizer_state_dict,
+    replicate,
     set_model_state_dict,
     summarize_param_groups,
 )
@@ -302,6 +304,26 @@ def _ddp_over_dedicated(rank: int, world_size: int) -> str:
     with pytest.raises(RuntimeError, match="DistributedDataParallel cannot wrap"):
         DistributedDataParallel(model.layers[0])
     return str(caught.value)
+
+
+def _ddp_before_dedicated(rank: int, world_size: int) -> str:
+    # A DDP script gaining dmuon: the wrapper was built first, so its constructor saw no
+    # dedicated parameter; its reducer then all-reduced the dedicated gradients too and the
+    # run drifted from the reference without a word. The first forward now refuses it.
+    model = build(0)
+    ddp = DistributedDataParallel(model)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params_ddp(model, mesh, muon_predicate)
+    replicate(model, mesh)
+    with pytest.raises(RuntimeError, match="built before dedicate_params") as caught:
+        ddp(make_batch(0, 2, 8, 32)[:, :-1])
+    return str(caught.value)
+
+
+@pytest.mark.distributed
+def test_ddp_built_before_dedicate_params_raises_at_the_first_forward() -> None:
+    messages = run_distributed(_ddp_before_dedicated, 2)
+    assert messages[0] == messages[1]
 
 
 @pytest.mark.distributed

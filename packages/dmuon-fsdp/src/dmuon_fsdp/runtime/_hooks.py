@@ -490,6 +490,7 @@ class BoundaryHooks:
         """The runtime's first-forward init (it checks that ``fully_shard`` left every
         dedicated parameter registered, and packs them), then learn which pack each
         parameter's gradient goes to."""
+        _refuse_outer_ddp(self.params)
         self._on_first_forward()
         where = {
             id(dp): (index, pack)
@@ -511,6 +512,28 @@ class BoundaryHooks:
                 self._bucket_of_replicated[id(param)] = (index, bucket[0])
         self._root_replicated = [p for p in self._replicated if id(p) not in placed]
         self._initialised = True
+
+
+def _refuse_outer_ddp(params: Sequence[DedicatedParam]) -> None:
+    """A ``DistributedDataParallel`` built around the model *before* ``dedicate_params``
+    (whose guard refuses a later one) runs this forward: its reducer all-reduces every
+    gradient, the dedicated ones included, on top of dmuon's reduces, and training silently
+    diverges from DDP's. Refuse it here, on every rank alike (every rank runs DDP's forward)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = DistributedDataParallel._get_active_ddp_module()
+    if active is None:
+        return
+    mine = {id(dp.param) for dp in params}
+    if any(id(p) in mine for p in active.module.parameters()):
+        raise RuntimeError(
+            "DistributedDataParallel cannot wrap a model with dedicated parameters: this "
+            "forward runs inside a DistributedDataParallel built before dedicate_params, "
+            "whose reducer would all-reduce the dedicated gradients on top of dmuon's "
+            "reduces. Drop the DistributedDataParallel wrapper and call the model itself: "
+            "dmuon.dedicate_params_ddp(model, mesh, predicate) + dmuon.replicate(model, mesh) "
+            "is the replicated path; to shard, dedicate_params + fully_shard"
+        )
 
 
 def _weak_hook(weak_hooks: weakref.ref[BoundaryHooks], method: str, *args: Any) -> Any:
