@@ -215,6 +215,18 @@ def fsdp_reshards_after_forward(module: FSDPModule) -> bool | None:
     return any(group.post_forward_mesh_info is not None for group in groups)
 
 
+def active_ddp_module() -> torch.nn.Module | None:
+    """The module that the ``DistributedDataParallel`` whose forward is running wraps, or
+    ``None`` outside one.
+
+    Reads ``DistributedDataParallel._get_active_ddp_module()``, which DDP sets around its
+    forward for the compiler: nothing public tells a module that a DDP is running it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = DistributedDataParallel._get_active_ddp_module()
+    return None if active is None else active.module
+
+
 def local_tensor(t: DTensor) -> Tensor:
     """The local tensor object a ``DTensor`` holds (writing its ``.data`` reaches the DTensor).
 

@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._profile import PhaseTimer, span
 from .._torch_internals import (
+    active_ddp_module,
     disable_dynamo,
     in_backward,
     queue_backward_callback,
@@ -519,13 +520,11 @@ def _refuse_outer_ddp(params: Sequence[DedicatedParam]) -> None:
     (whose guard refuses a later one) runs this forward: its reducer all-reduces every
     gradient, the dedicated ones included, on top of dmuon's reduces, and training silently
     diverges from DDP's. Refuse it here, on every rank alike (every rank runs DDP's forward)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    active = DistributedDataParallel._get_active_ddp_module()
-    if active is None:
+    wrapped = active_ddp_module()
+    if wrapped is None:
         return
     mine = {id(dp.param) for dp in params}
-    if any(id(p) in mine for p in active.module.parameters()):
+    if any(id(p) in mine for p in wrapped.parameters()):
         raise RuntimeError(
             "DistributedDataParallel cannot wrap a model with dedicated parameters: this "
             "forward runs inside a DistributedDataParallel built before dedicate_params, "
