@@ -201,6 +201,8 @@ def _group_edits(rank: int, world_size: int):
         # torch.optim.Muon's per-group keys, and a user group's, mean nothing to a step.
         (0, {"ns_steps": 3}),
         (1, {"adamw_lr": 0.1}),
+        # ... in a replacement too, refused before it replaces anything.
+        (0, {**first, "lr": 0.5, "ns_steps": 3}),
     ]
     errors = []
     for index, edit in edits:
@@ -216,6 +218,8 @@ def _group_edits(rank: int, world_size: int):
         errors.append(str(info.value))
         after = get_model_state_dict(model)
         assert all(torch.equal(after[k], v) for k, v in before.items())
+        if "params" in edit:  # a refused replacement left the group as it was
+            assert group.keys() == kept.keys() and all(group[k] is kept[k] for k in kept)
         group.clear()
         group.update(kept)
         optimizer.param_groups[index] = group
@@ -237,6 +241,7 @@ def test_group_edits_reach_the_step():
         assert "group 'adamw': adamw_betas[1] must lie in [0, 1)" in errors[5]
         assert "group 'muon' holds ['ns_steps'], which no step reads" in errors[6]
         assert "group 'adamw' holds ['adamw_lr'], which no step reads" in errors[7]
+        assert "group 'muon' holds ['ns_steps'], which no step reads" in errors[8]
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name

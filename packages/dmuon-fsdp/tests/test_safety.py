@@ -306,7 +306,7 @@ def _ddp_over_dedicated(rank: int, world_size: int) -> str:
     return str(caught.value)
 
 
-def _ddp_before_dedicated(rank: int, world_size: int) -> str:
+def _ddp_before_dedicated(rank: int, world_size: int, eval_first: bool) -> str:
     # A DDP script gaining dmuon: the wrapper was built first, so its constructor saw no
     # dedicated parameter; its reducer then all-reduced the dedicated gradients too and the
     # run drifted from the reference without a word. The first forward now refuses it.
@@ -315,15 +315,36 @@ def _ddp_before_dedicated(rank: int, world_size: int) -> str:
     mesh = init_device_mesh("cpu", (world_size,))
     dedicate_params_ddp(model, mesh, muon_predicate)
     replicate(model, mesh)
+    if eval_first:  # a forward of the bare model first (an evaluation before training)
+        with torch.no_grad():
+            model(make_batch(0, 2, 8, 32)[:, :-1])
     with pytest.raises(RuntimeError, match="built before dedicate_params") as caught:
         ddp(make_batch(0, 2, 8, 32)[:, :-1])
     return str(caught.value)
 
 
 @pytest.mark.distributed
-def test_ddp_built_before_dedicate_params_raises_at_the_first_forward() -> None:
-    messages = run_distributed(_ddp_before_dedicated, 2)
+@pytest.mark.parametrize("eval_first", [False, True])
+def test_ddp_built_before_dedicate_params_raises_at_its_first_forward(eval_first) -> None:
+    messages = run_distributed(_ddp_before_dedicated, 2, eval_first)
     assert messages[0] == messages[1]
+
+
+def _ddp_inside_before_dedicated(rank: int, world_size: int) -> str:
+    # A block wrapped in DDP in place: dmuon's hooks on the wrapper run before its forward.
+    model = build(0)
+    model.layers[1] = DistributedDataParallel(model.layers[1])
+    mesh = init_device_mesh("cpu", (world_size,))
+    with pytest.raises(RuntimeError, match="cannot wrap a module of a model") as caught:
+        dedicate_params_ddp(model, mesh, muon_predicate)
+    assert not dedicated_params_of(model)
+    return str(caught.value)
+
+
+@pytest.mark.distributed
+def test_ddp_inside_the_model_raises_at_dedicate_params() -> None:
+    messages = run_distributed(_ddp_inside_before_dedicated, 2)
+    assert messages[0] == messages[1] and "'layers.1'" in messages[0]
 
 
 @pytest.mark.distributed

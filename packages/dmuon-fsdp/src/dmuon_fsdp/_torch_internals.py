@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from types import FrameType, ModuleType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -215,16 +215,35 @@ def fsdp_reshards_after_forward(module: FSDPModule) -> bool | None:
     return any(group.post_forward_mesh_info is not None for group in groups)
 
 
-def active_ddp_module() -> torch.nn.Module | None:
-    """The module that the ``DistributedDataParallel`` whose forward is running wraps, or
-    ``None`` outside one.
+def active_ddp() -> torch.nn.Module | None:
+    """The ``DistributedDataParallel`` whose forward is running, or ``None`` outside one.
 
     Reads ``DistributedDataParallel._get_active_ddp_module()``, which DDP sets around its
-    forward for the compiler: nothing public tells a module that a DDP is running it."""
+    forward for the compiler: nothing public tells a module that a DDP is running it. (Unset
+    under ``optimize_ddp="python_reducer"``.)"""
     from torch.nn.parallel import DistributedDataParallel
 
-    active = DistributedDataParallel._get_active_ddp_module()
-    return None if active is None else active.module
+    return DistributedDataParallel._get_active_ddp_module()
+
+
+def ddp_reduced_params(ddp: torch.nn.Module) -> list[Tensor]:
+    """The parameters the reducer of ``ddp`` (a ``DistributedDataParallel``) all-reduces.
+
+    Reads ``DistributedDataParallel._module_parameters``, its list without the frozen and the
+    ignored parameters (``_ddp_params_and_buffers_to_ignore``); nothing public lists them. A
+    torch without it gives the trainable parameters of the module it wraps."""
+    reduced = getattr(ddp, "_module_parameters", None)
+    if reduced is None:
+        wrapped = cast(torch.nn.Module, ddp.module)
+        reduced = [p for p in wrapped.parameters() if p.requires_grad]
+    return list(reduced)
+
+
+def ddp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The ``DistributedDataParallel`` wrappers among ``module``'s submodules (itself too)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [m for m in module.modules() if isinstance(m, DistributedDataParallel)]
 
 
 def local_tensor(t: DTensor) -> Tensor:

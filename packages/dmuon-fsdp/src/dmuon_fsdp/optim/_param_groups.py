@@ -49,6 +49,10 @@ step. Two edits the user (or a scheduler) makes outside them are taken in at the
   ``"betas"`` otherwise. It is AdamW's ``beta1``: it moves into ``betas``, so both optimizers
   follow the cycle, as a ``torch.optim.Muon`` and a ``torch.optim.AdamW`` would each under their
   own scheduler.
+
+A key that no step reads but that means something elsewhere (``_INERT_KEYS``: torch.optim.Muon's
+``ns_steps``, a user group's ``adamw_lr``, ...) raises instead, in place or in a replacement,
+before anything is replaced: written silently it would change nothing.
 """
 
 from __future__ import annotations
@@ -311,7 +315,8 @@ def _check_replacement(group: Any, own: Mapping[str, Any]) -> None:
             f"{where} steps with {route.value!r}; the dict that replaced it says"
             f" {group['optimizer']!r}: a group's optimizer is fixed at construction"
         )
-    group_numbers(group, route, where)  # before it replaces anything
+    _check_no_inert_keys(group, where)  # before it replaces anything
+    group_numbers(group, route, where)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .._profile import PhaseTimer, span
 from .._torch_internals import (
-    active_ddp_module,
+    active_ddp,
+    ddp_reduced_params,
     disable_dynamo,
     in_backward,
     queue_backward_callback,
@@ -113,6 +114,8 @@ class BoundaryHooks:
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
         self._initialised = False
+        # The DistributedDataParallel wrappers found running a forward, checked once each.
+        self._ddp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._all_reduces: AllReduceQueue | None = None  # the replicated path's (hook_replicated)
         self._replicated: list[nn.Parameter] = []
         # Replicated parameters (ids) whose gradient a backward under no_sync accumulated since
@@ -192,6 +195,12 @@ class BoundaryHooks:
         self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         group = self.groups[index]
+        ddp = active_ddp()
+        if ddp is not None and ddp not in self._ddp_checked:
+            # At every forward, not only the first: the first may have run outside it (an
+            # evaluation of the bare model before the training loop calls the wrapper).
+            _refuse_outer_ddp(ddp, self.params)
+            self._ddp_checked.add(ddp)
         if not self._initialised:
             self._first_forward()
         if in_backward():
@@ -491,7 +500,6 @@ class BoundaryHooks:
         """The runtime's first-forward init (it checks that ``fully_shard`` left every
         dedicated parameter registered, and packs them), then learn which pack each
         parameter's gradient goes to."""
-        _refuse_outer_ddp(self.params)
         self._on_first_forward()
         where = {
             id(dp): (index, pack)
@@ -515,16 +523,13 @@ class BoundaryHooks:
         self._initialised = True
 
 
-def _refuse_outer_ddp(params: Sequence[DedicatedParam]) -> None:
+def _refuse_outer_ddp(ddp: nn.Module, params: Sequence[DedicatedParam]) -> None:
     """A ``DistributedDataParallel`` built around the model *before* ``dedicate_params``
     (whose guard refuses a later one) runs this forward: its reducer all-reduces every
     gradient, the dedicated ones included, on top of dmuon's reduces, and training silently
     diverges from DDP's. Refuse it here, on every rank alike (every rank runs DDP's forward)."""
-    wrapped = active_ddp_module()
-    if wrapped is None:
-        return
     mine = {id(dp.param) for dp in params}
-    if any(id(p) in mine for p in wrapped.parameters()):
+    if any(id(p) in mine for p in ddp_reduced_params(ddp)):
         raise RuntimeError(
             "DistributedDataParallel cannot wrap a model with dedicated parameters: this "
             "forward runs inside a DistributedDataParallel built before dedicate_params, "

@@ -55,7 +55,7 @@ from dmuon_ownership import (
 )
 
 from .._matrix import MatrixView, describe_pieces, pieces_of
-from .._torch_internals import local_shard
+from .._torch_internals import ddp_modules, local_shard
 from ..holder import (
     DedicatedParam,
     ExpertStack,
@@ -363,6 +363,7 @@ def _dedicate(
             stacklevel=3,
         )
     aliases = _aliases(model)
+    _refuse_inner_ddp(model)
     modules = dict(model.named_modules())
     claimed = _claim(_select(model, aliases, predicate), policy, modules, aliases)
     # A kind FSDP2 holds (an expert stack) is stepped where it lies; every other selected
@@ -449,6 +450,23 @@ def _zero_grad_clears_owner_grads(model: nn.Module, runtime: DedicatedRuntime) -
         runtime.clear_grads()
 
     model.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def _refuse_inner_ddp(model: nn.Module) -> None:
+    """A ``DistributedDataParallel`` built inside the model before this call (a block wrapped
+    in place): its reducer would all-reduce the dedicated gradients on top of dmuon's reduces,
+    and dmuon's hooks on it run before its forward, where no check sees it running."""
+    found = {id(m) for m in ddp_modules(model)}
+    inner = [name or type(model).__name__ for name, m in model.named_modules() if id(m) in found]
+    if inner:
+        raise RuntimeError(
+            f"DistributedDataParallel cannot wrap a module of a model given to dmuon: {inner[:3]} "
+            "wrap modules of this model, and their reducers would all-reduce the dedicated "
+            "gradients on top of dmuon's reduces. Unwrap them (module.module) before "
+            "dedicate_params: dmuon.dedicate_params_ddp(model, mesh, predicate) + "
+            "dmuon.replicate(model, mesh) is the replicated path; to shard, dedicate_params + "
+            "fully_shard"
+        )
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
