@@ -330,11 +330,20 @@ def _policy_dtypes(rank: int, world_size: int, replicated: bool):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("replicated", [False, True], ids=["fsdp2", "ddp"])
-def test_adamw_route_bf16_compute_fp32_master_matches_a_bf16_compute_reference(replicated):
+@pytest.mark.parametrize(
+    ("replicated", "world_size"),
+    # One rank of the replicated path publishes nothing, but the owner's bf16 compute copy
+    # must still be cast from its new fp32 master after each step (it used to keep the
+    # initial weights: every forward ran the step-0 model while the masters trained).
+    [(False, 2), (True, 2), (True, 1)],
+    ids=["fsdp2", "ddp", "ddp-one-rank"],
+)
+def test_adamw_route_bf16_compute_fp32_master_matches_a_bf16_compute_reference(
+    replicated, world_size
+):
     # bf16 and fp32 reduce dtypes (the AdamW step upcasts a bf16 gradient to its fp32 master),
     # with torch's fused AdamW (the non-finite check) and without it.
-    runs = run_distributed(_policy_dtypes, 2, replicated)[0]
+    runs = run_distributed(_policy_dtypes, world_size, replicated)[0]
     plain = build(0)
     names = [n for n, p in plain.named_parameters() if ".attn." in n and "proj" in n]
     ref = reference_mixed(names, STEPS, compute_modules=LAYERS)
@@ -343,20 +352,6 @@ def test_adamw_route_bf16_compute_fp32_master_matches_a_bf16_compute_reference(r
         for step, (got, want) in enumerate(zip(losses, ref)):
             assert abs(got - want) <= 1e-3 * abs(want), f"step {step}: {got} vs {want}"
         assert losses[-1] < losses[0]
-
-
-@pytest.mark.distributed
-def test_ddp_path_on_one_rank_computes_with_the_stepped_masters():
-    # With one rank nothing is published, but the owner's bf16 compute copy must still be cast
-    # from its new fp32 master after each step (it used to keep the initial weights: every
-    # forward ran the step-0 model while the masters trained on its gradients).
-    runs = run_distributed(_policy_dtypes, 1, True)[0]
-    plain = build(0)
-    names = [n for n, p in plain.named_parameters() if ".attn." in n and "proj" in n]
-    ref = reference_mixed(names, STEPS, compute_modules=LAYERS)
-    for losses in runs:
-        for step, (got, want) in enumerate(zip(losses, ref)):
-            assert abs(got - want) <= 1e-3 * abs(want), f"step {step}: {got} vs {want}"
 
 
 # -- meta-device models --------------------------------------------------------------------------
