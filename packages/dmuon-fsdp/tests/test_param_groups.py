@@ -203,6 +203,8 @@ def _group_edits(rank: int, world_size: int):
         (1, {"adamw_lr": 0.1}),
         # ... in a replacement too, refused before it replaces anything.
         (0, {**first, "lr": 0.5, "ns_steps": 3}),
+        # torch.optim.AdamW's flags that change its arithmetic, which dmuon's AdamW lacks.
+        (1, {"maximize": True}),
     ]
     errors = []
     for index, edit in edits:
@@ -242,6 +244,7 @@ def test_group_edits_reach_the_step():
         assert "group 'muon' holds ['ns_steps'], which no step reads" in errors[6]
         assert "group 'adamw' holds ['adamw_lr'], which no step reads" in errors[7]
         assert "group 'muon' holds ['ns_steps'], which no step reads" in errors[8]
+        assert "group 'adamw' holds ['maximize'], which no step reads" in errors[9]
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name

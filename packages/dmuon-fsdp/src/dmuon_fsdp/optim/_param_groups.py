@@ -230,8 +230,8 @@ def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> 
 
 
 # Keys a step never reads that mean something elsewhere, with where that is: torch.optim.Muon's
-# per-group options, which dmuon fixes at construction for every group, and the keys of a
-# user group, which construction turns into the optimizer groups' own. Written into an
+# per-group options, which dmuon fixes at construction for every group, the keys of a user
+# group, which construction turns into the optimizer groups' own, and two of AdamW's flags. Written into an
 # optimizer group they would change nothing without a word (see take_group_edits).
 _INERT_KEYS = {
     "ns_steps": "Muon(ns_steps=...) or ns_backend=dmuon.NewtonSchulz(steps=...), fixed when"
@@ -245,6 +245,9 @@ _INERT_KEYS = {
     "adamw_betas": "'betas' of the '.../adamw' group",
     "adamw_eps": "'eps' of the '.../adamw' group",
     **{key: "Muon(model, param_groups=[...]), fixed when Muon is built" for key in _ROUTE_KEYS},
+    # torch.optim.AdamW's flags that change its arithmetic: dmuon's AdamW has neither.
+    "maximize": "not an option of dmuon's optimizers (negate the loss instead)",
+    "amsgrad": "not an option of dmuon's AdamW",
 }
 
 
