@@ -20,6 +20,7 @@ from .checkpoint import check_optimizer
 from .holder import DedicatedParam, tensor_view
 from .optim import Muon
 from .runtime import DedicatedGroup, DedicatedRuntime, get_runtime
+from .setup import parameter_names
 
 __all__ = ["collect_forward_unshard_profile", "summarize_comm_plan", "summarize_param_groups"]
 
@@ -103,9 +104,7 @@ def summarize_param_groups(
     _check_max_rows(max_rows)
     runtime = get_runtime(model)
     # Every name of each parameter: an override may match a tied parameter by either.
-    aliases: dict[int, list[str]] = {}
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(fqn)
+    aliases = parameter_names(model)
     policy = (
         runtime.param_policy
         if param_policy is None

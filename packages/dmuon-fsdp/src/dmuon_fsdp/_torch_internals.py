@@ -239,11 +239,12 @@ def ddp_reduced_params(ddp: torch.nn.Module) -> list[Tensor]:
     return list(reduced)
 
 
-def ddp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The ``DistributedDataParallel`` wrappers among ``module``'s submodules (itself too)."""
+def ddp_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The ``DistributedDataParallel`` wrappers among ``module``'s submodules (itself too, as
+    ``""``), by name."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return [m for m in module.modules() if isinstance(m, DistributedDataParallel)]
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, DistributedDataParallel)]
 
 
 def local_tensor(t: DTensor) -> Tensor:

@@ -349,10 +349,9 @@ def _dedicate(
             "lambda n, p: 'proj' in n and p.ndim == 2"
         )
     policy = validate_param_policy(param_policy)
+    aliases = parameter_names(model)
     # Every name, a tied parameter's second one too: an override may route it by either.
-    unmatched = policy.unmatched_tokens(
-        name for name, _ in model.named_parameters(remove_duplicate=False)
-    )
+    unmatched = policy.unmatched_tokens(name for names in aliases.values() for name in names)
     if unmatched:
         # Likely typos: an override that matches nothing changes nothing.
         warnings.warn(
@@ -362,7 +361,6 @@ def _dedicate(
             UserWarning,
             stacklevel=3,
         )
-    aliases = _aliases(model)
     _refuse_inner_ddp(model)
     modules = dict(model.named_modules())
     claimed = _claim(_select(model, aliases, predicate), policy, modules, aliases)
@@ -456,8 +454,7 @@ def _refuse_inner_ddp(model: nn.Module) -> None:
     """A ``DistributedDataParallel`` built inside the model before this call (a block wrapped
     in place): its reducer would all-reduce the dedicated gradients on top of dmuon's reduces,
     and dmuon's hooks on it run before its forward, where no check sees it running."""
-    found = {id(m) for m in ddp_modules(model)}
-    inner = [name or type(model).__name__ for name, m in model.named_modules() if id(m) in found]
+    inner = [name or type(model).__name__ for name, _ in ddp_modules(model)]
     if inner:
         raise RuntimeError(
             f"DistributedDataParallel cannot wrap a module of a model given to dmuon: {inner[:3]} "
@@ -469,7 +466,7 @@ def _refuse_inner_ddp(model: nn.Module) -> None:
         )
 
 
-def _aliases(model: nn.Module) -> dict[int, list[str]]:
+def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     """Every name of each parameter, keyed by ``id``: a parameter registered on two modules (a
     tied embedding and head, a block shared by two layers) has two names; the first is the
     one ``named_parameters()`` and ``state_dict()`` order by."""
