@@ -9,11 +9,15 @@
    boundary;
 4. plan owners with dmuon-ownership (pure, identical on every rank) and prove it by comparing
    ``plan.fingerprint()`` across ranks once;
-5. build the comm context (isolated groups are created here, collectively), pack each
-   boundary's parameters per owner, free the peers' storage, publish the owners' weights to
-   their shard column (HSDP);
-6. register hooks, install the ``fully_shard`` patch (unless ``patch_fully_shard=False``),
-   attach the runtime to the model.
+5. build the comm context (isolated groups are created here, collectively), one holder per
+   planned parameter and one group per boundary, and make torch's paths that cannot reach a
+   dedicated weight raise (``_refuse_torch_paths``);
+6. build the runtime: it registers the hooks and packs each boundary's parameters per owner,
+   frees the peers' storage and publishes the owners' weights to their shard column (HSDP)
+   (a meta-device model is packed later, see [Note: meta-device models] in ``_runtime``);
+7. install the ``fully_shard`` patch (unless ``patch_fully_shard=False``), attach the runtime
+   to the model, wrap its ``zero_grad`` (see [Note: Module.zero_grad]) and its conversions
+   (see [Note: conversions after packing] in ``_runtime``).
 
 [Note: what this runtime does not do]
 
@@ -22,8 +26,10 @@ parameters are packed (at ``dedicate_params``, or for a meta-device model at the
 ``Muon(...)`` or a checkpoint call): they are views into packed buffers, and such a call is
 refused before anything changes (see [Note: conversions after packing] in ``_runtime``);
 ``to_empty`` on a meta-device model before that point is the supported way to materialise it
-(see [Note: meta-device models] in ``_runtime``). Tensor-parallel (DTensor) parameters are rejected as
-"already managed"; ``DistributedDataParallel`` over a dedicated model raises
+(see [Note: meta-device models] in ``_runtime``). A selected parameter that is already a
+DTensor on the data-parallel mesh (FSDP2 got there first) is refused; a tensor-parallel one
+must be an equal ``Shard`` split on one 1-D TP mesh (``check_call_order``);
+``DistributedDataParallel`` over a dedicated model raises
 (``dedicate_params_ddp`` + ``replicate`` is the replicated path). On NCCL the broadcasts of one boundary's packs are issued one after
 another on the broadcast stream (not in one coalesced group call).
 """
@@ -403,7 +409,8 @@ def _dedicate(
             for item in items:
                 shard = local_shard(packed[item.name][0].param).detach()
                 dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
-    params, groups = _build_groups(model, modules, plan, packed, tp_dims, layout, comm, config)
+    params, groups = _build_groups(modules, plan, packed, tp_dims, layout, comm, config)
+    _refuse_torch_paths(model, modules, params, config)
     stacks = [_held_in_place(claim, plan, layout) for claim in in_place]
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     runtime.local_muon = stacks
@@ -770,7 +777,6 @@ def _role(owner: Owner, layout: MeshLayout) -> Role:
 
 
 def _build_groups(
-    model: nn.Module,
     modules: Mapping[str, nn.Module],
     plan: Plan,
     packed: Mapping[str, tuple[Found, type[DedicatedParam]]],
@@ -815,10 +821,22 @@ def _build_groups(
             group.replicated = config.replicated
             group.input_dtype, group.output_dtype = _boundary_casts(name, dps)
             groups.append(group)
+    return params, groups
+
+
+def _refuse_torch_paths(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    params: list[DedicatedParam],
+    config: DedicateConfig,
+) -> None:
+    """Make torch's own paths that would reach the dedicated weights only where they are held
+    raise instead: ``DistributedDataParallel`` around any module above one (see [Note: reads on
+    a peer] in holder/_guard), ``load_state_dict`` on the sharded path (the replicated one
+    loads through it) and torch's optimizers (see [Note: torch's paths that cannot reach a
+    dedicated weight])."""
     for name in _ancestors_of({dp.fqn for dp in params}):
         refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
-    # torch's load and torch's optimizers would reach the weights on their owners only (see
-    # [Note: torch's paths that cannot reach a dedicated weight] in holder/_guard).
     if not config.replicated:
         held: dict[nn.Module, dict[str, str]] = defaultdict(dict)
         for dp in params:
@@ -826,7 +844,6 @@ def _build_groups(
         for module, names in held.items():
             refuse_module_load(module, names)
     refuse_foreign_optimizers()
-    return params, groups
 
 
 def _boundary_casts(

@@ -30,7 +30,7 @@ parameter] in ``runtime/_runtime``): at that ``fully_shard`` on the ranks where 
 a weight they do not hold, at ``Muon(model)`` (or the first forward, or a checkpoint or
 diagnostics call) on the others, before any collective. Call order is enforced too:
 ``dedicate_params`` raises when any module of the model is already an FSDP module, or when a
-selected parameter is already a DTensor.
+selected parameter is already a DTensor on the data-parallel mesh.
 """
 
 from __future__ import annotations
