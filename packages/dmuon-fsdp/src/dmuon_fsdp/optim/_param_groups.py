@@ -3,11 +3,12 @@
 
 [Note: what a user group decides]
 A user group (``{"params": [...], "group_name": "base", "lr": ...}``) only carries
-hyperparameters. Which subgroup a parameter lands in is decided by its route: dedicated
-parameters whose route is ``"muon"`` go to ``<name>/muon``, everything else (FSDP2 parameters,
-dedicated ``"adamw"`` parameters) to ``<name>/adamw``. Only an explicit ``dmuon_route`` (or its
-aliases ``dmuon_optimizer`` / ``matrix_optimizer``) in a group overrides the routes of that
-group's dedicated parameters, all of them at once. ``lr`` and ``weight_decay`` apply to both
+hyperparameters. Which subgroup a parameter lands in is decided by its route: parameters
+dmuon holds (dedicated ones and Muon expert stacks) whose route is ``"muon"`` go to
+``<name>/muon``, everything else (FSDP2 parameters, dedicated ``"adamw"`` parameters) to
+``<name>/adamw``. Only an explicit ``dmuon_route`` (or its aliases ``dmuon_optimizer`` /
+``matrix_optimizer``) in a group overrides the routes of that group's held parameters, all of
+them at once. ``lr`` and ``weight_decay`` apply to both
 subgroups unless ``muon_lr``/``adamw_lr`` or ``muon_weight_decay``/``adamw_weight_decay``
 override them. Both subgroups always exist, even empty, so that the visible group names (and a
 scheduler's or checkpoint's view of them) do not depend on which rank owns what.
@@ -105,7 +106,9 @@ _ALLOWED_KEYS = frozenset(
 )
 
 
-class _DedicatedLike(Protocol):
+class _HolderLike(Protocol):
+    """What the groups read of a parameter dmuon holds (a dedicated one or an expert stack)."""
+
     fqn: str
     route: Route
     shape: Any
@@ -352,7 +355,6 @@ class RoutedParam:
     fqn: str
     param: Tensor
     optimizer: Route  # Route.MUON or Route.ADAMW
-    dedicated: bool
 
 
 class _UserGroup(NamedTuple):
@@ -381,11 +383,11 @@ def _forced_route(group: Mapping[str, Any], where: str) -> Route | None:
 
 
 def _route_of(
-    fqn: str, p: Tensor, dedicated: Mapping[int, _DedicatedLike], forced: Route | None, where: str
+    fqn: str, p: Tensor, holders: Mapping[int, _HolderLike], forced: Route | None, where: str
 ) -> RoutedParam:
-    dp = dedicated.get(id(p))
+    dp = holders.get(id(p))
     if dp is None:
-        return RoutedParam(fqn, p, Route.ADAMW, dedicated=False)
+        return RoutedParam(fqn, p, Route.ADAMW)
     route = (
         forced if forced is not None else (Route.MUON if dp.route is Route.MUON else Route.ADAMW)
     )
@@ -394,7 +396,7 @@ def _route_of(
             f"{where}: forces route 'muon' on {fqn!r} of shape {tuple(dp.shape)}, but Muon needs"
             " a 2-D matrix; move this parameter to a group without a route override"
         )
-    return RoutedParam(fqn, p, route, dedicated=True)
+    return RoutedParam(fqn, p, route)
 
 
 def _is_matrix(shape: Any) -> bool:
@@ -425,8 +427,8 @@ def _user_params(group: Mapping[str, Any], where: str) -> list[tuple[str | None,
     return out
 
 
-def _describe(fqn: str, dedicated: Mapping[int, _DedicatedLike], p: Tensor) -> str:
-    dp = dedicated.get(id(p))
+def _describe(fqn: str, holders: Mapping[int, _HolderLike], p: Tensor) -> str:
+    dp = holders.get(id(p))
     shape = tuple(dp.shape) if dp is not None else tuple(p.shape)
     return f"{fqn!r} {shape}"
 
@@ -434,7 +436,7 @@ def _describe(fqn: str, dedicated: Mapping[int, _DedicatedLike], p: Tensor) -> s
 def _parse_groups(
     user_groups: Sequence[Mapping[str, Any]],
     trainable: Mapping[int, tuple[str, Tensor]],
-    dedicated: Mapping[int, _DedicatedLike],
+    holders: Mapping[int, _HolderLike],
 ) -> tuple[list[_UserGroup], list[tuple[str, str | None, Tensor]]]:
     """Each user group's name, options and routed parameters (in group order), and the
     tensors that are not trainable parameters of the model (``(where, given name, tensor)``).
@@ -475,7 +477,7 @@ def _parse_groups(
                     " parameter must be in exactly one group — remove one of the two"
                 )
             seen[id(p)] = where
-            routed.append(_route_of(fqn, p, dedicated, forced, where))
+            routed.append(_route_of(fqn, p, holders, forced, where))
         parsed.append(_UserGroup(index, name, group, routed))
     return parsed, stale
 
@@ -484,7 +486,7 @@ def _check_coverage(
     parsed: Sequence[_UserGroup],
     stale: Sequence[tuple[str, str | None, Tensor]],
     trainable: Mapping[int, tuple[str, Tensor]],
-    dedicated: Mapping[int, _DedicatedLike],
+    holders: Mapping[int, _HolderLike],
 ) -> None:
     """Every group tensor is a parameter of the model and every trainable parameter is in a
     group; see [Note: validating against the wrapped model]."""
@@ -494,9 +496,9 @@ def _check_coverage(
         where, given_name, p = stale[0]
         shape = tuple(p.shape)
         candidates = [
-            _describe(fqn, dedicated, q)
+            _describe(fqn, holders, q)
             for key, fqn, q in uncovered
-            if tuple(dedicated[key].shape if key in dedicated else q.shape) == shape
+            if tuple(holders[key].shape if key in holders else q.shape) == shape
         ]
         label = f"{given_name!r}" if given_name is not None else f"a tensor of shape {shape}"
         hint = (
@@ -567,7 +569,7 @@ def _own_copy(value: Any) -> Any:
 
 def build_param_groups(
     named_params: Iterable[tuple[str, Tensor]],
-    dedicated: Mapping[int, _DedicatedLike],
+    holders: Mapping[int, _HolderLike],
     user_groups: Sequence[Mapping[str, Any]] | None,
     defaults: GroupDefaults,
 ) -> list[dict[str, Any]]:
@@ -575,7 +577,8 @@ def build_param_groups(
     ``<name>/muon`` and ``<name>/adamw`` per user group (see [Note: what a user group decides]).
 
     ``named_params`` are the wrapped model's parameters (``model.named_parameters()``);
-    ``dedicated`` maps ``id(param)`` of each dedicated parameter to its ``DedicatedParam``.
+    ``holders`` maps ``id(param)`` of each parameter dmuon holds to its holder (a
+    ``DedicatedParam`` or an ``ExpertStack``).
     Each returned dict holds ``params``, ``param_names`` (FQNs), ``group_name``, ``optimizer``
     (``Route.MUON``/``Route.ADAMW``) and that optimizer's hyperparameters.
     """
@@ -596,8 +599,8 @@ def build_param_groups(
     elif len(user_groups) == 0:
         raise ValueError("param_groups is empty; pass None for the default groups or list groups")
 
-    parsed, stale = _parse_groups(user_groups, trainable, dedicated)
-    _check_coverage(parsed, stale, trainable, dedicated)
+    parsed, stale = _parse_groups(user_groups, trainable, holders)
+    _check_coverage(parsed, stale, trainable, holders)
     out: list[dict[str, Any]] = []
     named = {group.name for group in parsed}
     for group in parsed:
