@@ -11,7 +11,8 @@ The top level holds what a training script uses (one page: ``__all__``); the res
 public sub-modules by topic: :mod:`dmuon.ns` (Newton–Schulz kernels and coefficients),
 :mod:`dmuon.clip` (clipping strategies and bucketed clipping), :mod:`dmuon.qk_clip`
 (QK-clip row maps and the max-logit helpers), :mod:`dmuon.runtime` (explicit synchronisation,
-inspection, the comm context), each reachable after ``import dmuon``. Every name comes from one of the four packages (``dmuon_fsdp``,
+inspection, the comm context), :mod:`dmuon.plan` (the forecast before a run, pure Python), each
+reachable after ``import dmuon``. Every top-level name comes from one of the four packages (``dmuon_fsdp``,
 ``dmuon_ns``, ``dmuon_clip``, ``dmuon_ownership``), imported as ``name as name`` (the explicit
 re-export type checkers read). Names that used to live at the top level still resolve there
 for one release, with a ``DeprecationWarning`` naming their new place. This module holds no
@@ -59,8 +60,8 @@ __all__ = sorted(
     n for n, v in dict(globals()).items() if not n.startswith("_") and not isinstance(v, _Module)
 )
 
-# The topic sub-modules, reachable as dmuon.<module> after ``import dmuon`` (re-exports only:
-# importing them does no work either).
+# The topic sub-modules, reachable as dmuon.<module> after ``import dmuon`` (re-exports, and
+# dmuon.plan's pure-Python forecast: importing them does no work either).
 from . import clip as clip
 from . import ns as ns
 from . import plan as plan

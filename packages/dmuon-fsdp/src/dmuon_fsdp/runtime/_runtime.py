@@ -15,8 +15,9 @@ ARCHITECTURE.md ("dmuon-fsdp inside"). It owns the groups (:mod:`._group`), the 
    that the next micro-batch does not broadcast again;
 3. ``optimizer.step()``: ``wait_all_reduces()`` makes ``DedicatedParam.grad`` final on the
    owner; the optimizer updates ``DedicatedParam.full`` in place; ``after_step(async_)``
-   invalidates any weights still kept elsewhere and, in HSDP, publishes the owner's packs to
-   its shard column (waited at that boundary's next forward when ``async_``).
+   invalidates any weights still kept elsewhere and publishes the owner's packs: in HSDP to
+   its shard column, on the replicated path to every rank (waited at that boundary's next
+   forward when ``async_``).
 """
 
 from __future__ import annotations
@@ -296,8 +297,9 @@ class DedicatedRuntime:
             self.wait_all_replicate_broadcasts()
 
     def after_step(self, async_: bool = True) -> None:
-        """The owners' weights changed: drop weights kept on peers (Z2) and, in HSDP, publish
-        the owners' packs to their replicate peers (``async_``: waited at the next forward)."""
+        """The owners' weights changed: drop weights kept on peers (Z2) and, in HSDP and on
+        the replicated path, publish the owners' packs to the ranks that keep a copy
+        (``async_``: waited at the next forward)."""
         with span("dmuon::after_step"):
             for group in self.groups:
                 group.reshard()
