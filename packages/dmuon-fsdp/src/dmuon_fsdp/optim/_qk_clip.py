@@ -81,11 +81,13 @@ from ..runtime import DedicatedRuntime
 
 __all__ = ["QKClip", "QKRowMap"]
 
-# The power of γ each kind of row takes, as a function of α (None: the row is left alone).
+# The kinds of rows a row map names (see QKRowMap).
 _KINDS = ("q", "k", "q_rope", "skip")
 
 
 def _exponent(kind: str, alpha: float) -> float | None:
+    """The power of γ a row of ``kind`` takes, as a function of α (``None``: the row is left
+    alone)."""
     if kind == "q":
         return alpha
     if kind == "k":
@@ -156,14 +158,17 @@ class QKRowMap:
     def head_rows(self) -> int:
         return sum(rows for _, rows in self.blocks)
 
+    @property
+    def _head_stride(self) -> int:
+        """The rows from one head's start to the next."""
+        return self.head_rows if self.stride is None else self.stride
+
     def end(self, heads: int) -> int:
         """One past the last row of ``heads`` heads."""
-        step = self.head_rows if self.stride is None else self.stride
-        return self.start + (heads - 1) * step + self.head_rows
+        return self.start + (heads - 1) * self._head_stride + self.head_rows
 
     def rows_and_powers(self, heads: int, alpha: float) -> tuple[Tensor, Tensor]:
         """``(heads, n)`` row indices of the rows that are scaled, and their ``(n,)`` powers."""
-        step = self.head_rows if self.stride is None else self.stride
         offsets, powers, at = [], [], 0
         for kind, rows in self.blocks:
             power = _exponent(kind, alpha)
@@ -171,7 +176,7 @@ class QKRowMap:
                 offsets.append(torch.arange(at, at + rows))
                 powers.append(torch.full((rows,), power, dtype=torch.float32))
             at += rows
-        heads_at = self.start + torch.arange(heads) * step
+        heads_at = self.start + torch.arange(heads) * self._head_stride
         return heads_at[:, None] + torch.cat(offsets)[None, :], torch.cat(powers)
 
 
