@@ -163,11 +163,9 @@ FULLY_SHARD_FIX = (
 
 def is_safe(func: Any) -> bool:
     """Whether ``func`` reads only a tensor's metadata (or registers a hook on it)."""
-    name = getattr(func, "__name__", "")
+    name = _name(func)
     if name in ("__get__", "__set__", "__delete__"):
-        descriptor = getattr(func, "__self__", None)
-        attribute = getattr(descriptor, "__name__", "")
-        return name == "__get__" and attribute not in _ALIASING_PROPERTIES
+        return name == "__get__" and _attribute(func) not in _ALIASING_PROPERTIES
     return name in _METADATA_METHODS
 
 
@@ -178,13 +176,19 @@ def _drops_grad(func: Any, args: tuple[Any, ...]) -> bool:
     name = _name(func)
     if name not in ("__set__", "__delete__"):
         return False
-    if getattr(getattr(func, "__self__", None), "__name__", "") != "grad":
+    if _attribute(func) != "grad":
         return False
     return name == "__delete__" or (len(args) > 1 and args[1] is None)
 
 
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "")
+
+
+def _attribute(func: Any) -> str:
+    """The name of the attribute whose descriptor ``func`` (a ``__get__``, ``__set__`` or
+    ``__delete__``) belongs to: ``"grad"`` for ``.grad``'s."""
+    return getattr(getattr(func, "__self__", None), "__name__", "")
 
 
 # Tensor methods that convert to one dtype (``nn.Module.float()`` and its kin call them).
@@ -440,10 +444,9 @@ def _read_from(param: Any) -> str:
 def _qualname(func: Any) -> str:
     """How a refused operation is named: an attribute's setter by its attribute (``set .grad``:
     torch's optimizer state functions set every parameter's gradient), else the function."""
-    name = getattr(func, "__name__", "")
+    name = _name(func)
     if name in ("__set__", "__delete__"):
-        attribute = getattr(getattr(func, "__self__", None), "__name__", "?")
-        return f"{'set' if name == '__set__' else 'delete'} .{attribute}"
+        return f"{'set' if name == '__set__' else 'delete'} .{_attribute(func) or '?'}"
     return str(getattr(func, "__qualname__", None) or name or repr(func))
 
 
