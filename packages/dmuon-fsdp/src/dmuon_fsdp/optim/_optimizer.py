@@ -469,12 +469,7 @@ class Muon(torch.optim.Optimizer):
         self._dedicated: dict[int, DedicatedParam] = {
             id(dp.param): dp for dp in self._runtime.params
         }
-        # Every holder by its parameter; expert stacks stay FSDP2 parameters, found by their
-        # current objects.
-        self._holders: dict[int, ParamHolder] = {
-            **self._dedicated,
-            **{id(stack.param): stack for stack in self._runtime.local_muon},
-        }
+        self._holders: dict[int, ParamHolder] = self._runtime.holders_by_param()
         _check_every_param_is_synchronised(model, self._runtime)
         _check_fully_shard_options(model, self._runtime)
         groups = build_param_groups(

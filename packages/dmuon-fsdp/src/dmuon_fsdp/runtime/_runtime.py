@@ -313,10 +313,14 @@ class DedicatedRuntime:
                 self.drain()
                 self.comm_ctx.barrier()
 
-    @property
-    def holders(self) -> list[ParamHolder]:
-        """Every parameter dmuon took over: the dedicated ones, then the expert stacks."""
-        return [*self.params, *self.local_muon]
+    def holders_by_param(self) -> dict[int, ParamHolder]:
+        """Every parameter dmuon took over, by the ``id`` of the parameter it holds now: the
+        dedicated ones, then the expert stacks (which stay FSDP2 parameters, so their keys
+        are the objects their modules hold at this call)."""
+        return {
+            **{id(dp.param): dp for dp in self.params},
+            **{id(stack.param): stack for stack in self.local_muon},
+        }
 
     def clear_grads(self) -> None:
         """Drop every owner's averaged gradient (``DedicatedParam.grad``): the next backward
