@@ -554,7 +554,8 @@ class QKClip:
                 )
             else:
                 for fqn, table in _attention_rows(attention, params, slot, self.alpha):
-                    _check_param(fqn, params, dedicated)
+                    if fqn not in (attention.q, attention.k):  # a bias (q and k: above)
+                        _check_param(fqn, params, dedicated)
                     if fqn in weights:  # a fused weight: its q and k rows in one table
                         if bool((weights[fqn].covered & table.covered).any()):
                             raise ValueError(
