@@ -1,8 +1,8 @@
 """The optimizer: ``Muon`` and its step phases, the Muon and AdamW math, the fused Triton
 passes, semantic param groups, and QK-clip."""
 
-from ._muon_math import STATE_FIELDS, fresh_state, step_dtype
-from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions, optim_dtype
+from ._muon_math import STATE_FIELDS, fresh_state, optim_dtype, step_dtype
+from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
 from ._param_groups import GROUP_REQUIRED, group_numbers
 from ._qk_clip import QKClip, QKRowMap
 

@@ -62,6 +62,7 @@ from .._checks import is_int
 from .._matrix import MatrixView, NSFunction, matrices_of, matrix_shape
 from .._profile import no_mark
 from .._torch_internals import local_shard
+from ..holder import DedicatedParam
 from ._fused import DeviceScalars, advance_momentum, momentum_into, ns_input_into, update_weight
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "muon_batch",
     "muon_step",
     "ns_inputs",
+    "optim_dtype",
     "orthogonalized",
     "scalar_rows",
     "shape_batches",
@@ -444,6 +446,12 @@ def fresh_state(route: str, like: Tensor, dtype: torch.dtype | None = None) -> d
     if route == "muon":
         return {"momentum_buffer": torch.zeros_like(like, dtype=dtype)}
     return init_adamw_state(like, dtype)
+
+
+def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
+    """The dtype of a dedicated parameter's optimizer states (``None``: its tensor's), the
+    ``dtype`` :func:`fresh_state` takes."""
+    return None if dp is None else dp.optim_dtype
 
 
 def adamw_step(

@@ -239,11 +239,6 @@ class _StepWork(NamedTuple):
     adamw: list[_AdamWWork]
 
 
-def optim_dtype(dp: DedicatedParam | None) -> torch.dtype | None:
-    """The dtype of a dedicated parameter's optimizer states (``None``: its tensor's)."""
-    return None if dp is None else dp.optim_dtype
-
-
 def _rows(t: Tensor, rows: tuple[int, int] | None) -> Tensor:
     """``t``'s rows ``rows`` (a piece of a declared split: a view), or ``t`` whole."""
     return t if rows is None else t[rows[0] : rows[1]]
