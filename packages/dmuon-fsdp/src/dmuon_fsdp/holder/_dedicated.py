@@ -399,6 +399,11 @@ class DedicatedParam(ParamHolder):
             return None
         return self.grad, layout.tp_index > 0 and self.tp_dim is None
 
+    @property
+    def split_over_ranks(self) -> bool:
+        """A tensor-parallel matrix's TP shards."""
+        return self.tp_dim is not None
+
     def fused_dtypes(self) -> tuple[torch.dtype, torch.dtype] | None:
         if self.full is None or self.precision is None:
             return None

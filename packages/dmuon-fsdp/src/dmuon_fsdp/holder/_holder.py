@@ -220,6 +220,13 @@ class ParamHolder:
         copy: scaled, not counted); ``None``: none here."""
         raise NotImplementedError
 
+    @property
+    def split_over_ranks(self) -> bool:
+        """Whether ranks hold different parts of one of the matrices it hands to the clip, so
+        that matrix's own norm needs a collective (an expert stack's shard holds whole
+        experts)."""
+        return False
+
     def fused_dtypes(self) -> tuple[torch.dtype, torch.dtype] | None:
         """The dtypes of the weight and gradient its fused passes will see (``None``: not
         known yet)."""

@@ -60,7 +60,6 @@ from ..holder import (
     DedicatedParam,
     MuonEntry,
     ParamHolder,
-    ShardedTensor,
     StepContext,
     TPMode,
     fsdp_modules,
@@ -1098,7 +1097,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             # A whole matrix is held in every TP grid (counted in grid 0), an expert shard or
             # an FSDP2 shard by every replica of its mesh (counted on the first).
-            sharded |= isinstance(view, ShardedTensor) and view.split_over_ranks
+            sharded |= view.split_over_ranks
             got = view.clip_grad(layout)
             if got is not None:
                 (copies if got[1] else grads).append(got[0])
