@@ -12,7 +12,7 @@ import torch.distributed as dist
 from _fake import FakeMuon
 from _reference import assert_close, float64_norm, torch_clip
 
-from dmuon_clip import GradClipBucket, clip_grad_norm_, clip_grad_norm_buckets_
+from dmuon_clip import GradClipBucket, clip_grad_norm_, clip_grad_norm_buckets_, clip_grad_value_
 from dmuon_testing.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -178,3 +178,58 @@ def test_a_nonfinite_norm_on_one_rank_raises_on_every_rank(strategy: str) -> Non
     # "per_matrix" finds it on that rank alone; the others would step on and wait for it.
     messages = run_distributed(_raise_body, 2, strategy)
     assert all("non-finite on some rank" in m for m in messages), messages
+
+
+def _value_body(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 + rank), dtype=torch.float64)
+    twins = []
+    for _ in range(2):  # one for torch's clip_grad_value_, one for ours
+        model = _model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(x).square().sum().backward()
+        twins.append([p.grad for p in model.parameters()])
+    ours, theirs = twins
+    assert all(isinstance(g, DTensor) for g in ours)
+    torch.nn.utils.clip_grad_value_([p for p in _with_grads(theirs)], 0.05)
+    clip_grad_value_(FakeMuon(ours, process_group=dist.group.WORLD), 0.05)
+    for got, want in zip(ours, theirs, strict=True):
+        assert isinstance(got, DTensor) and torch.equal(got.to_local(), want.to_local())
+    assert max(float(g.to_local().abs().max()) for g in ours) == 0.05  # something was clamped
+
+    full = torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(3, 4)
+    replicated = distribute_tensor(full, mesh, [Replicate()])
+    clip_grad_value_(FakeMuon([replicated], process_group=dist.group.WORLD), 0.5)
+    assert torch.equal(replicated.to_local(), full.clamp(-0.5, 0.5))
+
+    # Summands 0.4 on each rank: their sum (0.8 on two ranks) is above 0.5, each summand is not.
+    local = torch.full((3, 4), 0.4, dtype=torch.float64)
+    partial = DTensor.from_local(local, mesh, [Partial()])
+    before = [g.to_local().clone() for g in ours]
+    with pytest.raises(ValueError, match="is a DTensor with a Partial placement"):
+        clip_grad_value_(FakeMuon([*ours, partial], process_group=dist.group.WORLD), 0.05)
+    assert torch.equal(local, torch.full((3, 4), 0.4, dtype=torch.float64))
+    assert all(torch.equal(g.to_local(), b) for g, b in zip(ours, before, strict=True))
+
+
+def _with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Parameters whose ``.grad`` are ``grads`` (torch's clip takes parameters)."""
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.empty_like(g))
+        p.grad = g
+        params.append(p)
+    return params
+
+
+def test_clip_grad_value_clamps_dtensor_grads_as_torch_and_refuses_partial_ones() -> None:
+    # FSDP2's Shard gradients bit for bit as torch.nn.utils.clip_grad_value_ clamps them, a
+    # Replicate one on every rank alike; a Partial one raises and nothing is clamped.
+    run_distributed(_value_body, 2)

@@ -142,7 +142,10 @@ def clip_grad_value_(
     does to ``param.grad``, which never holds a dedicated matrix's gradient (see [Note: where
     the Muon clip sits]). Each element is clamped where it is kept, every copy of a matrix
     alike, so nothing is communicated beyond the optimizer's handing over of the gradients;
-    a NaN stays NaN, as in torch. Call it on every rank between ``backward()`` and ``step()``.
+    a NaN stays NaN, as in torch. A DTensor gradient (FSDP2's ``Shard``, or ``Replicate``) is
+    clamped in its local tensor; one with a ``Partial`` placement raises ``ValueError`` before
+    anything is clamped (its ranks hold summands, as torch refuses it too). Call it on every
+    rank between ``backward()`` and ``step()``.
     As every clip of Muon gradients, the first one turns dmuon's ``ns_overlap`` off (NS
     during backward would have read them unclamped).
 
@@ -162,7 +165,18 @@ def clip_grad_value_(
     with span("dmuon::clip_grad_value"), torch.no_grad():
         muon = take()
         by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for g in [*muon.grads, *clip_copies(muon)]:
+        for i, g in enumerate([*muon.grads, *clip_copies(muon)]):
+            if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+                # Each rank holds a summand: clamping the summands is not clamping their sum
+                # (two ranks' 0.4 + 0.4 would stay 0.8 under clip_value=0.5). Checked for
+                # every gradient before any is clamped.
+                raise ValueError(
+                    f"clip_grad_value_: gradient {i} is a DTensor with a Partial placement"
+                    f" ({g.placements}), whose ranks hold summands of it; clamping them would"
+                    " not clamp their sum. Reduce it first (grad.redistribute(placements="
+                    "[Replicate()]) or a Shard placement), as torch.nn.utils.clip_grad_value_"
+                    " refuses it too"
+                )
             local = g.to_local() if isinstance(g, DTensor) else g
             by_kind.setdefault((local.device, local.dtype), []).append(local)
         for tensors in by_kind.values():
