@@ -173,3 +173,15 @@ def test_no_expert_sources_without_replicas_or_imbalance() -> None:
         plan_owners(dense, 4, 2, experts=stacks, base_loads=[0.0] * 8)
     with pytest.raises(ValueError, match="ExpertStack"):
         plan_owners(dense, 4, 2, experts=[("a", (8, 64, 128))])  # type: ignore[list-item]
+    # Every count of a stack is an int >= 1: a negative, zero, fractional, bool or string
+    # count planned with a base load of zero, a fraction of an expert, or a TypeError.
+    for bad, field in [
+        (ExpertStack(-4, 64, 128), "experts"),
+        (ExpertStack(4.5, 64, 128), "experts"),  # type: ignore[arg-type]
+        (ExpertStack(True, 64, 128), "experts"),
+        (ExpertStack("4", 64, 128), "experts"),  # type: ignore[arg-type]
+        (ExpertStack(8, 0, 128), "rows"),
+        (ExpertStack(8, 64, 128, per_expert=0), "per_expert"),
+    ]:
+        with pytest.raises(ValueError, match=f"expert stack 'a': {field} must be an int >= 1"):
+            plan_owners(dense, 4, 2, experts=[("a", bad)])

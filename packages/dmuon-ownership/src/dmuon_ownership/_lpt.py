@@ -202,6 +202,14 @@ def _check_experts(
             )
     if len(set(names)) != len(names):
         raise ValueError("plan_owners: two expert stacks share a name; names must be unique")
+    for name, stack in stacks:
+        for field_name, value in zip(stack._fields, stack, strict=True):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"plan_owners: expert stack {name!r}: {field_name} must be an int >= 1, got "
+                    f"{value!r} (ExpertStack(experts, rows, cols, per_expert) counts experts "
+                    "and their matrices' rows and columns)"
+                )
     return sorted(stacks, key=lambda pair: pair[0])
 
 
