@@ -164,6 +164,20 @@ def test_bad_arguments_name_the_fix() -> None:
         clip_grad_norm_buckets_([GradClipBucket("x", g)], -1.0)
     with pytest.raises(ValueError, match=r"max_norm\['x'\] must be a finite"):
         clip_grad_norm_buckets_([GradClipBucket("x", g)], {"x": math.inf})
+    # Not numbers: a bool would clip at 1.0, a string such as "1" passed float(); "fro" said
+    # only "could not convert string to float". torch's "inf" spelling stays the inf-norm.
+    for bad in [True, "1", b"1", [1.0]]:
+        with pytest.raises(ValueError, match="max_norm must be a finite number >= 0"):
+            clip_grad_norm_buckets_([GradClipBucket("x", g)], bad)  # type: ignore[arg-type]
+    for bad in [True, "fro", "2", None]:
+        with pytest.raises(ValueError, match="norm_type must be a positive"):
+            clip_grad_norm_buckets_([GradClipBucket("x", g)], 1.0, norm_type=bad)  # type: ignore[arg-type]
+    assert g[0].tolist() == [1.0, 1.0]
+    inf_norm = clip_grad_norm_buckets_([GradClipBucket("x", g)], None, norm_type="inf")  # type: ignore[arg-type]
+    assert float(inf_norm.total_norm) == 1.0
+    assert (
+        float(clip_grad_norm_buckets_([GradClipBucket("x", g)], torch.tensor(9.0)).total_norm) > 1
+    )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"drop parameters whose \.grad is None"):
         GradClipBucket("x", [torch.ones(1), None])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="non-empty string"):

@@ -60,9 +60,21 @@ _EPS = 1e-6
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _as_float(value: object, *strings: str) -> float | None:
+    """``float(value)`` for a number (a 0-dim tensor too), or for one of ``strings``; ``None``
+    for a bool (``True`` would clip at 1.0), any other string and anything else."""
+    if isinstance(value, bool) or (isinstance(value, str | bytes) and value not in strings):
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
 def validate_norm_type(norm_type: float) -> float:
-    p = float(norm_type)
-    if not (p > 0.0):  # rejects NaN too
+    # "inf" as torch.nn.utils.clip_grad_norm_ documents it for the inf-norm.
+    p = _as_float(norm_type, "inf")
+    if p is None or not (p > 0.0):  # rejects NaN too
         raise ValueError(
             f"norm_type must be a positive number or float('inf'), got {norm_type!r}; use 2.0 "
             "for the Euclidean norm"
@@ -73,8 +85,8 @@ def validate_norm_type(norm_type: float) -> float:
 def validate_max_norm(max_norm: float | None, what: str = "max_norm") -> float | None:
     if max_norm is None:
         return None
-    value = float(max_norm)
-    if not (0.0 <= value < math.inf):
+    value = _as_float(max_norm)
+    if value is None or not (0.0 <= value < math.inf):
         raise ValueError(
             f"{what} must be a finite number >= 0 (or None to measure without clipping), "
             f"got {max_norm!r}"
@@ -234,7 +246,8 @@ def clip_grad_norm_buckets_(
         max_norm: one threshold for every bucket, or a mapping ``{bucket name: threshold}``
             with exactly one entry per bucket; ``None`` (globally or for one bucket) measures
             without scaling.
-        norm_type: ``p`` of the p-norm, ``> 0`` or ``float('inf')``.
+        norm_type: ``p`` of the p-norm, ``> 0`` or ``float('inf')`` (``"inf"`` too, as torch
+            spells it); a bool or another string raises ``ValueError``.
         process_group: the group ``reduce=True`` buckets are reduced over; ``None`` means not
             distributed: no collective at all.
         device: where the accumulators live; default: the first grad's device (CPU if there is

@@ -67,7 +67,8 @@ def clip_grad_norm_(
         max_norm: the largest norm the Muon gradients keep, a finite number >= 0: when their
             norm is larger they are scaled so that it is ``max_norm`` (within the ``1e-6`` of
             the coefficient); ``None``: measure only.
-        norm_type: ``p`` of the p-norm, a number > 0 or ``float('inf')``.
+        norm_type: ``p`` of the p-norm, a number > 0 or ``float('inf')`` (``"inf"`` too, as torch
+            spells it); a bool or another string raises ``ValueError``, as for ``max_norm``.
         error_if_nonfinite: ``True`` raises ``RuntimeError`` on every rank when a norm is NaN
             or infinite on any rank (agreed over the ranks, then read on the host: a sync);
             ``False`` reports it in ``found_inf`` (rank-local under ``"per_matrix"``). Either
