@@ -1,5 +1,9 @@
 """The Python snippets of the docs pages run as written.
 
+Each package's README is read by someone who installed that package alone: its snippets import
+only that package and what its ``pyproject.toml`` declares, and every name they take from a
+dmuon package exists there.
+
 Every ```` ```python ```` block of the concepts page, the quickstart, the FAQ and the guides
 parses, and uses only names that it binds, that an earlier block of its page binds, or that the
 guides' setup binds (``docs/examples/guide_setup.py`` and "the usual wrap" on
@@ -17,11 +21,13 @@ import re
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent
+ROOT = DOCS.parent
 SETUP = DOCS / "examples" / "guide_setup.py"
 INDEX = DOCS / "guides" / "index.md"
 PAGES = [
@@ -166,3 +172,74 @@ def test_the_tuning_page_runs_after_the_setup(tmp_path: Path) -> None:
     assert "dedicate_params: 14 params assigned to 1 ranks" in output, output[-8000:]
     assert "['base/muon', 'base/adamw', 'io/muon', 'io/adamw']" in output
     assert "step 4 loss" in output and "'muon_update'" in output
+
+
+# Modules a README snippet may need installed; the standard library is always there.
+INSTALLED_MODULES = {"dmuon", "dmuon_ns", "dmuon_ownership", "dmuon_clip", "dmuon_fsdp"}
+INSTALLED_MODULES |= {"torch", "numpy", "triton", "transformers"}
+READMES = sorted(ROOT.glob("packages/*/README.md"))
+
+
+def declared_modules(package: Path) -> set[str]:
+    """The modules of the package at ``package`` and of what its pyproject declares (its
+    dependencies and extras), as importable names."""
+    meta = tomllib.loads((package / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = [d for group in meta.get("optional-dependencies", {}).values() for d in group]
+    names = [meta["name"], *meta.get("dependencies", []), *extras]
+    return {re.split(r"[\s<>=!~\[;]", n, maxsplit=1)[0].replace("-", "_") for n in names}
+
+
+def _dotted(node: ast.expr) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    root, *attrs = dotted.split(".")
+    obj: object = importlib.import_module(root)
+    path = root
+    for attr in attrs:
+        path = f"{path}.{attr}"
+        if not hasattr(obj, attr):
+            try:
+                obj = importlib.import_module(path)
+            except ImportError:
+                return False
+            continue
+        obj = getattr(obj, attr)
+    return True
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: p.parent.name)
+def test_a_package_readme_uses_only_what_the_package_declares(readme: Path) -> None:
+    declared = declared_modules(readme.parent)
+    for number, block in enumerate(python_blocks(readme), 1):
+        tree = ast.parse(block)
+        needed: set[str] = set()
+        names: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                needed |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                needed.add(node.module.split(".")[0])
+                names |= {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                needed.add(node.id)
+            elif isinstance(node, ast.Attribute) and (dotted := _dotted(node)):
+                names.add(dotted)
+        missing = sorted((needed & INSTALLED_MODULES) - declared)
+        assert not missing, (
+            f"{readme.relative_to(ROOT)}, python block {number} uses {missing}, which"
+            f" {readme.parent.name} does not declare: a reader who installed it alone has not"
+            f" got them\n{block}"
+        )
+        ours = declared & {"dmuon", "dmuon_ns", "dmuon_ownership", "dmuon_clip", "dmuon_fsdp"}
+        absent = sorted(n for n in names if n.split(".")[0] in ours and not _resolves(n))
+        assert not absent, f"{readme.relative_to(ROOT)}, python block {number}: no {absent}"
