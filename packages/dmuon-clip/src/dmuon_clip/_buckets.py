@@ -239,7 +239,9 @@ def clip_grad_norm_buckets_(
 
     Per bucket this is ``torch.nn.utils.clip_grad_norm_`` (coefficient ``min(max_norm /
     (norm + 1e-6), 1)``) with two differences: a non-finite norm leaves the bucket's grads untouched
-    and sets ``found_inf`` ([Note: non-finite norms]), and nothing waits for the host.
+    and sets ``found_inf`` ([Note: non-finite norms]), and nothing waits for the host. The norm
+    is a sum of ``|g|^p`` over the bucket, where torch takes the norm of per-tensor norms, so
+    beyond the inf-norm it can differ from torch's by a few fp32 ulps.
 
     Args:
         buckets: the segments; names unique; identical names / order / ``reduce`` on every rank.
