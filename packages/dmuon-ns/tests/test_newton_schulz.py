@@ -4,6 +4,7 @@ numerical robustness, on the torch kernel (CPU)."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -248,6 +249,21 @@ def test_one_zero_matrix_in_a_batch() -> None:
     out = newton_schulz(g)
     assert torch.equal(out[1], torch.zeros(16, 40))
     assert torch.equal(out[0], newton_schulz(g[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_overflowing_norm_gives_zeros_and_a_nonfinite_entry_nan(dtype: torch.dtype) -> None:
+    # As the README says: the fp32 norm of entries ~1e19 is inf, so the scale is 0; a NaN or
+    # an infinity spreads over its own matrix only.
+    g = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(11))
+    g[1, 0, 0] = math.inf
+    g[2] *= 1e19
+    g = g.to(dtype)
+    for backend in ("gram", "direct"):
+        out = newton_schulz(g, backend=backend)
+        assert torch.equal(out[0], newton_schulz(g[0], backend=backend))
+        assert bool(out[1].isnan().all())
+        assert torch.equal(out[2], torch.zeros(16, 40, dtype=dtype))
 
 
 def _inputs(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
