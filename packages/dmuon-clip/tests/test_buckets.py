@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
+from _fake import FakeMuon
 from _reference import assert_close, float64_norm, torch_clip
 
-from dmuon_clip import GradClipBucket, clip_grad_norm_buckets_
+from dmuon_clip import GradClipBucket, clip_grad_norm_, clip_grad_norm_buckets_
 
 # fp32 results may differ from torch's by the rounding of a different summation order: the
 # norm of norms vs. one sum of squares. A few fp32 ulps (eps = 1.2e-7) cover it.
@@ -194,3 +195,9 @@ def test_dtensor_grads_are_rejected_with_the_fix() -> None:
     g = torch.ones(3).as_subclass(DTensor)
     with pytest.raises(ValueError, match=r"to_local\(\)"):
         GradClipBucket("x", [g])
+    # Through clip_grad_norm_, whose caller built no bucket: the message names the optimizer's
+    # protocol, not GradClipBucket's reduce flag.
+    with pytest.raises(
+        ValueError, match=r"'global_norm' clip strategy got a DTensor as gradient 1"
+    ):
+        clip_grad_norm_(FakeMuon([torch.ones(2), g]), 1.0)

@@ -119,7 +119,7 @@ class GradClipBucket:
                     f"GradClipBucket {self.name!r}: grads[{i}] is {type(g).__name__}, not a "
                     "Tensor; drop parameters whose .grad is None before building the bucket"
                 )
-            if _is_dtensor(g):
+            if is_dtensor(g):
                 raise ValueError(
                     f"GradClipBucket {self.name!r}: grads[{i}] is a DTensor; pass its local "
                     "shard (grad.to_local()) and set reduce=True with the shard group as "
@@ -128,7 +128,8 @@ class GradClipBucket:
         object.__setattr__(self, "grads", grads)
 
 
-def _is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (by name: no import of torch.distributed.tensor needed)."""
     # A DTensor's norm would issue its own collectives behind our back (one per tensor).
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
