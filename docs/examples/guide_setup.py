@@ -104,9 +104,12 @@ def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def batches(count: int, rows: int = 4, seq: int = 32) -> list[tuple[Tensor, Tensor]]:
-    """This rank's (inputs, targets) of a learnable sequence: ``t[i+1] = (5 t[i] + 3) mod 256``."""
-    g = torch.Generator().manual_seed(dist.get_rank())
+def batches(
+    count: int, rows: int = 4, seq: int = 32, seed: int | None = None
+) -> list[tuple[Tensor, Tensor]]:
+    """This rank's (inputs, targets) of a learnable sequence: ``t[i+1] = (5 t[i] + 3) mod 256``,
+    drawn from ``seed`` (default: the rank; ranks given one seed read the same batches)."""
+    g = torch.Generator().manual_seed(dist.get_rank() if seed is None else seed)
     out = []
     for _ in range(count):
         tokens = [torch.randint(0, 256, (rows, 1), generator=g)]

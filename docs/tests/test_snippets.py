@@ -9,7 +9,8 @@ parses, and uses only names that it binds, that an earlier block of its page bin
 guides' setup binds (``docs/examples/guide_setup.py`` and "the usual wrap" on
 ``docs/guides/index.md``): a reader who pastes the setup and a page's snippets in order meets
 no ``NameError``. The tuning page's snippets also run, after the setup, as one script on one
-gloo rank, and the EMA page's after the usual wrap on two.
+gloo rank, the EMA page's after the usual wrap on two, and the TP page's first on two (one TP
+group, whose ranks must read one batch).
 """
 
 from __future__ import annotations
@@ -243,3 +244,24 @@ def test_a_package_readme_uses_only_what_the_package_declares(readme: Path) -> N
         ours = declared & {"dmuon", "dmuon_ns", "dmuon_ownership", "dmuon_clip", "dmuon_fsdp"}
         absent = sorted(n for n in names if n.split(".")[0] in ours and not _resolves(n))
         assert not absent, f"{readme.relative_to(ROOT)}, python block {number}: no {absent}"
+
+
+@pytest.mark.distributed
+def test_the_tp_page_gives_each_tp_group_one_batch(tmp_path: Path) -> None:
+    # Two ranks, one TP group: its ranks must compute on the same batch, so their losses
+    # agree bit for bit (fed the setup's per-rank loader, they would differ).
+    loop = (
+        "for inputs, targets in loader[:2]:\n"
+        "    optimizer.zero_grad()\n"
+        "    loss = loss_fn(model(inputs), targets)\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n"
+        "losses = [None, None]\n"
+        "dist.all_gather_object(losses, loss.item())\n"
+        "if dist.get_rank() == 0:\n"
+        "    print(f'TP losses {losses[0]!r} {losses[1]!r}')\n"
+    )
+    blocks = [python_blocks(DOCS / "guides" / "tp.md")[0], loop]
+    output = _run_after_the_setup(tmp_path, blocks, ranks=2)
+    found = re.findall(r"TP losses (\S+) (\S+)\n", output)
+    assert len(found) == 1 and found[0][0] == found[0][1], output[-8000:]
