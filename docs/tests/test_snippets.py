@@ -9,8 +9,8 @@ parses, and uses only names that it binds, that an earlier block of its page bin
 guides' setup binds (``docs/examples/guide_setup.py`` and "the usual wrap" on
 ``docs/guides/index.md``): a reader who pastes the setup and a page's snippets in order meets
 no ``NameError``. The tuning page's snippets also run, after the setup, as one script on one
-gloo rank, the EMA page's after the usual wrap on two, and the TP page's first on two (one TP
-group, whose ranks must read one batch).
+gloo rank, the EMA and checkpoint pages' after the usual wrap on two, and the TP page's first
+on two (one TP group, whose ranks must read one batch).
 """
 
 from __future__ import annotations
@@ -265,3 +265,15 @@ def test_the_tp_page_gives_each_tp_group_one_batch(tmp_path: Path) -> None:
     output = _run_after_the_setup(tmp_path, blocks, ranks=2)
     found = re.findall(r"TP losses (\S+) (\S+)\n", output)
     assert len(found) == 1 and found[0][0] == found[0][1], output[-8000:]
+
+
+@pytest.mark.distributed
+def test_the_checkpoint_page_runs_after_the_usual_wrap(tmp_path: Path) -> None:
+    # Two ranks: every rank reads the files rank 0 writes. The Hugging Face blocks (a
+    # pretrained model's files, a transformers model) are left out.
+    page = python_blocks(DOCS / "guides" / "checkpoints.md")
+    blocks = [*python_blocks(INDEX), *[b for b in page if "transformers" not in b]]
+    assert len(blocks) == len(python_blocks(INDEX)) + 4
+    ending = "dist.barrier()\nif dist.get_rank() == 0:\n    print('resumed at step', step)\n"
+    output = _run_after_the_setup(tmp_path, [*blocks, ending], ranks=2)
+    assert output.count("resumed at step 100") == 1, output[-8000:]
