@@ -130,6 +130,43 @@ def test_a_matrix_without_a_gradient_keeps_its_weight_and_momentum(path: str) ->
         assert result["trains again"], result
 
 
+def _zero_grads_kept(rank: int, world_size: int, path: str) -> dict[str, bool]:
+    """``zero_grad(set_to_none=False)`` keeps zero gradients, as torch's does: a matrix frozen
+    after a step is stepped on its zero gradient (its momentum times β, its weight moved), as
+    ``torch.optim.Muon`` steps it, and so is every matrix in a step with no backward; the
+    owners' gradients are zeroed in place, the same tensors from step to step."""
+    model = _model(path, world_size)
+    optimizer = Muon(model, lr=0.05, momentum=0.9, weight_decay=0.1)
+    _step(model, optimizer, 0, rank, world_size)
+    dict(model.named_parameters())[FROZEN].requires_grad_(False)
+    weights, momenta = get_model_state_dict(model), _momenta(model, optimizer)
+    optimizer.zero_grad(set_to_none=False)
+    loss_fn(model, batch(1, ROWS).chunk(world_size)[rank]).backward()
+    optimizer.step()
+    after, after_momenta = get_model_state_dict(model), _momenta(model, optimizer)
+    grads = {dp.fqn: dp.grad for dp in optimizer.runtime.owned}
+    optimizer.zero_grad(set_to_none=False)
+    optimizer.step()  # no backward: every gradient is zero
+    last = _momenta(model, optimizer)
+    return {
+        # Zeroed in place, as torch's .grad: the same tensors from step to step.
+        "owner grads kept": all(
+            dp.grad is not None and dp.grad is grads[dp.fqn] and not dp.grad.any()
+            for dp in optimizer.runtime.owned
+        ),
+        "frozen momentum times β": torch.equal(after_momenta[FROZEN], momenta[FROZEN] * 0.9),
+        "frozen weight moved": not torch.equal(after[FROZEN], weights[FROZEN]),
+        "every momentum times β": all(torch.equal(last[n], after_momenta[n] * 0.9) for n in last),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", ["1d", "ddp"])
+def test_zero_grad_set_to_none_false_steps_on_zeros_as_torch(path: str) -> None:
+    for result in run_distributed(_zero_grads_kept, 2, path):
+        assert all(result.values()), result
+
+
 def _loss_before_the_last_layer(rank: int, world_size: int, path: str) -> dict[str, bool]:
     """Every layer's forward runs, but the loss is taken on the first layer's output (a probe,
     a distillation of hidden states): the last layer's backward never runs on any rank."""

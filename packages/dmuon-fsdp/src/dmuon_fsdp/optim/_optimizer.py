@@ -1016,16 +1016,17 @@ class Muon(torch.optim.Optimizer):
         return MuonStepStats(self._last_skip, self._skipped_steps)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the grads of every parameter, dedicated ones' owner gradients included (those
-        always become ``None``: the runtime writes a fresh averaged gradient each backward).
+        """Clear the grads of every parameter, dedicated ones' owner gradients included.
 
         Args:
-            set_to_none: ``True`` sets every other gradient to ``None`` (frees its memory);
-                ``False`` fills it with zeros, as ``torch.optim.Optimizer.zero_grad`` does.
+            set_to_none: ``True`` sets every gradient to ``None`` (frees its memory);
+                ``False`` fills it with zeros, as ``torch.optim.Optimizer.zero_grad`` does (a
+                dedicated matrix's owner gradient too), so a parameter that the next backward
+                gives no gradient (frozen mid-run) is stepped on zeros, as torch steps it.
         """
         # First the runtime: an all-reduce still in flight would write a replicated gradient
         # after torch's zero_grad cleared it.
-        self._runtime.clear_grads()
+        self._runtime.clear_grads(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
         if self._overlap is not None:
             self._overlap.end_step()

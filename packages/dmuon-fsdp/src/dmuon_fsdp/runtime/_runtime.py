@@ -110,6 +110,9 @@ class DedicatedRuntime:
         self._model = weakref.ref(model)
         self._fsdp_modules: list[FSDPModule] | None = None  # set at the first backward
         self._final = False  # packed with the precision fully_shard asks for
+        # The zero gradients zero_grad(set_to_none=False) gave each owner, by id(dp): zeroed in
+        # place at the next such call while still its gradient (see clear_grads).
+        self._zeroed_grads: dict[int, torch.Tensor] = {}
         self.hooks = BoundaryHooks(
             groups,
             params,
@@ -322,19 +325,34 @@ class DedicatedRuntime:
             **{id(stack.param): stack for stack in self.local_muon},
         }
 
-    def clear_grads(self) -> None:
-        """Drop every owner's averaged gradient (``DedicatedParam.grad``): the next backward
-        starts a new accumulation. Reduces still in flight (a backward thrown away before the
-        step) land first, so that none of them adds to the next gradients; every rank calls
-        this at the same point (``zero_grad``), so their collectives stay in step. (The
-        publishes of the last step stay in flight: each boundary's forward waits for its own.)"""
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        """Clear every owner's averaged gradient (``DedicatedParam.grad``): the next backward
+        starts a new accumulation. ``set_to_none=False`` makes a gradient that is set zeros
+        instead of ``None``, as torch's ``zero_grad`` does to ``.grad``: a step then steps it
+        even if no backward gives it a gradient (a matrix frozen mid-run), as torch's
+        optimizers step on a zero gradient. The zeros are a tensor of their own, since the
+        gradient may be a view of a reduce buffer, made once and zeroed in place while it is
+        still the gradient (the backward adds into it), so its storage stays the same from
+        step to step, as torch's ``.grad`` does (a captured step can replay). Reduces still in
+        flight (a backward thrown away before the step) land first, so that none of them adds
+        to the next gradients; every rank calls this at the same point (``zero_grad``), so
+        their collectives stay in step. (The publishes of the last step stay in flight: each
+        boundary's forward waits for its own.)"""
         if len(self.reduce_queue):
             self.reduce_queue.wait_all()
         # The replicated path's all-reduces of a backward thrown away: waited, not written
         # (``zero_grad`` clears the replicated gradients after this).
         self.all_reduce_queue.discard()
         for dp in self.params:
-            dp.grad = None
+            kept = self._zeroed_grads.pop(id(dp), None)
+            if set_to_none or dp.grad is None:
+                dp.grad = None
+                continue
+            if dp.grad is kept:
+                dp.grad.zero_()
+            else:
+                dp.grad = torch.zeros_like(dp.grad)
+            self._zeroed_grads[id(dp)] = dp.grad
         self.hooks.forget_unsynced()
 
     def check_gradients_synced(self) -> None:

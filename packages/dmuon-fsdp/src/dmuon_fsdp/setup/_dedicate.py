@@ -452,7 +452,7 @@ def _zero_grad_clears_owner_grads(model: nn.Module, runtime: DedicatedRuntime) -
 
     def zero_grad(set_to_none: bool = True) -> None:
         module_zero_grad(set_to_none)
-        runtime.clear_grads()
+        runtime.clear_grads(set_to_none)
 
     model.zero_grad = zero_grad  # type: ignore[method-assign]
 
