@@ -416,6 +416,16 @@ def _errors(rank: int, world_size: int):
     optimizer = Muon(model)
     with pytest.raises(ValueError, match=r"Muon\(model, param_groups=\[\.\.\.\]\)"):
         optimizer.add_param_group({"params": []})
+    # Lightning's BaseFinetuning habit: unfreeze a layer, then add its parameters. The message
+    # names them and the fix; nothing changes.
+    head = [model.get_parameter("lm_head.weight"), torch.zeros(2)]
+    with pytest.raises(
+        ValueError,
+        match=r"cannot add the model's parameters \['lm_head\.weight'\] and 1 tensor\(s\) that"
+        r" are not parameters of the model\. .*trainable at dedicate_params and Muon\(model\)",
+    ):
+        optimizer.add_param_group({"params": head, "lr": 0.1})
+    assert len(optimizer.param_groups) == 2
     with pytest.raises(AttributeError):  # fixed at construction: the plan and hooks read it
         optimizer.options = StepOptions(skip_nonfinite=False)  # type: ignore[misc]
 

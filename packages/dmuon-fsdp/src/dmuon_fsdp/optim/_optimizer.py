@@ -543,10 +543,19 @@ class Muon(torch.optim.Optimizer):
     # -- structure ----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused, changing nothing: the groups, the step plan and the owners are fixed at
+        construction. The message names what the group held and the fix (a parameter to
+        train later, as in staged fine-tuning, is trainable when ``Muon(model)`` is built and
+        frozen until then)."""
         if not getattr(self, "_constructing", False):
             raise ValueError(
-                "Muon builds its param groups from the model at construction; pass every"
-                " group as Muon(model, param_groups=[...]) instead of add_param_group()"
+                "Muon builds its param groups from the model at construction, so"
+                f" add_param_group() cannot add {_group_contents(self._model, param_group)}."
+                " Give Muon every parameter to train when it is built: a parameter to train"
+                " later must be trainable at dedicate_params and Muon(model) (freeze it with"
+                " requires_grad_(False) afterwards, until it should train); a module added to the"
+                " model later must be added before dedicate_params and fully_shard;"
+                " hyperparameters of its own come from Muon(model, param_groups=[...])"
             )
         super().add_param_group(param_group)
 
@@ -1173,6 +1182,27 @@ _TORCH_KEYWORDS = {
     "betas": "torch.optim.AdamW's betas are adamw_betas",
     "params": "Muon takes the model itself (its first argument), not its parameters",
 }
+
+
+def _group_contents(model: nn.Module, param_group: Any) -> str:
+    """What an ``add_param_group`` argument holds, for its refusal: the model's parameter
+    names, and how many tensors are not the model's."""
+    params = param_group.get("params", ()) if isinstance(param_group, Mapping) else param_group
+    if isinstance(params, Tensor):
+        params = [params]
+    try:
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+    except TypeError:
+        return f"a {type(param_group).__name__}"
+    names = {id(p): name for name, p in model.named_parameters()}
+    known = [names[id(p)] for p in tensors if id(p) in names]
+    others = len(tensors) - len(known)
+    parts = []
+    if known:
+        parts.append(f"the model's parameters {known[:3]}" + (" ..." if len(known) > 3 else ""))
+    if others:
+        parts.append(f"{others} tensor(s) that are not parameters of the model")
+    return " and ".join(parts) or "a group without parameters"
 
 
 def _instead_of(keywords: Iterable[str]) -> str:
