@@ -225,7 +225,36 @@ def _group_edits(rank: int, world_size: int):
         group.clear()
         group.update(kept)
         optimizer.param_groups[index] = group
+    # A loaded group with such a key would make every step raise: refused at the load, which
+    # loads nothing.
+    full = get_optimizer_state_dict(model, optimizer)
+    own = optimizer.state_dict()
+    full["param_groups"]["muon"]["ns_steps"] = 3
+    own["param_groups"][1]["adamw_lr"] = 0.1
+    kept_groups = [dict(g) for g in optimizer.param_groups]
+    for load in (
+        lambda: set_optimizer_state_dict(model, optimizer, full),
+        lambda: optimizer.load_state_dict(own),
+    ):
+        with pytest.raises(ValueError) as info:
+            load()
+        errors.append(str(info.value))
+        assert optimizer.param_groups == kept_groups
+        _assert_same_state(get_optimizer_state_dict(model, optimizer), full, skip="ns_steps")
     return runs, betas, schedule[-1][1], errors
+
+
+def _assert_same_state(got, want, skip):
+    """``got`` and ``want`` (full optimizer state dicts) hold equal tensors and group values
+    (bit for bit), but for the group key ``skip``."""
+    assert got["state"].keys() == want["state"].keys()
+    for fqn, fields in want["state"].items():
+        for field, value in fields.items():
+            assert torch.equal(got["state"][fqn][field], value), (fqn, field)
+    for name, group in want["param_groups"].items():
+        assert {k: v for k, v in got["param_groups"][name].items() if k != skip} == {
+            k: v for k, v in group.items() if k != skip
+        }, name
 
 
 @pytest.mark.distributed
@@ -245,6 +274,8 @@ def test_group_edits_reach_the_step():
         assert "group 'adamw' holds ['adamw_lr'], which no step reads" in errors[7]
         assert "group 'muon' holds ['ns_steps'], which no step reads" in errors[8]
         assert "group 'adamw' holds ['maximize'], which no step reads" in errors[9]
+        assert "set_optimizer_state_dict: param_groups['muon'] holds ['ns_steps']" in errors[10]
+        assert "load_state_dict: param group 'adamw' holds ['adamw_lr']" in errors[11]
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name

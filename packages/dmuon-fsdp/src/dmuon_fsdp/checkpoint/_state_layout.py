@@ -32,6 +32,7 @@ from ..optim import (
     GROUP_REQUIRED,
     STATE_FIELDS,
     Muon,
+    check_no_inert_keys,
     fresh_state,
     group_numbers,
     optim_dtype,
@@ -216,7 +217,8 @@ def check_model(
 
 def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
     """Raise unless ``saved_groups`` (group name -> group dict) has this optimizer's groups,
-    each with the same parameters, optimizer and required hyperparameters."""
+    each with the same parameters, optimizer and required hyperparameters, and no key that no
+    step reads."""
     if not isinstance(saved_groups, Mapping):
         raise ValueError(f"{where}: 'param_groups' must map group name -> group dict")
     names = [g["group_name"] for g in optimizer.param_groups]
@@ -260,6 +262,8 @@ def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
                 f"{where}: param_groups[{name!r}]", absent, [], "the group lacks hyperparameters"
             )
         group_numbers(saved, group["optimizer"], f"{where}: param_groups[{name!r}]")
+        # Loaded, it would make every step raise (see take_group_edits).
+        check_no_inert_keys(saved, f"{where}: param_groups[{name!r}]")
 
 
 _ALL_FIELDS = frozenset(f for fields in STATE_FIELDS.values() for f in fields)

@@ -3,7 +3,7 @@ passes, semantic param groups, and QK-clip."""
 
 from ._muon_math import STATE_FIELDS, fresh_state, optim_dtype, step_dtype
 from ._optimizer import Muon, MuonClipGrads, MuonStepStats, StepOptions
-from ._param_groups import GROUP_REQUIRED, group_numbers
+from ._param_groups import GROUP_REQUIRED, check_no_inert_keys, group_numbers
 from ._qk_clip import QKClip, QKRowMap
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "QKClip",
     "QKRowMap",
     "StepOptions",
+    "check_no_inert_keys",
     "fresh_state",
     "group_numbers",
     "optim_dtype",

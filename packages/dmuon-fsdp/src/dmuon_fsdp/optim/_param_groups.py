@@ -53,7 +53,9 @@ step. Two edits the user (or a scheduler) makes outside them are taken in at the
 
 A key that no step reads but that means something elsewhere (``_INERT_KEYS``: torch.optim.Muon's
 ``ns_steps``, a user group's ``adamw_lr``, ...) raises instead, in place or in a replacement,
-before anything is replaced: written silently it would change nothing.
+before anything is replaced, and in a loaded group (``Muon.load_state_dict``,
+``dmuon.set_optimizer_state_dict``, ``dmuon.load_checkpoint``), before anything is loaded:
+written silently it would change nothing.
 """
 
 from __future__ import annotations
@@ -254,7 +256,9 @@ _INERT_KEYS = {
 }
 
 
-def _check_no_inert_keys(group: Mapping[str, Any], where: str) -> None:
+def check_no_inert_keys(group: Mapping[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming every key of ``group`` that no step reads (``_INERT_KEYS``):
+    in a group written or replaced, and in a group a state dict or checkpoint would load."""
     inert = [key for key in _INERT_KEYS if key in group]
     if inert:
         raise ValueError(
@@ -288,7 +292,7 @@ def take_group_edits(
             own.update(group)
             groups[i] = own
         where = f"Muon.param_groups: group {own['group_name']!r}"
-        _check_no_inert_keys(own, where)
+        check_no_inert_keys(own, where)
         if own["optimizer"] == Route.ADAMW and "momentum" in own:
             beta1 = _check_fraction(own.pop("momentum"), "momentum", where)
             own["betas"] = (beta1, own["betas"][1])
@@ -321,7 +325,7 @@ def _check_replacement(group: Any, own: Mapping[str, Any]) -> None:
             f"{where} steps with {route.value!r}; the dict that replaced it says"
             f" {group['optimizer']!r}: a group's optimizer is fixed at construction"
         )
-    _check_no_inert_keys(group, where)  # before it replaces anything
+    check_no_inert_keys(group, where)  # before it replaces anything
     group_numbers(group, route, where)
 
 

@@ -55,7 +55,7 @@ from dmuon_ownership import Route
 from .._torch_internals import local_shard
 from ..holder import DedicatedParam, tensor_view
 from ._muon_math import STATE_FIELDS
-from ._param_groups import GROUP_REQUIRED, checked_group_values
+from ._param_groups import GROUP_REQUIRED, check_no_inert_keys, checked_group_values
 
 __all__ = ["HOLDINGS_KEY", "for_saving", "install_dedicated_state", "split_for_load"]
 
@@ -128,6 +128,7 @@ def _routes_back(groups: list[dict[str, Any]], saved_groups: Sequence[Any]) -> l
             raise ValueError(
                 f"{where} lacks {absent}; load a state dict of this optimizer's state_dict()"
             )
+        check_no_inert_keys(saved, where)  # every step would raise for it
         values = checked_group_values(saved, group["optimizer"], where)
         restored.append({**saved, **values, "optimizer": Route(route)})
     return restored
