@@ -566,6 +566,19 @@ def _tied_head_routed_by_its_alias(rank: int, world_size: int) -> tuple[list[str
     mesh = init_device_mesh("cpu", (world_size,))
     model = build(0, tie=True)
     policy = {"overrides": [{"name": ["lm_head"], "set": {"route": "sharded_adamw"}}]}
+    # Its two names routed two ways: refused, naming both, before anything changed.
+    conflicting = {
+        "overrides": [*policy["overrides"], {"name": ["embed_tokens"], "set": {"route": "muon"}}]
+    }
+    before = [(n, p, p.detach().clone()) for n, p in model.named_parameters()]
+    modules = list(model.modules())
+    with pytest.raises(ValueError, match=r"\['overrides'\]\[0\] sets route='sharded_adamw' for"):
+        dedicate_params(model, mesh, lambda n, p: p.ndim == 2, param_policy=conflicting)
+    assert list(model.modules()) == modules
+    assert all(
+        q is p and torch.equal(q, value)
+        for (n, p, value), (m, q) in zip(before, model.named_parameters(), strict=True)
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dedicate_params(model, mesh, lambda n, p: p.ndim == 2, param_policy=policy)

@@ -400,3 +400,42 @@ def test_a_parameter_with_several_names_matches_by_any_of_them() -> None:
     tied = policy.resolve("embed_tokens.weight", ["embed_tokens.weight", "lm_head.weight"])
     assert tied.route is Route.SHARDED_ADAMW and tied.optim_dtype == "float32"
     assert policy.matching("embed_tokens.weight", ["lm_head.weight"]) == (0, 1)
+
+
+def test_a_tied_parameter_routed_two_ways_by_its_names_raises() -> None:
+    # Two overrides that set one field differently through different names of one tied
+    # parameter: which wins would hang on their order (it went silently to the last one).
+    names = ["embed_tokens.weight", "lm_head.weight"]
+    policy = ParamPolicy.from_dict(
+        {
+            "overrides": [
+                {"name": ["lm_head"], "set": {"route": "sharded_adamw"}},
+                {"name": ["embed_tokens"], "set": {"route": "muon", "optim_dtype": "fp32"}},
+            ]
+        }
+    )
+    with pytest.raises(ValueError) as info:
+        policy.resolve(names[0], names)
+    assert str(info.value) == (
+        "param_policy['overrides'][0] sets route='sharded_adamw' for 'lm_head.weight' and"
+        " param_policy['overrides'][1] sets route='muon' for 'embed_tokens.weight', which are"
+        " names of one tied parameter: it takes one route. Set route in one of the two"
+        " overrides only, or the same route in both"
+    )
+    # The same value by both names, a general override before a specific one, or one name of
+    # the two: one intent, resolved in policy order.
+    for overrides in (
+        [{"name": ["lm_head"], "set": {"route": "adamw"}}] * 2,
+        [
+            {"name": ["*"], "set": {"route": "muon"}},
+            {"name": ["lm_head"], "set": {"route": "adamw"}},
+        ],
+        [
+            {"name": ["lm_head"], "set": {"route": "muon"}},
+            {"name": ["lm_head"], "set": {"route": "adamw"}},
+        ],
+    ):
+        assert (
+            ParamPolicy.from_dict({"overrides": overrides}).resolve(names[0], names).route
+            is Route.ADAMW
+        )

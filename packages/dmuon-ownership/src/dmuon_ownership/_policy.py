@@ -273,10 +273,20 @@ class ParamPolicy:
 
     def resolve(self, name: str, aliases: Iterable[str] = ()) -> ResolvedPolicy:
         """The defaults, then every override that matches ``name`` or one of its ``aliases``,
-        in policy order (each sets only its fields)."""
+        in policy order (each sets only its fields). Two overrides that set one field to
+        different values through different names of the parameter raise ``ValueError`` (see
+        [Note: one policy per tied parameter])."""
+        names = list(dict.fromkeys((name, *aliases)))
         fields: dict[str, Any] = {}
+        setters: dict[str, list[tuple[int, set[str], Any]]] = {}
         for index in self.matching(name, aliases):
-            fields.update(self.overrides[index].values)
+            override = self.overrides[index]
+            by = {n for n in names if override.matches(n, n.split("."))}
+            for field, value in override.values:
+                for earlier in setters.get(field, ()):
+                    _check_one_intent(field, earlier, (index, by, value))
+                setters.setdefault(field, []).append((index, by, value))
+            fields.update(override.values)
         return dataclasses.replace(self.defaults, **fields) if fields else self.defaults
 
     def unmatched_tokens(self, names: Iterable[str]) -> tuple[str, ...]:
@@ -290,6 +300,37 @@ class ParamPolicy:
                 if token not in out and not any(single.matches(n, c) for n, c in split):
                     out.append(token)
         return tuple(out)
+
+
+def _shown(value: Any) -> Any:
+    """A field's value as a policy spells it (a route by its name)."""
+    return value.value if isinstance(value, Route) else value
+
+
+def _check_one_intent(
+    field: str, earlier: tuple[int, set[str], Any], later: tuple[int, set[str], Any]
+) -> None:
+    """Raise when two overrides set ``field`` of one parameter differently, each through a
+    name of it that the other does not match.
+
+    [Note: one policy per tied parameter]
+    A tied parameter (an embedding and a head sharing one weight) has one route and one set
+    of dtypes, whichever of its names an override matches. Two overrides of one name that
+    disagree are the policy's usual order (the later one wins, as a specific rule after a
+    general one), and so is a general override that matches every name before a specific
+    one. But ``lm_head`` routed one way and ``embed_tokens`` another names two intents for
+    one tensor: which wins would depend on the order the overrides happen to be listed in,
+    so it raises, naming both."""
+    (i, by_i, value_i), (j, by_j, value_j) = earlier, later
+    if value_i == value_j or by_i <= by_j or by_j <= by_i:
+        return
+    raise ValueError(
+        f"param_policy['overrides'][{i}] sets {field}={_shown(value_i)!r} for "
+        f"{_quoted(sorted(by_i - by_j))} and param_policy['overrides'][{j}] sets "
+        f"{field}={_shown(value_j)!r} for {_quoted(sorted(by_j - by_i))}, which are names of "
+        f"one tied parameter: it takes one {field}. Set {field} in one of the two overrides "
+        f"only, or the same {field} in both"
+    )
 
 
 def validate_param_policy(policy: Mapping[str, Any] | ParamPolicy | None) -> ParamPolicy:
