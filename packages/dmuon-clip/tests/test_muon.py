@@ -172,6 +172,24 @@ def test_per_matrix_is_refused_under_tensor_parallelism() -> None:
         assert_close(got, want, rtol=RTOL)
 
 
+def test_per_matrix_is_refused_before_the_gradients_are_taken() -> None:
+    # An optimizer that answers grads_split_over_ranks is asked first: taking its gradients
+    # has an effect (dmuon's turns ns_overlap off), which a refused call must not have.
+    class Probed(FakeMuon):
+        def grads_split_over_ranks(self, params: object) -> bool:
+            return params == "all"
+
+        def grads_for_clip(self, params: object) -> object:
+            return self.muon_grads_for_clip()
+
+    opt = Probed(_matrices(2))
+    with pytest.raises(ValueError, match="strategy='per_matrix' clips each tensor by the norm"):
+        clip_grad_norm_(opt, 0.1, strategy="per_matrix", params="all")
+    assert opt.calls == 0
+    clip_grad_norm_(opt, 0.1, strategy="per_matrix")
+    assert opt.calls == 1
+
+
 def test_registry() -> None:
     assert {"global_norm", "per_matrix"} <= set(registered_muon_grad_clip_strategies())
     with pytest.raises(ValueError, match=r"unknown Muon grad clip strategy 'nope'.*global_norm"):

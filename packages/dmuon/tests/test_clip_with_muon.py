@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -40,9 +41,11 @@ def _reference_muon_norm() -> float:
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 
 
-def _backward_on_ranks(cfg: LlamaConfig, rank: int, world_size: int, hsdp: bool = False):
+def _backward_on_ranks(
+    cfg: LlamaConfig, rank: int, world_size: int, hsdp: bool = False, options=None
+):
     """The demo model under dmuon and FSDP2 (1-D, or HSDP 2 × world/2) after one backward of
-    this rank's rows; (model, runtime, optimizer)."""
+    this rank's rows, its Muon built with ``options``; (model, runtime, optimizer)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -62,7 +65,7 @@ def _backward_on_ranks(cfg: LlamaConfig, rank: int, world_size: int, hsdp: bool 
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=dedicated)
     fully_shard(model, mesh=mesh, ignored_params=dedicated)
-    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, options=options)
     rows = ROWS // world_size
     _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
     return model, runtime, optimizer
@@ -419,14 +422,31 @@ def test_clip_grad_value_clamps_every_gradient_where_it_is_kept() -> None:
 def _bad_params(rank: int, world_size: int) -> None:
     import dmuon
 
-    _, _, optimizer = _backward_on_ranks(CFG, rank, world_size)
-    with pytest.raises(ValueError, match="pass 'muon', 'adamw', 'all'"):
-        dmuon.clip_grad_norm_(optimizer, 1.0, params="experts")
-    stranger = torch.nn.Parameter(torch.ones(2, 2))
-    with pytest.raises(ValueError, match="not a parameter of this optimizer"):
-        dmuon.clip_grad_norm_(optimizer, 1.0, params=[stranger])
-    with pytest.raises(ValueError, match="clips each tensor by the norm this rank sees"):
-        dmuon.clip_grad_norm_(optimizer, 1.0, params="adamw", strategy="per_matrix")
+    options = dmuon.StepOptions(ns_overlap=True)
+    model, _, optimizer = _backward_on_ranks(CFG, rank, world_size, options=options)
+    overlap = optimizer._overlap
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="pass 'muon', 'adamw', 'all'"):
+            dmuon.clip_grad_norm_(optimizer, 1.0, params="experts")
+        stranger = torch.nn.Parameter(torch.ones(2, 2))
+        with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+            dmuon.clip_grad_norm_(optimizer, 1.0, params=[stranger])
+        for params in ("adamw", "all"):
+            with pytest.raises(ValueError, match="clips each tensor by the norm this rank sees"):
+                dmuon.clip_grad_norm_(optimizer, 1.0, params=params, strategy="per_matrix")
+    # Refused before the gradients were taken: NS during backward stays on (taking them had
+    # turned it off, with a warning), and the step is the one without these calls.
+    assert optimizer._overlap is overlap and overlap is not None and not caught
+    optimizer.step()
+    used = torch.tensor([overlap.used])
+    torch.distributed.all_reduce(used)
+    assert used.item() > 0  # NS results of backward were used
+    plain, _, untouched = _backward_on_ranks(CFG, rank, world_size, options=options)
+    untouched.step()
+    want = dmuon.get_model_state_dict(plain)
+    for name, value in dmuon.get_model_state_dict(model).items():
+        assert torch.equal(value, want[name]), name
 
 
 @pytest.mark.distributed

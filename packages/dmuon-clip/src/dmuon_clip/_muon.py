@@ -90,16 +90,14 @@ def clip_grad_norm_(
         raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")
     fn = get_muon_grad_clip_strategy(strategy)
     take = _grads_for_clip(optimizer, params, "clip_grad_norm_")
+    per_matrix = clips_per_matrix(strategy)
+    if per_matrix and _split_over_ranks(optimizer, params):
+        # Before the gradients are taken: taking them turns ns_overlap off.
+        raise _per_matrix_refused(strategy)
     with span("dmuon::clip_grad_norm"):
         muon = take()
-        per_matrix = clips_per_matrix(strategy)
-        if per_matrix and is_sharded(muon):
-            raise ValueError(
-                f"strategy={strategy!r} clips each tensor by the norm this rank sees of it, but"
-                " a rank holds only a shard of some of these gradients (a tensor-parallel"
-                " matrix, or FSDP2's shard of an AdamW parameter); use"
-                " strategy='global_norm' (the default), which reduces over every rank"
-            )
+        if per_matrix and is_sharded(muon):  # an optimizer without grads_split_over_ranks
+            raise _per_matrix_refused(strategy)
         grads = list(muon.grads)
         if per_matrix:  # a tensor of fewer dims is one matrix of its own (see _as_matrix)
             grads = [_as_matrix(g) for g in grads]
@@ -200,6 +198,23 @@ def _grads_for_clip(
     if method is not None:
         return optimizer.muon_grads_for_clip
     return lambda: optimizer.grads_for_clip(params)  # type: ignore[attr-defined]
+
+
+def _split_over_ranks(optimizer: object, params: str | Iterable[Tensor]) -> bool:
+    """``optimizer.grads_split_over_ranks(params)`` (which takes no gradient, and so leaves
+    dmuon's ``ns_overlap`` on), ``False`` for an optimizer without it (the clip then reads
+    ``sharded`` of the gradients it took)."""
+    probe = getattr(optimizer, "grads_split_over_ranks", None)
+    return callable(probe) and bool(probe(params))
+
+
+def _per_matrix_refused(strategy: str) -> ValueError:
+    return ValueError(
+        f"strategy={strategy!r} clips each tensor by the norm this rank sees of it, but"
+        " a rank holds only a shard of some of these gradients (a tensor-parallel"
+        " matrix, or FSDP2's shard of an AdamW parameter); use"
+        " strategy='global_norm' (the default), which reduces over every rank"
+    )
 
 
 def _as_matrix(g: Tensor) -> Tensor:

@@ -60,7 +60,10 @@ def is_sharded(muon: MuonClipGradsLike) -> bool:
 class SupportsMuonGradsForClip(Protocol):
     """An optimizer that hands its gradients to dmuon-clip (dmuon's ``Muon``):
     ``muon_grads_for_clip()`` those of its Muon route; ``grads_for_clip(params)``, which
-    :func:`dmuon_clip.clip_grad_norm_` needs for any other ``params``, those ``params`` names."""
+    :func:`dmuon_clip.clip_grad_norm_` needs for any other ``params``, those ``params`` names.
+    Optional, read with ``getattr``: ``grads_split_over_ranks(params) -> bool``, the
+    ``sharded`` of ``grads_for_clip(params)`` without taking the gradients (which has effects:
+    dmuon's turns ``ns_overlap`` off), so that a rank-local strategy is refused first."""
 
     def muon_grads_for_clip(self) -> MuonClipGradsLike: ...
 

@@ -1091,6 +1091,7 @@ class Muon(torch.optim.Optimizer):
                 parameters (frozen ones are skipped; another tensor raises ``ValueError``).
         """
         chosen = self._clip_selection(params)
+        sharded = self._clip_sharded(chosen)
         self._runtime.wait_all_reduces()
         if self._overlap is not None and not chosen.isdisjoint(self._route_ids(Route.MUON)):
             self._overlap.stop("the gradients were handed to a clip (grads_for_clip)")
@@ -1099,15 +1100,11 @@ class Muon(torch.optim.Optimizer):
         layout = self._runtime.layout
         grads: list[Tensor] = []
         copies: list[Tensor] = []
-        # The same answer on every rank (the clip refuses "per_matrix" on all of them alike):
-        # TP splits matrices, and every rank holds a view of each FSDP2 parameter.
-        sharded = layout.tp_size > 1
         for param, view in self._plan.clip_views():
             if id(param) not in chosen:
                 continue
             # A whole matrix is held in every TP grid (counted in grid 0), an expert shard or
             # an FSDP2 shard by every replica of its mesh (counted on the first).
-            sharded |= view.split_over_ranks
             got = view.clip_grad(layout)
             if got is not None:
                 (copies if got[1] else grads).append(got[0])
@@ -1121,6 +1118,24 @@ class Muon(torch.optim.Optimizer):
             self._runtime.global_group if dist.is_available() and dist.is_initialized() else None
         )
         return MuonClipGrads(grads, group, device, tuple(copies), sharded=sharded)
+
+    def grads_split_over_ranks(self, params: str | Iterable[Tensor] = "muon") -> bool:
+        """Whether some gradient that ``grads_for_clip(params)`` hands over is split over ranks
+        (its ``sharded``: a tensor-parallel shard, an FSDP2 shard of an AdamW parameter), from
+        the layout alone: nothing is waited for or changed (``ns_overlap`` stays on), so that a
+        clip refuses a rank-local strategy before it takes the gradients. The same answer on
+        every rank; ``params`` as for :meth:`grads_for_clip`."""
+        return self._clip_sharded(self._clip_selection(params))
+
+    def _clip_sharded(self, chosen: set[int]) -> bool:
+        """``grads_split_over_ranks`` of the parameters ``chosen`` (ids). The same answer on
+        every rank (the clip refuses "per_matrix" on all of them alike): TP splits matrices,
+        and every rank holds a view of each FSDP2 parameter."""
+        if self._runtime.layout.tp_size > 1:
+            return True
+        return any(
+            view.split_over_ranks for param, view in self._plan.clip_views() if id(param) in chosen
+        )
 
     def _clip_selection(self, params: str | Iterable[Tensor]) -> set[int]:
         """The ids of the parameters ``grads_for_clip(params)`` takes (the same on every rank).
