@@ -299,11 +299,23 @@ def test_try_clip_returns_none_on_cpu_and_touches_nothing(monkeypatch) -> None:
     muon = _matrices(0)
     regular, adamw = _matrices(1), _matrices(2)
     before = [g.clone() for g in [*muon, *regular, *adamw]]
+    optimizer = FakeMuon(muon)
     result = try_clip_optimizer_grad_norm_buckets_(
-        FakeMuon(muon), regular_grads=regular, adamw_grads=adamw, max_norm=0.1
+        optimizer, regular_grads=regular, adamw_grads=adamw, max_norm=0.1
     )
     assert result is None
     assert all(torch.equal(a, b) for a, b in zip([*muon, *regular, *adamw], before))
+    # Nothing taken (dmuon's Muon turns ns_overlap off when its gradients are taken) ...
+    assert optimizer.calls == 0
+    # ... and bad input raises here as where the fast path runs (it returned None unread).
+    for max_norm, match in (
+        (-1.0, "max_norm must be a finite number >= 0"),
+        ({"muon": 1.0}, r"needs exactly one entry per bucket; missing \['regular', 'adamw'\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            try_clip_optimizer_grad_norm_buckets_(
+                optimizer, regular_grads=regular, adamw_grads=adamw, max_norm=max_norm
+            )
 
 
 def test_try_clip_group_mismatch_is_an_error() -> None:

@@ -350,12 +350,13 @@ def try_clip_optimizer_grad_norm_buckets_(
     in one fused call; ``None`` when the fast path is unavailable.
 
     The rule: returns ``None``, having touched no gradient and issued no collective, when triton
-    is not installed, or when any tensor of the three segments (or, with no tensors, the Muon
+    is not installed or this process has neither CUDA nor the Triton interpreter (then, with
+    ``process_group=None``, without taking the Muon gradients either), or when any tensor of the three segments (or, with no tensors, the Muon
     accumulator device) is not on one and the same CUDA device (the CPU counts while Triton
     interprets, ``TRITON_INTERPRET=1``). Otherwise it clips, and tensors outside the kernel's
     contract (non-contiguous, float64, ...) go through torch inside the call, as reported by
-    ``fallback_reason``. ``optimizer.muon_grads_for_clip()`` is called either way (it only waits
-    for pending reduces).
+    ``fallback_reason``. A bad ``max_norm`` or gradient list raises ``ValueError`` either way,
+    before anything is taken.
 
     Groups: the Muon segment is reduced over the optimizer's group. ``process_group=None`` keeps
     the regular and AdamW norms rank-local (replicated grads, as under DDP); a group reduces them
@@ -380,6 +381,22 @@ def try_clip_optimizer_grad_norm_buckets_(
             disjoint shard), which must be the optimizer's Muon group (``ValueError``
             otherwise).
     """
+    regular = [g for g in regular_grads if g is not None]
+    adamw = [g for g in adamw_grads if g is not None]
+    # Bad input raises wherever the call runs, the fast path or not, before anything is taken
+    # (taking the Muon gradients turns dmuon's ns_overlap off).
+    _make_plan(
+        [
+            GradClipBucket("regular", regular),
+            GradClipBucket("muon", ()),
+            GradClipBucket("adamw", adamw),
+        ],
+        max_norm,
+        2.0,
+        "cpu",
+    )
+    if process_group is None and _fastpath.unavailable_in_process() is not None:
+        return None  # (a group is checked against the Muon gradients' below)
     muon = optimizer.muon_grads_for_clip()
     copies = clip_copies(muon)
     muon_group = muon.process_group
@@ -390,8 +407,6 @@ def try_clip_optimizer_grad_norm_buckets_(
             "when they are sharded over another group"
         )
     group = muon_group if muon_group is not None else process_group
-    regular = [g for g in regular_grads if g is not None]
-    adamw = [g for g in adamw_grads if g is not None]
     every = [*regular, *muon.grads, *copies, *adamw]
     devices = {g.device for g in every} or {torch.device(muon.device)}
     if len(devices) != 1:

@@ -52,6 +52,20 @@ def _kernels() -> Any:
     return importlib.import_module("dmuon_clip._kernels")
 
 
+def unavailable_in_process() -> str | None:
+    """Why the fused kernels can run on no device of this process (``None``: on some they may):
+    neither CUDA nor the Triton interpreter, or no triton."""
+    if not torch.cuda.is_available() and not triton_interpreting():
+        return "neither CUDA nor the Triton interpreter (TRITON_INTERPRET=1) is available"
+    try:
+        kernels = _kernels()
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        return f"the kernel module failed to import ({exc})"
+    if kernels.triton is None:
+        return "triton is not installed (pip install 'triton>=3.4')"
+    return None
+
+
 def unavailable_reason(device: torch.device, norm_type: float) -> str | None:
     """Why the fused kernels cannot run for this accumulator device and norm (``None``: they can)."""
     if norm_type not in (2.0, float("inf")):
