@@ -216,6 +216,15 @@ def _cpu_offload(mesh: DeviceMesh, root: str) -> None:
     Muon(model)
 
 
+def _optimizer_for_the_model(mesh: DeviceMesh, root: str) -> None:
+    """The optimizer passed where the model goes (it raised AttributeError: 'Muon' object has
+    no attribute 'parameters')."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    get_model_state_dict(Muon(model))  # type: ignore[arg-type]
+
+
 SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
     "plain fully_shard, patch off": (
         _plain_fully_shard_without_the_patch,
@@ -291,6 +300,11 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _cpu_offload,
         r"ValueError: fully_shard\('layers\.0'\) was given offload_policy=CPUOffloadPolicy\(\),"
         r" which dmuon does not support.*Call fully_shard without offload_policy",
+    ),
+    "the optimizer for the model": (
+        _optimizer_for_the_model,
+        r"TypeError: model must be the nn\.Module given to dmuon\.dedicate_params, got Muon "
+        r"\(pass optimizer\.model, not the optimizer\)",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

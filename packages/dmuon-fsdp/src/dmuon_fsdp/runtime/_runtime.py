@@ -578,6 +578,12 @@ def _check_materialised(dp: DedicatedParam) -> None:
 
 def get_runtime(model: nn.Module) -> DedicatedRuntime:
     """The runtime :func:`dedicate_params` attached to ``model``."""
+    if not isinstance(model, nn.Module):
+        hint = " (pass optimizer.model, not the optimizer)" if hasattr(model, "model") else ""
+        raise TypeError(
+            f"model must be the nn.Module given to dmuon.dedicate_params, got "
+            f"{type(model).__name__}{hint}"
+        )
     runtime: DedicatedRuntime | None = getattr(model, RUNTIME_ATTR, None)
     if runtime is None:
         if any(is_dedicated(p) for p in model.parameters()):
