@@ -38,6 +38,8 @@ def test_max_logits_rejects_what_it_cannot_read() -> None:
         max_logits(q, k)
     with pytest.raises(ValueError, match="same batch dimensions and head_dim"):
         max_logits(q, torch.randn(1, 4, 5, 6))
+    with pytest.raises(ValueError, match="same batch dimensions and head_dim"):
+        max_logits(torch.ones(8), torch.ones(8))  # no heads dim (it raised an unpacking error)
     with pytest.raises(TypeError, match="takes a boolean attn_mask"):
         max_logits(q, q, attn_mask=torch.zeros(5, 5))
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):

@@ -79,7 +79,7 @@ def max_logits(
         chunk_size: how many query positions are computed at a time, an int >= 1 (it bounds
             the float32 logits held at once); ``None``: as many as fit in 64 MiB.
     """
-    if q.shape[-1] != k.shape[-1] or q.shape[:-3] != k.shape[:-3]:
+    if q.ndim < 3 or k.ndim < 3 or q.shape[-1] != k.shape[-1] or q.shape[:-3] != k.shape[:-3]:
         raise ValueError(
             f"max_logits: q {tuple(q.shape)} and k {tuple(k.shape)} must be (batch, heads, L,"
             " head_dim) with the same batch dimensions and head_dim, as for"
