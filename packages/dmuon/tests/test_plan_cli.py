@@ -175,6 +175,8 @@ def test_llama_3_8b_on_8_gib_does_not_fit(tmp_path, capsys) -> None:
     assert fits == (False, False) and not fits and not fits.max_rank
     roomy = forecast(_config(tmp_path), Topology(8), gpu=141).fit.fits(DMUON)  # type: ignore[union-attr]
     assert roomy and roomy.max_rank and roomy.mean_rank
+    with pytest.raises(ValueError, match=r"setup must be one of \['dmuon', "):
+        forecast(_config(tmp_path), Topology(8), gpu=141).fit.fits("dmon")  # type: ignore[union-attr]
 
 
 def test_another_card_scales_the_h200_ns_times_and_says_so(tmp_path, capsys) -> None:

@@ -102,7 +102,10 @@ class Fit:
 
     def fits(self, setup: str) -> Fits:
         """Whether ``setup`` fits on the rank that needs the most, and on the mean rank (true
-        only when it fits on every rank)."""
+        only when it fits on every rank). Another ``setup`` than the report's raises
+        ``ValueError`` naming them."""
+        if setup not in self.memory:
+            raise ValueError(f"Fit.fits: setup must be one of {list(self.memory)}, got {setup!r}")
         total = self.memory[setup]["total"]
         capacity = self.gpu.memory_bytes
         return Fits(total.max <= capacity, total.mean <= capacity)
