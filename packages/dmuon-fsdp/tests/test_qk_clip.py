@@ -40,6 +40,7 @@ from _models import batch
 from torch import Tensor, nn
 
 from dmuon_fsdp import (
+    EMA,
     Muon,
     QKClip,
     QKRowMap,
@@ -125,6 +126,14 @@ def _qk_norm_is_skipped(rank: int, world_size: int) -> dict[str, bool]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         optimizer = Muon(model, **ZERO_LR)
+        # An EMA built before the clip would average the weights before the clip rescales
+        # them: refused, nothing attached.
+        ema = EMA(optimizer, 0.9)
+        hooks = (len(optimizer._hooks.pre_step), len(optimizer._hooks.post_update))
+        with pytest.raises(ValueError, match=r"QKClip\.attach: a dmuon\.EMA of this optimizer"):
+            clip.attach(optimizer)
+        refused = hooks == (len(optimizer._hooks.pre_step), len(optimizer._hooks.post_update))
+        ema.remove()
         clip.attach(optimizer)
     messages = [str(w.message) for w in caught if "QK-norm" in str(w.message)]
     tokens = batch(0, ROWS).chunk(dp_size)[dp_index]
@@ -134,6 +143,7 @@ def _qk_norm_is_skipped(rank: int, world_size: int) -> dict[str, bool]:
     state = get_model_state_dict(model)
     return {
         "warned for each attention": len(messages) == 2,
+        "EMA first refused, nothing attached": refused,
         "unchanged": all(torch.equal(state[k], v) for k, v in initial.items()),
         "recorded": bool((clip.last_max_logits() > 1e-3).all()),
     }

@@ -62,6 +62,10 @@ class EMA:
         dtype: the dtype the average is kept in (``torch.float32``); a floating dtype.
     """
 
+    # Read by QKClip.attach on the hooks already registered: a clip attached after an EMA would
+    # rescale the weights after the EMA averaged them.
+    _averages_weights = True
+
     def __init__(
         self, optimizer: Muon, decay: float = 0.999, *, dtype: torch.dtype = torch.float32
     ) -> None:

@@ -512,6 +512,17 @@ class QKClip:
                 f"QKClip.attach takes dmuon's Muon optimizer, got {type(optimizer).__name__}: "
                 "the clip runs inside Muon.step, as a post-update hook"
             )
+        hooks = getattr(getattr(optimizer, "_hooks", None), "post_update", {})
+        if any(
+            getattr(getattr(h, "__self__", None), "_averages_weights", False)
+            for h in hooks.values()
+        ):
+            raise ValueError(
+                "QKClip.attach: a dmuon.EMA of this optimizer was built before the clip, so its"
+                " post-update hook runs first and would average every weight before the clip"
+                " rescales it. Attach the clip first, then build the EMA (ema.remove() the one"
+                " built too early; nothing was attached)"
+            )
         self.bind(optimizer.model, optimizer.runtime)
         return RemovableHandles(
             optimizer.register_pre_step_hook(lambda _: self.launch()),
