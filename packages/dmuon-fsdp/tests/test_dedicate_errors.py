@@ -22,6 +22,7 @@ from dmuon_fsdp import (
     summarize_comm_plan,
     uninstall_patch,
 )
+from dmuon_fsdp.holder import is_dedicated
 from dmuon_testing.distributed import run_distributed
 
 
@@ -249,13 +250,15 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         dedicate_params(build(0), [0], muon_predicate)
     # Per-parameter dtypes are honoured (tests/test_precision.py); one boundary cannot cast its
     # inputs to two dtypes.
+    refused = build(0)
+    before = [(n, p, type(p), p.detach().clone()) for n, p in refused.named_parameters()]
     with pytest.raises(
         ValueError,
         match=r"boundary module 'layers\.0' to cast its inputs to bfloat16 \(for '.*'\) and "
         r"to float16 \(for '.*'\).*cast_forward_inputs=False",
     ):
         dedicate_params(
-            build(0),
+            refused,
             mesh,
             muon_predicate,
             param_policy={
@@ -263,6 +266,25 @@ def _bad_arguments(rank: int, world_size: int) -> None:
                 "overrides": [{"name": ["mlp"], "set": {"param_dtype": "float16"}}],
             },
         )
+    # A parameter dmuon cannot take (a subclass of nn.Parameter), planned last.
+    last = [n for n, p in refused.named_parameters() if muon_predicate(n, p)][-1]
+    module, _, name = last.rpartition(".")
+
+    class Tagged(nn.Parameter):
+        pass
+
+    setattr(refused.get_submodule(module), name, Tagged(refused.get_parameter(last).detach()))
+    with pytest.raises(TypeError, match=r"a plain nn\.Parameter .*, not a Tagged"):
+        dedicate_params(refused, mesh, muon_predicate)
+    setattr(refused.get_submodule(module), name, before[[b[0] for b in before].index(last)][1])
+    # Both were refused before any parameter was taken over (the first one had marked every
+    # parameter dedicated, and a retry was refused as a second dedicate_params).
+    for (name, param, kind, value), (_, current) in zip(
+        before, refused.named_parameters(), strict=True
+    ):
+        assert current is param and type(current) is kind and not is_dedicated(current), name
+        assert torch.equal(current.detach(), value), name
+    dedicate_params(refused, mesh, muon_predicate)
     with pytest.raises(ValueError, match=r"has no dmuon runtime.*dedicate_params"):
         get_runtime(build(0))
     model = build(0)

@@ -480,14 +480,20 @@ def _write_to_scratch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return scratch
 
 
-def guard_parameter(param: nn.Parameter, where: str) -> None:
-    """Mark ``param`` as dedicated (see [Note: reads on a peer]); ``where`` names it and its
-    owner in error messages. Its holder (:func:`attach_holder`) then decides its class."""
+def check_guardable(param: nn.Parameter, where: str) -> None:
+    """Raise ``TypeError`` unless :func:`guard_parameter` can take ``param`` (``dedicate_params``
+    asks it of every parameter before it takes any)."""
     if type(param) not in (nn.Parameter, GuardedParameter) and not isinstance(param, DTensor):
         raise TypeError(
             f"{where}: dmuon can dedicate a plain nn.Parameter or a tensor-parallel DTensor "
             f"parameter, not a {type(param).__name__}"
         )
+
+
+def guard_parameter(param: nn.Parameter, where: str) -> None:
+    """Mark ``param`` as dedicated (see [Note: reads on a peer]); ``where`` names it and its
+    owner in error messages. Its holder (:func:`attach_holder`) then decides its class."""
+    check_guardable(param, where)
     param.__dict__[_WHERE] = where
 
 

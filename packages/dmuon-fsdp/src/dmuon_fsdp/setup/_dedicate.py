@@ -8,7 +8,9 @@
    ``param_policy`` (``"sharded_adamw"`` ones stay with FSDP2), and find each one's hook
    boundary;
 4. plan owners with dmuon-ownership (pure, identical on every rank) and prove it by comparing
-   ``plan.fingerprint()`` across ranks once;
+   ``plan.fingerprint()`` across ranks once; check what else can refuse the call (each
+   parameter's type, each boundary's casts): every refusal comes before step 5 changes
+   anything, so a refused call leaves the model as it was;
 5. build the comm context (isolated groups are created here, collectively), one holder per
    planned parameter and one group per boundary, and make torch's paths that cannot reach a
    dedicated weight raise (``_refuse_torch_paths``);
@@ -55,6 +57,7 @@ from dmuon_ownership import (
     Owner,
     ParamPolicy,
     Plan,
+    ResolvedPolicy,
     WorkItem,
     plan_owners,
     validate_param_policy,
@@ -68,6 +71,7 @@ from ..holder import (
     Found,
     ParamHolder,
     Role,
+    check_guardable,
     is_dedicated,
     kind_of,
     refuse_ddp,
@@ -402,6 +406,7 @@ def _dedicate(
     )
     _check_fingerprint(plan, model, layout)
 
+    checked = _checked_before_taking(plan, packed, layout)
     comm = DedicatedCommContext.build(layout, config.process_group_policy)
     if config.replicated and layout.world_size > 1:
         # As DistributedDataParallel does: every copy starts from its grid's first rank.
@@ -409,7 +414,7 @@ def _dedicate(
             for item in items:
                 shard = local_shard(packed[item.name][0].param).detach()
                 dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
-    params, groups = _build_groups(modules, plan, packed, tp_dims, layout, comm, config)
+    params, groups = _build_groups(modules, plan, packed, tp_dims, layout, comm, config, checked)
     _refuse_torch_paths(model, modules, params, config)
     stacks = [_held_in_place(claim, plan, layout) for claim in in_place]
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
@@ -776,6 +781,42 @@ def _role(owner: Owner, layout: MeshLayout) -> Role:
     return Role.PEER
 
 
+class _Checked(NamedTuple):
+    """What ``_checked_before_taking`` found: each planned parameter's name for errors, and
+    each boundary's input and output casts."""
+
+    where: dict[str, str]
+    casts: dict[str, tuple[torch.dtype | None, torch.dtype | None]]
+
+
+def _checked_before_taking(
+    plan: Plan, packed: Mapping[str, tuple[Found, type[DedicatedParam]]], layout: MeshLayout
+) -> _Checked:
+    """Everything about the planned parameters that can refuse ``dedicate_params``, asked
+    before anything changes (the replicated path's first broadcast, the holders that take the
+    parameters over): a refused call leaves the model as it was, and a retry does not find
+    its parameters dedicated."""
+    where: dict[str, str] = {}
+    # boundary -> owner -> names, both in plan order
+    by_boundary: dict[str, dict[Owner, list[str]]] = defaultdict(dict)
+    for unit in plan.units:
+        role = _role(unit.owner, layout)
+        for fqn in unit.names:
+            where[fqn] = (
+                f"dedicated parameter {fqn!r} (owner: rank {layout.global_rank(unit.owner)};"
+                f" this rank {dist.get_rank()} is its {role.value})"
+            )
+            check_guardable(packed[fqn][0].param, where[fqn])
+            by_boundary[unit.boundary].setdefault(unit.owner, []).append(fqn)
+    casts = {
+        boundary: _boundary_casts(
+            boundary, [(fqn, packed[fqn][0].policy) for owned in by.values() for fqn in owned]
+        )
+        for boundary, by in by_boundary.items()
+    }
+    return _Checked(where, casts)
+
+
 def _build_groups(
     modules: Mapping[str, nn.Module],
     plan: Plan,
@@ -784,11 +825,13 @@ def _build_groups(
     layout: MeshLayout,
     comm: DedicatedCommContext,
     config: DedicateConfig,
+    checked: _Checked,
 ) -> tuple[list[DedicatedParam], list[DedicatedGroup]]:
     """One holder of its kind per planned parameter (guarded, see [Note: reads on a peer]) and
-    one group per boundary; the groups pack their members later (``DedicatedRuntime.lazy_init``)."""
+    one group per boundary; the groups pack their members later (``DedicatedRuntime.lazy_init``).
+    ``checked``: what :func:`_checked_before_taking` found."""
+    where, casts = checked
     params: list[DedicatedParam] = []
-    # boundary -> owner -> members, both in plan order
     members: dict[str, dict[Owner, list[DedicatedParam]]] = defaultdict(dict)
     for unit in plan.units:
         role = _role(unit.owner, layout)
@@ -806,20 +849,16 @@ def _build_groups(
                 policy=found.policy,
                 tp_dim=tp_dims.get(fqn),
                 split=found.split,
-                where=(
-                    f"dedicated parameter {fqn!r} (owner: rank {layout.global_rank(unit.owner)};"
-                    f" this rank {dist.get_rank()} is its {role.value})"
-                ),
+                where=where[fqn],
             )
             params.append(dp)
             members[unit.boundary].setdefault(unit.owner, []).append(dp)
     groups = []
     for name in modules:
         if name in members:
-            dps = [dp for owned in members[name].values() for dp in owned]
             group = DedicatedGroup(name, modules[name], list(members[name].values()), comm)
             group.replicated = config.replicated
-            group.input_dtype, group.output_dtype = _boundary_casts(name, dps)
+            group.input_dtype, group.output_dtype = casts[name]
             groups.append(group)
     return params, groups
 
@@ -847,18 +886,17 @@ def _refuse_torch_paths(
 
 
 def _boundary_casts(
-    boundary: str, params: list[DedicatedParam]
+    boundary: str, params: list[tuple[str, ResolvedPolicy]]
 ) -> tuple[torch.dtype | None, torch.dtype | None]:
     """The input and output dtypes ``param_policy`` asks of the boundary (``None``: no cast;
-    the ``MixedPrecisionPolicy`` of an enclosing ``fully_shard`` casts on its own). Raises
-    when two of its parameters ask for different ones."""
+    the ``MixedPrecisionPolicy`` of an enclosing ``fully_shard`` casts on its own), from the
+    ``(fqn, policy)`` of its parameters. Raises when two of them ask for different ones."""
     casts: dict[str, dict[str, str]] = {"input": {}, "output": {}}
-    for dp in params:
-        policy = dp.policy
+    for fqn, policy in params:
         if policy.param_dtype is not None and policy.cast_forward_inputs:
-            casts["input"].setdefault(policy.param_dtype, dp.fqn)
+            casts["input"].setdefault(policy.param_dtype, fqn)
         if policy.output_dtype is not None:
-            casts["output"].setdefault(policy.output_dtype, dp.fqn)
+            casts["output"].setdefault(policy.output_dtype, fqn)
     found: list[torch.dtype | None] = []
     for what, asked in casts.items():
         if len(asked) > 1:
