@@ -103,6 +103,10 @@ def _run(rank: int, world_size: int, case: str) -> None:
         lm_loss(model, tokens)
         with ema.applied():
             loss = lm_loss(model, tokens)
+            # A step here would be undone on exit, its momentum kept (it was): refused before
+            # anything changes (the training below matches the plain run's bit for bit).
+            with pytest.raises(RuntimeError, match=r"Muon\.step\(\) was called inside ema\."):
+                optimizer.step()
     assert torch.equal(loss, lm_loss(other, tokens).detach())
     after = get_model_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)

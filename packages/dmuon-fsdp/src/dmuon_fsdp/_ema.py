@@ -148,11 +148,13 @@ class EMA:
     def _swapped(self, *, keep: bool) -> Iterator[None]:
         """The average in the model for the block; ``keep``: what the model holds at the end
         of the block becomes the average (a load)."""
-        model = self._optimizer.model
+        optimizer = self._optimizer
+        model = optimizer.model
         parts = self._parts()
         weights = {name: part.tensor.clone() for name, part in parts.items()}
         buffers = {name: b.clone() for name, b in model.named_buffers()}
         self._write(parts, self._average)
+        lent_to, optimizer._weights_lent_to = optimizer._weights_lent_to, "ema.applied()"
         try:
             yield
             if keep:
@@ -160,6 +162,7 @@ class EMA:
                     for name, part in parts.items():
                         self._average[name].copy_(part.tensor)
         finally:
+            optimizer._weights_lent_to = lent_to
             self._write(parts, weights)
             with torch.no_grad():
                 for name, b in model.named_buffers():

@@ -482,6 +482,9 @@ class Muon(torch.optim.Optimizer):
         # The parameters frozen when it was built, which it never steps: see
         # _check_none_unfrozen.
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        # Set by dmuon.EMA while the model holds its average ("ema.applied()"): a step then
+        # would be undone on exit (see step).
+        self._weights_lent_to: str | None = None
         if frozen := [dp.fqn for dp in self._runtime.params if not dp.param.requires_grad]:
             kept = (
                 "its gradient is still reduced to its owner and its weight published"
@@ -675,6 +678,13 @@ class Muon(torch.optim.Optimizer):
             closure: ``None``, or a callable that recomputes the loss (run with gradients
                 enabled before the step) and returns it; ``step`` returns what it returned.
         """
+        if self._weights_lent_to is not None:
+            raise RuntimeError(
+                f"Muon.step() was called inside {self._weights_lent_to}: the model holds the"
+                " EMA's average for the block and gets its own weights back on exit, so this"
+                " step's update would be lost while its momentum and the average moved on."
+                " Step outside the block (evaluate inside it); nothing was stepped"
+            )
         loss = _closure_loss(closure)
         mark, numbers = self._begin()
         with span("dmuon::optimizer_step"):
