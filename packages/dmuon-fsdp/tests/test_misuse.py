@@ -225,6 +225,18 @@ def _optimizer_for_the_model(mesh: DeviceMesh, root: str) -> None:
     get_model_state_dict(Muon(model))  # type: ignore[arg-type]
 
 
+def _fully_shard_on_the_replicated_path(mesh: DeviceMesh, root: str) -> None:
+    """fully_shard over a model of dedicate_params_ddp (the message gave the sharded path's
+    fixes: the patch, ignored_params)."""
+    uninstall_patch()
+    model = build(0)
+    dedicate_params_ddp(model, mesh, muon_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    Muon(model)
+
+
 SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
     "plain fully_shard, patch off": (
         _plain_fully_shard_without_the_patch,
@@ -305,6 +317,12 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _optimizer_for_the_model,
         r"TypeError: model must be the nn\.Module given to dmuon\.dedicate_params, got Muon "
         r"\(pass optimizer\.model, not the optimizer\)",
+    ),
+    "fully_shard on the replicated path": (
+        _fully_shard_on_the_replicated_path,
+        r"RuntimeError: dedicated parameter '[\w.]+' .* was taken by fully_shard .*"
+        r"dedicate_params_ddp, the replicated path.*dmuon\.replicate\(model, mesh\) for the "
+        r"other parameters instead of fully_shard",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

@@ -251,9 +251,10 @@ class DedicatedRuntime:
                 continue
             if self._taken_by_fully_shard(dp):
                 kind = "a DTensor shard" if isinstance(current, DTensor) else "its unsharded copy"
+                fix = _REPLICATED_FIX if self.config.replicated else FULLY_SHARD_FIX
                 raise RuntimeError(
                     f"{dp.where} was taken by fully_shard (FSDP2 replaced it on its module with "
-                    f"{kind}). {FULLY_SHARD_FIX}"
+                    f"{kind}). {fix}"
                 )
             raise RuntimeError(
                 f"dedicated parameter {dp.fqn!r} is no longer registered on its module: "
@@ -574,6 +575,15 @@ def _check_materialised(dp: DedicatedParam) -> None:
             "dmuon.set_model_state_dict(model, state_dict)) before the first forward, "
             "Muon(...) or a checkpoint call"
         )
+
+
+# The fix for a fully_shard on the replicated path, which FULLY_SHARD_FIX's (the sharded
+# path's) is not: there the other parameters go to dmuon.replicate, no fully_shard at all.
+_REPLICATED_FIX = (
+    "The model was given to dmuon.dedicate_params_ddp, the replicated path, which shards "
+    "nothing: call dmuon.replicate(model, mesh) for the other parameters instead of "
+    "fully_shard, or build the model again and use dmuon.dedicate_params + fully_shard to shard"
+)
 
 
 def get_runtime(model: nn.Module) -> DedicatedRuntime:
