@@ -1134,7 +1134,13 @@ class Muon(torch.optim.Optimizer):
         (its ``sharded``: a tensor-parallel shard, an FSDP2 shard of an AdamW parameter), from
         the layout alone: nothing is waited for or changed (``ns_overlap`` stays on), so that a
         clip refuses a rank-local strategy before it takes the gradients. The same answer on
-        every rank; ``params`` as for :meth:`grads_for_clip`."""
+        every rank.
+
+        Args:
+            params: the selection :meth:`grads_for_clip` takes: ``"muon"``, ``"adamw"``,
+                ``"all"``, or an iterable of this optimizer's parameters (another tensor
+                raises ``ValueError``).
+        """
         return self._clip_sharded(self._clip_selection(params))
 
     def _clip_sharded(self, chosen: set[int]) -> bool:
