@@ -392,9 +392,10 @@ def test_z2_asked_of_fully_shard_alone_is_warned() -> None:
         assert both_z2 == [] and last_layer_only == []
 
 
-def _frozen_after_dedicate(rank: int, world_size: int) -> list[str]:
+def _frozen_after_dedicate(rank: int, world_size: int) -> list[tuple[str, str]]:
     """A dedicated matrix frozen between dedicate_params and Muon(model) (a LoRA base frozen
-    late): it stays dedicated, gathered for every forward and never stepped; warned."""
+    late): it stays dedicated, gathered for every forward and never stepped; warned at the
+    line that built the optimizer (message, file)."""
     mesh = init_device_mesh("cpu", (world_size,))
     model = build(0)
     dedicate_params(model, mesh, muon_predicate)
@@ -404,7 +405,11 @@ def _frozen_after_dedicate(rank: int, world_size: int) -> list[str]:
         warnings.simplefilter("always")
         Muon(model)
     uninstall_patch()
-    return [str(w.message) for w in caught if "frozen between dedicate_params" in str(w.message)]
+    return [
+        (str(w.message), w.filename)
+        for w in caught
+        if "frozen between dedicate_params" in str(w.message)
+    ]
 
 
 @pytest.mark.distributed
@@ -414,5 +419,6 @@ def test_a_matrix_frozen_after_dedicate_params_is_warned() -> None:
             r"1 dedicated parameter\(s\) were frozen between dedicate_params and Muon\(model\)"
             r" \(first: \['layers\.0\.attn\.q_proj\.weight'\]\): it is still kept whole.*"
             r"freeze it before dedicate_params.*freeze it after Muon\(model\)",
-            seen[0],
+            seen[0][0],
         ), seen
+        assert seen[0][1] == __file__, seen  # the caller's line, not dmuon's

@@ -31,19 +31,16 @@ parameter's holder answers for it, see [Note: the step plan] in _step_plan):
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Never, NoReturn
+from typing import Any, NamedTuple, Never
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from dmuon_ns import NewtonSchulz
 from dmuon_ownership import Route
 
 from .._checks import check_bool, is_int
@@ -51,8 +48,6 @@ from .._matrix import LrScaling, NSFunction
 from .._profile import PhaseTimer, no_mark, span
 from .._torch_internals import (
     foreach_max_abs,
-    fsdp_offloads_to_cpu,
-    fsdp_reshards_after_forward,
     local_shard,
     torch_optim_state_dict_running,
 )
@@ -62,7 +57,6 @@ from ..holder import (
     ParamHolder,
     StepContext,
     TPMode,
-    fsdp_modules,
 )
 from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
@@ -81,6 +75,19 @@ from ._param_groups import GroupDefaults, build_param_groups, peeked_numbers, ta
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
 from ._step_plan import AdamWEntry, StepPlan
+from ._usage_checks import (
+    check_cuda_graph_applies,
+    check_every_param_is_synchronised,
+    check_fully_shard_options,
+    check_model,
+    check_no_loss_scaling,
+    check_no_other_keywords,
+    check_none_unfrozen,
+    check_params_current,
+    refuse_added_group,
+    refuse_step_while_lent,
+    warn_frozen_dedicated,
+)
 
 __all__ = [
     "DEFAULT_NS_BATCH_BYTES",
@@ -243,19 +250,6 @@ def _rows(t: Tensor, rows: tuple[int, int] | None) -> Tensor:
     return t if rows is None else t[rows[0] : rows[1]]
 
 
-def _unsharded_at_step(name: str) -> NoReturn:
-    raise ValueError(
-        f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update a shard the next "
-        "forward does not read. A forward ran after backward (an evaluation, say) and left it "
-        "unsharded, as FSDP2 leaves the root module's parameters and those of a module with "
-        "reshard_after_forward=False; or backward ran with set_reshard_after_backward(False): "
-        "call .reshard() on every FSDP2 module before optimizer.step(), or run that forward "
-        "after it. After a forward or backward that raised, recover as FSDP2 does: "
-        "model.reset_iter_state() on the root module, then optimizer.zero_grad(), then the "
-        "next iteration"
-    )
-
-
 def _closure_loss(closure: Callable[[], float] | None) -> float | None:
     """``closure()`` with gradients enabled, as ``torch.optim`` optimizers run it."""
     if closure is None:
@@ -267,76 +261,6 @@ def _closure_loss(closure: Callable[[], float] | None) -> float | None:
         )
     with torch.enable_grad():
         return closure()
-
-
-def _check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntime) -> None:
-    """On more than one rank, a trainable parameter that is neither dedicated nor managed by
-    FSDP2 (a DTensor) nor replicated (``replicate``) gets no gradient synchronisation at all:
-    each rank would train its own copy and the ranks would drift apart without an error. A
-    dedicated weight's tied name that holds a parameter of its own (untied by ``to_empty``)
-    is refused on any number of ranks: it would train apart from the weight."""
-    synchronised = {id(p) for p in runtime.replicated_params}
-    synchronised |= {id(dp.param) for dp in runtime.params}
-    loose = [
-        name
-        for name, p in model.named_parameters()
-        if p.requires_grad and id(p) not in synchronised and not isinstance(p, DTensor)
-    ]
-    if untied := [(n, runtime.tied_names[n]) for n in loose if n in runtime.tied_names]:
-        name, tied_to = untied[0]
-        raise ValueError(
-            f"{name!r} was tied to the dedicated weight {tied_to!r} at dedicate_params and is "
-            "a parameter of its own now, which nothing would synchronise: model.to_empty() "
-            "(or another materialisation) unties weights. Tie it again after to_empty, as for "
-            f"any model: model.{name} = model.{tied_to} (or model.tie_weights())"
-        )
-    if loose and runtime.layout.world_size > 1:
-        shown = ", ".join(repr(n) for n in loose[:8]) + (" ..." if len(loose) > 8 else "")
-        raise ValueError(
-            f"{len(loose)} trainable parameter(s) are neither dedicated nor managed by FSDP2 (or "
-            f"dmuon.replicate), so "
-            f"nothing would synchronise their gradients across the {runtime.layout.world_size} "
-            f"ranks: {shown}. Apply fully_shard to the modules that hold them (at least "
-            "fully_shard(model) on the root, after the layers), select them in dedicate_params' "
-            "predicate, or freeze them (requires_grad_(False)). If Muon was built before "
-            "fully_shard, build it last: dedicate_params -> fully_shard (layers, then root) -> "
-            "Muon(model)"
-        )
-
-
-def _check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> None:
-    """What ``fully_shard`` was given that dmuon does not follow: a ``CPUOffloadPolicy``
-    (refused: FSDP2 would keep its shards, their gradients and AdamW's states on the CPU, while
-    the dedicated matrices and their momentum stay whole on the owners' device, and the step
-    would mix the two), and ``reshard_after_forward=False`` on every ``fully_shard`` module
-    inside another while dmuon reshards (Z3): dmuon's Z2 or Z3 is ``dedicate_params``' own
-    ``reshard_after_forward`` (warned: the results are the same, the traffic is not). The
-    outermost ``fully_shard`` module is left out: FSDP2 keeps its parameters after forward
-    whatever it was given."""
-    modules = fsdp_modules(model)
-    names = [name for name, _ in modules]
-    inner = []
-    for name, module in modules:
-        if fsdp_offloads_to_cpu(module):
-            raise ValueError(
-                f"fully_shard({name or 'model'!r}) was given offload_policy=CPUOffloadPolicy(),"
-                " which dmuon does not support: FSDP2 would keep that module's shards, their"
-                " gradients and AdamW's states on the CPU, while dmuon keeps each dedicated"
-                " matrix and its momentum whole on its owner's device and steps them there."
-                " Call fully_shard without offload_policy"
-            )
-        if any(other != name and (not other or name.startswith(f"{other}.")) for other in names):
-            inner.append(fsdp_reshards_after_forward(module))
-    reshards = [flag for flag in inner if flag is not None]
-    if runtime.reshard_after_forward and reshards and not any(reshards):
-        warnings.warn(
-            "every fully_shard below the root was given reshard_after_forward=False (Z2), but"
-            " dedicate_params was not: dmuon frees each layer's dedicated matrices after its"
-            " forward and broadcasts them again for backward (Z3). For Z2 pass"
-            " reshard_after_forward=False to dedicate_params too (the results are the same"
-            " either way)",
-            stacklevel=3,
-        )
 
 
 class Muon(torch.optim.Optimizer):
@@ -410,6 +334,11 @@ class Muon(torch.optim.Optimizer):
     # refused them, see [Note: torch's paths that cannot reach a dedicated weight]).
     _steps_dedicated_params = True
 
+    # torch's GradScaler hands an optimizer that says it handles loss scaling itself its scale and
+    # found_inf as attributes and calls step(): the one way to notice a GradScaler (see
+    # check_no_loss_scaling).
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -428,16 +357,8 @@ class Muon(torch.optim.Optimizer):
         options: StepOptions | None = None,
         **other_keywords: Never,
     ) -> None:
-        if other_keywords:
-            raise TypeError(
-                f"Muon() takes no keyword {', '.join(map(repr, other_keywords))}: "
-                + _instead_of(other_keywords)
-            )
-        if not isinstance(model, nn.Module):
-            raise ValueError(
-                f"Muon takes the wrapped model (an nn.Module), got {type(model).__name__};"
-                " build it as dmuon.Muon(model, lr=...), not from a parameter list"
-            )
+        check_no_other_keywords(other_keywords, StepOptions.__dataclass_fields__)
+        check_model(model)
         group_defaults = GroupDefaults(
             lr=lr,
             weight_decay=weight_decay,
@@ -464,8 +385,8 @@ class Muon(torch.optim.Optimizer):
             id(dp.param): dp for dp in self._runtime.params
         }
         self._holders: dict[int, ParamHolder] = self._runtime.holders_by_param()
-        _check_every_param_is_synchronised(model, self._runtime)
-        _check_fully_shard_options(model, self._runtime)
+        check_every_param_is_synchronised(model, self._runtime)
+        check_fully_shard_options(model, self._runtime)
         groups = build_param_groups(
             model.named_parameters(), self._holders, param_groups, group_defaults
         )
@@ -477,28 +398,15 @@ class Muon(torch.optim.Optimizer):
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
         self._hooks = StepHooks(self._runtime.comm_ctx.host_group)
         # (name, module, attribute, shard) of one FSDP2 parameter per module, found at the
-        # first step: see _check_params_current.
+        # first step: see check_params_current.
         self._fsdp_probes: list[tuple[str, nn.Module, str, Tensor]] | None = None
         # The parameters frozen when it was built, which it never steps: see
-        # _check_none_unfrozen.
+        # check_none_unfrozen.
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         # Set by dmuon.EMA while the model holds its average ("ema.applied()"): a step then
         # would be undone on exit (see step).
         self._weights_lent_to: str | None = None
-        if frozen := [dp.fqn for dp in self._runtime.params if not dp.param.requires_grad]:
-            kept = (
-                "its gradient is still reduced to its owner and its weight published"
-                if self._runtime.config.replicated
-                else "it is still kept whole on its owner and broadcast for its layer's forward"
-            )
-            warnings.warn(
-                f"{len(frozen)} dedicated parameter(s) were frozen between dedicate_params and"
-                f" Muon(model) (first: {frozen[:3]}): {kept}, and no step will ever train it"
-                " (Muon takes the trainable parameters when it is built). To keep it frozen,"
-                " freeze it before dedicate_params, which then leaves it alone; to train it"
-                " later, freeze it after Muon(model)",
-                stacklevel=2,
-            )
+        warn_frozen_dedicated(self._runtime)
         self._constructing = True
         super().__init__(groups, {})
         self._constructing = False
@@ -528,7 +436,10 @@ class Muon(torch.optim.Optimizer):
         self._plan = StepPlan(
             self.param_groups, self._holders, context, ns_batch_bytes=options.ns_batch_bytes
         )
-        self._graphed = self._graphed_phase(device) if options.cuda_graph else None
+        self._graphed: GraphedMuonPhase | None = None
+        if options.cuda_graph:
+            check_cuda_graph_applies(runtime.params, self._ns, device)
+            self._graphed = GraphedMuonPhase(device)
         compile_in_background(self._fused_layouts(), device)
         self._overlap: NSOverlap | None = None
         if options.ns_overlap:
@@ -551,15 +462,7 @@ class Muon(torch.optim.Optimizer):
         train later, as in staged fine-tuning, is trainable when ``Muon(model)`` is built and
         frozen until then)."""
         if not getattr(self, "_constructing", False):
-            raise ValueError(
-                "Muon builds its param groups from the model at construction, so"
-                f" add_param_group() cannot add {_group_contents(self._model, param_group)}."
-                " Give Muon every parameter to train when it is built: a parameter to train"
-                " later must be trainable at dedicate_params and Muon(model) (freeze it with"
-                " requires_grad_(False) afterwards, until it should train); a module added to the"
-                " model later must be added before dedicate_params and fully_shard;"
-                " hyperparameters of its own come from Muon(model, param_groups=[...])"
-            )
+            refuse_added_group(self._model, param_group)
         super().add_param_group(param_group)
 
     @property
@@ -601,33 +504,6 @@ class Muon(torch.optim.Optimizer):
                     split=self.options.ns_overlap,
                     hp=self.options.cuda_graph,
                 )
-
-    def _graphed_phase(self, device: torch.device) -> GraphedMuonPhase:
-        """The graphed Muon phase, after checking that it applies (see
-        ``StepOptions.cuda_graph``)."""
-        # Decided from what every rank holds alike, so that every rank raises.
-        tensor_parallel = [
-            dp.fqn
-            for dp in self._runtime.params
-            if dp.tp_dim is not None and dp.route is Route.MUON
-        ]
-        what = None
-        if not isinstance(self._ns, NewtonSchulz):
-            what = f"its Newton–Schulz is a callable ({type(self._ns).__name__})"
-        elif tensor_parallel:
-            what = f"{tensor_parallel[0]!r} is a tensor-parallel matrix (its NS gathers over TP)"
-        if what is not None:
-            raise ValueError(
-                f"StepOptions(cuda_graph=True): {what}, which the graph cannot capture; use"
-                " ns_backend='gram'/'direct' or a dmuon_ns.NewtonSchulz without tensor"
-                " parallelism, or drop cuda_graph"
-            )
-        if device.type != "cuda":
-            raise ValueError(
-                f"StepOptions(cuda_graph=True) needs CUDA; this model's dedicated parameters"
-                f" are on {device}: drop the option there"
-            )
-        return GraphedMuonPhase(device)
 
     def register_post_update_hook(self, hook: PostUpdateHook) -> RemovableHandle:
         """Run ``hook(optimizer, parts)`` in every ``step()`` on every rank, after the update
@@ -679,12 +555,7 @@ class Muon(torch.optim.Optimizer):
                 enabled before the step) and returns it; ``step`` returns what it returned.
         """
         if self._weights_lent_to is not None:
-            raise RuntimeError(
-                f"Muon.step() was called inside {self._weights_lent_to}: the model holds the"
-                " EMA's average for the block and gets its own weights back on exit, so this"
-                " step's update would be lost while its momentum and the average moved on."
-                " Step outside the block (evaluate inside it); nothing was stepped"
-            )
+            refuse_step_while_lent(self._weights_lent_to)
         loss = _closure_loss(closure)
         mark, numbers = self._begin()
         with span("dmuon::optimizer_step"):
@@ -710,9 +581,11 @@ class Muon(torch.optim.Optimizer):
             self._timer.start()
         self._runtime.check_gradients_synced()
         numbers = take_group_edits(self.param_groups, self._built_groups)
-        self._check_params_current()
-        self._check_no_loss_scaling()
-        self._check_none_unfrozen()
+        self._fsdp_probes = check_params_current(
+            self._fsdp_probes, self.param_groups, self._model, self._dedicated
+        )
+        check_no_loss_scaling(self)
+        check_none_unfrozen(self._frozen)
         self._hooks.before_step(self)
         if self._hooks.pre_step:  # a hook may set this step's values (an adaptive lr)
             numbers = take_group_edits(self.param_groups, self._built_groups)
@@ -851,84 +724,6 @@ class Muon(torch.optim.Optimizer):
                 "Muon(model, ..., options=dmuon.StepOptions(profile=True))"
             )
         return self._timer.phases()
-
-    def _check_params_current(self) -> None:
-        """Catch an optimizer built before ``fully_shard`` (FSDP2 then replaced the parameters
-        it holds, and stepping the old tensors would silently train nothing; checked at the
-        first step), and, at every step, an FSDP2 module that holds its parameters unsharded:
-        stepping its shards would not reach the next forward, which reads the gathered copy
-        FSDP2 keeps (one parameter per module is looked at: FSDP2 swaps a module's parameters
-        together)."""
-        if self._fsdp_probes is None:
-            self._check_every_param()
-            self._fsdp_probes = self._probes()
-        for name, module, attr, shard in self._fsdp_probes:
-            if getattr(module, attr) is not shard:
-                _unsharded_at_step(name)
-
-    # torch's GradScaler hands an optimizer that says it handles loss scaling itself its scale and
-    # found_inf as attributes and calls step(): the one way to notice a GradScaler.
-    _step_supports_amp_scaling = True
-
-    def _check_no_loss_scaling(self) -> None:
-        """Refuse a step through ``torch.amp.GradScaler`` (or FSDP2's ``ShardedGradScaler``):
-        its ``unscale_`` and inf check read ``param.grad``, where the gradients dmuon holds on
-        owners are not, so they would stay scaled and an overflow in them would not lower the
-        scale."""
-        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
-            self.__dict__.pop("grad_scale", None)
-            self.__dict__.pop("found_inf", None)
-            raise RuntimeError(
-                "Muon.step() was called by a GradScaler: loss scaling does not reach the"
-                " gradients dmuon holds on owners (unscale_ reads param.grad only, so they would"
-                " stay scaled, and an overflow in them would not lower the scale); nothing was"
-                " stepped. Train in bfloat16, which needs no loss scaling: drop the scaler and"
-                " run under torch.autocast(device_type, dtype=torch.bfloat16), or give FSDP2"
-                " MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
-            )
-
-    def _check_none_unfrozen(self) -> None:
-        """Refuse a step while a parameter frozen at construction is trainable: no group
-        holds it, so its gradient would be thrown away, where a torch optimizer built over
-        ``model.parameters()`` would train it."""
-        unfrozen = [name for name, p in self._frozen if p.requires_grad]
-        if unfrozen:
-            raise ValueError(
-                f"{len(unfrozen)} parameter(s) require grad but were frozen when Muon(model) was"
-                f" built, so no group steps them (first: {unfrozen[:3]}); nothing was stepped."
-                " Muon takes the trainable parameters when it is built: make them trainable"
-                " before dedicate_params and Muon(model), and freeze them with"
-                " requires_grad_(False) for the steps they should not train (a parameter"
-                " without a gradient is skipped and keeps its value)"
-            )
-
-    def _check_every_param(self) -> None:
-        current = dict(self._model.named_parameters())
-        ids = {id(p) for p in current.values()}
-        for group in self.param_groups:
-            for name, p in zip(group["param_names"], group["params"]):
-                if id(p) in ids:
-                    continue
-                now = current.get(name)
-                if isinstance(p, DTensor) and now is not None and not isinstance(now, DTensor):
-                    # FSDP2 registers a module's unsharded parameters while it holds them.
-                    _unsharded_at_step(name)
-                raise ValueError(
-                    f"Muon holds {name!r}, which is no longer a parameter of the model (was"
-                    " the optimizer built before fully_shard?); build it last:"
-                    " dedicate_params -> fully_shard (layers, then root) -> Muon(model)"
-                )
-
-    def _probes(self) -> list[tuple[str, nn.Module, str, Tensor]]:
-        """One FSDP2 parameter (a DTensor dmuon does not hold) of each module that has some."""
-        probes: dict[int, tuple[str, nn.Module, str, Tensor]] = {}
-        for group in self.param_groups:
-            for name, p in zip(group["param_names"], group["params"]):
-                if isinstance(p, DTensor) and self.dedicated_param(p) is None:
-                    prefix, _, attr = name.rpartition(".")
-                    module = self._model.get_submodule(prefix)
-                    probes.setdefault(id(module), (name, module, attr, p))
-        return list(probes.values())
 
     def _muon_items(
         self, entries: Sequence[MuonEntry], numbers: Mapping[int, dict[str, Any]]
@@ -1194,62 +989,3 @@ class Muon(torch.optim.Optimizer):
             if group["optimizer"] == Route.MUON
             for name in group["param_names"]
         ]
-
-
-# What a keyword of torch's optimizers is called here (see _instead_of).
-_TORCH_KEYWORDS = {
-    "adjust_lr_fn": (
-        "torch.optim.Muon's adjust_lr_fn is options=dmuon.StepOptions(lr_scaling=...):"
-        ' "original" for None or "original", "moonlight" (the default) for "match_rms_adamw"'
-    ),
-    "ns_coefficients": (
-        "torch.optim.Muon's ns_coefficients go to ns_backend=dmuon.NewtonSchulz("
-        "coefficients=...), its own being dmuon.ns.QUINTIC_COEFFICIENTS"
-    ),
-    "eps": (
-        "torch.optim.Muon's eps (the NS normalisation's) is"
-        " ns_backend=dmuon.NewtonSchulz(eps=...), torch.optim.AdamW's is adamw_eps"
-    ),
-    "betas": "torch.optim.AdamW's betas are adamw_betas",
-    "params": "Muon takes the model itself (its first argument), not its parameters",
-}
-
-
-def _group_contents(model: nn.Module, param_group: Any) -> str:
-    """What an ``add_param_group`` argument holds, for its refusal: the model's parameter
-    names, and how many tensors are not the model's."""
-    params = param_group.get("params", ()) if isinstance(param_group, Mapping) else param_group
-    if isinstance(params, Tensor):
-        params = [params]
-    try:
-        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
-    except TypeError:
-        return f"a {type(param_group).__name__}"
-    names = {id(p): name for name, p in model.named_parameters()}
-    known = [names[id(p)] for p in tensors if id(p) in names]
-    others = len(tensors) - len(known)
-    parts = []
-    if known:
-        parts.append(f"the model's parameters {known[:3]}" + (" ..." if len(known) > 3 else ""))
-    if others:
-        parts.append(f"{others} tensor(s) that are not parameters of the model")
-    return " and ".join(parts) or "a group without parameters"
-
-
-def _instead_of(keywords: Iterable[str]) -> str:
-    """What dmuon takes instead of ``keywords``, which ``Muon()`` does not take, where it
-    knows (a StepOptions field, a keyword of torch's Muon or AdamW)."""
-    fields = set(StepOptions.__dataclass_fields__)
-    hints = []
-    guide = False
-    for name in keywords:
-        if name in fields:
-            hints.append(f"{name} is a StepOptions field: options=dmuon.StepOptions({name}=...)")
-        elif name in _TORCH_KEYWORDS:
-            hints.append(_TORCH_KEYWORDS[name])
-            guide = True
-        else:
-            hints.append(f"{name} is not a keyword of dmuon.Muon")
-    if guide:
-        hints[-1] += " (the tuning guide's 'Moving from torch.optim.Muon' maps every keyword)"
-    return "; ".join(hints)

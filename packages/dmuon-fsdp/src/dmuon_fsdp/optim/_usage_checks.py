@@ -1,0 +1,351 @@
+"""The checks that refuse a wrong use of :class:`Muon` (the optimizer of ``_optimizer``): at
+construction (a keyword dmuon does not take, a model that is not the wrapped one, a trainable
+parameter nothing synchronises, ``fully_shard`` options dmuon does not follow, dedicated
+parameters frozen since ``dedicate_params``, a ``cuda_graph`` that cannot apply), on
+``add_param_group``, and at each step (a step inside ``ema.applied()``, parameters FSDP2
+replaced or holds unsharded, a ``GradScaler``, a parameter unfrozen since construction). Each
+raises (or warns) naming what is wrong and the fix; none changes anything first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, NoReturn
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from dmuon_ns import NewtonSchulz
+from dmuon_ownership import Route
+
+from .._matrix import NSFunction
+from .._torch_internals import fsdp_offloads_to_cpu, fsdp_reshards_after_forward
+from ..holder import DedicatedParam, fsdp_modules
+from ..runtime import DedicatedRuntime
+
+# -- at construction ---------------------------------------------------------------------------
+
+
+def check_no_other_keywords(keywords: Mapping[str, object], option_fields: Collection[str]) -> None:
+    """Refuse keywords ``Muon()`` does not take, naming what dmuon takes instead (a
+    :class:`StepOptions` field, of ``option_fields``; a keyword of torch's Muon or AdamW)."""
+    if keywords:
+        raise TypeError(
+            f"Muon() takes no keyword {', '.join(map(repr, keywords))}: "
+            + _instead_of(keywords, option_fields)
+        )
+
+
+def check_model(model: object) -> None:
+    """Refuse anything but the wrapped model (a parameter list, say)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"Muon takes the wrapped model (an nn.Module), got {type(model).__name__};"
+            " build it as dmuon.Muon(model, lr=...), not from a parameter list"
+        )
+
+
+def check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntime) -> None:
+    """On more than one rank, a trainable parameter that is neither dedicated nor managed by
+    FSDP2 (a DTensor) nor replicated (``replicate``) gets no gradient synchronisation at all:
+    each rank would train its own copy and the ranks would drift apart without an error. A
+    dedicated weight's tied name that holds a parameter of its own (untied by ``to_empty``)
+    is refused on any number of ranks: it would train apart from the weight."""
+    synchronised = {id(p) for p in runtime.replicated_params}
+    synchronised |= {id(dp.param) for dp in runtime.params}
+    loose = [
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and id(p) not in synchronised and not isinstance(p, DTensor)
+    ]
+    if untied := [(n, runtime.tied_names[n]) for n in loose if n in runtime.tied_names]:
+        name, tied_to = untied[0]
+        raise ValueError(
+            f"{name!r} was tied to the dedicated weight {tied_to!r} at dedicate_params and is "
+            "a parameter of its own now, which nothing would synchronise: model.to_empty() "
+            "(or another materialisation) unties weights. Tie it again after to_empty, as for "
+            f"any model: model.{name} = model.{tied_to} (or model.tie_weights())"
+        )
+    if loose and runtime.layout.world_size > 1:
+        shown = ", ".join(repr(n) for n in loose[:8]) + (" ..." if len(loose) > 8 else "")
+        raise ValueError(
+            f"{len(loose)} trainable parameter(s) are neither dedicated nor managed by FSDP2 (or "
+            f"dmuon.replicate), so "
+            f"nothing would synchronise their gradients across the {runtime.layout.world_size} "
+            f"ranks: {shown}. Apply fully_shard to the modules that hold them (at least "
+            "fully_shard(model) on the root, after the layers), select them in dedicate_params' "
+            "predicate, or freeze them (requires_grad_(False)). If Muon was built before "
+            "fully_shard, build it last: dedicate_params -> fully_shard (layers, then root) -> "
+            "Muon(model)"
+        )
+
+
+def check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> None:
+    """What ``fully_shard`` was given that dmuon does not follow: a ``CPUOffloadPolicy``
+    (refused: FSDP2 would keep its shards, their gradients and AdamW's states on the CPU, while
+    the dedicated matrices and their momentum stay whole on the owners' device, and the step
+    would mix the two), and ``reshard_after_forward=False`` on every ``fully_shard`` module
+    inside another while dmuon reshards (Z3): dmuon's Z2 or Z3 is ``dedicate_params``' own
+    ``reshard_after_forward`` (warned: the results are the same, the traffic is not). The
+    outermost ``fully_shard`` module is left out: FSDP2 keeps its parameters after forward
+    whatever it was given."""
+    modules = fsdp_modules(model)
+    names = [name for name, _ in modules]
+    inner = []
+    for name, module in modules:
+        if fsdp_offloads_to_cpu(module):
+            raise ValueError(
+                f"fully_shard({name or 'model'!r}) was given offload_policy=CPUOffloadPolicy(),"
+                " which dmuon does not support: FSDP2 would keep that module's shards, their"
+                " gradients and AdamW's states on the CPU, while dmuon keeps each dedicated"
+                " matrix and its momentum whole on its owner's device and steps them there."
+                " Call fully_shard without offload_policy"
+            )
+        if any(other != name and (not other or name.startswith(f"{other}.")) for other in names):
+            inner.append(fsdp_reshards_after_forward(module))
+    reshards = [flag for flag in inner if flag is not None]
+    if runtime.reshard_after_forward and reshards and not any(reshards):
+        warnings.warn(
+            "every fully_shard below the root was given reshard_after_forward=False (Z2), but"
+            " dedicate_params was not: dmuon frees each layer's dedicated matrices after its"
+            " forward and broadcasts them again for backward (Z3). For Z2 pass"
+            " reshard_after_forward=False to dedicate_params too (the results are the same"
+            " either way)",
+            stacklevel=3,
+        )
+
+
+def warn_frozen_dedicated(runtime: DedicatedRuntime) -> None:
+    """Warn of dedicated parameters frozen between ``dedicate_params`` and ``Muon(model)``:
+    dmuon still carries them, and no step will train them."""
+    if frozen := [dp.fqn for dp in runtime.params if not dp.param.requires_grad]:
+        kept = (
+            "its gradient is still reduced to its owner and its weight published"
+            if runtime.config.replicated
+            else "it is still kept whole on its owner and broadcast for its layer's forward"
+        )
+        warnings.warn(
+            f"{len(frozen)} dedicated parameter(s) were frozen between dedicate_params and"
+            f" Muon(model) (first: {frozen[:3]}): {kept}, and no step will ever train it"
+            " (Muon takes the trainable parameters when it is built). To keep it frozen,"
+            " freeze it before dedicate_params, which then leaves it alone; to train it"
+            " later, freeze it after Muon(model)",
+            stacklevel=3,
+        )
+
+
+def check_cuda_graph_applies(
+    params: Sequence[DedicatedParam], ns: NSFunction, device: torch.device
+) -> None:
+    """Refuse ``StepOptions(cuda_graph=True)`` where the graphed Muon phase cannot run: a
+    callable Newton–Schulz, a tensor-parallel Muon matrix (of ``params``, the runtime's
+    dedicated parameters), a device other than CUDA."""
+    # Decided from what every rank holds alike, so that every rank raises.
+    tensor_parallel = [dp.fqn for dp in params if dp.tp_dim is not None and dp.route is Route.MUON]
+    what = None
+    if not isinstance(ns, NewtonSchulz):
+        what = f"its Newton–Schulz is a callable ({type(ns).__name__})"
+    elif tensor_parallel:
+        what = f"{tensor_parallel[0]!r} is a tensor-parallel matrix (its NS gathers over TP)"
+    if what is not None:
+        raise ValueError(
+            f"StepOptions(cuda_graph=True): {what}, which the graph cannot capture; use"
+            " ns_backend='gram'/'direct' or a dmuon_ns.NewtonSchulz without tensor"
+            " parallelism, or drop cuda_graph"
+        )
+    if device.type != "cuda":
+        raise ValueError(
+            f"StepOptions(cuda_graph=True) needs CUDA; this model's dedicated parameters"
+            f" are on {device}: drop the option there"
+        )
+
+
+def refuse_added_group(model: nn.Module, param_group: Any) -> NoReturn:
+    """``add_param_group``'s refusal, naming what ``param_group`` held and the fix."""
+    raise ValueError(
+        "Muon builds its param groups from the model at construction, so"
+        f" add_param_group() cannot add {_group_contents(model, param_group)}."
+        " Give Muon every parameter to train when it is built: a parameter to train"
+        " later must be trainable at dedicate_params and Muon(model) (freeze it with"
+        " requires_grad_(False) afterwards, until it should train); a module added to the"
+        " model later must be added before dedicate_params and fully_shard;"
+        " hyperparameters of its own come from Muon(model, param_groups=[...])"
+    )
+
+
+# What a keyword of torch's optimizers is called here (see _instead_of).
+_TORCH_KEYWORDS = {
+    "adjust_lr_fn": (
+        "torch.optim.Muon's adjust_lr_fn is options=dmuon.StepOptions(lr_scaling=...):"
+        ' "original" for None or "original", "moonlight" (the default) for "match_rms_adamw"'
+    ),
+    "ns_coefficients": (
+        "torch.optim.Muon's ns_coefficients go to ns_backend=dmuon.NewtonSchulz("
+        "coefficients=...), its own being dmuon.ns.QUINTIC_COEFFICIENTS"
+    ),
+    "eps": (
+        "torch.optim.Muon's eps (the NS normalisation's) is"
+        " ns_backend=dmuon.NewtonSchulz(eps=...), torch.optim.AdamW's is adamw_eps"
+    ),
+    "betas": "torch.optim.AdamW's betas are adamw_betas",
+    "params": "Muon takes the model itself (its first argument), not its parameters",
+}
+
+
+def _group_contents(model: nn.Module, param_group: Any) -> str:
+    """What an ``add_param_group`` argument holds, for its refusal: the model's parameter
+    names, and how many tensors are not the model's."""
+    params = param_group.get("params", ()) if isinstance(param_group, Mapping) else param_group
+    if isinstance(params, Tensor):
+        params = [params]
+    try:
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+    except TypeError:
+        return f"a {type(param_group).__name__}"
+    names = {id(p): name for name, p in model.named_parameters()}
+    known = [names[id(p)] for p in tensors if id(p) in names]
+    others = len(tensors) - len(known)
+    parts = []
+    if known:
+        parts.append(f"the model's parameters {known[:3]}" + (" ..." if len(known) > 3 else ""))
+    if others:
+        parts.append(f"{others} tensor(s) that are not parameters of the model")
+    return " and ".join(parts) or "a group without parameters"
+
+
+def _instead_of(keywords: Iterable[str], option_fields: Collection[str]) -> str:
+    """What dmuon takes instead of ``keywords``, which ``Muon()`` does not take, where it
+    knows (a StepOptions field, of ``option_fields``; a keyword of torch's Muon or AdamW)."""
+    hints = []
+    guide = False
+    for name in keywords:
+        if name in option_fields:
+            hints.append(f"{name} is a StepOptions field: options=dmuon.StepOptions({name}=...)")
+        elif name in _TORCH_KEYWORDS:
+            hints.append(_TORCH_KEYWORDS[name])
+            guide = True
+        else:
+            hints.append(f"{name} is not a keyword of dmuon.Muon")
+    if guide:
+        hints[-1] += " (the tuning guide's 'Moving from torch.optim.Muon' maps every keyword)"
+    return "; ".join(hints)
+
+
+# -- at each step ------------------------------------------------------------------------------
+
+
+def refuse_step_while_lent(lent_to: str) -> NoReturn:
+    """Refuse a step while ``dmuon.EMA`` lends the model its average (``lent_to``:
+    ``"ema.applied()"``): the exit would undo the step's update."""
+    raise RuntimeError(
+        f"Muon.step() was called inside {lent_to}: the model holds the"
+        " EMA's average for the block and gets its own weights back on exit, so this"
+        " step's update would be lost while its momentum and the average moved on."
+        " Step outside the block (evaluate inside it); nothing was stepped"
+    )
+
+
+def _unsharded_at_step(name: str) -> NoReturn:
+    raise ValueError(
+        f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update a shard the next "
+        "forward does not read. A forward ran after backward (an evaluation, say) and left it "
+        "unsharded, as FSDP2 leaves the root module's parameters and those of a module with "
+        "reshard_after_forward=False; or backward ran with set_reshard_after_backward(False): "
+        "call .reshard() on every FSDP2 module before optimizer.step(), or run that forward "
+        "after it. After a forward or backward that raised, recover as FSDP2 does: "
+        "model.reset_iter_state() on the root module, then optimizer.zero_grad(), then the "
+        "next iteration"
+    )
+
+
+def check_params_current(
+    probes: list[tuple[str, nn.Module, str, Tensor]] | None,
+    param_groups: Sequence[Mapping[str, Any]],
+    model: nn.Module,
+    dedicated: Mapping[int, DedicatedParam],
+) -> list[tuple[str, nn.Module, str, Tensor]]:
+    """Catch an optimizer built before ``fully_shard`` (FSDP2 then replaced the parameters
+    it holds, and stepping the old tensors would silently train nothing; checked at the
+    first step), and, at every step, an FSDP2 module that holds its parameters unsharded:
+    stepping its shards would not reach the next forward, which reads the gathered copy
+    FSDP2 keeps (one parameter per module is looked at: FSDP2 swaps a module's parameters
+    together). Takes the probes found so far (``None`` before the first step) and returns
+    them."""
+    if probes is None:
+        _check_every_param(param_groups, model)
+        probes = _probes(param_groups, model, dedicated)
+    for name, module, attr, shard in probes:
+        if getattr(module, attr) is not shard:
+            _unsharded_at_step(name)
+    return probes
+
+
+def _check_every_param(param_groups: Sequence[Mapping[str, Any]], model: nn.Module) -> None:
+    current = dict(model.named_parameters())
+    ids = {id(p) for p in current.values()}
+    for group in param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            if id(p) in ids:
+                continue
+            now = current.get(name)
+            if isinstance(p, DTensor) and now is not None and not isinstance(now, DTensor):
+                # FSDP2 registers a module's unsharded parameters while it holds them.
+                _unsharded_at_step(name)
+            raise ValueError(
+                f"Muon holds {name!r}, which is no longer a parameter of the model (was"
+                " the optimizer built before fully_shard?); build it last:"
+                " dedicate_params -> fully_shard (layers, then root) -> Muon(model)"
+            )
+
+
+def _probes(
+    param_groups: Sequence[Mapping[str, Any]],
+    model: nn.Module,
+    dedicated: Mapping[int, DedicatedParam],
+) -> list[tuple[str, nn.Module, str, Tensor]]:
+    """One FSDP2 parameter (a DTensor dmuon does not hold) of each module that has some."""
+    probes: dict[int, tuple[str, nn.Module, str, Tensor]] = {}
+    for group in param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            if isinstance(p, DTensor) and id(p) not in dedicated:
+                prefix, _, attr = name.rpartition(".")
+                module = model.get_submodule(prefix)
+                probes.setdefault(id(module), (name, module, attr, p))
+    return list(probes.values())
+
+
+def check_no_loss_scaling(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a step through ``torch.amp.GradScaler`` (or FSDP2's ``ShardedGradScaler``):
+    its ``unscale_`` and inf check read ``param.grad``, where the gradients dmuon holds on
+    owners are not, so they would stay scaled and an overflow in them would not lower the
+    scale. ``optimizer`` says it handles loss scaling (``_step_supports_amp_scaling``), so a
+    scaler sets its ``grad_scale`` and ``found_inf``: the refusal drops them."""
+    if "grad_scale" in optimizer.__dict__ or "found_inf" in optimizer.__dict__:
+        optimizer.__dict__.pop("grad_scale", None)
+        optimizer.__dict__.pop("found_inf", None)
+        raise RuntimeError(
+            "Muon.step() was called by a GradScaler: loss scaling does not reach the"
+            " gradients dmuon holds on owners (unscale_ reads param.grad only, so they would"
+            " stay scaled, and an overflow in them would not lower the scale); nothing was"
+            " stepped. Train in bfloat16, which needs no loss scaling: drop the scaler and"
+            " run under torch.autocast(device_type, dtype=torch.bfloat16), or give FSDP2"
+            " MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
+
+
+def check_none_unfrozen(frozen: Iterable[tuple[str, Tensor]]) -> None:
+    """Refuse a step while a parameter of ``frozen`` (those frozen at construction) is
+    trainable: no group holds it, so its gradient would be thrown away, where a torch optimizer
+    built over ``model.parameters()`` would train it."""
+    unfrozen = [name for name, p in frozen if p.requires_grad]
+    if unfrozen:
+        raise ValueError(
+            f"{len(unfrozen)} parameter(s) require grad but were frozen when Muon(model) was"
+            f" built, so no group steps them (first: {unfrozen[:3]}); nothing was stepped."
+            " Muon takes the trainable parameters when it is built: make them trainable"
+            " before dedicate_params and Muon(model), and freeze them with"
+            " requires_grad_(False) for the steps they should not train (a parameter"
+            " without a gradient is skipped and keeps its value)"
+        )
