@@ -443,7 +443,19 @@ def _errors(rank: int, world_size: int):
         Muon(model, ns_backend=lambda x: x, options=StepOptions(cuda_graph=True))
     custom = NewtonSchulz(backend="direct", steps=3)
     assert Muon(model, ns_backend=custom).newton_schulz is custom
-    assert Muon(model, ns_backend="direct", ns_steps=7).newton_schulz.steps == 7
+    seven = Muon(model, ns_backend="direct", ns_steps=7, momentum=0.9)
+    assert seven.newton_schulz.steps == 7
+    assert seven.defaults == {
+        "lr": 0.02,
+        "weight_decay": 0.0,
+        "momentum": 0.9,
+        "nesterov": True,
+        "adamw_lr": 1e-3,
+        "adamw_betas": (0.9, 0.999),
+        "adamw_eps": 1e-8,
+        "adamw_weight_decay": 0.01,
+        "ns_steps": 7,
+    }
     optimizer = Muon(model)
     with pytest.raises(ValueError, match=r"Muon\(model, param_groups=\[\.\.\.\]\)"):
         optimizer.add_param_group({"params": []})

@@ -32,7 +32,7 @@ parameter's holder answers for it, see [Note: the step plan] in _step_plan):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Never
 
 import torch
@@ -413,17 +413,8 @@ class Muon(torch.optim.Optimizer):
         # The group dicts the step plan reads; see [Note: edits to the groups].
         self._built_groups = tuple(self.param_groups)
         # For introspection only: every group carries its own values, so nothing is merged.
-        self.defaults = {
-            "lr": group_defaults.lr,
-            "momentum": group_defaults.momentum,
-            "weight_decay": group_defaults.weight_decay,
-            "nesterov": group_defaults.nesterov,
-            "ns_steps": getattr(self._ns, "steps", None),
-            "adamw_lr": group_defaults.adamw_lr,
-            "adamw_betas": group_defaults.adamw_betas,
-            "adamw_eps": group_defaults.adamw_eps,
-            "adamw_weight_decay": group_defaults.adamw_weight_decay,
-        }
+        self.defaults = {f.name: getattr(group_defaults, f.name) for f in fields(group_defaults)}
+        self.defaults["ns_steps"] = getattr(self._ns, "steps", None)
         runtime = self._runtime
         context = StepContext(
             self._ns,
