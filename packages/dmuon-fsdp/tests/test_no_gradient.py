@@ -24,7 +24,7 @@ from _moe import build_moe, moe_predicate
 from _sgd_train import ddp_model, make_mesh, setup_model
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dmuon_fsdp import (
     Muon,
@@ -240,6 +240,10 @@ def _after_a_backward_that_raised(rank: int, world_size: int) -> list[dict[str, 
 
 
 @pytest.mark.distributed
+@pytest.mark.skipif(
+    not hasattr(FSDPModule, "reset_iter_state"),
+    reason="FSDP2's recovery after a failed backward, reset_iter_state, is torch 2.13's",
+)
 def test_training_goes_on_after_a_backward_that_raised() -> None:
     for clean, recovered in run_distributed(_after_a_backward_that_raised, 2):
         # The retried step's dedicated weights are the clean run's. (FSDP2's own parameters are
@@ -398,7 +402,18 @@ def _branch_on_some_ranks(
         (2, "1d", "owner", {"accumulate": True}),
         (2, "1d", "owner", {"no_sync": True}),
         (2, "1d", "peer", {"discard": True}),
-        (2, "1d", "peer", {"dataclass": True}),
+        pytest.param(
+            2,
+            "1d",
+            "peer",
+            {"dataclass": True},
+            marks=pytest.mark.xfail(
+                not hasattr(FSDPModule, "reset_iter_state"),  # torch before 2.13
+                reason="torch 2.11's autograd engine segfaults in this backward (H100 machine,"
+                " 2026-12-06); torch 2.13 runs it",
+                strict=False,
+            ),
+        ),
         (4, "hsdp", "owner", {}),
         (4, "hsdp", "peer", {"shared": True}),
         (4, "tp", "owner", {}),
