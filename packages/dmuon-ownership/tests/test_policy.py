@@ -434,6 +434,18 @@ def test_a_tied_parameter_routed_two_ways_by_its_names_raises() -> None:
             {"name": ["lm_head"], "set": {"route": "muon"}},
             {"name": ["lm_head"], "set": {"route": "adamw"}},
         ],
+        # Two names that disagree until a later override of one of them (or a general one
+        # after both) replaces its value: what is left is one intent, whatever the order.
+        [
+            {"name": ["embed_tokens"], "set": {"route": "muon"}},
+            {"name": ["lm_head"], "set": {"route": "adamw"}},
+            {"name": ["embed_tokens"], "set": {"route": "adamw"}},
+        ],
+        [
+            {"name": ["lm_head"], "set": {"route": "sharded_adamw"}},
+            {"name": ["embed_tokens"], "set": {"route": "muon"}},
+            {"name": ["*"], "set": {"route": "adamw"}},
+        ],
     ):
         assert (
             ParamPolicy.from_dict({"overrides": overrides}).resolve(names[0], names).route

@@ -278,15 +278,20 @@ class ParamPolicy:
         [Note: one policy per tied parameter])."""
         names = list(dict.fromkeys((name, *aliases)))
         fields: dict[str, Any] = {}
+        # Per field, the overrides whose value still stands: a later one that matches every
+        # name an earlier one matched replaces it (policy order).
         setters: dict[str, list[tuple[int, set[str], Any]]] = {}
         for index in self.matching(name, aliases):
             override = self.overrides[index]
             by = {n for n in names if override.matches(n, n.split("."))}
             for field, value in override.values:
-                for earlier in setters.get(field, ()):
-                    _check_one_intent(field, earlier, (index, by, value))
-                setters.setdefault(field, []).append((index, by, value))
+                standing = [s for s in setters.get(field, ()) if not s[1] <= by]
+                setters[field] = [*standing, (index, by, value)]
             fields.update(override.values)
+        for field, standing in setters.items():
+            for later_index, later in enumerate(standing):
+                for earlier in standing[:later_index]:
+                    _check_one_intent(field, earlier, later)
         return dataclasses.replace(self.defaults, **fields) if fields else self.defaults
 
     def unmatched_tokens(self, names: Iterable[str]) -> tuple[str, ...]:
@@ -320,7 +325,9 @@ def _check_one_intent(
     general one), and so is a general override that matches every name before a specific
     one. But ``lm_head`` routed one way and ``embed_tokens`` another names two intents for
     one tensor: which wins would depend on the order the overrides happen to be listed in,
-    so it raises, naming both."""
+    so it raises, naming both. Only the values that still stand count: a later override
+    that matches every name an earlier one matched (the same name again, or a general one)
+    replaces its value before the two are compared."""
     (i, by_i, value_i), (j, by_j, value_j) = earlier, later
     if value_i == value_j or by_i <= by_j or by_j <= by_i:
         return
