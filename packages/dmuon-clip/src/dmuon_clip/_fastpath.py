@@ -52,11 +52,9 @@ def _kernels() -> Any:
     return importlib.import_module("dmuon_clip._kernels")
 
 
-def unavailable_in_process() -> str | None:
-    """Why the fused kernels can run on no device of this process (``None``: on some they may):
-    neither CUDA nor the Triton interpreter, or no triton."""
-    if not torch.cuda.is_available() and not triton_interpreting():
-        return "neither CUDA nor the Triton interpreter (TRITON_INTERPRET=1) is available"
+def _kernels_missing() -> str | None:
+    """Why the kernel module cannot run anywhere in this process (``None``: it imports and
+    triton is there)."""
     try:
         kernels = _kernels()
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -64,6 +62,14 @@ def unavailable_in_process() -> str | None:
     if kernels.triton is None:
         return "triton is not installed (pip install 'triton>=3.4')"
     return None
+
+
+def unavailable_in_process() -> str | None:
+    """Why the fused kernels can run on no device of this process (``None``: on some they may):
+    neither CUDA nor the Triton interpreter, or no triton."""
+    if not torch.cuda.is_available() and not triton_interpreting():
+        return "neither CUDA nor the Triton interpreter (TRITON_INTERPRET=1) is available"
+    return _kernels_missing()
 
 
 def unavailable_reason(device: torch.device, norm_type: float) -> str | None:
@@ -72,13 +78,7 @@ def unavailable_reason(device: torch.device, norm_type: float) -> str | None:
         return f"the fused kernel computes the 2-norm and the inf-norm only (norm_type={norm_type})"
     if device.type != "cuda" and not (device.type == "cpu" and triton_interpreting()):
         return f"the accumulator device is {device}, not CUDA"
-    try:
-        kernels = _kernels()
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        return f"the kernel module failed to import ({exc})"
-    if kernels.triton is None:
-        return "triton is not installed (pip install 'triton>=3.4')"
-    return None
+    return _kernels_missing()
 
 
 def kernel_accepts(t: Tensor, device: torch.device) -> bool:
