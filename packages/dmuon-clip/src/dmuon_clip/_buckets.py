@@ -351,9 +351,10 @@ def try_clip_optimizer_grad_norm_buckets_(
 
     The rule: returns ``None``, having touched no gradient and issued no collective, when triton
     is not installed or this process has neither CUDA nor the Triton interpreter (then, with
-    ``process_group=None``, without taking the Muon gradients either), or when any tensor of the three segments (or, with no tensors, the Muon
-    accumulator device) is not on one and the same CUDA device (the CPU counts while Triton
-    interprets, ``TRITON_INTERPRET=1``). Otherwise it clips, and tensors outside the kernel's
+    ``process_group=None``, without taking the Muon gradients either), or when any tensor of the
+    three segments (or, with no tensors, the Muon accumulator device) is not on one and the
+    same CUDA device (the CPU counts while Triton interprets, ``TRITON_INTERPRET=1``).
+    Otherwise it clips, and tensors outside the kernel's
     contract (non-contiguous, float64, ...) go through torch inside the call, as reported by
     ``fallback_reason``. A bad ``max_norm`` or gradient list raises ``ValueError`` either way,
     before anything is taken.
