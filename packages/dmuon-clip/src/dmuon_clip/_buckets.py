@@ -382,20 +382,16 @@ def try_clip_optimizer_grad_norm_buckets_(
             disjoint shard), which must be the optimizer's Muon group (``ValueError``
             otherwise).
     """
-    regular = [g for g in regular_grads if g is not None]
-    adamw = [g for g in adamw_grads if g is not None]
     # Bad input raises wherever the call runs, the fast path or not, before anything is taken
-    # (taking the Muon gradients turns dmuon's ns_overlap off).
-    _make_plan(
-        [
-            GradClipBucket("regular", regular),
-            GradClipBucket("muon", ()),
-            GradClipBucket("adamw", adamw),
-        ],
-        max_norm,
-        2.0,
-        "cpu",
+    # (taking the Muon gradients turns dmuon's ns_overlap off): the two buckets check their
+    # gradients once, here, and the plan of this call checks max_norm against all three names.
+    regular = GradClipBucket(
+        "regular", [g for g in regular_grads if g is not None], reduce=process_group is not None
     )
+    adamw = GradClipBucket(
+        "adamw", [g for g in adamw_grads if g is not None], reduce=process_group is not None
+    )
+    _make_plan([regular, GradClipBucket("muon", ()), adamw], max_norm, 2.0, "cpu")
     if process_group is None and _fastpath.unavailable_in_process() is not None:
         return None  # (a group is checked against the Muon gradients' below)
     muon = optimizer.muon_grads_for_clip()
@@ -408,7 +404,7 @@ def try_clip_optimizer_grad_norm_buckets_(
             "when they are sharded over another group"
         )
     group = muon_group if muon_group is not None else process_group
-    every = [*regular, *muon.grads, *copies, *adamw]
+    every = [*regular.grads, *muon.grads, *copies, *adamw.grads]
     devices = {g.device for g in every} or {torch.device(muon.device)}
     if len(devices) != 1:
         logger.debug("try_clip_optimizer_grad_norm_buckets_: grads on several devices %s", devices)
@@ -417,11 +413,7 @@ def try_clip_optimizer_grad_norm_buckets_(
     device = _resolve_device(device, ())
     if _fastpath.unavailable_reason(device, 2.0) is not None:
         return None
-    buckets = [
-        GradClipBucket("regular", regular, reduce=process_group is not None),
-        GradClipBucket("muon", muon.grads, reduce=muon_group is not None),
-        GradClipBucket("adamw", adamw, reduce=process_group is not None),
-    ]
+    buckets = [regular, GradClipBucket("muon", muon.grads, reduce=muon_group is not None), adamw]
     result = clip_grad_norm_buckets_(
         buckets, max_norm, norm_type=2.0, process_group=group, device=device
     )

@@ -154,15 +154,20 @@ def global_norm_strategy(request: ClipRequest) -> MuonGradClipStats:
     """All Muon matrices clipped by their joint p-norm over every owner: one bucket, one
     collective (sum of ``|g|^p``; max for the inf-norm) over ``process_group``."""
     grads, max_norm, norm_type, process_group, device = request
-    for i, g in enumerate(grads):
-        if is_dtensor(g):  # said here: GradClipBucket's own words are for its callers
-            raise ValueError(
-                f"the 'global_norm' clip strategy got a DTensor as gradient {i}; the optimizer's"
-                " muon_grads_for_clip() / grads_for_clip() hands over each rank's local tensor"
-                " (grad.to_local()) and, as process_group, the group over which those add up"
-                " (the shard group), so that the norm costs one all-reduce for all of them"
-            )
-    bucket = GradClipBucket("muon", grads, reduce=process_group is not None)
+    try:
+        bucket = GradClipBucket("muon", grads, reduce=process_group is not None)
+    except ValueError:
+        # GradClipBucket's own words are for its callers; an optimizer's author gets these.
+        # Looked for only on this failure path: the bucket checks each gradient once.
+        i = next((i for i, g in enumerate(grads) if is_dtensor(g)), None)
+        if i is None:
+            raise
+        raise ValueError(
+            f"the 'global_norm' clip strategy got a DTensor as gradient {i}; the optimizer's"
+            " muon_grads_for_clip() / grads_for_clip() hands over each rank's local tensor"
+            " (grad.to_local()) and, as process_group, the group over which those add up"
+            " (the shard group), so that the norm costs one all-reduce for all of them"
+        ) from None
     result = clip_grad_norm_buckets_(
         [bucket], max_norm, norm_type=norm_type, process_group=process_group, device=device
     )
