@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree
 
 if TYPE_CHECKING:
@@ -221,8 +222,6 @@ def active_ddp() -> torch.nn.Module | None:
     Reads ``DistributedDataParallel._get_active_ddp_module()``, which DDP sets around its
     forward for the compiler: nothing public tells a module that a DDP is running it. (Unset
     under ``optimize_ddp="python_reducer"``.)"""
-    from torch.nn.parallel import DistributedDataParallel
-
     return DistributedDataParallel._get_active_ddp_module()
 
 
@@ -242,8 +241,6 @@ def ddp_reduced_params(ddp: torch.nn.Module) -> list[Tensor]:
 def ddp_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The ``DistributedDataParallel`` wrappers among ``module``'s submodules (itself too, as
     ``""``), by name."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return [(n, m) for n, m in module.named_modules() if isinstance(m, DistributedDataParallel)]
 
 

@@ -11,9 +11,9 @@ complete pack leaves in the boundary's order, a boundary whose packs all left is
 reduce point's backward sends what is left of the boundary (see [Note: reduce points] in
 :mod:`._order`). Each module that holds a dedicated parameter also gets a state-dict and a
 load-state-dict pre-hook (see [Note: state dicts see the parameters]), and on the replicated
-path each replicated parameter a post-accumulate-grad hook (``hook_replicated``). The first pre-backward of a backward pass queues a final callback on the
-autograd engine that sends what no reduce point sent, frees what is left, and issues the last
-replicate-axis reductions.
+path each replicated parameter a post-accumulate-grad hook (``hook_replicated``). The first
+pre-backward of a backward pass queues a final callback on the autograd engine that sends what
+no reduce point sent, frees what is left, and issues the last replicate-axis reductions.
 
 [Note: a backward that raised]
 When backward raises (a hook's error, an out-of-memory), the autograd engine drops the
