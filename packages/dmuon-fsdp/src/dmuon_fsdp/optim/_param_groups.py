@@ -236,8 +236,9 @@ def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> 
 
 # Keys a step never reads that mean something elsewhere, with where that is: torch.optim.Muon's
 # per-group options, which dmuon fixes at construction for every group, the keys of a user
-# group, which construction turns into the optimizer groups' own, and two of AdamW's flags. Written into an
-# optimizer group they would change nothing without a word (see take_group_edits).
+# group, which construction turns into the optimizer groups' own, and two of AdamW's flags.
+# Written into an optimizer group they would change nothing without a word (see
+# take_group_edits).
 _INERT_KEYS = {
     "ns_steps": "Muon(ns_steps=...) or ns_backend=dmuon.NewtonSchulz(steps=...), fixed when"
     " Muon is built",
