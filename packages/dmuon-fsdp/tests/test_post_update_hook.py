@@ -32,9 +32,11 @@ def _check(rank: int, world_size: int, path: str) -> dict[str, int]:
     unscaled: dict[str, torch.Tensor] = {}
     scaled: dict[str, torch.Tensor] = {}
     seen_parts: list[set[str]] = []
+    order: list[str] = []
 
     def halve_q(opt: Muon, parts: dict[str, WeightPart]) -> None:
         assert opt is optimizer
+        order.append("halve_q")
         seen_parts.append(set(parts))
         for name, part in parts.items():
             if "q_proj" in name:
@@ -44,6 +46,8 @@ def _check(rank: int, world_size: int, path: str) -> dict[str, int]:
                 scaled[name] = part.tensor.clone()
 
     handle = optimizer.register_post_update_hook(halve_q)
+    # Registered later with prepend=True: it runs first.
+    first = optimizer.register_post_update_hook(lambda *_: order.append("first"), prepend=True)
     seen: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if name.endswith("q_proj"):
@@ -56,6 +60,8 @@ def _check(rank: int, world_size: int, path: str) -> dict[str, int]:
     loss_fn(model, tokens).backward()
     optimizer.step()
     handle.remove()
+    first.remove()
+    assert order == ["first", "halve_q"], order
 
     # Every owner's before/after values, on every rank.
     owners: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{}] * world_size

@@ -51,8 +51,9 @@ class EMA:
     of it is stepped (see [Note: the weight EMA]).
 
     Build it once the weights hold their starting values (after initialisation, or after a
-    checkpoint load), and after any :class:`QKClip` of the optimizer, so that it averages the
-    clipped weights. It registers a post-update hook; :meth:`remove` takes it out. Collective:
+    checkpoint load). It registers a post-update hook, which runs after a :class:`QKClip`'s
+    (attached before or after it), so that it averages the clipped weights; :meth:`remove`
+    takes it out. Collective:
     every rank builds it, with the same ``decay`` (``ValueError`` on every rank otherwise).
 
     Args:
@@ -61,10 +62,6 @@ class EMA:
             last 1000 steps).
         dtype: the dtype the average is kept in (``torch.float32``); a floating dtype.
     """
-
-    # Read by QKClip.attach on the hooks already registered: a clip attached after an EMA would
-    # rescale the weights after the EMA averaged them.
-    _averages_weights = True
 
     def __init__(
         self, optimizer: Muon, decay: float = 0.999, *, dtype: torch.dtype = torch.float32

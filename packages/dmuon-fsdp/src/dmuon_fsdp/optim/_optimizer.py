@@ -496,7 +496,9 @@ class Muon(torch.optim.Optimizer):
                     hp=self.options.cuda_graph,
                 )
 
-    def register_post_update_hook(self, hook: PostUpdateHook) -> RemovableHandle:
+    def register_post_update_hook(
+        self, hook: PostUpdateHook, *, prepend: bool = False
+    ) -> RemovableHandle:
         """Run ``hook(optimizer, parts)`` in every ``step()`` on every rank, after the update
         and before the publish; ``parts`` maps each FQN this rank steps to its
         :class:`WeightPart`, which the hook may change in place, never its storage, shape or
@@ -510,13 +512,19 @@ class Muon(torch.optim.Optimizer):
                 before it; ``parts`` is a mapping ``{fqn: WeightPart}``. Not callable:
                 ``TypeError``. If it raises, the step still publishes, then re-raises (see
                 [Note: a hook that raises]).
+            prepend: ``True``: run it before every hook registered so far (as torch's module
+                hooks take ``prepend``), for a hook that belongs to the update itself
+                (:meth:`QKClip.attach` registers its clip so, ahead of an :class:`EMA`'s
+                average); ``False``: after them. A bool.
         """
         if not callable(hook):
             raise TypeError(
                 f"register_post_update_hook takes a callable (optimizer, parts) -> None, got "
                 f"{hook!r}"
             )
-        return self._hooks.add_post_update(hook)
+        if not isinstance(prepend, bool):
+            raise TypeError(f"register_post_update_hook: prepend must be a bool, got {prepend!r}")
+        return self._hooks.add_post_update(hook, prepend=prepend)
 
     def register_pre_step_hook(self, hook: PreStepHook) -> RemovableHandle:
         """Run ``hook(optimizer)`` at the start of every ``step()`` on every rank, before the

@@ -504,29 +504,21 @@ class QKClip:
     def attach(self, optimizer: Any) -> RemovableHandles:
         """Clip inside every ``step()`` of ``optimizer`` (a ``dmuon.Muon``): a pre-step hook
         launches the all-reduce of the statistic, a post-update hook scales the rows (see
-        [Note: where the statistic is reduced]). Checks every attention against the
-        optimizer's model first (nothing is attached if that raises). Returns a handle whose
-        ``remove()`` detaches both hooks; a QKClip serves one optimizer."""
+        [Note: where the statistic is reduced]). The clip is part of the update: its post-update
+        hook runs before the hooks registered without ``prepend``, whenever they were
+        registered, so an :class:`EMA` built before or after the attach averages the clipped
+        weights. Checks every attention against the optimizer's model first (nothing is
+        attached if that raises). Returns a handle whose ``remove()`` detaches both hooks; a
+        QKClip serves one optimizer."""
         if not callable(getattr(optimizer, "register_post_update_hook", None)):
             raise TypeError(
                 f"QKClip.attach takes dmuon's Muon optimizer, got {type(optimizer).__name__}: "
                 "the clip runs inside Muon.step, as a post-update hook"
             )
-        hooks = getattr(getattr(optimizer, "_hooks", None), "post_update", {})
-        if any(
-            getattr(getattr(h, "__self__", None), "_averages_weights", False)
-            for h in hooks.values()
-        ):
-            raise ValueError(
-                "QKClip.attach: a dmuon.EMA of this optimizer was built before the clip, so its"
-                " post-update hook runs first and would average every weight before the clip"
-                " rescales it. Attach the clip first, then build the EMA (ema.remove() the one"
-                " built too early; nothing was attached)"
-            )
         self.bind(optimizer.model, optimizer.runtime)
         return RemovableHandles(
             optimizer.register_pre_step_hook(lambda _: self.launch()),
-            optimizer.register_post_update_hook(self.post_update),
+            optimizer.register_post_update_hook(self.post_update, prepend=True),
         )
 
     def bind(self, model: nn.Module, runtime: DedicatedRuntime) -> None:

@@ -88,16 +88,20 @@ class StepHooks:
         self._last: _Outcome | None = None
 
     @staticmethod
-    def _register(hooks: OrderedDict[int, Any], hook: object) -> RemovableHandle:
+    def _register(
+        hooks: OrderedDict[int, Any], hook: object, *, prepend: bool = False
+    ) -> RemovableHandle:
         handle = RemovableHandle(hooks)
         hooks[handle.id] = hook
+        if prepend:
+            hooks.move_to_end(handle.id, last=False)
         return handle
 
     def add_pre_step(self, hook: PreStepHook) -> RemovableHandle:
         return self._register(self.pre_step, hook)
 
-    def add_post_update(self, hook: PostUpdateHook) -> RemovableHandle:
-        return self._register(self.post_update, hook)
+    def add_post_update(self, hook: PostUpdateHook, *, prepend: bool = False) -> RemovableHandle:
+        return self._register(self.post_update, hook, prepend=prepend)
 
     def before_step(self, optimizer: Any) -> None:
         """Raise, on every rank alike, if a post-update hook of the last step raised on some

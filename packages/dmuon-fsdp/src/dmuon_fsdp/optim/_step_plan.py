@@ -32,7 +32,9 @@ peers through the next broadcast and replicas through the publish that follows t
 FSDP2 shards through FSDP2's own all-gather. Peers never see the weight as it was between the
 update and the hook. A hook must treat every rank's parts alike (it runs on every rank, with
 the parts that rank holds, possibly none), may issue collectives that every rank issues, and
-must not change shapes or dtypes. QK-clip is its first user.
+must not change shapes or dtypes. Hooks run in the order they were registered, except that one
+registered with ``prepend=True`` runs before those registered so far: QK-clip registers so, as
+part of the update, ahead of the EMA's average whichever was built first.
 """
 
 from __future__ import annotations
