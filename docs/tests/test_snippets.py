@@ -273,7 +273,19 @@ def test_the_checkpoint_page_runs_after_the_usual_wrap(tmp_path: Path) -> None:
     # pretrained model's files, a transformers model) are left out.
     page = python_blocks(DOCS / "guides" / "checkpoints.md")
     blocks = [*python_blocks(INDEX), *[b for b in page if "transformers" not in b]]
-    assert len(blocks) == len(python_blocks(INDEX)) + 4
-    ending = "dist.barrier()\nif dist.get_rank() == 0:\n    print('resumed at step', step)\n"
+    assert len(blocks) == len(python_blocks(INDEX)) + 5
+    # The page's export of the async save (nothing trained since) holds the model's weights.
+    ending = (
+        "dist.barrier()\n"
+        "export = full if dist.get_rank() == 0 else None\n"
+        "ckpt_sd = dmuon.get_model_state_dict(model)\n"
+        "if dist.get_rank() == 0:\n"
+        "    print('resumed at step', step)\n"
+        "    same = export.keys() == ckpt_sd.keys() and all(\n"
+        "        torch.equal(export[k], v) for k, v in ckpt_sd.items()\n"
+        "    )\n"
+        "    print('export equal', same, len(export))\n"
+    )
     output = _run_after_the_setup(tmp_path, [*blocks, ending], ranks=2)
     assert output.count("resumed at step 100") == 1, output[-8000:]
+    assert re.search(r"export equal True [1-9]", output), output[-8000:]
