@@ -187,6 +187,51 @@ def test_meta_model_holds_dedicated_weights_only_where_kept(tmp_path) -> None:
         assert torch.equal(value, torch.empty(value.shape).normal_(0.0, 0.02, generator=g))
 
 
+def _tied_from_meta(rank: int, world_size: int) -> dict[str, bool]:
+    """An embedding tied to the head, dedicated on the meta device: ``to_empty`` keeps the
+    two names on one parameter (as FSDP2 keeps its own tied parameters), which holds no
+    storage on a peer, and the model trains as the same model built normally, bit for bit."""
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def every_matrix(name: str, param: Tensor) -> bool:
+        return param.ndim == 2
+
+    normal = build(0, tie=True)
+    start = {k: v.clone() for k, v in normal.state_dict().items()}
+    dedicate_params(normal, mesh, every_matrix)
+    shard_layers_then_root(normal, mesh)
+    with torch.device("meta"):
+        model = build(0, tie=True)
+    runtime = dedicate_params(model, mesh, every_matrix)
+    shard_layers_then_root(model, mesh)
+    model.to_empty(device="cpu")
+    (embedding,) = (dp for dp in runtime.params if dp.fqn == "embed_tokens.weight")
+    weight = model.embed_tokens.weight
+    result = {
+        "tied": model.lm_head.weight is weight,
+        "storage where kept": (weight.untyped_storage().nbytes() > 0)
+        == (embedding.role is not Role.PEER),
+    }
+    set_model_state_dict(model, start)
+    trained = []
+    for m in (normal, model):
+        optimizer = Muon(m, lr=0.05)
+        for step in range(2):
+            optimizer.zero_grad()
+            loss_fn(m, batch(step, 4).chunk(world_size)[rank]).backward()
+            optimizer.step()
+        trained.append(get_model_state_dict(m))
+    result["still tied"] = model.lm_head.weight is model.embed_tokens.weight
+    result["trains as built normally"] = _equal(trained[1], trained[0])
+    return result
+
+
+@pytest.mark.distributed
+def test_a_tied_dedicated_weight_stays_tied_through_to_empty() -> None:
+    for result in run_distributed(_tied_from_meta, 2):
+        assert all(result.values()), result
+
+
 # -- set_model_state_dict(..., broadcast_from_rank0=True) -----------------------------------------
 
 

@@ -22,6 +22,7 @@ from dmuon_fsdp import (
     dedicate_params_ddp,
     get_model_state_dict,
     load_checkpoint,
+    replicate,
     save_checkpoint,
     uninstall_patch,
 )
@@ -146,13 +147,15 @@ def _bilinear_weight_selected(mesh: DeviceMesh, root: str) -> None:
     dedicate_params(_Stacked(_BilinearBlock()), mesh, lambda n, p: p.ndim >= 2)
 
 
-def _untied_by_to_empty(mesh: DeviceMesh, root: str) -> None:
-    """A tied embedding and head, dedicated on the meta device: to_empty unties them."""
+def _untied_after_dedicate(mesh: DeviceMesh, root: str) -> None:
+    """A tied embedding and head, dedicated on the meta device (to_empty keeps them tied),
+    then the head given a parameter of its own."""
     with torch.device("meta"):
         model = build(0, tie=True)
     dedicate_params(model, mesh, lambda n, p: p.ndim == 2)
     shard_layers_then_root(model, mesh)
     model.to_empty(device="cpu")
+    model.lm_head.weight = nn.Parameter(torch.zeros(model.lm_head.weight.shape))
     Muon(model)
 
 
@@ -169,6 +172,14 @@ def _deepcopy_on_the_replicated_path(mesh: DeviceMesh, root: str) -> None:
     model = build(0)
     dedicate_params_ddp(model, mesh, muon_predicate)
     copy.deepcopy(model)
+
+
+def _replicate_on_the_meta_device(mesh: DeviceMesh, root: str) -> None:
+    """replicate() before to_empty: to_empty would replace the parameters it took."""
+    with torch.device("meta"):
+        model = build(0)
+    dedicate_params_ddp(model, mesh, muon_predicate)
+    replicate(model, mesh)
 
 
 def _torch_load_of_a_full_state_dict(mesh: DeviceMesh, root: str) -> None:
@@ -288,10 +299,10 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         r"ValueError: 'layers\.0\.bilinear\.weight' \(shape \(2, 4, 4\)\) is the weight of a "
         r"Bilinear, not a stack of experts",
     ),
-    "a tied weight untied by to_empty": (
-        _untied_by_to_empty,
+    "a tied weight untied after dedicate_params": (
+        _untied_after_dedicate,
         r"ValueError: 'lm_head\.weight' was tied to the dedicated weight 'embed_tokens\.weight'"
-        r".*Tie it again after to_empty",
+        r".*Tie it again, as for any model: model\.lm_head\.weight = model\.embed_tokens\.weight",
     ),
     "copy.deepcopy after dedicate_params": (
         _deepcopy_after_dedicate,
@@ -302,6 +313,11 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _deepcopy_on_the_replicated_path,
         r"TypeError: copy\.deepcopy cannot copy a model after dedicate_params.*dmuon\.EMA.*"
         r"copy the model before dedicate_params",
+    ),
+    "replicate() on the meta device": (
+        _replicate_on_the_meta_device,
+        r"ValueError: replicate\(\): 'embed_tokens\.weight' is still on the meta device; "
+        r"replicate broadcasts rank 0's values.*dedicate_params_ddp -> to_empty -> init",
     ),
     "torch.autograd.grad over the parameters": (
         _autograd_grad_over_the_parameters,

@@ -51,8 +51,9 @@ def check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntim
     """On more than one rank, a trainable parameter that is neither dedicated nor managed by
     FSDP2 (a DTensor) nor replicated (``replicate``) gets no gradient synchronisation at all:
     each rank would train its own copy and the ranks would drift apart without an error. A
-    dedicated weight's tied name that holds a parameter of its own (untied by ``to_empty``)
-    is refused on any number of ranks: it would train apart from the weight."""
+    dedicated weight's tied name that holds a parameter of its own (replaced since
+    ``dedicate_params``; ``to_empty`` keeps it tied) is refused on any number of ranks: it
+    would train apart from the weight."""
     synchronised = {id(p) for p in runtime.replicated_params}
     synchronised |= {id(dp.param) for dp in runtime.params}
     loose = [
@@ -64,9 +65,9 @@ def check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntim
         name, tied_to = untied[0]
         raise ValueError(
             f"{name!r} was tied to the dedicated weight {tied_to!r} at dedicate_params and is "
-            "a parameter of its own now, which nothing would synchronise: model.to_empty() "
-            "(or another materialisation) unties weights. Tie it again after to_empty, as for "
-            f"any model: model.{name} = model.{tied_to} (or model.tie_weights())"
+            "a parameter of its own now (replaced since), which nothing would synchronise. Tie "
+            f"it again, as for any model: model.{name} = model.{tied_to} (or "
+            "model.tie_weights()); to train the two apart, untie them before dedicate_params"
         )
     if loose and runtime.layout.world_size > 1:
         shown = ", ".join(repr(n) for n in loose[:8]) + (" ..." if len(loose) > 8 else "")

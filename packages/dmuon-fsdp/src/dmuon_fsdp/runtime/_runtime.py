@@ -103,8 +103,8 @@ class DedicatedRuntime:
         # Muon expert stacks stepped where FSDP2 puts them, and the param_policy that routed
         # every selected parameter (both set by dedicate_params).
         self.local_muon: list[ExpertStack] = []
-        # The other names of each tied dedicated weight (alias -> its name), for the error when
-        # a materialisation untied them (see _adopt_materialised).
+        # The other names of each tied dedicated weight (alias -> its name): to_empty keeps
+        # them tied (see _adopt_materialised), and Muon(model) refuses one replaced since.
         self.tied_names: dict[str, str] = {}
         self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
@@ -203,10 +203,13 @@ class DedicatedRuntime:
         tensor-parallel ``DTensor``, swaps the new one's contents into the old object
         (``torch.utils.swap_tensors``, which takes its class and attributes, the guard's
         among them): take the new objects over as the dedicated parameters and guard them. A
-        weight registered under two names (tied) comes back as two unrelated parameters;
-        re-tie them after ``to_empty``, as for any model. Runs after every conversion of a
-        module above a dedicated parameter (:class:`_CheckedApply`) and in :meth:`lazy_init`;
-        leaves anything else that replaced a parameter to :meth:`_check_registered`."""
+        weight registered under two names (tied) stays tied, as FSDP2 keeps its own tied
+        parameters: :class:`_CheckedApply` converts it under its own name only, and the new
+        object goes under its other names here. Runs after every conversion of a module above
+        a dedicated parameter or one of its other names (:class:`_CheckedApply`) and in
+        :meth:`lazy_init`; leaves anything else that replaced a parameter to
+        :meth:`_check_registered`."""
+        model = self._model()
         for index, dp in enumerate(self.params):
             current = dp.module._parameters.get(dp.name)
             if current is None or is_dedicated(current):
@@ -215,10 +218,21 @@ class DedicatedRuntime:
             materialised = dp.param.is_meta and not isinstance(current, DTensor)
             if not (swapped or materialised):
                 continue
+            if materialised and model is not None:
+                self._retie(model, dp.param, current)
             dp.attach(current)
             self.hooks.rebind(index)
             if self._holds_nothing(dp):
                 dp.drop_storage()
+
+    def _retie(self, model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+        """Register ``new`` under every other name of the tied weight ``old`` was (those
+        :class:`_CheckedApply` left unconverted still hold ``old``)."""
+        for alias in self.tied_names:
+            prefix, _, name = alias.rpartition(".")
+            module = model.get_submodule(prefix)
+            if module._parameters.get(name) is old:
+                module._parameters[name] = new
 
     def _holds_nothing(self, dp: DedicatedParam) -> bool:
         """Whether this rank keeps no storage for ``dp`` until it is packed: a peer's weight
@@ -460,12 +474,20 @@ class _CheckedApply:
             for name, p in module._parameters.items()
             if p is not None and any(p is q for q in packed)
         }
+        # A tied weight's other names are never converted on their own: they follow its own
+        # name (see _adopt_materialised).
+        held |= {
+            name: p
+            for name, p in module._parameters.items()
+            if p is not None
+            and any(d.param is p and (d.module, d.name) != (module, name) for d in self._params)
+        }
         # A peer's meta weight comes out of to_empty without storage, so that no rank but the
         # ones keeping it ever holds it (see [Note: meta-device models]).
         materialised: dict[str, nn.Parameter] = {}
         for name, p in module._parameters.items():
             found = next((d for d in self._params if p is not None and d.param is p), None)
-            if found is None or not self._holds_nothing(found):
+            if found is None or name in held or not self._holds_nothing(found):
                 continue
             empty = _materialised_without_storage(fn, found)
             if empty is not None:
@@ -506,7 +528,8 @@ def _materialised_without_storage(
 
 def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
     """Install :class:`_CheckedApply` on every module above a dedicated parameter of
-    ``runtime``; after a conversion it adopts what ``to_empty`` materialised."""
+    ``runtime`` or one of its other names (tied); after a conversion it adopts what
+    ``to_empty`` materialised."""
     params = runtime.params
     weak = weakref.WeakMethod(runtime._adopt_materialised)
     weak_holds_nothing = weakref.WeakMethod(runtime._holds_nothing)
@@ -520,11 +543,17 @@ def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
         method = weak_holds_nothing()
         return method is not None and method(dp)
 
+    names: dict[str, list[str]] = {dp.fqn: [dp.fqn] for dp in params}
+    for alias, fqn in runtime.tied_names.items():
+        names[fqn].append(alias)
     under: dict[str, list[DedicatedParam]] = {}
     for dp in params:
-        parts = dp.fqn.split(".")[:-1]
-        for depth in range(len(parts) + 1):
-            under.setdefault(".".join(parts[:depth]), []).append(dp)
+        for fqn in names[dp.fqn]:  # a tied weight's other names too
+            parts = fqn.split(".")[:-1]
+            for depth in range(len(parts) + 1):
+                found = under.setdefault(".".join(parts[:depth]), [])
+                if not any(d is dp for d in found):
+                    found.append(dp)
     for path, dps in under.items():
         module = model.get_submodule(path)
         # An instance attribute: nn.Module's conversions call self._apply.

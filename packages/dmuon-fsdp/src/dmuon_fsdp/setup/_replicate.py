@@ -87,6 +87,19 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
             f"{runtime.layout.world_size}; pass the same mesh"
         )
     params = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
+    on_meta = [
+        name
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.is_meta and not is_dedicated(t)
+    ]
+    if on_meta:
+        # to_empty would then replace the parameters replicate took: none would be synced.
+        raise ValueError(
+            f"replicate(): {on_meta[0]!r} is still on the meta device; replicate broadcasts "
+            "rank 0's values, so call it after model.to_empty(device=...) and the "
+            "initialisation or load, as DistributedDataParallel is built: dedicate_params_ddp "
+            "-> to_empty -> init -> replicate -> Muon(model)"
+        )
     source = runtime.layout.rank_of[0][0]  # the grid's first rank, global rank 0 on a 1-D mesh
     if runtime.layout.world_size > 1:
         with torch.no_grad():
