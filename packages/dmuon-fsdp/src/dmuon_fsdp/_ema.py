@@ -151,15 +151,14 @@ class EMA:
         weights = {name: part.tensor.clone() for name, part in parts.items()}
         buffers = {name: b.clone() for name, b in model.named_buffers()}
         self._write(parts, self._average)
-        lent_to, optimizer._weights_lent_to = optimizer._weights_lent_to, "ema.applied()"
         try:
-            yield
+            with optimizer._weights_lent("ema.applied()"):
+                yield
             if keep:
                 with torch.no_grad():
                     for name, part in parts.items():
                         self._average[name].copy_(part.tensor)
         finally:
-            optimizer._weights_lent_to = lent_to
             self._write(parts, weights)
             with torch.no_grad():
                 for name, b in model.named_buffers():

@@ -31,7 +31,8 @@ parameter's holder answers for it, see [Note: the step plan] in _step_plan):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Never
 
@@ -403,8 +404,7 @@ class Muon(torch.optim.Optimizer):
         # The parameters frozen when it was built, which it never steps: see
         # check_none_unfrozen.
         self._frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-        # Set by dmuon.EMA while the model holds its average ("ema.applied()"): a step then
-        # would be undone on exit (see step).
+        # Who holds the weights while _weights_lent's block runs (see step).
         self._weights_lent_to: str | None = None
         warn_frozen_dedicated(self._runtime)
         self._constructing = True
@@ -542,6 +542,17 @@ class Muon(torch.optim.Optimizer):
                 f"register_pre_step_hook takes a callable (optimizer) -> None, got {hook!r}"
             )
         return self._hooks.add_pre_step(hook)
+
+    @contextlib.contextmanager
+    def _weights_lent(self, to: str) -> Iterator[None]:
+        """The weights hold other values for the block (``to`` names who lends them, e.g.
+        ``dmuon.EMA``'s ``"ema.applied()"``) and get theirs back on exit, so a ``step()``
+        inside it raises: its update would be undone while the momenta moved on."""
+        outer, self._weights_lent_to = self._weights_lent_to, to
+        try:
+            yield
+        finally:
+            self._weights_lent_to = outer
 
     # -- the step -----------------------------------------------------------------------------
 
