@@ -92,6 +92,22 @@ def _no_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _registry.clear_resolution_cache()
 
 
+def test_an_empty_batch_reaches_no_kernel(fake: RecordingKernel) -> None:
+    # On CUDA such a problem reached the autotuner, whose table lookup divided by the batch
+    # (ZeroDivisionError at 0x1024x4096) and whose sample indexed into it (IndexError from
+    # tune(), and from every tune_pending() after the call that met it).
+    out = newton_schulz(torch.randn(0, 80, 24, dtype=torch.float64), kernel="fake")
+    assert out.shape == (0, 80, 24) and out.dtype == torch.float64
+    pair = newton_schulz([torch.randn(0, 8, 8), torch.randn(0, 8, 8)], kernel="fake")
+    assert [tuple(y.shape) for y in pair] == [(0, 8, 8), (0, 8, 8)]
+    assert fake.calls == []
+    assert NewtonSchulz(kernel="fake").tune([torch.empty(0, 24, 80), torch.empty(24, 80)]) == {
+        "gram 1x24x80 float16": "fake"
+    }
+    with pytest.raises(NSKernelUnavailableError):  # resolved first, as for any input
+        newton_schulz(torch.randn(0, 8, 8), kernel="triton")
+
+
 def test_registered_kernel_gets_the_prepared_input(fake: RecordingKernel) -> None:
     g = torch.randn(2, 80, 24, dtype=torch.float64)
     out = newton_schulz(g, kernel="fake", steps=7)

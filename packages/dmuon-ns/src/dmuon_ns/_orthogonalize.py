@@ -6,10 +6,18 @@ batched call: one launch per product for all of a rank's same-shape matrices ins
 per matrix. Results come back in input order. Every kernel treats batch entries
 independently, so a matrix gets the same result alone, in a batch or in a list (bit for bit
 with the torch kernel on CPU; on GPU up to the BLAS library's batch-dependent tiling).
+
+[Note: an empty batch]
+A tensor whose leading dims hold no matrix (shape (0, m, n), say) gets an empty result of its
+shape and dtype once its kernel is resolved (a kernel named but unavailable still raises),
+and no kernel, autotuner or CUDA graph sees it: a kernel's input holds at least one matrix
+(the autotuner's table lookup divides by the batch and its sample indexes into it, and a
+graph of an empty problem captures nothing). ``tune`` settles nothing for it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -49,6 +57,8 @@ def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
     check_matrix(g, what)
     with span("dmuon::newton_schulz"), without_autocast(g.device):
         resolution = config._resolution(g.device)
+        if g.numel() == 0:  # a batch of no matrices: see [Note: an empty batch]
+            return torch.empty(g.shape, dtype=g.dtype, device=g.device)
         names = [kernel.name for kernel in resolution.kernels]
         prepared = prepare(g, iteration_dtype(config.dtype, g.device, names), config.eps)
         op = op_for(config, g.shape[-2], g.shape[-1])
@@ -86,6 +96,8 @@ def tune(config: NewtonSchulz, gs: Sequence[Tensor]) -> dict[str, str]:
     for (shape, _, device), members in _batches(gs).items():
         batched = shape if len(members) == 1 else (len(members), *shape)
         resolution = config._resolution(device)
+        if math.prod(batched) == 0:  # runs no kernel: see [Note: an empty batch]
+            continue
         names = [kernel.name for kernel in resolution.kernels]
         problem = describe(batched, iteration_dtype(config.dtype, device, names), device)
         op = op_for(config, shape[-2], shape[-1])
