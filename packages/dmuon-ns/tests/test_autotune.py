@@ -183,6 +183,30 @@ def test_verdict_survives_on_disk(tmp_path):
     assert fast.calls == reference.calls == 0
 
 
+@pytest.mark.parametrize("entry", ["fast", None, {"kernel": ["fast"]}])
+def test_a_malformed_verdict_on_disk_is_ignored_with_a_warning(tmp_path, entry):
+    # A file that parses but holds a verdict that is no {"kernel": name, ...} (edited by hand,
+    # say) made every call of the problem raise AttributeError or TypeError.
+    x = _x()
+    _fast_verdict(x)
+    path = tmp_path / "cache" / "verdicts.json"
+    data = json.loads(path.read_text())
+    data["verdicts"] = {key: entry for key in data["verdicts"]}
+    path.write_text(json.dumps(data))
+    _autotune.clear_cache()  # a new process: memory empty, disk kept
+    warned = set(_verdict_cache._warned)
+    _verdict_cache._warned.clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="ignoring 1 malformed verdict"):
+            chosen = _autotune.choose(
+                [FakeKernel("torch"), FakeKernel("fast")], x, "gram", COEFFS, RESTARTS
+            )
+    finally:
+        _verdict_cache._warned.clear()
+        _verdict_cache._warned.update(warned)
+    assert chosen.name == "torch"  # no verdict: the provisional kernel
+
+
 def test_a_cached_kernel_that_is_no_longer_offered_is_retuned():
     x = _x()
     _fast_verdict(x)

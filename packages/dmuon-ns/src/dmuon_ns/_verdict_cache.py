@@ -13,7 +13,8 @@ Verdicts live in ``verdicts.json`` in one directory, ``~/.cache/dmuon/ns-autotun
   sees the old file or the new one, never a torn one; a writer killed half-way leaves a stray
   ``.verdicts.*.tmp`` at most, and the cache as it was;
 * a file that cannot be parsed (written by hand, or by another format version) is ignored and
-  replaced by the next write; a directory that cannot be read or written leaves the verdicts in
+  replaced by the next write, and so is a verdict in it that is not a ``{"kernel": name, ...}``
+  object; a directory that cannot be read or written leaves the verdicts in
   memory. Each of these is reported once per process (``logging`` and ``warnings``).
 
 Where ``flock`` is missing (no ``fcntl``: Windows) or refused (some network filesystems),
@@ -83,7 +84,20 @@ def read() -> dict[str, AutotuneVerdict]:
         _warn_once("format", f"ignoring {path}: not a format-{FORMAT_VERSION} verdict file")
         return {}
     entries = data.get("verdicts")
-    return entries if isinstance(entries, dict) else {}
+    if not isinstance(entries, dict):
+        return {}
+    usable = {
+        key: verdict
+        for key, verdict in entries.items()
+        if isinstance(verdict, dict) and isinstance(verdict.get("kernel"), str)
+    }
+    if len(usable) < len(entries):
+        _warn_once(
+            "entries",
+            f"ignoring {len(entries) - len(usable)} malformed verdict(s) in {path} (each is"
+            ' {"kernel": name, ...})',
+        )
+    return usable
 
 
 def write(verdicts: Mapping[str, AutotuneVerdict]) -> None:
