@@ -65,7 +65,8 @@ from typing import Any, NamedTuple
 import torch
 
 from dmuon_ns import _measure, _tables, _verdict_cache
-from dmuon_ns._coefficients import CoefficientRows
+from dmuon_ns._coefficients import CoefficientRows, Coefficients
+from dmuon_ns._prepare import problem_name
 from dmuon_ns._profiling import span
 from dmuon_ns._registry import NSKernel, Problem, choices_changed
 from dmuon_ns._verdict_cache import AutotuneVerdict
@@ -86,8 +87,6 @@ logger = logging.getLogger(__name__)
 _TIMING_S = 0.1
 # The kernel that runs a problem without a verdict (see [Note: where a verdict comes from]).
 _PROVISIONAL = "torch"
-
-Coefficients = tuple[tuple[float, float, float], ...]
 
 
 class _Problem(NamedTuple):
@@ -131,7 +130,7 @@ def choose(
     restart_iterations: Sequence[int],
     *,
     now: bool = False,
-) -> Any:
+) -> NSKernel:
     """The kernel that runs ``x``'s problem (see [Note: where a verdict comes from]).
 
     ``candidates`` are in priority order and all usable on ``x.device``; ``op`` is ``"gram"``
@@ -482,8 +481,7 @@ def _problem_key(
 
 
 def _describe(problem: _Problem) -> str:
-    dtype = str(problem.dtype).removeprefix("torch.")
-    return f"{problem.op} {'x'.join(str(s) for s in problem.shape)} {dtype}"
+    return problem_name(problem.op, problem.shape, problem.dtype)
 
 
 @functools.cache

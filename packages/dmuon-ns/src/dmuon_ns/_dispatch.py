@@ -127,7 +127,4 @@ def pick(
         return candidates[0]
     from dmuon_ns import _autotune
 
-    chosen: NSKernel = _autotune.choose(
-        candidates, problem, op, coefficients, restart_iterations, now=now
-    )
-    return chosen
+    return _autotune.choose(candidates, problem, op, coefficients, restart_iterations, now=now)

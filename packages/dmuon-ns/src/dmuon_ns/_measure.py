@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dmuon_ns._coefficients import Coefficients
 from dmuon_ns._registry import NSKernel, Problem
 
 __all__ = [
@@ -76,8 +77,6 @@ CHECKED = 4
 _BLOCK_COLUMNS = 4096
 # What a registered kernel without ``failure_types`` may raise to say it cannot run a problem.
 DEFAULT_FAILURES: tuple[type[Exception], ...] = (RuntimeError, ValueError, NotImplementedError)
-
-Coefficients = tuple[tuple[float, float, float], ...]
 
 
 class Sample(NamedTuple):

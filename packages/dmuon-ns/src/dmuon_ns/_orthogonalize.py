@@ -30,6 +30,7 @@ from dmuon_ns._prepare import (
     describe,
     iteration_dtype,
     prepare,
+    problem_name,
     restore,
     without_autocast,
 )
@@ -104,8 +105,7 @@ def tune(config: NewtonSchulz, gs: Sequence[Tensor]) -> dict[str, str]:
         restarts = config.restarts if op == "gram" else ()
         coefficients = config.step_coefficients
         kernel = _dispatch.pick(resolution.kernels, problem, op, coefficients, restarts, now=True)
-        size = "x".join(str(s) for s in problem.shape)
-        chosen[f"{op} {size} {str(problem.dtype).removeprefix('torch.')}"] = kernel.name
+        chosen[problem_name(op, problem.shape, problem.dtype)] = kernel.name
     return chosen
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "describe",
     "iteration_dtype",
     "prepare",
+    "problem_name",
     "restore",
     "scale_with_torch",
 ]
@@ -155,6 +156,12 @@ def describe(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> 
     rows, cols = shape[-2], shape[-1]
     batch = math.prod(shape[:-2])
     return Described(torch.Size((batch, min(rows, cols), max(rows, cols))), dtype, device)
+
+
+def problem_name(op: str, shape: Sequence[int], dtype: torch.dtype) -> str:
+    """``"<op> <batch>x<m>x<n> <dtype>"``, how ``tune`` and ``tune_pending`` name a problem
+    (``shape`` and ``dtype``: the kernel's input, as ``describe`` gives them)."""
+    return f"{op} {'x'.join(str(s) for s in shape)} {str(dtype).removeprefix('torch.')}"
 
 
 def check_matrix(g: object, what: str = "G") -> Tensor:
