@@ -318,7 +318,7 @@ def _resolve(
     if len(candidates) == 1:
         reason = f"auto: {names} is the only kernel available here"
     else:
-        reason = f"auto: autotuned per shape among {names}"
+        reason = f"auto: per problem, the kernel of its verdict among {names} (torch without one)"
     return Resolution(candidates, "auto", reason)
 
 

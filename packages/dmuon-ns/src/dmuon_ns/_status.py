@@ -51,8 +51,9 @@ def get_backend_status(device: torch.device | str | None = None) -> dict[str, An
     Returns ``{"device": str, "sm": int | None, "env_override": str | None,
     "auto_choice": str, "auto_candidates": [str, ...], "auto_reason": str,
     "kernels": {name: {"available": bool, "reason": str | None}}}``. ``auto_choice`` is the
-    kernel auto runs, or ``"autotune"`` when it times several candidates per shape (once per
-    shape and device, or from the shipped tables). It describes ``kernel="auto"`` without
+    kernel auto runs, or ``"autotune"`` when several are candidates: each problem then runs the
+    kernel of its verdict (measured by ``tune``/``tune_pending`` or shipped in the device's
+    table), torch where there is none. It describes ``kernel="auto"`` without
     ``DMUON_NS_KERNEL`` (``env_override`` shows that variable).
 
     Args:
