@@ -49,6 +49,7 @@ __all__ = [
     "ExpertStack",
     "elementwise_cost",
     "expert_base_loads",
+    "expert_work",
     "experts_held",
     "ns_cost",
     "ns_flops",
@@ -116,6 +117,14 @@ def experts_held(experts: int, shard: int, shard_size: int) -> int:
     return max(0, min(chunk, experts - shard * chunk))
 
 
+def expert_work(stack: ExpertStack, shard: int, shard_size: int) -> float:
+    """The NS work of the experts of ``stack`` that shard index ``shard`` holds."""
+    held = experts_held(stack.experts, shard, shard_size)
+    if not held:
+        return 0.0
+    return ns_cost((held * stack.per_expert, stack.rows, stack.cols))
+
+
 def expert_base_loads(
     stacks: Iterable[ExpertStack], shard_size: int, replicate_size: int = 1
 ) -> list[float]:
@@ -125,11 +134,7 @@ def expert_base_loads(
     lighter slots."""
     stacks = list(stacks)
     per_shard = [
-        math.fsum(
-            ns_cost((held * s.per_expert, s.rows, s.cols))
-            for s in stacks
-            if (held := experts_held(s.experts, shard, shard_size))
-        )
+        math.fsum(expert_work(stack, shard, shard_size) for stack in stacks)
         for shard in range(shard_size)
     ]
     return [per_shard[slot % shard_size] for slot in range(shard_size * replicate_size)]

@@ -40,9 +40,9 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ._cost import ExpertStack, experts_held, ns_cost
+from ._cost import ExpertStack, expert_work
 
-__all__ = ["SOURCE_TOLERANCE", "ExpertSource", "expert_sources", "expert_work"]
+__all__ = ["SOURCE_TOLERANCE", "ExpertSource", "expert_sources"]
 
 #: Load above ``(1 + SOURCE_TOLERANCE) × mean`` that makes expert sources worth their bytes.
 SOURCE_TOLERANCE = 0.02
@@ -55,14 +55,6 @@ class ExpertSource(NamedTuple):
     stack: str
     shard: int
     replicate: int
-
-
-def expert_work(stack: ExpertStack, shard: int, shard_size: int) -> float:
-    """The NS work of the experts of ``stack`` that shard index ``shard`` holds."""
-    held = experts_held(stack.experts, shard, shard_size)
-    if not held:
-        return 0.0
-    return ns_cost((held * stack.per_expert, stack.rows, stack.cols))
 
 
 def expert_sources(

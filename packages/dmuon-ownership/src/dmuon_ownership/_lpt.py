@@ -57,8 +57,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ._cost import CostFn, ExpertStack, expert_base_loads, ns_cost
-from ._expert_sources import ExpertSource, expert_sources, expert_work
+from ._cost import CostFn, ExpertStack, expert_base_loads, expert_work, ns_cost
+from ._expert_sources import ExpertSource, expert_sources
 from ._items import Owner, WorkItem
 from ._plan import Plan, Unit
 from ._route import Route
