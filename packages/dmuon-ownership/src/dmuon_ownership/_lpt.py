@@ -121,16 +121,7 @@ def plan_owners(
             "plan_owners: small_param_threshold must be an int >= 0 (elements; 0 disables "
             f"packing), got {small_param_threshold!r}"
         )
-    by_name: dict[str, WorkItem] = {}
-    for item in items:
-        if not isinstance(item, WorkItem):
-            raise ValueError(f"plan_owners: items must be WorkItem, got {type(item).__name__}")
-        if item.name in by_name:
-            raise ValueError(
-                f"plan_owners: two WorkItems are named {item.name!r}; names must be unique"
-            )
-        by_name[item.name] = item
-    ordered = [by_name[name] for name in sorted(by_name)]
+    ordered = _by_name(items)
     tp_size = _tp_size(ordered)
     slots = shard_size * replicate_size
     if experts is not None and base_loads is not None:
@@ -145,7 +136,46 @@ def plan_owners(
 
     owned = [it for it in ordered if it.route is not Route.SHARDED_ADAMW]
     sharded = tuple(it.name for it in ordered if it.route is Route.SHARDED_ADAMW)
-    # Layers repeat shapes: evaluate the cost once per (shape, route, split).
+    costs = _item_costs(owned, cost)
+
+    atoms = _make_atoms(owned, costs, small_param_threshold)
+    loads = _place(atoms, shard_size, base or [0.0] * slots)
+    _swap_pass(atoms, loads, shard_size)
+    sources = expert_sources(stacks, loads, shard_size, replicate_size)
+    done = _expert_work_done(stacks, sources, shard_size, replicate_size) if sources else base
+    tp_owners, tp_loads = _tp_assign(atoms, costs, done or [0.0] * slots, tp_size)
+    return Plan(
+        shard_size=shard_size,
+        replicate_size=replicate_size,
+        units=_units(atoms, shard_size, slots),
+        loads=_exact_loads(atoms, done, slots),
+        sharded=sharded,
+        tp_size=tp_size,
+        tp_owners=tp_owners,
+        tp_loads=tp_loads,
+        base_loads=tuple(base),
+        expert_sources=sources,
+    )
+
+
+def _by_name(items: Iterable[WorkItem]) -> list[WorkItem]:
+    """``items`` sorted by name (nothing below depends on the caller's order); raises for
+    anything but a ``WorkItem`` and for a name given twice."""
+    by_name: dict[str, WorkItem] = {}
+    for item in items:
+        if not isinstance(item, WorkItem):
+            raise ValueError(f"plan_owners: items must be WorkItem, got {type(item).__name__}")
+        if item.name in by_name:
+            raise ValueError(
+                f"plan_owners: two WorkItems are named {item.name!r}; names must be unique"
+            )
+        by_name[item.name] = item
+    return [by_name[name] for name in sorted(by_name)]
+
+
+def _item_costs(owned: list[WorkItem], cost: CostFn) -> dict[str, float]:
+    """Each owned item's work; layers repeat shapes, so the cost is evaluated once per
+    (shape, route, split)."""
     by_shape: dict[tuple[tuple[int, ...], Route, tuple[tuple[int, int, int], ...]], float] = {}
     costs: dict[str, float] = {}
     for it in owned:
@@ -153,38 +183,27 @@ def plan_owners(
         if key not in by_shape:
             by_shape[key] = _cost_of(it, cost)
         costs[it.name] = by_shape[key]
+    return costs
 
-    atoms = _make_atoms(owned, costs, small_param_threshold)
-    loads = _place(atoms, shard_size, base or [0.0] * slots)
-    _swap_pass(atoms, loads, shard_size)
-    sources = expert_sources(stacks, loads, shard_size, replicate_size)
-    done = _expert_work_done(stacks, sources, shard_size, replicate_size) if sources else base
-    # The passes update loads incrementally; report exact sums, independent of the move history.
-    per_slot: list[list[float]] = [[] for _ in range(slots)] if not done else [[b] for b in done]
+
+def _exact_loads(atoms: list[_Atom], base: list[float], slots: int) -> tuple[float, ...]:
+    """Each slot's ``base`` (none: zero) plus its atoms' costs, summed exactly: the passes
+    update loads incrementally, and the plan's loads must not depend on the move history."""
+    per_slot: list[list[float]] = [[] for _ in range(slots)] if not base else [[b] for b in base]
     for atom in atoms:
         per_slot[atom.slot].append(atom.cost)
-    loads = [math.fsum(costs_here) for costs_here in per_slot]
+    return tuple(math.fsum(costs_here) for costs_here in per_slot)
 
+
+def _units(atoms: list[_Atom], shard_size: int, slots: int) -> tuple[Unit, ...]:
+    """One unit per (boundary, slot) that holds atoms, its names sorted, in that order."""
     grouped: dict[tuple[str, int], list[str]] = defaultdict(list)
     for atom in atoms:
         grouped[(atom.boundary, atom.slot)].extend(atom.names)
     owners = [Owner(slot % shard_size, slot // shard_size) for slot in range(slots)]
-    units = tuple(
+    return tuple(
         Unit(owners[slot], boundary, tuple(sorted(names)) if len(names) > 1 else tuple(names))
         for (boundary, slot), names in sorted(grouped.items())
-    )
-    tp_owners, tp_loads = _tp_assign(atoms, costs, done or [0.0] * slots, tp_size)
-    return Plan(
-        shard_size=shard_size,
-        replicate_size=replicate_size,
-        units=units,
-        loads=tuple(loads),
-        sharded=sharded,
-        tp_size=tp_size,
-        tp_owners=tp_owners,
-        tp_loads=tp_loads,
-        base_loads=tuple(base),
-        expert_sources=sources,
     )
 
 
