@@ -44,7 +44,9 @@ from ._cost import ExpertStack, expert_work
 
 __all__ = ["SOURCE_TOLERANCE", "ExpertSource", "expert_sources"]
 
-#: Load above ``(1 + SOURCE_TOLERANCE) × mean`` that makes expert sources worth their bytes.
+#: Load above ``(1 + SOURCE_TOLERANCE) ×`` the limit of [Note: expert sources] (the larger of
+#: the grid's mean load and the shard index's least loaded replica's) that makes expert
+#: sources worth their bytes.
 SOURCE_TOLERANCE = 0.02
 
 

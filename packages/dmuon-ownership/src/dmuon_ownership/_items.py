@@ -30,6 +30,9 @@ class WorkItem:
     runs the optimizer on the whole matrix. ``boundary`` names the module whose forward hooks
     issue this parameter's collectives. ``itemsize`` is bytes per element of the communicated
     dtype. ``tp`` is the tensor-parallel degree the parameter is sharded over (1: not TP).
+    ``matrices`` declares a split (``"muon"`` items only): the ``(count, rows, cols)`` stacks
+    of the pieces its owner orthogonalises apart, which cover the weight once (see [Note:
+    declared splits] in ``_split``); empty: the weight is orthogonalised whole.
 
     A ``"muon"`` item needs at least two dimensions; leading dimensions beyond the last two
     count as a batch of matrices, as the Newton–Schulz front end treats them.
