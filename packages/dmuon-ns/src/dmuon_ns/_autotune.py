@@ -263,20 +263,11 @@ def _choice(
     key = _problem_key(op, x, coeffs, restarts, names)
     with _lock:
         existing = _choices.get(key)
-        verdict, source = _memory.get(key), "memory"
     if existing is None:
-        if verdict is None:
-            verdict, source = _verdict_cache.read().get(key), "disk"  # file I/O outside the lock
         by_name = {kernel.name: kernel for kernel in candidates}
         provisional = by_name.get(_PROVISIONAL, candidates[0])
-        kernel: NSKernel | None = None
-        if verdict is not None and verdict.get("kernel") in by_name:
-            kernel = by_name[verdict["kernel"]]
-        else:
-            verdict, source = _table_verdict(x, op, names)
-            if verdict is not None:
-                kernel = by_name[verdict["kernel"]]
-        if kernel is None:
+        verdict, source = _verdict(key, x, op, names, by_name)
+        if verdict is None:
             logger.info(
                 "dmuon-ns autotune %s: no verdict; %r runs until tune() or tune_pending()"
                 " measures %s",
@@ -284,22 +275,32 @@ def _choice(
                 provisional.name,
                 ", ".join(repr(name) for name in names),
             )
+        kernel = provisional if verdict is None else by_name[verdict["kernel"]]
         problem = _Problem(key, x.shape, x.dtype, x.device, op, coeffs, restarts)
-        made = _Choice(
-            problem,
-            candidates,
-            provisional,
-            kernel or provisional,
-            source if kernel is not None else None,
-        )
+        made = _Choice(problem, candidates, provisional, kernel, source)
         with _lock:
-            if verdict is not None and kernel is not None:
+            if verdict is not None:
                 _memory.setdefault(key, verdict)
             existing = _choices.setdefault(key, made)  # another thread may have been first
     if fast_key[4] is not None:
         with _lock:
             _fast[fast_key] = existing
     return existing
+
+
+def _verdict(
+    key: str, x: Problem, op: str, names: tuple[str, ...], by_name: dict[str, NSKernel]
+) -> tuple[AutotuneVerdict | None, str | None]:
+    """The problem's verdict, one whose kernel is among the candidates (``by_name``), and its
+    source, from the first of memory, the on-disk cache and the device's table that answers
+    (see [Note: where a verdict comes from]); ``(None, None)`` when none does."""
+    with _lock:
+        verdict, source = _memory.get(key), "memory"
+    if verdict is None:
+        verdict, source = _verdict_cache.read().get(key), "disk"  # file I/O outside the lock
+    if verdict is None or verdict.get("kernel") not in by_name:
+        verdict, source = _table_verdict(x, op, names)
+    return (verdict, source) if verdict is not None else (None, None)
 
 
 def _table_verdict(
