@@ -83,8 +83,9 @@ def newton_schulz(
     Args:
         G: a real floating tensor (float16, bfloat16, float32 or float64) of shape
             ``(..., rows, cols)``, at least 2-D with at least one row and one column, each
-            trailing matrix orthogonalised on its own (a batch of none gives an empty result); or a list or tuple of such tensors, which comes back as
-            a list in the same order.
+            trailing matrix orthogonalised on its own (a batch of none gives an empty
+            result); or a list or tuple of such tensors, which comes back as a list in the
+            same order.
         steps: the number of Newton–Schulz steps, an int >= 1.
         coefficients: the ``(a, b, c)`` row of each step, a non-empty sequence of triples of
             finite numbers (extended with its last row when shorter than ``steps``); ``None``:

@@ -42,9 +42,9 @@ fp32 and can gain little), but its result is 6× further from the float64 refere
 (relative error 2.8e-2 against 4.9e-3 at 256×1024) and leaves the singular-value band the
 README states (σ_max up to 1.56 on ill-conditioned inputs). fp32 is the fast BLAS path on every
 CPU and lands far closer to the reference (5.5e-6 at 256×1024, where fp16 gives 4.9e-3;
-1.3e-4 at 1024×4096). It costs memory: NS's temporaries take twice the bytes of fp16's (a Muon step on
-the CPU then peaks ~1.2× above ``torch.optim.Muon``'s, which iterates in bf16). bf16 stays one
-argument away (``dtype=torch.bfloat16``) where speed or memory matter more.
+1.3e-4 at 1024×4096). It costs memory: NS's temporaries take twice the bytes of fp16's (a Muon
+step on the CPU then peaks ~1.2× above ``torch.optim.Muon``'s, which iterates in bf16). bf16
+stays one argument away (``dtype=torch.bfloat16``) where speed or memory matter more.
 """
 
 from __future__ import annotations

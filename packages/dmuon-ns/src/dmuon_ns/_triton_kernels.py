@@ -218,8 +218,8 @@ def _to_storage(acc, ptr, INTERPRET: tl.constexpr):
 
 # [Note: tile autotuning]
 # On the GPU each product runs the tiles the card's shipped tile table picks ([Note: shipped
-# tiles] in _triton_tiles); on a card without one it picks them with Triton's autotuner, once per (batch, M, K
-# or N, epilogue, dtype): small Gram sides need small tiles to give the chip enough programs,
+# tiles] in _triton_tiles); on a card without one it picks them with Triton's autotuner, once
+# per (batch, M, K or N, epilogue, dtype): small Gram sides need small tiles to give the chip enough programs,
 # large ones want 128-wide tiles and deep pipelines. The lists are short because every entry
 # is compiled once per epilogue variant on first use. Each candidate is timed for ~25 ms
 # (Triton's default is ~125 ms: a new shape then cost seconds of timing in its first call),

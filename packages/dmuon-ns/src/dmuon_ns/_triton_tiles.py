@@ -1,8 +1,8 @@
 """Tile choices shipped with the package, so that a new process compiles one tile per product.
 
 [Note: shipped tiles]
-Without a choice, each Triton product picks its tiles with Triton's autotuner (``_triton_
-kernels``' [Note: tile autotuning]), which compiles every candidate for every specialisation it
+Without a choice, each Triton product picks its tiles with Triton's autotuner
+(``_triton_kernels``' [Note: tile autotuning]), which compiles every candidate for every specialisation it
 meets before timing them: on a bare H200 the first step of an 8-layer H=4096 Llama stack spent
 11.8 s there (22.1 s for a 16-layer H=2048 one), all inside the first ``optimizer.step()``.
 A tile table (``tables/<card>-tiles.json``, written by ``benchmarks/ns_tiles.py`` on the card
@@ -11,8 +11,8 @@ plain, epilogue, batch, ``m``, ``n``, ``k``, dtypes), each candidate's measured 
 then runs the fastest candidate of the nearest measured product of the same kind and operand
 dtype (distance: the sum of the absolute log-ratios of ``m``, ``n`` and ``k``, a quarter of
 the batch's, and 1 for another output dtype: the table measures bf16 NS inputs, and an fp32
-input's last product writes fp32),
-launched directly: one compile per tile it uses, no timing inside a call. A card without a
+input's last product writes fp32), launched directly: one compile per tile it uses, no timing
+inside a call. A card without a
 table, or a table whose candidates are not the kernels' current ones, leaves every product to
 the autotuner as before.
 
