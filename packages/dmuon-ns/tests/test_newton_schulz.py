@@ -179,6 +179,13 @@ def test_restarts_change_the_rounding_not_the_math() -> None:
     assert not torch.equal(fast_a, fast_b)
 
 
+def test_relative_error_refuses_tensors_of_two_shapes() -> None:
+    # Both were flattened to stacks of matrices and broadcast: a (3, 5) result measured
+    # against a (2, 3, 5) reference read as an error of 0.
+    with pytest.raises(ValueError, match=r"actual has shape \(3, 5\) and expected \(2, 3, 5\)"):
+        relative_error(torch.ones(3, 5), torch.ones(2, 3, 5))
+
+
 def test_reference_agrees_with_svd() -> None:
     """The reference equals U·p(Σ)·Vᵀ, p the composed scalar polynomials (independent check)."""
     g = torch.randn(2, 24, 56, dtype=torch.float64, generator=torch.Generator().manual_seed(5))

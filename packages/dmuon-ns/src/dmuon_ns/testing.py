@@ -70,7 +70,13 @@ def reference_newton_schulz(G: Tensor, **options: Unpack[_ReferenceKeywords]) ->
 
 
 def relative_error(actual: Tensor, expected: Tensor) -> float:
-    """max over matrices of ‖actual − expected‖_F / ‖expected‖_F, in float64 (0/0 → 0)."""
+    """max over matrices of ‖actual − expected‖_F / ‖expected‖_F, in float64 (0/0 → 0);
+    ``ValueError`` unless the two have one shape (a wrong-shaped result is no small error)."""
+    if actual.shape != expected.shape:
+        raise ValueError(
+            f"relative_error: actual has shape {tuple(actual.shape)} and expected"
+            f" {tuple(expected.shape)}; compare tensors of one shape"
+        )
     a = actual.detach().to(torch.float64).reshape(-1, *actual.shape[-2:])
     e = expected.detach().to(torch.float64).reshape(-1, *expected.shape[-2:]).to(a.device)
     num = torch.linalg.vector_norm(a - e, dim=(-2, -1))
