@@ -112,6 +112,8 @@ def test_base_loads_errors() -> None:
         plan_owners([a], 2, 2, base_loads=[0.0, 0.0, 0.0])
     with pytest.raises(ValueError, match=r"base_loads\[1\] is -1.0; every base load must be"):
         plan_owners([a], 2, base_loads=[0.0, -1.0])
+    with pytest.raises(ValueError, match=r"base_loads\[1\] is -1.0"):  # was a TypeError
+        plan_owners([a], 2, base_loads=(load for load in [0.0, -1.0]))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"base_loads\[0\] is nan"):
         plan_owners([a], 2, base_loads=[math.nan, 0.0])
     with pytest.raises(ValueError, match=r"base_loads\[1\] is inf"):

@@ -279,7 +279,7 @@ def _check_base_loads(base_loads: Sequence[float] | None, slots: int) -> list[fl
     for slot, value in enumerate(values):
         if not math.isfinite(value) or value < 0:
             raise ValueError(
-                f"plan_owners: base_loads[{slot}] is {base_loads[slot]!r}; every base load "
+                f"plan_owners: base_loads[{slot}] is {value!r}; every base load "
                 "must be a finite number >= 0 (work already on that slot, in the cost's unit)"
             )
     return values
