@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,6 +38,7 @@ from dmuon_ns._profiling import span
 
 if TYPE_CHECKING:
     from dmuon_ns._config import NewtonSchulz
+    from dmuon_ns._registry import Resolution
 
 __all__ = ["op_for", "orthogonalize", "orthogonalize_many", "tune"]
 
@@ -53,23 +54,40 @@ def op_for(config: NewtonSchulz, rows: int, cols: int) -> str:
     return "direct"
 
 
+class _Setup(NamedTuple):
+    """What a call runs a problem with: the resolved kernel(s), the iteration dtype, the op
+    and the restarts it takes."""
+
+    resolution: Resolution
+    dtype: torch.dtype
+    op: str
+    restarts: tuple[int, ...]
+
+
+def _setup(config: NewtonSchulz, device: torch.device, rows: int, cols: int) -> _Setup:
+    """How ``config`` runs (rows, cols) matrices on ``device``: one answer for a call and for
+    ``tune``, which settles the problem the call will run."""
+    resolution = config._resolution(device)
+    names = [kernel.name for kernel in resolution.kernels]
+    op = op_for(config, rows, cols)
+    restarts = config.restarts if op == "gram" else ()
+    return _Setup(resolution, iteration_dtype(config.dtype, device, names), op, restarts)
+
+
 def orthogonalize(config: NewtonSchulz, g: Tensor, what: str = "G") -> Tensor:
     """NS of one tensor (2-D or batched) under ``config``, in ``g``'s shape and dtype."""
     check_matrix(g, what)
     with span("dmuon::newton_schulz"), without_autocast(g.device):
-        resolution = config._resolution(g.device)
+        setup = _setup(config, g.device, g.shape[-2], g.shape[-1])
         if g.numel() == 0:  # a batch of no matrices: see [Note: an empty batch]
             return torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        names = [kernel.name for kernel in resolution.kernels]
-        prepared = prepare(g, iteration_dtype(config.dtype, g.device, names), config.eps)
-        op = op_for(config, g.shape[-2], g.shape[-1])
-        restarts = config.restarts if op == "gram" else ()
+        prepared = prepare(g, setup.dtype, config.eps)
         y = _dispatch.run(
-            resolution,
+            setup.resolution,
             prepared,
-            op,
+            setup.op,
             config.step_coefficients,
-            restarts,
+            setup.restarts,
             out_dtype=g.dtype if g.dtype in _KERNEL_OUT_DTYPES else None,
             cuda_graphs=config.cuda_graphs,
         )
@@ -96,13 +114,10 @@ def tune(config: NewtonSchulz, gs: Sequence[Tensor]) -> dict[str, str]:
     chosen: dict[str, str] = {}
     for (shape, _, device), members in _batches(gs).items():
         batched = shape if len(members) == 1 else (len(members), *shape)
-        resolution = config._resolution(device)
+        resolution, dtype, op, restarts = _setup(config, device, shape[-2], shape[-1])
         if math.prod(batched) == 0:  # runs no kernel: see [Note: an empty batch]
             continue
-        names = [kernel.name for kernel in resolution.kernels]
-        problem = describe(batched, iteration_dtype(config.dtype, device, names), device)
-        op = op_for(config, shape[-2], shape[-1])
-        restarts = config.restarts if op == "gram" else ()
+        problem = describe(batched, dtype, device)
         coefficients = config.step_coefficients
         kernel = _dispatch.pick(resolution.kernels, problem, op, coefficients, restarts, now=True)
         chosen[problem_name(op, problem.shape, problem.dtype)] = kernel.name
