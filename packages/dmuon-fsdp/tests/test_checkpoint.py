@@ -8,6 +8,7 @@ import torch
 from _models import build
 from _reference import Hyper, lm_loss, make_batch
 from test_training import ROWS, SEQ, VOCAB, counting_muon, setup_model, train_steps
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
 from dmuon_fsdp import (
@@ -122,6 +123,7 @@ def _bad_checkpoints(rank: int, world_size: int):
     other = {k: v + 1.0 if v.is_floating_point() else v for k, v in model_sd.items()}
     proj = next(dp.fqn for dp in runtime.params)
     norm = "layers.0.attn_norm.weight"
+    mesh = model.embed_tokens.weight.device_mesh
 
     bad_models = {
         "missing": ({k: v for k, v in other.items() if k != proj}, f"missing key.*{proj}"),
@@ -131,6 +133,11 @@ def _bad_checkpoints(rank: int, world_size: int):
         ),
         "shape": ({**other, norm: torch.zeros(3)}, f"{norm}.*shape \\(3,\\)"),
         "shape_dedicated": ({**other, proj: torch.zeros(2, 2)}, f"{proj}.*shape \\(2, 2\\)"),
+        # A sharded dictionary (torch's): the embedding, before it in order, was written.
+        "dtensor": (
+            {**other, proj: distribute_tensor(other[proj], mesh, [Shard(0)])},
+            f"{proj}.*is a DTensor",
+        ),
     }
     errors = {}
     for label, (sd, match) in bad_models.items():

@@ -252,7 +252,7 @@ def _holders_have(runtime, want: dict[str, Tensor]) -> bool:
     return True
 
 
-def _bad_dicts(want: dict[str, Tensor], proj: str) -> dict[str, tuple[object, str]]:
+def _bad_dicts(want: dict[str, Tensor], proj: str, live: Tensor) -> dict[str, tuple[object, str]]:
     """Rank 0's bad dictionaries and the error each must raise, with values unlike the model's
     so that a partial write would show."""
     other = {k: v + 1.0 for k, v in want.items()}
@@ -263,6 +263,9 @@ def _bad_dicts(want: dict[str, Tensor], proj: str) -> dict[str, tuple[object, st
         "shape_fsdp": ({**other, norm: torch.zeros(3)}, f"{norm}.*shape \\(3,\\)"),
         "dtype": ({**other, norm: other[norm].double()}, f"{norm}.*torch.float64"),
         "not_a_mapping": ([1, 2], "state_dict must be a mapping"),
+        # What torch's set_model_state_dict(..., broadcast_from_rank0=True) leaves in rank 0's
+        # dictionary after dmuon refused it: the model's own FSDP2 parameters.
+        "dtensor": ({**other, norm: live}, f"{norm}.*is a DTensor"),
     }
 
 
@@ -286,7 +289,8 @@ def _rank0_load(rank: int, world_size: int):
     # other ranks pass is ignored.
     proj = runtime.params[0].fqn
     errors = {}
-    for label, (bad, match) in _bad_dicts(want, proj).items():
+    live = model.layers[0].attn_norm.weight
+    for label, (bad, match) in _bad_dicts(want, proj, live).items():
         with pytest.raises(ValueError, match=match) as info:
             set_model_state_dict(model, bad if rank == 0 else None, broadcast_from_rank0=True)  # type: ignore[arg-type]
         errors[label] = str(info.value)

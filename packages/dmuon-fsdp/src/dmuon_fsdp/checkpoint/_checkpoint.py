@@ -25,7 +25,10 @@ it returns. Returned tensors never alias the model's or the optimizer's own.
 
 [Note: validate, then apply]
 ``set_*_state_dict`` checks the whole dictionary (keys, shapes, dtypes, fields, group names
-and membership; see :mod:`._state_layout`) before it writes anything, so a bad checkpoint
+and membership; see :mod:`._state_layout`; for the model also that every value is a plain
+tensor: a ``DTensor`` holds only its rank's part, and torch's own ``set_model_state_dict``,
+refused for a dmuon model, leaves the model's DTensors in the dictionary it was given) before it
+writes anything, so a bad checkpoint
 raises ``ValueError`` naming the offending key and leaves model and optimizer exactly as they
 were. Loading needs no collective: every rank holds the full dictionary and takes its own part
 (the owner its full weight or state, FSDP2 parameters their shard). With
@@ -75,6 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor
 
 from .._checks import check_bool
 from ..holder import DedicatedParam, tensor_view
@@ -348,6 +352,15 @@ def _check_model_dict(entries: list[Entry], state_dict: object) -> None:
         "the checkpoint must hold exactly the keys of model.state_dict() (same model"
         " definition; take it with dmuon.get_model_state_dict)" + _tied_hint(entries, state_dict),
     )
+    for key, value in state_dict.items():
+        if isinstance(value, DTensor):
+            raise ValueError(
+                f"set_model_state_dict: {key!r} is a DTensor, whose values are spread over its"
+                " mesh; the dictionary takes full plain tensors (each rank takes its part of"
+                " them, and with broadcast_from_rank0=True rank 0 sends them alone). torch's"
+                " set_model_state_dict puts the model's own DTensors into the dictionary it is"
+                " given: read the dictionary again, or pass value.full_tensor() (collective)"
+            )
 
 
 def _tied_hint(entries: list[Entry], state_dict: Mapping[str, object]) -> str:
