@@ -167,6 +167,16 @@ def _bad_checkpoints(rank: int, world_size: int):
             },
             f"{norm}.*'exp_avg'.*shape \\(5,\\)",
         ),
+        "dtensor": (
+            {
+                "state": {
+                    **state,
+                    norm: {**state[norm], "exp_avg": distribute_tensor(state[norm]["exp_avg"], mesh)},
+                },
+                "param_groups": groups,
+            },
+            f"{norm}.*'exp_avg'.*is a DTensor",
+        ),
         "top": ({"state": state}, "missing key.*param_groups"),
         "truncated": (
             {"state": {k: v for k, v in state.items() if k != proj}, "param_groups": groups},

@@ -25,10 +25,9 @@ it returns. Returned tensors never alias the model's or the optimizer's own.
 
 [Note: validate, then apply]
 ``set_*_state_dict`` checks the whole dictionary (keys, shapes, dtypes, fields, group names
-and membership; see :mod:`._state_layout`; for the model also that every value is a plain
-tensor: a ``DTensor`` holds only its rank's part, and torch's own ``set_model_state_dict``,
-refused for a dmuon model, leaves the model's DTensors in the dictionary it was given) before it
-writes anything, so a bad checkpoint
+and membership, see :mod:`._state_layout`; and that no value is a ``DTensor``, which holds only
+its rank's part: torch's own ``set_model_state_dict``, refused for a dmuon model, leaves the
+model's DTensors in the dictionary it was given) before it writes anything, so a bad checkpoint
 raises ``ValueError`` naming the offending key and leaves model and optimizer exactly as they
 were. Loading needs no collective: every rank holds the full dictionary and takes its own part
 (the owner its full weight or state, FSDP2 parameters their shard). With
@@ -353,14 +352,21 @@ def _check_model_dict(entries: list[Entry], state_dict: object) -> None:
         " definition; take it with dmuon.get_model_state_dict)" + _tied_hint(entries, state_dict),
     )
     for key, value in state_dict.items():
-        if isinstance(value, DTensor):
-            raise ValueError(
-                f"set_model_state_dict: {key!r} is a DTensor, whose values are spread over its"
-                " mesh; the dictionary takes full plain tensors (each rank takes its part of"
-                " them, and with broadcast_from_rank0=True rank 0 sends them alone). torch's"
-                " set_model_state_dict puts the model's own DTensors into the dictionary it is"
-                " given: read the dictionary again, or pass value.full_tensor() (collective)"
-            )
+        _refuse_dtensor("set_model_state_dict", repr(key), value)
+
+
+def _refuse_dtensor(where: str, key: str, value: object) -> None:
+    """Raise ``ValueError`` when a full dictionary's ``value`` is a ``DTensor`` (see [Note:
+    validate, then apply])."""
+    if isinstance(value, DTensor):
+        raise ValueError(
+            f"{where}: {key} is a DTensor, whose values are spread over its mesh; the"
+            " dictionary takes full plain tensors, as dmuon.get_model_state_dict and"
+            " dmuon.get_optimizer_state_dict return them (each rank takes its part, and with"
+            " broadcast_from_rank0=True rank 0 sends them alone). torch's set_model_state_dict"
+            " puts the model's own DTensors into the dictionary it is given: read the"
+            " dictionary again, or pass value.full_tensor() (collective)"
+        )
 
 
 def _tied_hint(entries: list[Entry], state_dict: Mapping[str, object]) -> str:
@@ -575,6 +581,8 @@ def _saved_specs(where: str, saved_state: Mapping[str, Any]) -> dict[str, dict[s
     for fqn, entry in saved_state.items():
         if not isinstance(entry, Mapping):
             raise ValueError(f"{where}: state[{fqn!r}] must be a dict of tensors")
+        for field, value in entry.items():
+            _refuse_dtensor(where, f"state[{fqn!r}][{field!r}]", value)
         got[fqn] = {field: TensorSpec.of_saved(v) for field, v in entry.items()}
     return got
 
