@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _models import MLP, Attention, batch, build, loss_fn, muon_predicate
@@ -343,6 +345,33 @@ def _policy_typo(rank: int, world_size: int) -> None:
         dedicate_params(build(0), _mesh(world_size), muon_predicate, param_policy=policy)
 
 
+def _bias_stack_on_muon(rank: int, world_size: int) -> None:
+    # Moonlight's predicate (every parameter of 2 dims or more) takes GPT-OSS's 2-D expert
+    # bias stacks too: a warning names them, as Muon would orthogonalise each as one matrix.
+    from _moe import build_moe
+
+    def moonlight(n: str, p: nn.Parameter) -> bool:
+        return p.ndim >= 2 and "embed" not in n and "head" not in n
+
+    def gpt_oss_like() -> nn.Module:
+        model = build_moe(4, "hf")
+        for layer in model.layers:
+            experts = layer.experts
+            experts.down_proj_bias = nn.Parameter(torch.zeros(4, experts.down_proj.shape[1]))
+        return model
+
+    with pytest.warns(UserWarning, match=r"2 bias\(es\) on the Muon route.*down_proj_bias"):
+        dedicate_params(gpt_oss_like(), _mesh(world_size), moonlight)
+    # Left out of the predicate, or routed to AdamW: no warning.
+    policy = {"overrides": [{"name": ["down_proj_bias"], "set": {"route": "adamw"}}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        dedicate_params(gpt_oss_like(), _mesh(world_size), moonlight, param_policy=policy)
+        dedicate_params(
+            gpt_oss_like(), _mesh(world_size), lambda n, p: moonlight(n, p) and "bias" not in n
+        )
+
+
 def _plan_differs(rank: int, world_size: int) -> None:
     # A rank-dependent predicate gives each rank another plan: caught before any weight moves.
     def predicate(n, p):
@@ -396,6 +425,7 @@ def _mesh_errors(rank: int, world_size: int) -> None:
         _bad_arguments,
         _routes,
         _policy_typo,
+        _bias_stack_on_muon,
         _plan_differs,
         _config_argument,
     ],

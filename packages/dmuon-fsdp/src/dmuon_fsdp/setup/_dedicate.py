@@ -583,7 +583,30 @@ def _claim(
                 "only for Muon-route weights"
             )
         claims.append(_Claim(found, kind, None if kind is None else kind.view_of(found)))
+    _warn_muon_biases(claims)
     return claims
+
+
+def _warn_muon_biases(claims: list[_Claim]) -> None:
+    """Warn of biases on the Muon route: a predicate that takes every parameter of two or
+    more dims (Moonlight's ``p.ndim >= 2``) takes the 2-D bias stacks of Hugging Face experts
+    (GPT-OSS's ``gate_up_proj_bias (E, 2I)``, ``down_proj_bias (E, H)``), which Muon would
+    orthogonalise as one matrix across the experts."""
+    biases = [
+        f"{found.fqn} {tuple(found.param.shape)}"
+        for found, _, view in claims
+        if view is not None and (found.name == "bias" or found.name.endswith("_bias"))
+    ]
+    if biases:
+        warnings.warn(
+            f"dedicate_params: the predicate put {len(biases)} bias(es) on the Muon route"
+            f" (first: {biases[:3]}): Muon orthogonalises each as one matrix (an expert"
+            " bias stack across its experts), where biases train with AdamW; leave them out"
+            " of the predicate (and 'bias' not in name), or route them to 'adamw' with"
+            " param_policy",
+            UserWarning,
+            stacklevel=5,
+        )
 
 
 def _split_of(
