@@ -100,8 +100,7 @@ class Problem(Protocol):
 @runtime_checkable
 class NSKernel(Protocol):
     """What a kernel implements. ``x`` is (batch, m, n) with batch ≥ 1 and m ≤ n, contiguous,
-    fp16/bf16
-    (fp32 only for the torch kernel: ``_prepare``'s [Note: the iteration dtype]),
+    fp16/bf16 (fp32 only for the torch kernel: ``_prepare``'s [Note: the iteration dtype]),
     already normalised; the result has the same shape, in ``out_dtype`` (``None``: ``x``'s
     dtype), which a kernel should write from its last product rather than cast afterwards.
     ``coefficients`` has exactly one row per step; ``restart_iterations`` are the steps at which
