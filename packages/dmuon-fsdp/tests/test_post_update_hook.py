@@ -100,6 +100,9 @@ def test_post_update_hook_reaches_every_rank_before_the_next_forward() -> None:
 def test_register_post_update_hook_takes_a_callable() -> None:
     with pytest.raises(TypeError, match="register_post_update_hook takes a callable"):
         Muon.register_post_update_hook(object.__new__(Muon), "not a hook")  # type: ignore[arg-type]
+    # Refused before the optimizer's hooks are read (an unbuilt Muon has none): nothing added.
+    with pytest.raises(TypeError, match="register_post_update_hook: prepend must be a bool, got 1"):
+        Muon.register_post_update_hook(object.__new__(Muon), print, prepend=1)  # type: ignore[arg-type]
 
 
 class _HookFailed(BaseException):
