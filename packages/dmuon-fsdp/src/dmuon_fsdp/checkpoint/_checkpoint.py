@@ -257,8 +257,9 @@ def set_model_state_dict(
         model: the model given to ``dedicate_params`` (that object; another raises
             ``ValueError``).
         state_dict: ``{fqn: full tensor}`` with exactly the keys of ``model.state_dict()``,
-            each of the entry's full shape and dtype (on any device). Ignored on every rank
-            but 0 with ``broadcast_from_rank0=True``.
+            each a plain tensor (a ``DTensor`` raises ``ValueError``) of the entry's full shape
+            and dtype (on any device). Ignored on every rank but 0 with
+            ``broadcast_from_rank0=True``.
         broadcast_from_rank0: ``True``: read the dictionary on global rank 0 only and send
             each tensor to where it is kept; ``False``: every rank passes the whole dictionary.
             A bool (anything else raises ``TypeError``).
@@ -601,7 +602,8 @@ def set_optimizer_state_dict(
             ``ValueError``).
         state_dict: a full optimizer state dict, ``{"state": {fqn: {field: tensor}},
             "param_groups": ...}``, as :func:`get_optimizer_state_dict` returns it (from any
-            topology); every rank passes it.
+            topology; plain tensors, a ``DTensor`` raises ``ValueError``); every rank passes
+            it.
         strict: ``True``: a parameter without an entry in ``state_dict["state"]`` raises
             ``ValueError``; ``False``: it starts from fresh state.
     """

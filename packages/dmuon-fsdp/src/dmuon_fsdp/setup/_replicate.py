@@ -62,8 +62,10 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     (dp, tp) mesh (TP shards are recognised by their DTensor placements). Collective.
 
     Args:
-        model: the model :func:`dedicate_params_ddp` was called on; a model dedicated with
-            :func:`dedicate_params` raises ``ValueError``, a second call ``RuntimeError``.
+        model: the model :func:`dedicate_params_ddp` was called on, materialised (one still
+            on the meta device raises ``ValueError``: ``to_empty`` first); a model dedicated
+            with :func:`dedicate_params` raises ``ValueError``, a second call
+            ``RuntimeError``.
         mesh: the 1-D ``DeviceMesh`` given to :func:`dedicate_params_ddp` (the same number of
             ranks; otherwise ``ValueError``).
     """
