@@ -410,8 +410,13 @@ class _Scatter:
         """Check on rank 0, share the verdict, then move every entry (collective)."""
         self._share_verdict(entries, state_dict)
         specs = model_specs(entries)
+        # A tied weight is one tensor under two keys: it moves once, from its last key (the
+        # value a load on every rank ends with).
+        last = {id(target): key for key, target, _ in entries}
         with torch.no_grad():
             for key, target, dp in entries:
+                if last[id(target)] != key:
+                    continue
                 value = state_dict[key] if self.is_source else None  # type: ignore[index]
                 if dp is not None:
                     self._to_owner(dp, value)
