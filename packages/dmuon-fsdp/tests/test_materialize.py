@@ -226,6 +226,14 @@ def _tied_from_meta(rank: int, world_size: int) -> dict[str, bool]:
         trained.append(get_model_state_dict(m))
     result["still tied"] = model.lm_head.weight is model.embed_tokens.weight
     result["trains as built normally"] = _equal(trained[1], trained[0])
+    # Gathered once from its owner (one broadcast per dedicated weight), given under both keys
+    # as two tensors, as a dictionary of separate tensors holds them.
+    with mock.patch.object(dist, "broadcast", wraps=dist.broadcast) as spy:
+        full = get_model_state_dict(model)
+    result["each weight gathered once"] = spy.call_count == len(runtime.params)
+    result["both keys, apart"] = _equal(full, trained[1]) and (
+        full["lm_head.weight"] is not full["embed_tokens.weight"]
+    )
 
     # Tied and left to FSDP2 (muon_predicate takes neither name): rank 0 broadcasts each
     # tensor once, not once per key (the embedding went twice, the largest tensor of a model).

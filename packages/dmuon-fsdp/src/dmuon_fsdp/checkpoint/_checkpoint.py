@@ -229,7 +229,15 @@ def get_model_state_dict(
         runtime.drain()
         gather = _Gather(runtime, cpu_offload=cpu_offload, rank0_only=rank0_only)
         out: dict[str, Tensor] = {}
+        # A tied weight is one tensor under two keys: gathered once, under its first key, and
+        # copied for the others (on every rank alike: the entries do not depend on the rank).
+        first_key: dict[int, str] = {}
         for key, value, dp in model_entries(model, runtime):
+            first = first_key.setdefault(id(value), key)
+            if first != key:
+                if first in out:
+                    out[key] = out[first].clone()
+                continue
             if dp is not None:
                 spec = TensorSpec(tuple(dp.shape), dp.dtype)
                 full = gather.from_owner(dp, dp.full, spec, cpu=cpu_offload)
