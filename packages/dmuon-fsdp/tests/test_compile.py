@@ -44,10 +44,38 @@ def _losses(rank: int, world_size: int, reshard: bool, compile_: str | None):
     return losses, graphs, breaks
 
 
+def _compiled_autograd(rank: int, world_size: int, reshard: bool):
+    """A backward under torch's compiled autograd (refused), then the recovery of a backward
+    that raised, then ``STEPS`` eager steps: (the error's messages, the losses)."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    model, _ = setup_model(world_size, reshard=reshard)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    loss = lm_loss(model, shard(make_batch(0, 8, 8, 32), rank, world_size))
+    messages = []
+    try:
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+    except Exception as error:  # the capture's own error wraps dmuon's (Z3)
+        messages = [str(error), str(error.__cause__)]
+    model.reset_iter_state()
+    optimizer.zero_grad()
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = lm_loss(model, shard(make_batch(step, 8, 8, 32), rank, world_size))
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return messages, losses
+
+
 def _all_modes(rank: int, world_size: int, reshards: tuple[bool, ...]):
     out = {}
     for reshard in reshards:
         eager = _losses(rank, world_size, reshard, None)[0]
+        out[(reshard, "compiled autograd")] = (eager, _compiled_autograd(rank, world_size, reshard))
         for mode in ("block", "block_fullgraph", "model", "loss"):
             out[(reshard, mode)] = (eager, *_losses(rank, world_size, reshard, mode))
     return out
@@ -61,8 +89,21 @@ def _all_modes(rank: int, world_size: int, reshards: tuple[bool, ...]):
 )
 def test_compiled_blocks_and_models_match_eager_and_compile_once(world_size, reshards):
     for result in run_distributed(_all_modes, world_size, reshards):
-        for (reshard, mode), (eager, losses, graphs, breaks) in result.items():
+        for (reshard, mode), (eager, *got) in result.items():
             where = f"{mode} compile, {'Z3' if reshard else 'Z2'}"
+            if mode == "compiled autograd":
+                # Refused with an error that names it. Under Z3 the capture refuses before any
+                # gradient exists, so after the recovery of a backward that raised training
+                # matches eager bit for bit; under Z2 the captured graph runs the head's
+                # backward first, whose gradient FSDP2's recovery keeps (as without dmuon).
+                messages, losses = got[0]
+                assert any("dmuon does not support compiled autograd" in m for m in messages), (
+                    where,
+                    messages,
+                )
+                assert not reshard or losses == eager, (where, losses, eager)
+                continue
+            losses, graphs, breaks = got
             for got, want in zip(losses, eager):
                 assert abs(got - want) <= 1e-4 * abs(want), (where, losses, eager)
             assert graphs[1] == graphs[-1], f"{where}: recompiled after step 2: {graphs}"

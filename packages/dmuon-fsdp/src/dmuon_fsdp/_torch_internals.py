@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FSDP_DISCOVERY_FUNCTIONS",
     "caller_frames",
+    "compiled_autograd_on",
     "default_group_timeout",
     "disable_dynamo",
     "disable_torch_function_subclass",
@@ -143,6 +144,19 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     Uses ``torch.autograd.Variable._execution_engine.queue_callback``, as FSDP2 does for its
     post-backward; no public hook fires at the end of a whole backward pass."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def compiled_autograd_on() -> bool:
+    """Whether torch's compiled autograd captures or runs the current backward
+    (``torch._dynamo.compiled_autograd._enable``, which ``torch._dynamo.config.compiled_autograd``
+    turns on for a compiled function's backward).
+
+    Reads the flags of ``torch._dynamo.compiled_autograd``, which has no public query, and only
+    when that module is already imported (so that it imports nothing)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(
+        module.compiled_autograd_enabled or module.in_compiled_autograd_region
+    )
 
 
 def disable_dynamo(fn: Callable[_P, _T]) -> Callable[_P, _T]:

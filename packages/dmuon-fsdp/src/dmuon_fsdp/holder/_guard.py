@@ -80,6 +80,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._torch_internals import (
     caller_frames,
+    compiled_autograd_on,
     disable_torch_function_subclass,
     fsdp_forward_method_running,
     fsdp_init_running,
@@ -96,6 +97,7 @@ __all__ = [
     "NotHeldError",
     "StateClass",
     "attach_holder",
+    "compiled_autograd_error",
     "guard_parameter",
     "holder_of",
     "instances",
@@ -312,6 +314,9 @@ class _Guard(StateClass):
                 f"{holder.where} was taken by fully_shard (it read the weight to shard it). "
                 f"{FULLY_SHARD_FIX}"
             )
+        if compiled_autograd_on():
+            # See [Note: compiled autograd].
+            raise compiled_autograd_error()
         operation = _qualname(func)
         hint = _AUTOGRAD if operation in _AUTOGRAD_CALLS else _read_from(absent)
         raise NotHeldError(holder.not_held_message(operation, hint))
@@ -391,6 +396,23 @@ _WHOLE_MODEL_READERS = (
 
 # torch.autograd.grad(outputs, inputs) and Tensor.backward(inputs=...) given a dedicated weight.
 _AUTOGRAD_CALLS = ("grad", "backward", "Tensor.backward")
+
+
+def compiled_autograd_error() -> RuntimeError:
+    """The error of a backward that torch's compiled autograd captures; see [Note: compiled
+    autograd]."""
+    return RuntimeError(
+        "dmuon does not support compiled autograd (torch._dynamo.compiled_autograd, or "
+        "torch._dynamo.config.compiled_autograd=True): its capture reads every dedicated weight, "
+        "which a peer does not hold between forward and backward, and dmuon's backward hooks "
+        "issue collectives and queue a callback on the autograd engine, which a captured "
+        "backward cannot run. Run loss.backward() with compiled autograd off; torch.compile of "
+        "the blocks, the model or the loss function works (see the torch.compile guide). After "
+        "this error, recover as after any backward that raised: model.reset_iter_state() on "
+        "the root module, then optimizer.zero_grad()"
+    )
+
+
 _AUTOGRAD = (
     "torch.autograd.grad and backward(inputs=...) cannot take a dedicated weight: its gradient "
     "reaches its owner through the reduce that a backward of the whole loss starts on every "

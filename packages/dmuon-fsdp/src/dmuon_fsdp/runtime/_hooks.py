@@ -26,6 +26,14 @@ counters and frees what the aborted backward gathered. What the aborted backward
 already stays in the owners' gradients, as FSDP2 keeps the shards it reduce-scattered: the
 recovery is FSDP2's (``model.reset_iter_state()`` on the root), then ``optimizer.zero_grad()``.
 
+[Note: compiled autograd]
+torch's compiled autograd cannot run dmuon's backward: its capture turns every leaf of the
+graph into a fake tensor, reading each dedicated weight, which a peer does not hold between
+forward and backward (Z3), and the captured graph calls the hooks, whose first queues the final
+callback, which the autograd engine refuses inside a compiled-autograd graph (Z2). Both places
+raise one error that names compiled autograd (the capture's own error carries it as its cause),
+before the hook changes anything: the recovery is that of [Note: a backward that raised].
+
 Prefetch follows the forward order recorded by the previous forward (the first forward has no
 prefetch): forward prefetches the next boundary, backward the previous one. All ranks run the
 same model, so every rank issues the same collectives in the same order; a boundary used in a
@@ -46,6 +54,7 @@ from torch.utils.hooks import RemovableHandle
 from .._profile import PhaseTimer, span
 from .._torch_internals import (
     active_ddp,
+    compiled_autograd_on,
     ddp_reduced_params,
     disable_dynamo,
     in_backward,
@@ -54,7 +63,7 @@ from .._torch_internals import (
     tree_map_tensors,
     will_run,
 )
-from ..holder import DedicatedParam
+from ..holder import DedicatedParam, compiled_autograd_error
 from ._collectives import AllReduceQueue, ReduceQueue, ReplicatedBucket
 from ._group import DedicatedGroup
 from ._order import ReduceOrder
@@ -321,6 +330,8 @@ class BoundaryHooks:
 
     def _queue_final_callback(self) -> None:
         if not self._final_queued:
+            if compiled_autograd_on():  # see [Note: compiled autograd]
+                raise compiled_autograd_error()
             self._final_queued = True
             self._syncing = self.requires_gradient_sync and not self._fsdp_sync_off()
             self._order = list(self._current)
