@@ -30,6 +30,7 @@ from dmuon_fsdp import (
     save_checkpoint,
     set_model_state_dict,
     set_optimizer_state_dict,
+    summarize_param_groups,
 )
 from dmuon_testing.distributed import run_distributed
 
@@ -246,6 +247,15 @@ def _tp_peer_reads(rank: int, world_size: int) -> list[str]:
     _train(model, optimizer, dp_index, 2, 1)
     peer = next(dp for dp in runtime.params if dp.role is Role.PEER)
     owned = next(dp for dp in runtime.params if dp.is_owner)
+    # summarize_param_groups counts whole parameters (a dedicated TP matrix too, as an FSDP2
+    # one), and this rank's TP shards of the matrices it owns as what it holds.
+    whole = dict(build(0).named_parameters())
+    groups = summarize_param_groups(model, optimizer)
+    for group in groups:
+        assert group["numel"] == sum(whole[n].numel() for n in group["params"]), group
+        assert group["stepped_numel_here"] == sum(whole[n].numel() for n in group["stepped_here"])
+    muon = next(g for g in groups if g["optimizer"] == "muon")
+    assert muon["local_numel_here"] == sum(dp.numel for dp in runtime.owned), muon
     p = peer.param
     assert isinstance(p, DTensor) and peer.tp_dim is not None
     refused = []

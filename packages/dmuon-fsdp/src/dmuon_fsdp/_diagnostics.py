@@ -76,8 +76,10 @@ def summarize_param_groups(
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
 ) -> list[dict[str, Any]]:
     """One dict per optimizer group: name, optimizer, hyperparameters, the parameters it
-    holds (all ranks) and steps (this rank), with element counts, and up to ``max_rows`` rows
-    per group describing each parameter (``rows_omitted`` counts the rest).
+    holds (all ranks) and steps (this rank), with element counts (``numel``: of the whole
+    parameters; ``stepped_numel_here``: of the whole parameters this rank steps;
+    ``local_numel_here``: of their parts this rank holds, FSDP2 and TP shards), and up to
+    ``max_rows`` rows per group describing each parameter (``rows_omitted`` counts the rest).
 
     A row holds the parameter's route, shape, owner and its dtypes: ``master_dtype`` (the
     weight the optimizer updates; also ``dtype``), ``compute_dtype`` (forward and backward),
@@ -122,7 +124,7 @@ def summarize_param_groups(
         numel = stepped_numel = local_numel = 0
         for name, p in zip(names, group["params"]):
             dp = optimizer.dedicated_param(p)
-            full = dp.numel if dp is not None else p.numel()
+            full = p.numel()  # the whole parameter's (a DTensor's is its global shape's)
             numel += full
             if dp is None:
                 stepped.append(name)
@@ -131,7 +133,7 @@ def summarize_param_groups(
             elif dp.is_owner:
                 stepped.append(name)
                 stepped_numel += full
-                local_numel += full
+                local_numel += dp.numel  # its TP shard under tensor parallelism
         out.append(
             {
                 "name": group["group_name"],
