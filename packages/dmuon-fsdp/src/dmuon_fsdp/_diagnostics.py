@@ -268,8 +268,11 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
     boundary's packs (owner, sender in this rank's row, role, bytes), and the bytes one
     training step moves on each axis: every dedicated element travels once per broadcast round
     (two in Z3, one in Z2), in its pack's dtype, and once per reduce round, in its reduce
-    dtype, with one more element per matrix (its presence flag); HSDP adds one replicate-axis reduce and one publish round; an axis of one rank
-    moves nothing.
+    dtype, with one more element per matrix (its presence flag); HSDP adds one replicate-axis
+    reduce and one publish round; an axis of one rank moves nothing. Under tensor parallelism
+    the counts are of this rank's TP shards, and the TP axis's Newton–Schulz traffic (gathers,
+    scatters or Gram all-reduces, as the optimizer's ``StepOptions.tp_ns`` decides) is not
+    included.
 
     At most ``max_rows`` pack rows are listed, boundaries in order: every boundary keeps its
     name and ``num_packs``, its ``packs_omitted`` counts the packs not listed, and the top-level
