@@ -34,11 +34,7 @@ def _losses(rank: int, world_size: int, reshard: bool, compile_: str | None):
     optimizer = Muon(model, **HYPER.muon_kwargs())
     losses, graphs = [], []
     for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = loss_fn(model, shard(make_batch(step, 8, 8, 32), rank, world_size))
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(_step(model, optimizer, loss_fn, step, rank, world_size))
         graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
     breaks = dict(dynamo_utils.counters["graph_break"])
     return losses, graphs, breaks
@@ -61,14 +57,17 @@ def _compiled_autograd(rank: int, world_size: int, reshard: bool):
         messages = [str(error), str(error.__cause__)]
     model.reset_iter_state()
     optimizer.zero_grad()
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = lm_loss(model, shard(make_batch(step, 8, 8, 32), rank, world_size))
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    losses = [_step(model, optimizer, lm_loss, step, rank, world_size) for step in range(STEPS)]
     return messages, losses
+
+
+def _step(model, optimizer, loss_fn, step: int, rank: int, world_size: int) -> float:
+    """One training step on this rank's share of step ``step``'s batch; its loss."""
+    optimizer.zero_grad()
+    loss = loss_fn(model, shard(make_batch(step, 8, 8, 32), rank, world_size))
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
 
 
 def _all_modes(rank: int, world_size: int, reshards: tuple[bool, ...]):
@@ -92,16 +91,17 @@ def test_compiled_blocks_and_models_match_eager_and_compile_once(world_size, res
         for (reshard, mode), (eager, *got) in result.items():
             where = f"{mode} compile, {'Z3' if reshard else 'Z2'}"
             if mode == "compiled autograd":
-                # Refused with an error that names it. Under Z3 the capture refuses before any
-                # gradient exists, so after the recovery of a backward that raised training
-                # matches eager bit for bit; under Z2 the captured graph runs the head's
+                # Refused with an error that names it. Under Z3 on more than one rank the
+                # capture refuses before any gradient exists (it reads a weight a peer does not
+                # hold), so after the recovery of a backward that raised training matches eager
+                # bit for bit; under Z2, or on one rank, the captured graph runs the head's
                 # backward first, whose gradient FSDP2's recovery keeps (as without dmuon).
                 messages, losses = got[0]
                 assert any("dmuon does not support compiled autograd" in m for m in messages), (
                     where,
                     messages,
                 )
-                assert not reshard or losses == eager, (where, losses, eager)
+                assert not (reshard and world_size > 1) or losses == eager, (where, losses)
                 continue
             losses, graphs, breaks = got
             for got, want in zip(losses, eager):
