@@ -7,6 +7,7 @@ bit for bit. The shipped classes override no underscored transformers method."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import pytest
@@ -87,7 +88,9 @@ def _rows(world_size: int) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def _train(root: str, name: str, seed: int, resume: str | None = None, build=_model):
+def _train(
+    root: str, name: str, seed: int, resume: str | None = None, build=_model, max_grad_norm=1.0
+):
     from torch.distributed.device_mesh import init_device_mesh
 
     args = hf.DmuonTrainingArguments(
@@ -98,7 +101,7 @@ def _train(root: str, name: str, seed: int, resume: str | None = None, build=_mo
         learning_rate=1e-2,
         lr_scheduler_type="cosine",
         warmup_steps=1,
-        max_grad_norm=1.0,
+        max_grad_norm=max_grad_norm,
         logging_steps=1,
         save_strategy="steps",
         save_steps=SAVE_AT,
@@ -117,6 +120,7 @@ def _train(root: str, name: str, seed: int, resume: str | None = None, build=_mo
     )
     trainer.train(resume_from_checkpoint=resume)
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    trainer.grad_norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     return trainer, losses, trainer.evaluate()["eval_loss"]
 
 
@@ -191,10 +195,14 @@ def _moe_resume(rank: int, world_size: int, root: str) -> dict:
     for key, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size}.items():
         os.environ[key] = str(value)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    _, losses, _ = _train(root, "moe", seed=0, build=_moe_model)
+    # max_grad_norm=inf: the Trainer's clip scales nothing, and neither may the dedicated
+    # weights' (it used to raise at the first step: dmuon's clip takes a finite max_norm).
+    first, losses, _ = _train(root, "moe", seed=0, build=_moe_model, max_grad_norm=math.inf)
     checkpoint = os.path.join(root, "moe", f"checkpoint-{SAVE_AT}")
-    _, resumed, _ = _train(root, "moe-resumed", seed=1, resume=checkpoint, build=_moe_model)
-    return {"losses": losses, "resumed": resumed}
+    _, resumed, _ = _train(
+        root, "moe-resumed", seed=1, resume=checkpoint, build=_moe_model, max_grad_norm=math.inf
+    )
+    return {"losses": losses, "resumed": resumed, "grad_norms": first.grad_norms}
 
 
 @pytest.mark.distributed
@@ -204,6 +212,9 @@ def test_a_mixture_of_experts_run_resumes_bit_for_bit(tmp_path) -> None:
     out = run_distributed(_moe_resume, 2, str(tmp_path))[0]
     later = {step: loss for step, loss in out["losses"].items() if step > SAVE_AT}
     assert later and {s: v for s, v in out["resumed"].items() if s > SAVE_AT} == later
+    # Measured, not clipped: every step logs a finite norm of every gradient.
+    norms = out["grad_norms"]
+    assert len(norms) == STEPS and all(0 < n < math.inf for n in norms), norms
 
 
 def test_no_underscored_transformers_method_is_overridden() -> None:
