@@ -253,5 +253,11 @@ def test_bad_arguments_name_the_fix(tmp_path) -> None:
     (tmp_path / "checkpoint-3").mkdir()
     with pytest.raises(ValueError, match="holds no dmuon checkpoint"):
         hf._checkpoint_to_resume(str(tmp_path / "checkpoint-3"), str(tmp_path))
+    # dmuon/ without the Trainer's scheduler.pt: refused before any weight is loaded (the
+    # schedule was read after dmuon.load_checkpoint: FileNotFoundError, the model replaced).
+    (tmp_path / "checkpoint-3" / "dmuon").mkdir()
+    (tmp_path / "checkpoint-3" / "dmuon" / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"holds no scheduler\.pt"):
+        hf._checkpoint_to_resume(str(tmp_path / "checkpoint-3"), str(tmp_path))
     with pytest.raises(ValueError, match="no checkpoint-N folder"):
         hf._checkpoint_to_resume(True, str(tmp_path / "absent"))

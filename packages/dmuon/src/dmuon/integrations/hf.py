@@ -317,8 +317,9 @@ class _DmuonEvents(TrainerCallback):
         if trainer.resuming_from is None:
             return
         folder = trainer.resuming_from
-        dmuon.load_checkpoint(os.path.join(folder, CHECKPOINT_DIR), _model(trainer), trainer.muon)
+        # Read before the model changes: a failed read leaves the model and optimizer as they were.
         schedule = torch.load(os.path.join(folder, SCHEDULER_NAME), weights_only=True)
+        dmuon.load_checkpoint(os.path.join(folder, CHECKPOINT_DIR), _model(trainer), trainer.muon)
         cast(Any, trainer.lr_scheduler).load_state_dict(schedule)
 
     def on_pre_optimizer_step(
@@ -414,6 +415,12 @@ def _checkpoint_to_resume(resume: str | bool | None, output_dir: str) -> str | N
             f"resume_from_checkpoint={folder!r} holds no dmuon checkpoint ({CHECKPOINT_DIR}/"
             " is missing or empty): resume from a checkpoint-N folder that DmuonTrainer wrote"
             " without save_only_model=True"
+        )
+    if not os.path.isfile(os.path.join(folder, SCHEDULER_NAME)):
+        raise ValueError(
+            f"resume_from_checkpoint={folder!r} holds no scheduler.pt (the learning-rate"
+            " schedule the Trainer saves with each checkpoint): resume from a complete"
+            " checkpoint-N folder; nothing was loaded"
         )
     return folder
 
