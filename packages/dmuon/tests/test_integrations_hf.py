@@ -118,6 +118,10 @@ def _train(
         eval_dataset=rows[: 2 * ROWS_PER_RANK * args.world_size],
         muon_kwargs={"lr": 0.05},
     )
+    if resume is None:
+        # A baseline evaluation first, as usual: it left the root's parameters unsharded, and
+        # train() then refused to build dmuon.Muon ('neither dedicated nor managed by FSDP2').
+        trainer.evaluate()
     trainer.train(resume_from_checkpoint=resume)
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
     trainer.grad_norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]

@@ -228,6 +228,11 @@ class DmuonTrainer(Trainer):
         trainer = cast(Any, self)  # the Trainer's attribute, typed or not
         if trainer.optimizer is None:
             target = _model(self) if model is None else model
+            # An evaluation before train() (trainer.evaluate()) leaves the root module's
+            # parameters unsharded, as FSDP2 does after a forward; Muon takes the sharded ones.
+            for module in target.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
             trainer.optimizer = dmuon_optimizer(target, self.args, **self.muon_kwargs)
         return cast(torch.optim.Optimizer, trainer.optimizer)
 
