@@ -503,8 +503,17 @@ def _unsharded_at_step(rank: int, world_size: int) -> None:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=dedicated, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, ignored_params=dedicated, reshard_after_forward=False)
-    optimizer = Muon(model)
     batch = shard(make_batch(0, ROWS, SEQ, VOCAB), rank, world_size)
+    # The same before Muon is built (an evaluation first): it said the root's parameters were
+    # "neither dedicated nor managed by FSDP2" and to apply fully_shard, which was done.
+    with torch.no_grad():
+        lm_loss(model, batch)
+    with pytest.raises(ValueError, match=r"FSDP2 holds '.*' unsharded while the optimizer is b"):
+        Muon(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    optimizer = Muon(model)
     for _ in range(2):  # the first step, then a later one
         lm_loss(model, batch).backward()
         with torch.no_grad():

@@ -1,7 +1,8 @@
 """The checks that refuse a wrong use of :class:`Muon` (the optimizer of ``_optimizer``): at
 construction (a keyword dmuon does not take, a model that is not the wrapped one, a trainable
-parameter nothing synchronises, ``fully_shard`` options dmuon does not follow, dedicated
-parameters frozen since ``dedicate_params``, a ``cuda_graph`` that cannot apply), on
+parameter nothing synchronises or FSDP2 holds unsharded, ``fully_shard`` options dmuon does
+not follow, dedicated parameters frozen since ``dedicate_params``, a ``cuda_graph`` that
+cannot apply), on
 ``add_param_group``, and at each step (a step inside ``ema.applied()``, parameters FSDP2
 replaced or holds unsharded, a ``GradScaler``, a parameter unfrozen since construction). Each
 raises (or warns) naming what is wrong and the fix; none changes anything first.
@@ -21,7 +22,7 @@ from dmuon_ns import NewtonSchulz
 from dmuon_ownership import Route
 
 from .._matrix import NSFunction
-from .._torch_internals import fsdp_offloads_to_cpu, fsdp_reshards_after_forward
+from .._torch_internals import fsdp_manages, fsdp_offloads_to_cpu, fsdp_reshards_after_forward
 from ..holder import DedicatedParam, fsdp_modules
 from ..runtime import DedicatedRuntime
 
@@ -61,6 +62,14 @@ def check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntim
         for name, p in model.named_parameters()
         if p.requires_grad and id(p) not in synchronised and not isinstance(p, DTensor)
     ]
+    if held := [n for n in loose if _held_unsharded(model, n)]:
+        raise ValueError(
+            f"Muon(): FSDP2 holds {held[0]!r} unsharded while the optimizer is built: a forward"
+            " ran before it (an evaluation, say) and FSDP2 kept the root module's parameters"
+            " gathered, so the optimizer would take the gathered copy, not the shard. Call"
+            " .reshard() on every FSDP2 module first (for m in model.modules(): if"
+            " isinstance(m, FSDPModule): m.reshard()), then build Muon; nothing was built"
+        )
     if untied := [(n, runtime.tied_names[n]) for n in loose if n in runtime.tied_names]:
         name, tied_to = untied[0]
         raise ValueError(
@@ -81,6 +90,14 @@ def check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntim
             "fully_shard, build it last: dedicate_params -> fully_shard (layers, then root) -> "
             "Muon(model)"
         )
+
+
+def _held_unsharded(model: nn.Module, name: str) -> bool:
+    """Whether FSDP2 manages the parameter ``name`` and holds its unsharded copy now (it
+    registers that copy, a plain tensor, in place of the DTensor shard while it holds it)."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    return any(fsdp_manages(m, module, attr) for _, m in fsdp_modules(model))
 
 
 def check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> None:
