@@ -99,6 +99,7 @@ def _train(
         per_device_train_batch_size=ROWS_PER_RANK,
         max_steps=STEPS,
         learning_rate=1e-2,
+        weight_decay=0.1,
         lr_scheduler_type="cosine",
         warmup_steps=1,
         max_grad_norm=max_grad_norm,
@@ -157,6 +158,10 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
     state = optimizer_state["state"]
     return {
         "optimizer": type(muon).__name__,
+        "groups": {
+            g["group_name"]: (g["weight_decay"], set(g["param_names"])) for g in muon.param_groups
+        },
+        "decay_names": set(trainer.get_decay_parameter_names(trainer.model)),
         "muon_names": names,
         "momentum": {n: float(state[n]["momentum_buffer"].norm()) for n in names},
         "moved": {n: not torch.equal(initial[n], trained[n]) for n in names},
@@ -180,6 +185,15 @@ def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path) -> None:
     assert len(out["muon_names"]) == 14
     assert all(out["momentum"][n] > 0 for n in out["muon_names"]), out["momentum"]
     assert all(out["moved"].values()), out["moved"]
+    # The Trainer's weight_decay=0.1 on its decay parameters, Muon's matrices included, and
+    # none on the norms (it used to reach the AdamW parameters alone, norms included).
+    groups, decay_names = out["groups"], out["decay_names"]
+    assert groups["decay/muon"] == (0.1, set(out["muon_names"]))
+    assert groups["decay/adamw"] == (0.1, {"model.embed_tokens.weight"})
+    assert groups["no_decay/muon"] == (0.0, set())
+    assert groups["no_decay/adamw"][0] == 0.0
+    assert groups["no_decay/adamw"][1] and all("norm" in n for n in groups["no_decay/adamw"][1])
+    assert groups["decay/muon"][1] | groups["decay/adamw"][1] <= decay_names
     losses = [out["losses"][step] for step in range(1, STEPS + 1)]
     assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < losses[0] - 0.3, (
         losses
@@ -219,6 +233,16 @@ def test_a_mixture_of_experts_run_resumes_bit_for_bit(tmp_path) -> None:
     # Measured, not clipped: every step logs a finite norm of every gradient.
     norms = out["grad_norms"]
     assert len(norms) == STEPS and all(0 < n < math.inf for n in norms), norms
+
+
+def test_the_default_decay_rule_is_the_trainers() -> None:
+    # dmuon_optimizer without a Trainer decays what Trainer.get_decay_parameter_names names.
+    model = _plain_model(seed=0)
+    groups = hf._decay_groups(model, 0.1, None, {})
+    trainer_rule = set(Trainer.get_decay_parameter_names(None, model))  # reads no Trainer state
+    names = {n for n, _ in model.named_parameters()}
+    assert {n for n, _ in groups[0]["params"]} == trainer_rule & names
+    assert {n for n, _ in groups[1]["params"]} == names - trainer_rule
 
 
 def test_no_underscored_transformers_method_is_overridden() -> None:

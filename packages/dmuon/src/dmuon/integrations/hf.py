@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -86,6 +86,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_pt_utils import get_parameter_names
 from transformers.trainer_utils import get_last_checkpoint
 
 import dmuon
@@ -139,22 +140,76 @@ class DmuonTrainingArguments(TrainingArguments):
         return False
 
 
-def dmuon_optimizer(model: nn.Module, args: TrainingArguments, **muon_kwargs: Any) -> dmuon.Muon:
-    """``dmuon.Muon(model, **muon_kwargs)`` whose AdamW part (the parameters FSDP2 shards) takes
-    ``learning_rate``, ``weight_decay``, ``adam_beta1``/``adam_beta2`` and ``adam_epsilon`` from
-    ``args`` unless ``muon_kwargs`` sets ``adamw_lr``, ``adamw_weight_decay``, ``adamw_betas``
-    or ``adamw_eps``; Muon's own ``lr``, ``momentum`` and the rest come from ``muon_kwargs`` or
-    ``dmuon.Muon``'s defaults. ``args.optim`` is not read. :class:`DmuonTrainer` calls it with
-    its ``muon_kwargs``; ``DmuonTrainer(..., optimizers=(dmuon_optimizer(model, args, ...),
-    None))`` passes one built beforehand."""
-    kwargs = {
+def dmuon_optimizer(
+    model: nn.Module,
+    args: TrainingArguments,
+    decay_parameter_names: Collection[str] | None = None,
+    **muon_kwargs: Any,
+) -> dmuon.Muon:
+    """``dmuon.Muon(model, **muon_kwargs)`` with the Trainer's hyperparameters: the AdamW part
+    (the parameters FSDP2 shards) takes ``learning_rate``, ``adam_beta1``/``adam_beta2`` and
+    ``adam_epsilon`` from ``args`` unless ``muon_kwargs`` sets ``adamw_lr``, ``adamw_betas`` or
+    ``adamw_eps``; Muon's own ``lr``, ``momentum`` and the rest come from ``muon_kwargs`` or
+    ``dmuon.Muon``'s defaults. ``args.optim`` is not read.
+
+    ``args.weight_decay`` is the Trainer's: it decays the parameters named in
+    ``decay_parameter_names`` (``None``: the Trainer's rule, every parameter but biases and
+    norms, as ``Trainer.get_decay_parameter_names``), on both routes, Muon's matrices included,
+    and no other parameter; ``muon_kwargs``' ``weight_decay`` (Muon's) or ``adamw_weight_decay``
+    overrides it on its route. ``muon_kwargs``' ``param_groups`` replace these two groups.
+    :class:`DmuonTrainer` calls it with its ``get_decay_parameter_names(model)`` and its
+    ``muon_kwargs``; ``DmuonTrainer(..., optimizers=(dmuon_optimizer(model, args, ...), None))``
+    passes one built beforehand.
+
+    Args:
+        model: the model after ``dmuon.dedicate_params`` and ``fully_shard``.
+        args: the Trainer's arguments.
+        decay_parameter_names: the names (``model.named_parameters()``) that take
+            ``args.weight_decay``; ``None``: the Trainer's rule.
+        muon_kwargs: ``dmuon.Muon``'s keywords.
+    """
+    kwargs: dict[str, Any] = {
         "adamw_lr": args.learning_rate,
-        "adamw_weight_decay": args.weight_decay,
         "adamw_betas": (args.adam_beta1, args.adam_beta2),
         "adamw_eps": args.adam_epsilon,
         **muon_kwargs,
     }
+    if "param_groups" not in muon_kwargs:
+        kwargs["param_groups"] = _decay_groups(
+            model, args.weight_decay, decay_parameter_names, muon_kwargs
+        )
     return dmuon.Muon(model, **kwargs)
+
+
+# transformers.Trainer.get_decay_parameter_names' rule: no decay for a LayerNorm's parameters
+# or a name matching one of these (test_integrations_hf checks the two agree).
+_NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def _decay_groups(
+    model: nn.Module,
+    weight_decay: float,
+    decay_names: Collection[str] | None,
+    muon_kwargs: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """The semantic groups ``decay`` and ``no_decay`` (left out when empty) of the trainable
+    parameters, as the Trainer groups them for its own optimizers."""
+    if decay_names is None:
+        decay_names = get_parameter_names(model, [nn.LayerNorm], _NO_DECAY_PATTERNS)
+    decay_names = set(decay_names)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = {
+        "group_name": "decay",
+        "params": [(n, p) for n, p in trainable if n in decay_names],
+        "muon_weight_decay": muon_kwargs.get("weight_decay", weight_decay),
+        "adamw_weight_decay": muon_kwargs.get("adamw_weight_decay", weight_decay),
+    }
+    no_decay = {
+        "group_name": "no_decay",
+        "params": [(n, p) for n, p in trainable if n not in decay_names],
+        "weight_decay": 0.0,
+    }
+    return [group for group in (decay, no_decay) if group["params"]]
 
 
 class DmuonTrainer(Trainer):
@@ -233,7 +288,8 @@ class DmuonTrainer(Trainer):
             for module in target.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-            trainer.optimizer = dmuon_optimizer(target, self.args, **self.muon_kwargs)
+            decay = self.get_decay_parameter_names(target)
+            trainer.optimizer = dmuon_optimizer(target, self.args, decay, **self.muon_kwargs)
         return cast(torch.optim.Optimizer, trainer.optimizer)
 
     def training_step(
