@@ -9,7 +9,8 @@ parses, and uses only names that it binds, that an earlier block of its page bin
 guides' setup binds (``docs/examples/guide_setup.py`` and "the usual wrap" on
 ``docs/guides/index.md``): a reader who pastes the setup and a page's snippets in order meets
 no ``NameError``. The tuning page's snippets also run, after the setup, as one script on one
-gloo rank, the EMA and checkpoint pages' after the usual wrap on two, and the TP page's first
+gloo rank, the clipping page's after the usual wrap on one, the EMA and checkpoint pages' after
+the usual wrap on two, and the TP page's first
 on two (one TP group, whose ranks must read one batch).
 """
 
@@ -173,6 +174,16 @@ def test_the_tuning_page_runs_after_the_setup(tmp_path: Path) -> None:
     assert "dedicate_params: 14 params assigned to 1 ranks" in output, output[-8000:]
     assert "['base/muon', 'base/adamw', 'io/muon', 'io/adamw']" in output
     assert "step 4 loss" in output and "'muon_update'" in output
+
+
+@pytest.mark.distributed
+def test_the_clipping_page_runs_after_the_usual_wrap(tmp_path: Path) -> None:
+    # The page's loop follows the wrap's, as a reader pastes it: its clip runs between a
+    # backward and a step of its own.
+    blocks = [*python_blocks(INDEX), *python_blocks(DOCS / "guides" / "clipping.md")]
+    ending = "print('clip stats', stats.param_count, bool(stats.found_inf))\n"
+    output = _run_after_the_setup(tmp_path, [*blocks, ending])
+    assert "clip stats 14 False" in output, output[-8000:]
 
 
 # Modules a README snippet may need installed; the standard library is always there.
