@@ -5,7 +5,8 @@ waiting for one in ``UNTRANSLATED``; every guide is in exactly one of the two, s
 guide fails here until it is translated or listed as waiting. A translated page keeps the
 English page's code: its ```` ```python ```` and ```` ```bash ```` blocks equal the English
 ones, in order, and its ``literalinclude`` directives include the same file with the same
-options. Each page of a pair links to the other (the language switch). The Chinese
+options. Each page of a pair links to the other (the language switch), and to the same pages
+besides. The Chinese
 troubleshooting page has every entry of the English one, in the same sections and order, each
 under the English heading verbatim: users search the page for the text of the message they got
 (``test_troubleshooting.py`` ties the headings' phrases to the messages in the source), and the
@@ -121,6 +122,28 @@ def test_the_pages_link_to_each_other(page: str) -> None:
     assert english in links(chinese), f"docs/zh/{page} has no link to docs/{page} ([English](...))"
     if page in ("index.md", "quickstart.md", "faq.md", "troubleshooting.md", "guides/index.md"):
         assert chinese in links(english), f"docs/{page} has no link to docs/zh/{page} ([中文](...))"
+
+
+@pytest.mark.parametrize("page", TRANSLATED)
+def test_the_pages_link_to_the_same_pages(page: str) -> None:
+    # A paragraph, a bullet or a "see ..." kept in one language only shows as a link the other
+    # lacks. The Chinese index names the pages with no translation (concepts, API) in prose,
+    # where the English one lists them in its table of contents.
+    english, chinese = DOCS / page, ZH / page
+
+    def as_english(target: Path) -> Path:
+        return DOCS / target.relative_to(ZH) if target.is_relative_to(ZH) else target
+
+    en = {t for t in links(english) if t != chinese}
+    zh = {as_english(t) for t in links(chinese)} - {english}
+    if page == "index.md":
+        zh -= {DOCS / "concepts.md", DOCS / "api.md"}
+    rel = sorted(str(t.relative_to(DOCS)) for t in en - zh)
+    assert not rel, (
+        f"docs/{page} links to {rel}, docs/zh/{page} does not: translate what links there"
+    )
+    rel = sorted(str(t.relative_to(DOCS)) for t in zh - en)
+    assert not rel, f"docs/zh/{page} links to {rel}, docs/{page} does not: say it in English too"
 
 
 def _entries(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
