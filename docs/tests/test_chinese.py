@@ -146,6 +146,20 @@ def test_the_pages_link_to_the_same_pages(page: str) -> None:
     assert not rel, f"docs/zh/{page} links to {rel}, docs/{page} does not: say it in English too"
 
 
+@pytest.mark.parametrize("page", TRANSLATED)
+def test_the_chinese_page_has_the_english_sections(page: str) -> None:
+    # A section dropped in translation (its heading lost, its text run into the section above)
+    # leaves the Chinese page with fewer headings of that level.
+    def levels(path: Path) -> list[int]:
+        text = re.sub(r"^```.*?^```", "", read(path), flags=re.M | re.S)
+        return [len(hashes) for hashes in re.findall(r"^(#{1,6}) ", text, re.M)]
+
+    assert levels(ZH / page) == levels(DOCS / page), (
+        f"docs/zh/{page}: its headings (levels, in order) differ from docs/{page}'s: one section per"
+        " English section"
+    )
+
+
 def _entries(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
     """The ``##`` sections of a page, each with its ``###`` entries as (heading, body) pairs."""
     parts = SECTION.split(text)[1:]
