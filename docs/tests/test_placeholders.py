@@ -39,6 +39,11 @@ PRIVATE = re.compile(
     r"|-m\s+dmuon\w*(?:\.\w+)*\._\w*"
     r"|\bdmuon\._(?!_)\w+"  # dmuon.__all__ is public
 )
+# A pip install of one of the packages by name: none is on a package index, so pip would fetch
+# another project's package of that name, or nothing.
+INDEX_INSTALL = re.compile(
+    r"pip install\s+(?:-\S+\s+)*[\"']?dmuon[\w-]*(?:\[[\w,]+\])?[\"']?(?![\w./-])"
+)
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.M | re.S)
 SHELL_STAND_IN = re.compile(r"<[A-Za-z.…][^<>\n]*>")
 
@@ -48,7 +53,12 @@ def problems(text: str) -> list[str]:
     found = []
     lines = text.splitlines()
     for number, line in enumerate(lines, 1):
-        for kind, pattern in (("marker", MARKER), ("stand-in", STAND_IN), ("private", PRIVATE)):
+        for kind, pattern in (
+            ("marker", MARKER),
+            ("stand-in", STAND_IN),
+            ("private", PRIVATE),
+            ("install from an index", INDEX_INSTALL),
+        ):
             if pattern.search(line):
                 found.append(f"line {number}: {kind}: {line.strip()}")
     for block in SHELL_BLOCK.finditer(text):
@@ -69,6 +79,8 @@ def problems(text: str) -> list[str]:
         "from dmuon_fsdp._api import get_dedicated_params",
         "import dmuon_ns._autotune as tune",
         "```bash\npython train.py --dir <checkpoint dir>\n```\n",
+        'the Trainer module (`pip install "dmuon[hf]"`)',
+        "pip install dmuon-ns",
     ],
 )
 def test_the_scanner_finds_placeholders_and_private_imports(bad: str) -> None:
@@ -84,6 +96,8 @@ def test_the_scanner_finds_placeholders_and_private_imports(bad: str) -> None:
         "`torchrun --nproc-per-node 8 --no-python dmuon-demo --torchrun`",
         "the names below are the whole public surface (`dmuon.__all__`)",
         "```bash\npython3 -m nox -s demo -- --steps 80\n```\n",
+        'pip install "./packages/dmuon[hf]"',
+        "pip install -e ./packages/dmuon-ns ./packages/dmuon",
     ],
 )
 def test_the_scanner_lets_notation_through(good: str) -> None:
@@ -99,6 +113,6 @@ def test_the_user_facing_pages_hold_no_placeholder_or_private_import() -> None:
     ]
     assert not found, (
         "placeholders or private imports in user-facing pages: write the real command or name "
-        "(a checkout's root instead of a clone URL, the dmuon-demo command instead of "
+        "(a checkout's root instead of a clone URL, ./packages/dmuon[hf] instead of dmuon[hf], the dmuon-demo command instead of "
         "dmuon._demo, a public name from `import dmuon`):\n" + "\n".join(found)
     )

@@ -2,6 +2,7 @@
 
     from dmuon.integrations.hf import DmuonTrainer, DmuonTrainingArguments   # transformers
 
-Each module imports its framework when it is itself imported (``pip install "dmuon[hf]"`` brings
-what ``dmuon.integrations.hf`` needs); ``import dmuon`` imports none of them.
+Each module imports its framework when it is itself imported (``pip install
+"./packages/dmuon[hf]"`` from a checkout brings what ``dmuon.integrations.hf`` needs);
+``import dmuon`` imports none of them.
 """

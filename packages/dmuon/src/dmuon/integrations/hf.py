@@ -17,8 +17,8 @@ through the Trainer's public hooks.
     trainer.train(resume_from_checkpoint=True)   # True: the last checkpoint-N of output_dir
     trainer.save_model("final")                  # full weights; from_pretrained reads them
 
-Importing this module imports ``transformers`` (``pip install "dmuon[hf]"``); ``import dmuon``
-does not import it.
+Importing this module imports ``transformers`` (``pip install "./packages/dmuon[hf]"`` from a
+checkout); ``import dmuon`` does not import it.
 
 [Note: the Trainer's public hooks under dmuon]
 A dmuon model differs from what the Trainer expects in six places. Each is met through a
