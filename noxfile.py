@@ -259,7 +259,7 @@ def root(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the docs site with warnings as errors (docs/_build/html), then check that it covers
     every public name and every error message, and that the pages' snippets define what they
-    use (the tuning page's run on one gloo rank) (docs/tests)."""
+    use (the tuning, clipping, EMA, checkpoint and TP pages' run on gloo ranks) (docs/tests)."""
     session.install(*_group("docs"), *TEST_TOOLS, TORCH, *_editable(*PACKAGES))
     out = ROOT / "docs" / "_build" / "html"
     session.run("sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out))
