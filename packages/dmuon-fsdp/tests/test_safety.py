@@ -296,14 +296,21 @@ def test_a_vit_layout_with_shards_empty_on_some_ranks_trains_like_one_rank() -> 
             assert abs(a - b) <= 1e-4 * abs(b), (step, got, one)
 
 
-def _ddp_over_dedicated(rank: int, world_size: int) -> str:
+def _ddp_over_dedicated(rank: int, world_size: int) -> tuple[str, str]:
     model = build(0)
-    dedicate_params(model, init_device_mesh("cpu", (world_size,)), muon_predicate)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, muon_predicate)
     with pytest.raises(RuntimeError, match="DistributedDataParallel cannot wrap") as caught:
         DistributedDataParallel(model)
     with pytest.raises(RuntimeError, match="DistributedDataParallel cannot wrap"):
         DistributedDataParallel(model.layers[0])
-    return str(caught.value)
+    # Sharded as dmuon asks, then handed to a framework that wraps every model in DDP
+    # (accelerate's prepare(model) without an FSDP plugin). Before, the message told the user
+    # to apply dedicate_params + fully_shard, which they had done.
+    shard_layers_then_root(model, mesh)
+    with pytest.raises(RuntimeError, match="fully_shard already sharded it") as sharded:
+        DistributedDataParallel(model)
+    return str(caught.value), str(sharded.value)
 
 
 def _ddp_before_dedicated(rank: int, world_size: int, eval_first: bool) -> str:
@@ -351,7 +358,9 @@ def test_ddp_inside_the_model_raises_at_dedicate_params() -> None:
 def test_ddp_over_a_dedicated_model_raises_on_every_rank() -> None:
     messages = run_distributed(_ddp_over_dedicated, 2)
     assert messages[0] == messages[1]
-    assert "dedicate_params_ddp" in messages[0] and "dmuon.replicate" in messages[0]
+    plain, sharded = messages[0]
+    assert "dedicate_params_ddp" in plain and "dmuon.replicate" in plain
+    assert "accelerator.prepare_model(model, device_placement=False" in sharded, sharded
 
 
 # -- shared weights ------------------------------------------------------------------------------

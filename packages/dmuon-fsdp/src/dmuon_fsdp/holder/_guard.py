@@ -75,6 +75,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -545,12 +546,31 @@ def is_dedicated(param: object) -> bool:
 
 class _RefuseDDP:
     """The value of ``_ddp_params_and_buffers_to_ignore`` on a module that holds dedicated
-    parameters: DistributedDataParallel reads it first, on every rank, and fails here."""
+    parameters: DistributedDataParallel reads it first, on every rank, and fails here.
 
-    def __init__(self, where: str) -> None:
+    [Note: DDP around a model already sharded]
+    A framework may wrap every model it is handed in DDP: accelerate's ``prepare(model)`` does
+    without an FSDP plugin, Lightning's DDP strategies do. A model that ``fully_shard`` already
+    sharded needs no wrapper, and telling its user to apply ``dedicate_params`` + ``fully_shard``,
+    which they did, sends them in a circle; so the message says to keep the framework from
+    wrapping it, and how for these two. The module's class tells, alike on every rank.
+    """
+
+    def __init__(self, module: nn.Module, where: str) -> None:
+        self.module = weakref.ref(module)
         self.where = where
 
     def __iter__(self) -> Iterator[str]:
+        if isinstance(self.module(), FSDPModule):
+            raise RuntimeError(
+                f"DistributedDataParallel cannot wrap {self.where}: fully_shard already "
+                "sharded it, and FSDP2 and dmuon reduce its gradients, so it needs no DDP "
+                "wrapper. Keep the framework from wrapping it: under accelerate, prepare the "
+                "model with accelerator.prepare_model(model, device_placement=False, "
+                "evaluation_mode=True) and the optimizer, scheduler and data with "
+                "accelerator.prepare(...) (the Hugging Face guide, 'A training loop of your own "
+                "with accelerate'); under Lightning, use ModelParallelStrategy"
+            )
         raise RuntimeError(
             f"DistributedDataParallel cannot wrap {self.where}: its dedicated parameters are "
             "held whole only on their owner ranks, and DDP would broadcast and all-reduce them "
@@ -562,7 +582,7 @@ class _RefuseDDP:
 
 def refuse_ddp(module: nn.Module, where: str) -> None:
     """Make ``DistributedDataParallel(module)`` raise with a message naming dmuon's path."""
-    module._ddp_params_and_buffers_to_ignore = _RefuseDDP(where)  # type: ignore[assignment]
+    module._ddp_params_and_buffers_to_ignore = _RefuseDDP(module, where)  # type: ignore[assignment]
 
 
 def refuse_module_load(module: nn.Module, names: Mapping[str, str]) -> None:
