@@ -11,13 +11,18 @@ calls, which leave the dedicated matrices alone) and returns ``dmuon.Muon(self, 
 Checkpoints go through :class:`DmuonModelParallelStrategy`, which writes and reads them with
 ``dmuon.save_checkpoint`` / ``dmuon.load_checkpoint`` instead of the strategy's
 ``get_model_state_dict``, which reads every weight on every rank and so raises
-``dmuon.NotHeldError`` on a dedicated matrix.
+``dmuon.NotHeldError`` on a dedicated matrix. The same strategy clips Lightning's
+``gradient_clip_val`` with ``dmuon.clip_grad_norm_`` (Lightning's own clip sees only
+``param.grad``, where the Muon gradients are not) and runs the micro-batches of
+``accumulate_grad_batches`` before the last under ``dmuon.no_sync``.
 
-The script trains 10 steps (two epochs of 5 identical batches per rank), with a
-``ModelCheckpoint`` at the end of the first epoch; then builds the module again from other
-initial weights and resumes from that checkpoint with ``trainer.fit(..., ckpt_path=...)``.
-It exits non-zero unless the loss fell and the resumed steps' losses equal the uninterrupted
-run's bit for bit.
+The script trains 10 steps of 2 micro-batches (two epochs of 5 steps, the same rows every
+step), clipped by ``gradient_clip_val``, with a ``ModelCheckpoint`` at the end of the first
+epoch; then builds the module again from other initial weights and resumes from that
+checkpoint with ``trainer.fit(..., ckpt_path=...)``. It exits non-zero unless the loss fell,
+after each step's clip the norm of every gradient is the smaller of ``gradient_clip_val`` and
+its norm before (the first step's above it), and the resumed micro-batches' losses equal the
+uninterrupted run's bit for bit.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -38,6 +45,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
@@ -48,7 +56,7 @@ from train_fsdp import VOCAB, TinyLM, batch
 
 import dmuon
 
-STEPS_PER_EPOCH, EPOCHS = 5, 2
+STEPS_PER_EPOCH, EPOCHS, ACCUMULATION, MAX_NORM = 5, 2, 2, 0.5
 METADATA = "lightning.pt"  # the trainer's own state, beside dmuon's DCP files
 DIR_ENV = "DMUON_LIGHTNING_EXAMPLE_DIR"  # hands rank 0's directory to the ranks it starts
 
@@ -66,7 +74,43 @@ class DmuonModelParallelStrategy(ModelParallelStrategy):
     it: ``load_checkpoint`` (called after ``configure_model`` and ``configure_optimizers``,
     since ``restore_checkpoint_after_setup`` is true) reads the weights and optimizer state
     with ``dmuon.load_checkpoint`` and returns the rest for Lightning to restore.
+
+    [Note: Lightning's clipping]
+    ``gradient_clip_val`` makes Lightning call its precision plugin's ``clip_gradients``
+    (through ``LightningModule.configure_gradient_clipping``), which clips ``param.grad`` of
+    the optimizer's parameters with ``torch.nn.utils.clip_grad_norm_``. A dedicated matrix's
+    gradient is not there (it lives on its owner), so that clip would take the norm of the
+    FSDP2 gradients alone and leave the Muon ones as they are, without a word. ``setup``
+    points the plugin's ``clip_gradients`` at ``dmuon.clip_grad_norm_(..., params="all")``
+    (``dmuon.clip.clip_grad_value_`` for ``gradient_clip_algorithm="value"``): one norm over
+    every gradient, as Lightning's clip takes without dmuon.
     """
+
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        # See [Note: Lightning's clipping].
+        self.precision_plugin.clip_gradients = self._clip_gradients  # type: ignore[method-assign]
+
+    def _clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Lightning's ``gradient_clip_val`` on every gradient, where dmuon keeps it."""
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            dmuon.clip.clip_grad_value_(self._muon(), clip_val, params="all")
+        else:
+            dmuon.clip_grad_norm_(self._muon(), clip_val, params="all")
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """The micro-batches that Lightning's ``accumulate_grad_batches`` runs before the last
+        one reduce nothing (``ModelParallelStrategy``'s own context does that for DDP only)."""
+        with dmuon.no_sync(self.lightning_module):
+            yield
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}
@@ -121,7 +165,7 @@ class TinyLMModule(L.LightningModule):
         super().__init__()
         torch.manual_seed(seed)  # the same initial weights on every rank
         self.model = TinyLM()
-        self.losses: list[float] = []  # the mean over ranks of every step's loss
+        self.losses: list[float] = []  # the mean over ranks of every micro-batch's loss
 
     def configure_model(self) -> None:
         if dmuon.dedicated_params_of(self):  # Lightning may call it again: apply dmuon once
@@ -141,14 +185,43 @@ class TinyLMModule(L.LightningModule):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
     def on_train_batch_end(self, outputs: Any, tokens: Tensor, batch_idx: int) -> None:
-        mean = outputs["loss"].detach().clone()
+        # Lightning hands back the loss divided by accumulate_grad_batches, as it was backward.
+        mean = outputs["loss"].detach() * self.trainer.accumulate_grad_batches
         dist.all_reduce(mean)
         self.losses.append(mean.item() / dist.get_world_size())
 
     def train_dataloader(self) -> DataLoader:
-        # This rank's rows, the same every step (as in train_fsdp.py).
-        tokens = batch(self.global_rank, torch.device("cpu"))
-        return DataLoader([tokens] * STEPS_PER_EPOCH, batch_size=None)
+        # This rank's rows for each micro-batch of a step, the same every step (as in
+        # train_fsdp.py, where one batch serves every step).
+        world, cpu = dist.get_world_size(), torch.device("cpu")
+        micro = [batch(self.global_rank + world * i, cpu) for i in range(ACCUMULATION)]
+        return DataLoader(micro * STEPS_PER_EPOCH, batch_size=None)
+
+
+class CheckedModule(TinyLMModule):
+    """``TinyLMModule`` that measures, at each optimizer step, the norm of every gradient
+    (dmuon's and FSDP2's) before and after Lightning's ``gradient_clip_val`` clip."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.norms: list[tuple[float, float]] = []
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._before = self._norm(optimizer)  # Lightning calls this hook before its clip
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.norms.append((self._before, self._norm(optimizer)))
+
+    @staticmethod
+    def _norm(optimizer: torch.optim.Optimizer) -> float:
+        muon = cast(dmuon.Muon, optimizer)
+        return float(dmuon.clip_grad_norm_(muon, None, params="all").total_norm)
 
 
 def trainer(args: argparse.Namespace, directory: str, checkpoint: bool) -> L.Trainer:
@@ -160,6 +233,8 @@ def trainer(args: argparse.Namespace, directory: str, checkpoint: bool) -> L.Tra
             data_parallel_size=args.devices, tensor_parallel_size=1
         ),
         max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUMULATION,  # the strategy runs all but the last in no_sync
+        gradient_clip_val=MAX_NORM,  # every gradient by one norm, through the strategy
         use_distributed_sampler=False,  # train_dataloader returns this rank's rows itself
         callbacks=callbacks,
         enable_checkpointing=checkpoint,
@@ -172,14 +247,14 @@ def trainer(args: argparse.Namespace, directory: str, checkpoint: bool) -> L.Tra
 
 def run(args: argparse.Namespace, directory: str) -> None:
     first = trainer(args, directory, checkpoint=True)
-    module = TinyLMModule(seed=0)
+    module = CheckedModule(seed=0)
     first.fit(module)
     uninterrupted = module.losses
 
     # Resume: other initial weights, which the checkpoint must replace.
     saved = os.path.join(directory, f"epoch=0-step={STEPS_PER_EPOCH}.ckpt")
     second = trainer(args, directory, checkpoint=False)
-    resumed_module = TinyLMModule(seed=1)
+    resumed_module = CheckedModule(seed=1)
     second.fit(resumed_module, ckpt_path=saved)
     resumed = resumed_module.losses
 
@@ -188,14 +263,26 @@ def run(args: argparse.Namespace, directory: str) -> None:
     print("losses", " ".join(f"{x:.4f}" for x in uninterrupted), flush=True)
     if not all(math.isfinite(x) for x in uninterrupted) or uninterrupted[-1] >= uninterrupted[0]:
         raise SystemExit(f"FAILED: the loss did not fall: {uninterrupted}")
-    if resumed != uninterrupted[STEPS_PER_EPOCH:]:
+    before, after = module.norms[0]
+    print(f"step 1: norm of every gradient {before:.6f}, after the clip {after:.6f}", flush=True)
+    if before <= MAX_NORM:
+        raise SystemExit(f"FAILED: the first step's norm {before} needs no clip to {MAX_NORM}")
+    for step, (before, after) in enumerate(module.norms, 1):
+        if not math.isclose(after, min(before, MAX_NORM), rel_tol=1e-4):
+            raise SystemExit(
+                f"FAILED: step {step}: gradient_clip_val={MAX_NORM} left every gradient's norm"
+                f" at {after} (from {before}): it did not clip them all by one norm"
+            )
+    later = uninterrupted[STEPS_PER_EPOCH * ACCUMULATION :]
+    if resumed != later:
         raise SystemExit(
             f"FAILED: the resumed run's losses {resumed} differ from the uninterrupted run's"
-            f" {uninterrupted[STEPS_PER_EPOCH:]}"
+            f" {later}"
         )
     print(
         f"OK: loss {uninterrupted[0]:.4f} -> {uninterrupted[-1]:.4f} in {len(uninterrupted)}"
-        f" steps; resumed from {saved}, losses {resumed} as without the checkpoint",
+        f" micro-batches; resumed from {saved}, losses {resumed} as without the checkpoint;"
+        " the clip took every gradient's norm",
         flush=True,
     )
 
