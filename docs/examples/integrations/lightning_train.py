@@ -21,8 +21,9 @@ step), clipped by ``gradient_clip_val``, with a ``ModelCheckpoint`` at the end o
 epoch; then builds the module again from other initial weights and resumes from that
 checkpoint with ``trainer.fit(..., ckpt_path=...)``. It exits non-zero unless the loss fell,
 after each step's clip the norm of every gradient is the smaller of ``gradient_clip_val`` and
-its norm before (the first step's above it), and the resumed micro-batches' losses equal the
-uninterrupted run's bit for bit.
+its norm before (the first step's above it), the resumed micro-batches' losses equal the
+uninterrupted run's bit for bit, and ``trainer.validate(..., ckpt_path=...)`` of the last
+checkpoint in a module built from other weights scores the trained module's validation loss.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.distributed.fsdp import fully_shard
@@ -139,7 +141,9 @@ class DmuonModelParallelStrategy(ModelParallelStrategy):
         self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
     ) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        dmuon.load_checkpoint(path, self.lightning_module, self._muon())
+        # validate, test and predict with ckpt_path build no optimizer: the weights alone.
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        dmuon.load_checkpoint(path, self.lightning_module, self._muon() if fitting else None)
         return torch.load(
             path / METADATA, weights_only=False if weights_only is None else weights_only
         )
@@ -218,6 +222,14 @@ class CheckedModule(TinyLMModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         self.norms.append((self._before, self._norm(optimizer)))
 
+    def validation_step(self, tokens: Tensor, batch_idx: int) -> Tensor:
+        loss = self.training_step(tokens, batch_idx)
+        self.log("val_loss", loss, sync_dist=True, batch_size=tokens.shape[0])
+        return loss
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader([batch(self.global_rank, torch.device("cpu"))], batch_size=None)
+
     @staticmethod
     def _norm(optimizer: torch.optim.Optimizer) -> float:
         muon = cast(dmuon.Muon, optimizer)
@@ -258,8 +270,19 @@ def run(args: argparse.Namespace, directory: str) -> None:
     second.fit(resumed_module, ckpt_path=saved)
     resumed = resumed_module.losses
 
+    # Evaluate the last checkpoint in a module built from other weights (Lightning builds no
+    # optimizer for validate): it must score what the trained module scores.
+    last = os.path.join(directory, f"epoch={EPOCHS - 1}-step={EPOCHS * STEPS_PER_EPOCH}.ckpt")
+    trained = first.validate(module, verbose=False)[0]["val_loss"]
+    third = trainer(args, directory, checkpoint=False)
+    loaded = third.validate(CheckedModule(seed=2), ckpt_path=last, verbose=False)[0]["val_loss"]
+
     if second.global_rank != 0:
         return
+    if loaded != trained:
+        raise SystemExit(
+            f"FAILED: validate(ckpt_path={last}) scored {loaded}, the trained module {trained}"
+        )
     print("losses", " ".join(f"{x:.4f}" for x in uninterrupted), flush=True)
     if not all(math.isfinite(x) for x in uninterrupted) or uninterrupted[-1] >= uninterrupted[0]:
         raise SystemExit(f"FAILED: the loss did not fall: {uninterrupted}")
@@ -282,7 +305,8 @@ def run(args: argparse.Namespace, directory: str) -> None:
     print(
         f"OK: loss {uninterrupted[0]:.4f} -> {uninterrupted[-1]:.4f} in {len(uninterrupted)}"
         f" micro-batches; resumed from {saved}, losses {resumed} as without the checkpoint;"
-        " the clip took every gradient's norm",
+        f" the clip took every gradient's norm; validate(ckpt_path=...) scored {loaded:.6f}"
+        " as the trained module",
         flush=True,
     )
 

@@ -2,7 +2,8 @@
 2.6) as a user runs it: the script on 2 gloo ranks, which Lightning starts itself. The checks
 are the script's: the loss falls, ``gradient_clip_val`` clips every gradient (dmuon's Muon
 gradients too) by one norm, and a run resumed from the first epoch's checkpoint in a module
-built from other weights repeats the uninterrupted run's losses bit for bit. Skipped where
+built from other weights repeats the uninterrupted run's losses bit for bit, and
+``trainer.validate(..., ckpt_path=...)`` scores the trained module's loss. Skipped where
 Lightning is not installed (CI does not install it; ``nox -s integrations`` runs the script)."""
 
 from __future__ import annotations
@@ -32,3 +33,4 @@ def test_lightning_recipe_clips_every_gradient_and_resumes_bit_for_bit(tmp_path:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "the clip took every gradient's norm" in done.stdout, done.stdout[-3000:]
+    assert "as the trained module" in done.stdout, done.stdout[-3000:]
