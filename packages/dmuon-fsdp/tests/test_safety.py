@@ -310,6 +310,14 @@ def _ddp_over_dedicated(rank: int, world_size: int) -> tuple[str, str]:
     shard_layers_then_root(model, mesh)
     with pytest.raises(RuntimeError, match="fully_shard already sharded it") as sharded:
         DistributedDataParallel(model)
+    # Lightning's DDP strategy wraps the LightningModule, dedicated as a whole, whose child
+    # model was sharded: the wrapper itself is no FSDP2 module (the old message before).
+    outer = torch.nn.Module()
+    outer.model = build(0)
+    dedicate_params(outer, mesh, muon_predicate)
+    shard_layers_then_root(outer.model, mesh)
+    with pytest.raises(RuntimeError, match="fully_shard already sharded it"):
+        DistributedDataParallel(outer)
     return str(caught.value), str(sharded.value)
 
 

@@ -553,7 +553,9 @@ class _RefuseDDP:
     without an FSDP plugin, Lightning's DDP strategies do. A model that ``fully_shard`` already
     sharded needs no wrapper, and telling its user to apply ``dedicate_params`` + ``fully_shard``,
     which they did, sends them in a circle; so the message says to keep the framework from
-    wrapping it, and how for these two. The module's class tells, alike on every rank.
+    wrapping it, and how for these two. Lightning wraps the LightningModule, which holds the
+    sharded model as a child: a ``fully_shard`` anywhere inside the module tells, alike on
+    every rank.
     """
 
     def __init__(self, module: nn.Module, where: str) -> None:
@@ -561,11 +563,12 @@ class _RefuseDDP:
         self.where = where
 
     def __iter__(self) -> Iterator[str]:
-        if isinstance(self.module(), FSDPModule):
+        module = self.module()
+        if module is not None and any(isinstance(m, FSDPModule) for m in module.modules()):
             raise RuntimeError(
                 f"DistributedDataParallel cannot wrap {self.where}: fully_shard already "
-                "sharded it, and FSDP2 and dmuon reduce its gradients, so it needs no DDP "
-                "wrapper. Keep the framework from wrapping it: under accelerate, prepare the "
+                "sharded it (or modules inside it), and FSDP2 and dmuon reduce its gradients, "
+                "so it needs no DDP wrapper. Keep the framework from wrapping it: under accelerate, prepare the "
                 "model with accelerator.prepare_model(model, device_placement=False, "
                 "evaluation_mode=True) and the optimizer, scheduler and data with "
                 "accelerator.prepare(...) (the Hugging Face guide, 'A training loop of your own "
