@@ -5,7 +5,9 @@ them); and a profiler trace shows NS finishing while backward still runs."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -101,6 +103,58 @@ def test_ns_overlap_is_bit_for_bit_on_a_1d_mesh() -> None:
 
 def test_ns_overlap_is_bit_for_bit_under_hsdp() -> None:
     _same_bits(4, replicate=2)
+
+
+def _optimizers_on_one_model(rank, world_size):
+    """Muons built one after another on one model: one deleted (is it freed?), one with
+    ``ns_overlap`` and a plain one after it (the earlier one's steps, and their warnings), and a
+    third with the option (its NS during backward); the losses of each phase, and those of a
+    plain run."""
+    model, _ = setup_model(world_size)
+    options = StepOptions(ns_overlap=True)
+    deleted = Muon(model, lr=0.05, adamw_lr=1e-2, options=options)
+    freed = weakref.ref(deleted)
+    del deleted
+    gc.collect()
+
+    def train(optimizer, steps):
+        losses = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in steps:
+                optimizer.zero_grad()
+                loss = loss_fn(model, shard(batch(step, ROWS), rank, world_size))
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+        return losses, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+    first = Muon(model, lr=0.05, adamw_lr=1e-2, options=options)
+    Muon(model, lr=0.05, adamw_lr=1e-2)  # built later, never stepped: first no longer listens
+    out = {"freed": freed() is None}
+    out["first"], out["first_warnings"] = train(first, range(2))
+    third = Muon(model, lr=0.05, adamw_lr=1e-2, options=options)
+    third.load_state_dict(first.state_dict())
+    out["third"], out["third_warnings"] = train(third, range(2, 4))
+    out["used"] = third._overlap.used
+    model, _ = setup_model(world_size)
+    plain = Muon(model, lr=0.05, adamw_lr=1e-2)
+    out["plain"], _ = train(plain, range(4))
+    return out
+
+
+def test_optimizers_built_one_after_another_on_one_model() -> None:
+    """A deleted optimizer is freed (the runtime held its NS-during-backward listener, and with
+    it the optimizer's states); one built earlier than the last loses the listener with one
+    warning at its step and trains the same bits; the last one built runs NS during backward."""
+    outs = run_distributed(_optimizers_on_one_model, 2)
+    for out in outs:
+        assert out["freed"]
+        assert len(out["first_warnings"]) == 1, out["first_warnings"]
+        assert "a dmuon.Muon built after this one" in out["first_warnings"][0]
+        assert out["third_warnings"] == []
+        assert out["first"] + out["third"] == out["plain"], out
+    assert sum(out["used"] for out in outs) > 0
 
 
 def _model_on(path: str, world_size: int):

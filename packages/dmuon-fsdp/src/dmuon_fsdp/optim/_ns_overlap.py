@@ -33,6 +33,12 @@ early). The
 non-finite skip needs every gradient, so it is decided in the step as before; a skipped step
 keeps weights and momentum exactly (the early half wrote neither).
 
+A model's runtime has one listener: the ``Muon`` built last on the model sets its own (or none,
+without the option), and holds it only weakly, so that a deleted optimizer is freed with its
+early results. An optimizer built before (one rebuilt in its place and not deleted yet, a second
+one by mistake) finds at its next step that it no longer listens: it drops what it held, says
+so once, and computes NS in the step, the same bits.
+
 The cost is memory: each early result (the orthogonalised update of the batch, in the
 momentum's dtype) is kept from its backward to the step, the size of the matrices the rank
 owns; without the option a batch's update lives only while its NS runs.
@@ -174,15 +180,15 @@ class NSOverlap(GradListener):
             early.updates.record_stream(torch.cuda.current_stream(self._device))
         return early.updates
 
-    def stop(self, why: str) -> None:
-        """Drop every early result and say once why NS no longer runs during backward."""
+    def stop(self, why: str, advice: str, stacklevel: int) -> None:
+        """Drop every early result and say once why NS no longer runs during backward, and
+        what to do (``advice``); ``stacklevel`` is the warning's, counted from the caller."""
         self._results.clear()
         warnings.warn(
             f"StepOptions(ns_overlap=True) is off from now on: {why}, so Newton–Schulz runs in "
-            "the step, where it sees the final gradients. Clipping needs every gradient's "
-            "norm, known only once backward is done; drop ns_overlap when you clip",
+            f"the step, where it sees the final gradients. {advice}",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=stacklevel + 1,
         )
 
     def end_step(self) -> None:

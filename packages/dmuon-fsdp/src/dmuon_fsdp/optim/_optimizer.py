@@ -173,7 +173,9 @@ class StepOptions:
             ``.data``, which torch does not count) is recomputed in the step; Muon-aware
             clipping (``muon_grads_for_clip``) turns the option off with a warning, since a
             clip needs every gradient first. Tensor-parallel matrices and expert stacks
-            always run in the step. A bool.
+            always run in the step. It runs for the ``Muon`` built last on a model: an
+            earlier one runs NS in the step from its next ``step()`` on, with a warning. A
+            bool.
         cuda_graph: ``True`` captures the Muon phase of ``step()`` (momentum, Newton–Schulz
             and update of every matrix the rank steps) in one CUDA graph and replays it from
             the third step on, while the tensors and the batching stay the same (learning-rate
@@ -608,6 +610,18 @@ class Muon(torch.optim.Optimizer):
         """Wait for the gradient reduces; the Muon items and AdamW tensors this step touches
         (states made on first use), with the group's hyperparameters of this step."""
         self._runtime.wait_all_reduces()
+        if self._overlap is not None and self._runtime.grad_listener is not self._overlap:
+            self._overlap.stop(
+                "a dmuon.Muon built after this one on the same model took its place (the"
+                " model's runtime runs Newton–Schulz during backward for the optimizer built"
+                " last)",
+                "The results are the same. Step the optimizer built last and delete this one,"
+                " or build this one again to have its Newton–Schulz run during backward",
+                # The caller of step(): _collect, step, torch.no_grad's and torch's step hook
+                # wrappers, then the call.
+                stacklevel=5,
+            )
+            self._overlap = None
         if self._overlap is not None:
             self._overlap.begin_step()
         mark("wait_reduces")
@@ -909,8 +923,14 @@ class Muon(torch.optim.Optimizer):
         sharded = self._clip_sharded(chosen)
         self._runtime.wait_all_reduces()
         if self._overlap is not None and not chosen.isdisjoint(self._route_ids(Route.MUON)):
-            self._overlap.stop("the gradients were handed to a clip (grads_for_clip)")
-            self._runtime.set_grad_listener(None)
+            self._overlap.stop(
+                "the gradients were handed to a clip (grads_for_clip)",
+                "Clipping needs every gradient's norm, known only once backward is done; drop"
+                " ns_overlap when you clip",
+                stacklevel=2,
+            )
+            if self._runtime.grad_listener is self._overlap:
+                self._runtime.set_grad_listener(None)
             self._overlap = None
         layout = self._runtime.layout
         grads: list[Tensor] = []

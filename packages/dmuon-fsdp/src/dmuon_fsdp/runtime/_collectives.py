@@ -64,6 +64,7 @@ blocks on CPU and never blocks the host on CUDA); the end of backward and
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -353,13 +354,28 @@ class ReduceQueue:
     listener's stream, which waits for the reduce's event, so backward never waits), then
     tells the listener the parameters of those packs. It only finishes sooner what
     ``wait_all`` would finish: the same division, the same ``.grad``, the same collectives in
-    the same order on every rank (stage two is issued exactly as before)."""
+    the same order on every rank (stage two is issued exactly as before).
+
+    The queue holds its listener weakly: an optimizer deleted (``del optimizer``) is freed with
+    its early results and stops hearing, as if it had never listened."""
 
     def __init__(self, comm: DedicatedCommContext) -> None:
         self._comm = comm
         self._pending: deque[PendingReduce] = deque()
         self._undecided = Undecided()
-        self.listener: GradListener | None = None
+        self._listener: weakref.ref[GradListener] | None = None
+        # The CUDA stream older reduces were finished on since the last wait_all (kept here:
+        # the listener that owns it may be freed before the step waits for it).
+        self._finished_on: torch.cuda.Stream | None = None
+
+    @property
+    def listener(self) -> GradListener | None:
+        """The listener (see [Note: gradients final during backward]), ``None`` once freed."""
+        return None if self._listener is None else self._listener()
+
+    @listener.setter
+    def listener(self, listener: GradListener | None) -> None:
+        self._listener = None if listener is None else weakref.ref(listener)
 
     def __len__(self) -> int:
         return len(self._pending) + len(self._undecided)
@@ -369,13 +385,15 @@ class ReduceQueue:
         with span("dmuon::reduce"):
             if self._comm.layout.world_size == 1:
                 keep_local_grads(pack)
-                if self.listener is not None:
-                    self.listener(pack.params)
+                listener = self.listener
+                if listener is not None:
+                    listener(pack.params)
                 return
             self._pending.append(reduce_over_shards(pack, self._comm))
             self.issue_replicate_stages(keep_newest=True)
-        if self.listener is not None:
-            self._finish_older(self.listener)
+        listener = self.listener
+        if listener is not None:
+            self._finish_older(listener)
 
     def _finish_older(self, listener: GradListener) -> None:
         """See [Note: gradients final during backward]."""
@@ -385,6 +403,7 @@ class ReduceQueue:
             stream = listener.stream
             if stream is not None:
                 pending.result.tensor.record_stream(stream)
+                self._finished_on = stream
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 finish_reduce(pending, divisor, self._undecided)
             listener(pending.pack.params)
@@ -405,8 +424,8 @@ class ReduceQueue:
         divisor = self._comm.layout.world_size
         while self._pending:
             finish_reduce(self._pending.popleft(), divisor, self._undecided)
+        stream, self._finished_on = self._finished_on, None
         if len(self._undecided):
-            stream = None if self.listener is None else self.listener.stream
             if stream is not None:
                 # Some flags were finished on the listener's stream.
                 torch.cuda.current_stream(stream.device).wait_stream(stream)

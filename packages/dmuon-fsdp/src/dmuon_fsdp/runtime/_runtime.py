@@ -302,9 +302,15 @@ class DedicatedRuntime:
         )
 
     def set_grad_listener(self, listener: GradListener | None) -> None:
-        """Tell ``listener`` during backward which owned gradients are final (``None``: stop);
-        see [Note: gradients final during backward] in :mod:`._collectives`."""
+        """Tell ``listener`` during backward which owned gradients are final (``None``: stop),
+        in place of the listener before it; held weakly (see [Note: gradients final during
+        backward] in :mod:`._collectives`)."""
         self.reduce_queue.listener = listener
+
+    @property
+    def grad_listener(self) -> GradListener | None:
+        """The listener :meth:`set_grad_listener` set last, ``None`` if none or freed."""
+        return self.reduce_queue.listener
 
     def wait_all_reduces(self) -> None:
         """Block (CPU) or order the current stream (CUDA) until every owned gradient is final;
