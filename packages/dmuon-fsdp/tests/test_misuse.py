@@ -248,6 +248,27 @@ def _fully_shard_on_the_replicated_path(mesh: DeviceMesh, root: str) -> None:
     Muon(model)
 
 
+def _optimizer_copied(mesh: DeviceMesh, root: str) -> None:
+    """copy.deepcopy of the optimizer after a step (it raised 'Attempted to call copy_() on an
+    invalid python storage')."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    loss_fn(model, batch(0, ROWS)).backward()
+    optimizer.step()
+    copy.deepcopy(optimizer)
+
+
+def _optimizer_saved_whole(mesh: DeviceMesh, root: str) -> None:
+    """torch.save of the optimizer object, not its state dict (it raised NotHeldError for a
+    weight with 'operation: getset_descriptor.__get__' and the model's reads as the fix)."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    torch.save(Muon(model), os.path.join(root, "optimizer.pt"))
+
+
 SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
     "plain fully_shard, patch off": (
         _plain_fully_shard_without_the_patch,
@@ -339,6 +360,16 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         r"RuntimeError: dedicated parameter '[\w.]+' .* was taken by fully_shard .*"
         r"dedicate_params_ddp, the replicated path.*dmuon\.replicate\(model, mesh\) for the "
         r"other parameters instead of fully_shard",
+    ),
+    "copy.deepcopy of the optimizer": (
+        _optimizer_copied,
+        r"TypeError: dmuon\.Muon cannot be copied or pickled .*optimizer\.state_dict\(\).*"
+        r"build another dmuon\.Muon\(model, \.\.\.\) and load_state_dict",
+    ),
+    "torch.save of the optimizer": (
+        _optimizer_saved_whole,
+        r"TypeError: dmuon\.Muon cannot be copied or pickled .*torch\.save\(optimizer\."
+        r"state_dict\(\), path\)",
     ),
     "a checkpoint with other routes, strict": (
         _checkpoint_with_other_routes,

@@ -458,6 +458,20 @@ class Muon(torch.optim.Optimizer):
             refuse_added_group(self._model, param_group)
         super().add_param_group(param_group)
 
+    def __reduce_ex__(self, protocol: Any) -> Never:
+        """Refused, naming the fix: ``copy.deepcopy``, ``copy.copy``, ``pickle`` and
+        ``torch.save(optimizer)`` would copy the model it steps through its runtime (process
+        groups, the weights on their owners); its state is what to save or carry over."""
+        raise TypeError(
+            "dmuon.Muon cannot be copied or pickled (copy.deepcopy, copy.copy, pickle,"
+            " torch.save(optimizer)): it steps the model it was built on, through that model's"
+            " runtime and process groups. Save its state instead: optimizer.state_dict() (on"
+            " every rank: torch.save(optimizer.state_dict(), path) with the rank in the path),"
+            " dmuon.get_optimizer_state_dict(model, optimizer) or dmuon.save_checkpoint; for a"
+            " second optimizer, build another dmuon.Muon(model, ...) and load_state_dict the"
+            " first's state into it"
+        )
+
     @property
     def options(self) -> StepOptions:
         """The :class:`StepOptions` it was built with, fixed for its life: several shape the
