@@ -205,6 +205,9 @@ def _group_edits(rank: int, world_size: int):
         (0, {**first, "lr": 0.5, "ns_steps": 3}),
         # torch.optim.AdamW's flags that change its arithmetic, which dmuon's AdamW lacks.
         (1, {"maximize": True}),
+        # ... and those that choose its kernel: dmuon's AdamW always runs the fused one (they
+        # were taken and changed nothing).
+        (1, {"foreach": True, "fused": False}),
     ]
     errors = []
     for index, edit in edits:
@@ -274,8 +277,10 @@ def test_group_edits_reach_the_step():
         assert "group 'adamw' holds ['adamw_lr'], which no step reads" in errors[7]
         assert "group 'muon' holds ['ns_steps'], which no step reads" in errors[8]
         assert "group 'adamw' holds ['maximize'], which no step reads" in errors[9]
-        assert "set_optimizer_state_dict: param_groups['muon'] holds ['ns_steps']" in errors[10]
-        assert "load_state_dict: param group 'adamw' holds ['adamw_lr']" in errors[11]
+        assert "group 'adamw' holds ['foreach', 'fused'], which no step reads" in errors[10]
+        assert "torch's fused AdamW kernel" in errors[10]
+        assert "set_optimizer_state_dict: param_groups['muon'] holds ['ns_steps']" in errors[11]
+        assert "load_state_dict: param group 'adamw' holds ['adamw_lr']" in errors[12]
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name

@@ -52,7 +52,8 @@ step. Two edits the user (or a scheduler) makes outside them are taken in at the
   own scheduler.
 
 A key that no step reads but that means something elsewhere (``_INERT_KEYS``: torch.optim.Muon's
-``ns_steps``, a user group's ``adamw_lr``, ...) raises instead, in place or in a replacement,
+``ns_steps``, a user group's ``adamw_lr``, torch.optim.AdamW's ``foreach`` and ``fused``, ...)
+raises instead, in place or in a replacement,
 before anything is replaced, and in a loaded group (``Muon.load_state_dict``,
 ``dmuon.set_optimizer_state_dict``, ``dmuon.load_checkpoint``), before anything is loaded:
 written silently it would change nothing.
@@ -254,6 +255,16 @@ _INERT_KEYS = {
     # torch.optim.AdamW's flags that change its arithmetic: dmuon's AdamW has neither.
     "maximize": "not an option of dmuon's optimizers (negate the loss instead)",
     "amsgrad": "not an option of dmuon's AdamW",
+    # ... and those that choose its implementation: dmuon's AdamW has one.
+    "foreach": "not an option of dmuon's AdamW, which always runs torch's fused AdamW kernel"
+    " (the numbers of torch.optim.AdamW(fused=True))",
+    "fused": "not an option of dmuon's AdamW, which always runs torch's fused AdamW kernel"
+    " (the numbers of torch.optim.AdamW(fused=True))",
+    "capturable": "not an option of dmuon's AdamW (a CUDA graph of the Muon phase is"
+    " options=dmuon.StepOptions(cuda_graph=True))",
+    "differentiable": "not an option of dmuon's optimizers, whose step runs without autograd",
+    "decoupled_weight_decay": "not an option of dmuon's AdamW, whose weight decay is always"
+    " decoupled (torch.optim.AdamW's)",
 }
 
 
