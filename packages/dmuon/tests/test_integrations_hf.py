@@ -6,9 +6,11 @@ bit for bit. The shipped classes override no underscored transformers method."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -89,7 +91,13 @@ def _rows(world_size: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _train(
-    root: str, name: str, seed: int, resume: str | None = None, build=_model, max_grad_norm=1.0
+    root: str,
+    name: str,
+    seed: int,
+    resume: str | None = None,
+    build=_model,
+    max_grad_norm=1.0,
+    earlier: bool = False,
 ):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -112,8 +120,19 @@ def _train(
     )
     mesh = init_device_mesh("cpu", (args.world_size,))
     rows = _rows(args.world_size)
+    model = build(seed, mesh)
+    earlier_freed = None
+    if earlier:
+        # A trainer built on the model before this one and dropped (a first attempt, a cell
+        # run again): its load hooks stayed on the model, loaded the checkpoint's weights file
+        # that this trainer's resume leaves out, and kept it and its optimizer alive.
+        dropped = hf.DmuonTrainer(model, args, train_dataset=rows, muon_kwargs={"lr": 0.05})
+        dropped.create_optimizer()
+        earlier_freed = weakref.ref(dropped)
+        del dropped
+        gc.collect()
     trainer = hf.DmuonTrainer(
-        build(seed, mesh),
+        model,
         args,
         train_dataset=rows,
         eval_dataset=rows[: 2 * ROWS_PER_RANK * args.world_size],
@@ -126,6 +145,7 @@ def _train(
     trainer.train(resume_from_checkpoint=resume)
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
     trainer.grad_norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    trainer.earlier_freed = None if earlier_freed is None else earlier_freed() is None
     return trainer, losses, trainer.evaluate()["eval_loss"]
 
 
@@ -217,19 +237,33 @@ def _moe_resume(rank: int, world_size: int, root: str) -> dict:
     # weights' (it used to raise at the first step: dmuon's clip takes a finite max_norm).
     first, losses, _ = _train(root, "moe", seed=0, build=_moe_model, max_grad_norm=math.inf)
     checkpoint = os.path.join(root, "moe", f"checkpoint-{SAVE_AT}")
-    _, resumed, _ = _train(
-        root, "moe-resumed", seed=1, resume=checkpoint, build=_moe_model, max_grad_norm=math.inf
+    second, resumed, _ = _train(
+        root,
+        "moe-resumed",
+        seed=1,
+        resume=checkpoint,
+        build=_moe_model,
+        max_grad_norm=math.inf,
+        earlier=True,
     )
-    return {"losses": losses, "resumed": resumed, "grad_norms": first.grad_norms}
+    return {
+        "losses": losses,
+        "resumed": resumed,
+        "grad_norms": first.grad_norms,
+        "earlier_freed": second.earlier_freed,
+    }
 
 
 @pytest.mark.distributed
 def test_a_mixture_of_experts_run_resumes_bit_for_bit(tmp_path) -> None:
     # The checkpoint's weights file names each expert apart (save_pretrained), the model holds
     # them stacked: the resume takes the weights from the dmuon checkpoint instead.
+    # The resumed run's model had a trainer built on it first (its hooks loaded the weights
+    # file: 'set_model_state_dict: missing key(s)'), which must be freed once dropped.
     out = run_distributed(_moe_resume, 2, str(tmp_path))[0]
     later = {step: loss for step, loss in out["losses"].items() if step > SAVE_AT}
     assert later and {s: v for s, v in out["resumed"].items() if s > SAVE_AT} == later
+    assert out["earlier_freed"]
     # Measured, not clipped: every step logs a finite norm of every gradient.
     norms = out["grad_norms"]
     assert len(norms) == STEPS and all(0 < n < math.inf for n in norms), norms

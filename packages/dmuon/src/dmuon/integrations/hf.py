@@ -56,8 +56,9 @@ public extension point; no underscored ``Trainer`` method is overridden.
   gathers them into its host memory, one tensor at a time, and writes them.
 - Resume. ``train(resume_from_checkpoint=...)`` first loads the checkpoint's weights file with
   ``model.load_state_dict(weights, strict=False)``: it refuses a checkpoint without one, and
-  FSDP2's DTensor parameters refuse plain tensors. ``DmuonTrainer`` registers a
-  ``load_state_dict`` pre-hook on the model that loads a full dictionary of plain tensors with
+  FSDP2's DTensor parameters refuse plain tensors. The first ``DmuonTrainer`` built on a
+  model registers a ``load_state_dict`` pre-hook on it (one per model, however many trainers
+  follow, and holding none of them) that loads a full dictionary of plain tensors with
   ``dmuon.set_model_state_dict`` (each rank takes its part), which is why each checkpoint holds
   the full weights; during a resume the hook leaves that load out, since ``on_train_begin``
   loads the same weights from ``dmuon/`` (and a transformers 5 mixture-of-experts model's file
@@ -75,6 +76,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -274,9 +276,7 @@ class DmuonTrainer(Trainer):
             )
         # See [Note: the Trainer's public hooks under dmuon], preparation and resume.
         self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
-        loader = _FullStateLoad(self)
-        _model(self).register_load_state_dict_pre_hook(loader.before)
-        _model(self).register_load_state_dict_post_hook(loader.after)
+        _FullStateLoad.of(_model(self))
         self.add_callback(_DmuonEvents(self))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -309,7 +309,9 @@ class DmuonTrainer(Trainer):
         """The Trainer's ``train``; ``resume_from_checkpoint`` (a ``checkpoint-N`` folder, or
         ``True`` for the last one in ``output_dir``) must hold a dmuon checkpoint."""
         checkpoint = _checkpoint_to_resume(resume_from_checkpoint, str(self.args.output_dir))
+        loader = _FullStateLoad.of(_model(self))
         self.resuming_from = checkpoint
+        loader.resuming = checkpoint is not None
         try:
             return super().train(
                 resume_from_checkpoint=checkpoint,
@@ -318,6 +320,7 @@ class DmuonTrainer(Trainer):
             )
         finally:
             self.resuming_from = None
+            loader.resuming = False
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the full weights in Hugging Face's format (``from_pretrained`` reads them);
@@ -408,21 +411,36 @@ class _FullStateLoad:
     ``dmuon.set_model_state_dict`` (see [Note: the Trainer's public hooks under dmuon],
     resume): a pre-hook on the root loads it and empties torch's copy of the dictionary, and
     the post-hook drops the keys it loaded from ``missing_keys``. A dictionary of DTensors (a
-    sharded state dict) goes to torch's own load unchanged. While ``train`` resumes, the
-    Trainer's load of the checkpoint's weights file is left out: ``on_train_begin`` loads the
-    same weights from its ``dmuon/`` folder, and the file holds what ``save_pretrained``
-    wrote, which for a transformers 5 mixture-of-experts model names each expert apart where
-    the model holds them stacked."""
+    sharded state dict) goes to torch's own load unchanged. While ``train`` resumes
+    (``resuming``), the Trainer's load of the checkpoint's weights file is left out:
+    ``on_train_begin`` loads the same weights from its ``dmuon/`` folder, and the file holds
+    what ``save_pretrained`` wrote, which for a transformers 5 mixture-of-experts model names
+    each expert apart where the model holds them stacked.
 
-    def __init__(self, trainer: DmuonTrainer) -> None:
-        self.trainer = trainer
+    One per model (:meth:`of`), whatever the number of trainers built on it, and holding none
+    of them: each trainer's own hooks (as before) piled up on the model, the first one loaded
+    the file that a later trainer's resume leaves out, and they kept every trainer, with its
+    optimizer's states, alive as long as the model."""
+
+    def __init__(self) -> None:
         self.loaded: set[str] = set()
         self.deferred = False
+        self.resuming = False  # set by DmuonTrainer.train while it resumes
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _FullStateLoad:
+        """``model``'s loader, its two hooks registered on the first call."""
+        loader = _LOADERS.get(model)
+        if loader is None:
+            loader = _LOADERS[model] = cls()
+            model.register_load_state_dict_pre_hook(loader.before)
+            model.register_load_state_dict_post_hook(loader.after)
+        return loader
 
     def before(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
         if prefix or not state_dict or any(isinstance(v, DTensor) for v in state_dict.values()):
             return
-        if self.trainer.resuming_from is not None:
+        if self.resuming:
             self.deferred = True
             state_dict.clear()
             return
@@ -452,6 +470,10 @@ class _FullStateLoad:
         missing = [key for key in incompatible.missing_keys if key not in self.loaded]
         incompatible.missing_keys[:] = missing
         self.loaded = set()
+
+
+# Each model's loader, without keeping the model alive (the model's hooks hold the loader).
+_LOADERS: weakref.WeakKeyDictionary[nn.Module, _FullStateLoad] = weakref.WeakKeyDictionary()
 
 
 def _checkpoint_to_resume(resume: str | bool | None, output_dir: str) -> str | None:
