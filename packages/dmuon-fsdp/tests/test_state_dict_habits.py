@@ -5,6 +5,7 @@ replicated (DDP) path and on the FSDP2 path."""
 from __future__ import annotations
 
 import io
+from typing import cast
 
 import pytest
 import torch
@@ -210,7 +211,31 @@ def _optimizer_dicts(rank: int, world_size: int):
     fresh = Muon(sharded, **HYPER.muon_kwargs())
     assert _load(fresh, _round_trip(optimizer.state_dict())) is None
     assert _same_state(fresh, optimizer)
+
+    # torch's state dict hooks around the whole of dmuon's methods: what a state_dict
+    # post-hook saves loads (it lacked dmuon_holdings), a load pre-hook converts a dictionary
+    # before it is checked (it came after: 'holds ['ns_steps'], which no step reads'), and a
+    # load post-hook finds the owned matrices' states (it found none).
+    seen: dict[str, object] = {}
+    optimizer.register_state_dict_post_hook(lambda _, state: seen.update(saved=_round_trip(state)))
+    optimizer.state_dict()
+    hooked = Muon(sharded, **HYPER.muon_kwargs())
+    hooked.register_load_state_dict_pre_hook(_without_ns_steps)
+    hooked.register_load_state_dict_post_hook(
+        lambda opt: seen.update(states=[bool(opt.state.get(dp.param)) for dp in opt.runtime.owned])
+    )
+    older = cast(dict, seen["saved"])
+    older["param_groups"][0]["ns_steps"] = 5  # an older dmuon's dictionary, say
+    assert _load(hooked, older) is None
+    assert _same_state(hooked, optimizer)
+    assert seen["states"] and all(cast(list, seen["states"])), seen["states"]
     return errors, resumes
+
+
+def _without_ns_steps(optimizer: Muon, state_dict: dict) -> dict:
+    """A load pre-hook, torch's way to convert an older dictionary: drops ``ns_steps``."""
+    groups = [{k: v for k, v in g.items() if k != "ns_steps"} for g in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
 
 
 @pytest.mark.distributed

@@ -19,9 +19,11 @@ for the default process group, and ``torch.compiler.is_compiling()``. The patch 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -59,6 +61,7 @@ __all__ = [
     "in_backward",
     "local_shard",
     "local_tensor",
+    "optimizer_state_dict_hooks_taken",
     "parse_to_args",
     "profiler_enabled",
     "queue_backward_callback",
@@ -436,6 +439,31 @@ _DCP_STATE_DICT_SOURCES = (
     "torch/distributed/checkpoint/state_dict.py",
     "torch\\distributed\\checkpoint\\state_dict.py",
 )
+
+
+@contextlib.contextmanager
+def optimizer_state_dict_hooks_taken(
+    optimizer: torch.optim.Optimizer, *, load: bool
+) -> Iterator[tuple[list[Callable[..., Any]], list[Callable[..., Any]]]]:
+    """The pre- and post-hooks of ``optimizer.state_dict`` (``load=False``) or of
+    ``optimizer.load_state_dict`` (``load=True``), taken out of the optimizer for the block, so
+    that torch's method called inside it runs none and the caller runs them around its whole
+    work (a hook registered inside the block is kept).
+
+    Uses ``Optimizer._optimizer_{load_,}state_dict_{pre,post}_hooks``: torch runs the hooks
+    inside its own method, around torch's part of a subclass's dictionary, and no public API
+    runs them apart from it."""
+    kind = "load_state_dict" if load else "state_dict"
+    names = (f"_optimizer_{kind}_pre_hooks", f"_optimizer_{kind}_post_hooks")
+    held = [getattr(optimizer, name) for name in names]
+    for name in names:
+        setattr(optimizer, name, OrderedDict())
+    try:
+        yield list(held[0].values()), list(held[1].values())
+    finally:
+        for name, hooks in zip(names, held, strict=True):
+            hooks.update(getattr(optimizer, name))
+            setattr(optimizer, name, hooks)
 
 
 def torch_optim_state_dict_running() -> bool:

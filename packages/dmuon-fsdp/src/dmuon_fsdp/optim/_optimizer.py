@@ -50,6 +50,7 @@ from .._profile import PhaseTimer, no_mark, span
 from .._torch_internals import (
     foreach_max_abs,
     local_shard,
+    optimizer_state_dict_hooks_taken,
     torch_optim_state_dict_running,
 )
 from ..holder import (
@@ -884,6 +885,17 @@ class Muon(torch.optim.Optimizer):
             self._overlap.end_step()
 
     # -- torch's state dict: see [Note: loading another rank's optimizer state dict] ----------
+    #
+    # [Note: the optimizer's state dict hooks]
+    # torch runs ``register_state_dict_pre_hook`` / ``_post_hook`` and
+    # ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks inside its own method, which
+    # here is only part of the work: called so, a state_dict post-hook saw the dictionary
+    # without its ``dmuon_holdings`` (a dictionary saved from it was refused at its load), a
+    # load pre-hook ran after dmuon had checked the dictionary (a hook that deletes a key
+    # no step reads, torch's way to convert an old dictionary, came too late) and a load
+    # post-hook ran before the owned matrices' states were installed (it saw none of them).
+    # So the hooks are taken out of torch's call and run around dmuon's whole method, as torch
+    # runs them around its own.
 
     def state_dict(self) -> dict[str, Any]:
         if torch_optim_state_dict_running():
@@ -896,19 +908,39 @@ class Muon(torch.optim.Optimizer):
                 " full state, collective), or dmuon.save_checkpoint / dmuon.AppState for a"
                 " sharded checkpoint"
             )
-        return for_saving(self, self._dedicated, super().state_dict())
+        # The hooks see the whole dictionary (see [Note: the optimizer's state dict hooks]).
+        with optimizer_state_dict_hooks_taken(self, load=False) as (pre_hooks, post_hooks):
+            for pre_hook in pre_hooks:
+                pre_hook(self)
+            state_dict = for_saving(self, self._dedicated, super().state_dict())
+            for post_hook in post_hooks:
+                returned = post_hook(self, state_dict)
+                if returned is not None:
+                    state_dict = returned
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        torch_part, owned = split_for_load(self, self._dedicated, state_dict)
-        groups = self.param_groups
-        super().load_state_dict(torch_part)
-        # torch loads into new group dicts, but the step plan (and with it every step) reads
-        # the groups it was built on: those take the loaded values and stay the groups, so a
-        # loaded lr, or a scheduler's after the load, reaches the step.
-        for group, loaded in zip(groups, self.param_groups, strict=True):
-            group.update(loaded)
-        self.param_groups = groups
-        install_dedicated_state(self, owned)
+        """torch's ``load_state_dict``, for this rank's ``state_dict()``; its hooks run around
+        the whole load (see [Note: the optimizer's state dict hooks])."""
+        with optimizer_state_dict_hooks_taken(self, load=True) as (pre_hooks, post_hooks):
+            if isinstance(state_dict, dict):
+                state_dict = state_dict.copy()  # as torch's: a hook may change it in place
+            for pre_hook in pre_hooks:
+                returned = pre_hook(self, state_dict)
+                if returned is not None:
+                    state_dict = returned
+            torch_part, owned = split_for_load(self, self._dedicated, state_dict)
+            groups = self.param_groups
+            super().load_state_dict(torch_part)
+            # torch loads into new group dicts, but the step plan (and with it every step)
+            # reads the groups it was built on: those take the loaded values and stay the
+            # groups, so a loaded lr, or a scheduler's after the load, reaches the step.
+            for group, loaded in zip(groups, self.param_groups, strict=True):
+                group.update(loaded)
+            self.param_groups = groups
+            install_dedicated_state(self, owned)
+            for post_hook in post_hooks:
+                post_hook(self)
 
     # -- the dmuon-clip protocol --------------------------------------------------------------
 
