@@ -194,14 +194,11 @@ class DmuonOptimizersContainer(OptimizersContainer):
 
     [Note: Muon gradients in torchtitan]
     torchtitan divides each rank's summed loss by the global token count and turns off FSDP2's
-    gradient division (``disable_fsdp_gradient_division``), so an FSDP2 gradient is the sum
-    over the data-parallel ranks. dmuon averages the Muon gradients over them (it divides the
-    sum by the data-parallel degree ``W``). Muon's update does not depend on the gradient's
-    scale (momentum is linear and Newton–Schulz normalises its input), so that changes nothing
-    but the norm: ``Trainer.train_step`` clips FSDP2's gradients (``training.max_norm``,
-    expert stacks included) and never sees those of the dedicated weights, which :meth:`step`
-    clips at ``muon_max_norm / W``, the same coefficient as ``muon_max_norm`` on torchtitan's
-    scale.
+    gradient division (``disable_fsdp_gradient_division`` sets ``set_gradient_divide_factor(1.0)``
+    on every ``fully_shard`` module), so an FSDP2 gradient is the sum over the data-parallel
+    ranks. dmuon follows that factor: the Muon gradients are sums too. ``Trainer.train_step``
+    clips FSDP2's gradients (``training.max_norm``, expert stacks included) and never sees those
+    of the dedicated weights, which :meth:`step` clips at ``muon_max_norm``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -253,7 +250,6 @@ class DmuonOptimizersContainer(OptimizersContainer):
         )
         self.optimizers = [self.muon]
         self.muon_max_norm = config.muon_max_norm
-        self.dp_degree = dmuon.runtime.get_comm_ctx(model).layout.world_size
         # torchtitan clips every param.grad; the dedicated weights' gradients are not there.
         self.held = dmuon.dedicated_params_of(model)
         # Optimizer.__init__, as OptimizersContainer does, for the step hooks it registers.
@@ -263,8 +259,7 @@ class DmuonOptimizersContainer(OptimizersContainer):
         if closure is not None:
             raise ValueError("DmuonOptimizersContainer.step takes no closure, as torchtitan's")
         if self.muon_max_norm is not None:
-            max_norm = self.muon_max_norm / self.dp_degree
-            dmuon.clip_grad_norm_(self.muon, max_norm, params=self.held)
+            dmuon.clip_grad_norm_(self.muon, self.muon_max_norm, params=self.held)
         self.muon.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -35,16 +35,42 @@ def _local(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def _grads_match_reference(
-    rank: int, world_size: int, reshard: bool, checkpoint: bool | str = False, threshold: int = 0
+    rank: int,
+    world_size: int,
+    reshard: bool,
+    checkpoint: bool | str = False,
+    threshold: int = 0,
+    factors: dict[str, float] | None = None,
 ) -> None:
+    """``factors``: FSDP2's ``set_gradient_divide_factor`` for the modules named, and the loss
+    divided by the world size (the global token count, as torchtitan does): each gradient is
+    then the reference's times ``world_size / factor`` of the nearest module holding it, the
+    reference's where that is 1 (``1 / world_size`` where none was set)."""
     model, runtime = _setup(world_size, reshard, checkpoint, threshold)
     owners = {dp.owner for dp in runtime.params}
     # threshold 0: every matrix placed alone, every rank owns some; default: one pack per layer.
     assert len(owners) == (world_size if threshold == 0 else min(world_size, 2))
+    scale = 1.0
+    if factors is not None:
+        scale = 1 / world_size
+        for name, factor in factors.items():
+            model.get_submodule(name).set_gradient_divide_factor(factor)
+            # gloo has no PREMUL_SUM: FSDP2 then sums and divides afterwards (on one rank,
+            # torch 2.13 divides twice so: no collective there, no need)
+            model.get_submodule(name).set_force_sum_reduction_for_comms(world_size > 1)
+
+    def expected(name: str, grad: torch.Tensor) -> torch.Tensor:
+        nearest = max(
+            (m for m in factors or {} if not m or name.startswith(f"{m}.")), key=len, default=None
+        )
+        if nearest is None:
+            return grad * scale
+        return grad * (scale * world_size / factors[nearest])  # type: ignore[index]
+
     ref = build(0)
     tokens = batch(0, ROWS)
     loss = loss_fn(model, _local(tokens, rank, world_size))
-    loss.backward()
+    (loss * scale).backward()
     runtime.wait_all_reduces()
     ref_loss = loss_fn(ref, tokens)
     ref_loss.backward()
@@ -57,7 +83,8 @@ def _grads_match_reference(
         assert dp.param.grad is None, f"{dp.fqn}: param.grad must be dropped"
         if dp.is_owner:
             assert dp.grad is not None and dp.full is not None
-            torch.testing.assert_close(dp.grad, ref_params[dp.fqn].grad, rtol=1e-5, atol=1e-7)
+            want = expected(dp.fqn, ref_params[dp.fqn].grad)
+            torch.testing.assert_close(dp.grad, want, rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(dp.full, ref_params[dp.fqn].detach(), rtol=0, atol=0)
         else:
             assert dp.grad is None and dp.full is None
@@ -73,7 +100,7 @@ def _grads_match_reference(
             continue
         assert isinstance(param, DTensor), name
         torch.testing.assert_close(
-            param.grad.full_tensor(), ref_params[name].grad, rtol=1e-5, atol=1e-7
+            param.grad.full_tensor(), expected(name, ref_params[name].grad), rtol=1e-5, atol=1e-7
         )
     expected = {n for n, p in ref.named_parameters() if muon_predicate(n, p)}
     assert dedicated == expected
@@ -99,6 +126,22 @@ def test_grads_match_with_activation_checkpointing(reshard: bool, checkpoint: bo
     # boundary's reduce point. Also the planner's default packing: one pack (one owner) per
     # boundary.
     run_distributed(_grads_match_reference, 4, reshard, checkpoint, 5_000_000)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("world_size", "factors"),
+    [(2, {"": 1.0, "layers.0": 1.0, "layers.1": 1.0}), (1, {"layers.1": 4.0})],
+    ids=["torchtitan", "one-layer"],
+)
+def test_grads_follow_fsdp2_gradient_divide_factor(
+    world_size: int, factors: dict[str, float]
+) -> None:
+    # torchtitan sets factor 1.0 on every fully_shard module and divides the loss by the global
+    # token count: the dedicated gradients are sums too, as FSDP2's (averaging them made them
+    # world_size times smaller, which a clip over both routes would see). A factor on one layer
+    # divides that layer's gradients alone, on one rank too.
+    run_distributed(_grads_match_reference, world_size, True, False, 0, factors)
 
 
 def _two_backwards(rank: int, world_size: int) -> bool:

@@ -51,6 +51,7 @@ __all__ = [
     "foreach_max_abs",
     "foreach_mul_",
     "fsdp_forward_method_running",
+    "fsdp_gradient_divide_factors",
     "fsdp_gradient_sync_off",
     "fsdp_init_module",
     "fsdp_init_running",
@@ -204,6 +205,16 @@ def fsdp_gradient_sync_off(modules: Sequence[FSDPModule]) -> bool:
     no public getter."""
     groups = _fsdp_param_groups(modules)
     return bool(groups) and not any(group.reduce_grads for group in groups)
+
+
+def fsdp_gradient_divide_factors(module: FSDPModule) -> list[float | None]:
+    """What ``set_gradient_divide_factor`` gave each FSDP2 parameter group of ``module`` (``None``
+    where it was not called: FSDP2 then divides by its data-parallel world size); empty when
+    ``fully_shard`` left the module no parameters.
+
+    Reads ``FSDPParamGroup.gradient_divide_factor``: FSDP2 keeps the factor on its parameter
+    groups and has no public getter."""
+    return [group.gradient_divide_factor for group in _fsdp_param_groups([module])]
 
 
 def fsdp_offloads_to_cpu(module: FSDPModule) -> bool:

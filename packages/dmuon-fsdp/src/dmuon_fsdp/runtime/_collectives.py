@@ -34,6 +34,14 @@ shard column into the global owner (stage two), which divides once by
 and of sync/async publish; the only thing that changes it is the summation order of the reduce
 itself (1-D vs HSDP).
 
+The divisor is FSDP2's: where ``set_gradient_divide_factor`` gave the ``fully_shard`` module
+that holds a parameter a factor (torchtitan sets 1.0 on every module and divides its loss by
+the global token count instead), its gradient is divided by that factor, as FSDP2 divides the
+module's own gradients; otherwise by ``G · R``, FSDP2's default. A gradient averaged while
+FSDP2's are summed would be ``G · R`` times too small beside them: Muon's update would not
+notice, but a clip over both routes, or the norm it reports, would (``DedicatedRuntime``
+finds the module, see its ``_grad_divisors``).
+
 [Note: a parameter without a gradient]
 
 As ``torch.optim`` leaves a parameter whose ``.grad`` is ``None`` untouched (no momentum, no
@@ -66,7 +74,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import NamedTuple, Protocol
 
@@ -84,6 +92,7 @@ from ._pack import Pack
 __all__ = [
     "AllReduceQueue",
     "CollectiveResult",
+    "Divisors",
     "GradListener",
     "PendingReduce",
     "ReduceQueue",
@@ -97,6 +106,10 @@ __all__ = [
     "reduce_sum",
     "wait",
 ]
+
+# What the owner divides a pack's summed gradients by: one number, or one per parameter (see
+# [Note: gradient reduction]).
+Divisors = Callable[[Pack], "float | list[float]"]
 
 
 class CollectiveResult(NamedTuple):
@@ -262,8 +275,8 @@ def reduce_over_replicas(pending: PendingReduce, comm: DedicatedCommContext) -> 
     return pending._replace(result=result, needs_replicate_stage=False)
 
 
-def finish_reduce(pending: PendingReduce, divisor: int, undecided: Undecided) -> None:
-    """Wait for the last stage and, on the global owner, add the sum divided by ``divisor`` to
+def finish_reduce(pending: PendingReduce, divisors: Divisors, undecided: Undecided) -> None:
+    """Wait for the last stage and, on the global owner, add the sum divided by its divisor to
     the ``DedicatedParam.grad`` of each parameter this rank's backward gave a gradient (a view
     of the reduced buffer when it was unset); a trainable parameter it did not see waits in
     ``undecided`` for its presence flag (see [Note: a parameter without a gradient])."""
@@ -273,7 +286,12 @@ def finish_reduce(pending: PendingReduce, divisor: int, undecided: Undecided) ->
     if pack.role is not Role.OWNER:
         return
     grads = flat[: pack.numel]
-    grads.div_(divisor)
+    divisor = divisors(pack)
+    if isinstance(divisor, list):
+        for dp, by in zip(pack.params, divisor):
+            grads[dp.offset : dp.offset + dp.numel].div_(by)
+    else:
+        grads.div_(divisor)
     for index, (dp, saw) in enumerate(zip(pack.params, pending.seen)):
         grad = grads[dp.offset : dp.offset + dp.numel].view(dp.local_shape)
         if dp in undecided:
@@ -322,16 +340,19 @@ def _reduce_dtype(pack: Pack) -> torch.dtype:
     return precision.reduce
 
 
-def keep_local_grads(pack: Pack) -> None:
+def keep_local_grads(pack: Pack, divisors: Divisors) -> None:
     """A world of one rank: the local gradient is already the average, so it becomes
-    ``DedicatedParam.grad`` without a copy (unless its reduce dtype differs; ``.grad`` is
-    still dropped). A parameter without one keeps its ``DedicatedParam.grad`` (see [Note: a
-    parameter without a gradient])."""
+    ``DedicatedParam.grad`` without a copy (unless its reduce dtype differs, or FSDP2's
+    gradient divide factor is not 1; ``.grad`` is still dropped). A parameter without one keeps
+    its ``DedicatedParam.grad`` (see [Note: a parameter without a gradient])."""
     dtype = _reduce_dtype(pack)
-    for dp in pack.params:
+    divisor = divisors(pack)
+    by = divisor if isinstance(divisor, list) else [divisor] * len(pack.params)
+    for dp, d in zip(pack.params, by):
         grad = dp.take_local_grad()
         if grad is not None:
-            dp.accumulate_grad(grad.to(dtype))
+            grad = grad.to(dtype)
+            dp.accumulate_grad(grad if d == 1 else grad / d)
 
 
 class GradListener(Protocol):
@@ -359,8 +380,9 @@ class ReduceQueue:
     The queue holds its listener weakly: an optimizer deleted (``del optimizer``) is freed with
     its early results and stops hearing, as if it had never listened."""
 
-    def __init__(self, comm: DedicatedCommContext) -> None:
+    def __init__(self, comm: DedicatedCommContext, divisors: Divisors) -> None:
         self._comm = comm
+        self._divisors = divisors
         self._pending: deque[PendingReduce] = deque()
         self._undecided = Undecided()
         self._listener: weakref.ref[GradListener] | None = None
@@ -384,7 +406,7 @@ class ReduceQueue:
         """Start reducing ``pack``'s local gradients towards its owner."""
         with span("dmuon::reduce"):
             if self._comm.layout.world_size == 1:
-                keep_local_grads(pack)
+                keep_local_grads(pack, self._divisors)
                 listener = self.listener
                 if listener is not None:
                     listener(pack.params)
@@ -397,7 +419,6 @@ class ReduceQueue:
 
     def _finish_older(self, listener: GradListener) -> None:
         """See [Note: gradients final during backward]."""
-        divisor = self._comm.layout.world_size
         while len(self._pending) > 1 and not self._pending[0].needs_replicate_stage:
             pending = self._pending.popleft()
             stream = listener.stream
@@ -405,7 +426,7 @@ class ReduceQueue:
                 pending.result.tensor.record_stream(stream)
                 self._finished_on = stream
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                finish_reduce(pending, divisor, self._undecided)
+                finish_reduce(pending, self._divisors, self._undecided)
             listener(pending.pack.params)
 
     def issue_replicate_stages(self, *, keep_newest: bool = False) -> None:
@@ -421,9 +442,8 @@ class ReduceQueue:
     def wait_all(self) -> None:
         """Finish every pending reduction: owned gradients are final afterwards."""
         self.issue_replicate_stages()
-        divisor = self._comm.layout.world_size
         while self._pending:
-            finish_reduce(self._pending.popleft(), divisor, self._undecided)
+            finish_reduce(self._pending.popleft(), self._divisors, self._undecided)
         stream, self._finished_on = self._finished_on, None
         if len(self._undecided):
             if stream is not None:

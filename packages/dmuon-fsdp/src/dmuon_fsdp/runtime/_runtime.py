@@ -36,7 +36,11 @@ from dmuon_ownership import Owner, ParamPolicy, Plan
 
 from .._checks import check_bool
 from .._profile import span
-from .._torch_internals import fsdp_gradient_sync_off, fsdp_manages
+from .._torch_internals import (
+    fsdp_gradient_divide_factors,
+    fsdp_gradient_sync_off,
+    fsdp_manages,
+)
 from ..holder import (
     DEEPCOPY_FIX,
     FULLY_SHARD_FIX,
@@ -56,7 +60,7 @@ from ._collectives import AllReduceQueue, GradListener, ReduceQueue
 from ._config import DedicateConfig
 from ._group import DedicatedGroup
 from ._hooks import BoundaryHooks
-from ._pack import without_storage
+from ._pack import Pack, without_storage
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -96,7 +100,7 @@ class DedicatedRuntime:
         self.params = params
         self.groups = groups
         self.owned = [dp for dp in params if dp.is_owner]
-        self.reduce_queue = ReduceQueue(comm)
+        self.reduce_queue = ReduceQueue(comm, self._grad_divisors)
         # The replicated path's other parameters (``replicate``), summed over every rank.
         self.all_reduce_queue = AllReduceQueue(comm)
         self.replicated_params: list[nn.Parameter] = []
@@ -109,6 +113,9 @@ class DedicatedRuntime:
         self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
         self._fsdp_modules: list[FSDPModule] | None = None  # set at the first backward
+        # Where each dedicated parameter's gradient divisor comes from, by id(dp): set at the
+        # first reduce (see _grad_divisors).
+        self._divisor_sources: dict[int, FSDPModule | None] | None = None
         self._final = False  # packed with the precision fully_shard asks for
         # The zero gradients zero_grad(set_to_none=False) gave each owner, by id(dp): zeroed in
         # place at the next such call while still its gradient (see clear_grads).
@@ -154,6 +161,35 @@ class DedicatedRuntime:
             assert model is not None, "the model this runtime belongs to was deleted"
             self._fsdp_modules = [module for _, module in fsdp_modules(model)]
         return fsdp_gradient_sync_off(self._fsdp_modules)
+
+    def _grad_divisors(self, pack: Pack) -> float | list[float]:
+        """What the owner divides ``pack``'s summed gradients by (see [Note: gradient
+        reduction] in ``_collectives``): for each parameter the factor that
+        ``set_gradient_divide_factor`` gave the nearest ``fully_shard`` module at or above its
+        module that holds FSDP2 parameters (FSDP2 keeps the factor there: set on a module
+        without any, it has no effect, with or without dmuon), read at each reduce as FSDP2
+        reads it; the world size where none was given. One number when they agree."""
+        if self._divisor_sources is None:
+            model = self._model()
+            assert model is not None, "the model this runtime belongs to was deleted"
+            modules = dict(model.named_modules())
+            self._divisor_sources = {
+                id(dp): next(
+                    (
+                        m
+                        for m in fsdp_modules_above(modules.get, dp.fqn.rpartition(".")[0])
+                        if fsdp_gradient_divide_factors(m)
+                    ),
+                    None,
+                )
+                for dp in self.params
+            }
+        divisors: list[float] = []
+        for dp in pack.params:
+            source = self._divisor_sources[id(dp)]
+            factor = None if source is None else fsdp_gradient_divide_factors(source)[0]
+            divisors.append(self.layout.world_size if factor is None else factor)
+        return divisors[0] if len(set(divisors)) == 1 else divisors
 
     def _finish_packing(self) -> None:
         if self._final:
