@@ -109,3 +109,66 @@ def test_hugging_face_round_trip(tmp_path, tie):
     assert same_keys and same_weights
     assert tied is tie
     assert same_logits
+
+
+def _lora(rank: int, world_size: int, root: str):
+    """A PEFT LoRA model (bases frozen by ``get_peft_model``), the FAQ's predicate: only the
+    adapters are dedicated. PEFT's ``save_pretrained`` and ``merge_and_unload`` on the sharded
+    model are refused naming the recipe; ``save_pretrained`` given the gathered weights writes
+    an adapter that reloads to the trained logits."""
+    import torch.distributed as dist
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    from dmuon_fsdp import Muon, NotHeldError, dedicate_params, get_model_state_dict
+
+    def base():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(_config(False))
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = get_peft_model(base(), lora)
+    mesh = init_device_mesh("cpu", (world_size,))
+    runtime = dedicate_params(model, mesh, lambda n, p: "proj" in n and p.ndim == 2)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = Muon(model)
+    for step in range(3):
+        optimizer.zero_grad()
+        tokens = shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size)
+        lm_loss(lambda t: _logits(model, t), tokens).backward()
+        optimizer.step()
+    probe = make_batch(99, 2, SEQ, VOCAB)
+    with torch.no_grad():
+        trained_logits = _logits(model, probe)
+
+    with pytest.raises(NotHeldError, match=r"PEFT's save_pretrained .*state_dict=dmuon\.get_mod"):
+        model.save_pretrained(os.path.join(root, "naive"))
+    # The first adapter PEFT merges is layer 0's q_proj: its owner holds it (and then fails in
+    # torch, adding it to FSDP2's shard of the base), every other rank raises naming the recipe.
+    first = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    if not next(dp for dp in runtime.params if dp.fqn == first).is_owner:
+        with pytest.raises(NotHeldError, match=r"PEFT's merge .*get_model_state_dict"):
+            model.merge_and_unload()
+
+    out_dir = os.path.join(root, "adapter")
+    state = get_model_state_dict(model, rank0_only=True)
+    model.save_pretrained(out_dir, state_dict=state, is_main_process=rank == 0)
+    dist.barrier()
+    reloaded = PeftModel.from_pretrained(base(), out_dir)
+    with torch.no_grad():
+        same_logits = torch.equal(_logits(reloaded, probe), trained_logits)
+    kinds = sorted({dp.fqn.split(".")[-3] for dp in runtime.params})
+    return kinds, len(runtime.params), same_logits
+
+
+@pytest.mark.distributed
+def test_peft_lora_adapters_train_and_save(tmp_path):
+    pytest.importorskip("peft")
+    for kinds, dedicated, same_logits in run_distributed(_lora, 2, str(tmp_path)):
+        # only the adapters (3 targets x 2 layers x A, B), not the frozen bases
+        assert kinds == ["lora_A", "lora_B"] and dedicated == 12
+        assert same_logits

@@ -387,8 +387,23 @@ _ACCELERATE = (
     "get_state_dict or save_model): use no FSDP plugin, and dmuon.save_checkpoint for "
     "checkpoints (the Hugging Face guide, 'A training loop of your own with accelerate')."
 )
+_PEFT_SAVE_PRETRAINED = (
+    "PEFT's save_pretrained reads every weight of the model (its state_dict) to keep the "
+    "adapter's: hand it the gathered weights, model.save_pretrained(path, "
+    "state_dict=dmuon.get_model_state_dict(model, rank0_only=True), is_main_process=rank == 0), "
+    "called on every rank (the FAQ, 'Adapters and LoRA')."
+)
+_PEFT_MERGE = (
+    "PEFT's merge adds each adapter into its base weight, which FSDP2 holds sharded and dmuon "
+    "whole on the adapter's owner only: gather the weights with dmuon.get_model_state_dict(model) "
+    "on every rank and merge in an unsharded copy of the PEFT model loaded from them (the FAQ, "
+    "'Adapters and LoRA')."
+)
 _WHOLE_MODEL_READERS = (
     ("save_pretrained", "transformers/modeling_utils.py", _SAVE_PRETRAINED),
+    ("save_pretrained", "peft/peft_model.py", _PEFT_SAVE_PRETRAINED),
+    ("merge_and_unload", "peft/tuners/tuners_utils.py", _PEFT_MERGE),
+    ("merge_adapter", "peft/tuners/tuners_utils.py", _PEFT_MERGE),
     ("prepare", "accelerate/accelerator.py", _ACCELERATE),
     ("save_state", "accelerate/accelerator.py", _ACCELERATE),
     ("get_state_dict", "accelerate/accelerator.py", _ACCELERATE),
