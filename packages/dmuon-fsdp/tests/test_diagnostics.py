@@ -1,6 +1,8 @@
 """Diagnostics: per-parameter dtypes (master, compute, reduce, optimizer state, output) and the
 ``param_policy`` overrides that matched in ``summarize_param_groups``; the row limit of
-``summarize_comm_plan``; ``collect_forward_unshard_profile(clear=True)``.
+``summarize_comm_plan``; ``collect_forward_unshard_profile(clear=True)``; the bytes per step of
+``summarize_comm_plan`` against those dmuon's collectives carry in a step, counted at
+``torch.distributed`` on every process group.
 
 One world-2 call: a bf16 FSDP2 policy on every module (the root's with an fp32 output), and a
 ``param_policy`` whose overrides change one dtype each, so every dtype of every row has one
@@ -10,10 +12,15 @@ expected value, written out here by hand.
 from __future__ import annotations
 
 import json
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
-from _models import build, muon_predicate
+import torch.distributed as dist
+from _models import build, muon_predicate, shard_layers_then_root, tensor_parallel
 from _reference import make_batch, shard
 from test_precision import lm_loss
 from torch.distributed.device_mesh import init_device_mesh
@@ -228,3 +235,177 @@ def test_diagnostics_errors_name_the_argument(diagnosed):
         assert "pass the param_policy that dedicate_params was given" in policy
         assert rows == "max_rows must be an int >= 0, got -1"
         assert clear == "clear must be True or False, got 'yes'"
+
+
+# -- bytes per step, counted where they cross a process group -------------------------------------
+
+_COLLECTIVES = (
+    "broadcast",
+    "reduce",
+    "all_reduce",
+    "gather",
+    "scatter",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
+# The counter's kind -> the torch.distributed collective that carries it.
+_OP_OF = {
+    "broadcast": "broadcast",
+    "publish": "broadcast",
+    "reduce": "reduce",
+    "all_reduce": "all_reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+}
+
+
+@contextmanager
+def _collectives_of_dmuon(runtime) -> Iterator[Counter]:
+    """Count, per (axis, collective), the payload of every collective dmuon's code issues:
+    the tensor's bytes, the whole list's for a gather or a scatter (each rank's part times the
+    group's size). Collectives over every rank (the step's global flags) are left out."""
+    comm = runtime.comm_ctx
+    axes = [("shard", comm.shard_group), ("replicate", comm.replicate_group), ("tp", comm.tp_group)]
+    moved: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name: str, call: Callable) -> Callable:
+        def wrapper(tensor, *args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("dmuon"):
+                group = kwargs.get("group")
+                axis = next((a for a, g in axes if g is not None and g is group), None)
+                if group not in (comm.world_group, comm.global_group) or axis is not None:
+                    nbytes = tensor.numel() * tensor.element_size()
+                    if name in ("gather", "scatter"):
+                        nbytes *= dist.get_world_size(group)
+                    moved[(axis or repr(group), name)] += nbytes
+            return call(tensor, *args, **kwargs)
+
+        return wrapper
+
+    for name, call in originals.items():
+        setattr(dist, name, counting(name, call))
+    try:
+        yield moved
+    finally:
+        for name, call in originals.items():
+            setattr(dist, name, call)
+
+
+def _build_case(case: str):
+    """The model, its runtime and the data-parallel (index, size) of this rank for ``case``:
+    ``"1d"``, ``"hsdp"`` (2 x 2) or ``"tp-<dp>x<tp>-<tp_ns>"``."""
+    world = dist.get_world_size()
+    if case.startswith("tp-"):
+        shape, tp_ns = case.removeprefix("tp-").split("-")
+        dp, tp = (int(x) for x in shape.split("x"))
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        # Wide MLPs under "auto": gram for them, gather for the square attention matrices.
+        model = build(0, hidden=48 if tp_ns == "auto" else 24)
+        tensor_parallel(model, mesh["tp"])
+        # q_proj's optimizer states in bf16: its NS input travels in bf16.
+        policy = {"overrides": [{"name": ["q_proj"], "set": {"optim_dtype": "bf16"}}]}
+        runtime = dedicate_params(
+            model, mesh["dp"], muon_predicate, small_param_threshold=0, param_policy=policy
+        )
+        shard_layers_then_root(model, mesh["dp"])
+        optimizer = Muon(model, lr=0.02, ns_backend="gram", options=StepOptions(tp_ns=tp_ns))
+        return model, optimizer, runtime, (runtime.coord.shard, dp)
+    model = build(0)
+    if case == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        runtime = dedicate_params(
+            model, mesh["shard"], muon_predicate, replicate_mesh=mesh["replicate"]
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=False)
+    shard_layers_then_root(model, mesh)
+    return model, Muon(model, lr=0.02), runtime, (dist.get_rank(), world)
+
+
+def _count_cases(rank: int, world_size: int, cases: list[str]):
+    out = {}
+    for case in cases:
+        model, optimizer, runtime, (index, size) = _build_case(case)
+        _step(model, optimizer, index, size, 0)
+        plan = summarize_comm_plan(model, optimizer)
+        without = summarize_comm_plan(model)
+        runtime.counter.reset()
+        with _collectives_of_dmuon(runtime) as moved:
+            _step(model, optimizer, index, size, 1)
+        layout = runtime.layout
+        out[case] = {
+            "row": (layout.coord.replicate, layout.tp_index),
+            "plan": plan,
+            "without": without,
+            "counter": {k: v["bytes"] for k, v in runtime.counter.snapshot().items()},
+            "moved": dict(moved),
+        }
+    return out
+
+
+def _check_counts(results: list[dict], case: str) -> None:
+    """``payload_bytes_per_step`` on every rank is what its shard group's collectives carried
+    in the step: the shard axis's as each rank counted them, the replicate and TP axes' summed
+    over the ranks of the group (each of their groups holds one of them), and its keys are the
+    runtime counter's."""
+    ranks = [r[case] for r in results]
+    rows: dict[tuple, list[dict]] = {}
+    for got in ranks:
+        rows.setdefault(tuple(got["row"]), []).append(got)
+    for members in rows.values():
+        moved: Counter = Counter(members[0]["moved"])  # the shard axis: every member joins all
+        moved = Counter({k: v for k, v in moved.items() if k[0] == "shard"})
+        for got in members:
+            moved.update({k: v for k, v in got["moved"].items() if k[0] != "shard"})
+        keys = set().union(*(got["counter"] for got in members))
+        for got in members:
+            payload = got["plan"]["payload_bytes_per_step"]
+            by_op: Counter = Counter()
+            for key, nbytes in payload.items():
+                axis, kind = key.split("/")
+                by_op[(axis, _OP_OF[kind])] += nbytes
+            assert dict(by_op) == dict(moved), (case, payload, dict(moved))
+            assert set(payload) == keys, (case, sorted(payload), sorted(keys))
+
+
+ON_TWO = ["1d", "tp-1x2-gather", "tp-1x2-gram", "tp-1x2-auto"]
+ON_FOUR = ["hsdp", "tp-2x2-gather", "tp-2x2-gram"]
+
+
+@pytest.fixture(scope="module")
+def counted_on_two():
+    return run_distributed(_count_cases, 2, ON_TWO)
+
+
+@pytest.fixture(scope="module")
+def counted_on_four():
+    return run_distributed(_count_cases, 4, ON_FOUR)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ON_TWO)
+def test_comm_plan_is_what_crosses_each_group_on_two_ranks(counted_on_two, case):
+    _check_counts(counted_on_two, case)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ON_FOUR)
+def test_comm_plan_is_what_crosses_each_group_on_four_ranks(counted_on_four, case):
+    _check_counts(counted_on_four, case)
+
+
+@pytest.mark.distributed
+def test_comm_plan_without_the_optimizer_leaves_out_tp_ns(counted_on_two):
+    for r in counted_on_two:
+        gather, gram = r["tp-1x2-gather"], r["tp-1x2-gram"]
+        assert gather["plan"]["tp_ns"] == "gather" and gram["plan"]["tp_ns"] == "gram"
+        for got in (gather, gram):
+            assert got["without"]["tp_ns"] is None
+            assert not any(k.startswith("tp/") for k in got["without"]["payload_bytes_per_step"])
+        # "auto" took both ways here: gram for the wide MLPs, gather for the rest.
+        auto = r["tp-1x2-auto"]["plan"]["payload_bytes_per_step"]
+        assert {"tp/gather", "tp/all_reduce"} <= set(auto)

@@ -17,7 +17,7 @@ from ._checks import is_int
 from ._matrix import MatrixView, describe_pieces
 from ._torch_internals import local_shard
 from .checkpoint import check_optimizer
-from .holder import DedicatedParam, tensor_view
+from .holder import DedicatedParam, TPMode, choose_tp_mode, gram_of, tensor_view
 from .optim import Muon
 from .runtime import DedicatedGroup, DedicatedRuntime, get_runtime
 from .setup import parameter_names
@@ -263,16 +263,26 @@ def _pack_info(group: DedicatedGroup, limit: int) -> list[dict[str, Any]]:
     ]
 
 
-def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, Any]:
+def summarize_comm_plan(
+    model: nn.Module, optimizer: Muon | None = None, *, max_rows: int = 64
+) -> dict[str, Any]:
     """The ownership plan as this rank sees it: grid, per-slot loads and imbalance, each hook
     boundary's packs (owner, sender in this rank's row, role, bytes), and the bytes one
-    training step moves on each axis: every dedicated element travels once per broadcast round
-    (two in Z3, one in Z2), in its pack's dtype, and once per reduce round, in its reduce
-    dtype, with one more element per matrix (its presence flag); HSDP adds one replicate-axis
-    reduce and one publish round; an axis of one rank moves nothing. Under tensor parallelism
-    the counts are of this rank's TP shards, and the TP axis's Newton–Schulz traffic (gathers,
-    scatters or Gram all-reduces, as the optimizer's ``StepOptions.tp_ns`` decides) is not
-    included.
+    training step moves on each axis (``payload_bytes_per_step``, under the keys of the
+    runtime's ``CommCounter``).
+
+    A payload is the size of the tensor a collective carries (the whole matrix for a TP
+    gather or scatter), counted once per collective, over the collectives that the ranks of
+    this rank's shard group take part in (every group moves the same): every dedicated element
+    travels once per broadcast round (two in Z3, one in Z2), in its pack's dtype, and once per
+    reduce round, in its reduce dtype, with one more element per matrix (its presence flag);
+    HSDP adds one replicate-axis reduce and one publish round, each summed over the shard
+    columns; an axis of one rank moves nothing. Under tensor parallelism the counts are of the
+    grid's TP shards, and with ``optimizer`` the TP axis adds, per matrix, its Newton–Schulz
+    traffic (see ``StepOptions.tp_ns``): the gather and the scatter of the whole matrix in the
+    optimizer dtype, or one all-reduce of its fp32 ``short x short`` Gram matrix plus one per
+    restart; without ``optimizer`` that traffic is left out and ``tp_ns`` is ``None``. The
+    step's few-byte flags reduced over every rank (the non-finite check) are not counted.
 
     At most ``max_rows`` pack rows are listed, boundaries in order: every boundary keeps its
     name and ``num_packs``, its ``packs_omitted`` counts the packs not listed, and the top-level
@@ -281,11 +291,16 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
     Args:
         model: the model given to ``dedicate_params`` (that object; another raises
             ``ValueError``).
+        optimizer: the :class:`Muon` built on ``model`` (on another model: ``ValueError``),
+            whose ``tp_ns`` and Newton–Schulz decide the TP axis's traffic; ``None``: the
+            TP axis's Newton–Schulz traffic is not counted.
         max_rows: the most pack rows listed over all boundaries, an int >= 0 (``0``: none,
             only the counts).
     """
     _check_max_rows(max_rows)
     runtime = get_runtime(model)
+    if optimizer is not None:
+        optimizer = check_optimizer(model, optimizer)
     runtime.lazy_init()
     layout = runtime.layout
     loads = [float(x) for x in runtime.plan.loads]
@@ -306,6 +321,9 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
     if layout.is_hsdp:
         per_step["replicate/reduce"] = reduced
         per_step["replicate/publish"] = sent
+    if optimizer is not None:
+        tp = _tp_ns_payload(runtime, optimizer)
+        per_step.update({key: nbytes for key, nbytes in tp.items() if nbytes})
     boundaries = []
     left = max_rows
     for group in runtime.groups:
@@ -321,6 +339,7 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
         )
     return {
         "coord": list(runtime.coord),
+        "tp_ns": None if optimizer is None else optimizer.options.tp_ns.value,
         "shard_size": layout.shard_size,
         "replicate_size": layout.replicate_size,
         "world_size": layout.world_size,
@@ -331,11 +350,35 @@ def summarize_comm_plan(model: nn.Module, *, max_rows: int = 64) -> dict[str, An
         "owned_numel_here": sum(dp.numel for dp in runtime.owned),
         "loads": loads,
         "imbalance_pct": 100.0 * (max(loads) / mean - 1.0) if mean > 0 else 0.0,
-        # Payloads summed over the whole world, before the (n - 1) / n wire factor.
+        # Payloads of the collectives one shard group takes part in, before the (n - 1) / n
+        # wire factor.
         "payload_bytes_per_step": per_step,
         "boundaries": boundaries,
         "rows_omitted": sum(b["packs_omitted"] for b in boundaries),
     }
+
+
+def _tp_ns_payload(runtime: DedicatedRuntime, optimizer: Muon) -> dict[str, int]:
+    """The TP axis's Newton–Schulz payload of one step, each dedicated TP matrix's once, as
+    :class:`~.holder.TensorParallelNS` counts it; see [Note: Newton–Schulz under tensor
+    parallelism]."""
+    out = {"tp/gather": 0, "tp/scatter": 0, "tp/all_reduce": 0}
+    ns, mode = optimizer.newton_schulz, optimizer.options.tp_ns
+    for dp in runtime.params:
+        if dp.tp_dim is None or dp.route is not Route.MUON:
+            continue
+        assert dp.precision is not None, f"{dp.fqn}: packed by lazy_init"
+        shape = MatrixView.of(dp.shape, dp.fqn).matrix_shape
+        if choose_tp_mode(mode, shape, dp.tp_dim, ns) is TPMode.GRAM:
+            gram = gram_of(ns)
+            assert gram is not None, "choose() takes gram only for a Gram NewtonSchulz"
+            # fp32 Gram matrices: the input's, then one per restart.
+            out["tp/all_reduce"] += min(shape) ** 2 * 4 * (1 + len(gram.restarts))
+        else:
+            whole = shape[0] * shape[1] * dp.precision.optim.itemsize
+            out["tp/gather"] += whole
+            out["tp/scatter"] += whole
+    return out
 
 
 def collect_forward_unshard_profile(

@@ -37,7 +37,8 @@ from ._precision import (
     resolve_precision,
 )
 from ._tensors import ShardedTensor, TensorView, WholeTensor, tensor_view
-from ._tp_ns import TensorParallelNS, TPMode
+from ._tp_ns import TensorParallelNS, TPMode, gram_of
+from ._tp_ns import choose as choose_tp_mode
 
 __all__ = [
     "DEEPCOPY_FIX",
@@ -66,9 +67,11 @@ __all__ = [
     "boundary_mp_policy",
     "check_expert_split",
     "check_guardable",
+    "choose_tp_mode",
     "compiled_autograd_error",
     "fsdp_modules",
     "fsdp_modules_above",
+    "gram_of",
     "holder_of",
     "is_dedicated",
     "kind_of",
