@@ -31,8 +31,10 @@ from dmuon_fsdp import (
     StepOptions,
     collect_forward_unshard_profile,
     dedicate_params,
+    dedicate_params_ddp,
     dedicated_params_of,
     get_runtime,
+    replicate,
     summarize_comm_plan,
     summarize_param_groups,
 )
@@ -296,7 +298,8 @@ def _collectives_of_dmuon(runtime) -> Iterator[Counter]:
 
 def _build_case(case: str):
     """The model, its runtime and the data-parallel (index, size) of this rank for ``case``:
-    ``"1d"``, ``"hsdp"`` (2 x 2) or ``"tp-<dp>x<tp>-<tp_ns>"``."""
+    ``"1d"``, ``"ddp"`` (the replicated path), ``"hsdp"`` (2 x 2) or
+    ``"tp-<dp>x<tp>-<tp_ns>"``."""
     world = dist.get_world_size()
     if case.startswith("tp-"):
         shape, tp_ns = case.removeprefix("tp-").split("-")
@@ -319,6 +322,11 @@ def _build_case(case: str):
         runtime = dedicate_params(
             model, mesh["shard"], muon_predicate, replicate_mesh=mesh["replicate"]
         )
+    elif case == "ddp":
+        mesh = init_device_mesh("cpu", (world,))
+        runtime = dedicate_params_ddp(model, mesh, muon_predicate)
+        replicate(model, mesh)
+        return model, Muon(model, lr=0.02), runtime, (dist.get_rank(), world)
     else:
         mesh = init_device_mesh("cpu", (world,))
         runtime = dedicate_params(model, mesh, muon_predicate, reshard_after_forward=False)
@@ -372,7 +380,7 @@ def _check_counts(results: list[dict], case: str) -> None:
             assert set(payload) == keys, (case, sorted(payload), sorted(keys))
 
 
-ON_TWO = ["1d", "tp-1x2-gather", "tp-1x2-gram", "tp-1x2-auto"]
+ON_TWO = ["1d", "ddp", "tp-1x2-gather", "tp-1x2-gram", "tp-1x2-auto"]
 ON_FOUR = ["hsdp", "tp-2x2-gather", "tp-2x2-gram"]
 
 

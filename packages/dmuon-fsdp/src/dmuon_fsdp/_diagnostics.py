@@ -19,7 +19,7 @@ from ._torch_internals import local_shard
 from .checkpoint import check_optimizer
 from .holder import DedicatedParam, TPMode, choose_tp_mode, gram_of, tensor_view
 from .optim import Muon
-from .runtime import DedicatedGroup, DedicatedRuntime, get_runtime
+from .runtime import DedicatedGroup, DedicatedRuntime, get_runtime, replicated_payload
 from .setup import parameter_names
 
 __all__ = ["collect_forward_unshard_profile", "summarize_comm_plan", "summarize_param_groups"]
@@ -277,7 +277,10 @@ def summarize_comm_plan(
     travels once per broadcast round (two in Z3, one in Z2), in its pack's dtype, and once per
     reduce round, in its reduce dtype, with one more element per matrix (its presence flag);
     HSDP adds one replicate-axis reduce and one publish round, each summed over the shard
-    columns; an axis of one rank moves nothing. Under tensor parallelism the counts are of the
+    columns; an axis of one rank moves nothing. The replicated (DDP) path broadcasts nothing
+    before forward: its shard axis carries the reduce, the owners' publish after the step and
+    the all-reduces of the other parameters' gradients (one bucket per boundary and dtype, a
+    presence flag per parameter). Under tensor parallelism the counts are of the
     grid's TP shards, and with ``optimizer`` the TP axis adds, per matrix, its Newton–Schulz
     traffic (see ``StepOptions.tp_ns``): the gather and the scatter of the whole matrix in the
     optimizer dtype, or one all-reduce of its fp32 ``short x short`` Gram matrix plus one per
@@ -315,7 +318,16 @@ def summarize_comm_plan(
         reduced += (dp.numel + 1) * dp.precision.reduce.itemsize
     z3 = runtime.reshard_after_forward
     per_step: dict[str, int] = {}
-    if layout.shard_size > 1:
+    if runtime.config.replicated:
+        # The replicated path: no broadcast before forward, the owners publish after the step,
+        # and the other parameters' gradients are all-reduced.
+        if layout.shard_size > 1:
+            per_step["shard/reduce"] = reduced
+            per_step["shard/publish"] = sent
+            per_step["shard/all_reduce"] = replicated_payload(
+                runtime.groups, runtime.replicated_params
+            )
+    elif layout.shard_size > 1:
         per_step["shard/broadcast"] = (2 if z3 else 1) * sent
         per_step["shard/reduce"] = reduced
     if layout.is_hsdp:

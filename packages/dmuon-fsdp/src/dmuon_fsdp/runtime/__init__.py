@@ -5,6 +5,7 @@ all for one model."""
 from ._collectives import GradListener
 from ._config import BoundaryPredicate, DedicateConfig
 from ._group import DedicatedGroup
+from ._hooks import replicated_payload
 from ._no_sync import no_sync
 from ._runtime import RUNTIME_ATTR, DedicatedRuntime, check_conversions, get_runtime
 
@@ -18,4 +19,5 @@ __all__ = [
     "check_conversions",
     "get_runtime",
     "no_sync",
+    "replicated_payload",
 ]

@@ -58,6 +58,7 @@ from .._torch_internals import (
     ddp_reduced_params,
     disable_dynamo,
     in_backward,
+    local_shard,
     queue_backward_callback,
     tree_leaves,
     tree_map_tensors,
@@ -69,7 +70,7 @@ from ._group import DedicatedGroup
 from ._order import ReduceOrder
 from ._pack import Pack
 
-__all__ = ["BoundaryHooks"]
+__all__ = ["BoundaryHooks", "replicated_payload"]
 
 
 class BoundaryHooks:
@@ -645,6 +646,24 @@ def _place_replicated(
                 if key in wanted and (key not in found or len(modules) < found[key][0]):
                     found[key] = (len(modules), index, position)
     return {key: (index, position) for key, (_, index, position) in found.items()}
+
+
+def replicated_payload(groups: Sequence[DedicatedGroup], params: Sequence[nn.Parameter]) -> int:
+    """The bytes the replicated path's all-reduces of ``params``' gradients carry in a synced
+    backward that gives each of them one: per boundary and dtype one bucket of the gradients
+    and a presence flag each, and each parameter outside every boundary alone (see [Note:
+    replicated parameters a rank left out])."""
+    placed = _place_replicated(groups, params)
+    buckets: dict[tuple[int, torch.dtype], int] = {}
+    nbytes = 0
+    for param in params:
+        local = local_shard(param)
+        if id(param) in placed:
+            key = (placed[id(param)][0], param.dtype)
+            buckets[key] = buckets.get(key, 0) + local.numel() + 1
+        else:
+            nbytes += local.numel() * local.element_size()
+    return nbytes + sum(numel * dtype.itemsize for (_, dtype), numel in buckets.items())
 
 
 def _latest_used_first(group: DedicatedGroup) -> list[Pack]:
