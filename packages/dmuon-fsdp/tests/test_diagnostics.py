@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from _models import build, muon_predicate, shard_layers_then_root, tensor_parallel
 from _reference import make_batch, shard
+from test_expert_sources import _build as _expert_sources_model
 from test_precision import lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -298,8 +299,8 @@ def _collectives_of_dmuon(runtime) -> Iterator[Counter]:
 
 def _build_case(case: str):
     """The model, its runtime and the data-parallel (index, size) of this rank for ``case``:
-    ``"1d"``, ``"ddp"`` (the replicated path), ``"hsdp"`` (2 x 2) or
-    ``"tp-<dp>x<tp>-<tp_ns>"``."""
+    ``"1d"``, ``"ddp"`` (the replicated path), ``"hsdp"`` (2 x 2), ``"moe"`` (HSDP 2 x 2
+    with expert sources) or ``"tp-<dp>x<tp>-<tp_ns>"``."""
     world = dist.get_world_size()
     if case.startswith("tp-"):
         shape, tp_ns = case.removeprefix("tp-").split("-")
@@ -316,6 +317,10 @@ def _build_case(case: str):
         shard_layers_then_root(model, mesh["dp"])
         optimizer = Muon(model, lr=0.02, ns_backend="gram", options=StepOptions(tp_ns=tp_ns))
         return model, optimizer, runtime, (runtime.coord.shard, dp)
+    if case == "moe":
+        model, runtime = _expert_sources_model(world)
+        assert runtime.plan.expert_sources, "a case with expert sources"
+        return model, Muon(model, lr=0.02), runtime, (dist.get_rank(), world)
     model = build(0)
     if case == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -381,7 +386,7 @@ def _check_counts(results: list[dict], case: str) -> None:
 
 
 ON_TWO = ["1d", "ddp", "tp-1x2-gather", "tp-1x2-gram", "tp-1x2-auto"]
-ON_FOUR = ["hsdp", "tp-2x2-gather", "tp-2x2-gram"]
+ON_FOUR = ["hsdp", "moe", "tp-2x2-gather", "tp-2x2-gram"]
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,20 @@ world view gathers the dictionaries itself (e.g. ``all_gather_object``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from dmuon_ownership import POLICY_FIELDS, ParamPolicy, Route, validate_param_policy
+from dmuon_ownership import (
+    POLICY_FIELDS,
+    ParamPolicy,
+    Route,
+    experts_held,
+    validate_param_policy,
+)
 
 from ._checks import is_int
 from ._matrix import MatrixView, describe_pieces
@@ -277,7 +284,8 @@ def summarize_comm_plan(
     travels once per broadcast round (two in Z3, one in Z2), in its pack's dtype, and once per
     reduce round, in its reduce dtype, with one more element per matrix (its presence flag);
     HSDP adds one replicate-axis reduce and one publish round, each summed over the shard
-    columns; an axis of one rank moves nothing. The replicated (DDP) path broadcasts nothing
+    columns, its publish also carrying the expert stack shards one replica steps for all (the
+    plan's ``expert_sources``, in the stack's dtype); an axis of one rank moves nothing. The replicated (DDP) path broadcasts nothing
     before forward: its shard axis carries the reduce, the owners' publish after the step and
     the all-reduces of the other parameters' gradients (one bucket per boundary and dtype, a
     presence flag per parameter). Under tensor parallelism the counts are of the
@@ -332,7 +340,7 @@ def summarize_comm_plan(
         per_step["shard/reduce"] = reduced
     if layout.is_hsdp:
         per_step["replicate/reduce"] = reduced
-        per_step["replicate/publish"] = sent
+        per_step["replicate/publish"] = sent + _sourced_payload(model, runtime)
     if optimizer is not None:
         tp = _tp_ns_payload(runtime, optimizer)
         per_step.update({key: nbytes for key, nbytes in tp.items() if nbytes})
@@ -368,6 +376,18 @@ def summarize_comm_plan(
         "boundaries": boundaries,
         "rows_omitted": sum(b["packs_omitted"] for b in boundaries),
     }
+
+
+def _sourced_payload(model: nn.Module, runtime: DedicatedRuntime) -> int:
+    """The bytes the expert sources broadcast over their shard columns in one step: each
+    sourced stack shard, as FSDP2's dim-0 split leaves it (see [Note: stepping expert
+    sources])."""
+    nbytes = 0
+    for source in runtime.plan.expert_sources:
+        stack = model.get_parameter(source.stack)
+        held = experts_held(stack.shape[0], source.shard, runtime.layout.shard_size)
+        nbytes += held * math.prod(stack.shape[1:]) * stack.dtype.itemsize
+    return nbytes
 
 
 def _tp_ns_payload(runtime: DedicatedRuntime, optimizer: Muon) -> dict[str, int]:
