@@ -11,8 +11,11 @@ forecast adds them, for the experts each rank will step itself).
 
 It also predicts, per rank, the payload of every collective dmuon issues in a step (the unit of
 the runtime's ``CommCounter``) and the bytes each rank keeps between steps; the runtime's
-counter and allocations after a real step match them exactly. FSDP2's own collectives are not
-in the counter, so only dmuon's part of the forecast's bytes per step is compared."""
+counter and allocations after a real step match them exactly, and so does
+``summarize_comm_plan``'s ``payload_bytes_per_step`` (the collectives of one shard group, each
+once: the forecast's shard axis of any of its ranks, its replicate axis summed over them). FSDP2's
+own collectives are not in the counter, so only dmuon's part of the forecast's bytes per step is
+compared."""
 
 from __future__ import annotations
 
@@ -238,7 +241,7 @@ def _counted_and_allocated(rank: int, world_size: int, layouts):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dmuon_fsdp import Muon, Role, dedicate_params, dedicated_params_of
+    from dmuon_fsdp import Muon, Role, dedicate_params, dedicated_params_of, summarize_comm_plan
 
     out = []
     for replicas, zero, reduce, family in layouts:
@@ -299,7 +302,10 @@ def _counted_and_allocated(rank: int, world_size: int, layouts):
         }
         coord = runtime.layout.coord
         plan = runtime.plan
-        out.append(((coord.replicate, coord.shard), counted, allocated, plan.fingerprint()))
+        summary = summarize_comm_plan(model, optimizer)["payload_bytes_per_step"]
+        out.append(
+            ((coord.replicate, coord.shard), counted, allocated, plan.fingerprint(), summary)
+        )
     return out
 
 
@@ -318,7 +324,7 @@ def test_forecast_bytes_and_state_are_what_the_runtime_counts_and_allocates(
         assert bool(fc.plan.expert_sources) == (family == "qwen3_moe")
         seen = set()
         for rank, per_layout in enumerate(results):
-            (r, s), counted, allocated, fingerprint = per_layout[index]
+            (r, s), counted, allocated, fingerprint, summary = per_layout[index]
             where = (
                 f"{family} rank {rank} at (replicate {r}, shard {s}), "
                 f"{replicas} x {world_size // replicas}, ZeRO-{zero}"
@@ -327,5 +333,13 @@ def test_forecast_bytes_and_state_are_what_the_runtime_counts_and_allocates(
             predicted = fc.rank(replicate=r, shard=s)
             assert {k: v for k, v in counted.items() if v} == predicted.payload, where
             assert allocated == predicted.state, where
+            # summarize_comm_plan: the payload of the collectives of this rank's shard group.
+            row = [fc.rank(replicate=r, shard=i).payload for i in range(world_size // replicas)]
+            expected = {k: v for k, v in predicted.payload.items() if k.startswith("shard/")}
+            for payload in row:
+                for key, nbytes in payload.items():
+                    if not key.startswith("shard/"):
+                        expected[key] = expected.get(key, 0) + nbytes
+            assert summary == expected, where
             seen.add((r, s))
         assert len(seen) == world_size
