@@ -12,6 +12,7 @@ expected value, written out here by hand.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -304,19 +305,31 @@ def _build_case(case: str):
     world = dist.get_world_size()
     if case.startswith("tp-"):
         shape, tp_ns = case.removeprefix("tp-").split("-")
-        dp, tp = (int(x) for x in shape.split("x"))
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        *dims, tp = (int(x) for x in shape.split("x"))
+        if len(dims) == 2:  # HSDP with TP: each replica's TP groups run their own matrices
+            mesh = init_device_mesh("cpu", (*dims, tp), mesh_dim_names=("rep", "dp", "tp"))
+            hsdp = {"replicate_mesh": mesh["rep"]}
+        else:
+            mesh = init_device_mesh("cpu", (*dims, tp), mesh_dim_names=("dp", "tp"))
+            hsdp = {}
+        dp = math.prod(dims)
         # Wide MLPs under "auto": gram for them, gather for the square attention matrices.
         model = build(0, hidden=48 if tp_ns == "auto" else 24)
         tensor_parallel(model, mesh["tp"])
         # q_proj's optimizer states in bf16: its NS input travels in bf16.
         policy = {"overrides": [{"name": ["q_proj"], "set": {"optim_dtype": "bf16"}}]}
         runtime = dedicate_params(
-            model, mesh["dp"], muon_predicate, small_param_threshold=0, param_policy=policy
+            model, mesh["dp"], muon_predicate, small_param_threshold=0, param_policy=policy, **hsdp
         )
-        shard_layers_then_root(model, mesh["dp"])
+        shard_layers_then_root(model, mesh["rep", "dp"] if hsdp else mesh["dp"])
         optimizer = Muon(model, lr=0.02, ns_backend="gram", options=StepOptions(tp_ns=tp_ns))
-        return model, optimizer, runtime, (runtime.coord.shard, dp)
+        coord = runtime.layout.coord
+        return (
+            model,
+            optimizer,
+            runtime,
+            (coord.replicate * runtime.layout.shard_size + coord.shard, dp),
+        )
     if case == "moe":
         model, runtime = _expert_sources_model(world)
         assert runtime.plan.expert_sources, "a case with expert sources"
@@ -351,7 +364,8 @@ def _count_cases(rank: int, world_size: int, cases: list[str]):
             _step(model, optimizer, index, size, 1)
         layout = runtime.layout
         out[case] = {
-            "row": (layout.coord.replicate, layout.tp_index),
+            "tp_index": layout.tp_index,
+            "replicate_size": layout.replicate_size,
             "plan": plan,
             "without": without,
             "counter": {k: v["bytes"] for k, v in runtime.counter.snapshot().items()},
@@ -361,32 +375,34 @@ def _count_cases(rank: int, world_size: int, cases: list[str]):
 
 
 def _check_counts(results: list[dict], case: str) -> None:
-    """``payload_bytes_per_step`` on every rank is what its shard group's collectives carried
-    in the step: the shard axis's as each rank counted them, the replicate and TP axes' summed
-    over the ranks of the group (each of their groups holds one of them), and its keys are the
+    """``payload_bytes_per_step`` on every rank is what the step's collectives carried, each
+    once: on the shard axis those of the rank's shard group (every member joins all of them),
+    on the replicate and TP axes those the ranks of its grid (its TP index's) take part in: a
+    replicate group's every member counted, a TP group has one in each grid; its keys are the
     runtime counter's."""
     ranks = [r[case] for r in results]
-    rows: dict[tuple, list[dict]] = {}
+    keys = set().union(*(got["counter"] for got in ranks))
+    grids: dict[int, Counter] = {}
     for got in ranks:
-        rows.setdefault(tuple(got["row"]), []).append(got)
-    for members in rows.values():
-        moved: Counter = Counter(members[0]["moved"])  # the shard axis: every member joins all
-        moved = Counter({k: v for k, v in moved.items() if k[0] == "shard"})
-        for got in members:
-            moved.update({k: v for k, v in got["moved"].items() if k[0] != "shard"})
-        keys = set().union(*(got["counter"] for got in members))
-        for got in members:
-            payload = got["plan"]["payload_bytes_per_step"]
-            by_op: Counter = Counter()
-            for key, nbytes in payload.items():
-                axis, kind = key.split("/")
-                by_op[(axis, _OP_OF[kind])] += nbytes
-            assert dict(by_op) == dict(moved), (case, payload, dict(moved))
-            assert set(payload) == keys, (case, sorted(payload), sorted(keys))
+        grid = grids.setdefault(got["tp_index"], Counter())
+        grid.update({k: v for k, v in got["moved"].items() if k[0] != "shard"})
+    for got in ranks:
+        grid = grids[got["tp_index"]]
+        replicas = got["replicate_size"]
+        assert all(v % replicas == 0 for k, v in grid.items() if k[0] == "replicate")
+        moved = Counter({k: v // replicas if k[0] == "replicate" else v for k, v in grid.items()})
+        moved.update({k: v for k, v in got["moved"].items() if k[0] == "shard"})
+        payload = got["plan"]["payload_bytes_per_step"]
+        by_op: Counter = Counter()
+        for key, nbytes in payload.items():
+            axis, kind = key.split("/")
+            by_op[(axis, _OP_OF[kind])] += nbytes
+        assert dict(by_op) == dict(moved), (case, payload, dict(moved))
+        assert set(payload) == keys, (case, sorted(payload), sorted(keys))
 
 
 ON_TWO = ["1d", "ddp", "tp-1x2-gather", "tp-1x2-gram", "tp-1x2-auto"]
-ON_FOUR = ["hsdp", "moe", "tp-2x2-gather", "tp-2x2-gram"]
+ON_FOUR = ["hsdp", "moe", "tp-2x2-gather", "tp-2x2-gram", "tp-2x1x2-gather"]
 
 
 @pytest.fixture(scope="module")

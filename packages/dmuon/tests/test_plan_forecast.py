@@ -12,8 +12,9 @@ forecast adds them, for the experts each rank will step itself).
 It also predicts, per rank, the payload of every collective dmuon issues in a step (the unit of
 the runtime's ``CommCounter``) and the bytes each rank keeps between steps; the runtime's
 counter and allocations after a real step match them exactly, and so does
-``summarize_comm_plan``'s ``payload_bytes_per_step`` (the collectives of one shard group, each
-once: the forecast's shard axis of any of its ranks, its replicate axis summed over them). FSDP2's
+``summarize_comm_plan``'s ``payload_bytes_per_step`` (each collective once: the forecast's shard
+axis of any rank of the shard group, its replicate axis summed over the group's ranks, one in
+each replicate group). FSDP2's
 own collectives are not in the counter, so only dmuon's part of the forecast's bytes per step is
 compared."""
 

@@ -278,22 +278,25 @@ def summarize_comm_plan(
     training step moves on each axis (``payload_bytes_per_step``, under the keys of the
     runtime's ``CommCounter``).
 
-    A payload is the size of the tensor a collective carries (the whole matrix for a TP
-    gather or scatter), counted once per collective, over the collectives that the ranks of
-    this rank's shard group take part in (every group moves the same): every dedicated element
-    travels once per broadcast round (two in Z3, one in Z2), in its pack's dtype, and once per
-    reduce round, in its reduce dtype, with one more element per matrix (its presence flag);
-    HSDP adds one replicate-axis reduce and one publish round, each summed over the shard
-    columns, its publish also carrying the expert stack shards one replica steps for all (the
-    plan's ``expert_sources``, in the stack's dtype); an axis of one rank moves nothing. The replicated (DDP) path broadcasts nothing
-    before forward: its shard axis carries the reduce, the owners' publish after the step and
-    the all-reduces of the other parameters' gradients (one bucket per boundary and dtype, a
-    presence flag per parameter). Under tensor parallelism the counts are of the
-    grid's TP shards, and with ``optimizer`` the TP axis adds, per matrix, its Newton–Schulz
-    traffic (see ``StepOptions.tp_ns``): the gather and the scatter of the whole matrix in the
-    optimizer dtype, or one all-reduce of its fp32 ``short x short`` Gram matrix plus one per
-    restart; without ``optimizer`` that traffic is left out and ``tp_ns`` is ``None``. The
-    step's few-byte flags reduced over every rank (the non-finite check) are not counted.
+    A payload is the size of the tensor a collective carries (the whole matrix for a TP gather
+    or scatter), each collective counted once, over those the ranks of this rank's grid take
+    part in (the whole world; under tensor parallelism the ranks of its TP index, every TP group
+    holding one of them), but on the shard axis over one shard group's (every one carries the
+    same): the figures are the same on every rank. Every dedicated element travels once per
+    broadcast round (two in Z3, one in Z2), in its pack's dtype, and once per reduce round, in
+    its reduce dtype, with one more element per matrix (its presence flag); HSDP adds one
+    replicate-axis reduce and one publish round, each summed over the shard columns, its publish
+    also carrying the expert stack shards one replica steps for all (the plan's
+    ``expert_sources``, in the stack's dtype); an axis of one rank moves nothing. The replicated
+    (DDP) path broadcasts nothing before forward: its shard axis carries the reduce, the owners'
+    publish after the step and the all-reduces of the other parameters' gradients (one bucket
+    per boundary and dtype, a presence flag per parameter). Under tensor parallelism the counts
+    are of the grid's TP shards, and with ``optimizer`` the TP axis adds, per matrix, its
+    Newton–Schulz traffic (see ``StepOptions.tp_ns``): the gather and the scatter of the whole
+    matrix in the optimizer dtype, or one all-reduce of its fp32 ``short x short`` Gram matrix
+    plus one per restart; without ``optimizer`` that traffic is left out and ``tp_ns`` is
+    ``None``. The step's few-byte flags reduced over every rank (the non-finite check) are not
+    counted.
 
     At most ``max_rows`` pack rows are listed, boundaries in order: every boundary keeps its
     name and ``num_packs``, its ``packs_omitted`` counts the packs not listed, and the top-level
@@ -370,8 +373,8 @@ def summarize_comm_plan(
         "owned_numel_here": sum(dp.numel for dp in runtime.owned),
         "loads": loads,
         "imbalance_pct": 100.0 * (max(loads) / mean - 1.0) if mean > 0 else 0.0,
-        # Payloads of the collectives one shard group takes part in, before the (n - 1) / n
-        # wire factor.
+        # Payloads, each collective once (the shard axis: one shard group's), before the
+        # (n - 1) / n wire factor.
         "payload_bytes_per_step": per_step,
         "boundaries": boundaries,
         "rows_omitted": sum(b["packs_omitted"] for b in boundaries),
