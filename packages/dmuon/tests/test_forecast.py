@@ -12,6 +12,8 @@ from plan_configs import KIMI_K2, LLAMA_3_70B
 from dmuon.plan import Topology, forecast, load_ns_times, model_shapes
 from dmuon.plan._cli import main
 from dmuon.plan._figures import ADAMW, DMUON, MUON
+from dmuon.plan._forecast import takes_gram
+from dmuon.plan._model_shapes import tp_dim_of
 from dmuon_ownership import WorkItem, ns_cost, plan_owners
 
 # A small Llama whose every first dimension divides by 4 (no FSDP2 padding at shard size 4).
@@ -127,7 +129,7 @@ def test_tensor_parallel_payload() -> None:
     # Gather mode: every rank of an owner coordinate's TP group carries the whole matrix's NS
     # input (fp32 momentum) to the TP owner and the update back, once each.
     T = 8
-    fc = forecast(LLAMA_3_70B, Topology(512, shard_size=8, tp=T))
+    fc = forecast(LLAMA_3_70B, Topology(512, shard_size=8, tp=T, tp_ns="gather"))
     whole: dict[tuple[int, int], int] = {}
     for it in fc.items:
         if it.tp == T:
@@ -137,6 +139,33 @@ def test_tensor_parallel_payload() -> None:
     for rank in fc.ranks:
         carried = whole.get((rank.replicate, rank.shard), 0)
         assert rank.payload.get("tp/gather", 0) == rank.payload.get("tp/scatter", 0) == carried
+        assert "tp/all_reduce" not in rank.payload
+    # "auto", Muon's default: distributed Gram NS for the MLP matrices (8192 x 28672, the
+    # shards on the long side, short <= long / 2), each rank of the group all-reducing the fp32
+    # 8192 x 8192 Gram matrix twice (the input's and the restart's); the attention's gather.
+    auto = forecast(LLAMA_3_70B, Topology(512, shard_size=8, tp=T))
+    gathered: dict[tuple[int, int], int] = {}
+    reduced: dict[tuple[int, int], int] = {}
+    for it in auto.items:
+        if it.tp == T:
+            owner = auto.plan.owner_of(it.name)
+            key = (owner.replicate, owner.shard)
+            if it.name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+                reduced[key] = reduced.get(key, 0) + 8192**2 * 4 * 2
+            else:
+                gathered[key] = gathered.get(key, 0) + it.numel * 4
+    assert reduced and gathered
+    for rank in auto.ranks:
+        key = (rank.replicate, rank.shard)
+        assert rank.payload.get("tp/gather", 0) == gathered.get(key, 0)
+        assert rank.payload.get("tp/all_reduce", 0) == reduced.get(key, 0)
+    # "gram" takes every matrix whose shards split its long side, the square ones too:
+    # not k_proj and v_proj (1024 x 8192, split into 1024 / 8 rows).
+    gram = forecast(LLAMA_3_70B, Topology(512, shard_size=8, tp=T, tp_ns="gram"))
+    kv = sum(
+        it.numel * 4 for it in gram.items if it.name.endswith(("k_proj.weight", "v_proj.weight"))
+    )
+    assert sum(r.payload.get("tp/gather", 0) for r in gram.ranks) == T * kv
 
 
 def test_state_follows_fsdp2_padding_and_torch_chunk() -> None:
@@ -364,8 +393,26 @@ def test_a_declared_split_is_planned_and_timed_as_its_pieces() -> None:
     assert bytes_of[0] == bytes_of[1]
 
 
+@pytest.mark.parametrize("tp_ns", ["auto", "gather", "gram"])
+def test_tp_ns_is_chosen_as_the_optimizer_chooses(tp_ns: str) -> None:
+    from dmuon_fsdp.holder import TPMode, choose_tp_mode
+    from dmuon_ns import NewtonSchulz
+
+    gram_ns = NewtonSchulz(backend="gram")  # Muon's default NS
+    for config in (LLAMA_3_70B, KIMI_K2, TINY):
+        shapes = model_shapes(config, tp=8)
+        for item in shapes.dedicated:
+            if item.tp == 1:
+                continue
+            mode = choose_tp_mode(TPMode(tp_ns), item.shape, tp_dim_of(item.name), gram_ns)
+            assert takes_gram(tp_ns, item) == (mode is TPMode.GRAM), (tp_ns, item.name)
+    with pytest.raises(ValueError, match=r"Topology: tp_ns must be one of \['auto', 'gather'"):
+        Topology(8, tp=2, tp_ns="ring")
+    assert "TP 2 (NS: gram)" in Topology(8, tp=2, tp_ns="gram").describe()
+
+
 def test_tensor_parallel_figures() -> None:
-    fc = forecast(LLAMA_3_70B, Topology(512, shard_size=8, tp=8))
+    fc = forecast(LLAMA_3_70B, Topology(512, shard_size=8, tp=8, tp_ns="gather"))
     assert fc.plan.tp_size == 8 and fc.plan.world_size == 64
     tp_numel = sum(it.numel for it in fc.items if it.tp == 8)
     # Plain Muon: every rank all-gathers every TP-sharded gradient (bf16).
@@ -412,6 +459,15 @@ def test_command_line(tmp_path, capsys) -> None:
         / 512
     )
     assert data["ns_times"]["card"].startswith("NVIDIA H200")
+    # --tp-ns: how the TP matrices are orthogonalised, "auto" (Muon's default) unless given.
+    for tp_ns, gram in (("gather", False), ("auto", True), (None, True)):
+        flag = [] if tp_ns is None else ["--tp-ns", tp_ns]
+        assert (
+            main([str(path), "--ranks", "512", "--replicas", "8", "--tp", "8", *flag, "--json"])
+            == 0
+        )
+        data = json.loads(capsys.readouterr().out)
+        assert ("tp/all_reduce" in data["dmuon_payload_bytes_per_step"]) == gram, tp_ns
     for argv, message in (
         (["--ranks", "10", "--shard-size", "4"], "shard_size=4 does not divide the 10"),
         (["--ranks", "8", "--replicas", "3"], "--replicas 3 does not divide --ranks 8"),

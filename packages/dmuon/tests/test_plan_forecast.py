@@ -11,7 +11,8 @@ forecast adds them, for the experts each rank will step itself).
 
 It also predicts, per rank, the payload of every collective dmuon issues in a step (the unit of
 the runtime's ``CommCounter``) and the bytes each rank keeps between steps; the runtime's
-counter and allocations after a real step match them exactly, and so does
+counter and allocations after a real step match them exactly (the counter under tensor
+parallelism too, its TP matrices' Newton–Schulz gathered or by distributed Gram), and so does
 ``summarize_comm_plan``'s ``payload_bytes_per_step`` (each collective once: the forecast's shard
 axis of any rank of the shard group, its replicate axis summed over the group's ranks, one in
 each replicate group). FSDP2's
@@ -344,3 +345,83 @@ def test_forecast_bytes_and_state_are_what_the_runtime_counts_and_allocates(
             assert summary == expected, where
             seen.add((r, s))
         assert len(seen) == world_size
+
+
+def _tensor_parallel_counted(rank: int, world_size: int, tp_ns: str):
+    """A tiny Llama with Megatron-style tensor parallelism on a (2, 2) ("dp", "tp") mesh and
+    ``Muon(options=StepOptions(tp_ns=tp_ns))``: this rank's grid coordinate and TP index, what
+    its CommCounter counted over the second step, summarize_comm_plan's payload and the plan's
+    fingerprint."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dmuon_fsdp import (
+        Muon,
+        StepOptions,
+        dedicate_params,
+        dedicated_params_of,
+        summarize_comm_plan,
+    )
+
+    config = AutoConfig.for_model("llama", **BYTES_CONFIG)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    plan = {
+        **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+    runtime = dedicate_params(model, mesh["dp"], _muon, patch_fully_shard=False)
+    dedicated = dedicated_params_of(model)
+    for module in [*model.model.layers, model]:
+        fully_shard(module, mesh=mesh["dp"], ignored_params=dedicated)
+    optimizer = Muon(model, lr=0.01, adamw_lr=1e-3, options=StepOptions(tp_ns=tp_ns))
+    layout = runtime.layout
+    tokens = (torch.arange(12).reshape(2, 6) + layout.coord.shard) % config.vocab_size
+    for warm_up in (True, False):
+        if not warm_up:
+            runtime.counter.reset()
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    counted = {key: entry["bytes"] for key, entry in runtime.counter.snapshot().items()}
+    summary = summarize_comm_plan(model, optimizer)["payload_bytes_per_step"]
+    where = (layout.coord.replicate, layout.coord.shard, layout.tp_index)
+    return where, counted, summary, runtime.plan.fingerprint()
+
+
+@pytest.mark.distributed
+def test_forecast_tensor_parallel_bytes_are_what_the_runtime_counts() -> None:
+    # "gram" runs distributed Gram NS on the matrices whose shards split the long side and
+    # gathers the others (k_proj and v_proj, 16 x 32 split into 8 rows): both ways at once.
+    tp_ns = "gram"
+    results = run_distributed(_tensor_parallel_counted, 4, tp_ns)
+    fc = forecast(
+        BYTES_CONFIG | {"model_type": "llama"},
+        Topology(4, tp=2, param_dtype="float32", master_dtype="float32", tp_ns=tp_ns),
+    )
+    kinds = {key for _, counted, _, _ in results for key in counted}
+    assert {"tp/all_reduce", "tp/gather", "tp/scatter"} <= kinds
+    for (r, s, t), counted, summary, fingerprint in results:
+        assert fingerprint == fc.plan.fingerprint()
+        predicted = fc.rank(replicate=r, shard=s, tp=t)
+        assert {k: v for k, v in counted.items() if v} == predicted.payload, (r, s, t)
+        # summarize_comm_plan: the shard axis of one shard group, the TP axis of every TP
+        # group (the ranks of this grid, one in each).
+        expected = {k: v for k, v in predicted.payload.items() if k.startswith("shard/")}
+        for shard in range(2):
+            for key, nbytes in fc.rank(replicate=r, shard=shard, tp=t).payload.items():
+                if key.startswith("tp/"):
+                    expected[key] = expected.get(key, 0) + nbytes
+        assert summary == expected, (r, s, t)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from ._forecast import DEFAULT_NS_BATCH_BYTES, forecast
 from ._gpus import GPUS, resolve_gpu
 from ._model_shapes import MODEL_TYPES
-from ._topology import Topology
+from ._topology import TP_NS_MODES, Topology
 
 __all__ = ["main"]
 
@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
         "--replicas", type=int, help="HSDP replicas (shard size = ranks / (tp x replicas))"
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument(
+        "--tp-ns",
+        default="auto",
+        choices=TP_NS_MODES,
+        help="Newton-Schulz of a TP matrix, as StepOptions(tp_ns=) (default auto)",
+    )
     parser.add_argument(
         "--zero", type=int, default=3, choices=(2, 3), help="3: reshard after forward (default)"
     )
@@ -115,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ranks=args.ranks,
             shard_size=shard_size,
             tp=args.tp,
+            tp_ns=args.tp_ns,
             zero=args.zero,
             param_dtype=args.param_dtype,
             master_dtype=args.master_dtype,

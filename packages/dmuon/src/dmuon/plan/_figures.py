@@ -237,7 +237,8 @@ def render(fc: Forecast) -> str:
         "states (AdamW's float32 step included), HSDP replica copies; no gradients or buffers."
     )
     lines.append(
-        "received: (n-1)/n of each collective's payload on a group of n ranks; the dmuon column "
+        "received: (n-1)/n of each collective's payload on a group of n ranks (2(n-1)/n of an "
+        "all-reduce's); the dmuon column "
         "adds FSDP2's rounds over the other parameters."
     )
     lines.append(

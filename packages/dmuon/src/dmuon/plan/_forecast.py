@@ -45,14 +45,18 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   reduce-scatter, and FSDP2 + Muon one more all-gather of every dedicated gradient; replicate
   axis: dmuon's reduce and publish of the bytes its shard column owns (``r + c`` per
   element), FSDP2's all-reduce of its gradient shard, ``2(R−1)/R·r·b/G`` received; TP axis:
-  dmuon's gather mode (the TP owner receives ``(T−1)/T`` of a matrix's momentum and sends back
-  the update; the others receive their ``1/T``, optimizer dtype), FSDP2 + Muon's all-gather of
+  dmuon's NS of each TP matrix as ``Topology.tp_ns`` chooses it (``StepOptions(tp_ns=)``'s
+  rule, :func:`takes_gram`): gather (the TP owner receives ``(T−1)/T`` of a matrix's momentum
+  and sends back the update; the others receive their ``1/T``, optimizer dtype) or
+  distributed Gram NS (every rank of the group receives ``2(T−1)/T`` of each fp32
+  ``short x short`` Gram matrix all-reduced, two per matrix), FSDP2 + Muon's all-gather of
   every TP-sharded gradient, nothing for AdamW.
 - *optimizer work*: the planner's cost (:func:`ns_cost`, FLOP-equivalents, NS plus the
   elementwise pass) per rank, and the NS time of one step predicted from measured NS times
   ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
   per shape, cut where the batch's momentum passes ``ns_batch_bytes``). A tensor-parallel
-  matrix is orthogonalised whole by its TP owner (gather mode); a weight with a declared split
+  matrix is orthogonalised whole by its TP owner in gather mode, and under distributed Gram NS
+  by every rank of its TP group as a ``short x long/T`` block; a weight with a declared split
   (``WorkItem.matrices``) as its pieces, each in the batch of its shape, and the planner
   charges it their cost, as ``dedicate_params`` does.
 - *optimizer step time*: the NS time plus the step's elementwise passes, each memory-bound,
@@ -76,13 +80,15 @@ The runtime's ``CommCounter`` counts, per rank and ``(axis, kind)``, the *payloa
 collective it issues: the bytes of the tensor it carries, on every member of the group (a
 broadcast's sender and receivers alike). :attr:`Forecast.ranks` predicts exactly that, per
 rank and under the counter's keys (``"shard/broadcast"``, ``"shard/reduce"``,
-``"replicate/reduce"``, ``"replicate/publish"``, ``"tp/gather"``, ``"tp/scatter"``), counted
+``"replicate/reduce"``, ``"replicate/publish"``, ``"tp/gather"``, ``"tp/scatter"``,
+``"tp/all_reduce"``), counted
 from the shapes and the plan: per step, shard axis ``b·c`` per broadcast round and
 ``(b + k)·r`` for the reduce, ``b`` the elements of every dedicated matrix (all of them travel
 on every rank of a row) and ``k`` their number (a reduce carries one presence flag per
 matrix); replicate axis, on the ranks of shard index ``s``, the reduce (``r``, with the flags)
 and the publish (``c``) of the elements that shard column owns; TP axis, on each rank of an owner
-coordinate, the whole matrix (``o``) gathered and scattered for each TP matrix it owns. A
+coordinate, the whole matrix (``o``) gathered and scattered for each TP matrix it owns in
+gather mode, and two fp32 ``short x short`` Gram matrices all-reduced for each in Gram mode. A
 collective on a group of one rank is never issued, so that axis counts nothing.
 
 ``traffic`` is the bytes a rank *receives*: on a group of ``n`` ranks, ``(n−1)/n`` of a
@@ -115,7 +121,7 @@ from dmuon_ownership import (
 from ._figures import ADAMW, DMUON, MUON, Forecast, RankFigures
 from ._fit import Fit, fit_of
 from ._gpus import GPU, TABLE_GPU, Links, resolve_gpu
-from ._model_shapes import ITEMSIZE, ModelShapes, model_shapes
+from ._model_shapes import ITEMSIZE, ModelShapes, model_shapes, tp_dim_of
 from ._ns_times import NSTimes, load_ns_times
 from ._spread import Spread
 from ._topology import Topology
@@ -133,6 +139,26 @@ _Member = tuple[int, int, int]  # one tensor's NS input: (matrices, rows, cols)
 def _member(shape: tuple[int, ...], matrices: int | None = None) -> _Member:
     count = math.prod(shape[:-2]) if matrices is None else matrices
     return count, shape[-2], shape[-1]
+
+
+# All-reduces of one distributed Gram NS with Muon's default NS (5 steps, a restart before
+# step 2): the input's Gram matrix and the restart's ([Note: distributed Gram NS] in dmuon_ns).
+GRAM_ALL_REDUCES = 2
+
+
+def takes_gram(tp_ns: str, item: WorkItem) -> bool:
+    """Whether ``Muon(options=StepOptions(tp_ns=tp_ns))`` orthogonalises the tensor-parallel
+    matrix ``item`` by distributed Gram NS (its default NS is a Gram ``NewtonSchulz``): where
+    the shards split the long side (either side of a square matrix), and under ``"auto"``
+    where the short side is at most half the long one; see [Note: Newton–Schulz under tensor
+    parallelism] in dmuon_fsdp."""
+    if item.tp == 1 or tp_ns == "gather":
+        return False
+    split = tp_dim_of(item.name)
+    if item.shape[1 - split] > item.shape[split]:
+        return False
+    short, long = sorted(item.shape)
+    return tp_ns == "gram" or 2 * short <= long
 
 
 def _members(item: WorkItem) -> list[_Member]:
@@ -321,6 +347,9 @@ class _Forecaster:
             name: plan.slot_of(unit.owner) for unit in plan.units for name in unit.names
         }
         self.tp_owner = dict(plan.tp_owners)
+        self.gram = {
+            item.name for item in self.shapes.dedicated if takes_gram(self.topo.tp_ns, item)
+        }
         state = self.rank_state()
         payload, tp_received = self.rank_payload()
         T = self.T
@@ -536,7 +565,8 @@ class _Forecaster:
         elements = 0
         column = [0] * G  # elements owned by each shard index, over the replicas
         flags = [0] * G  # and their matrices: a reduce carries one presence flag per matrix
-        tp_payload = [0] * (G * R)  # the whole TP matrices each owner coordinate steps
+        tp_payload = [0] * (G * R)  # the whole TP matrices each owner coordinate gathers
+        tp_gram = [0] * (G * R)  # and the Gram matrices it all-reduces
         tp_received = [0.0] * (G * R * T)
         for item in self.shapes.dedicated:
             slot = self.slot_of[item.name]
@@ -544,7 +574,12 @@ class _Forecaster:
             elements += size
             column[slot % G] += size
             flags[slot % G] += 1
-            if item.tp > 1:
+            if item.name in self.gram:
+                gram = min(item.shape) ** 2 * 4 * GRAM_ALL_REDUCES  # fp32
+                tp_gram[slot] += gram
+                for t in range(T):
+                    tp_received[slot * T + t] += 2 * (T - 1) / T * gram
+            elif item.tp > 1:
                 whole = size * item.tp * o
                 tp_payload[slot] += whole
                 owner = self.tp_owner[item.name]
@@ -569,6 +604,7 @@ class _Forecaster:
                 counts["replicate/reduce"] = (column[slot % G] + flags[slot % G]) * r
                 counts["replicate/publish"] = column[slot % G] * c + sourced[slot % G]
             counts["tp/gather"] = counts["tp/scatter"] = tp_payload[slot]
+            counts["tp/all_reduce"] = tp_gram[slot]
             nonzero = {key: value for key, value in counts.items() if value}
             payload += [nonzero] * T
         return payload, tp_received
@@ -680,6 +716,13 @@ class _Forecaster:
         owned: list[list[list[_Member]]] = [[[] for _ in range(T)] for _ in range(G * R)]
         for item in self.plan_order():
             slot = self.slot_of[item.name]
+            if item.name in self.gram:
+                # Every rank of the TP group orthogonalises its block: Gram NS of a
+                # short x long/T matrix (the m x m iterations run on each).
+                short, long = sorted(item.shape)
+                for t in range(T):
+                    owned[slot][t].append((1, short, long // T))
+                continue
             pieces = _members(item)
             for t in range(T):
                 if item.tp == 1 or self.tp_owner[item.name] == t:

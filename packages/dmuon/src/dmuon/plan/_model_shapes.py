@@ -63,6 +63,18 @@ _TP_SHARDED = frozenset(
 )
 
 
+# Of those, the ones a Megatron-style plan shards row-wise (RowwiseParallel, ``Shard(1)``);
+# the others are column-wise (``Shard(0)``).
+_TP_ROWWISE = frozenset({"o_proj", "down_proj"})
+
+
+def tp_dim_of(name: str) -> int:
+    """The dimension a Megatron-style plan shards the weight ``name`` on: 1 for the row-wise
+    output projections (``o_proj``, ``down_proj``), 0 for the column-wise others."""
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+    return 1 if leaf in _TP_ROWWISE else 0
+
+
 @dataclass(frozen=True)
 class ModelShapes:
     """The parameters of one config, by what dmuon does with them (see [Note: the

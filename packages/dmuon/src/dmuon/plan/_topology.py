@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from dmuon_ownership import normalize_dtype
 
-__all__ = ["Topology"]
+__all__ = ["TP_NS_MODES", "Topology"]
+
+TP_NS_MODES = ("auto", "gather", "gram")
 
 
 def _positive_int(where: str, value: object) -> int:
@@ -35,6 +37,8 @@ class Topology:
         master_dtype: the weights the optimizer updates (and the dtype the model is built in).
         optim_dtype: the optimizer states' dtype; ``None``: the master dtype.
         reduce_dtype: what gradients are summed in; ``None``: the param dtype, FSDP2's rule.
+        tp_ns: how Newton–Schulz runs on a tensor-parallel matrix, as ``StepOptions(tp_ns=)``
+            runs it: ``"auto"`` (its default), ``"gather"`` or ``"gram"``.
     """
 
     ranks: int
@@ -45,6 +49,7 @@ class Topology:
     master_dtype: str = "float32"
     optim_dtype: str | None = None
     reduce_dtype: str | None = None
+    tp_ns: str = "auto"
 
     def __post_init__(self) -> None:
         ranks = _positive_int("ranks", self.ranks)
@@ -65,6 +70,11 @@ class Topology:
             raise ValueError(
                 f"Topology: zero must be 2 (weights kept from forward to backward) or 3 "
                 f"(resharded after forward), got {self.zero!r}"
+            )
+        if self.tp_ns not in TP_NS_MODES:
+            raise ValueError(
+                f"Topology: tp_ns must be one of {list(TP_NS_MODES)} (StepOptions' tp_ns), got "
+                f"{self.tp_ns!r}"
             )
         object.__setattr__(self, "shard_size", shard)
         for name in ("param_dtype", "master_dtype"):
@@ -93,7 +103,8 @@ class Topology:
             else f"{self.shard} shards"
         )
         return (
-            f"{self.ranks} ranks = {layout}, TP {self.tp}, ZeRO-{self.zero}; param "
+            f"{self.ranks} ranks = {layout}, TP {self.tp}"
+            f"{f' (NS: {self.tp_ns})' if self.tp > 1 else ''}, ZeRO-{self.zero}; param "
             f"{self.param_dtype}, master {self.master_dtype}, optim {self.optim_dtype}, reduce "
             f"{self.reduce_dtype}"
         )
