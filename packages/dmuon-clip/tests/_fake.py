@@ -32,6 +32,17 @@ class FakeMuon:
         self.sharded = sharded
         self.calls = 0
 
+    def clip_group_and_device(self, params: str = "muon") -> tuple[Any, torch.device]:
+        """What ``muon_grads_for_clip()`` would hand over, without taking (dmuon's Muon has
+        it; ``calls`` does not count it)."""
+        return self.process_group, self.device
+
     def muon_grads_for_clip(self) -> MuonClipGrads:
         self.calls += 1
         return MuonClipGrads(self.grads, self.process_group, self.device, self.copies, self.sharded)
+
+
+class FakeMuonWithoutProbe(FakeMuon):
+    """An optimizer of the protocol's required part only: no ``clip_group_and_device``."""
+
+    clip_group_and_device = None  # type: ignore[assignment]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _fake import FakeMuon
+from _fake import FakeMuon, FakeMuonWithoutProbe
 from _reference import assert_close, torch_clip
 
 import dmuon_clip
@@ -294,14 +294,17 @@ def test_clip_grad_value_refuses_a_value_it_cannot_clamp_to(bad: float) -> None:
     assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
 
 
-def test_try_clip_returns_none_on_cpu_and_touches_nothing(monkeypatch) -> None:
+@pytest.mark.parametrize("probe", [True, False])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_try_clip_returns_none_on_cpu_and_touches_nothing(monkeypatch, probe, grouped) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     muon = _matrices(0)
     regular, adamw = _matrices(1), _matrices(2)
     before = [g.clone() for g in [*muon, *regular, *adamw]]
-    optimizer = FakeMuon(muon)
+    group = object() if grouped else None  # the Muon group, passed as process_group too
+    optimizer = (FakeMuon if probe else FakeMuonWithoutProbe)(muon, process_group=group)
     result = try_clip_optimizer_grad_norm_buckets_(
-        optimizer, regular_grads=regular, adamw_grads=adamw, max_norm=0.1
+        optimizer, regular_grads=regular, adamw_grads=adamw, max_norm=0.1, process_group=group
     )
     assert result is None
     assert all(torch.equal(a, b) for a, b in zip([*muon, *regular, *adamw], before))
@@ -316,17 +319,17 @@ def test_try_clip_returns_none_on_cpu_and_touches_nothing(monkeypatch) -> None:
             try_clip_optimizer_grad_norm_buckets_(
                 optimizer, regular_grads=regular, adamw_grads=adamw, max_norm=max_norm
             )
+    assert optimizer.calls == 0
 
 
 def test_try_clip_group_mismatch_is_an_error() -> None:
+    # Raised before the Muon gradients are taken, whether the fast path runs or not.
+    optimizer = FakeMuon([], process_group=object())
     with pytest.raises(ValueError, match="process_group must be None or the group"):
         try_clip_optimizer_grad_norm_buckets_(
-            FakeMuon([], process_group=object()),
-            regular_grads=[],
-            adamw_grads=[],
-            max_norm=1.0,
-            process_group=object(),
+            optimizer, regular_grads=[], adamw_grads=[], max_norm=1.0, process_group=object()
         )
+    assert optimizer.calls == 0
 
 
 def test_public_surface() -> None:

@@ -435,8 +435,23 @@ def _bad_params(rank: int, world_size: int) -> None:
         for params in ("adamw", "all"):
             with pytest.raises(ValueError, match="clips each tensor by the norm this rank sees"):
                 dmuon.clip_grad_norm_(optimizer, 1.0, params=params, strategy="per_matrix")
-    # Refused before the gradients were taken: NS during backward stays on (taking them had
-    # turned it off, with a warning), and the step is the one without these calls.
+        # No fast path on the CPU: declined before the take, with the Muon group or without;
+        # another group is refused there too.
+        group = optimizer.runtime.global_group
+        assert optimizer.clip_group_and_device("all") == (group, torch.device("cpu"))
+        shards = [p.grad.to_local() for p in model.parameters() if hasattr(p.grad, "to_local")]
+        try_clip = dmuon.clip.try_clip_optimizer_grad_norm_buckets_
+        for to in (None, group):
+            kept = try_clip(
+                optimizer, regular_grads=shards, adamw_grads=[], max_norm=1e-3, process_group=to
+            )
+            assert kept is None
+        other = torch.distributed.new_group()
+        with pytest.raises(ValueError, match="process_group must be None or the group"):
+            try_clip(optimizer, regular_grads=[], adamw_grads=[], max_norm=1.0, process_group=other)
+    # Refused (or declined) before the gradients were taken: NS during backward stays on
+    # (taking them had turned it off, with a warning), and the step is the one without these
+    # calls.
     assert optimizer._overlap is overlap and overlap is not None and not caught
     optimizer.step()
     used = torch.tensor([overlap.used])

@@ -349,15 +349,18 @@ def try_clip_optimizer_grad_norm_buckets_(
     ``"muon"`` (``optimizer.muon_grads_for_clip()``) and ``"adamw"``, each by its own 2-norm,
     in one fused call; ``None`` when the fast path is unavailable.
 
-    The rule: returns ``None``, having touched no gradient and issued no collective, when triton
-    is not installed or this process has neither CUDA nor the Triton interpreter (then, with
-    ``process_group=None``, without taking the Muon gradients either), or when any tensor of the
-    three segments (or, with no tensors, the Muon accumulator device) is not on one and the
-    same CUDA device (the CPU counts while Triton interprets, ``TRITON_INTERPRET=1``).
-    Otherwise it clips, and tensors outside the kernel's
-    contract (non-contiguous, float64, ...) go through torch inside the call, as reported by
-    ``fallback_reason``. A bad ``max_norm`` or gradient list raises ``ValueError`` either way,
-    before anything is taken.
+    The rule: returns ``None``, having taken no Muon gradient, touched no gradient and issued
+    no collective, when triton is not installed or this process has neither CUDA nor the
+    Triton interpreter, or when any tensor of the three segments (and the Muon gradients'
+    device) is not on one and the same CUDA device (the CPU counts while Triton interprets,
+    ``TRITON_INTERPRET=1``). The Muon gradients' group and device come from
+    ``optimizer.clip_group_and_device("muon")`` (dmuon's ``Muon`` has it), which takes nothing;
+    an optimizer without it has its Muon gradients taken first where the kernels may run in
+    this process, and a ``None`` then follows the take (see [Note: a declined call takes
+    nothing]). Otherwise it clips, and tensors outside the kernel's contract (non-contiguous,
+    float64, ...) go through torch inside the call, as reported by ``fallback_reason``. A bad
+    ``max_norm``, gradient list or ``process_group`` raises ``ValueError`` either way, before
+    anything is taken (the group: where the optimizer has ``clip_group_and_device``).
 
     Groups: the Muon segment is reduced over the optimizer's group. ``process_group=None`` keeps
     the regular and AdamW norms rank-local (replicated grads, as under DDP); a group reduces them
@@ -382,9 +385,14 @@ def try_clip_optimizer_grad_norm_buckets_(
             disjoint shard), which must be the optimizer's Muon group (``ValueError``
             otherwise).
     """
-    # Bad input raises wherever the call runs, the fast path or not, before anything is taken
-    # (taking the Muon gradients turns dmuon's ns_overlap off): the two buckets check their
-    # gradients once, here, and the plan of this call checks max_norm against all three names.
+    # [Note: a declined call takes nothing]
+    # Taking the Muon gradients is not free of effects: dmuon's Muon waits for its reduces and
+    # turns ns_overlap off for good (NS during backward would have read unclipped gradients).
+    # A call that returns None lets its caller clip the usual way, or not at all, so it must
+    # decide before the take: where the kernels run, the Muon group and device are read from
+    # the optimizer's clip_group_and_device(), which takes nothing. Bad input raises either
+    # way: the two buckets check their gradients once, here, and the plan of this call checks
+    # max_norm against all three names.
     regular = GradClipBucket(
         "regular", [g for g in regular_grads if g is not None], reduce=process_group is not None
     )
@@ -392,26 +400,22 @@ def try_clip_optimizer_grad_norm_buckets_(
         "adamw", [g for g in adamw_grads if g is not None], reduce=process_group is not None
     )
     _make_plan([regular, GradClipBucket("muon", ()), adamw], max_norm, 2.0, "cpu")
-    if process_group is None and _fastpath.unavailable_in_process() is not None:
-        return None  # (a group is checked against the Muon gradients' below)
+    given = [*regular.grads, *adamw.grads]
+    probe = getattr(optimizer, "clip_group_and_device", None)
+    if callable(probe):
+        muon_group, muon_device = probe("muon")
+        _check_segment_group(process_group, muon_group)
+        if _declined(given, torch.device(muon_device)) is not None:
+            return None
+    elif _fastpath.unavailable_in_process() is not None:
+        return None
     muon = optimizer.muon_grads_for_clip()
     copies = clip_copies(muon)
     muon_group = muon.process_group
-    if process_group is not None and muon_group is not None and process_group is not muon_group:
-        raise ValueError(
-            "process_group must be None or the group of optimizer.muon_grads_for_clip() (one "
-            "collective serves all three segments); clip the regular/AdamW grads separately "
-            "when they are sharded over another group"
-        )
+    _check_segment_group(process_group, muon_group)
     group = muon_group if muon_group is not None else process_group
-    every = [*regular.grads, *muon.grads, *copies, *adamw.grads]
-    devices = {g.device for g in every} or {torch.device(muon.device)}
-    if len(devices) != 1:
-        logger.debug("try_clip_optimizer_grad_norm_buckets_: grads on several devices %s", devices)
-        return None
-    (device,) = devices
-    device = _resolve_device(device, ())
-    if _fastpath.unavailable_reason(device, 2.0) is not None:
+    device = _declined_or_device([*given, *muon.grads, *copies], torch.device(muon.device))
+    if device is None:  # without the probe, or gradients not where the probe said
         return None
     buckets = [regular, GradClipBucket("muon", muon.grads, reduce=muon_group is not None), adamw]
     result = clip_grad_norm_buckets_(
@@ -422,3 +426,38 @@ def try_clip_optimizer_grad_norm_buckets_(
         # MuonClipGradsLike).
         scale_(copies, result["muon"].clip_coef)
     return result
+
+
+def _check_segment_group(process_group: Any, muon_group: Any) -> None:
+    """Refuse a ``process_group`` that is not the Muon gradients' (one collective serves all
+    three segments of ``try_clip_optimizer_grad_norm_buckets_``)."""
+    if process_group is not None and muon_group is not None and process_group is not muon_group:
+        raise ValueError(
+            "process_group must be None or the group of optimizer.muon_grads_for_clip() (one "
+            "collective serves all three segments); clip the regular/AdamW grads separately "
+            "when they are sharded over another group"
+        )
+
+
+def _declined(tensors: Sequence[Tensor], muon_device: torch.device) -> str | None:
+    """Why the fused clip declines ``tensors`` and the Muon gradients on ``muon_device``
+    (``None``: it runs): not all on one device, or none the kernels run on."""
+    # "cuda" (an optimizer may say so) is the current CUDA device, as for the accumulator.
+    devices = {_resolve_device(d, ()) for d in {t.device for t in tensors} | {muon_device}}
+    if len(devices) != 1:
+        return f"grads on several devices {devices}"
+    (device,) = devices
+    return _fastpath.unavailable_reason(device, 2.0)
+
+
+def _declined_or_device(
+    tensors: Sequence[Tensor], muon_device: torch.device
+) -> torch.device | None:
+    """The one device the fused clip runs on for ``tensors`` (with none, ``muon_device``), or
+    ``None`` when it declines them."""
+    device = _resolve_device(tensors[0].device if tensors else muon_device, ())
+    reason = _declined(tensors, device)
+    if reason is not None:
+        logger.debug("try_clip_optimizer_grad_norm_buckets_: %s", reason)
+        return None
+    return device

@@ -989,16 +989,37 @@ class Muon(torch.optim.Optimizer):
             got = view.clip_grad(layout)
             if got is not None:
                 (copies if got[1] else grads).append(got[0])
-        if grads or copies:
-            device = (grads or copies)[0].device
-        elif self._runtime.params:
-            device = self._runtime.params[0].param.device
-        else:
-            device = torch.device("cpu")
-        group = (
-            self._runtime.global_group if dist.is_available() and dist.is_initialized() else None
-        )
-        return MuonClipGrads(grads, group, device, tuple(copies), sharded=sharded)
+        device = (grads or copies)[0].device if grads or copies else self._clip_device()
+        return MuonClipGrads(grads, self._clip_group(), device, tuple(copies), sharded=sharded)
+
+    def clip_group_and_device(
+        self, params: str | Iterable[Tensor] = "muon"
+    ) -> tuple[ProcessGroup | None, torch.device]:
+        """The ``process_group`` and ``device`` that ``grads_for_clip(params)`` hands over,
+        without taking the gradients: nothing is waited for or changed (``ns_overlap`` stays
+        on), so that a clip can decline, or refuse its input, before it takes them
+        (``dmuon.clip.try_clip_optimizer_grad_norm_buckets_`` does). The same group on every
+        rank; the device is the parameters', where every gradient lives.
+
+        Args:
+            params: the selection :meth:`grads_for_clip` takes: ``"muon"``, ``"adamw"``,
+                ``"all"``, or an iterable of this optimizer's parameters (another tensor
+                raises ``ValueError``).
+        """
+        self._clip_selection(params)
+        return self._clip_group(), self._clip_device()
+
+    def _clip_group(self) -> ProcessGroup | None:
+        """The group over which the clip's sums count every element once: every rank."""
+        distributed = dist.is_available() and dist.is_initialized()
+        return self._runtime.global_group if distributed else None
+
+    def _clip_device(self) -> torch.device:
+        """Where this rank's gradients to clip live: its parameters' device (CPU with none)."""
+        if self._runtime.params:
+            return self._runtime.params[0].param.device
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        return first.device if first is not None else torch.device("cpu")
 
     def grads_split_over_ranks(self, params: str | Iterable[Tensor] = "muon") -> bool:
         """Whether some gradient that ``grads_for_clip(params)`` hands over is split over ranks
