@@ -141,6 +141,14 @@ def _step_after_no_sync_only(rank: int, world_size: int, how: str) -> None:
         optimizer.step()
     after = get_model_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before), "the refused step changed weights"
+    # A clip between the micro-batches is refused alike (it found nothing reduced: the owners
+    # hold no gradient yet), before it changes any gradient.
+    local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert local  # the dedicated weights' local accumulation
+    for params in ("muon", "all"):
+        with pytest.raises(RuntimeError, match=r"Clip after the last micro-batch's backward"):
+            optimizer.grads_for_clip(params)
+    assert all(torch.equal(g, model.get_parameter(n).grad) for n, g in local.items())
     # Discarded, the accumulation no longer blocks the step; a synced backward then trains.
     optimizer.zero_grad()
     loss_fn(model, batch(2, rows).chunk(world_size)[rank]).backward()
