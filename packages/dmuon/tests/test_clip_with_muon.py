@@ -462,6 +462,12 @@ def _bad_params(rank: int, world_size: int) -> None:
     want = dmuon.get_model_state_dict(plain)
     for name, value in dmuon.get_model_state_dict(model).items():
         assert torch.equal(value, want[name]), name
+    # One parameter, as torch's clip takes it: a dedicated matrix (whole on its owner alone)
+    # and an FSDP2 one.
+    for one in (model.layers[0].mlp.gate_proj.weight, model.layers[0].input_layernorm.weight):
+        norm = dmuon.clip_grad_norm_(optimizer, None, params=one).total_norm
+        assert torch.equal(norm, dmuon.clip_grad_norm_(optimizer, None, params=[one]).total_norm)
+        assert norm > 0
 
 
 @pytest.mark.distributed

@@ -81,8 +81,9 @@ def clip_grad_norm_(
             their owners, expert stacks), ``"adamw"`` (the AdamW route's: FSDP2 shards of the
             embeddings, norms, head..., and dedicated weights routed to AdamW, on their
             owners), ``"all"`` (both, by one norm, as torch's ``clip_grad_norm_`` of
-            ``model.parameters()`` on a model without dmuon), or an iterable of the optimizer's
-            parameters. All but ``"muon"`` need ``optimizer.grads_for_clip(params)``.
+            ``model.parameters()`` on a model without dmuon), one of the optimizer's
+            parameters or an iterable of them (as torch takes ``parameters``). All but
+            ``"muon"`` need ``optimizer.grads_for_clip(params)``.
     """
     max_norm = validate_max_norm(max_norm)
     norm_type = validate_norm_type(norm_type)
@@ -154,7 +155,7 @@ def clip_grad_value_(
         clip_value: the largest magnitude a gradient element keeps, a finite number >= 0.
         params: which gradients, as for :func:`clip_grad_norm_`: ``"muon"``, ``"adamw"``,
             ``"all"`` (as torch's ``clip_grad_value_`` of ``model.parameters()`` on a model
-            without dmuon), or an iterable of the optimizer's parameters.
+            without dmuon), one of the optimizer's parameters or an iterable of them.
     """
     if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)):
         raise TypeError(f"clip_value must be a number, got {clip_value!r}")

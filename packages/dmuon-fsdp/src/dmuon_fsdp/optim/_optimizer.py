@@ -963,8 +963,9 @@ class Muon(torch.optim.Optimizer):
         Args:
             params: ``"muon"`` (every Muon-route parameter: dedicated matrices on their owners,
                 expert stacks), ``"adamw"`` (every AdamW-route one: FSDP2 shards, dedicated
-                weights on their owners), ``"all"``, or an iterable of this optimizer's
-                parameters (frozen ones are skipped; another tensor raises ``ValueError``).
+                weights on their owners), ``"all"``, one of this optimizer's parameters, or an
+                iterable of them (frozen ones are skipped; another tensor raises
+                ``ValueError``).
         """
         chosen = self._clip_selection(params)
         if self._runtime.hooks.unsynced_backward:
@@ -1077,6 +1078,10 @@ class Muon(torch.optim.Optimizer):
                     " optimizer's parameters"
                 )
             return set().union(*(self._route_ids(route) for route in routes[params]))
+        if isinstance(params, Tensor):
+            # One parameter, as torch.nn.utils.clip_grad_norm_ takes it; iterated, a matrix
+            # would be its rows (and a dedicated weight cannot be read off its owner).
+            params = [params]
         names = self._plan.names
         chosen = set()
         for p in params:
