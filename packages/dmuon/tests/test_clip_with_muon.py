@@ -430,8 +430,12 @@ def _bad_params(rank: int, world_size: int) -> None:
         with pytest.raises(ValueError, match="pass 'muon', 'adamw', 'all'"):
             dmuon.clip_grad_norm_(optimizer, 1.0, params="experts")
         stranger = torch.nn.Parameter(torch.ones(2, 2))
-        with pytest.raises(ValueError, match="not a parameter of this optimizer"):
-            dmuon.clip_grad_norm_(optimizer, 1.0, params=[stranger])
+        grad = next(p.grad for p in model.parameters() if p.grad is not None)
+        for wrong in ([stranger], [grad], [model.norm.weight.detach()]):
+            with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+                dmuon.clip_grad_norm_(optimizer, 1.0, params=wrong)
+        with pytest.raises(ValueError, match=r"pass params=module\.parameters\(\)"):
+            dmuon.clip_grad_norm_(optimizer, 1.0, params=model)
         for params in ("adamw", "all"):
             with pytest.raises(ValueError, match="clips each tensor by the norm this rank sees"):
                 dmuon.clip_grad_norm_(optimizer, 1.0, params=params, strategy="per_matrix")

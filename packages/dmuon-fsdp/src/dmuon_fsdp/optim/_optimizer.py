@@ -1078,6 +1078,11 @@ class Muon(torch.optim.Optimizer):
                     " optimizer's parameters"
                 )
             return set().union(*(self._route_ids(route) for route in routes[params]))
+        if isinstance(params, nn.Module):
+            raise ValueError(
+                f"params is a module ({type(params).__name__}), not its parameters; pass"
+                " params=module.parameters(), or 'muon', 'adamw' or 'all'"
+            )
         if isinstance(params, Tensor):
             # One parameter, as torch.nn.utils.clip_grad_norm_ takes it; iterated, a matrix
             # would be its rows (and a dedicated weight cannot be read off its owner).
@@ -1087,11 +1092,16 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             if isinstance(p, Tensor) and id(p) in names:
                 chosen.add(id(p))
-            elif not (isinstance(p, Tensor) and not p.requires_grad):
+            elif not (isinstance(p, nn.Parameter) and not p.requires_grad):
+                # A frozen parameter has no gradient, and torch's clip skips it too. Any
+                # other tensor is refused: a gradient (torch.nn.utils.get_total_norm takes
+                # gradients; the clip, as torch's clip_grad_norm_, parameters) would
+                # otherwise select nothing, and the clip measure 0.
                 raise ValueError(
                     f"params holds a {type(p).__name__} that is not a parameter of this"
-                    " optimizer (another model's, or a copy); pass the optimizer's own"
-                    " parameters, or 'muon', 'adamw' or 'all'"
+                    " optimizer (a gradient, another model's parameter, or a copy); pass"
+                    " the optimizer's own parameters, whose gradients are clipped (as"
+                    " torch.nn.utils.clip_grad_norm_ takes them), or 'muon', 'adamw' or 'all'"
                 )
         return chosen
 
