@@ -265,6 +265,15 @@ def test_optimizer_without_the_protocol() -> None:
     opt = PlainOptimizer()
     with pytest.raises(TypeError, match=r"torch\.nn\.utils\.clip_grad_norm_"):
         clip_grad_norm_(opt, 1.0)  # type: ignore[arg-type]
+    # torch's habit, the parameters first: the fix is dmuon's call (torch's clip would miss the
+    # dedicated matrices' gradients on a model with dmuon), for the value clip too.
+    grads = _matrices()
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for first in (params, iter(params), params[0]):
+        with pytest.raises(TypeError, match=r"takes dmuon's Muon optimizer first, not the param"):
+            clip_grad_norm_(first, 1.0)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"dmuon\.clip\.clip_grad_value_\(optimizer, \.\.\."):
+            clip_grad_value_(first, 1.0)  # type: ignore[arg-type]
 
 
 def test_clip_grad_value_clamps_grads_and_copies_as_torch_does() -> None:

@@ -191,10 +191,21 @@ def _grads_for_clip(
     clip's span); raises ``TypeError`` for an optimizer without the clip protocol."""
     method = "muon_grads_for_clip" if isinstance(params, str) and params == "muon" else None
     if not callable(getattr(optimizer, method or "grads_for_clip", None)):
+        if isinstance(optimizer, Tensor | Iterable):
+            # torch's clip takes the parameters first. On a model with dmuon, torch's own clip
+            # of model.parameters() misses the dedicated matrices' gradients (they live on
+            # their owners): pointing there, as for another optimizer, would be wrong advice.
+            raise TypeError(
+                f"dmuon's {where} takes dmuon's Muon optimizer first, not the parameters (got"
+                f" a {type(optimizer).__name__}): dmuon.clip.{where}(optimizer, ...,"
+                " params='all') for every gradient the optimizer steps, or params=<the"
+                f" parameters> for some; torch.nn.utils.{where}(model.parameters()) does not"
+                " reach the gradients of the dedicated matrices, which live on their owners"
+            )
         raise TypeError(
             f"{type(optimizer).__name__} has no {method or 'grads_for_clip'}();"
-            f" dmuon_clip.{where} takes dmuon's Muon optimizer; clip plain param.grad"
-            f" with torch.nn.utils.{where}"
+            f" dmuon_clip.{where} takes dmuon's Muon optimizer; on a model without dmuon,"
+            f" clip plain param.grad with torch.nn.utils.{where}"
         )
     if method is not None:
         return optimizer.muon_grads_for_clip
