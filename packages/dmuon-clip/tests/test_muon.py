@@ -45,6 +45,13 @@ def test_global_norm_matches_torch(norm_type: float, max_norm: float | None) -> 
     for got, want in zip(grads, expected):
         assert_close(got, want, rtol=RTOL)
     assert bool(stats.clipped) == (max_norm is not None and float(total) > max_norm)
+    # torch's clip returns the total norm alone: its habits are pointed at the field.
+    for habit in ("item", "full_tensor"):
+        with pytest.raises(
+            AttributeError, match=rf"no '{habit}': .* the norm is stats\.total_norm"
+        ):
+            getattr(stats, habit)
+    assert not hasattr(stats, "no_such_field") and not hasattr(stats, "__array__")
 
 
 def test_nonfinite_is_reported_not_applied_and_can_raise() -> None:

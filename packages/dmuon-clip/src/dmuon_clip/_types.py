@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -88,6 +88,21 @@ class MuonGradClipStats:
     clipped: Tensor
     found_inf: Tensor
     param_count: int
+
+    if not TYPE_CHECKING:  # a type checker keeps refusing a misspelt field
+
+        def __getattr__(self, name: str) -> Any:
+            """Name the field for a tensor method asked of the stats (``stats.item()``, as of
+            the total norm ``torch.nn.utils.clip_grad_norm_`` returns); any other name fails
+            as usual. Only missing attributes reach here."""
+            if not name.startswith("_") and (hasattr(Tensor, name) or name == "full_tensor"):
+                raise AttributeError(
+                    f"MuonGradClipStats has no {name!r}: dmuon's clip_grad_norm_ returns these"
+                    " stats, where torch.nn.utils.clip_grad_norm_ returns the total norm alone;"
+                    f" the norm is stats.total_norm (stats.total_norm.{name}), a plain 0-dim"
+                    " tensor, already the whole model's on every rank"
+                )
+            return object.__getattribute__(self, name)  # Python's own AttributeError
 
 
 @dataclass(frozen=True)
