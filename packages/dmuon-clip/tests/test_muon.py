@@ -15,6 +15,7 @@ from dmuon_clip import (
     MuonGradClipStats,
     clip_grad_norm_,
     clip_grad_value_,
+    clip_grads_with_norm_,
     register_muon_grad_clip_strategy,
     registered_muon_grad_clip_strategies,
     try_clip_optimizer_grad_norm_buckets_,
@@ -52,6 +53,37 @@ def test_global_norm_matches_torch(norm_type: float, max_norm: float | None) -> 
         ):
             getattr(stats, habit)
     assert not hasattr(stats, "no_such_field") and not hasattr(stats, "__array__")
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_measure_then_clip_with_the_norm_as_torch_splits_it(norm_type: float) -> None:
+    # torch: get_total_norm, then clip_grads_with_norm_ (a norm combined over pipeline
+    # stages, say); dmuon: clip_grad_norm_ with max_norm=None, then clip_grads_with_norm_.
+    grads = _matrices()
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, 0.3, total)
+    copy = grads[1].clone()  # another rank counts it: scaled alike
+    optimizer = FakeMuon(grads, copies=(copy,))
+    measured = clip_grad_norm_(optimizer, None, norm_type).total_norm
+    assert_close(measured, total, rtol=RTOL)
+    clip_grads_with_norm_(optimizer, 0.3, measured)
+    for got, p in zip(grads, params, strict=True):
+        assert_close(got, p.grad, rtol=RTOL)
+    assert torch.equal(copy, grads[1])
+    before = [g.clone() for g in grads]
+    for max_norm, norm, error, match in (
+        (None, 1.0, ValueError, "measure with clip_grad_norm_"),
+        (-1.0, 1.0, ValueError, "max_norm must be a finite number >= 0"),
+        (0.3, "1.0", TypeError, "total_norm must be a number or a one-element tensor"),
+        (0.3, torch.ones(2), TypeError, "total_norm must be a number or a one-element tensor"),
+    ):
+        with pytest.raises(error, match=match):
+            clip_grads_with_norm_(optimizer, max_norm, norm)  # type: ignore[arg-type]
+    clip_grads_with_norm_(optimizer, 0.3, torch.tensor(math.nan))  # never scaled by a NaN
+    assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
 
 
 def test_nonfinite_is_reported_not_applied_and_can_raise() -> None:

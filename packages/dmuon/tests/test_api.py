@@ -73,6 +73,7 @@ SUBMODULES = {
     "clip": {
         "clip_grad_norm_",
         "clip_grad_value_",
+        "clip_grads_with_norm_",
         "register_muon_grad_clip_strategy",
         "MuonGradClipStats",
         "clip_grad_norm_buckets_",

@@ -6,7 +6,7 @@ clamps them);
 """
 
 from dmuon_clip._buckets import clip_grad_norm_buckets_, try_clip_optimizer_grad_norm_buckets_
-from dmuon_clip._muon import clip_grad_norm_, clip_grad_value_
+from dmuon_clip._muon import clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_
 from dmuon_clip._strategy import (
     MuonGradClipStrategy,
     register_muon_grad_clip_strategy,
@@ -33,6 +33,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_norm_buckets_",
     "clip_grad_value_",
+    "clip_grads_with_norm_",
     "register_muon_grad_clip_strategy",
     "registered_muon_grad_clip_strategies",
     "try_clip_optimizer_grad_norm_buckets_",

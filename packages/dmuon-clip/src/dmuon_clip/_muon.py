@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon_clip._buckets import scale_, validate_max_norm, validate_norm_type
+from dmuon_clip._buckets import _EPS, scale_, validate_max_norm, validate_norm_type
 from dmuon_clip._profiling import span
 from dmuon_clip._strategy import clips_per_matrix, get_muon_grad_clip_strategy
 from dmuon_clip._types import (
@@ -37,7 +37,7 @@ from dmuon_clip._types import (
     is_sharded,
 )
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"]
 
 
 def clip_grad_norm_(
@@ -130,6 +130,63 @@ def clip_grad_norm_(
             + (" (inf-norm: a NaN is reported as inf)" if norm_type == math.inf else "")
         )
     return stats
+
+
+def clip_grads_with_norm_(
+    optimizer: SupportsMuonGradsForClip,
+    max_norm: float,
+    total_norm: Tensor | float,
+    params: str | Iterable[Tensor] = "muon",
+) -> None:
+    """Scale the gradients ``params`` selects in place by ``min(max_norm / (total_norm +
+    1e-6), 1)`` for a ``total_norm`` measured before: the second half of
+    :func:`clip_grad_norm_`, as ``torch.nn.utils.clip_grads_with_norm_`` is of torch's clip,
+    after ``torch.nn.utils.get_total_norm``. Measure with ``clip_grad_norm_(optimizer, None,
+    norm_type, params=...)`` (its ``total_norm``), combine it with other norms if need be
+    (pipeline stages, other optimizers: ``(a**p + b**p) ** (1/p)``), then scale. Torch's
+    ``clip_grads_with_norm_`` of ``model.parameters()`` does not reach the dedicated matrices'
+    gradients, which live on their owners. Pass the same ``total_norm`` on every rank; no
+    collective runs but a DTensor's ``full_tensor()`` (torch's ``get_total_norm`` of FSDP2
+    gradients is one). A non-finite ``total_norm`` leaves the gradients as they are (never
+    multiplied by a NaN), as :func:`clip_grad_norm_` does; nothing waits for the device.
+
+    Args:
+        optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;
+            another raises ``TypeError``).
+        max_norm: the norm the gradients are scaled to when ``total_norm`` is larger, a
+            finite number >= 0.
+        total_norm: the norm to clip by, a number or a one-element tensor (``clip_grad_norm_``'s
+            ``total_norm``, or one combined from it; a DTensor is made whole first); another
+            value raises ``TypeError``.
+        params: which gradients, as for :func:`clip_grad_norm_`: ``"muon"``, ``"adamw"``,
+            ``"all"``, one of the optimizer's parameters or an iterable of them.
+    """
+    if max_norm is None:  # measuring is clip_grad_norm_'s, with max_norm=None
+        raise ValueError(
+            "clip_grads_with_norm_ scales to a max_norm, a finite number >= 0, got None;"
+            " measure with clip_grad_norm_(optimizer, None, ...)"
+        )
+    threshold = validate_max_norm(max_norm)
+    assert threshold is not None  # refused above
+    if isinstance(total_norm, DTensor):  # torch's get_total_norm of FSDP2 gradients
+        total_norm = total_norm.full_tensor()
+    if isinstance(total_norm, Tensor) and total_norm.numel() == 1:
+        norm = total_norm.detach().reshape(()).to(torch.float32)
+    elif not isinstance(total_norm, bool) and isinstance(total_norm, (int, float)):
+        norm = torch.tensor(float(total_norm), dtype=torch.float32)
+    else:
+        raise TypeError(
+            "clip_grads_with_norm_: total_norm must be a number or a one-element tensor (the"
+            " total_norm of clip_grad_norm_(optimizer, None, ...)), got"
+            f" {type(total_norm).__name__}"
+        )
+    take = _grads_for_clip(optimizer, params, "clip_grads_with_norm_")
+    with span("dmuon::clip_grads_with_norm"), torch.no_grad():
+        muon = take()
+        norm = norm.to(torch.device(muon.device))
+        coef = torch.clamp(torch.reciprocal(norm + _EPS) * threshold, max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, 1.0)
+        scale_([*muon.grads, *clip_copies(muon)], coef)
 
 
 def clip_grad_value_(

@@ -11,6 +11,7 @@ from dmuon_clip import SegmentedGradClipResult as SegmentedGradClipResult
 from dmuon_clip import clip_grad_norm_ as clip_grad_norm_
 from dmuon_clip import clip_grad_norm_buckets_ as clip_grad_norm_buckets_
 from dmuon_clip import clip_grad_value_ as clip_grad_value_
+from dmuon_clip import clip_grads_with_norm_ as clip_grads_with_norm_
 from dmuon_clip import register_muon_grad_clip_strategy as register_muon_grad_clip_strategy
 from dmuon_clip import (
     try_clip_optimizer_grad_norm_buckets_ as try_clip_optimizer_grad_norm_buckets_,
