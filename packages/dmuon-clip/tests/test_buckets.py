@@ -161,14 +161,21 @@ def test_bad_arguments_name_the_fix() -> None:
         clip_grad_norm_buckets_([GradClipBucket("x", g)], 1.0, norm_type=0.0)
     with pytest.raises(ValueError, match="norm_type must be a positive"):
         clip_grad_norm_buckets_([GradClipBucket("x", g)], 1.0, norm_type=math.nan)
-    with pytest.raises(ValueError, match="max_norm must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
         clip_grad_norm_buckets_([GradClipBucket("x", g)], -1.0)
-    with pytest.raises(ValueError, match=r"max_norm\['x'\] must be a finite"):
-        clip_grad_norm_buckets_([GradClipBucket("x", g)], {"x": math.inf})
+    with pytest.raises(ValueError, match=r"max_norm\['x'\] must be a number >= 0"):
+        clip_grad_norm_buckets_([GradClipBucket("x", g)], {"x": math.nan})
+    # inf is torch's "measure, do not clip" (its coefficient clamps to 1): nothing is scaled.
+    before = [t.clone() for t in g]
+    for inf in (math.inf, {"x": math.inf}):
+        result = clip_grad_norm_buckets_([GradClipBucket("x", g)], inf)
+        assert float(result["x"].clip_coef) == 1.0
+        assert all(torch.equal(a, b) for a, b in zip(g, before, strict=True))
+        assert float(result.total_norm) == float(torch.stack([t.norm() for t in before]).norm())
     # Not numbers: a bool would clip at 1.0, a string such as "1" passed float(); "fro" said
     # only "could not convert string to float". torch's "inf" spelling stays the inf-norm.
     for bad in [True, "1", b"1", [1.0]]:
-        with pytest.raises(ValueError, match="max_norm must be a finite number >= 0"):
+        with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
             clip_grad_norm_buckets_([GradClipBucket("x", g)], bad)  # type: ignore[arg-type]
     for bad in [True, "fro", "2", None]:
         with pytest.raises(ValueError, match="norm_type must be a positive"):

@@ -76,7 +76,7 @@ def test_measure_then_clip_with_the_norm_as_torch_splits_it(norm_type: float) ->
     before = [g.clone() for g in grads]
     for max_norm, norm, error, match in (
         (None, 1.0, ValueError, "measure with clip_grad_norm_"),
-        (-1.0, 1.0, ValueError, "max_norm must be a finite number >= 0"),
+        (-1.0, 1.0, ValueError, "max_norm must be a number >= 0"),
         (0.3, "1.0", TypeError, "total_norm must be a number or a one-element tensor"),
         (0.3, torch.ones(2), TypeError, "total_norm must be a number or a one-element tensor"),
     ):
@@ -84,6 +84,13 @@ def test_measure_then_clip_with_the_norm_as_torch_splits_it(norm_type: float) ->
             clip_grads_with_norm_(optimizer, max_norm, norm)  # type: ignore[arg-type]
     clip_grads_with_norm_(optimizer, 0.3, torch.tensor(math.nan))  # never scaled by a NaN
     assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
+    # max_norm=inf is torch's "do not clip": its coefficient clamps to 1, so nothing is scaled
+    # (it raised 'must be a finite number'), and clip_grad_norm_ measures as with None.
+    clip_grads_with_norm_(optimizer, math.inf, measured)
+    stats = clip_grad_norm_(optimizer, math.inf, norm_type)
+    assert all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
+    assert not bool(stats.clipped) and float(stats.clip_coef) == 1.0
+    assert torch.equal(stats.total_norm, clip_grad_norm_(optimizer, None, norm_type).total_norm)
 
 
 def test_nonfinite_is_reported_not_applied_and_can_raise() -> None:
@@ -360,7 +367,7 @@ def test_try_clip_returns_none_on_cpu_and_touches_nothing(monkeypatch, probe, gr
     assert optimizer.calls == 0
     # ... and bad input raises here as where the fast path runs (it returned None unread).
     for max_norm, match in (
-        (-1.0, "max_norm must be a finite number >= 0"),
+        (-1.0, "max_norm must be a number >= 0"),
         ({"muon": 1.0}, r"needs exactly one entry per bucket; missing \['regular', 'adamw'\]"),
     ):
         with pytest.raises(ValueError, match=match):

@@ -83,15 +83,18 @@ def validate_norm_type(norm_type: float) -> float:
 
 
 def validate_max_norm(max_norm: float | None, what: str = "max_norm") -> float | None:
+    """``max_norm`` as a float, or ``None`` to measure without scaling: ``None`` itself or
+    ``inf``, whose coefficient torch's ``clip_grad_norm_`` clamps to 1 (its "log the norm, do
+    not clip")."""
     if max_norm is None:
         return None
     value = _as_float(max_norm)
-    if value is None or not (0.0 <= value < math.inf):
+    if value is None or not value >= 0.0:  # NaN fails the comparison too
         raise ValueError(
-            f"{what} must be a finite number >= 0 (or None to measure without clipping), "
-            f"got {max_norm!r}"
+            f"{what} must be a number >= 0 (inf, as in torch, or None measures without "
+            f"clipping), got {max_norm!r}"
         )
-    return value
+    return None if value == math.inf else value
 
 
 class _Plan(NamedTuple):
@@ -377,9 +380,9 @@ def try_clip_optimizer_grad_norm_buckets_(
             are skipped.
         adamw_grads: the gradients of the ``"adamw"`` segment, clipped by their own norm;
             ``None`` entries are skipped.
-        max_norm: one threshold for all three segments, a finite number >= 0, or a mapping
+        max_norm: one threshold for all three segments, a number >= 0, or a mapping
             ``{"regular": ..., "muon": ..., "adamw": ...}`` with one entry per segment;
-            ``None`` (for all or for one segment) measures without scaling.
+            ``None`` or ``inf`` (for all or for one segment) measures without scaling.
         process_group: ``None``: the regular and AdamW norms stay rank-local (replicated
             gradients); otherwise the group their norms are summed over (each rank passing its
             disjoint shard), which must be the optimizer's Muon group (``ValueError``

@@ -64,9 +64,9 @@ def clip_grad_norm_(
         optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;
             another raises ``TypeError``); its owned Muon gradients are clipped, which the next
             ``step()`` reads. Collective over every rank the optimizer runs on.
-        max_norm: the largest norm the Muon gradients keep, a finite number >= 0: when their
-            norm is larger they are scaled so that it is ``max_norm`` (within the ``1e-6`` of
-            the coefficient); ``None``: measure only.
+        max_norm: the largest norm the Muon gradients keep, a number >= 0: when their norm
+            is larger they are scaled so that it is ``max_norm`` (within the ``1e-6`` of the
+            coefficient); ``None`` or ``inf`` (as torch's "do not clip"): measure only.
         norm_type: ``p`` of the p-norm, a number > 0 or ``float('inf')`` (``"inf"`` too, as torch
             spells it); a bool or another string raises ``ValueError``, as for ``max_norm``.
         error_if_nonfinite: ``True`` raises ``RuntimeError`` on every rank when a norm is NaN
@@ -154,7 +154,7 @@ def clip_grads_with_norm_(
         optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;
             another raises ``TypeError``).
         max_norm: the norm the gradients are scaled to when ``total_norm`` is larger, a
-            finite number >= 0.
+            number >= 0 (``inf``: nothing is scaled, as in torch).
         total_norm: the norm to clip by, a number or a one-element tensor (``clip_grad_norm_``'s
             ``total_norm``, or one combined from it; a DTensor is made whole first); another
             value raises ``TypeError``.
@@ -163,11 +163,10 @@ def clip_grads_with_norm_(
     """
     if max_norm is None:  # measuring is clip_grad_norm_'s, with max_norm=None
         raise ValueError(
-            "clip_grads_with_norm_ scales to a max_norm, a finite number >= 0, got None;"
+            "clip_grads_with_norm_ scales to a max_norm, a number >= 0, got None;"
             " measure with clip_grad_norm_(optimizer, None, ...)"
         )
-    threshold = validate_max_norm(max_norm)
-    assert threshold is not None  # refused above
+    threshold = validate_max_norm(max_norm)  # None: inf, which scales nothing
     if isinstance(total_norm, DTensor):  # torch's get_total_norm of FSDP2 gradients
         total_norm = total_norm.full_tensor()
     if isinstance(total_norm, Tensor) and total_norm.numel() == 1:
@@ -181,6 +180,8 @@ def clip_grads_with_norm_(
             f" {type(total_norm).__name__}"
         )
     take = _grads_for_clip(optimizer, params, "clip_grads_with_norm_")
+    if threshold is None:
+        return
     with span("dmuon::clip_grads_with_norm"), torch.no_grad():
         muon = take()
         norm = norm.to(torch.device(muon.device))
