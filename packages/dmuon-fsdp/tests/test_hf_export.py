@@ -37,6 +37,19 @@ def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens).logits
 
 
+def _train(model, optimizer, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three steps on this rank's share of the batches; a probe batch and the model's logits
+    for it after them."""
+    for step in range(3):
+        optimizer.zero_grad()
+        tokens = shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size)
+        lm_loss(lambda t: _logits(model, t), tokens).backward()
+        optimizer.step()
+    probe = make_batch(99, 2, SEQ, VOCAB)
+    with torch.no_grad():
+        return probe, _logits(model, probe)
+
+
 def _export(rank: int, world_size: int, root: str, tie: bool):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -60,14 +73,7 @@ def _export(rank: int, world_size: int, root: str, tie: bool):
         fully_shard(layer, mesh=mesh, ignored_params=dedicated)
     fully_shard(model, mesh=mesh, ignored_params=dedicated)
     optimizer = Muon(model, adamw_lr=3e-3)
-    for step in range(3):
-        optimizer.zero_grad()
-        tokens = shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size)
-        lm_loss(lambda t: _logits(model, t), tokens).backward()
-        optimizer.step()
-    probe = make_batch(99, 2, SEQ, VOCAB)
-    with torch.no_grad():
-        trained_logits = _logits(model, probe)
+    probe, trained_logits = _train(model, optimizer, rank, world_size)
 
     # save_pretrained on the sharded model reads weights a rank does not hold: refused on
     # every rank, with the recipe below named.
@@ -136,14 +142,7 @@ def _lora(rank: int, world_size: int, root: str):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = Muon(model)
-    for step in range(3):
-        optimizer.zero_grad()
-        tokens = shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size)
-        lm_loss(lambda t: _logits(model, t), tokens).backward()
-        optimizer.step()
-    probe = make_batch(99, 2, SEQ, VOCAB)
-    with torch.no_grad():
-        trained_logits = _logits(model, probe)
+    probe, trained_logits = _train(model, optimizer, rank, world_size)
 
     with pytest.raises(NotHeldError, match=r"PEFT's save_pretrained .*state_dict=dmuon\.get_mod"):
         model.save_pretrained(os.path.join(root, "naive"))

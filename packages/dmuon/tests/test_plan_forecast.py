@@ -235,6 +235,17 @@ def _storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+def _second_step_bytes(model, optimizer, runtime, tokens) -> dict[str, int]:
+    """Two steps; the bytes the runtime's counter holds for exactly the second, by key."""
+    for warm_up in (True, False):
+        if not warm_up:
+            runtime.counter.reset()
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {key: entry["bytes"] for key, entry in runtime.counter.snapshot().items()}
+
+
 def _counted_and_allocated(rank: int, world_size: int, layouts):
     """Per layout, on this rank: its grid coordinate, what dmuon's CommCounter counted over
     exactly one step (after a warm-up step), and the bytes of masters, optimizer states and
@@ -280,13 +291,7 @@ def _counted_and_allocated(rank: int, world_size: int, layouts):
         optimizer = Muon(model, lr=0.01, adamw_lr=1e-3)
         tokens = (torch.arange(12).reshape(2, 6) + rank) % config.vocab_size
 
-        for warm_up in (True, False):  # the counter holds exactly the second step
-            if not warm_up:
-                runtime.counter.reset()
-            model(tokens, labels=tokens).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        counted = {key: entry["bytes"] for key, entry in runtime.counter.snapshot().items()}
+        counted = _second_step_bytes(model, optimizer, runtime, tokens)
         ignored = {id(p) for p in dedicated}
         masters = [dp.full for dp in runtime.params if dp.role is Role.OWNER]
         masters += [p for p in model.parameters() if id(p) not in ignored]
@@ -389,13 +394,7 @@ def _tensor_parallel_counted(rank: int, world_size: int, tp_ns: str):
     optimizer = Muon(model, lr=0.01, adamw_lr=1e-3, options=StepOptions(tp_ns=tp_ns))
     layout = runtime.layout
     tokens = (torch.arange(12).reshape(2, 6) + layout.coord.shard) % config.vocab_size
-    for warm_up in (True, False):
-        if not warm_up:
-            runtime.counter.reset()
-        model(tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    counted = {key: entry["bytes"] for key, entry in runtime.counter.snapshot().items()}
+    counted = _second_step_bytes(model, optimizer, runtime, tokens)
     summary = summarize_comm_plan(model, optimizer)["payload_bytes_per_step"]
     where = (layout.coord.replicate, layout.coord.shard, layout.tp_index)
     return where, counted, summary, runtime.plan.fingerprint()
