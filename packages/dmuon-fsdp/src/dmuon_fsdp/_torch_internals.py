@@ -51,7 +51,7 @@ __all__ = [
     "foreach_max_abs",
     "foreach_mul_",
     "fsdp_forward_method_running",
-    "fsdp_gradient_divide_factors",
+    "fsdp_gradient_divide_factor",
     "fsdp_gradient_sync_off",
     "fsdp_init_module",
     "fsdp_init_running",
@@ -207,14 +207,18 @@ def fsdp_gradient_sync_off(modules: Sequence[FSDPModule]) -> bool:
     return bool(groups) and not any(group.reduce_grads for group in groups)
 
 
-def fsdp_gradient_divide_factors(module: FSDPModule) -> list[float | None]:
-    """What ``set_gradient_divide_factor`` gave each FSDP2 parameter group of ``module`` (``None``
-    where it was not called: FSDP2 then divides by its data-parallel world size); empty when
-    ``fully_shard`` left the module no parameters.
+def fsdp_gradient_divide_factor(module: FSDPModule) -> Callable[[], float | None] | None:
+    """How to read what ``set_gradient_divide_factor`` gave ``module`` (the reader returns
+    ``None`` where it was not called: FSDP2 then divides by its data-parallel world size), as
+    FSDP2 reads it at each reduce; ``None`` when ``fully_shard`` left the module no parameters.
 
-    Reads ``FSDPParamGroup.gradient_divide_factor``: FSDP2 keeps the factor on its parameter
-    groups and has no public getter."""
-    return [group.gradient_divide_factor for group in _fsdp_param_groups([module])]
+    Reads ``FSDPParamGroup.gradient_divide_factor`` (the setter gives every group of the module
+    the same): FSDP2 keeps the factor on its parameter groups and has no public getter."""
+    groups = _fsdp_param_groups([module])
+    if not groups:
+        return None
+    group = groups[0]
+    return lambda: group.gradient_divide_factor
 
 
 def fsdp_offloads_to_cpu(module: FSDPModule) -> bool:

@@ -37,7 +37,7 @@ from dmuon_ownership import Owner, ParamPolicy, Plan
 from .._checks import check_bool
 from .._profile import span
 from .._torch_internals import (
-    fsdp_gradient_divide_factors,
+    fsdp_gradient_divide_factor,
     fsdp_gradient_sync_off,
     fsdp_manages,
 )
@@ -66,6 +66,9 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
+
+# Reads the factor FSDP2's set_gradient_divide_factor gave a module (None: not set).
+Reader = Callable[[], float | None]
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +116,10 @@ class DedicatedRuntime:
         self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
         self._fsdp_modules: list[FSDPModule] | None = None  # set at the first backward
-        # Where each dedicated parameter's gradient divisor comes from, by id(dp): set at the
-        # first reduce (see _grad_divisors).
-        self._divisor_sources: dict[int, FSDPModule | None] | None = None
+        # Where each pack's gradient divisors come from, set at its first reduce (see
+        # _grad_divisors): the readers of its parameters' factors (None: the world size), one
+        # per module, and each parameter's reader in that list.
+        self._divisor_sources: dict[Pack, tuple[list[Reader | None], list[int]]] = {}
         self._final = False  # packed with the precision fully_shard asks for
         # The zero gradients zero_grad(set_to_none=False) gave each owner, by id(dp): zeroed in
         # place at the next such call while still its gradient (see clear_grads).
@@ -168,28 +172,41 @@ class DedicatedRuntime:
         ``set_gradient_divide_factor`` gave the nearest ``fully_shard`` module at or above its
         module that holds FSDP2 parameters (FSDP2 keeps the factor there: set on a module
         without any, it has no effect, with or without dmuon), read at each reduce as FSDP2
-        reads it; the world size where none was given. One number when they agree."""
-        if self._divisor_sources is None:
-            model = self._model()
-            assert model is not None, "the model this runtime belongs to was deleted"
-            modules = dict(model.named_modules())
-            self._divisor_sources = {
-                id(dp): next(
-                    (
-                        m
-                        for m in fsdp_modules_above(modules.get, dp.fqn.rpartition(".")[0])
-                        if fsdp_gradient_divide_factors(m)
-                    ),
-                    None,
-                )
-                for dp in self.params
-            }
-        divisors: list[float] = []
+        reads it; the world size where none was given. One number when they agree. The
+        modules are found at the pack's first reduce; later reduces read one factor per
+        module, not per parameter."""
+        sources = self._divisor_sources.get(pack)
+        if sources is None:
+            sources = self._divisor_sources[pack] = self._find_divisor_sources(pack)
+        readers, index = sources
+        world_size = self.layout.world_size
+        factors = [world_size if r is None or (f := r()) is None else f for r in readers]
+        if len(set(factors)) == 1:
+            return factors[0]
+        return [factors[i] for i in index]
+
+    def _find_divisor_sources(self, pack: Pack) -> tuple[list[Reader | None], list[int]]:
+        """The readers of the factors of ``pack``'s parameters, one per module (``None`` where
+        no ``fully_shard`` module with parameters is above: the world size), and each
+        parameter's index among them (see :meth:`_grad_divisors`)."""
+        model = self._model()
+        assert model is not None, "the model this runtime belongs to was deleted"
+        modules = dict(model.named_modules())
+        readers: list[Reader | None] = []
+        found: dict[int, int] = {}  # id of the module (0: none) -> its index in readers
+        index = []
         for dp in pack.params:
-            source = self._divisor_sources[id(dp)]
-            factor = None if source is None else fsdp_gradient_divide_factors(source)[0]
-            divisors.append(self.layout.world_size if factor is None else factor)
-        return divisors[0] if len(set(divisors)) == 1 else divisors
+            above = fsdp_modules_above(modules.get, dp.fqn.rpartition(".")[0])
+            source = next(
+                ((m, r) for m in above if (r := fsdp_gradient_divide_factor(m)) is not None),
+                None,
+            )
+            key = 0 if source is None else id(source[0])
+            if key not in found:
+                found[key] = len(readers)
+                readers.append(None if source is None else source[1])
+            index.append(found[key])
+        return readers, index
 
     def _finish_packing(self) -> None:
         if self._final:
