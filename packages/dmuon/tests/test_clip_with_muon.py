@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -522,7 +523,12 @@ def _per_tensor_adamw_on_the_replicated_path(
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
     rows = ROWS // world_size
     _loss(model, _tokens()[rank * rows : (rank + 1) * rows]).backward()
-    dmuon.clip_grad_norm_(optimizer, max_norm, params="adamw", strategy=strategy)
+    # The user's strategy takes the same selection as a generator, as torch's clip takes
+    # model.parameters(): read once, it must not be used up by the per-matrix check.
+    params: Any = "adamw"
+    if strategy == "users":
+        params = (p for n, p in model.named_parameters() if not muon_predicate(n, p))
+    dmuon.clip_grad_norm_(optimizer, max_norm, params=params, strategy=strategy)
     return {n: p.grad.clone() for n, p in model.named_parameters() if not muon_predicate(n, p)}
 
 

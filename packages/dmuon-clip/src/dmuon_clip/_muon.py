@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,8 @@ def clip_grad_norm_(
     if not isinstance(error_if_nonfinite, bool):  # a string such as "no" would be truthy
         raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")
     fn = get_muon_grad_clip_strategy(strategy)
+    if isinstance(params, Iterator):  # model.parameters(): read by the check and the take
+        params = list(params)
     take = _grads_for_clip(optimizer, params, "clip_grad_norm_")
     per_matrix = clips_per_matrix(strategy)
     if per_matrix and _split_over_ranks(optimizer, params):
