@@ -435,6 +435,9 @@ def _bad_params(rank: int, world_size: int) -> None:
         for wrong in ([stranger], [grad], [model.norm.weight.detach()]):
             with pytest.raises(ValueError, match="not a parameter of this optimizer"):
                 dmuon.clip_grad_norm_(optimizer, 1.0, params=wrong)
+            # max_norm=inf scales nothing, but the selection is still checked.
+            with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+                dmuon.clip.clip_grads_with_norm_(optimizer, math.inf, 1.0, params=wrong)
         with pytest.raises(ValueError, match=r"pass params=module\.parameters\(\)"):
             dmuon.clip_grad_norm_(optimizer, 1.0, params=model)
         for params in ("adamw", "all"):

@@ -183,6 +183,11 @@ def clip_grads_with_norm_(
         )
     take = _grads_for_clip(optimizer, params, "clip_grads_with_norm_")
     if threshold is None:
+        # Nothing to scale, so nothing is taken (taking turns dmuon's ns_overlap off); the
+        # selection is still checked where the optimizer can check it without the take.
+        probe = getattr(optimizer, "clip_group_and_device", None)
+        if callable(probe):
+            probe(params)
         return
     with span("dmuon::clip_grads_with_norm"), torch.no_grad():
         muon = take()
