@@ -389,9 +389,9 @@ class _DmuonEvents(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
     ):
-        # The Trainer clips for 0 < max_grad_norm (inf: a clip that scales nothing); dmuon's
-        # clip takes a finite threshold, or None to measure without scaling.
-        max_norm = args.max_grad_norm if 0 < args.max_grad_norm < math.inf else None
+        # The Trainer clips for max_grad_norm > 0 (inf scales nothing, in dmuon's clip too);
+        # otherwise it only measures, as dmuon's clip does with None.
+        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
         # The Trainer clipped every param.grad; the dedicated weights' gradients are not there.
         if self.held is None:
             self.held = dmuon.dedicated_params_of(_model(self.trainer))
