@@ -14,6 +14,7 @@ from dmuon_clip import (
     GradClipBucket,
     clip_grad_norm_,
     clip_grad_norm_buckets_,
+    clip_grads_with_norm_,
     try_clip_optimizer_grad_norm_buckets_,
 )
 
@@ -168,6 +169,15 @@ def test_muon_clip_and_try_clip_never_sync() -> None:
     )
     assert out["result"] is not None and out["result"].fastpath
     assert out["stats"].total_norm.device.type == "cuda"
+    # The split clip's second half with a norm held on the host (a number, a CPU tensor) as
+    # with one on the device: no sync (a copy to the device waited for the stream), the same
+    # bits.
+    scaled = []
+    for norm in (3.0, torch.tensor(3.0), torch.tensor(3.0, device="cuda")):
+        grads = [g.clone() for g in muon]
+        _no_sync(lambda g=grads, n=norm: clip_grads_with_norm_(FakeMuon(g, device="cuda"), 0.5, n))
+        scaled.append(grads)
+    assert all(torch.equal(a, b) for other in scaled[1:] for a, b in zip(scaled[0], other))
 
 
 def test_torch_path_on_cuda_never_syncs() -> None:

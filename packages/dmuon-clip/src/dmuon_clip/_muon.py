@@ -191,7 +191,12 @@ def clip_grads_with_norm_(
         return
     with span("dmuon::clip_grads_with_norm"), torch.no_grad():
         muon = take()
-        norm = norm.to(torch.device(muon.device))
+        device = torch.device(muon.device)
+        if norm.device.type == "cpu" and device.type != "cpu":
+            # A host norm (a number, a CPU tensor) is written on the device by a fill, not
+            # copied there: a copy from pageable host memory would wait for the stream.
+            norm = torch.full((), float(norm), dtype=torch.float32, device=device)
+        norm = norm.to(device)
         coef = torch.clamp(torch.reciprocal(norm + _EPS) * threshold, max=1.0)
         coef = torch.where(torch.isfinite(norm), coef, 1.0)
         scale_([*muon.grads, *clip_copies(muon)], coef)
