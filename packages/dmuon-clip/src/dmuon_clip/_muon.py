@@ -182,12 +182,8 @@ def clip_grads_with_norm_(
             f" {type(total_norm).__name__}"
         )
     take = _grads_for_clip(optimizer, params, "clip_grads_with_norm_")
-    if threshold is None:
-        # Nothing to scale, so nothing is taken (taking turns dmuon's ns_overlap off); the
-        # selection is still checked where the optimizer can check it without the take.
-        probe = getattr(optimizer, "clip_group_and_device", None)
-        if callable(probe):
-            probe(params)
+    if threshold is None:  # scales nothing: nothing is taken, the selection is checked
+        _check_selection(optimizer, params)
         return
     with span("dmuon::clip_grads_with_norm"), torch.no_grad():
         muon = take()
@@ -222,16 +218,20 @@ def clip_grad_value_(
     Args:
         optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;
             another raises ``TypeError``).
-        clip_value: the largest magnitude a gradient element keeps, a finite number >= 0.
+        clip_value: the largest magnitude a gradient element keeps, a number >= 0 (``inf``
+            clamps nothing, as in torch).
         params: which gradients, as for :func:`clip_grad_norm_`: ``"muon"``, ``"adamw"``,
             ``"all"`` (as torch's ``clip_grad_value_`` of ``model.parameters()`` on a model
             without dmuon), one of the optimizer's parameters or an iterable of them.
     """
     if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)):
         raise TypeError(f"clip_value must be a number, got {clip_value!r}")
-    if not (math.isfinite(clip_value) and clip_value >= 0):
-        raise ValueError(f"clip_value must be a finite number >= 0, got {clip_value!r}")
+    if not clip_value >= 0:  # NaN fails the comparison too
+        raise ValueError(f"clip_value must be a number >= 0, got {clip_value!r}")
     take = _grads_for_clip(optimizer, params, "clip_grad_value_")
+    if clip_value == math.inf:  # clamps nothing: nothing is taken, the selection is checked
+        _check_selection(optimizer, params)
+        return
     with span("dmuon::clip_grad_value"), torch.no_grad():
         muon = take()
         by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -252,6 +252,14 @@ def clip_grad_value_(
         for tensors in by_kind.values():
             torch._foreach_clamp_min_(tensors, -clip_value)
             torch._foreach_clamp_max_(tensors, clip_value)
+
+
+def _check_selection(optimizer: SupportsMuonGradsForClip, params: str | Iterable[Tensor]) -> None:
+    """Refuse a bad ``params`` without taking the gradients (taking turns dmuon's
+    ``ns_overlap`` off), where the optimizer can check it so."""
+    probe = getattr(optimizer, "clip_group_and_device", None)
+    if callable(probe):
+        probe(params)
 
 
 def _grads_for_clip(
