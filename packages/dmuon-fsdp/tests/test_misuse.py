@@ -227,6 +227,28 @@ def _cpu_offload(mesh: DeviceMesh, root: str) -> None:
     Muon(model)
 
 
+def _all_reduce_hook(mesh: DeviceMesh, root: str) -> None:
+    """FSDP2's set_all_reduce_hook (a user's own reduce across replicas): FSDP2 ran it on its
+    gradients only, and the dedicated matrices trained on gradients it never saw (a hook that
+    halves them: the norms' gradients halved, the q_proj gradient on its owner not)."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    model.layers[1].set_all_reduce_hook(lambda grad: grad.mul_(0.5))
+    Muon(model)
+
+
+def _all_reduce_hook_after_muon(mesh: DeviceMesh, root: str) -> None:
+    """The same hook set after Muon(model): refused at the step, before anything changes."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    model.set_all_reduce_hook(lambda grad: grad.mul_(0.5))
+    loss_fn(model, batch(0, 4)).backward()
+    optimizer.step()
+
+
 def _optimizer_for_the_model(mesh: DeviceMesh, root: str) -> None:
     """The optimizer passed where the model goes (it raised AttributeError: 'Muon' object has
     no attribute 'parameters')."""
@@ -349,6 +371,16 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _cpu_offload,
         r"ValueError: fully_shard\('layers\.0'\) was given offload_policy=CPUOffloadPolicy\(\),"
         r" which dmuon does not support.*Call fully_shard without offload_policy",
+    ),
+    "FSDP2's all-reduce hook": (
+        _all_reduce_hook,
+        r"ValueError: fully_shard\('layers\.1'\) has an all-reduce hook \(set_all_reduce_hook\),"
+        r" which dmuon does not support.*Remove the hook; for replicas use HSDP.*"
+        r"replicate_mesh=hsdp\['replicate'\]\)",
+    ),
+    "FSDP2's all-reduce hook set after Muon(model)": (
+        _all_reduce_hook_after_muon,
+        r"ValueError: fully_shard\('model'\) has an all-reduce hook",
     ),
     "the optimizer for the model": (
         _optimizer_for_the_model,

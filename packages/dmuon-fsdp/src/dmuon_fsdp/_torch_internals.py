@@ -50,6 +50,7 @@ __all__ = [
     "foreach_lerp_",
     "foreach_max_abs",
     "foreach_mul_",
+    "fsdp_all_reduce_hooked",
     "fsdp_forward_method_running",
     "fsdp_gradient_divide_factor",
     "fsdp_gradient_sync_off",
@@ -205,6 +206,18 @@ def fsdp_gradient_sync_off(modules: Sequence[FSDPModule]) -> bool:
     no public getter."""
     groups = _fsdp_param_groups(modules)
     return bool(groups) and not any(group.reduce_grads for group in groups)
+
+
+def fsdp_all_reduce_hooked(module: FSDPModule) -> bool:
+    """Whether ``set_all_reduce_hook`` gave ``module`` a hook (FSDP2 calls it on the reduced
+    gradients of the module's parameters).
+
+    Reads ``FSDPParamGroup._all_reduce_hook``: FSDP2 keeps the hook on its parameter groups
+    and has no public getter."""
+    return any(
+        getattr(group, "_all_reduce_hook", None) is not None
+        for group in _fsdp_param_groups([module])
+    )
 
 
 def fsdp_gradient_divide_factor(module: FSDPModule) -> Callable[[], float | None] | None:

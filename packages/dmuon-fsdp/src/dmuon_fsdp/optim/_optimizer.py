@@ -59,6 +59,7 @@ from ..holder import (
     ParamHolder,
     StepContext,
     TPMode,
+    fsdp_modules,
 )
 from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
@@ -82,6 +83,7 @@ from ._usage_checks import (
     check_every_param_is_synchronised,
     check_fully_shard_options,
     check_model,
+    check_no_all_reduce_hook,
     check_no_loss_scaling,
     check_no_other_keywords,
     check_none_unfrozen,
@@ -391,6 +393,8 @@ class Muon(torch.optim.Optimizer):
         self._holders: dict[int, ParamHolder] = self._runtime.holders_by_param()
         check_every_param_is_synchronised(model, self._runtime)
         check_fully_shard_options(model, self._runtime)
+        self._fsdp_modules = fsdp_modules(model)
+        check_no_all_reduce_hook(self._fsdp_modules)
         groups = build_param_groups(
             model.named_parameters(), self._holders, param_groups, group_defaults
         )
@@ -607,6 +611,7 @@ class Muon(torch.optim.Optimizer):
         if self._timer is not None:
             self._timer.start()
         self._runtime.check_gradients_synced()
+        check_no_all_reduce_hook(self._fsdp_modules)
         numbers = take_group_edits(self.param_groups, self._built_groups)
         self._fsdp_probes = check_params_current(
             self._fsdp_probes, self.param_groups, self._model, self._dedicated

@@ -16,13 +16,19 @@ from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dmuon_ns import NewtonSchulz
 from dmuon_ownership import Route
 
 from .._matrix import NSFunction
-from .._torch_internals import fsdp_manages, fsdp_offloads_to_cpu, fsdp_reshards_after_forward
+from .._torch_internals import (
+    fsdp_all_reduce_hooked,
+    fsdp_manages,
+    fsdp_offloads_to_cpu,
+    fsdp_reshards_after_forward,
+)
 from ..holder import DedicatedParam, fsdp_modules
 from ..runtime import DedicatedRuntime
 
@@ -132,6 +138,32 @@ def check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> No
             " reshard_after_forward=False to dedicate_params too (the results are the same"
             " either way)",
             stacklevel=3,
+        )
+
+
+def check_no_all_reduce_hook(modules: Sequence[tuple[str, FSDPModule]]) -> None:
+    """Refuse FSDP2's ``set_all_reduce_hook`` on any ``fully_shard`` module of ``modules``
+    (``fsdp_modules(model)``), at ``Muon(model)`` and at each step (a hook set later).
+
+    [Note: FSDP2's all-reduce hook]
+    FSDP2 calls the hook on the reduced gradients of its own parameters (a user's all-reduce
+    across replicas of a 1-D ``fully_shard`` mesh, or anything else done to them there).
+    Dedicated matrices never pass through FSDP2's reduce: dmuon reduces each one to its owner
+    over ``dedicate_params``' mesh and ``replicate_mesh``, so whatever the hook does would
+    reach FSDP2's parameters and not the Muon matrices, and the two routes would train on
+    different gradients without an error. dmuon cannot run the hook in its place (it sees a
+    shard of FSDP2's flat gradient on every rank, dmuon's gradient lands whole on one owner).
+    Every rank sets the hook in the same code, so every rank raises alike."""
+    hooked = [name for name, module in modules if fsdp_all_reduce_hooked(module)]
+    if hooked:
+        raise ValueError(
+            f"fully_shard({hooked[0] or 'model'!r}) has an all-reduce hook"
+            " (set_all_reduce_hook), which dmuon does not support: FSDP2 calls it on its own"
+            " gradients only, while dmuon reduces each dedicated matrix's gradient to its owner"
+            " over dedicate_params' mesh, so whatever the hook does (an all-reduce across"
+            " replicas, a scaling) would not reach the Muon matrices. Remove the hook; for"
+            " replicas use HSDP: fully_shard(..., mesh=hsdp) and dedicate_params(model,"
+            " hsdp['shard'], ..., replicate_mesh=hsdp['replicate'])"
         )
 
 
