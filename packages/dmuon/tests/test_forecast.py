@@ -423,6 +423,18 @@ def test_tensor_parallel_figures() -> None:
     assert fc.balance < 1.01
 
 
+@pytest.mark.parametrize("tp_ns", ["gather", "gram"])
+def test_every_tp_rank_steps_its_own_shard(tp_ns: str) -> None:
+    # The momentum and update passes run on each rank's TP shard whichever way NS runs (NS
+    # gathers inside), so the step time less NS is one figure on every rank; under "gather"
+    # the TP owners were charged the whole matrices' passes (0.23072 against 0.22355 us above
+    # NS on the slower rank). One slot, one layer, each matrix its own unit.
+    config = TINY | {"num_hidden_layers": 1, "intermediate_size": 96}
+    fc = forecast(config, Topology(2, tp=2, tp_ns=tp_ns), small_param_threshold=0)
+    step, ns = fc.step_ms[DMUON], fc.ns_ms[DMUON]
+    assert step.max - ns.max == pytest.approx(step.mean - ns.mean, rel=1e-12)
+
+
 def test_command_line(tmp_path, capsys) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA_3_70B))

@@ -63,7 +63,9 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   at the table's streaming bandwidth. Per Muon element a rank steps: the non-finite check
   reads the gradient (``r``); the momentum pass reads the gradient and the buffer, writes the
   buffer and the NS input (``r + 3o``); the update reads the NS output and reads and writes
-  the weight (``o + 2m``); ``2r + 4o + 2m`` bytes in all (16 in bf16). NS's own reads and
+  the weight (``o + 2m``); ``2r + 4o + 2m`` bytes in all (16 in bf16). A rank steps what it
+  holds: a TP matrix's shard on every rank of its TP group, whichever way its NS runs (NS
+  gathers or all-reduces inside). NS's own reads and
   writes are in its measured times. Per AdamW element (FSDP2 shards): the check's read and
   the fused AdamW pass (gradient, weight, two moments read; weight and moments written),
   ``2r + 2m + 4o``. Host launch costs are left out, so a model of many small matrices runs
@@ -764,12 +766,18 @@ class _Forecaster:
             * muon_ms
             for held in expert_members
         }
+        # Every rank of the owner coordinate steps its own TP shard (the momentum and update
+        # are elementwise), whichever way NS runs; a matrix that is not TP, whole on each.
+        elements = [0] * (G * R)
+        for item in self.shapes.dedicated:
+            elements[self.slot_of[item.name]] += item.numel // item.tp
         step_dmuon = []
         for slot in range(G * R):
             for t in range(T):
-                elements = sum(n * rows * cols for n, rows, cols in owned[slot][t])
                 experts_ms = held_ms[self.holdings[slot % G]]
-                step_dmuon.append(dmuon[slot * T + t] + elements * muon_ms + experts_ms + rest)
+                step_dmuon.append(
+                    dmuon[slot * T + t] + elements[slot] * muon_ms + experts_ms + rest
+                )
         dense = sum(item.numel for item in self.shapes.dedicated) * muon_ms
         step_muon = [muon[s] + dense + held_ms[self.holdings[s]] + rest for s in range(G)]
         every_shard = sum(self.shard_numel(it) for it in self.shapes.all_items)
