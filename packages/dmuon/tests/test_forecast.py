@@ -14,7 +14,7 @@ from dmuon.plan._cli import main
 from dmuon.plan._figures import ADAMW, DMUON, MUON
 from dmuon.plan._forecast import takes_gram
 from dmuon.plan._model_shapes import tp_dim_of
-from dmuon_ownership import WorkItem, ns_cost, plan_owners
+from dmuon_ownership import WorkItem, elementwise_cost, ns_cost, plan_owners
 
 # A small Llama whose every first dimension divides by 4 (no FSDP2 padding at shard size 4).
 TINY = {
@@ -433,6 +433,25 @@ def test_every_tp_rank_steps_its_own_shard(tp_ns: str) -> None:
     fc = forecast(config, Topology(2, tp=2, tp_ns=tp_ns), small_param_threshold=0)
     step, ns = fc.step_ms[DMUON], fc.ns_ms[DMUON]
     assert step.max - ns.max == pytest.approx(step.mean - ns.mean, rel=1e-12)
+
+
+def test_tp_work_is_split_as_the_runtime_splits_it() -> None:
+    # Under distributed Gram NS every rank of the TP group runs Gram NS on its block (the
+    # Gram matrix on the unsplit side) and the momentum and update on its shard; the plan's
+    # tp_loads, made before tp_ns is known, charge the whole matrix to its TP owner (the
+    # work figure was the same under "gather" and "gram").
+    config = TINY | {"num_hidden_layers": 1, "intermediate_size": 96}
+    fc = forecast(config, Topology(2, tp=2, tp_ns="gram"), small_param_threshold=0)
+    expected = 0.0
+    for item in fc.items:
+        if takes_gram("gram", item):
+            short, long = sorted(item.shape)
+            block = 4 * short**2 * (long // 2) * 2 + 8 * short**3 * 5
+            expected += 2 * (elementwise_cost(item.numel // 2, item.route) + block)
+        else:
+            expected += ns_cost(item.shape, item.route)
+    assert {takes_gram("gram", item) for item in fc.items} == {True, False}
+    assert fc.work[DMUON].mean * 2 == pytest.approx(expected, rel=1e-12)
 
 
 def test_command_line(tmp_path, capsys) -> None:

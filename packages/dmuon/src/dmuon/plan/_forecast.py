@@ -52,7 +52,9 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   ``short x short`` Gram matrix all-reduced, two per matrix), FSDP2 + Muon's all-gather of
   every TP-sharded gradient, nothing for AdamW.
 - *optimizer work*: the planner's cost (:func:`ns_cost`, FLOP-equivalents, NS plus the
-  elementwise pass) per rank, and the NS time of one step predicted from measured NS times
+  elementwise pass) per rank, a TP matrix's as the runtime splits it (``_Forecaster.tp_work``:
+  the pass on every rank's shard, NS on the TP owner or, under distributed Gram NS,
+  :func:`gram_block_flops` on every rank), and the NS time of one step predicted from measured NS times
   ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
   per shape, cut where the batch's momentum passes ``ns_batch_bytes``). A tensor-parallel
   matrix is orthogonalised whole by its TP owner in gather mode, and under distributed Gram NS
@@ -115,6 +117,7 @@ from dmuon_ownership import (
     ExpertStack,
     Route,
     WorkItem,
+    elementwise_cost,
     experts_held,
     ns_cost,
     plan_owners,
@@ -161,6 +164,14 @@ def takes_gram(tp_ns: str, item: WorkItem) -> bool:
         return False
     short, long = sorted(item.shape)
     return tp_ns == "gram" or 2 * short <= long
+
+
+def gram_block_flops(gram_side: int, block: int, steps: int = 5, restarts: int = 1) -> int:
+    """FLOPs of distributed Gram NS on one rank's ``gram_side x block`` column block (Muon's
+    default NS: 5 steps, one restart): :func:`ns_flops`' Gram form, with the Gram matrix on the
+    side the shards do not split even where the block is narrower (it cannot be transposed:
+    the all-reduced Gram matrix is ``gram_side²``)."""
+    return 4 * gram_side**2 * block * (1 + restarts) + 8 * gram_side**3 * steps
 
 
 def _members(item: WorkItem) -> list[_Member]:
@@ -664,7 +675,7 @@ class _Forecaster:
     def work(self, shard_cost: list[float]) -> dict[str, Spread]:
         plan, G = self.plan, self.G
         if plan.tp_loads:
-            dmuon = [load for row in plan.tp_loads for load in row]
+            dmuon = [load for row in self.tp_work() for load in row]
         else:
             dmuon = list(plan.loads)
         everything = math.fsum(
@@ -677,6 +688,31 @@ class _Forecaster:
             )
         ]
         return {DMUON: Spread.of(dmuon), ADAMW: Spread.of(adamw), MUON: Spread.of(muon)}
+
+    def tp_work(self) -> list[list[float]]:
+        """Each TP rank's work per slot as the runtime does it. The plan's ``tp_loads`` charge a
+        TP matrix's whole cost to its TP owner (the plan is made before ``tp_ns`` is known);
+        the runtime runs the momentum and update on every rank of the group over its shard,
+        and NS whole on the TP owner in gather mode, or as Gram NS of a ``short x long/T`` block
+        on every rank under distributed Gram NS."""
+        T = self.T
+        rows = [list(row) for row in self.plan.tp_loads]
+        for item in self.shapes.dedicated:
+            if item.tp == 1:
+                continue
+            row, owner = rows[self.slot_of[item.name]], self.tp_owner[item.name]
+            whole = math.fsum(ns_cost(stack, item.route) for stack in item.stacks)
+            ns = whole - elementwise_cost(item.numel, item.route)
+            row[owner] -= whole
+            for t in range(T):
+                row[t] += elementwise_cost(item.numel // T, item.route)
+            if item.name in self.gram and item.route is Route.MUON:
+                short, long = sorted(item.shape)
+                for t in range(T):
+                    row[t] += gram_block_flops(short, long // T)
+            else:
+                row[owner] += ns
+        return rows
 
     def predict(self, batch: int, rows: int, cols: int) -> float:
         key = (batch, rows, cols)
