@@ -58,7 +58,9 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
   per shape, cut where the batch's momentum passes ``ns_batch_bytes``). A tensor-parallel
   matrix is orthogonalised whole by its TP owner in gather mode, and under distributed Gram NS
-  by every rank of its TP group as a ``short x long/T`` block; a weight with a declared split
+  by every rank of its TP group as a ``short x long/T`` block, one call per matrix, timed by
+  its FLOPs (:func:`gram_block_flops`: the iterations on the ``short x short`` Gram matrix run
+  on every rank, also where ``long/T < short``); a weight with a declared split
   (``WorkItem.matrices``) as its pieces, each in the batch of its shape, and the planner
   charges it their cost, as ``dedicate_params`` does.
 - *optimizer step time*: the NS time plus the step's elementwise passes, each memory-bound,
@@ -752,14 +754,17 @@ class _Forecaster:
             for held in set(self.holdings)
         }
         owned: list[list[list[_Member]]] = [[[] for _ in range(T)] for _ in range(G * R)]
+        gram_ms = [0.0] * (G * R)
         for item in self.plan_order():
             slot = self.slot_of[item.name]
             if item.name in self.gram:
-                # Every rank of the TP group orthogonalises its block: Gram NS of a
-                # short x long/T matrix (the m x m iterations run on each).
+                # Every rank of the TP group orthogonalises its block, one matrix per call:
+                # Gram NS with the Gram matrix on the unsplit (short) side, even where the
+                # block long/T is narrower.
                 short, long = sorted(item.shape)
-                for t in range(T):
-                    owned[slot][t].append((1, short, long // T))
+                gram_ms[slot] += self.table.ms_of_flops(
+                    gram_block_flops(short, long // T, self.table.steps, self.table.restarts)
+                )
                 continue
             pieces = _members(item)
             for t in range(T):
@@ -784,7 +789,7 @@ class _Forecaster:
                 key = (tuple(owned[slot][t]), stepped)
                 if key not in times:
                     times[key] = self.batched_ms(owned[slot][t] + members)
-                dmuon.append(times[key])
+                dmuon.append(times[key] + gram_ms[slot])
         every = [member for item in self.shapes.dedicated for member in _members(item)]
         per_holding = {
             held: self.batched_ms(every + expert_members[held]) for held in expert_members

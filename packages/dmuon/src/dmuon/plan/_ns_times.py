@@ -121,7 +121,11 @@ class NSTimes:
     def predict_ms(self, batch: int, rows: int, cols: int) -> float:
         """Predicted milliseconds of one NS call on ``batch`` matrices of ``rows × cols``
         (see [Note: predicted NS times])."""
-        work = self.flops(batch, rows, cols)
+        return self.ms_of_flops(self.flops(batch, rows, cols))
+
+    def ms_of_flops(self, work: float) -> float:
+        """Predicted milliseconds of an NS call of ``work`` FLOPs, at the rate of the measured
+        calls of that size."""
         if work == 0:
             return 0.0
         logs, rates = self._curve
