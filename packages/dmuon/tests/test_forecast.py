@@ -472,6 +472,20 @@ def test_gram_ns_time_is_each_blocks_gram_ns() -> None:
     assert fc.ns_ms[DMUON].mean == pytest.approx(expected, rel=1e-12)
 
 
+def test_gathered_tp_matrices_are_timed_one_per_call() -> None:
+    # Gather mode: the TP owner orthogonalises each whole matrix in a call of its own (each TP
+    # matrix has its own NS function, so Muon batches none); batched by shape, the prediction
+    # took the larger calls' higher rate.
+    # (Sizes the measured curve holds: below its smallest call the rate is one figure.)
+    config = TINY | {"num_hidden_layers": 2, "hidden_size": 2048, "intermediate_size": 4096}
+    fc = forecast(config, Topology(2, tp=2, tp_ns="gather"))
+    table, per_rank = load_ns_times(), [0.0, 0.0]
+    for item in fc.items:
+        per_rank[fc.plan.tp_owner_of(item.name)] += table.predict_ms(1, *item.shape)
+    assert fc.ns_ms[DMUON].max == pytest.approx(max(per_rank), rel=1e-12)
+    assert fc.ns_ms[DMUON].mean == pytest.approx(sum(per_rank) / 2, rel=1e-12)
+
+
 def test_command_line(tmp_path, capsys) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA_3_70B))

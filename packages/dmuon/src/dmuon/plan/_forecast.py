@@ -54,10 +54,11 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
 - *optimizer work*: the planner's cost (:func:`ns_cost`, FLOP-equivalents, NS plus the
   elementwise pass) per rank, a TP matrix's as the runtime splits it (``_Forecaster.tp_work``:
   the pass on every rank's shard, NS on the TP owner or, under distributed Gram NS,
-  :func:`gram_block_flops` on every rank), and the NS time of one step predicted from measured NS times
-  ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
+  :func:`gram_block_flops` on every rank), and the NS time of one step predicted from
+  measured NS times ([Note: predicted NS times]), with same-shape matrices batched as ``Muon`` does (one call
   per shape, cut where the batch's momentum passes ``ns_batch_bytes``). A tensor-parallel
-  matrix is orthogonalised whole by its TP owner in gather mode, and under distributed Gram NS
+  matrix is orthogonalised in a call of its own (each has its own NS function, which ``Muon``
+  batches with nothing): whole by its TP owner in gather mode, and under distributed Gram NS
   by every rank of its TP group as a ``short x long/T`` block, one call per matrix, timed by
   its FLOPs (:func:`gram_block_flops`: the iterations on the ``short x short`` Gram matrix run
   on every rank, also where ``long/T < short``); a weight with a declared split
@@ -69,8 +70,7 @@ elements over its ``tp``; ``c``, ``m``, ``o``, ``r`` the bytes per element of th
   buffer and the NS input (``r + 3o``); the update reads the NS output and reads and writes
   the weight (``o + 2m``); ``2r + 4o + 2m`` bytes in all (16 in bf16). A rank steps what it
   holds: a TP matrix's shard on every rank of its TP group, whichever way its NS runs (NS
-  gathers or all-reduces inside). NS's own reads and
-  writes are in its measured times. Per AdamW element (FSDP2 shards): the check's read and
+  gathers or all-reduces inside). NS's own reads and writes are in its measured times. Per AdamW element (FSDP2 shards): the check's read and
   the fused AdamW pass (gradient, weight, two moments read; weight and moments written),
   ``2r + 2m + 4o``. Host launch costs are left out, so a model of many small matrices runs
   slower than predicted.
@@ -755,21 +755,22 @@ class _Forecaster:
         }
         owned: list[list[list[_Member]]] = [[[] for _ in range(T)] for _ in range(G * R)]
         gram_ms = [0.0] * (G * R)
+        tp_ms = [0.0] * (G * R * T)
         for item in self.plan_order():
             slot = self.slot_of[item.name]
             if item.name in self.gram:
-                # Every rank of the TP group orthogonalises its block, one matrix per call:
-                # Gram NS with the Gram matrix on the unsplit (short) side, even where the
-                # block long/T is narrower.
+                # Every rank of the TP group orthogonalises its block in a call of its own,
+                # the Gram matrix on the unsplit (short) side even where long/T is narrower.
                 short, long = sorted(item.shape)
                 gram_ms[slot] += self.table.ms_of_flops(
                     gram_block_flops(short, long // T, self.table.steps, self.table.restarts)
                 )
                 continue
-            pieces = _members(item)
+            if item.tp > 1:  # whole on its TP owner, one matrix per call as well
+                tp_ms[slot * T + self.tp_owner[item.name]] += self.predict(1, *item.shape)
+                continue
             for t in range(T):
-                if item.tp == 1 or self.tp_owner[item.name] == t:
-                    owned[slot][t] += pieces
+                owned[slot][t] += _members(item)
         # A stack shard another replica steps for all (an expert source) costs no NS here.
         elsewhere = {(s.stack, s.shard): s.replicate for s in self.plan.expert_sources}
         times: dict[tuple[tuple[_Member, ...], tuple[int, ...]], float] = {}
@@ -789,7 +790,7 @@ class _Forecaster:
                 key = (tuple(owned[slot][t]), stepped)
                 if key not in times:
                     times[key] = self.batched_ms(owned[slot][t] + members)
-                dmuon.append(times[key] + gram_ms[slot])
+                dmuon.append(times[key] + gram_ms[slot] + tp_ms[slot * T + t])
         every = [member for item in self.shapes.dedicated for member in _members(item)]
         per_holding = {
             held: self.batched_ms(every + expert_members[held]) for held in expert_members
