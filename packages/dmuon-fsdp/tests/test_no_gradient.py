@@ -33,6 +33,7 @@ from dmuon_fsdp import (
     dedicate_params_ddp,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_runtime,
     no_sync,
     replicate,
 )
@@ -202,29 +203,51 @@ def test_a_layer_whose_backward_never_runs_keeps_its_weights(path: str) -> None:
         assert all(result.values()), result
 
 
-def _after_a_backward_that_raised(rank: int, world_size: int) -> list[dict[str, Tensor]]:
-    """A backward raises on every rank (a hook's error, an out-of-memory); the script recovers
-    as FSDP2 documents (``reset_iter_state`` on the root, then ``zero_grad``) and retries. With
-    a frozen matrix in a pack (its pack is reduced by the end-of-backward callback, which the
-    aborted backward dropped) every step after it must still train the dedicated weights as a
-    run that never failed."""
+def _peer_bytes(model: nn.Module) -> int:
+    """The bytes this rank holds of dedicated weights it neither owns nor replicates."""
+    return sum(
+        pack.buffer.untyped_storage().size()
+        for group in get_runtime(model).groups
+        for pack in group.packs
+        if pack.role is Role.PEER
+    )
+
+
+def _after_an_iteration_that_raised(rank: int, world_size: int, where: str) -> list[dict]:
+    """A forward (inside the last layer, after its weights were broadcast) or a backward raises
+    on every rank (a hook's error, an out-of-memory); the script recovers as FSDP2 documents
+    (``reset_iter_state`` on the root, then ``zero_grad``) and retries. With a frozen matrix in
+    a pack (its pack is reduced by the end-of-backward callback, which an aborted backward
+    dropped) every step after it must still train the dedicated weights as a run that never
+    failed, and after the recovery no peer may hold a dedicated weight (Z3)."""
     runs = []
     for fail in (False, True):
         model = _model("1d", world_size)
         dict(model.named_parameters())[FROZEN].requires_grad_(False)
         optimizer = Muon(model, lr=0.05, weight_decay=0.1)
         _step(model, optimizer, 0, rank, world_size)
+        held = 0
         if fail:
+
+            def raise_in_forward(module: nn.Module, args: object) -> None:
+                raise RuntimeError("injected")
 
             def raise_in_backward(module: nn.Module, args: object, out: Tensor) -> None:
                 out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected")))
 
-            handle = model.layers[0].register_forward_hook(raise_in_backward)
+            mlp = model.layers[-1].mlp
+            handle = (
+                mlp.register_forward_pre_hook(raise_in_forward)
+                if where == "forward"
+                else model.layers[0].register_forward_hook(raise_in_backward)
+            )
             optimizer.zero_grad()
             with pytest.raises(RuntimeError, match="injected"):
                 loss_fn(model, batch(1, ROWS).chunk(world_size)[rank]).backward()
             handle.remove()
             model.reset_iter_state()
+            optimizer.zero_grad()
+            held = _peer_bytes(model)
         _step(model, optimizer, 1, rank, world_size)
         retried = get_model_state_dict(model)
         _step(model, optimizer, 2, rank, world_size)
@@ -234,6 +257,7 @@ def _after_a_backward_that_raised(rank: int, world_size: int) -> list[dict[str, 
             {
                 "retried": {n: retried[n] for n in matrices},
                 "moved next": all(not torch.equal(retried[n], after[n]) for n in matrices),
+                "held after recovery": held,
             }
         )
     return runs
@@ -244,8 +268,9 @@ def _after_a_backward_that_raised(rank: int, world_size: int) -> list[dict[str, 
     not hasattr(FSDPModule, "reset_iter_state"),
     reason="FSDP2's recovery after a failed backward, reset_iter_state, is torch 2.13's",
 )
-def test_training_goes_on_after_a_backward_that_raised() -> None:
-    for clean, recovered in run_distributed(_after_a_backward_that_raised, 2):
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_training_goes_on_after_an_iteration_that_raised(where: str) -> None:
+    for clean, recovered in run_distributed(_after_an_iteration_that_raised, 2, where):
         # The retried step's dedicated weights are the clean run's. (FSDP2's own parameters are
         # not compared: after torch 2.13's reset_iter_state they differ from a run that never
         # failed, without dmuon as well, and the steps after differ through them.)
@@ -255,6 +280,9 @@ def test_training_goes_on_after_a_backward_that_raised() -> None:
             assert torch.equal(recovered["retried"][name], value), name
         # Every dedicated matrix trains on: none waits for a reduce that never comes.
         assert clean["moved next"] and recovered["moved next"]
+        # zero_grad freed what the aborted iteration gathered (it kept them until the next
+        # forward before: a layer's weights, 8704 bytes on each rank).
+        assert recovered["held after recovery"] == 0
 
 
 BRANCH = "layers.1.mlp.branch.weight"

@@ -26,6 +26,18 @@ counters and frees what the aborted backward gathered. What the aborted backward
 already stays in the owners' gradients, as FSDP2 keeps the shards it reduce-scattered: the
 recovery is FSDP2's (``model.reset_iter_state()`` on the root), then ``optimizer.zero_grad()``.
 
+[Note: a forward that raised]
+A forward that raised (an out-of-memory, a bad batch failing inside a layer) leaves the
+boundary it raised in gathered, and the next one gathering (its prefetch): no post-forward
+hook frees them. The next forward would reuse them, but until then every peer keeps them, also
+through a retry with a smaller batch, where they add to its peak. So ``zero_grad`` (which
+every rank calls alike, and which the recovery of [Note: a backward that raised] includes)
+releases what an iteration an exception cut short left: a forward whose boundaries did not
+all finish, or a backward whose final callback is still due. Each frees its gathered weights
+(waiting for broadcasts in flight, which every rank issued alike) and resets the backward
+counters; the forward order recorded before stays. Outside such an iteration it does nothing
+(a ``zero_grad`` between a forward and its backward keeps Z2's gathered weights).
+
 [Note: compiled autograd]
 torch's compiled autograd cannot run dmuon's backward: its capture turns every leaf of the
 graph into a fake tensor, reading each dedicated weight, which a peer does not hold between
@@ -125,6 +137,8 @@ class BoundaryHooks:
         self._order: list[DedicatedGroup] = []  # forward order of the previous forward
         self._current: list[DedicatedGroup] = []  # forward order so far in this forward
         self._final_queued = False
+        # Boundaries whose forward began and has not ended (see [Note: a forward that raised]).
+        self._forwards_open = 0
         self._initialised = False
         # The DistributedDataParallel wrappers found running a forward, checked once each.
         self._ddp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -230,6 +244,7 @@ class BoundaryHooks:
                 self._backward_ended = False
                 for each in self.groups:
                     each.points.clear()
+            self._forwards_open += 1
             self._unshard_for_forward(group)
             adds_point = True
         if group.input_dtype is not None:  # positional and keyword inputs, as FSDP2 casts
@@ -287,6 +302,7 @@ class BoundaryHooks:
             output = _cast_floats(output, group.output_dtype)
         if in_backward():
             return output  # recompute: the boundary is freed once its gradients are in
+        self._forwards_open = max(self._forwards_open - 1, 0)
         with span("dmuon::post_forward"):
             if self.reshard_after_forward:
                 group.reshard()
@@ -456,6 +472,8 @@ class BoundaryHooks:
         with span("dmuon::post_backward_final"):
             self._final_queued = False
             self._backward_ended = True
+            # The forward is over (one that raised and was never recovered no longer counts).
+            self._forwards_open = 0
             self.unsynced_backward = not self._syncing
             for index, group in enumerate(self.groups):
                 if not (group.backward_touched or (self._syncing and index in self._unsynced)):
@@ -496,12 +514,22 @@ class BoundaryHooks:
         self._unsynced.clear()
         self._replicated_unsynced.clear()
 
+    def release_aborted(self) -> None:
+        """Free what a forward or backward that raised left gathered, and reset the
+        per-iteration state; nothing outside such an iteration or inside a backward (see
+        [Note: a forward that raised])."""
+        if in_backward() or not (self._final_queued or self._forwards_open):
+            return
+        self._current = []  # the forward that raised recorded part of an order
+        self._recover_from_aborted_backward()
+
     def _recover_from_aborted_backward(self) -> None:
         """A forward (not a recompute) begins while the final callback of the last backward
         is still due: that backward raised, and the autograd engine dropped the callbacks
         queued on it (see [Note: a backward that raised])."""
         self._final_queued = False
         self._backward_ended = True
+        self._forwards_open = 0
         self._late.clear()
         self._replicated_complete.clear()
         for group in self.groups:

@@ -411,7 +411,10 @@ class DedicatedRuntime:
         flight (a backward thrown away before the step) land first, so that none of them adds
         to the next gradients; every rank calls this at the same point (``zero_grad``), so
         their collectives stay in step. (The publishes of the last step stay in flight: each
-        boundary's forward waits for its own.)"""
+        boundary's forward waits for its own.) After a forward or backward that raised, the
+        weights it left gathered are freed here (see [Note: a forward that raised] in
+        :mod:`._hooks`)."""
+        self.hooks.release_aborted()
         if len(self.reduce_queue):
             self.reduce_queue.wait_all()
         # The replicated path's all-reduces of a backward thrown away: waited, not written
