@@ -314,7 +314,7 @@ def _build_case(case: str):
             hsdp = {}
         dp = math.prod(dims)
         # Wide MLPs under "auto": gram for them, gather for the square attention matrices.
-        model = build(0, hidden=48 if tp_ns == "auto" else 24)
+        model = build(0, hidden=96 if tp_ns == "auto" else 24)
         tensor_parallel(model, mesh["tp"])
         # q_proj's optimizer states in bf16: its NS input travels in bf16.
         policy = {"overrides": [{"name": ["q_proj"], "set": {"optim_dtype": "bf16"}}]}

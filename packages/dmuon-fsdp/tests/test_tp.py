@@ -79,22 +79,40 @@ def _train(model, optimizer, dp_index, dp_size, steps, start=0):
     return losses
 
 
+class ScatterWatch(CountingNS):
+    """Counts the matrices, and notes the TP scatter bytes issued so far at each call."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.counter = None
+        self.seen: list[int] = []
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.counter is not None:
+            self.seen.append(self.counter.snapshot().get("tp/scatter", {"bytes": 0})["bytes"])
+        return super().__call__(batch)
+
+
 def _two_d(rank: int, world_size: int, tp_ns: str):
     out = {}
-    for reshard in (True, False):
+    # (reshard, NS batch cap): gather mode also runs one TP matrix at a time (a 1-byte cap).
+    runs = [(True, None), (False, None)] + ([(True, 1)] if tp_ns == "gather" else [])
+    for reshard, cap in runs:
         model, runtime, dp_index = _tp_model((2, 2), reshard=reshard)
-        counting = CountingNS(HYPER.ns_steps)
+        counting = ScatterWatch(HYPER.ns_steps)
+        counting.counter = runtime.counter
         kwargs = {k: v for k, v in HYPER.muon_kwargs().items() if k != "ns_steps"}
         if tp_ns == "gram":
             counting = None
             kwargs["ns_steps"] = HYPER.ns_steps
-        optimizer = Muon(
-            model, **kwargs, ns_backend=counting or "gram", options=StepOptions(tp_ns=tp_ns)
-        )
+        options = StepOptions(tp_ns=tp_ns, **({} if cap is None else {"ns_batch_bytes": cap}))
+        optimizer = Muon(model, **kwargs, ns_backend=counting or "gram", options=options)
         runtime.counter.reset()
         losses = _train(model, optimizer, dp_index, 2, STEPS)
         counts = runtime.counter.snapshot()
-        out[reshard] = (losses, counting.matrices if counting else None, counts)
+        seen = counting.seen if counting else None
+        weights = get_model_state_dict(model)
+        out[reshard if cap is None else "alone"] = (losses, seen, counts, weights)
     return out
 
 
@@ -111,15 +129,26 @@ def test_two_d_tensor_parallel_matches_the_reference(tp_ns: str) -> None:
         assert abs(got - want) <= 2e-3 * abs(want), f"step {step}: {got} vs {want}"
     p_m = muon_numel(build(0)) * 4
     for r in results:
-        for reshard, (_, _, counts) in r.items():
+        for reshard, (_, _, counts, _) in r.items():
             # Each grid moves its ranks' TP shards: P_M / TP per round.
-            rounds = 2 if reshard else 1
+            rounds = 1 if reshard is False else 2
             assert counts["shard/broadcast"]["bytes"] == STEPS * rounds * p_m // 2
     if tp_ns == "gather":
         # NS runs once per matrix per step in the whole world, on the matrix's TP owner.
         n_matrices = len(names)
         for reshard in (True, False):
-            assert sum(r[reshard][1] for r in results) == n_matrices * STEPS
+            assert sum(len(r[reshard][1]) for r in results) == n_matrices * STEPS
+        # Each TP owner runs its matrices' NS before any of the step's scatters is issued (a
+        # multiple of one step's scatter bytes), so the group's owners compute side by side;
+        # one matrix at a time, an owner's second NS came after the first one's scatter. The
+        # same bits either way.
+        for r in results:
+            per_step = r[True][2]["tp/scatter"]["bytes"] // STEPS
+            assert per_step and all(seen % per_step == 0 for seen in r[True][1])
+            assert r["alone"][0] == r[True][0]
+            alone, windowed = r["alone"][3], r[True][3]
+            assert all(torch.equal(alone[k], v) for k, v in windowed.items())
+        assert any(seen % per_step for r in results for seen in r["alone"][1])
         # Per grid and step, the gathers (and the scatters) carry every matrix once: P_M,
         # recorded by each of the TP ranks that take part (T = 2 grids).
         for reshard in (True, False):

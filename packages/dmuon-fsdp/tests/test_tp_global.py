@@ -286,28 +286,37 @@ def test_gram_ns_of_tp_shards_matches_float64_ns_of_the_gathered_matrix(aspect, 
 
 def test_gram_is_chosen_only_where_the_shards_split_the_long_side() -> None:
     gram, gather, auto = TPMode.GRAM, TPMode.GATHER, TPMode.AUTO
-    # (shape, tp_dim): (tp_ns="gram", tp_ns="auto") with a Gram NewtonSchulz
+    # (shape, tp_dim, T): (tp_ns="gram", tp_ns="auto") with a Gram NewtonSchulz, fp32 inputs
     expected = {
-        ((32, 32), 0): (gram, gather),  # square: either side; auto gathers (no saving)
-        ((32, 32), 1): (gram, gather),
-        ((16, 48), 1): (gram, gram),  # wide, column shards: the long side
-        ((16, 48), 0): (gather, gather),  # wide, row shards: the short side
-        ((48, 16), 0): (gram, gram),  # tall, row shards: the long side
-        ((48, 16), 1): (gather, gather),  # tall, column shards: the short side
-        ((16, 24), 1): (gram, gather),  # long side split, but less than twice the short
+        ((32, 32), 0, 2): (gram, gather),  # square: either side; auto gathers (no saving)
+        ((32, 32), 1, 2): (gram, gather),
+        ((16, 96), 1, 2): (gram, gram),  # wide, column shards: the long side
+        ((16, 96), 0, 2): (gather, gather),  # wide, row shards: the short side
+        ((96, 16), 0, 2): (gram, gram),  # tall, row shards: the long side
+        ((96, 16), 1, 2): (gather, gather),  # tall, column shards: the short side
+        # The long side split, but gathering 16 x 48 moves 384 bytes a rank, two fp32 16 x 16
+        # all-reduces 2048.
+        ((16, 48), 1, 2): (gram, gather),
+        # 16 x 96 saves 1024 bytes at T = 2; at T = 4 each rank's share of the gather
+        # shrinks, and the all-reduces do not: gram pays only from 16 x 192 there.
+        ((16, 96), 1, 4): (gram, gather),
+        ((16, 192), 1, 4): (gram, gram),
     }
-    for (shape, tp_dim), (as_gram, as_auto) in expected.items():
-        assert choose(gram, shape, tp_dim, NS) is as_gram, (shape, tp_dim)
-        assert choose(auto, shape, tp_dim, NS) is as_auto, (shape, tp_dim)
-        assert choose(gather, shape, tp_dim, NS) is gather
+    for (shape, tp_dim, tp), (as_gram, as_auto) in expected.items():
+        case = (shape, tp_dim, tp)
+        assert choose(gram, shape, tp_dim, NS, tp, 4) is as_gram, case
+        assert choose(auto, shape, tp_dim, NS, tp, 4) is as_auto, case
+        assert choose(gather, shape, tp_dim, NS, tp, 4) is gather
         # Distributed Gram NS is a Gram iteration: any other NS gathers.
         direct = NewtonSchulz(backend="direct", steps=HYPER.ns_steps)
-        assert choose(gram, shape, tp_dim, direct) is gather
+        assert choose(gram, shape, tp_dim, direct, tp, 4) is gather
+    # bf16 momentum halves what gathering moves: 16 x 96 at T = 2 gathers then.
+    assert choose(auto, (16, 96), 1, NS, 2, 2) is gather
 
 
 # -- every tp_ns mode trains like the single-process reference ----------------------------------
 
-WIDE_MLP = 48  # gate/up 48x16 (row shards), down 16x48 (column shards): auto takes gram there
+WIDE_MLP = 96  # gate/up 96x16 (row shards), down 16x96 (column shards): auto takes gram there
 
 
 def _ns_modes(rank: int, world_size: int) -> dict:

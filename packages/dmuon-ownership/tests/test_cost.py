@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dmuon_ownership import Route, elementwise_cost, ns_cost, ns_flops
+from dmuon_ownership import Route, elementwise_cost, ns_cost, ns_flops, tp_gram_pays
+from dmuon_ownership._cost import TP_LINK_BALANCE
 
 
 def _gemm(a: int, b: int, c: int) -> int:
@@ -71,3 +72,35 @@ def test_ns_cost_errors() -> None:
         ns_cost((5, 5), "sgd")
     with pytest.raises(ValueError, match=r"ns_flops: need steps >= 1 and restarts >= 0, got 0, 1"):
         ns_flops(4, 4, 0)
+
+
+def _tp_rank_time(short: int, long: int, tp: int, itemsize: int, gram: bool) -> float:
+    """One rank's share of orthogonalising a short x long matrix split over ``tp`` ranks on
+    its long side, in FLOPs (bytes one way on its link at TP_LINK_BALANCE FLOP per byte),
+    counted message by message: gathered on each TP owner in turn (one matrix per owner),
+    or distributed Gram NS (ring all-reduces of the fp32 Gram matrix, input and restart)."""
+    shard = short * long // tp * itemsize
+    if gram:
+        ring = 2 * (tp - 1) * (short * short * 4 / tp)  # reduce-scatter + all-gather chunks
+        block = 4 * short * short * (long // tp) * 2 + 8 * short**3 * 5
+        return 2 * ring * TP_LINK_BALANCE + block
+    received = 0.0
+    for owner in range(tp):  # rank 0's bytes in: the others' shards when it owns, else its update
+        received += (tp - 1) * shard if owner == 0 else shard
+    return received / tp * TP_LINK_BALANCE + ns_flops(short, long) / tp
+
+
+@given(st.integers(1, 64), st.integers(1, 64), st.sampled_from([2, 4, 8]), st.sampled_from([2, 4]))
+def test_tp_gram_pays_where_it_takes_a_rank_less_time(a: int, b: int, tp: int, itemsize: int):
+    short, long = 64 * min(a, b), 64 * tp * max(a, b)
+    faster = _tp_rank_time(short, long, tp, itemsize, True) < _tp_rank_time(
+        short, long, tp, itemsize, False
+    )
+    assert tp_gram_pays(short, long, tp, itemsize=itemsize) == faster
+
+
+def test_tp_gram_pays_only_for_wide_matrices_of_modest_width() -> None:
+    assert tp_gram_pays(1024, 50304, 2, itemsize=4)  # a small model's head at TP 2
+    assert not tp_gram_pays(8192, 28672, 8, itemsize=4)  # a 70B MLP at TP 8
+    assert not tp_gram_pays(4096, 128256, 8, itemsize=4)
+    assert not tp_gram_pays(1024, 50304, 1, itemsize=4)  # nothing to split

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import (
     POLICY_FIELDS,
@@ -404,13 +405,15 @@ def _tp_ns_payload(runtime: DedicatedRuntime, optimizer: Muon) -> dict[str, int]
             continue
         assert dp.precision is not None, f"{dp.fqn}: packed by lazy_init"
         shape = MatrixView.of(dp.shape, dp.fqn).matrix_shape
-        if choose_tp_mode(mode, shape, dp.tp_dim, ns) is TPMode.GRAM:
+        tp = cast(DTensor, dp.param).device_mesh.size()
+        itemsize = dp.precision.optim.itemsize
+        if choose_tp_mode(mode, shape, dp.tp_dim, ns, tp, itemsize) is TPMode.GRAM:
             gram = gram_of(ns)
             assert gram is not None, "choose() takes gram only for a Gram NewtonSchulz"
             # fp32 Gram matrices: the input's, then one per restart.
             out["tp/all_reduce"] += min(shape) ** 2 * 4 * (1 + len(gram.restarts))
         else:
-            whole = shape[0] * shape[1] * dp.precision.optim.itemsize
+            whole = shape[0] * shape[1] * itemsize
             out["tp/gather"] += whole
             out["tp/scatter"] += whole
     return out

@@ -15,6 +15,7 @@ from ._cost import (
     experts_held,
     ns_cost,
     ns_flops,
+    tp_gram_pays,
 )
 from ._expert_sources import ExpertSource
 from ._items import Owner, WorkItem
@@ -53,6 +54,7 @@ __all__ = [
     "ns_flops",
     "plan_owners",
     "resolve_param_policy",
+    "tp_gram_pays",
     "validate_param_policy",
     "validate_plan",
 ]

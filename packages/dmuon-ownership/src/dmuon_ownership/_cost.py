@@ -34,6 +34,25 @@ H100: ~295 fp16 tensor-core FLOP/byte): AdamW touches ~28 bytes per element (rea
 grad, two moments; write param, two moments, all fp32), Muon's elementwise part ~20 bytes.
 For a 4096 × 4096 Muon matrix that elementwise part is ~4 % of its NS cost; for AdamW items it
 is the whole cost, which is therefore proportional to the element count.
+
+[Note: gathered or Gram NS of a tensor-parallel matrix]
+
+A tensor-parallel matrix (``short × long``, split over ``T`` ranks on its long side) can be
+orthogonalised two ways (``StepOptions(tp_ns=...)`` in dmuon_fsdp). *Gathered*: one TP owner
+per matrix, spread over the group, gathers it, runs NS whole and scatters the result; the
+group's owners run their matrices at the same time, so each rank does ``1/T`` of the NS work,
+and per matrix each rank's link carries ``2(T−1)/T² · short · long`` elements of the NS input
+one way (as owner ``1/T`` of the time, as a sender the rest). *Distributed Gram NS*: every
+rank forms the Gram matrix of its block, and each of ``1 + restarts`` ring all-reduces carries
+``2(T−1)/T · short²`` fp32 elements one way; the ``long/T`` side is split, but every rank
+repeats the iterations on the ``short × short`` Gram matrix, ``8 short³ · steps`` FLOPs
+(:func:`ns_flops`), ``(T−1)/T`` of them more than its share of the gathered NS.
+:func:`tp_gram_pays` takes Gram NS where the bytes it saves on the link outweigh that extra
+work at :data:`TP_LINK_BALANCE` FLOP per byte: TP groups sit inside a node, where an H100 or
+H200 sustains about 600 TFLOP/s of NS products against about 400 GB/s one way over NVLink.
+Only very wide matrices of modest width pass (a 1024 × 50304 head at ``T = 2``); a 70B model's
+8192 × 28672 MLP at ``T = 8`` moves 4.6 × more under Gram NS, and a 4096 × 128256 head would
+save 225 MB per rank for 2.4 TFLOP more.
 """
 
 from __future__ import annotations
@@ -53,6 +72,7 @@ __all__ = [
     "experts_held",
     "ns_cost",
     "ns_flops",
+    "tp_gram_pays",
 ]
 
 #: ``cost(shape, route) -> float``: the work one item puts on its owner (any consistent unit).
@@ -60,6 +80,8 @@ CostFn = Callable[[tuple[int, ...], Route], float]
 
 _MACHINE_BALANCE = 256  # FLOP per HBM byte, see [Note: the cost model]
 _BYTES_PER_ELEMENT = {Route.MUON: 20, Route.ADAMW: 28, Route.SHARDED_ADAMW: 28}
+#: FLOP per byte of a TP link; see [Note: gathered or Gram NS of a tensor-parallel matrix].
+TP_LINK_BALANCE = 1500
 
 
 def ns_flops(m: int, n: int, steps: int = 5, *, restarts: int = 1) -> int:
@@ -70,6 +92,20 @@ def ns_flops(m: int, n: int, steps: int = 5, *, restarts: int = 1) -> int:
     if m == n:
         return steps * (4 * m * m * n + 2 * m**3)
     return 4 * m * m * n * (1 + restarts) + 8 * m**3 * steps
+
+
+def tp_gram_pays(
+    short: int, long: int, tp: int, *, itemsize: int, steps: int = 5, restarts: int = 1
+) -> bool:
+    """Whether distributed Gram NS of a ``short × long`` matrix split over ``tp`` ranks on its
+    long side beats gathering it (NS input elements of ``itemsize`` bytes); see [Note: gathered
+    or Gram NS of a tensor-parallel matrix]."""
+    if tp < 2:
+        return False
+    gathered = 2 * (tp - 1) * short * long * itemsize / tp**2
+    gram = (1 + restarts) * 2 * (tp - 1) * short * short * 4 / tp
+    extra = 8 * short**3 * steps * (tp - 1) / tp
+    return (gathered - gram) * TP_LINK_BALANCE > extra
 
 
 def elementwise_cost(numel: int, route: Route) -> int:

@@ -478,11 +478,24 @@ class TensorParallelParam(DedicatedParam):
             context.ns,
             shape=shape,
             tp_dim=self.tp_dim,
-            mode=choose(context.tp_ns, shape, self.tp_dim, context.ns),
+            mode=choose(
+                context.tp_ns, shape, self.tp_dim, context.ns, self.tp_size, self.ns_itemsize
+            ),
             group=comm.tp_group,
             tp_owner=owner,
             counter=comm.counter,
         )
+
+    @property
+    def tp_size(self) -> int:
+        """The number of TP ranks the parameter is split over."""
+        return cast(DTensor, self.param).device_mesh.size()
+
+    @property
+    def ns_itemsize(self) -> int:
+        """Bytes per element of its NS input (its momentum's dtype)."""
+        assert self.precision is not None, f"{self.fqn}: the runtime has not packed its parameters"
+        return self.precision.optim.itemsize
 
     @property
     def tp_index(self) -> int:

@@ -59,6 +59,7 @@ from .._profile import no_mark
 from ._fused import kernels_ready, static_tables
 from ._muon_math import (
     MuonItem,
+    StagedWindow,
     StepScalars,
     grad_matrices,
     momentum_only,
@@ -79,15 +80,20 @@ def muon_phase(
     skip: Tensor | None,
     mark: Callable[[str], None],
     tables: _Buffers | None = None,
+    window_bytes: int | None = None,
 ) -> None:
-    """Momentum, NS and update of every batch, then the momentum-only stacks; with
-    ``tables``, the kernels read the items' scalars and gradient offsets there (rows in this
-    order)."""
+    """Momentum, NS and update of every batch (staged ones side by side, up to
+    ``window_bytes`` on each holder: [Note: Newton–Schulz that waits for peers] in
+    _muon_math), then the momentum-only stacks; with ``tables``, the kernels read the items'
+    scalars and gradient offsets there (rows in this order)."""
     parts = len(batches)
+    window = StagedWindow(window_bytes, skip, mark)
     for index, (_, items, ns) in enumerate(batches):
         assert ns is not None
         scalars = None if tables is None else tables.scalars(index)
-        muon_batch(items, ns, skip=skip, mark=mark, scalars=scalars)
+        if not window.add(items, ns, scalars):
+            muon_batch(items, ns, skip=skip, mark=mark, scalars=scalars)
+    window.flush()
     for index, items in enumerate(momentum, parts):
         momentum_only(items, skip, None if tables is None else tables.scalars(index))
 

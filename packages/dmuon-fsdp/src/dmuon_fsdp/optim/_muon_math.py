@@ -25,6 +25,24 @@ few calls, and a matrix larger than the cap runs alone. Batching pays off for sm
 (launch-bound), which always fit; a ``(14336, 4096)`` matrix already fills the GPU on its own.
 ``None`` lifts the cap (exactly one call per shape).
 
+[Note: Newton–Schulz that waits for peers]
+A tensor-parallel matrix orthogonalised by gathering (``StepOptions(tp_ns="gather")``, see
+[Note: Newton–Schulz under tensor parallelism] in holder/_tp_ns) runs its NS on one rank of its
+TP group, its TP owner, and the plan spreads the group's matrices over its ranks. Called one
+at a time (gather, the owner's NS, scatter), they would run one after another across the
+group: a matrix's scatter waits for its owner's NS, and the next matrix's gather waits behind
+that scatter on the group's communicator, so the group would take the sum of every NS call.
+Such an NS function is *staged* (:class:`StagedNS`): ``stages(batch)`` pauses where it waits
+for its peers (gather issued; owner's NS done; scatter issued). The step hands those batches
+to a :class:`StagedWindow`, which advances them in lockstep: every gather of the window is
+issued before any owner computes, and every owner has computed before any scatter, so each
+rank runs its own matrices' NS while the others run theirs. A window holds at most
+``ns_batch_bytes`` of whole matrices on each owner (at least one matrix; ``None``: no cap)
+and closes before a batch would pass that; the other batches run as they come. Every rank of
+a group meets the same matrices in the same order, with the same owners and sizes, so all cut
+the same windows and their collectives pair up. Each matrix's NS call is the one it had alone,
+so the updates are bit for bit those of one matrix at a time.
+
 [Note: non-finite gradients]
 One NaN or infinity in any gradient would turn every weight it reaches non-finite: through NS
 a single bad element spreads over a whole matrix. So ``Muon.step`` first checks every gradient
@@ -48,8 +66,8 @@ because NS first divides by the Frobenius norm the orthogonalised updates agree 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -68,6 +86,8 @@ from ._fused import DeviceScalars, advance_momentum, momentum_into, ns_input_int
 __all__ = [
     "MuonItem",
     "NSFunction",
+    "StagedNS",
+    "StagedWindow",
     "StepScalars",
     "adamw_step",
     "finish_batch",
@@ -262,15 +282,104 @@ def muon_batch(
     del updates
 
 
+@runtime_checkable
+class StagedNS(Protocol):
+    """An NS function that waits for peers; see [Note: Newton–Schulz that waits for
+    peers]."""
+
+    @property
+    def staged(self) -> bool:
+        """Whether the step should run it beside others (the function may run plain)."""
+        ...
+
+    def holds(self, batch: Tensor) -> tuple[int, int]:
+        """The rank that holds the whole of ``batch``'s matrices while they are
+        orthogonalised, and their bytes."""
+        ...
+
+    def stages(self, batch: Tensor) -> Generator[None, None, Tensor]:
+        """``self(batch)``, pausing wherever it waits for its peers."""
+        ...
+
+
+class _Staged(NamedTuple):
+    part: Sequence[MuonItem]
+    weights: list[Tensor]
+    owners: list[int]
+    scalars: StepScalars | None
+    ns: NSFunction
+    shape: torch.Size  # of the NS input
+    stages: Generator[None, None, Tensor]
+
+
+class StagedWindow:
+    """Staged NS batches run side by side; see [Note: Newton–Schulz that waits for peers].
+    ``add`` takes a batch whose NS is staged (and returns ``False`` for another), ``flush``
+    finishes every batch taken."""
+
+    def __init__(
+        self,
+        max_bytes: int | None,
+        skip: Tensor | None,
+        mark: Callable[[str], None] = no_mark,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.skip = skip
+        self.mark = mark
+        self._held: dict[int, int] = {}  # bytes of whole matrices on each holder
+        self._open: list[_Staged] = []
+        self._done: dict[int, Tensor] = {}  # updates of the open batches that finished
+
+    def add(
+        self, part: Sequence[MuonItem], ns: NSFunction, scalars: StepScalars | None = None
+    ) -> bool:
+        if not (isinstance(ns, StagedNS) and ns.staged):
+            return False
+        batch, weights, owners = _momentum_stack(part, self.skip, scalars=scalars)
+        self.mark("muon_update")
+        holder, nbytes = ns.holds(batch)
+        held = self._held.get(holder, 0)
+        if self._open and self.max_bytes is not None and held + nbytes > self.max_bytes:
+            self.flush()
+            held = 0
+        self._held[holder] = held + nbytes
+        staged = _Staged(part, weights, owners, scalars, ns, batch.shape, ns.stages(batch))
+        del batch
+        self._open.append(staged)
+        self._advance(len(self._open) - 1)  # its first collective, before any batch waits
+        return True
+
+    def flush(self) -> None:
+        """Advance every open batch one stage at a time, then update its weights."""
+        while len(self._done) < len(self._open):
+            for index in range(len(self._open)):
+                self._advance(index)
+        for index, staged in enumerate(self._open):
+            updates = _checked(staged.ns, staged.shape, self._done.pop(index))
+            self.mark(f"ns[{'x'.join(map(str, staged.shape))}]")
+            _update(staged.part, staged.weights, staged.owners, updates, self.skip, staged.scalars)
+        self._open, self._held = [], {}
+
+    def _advance(self, index: int) -> None:
+        if index not in self._done:
+            try:
+                next(self._open[index].stages)
+            except StopIteration as done:
+                self._done[index] = done.value
+
+
 def orthogonalized(ns: NSFunction, batch: Tensor) -> Tensor:
     """``ns(batch)``, refused unless it has the batch's shape: an update of another shape
     would be broadcast into the weights (or fail deep in the update pass)."""
-    updates = ns(batch)
-    if not isinstance(updates, Tensor) or updates.shape != batch.shape:
+    return _checked(ns, batch.shape, ns(batch))
+
+
+def _checked(ns: NSFunction, shape: torch.Size, updates: object) -> Tensor:
+    if not isinstance(updates, Tensor) or updates.shape != shape:
         got = tuple(updates.shape) if isinstance(updates, Tensor) else type(updates).__name__
         raise ValueError(
             f"the Newton–Schulz function {ns!r} returned {got} for a (batch, m, n) input of"
-            f" shape {tuple(batch.shape)}; it must return a tensor of its input's shape (every"
+            f" shape {tuple(shape)}; it must return a tensor of its input's shape (every"
             " matrix of the batch orthogonalised on its own)"
         )
     return updates

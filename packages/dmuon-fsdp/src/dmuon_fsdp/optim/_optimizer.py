@@ -66,6 +66,7 @@ from ._fused import FusedLayout, compile_in_background
 from ._graphed_step import GraphedMuonPhase, muon_phase
 from ._muon_math import (
     MuonItem,
+    StagedWindow,
     adamw_step,
     finish_batch,
     fresh_state,
@@ -151,7 +152,10 @@ class StepOptions:
         ns_batch_bytes: same-shape matrices share one Newton–Schulz call up to this many bytes
             of input (an int >= 1; a matrix larger than it runs alone); ``None``: one call per
             shape, however large. Larger batches mean fewer kernel launches and more transient
-            memory (3.25 to 4 times the batch). The default is 256 MiB.
+            memory (3.25 to 4 times the batch). The default is 256 MiB. It also caps the whole
+            tensor-parallel matrices a TP owner holds at once when it orthogonalises them
+            beside its group's others (``tp_ns`` gather: [Note: Newton–Schulz that waits for
+            peers] in _muon_math).
         replicate_async: HSDP and the replicated path: ``True`` launches the publish of the
             updated weights at the end of ``step()`` without waiting (each boundary's next
             forward waits for its own part); ``False`` waits for it in ``step()``. A bool.
@@ -160,11 +164,13 @@ class StepOptions:
             counts unchanged; see ``last_step_stats``), without a host sync. ``False`` steps
             regardless. A bool.
         tp_ns: how Newton–Schulz runs on a tensor-parallel matrix: ``"gather"`` (the TP owner
-            gathers the shards, runs NS once, scatters the result), ``"gram"`` (distributed
-            Gram NS over the TP group, where the shards split the matrix's long side and the
-            NS is a Gram ``NewtonSchulz``; gather elsewhere), or ``"auto"`` (``"gram"`` where
-            it applies and the short side is at most half the long one, else gather). A
-            string or ``TPMode``; another value raises ``ValueError``.
+            gathers the shards, runs NS once, scatters the result; the group's owners run
+            their matrices side by side), ``"gram"`` (distributed Gram NS over the TP group,
+            where the shards split the matrix's long side and the NS is a Gram
+            ``NewtonSchulz``; gather elsewhere), or ``"auto"`` (``"gram"`` where it applies
+            and the bytes it saves outweigh the Gram iterations every TP rank repeats, as
+            ``dmuon_ownership.tp_gram_pays`` decides: very wide matrices of modest width;
+            else gather). A string or ``TPMode``; another value raises ``ValueError``.
         profile: ``True`` times every step's phases, read with :meth:`Muon.step_profile`
             (and records the forward's wait times). A bool.
         ns_overlap: ``True`` runs each owned NS batch during backward, as soon as the
@@ -687,7 +693,13 @@ class Muon(torch.optim.Optimizer):
             elif self._graphed is not None:
                 self._graphed.run(work.batches, work.momentum_only, skip, mark)
             else:
-                muon_phase(work.batches, work.momentum_only, skip, mark)
+                muon_phase(
+                    work.batches,
+                    work.momentum_only,
+                    skip,
+                    mark,
+                    window_bytes=self._options.ns_batch_bytes,
+                )
         mark("muon_update")
 
     def _overlap_phase(
@@ -699,13 +711,15 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """The Muon phase with ``ns_overlap``: each batch whose NS ran during backward only
         advances its momentum and takes its update; the others run whole."""
+        window = StagedWindow(self._options.ns_batch_bytes, skip, mark)
         for index, items, ns in work.batches:
             assert ns is not None
             early = overlap.take(index, items)
-            if early is None:
-                muon_batch(items, ns, skip=skip, mark=mark)
-            else:
+            if early is not None:
                 finish_batch(items, early, skip=skip)
+            elif not window.add(items, ns):
+                muon_batch(items, ns, skip=skip, mark=mark)
+        window.flush()
         for items in work.momentum_only:
             momentum_only(items, skip=skip)
         overlap.end_step()

@@ -123,6 +123,7 @@ from dmuon_ownership import (
     experts_held,
     ns_cost,
     plan_owners,
+    tp_gram_pays,
 )
 
 from ._figures import ADAMW, DMUON, MUON, Forecast, RankFigures
@@ -153,19 +154,23 @@ def _member(shape: tuple[int, ...], matrices: int | None = None) -> _Member:
 GRAM_ALL_REDUCES = 2
 
 
-def takes_gram(tp_ns: str, item: WorkItem) -> bool:
+def takes_gram(
+    tp_ns: str, item: WorkItem, *, itemsize: int, steps: int = 5, restarts: int = 1
+) -> bool:
     """Whether ``Muon(options=StepOptions(tp_ns=tp_ns))`` orthogonalises the tensor-parallel
-    matrix ``item`` by distributed Gram NS (its default NS is a Gram ``NewtonSchulz``): where
-    the shards split the long side (either side of a square matrix), and under ``"auto"``
-    where the short side is at most half the long one; see [Note: Newton–Schulz under tensor
-    parallelism] in dmuon_fsdp."""
+    matrix ``item`` (its NS input in elements of ``itemsize`` bytes) by distributed Gram NS
+    (its default NS is a Gram ``NewtonSchulz``): where the shards split the long side (either
+    side of a square matrix), and under ``"auto"`` where ``tp_gram_pays``; see [Note:
+    Newton–Schulz under tensor parallelism] in dmuon_fsdp."""
     if item.tp == 1 or tp_ns == "gather":
         return False
     split = tp_dim_of(item.name)
     if item.shape[1 - split] > item.shape[split]:
         return False
     short, long = sorted(item.shape)
-    return tp_ns == "gram" or 2 * short <= long
+    if tp_ns == "gram":
+        return True
+    return tp_gram_pays(short, long, item.tp, itemsize=itemsize, steps=steps, restarts=restarts)
 
 
 def gram_block_flops(gram_side: int, block: int, steps: int = 5, restarts: int = 1) -> int:
@@ -363,7 +368,15 @@ class _Forecaster:
         }
         self.tp_owner = dict(plan.tp_owners)
         self.gram = {
-            item.name for item in self.shapes.dedicated if takes_gram(self.topo.tp_ns, item)
+            item.name
+            for item in self.shapes.dedicated
+            if takes_gram(
+                self.topo.tp_ns,
+                item,
+                itemsize=self.o,
+                steps=self.table.steps,
+                restarts=self.table.restarts,
+            )
         }
         state = self.rank_state()
         payload, tp_received = self.rank_payload()
