@@ -162,6 +162,24 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
     optimizer_state = dmuon.get_optimizer_state_dict(trainer.model, muon, rank0_only=True)
     trained = dmuon.get_model_state_dict(trainer.model, rank0_only=True)
 
+    # The user's own param_groups: args.weight_decay (0.1) is the decay of each group that
+    # sets none (it was dropped for dmuon.Muon's defaults: Muon's 0, AdamW's 0.01).
+    named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+    custom = hf.dmuon_optimizer(
+        trainer.model,
+        trainer.args,
+        param_groups=[
+            {"group_name": "body", "params": [(n, p) for n, p in named if "norm" not in n]},
+            {
+                "group_name": "norms",
+                "params": [(n, p) for n, p in named if "norm" in n],
+                "weight_decay": 0.0,
+            },
+        ],
+    )
+    custom_decay = {g["group_name"]: g["weight_decay"] for g in custom.param_groups}
+    del custom
+
     checkpoint = os.path.join(root, "run", f"checkpoint-{SAVE_AT}")
     second, resumed, resumed_eval_loss = _train(root, "resumed", seed=1, resume=checkpoint)
     # model.load_state_dict of the checkpoint's full weights (tied: lm_head.weight is not in
@@ -182,6 +200,7 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
             g["group_name"]: (g["weight_decay"], set(g["param_names"])) for g in muon.param_groups
         },
         "decay_names": set(trainer.get_decay_parameter_names(trainer.model)),
+        "custom_decay": custom_decay,
         "muon_names": names,
         "momentum": {n: float(state[n]["momentum_buffer"].norm()) for n in names},
         "moved": {n: not torch.equal(initial[n], trained[n]) for n in names},
@@ -214,6 +233,12 @@ def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path) -> None:
     assert groups["no_decay/adamw"][0] == 0.0
     assert groups["no_decay/adamw"][1] and all("norm" in n for n in groups["no_decay/adamw"][1])
     assert groups["decay/muon"][1] | groups["decay/adamw"][1] <= decay_names
+    assert out["custom_decay"] == {
+        "body/muon": 0.1,
+        "body/adamw": 0.1,
+        "norms/muon": 0.0,
+        "norms/adamw": 0.0,
+    }
     losses = [out["losses"][step] for step in range(1, STEPS + 1)]
     assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < losses[0] - 0.3, (
         losses
@@ -272,7 +297,7 @@ def test_a_mixture_of_experts_run_resumes_bit_for_bit(tmp_path) -> None:
 def test_the_default_decay_rule_is_the_trainers() -> None:
     # dmuon_optimizer without a Trainer decays what Trainer.get_decay_parameter_names names.
     model = _plain_model(seed=0)
-    groups = hf._decay_groups(model, 0.1, None, {})
+    groups = hf._decay_groups(model, None)
     trainer_rule = set(Trainer.get_decay_parameter_names(None, model))  # reads no Trainer state
     names = {n for n, _ in model.named_parameters()}
     assert {n for n, _ in groups[0]["params"]} == trainer_rule & names

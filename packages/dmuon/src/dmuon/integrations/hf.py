@@ -158,7 +158,11 @@ def dmuon_optimizer(
     ``decay_parameter_names`` (``None``: the Trainer's rule, every parameter but biases and
     norms, as ``Trainer.get_decay_parameter_names``), on both routes, Muon's matrices included,
     and no other parameter; ``muon_kwargs``' ``weight_decay`` (Muon's) or ``adamw_weight_decay``
-    overrides it on its route. ``muon_kwargs``' ``param_groups`` replace these two groups.
+    overrides it on its route. ``muon_kwargs``' ``param_groups`` replace these two groups, and
+    ``args.weight_decay`` is then the decay of every group that sets none of its own
+    (``weight_decay``, ``muon_weight_decay``, ``adamw_weight_decay``), on both routes, as the
+    ``weight_decay`` keyword of a torch optimizer is: give the norms and biases a group with
+    ``"weight_decay": 0.0``.
     :class:`DmuonTrainer` calls it with its ``get_decay_parameter_names(model)`` and its
     ``muon_kwargs``; ``DmuonTrainer(..., optimizers=(dmuon_optimizer(model, args, ...), None))``
     passes one built beforehand.
@@ -174,12 +178,14 @@ def dmuon_optimizer(
         "adamw_lr": args.learning_rate,
         "adamw_betas": (args.adam_beta1, args.adam_beta2),
         "adamw_eps": args.adam_epsilon,
+        # Every group's decay unless it sets its own: the "decay" group below, or each of the
+        # user's param_groups (dmuon.Muon's defaults, 0 and 0.01, would drop the Trainer's).
+        "weight_decay": args.weight_decay,
+        "adamw_weight_decay": args.weight_decay,
         **muon_kwargs,
     }
     if "param_groups" not in muon_kwargs:
-        kwargs["param_groups"] = _decay_groups(
-            model, args.weight_decay, decay_parameter_names, muon_kwargs
-        )
+        kwargs["param_groups"] = _decay_groups(model, decay_parameter_names)
     return dmuon.Muon(model, **kwargs)
 
 
@@ -188,24 +194,15 @@ def dmuon_optimizer(
 _NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
-def _decay_groups(
-    model: nn.Module,
-    weight_decay: float,
-    decay_names: Collection[str] | None,
-    muon_kwargs: Mapping[str, Any],
-) -> list[dict[str, Any]]:
-    """The semantic groups ``decay`` and ``no_decay`` (left out when empty) of the trainable
-    parameters, as the Trainer groups them for its own optimizers."""
+def _decay_groups(model: nn.Module, decay_names: Collection[str] | None) -> list[dict[str, Any]]:
+    """The semantic groups ``decay`` (the optimizer's weight decays) and ``no_decay`` (none)
+    of the trainable parameters, left out when empty, as the Trainer groups them for its own
+    optimizers."""
     if decay_names is None:
         decay_names = get_parameter_names(model, [nn.LayerNorm], _NO_DECAY_PATTERNS)
     decay_names = set(decay_names)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = {
-        "group_name": "decay",
-        "params": [(n, p) for n, p in trainable if n in decay_names],
-        "muon_weight_decay": muon_kwargs.get("weight_decay", weight_decay),
-        "adamw_weight_decay": muon_kwargs.get("adamw_weight_decay", weight_decay),
-    }
+    decay = {"group_name": "decay", "params": [(n, p) for n, p in trainable if n in decay_names]}
     no_decay = {
         "group_name": "no_decay",
         "params": [(n, p) for n, p in trainable if n not in decay_names],
