@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dmuon.integrations import hf
 
-VOCAB, SEQ, ROWS_PER_RANK, STEPS, SAVE_AT = 64, 16, 4, 6, 3
+VOCAB, SEQ, ROWS_PER_RANK, STEPS, SAVE_AT, MAX_GRAD_NORM = 64, 16, 4, 6, 3, 0.5
 # The decoder both test models share (a Llama, a Qwen3-MoE).
 _TINY = dict(
     vocab_size=VOCAB,
@@ -90,13 +90,27 @@ def _rows(world_size: int) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
+class _NormAfterClip(TrainerCallback):
+    """The norm of every gradient right before each step, after the Trainer's clip (and
+    DmuonTrainer's callback)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        import dmuon
+
+        muon = kwargs["optimizer"].optimizer
+        self.norms.append(float(dmuon.clip_grad_norm_(muon, None, params="all").total_norm))
+
+
 def _train(
     root: str,
     name: str,
     seed: int,
     resume: str | None = None,
     build=_model,
-    max_grad_norm=1.0,
+    max_grad_norm=MAX_GRAD_NORM,
     earlier: bool = False,
 ):
     from torch.distributed.device_mesh import init_device_mesh
@@ -138,6 +152,7 @@ def _train(
         eval_dataset=rows[: 2 * ROWS_PER_RANK * args.world_size],
         muon_kwargs={"lr": 0.05},
     )
+    trainer.add_callback(_NormAfterClip())  # after DmuonTrainer's own
     if resume is None:
         # A baseline evaluation first, as usual: it left the root's parameters unsharded, and
         # train() then refused to build dmuon.Muon ('neither dedicated nor managed by FSDP2').
@@ -145,6 +160,9 @@ def _train(
     trainer.train(resume_from_checkpoint=resume)
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
     trainer.grad_norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    trainer.clipped_norms = next(
+        c.norms for c in trainer.callback_handler.callbacks if isinstance(c, _NormAfterClip)
+    )
     trainer.earlier_freed = None if earlier_freed is None else earlier_freed() is None
     return trainer, losses, trainer.evaluate()["eval_loss"]
 
@@ -161,6 +179,28 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
     muon = trainer.muon
     optimizer_state = dmuon.get_optimizer_state_dict(trainer.model, muon, rank0_only=True)
     trained = dmuon.get_model_state_dict(trainer.model, rank0_only=True)
+    # accelerate's clip of model.parameters() (the Trainer's for max_grad_norm): the trainer's
+    # accelerator takes every gradient by one norm; another refuses the dedicated weights (it
+    # took the FSDP2 gradients alone, and left the Muon ones unclipped).
+    from accelerate import Accelerator
+
+    ids = torch.stack([row["input_ids"] for row in _rows(world_size)[:ROWS_PER_RANK]])
+    trainer.model(input_ids=ids, labels=ids).loss.backward()
+    every = float(dmuon.clip_grad_norm_(muon, None, params="all").total_norm)
+    routed = float(trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), math.inf))
+    plain = Accelerator(cpu=True)
+    try:
+        plain.clip_grad_norm_(trainer.model.parameters(), math.inf)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    held = dmuon.dedicated_params_of(trainer.model)
+    fsdp2 = [p for p in trainer.model.parameters() if p not in held]  # accelerate's own clip
+    adamw = (
+        float(plain.clip_grad_norm_(fsdp2, math.inf)),
+        float(dmuon.clip_grad_norm_(muon, None, params="adamw").total_norm),
+    )
+    trainer.model.zero_grad()
 
     # The user's own param_groups: args.weight_decay (0.1) is the decay of each group that
     # sets none (it was dropped for dmuon.Muon's defaults: Muon's 0, AdamW's 0.01).
@@ -201,6 +241,8 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
         },
         "decay_names": set(trainer.get_decay_parameter_names(trainer.model)),
         "custom_decay": custom_decay,
+        "clip": (every, routed, refused, adamw),
+        "grad_norms": (trainer.grad_norms, trainer.clipped_norms),
         "muon_names": names,
         "momentum": {n: float(state[n]["momentum_buffer"].norm()) for n in names},
         "moved": {n: not torch.equal(initial[n], trained[n]) for n in names},
@@ -233,6 +275,16 @@ def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path) -> None:
     assert groups["no_decay/adamw"][0] == 0.0
     assert groups["no_decay/adamw"][1] and all("norm" in n for n in groups["no_decay/adamw"][1])
     assert groups["decay/muon"][1] | groups["decay/adamw"][1] <= decay_names
+    every, routed, refused, (fsdp2, adamw) = out["clip"]
+    assert fsdp2 == pytest.approx(adamw, rel=1e-6) and fsdp2 < every
+    assert routed == pytest.approx(every, rel=1e-6), (routed, every)
+    assert "dmuon.clip_grad_norm_(muon, max_norm, params='all')" in refused, refused
+    # The Trainer's max_grad_norm (0.5) clipped every gradient by one norm, the logged one:
+    # right before each step their norm is min(logged, 0.5) (each kind was clipped by its own
+    # norm, which left up to 0.5 * sqrt(2)).
+    logged, clipped = out["grad_norms"]
+    assert len(clipped) == STEPS and any(n > MAX_GRAD_NORM for n in logged), logged
+    assert clipped == pytest.approx([min(n, MAX_GRAD_NORM) for n in logged], rel=1e-5)
     assert out["custom_decay"] == {
         "body/muon": 0.1,
         "body/adamw": 0.1,

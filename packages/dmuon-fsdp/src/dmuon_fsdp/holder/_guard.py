@@ -64,11 +64,22 @@ fail or do nothing elsewhere, without a word:
   installs one global step pre-hook (``refuse_foreign_optimizers``) that raises in the first
   ``step()`` of any optimizer other than dmuon's whose groups hold a dedicated parameter, and
   again whenever its groups change size.
+
+The same ``.grad`` makes accelerate's ``Accelerator.clip_grad_norm_(model.parameters(), ...)``
+(and ``clip_grad_value_``) silently wrong: it takes the norm of the gradients it finds in
+``.grad``, the FSDP2 ones, and clips them alone, so the dedicated weights' gradients count
+for nothing and keep their size. dmuon does not import accelerate; ``refuse_accelerate_clip``,
+called by ``dedicate_params`` and ``Muon(...)``, wraps those two methods once accelerate is
+imported (a training script imports it before either), so that given a dedicated parameter
+they raise on every rank alike, before anything is clipped, naming dmuon's clip; other
+parameters go to accelerate's own. (``torch.nn.utils.clip_grad_norm_`` misses them the same
+way; the clipping guide says so, and torch's function is left as it is.)
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
@@ -104,6 +115,7 @@ __all__ = [
     "instances",
     "is_dedicated",
     "is_safe",
+    "refuse_accelerate_clip",
     "refuse_ddp",
     "refuse_foreign_optimizers",
     "refuse_module_load",
@@ -662,3 +674,50 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
                     " dedicate_params' predicate"
                 )
     _CHECKED_OPTIMIZERS[optimizer] = count
+
+
+# What accelerate's refused clip is told to use instead, by method.
+_DMUON_CLIPS = {
+    "clip_grad_norm_": "dmuon.clip_grad_norm_(muon, max_norm, params='all')",
+    "clip_grad_value_": "dmuon.clip.clip_grad_value_(muon, clip_value, params='all')",
+}
+# Set on the wrappers refuse_accelerate_clip installs (they are installed once).
+_REFUSES_DEDICATED = "_dmuon_refuses_dedicated"
+
+
+def refuse_accelerate_clip() -> None:
+    """Make accelerate's ``Accelerator.clip_grad_norm_`` and ``clip_grad_value_`` raise when
+    their parameters hold a dedicated one, if accelerate is imported (a no-op otherwise, and
+    once installed); see [Note: torch's paths that cannot reach a dedicated weight]."""
+    module = sys.modules.get("accelerate.accelerator")
+    accelerator = getattr(module, "Accelerator", None)
+    if accelerator is None:
+        return
+    for name in _DMUON_CLIPS:
+        original = getattr(accelerator, name, None)
+        if callable(original) and not getattr(original, _REFUSES_DEDICATED, False):
+            setattr(accelerator, name, _refusing_dedicated(original, name))
+
+
+def _refusing_dedicated(original: Any, name: str) -> Any:
+    """accelerate's clip method ``original``, raising first when given a dedicated parameter."""
+
+    @functools.wraps(original)
+    def clip(self: Any, parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(parameters, torch.Tensor):
+            parameters = list(parameters)  # model.parameters(): read here and by accelerate
+        for p in [parameters] if isinstance(parameters, torch.Tensor) else parameters:
+            if is_dedicated(p):
+                raise ValueError(
+                    f"accelerator.{name}: its parameters hold the dedicated parameter"
+                    f" {holder_of(p).fqn!r}, whose gradient lives on its owner rank, not in"
+                    " .grad, so accelerate would leave it out of the norm and unclipped (it"
+                    f" sees the FSDP2 gradients alone). Clip with {_DMUON_CLIPS[name]}, where"
+                    " muon is the dmuon.Muon (optimizer.optimizer under accelerate's"
+                    " AcceleratedOptimizer); under the Trainer, DmuonTrainer does it for"
+                    " max_grad_norm. Nothing was clipped"
+                )
+        return original(self, parameters, *args, **kwargs)
+
+    setattr(clip, _REFUSES_DEDICATED, True)
+    return clip

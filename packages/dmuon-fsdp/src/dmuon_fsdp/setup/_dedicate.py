@@ -74,6 +74,7 @@ from ..holder import (
     check_guardable,
     is_dedicated,
     kind_of,
+    refuse_accelerate_clip,
     refuse_ddp,
     refuse_foreign_optimizers,
     refuse_module_load,
@@ -896,7 +897,7 @@ def _refuse_torch_paths(
     raise instead: ``DistributedDataParallel`` around any module above one (see [Note: reads on
     a peer] in holder/_guard), ``load_state_dict`` on the sharded path (the replicated one
     loads through it) and torch's optimizers (see [Note: torch's paths that cannot reach a
-    dedicated weight])."""
+    dedicated weight]), accelerate's clip among them once accelerate is imported."""
     for name in _ancestors_of({dp.fqn for dp in params}):
         refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
     if not config.replicated:
@@ -906,6 +907,7 @@ def _refuse_torch_paths(
         for module, names in held.items():
             refuse_module_load(module, names)
     refuse_foreign_optimizers()
+    refuse_accelerate_clip()
 
 
 def _boundary_casts(

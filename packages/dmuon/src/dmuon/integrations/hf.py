@@ -39,12 +39,17 @@ public extension point; no underscored ``Trainer`` method is overridden.
   every param group holds its ``"lr"``, so the Trainer's scheduler drives both routes. The
   Trainer zeroes with ``model.zero_grad()``, which ``dedicate_params`` makes clear the owners'
   Muon gradients too. ``training_step`` runs the micro-batches before the last of an
-  accumulation under ``dmuon.no_sync``. The Trainer clips with ``max_grad_norm`` what it sees,
-  the ``param.grad`` of the FSDP2 parameters (expert stacks included); the gradients of the
-  dedicated weights live on their owners, and a callback's ``on_pre_optimizer_step`` (after
-  the Trainer's clip, before ``step()``) clips them with ``dmuon.clip_grad_norm_(...,
-  params=dmuon.dedicated_params_of(model))``, each kind by its own norm, every gradient once.
-  ``log`` reports as ``grad_norm`` the norm of both kinds together.
+  accumulation under ``dmuon.no_sync``. The Trainer clips for ``max_grad_norm`` (and measures
+  the logged ``grad_norm`` without it) with ``accelerator.clip_grad_norm_(model.parameters(),
+  ...)``, which sees ``param.grad`` alone, where the dedicated weights' gradients are not (they
+  live on their owners), and which dmuon makes refuse a dedicated parameter. The trainer's own
+  accelerator gets, as its public ``clip_grad_norm_``, dmuon's clip of the same parameters
+  (``dmuon.clip_grad_norm_(muon, max_norm, params=parameters)``): every gradient by one
+  norm, as the Trainer clips a model without dmuon, and that norm is the one logged. Where the
+  Trainer clips without its accelerator (its gradients on several device meshes, which it
+  clips by their norm itself), a callback's ``on_pre_optimizer_step`` (after that clip,
+  before ``step()``) clips the dedicated weights' gradients by theirs, every gradient once,
+  and ``log`` reports the norm of both kinds together.
 - Checkpoints. The Trainer writes a checkpoint with ``save_model(checkpoint, _internal_call=
   True)``, then rank 0's ``optimizer.state_dict()`` (``optimizer.pt``), the scheduler, the RNG
   states and the trainer state. ``save_model`` writes the model and the optimizer with
@@ -74,6 +79,7 @@ public extension point; no underscored ``Trainer`` method is overridden.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
@@ -221,8 +227,8 @@ class DmuonTrainer(Trainer):
     ``data_collator``, ``processing_class``, ``callbacks``, ``compute_metrics``, ...), except
     ``model_init`` and ``optimizer_cls_and_kwargs``, which are refused.
 
-    ``max_grad_norm`` clips the FSDP2 gradients and those of the dedicated weights each by
-    its own norm;
+    ``max_grad_norm`` clips every gradient (the FSDP2 ones and the dedicated weights', on
+    their owners) by one norm, the logged ``grad_norm``;
     ``gradient_accumulation_steps`` runs the micro-batches before the last under
     ``dmuon.no_sync``. A checkpoint (``save_strategy``) holds ``dmuon/`` (``dmuon.save_checkpoint``:
     the model and the optimizer, sharded), the full weights (``model.safetensors``, which
@@ -262,6 +268,7 @@ class DmuonTrainer(Trainer):
             )
         self.muon_kwargs = dict(muon_kwargs or {})
         self.held_grad_norm: Tensor | None = None  # the dedicated weights', before clipping
+        self.clipped_every_gradient = False  # this step, through the accelerator's clip
         self.resuming_from: str | None = None  # the checkpoint train() resumes from
         self.saving_to: str | None = None  # the checkpoint being written
         super().__init__(model=model, args=args, **kwargs)
@@ -273,6 +280,9 @@ class DmuonTrainer(Trainer):
             )
         # See [Note: the Trainer's public hooks under dmuon], preparation and resume.
         self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
+        # An attribute of this trainer's accelerator only: accelerate's own refuses a dedicated
+        # parameter (see [Note: the Trainer's public hooks under dmuon], optimizer and gradients).
+        cast(Any, self.accelerator).clip_grad_norm_ = functools.partial(_clip_every_gradient, self)
         _FullStateLoad.of(_model(self))
         self.add_callback(_DmuonEvents(self))
 
@@ -386,10 +396,16 @@ class _DmuonEvents(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
     ):
+        trainer = self.trainer
+        if trainer.clipped_every_gradient:  # the accelerator's clip took them all
+            trainer.clipped_every_gradient = False
+            trainer.held_grad_norm = None
+            return
         # The Trainer clips for max_grad_norm > 0 (inf scales nothing, in dmuon's clip too);
         # otherwise it only measures, as dmuon's clip does with None.
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
-        # The Trainer clipped every param.grad; the dedicated weights' gradients are not there.
+        # The Trainer clipped every param.grad by their norm without its accelerator (on
+        # several device meshes); the dedicated weights' gradients are not there.
         if self.held is None:
             self.held = dmuon.dedicated_params_of(_model(self.trainer))
         stats = dmuon.clip_grad_norm_(self.trainer.muon, max_norm, params=self.held)
@@ -401,6 +417,18 @@ class _DmuonEvents(TrainerCallback):
             optimizer_file = os.path.join(folder, OPTIMIZER_NAME)
             if os.path.isfile(optimizer_file):
                 os.remove(optimizer_file)
+
+
+def _clip_every_gradient(
+    trainer: DmuonTrainer, parameters: Any, max_norm: float, norm_type: float = 2.0
+) -> Tensor:
+    """``trainer.accelerator.clip_grad_norm_``: every gradient of ``parameters``, wherever it
+    lives, by one norm (``inf``: measured only), with ``dmuon.clip_grad_norm_``; returns that
+    norm, before clipping, as accelerate's does."""
+    trainer.accelerator.unscale_gradients()  # as accelerate's clip does (no-op without fp16)
+    stats = dmuon.clip_grad_norm_(trainer.muon, max_norm, norm_type, params=parameters)
+    trainer.clipped_every_gradient = True
+    return stats.total_norm
 
 
 class _FullStateLoad:
