@@ -66,6 +66,7 @@ def _export(rank: int, world_size: int, root: str, tie: bool):
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(_config(tie))
+    model.generation_config.max_new_tokens = 7  # the model's own, which the export keeps
     mesh = init_device_mesh("cpu", (world_size,))
     runtime = dedicate_params(model, mesh, lambda n, p: n.endswith("_proj.weight"))
     dedicated = dedicated_params_of(model)
@@ -89,6 +90,7 @@ def _export(rank: int, world_size: int, root: str, tie: bool):
         export.load_state_dict(state, assign=True)
         if model.config.tie_word_embeddings:
             export.tie_weights()
+        export.generation_config = model.generation_config
         export.save_pretrained(out_dir)
     dist.barrier()
     if rank != 0:
@@ -99,6 +101,7 @@ def _export(rank: int, world_size: int, root: str, tie: bool):
     same_keys = sorted(loaded) == sorted(state)
     same_weights = all(torch.equal(loaded[k], v) for k, v in state.items())
     tied = reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    assert reloaded.generation_config.max_new_tokens == 7
     with torch.no_grad():
         same_logits = torch.equal(_logits(reloaded, probe), trained_logits)
     trained = {dp.fqn for dp in runtime.params}

@@ -20,7 +20,7 @@ from dmuon_testing.distributed import run_distributed
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import GenerationConfig, Trainer, TrainerCallback, TrainingArguments
 
 from dmuon.integrations import hf
 
@@ -41,7 +41,9 @@ def _plain_model(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**_TINY, tie_word_embeddings=True))
+    model = LlamaForCausalLM(LlamaConfig(**_TINY, tie_word_embeddings=True))
+    model.generation_config.max_new_tokens = 7  # the model's own, which its exports keep
+    return model
 
 
 def _model(seed: int, mesh):
@@ -251,6 +253,7 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
         "resumed": resumed,
         "resumed_eval_loss": resumed_eval_loss,
         "files": sorted(os.listdir(checkpoint)),
+        "generation": GenerationConfig.from_pretrained(checkpoint).max_new_tokens,
         "exported": sorted(exported),
         "load_result": (loaded.missing_keys, loaded.unexpected_keys),
         "reloaded": all(torch.equal(reread[n], v) for n, v in exported.items())
@@ -298,6 +301,8 @@ def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path) -> None:
     # The checkpoint: dmuon's sharded one, the full weights, no rank-0 optimizer file.
     assert {"dmuon", "model.safetensors", "scheduler.pt", "trainer_state.json"} <= set(out["files"])
     assert "optimizer.pt" not in out["files"]
+    # The model's generation_config (it wrote one made from the config: max_new_tokens None).
+    assert out["generation"] == 7
     assert "lm_head.weight" not in out["exported"] and out["load_result"] == ([], [])
     assert out["reloaded"]
     # Resumed from other initial weights: the later steps as without the checkpoint.

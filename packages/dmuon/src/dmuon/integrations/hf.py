@@ -73,8 +73,14 @@ public extension point; no underscored ``Trainer`` method is overridden.
   scheduler exist by then) loads the model and the optimizer with ``dmuon.load_checkpoint``
   (all or nothing, checksums checked) and the scheduler from ``scheduler.pt``.
 - Export. ``save_model(path)`` gathers the full weights to rank 0
-  (``dmuon.get_model_state_dict(model, rank0_only=True)``) and writes them with
-  ``save_pretrained`` from a copy of the model built on the meta device.
+  (``dmuon.get_model_state_dict(model, rank0_only=True)``) and hands them to the model's own
+  ``save_pretrained(path, state_dict=...)`` there, which writes the config, the model's
+  ``generation_config`` and the weights as for a model without dmuon (without ``state_dict``
+  it reads every weight, and a rank does not hold them all). The gathered copies of tied
+  weights share no storage, by which ``save_pretrained`` finds them: each tied name is given
+  one tensor first, so the file holds it once, as for the model's own weights. A copy of the
+  model built on the meta device (as before) wrote a ``generation_config`` made from the
+  config, losing the model's own.
 """
 
 from __future__ import annotations
@@ -336,22 +342,20 @@ class DmuonTrainer(Trainer):
         ``dmuon.save_checkpoint`` (unless ``save_only_model``)."""
         output_dir = str(self.args.output_dir if output_dir is None else output_dir)
         model = _model(self)
+        pretrained = _pretrained_model(model)  # on every rank, before anything is written
         if _internal_call and not self.args.save_only_model:
             self.saving_to = output_dir
             dmuon.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), model, self.muon)
         state = dmuon.get_model_state_dict(model, rank0_only=True)  # {} off rank 0
         if not self.args.should_save:
             return
-        config = cast(Any, model).config
-        with torch.device("meta"):  # no second copy of the weights: they come from `state`
-            export = _unsharded_class(model)(config)
-        export.load_state_dict(state, assign=True)
-        if config.tie_word_embeddings:
-            export.tie_weights()
+        # See [Note: the Trainer's public hooks under dmuon], export.
+        save_pretrained = pretrained.save_pretrained
+        state = _tied_as_one(model, state)
         if _internal_call:
-            export.save_pretrained(output_dir, max_shard_size=_ONE_FILE)
+            save_pretrained(output_dir, state_dict=state, max_shard_size=_ONE_FILE)
         else:
-            export.save_pretrained(output_dir)
+            save_pretrained(output_dir, state_dict=state)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -538,12 +542,29 @@ def _model(trainer: Trainer) -> nn.Module:
     return cast(nn.Module, trainer.model)
 
 
-def _unsharded_class(model: nn.Module) -> type[PreTrainedModel]:
-    """The model's own class: ``fully_shard`` swaps it for an ``FSDP<Name>`` subclass."""
-    for cls in type(model).__mro__:
-        if issubclass(cls, PreTrainedModel) and not issubclass(cls, FSDPModule):
-            return cls
-    raise TypeError(
-        f"DmuonTrainer.save_model writes a transformers PreTrainedModel; {type(model).__name__}"
-        f" is not one (transformers {transformers.__version__})"
-    )
+def _tied_as_one(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every name of a tensor the model shares (``lm_head.weight`` tied to the
+    embedding) holding one tensor, the first name's: ``save_pretrained`` tells tied weights by
+    their storage, and writes the gathered copies, which share none, under every name."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(tensor), []).append(name)
+    state = dict(state)
+    for group in names.values():
+        given = [name for name in group if name in state]
+        for name in given[1:]:
+            state[name] = state[given[0]]
+    return state
+
+
+def _pretrained_model(model: nn.Module) -> PreTrainedModel:
+    """``model``, which ``save_model`` writes with its ``save_pretrained``."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"DmuonTrainer.save_model writes a transformers PreTrainedModel; {type(model).__name__}"
+            f" is not one (transformers {transformers.__version__})"
+        )
+    return model
