@@ -321,6 +321,42 @@ def _ddp_over_dedicated(rank: int, world_size: int) -> tuple[str, str]:
     return str(caught.value), str(sharded.value)
 
 
+def _accelerate_clip(rank: int, world_size: int) -> list[str]:
+    from accelerate import Accelerator
+
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    # accelerate imported after dedicate_params (its wrappers undone here): the end of the
+    # backward wraps its clips. Before, accelerator.clip_grad_norm_(model.parameters()) took
+    # the FSDP2 gradients alone and left the dedicated ones unclipped, without a word.
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        setattr(Accelerator, name, getattr(Accelerator, name).__wrapped__)
+    loss_fn(model, shard(batch(0, 4), rank, world_size)).backward()
+    accelerator = Accelerator(cpu=True)
+    messages = []
+    for clip, value in ((accelerator.clip_grad_norm_, 1.0), (accelerator.clip_grad_value_, 1.0)):
+        with pytest.raises(
+            ValueError, match="its parameters hold the dedicated parameter"
+        ) as caught:
+            clip(model.parameters(), value)
+        messages.append(str(caught.value))
+    # Without a dedicated parameter accelerate's own clip runs.
+    held = dedicated_params_of(model)
+    accelerator.clip_grad_norm_([p for p in model.parameters() if p not in held], 1.0)
+    return messages
+
+
+@pytest.mark.distributed
+def test_accelerates_clip_refuses_a_dedicated_parameter() -> None:
+    pytest.importorskip("accelerate")
+    messages = run_distributed(_accelerate_clip, 2)
+    assert messages[0] == messages[1]  # alike on every rank
+    assert "dmuon.clip_grad_norm_(muon, max_norm, params='all')" in messages[0][0]
+    assert "dmuon.clip.clip_grad_value_(muon, clip_value, params='all')" in messages[0][1]
+
+
 def _ddp_before_dedicated(rank: int, world_size: int, eval_first: bool) -> str:
     # A DDP script gaining dmuon: the wrapper was built first, so its constructor saw no
     # dedicated parameter; its reducer then all-reduced the dedicated gradients too and the

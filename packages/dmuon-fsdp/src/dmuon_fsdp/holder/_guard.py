@@ -69,10 +69,10 @@ The same ``.grad`` makes accelerate's ``Accelerator.clip_grad_norm_(model.parame
 (and ``clip_grad_value_``) silently wrong: it takes the norm of the gradients it finds in
 ``.grad``, the FSDP2 ones, and clips them alone, so the dedicated weights' gradients count
 for nothing and keep their size. dmuon does not import accelerate; ``refuse_accelerate_clip``,
-called by ``dedicate_params`` and ``Muon(...)``, wraps those two methods once accelerate is
-imported (a training script imports it before either), so that given a dedicated parameter
-they raise on every rank alike, before anything is clipped, naming dmuon's clip; other
-parameters go to accelerate's own. (``torch.nn.utils.clip_grad_norm_`` misses them the same
+called by ``dedicate_params`` and at the end of every backward (a clip follows one, and the
+check costs a dictionary lookup), wraps those two methods once accelerate is imported, so
+that given a dedicated parameter they raise on every rank alike, before anything is clipped,
+naming dmuon's clip; other parameters go to accelerate's own. (``torch.nn.utils.clip_grad_norm_`` misses them the same
 way; the clipping guide says so, and torch's function is left as it is.)
 """
 

@@ -60,7 +60,6 @@ from ..holder import (
     StepContext,
     TPMode,
     fsdp_modules,
-    refuse_accelerate_clip,
 )
 from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
@@ -421,9 +420,6 @@ class Muon(torch.optim.Optimizer):
         # Who holds the weights while _weights_lent's block runs (see step).
         self._weights_lent_to: str | None = None
         warn_frozen_dedicated(self._runtime)
-        # accelerate imported after dedicate_params: see [Note: torch's paths that cannot reach
-        # a dedicated weight] in holder/_guard.
-        refuse_accelerate_clip()
         self._constructing = True
         super().__init__(groups, {})
         self._constructing = False

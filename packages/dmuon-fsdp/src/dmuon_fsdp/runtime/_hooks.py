@@ -76,7 +76,7 @@ from .._torch_internals import (
     tree_map_tensors,
     will_run,
 )
-from ..holder import DedicatedParam, compiled_autograd_error
+from ..holder import DedicatedParam, compiled_autograd_error, refuse_accelerate_clip
 from ._collectives import AllReduceQueue, ReduceQueue, ReplicatedBucket
 from ._group import DedicatedGroup
 from ._order import ReduceOrder
@@ -491,6 +491,9 @@ class BoundaryHooks:
             self.reduce_queue.issue_replicate_stages()
             if self._all_reduces is not None:
                 self._all_reduces.wait_all()  # the replicated gradients, averaged
+            # Before any clip of this backward's gradients, however late accelerate was
+            # imported: see [Note: torch's paths that cannot reach a dedicated weight].
+            refuse_accelerate_clip()
 
     def _send_replicated_left(self) -> None:
         """The replicated path's part of [Note: boundaries the synced backward does not
