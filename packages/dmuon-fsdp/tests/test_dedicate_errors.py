@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from _models import MLP, Attention, batch, build, loss_fn, muon_predicate
+from _models import MLP, Attention, batch, build, loss_fn, muon_predicate, tensor_parallel
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -409,6 +409,71 @@ def _mesh_errors(rank: int, world_size: int) -> None:
     # A named 2-D mesh is accepted as a shorthand for (mesh['shard'], replicate_mesh=mesh['replicate']).
     runtime = dedicate_params(build(0), hsdp, muon_predicate)
     assert runtime.layout.shard_size == 2 and runtime.layout.replicate_size == 2
+    _fully_shard_mesh_errors(hsdp)
+
+
+def _sharded(model, *meshes) -> nn.Module:
+    """``fully_shard`` each layer on its mesh of ``meshes``, then the root on the last."""
+    for layer, mesh in zip(model.layers, meshes):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=meshes[-1])
+    return model
+
+
+def _fully_shard_mesh_errors(hsdp) -> None:
+    """A fully_shard mesh over part of dmuon's grid (on 4 ranks): FSDP2 averaged its own
+    parameters inside each group of ranks apart, and after 3 steps the two replicas' norms,
+    embedding and head differed (up to 5.8e-2) with no error. Refused at Muon(model) on every
+    rank, naming the module and the mesh to pass; the same ranks laid out otherwise are not."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dmuon_fsdp import dedicate_params_ddp, install_patch
+
+    world = _mesh(4)
+
+    def hsdp_model():
+        model = build(0)
+        dedicate_params(model, hsdp["shard"], muon_predicate, replicate_mesh=hsdp["replicate"])
+        return model
+
+    # HSDP in dmuon, one layer given the shard dimension alone (the replicate one forgotten).
+    with pytest.raises(
+        ValueError,
+        match=r"fully_shard\('layers\.1'\) holds 'layers\.1\.attn_norm\.weight' on ranks "
+        r"\(\d, \d\) \(the mesh it was given\), which does not cover dmuon's data-parallel grid, "
+        r"ranks \(0, 1, 2, 3\).*drift apart.*fully_shard\(module, mesh=hsdp\) with "
+        r"dedicate_params\(model, hsdp\['shard'\], \.\.\., replicate_mesh=hsdp\['replicate'\]\)",
+    ):
+        Muon(_sharded(hsdp_model(), hsdp, hsdp["shard"], hsdp))
+    # A 1-D grid over the world, fully_shard over two of its ranks.
+    model = build(0)
+    dedicate_params(model, world, muon_predicate)
+    with pytest.raises(ValueError, match=r"fully_shard\('model'\) holds 'embed_tokens\.weight'"):
+        Muon(_sharded(model, world, world, hsdp["shard"]))
+    # The replicated path, whose other parameters fully_shard took (the patch installed).
+    model = build(0)
+    dedicate_params_ddp(model, world, muon_predicate)
+    install_patch()
+    with pytest.raises(ValueError, match=r"the mesh that dedicate_params_ddp got, over every"):
+        Muon(_sharded(model, hsdp["replicate"], world, world))
+    # The TP dimension of a (dp, tp) mesh given to fully_shard (dmuon has mesh['dp']): the
+    # same size, other ranks.
+    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build(0)
+    tensor_parallel(model, dp_tp["tp"])
+    dedicate_params(model, dp_tp["dp"], muon_predicate)
+    with pytest.raises(ValueError, match=r"not the tensor-parallel dimension: mesh\['dp'\]"):
+        Muon(_sharded(model, dp_tp["dp"], dp_tp["dp"], dp_tp["tp"]))
+    # The grid's ranks laid out otherwise average over the same ranks: FSDP2 given the 2-D
+    # HSDP mesh over a 1-D grid, a 1-D mesh over an HSDP grid, the world in another order.
+    model = build(0)
+    dedicate_params(model, world, muon_predicate)
+    Muon(_sharded(model, hsdp, hsdp, hsdp))
+    Muon(_sharded(hsdp_model(), world, world, world))
+    backwards = DeviceMesh("cpu", [3, 2, 1, 0])
+    model = build(0)
+    dedicate_params(model, world, muon_predicate)
+    Muon(_sharded(model, backwards, backwards, backwards))
 
 
 @pytest.mark.distributed

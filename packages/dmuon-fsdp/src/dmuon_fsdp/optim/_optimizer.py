@@ -82,6 +82,7 @@ from ._step_plan import AdamWEntry, StepPlan
 from ._usage_checks import (
     check_cuda_graph_applies,
     check_every_param_is_synchronised,
+    check_fully_shard_mesh,
     check_fully_shard_options,
     check_model,
     check_no_all_reduce_hook,
@@ -399,6 +400,7 @@ class Muon(torch.optim.Optimizer):
         self._holders: dict[int, ParamHolder] = self._runtime.holders_by_param()
         check_every_param_is_synchronised(model, self._runtime)
         check_fully_shard_options(model, self._runtime)
+        check_fully_shard_mesh(model, self._runtime)
         self._fsdp_modules = fsdp_modules(model)
         check_no_all_reduce_hook(self._fsdp_modules)
         groups = build_param_groups(

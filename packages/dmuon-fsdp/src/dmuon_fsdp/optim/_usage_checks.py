@@ -1,8 +1,8 @@
 """The checks that refuse a wrong use of :class:`Muon` (the optimizer of ``_optimizer``): at
 construction (a keyword dmuon does not take, a model that is not the wrapped one, a trainable
 parameter nothing synchronises or FSDP2 holds unsharded, ``fully_shard`` options dmuon does
-not follow, dedicated parameters frozen since ``dedicate_params``, a ``cuda_graph`` that
-cannot apply), on
+not follow, a ``fully_shard`` mesh that does not cover dmuon's data-parallel grid, dedicated
+parameters frozen since ``dedicate_params``, a ``cuda_graph`` that cannot apply), on
 ``add_param_group``, and at each step (a step inside ``ema.applied()``, parameters FSDP2
 replaced or holds unsharded, a ``GradScaler``, a parameter unfrozen since construction). Each
 raises (or warns) naming what is wrong and the fix; none changes anything first.
@@ -29,7 +29,7 @@ from .._torch_internals import (
     fsdp_offloads_to_cpu,
     fsdp_reshards_after_forward,
 )
-from ..holder import DedicatedParam, fsdp_modules
+from ..holder import DedicatedParam, fsdp_modules, fsdp_modules_above, is_dedicated
 from ..runtime import DedicatedRuntime
 
 # -- at construction ---------------------------------------------------------------------------
@@ -139,6 +139,72 @@ def check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> No
             " either way)",
             stacklevel=3,
         )
+
+
+def check_fully_shard_mesh(model: nn.Module, runtime: DedicatedRuntime) -> None:
+    """Refuse a ``fully_shard`` whose mesh does not cover dmuon's data-parallel grid (the ranks
+    of ``dedicate_params``' mesh and ``replicate_mesh``, or ``dedicate_params_ddp``'s mesh).
+
+    [Note: the fully_shard mesh]
+    FSDP2 averages the gradients of the parameters it manages over the mesh its
+    ``fully_shard`` was given, dmuon those of the dedicated matrices over its own grid, and
+    neither sees the other's mesh. Given a mesh over part of the grid (``hsdp['shard']`` where
+    dmuon has ``replicate_mesh=hsdp['replicate']``, a sub-mesh of a 1-D world, the TP dimension
+    of a ``('dp', 'tp')`` mesh) FSDP2 averages each group of ranks apart, so the copies of its
+    parameters (norms, embedding, head) in the other groups drift apart with no error while the
+    Muon matrices stay in step. The ranks are compared, not the sizes: a parameter's DTensor
+    mesh (public) lists every rank that holds a shard or a copy of it, FSDP2's dimensions and
+    any it was placed on before (the TP dimension, or the EP one of experts that FSDP2 shards
+    over the rest), and it must hold every rank of this rank's grid. A mesh over the same ranks
+    laid out otherwise (a 1-D ``fully_shard`` mesh over an HSDP grid, or a 2-D one over a 1-D
+    grid) averages over the same ranks and is left alone. Every rank of the grid sees the same
+    meshes, so every rank raises alike, at ``Muon(model)``, before anything is built."""
+    grid = sorted(rank for row in runtime.layout.rank_of for rank in row)
+    replicated = {id(p) for p in runtime.replicated_params}
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor) or is_dedicated(param) or id(param) in replicated:
+            continue
+        held = {int(r) for r in param.device_mesh.mesh.flatten().tolist()}
+        if held.issuperset(grid):
+            continue
+        where = _nearest_fsdp_name(modules, name.rpartition(".")[0])
+        if where is None:
+            continue  # no fully_shard above: not FSDP2's (see check_every_param_is_synchronised)
+        layout = runtime.layout
+        if layout.tp_size > 1:
+            fix = (
+                "Pass fully_shard the data-parallel mesh that dedicate_params got, not the"
+                " tensor-parallel dimension: mesh['dp'] of a ('dp', 'tp') mesh, or"
+                " mesh['replicate', 'shard'] of a ('replicate', 'shard', 'tp') one"
+            )
+        elif layout.is_hsdp:
+            fix = (
+                "Pass fully_shard the 2-D mesh of both dimensions dedicate_params got:"
+                " fully_shard(module, mesh=hsdp) with dedicate_params(model, hsdp['shard'], ...,"
+                " replicate_mesh=hsdp['replicate'])"
+            )
+        else:
+            setup = "dedicate_params_ddp" if runtime.config.replicated else "dedicate_params"
+            fix = (
+                f"Pass fully_shard the mesh that {setup} got, over every rank; for replicas"
+                " use HSDP: fully_shard(module, mesh=hsdp) with dedicate_params(model,"
+                " hsdp['shard'], ..., replicate_mesh=hsdp['replicate'])"
+            )
+        raise ValueError(
+            f"fully_shard({where or 'model'!r}) holds {name!r} on ranks {tuple(sorted(held))}"
+            f" (the mesh it was given), which does not cover dmuon's data-parallel grid, ranks"
+            f" {tuple(grid)}: FSDP2 would average its gradients over that mesh only and dmuon"
+            " the dedicated matrices' over the whole grid, so the copies of its parameters on"
+            f" the other ranks would drift apart without an error. {fix}; nothing was built"
+        )
+
+
+def _nearest_fsdp_name(modules: Mapping[str, nn.Module], path: str) -> str | None:
+    """The name of the nearest ``fully_shard`` module at or above the module ``path`` of
+    ``modules`` (``model.named_modules()``), ``None`` when there is none."""
+    nearest = next(fsdp_modules_above(modules.get, path), None)
+    return next((n for n, m in modules.items() if m is nearest), None)
 
 
 def check_no_all_reduce_hook(modules: Sequence[tuple[str, FSDPModule]]) -> None:
