@@ -258,6 +258,14 @@ def _ddp_tp(rank: int, world_size: int):
     model = build(0)
     tensor_parallel(model, mesh["tp"])
     runtime = dedicate_params_ddp(model, mesh["dp"], muon_predicate, small_param_threshold=0)
+    # The TP dimension, as many ranks as mesh['dp'] but others: refused (it was taken and
+    # ignored), and the refusal changes nothing (the run below matches the reference).
+    with pytest.raises(
+        ValueError,
+        match=r"replicate\(\): the mesh holds ranks \(\d, \d\) but dedicate_params_ddp's grid "
+        r"holds ranks \(\d, \d\); pass the same mesh .*mesh\['dp'\], not mesh\['tp'\]",
+    ):
+        replicate(model, mesh["tp"])
     replicate(model, mesh["dp"])
     optimizer = Muon(model, **HYPER.muon_kwargs())
     return _train(model, optimizer, runtime.coord.shard, 2, STEPS)

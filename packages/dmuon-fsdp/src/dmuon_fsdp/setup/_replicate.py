@@ -66,8 +66,8 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
             on the meta device raises ``ValueError``: ``to_empty`` first); a model dedicated
             with :func:`dedicate_params` raises ``ValueError``, a second call
             ``RuntimeError``.
-        mesh: the 1-D ``DeviceMesh`` given to :func:`dedicate_params_ddp` (the same number of
-            ranks; otherwise ``ValueError``).
+        mesh: the 1-D ``DeviceMesh`` given to :func:`dedicate_params_ddp` (the same ranks;
+            otherwise ``ValueError``).
     """
     runtime = get_runtime(model)
     if not runtime.config.replicated:
@@ -83,10 +83,14 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
             f"replicate() takes the 1-D data-parallel mesh given to dedicate_params_ddp, got "
             f"{mesh!r}"
         )
-    if mesh.size() != runtime.layout.world_size:
+    # The ranks, not the size: with tensor parallelism mesh['tp'] has as many as mesh['dp'].
+    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    grid = tuple(sorted(rank for row in runtime.layout.rank_of for rank in row))
+    if ranks != grid:
         raise ValueError(
-            f"replicate(): the mesh has {mesh.size()} ranks but dedicate_params_ddp's has "
-            f"{runtime.layout.world_size}; pass the same mesh"
+            f"replicate(): the mesh holds ranks {ranks} but dedicate_params_ddp's grid holds "
+            f"ranks {grid}; pass the same mesh (with tensor parallelism its data-parallel "
+            "dimension, mesh['dp'], not mesh['tp'])"
         )
     params = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
     on_meta = [
