@@ -464,6 +464,33 @@ def _fully_shard_mesh_errors(hsdp) -> None:
     dedicate_params(model, dp_tp["dp"], muon_predicate)
     with pytest.raises(ValueError, match=r"not the tensor-parallel dimension: mesh\['dp'\]"):
         Muon(_sharded(model, dp_tp["dp"], dp_tp["dp"], dp_tp["tp"]))
+    # TP shards neither dedicated nor FSDP2's: their TP mesh only, so nothing reduced them over
+    # mesh['dp'] and AdamW trained each replica's copy apart (up_proj differed by 5e-2 after 3
+    # steps), as they counted as FSDP2's for being DTensors. No fully_shard at all (everything
+    # else dedicated), and one that leaves them out (ignored_params, formerly named as though
+    # it held them).
+    loose = r"\d trainable parameter\(s\) are neither dedicated nor managed by FSDP2.*"
+    model = build(0)
+    tensor_parallel(model, dp_tp["tp"])
+    routes = {
+        "overrides": [{"name": ["*norm*", "embed_tokens", "lm_head"], "set": {"route": "adamw"}}]
+    }
+    dedicate_params(
+        model,
+        dp_tp["dp"],
+        lambda n, p: "mlp." not in n,
+        param_policy=routes,
+        hook_boundary_strict=False,
+    )
+    with pytest.raises(ValueError, match=loose + r"'layers\.0\.mlp\.gate_proj\.weight'"):
+        Muon(model)
+    model = build(0)
+    tensor_parallel(model, dp_tp["tp"])
+    dedicate_params(model, dp_tp["dp"], lambda n, p: "attn." in n and p.ndim == 2)
+    mlp = set(model.layers.get_submodule("1.mlp").parameters())
+    fully_shard(model, mesh=dp_tp["dp"], ignored_params=mlp)
+    with pytest.raises(ValueError, match=loose + r"'layers\.1\.mlp\.gate_proj\.weight'"):
+        Muon(model)
     # The grid's ranks laid out otherwise average over the same ranks: FSDP2 given the 2-D
     # HSDP mesh over a 1-D grid, a 1-D mesh over an HSDP grid, the world in another order.
     model = build(0)

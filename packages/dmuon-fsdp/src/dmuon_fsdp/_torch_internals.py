@@ -529,13 +529,11 @@ def caller_frames() -> Iterator[FrameType]:
 def fsdp_manages(fsdp_module: FSDPModule, module: torch.nn.Module, name: str) -> bool:
     """Whether ``fully_shard`` applied to ``fsdp_module`` manages the parameter ``name`` of
     ``module`` (it replaced it with its DTensor shard, or in a forward with its unsharded copy).
-    Reads FSDP2's parameter group (``FSDPState._fsdp_param_group`` and each ``FSDPParam``'s
-    ``_module_info``): told apart from a parameter replaced by an assignment, which no public
+    Reads FSDP2's parameter groups (:func:`_fsdp_param_groups`) and each ``FSDPParam``'s
+    ``_module_info``: told apart from a parameter replaced by an assignment, which no public
     API does."""
-    group = fsdp_module._get_fsdp_state()._fsdp_param_group
-    if group is None:
-        return False
     return any(
         p._module_info.module is module and p._module_info.param_name == name
+        for group in _fsdp_param_groups([fsdp_module])
         for p in group.fsdp_params
     )

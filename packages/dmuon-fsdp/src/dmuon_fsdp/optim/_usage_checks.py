@@ -29,7 +29,7 @@ from .._torch_internals import (
     fsdp_offloads_to_cpu,
     fsdp_reshards_after_forward,
 )
-from ..holder import DedicatedParam, fsdp_modules, fsdp_modules_above, is_dedicated
+from ..holder import DedicatedParam, fsdp_modules, is_dedicated
 from ..runtime import DedicatedRuntime
 
 # -- at construction ---------------------------------------------------------------------------
@@ -56,17 +56,27 @@ def check_model(model: object) -> None:
 
 def check_every_param_is_synchronised(model: nn.Module, runtime: DedicatedRuntime) -> None:
     """On more than one rank, a trainable parameter that is neither dedicated nor managed by
-    FSDP2 (a DTensor) nor replicated (``replicate``) gets no gradient synchronisation at all:
-    each rank would train its own copy and the ranks would drift apart without an error. A
-    dedicated weight's tied name that holds a parameter of its own (replaced since
-    ``dedicate_params``; ``to_empty`` keeps it tied) is refused on any number of ranks: it
-    would train apart from the weight."""
+    FSDP2 nor replicated (``replicate``) gets no gradient synchronisation at all: each rank
+    would train its own copy and the ranks would drift apart without an error. A DTensor
+    counts as FSDP2's where a ``fully_shard`` manages it (:func:`check_fully_shard_mesh` checks
+    its mesh) or its mesh holds every rank of dmuon's grid: a tensor-parallel shard that is
+    neither dedicated nor FSDP2's has its TP mesh only, and nothing reduces it over the
+    data-parallel ranks. A dedicated weight's tied name that holds a parameter of its own
+    (replaced since ``dedicate_params``; ``to_empty`` keeps it tied) is refused on any number
+    of ranks: it would train apart from the weight."""
     synchronised = {id(p) for p in runtime.replicated_params}
     synchronised |= {id(dp.param) for dp in runtime.params}
+    grid = _grid(runtime)
+    modules = dict(model.named_modules())
     loose = [
         name
         for name, p in model.named_parameters()
-        if p.requires_grad and id(p) not in synchronised and not isinstance(p, DTensor)
+        if p.requires_grad
+        and id(p) not in synchronised
+        and not (
+            isinstance(p, DTensor)
+            and (_covers(p, grid) or _fsdp_manager(modules, name) is not None)
+        )
     ]
     if held := [n for n in loose if _held_unsharded(model, n)]:
         raise ValueError(
@@ -159,18 +169,18 @@ def check_fully_shard_mesh(model: nn.Module, runtime: DedicatedRuntime) -> None:
     laid out otherwise (a 1-D ``fully_shard`` mesh over an HSDP grid, or a 2-D one over a 1-D
     grid) averages over the same ranks and is left alone. Every rank of the grid sees the same
     meshes, so every rank raises alike, at ``Muon(model)``, before anything is built."""
-    grid = sorted(rank for row in runtime.layout.rank_of for rank in row)
+    grid = _grid(runtime)
     replicated = {id(p) for p in runtime.replicated_params}
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor) or is_dedicated(param) or id(param) in replicated:
             continue
-        held = {int(r) for r in param.device_mesh.mesh.flatten().tolist()}
-        if held.issuperset(grid):
+        if _covers(param, grid):
             continue
-        where = _nearest_fsdp_name(modules, name.rpartition(".")[0])
+        where = _fsdp_manager(modules, name)
         if where is None:
-            continue  # no fully_shard above: not FSDP2's (see check_every_param_is_synchronised)
+            continue  # not FSDP2's: check_every_param_is_synchronised refuses it
+        held = sorted({int(r) for r in param.device_mesh.mesh.flatten().tolist()})
         layout = runtime.layout
         if layout.tp_size > 1:
             fix = (
@@ -192,7 +202,7 @@ def check_fully_shard_mesh(model: nn.Module, runtime: DedicatedRuntime) -> None:
                 " hsdp['shard'], ..., replicate_mesh=hsdp['replicate'])"
             )
         raise ValueError(
-            f"fully_shard({where or 'model'!r}) holds {name!r} on ranks {tuple(sorted(held))}"
+            f"fully_shard({where or 'model'!r}) holds {name!r} on ranks {tuple(held)}"
             f" (the mesh it was given), which does not cover dmuon's data-parallel grid, ranks"
             f" {tuple(grid)}: FSDP2 would average its gradients over that mesh only and dmuon"
             " the dedicated matrices' over the whole grid, so the copies of its parameters on"
@@ -200,11 +210,28 @@ def check_fully_shard_mesh(model: nn.Module, runtime: DedicatedRuntime) -> None:
         )
 
 
-def _nearest_fsdp_name(modules: Mapping[str, nn.Module], path: str) -> str | None:
-    """The name of the nearest ``fully_shard`` module at or above the module ``path`` of
-    ``modules`` (``model.named_modules()``), ``None`` when there is none."""
-    nearest = next(fsdp_modules_above(modules.get, path), None)
-    return next((n for n, m in modules.items() if m is nearest), None)
+def _grid(runtime: DedicatedRuntime) -> list[int]:
+    """The global ranks of this rank's data-parallel grid, sorted."""
+    return sorted(rank for row in runtime.layout.rank_of for rank in row)
+
+
+def _covers(param: DTensor, grid: list[int]) -> bool:
+    """Whether ``param``'s mesh holds every rank of ``grid``."""
+    return {int(r) for r in param.device_mesh.mesh.flatten().tolist()}.issuperset(grid)
+
+
+def _fsdp_manager(modules: Mapping[str, nn.Module], name: str) -> str | None:
+    """The name of the ``fully_shard`` module (at or above its own) that manages the
+    parameter ``name``, ``None`` where none does (none above, or ``ignored_params``);
+    ``modules`` is ``model.named_modules()``."""
+    path, _, attr = name.rpartition(".")
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:depth])
+        candidate = modules.get(prefix)
+        if isinstance(candidate, FSDPModule) and fsdp_manages(candidate, modules[path], attr):
+            return prefix
+    return None
 
 
 def check_no_all_reduce_hook(modules: Sequence[tuple[str, FSDPModule]]) -> None:
