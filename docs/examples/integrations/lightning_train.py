@@ -10,8 +10,8 @@ unless ``torchrun`` already did. The LightningModule applies dmuon in ``configur
 calls, which leave the dedicated matrices alone) and returns ``dmuon.Muon(self, ...)`` from ``configure_optimizers``.
 Checkpoints go through :class:`DmuonModelParallelStrategy`, which writes and reads them with
 ``dmuon.save_checkpoint`` / ``dmuon.load_checkpoint`` instead of the strategy's
-``get_model_state_dict``, which reads every weight on every rank and so raises
-``dmuon.NotHeldError`` on a dedicated matrix. The same strategy clips Lightning's
+``get_model_state_dict``, which would read every weight on every rank and so raises on a
+dmuon model. The same strategy clips Lightning's
 ``gradient_clip_val`` with ``dmuon.clip_grad_norm_`` (Lightning's own clip sees only
 ``param.grad``, where the Muon gradients are not) and runs the micro-batches of
 ``accumulate_grad_batches`` before the last under ``dmuon.no_sync``.

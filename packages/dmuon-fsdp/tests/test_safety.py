@@ -104,13 +104,6 @@ def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
         lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
     )
     expect_not_held("torch.save(state_dict)", lambda: torch.save(model.state_dict(), io.BytesIO()))
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict as torch_get
-
-    expect_not_held(
-        "dcp get_model_state_dict",
-        lambda: torch_get(model, options=StateDictOptions(full_state_dict=True)),
-    )
     # print(p) says where the weight is instead of printing values.
     text = repr(p)
     assert "not held on this rank" in text and peer.fqn in text, text
@@ -128,41 +121,6 @@ def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
     assert "read in the forward of a _Borrower that does not hold it" in message, message
     # Inside forward the weight is held: training goes on after the refused reads.
     assert math.isfinite(float(_step(model, optimizer, rank, world_size, step=1)))
-    # torch's optimizer getter takes optimizer.state_dict() as every parameter's state (rank
-    # 0's full dictionary lacked the other owners' matrices): refused on every rank, naming
-    # dmuon's; the optimizer's own state_dict() answers as before.
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_optim
-
-    for full in (False, True):
-        with pytest.raises(
-            RuntimeError,
-            match=r"called by torch.*get_optimizer_state_dict.*"
-            r"dmuon\.get_optimizer_state_dict\(model, optimizer\)",
-        ):
-            torch_optim(model, optimizer, options=StateDictOptions(full_state_dict=full))
-    outcome["dcp get_optimizer_state_dict"] = "clear error"
-    assert optimizer.state_dict()["state"]
-    # torch's setter asks the same function for the dictionary it loads into: a full state
-    # dict (dmuon's, keyed as torch keys it) loads through it.
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict as torch_set
-
-    full = get_optimizer_state_dict(model, optimizer)
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = [
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": [names[id(p)] for p in g["params"]],
-        }
-        for g in optimizer.param_groups
-    ]
-    _step(model, optimizer, rank, world_size, step=2)
-    torch_set(
-        model,
-        optimizer,
-        {"state": dict(full["state"]), "param_groups": groups},
-        options=StateDictOptions(full_state_dict=True),
-    )
-    assert _equal_states(get_optimizer_state_dict(model, optimizer)["state"], full["state"])
     # Last, as each leaves its module half changed: a method registered with FSDP2's
     # register_fsdp_forward_method on the layer (FSDP2 gathers its own parameters for it, not
     # dmuon's), and a parametrization registered after dedicate_params.
@@ -210,8 +168,6 @@ def test_reads_on_a_non_owner_raise_a_clear_error_and_never_crash() -> None:
         "data",
         "parameters_to_vector",
         "torch.save(state_dict)",
-        "dcp get_model_state_dict",
-        "dcp get_optimizer_state_dict",
         "print",
         "no-op conversions",
         "converting",
@@ -219,6 +175,76 @@ def test_reads_on_a_non_owner_raise_a_clear_error_and_never_crash() -> None:
         "register_fsdp_forward_method",
         "parametrization",
     }
+
+
+def _torch_state_dict_functions(rank: int, world_size: int) -> list[str]:
+    """Every function of torch.distributed.checkpoint.state_dict given a dmuon model and Muon:
+    each raises the same message on every rank before it reads or changes anything, with a
+    fresh optimizer (torch starts it with a step of its own, at lr 0) and after a step, where
+    the ranks own some matrices each and where one rank owns every matrix (it went on into a
+    collective the other never reached, and a fresh optimizer's groups kept lr 0); on the
+    replicated path the model functions work (every rank holds every weight)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    full = {"options": dsd.StateDictOptions(full_state_dict=True)}
+    rank0 = {"options": dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)}
+    messages = []
+    for plan in ("spread", "one owner", "replicated"):
+        model = build(0)
+        mesh = init_device_mesh("cpu", (world_size,))
+        if plan == "replicated":
+            dedicate_params_ddp(model, mesh, muon_predicate, small_param_threshold=0)
+            replicate(model, mesh)
+        else:
+            only_q = plan == "one owner"
+            predicate = (lambda n, p: n == "layers.0.attn.q_proj.weight") if only_q else None
+            dedicate_params(model, mesh, predicate or muon_predicate, small_param_threshold=0)
+            shard_layers_then_root(model, mesh)
+        optimizer = Muon(model, **HYPER.muon_kwargs())
+        for stepped in (False, True):
+            if stepped:
+                _step(model, optimizer, rank, world_size)
+                optimizer.zero_grad()
+            weights = get_model_state_dict(model)
+            saved = get_optimizer_state_dict(model, optimizer)
+            groups = [dict(g) for g in optimizer.param_groups]
+            calls = {
+                "get_optimizer_state_dict": (dsd.get_optimizer_state_dict, (), {}),
+                "set_optimizer_state_dict": (dsd.set_optimizer_state_dict, (saved,), full),
+                "get_state_dict": (dsd.get_state_dict, (), full),
+                "set_state_dict": (
+                    dsd.set_state_dict,
+                    (),
+                    {"model_state_dict": weights, "optim_state_dict": saved},
+                ),
+                "get_model_state_dict": (dsd.get_model_state_dict, (), full),
+                "set_model_state_dict": (dsd.set_model_state_dict, (weights,), rank0),
+            }
+            for name, (function, args, kwargs) in calls.items():
+                args = (model, *(() if "model_state" in name else (optimizer,)), *args)
+                if plan == "replicated" and name.endswith("model_state_dict"):
+                    function(*args, **kwargs)  # every rank holds every weight
+                    continue
+                with pytest.raises(RuntimeError, match="cannot take a dmuon model") as caught:
+                    function(*args, **kwargs)
+                message = str(caught.value)
+                assert f"state_dict.{name} cannot" in message and "Use dmuon." in message
+                messages.append(message)
+                assert all(p.grad is None for p in model.parameters()), (plan, name)
+                assert [dict(g) for g in optimizer.param_groups] == groups, (plan, name)
+                state = get_optimizer_state_dict(model, optimizer)["state"]
+                assert _equal_states(state, saved["state"]), (plan, name)
+                assert stepped or not optimizer.state, (plan, name)
+                now = get_model_state_dict(model)
+                assert all(torch.equal(now[k], v) for k, v in weights.items()), (plan, name)
+    return messages
+
+
+@pytest.mark.distributed
+def test_torch_state_dict_functions_raise_the_same_error_on_every_rank() -> None:
+    messages = run_distributed(_torch_state_dict_functions, 2)
+    assert messages[0] == messages[1]
+    assert len(messages[0]) == 2 * (6 + 6 + 4)
 
 
 class _ViTBlock(torch.nn.Module):

@@ -67,7 +67,9 @@ __all__ = [
     "parse_to_args",
     "profiler_enabled",
     "queue_backward_callback",
+    "set_fqn_modifiers",
     "torch_optim_state_dict_running",
+    "torch_state_dict_function",
     "tree_leaves",
     "tree_map_tensors",
     "will_run",
@@ -507,6 +509,35 @@ def torch_optim_state_dict_running() -> bool:
         if any(s in frame.f_code.co_filename for s in _DCP_STATE_DICT_SOURCES)
     }
     return "_get_optim_state_dict" in names and "_load_optim_state_dict" not in names
+
+
+def torch_state_dict_function() -> str | None:
+    """The function of ``torch.distributed.checkpoint.state_dict`` the calling code runs
+    inside, named by its outermost frame of that file (the public one the user called:
+    ``get_optimizer_state_dict``, ``set_state_dict``, ...), or ``None``. Asked by
+    :func:`set_fqn_modifiers`' callable, which only those functions call."""
+    found = None
+    for frame in caller_frames():
+        if any(s in frame.f_code.co_filename for s in _DCP_STATE_DICT_SOURCES):
+            found = frame.f_code.co_name
+    return found
+
+
+# The module attribute that torch.distributed.checkpoint.state_dict calls to learn which
+# names its state_dict() leaves out of its keys (``dsd_fqn_modifiers``).
+_FQN_MODIFIERS = "_fqn_modifiers"
+
+
+def set_fqn_modifiers(
+    module: torch.nn.Module, make: Callable[[Callable[[], dict[str, str]] | None], Any]
+) -> None:
+    """Replace ``module._fqn_modifiers`` by ``make(previous)`` (``previous``: the module's own,
+    or ``None``). torch.distributed.checkpoint.state_dict's functions call it for every module
+    on the path of every parameter name (``_get_fqns``) in ``_verify_options``, the first thing
+    each of them does, on every rank alike, before it touches a tensor, an optimizer or a
+    process group; nothing else in torch calls it. No public API runs code there."""
+    previous = getattr(module, _FQN_MODIFIERS, None)
+    setattr(module, _FQN_MODIFIERS, make(previous))
 
 
 def _fsdp_frame(function: str) -> bool:

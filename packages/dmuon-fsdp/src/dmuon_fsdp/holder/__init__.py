@@ -19,6 +19,7 @@ from ._guard import (
     refuse_ddp,
     refuse_foreign_optimizers,
     refuse_module_load,
+    refuse_torch_state_dict,
 )
 from ._holder import (
     Found,
@@ -80,6 +81,7 @@ __all__ = [
     "refuse_ddp",
     "refuse_foreign_optimizers",
     "refuse_module_load",
+    "refuse_torch_state_dict",
     "register_kind",
     "resolve_precision",
     "tensor_view",

@@ -46,7 +46,7 @@ them on peers): every module above a dedicated parameter carries a
 a message that names dmuon's replicated path (``dedicate_params_ddp`` + ``replicate``).
 
 [Note: torch's paths that cannot reach a dedicated weight]
-Two of torch's own paths would touch dedicated weights only where they happen to be held, and
+Three of torch's own paths would touch dedicated weights only where they happen to be held, and
 fail or do nothing elsewhere, without a word:
 
 - ``model.load_state_dict(state_dict)`` copies each value into its parameter module by module
@@ -64,16 +64,32 @@ fail or do nothing elsewhere, without a word:
   installs one global step pre-hook (``refuse_foreign_optimizers``) that raises in the first
   ``step()`` of any optimizer other than dmuon's whose groups hold a dedicated parameter, and
   again whenever its groups change size.
+- the functions of ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``,
+  ``get_optimizer_state_dict``, ``get_state_dict`` and their ``set_`` twins) read and write
+  each weight and its optimizer state where it is held, and start a fresh optimizer with a
+  step of their own at lr 0 after setting every ``.grad``. The ranks that did not hold a
+  weight raised ``NotHeldError`` there, while a rank that owned every matrix went on into that
+  step's collectives (or a full state dict's gathers), which the others never reached, with
+  its learning rates left at 0; ``set_model_state_dict(broadcast_from_rank0=True)`` wrote every
+  FSDP2 shard before the first dedicated module's load refused. Every module that holds
+  dedicated parameters therefore carries a ``_fqn_modifiers`` (``refuse_torch_state_dict``):
+  each of those functions calls it for every parameter name as its first step
+  (``_verify_options``), on every rank alike, before anything is read, changed or
+  communicated, and it raises there, naming dmuon's function. On the replicated path, where
+  every rank holds every weight, torch's model functions go on; those that take the
+  optimizer raise there too.
 
-The same ``.grad`` makes accelerate's ``Accelerator.clip_grad_norm_(model.parameters(), ...)``
-(and ``clip_grad_value_``) silently wrong: it takes the norm of the gradients it finds in
+The empty ``.grad`` of a dedicated weight also makes accelerate's
+``Accelerator.clip_grad_norm_(model.parameters(), ...)`` (and ``clip_grad_value_``) silently
+wrong: it takes the norm of the gradients it finds in
 ``.grad``, the FSDP2 ones, and clips them alone, so the dedicated weights' gradients count
 for nothing and keep their size. dmuon does not import accelerate; ``refuse_accelerate_clip``,
 called by ``dedicate_params`` and at the end of every backward (a clip follows one, and the
 check costs a dictionary lookup), wraps those two methods once accelerate is imported, so
 that given a dedicated parameter they raise on every rank alike, before anything is clipped,
-naming dmuon's clip; other parameters go to accelerate's own. (``torch.nn.utils.clip_grad_norm_`` misses them the same
-way; the clipping guide says so, and torch's function is left as it is.)
+naming dmuon's clip; other parameters go to accelerate's own.
+(``torch.nn.utils.clip_grad_norm_`` misses them the same way; the clipping guide says so, and
+torch's function is left as it is.)
 """
 
 from __future__ import annotations
@@ -81,7 +97,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -97,6 +113,8 @@ from .._torch_internals import (
     fsdp_forward_method_running,
     fsdp_init_running,
     parse_to_args,
+    set_fqn_modifiers,
+    torch_state_dict_function,
 )
 
 __all__ = [
@@ -119,6 +137,7 @@ __all__ = [
     "refuse_ddp",
     "refuse_foreign_optimizers",
     "refuse_module_load",
+    "refuse_torch_state_dict",
 ]
 
 # Tensor-valued properties: each returns a tensor aliasing the (absent) storage.
@@ -635,6 +654,69 @@ def refuse_module_load(module: nn.Module, names: Mapping[str, str]) -> None:
                 )
 
     module.register_load_state_dict_pre_hook(refuse)
+
+
+# What to call instead of each of torch.distributed.checkpoint.state_dict's functions.
+_DMUON_STATE_DICT_FUNCTIONS = {
+    "get_model_state_dict": "dmuon.get_model_state_dict(model)",
+    "set_model_state_dict": "dmuon.set_model_state_dict(model, state_dict)",
+    "get_optimizer_state_dict": "dmuon.get_optimizer_state_dict(model, optimizer)",
+    "set_optimizer_state_dict": "dmuon.set_optimizer_state_dict(model, optimizer, state_dict)",
+    "get_state_dict": (
+        "dmuon.get_model_state_dict(model) and dmuon.get_optimizer_state_dict(model, optimizer)"
+    ),
+    "set_state_dict": (
+        "dmuon.set_model_state_dict(model, model_state_dict) and"
+        " dmuon.set_optimizer_state_dict(model, optimizer, optim_state_dict)"
+    ),
+}
+# The functions that reach the model alone: allowed on the replicated path, where every rank
+# holds every weight.
+_MODEL_STATE_DICT_FUNCTIONS = ("get_model_state_dict", "set_model_state_dict")
+
+
+class _RefuseTorchStateDict:
+    """The ``_fqn_modifiers`` of a module that holds the dedicated parameter ``fqn``: raises
+    when a function of ``torch.distributed.checkpoint.state_dict`` calls it (on the replicated
+    path one that takes the optimizer), and otherwise answers as the module's own
+    ``previous`` one (none: no modifiers)."""
+
+    def __init__(
+        self, fqn: str, replicated: bool, previous: Callable[[], dict[str, str]] | None
+    ) -> None:
+        self.fqn = fqn
+        self.replicated = replicated
+        self.previous = previous
+
+    def __call__(self) -> dict[str, str]:
+        function = torch_state_dict_function()
+        if function is not None and not (
+            self.replicated and function in _MODEL_STATE_DICT_FUNCTIONS
+        ):
+            instead = _DMUON_STATE_DICT_FUNCTIONS.get(
+                function, "dmuon's functions of the same names"
+            )
+            raise RuntimeError(
+                f"torch.distributed.checkpoint.state_dict.{function} cannot take a dmuon"
+                f" model or optimizer: the dedicated parameter {self.fqn!r} and its optimizer"
+                " state are whole on its owner rank only, and torch's state dict functions"
+                " read and write them where they are held and start a fresh optimizer with"
+                " a step of their own, so the ranks that own every matrix would go on into"
+                " a collective the others never reach. Nothing was read or changed, on any"
+                f" rank (each raises this). Use {instead} instead (full state dicts,"
+                " collective: call them on every rank), or for a sharded checkpoint"
+                " dmuon.save_checkpoint / dmuon.load_checkpoint, or dmuon.AppState(model,"
+                " optimizer) in your own dcp.save / dcp.load"
+            )
+        return {} if self.previous is None else self.previous()
+
+
+def refuse_torch_state_dict(module: nn.Module, fqn: str, *, replicated: bool) -> None:
+    """Make the functions of ``torch.distributed.checkpoint.state_dict`` raise on every rank,
+    before they read or change anything, when they reach ``module``, which holds the dedicated
+    parameter ``fqn`` (on the replicated path only those that take the optimizer); see [Note:
+    torch's paths that cannot reach a dedicated weight]."""
+    set_fqn_modifiers(module, lambda previous: _RefuseTorchStateDict(fqn, replicated, previous))
 
 
 # The optimizers refuse_foreign_optimizers has checked, with the parameter count checked.

@@ -78,6 +78,7 @@ from ..holder import (
     refuse_ddp,
     refuse_foreign_optimizers,
     refuse_module_load,
+    refuse_torch_state_dict,
 )
 from ..runtime import (
     RUNTIME_ATTR,
@@ -896,16 +897,19 @@ def _refuse_torch_paths(
     """Make torch's own paths that would reach the dedicated weights only where they are held
     raise instead: ``DistributedDataParallel`` around any module above one (see [Note: reads on
     a peer] in holder/_guard), ``load_state_dict`` on the sharded path (the replicated one
-    loads through it) and torch's optimizers (see [Note: torch's paths that cannot reach a
-    dedicated weight]), accelerate's clip among them once accelerate is imported."""
+    loads through it), the functions of ``torch.distributed.checkpoint.state_dict`` (on the
+    replicated path those that take the optimizer) and torch's optimizers (see [Note: torch's
+    paths that cannot reach a dedicated weight]), accelerate's clip among them once accelerate
+    is imported."""
     for name in _ancestors_of({dp.fqn for dp in params}):
         refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
-    if not config.replicated:
-        held: dict[nn.Module, dict[str, str]] = defaultdict(dict)
-        for dp in params:
-            held[dp.module][dp.name] = dp.fqn
-        for module, names in held.items():
+    held: dict[nn.Module, dict[str, str]] = defaultdict(dict)
+    for dp in params:
+        held[dp.module][dp.name] = dp.fqn
+    for module, names in held.items():
+        if not config.replicated:
             refuse_module_load(module, names)
+        refuse_torch_state_dict(module, next(iter(names.values())), replicated=config.replicated)
     refuse_foreign_optimizers()
     refuse_accelerate_clip()
 
