@@ -49,6 +49,7 @@ from .._matrix import LrScaling, NSFunction
 from .._profile import PhaseTimer, no_mark, span
 from .._torch_internals import (
     foreach_max_abs,
+    fsdp_all_reduce_hook_reader,
     local_shard,
     optimizer_state_dict_hooks_taken,
     torch_optim_state_dict_running,
@@ -401,8 +402,10 @@ class Muon(torch.optim.Optimizer):
         check_every_param_is_synchronised(model, self._runtime)
         check_fully_shard_options(model, self._runtime)
         check_fully_shard_mesh(model, self._runtime)
-        self._fsdp_modules = fsdp_modules(model)
-        check_no_all_reduce_hook(self._fsdp_modules)
+        # Which fully_shard module has an all-reduce hook, read at every step (a hook set
+        # later); its FSDP2 parameter groups are found once, here.
+        self._all_reduce_hooked = fsdp_all_reduce_hook_reader(fsdp_modules(model))
+        check_no_all_reduce_hook(self._all_reduce_hooked)
         groups = build_param_groups(
             model.named_parameters(), self._holders, param_groups, group_defaults
         )
@@ -619,7 +622,7 @@ class Muon(torch.optim.Optimizer):
         if self._timer is not None:
             self._timer.start()
         self._runtime.check_gradients_synced()
-        check_no_all_reduce_hook(self._fsdp_modules)
+        check_no_all_reduce_hook(self._all_reduce_hooked)
         numbers = take_group_edits(self.param_groups, self._built_groups)
         self._fsdp_probes = check_params_current(
             self._fsdp_probes, self.param_groups, self._model, self._dedicated

@@ -11,7 +11,7 @@ raises (or warns) naming what is wrong and the fix; none changes anything first.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -24,7 +24,6 @@ from dmuon_ownership import Route
 
 from .._matrix import NSFunction
 from .._torch_internals import (
-    fsdp_all_reduce_hooked,
     fsdp_manages,
     fsdp_offloads_to_cpu,
     fsdp_reshards_after_forward,
@@ -234,9 +233,10 @@ def _fsdp_manager(modules: Mapping[str, nn.Module], name: str) -> str | None:
     return None
 
 
-def check_no_all_reduce_hook(modules: Sequence[tuple[str, FSDPModule]]) -> None:
-    """Refuse FSDP2's ``set_all_reduce_hook`` on any ``fully_shard`` module of ``modules``
-    (``fsdp_modules(model)``), at ``Muon(model)`` and at each step (a hook set later).
+def check_no_all_reduce_hook(first_hooked: Callable[[], str | None]) -> None:
+    """Refuse FSDP2's ``set_all_reduce_hook`` on any ``fully_shard`` module of the model, at
+    ``Muon(model)`` and at each step (a hook set later); ``first_hooked`` is the reader of
+    ``fsdp_all_reduce_hook_reader(fsdp_modules(model))``, made once at ``Muon(model)``.
 
     [Note: FSDP2's all-reduce hook]
     FSDP2 calls the hook on the reduced gradients of its own parameters (a user's all-reduce
@@ -247,10 +247,10 @@ def check_no_all_reduce_hook(modules: Sequence[tuple[str, FSDPModule]]) -> None:
     different gradients without an error. dmuon cannot run the hook in its place (it sees a
     shard of FSDP2's flat gradient on every rank, dmuon's gradient lands whole on one owner).
     Every rank sets the hook in the same code, so every rank raises alike."""
-    hooked = [name for name, module in modules if fsdp_all_reduce_hooked(module)]
-    if hooked:
+    hooked = first_hooked()
+    if hooked is not None:
         raise ValueError(
-            f"fully_shard({hooked[0] or 'model'!r}) has an all-reduce hook"
+            f"fully_shard({hooked or 'model'!r}) has an all-reduce hook"
             " (set_all_reduce_hook), which dmuon does not support: FSDP2 calls it on its own"
             " gradients only, while dmuon reduces each dedicated matrix's gradient to its owner"
             " over dedicate_params' mesh, so whatever the hook does (an all-reduce across"
