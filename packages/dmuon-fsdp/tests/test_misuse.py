@@ -249,12 +249,12 @@ def _all_reduce_hook_after_muon(mesh: DeviceMesh, root: str) -> None:
     optimizer.step()
 
 
-def _state_lookups_of_a_step(rank: int, world_size: int) -> list[int]:
-    """How often the second and third steps look FSDP2's state up
-    (``FSDPModule._get_fsdp_state``; the first finds each pack's gradient divide factor):
-    the all-reduce-hook check of each step reads the hooks of the parameter groups found at
-    Muon(model), not the groups again (3 look-ups a step here, one per fully_shard module,
-    about 0.8 µs each on the host)."""
+def _state_lookups_of_an_iteration(rank: int, world_size: int) -> list[int]:
+    """How often the second and third iterations (forward, backward, step, zero_grad) look
+    FSDP2's state up (``FSDPModule._get_fsdp_state``; the first finds each pack's gradient
+    divide factor): the check for an all-reduce hook at each step, and backward's read of
+    FSDP2's gradient sync flags, read the parameter groups found once (before, each looked
+    every fully_shard module up again: 3 look-ups each here, about 0.8 µs apiece)."""
     mesh = init_device_mesh("cpu", (world_size,))
     model = build(0)
     dedicate_params(model, mesh, muon_predicate)
@@ -263,7 +263,6 @@ def _state_lookups_of_a_step(rank: int, world_size: int) -> list[int]:
     original = FSDPModule._get_fsdp_state
     lookups = []
     for step in range(3):
-        loss_fn(model, batch(step, 4)).backward()
         calls = 0
 
         def counted(self: FSDPModule) -> object:
@@ -273,19 +272,21 @@ def _state_lookups_of_a_step(rank: int, world_size: int) -> list[int]:
 
         FSDPModule._get_fsdp_state = counted  # type: ignore[method-assign]
         try:
+            loss_fn(model, batch(step, 4)).backward()
             optimizer.step()
+            optimizer.zero_grad()
         finally:
             FSDPModule._get_fsdp_state = original  # type: ignore[method-assign]
-        optimizer.zero_grad()
         lookups.append(calls)
     uninstall_patch()
     return lookups[1:]
 
 
 @pytest.mark.distributed
-def test_the_step_checks_for_an_all_reduce_hook_without_looking_fsdp2_state_up() -> None:
-    # A hook set after Muon(model) is still refused: see the scenario above.
-    assert run_distributed(_state_lookups_of_a_step, 2) == [[0, 0], [0, 0]]
+def test_an_iteration_looks_no_fsdp2_state_up() -> None:
+    # A hook set after Muon(model) is still refused (the scenario above), and FSDP2's
+    # set_requires_gradient_sync still reaches dmuon's reduces (test_no_sync).
+    assert run_distributed(_state_lookups_of_an_iteration, 2) == [[0, 0], [0, 0]]
 
 
 def _optimizer_for_the_model(mesh: DeviceMesh, root: str) -> None:

@@ -53,7 +53,7 @@ __all__ = [
     "fsdp_all_reduce_hook_reader",
     "fsdp_forward_method_running",
     "fsdp_gradient_divide_factor",
-    "fsdp_gradient_sync_off",
+    "fsdp_gradient_sync_reader",
     "fsdp_init_module",
     "fsdp_init_running",
     "fsdp_manages",
@@ -200,14 +200,15 @@ def _fsdp_param_groups(modules: Sequence[FSDPModule]) -> list[Any]:
     return groups
 
 
-def fsdp_gradient_sync_off(modules: Sequence[FSDPModule]) -> bool:
-    """Whether ``set_requires_gradient_sync(False)`` is in effect on every FSDP2 parameter group
-    of ``modules`` (``False`` when they have none).
+def fsdp_gradient_sync_reader(modules: Sequence[FSDPModule]) -> Callable[[], bool]:
+    """How to read whether ``set_requires_gradient_sync(False)`` is in effect on every FSDP2
+    parameter group of ``modules`` (the reader returns ``False`` when they have none).
 
     Reads ``FSDPParamGroup.reduce_grads``: FSDP2 keeps the flag on its parameter groups and has
-    no public getter."""
+    no public getter. ``fully_shard`` makes a module's groups once and the setter sets the flag
+    on them, so the groups are found here once and the reader reads only their flags."""
     groups = _fsdp_param_groups(modules)
-    return bool(groups) and not any(group.reduce_grads for group in groups)
+    return lambda: bool(groups) and not any(group.reduce_grads for group in groups)
 
 
 def fsdp_all_reduce_hook_reader(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +38,7 @@ from .._checks import check_bool
 from .._profile import span
 from .._torch_internals import (
     fsdp_gradient_divide_factor,
-    fsdp_gradient_sync_off,
+    fsdp_gradient_sync_reader,
     fsdp_manages,
 )
 from ..holder import (
@@ -61,9 +61,6 @@ from ._config import DedicateConfig
 from ._group import DedicatedGroup
 from ._hooks import BoundaryHooks
 from ._pack import Pack, without_storage
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["DedicatedRuntime", "get_runtime"]
 
@@ -115,7 +112,8 @@ class DedicatedRuntime:
         self.tied_names: dict[str, str] = {}
         self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
-        self._fsdp_modules: list[FSDPModule] | None = None  # set at the first backward
+        # Reads FSDP2's gradient sync flags; made at the first backward (see _fsdp_sync_off).
+        self._fsdp_sync_reader: Callable[[], bool] | None = None
         # Where each pack's gradient divisors come from, set at its first reduce (see
         # _grad_divisors): the readers of its parameters' factors (None: the world size), one
         # per module, and each parameter's reader in that list.
@@ -159,12 +157,14 @@ class DedicatedRuntime:
     def _fsdp_sync_off(self) -> bool:
         """Whether FSDP2's gradient sync is off on every ``fully_shard`` module of the model
         (see [Note: FSDP2's gradient sync] in :mod:`._no_sync`). The modules are found at the
-        first backward, after the first forward, by which ``fully_shard`` has run."""
-        if self._fsdp_modules is None:
+        first backward, after the first forward, by which ``fully_shard`` has run, and with
+        them their FSDP2 parameter groups, whose flags each backward reads."""
+        if self._fsdp_sync_reader is None:
             model = self._model()
             assert model is not None, "the model this runtime belongs to was deleted"
-            self._fsdp_modules = [module for _, module in fsdp_modules(model)]
-        return fsdp_gradient_sync_off(self._fsdp_modules)
+            modules = [module for _, module in fsdp_modules(model)]
+            self._fsdp_sync_reader = fsdp_gradient_sync_reader(modules)
+        return self._fsdp_sync_reader()
 
     def _grad_divisors(self, pack: Pack) -> float | list[float]:
         """What the owner divides ``pack``'s summed gradients by (see [Note: gradient
