@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from torch import Tensor
+from torch.utils import _pytree
 
 from dmuon_fsdp._torch_internals import tree_leaves, tree_map_tensors
 
@@ -79,3 +80,27 @@ def test_a_structure_that_refers_to_itself_is_named() -> None:
     node.parent = node
     with pytest.raises(RuntimeError, match="refers back to itself"):
         tree_leaves(node)
+
+
+def test_tuples_lists_and_dicts_are_opened_without_pytree_s_registry(monkeypatch) -> None:
+    """A layer's ``(args, kwargs)`` are builtin containers, which the forward hooks open at
+    every layer: without a registry look-up per container (about 8 µs a layer of the forward
+    hooks), into the same leaves and the same rebuilt containers as pytree's."""
+    looked_up = []
+    get_node_type = _pytree._get_node_type
+
+    def counted(tree: object) -> object:
+        looked_up.append(type(tree))
+        return get_node_type(tree)
+
+    monkeypatch.setattr(_pytree, "_get_node_type", counted)
+    a, b, c = (torch.full((1,), float(i)) for i in range(3))
+    tree = ((a, [b]), {"x": c, "y": {"z": a}})
+    assert [float(t) for t in tree_leaves(tree)] == [0.0, 1.0, 2.0, 0.0]
+    assert tree_map_tensors(lambda t: t, tree) is tree
+    new = tree_map_tensors(_doubled, tree)
+    assert type(new) is tuple and type(new[0][1]) is list and list(new[1]) == ["x", "y"]
+    assert [float(t) for t in tree_leaves(new)] == [0.0, 2.0, 4.0, 0.0]
+    assert looked_up == []
+    # Anything else still goes through the registry (a named tuple is a node of its own).
+    assert tree_leaves(Pair(a, None)) == [a, None] and looked_up
