@@ -885,11 +885,10 @@ class Muon(torch.optim.Optimizer):
             # The largest magnitude of each gradient (one foreach launch, any float dtype): NaN
             # or infinity there iff anywhere in the gradient.
             peaks = foreach_max_abs(grads)
-            # Stacked per dtype: one launch each, not a conversion per gradient.
-            by_dtype: dict[torch.dtype, list[Tensor]] = {}
-            for peak in peaks:
-                by_dtype.setdefault(peak.dtype, []).append(peak)
-            stacked = torch.cat([torch.stack(same).float() for same in by_dtype.values()])
+            # One stack in the widest of their dtypes (torch promotes), not a conversion per
+            # gradient; then fp32, as each dtype's stack was converted before (the same values:
+            # a widening is exact, and fp32 is the same narrowing either way).
+            stacked = torch.stack(peaks).float()
             found = (~torch.isfinite(stacked).all()).float()
         # Every rank, TP grids included: one decision for the step (see [Note: global
         # quantities] in _comm).
