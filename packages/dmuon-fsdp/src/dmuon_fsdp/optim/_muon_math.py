@@ -440,10 +440,11 @@ def _momentum_stack(
     weights, grads, bufs, owners = _matrices(part)
     first = bufs[0]
     batch = torch.empty((len(bufs), *first.shape), dtype=first.dtype, device=first.device)
+    rows = batch.unbind(0)  # every view at once: batch[i] one by one cost 0.12 µs a matrix more
     for (momentum, nesterov), group in _grouped(owners, part, _momentum_key):
         group_bufs = [bufs[i] for i in group]
         group_grads = [grads[i] for i in group]
-        outs = [batch[i] for i in group]
+        outs = [rows[i] for i in group]
         if advance:
             hp = None if scalars is None else scalars.rows(owners, group, grads=True)
             momentum_update(group_bufs, group_grads, outs, momentum, nesterov, skip=skip, hp=hp)
@@ -462,10 +463,11 @@ def _update(
 ) -> None:
     """Decay and update every weight matrix with its row of ``updates``, one pass per
     hyperparameter group."""
+    rows = updates.unbind(0)
     for (lr, weight_decay, scale), group in _grouped(owners, part, _update_key):
         weight_decay_and_update(
             [weights[i] for i in group],
-            [updates[i] for i in group],
+            [rows[i] for i in group],
             lr=lr,
             weight_decay=weight_decay,
             scale=scale,
