@@ -47,6 +47,7 @@ __all__ = [
     "disable_dynamo",
     "disable_torch_function_subclass",
     "dtensor_shard_offsets",
+    "foreach_copy_",
     "foreach_lerp_",
     "foreach_max_abs",
     "foreach_mul_",
@@ -335,6 +336,15 @@ def foreach_mul_(tensors: Sequence[Tensor], factors: Sequence[Tensor]) -> None:
     Uses ``torch._foreach_mul_``: no public function multiplies a list of tensors in one
     launch."""
     torch._foreach_mul_(list(tensors), list(factors))
+
+
+def foreach_copy_(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every ``i`` (each converted to its target's dtype),
+    in one fused launch per device and dtype pair.
+
+    Uses ``torch._foreach_copy_``: no public function copies a list of tensors in one
+    launch."""
+    torch._foreach_copy_(list(targets), list(sources))
 
 
 def foreach_lerp_(

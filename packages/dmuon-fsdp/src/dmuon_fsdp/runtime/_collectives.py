@@ -84,7 +84,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from .._profile import span
-from .._torch_internals import local_shard
+from .._torch_internals import foreach_copy_, local_shard
 from ..holder import DedicatedParam, Role
 from ..topology import Axis, CommCounter, CommKind, DedicatedCommContext
 from ._pack import Pack
@@ -225,25 +225,27 @@ def _flatten_with_flags(
     """One new buffer for one collective: the gradients (``(numel, grad)`` each, zeros for a
     ``None`` one) one after the other, then a flag per gradient, 1 where ``flags`` says so,
     else 0. On CUDA the copy runs on ``stream``, after the current stream's work."""
-    numel = sum(size for size, _ in grads)
+    sizes = [size for size, _ in grads]
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        flat = torch.empty(numel + len(grads), dtype=dtype, device=device)
-        marks = flat[numel:]
+        flat = torch.empty(sum(sizes) + len(grads), dtype=dtype, device=device)
+        *outs, marks = flat.split([*sizes, len(grads)])
         marks.fill_(1)
-        offset = 0
-        for index, ((size, grad), flag) in enumerate(zip(grads, flags)):
-            out = flat[offset : offset + size]
-            offset += size
+        targets, sources = [], []
+        for index, (out, (_, grad), flag) in enumerate(zip(outs, grads, flags, strict=True)):
             if grad is None:
                 out.zero_()
             else:
-                out.copy_(grad.reshape(-1))
+                targets.append(out)
+                sources.append(grad.reshape(-1))
                 if stream is not None:
                     grad.record_stream(stream)
             if not flag:
                 marks[index].zero_()
+        # One launch for every copy (a copy_ each cost a launch per gradient; same bits).
+        if targets:
+            foreach_copy_(targets, sources)
     return flat
 
 
