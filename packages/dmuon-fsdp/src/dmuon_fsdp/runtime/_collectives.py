@@ -353,7 +353,8 @@ def keep_local_grads(pack: Pack, divisors: Divisors) -> None:
     for dp, d in zip(pack.params, by):
         grad = dp.take_local_grad()
         if grad is not None:
-            grad = grad.to(dtype)
+            if grad.dtype != dtype:  # .to would return it as it is (0.7 µs a call on the host)
+                grad = grad.to(dtype)
             dp.accumulate_grad(grad if d == 1 else grad / d)
 
 
