@@ -96,6 +96,26 @@ def _torch_optimizer(mesh: DeviceMesh, root: str) -> None:
     optimizer.step()
 
 
+def _torch_optimizer_beside_muon(mesh: DeviceMesh, root: str) -> None:
+    """modded-nanogpt's two optimizers: dmuon.Muon(model) and torch's Adam over the other
+    parameters, which Muon already steps with AdamW (Adam stepped them a second time, without a
+    word). Adam checked once before Muon was built is checked again."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    rest = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
+    adam = torch.optim.Adam(rest, lr=0.1)
+    adam.step()  # no gradient yet: changes nothing, but runs the check
+    optimizer = Muon(model)
+    loss_fn(model, batch(0, ROWS)).backward()
+    before = [p.detach().clone() for p in rest]
+    try:
+        adam.step()
+    finally:
+        assert all(torch.equal(p, b) for p, b in zip(rest, before, strict=True))
+        optimizer.step()
+
+
 def _grad_scaler(mesh: DeviceMesh, root: str) -> None:
     """torch's GradScaler: its unscale_ and inf check read param.grad only."""
     model = build(0)
@@ -356,6 +376,12 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _torch_optimizer,
         r"ValueError: AdamW\.step\(\): its param_groups hold the dedicated parameter "
         r"'layers\.\d\.\w+\.\w+_proj\.weight'.*never reaches \.grad.*dmuon\.Muon\(model",
+    ),
+    "torch's Adam beside dmuon.Muon over the other parameters": (
+        _torch_optimizer_beside_muon,
+        r"ValueError: Adam\.step\(\): its param_groups hold '[\w.]+', which dmuon\.Muon steps "
+        r"already.*Adam would step it a second time.*replaces both optimizers.*adamw_lr=.*"
+        r"nothing was stepped",
     ),
     "model.load_state_dict of a full state dict": (
         _torch_load_of_a_full_state_dict,

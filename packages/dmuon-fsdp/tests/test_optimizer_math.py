@@ -95,6 +95,9 @@ def test_torch_keywords_and_step_options_are_refused_with_what_dmuon_takes():
             Muon(model, **{name: None})
     with pytest.raises(TypeError, match=r"'foo': foo is not a keyword of dmuon\.Muon$"):
         Muon(model, foo=1)
+    # torch.optim.Muon's first argument, the matrices: dmuon's optimizer steps the whole model.
+    with pytest.raises(ValueError, match=r"got list;.*the others with AdamW.*replaces both"):
+        Muon(list(model.parameters()))
 
 
 def test_momentum_formulas():

@@ -20,6 +20,7 @@ from ._guard import (
     refuse_foreign_optimizers,
     refuse_module_load,
     refuse_torch_state_dict,
+    register_dmuon_optimizer,
 )
 from ._holder import (
     Found,
@@ -82,6 +83,7 @@ __all__ = [
     "refuse_foreign_optimizers",
     "refuse_module_load",
     "refuse_torch_state_dict",
+    "register_dmuon_optimizer",
     "register_kind",
     "resolve_precision",
     "tensor_view",

@@ -79,6 +79,13 @@ fail or do nothing elsewhere, without a word:
   every rank holds every weight, torch's model functions go on; those that take the
   optimizer raise there too.
 
+The optimizers' step pre-hook (``refuse_foreign_optimizers``) also refuses a torch optimizer over a parameter that a ``dmuon.Muon`` alive steps
+(``register_dmuon_optimizer``), FSDP2's included: ``Muon(model)`` steps every trainable
+parameter, the ones it does not orthogonalise with AdamW, so a second optimizer beside it (the
+Adam of a Muon + Adam recipe such as modded-nanogpt's, kept for the embeddings and the head)
+would step them twice per step, without a word. It raises again when its groups change size or
+a ``dmuon.Muon`` is built after its last check.
+
 The empty ``.grad`` of a dedicated weight also makes accelerate's
 ``Accelerator.clip_grad_norm_(model.parameters(), ...)`` (and ``clip_grad_value_``) silently
 wrong: it takes the norm of the gradients it finds in
@@ -138,6 +145,7 @@ __all__ = [
     "refuse_foreign_optimizers",
     "refuse_module_load",
     "refuse_torch_state_dict",
+    "register_dmuon_optimizer",
 ]
 
 # Tensor-valued properties: each returns a tensor aliasing the (absent) storage.
@@ -719,8 +727,13 @@ def refuse_torch_state_dict(module: nn.Module, fqn: str, *, replicated: bool) ->
     set_fqn_modifiers(module, lambda previous: _RefuseTorchStateDict(fqn, replicated, previous))
 
 
-# The optimizers refuse_foreign_optimizers has checked, with the parameter count checked.
-_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# The optimizers refuse_foreign_optimizers has checked, with the parameter count checked and
+# the number of dmuon optimizers registered by then.
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+# Every dmuon optimizer alive, with the parameters it steps (by id: it holds them) and their
+# names; how many were registered so far.
+_DMUON_OPTIMIZERS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+_registered = 0
 # A class attribute of dmuon's own optimizers, which step dedicated parameters themselves.
 STEPS_DEDICATED = "_steps_dedicated_params"
 
@@ -740,10 +753,22 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             return
         inner = getattr(inner, "optimizer", None)
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _CHECKED_OPTIMIZERS.get(optimizer) == count:
+    if _CHECKED_OPTIMIZERS.get(optimizer) == (count, _registered):
         return
+    stepped = [params for params in _DMUON_OPTIMIZERS.values() if params]
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if name := next((params[id(p)] for params in stepped if id(p) in params), None):
+                kind = type(optimizer).__name__
+                raise ValueError(
+                    f"{kind}.step(): its param_groups hold {name!r}, which dmuon.Muon steps"
+                    f" already: dmuon.Muon(model) steps every trainable parameter, those it"
+                    f" does not orthogonalize with AdamW, so {kind} would step it a second"
+                    " time. Leave this optimizer out and give its values to dmuon.Muon, which"
+                    " replaces both optimizers of a Muon + Adam recipe: adamw_lr=,"
+                    " adamw_betas=, adamw_eps=, adamw_weight_decay= (per group with"
+                    " param_groups=[...]); nothing was stepped"
+                )
             if is_dedicated(p):
                 kind = type(optimizer).__name__
                 raise ValueError(
@@ -755,7 +780,18 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
                     " dedicated weight to AdamW), or leave the parameter out of"
                     " dedicate_params' predicate"
                 )
-    _CHECKED_OPTIMIZERS[optimizer] = count
+    _CHECKED_OPTIMIZERS[optimizer] = (count, _registered)
+
+
+def register_dmuon_optimizer(optimizer: Any, params: Mapping[int, str]) -> None:
+    """Record that ``optimizer`` (dmuon's, alive while it is) steps ``params`` (each
+    parameter's ``id``, which the optimizer's groups keep alive, and its name): another
+    optimizer's ``step()`` over one of them raises (see [Note: torch's paths that cannot reach
+    a dedicated weight])."""
+    global _registered
+    refuse_foreign_optimizers()
+    _DMUON_OPTIMIZERS[optimizer] = dict(params)
+    _registered += 1
 
 
 # What accelerate's refused clip is told to use instead, by method.

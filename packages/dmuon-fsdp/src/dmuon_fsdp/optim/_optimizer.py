@@ -61,6 +61,7 @@ from ..holder import (
     StepContext,
     TPMode,
     fsdp_modules,
+    register_dmuon_optimizer,
 )
 from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
@@ -462,6 +463,15 @@ class Muon(torch.optim.Optimizer):
         runtime.set_grad_listener(self._overlap)
         if options.profile:  # last: a construction that failed leaves the runtime as it was
             runtime.hooks.time_forward_waits(device)
+        # A torch optimizer over what it steps would step it twice: its step() raises.
+        register_dmuon_optimizer(
+            self,
+            {
+                id(p): name
+                for group in self.param_groups
+                for p, name in zip(group["params"], group["param_names"], strict=True)
+            },
+        )
 
     # -- structure ----------------------------------------------------------------------------
 

@@ -49,7 +49,11 @@ def check_model(model: object) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(
             f"Muon takes the wrapped model (an nn.Module), got {type(model).__name__};"
-            " build it as dmuon.Muon(model, lr=...), not from a parameter list"
+            " build it as dmuon.Muon(model, lr=...), not from a parameter list. It steps every"
+            " trainable parameter of the model, the dedicated matrices with Muon and the"
+            " others with AdamW (adamw_lr=, adamw_betas=, adamw_eps=, adamw_weight_decay=), so"
+            " it replaces both optimizers of a Muon + Adam recipe; groups of your own go in"
+            " param_groups=[...]"
         )
 
 
