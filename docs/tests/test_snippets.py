@@ -178,6 +178,8 @@ def test_the_tuning_page_runs_after_the_setup(tmp_path: Path) -> None:
     assert "dedicate_params: 14 params assigned to 1 ranks" in output, output[-8000:]
     assert "['base/muon', 'base/adamw', 'io/muon', 'io/adamw']" in output
     assert "step 4 loss" in output and "'muon_update'" in output
+    # The port from torch.optim.Muon ran its warm-up to the end, on the Muon group only.
+    assert "momentum [0.95]" in output, output[-8000:]
 
 
 @pytest.mark.distributed

@@ -79,6 +79,40 @@ def test_muon_update_matches_torch_muon(monkeypatch, nesterov, scaling, torch_sc
         torch.testing.assert_close(b, a.detach(), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("rescale", [True, False])
+def test_a_momentum_warmup_matches_torch_muon_once_the_buffers_are_rescaled(monkeypatch, rescale):
+    """The tuning guide's recipe for modded-nanogpt's momentum warm-up: multiplying dmuon's
+    sums by (1 − old)/(1 − new) when the momentum changes keeps them 1/(1 − momentum) times
+    torch.optim.Muon's running means, so the updates are torch's; without it they drift."""
+    monkeypatch.setattr(
+        torch_muon_module, "_zeropower_via_newtonschulz", lambda g, *a, **k: _polar64(g)
+    )
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(16, 8), (12, 12)]
+    ref = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in shapes]
+    ours = [p.detach().clone() for p in ref]
+    bufs = [torch.zeros_like(p) for p in ours]
+    opt = torch.optim.Muon(ref, lr=0.03, weight_decay=0.1)
+    old = opt.param_groups[0]["momentum"]
+    for momentum in (0.85, 0.9, 0.95, 0.95):
+        grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+        opt.param_groups[0]["momentum"] = momentum
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        if rescale:
+            for b in bufs:
+                b.mul_((1 - old) / (1 - momentum))
+        old = momentum
+        items = [
+            MuonItem(p, g, b, momentum, True, 0.03, 0.1, lr_scale(p.shape, "original"))
+            for p, g, b in zip(ours, grads, bufs)
+        ]
+        muon_step(items, _polar64_batch, max_batch_bytes=None)
+    close = all(torch.allclose(b, a.detach(), rtol=1e-9, atol=1e-9) for a, b in zip(ref, ours))
+    assert close == rescale
+
+
 def test_torch_keywords_and_step_options_are_refused_with_what_dmuon_takes():
     """Every keyword of torch.optim.Muon that dmuon.Muon does not take, torch.optim.AdamW's
     betas and each StepOptions field passed to Muon() raise a TypeError naming dmuon's way."""
