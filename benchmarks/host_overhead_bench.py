@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ns_cpu_bench import cpu_name
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -49,17 +49,6 @@ import dmuon
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate, next_token_loss
 
 VARIANTS = ("dmuon", "adamw", "torch-muon")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class _Both:
@@ -179,7 +168,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args()
     print(
-        f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {_cpu_name()},"
+        f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {cpu_name()},"
         f" {os.cpu_count()} cores | torch {torch.__version__} | {args.layers} layers, hidden"
         f" {args.hidden}, median of {args.iters} iterations after {args.warmup}"
     )

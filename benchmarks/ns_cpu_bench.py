@@ -28,7 +28,8 @@ from dmuon_ns.testing import reference_newton_schulz, relative_error, singular_v
 DTYPES = {"default": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name, as the bench tables record the machine."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
@@ -49,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(
-        f"# {datetime.date.today().isoformat()} | {_cpu_name()}, {torch.get_num_threads()}"
+        f"# {datetime.date.today().isoformat()} | {cpu_name()}, {torch.get_num_threads()}"
         f" threads available, ISA {torch.backends.cpu.get_cpu_capability()}"
         f" | torch {torch.__version__} | dmuon-ns {dmuon_ns.__version__}"
     )
