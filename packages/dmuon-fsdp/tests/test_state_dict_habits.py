@@ -331,9 +331,11 @@ def test_a_per_rank_dict_of_another_world_size_is_refused() -> None:
 def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
     """Z2 with FSDP2 computing in bf16 keeps the compute copies after an evaluation forward
     ([Note: state dicts see the parameters]): a layer's ``state_dict()`` then reads what it reads
-    after a step (the owner's fp32 master, a peer's ``NotHeldError``), and training goes on
-    bit for bit like a run without the evaluation and the read."""
+    after a step (the owner's fp32 master, a peer's ``NotHeldError``), the whole model's
+    raises on every rank and leaves every rank holding the same layers, and training goes on
+    bit for bit like a run without the evaluation and the reads."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
     from dmuon_fsdp import NotHeldError, dedicated_params_of, get_model_state_dict
 
@@ -345,7 +347,9 @@ def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         ignored = dedicated_params_of(model)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+            fully_shard(
+                layer, mesh=mesh, mp_policy=mp, ignored_params=ignored, reshard_after_forward=False
+            )
         fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
         optimizer = Muon(model, **HYPER.muon_kwargs())
         _step(model, optimizer, 0, rank, world_size)
@@ -360,6 +364,21 @@ def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
             full = get_model_state_dict(model)[name]
             owner = any(dp.fqn == name for dp in optimizer.runtime.owned)
             runs["read"] = (owner, read is None or torch.equal(read, full), read)
+            # The whole model's, on every rank after another evaluation: each rank raises at
+            # the first weight it does not own, layer 0's on one rank and layer 1's on the
+            # other, and every rank must still hold the same layers, dmuon's and FSDP2's, or
+            # the next forward gathers on some ranks only (it hung).
+            with torch.no_grad():
+                lm_loss(model, shard(make_batch(9, ROWS, SEQ, VOCAB), rank, world_size))
+            with pytest.raises(NotHeldError):
+                model.state_dict()
+            held: list[object] = [None] * world_size
+            fsdp_sharded = [isinstance(layer.attn_norm.weight, DTensor) for layer in model.layers]
+            dist.all_gather_object(
+                held, ([g.status for g in optimizer.runtime.groups], fsdp_sharded)
+            )
+            if held.count(held[0]) != world_size:  # the step below would hang
+                return {"every rank holds the same layers after the raise": False, "held": held}
         _step(model, optimizer, 1, rank, world_size)
         runs[evaluate] = get_model_state_dict(model)
     owner, equal, read = runs["read"]

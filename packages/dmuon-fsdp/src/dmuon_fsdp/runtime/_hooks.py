@@ -104,6 +104,7 @@ class BoundaryHooks:
         reshard_after_forward: bool,
         on_first_forward: Callable[[], None],
         fsdp_sync_off: Callable[[], bool],
+        reshard_fsdp: Callable[[], None] = lambda: None,
     ) -> None:
         self.groups = list(groups)
         self.params = list(params)
@@ -111,6 +112,9 @@ class BoundaryHooks:
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self._fsdp_sync_off = fsdp_sync_off
+        self._reshard_fsdp = reshard_fsdp  # reshard() on every fully_shard module of the model
+        # A state dict's pre-hook resharded everything and no forward or backward ran since.
+        self._resharded_for_state_dict = False
         # Whether the backward under way reduces: both flags, read once at its first hook.
         self._syncing = True
         # The last backward ran under no_sync and no synced one followed: its gradients are
@@ -221,6 +225,7 @@ class BoundaryHooks:
         self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         group = self.groups[index]
+        self._resharded_for_state_dict = False
         ddp = active_ddp()
         if ddp is not None and ddp not in self._ddp_checked:
             # At every forward, not only the first: the first may have run outside it (an
@@ -326,15 +331,34 @@ class BoundaryHooks:
         weights, as FSDP2's own pre-hooks put its sharded parameters back: a read sees what
         it sees after a step (the owner's master; a peer's raises ``NotHeldError``), never
         the compute copy, and a load never writes into a copy about to be freed. Like FSDP2's,
-        a later forward gathers again, so every rank calls them alike."""
-        if not in_backward():
-            self.groups[index].reshard()
+        a later forward gathers again, so every rank calls them alike.
+
+        Every boundary's kept weights are dropped at the first such hook, not only the
+        module's, and every ``fully_shard`` module of the model is resharded with them: a
+        ``state_dict()`` on a rank that is a peer of some weight raises ``NotHeldError`` at
+        that weight, the first it does not own, which differs from rank to rank, while the
+        pre-hooks that drop what a forward left gathered (FSDP2's, per module, and this one)
+        run as the traversal reaches them. Dropping only what the modules visited so far hold,
+        a rank that raised early kept a later layer's weights (dmuon's and FSDP2's) that a
+        rank that got further dropped, and the next forward gathered on some ranks only and
+        hung. Every rank that raises has passed one of these hooks (a read of a dedicated
+        weight comes after its module's), so every rank ends in the same state. The first
+        hook after a forward or backward does it; the others of the traversal find nothing
+        gathered (a state dict costs one pass over the groups, not one per module)."""
+        if in_backward() or self._resharded_for_state_dict:
+            return
+        for group in self.groups:
+            group.reshard()
+        if self._initialised:  # before the first forward nothing was gathered
+            self._reshard_fsdp()
+        self._resharded_for_state_dict = True
 
     # -- backward --------------------------------------------------------------------------------
 
     def _pre_backward(self, group: DedicatedGroup, grad: torch.Tensor) -> None:
         if group.backward_started:
             return
+        self._resharded_for_state_dict = False
         with span("dmuon::pre_backward"):
             self._queue_final_callback()
             group.backward_started = True
