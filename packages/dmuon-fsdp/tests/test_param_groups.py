@@ -530,6 +530,17 @@ def _unsharded_at_step(rank: int, world_size: int) -> None:
                 module.reshard()
         optimizer.step()
         optimizer.zero_grad()
+    # An evaluation and no backward since the last step, as on a rank whose data ran out
+    # first at the end of an uneven epoch while the others wait in their backward: the
+    # .reshard() named above would hang it too, and the message says what happened instead.
+    with torch.no_grad():
+        lm_loss(model, batch)
+    with pytest.raises(ValueError, match=r"no backward ran on this rank.*drop_last=True"):
+        optimizer.step()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    optimizer.step()  # every rank steps without a backward
 
 
 @pytest.mark.distributed

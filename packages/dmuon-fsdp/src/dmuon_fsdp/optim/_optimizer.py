@@ -635,7 +635,11 @@ class Muon(torch.optim.Optimizer):
         check_no_all_reduce_hook(self._all_reduce_hooked)
         numbers = take_group_edits(self.param_groups, self._built_groups)
         self._fsdp_probes = check_params_current(
-            self._fsdp_probes, self.param_groups, self._model, self._dedicated
+            self._fsdp_probes,
+            self.param_groups,
+            self._model,
+            self._dedicated,
+            backward_ran=self._runtime.hooks.backward_since_step,
         )
         check_no_loss_scaling(self)
         check_none_unfrozen(self._frozen)

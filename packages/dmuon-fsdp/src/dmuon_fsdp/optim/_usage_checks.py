@@ -394,7 +394,22 @@ def refuse_step_while_lent(lent_to: str) -> NoReturn:
     )
 
 
-def _unsharded_at_step(name: str) -> NoReturn:
+def _unsharded_at_step(name: str, backward_ran: bool) -> NoReturn:
+    if not backward_ran:
+        # A forward and no backward since the last step: an evaluation, then a step without
+        # a backward on every rank, or on a rank whose data ran out before the others'.
+        raise ValueError(
+            f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update a shard the "
+            "next forward does not read, and no backward ran on this rank since the last "
+            "step: a forward did (an evaluation, say) and FSDP2 kept the root module's "
+            "parameters (and those of a module with reshard_after_forward=False) gathered. If "
+            "the other ranks ran a forward and backward for this step, this rank's data ran "
+            "out before theirs (an uneven last batch of an epoch): they wait for this rank's "
+            "collectives and hang whatever it does now; give every rank the same number of "
+            "batches (DistributedSampler(drop_last=True), DataLoader(drop_last=True)). For a "
+            "step without a backward on every rank, call .reshard() on every FSDP2 module "
+            "before optimizer.step()"
+        )
     raise ValueError(
         f"Muon.step: FSDP2 holds {name!r} unsharded, so the step would update a shard the next "
         "forward does not read. A forward ran after backward (an evaluation, say) and left it "
@@ -412,6 +427,8 @@ def check_params_current(
     param_groups: Sequence[Mapping[str, Any]],
     model: nn.Module,
     dedicated: Mapping[int, DedicatedParam],
+    *,
+    backward_ran: bool,
 ) -> list[tuple[str, nn.Module, str, Tensor]]:
     """Catch an optimizer built before ``fully_shard`` (FSDP2 then replaced the parameters
     it holds, and stepping the old tensors would silently train nothing; checked at the
@@ -419,17 +436,20 @@ def check_params_current(
     stepping its shards would not reach the next forward, which reads the gathered copy
     FSDP2 keeps (one parameter per module is looked at: FSDP2 swaps a module's parameters
     together). Takes the probes found so far (``None`` before the first step) and returns
-    them."""
+    them; ``backward_ran`` (a backward ran on this rank since the last step) decides what
+    the refusal says."""
     if probes is None:
-        _check_every_param(param_groups, model)
+        _check_every_param(param_groups, model, backward_ran)
         probes = _probes(param_groups, model, dedicated)
     for name, module, attr, shard in probes:
         if getattr(module, attr) is not shard:
-            _unsharded_at_step(name)
+            _unsharded_at_step(name, backward_ran)
     return probes
 
 
-def _check_every_param(param_groups: Sequence[Mapping[str, Any]], model: nn.Module) -> None:
+def _check_every_param(
+    param_groups: Sequence[Mapping[str, Any]], model: nn.Module, backward_ran: bool
+) -> None:
     current = dict(model.named_parameters())
     ids = {id(p) for p in current.values()}
     for group in param_groups:
@@ -439,7 +459,7 @@ def _check_every_param(param_groups: Sequence[Mapping[str, Any]], model: nn.Modu
             now = current.get(name)
             if isinstance(p, DTensor) and now is not None and not isinstance(now, DTensor):
                 # FSDP2 registers a module's unsharded parameters while it holds them.
-                _unsharded_at_step(name)
+                _unsharded_at_step(name, backward_ran)
             raise ValueError(
                 f"Muon holds {name!r}, which is no longer a parameter of the model (was"
                 " the optimizer built before fully_shard?); build it last:"

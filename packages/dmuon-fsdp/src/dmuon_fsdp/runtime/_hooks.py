@@ -120,6 +120,10 @@ class BoundaryHooks:
         # The last backward ran under no_sync and no synced one followed: its gradients are
         # accumulated on each rank but not reduced (see [Note: a step after no_sync]).
         self.unsynced_backward = False
+        # A backward ended on this rank since the last step (``after_step`` clears it): the
+        # refusal of a step that finds FSDP2's weights gathered tells an evaluation after
+        # backward from a rank that ran no backward at all (its data ran out first).
+        self.backward_since_step = False
         # The boundaries (indices) a backward under no_sync reached since the last synced one:
         # see [Note: boundaries the synced backward does not reach].
         self._unsynced: set[int] = set()
@@ -499,6 +503,7 @@ class BoundaryHooks:
             # The forward is over (one that raised and was never recovered no longer counts).
             self._forwards_open = 0
             self.unsynced_backward = not self._syncing
+            self.backward_since_step = True
             for index, group in enumerate(self.groups):
                 if not (group.backward_touched or (self._syncing and index in self._unsynced)):
                     continue

@@ -392,6 +392,7 @@ class DedicatedRuntime:
         the replicated path, publish the owners' packs to the ranks that keep a copy
         (``async_``: waited at the next forward)."""
         with span("dmuon::after_step"):
+            self.hooks.backward_since_step = False
             for group in self.groups:
                 group.reshard()
             if self.layout.is_hsdp or self.config.replicated:
