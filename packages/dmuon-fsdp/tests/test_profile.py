@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
+import weakref
 
 import pytest
 import torch
 from _models import muon_predicate
 from _reference import Hyper, lm_loss, make_batch, shard
 from _sgd_train import setup_model
+from torch.distributed.fsdp import FSDPModule
 
 from dmuon_fsdp import (
     Muon,
@@ -43,7 +46,38 @@ def _run(rank: int, world_size: int, profile: bool):
             profiles.append(optimizer.step_profile())
     waits = [b["forward_wait_ms"] for b in collect_forward_unshard_profile(model)["boundaries"]]
     rows = summarize_param_groups(model, optimizer, max_rows=3)
-    return losses, get_model_state_dict(model), profiles, step_ms, waits, rows
+    del optimizer
+    return losses, get_model_state_dict(model), profiles, step_ms, waits, rows, _after(model)
+
+
+def _after(model: torch.nn.Module) -> list[object]:
+    """What the next forwards time, after the optimizer is freed and after a profiled
+    ``Muon`` and then an unprofiled one are built on the model: the profiled one's timers
+    outlived it (a mark per boundary in every later forward) and an unprofiled one built
+    later kept them."""
+
+    def waits() -> list[float | None]:
+        with torch.no_grad():
+            model(make_batch(0, 2, 8, 32))
+        for module in model.modules():  # FSDP2 kept the root's parameters gathered
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        profile = collect_forward_unshard_profile(model, clear=True)
+        return [b["forward_wait_ms"] for b in profile["boundaries"]]
+
+    gc.collect()  # _run's optimizer is freed
+    seen: list[object] = [waits()]
+    profiled = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(profile=True))
+    freed = weakref.ref(profiled)
+    seen.append(waits())
+    del profiled
+    gc.collect()
+    seen += [freed() is None, waits()]
+    profiled = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(profile=True))
+    Muon(model, **HYPER.muon_kwargs())  # built last, while the profiled one lives
+    seen.append(waits())
+    del profiled
+    return seen
 
 
 @pytest.mark.distributed
@@ -53,7 +87,12 @@ def test_step_profile_lists_every_phase_sums_to_the_step_and_changes_nothing() -
     for with_profile, without in zip(profiled, plain):
         assert with_profile[0] == without[0], "profiling changed a loss"
         assert all(torch.equal(with_profile[1][k], v) for k, v in without[1].items())
-        _, _, profiles, step_ms, waits, rows = with_profile
+        _, _, profiles, step_ms, waits, rows, after = with_profile
+        # Forwards are timed while a profiled Muon lives, and only then.
+        deleted, live, freed, deleted_again, later_unprofiled = after
+        assert freed and all(w is not None and w >= 0 for w in live), after
+        assert all(w is None for w in deleted + deleted_again + later_unprofiled), after
+        assert all(w is None for w in without[6][0] + without[6][3] + without[6][4])
         for phases in profiles:
             names = set(phases)
             assert PHASES <= names, PHASES - names

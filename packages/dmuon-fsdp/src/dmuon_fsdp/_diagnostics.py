@@ -426,8 +426,9 @@ def collect_forward_unshard_profile(
     (packs it neither owns nor replicates) and sends, whether its weights are resident now,
     and the collectives counted since the runtime's counter was last reset.
 
-    The runtime records payloads and call counts, and, with ``StepOptions(profile=True)``,
-    each boundary's wait for its broadcasts before its forward (``forward_wait_ms``); the
+    The runtime records payloads and call counts, and, while the ``Muon`` built last on the
+    model has ``StepOptions(profile=True)``, each boundary's wait for its broadcasts before its
+    forward (``forward_wait_ms``; ``None`` once that optimizer is freed); the
     time of each collective itself needs a profiler trace (the ``dmuon::pre_forward`` and
     ``dmuon::prefetch`` ranges).
     ``synchronize=True`` waits for the device first so that the snapshot is settled.

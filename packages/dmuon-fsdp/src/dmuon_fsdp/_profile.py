@@ -12,7 +12,11 @@ synchronous kernels that is the phase's cost. Marking changes no arithmetic, so 
 computes the same bits as an unprofiled one.
 
 Hooks time their forward waits the same way (``collect_forward_unshard_profile``): per
-boundary, the span of waiting for its broadcasts before its forward.
+boundary, the span of waiting for its broadcasts before its forward. The model's hooks time
+them for the ``Muon`` built last with the profile, while it lives: once it is freed (or a
+``Muon`` without the profile is built on the model) the forwards record nothing and the
+waits read ``None``, as a profiled optimizer deleted would otherwise leave a mark per boundary
+in every later forward (an event on CUDA).
 
 [Note: profiler ranges]
 The hooks, the reduce queue and the step name their work for ``torch.profiler`` traces

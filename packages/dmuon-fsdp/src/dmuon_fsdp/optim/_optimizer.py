@@ -461,8 +461,9 @@ class Muon(torch.optim.Optimizer):
                 device,
             )
         runtime.set_grad_listener(self._overlap)
-        if options.profile:  # last: a construction that failed leaves the runtime as it was
-            runtime.hooks.time_forward_waits(device)
+        # Last: a construction that failed leaves the runtime as it was. The Muon built last
+        # decides whether the forwards are timed, for as long as it lives.
+        runtime.hooks.time_forward_waits(device if options.profile else None, self)
         # A torch optimizer over what it steps would step it twice: its step() raises.
         register_dmuon_optimizer(
             self,

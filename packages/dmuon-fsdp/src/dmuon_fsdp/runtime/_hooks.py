@@ -279,10 +279,23 @@ class BoundaryHooks:
         outputs = iter(passed)
         return tree_map_tensors(lambda t: next(outputs) if t.requires_grad else t, inputs)
 
-    def time_forward_waits(self, device: torch.device) -> None:
-        """Time each boundary's wait for its broadcasts before its forward (the step
-        profile; see [Note: the step profile] in ``_profile``)."""
-        self.wait_timers = {group.fqn: PhaseTimer(device) for group in self.groups}
+    def time_forward_waits(self, device: torch.device | None, owner: object) -> None:
+        """Time each boundary's wait for its broadcasts before its forward for ``owner``, the
+        optimizer built last (``device=None``: stop timing), until ``owner`` is freed (the
+        step profile; see [Note: the step profile] in ``_profile``)."""
+        if device is None:
+            self.wait_timers = None
+            return
+        timers = {group.fqn: PhaseTimer(device) for group in self.groups}
+        self.wait_timers = timers
+        weak_self = weakref.ref(self)
+
+        def stop() -> None:
+            hooks = weak_self()
+            if hooks is not None and hooks.wait_timers is timers:
+                hooks.wait_timers = None
+
+        weakref.finalize(owner, stop).atexit = False
 
     def _unshard_for_forward(self, group: DedicatedGroup) -> None:
         timer = self.wait_timers.get(group.fqn) if self.wait_timers else None
