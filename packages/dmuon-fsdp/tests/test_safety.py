@@ -7,10 +7,12 @@ taking the test session down.
 
 from __future__ import annotations
 
+import functools
 import gc
 import io
 import math
 import os
+import tempfile
 import warnings
 
 import pytest
@@ -103,7 +105,12 @@ def _peer_reads(rank: int, world_size: int) -> dict[str, str]:
         "parameters_to_vector",
         lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
     )
-    expect_not_held("torch.save(state_dict)", lambda: torch.save(model.state_dict(), io.BytesIO()))
+    # A state dict's values are refused on every rank, the owners' too (see
+    # _torch_state_dict_functions), naming the first dedicated weight it reaches.
+    with pytest.raises(NotHeldError, match="refused on every rank") as caught:
+        torch.save(model.state_dict(), io.BytesIO())
+    assert "dmuon.get_model_state_dict(model)" in str(caught.value)
+    outcome["torch.save(state_dict)"] = "clear error"
     # print(p) says where the weight is instead of printing values.
     text = repr(p)
     assert "not held on this rank" in text and peer.fqn in text, text
@@ -183,7 +190,11 @@ def _torch_state_dict_functions(rank: int, world_size: int) -> list[str]:
     fresh optimizer (torch starts it with a step of its own, at lr 0) and after a step, where
     the ranks own some matrices each and where one rank owns every matrix (it went on into a
     collective the other never reached, and a fresh optimizer's groups kept lr 0); on the
-    replicated path the model functions work (every rank holds every weight)."""
+    replicated path the model functions work (every rank holds every weight). So does
+    ``model.state_dict()``, which a hand-written ``dcp.save({"model": model.state_dict()})``
+    saves: the rank that owned every matrix got its dictionary and went on into dcp.save's
+    collectives while the other raised ``NotHeldError``."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dsd
 
     full = {"options": dsd.StateDictOptions(full_state_dict=True)}
@@ -237,6 +248,18 @@ def _torch_state_dict_functions(rank: int, world_size: int) -> list[str]:
                 assert stepped or not optimizer.state, (plan, name)
                 now = get_model_state_dict(model)
                 assert all(torch.equal(now[k], v) for k, v in weights.items()), (plan, name)
+            if plan == "replicated":
+                assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+                continue
+            # The owner of every matrix too; the model as a DCP Stateful calls the same.
+            path = os.path.join(tempfile.gettempdir(), f"dmuon-unsaved-{os.getpid()}")
+            saves = (model.state_dict, functools.partial(dcp.save, {"model": model}, path))
+            for save in saves:
+                with pytest.raises(NotHeldError, match=r"every rank.*dmuon\.AppState") as caught:
+                    save()
+                messages.append(str(caught.value))
+            assert not os.path.exists(os.path.join(path, ".metadata"))
+            assert model.state_dict(keep_vars=True).keys() == weights.keys()
     return messages
 
 
@@ -244,7 +267,7 @@ def _torch_state_dict_functions(rank: int, world_size: int) -> list[str]:
 def test_torch_state_dict_functions_raise_the_same_error_on_every_rank() -> None:
     messages = run_distributed(_torch_state_dict_functions, 2)
     assert messages[0] == messages[1]
-    assert len(messages[0]) == 2 * (6 + 6 + 4)
+    assert len(messages[0]) == 2 * ((6 + 2) + (6 + 2) + 4)
 
 
 class _ViTBlock(torch.nn.Module):

@@ -330,10 +330,11 @@ def test_a_per_rank_dict_of_another_world_size_is_refused() -> None:
 
 def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
     """Z2 with FSDP2 computing in bf16 keeps the compute copies after an evaluation forward
-    ([Note: state dicts see the parameters]): a layer's ``state_dict()`` then reads what it reads
-    after a step (the owner's fp32 master, a peer's ``NotHeldError``), the whole model's
-    raises on every rank and leaves every rank holding the same layers, and training goes on
-    bit for bit like a run without the evaluation and the reads."""
+    ([Note: state dicts see the parameters]): a layer's ``state_dict(keep_vars=True)`` then
+    holds what it holds after a step (the owner's fp32 master, a peer's ``NotHeldError`` at a
+    read), its refused ``state_dict()`` and the whole model's change nothing and leave every
+    rank holding the same layers, and training goes on bit for bit like a run without the
+    evaluation and the reads."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -357,17 +358,23 @@ def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
         if evaluate:
             with torch.no_grad():
                 lm_loss(model, shard(make_batch(9, ROWS, SEQ, VOCAB), rank, world_size))
-            try:  # the first layer's matrices, all on one owner
-                read = model.layers[0].state_dict()[name.removeprefix("layers.0.")]
+            # The first layer's matrices, all on one owner. Its values are refused on every
+            # rank (some rank does not hold them); keep_vars lists the parameters, which the
+            # owner reads.
+            with pytest.raises(NotHeldError, match="refused on every rank"):
+                model.layers[0].state_dict()
+            try:
+                kept = model.layers[0].state_dict(keep_vars=True)
+                read = kept[name.removeprefix("layers.0.")].detach().clone()
             except NotHeldError:
                 read = None
             full = get_model_state_dict(model)[name]
             owner = any(dp.fqn == name for dp in optimizer.runtime.owned)
             runs["read"] = (owner, read is None or torch.equal(read, full), read)
-            # The whole model's, on every rank after another evaluation: each rank raises at
-            # the first weight it does not own, layer 0's on one rank and layer 1's on the
-            # other, and every rank must still hold the same layers, dmuon's and FSDP2's, or
-            # the next forward gathers on some ranks only (it hung).
+            # The whole model's, on every rank after another evaluation: refused on every
+            # rank, and every rank must still hold the same layers, dmuon's and FSDP2's, or
+            # the next forward gathers on some ranks only (it hung when each rank raised at
+            # the first weight it did not own).
             with torch.no_grad():
                 lm_loss(model, shard(make_batch(9, ROWS, SEQ, VOCAB), rank, world_size))
             with pytest.raises(NotHeldError):

@@ -19,6 +19,7 @@ from ._guard import (
     refuse_ddp,
     refuse_foreign_optimizers,
     refuse_module_load,
+    refuse_module_state_dict,
     refuse_torch_state_dict,
     register_dmuon_optimizer,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "refuse_ddp",
     "refuse_foreign_optimizers",
     "refuse_module_load",
+    "refuse_module_state_dict",
     "refuse_torch_state_dict",
     "register_dmuon_optimizer",
     "register_kind",

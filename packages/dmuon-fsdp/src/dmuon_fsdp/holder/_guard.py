@@ -78,6 +78,19 @@ fail or do nothing elsewhere, without a word:
   communicated, and it raises there, naming dmuon's function. On the replicated path, where
   every rank holds every weight, torch's model functions go on; those that take the
   optimizer raise there too.
+- ``model.state_dict()`` is what a hand-written ``dcp.save({"model": model.state_dict()})``
+  (or ``dcp.save({"model": model})``, a ``Stateful``) saves. The ranks that did not hold a
+  weight raised ``NotHeldError`` at it, while a rank that owned every matrix got a dictionary
+  and went on into ``dcp.save``'s collectives alone (a hang until the timeout). No value of
+  a state dict can stand for "whole on one rank, absent elsewhere" as FSDP2's ``DTensor``
+  shards do for theirs, so where some rank does not hold the dedicated weights (more than one
+  rank per shard group, on the sharded path) every module that holds one has a state-dict
+  pre-hook (``refuse_module_state_dict``) that raises ``NotHeldError`` on every rank alike,
+  its owner's included, before the module reads anything, naming ``dmuon.AppState`` and
+  ``dmuon.save_checkpoint`` (and, where a known caller such as ``save_pretrained`` made the
+  call, what to do there). ``state_dict(keep_vars=True)`` reads no value (it hands back the
+  parameters, whose metadata a peer can read) and goes on: dmuon's own checkpoints list the
+  keys through it.
 
 The optimizers' step pre-hook (``refuse_foreign_optimizers``) also refuses a torch optimizer over a parameter that a ``dmuon.Muon`` alive steps
 (``register_dmuon_optimizer``), FSDP2's included: ``Muon(model)`` steps every trainable
@@ -144,6 +157,7 @@ __all__ = [
     "refuse_ddp",
     "refuse_foreign_optimizers",
     "refuse_module_load",
+    "refuse_module_state_dict",
     "refuse_torch_state_dict",
     "register_dmuon_optimizer",
 ]
@@ -192,7 +206,8 @@ _WHERE = "_dmuon_where"
 
 
 class NotHeldError(RuntimeError):
-    """A dedicated weight was read on a rank that does not hold it right now."""
+    """A dedicated weight was read on a rank that does not hold it right now (or, by
+    ``state_dict()``, on any rank while some rank does not hold it)."""
 
 
 FULLY_SHARD_FIX = (
@@ -476,6 +491,17 @@ _AUTOGRAD = (
 )
 
 
+def _whole_model_reader() -> str:
+    """What to do instead of the known caller on the stack that reads every weight of the
+    model (``save_pretrained``, accelerate's state functions, ...); empty when none."""
+    for frame in caller_frames():
+        file = frame.f_code.co_filename.replace("\\", "/")
+        for function, source, hint in _WHOLE_MODEL_READERS:
+            if frame.f_code.co_name == function and file.endswith(source):
+                return hint
+    return ""
+
+
 def _read_from(param: Any) -> str:
     """What the caller's stack says of a refused read (walked only when one is refused): a
     parametrization being registered, or the forward of a module that does not hold the
@@ -662,6 +688,35 @@ def refuse_module_load(module: nn.Module, names: Mapping[str, str]) -> None:
                 )
 
     module.register_load_state_dict_pre_hook(refuse)
+
+
+def refuse_module_state_dict(module: nn.Module, name: str, fqn: str, owner: int) -> None:
+    """Make ``module.state_dict()`` raise ``NotHeldError`` on every rank, before the module
+    reads anything, unless ``keep_vars=True``: ``module`` holds the dedicated parameter
+    ``fqn`` (its attribute ``name``, owned by rank ``owner``), which some rank does not hold;
+    see [Note: torch's paths that cannot reach a dedicated weight]."""
+
+    def refuse(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if keep_vars:
+            return
+        hint = _whole_model_reader()
+        key = "" if prefix + name == fqn else f" (key {prefix + name!r})"
+        raise NotHeldError(
+            f"{type(module).__name__}.state_dict() would read the dedicated parameter"
+            f" {fqn!r}{key}, which dmuon keeps whole on its owner, rank {owner}, alone: the"
+            " other ranks could not read it, and a dictionary that held it"
+            " on its owner only would send the owner on into the collectives of whatever"
+            " takes it (dcp.save), which the others never reach. So state_dict() is refused"
+            " on every rank, the owner's included, before anything is read."
+            f"{' ' + hint if hint else ''} For a sharded checkpoint use"
+            " dmuon.save_checkpoint(path, model, optimizer), or put dmuon.AppState(model,"
+            " optimizer) in the dictionary you hand to dcp.save / dcp.load in place of the"
+            " model's state dict; for the full weights dmuon.get_model_state_dict(model)"
+            " (collective: call it on every rank). state_dict(keep_vars=True) lists the"
+            " parameters without reading them"
+        )
+
+    module.register_state_dict_pre_hook(refuse)
 
 
 # What to call instead of each of torch.distributed.checkpoint.state_dict's functions.

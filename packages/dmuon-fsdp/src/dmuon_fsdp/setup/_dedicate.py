@@ -78,6 +78,7 @@ from ..holder import (
     refuse_ddp,
     refuse_foreign_optimizers,
     refuse_module_load,
+    refuse_module_state_dict,
     refuse_torch_state_dict,
 )
 from ..runtime import (
@@ -417,7 +418,7 @@ def _dedicate(
                 shard = local_shard(packed[item.name][0].param).detach()
                 dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
     params, groups = _build_groups(modules, plan, packed, tp_dims, layout, comm, config, checked)
-    _refuse_torch_paths(model, modules, params, config)
+    _refuse_torch_paths(model, modules, params, config, layout)
     stacks = [_held_in_place(claim, plan, layout) for claim in in_place]
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     runtime.local_muon = stacks
@@ -893,23 +894,29 @@ def _refuse_torch_paths(
     modules: Mapping[str, nn.Module],
     params: list[DedicatedParam],
     config: DedicateConfig,
+    layout: MeshLayout,
 ) -> None:
     """Make torch's own paths that would reach the dedicated weights only where they are held
     raise instead: ``DistributedDataParallel`` around any module above one (see [Note: reads on
     a peer] in holder/_guard), ``load_state_dict`` on the sharded path (the replicated one
-    loads through it), the functions of ``torch.distributed.checkpoint.state_dict`` (on the
-    replicated path those that take the optimizer) and torch's optimizers (see [Note: torch's
-    paths that cannot reach a dedicated weight]), accelerate's clip among them once accelerate
-    is imported."""
+    loads through it), ``state_dict()`` there where some rank does not hold them, the functions
+    of ``torch.distributed.checkpoint.state_dict`` (on the replicated path those that take the
+    optimizer) and torch's optimizers (see [Note: torch's paths that cannot reach a dedicated
+    weight]), accelerate's clip among them once accelerate is imported."""
     for name in _ancestors_of({dp.fqn for dp in params}):
         refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
-    held: dict[nn.Module, dict[str, str]] = defaultdict(dict)
+    held: dict[nn.Module, dict[str, DedicatedParam]] = defaultdict(dict)
     for dp in params:
-        held[dp.module][dp.name] = dp.fqn
-    for module, names in held.items():
+        held[dp.module][dp.name] = dp
+    for module, dps in held.items():
+        names = {name: dp.fqn for name, dp in dps.items()}
+        first = next(iter(dps.values()))
         if not config.replicated:
             refuse_module_load(module, names)
-        refuse_torch_state_dict(module, next(iter(names.values())), replicated=config.replicated)
+            if layout.shard_size > 1:  # a peer of every dedicated weight exists
+                owner = layout.global_rank(first.owner)
+                refuse_module_state_dict(module, first.name, first.fqn, owner)
+        refuse_torch_state_dict(module, first.fqn, replicated=config.replicated)
     refuse_foreign_optimizers()
     refuse_accelerate_clip()
 
