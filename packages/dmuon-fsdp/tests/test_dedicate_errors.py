@@ -220,6 +220,41 @@ def _non_strict_root_boundary(rank: int, world_size: int) -> None:
         torch.testing.assert_close(dp.grad, ref.get_parameter(dp.fqn).grad)
 
 
+class _Matrix(nn.Module):
+    """A model that is one module: its matrix registered on the root, which has no children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def _childless_root(rank: int, world_size: int) -> None:
+    # torch.distributed.checkpoint.state_dict's functions never consulted such a root before
+    # reading its weights: get_model_state_dict returned the matrix on its owner and raised
+    # NotHeldError on the other rank, and the full state dict and the set_ functions went on
+    # into their collectives on the owner alone.
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    model = _Matrix()
+    with pytest.raises(ValueError, match=r"'w' is registered on the root _Matrix.*submodule"):
+        dedicate_params(model, _mesh(world_size), lambda n, p: n == "w", hook_boundary_strict=False)
+    assert not is_dedicated(model.w) and getattr(model, "_dmuon_runtime", None) is None
+    # The fix the message names: the same matrix in a submodule, whose functions torch asks.
+    wrapped = nn.Sequential(_Matrix())
+    dedicate_params(
+        wrapped,
+        _mesh(world_size),
+        lambda n, p: n == "0.w",
+        hook_boundary_predicate=lambda m: isinstance(m, _Matrix),
+    )
+    fully_shard(wrapped, mesh=_mesh(world_size), ignored_params=dedicated_params_of(wrapped))
+    with pytest.raises(RuntimeError, match="cannot take a dmuon model"):
+        dsd.get_model_state_dict(wrapped)
+
+
 def _boundary_predicate_lowest(rank: int, world_size: int) -> None:
     model = build(0)
     runtime = dedicate_params(
@@ -513,6 +548,7 @@ def _fully_shard_mesh_errors(hsdp) -> None:
         _non_matrix,
         _strict_boundary,
         _non_strict_root_boundary,
+        _childless_root,
         _boundary_predicate_lowest,
         _bad_arguments,
         _routes,

@@ -9,7 +9,8 @@
    boundary;
 4. plan owners with dmuon-ownership (pure, identical on every rank) and prove it by comparing
    ``plan.fingerprint()`` across ranks once; check what else can refuse the call (each
-   parameter's type, each boundary's casts): every refusal comes before step 5 changes
+   parameter's type, each boundary's casts, a dedicated parameter on a childless root: see
+   [Note: a dedicated parameter on a childless root]): every refusal comes before step 5 changes
    anything, so a refused call leaves the model as it was;
 5. build the comm context (isolated groups are created here, collectively), one holder per
    planned parameter and one group per boundary, and make torch's paths that cannot reach a
@@ -396,6 +397,7 @@ def _dedicate(
         for f, kind, _ in claimed
         if kind and kind.dedicated
     }
+    _refuse_childless_root(model, packed)
     tp = 1 if tp_mesh is None else tp_mesh.size()
     items = _work_items(packed.values(), aliases, modules, config, {n: tp for n in tp_dims})
     if config.hook_boundary_predicate is None:
@@ -919,6 +921,38 @@ def _refuse_torch_paths(
         refuse_torch_state_dict(module, first.fqn, replicated=config.replicated)
     refuse_foreign_optimizers()
     refuse_accelerate_clip()
+
+
+def _refuse_childless_root(
+    model: nn.Module, packed: Mapping[str, tuple[Found, type[DedicatedParam]]]
+) -> None:
+    """Refuse a dedicated parameter registered on a root module that has no submodules.
+
+    [Note: a dedicated parameter on a childless root]
+    torch.distributed.checkpoint.state_dict's functions ask a module for its
+    ``_fqn_modifiers``, where dmuon refuses them (see [Note: torch's paths that cannot reach a
+    dedicated weight] in holder/_guard), only while they walk a dotted parameter name or a
+    module's children. A parameter of a childless root has neither: ``get_model_state_dict``
+    returned the matrix on its owner and raised ``NotHeldError`` on the other ranks (its full
+    state dict, the ``set_`` functions and the optimizer's went on into their collectives on
+    the owner alone). Nothing of such a root is asked before they read, so the parameter must
+    live in a submodule; asked before anything changes (step 4 of [Note: what dedicate_params
+    does, in order])."""
+    if next(model.children(), None) is not None:
+        return
+    for found, _ in packed.values():
+        if found.module is model:
+            raise ValueError(
+                f"dedicated parameter {found.fqn!r} is registered on the root"
+                f" {type(model).__name__} itself, which has no submodules: the functions of"
+                " torch.distributed.checkpoint.state_dict (get_model_state_dict,"
+                " get_optimizer_state_dict, ...) consult nothing of such a model before they"
+                " read its weights, so dmuon could not stop them on every rank alike, and the"
+                " owner would go on alone into their collectives while the other ranks raised."
+                " Hold the matrix in a submodule (self.proj = nn.Linear(...), or a small"
+                " nn.Module that registers the nn.Parameter) or leave it to FSDP2 (the"
+                " predicate returns False for it); nothing was dedicated"
+            )
 
 
 def _boundary_casts(
