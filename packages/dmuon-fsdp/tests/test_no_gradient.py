@@ -72,7 +72,7 @@ def _model(path: str, world_size: int) -> nn.Module:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         return model
-    model, _ = setup_model(world_size, replicate=2 if path == "hsdp" else 1)
+    model, _ = setup_model(world_size, replicate=2 if path == "hsdp" else 1, reshard=path != "z2")
     return model
 
 
@@ -214,15 +214,17 @@ def _peer_bytes(model: nn.Module) -> int:
 
 
 def _after_an_iteration_that_raised(rank: int, world_size: int, where: str) -> list[dict]:
-    """A forward (inside the last layer, after its weights were broadcast) or a backward raises
-    on every rank (a hook's error, an out-of-memory); the script recovers as FSDP2 documents
-    (``reset_iter_state`` on the root, then ``zero_grad``) and retries. With a frozen matrix in
-    a pack (its pack is reduced by the end-of-backward callback, which an aborted backward
-    dropped) every step after it must still train the dedicated weights as a run that never
-    failed, and after the recovery no peer may hold a dedicated weight (Z3)."""
+    """A forward (inside the last layer, after its weights were broadcast), a backward, or
+    under Z2 the loss after a forward that ran to its end raises on every rank (a hook's error,
+    an out-of-memory); the script recovers as FSDP2 documents (``reset_iter_state`` on the
+    root, then ``zero_grad``) and retries. With a frozen matrix in a pack (its pack is reduced
+    by the end-of-backward callback, which an aborted backward dropped) every step after it
+    must still train the dedicated weights as a run that never failed, and after the recovery
+    no peer may hold a dedicated weight (Z3; and Z2, which keeps a forward's weights for its
+    backward: the recovery drops them, as FSDP2's ``reset_iter_state`` reshards its own)."""
     runs = []
     for fail in (False, True):
-        model = _model("1d", world_size)
+        model = _model("z2" if where == "loss" else "1d", world_size)
         dict(model.named_parameters())[FROZEN].requires_grad_(False)
         optimizer = Muon(model, lr=0.05, weight_decay=0.1)
         _step(model, optimizer, 0, rank, world_size)
@@ -235,12 +237,15 @@ def _after_an_iteration_that_raised(rank: int, world_size: int, where: str) -> l
             def raise_in_backward(module: nn.Module, args: object, out: Tensor) -> None:
                 out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected")))
 
-            mlp = model.layers[-1].mlp
-            handle = (
-                mlp.register_forward_pre_hook(raise_in_forward)
-                if where == "forward"
-                else model.layers[0].register_forward_hook(raise_in_backward)
-            )
+            def raise_in_loss(module: nn.Module, args: object, out: Tensor) -> None:
+                raise RuntimeError("injected")  # the model's forward has run to its end
+
+            if where == "forward":
+                handle = model.layers[-1].mlp.register_forward_pre_hook(raise_in_forward)
+            elif where == "backward":
+                handle = model.layers[0].register_forward_hook(raise_in_backward)
+            else:
+                handle = model.register_forward_hook(raise_in_loss)
             optimizer.zero_grad()
             with pytest.raises(RuntimeError, match="injected"):
                 loss_fn(model, batch(1, ROWS).chunk(world_size)[rank]).backward()
@@ -279,7 +284,7 @@ def _after_an_iteration_that_raised(rank: int, world_size: int, where: str) -> l
     not hasattr(FSDPModule, "reset_iter_state"),
     reason="FSDP2's recovery after a failed backward, reset_iter_state, is torch 2.13's",
 )
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", "backward", "loss"])
 def test_training_goes_on_after_an_iteration_that_raised(where: str) -> None:
     for clean, recovered in run_distributed(_after_an_iteration_that_raised, 2, where):
         # The retried step's dedicated weights are the clean run's, and every weight after the
@@ -293,8 +298,9 @@ def test_training_goes_on_after_an_iteration_that_raised(where: str) -> None:
             assert torch.equal(recovered["after"][name], value), name
         # Every dedicated matrix trains on: none waits for a reduce that never comes.
         assert clean["moved next"] and recovered["moved next"]
-        # zero_grad freed what the aborted iteration gathered (it kept them until the next
-        # forward before: a layer's weights, 8704 bytes on each rank).
+        # The recovery freed what the aborted iteration gathered (it kept them until the next
+        # forward before: 8704 bytes on each rank, a layer's weights, or under Z2 after a loss
+        # that raised every weight the forward gathered).
         assert recovered["held after recovery"] == 0
 
 

@@ -38,6 +38,18 @@ all finish, or a backward whose final callback is still due. Each frees its gath
 counters; the forward order recorded before stays. Outside such an iteration it does nothing
 (a ``zero_grad`` between a forward and its backward keeps Z2's gathered weights).
 
+That leaves the iteration ``zero_grad`` cannot tell from one whose backward is still to come:
+under Z2 a forward that ran to its end keeps every boundary's weights for its backward, and a
+loss that then raised (or a backward that raised before it reached a boundary) left them
+gathered on every peer until the next forward or step. FSDP2's own recovery,
+``model.reset_iter_state()`` on the root, tells: its user calls it on every rank after the
+exception, and it reshards every FSDP2 parameter group, Z2's gathered ones included. So once
+the model is a ``fully_shard`` root (checked at ``lazy_init``), its ``reset_iter_state`` is
+wrapped, on that instance, to call FSDP2's and then reset dmuon's iteration the same way,
+unconditionally: every boundary freed, the backward counters and the end-of-backward flag
+reset. The recovery the docs give (``reset_iter_state``, then ``zero_grad``) then leaves no
+dedicated weight gathered on a peer, whatever raised.
+
 [Note: compiled autograd]
 torch's compiled autograd cannot run dmuon's backward: its capture turns every leaf of the
 graph into a fake tensor, reading each dedicated weight, which a peer does not hold between
@@ -566,6 +578,15 @@ class BoundaryHooks:
         if in_backward() or not (self._final_queued or self._forwards_open):
             return
         self._current = []  # the forward that raised recorded part of an order
+        self._recover_from_aborted_backward()
+
+    def reset_iteration(self) -> None:
+        """FSDP2's ``reset_iter_state`` ran on the root: free every boundary's gathered
+        weights and reset the per-iteration state, whatever cut the iteration short (see
+        [Note: a forward that raised]); nothing inside a backward."""
+        if in_backward():
+            return
+        self._current = []
         self._recover_from_aborted_backward()
 
     def _recover_from_aborted_backward(self) -> None:

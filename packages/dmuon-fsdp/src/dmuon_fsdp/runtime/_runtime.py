@@ -22,6 +22,7 @@ ARCHITECTURE.md ("dmuon-fsdp inside"). It owns the groups (:mod:`._group`), the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import Owner, ParamPolicy, Plan
@@ -124,6 +126,8 @@ class DedicatedRuntime:
         # The zero gradients zero_grad(set_to_none=False) gave each owner, by id(dp): zeroed in
         # place at the next such call while still its gradient (see clear_grads).
         self._zeroed_grads: dict[int, torch.Tensor] = {}
+        # The root's reset_iter_state follows FSDP2's with dmuon's (see _follow_fsdp_reset).
+        self._follows_fsdp_reset = False
         self.hooks = BoundaryHooks(
             groups,
             params,
@@ -148,6 +152,7 @@ class DedicatedRuntime:
         self._adopt_materialised()
         self._check_registered()
         self._finish_packing()
+        self._follow_fsdp_reset()
 
     def _init_at_first_forward(self) -> None:
         """:meth:`lazy_init` at the first forward, where nothing is adopted: ``fully_shard``
@@ -156,6 +161,29 @@ class DedicatedRuntime:
         (``to_empty``'s replacements were adopted when it ran)."""
         self._check_registered()
         self._finish_packing()
+        self._follow_fsdp_reset()
+
+    def _follow_fsdp_reset(self) -> None:
+        """Once the model is a ``fully_shard`` root, make its ``reset_iter_state`` reset
+        dmuon's iteration too, after FSDP2's own (on this instance only, as ``zero_grad``, see
+        [Note: Module.zero_grad]): see [Note: a forward that raised] in :mod:`._hooks`."""
+        model = self._model()
+        if self._follows_fsdp_reset or not isinstance(model, FSDPModule):
+            return
+        fsdp_reset = getattr(model, "reset_iter_state", None)  # torch 2.13 on
+        if fsdp_reset is None:
+            return
+        hooks = weakref.ref(self.hooks)
+
+        def reset_iter_state() -> None:
+            fsdp_reset()
+            live = hooks()
+            if live is not None:
+                live.reset_iteration()
+
+        functools.update_wrapper(reset_iter_state, fsdp_reset)
+        model.reset_iter_state = reset_iter_state  # type: ignore[method-assign]
+        self._follows_fsdp_reset = True
 
     def _fsdp_sync_off(self) -> bool:
         """Whether FSDP2's gradient sync is off on every ``fully_shard`` module of the model
