@@ -5,6 +5,7 @@ replicated (DDP) path and on the FSDP2 path."""
 from __future__ import annotations
 
 import io
+import time
 from typing import cast
 
 import pytest
@@ -121,6 +122,88 @@ def test_ddp_reads_after_step_see_the_weights_the_next_forward_uses() -> None:
     # copies of fp32 masters).
     results = run_distributed(_reads_after_step, 2)
     assert results == [[], []], results
+
+
+# -- writes right after step() -------------------------------------------------------------------
+
+
+def _hsdp(world_size: int) -> nn.Module:
+    """HSDP with one shard: every rank owns or replicates every matrix."""
+    model = build(0)
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    dedicate_params(
+        model,
+        mesh["shard"],
+        muon_predicate,
+        replicate_mesh=mesh["replicate"],
+        small_param_threshold=0,
+    )
+    shard_layers_then_root(model, mesh)
+    return model
+
+
+def _writes_after_step(rank: int, world_size: int) -> dict[str, object]:
+    """Every weight halved in place on every rank right after a step, against the same halving
+    loaded through ``set_model_state_dict``: every rank must hold the same weights after the
+    write, and two more steps end bit for bit alike."""
+    from dmuon_fsdp import get_model_state_dict, set_model_state_dict, wait_all_replicate_broadcasts
+
+    makes = {
+        "ddp": lambda: _ddp(world_size),
+        "hsdp": lambda: _hsdp(world_size),
+    }
+    found: dict[str, object] = {}
+    for case, make in makes.items():
+        finals = []
+        for by_hand in (True, False):
+            model = make()
+            optimizer = Muon(model, **HYPER.muon_kwargs())
+            _step(model, optimizer, 0, rank, world_size)
+            # Rank 1 publishes late: rank 0's broadcasts wait for it, and so would read any
+            # write rank 0 makes in the meantime.
+            late = optimizer.register_post_update_hook(lambda *_: time.sleep(0.1 * rank))
+            optimizer.zero_grad()
+            lm_loss(model, shard(make_batch(1, ROWS, SEQ, VOCAB), rank, world_size)).backward()
+            optimizer.step()
+            late.remove()
+            if by_hand:
+                with torch.no_grad():  # while the owners' publish is in flight
+                    for p in model.parameters():
+                        p.mul_(0.5)
+                wait_all_replicate_broadcasts(model)
+                held = {n: _local_of(p) for n, p in model.named_parameters()}
+                rank0 = _rank0(held)
+                found[f"{case}: ranks agree"] = [
+                    n for n, t in held.items() if not torch.equal(t, rank0[n])
+                ]
+            else:  # the weights the parameters read (a bf16 compute copy: its values), halved
+                dtypes = {n: p.dtype for n, p in model.named_parameters()}
+                masters = get_model_state_dict(model)
+                set_model_state_dict(
+                    model, {k: 0.5 * v.to(dtypes[k]).to(v.dtype) for k, v in masters.items()}
+                )
+            for s in range(2, 4):
+                _step(model, optimizer, s, rank, world_size)
+            finals.append(get_model_state_dict(model))
+        by_hand_sd, loaded_sd = finals
+        found[f"{case}: as loaded"] = [
+            k for k in loaded_sd if not torch.equal(by_hand_sd[k], loaded_sd[k])
+        ]
+    return found
+
+
+def _local_of(p: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``p`` (an FSDP2 parameter: its shard)."""
+    return (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+
+
+@pytest.mark.distributed
+def test_weights_written_right_after_step_train_as_loaded_weights() -> None:
+    # Written while the owners' publish was in flight, the other ranks received the halved
+    # weight and halved it again (replicated path and HSDP).
+    results = run_distributed(_writes_after_step, 2)
+    wrong = {f"rank {r}, {k}": len(v) for r, res in enumerate(results) for k, v in res.items() if v}
+    assert not wrong, wrong
 
 
 # -- optimizer.state_dict() of rank 0, loaded on every rank ----------------------------------------

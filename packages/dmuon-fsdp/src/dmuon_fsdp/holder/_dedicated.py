@@ -273,8 +273,9 @@ class DedicatedParam(ParamHolder):
         self.to_unplaced()
 
     def receive(self, wait: Waiter) -> None:
-        """A publish is overwriting this rank's copy; ``wait`` (its group's
-        ``wait_for_publish``) lands it. A weight not held here has nothing to overwrite."""
+        """A publish is sending (the owner) or overwriting this rank's copy; ``wait`` (its
+        group's ``wait_for_publish``) lands it. A weight not held here has nothing to send or
+        overwrite."""
         if self._current is HolderState.HELD:
             self.to_receiving(wait)
 

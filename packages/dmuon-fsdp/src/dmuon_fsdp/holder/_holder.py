@@ -15,7 +15,8 @@ it is and builds its holder once the owner plan is made. The verbs, by who calls
 - the collectives: ``take_local_grad`` and ``accumulate_grad``, the two ends of a gradient's
   way to its owner, which also record whether the parameter got one this step (see [Note: a
   parameter without a gradient] in ``runtime/_collectives``);
-- the group's publish: ``receive`` and ``landed`` (a copy being overwritten by its owner's);
+- the group's publish: ``receive`` and ``landed`` (a copy being sent, or overwritten by its
+  owner's);
 - the step plan (``optim/_step_plan``): ``muon_entries``, the holder's step view (the tensors
   the Muon step reads and writes, its matrices, and how its Newton–Schulz runs: batched with
   its shape, through its own function, or not at all when only its momentum advances here;
@@ -44,7 +45,8 @@ class follows it (its holder switches it, see [Note: reads on a peer] in :mod:`.
   a read raises :class:`NotHeldError` with the holder's ``not_held_message``;
 - ``UNPLACED``: no place in a pack yet and no storage (a peer's weight that ``to_empty``
   materialised before packing); guarded, and in-place writes go to a scratch tensor;
-- ``RECEIVING``: a publish from the owner is overwriting this rank's copy; a read waits for it.
+- ``RECEIVING``: a publish is in flight from (the owner) or into (a replica) this rank's
+  copy; an operation on its values (a read, or a write the publish could read) waits for it.
 
 The states are those of the dedicated kinds (``DedicatedParam`` and its subclasses); a kind
 FSDP2 holds has none, FSDP2 moves its storage. Every change goes through a ``to_<state>()``

@@ -1,4 +1,4 @@
-"""Reads of a received copy between a step and the publish that updates it wait for that publish.
+"""Reads and writes of a published weight between a step and the publish wait for that publish.
 
 [Note: reads before a publish lands]
 
@@ -12,8 +12,18 @@ the other rank owns (6 of 16 in one run, a different count in the next), and so 
 over ``model.parameters()``, ``p.data``, ``p.detach()``, a weight norm logged after the step or
 ``torch.save`` of a parameter.
 
+The owner's side of a publish has the mirror problem: the broadcast reads the owner's buffer
+while the step has already returned, so a write there (``p.mul_(0.5)``, ``p.copy_(ema)``,
+``p.clamp_(...)`` or a re-initialisation right after ``step()``, on every rank) could land
+before the broadcast read it. On gloo it nearly always did: the other ranks received the
+written weight and wrote it again (halving every weight after each of eight steps on two
+ranks left a quarter of it on the receiver in 13 (step, matrix) pairs on the replicated path,
+8 under HSDP), and the next forward computed with weights that differed across ranks, without
+a word.
+
 A ``state_dict`` pre-hook would cover the first of those reads and none of the others. So from
-the publish until it is waited on, each received parameter is a :class:`PendingParameter`
+the publish until it is waited on, each parameter the publish reads or writes (the senders'
+and the receivers') is a :class:`PendingParameter`
 (:class:`PendingDTensor` under tensor parallelism): the same object, its class switched in
 place by its holder (the ``RECEIVING`` state of [Note: a holder's states] in :mod:`._holder`), whose ``__torch_function__`` waits for its
 boundary's publish before any operation that reads values (everything but metadata) and turns
@@ -72,7 +82,7 @@ class _Pending(StateClass):
 
 
 class PendingParameter(_Pending, nn.Parameter):
-    """A received dedicated ``nn.Parameter`` whose publish is in flight."""
+    """A dedicated ``nn.Parameter`` whose publish is in flight (sent or received)."""
 
     # nn.Parameter's own copy and pickling read the class and ``__dict__`` before the values.
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -85,8 +95,8 @@ class PendingParameter(_Pending, nn.Parameter):
 
 
 class PendingDTensor(_Pending, DTensor):
-    """A received dedicated tensor-parallel parameter whose publish is in flight; its methods
-    that reach the local shard without an operation wait too."""
+    """A dedicated tensor-parallel parameter whose publish is in flight (sent or received);
+    its methods that reach the local shard without an operation wait too."""
 
     def to_local(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         _land([self])

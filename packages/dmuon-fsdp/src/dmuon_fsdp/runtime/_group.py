@@ -67,7 +67,8 @@ class DedicatedGroup:
     _state: GroupState = GroupState.UNSHARDED
     _broadcasts: list[CollectiveResult] = field(default_factory=list)
     _publishes: list[CollectiveResult] = field(default_factory=list)
-    _receiving: list[DedicatedParam] = field(default_factory=list)  # what the publishes write
+    # What the publishes write (the receivers' copies) or read (the senders' buffers).
+    _receiving: list[DedicatedParam] = field(default_factory=list)
     # Per forward/backward bookkeeping, cleared by :meth:`reset_backward`.
     backward_started: bool = False  # a pre-backward hook of this boundary fired
     needs_backward: bool = False  # the forward produced outputs that require grad
@@ -202,8 +203,9 @@ class DedicatedGroup:
                     CommKind.PUBLISH,
                 )
             )
-        # Reads of the copies being written wait: see [Note: reads before a publish lands].
-        self._receiving = [dp for p, _ in packs if p.role is not Role.OWNER for dp in p.params]
+        # Reads of the copies being written, and writes of the buffers being sent, wait: see
+        # [Note: reads before a publish lands].
+        self._receiving = [dp for p, _ in packs for dp in p.params]
         wait = weakref.WeakMethod(self.wait_for_publish)
         for dp in self._receiving:
             dp.receive(wait)
