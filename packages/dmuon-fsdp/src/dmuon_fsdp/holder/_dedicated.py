@@ -107,6 +107,9 @@ class DedicatedParam(ParamHolder):
     stored_in_out: bool = field(init=False)
     _current: HolderState = field(default=HolderState.HELD, init=False, repr=False)
     _wait: Waiter | None = field(default=None, init=False, repr=False)
+    # The parameter's version when its resident compute copy last matched the owner's master
+    # (see [Note: writes into a resident compute copy]).
+    _copy_version: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.shape = self.param.shape
@@ -240,14 +243,35 @@ class DedicatedParam(ParamHolder):
         self.hold()  # a repack re-points a freed peer parameter
         if self.role is Role.OWNER and precision.mixed:
             assert weight is not None
-            master = weight.to(precision.master)
+            # A tensor of its own, not the parameter's detached storage, whose version counter
+            # the parameter would share: the step's writes into the master would then look
+            # like writes into the copy (see [Note: writes into a resident compute copy]).
+            master = weight.to(precision.master, copy=weight is not self.full)
             self.full = master
             self.tensor.data = view if resident else master
+            self.copy_matches_master()
             return master
         self.tensor.data = view
         if self.role is Role.OWNER:
             self.full = view
         return None
+
+    def copy_matches_master(self) -> None:
+        """The parameter's values are its master's now (cast): only a later in-place write
+        to the parameter makes them differ (see [Note: writes into a resident compute copy])."""
+        self._copy_version = self.tensor._version
+
+    def adopt_written_copy(self) -> None:
+        """The owner of a resident compute copy (the replicated path, a compute dtype below
+        the master): if the parameter was written in place since its values last matched the
+        master, the master takes them, so that the step updates the weight every rank computed
+        with (see [Note: writes into a resident compute copy])."""
+        master = self.full
+        if master is None or self._copy_version == self.tensor._version:
+            return
+        with torch.no_grad():
+            master.copy_(self.tensor)
+        self.copy_matches_master()
 
     def hold(self) -> None:
         """This rank holds the weight again (a peer's pack got its storage back)."""

@@ -218,6 +218,12 @@ class DedicatedGroup:
             dp.landed()
         self._receiving = []
 
+    def adopt_writes(self) -> None:
+        """The replicated path: owners' masters take in-place writes into their resident
+        compute copies (see [Note: writes into a resident compute copy] in :mod:`._runtime`)."""
+        for pack in self.packs:
+            pack.adopt_writes()
+
     # -- per-backward bookkeeping ---------------------------------------------------------------
 
     def reset_backward(self) -> None:

@@ -145,5 +145,13 @@ class Pack:
         if storage.size() != 0:
             storage.resize_(0)
 
+    def adopt_writes(self) -> None:
+        """On the replicated path, the owner's masters take what was written in place into
+        their resident compute copies since (see [Note: writes into a resident compute copy]
+        in ``runtime/_runtime``)."""
+        if self.masters is not None and self.resident:
+            for dp in self.params:
+                dp.adopt_written_copy()
+
     def has_storage(self) -> bool:
         return self.buffer.untyped_storage().size() == self.nbytes

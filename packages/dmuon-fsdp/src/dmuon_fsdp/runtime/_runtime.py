@@ -409,11 +409,33 @@ class DedicatedRuntime:
 
     def wait_all_reduces(self) -> None:
         """Block (CPU) or order the current stream (CUDA) until every owned gradient is final;
-        also waits for pending publishes, whose source the optimizer is about to overwrite."""
+        also waits for pending publishes, whose source the optimizer is about to overwrite, and
+        lets the owners' masters take what was written into their resident compute copies.
+
+        [Note: writes into a resident compute copy]
+        On the replicated path with a compute dtype below the master (see [Note: compute copies
+        on the replicated path] in ``setup/_replicate``) the parameter every rank reads and
+        writes is the bf16 compute copy, and the owner steps its fp32 master apart. An in-place
+        write between steps (``p.mul_(0.5)``, ``p.copy_(ema)``, ``reset_parameters()``, on every
+        rank) changed the copies only: the next forward computed with it, then the step updated
+        the unwritten master and published it over the write, without a word (halving every
+        weight left them 0.50 away from the halved weights after the next step). The owner
+        cannot see the write when it happens (a plain parameter costs nothing per operation),
+        but it bumps the parameter's version counter, which nothing of dmuon's does (its casts
+        and publishes write the pack buffer, a tensor of its own). So here, before every step
+        and every read of the masters (checkpoints, ``init_dedicated_``, the EMA), each owned
+        copy whose version moved since it last matched its master is copied into the master:
+        the step then updates the weight every rank computed with, in the values the parameter
+        shows (the bf16 ones; ``model.load_state_dict`` writes the fp32 master itself). A look
+        at one counter per owned matrix, only where the copies are resident and the dtypes
+        differ."""
         with span("dmuon::wait_reduces"):
             self.reduce_queue.wait_all()
             self.all_reduce_queue.wait_all()
             self.wait_all_replicate_broadcasts()
+            if self.config.replicated:
+                for group in self.groups:
+                    group.adopt_writes()
 
     def after_step(self, async_: bool = True) -> None:
         """The owners' weights changed: drop weights kept on peers (Z2) and, in HSDP and on

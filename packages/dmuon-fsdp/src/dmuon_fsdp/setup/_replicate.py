@@ -33,7 +33,8 @@ apart, steps it, and publishes the compute copy cast from it. ``dmuon.get_model_
 gives the masters. ``model.load_state_dict`` writes the masters too: each module that holds a
 dedicated parameter has a load pre-hook that copies the loaded value into its owner's master
 before torch copies it into the compute copy (otherwise the next step would step the old master
-and publish it over the load).
+and publish it over the load). Other in-place writes into the compute copy reach the master at
+the next step (see [Note: writes into a resident compute copy] in ``runtime/_runtime``).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
         held.setdefault(dp.module, []).append(dp)
     for module, dps in held.items():
         module.register_load_state_dict_pre_hook(functools.partial(_load_masters, dps))
+        module.register_load_state_dict_post_hook(functools.partial(_loaded, dps))
 
 
 def _load_masters(
@@ -132,8 +134,18 @@ def _load_masters(
             master = dp.full
             if master is None or dp.precision is None or not dp.precision.mixed:
                 continue
+            # A write into the copy before the load, where the load leaves it (strict=False).
+            dp.adopt_written_copy()
             if isinstance(value, Tensor) and local_shard(value).shape == master.shape:
                 master.copy_(local_shard(value))
+
+
+def _loaded(dps: list[DedicatedParam], module: nn.Module, incompatible_keys: Any) -> None:
+    """After torch copied the loaded values into the compute copies: they match the masters
+    (see [Note: writes into a resident compute copy] in ``runtime/_runtime``)."""
+    for dp in dps:
+        if dp.full is not None and dp.precision is not None and dp.precision.mixed:
+            dp.copy_matches_master()
 
 
 def replicate_tp(model: nn.Module, mesh: DeviceMesh) -> None:
