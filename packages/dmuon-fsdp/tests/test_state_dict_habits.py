@@ -208,6 +208,33 @@ def test_weights_written_right_after_step_train_as_loaded_weights() -> None:
     assert not wrong, wrong
 
 
+def _assign_load(rank: int, world_size: int) -> tuple[str, bool]:
+    """``model.load_state_dict(..., assign=True)`` on the replicated path, of the root and of one
+    layer: its error, and whether the module still holds every parameter it held."""
+    model = _ddp(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    _step(model, optimizer, 0, rank, world_size)
+    held = [id(p) for p in model.parameters()]
+    errors = []
+    for module in (model, model.layers[1]):
+        halved = {k: 0.5 * v.detach() for k, v in module.state_dict().items()}
+        with pytest.raises(RuntimeError, match="assign=True") as error:
+            module.load_state_dict(halved, assign=True)
+        errors.append(str(error.value))
+    _step(model, optimizer, 1, rank, world_size)  # trains on as before
+    return errors[0], held == [id(p) for p in model.parameters()]
+
+
+@pytest.mark.distributed
+def test_an_assigning_load_is_refused_on_the_replicated_path() -> None:
+    # It put new parameter objects in the modules, which no reduce, step or publish reached:
+    # the matrices never moved again and the loss rose, without a word.
+    for error, unchanged in run_distributed(_assign_load, 2):
+        assert unchanged
+        assert "'embed_tokens.weight' by a new parameter" in error, error
+        assert "dmuon.set_model_state_dict" in error, error
+
+
 # -- optimizer.state_dict() of rank 0, loaded on every rank ----------------------------------------
 
 

@@ -107,6 +107,9 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
             "initialisation or load, as DistributedDataParallel is built: dedicate_params_ddp "
             "-> to_empty -> init -> replicate -> Muon(model)"
         )
+    taken = {id(p) for p in params} | {id(dp.param) for dp in runtime.params}
+    for module in model.modules():  # before every other load hook: see _refuse_assign
+        module.register_load_state_dict_pre_hook(functools.partial(_refuse_assign, taken))
     source = runtime.layout.rank_of[0][0]  # the grid's first rank, global rank 0 on a 1-D mesh
     if runtime.layout.world_size > 1:
         with torch.no_grad():
@@ -120,6 +123,40 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     for module, dps in held.items():
         module.register_load_state_dict_pre_hook(functools.partial(_load_masters, dps))
         module.register_load_state_dict_post_hook(functools.partial(_loaded, dps))
+
+
+def _refuse_assign(
+    taken: set[int],
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    *_: Any,
+) -> None:
+    """Refuse ``load_state_dict(..., assign=True)`` with a value for a parameter dmuon took
+    (``taken``: their ids).
+
+    [Note: loads that replace parameters]
+    ``assign=True`` makes torch put each loaded tensor in its module as a new parameter
+    instead of copying it into the old one. On the replicated path every rank holds every
+    weight, so torch's load goes on, and the run trained on without a word while nothing
+    reached the new parameters: dmuon's runtime reduces, steps and publishes the old objects,
+    and ``dmuon.Muon`` keys its state by them (over three more steps a dedicated matrix never
+    moved and the loss rose: 3.450, 3.460, 3.482 against 3.450, 3.437, 3.436 without
+    ``assign``). Every module carries this pre-hook, so the module ``load_state_dict`` was
+    called on raises first, before anything is loaded; ``model.load_state_dict(state_dict)``
+    copies the values into the parameters (and the masters)."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if prefix + name in state_dict and id(param) in taken:
+            raise RuntimeError(
+                f"load_state_dict(..., assign=True) would replace {prefix + name!r} by a new "
+                "parameter, which dmuon's runtime and dmuon.Muon do not know: it would never "
+                "be reduced, stepped or published again. Nothing was loaded. Call "
+                "model.load_state_dict(state_dict) without assign (it copies the values into "
+                "the parameters), or dmuon.set_model_state_dict(model, state_dict)"
+            )
 
 
 def _load_masters(
