@@ -422,7 +422,10 @@ _PARAMETRIZE_FILES = ("nn/utils/parametrize.py", "nn/utils/parametrizations.py")
 # What to do instead of copying a model after dedicate_params (here and the runtime's refusal).
 DEEPCOPY_FIX = (
     "For an average of the weights use dmuon.EMA(optimizer), which keeps it where each weight "
-    "is stepped; for another copy, copy the model before dedicate_params"
+    "is stepped; for a copy of the weights as they are now (after training, say), build the "
+    "model again and load dmuon.get_model_state_dict(model) into it (collective: call it on "
+    "every rank); to start another run from the same initial weights, copy the model before "
+    "dedicate_params"
 )
 _NO_DEEPCOPY = (
     "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
