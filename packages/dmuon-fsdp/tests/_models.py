@@ -183,3 +183,76 @@ def shard_layers_then_root(model: nn.Module, mesh: DeviceMesh) -> None:
     for layer in model.layers:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh, ignored_params=dedicated)
     fully_shard(model, mesh=mesh, ignored_params=dedicated)
+
+
+class AllGatherWeight(torch.Tensor):
+    """A weight whose class customises FSDP2's all-gather, as torchao's float8 all-gather
+    weight (``WeightWithDynamicFloat8CastTensor``, from ``convert_to_float8_training`` under
+    ``enable_fsdp_float8_all_gather=True``) does, without float8: a wrapper around a plain
+    tensor, which every operation unwraps (results are plain tensors but for the operations
+    FSDP2 shards and copies with, which keep the class), with no storage of its own, and
+    ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (torchao sends the float8 cast; this one
+    the values as they are, so a model holding it computes what a plain one does)."""
+
+    _KEEP = frozenset(
+        {
+            torch.ops.aten.empty_like.default,
+            torch.ops.aten.new_zeros.default,
+            torch.ops.aten.slice.Tensor,
+            torch.ops.aten.copy_.default,
+            torch.ops.aten.view.default,
+            torch.ops.aten.as_strided.default,
+            torch.ops.aten._to_copy.default,
+            torch.ops.aten.split.Tensor,
+            torch.ops.aten.clone.default,
+        }
+    )
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor) -> AllGatherWeight:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: Tensor) -> None:
+        self._tensor = tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.utils._pytree import tree_map_only
+
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0]._tensor)
+        args, kwargs = tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        return tree_map_only(torch.Tensor, cls, out) if func in cls._KEEP else out
+
+    def __tensor_flatten__(self):  # type: ignore[no-untyped-def]
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, spec, size, stride):  # type: ignore[no-untyped-def]
+        return AllGatherWeight(inner["_tensor"])
+
+    def fsdp_pre_all_gather(self, mesh):  # type: ignore[no-untyped-def]
+        return (self._tensor,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):  # type: ignore[no-untyped-def]
+        (data,) = outputs
+        if out is not None:
+            return None
+        return data, (data,)
+
+
+def wrap_all_gather(module: nn.Module, name: str) -> None:
+    """Give ``module``'s parameter ``name`` the class :class:`AllGatherWeight`, as
+    ``convert_to_float8_training(..., config=Float8LinearConfig(enable_fsdp_float8_all_gather=
+    True))`` gives each weight it converts."""
+    weight = getattr(module, name)
+    setattr(module, name, nn.Parameter(AllGatherWeight(weight.detach()), weight.requires_grad))

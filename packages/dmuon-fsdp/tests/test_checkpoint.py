@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import build
+from _models import build, muon_predicate, shard_layers_then_root, wrap_all_gather
 from _reference import Hyper, lm_loss, make_batch
-from test_training import ROWS, SEQ, VOCAB, counting_muon, setup_model, train_steps
+from test_training import ROWS, SEQ, VOCAB, counting_muon, make_mesh, setup_model, train_steps
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
 from dmuon_fsdp import (
     Muon,
     StepOptions,
+    dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -240,6 +241,36 @@ def _same_rank_round_trip(rank: int, world_size: int):
 def test_torch_state_dict_round_trip_same_ranks():
     results = run_distributed(_same_rank_round_trip, 2)
     assert results[0] == results[1]
+
+
+def _all_gather_weight(rank: int, world_size: int):
+    """The head as a weight whose class customises FSDP2's all-gather (``AllGatherWeight``,
+    torchao's float8 all-gather weight without float8), beside dmuon's matrices, against the
+    same run with a plain head."""
+    runs = []
+    for wrapped in (False, True):
+        model = build(0)
+        if wrapped:
+            wrap_all_gather(model.lm_head, "weight")
+        mesh, _, _ = make_mesh(world_size, 1)
+        dedicate_params(model, mesh, muon_predicate)
+        shard_layers_then_root(model, mesh)
+        optimizer = Muon(model, **HYPER.muon_kwargs())
+        losses = train_steps(model, optimizer, rank, world_size, 2)
+        runs.append((losses, get_model_state_dict(model)))
+    return runs
+
+
+@pytest.mark.distributed
+def test_fsdp_weight_with_its_own_all_gather():
+    """get_model_state_dict asked whether the all-gathered head aliased its local shard by
+    reading the shard's storage, which such a class has none of: RuntimeError 'Attempted to
+    access the data pointer on an invalid python storage' on every rank."""
+    (plain_losses, plain), (losses, wrapped) = run_distributed(_all_gather_weight, 2)[0]
+    assert losses == plain_losses
+    assert wrapped.keys() == plain.keys()
+    for name, value in wrapped.items():
+        assert type(value) is torch.Tensor and torch.equal(value, plain[name]), name
 
 
 def _hsdp(rank: int, world_size: int):

@@ -165,8 +165,7 @@ class ShardedTensor(TensorView):
         """All shards gathered (collective over its mesh)."""
         t = self.tensor
         full = t.full_tensor()
-        local = local_tensor(t)
-        return full, full.untyped_storage().data_ptr() != local.untyped_storage().data_ptr()
+        return full, not _may_alias(full, local_tensor(t))
 
     def like(self, full: Tensor) -> DTensor:
         """A ``DTensor`` on this one's mesh and placements holding this rank's shard of
@@ -180,6 +179,16 @@ class ShardedTensor(TensorView):
 
     def receives_in_place(self, device: torch.device) -> bool:
         return False
+
+
+def _may_alias(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` may share ``b``'s memory (then a caller that keeps ``a`` copies it). A
+    tensor subclass may have no storage of its own to compare (torchao's float8 weight,
+    ``WeightWithDynamicFloat8CastTensor``, an FSDP2 local tensor under
+    ``enable_fsdp_float8_all_gather=True``, raises on ``untyped_storage()``): it may."""
+    if any(type(x) not in (Tensor, nn.Parameter) for x in (a, b)):
+        return True
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def tensor_view(t: Tensor) -> WholeTensor | ShardedTensor:
