@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dmuon_fsdp import (
     DedicateConfig,
     Muon,
+    NotHeldError,
     collect_forward_unshard_profile,
     dedicate_params,
     dedicated_params_of,
@@ -90,6 +91,27 @@ def _fully_shard_without_ignored_params(rank: int, world_size: int) -> None:
         match=r"'layers\.1\.mlp\.up_proj\.weight' is no longer registered on its module.*"
         r"ignored_params=dmuon\.dedicated_params_of\(model\).*do not reassign",
     ):
+        loss_fn(model, batch(0, 2))
+
+    # A module swapped after dedicate_params, keeping the weight object (torchao's
+    # convert_to_float8_training swaps each nn.Linear for a Float8Linear so): dmuon's refusals
+    # stayed on the old module, and model.load_state_dict wrote the owners' weights alone.
+    class Swapped(nn.Linear):
+        pass
+
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    old = model.layers[1].mlp.up_proj
+    new = Swapped(old.in_features, old.out_features, bias=False, device="meta")
+    new.weight = old.weight
+    model.layers[1].mlp.up_proj = new
+    swapped = (
+        r"the Linear that holds dedicated parameter 'layers\.1\.mlp\.up_proj\.weight' was "
+        r"replaced after dedicate_params \(now a Swapped\).*convert_to_float8_training"
+    )
+    with pytest.raises(RuntimeError, match=swapped):
+        Muon(model)
+    with pytest.raises(RuntimeError, match=swapped):
         loss_fn(model, batch(0, 2))
 
 
@@ -333,6 +355,15 @@ def _bad_arguments(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"rank must be an int .* or a \(shard, replicate\) pair"):
         get_owned_params(model, (0, 0, 0))  # type: ignore[arg-type]
     assert len(get_owned_params(model, rank)) == len(get_runtime(model).owned)
+    # torchao's convert_to_float8_training after dedicate_params reads every weight it wraps
+    # (Float8Linear.from_float under enable_fsdp_float8_all_gather=True): refused on a peer,
+    # naming the order instead of dmuon's readers.
+    peer = next(dp for dp in get_runtime(model).params if not dp.is_owner)
+    source = "def from_float(weight):\n    return weight.is_pinned()\n"
+    torchao: dict = {}
+    exec(compile(source, "/site-packages/torchao/float8/float8_linear.py", "exec"), torchao)
+    with pytest.raises(NotHeldError, match=r"convert_to_float8_training .*before dedicate_params"):
+        torchao["from_float"](peer.param)
 
 
 def _routes(rank: int, world_size: int) -> None:

@@ -456,7 +456,14 @@ _PEFT_MERGE = (
     "on every rank and merge in an unsharded copy of the PEFT model loaded from them (the FAQ, "
     "'Adapters and LoRA')."
 )
+_FLOAT8_AFTER = (
+    "torchao's convert_to_float8_training swaps the modules that hold the weights (and wraps "
+    "each weight under enable_fsdp_float8_all_gather=True), which dmuon's hooks and guards "
+    "are on: call it before dedicate_params, with enable_fsdp_float8_all_gather=False for the "
+    "modules of the Muon matrices (the torchtitan guide, 'Float8 training')."
+)
 _WHOLE_MODEL_READERS = (
+    ("from_float", "torchao/float8/float8_linear.py", _FLOAT8_AFTER),
     ("save_pretrained", "transformers/modeling_utils.py", _SAVE_PRETRAINED),
     ("save_pretrained", "peft/peft_model.py", _PEFT_SAVE_PRETRAINED),
     ("merge_and_unload", "peft/tuners/tuners_utils.py", _PEFT_MERGE),

@@ -128,7 +128,8 @@ def dedicate_params(
 ) -> DedicatedRuntime:
     """Give each selected matrix parameter of ``model`` one owner rank.
 
-    Call it after building the model (and after tensor parallelism), before ``fully_shard``.
+    Call it after building the model (and after tensor parallelism and any module swap, such
+    as torchao's ``convert_to_float8_training``), before ``fully_shard``.
     ``mesh`` is the 1-D data-parallel (shard) mesh, or a 2-D mesh named
     ``('replicate', 'shard')``; for HSDP pass ``hsdp['shard']`` and
     ``replicate_mesh=hsdp['replicate']``. ``predicate(fqn, param)`` selects parameters;
