@@ -6,7 +6,16 @@ import warnings
 
 import pytest
 import torch
-from _models import MLP, Attention, batch, build, loss_fn, muon_predicate, tensor_parallel
+from _models import (
+    MLP,
+    Attention,
+    batch,
+    build,
+    loss_fn,
+    muon_predicate,
+    tensor_parallel,
+    wrap_all_gather,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -333,7 +342,16 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         pass
 
     setattr(refused.get_submodule(module), name, Tagged(refused.get_parameter(last).detach()))
-    with pytest.raises(TypeError, match=r"a plain nn\.Parameter .*, not a Tagged"):
+    with pytest.raises(TypeError, match=r"a plain nn\.Parameter .*, not a Tagged; leave it out"):
+        dedicate_params(refused, mesh, muon_predicate)
+    # A class that customises FSDP2's all-gather (torchao's float8 all-gather weight): the
+    # message names the float8 conversion that keeps the matrix on Muon.
+    wrap_all_gather(refused.get_submodule(module), name)
+    with pytest.raises(
+        TypeError,
+        match=r"not a AllGatherWeight; its class customises FSDP2's all-gather.*"
+        r"enable_fsdp_float8_all_gather=False",
+    ):
         dedicate_params(refused, mesh, muon_predicate)
     setattr(refused.get_submodule(module), name, before[[b[0] for b in before].index(last)][1])
     # Both were refused before any parameter was taken over (the first one had marked every

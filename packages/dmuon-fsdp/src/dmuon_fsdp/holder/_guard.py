@@ -597,10 +597,32 @@ def check_guardable(param: nn.Parameter, where: str) -> None:
     """Raise ``TypeError`` unless :func:`guard_parameter` can take ``param`` (``dedicate_params``
     asks it of every parameter before it takes any)."""
     if type(param) not in (nn.Parameter, GuardedParameter) and not isinstance(param, DTensor):
+        fix = (
+            _FSDP_ALL_GATHER_FIX
+            if callable(getattr(param, "fsdp_pre_all_gather", None))
+            else "leave it out of the predicate"
+        )
         raise TypeError(
             f"{where}: dmuon can dedicate a plain nn.Parameter or a tensor-parallel DTensor "
-            f"parameter, not a {type(param).__name__}"
+            f"parameter, not a {type(param).__name__}; {fix}"
         )
+
+
+# [Note: a weight that customises FSDP2's all-gather]
+# A parameter class with ``fsdp_pre_all_gather`` changes what FSDP2's all-gather sends (torchao's
+# ``WeightWithDynamicFloat8CastTensor``, which ``convert_to_float8_training`` gives each weight
+# under ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, sends it in float8). A
+# dedicated weight is never all-gathered: its owner broadcasts it whole, in its own dtype, and
+# ``Float8Linear`` casts a plain weight to float8 in its forward with the same tensor-wise
+# scale, so the Muon modules need no such class and keep their float8 matmuls without it.
+_FSDP_ALL_GATHER_FIX = (
+    "its class customises FSDP2's all-gather (fsdp_pre_all_gather: torchao's float8 "
+    "all-gather weight), which dmuon's broadcast of a dedicated weight never runs. Convert "
+    "the modules of the Muon matrices with Float8LinearConfig(enable_fsdp_float8_all_gather="
+    "False) (their matmuls stay float8: the owner broadcasts the weight and Float8Linear casts "
+    "it), and the others with it on if you like, in two convert_to_float8_training calls with "
+    "module_filter_fn; or leave the parameter out of the predicate"
+)
 
 
 def guard_parameter(param: nn.Parameter, where: str) -> None:
