@@ -113,6 +113,10 @@ def test_errors(tmp_path) -> None:
         model_shapes({**LLAMA_3_70B, "hidden_size": "8"})
     with pytest.raises(ValueError, match=r"tp must be an int >= 1, got 0"):
         model_shapes(LLAMA_3_70B, tp=0)
+    # dedicate_params refuses a tensor-parallel matrix split into unequal shards; so does the
+    # forecast, which would otherwise plan a run that cannot start.
+    with pytest.raises(ValueError, match=r"tp=3 splits a dim of 8192 of 'model.layers.0.self_att"):
+        model_shapes(LLAMA_3_70B, tp=3)
     with pytest.raises(ValueError, match=r"model_shapes: dtype: unsupported dtype 'int8'"):
         model_shapes(LLAMA_3_70B, dtype="int8")
     with pytest.raises(ValueError, match=r"does not exist; pass a config.json or a model dir"):

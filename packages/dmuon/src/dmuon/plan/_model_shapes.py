@@ -278,6 +278,7 @@ def model_shapes(
         if ".experts." in name:
             experts.append(WorkItem(name, shape, boundary, Route.MUON, size))
         elif len(shape) == 2 and boundary:
+            _check_tp_split(name, shape, item_tp, cfg.at)
             dedicated.append(WorkItem(name, shape, boundary, Route.MUON, size, item_tp))
         else:
             fsdp.append(WorkItem(name, shape, boundary, Route.SHARDED_ADAMW, size, item_tp))
@@ -299,6 +300,18 @@ def model_shapes(
 
 
 _Param = tuple[str, tuple[int, ...], int]
+
+
+def _check_tp_split(name: str, shape: tuple[int, ...], tp: int, at: str) -> None:
+    """A dedicated matrix a tensor-parallel plan shards splits into equal shards, as
+    ``dedicate_params`` requires of every tensor-parallel matrix it dedicates."""
+    size = shape[tp_dim_of(name)]
+    if tp > 1 and size % tp:
+        raise ValueError(
+            f"model_shapes: tp={tp} splits a dim of {size} of {name!r} (shape {shape}){at} over "
+            f"{tp} ranks unevenly; dedicate_params refuses such a tensor-parallel matrix (dmuon "
+            "needs equal TP shards): pick a TP degree that divides it"
+        )
 
 
 def _check_heads(cfg: _Config, hidden: int) -> None:
