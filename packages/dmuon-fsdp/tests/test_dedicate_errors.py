@@ -17,7 +17,7 @@ from _models import (
     wrap_all_gather,
 )
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -490,6 +490,12 @@ def _mesh_errors(rank: int, world_size: int) -> None:
         dedicate_params(build(0), hsdp["shard"], muon_predicate)
     with pytest.raises(ValueError, match=r"replicate_mesh must be a 1-D DeviceMesh"):
         dedicate_params(build(0), hsdp["shard"], muon_predicate, replicate_mesh=hsdp)
+    # A mesh built from ranks listed out of order: its process group (and FSDP2) numbers the
+    # ranks in increasing order, its coordinates in the listed one. Refused on every rank, and
+    # said so (it once read "replicate_mesh does not match mesh" with no replicate_mesh given).
+    listed = DeviceMesh("cpu", torch.tensor([1, 0, 2, 3]))
+    with pytest.raises(ValueError, match=r"out of increasing order \(this rank's: \(1, 0, 2, 3\)"):
+        dedicate_params(build(0), listed, muon_predicate)
     # A named 2-D mesh is accepted as a shorthand for (mesh['shard'], replicate_mesh=mesh['replicate']).
     runtime = dedicate_params(build(0), hsdp, muon_predicate)
     assert runtime.layout.shard_size == 2 and runtime.layout.replicate_size == 2

@@ -154,7 +154,15 @@ def resolve_layout(
     on it makes DTensors whose local tensor is the whole matrix) is no tensor parallelism: such
     parameters are whole matrices, stepped in the 1-D stacks (``tp_dim`` is ``None``).
     Without this, a one-rank TP group or replicate column would run every TP or HSDP
-    collective over a single rank, and the TP path would look for groups it never made."""
+    collective over a single rank, and the TP path would look for groups it never made.
+
+    [Note: a mesh's rank order]
+    A ``DeviceMesh`` built from a tensor of ranks keeps the order it was given for its
+    coordinates, but the process group of each of its dimensions numbers the ranks in increasing
+    order, and ``get_local_rank()`` (this layout's shard index) and FSDP2's shard index are
+    that number. A shard group listed out of order, ``DeviceMesh("cpu", [2, 0, 1])``, would make
+    the two disagree on which rank holds which shard; such a mesh is refused on every rank (each
+    rank's verdict travels in the one gather), naming the fix, before anything is built."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "dedicate_params needs torch.distributed: call dist.init_process_group(...) first"
@@ -202,11 +210,26 @@ def resolve_layout(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(shard_mesh.device_type)
-    gathered = all_gather_numbers([coord.shard, coord.replicate, tp_index, dist.get_rank()], device)
+    # See [Note: a mesh's rank order].
+    listed = tuple(int(g) for g in shard_mesh.mesh.tolist())
+    in_order = int(list(listed) == sorted(listed))
+    gathered = all_gather_numbers(
+        [coord.shard, coord.replicate, tp_index, dist.get_rank(), in_order], device
+    )
+    out_of_order = sorted({rank for *_, rank, ordered in gathered if not ordered})
+    if out_of_order:
+        raise ValueError(
+            f"mesh lists the ranks of a shard group out of increasing order (this rank's: "
+            f"{listed}; ranks {out_of_order} sit in such a group): torch numbers a mesh "
+            "dimension's process group by increasing rank, and FSDP2 shards by that number, "
+            "while the mesh's coordinates follow the listed order, so the two would disagree "
+            "on which rank holds which shard. Build the mesh with init_device_mesh(device, "
+            "shape, mesh_dim_names=...), or list each dimension's ranks in increasing order"
+        )
     grids: list[list[list[int | None]]] = [
         [[None] * shard_size for _ in range(replicate_size)] for _ in range(tp_size)
     ]
-    for s, r, t, rank in gathered:
+    for s, r, t, rank, _ in gathered:
         if grids[t][r][s] is not None and tp_size > 1:
             raise ValueError(
                 f"the tensor-parallel mesh does not match mesh: ranks {grids[t][r][s]} and {rank} "
@@ -225,7 +248,7 @@ def resolve_layout(
         tuple(tuple(int(g) for g in row if g is not None) for row in grid) for grid in grids
     )
     rank_of = all_rank_of[tp_index]
-    mine = tuple(int(g) for g in shard_mesh.mesh.tolist())
+    mine = listed
     if mine != rank_of[coord.replicate]:
         raise ValueError(
             f"replicate_mesh does not match mesh: this rank's shard group is {mine} but the "
