@@ -219,3 +219,52 @@ def _first_layer_twice(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_a_boundary_called_twice_per_forward_gets_its_whole_gradient() -> None:
     run_distributed(_first_layer_twice, 2)
+
+
+def _penalised_grads(model: torch.nn.Module, tokens: torch.Tensor, world_size: int) -> None:
+    """A gradient penalty on the embedding output: ``loss + λ·|∂loss/∂x|²``, through
+    ``create_graph=True`` (the math attention kernel has a double backward on the CPU); on a
+    sharded model, FSDP2's own fix around the first backward (its weights stay gathered)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    outputs: list[torch.Tensor] = []
+    handle = model.embed_tokens.register_forward_hook(lambda m, i, out: outputs.append(out))
+    fsdp = hasattr(model, "set_reshard_after_backward")
+    with sdpa_kernel(SDPBackend.MATH):
+        loss = loss_fn(model, tokens)
+        if fsdp:
+            model.set_reshard_after_backward(False)
+        (grad,) = torch.autograd.grad(loss, outputs[0], create_graph=True)
+        if fsdp:
+            model.set_reshard_after_backward(True)
+        # Each rank's gradient is of its own mean loss, world_size times the whole batch's on
+        # its rows: λ / world_size makes the mean over ranks the single-process penalty.
+        (loss + 100.0 / world_size * grad.pow(2).sum()).backward()
+    handle.remove()
+
+
+def _gradient_penalty(rank: int, world_size: int) -> None:
+    """Z3 and Z2: a backward with ``create_graph=True`` leaves the peers' weights gathered for
+    the backward of the graph it created, whose owners' gradients are the single-process
+    model's."""
+    tokens = batch(0, ROWS)
+    ref = build(0)
+    _penalised_grads(ref, tokens, 1)
+    ref_params = dict(ref.named_parameters())
+    for reshard in (True, False):
+        model, runtime = _setup(world_size, reshard)
+        _penalised_grads(model, _local(tokens, rank, world_size), world_size)
+        runtime.wait_all_reduces()
+        assert runtime.owned
+        for dp in runtime.owned:
+            torch.testing.assert_close(dp.grad, ref_params[dp.fqn].grad, rtol=1e-5, atol=1e-7)
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor):
+                torch.testing.assert_close(
+                    param.grad.full_tensor(), ref_params[name].grad, rtol=1e-5, atol=1e-7
+                )
+
+
+@pytest.mark.distributed
+def test_a_gradient_penalty_double_backward_matches_single_process() -> None:
+    run_distributed(_gradient_penalty, 2)

@@ -129,6 +129,9 @@ class BoundaryHooks:
         self._resharded_for_state_dict = False
         # Whether the backward under way reduces: both flags, read once at its first hook.
         self._syncing = True
+        # Whether the backward under way creates a graph (create_graph=True): see [Note: a
+        # backward that creates a graph].
+        self._creates_graph = False
         # The last backward ran under no_sync and no synced one followed: its gradients are
         # accumulated on each rank but not reduced (see [Note: a step after no_sync]).
         self.unsynced_backward = False
@@ -404,6 +407,8 @@ class BoundaryHooks:
                 raise compiled_autograd_error()
             self._final_queued = True
             self._syncing = self.requires_gradient_sync and not self._fsdp_sync_off()
+            # Grad mode inside a backward is its create_graph.
+            self._creates_graph = torch.is_grad_enabled()
             self._order = list(self._current)
             queue_backward_callback(self._post_backward_final)
 
@@ -453,7 +458,18 @@ class BoundaryHooks:
         """Send ``items`` of ``group``'s order: a pack is reduced (a parameter without a
         gradient counts as zero), a bucket all-reduced. A boundary whose packs all left is
         freed; Z2 keeps its weights across ``no_sync`` micro-batches so that they are not
-        broadcast again."""
+        broadcast again.
+
+        [Note: a backward that creates a graph]
+        A backward with ``create_graph=True`` (a gradient penalty's
+        ``torch.autograd.grad(loss, inputs, create_graph=True)``, the first half of a double
+        backward) builds a graph whose nodes read the boundary's weights, and the backward of
+        that graph runs later. Freed at the end of the first backward, a peer's weights have no
+        storage there: the second backward raised ``setStorage ... out of bounds for storage of
+        size 0`` or crashed with SIGSEGV, with FSDP2's own fix in place
+        (``set_reshard_after_backward(False)`` around the first backward). So a backward that
+        creates a graph leaves its boundaries gathered, on every rank alike; the next backward
+        that sends them frees them, as ``step()`` and, under Z3, the next forward do."""
         sent_a_pack = False
         for item in items:
             if not isinstance(item, Pack):
@@ -462,7 +478,12 @@ class BoundaryHooks:
             sent_a_pack = True
             if self._syncing:
                 self.reduce_queue.submit(item)
-        if sent_a_pack and group.all_packs_sent and (self.reshard_after_forward or self._syncing):
+        if (
+            sent_a_pack
+            and group.all_packs_sent
+            and (self.reshard_after_forward or self._syncing)
+            and not self._creates_graph
+        ):
             group.reshard()
 
     def _send_bucket(self, bucket: ReplicatedBucket) -> None:
