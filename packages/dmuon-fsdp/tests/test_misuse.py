@@ -235,6 +235,35 @@ def _autograd_grad_over_the_parameters(mesh: DeviceMesh, root: str) -> None:
     torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
 
 
+def _grads_set_by_hand(model: nn.Module) -> None:
+    """``torch.autograd.grad`` over the parameters, each gradient then written into ``.grad``
+    by hand, and a step."""
+    optimizer = Muon(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss_fn(model, batch(0, 4)), params, allow_unused=True)
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    optimizer.step()
+
+
+def _grads_set_by_hand_replicated(mesh: DeviceMesh, root: str) -> None:
+    """On the replicated path every rank holds every weight, so the writes go through: the step
+    left every dedicated matrix as it was, without a word."""
+    model = build(0)
+    dedicate_params_ddp(model, mesh, muon_predicate)
+    replicate(model, mesh)
+    _grads_set_by_hand(model)
+
+
+def _grads_set_by_hand_z2(mesh: DeviceMesh, root: str) -> None:
+    """Z2: the weights are held when autograd.grad runs; a peer's write is refused after the
+    backward freed them, with the reason."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate, reshard_after_forward=False)
+    shard_layers_then_root(model, mesh)
+    _grads_set_by_hand(model)
+
+
 def _cpu_offload(mesh: DeviceMesh, root: str) -> None:
     """FSDP2's CPU offloading on one layer: its shards, gradients and AdamW states would live
     on the CPU beside dedicated matrices stepped on the device (on a GPU the first step
@@ -433,6 +462,16 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _autograd_grad_over_the_parameters,
         r"NotHeldError: .*\(operation: grad\).*torch\.autograd\.grad and backward\(inputs=\.\.\.\) "
         r"cannot take a dedicated weight.*Call loss\.backward\(\) without inputs",
+    ),
+    "p.grad set by hand on the replicated path": (
+        _grads_set_by_hand_replicated,
+        r"RuntimeError: Muon\.step\(\): dedicated parameter '[\w.]+' has a \.grad that no "
+        r"backward sent to its owner.*Compute the gradients with loss\.backward\(\)",
+    ),
+    "p.grad set by hand under Z2": (
+        _grads_set_by_hand_z2,
+        r"NotHeldError: .*\(operation: set \.grad\).*A \.grad written by hand.*never reaches "
+        r"the owner.*loss\.backward\(\) on every rank",
     ),
     "CPU offloading": (
         _cpu_offload,

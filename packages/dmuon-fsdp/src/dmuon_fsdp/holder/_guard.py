@@ -373,7 +373,12 @@ class _Guard(StateClass):
             # See [Note: compiled autograd].
             raise compiled_autograd_error()
         operation = _qualname(func)
-        hint = _AUTOGRAD if operation in _AUTOGRAD_CALLS else _read_from(absent)
+        if operation in _AUTOGRAD_CALLS:
+            hint = _AUTOGRAD
+        elif operation == "set .grad":
+            hint = _GRAD_BY_HAND
+        else:
+            hint = _read_from(absent)
         raise NotHeldError(holder.not_held_message(operation, hint))
 
     def _absent_repr(self) -> str:
@@ -498,6 +503,13 @@ _AUTOGRAD = (
     "reaches its owner through the reduce that a backward of the whole loss starts on every "
     "rank (FSDP2's sharded parameters get no gradient from them either). Call loss.backward() "
     "without inputs on every rank; to differentiate with respect to activations, pass those."
+)
+
+# p.grad = g on a dedicated weight (see [Note: a gradient set by hand] in runtime/_runtime).
+_GRAD_BY_HAND = (
+    "A .grad written by hand (p.grad = g after torch.autograd.grad(loss, params)) never reaches "
+    "the owner: a dedicated gradient travels only from a backward's gradient accumulation. "
+    "Compute the gradients with loss.backward() on every rank."
 )
 
 

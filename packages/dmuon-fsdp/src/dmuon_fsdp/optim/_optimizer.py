@@ -633,6 +633,7 @@ class Muon(torch.optim.Optimizer):
         if self._timer is not None:
             self._timer.start()
         self._runtime.check_gradients_synced()
+        self._runtime.check_no_grad_set_by_hand()
         check_no_all_reduce_hook(self._all_reduce_hooked)
         numbers = take_group_edits(self.param_groups, self._built_groups)
         self._fsdp_probes = check_params_current(

@@ -129,6 +129,9 @@ class BoundaryHooks:
         self._resharded_for_state_dict = False
         # Whether the backward under way reduces: both flags, read once at its first hook.
         self._syncing = True
+        # Whether a backward accumulated a dedicated gradient since the last step's check (see
+        # [Note: a gradient set by hand] in :mod:`._runtime`).
+        self.accumulated = False
         # Whether the backward under way creates a graph (create_graph=True): see [Note: a
         # backward that creates a graph].
         self._creates_graph = False
@@ -416,6 +419,7 @@ class BoundaryHooks:
         # Usually queued by a pre-backward already; not when the forward ran without grad
         # (reentrant activation checkpointing) and only the recompute built the graph.
         self._queue_final_callback()
+        self.accumulated = True
         boundary, pack = self._pack_of_param[index]
         if self._is_late(boundary, pack, pack):
             return

@@ -548,6 +548,37 @@ class DedicatedRuntime:
                 "accumulation), or call optimizer.zero_grad() to discard it"
             )
 
+    def check_no_grad_set_by_hand(self) -> None:
+        """Refuse a step while a dedicated parameter's ``.grad`` holds a gradient no backward
+        sent to its owner.
+
+        [Note: a gradient set by hand]
+        A dedicated gradient reaches its owner only through the backward's gradient
+        accumulation: the hook that sends it takes ``.grad`` (and drops it), and the step reads
+        the owner's reduced gradient alone. A ``.grad`` written otherwise, the pattern
+        ``grads = torch.autograd.grad(loss, params)`` then ``p.grad = g`` (``autograd.grad``
+        accumulates nothing), is never sent: the step left the weight as it was, without a
+        word, where every rank holds its weights (one rank; the owner under Z2, whose peers
+        refuse the write). A ``.grad`` still there at the step is such a gradient (one left
+        under ``no_sync`` is refused before, by :meth:`check_gradients_synced`); every rank
+        that wrote one raises here. The parameters are looked at only where no backward
+        accumulated a dedicated gradient since the last step (``autograd.grad`` accumulates
+        none): a ``.grad`` read costs about 60 ns, which every step would pay per matrix."""
+        if self.hooks.accumulated:
+            self.hooks.accumulated = False
+            return
+        for dp in self.params:
+            if dp.param.grad is not None:
+                raise RuntimeError(
+                    f"Muon.step(): dedicated parameter {dp.fqn!r} has a .grad that no backward "
+                    "sent to its owner, so the step would leave it as it is: a .grad written "
+                    "outside backward (torch.autograd.grad(loss, params) and then p.grad = g by "
+                    "hand) never reaches the owner, whose reduced gradient is the only one the "
+                    "step reads. Compute the gradients with loss.backward() on every rank "
+                    "(torch.autograd.grad with respect to activations, as for a gradient "
+                    "penalty, is fine), or drop it with optimizer.zero_grad()"
+                )
+
     def drain(self) -> None:
         """Wait for every collective dmuon has in flight (packing first, if not yet done)."""
         self.lazy_init()
