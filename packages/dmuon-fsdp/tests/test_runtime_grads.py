@@ -268,3 +268,41 @@ def _gradient_penalty(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_a_gradient_penalty_double_backward_matches_single_process() -> None:
     run_distributed(_gradient_penalty, 2)
+
+
+def _two_forwards_reentrant_inside(rank: int, world_size: int) -> None:
+    """Z3 and Z2: two forwards before one backward (a siamese loss), each block wrapped in
+    reentrant checkpointing inside its boundary: the owners' gradients are the
+    single-process model's (each use's recompute runs a backward of its own)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    def two(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return loss_fn(model, tokens) + 0.5 * loss_fn(model, (tokens + 7) % 32)
+
+    tokens = batch(0, ROWS)
+    ref = build(0)
+    two(ref, tokens).backward()
+    ref_params = dict(ref.named_parameters())
+    for reshard in (True, False):
+        model = build(0)
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.REENTRANT)
+        mesh = init_device_mesh("cpu", (world_size,))
+        runtime = dedicate_params(
+            model, mesh, muon_predicate, reshard_after_forward=reshard, small_param_threshold=0
+        )
+        shard_layers_then_root(model, mesh)
+        two(model, _local(tokens, rank, world_size)).backward()
+        runtime.wait_all_reduces()
+        assert runtime.owned
+        for dp in runtime.owned:
+            want = ref_params[dp.fqn.replace("._checkpoint_wrapped_module", "")].grad
+            torch.testing.assert_close(dp.grad, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_two_forwards_under_reentrant_checkpointing_inside_the_boundary() -> None:
+    run_distributed(_two_forwards_reentrant_inside, 2)

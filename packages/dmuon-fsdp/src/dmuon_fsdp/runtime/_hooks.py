@@ -456,9 +456,14 @@ class BoundaryHooks:
             return
         self._queue_final_callback()
         with span("dmuon::post_backward"):
-            self._send(group, group.order.rest())
+            self._send(group, group.order.rest(), at_point=True)
 
-    def _send(self, group: DedicatedGroup, items: list[Pack | ReplicatedBucket]) -> None:
+    def _send(
+        self,
+        group: DedicatedGroup,
+        items: list[Pack | ReplicatedBucket],
+        at_point: bool = False,
+    ) -> None:
         """Send ``items`` of ``group``'s order: a pack is reduced (a parameter without a
         gradient counts as zero), a bucket all-reduced. A boundary whose packs all left is
         freed; Z2 keeps its weights across ``no_sync`` micro-batches so that they are not
@@ -473,7 +478,20 @@ class BoundaryHooks:
         size 0`` or crashed with SIGSEGV, with FSDP2's own fix in place
         (``set_reshard_after_backward(False)`` around the first backward). So a backward that
         creates a graph leaves its boundaries gathered, on every rank alike; the next backward
-        that sends them frees them, as ``step()`` and, under Z3, the next forward do."""
+        that sends them frees them, as ``step()`` and, under Z3, the next forward do.
+
+        [Note: a boundary used again after its packs left]
+        A boundary used more than once in the graph (two forwards before one backward, as
+        a siamese or DPO loss has; a block called twice) can have all its packs sent before
+        its last use's backward ran: under reentrant activation checkpointing inside the
+        boundary (``checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.REENTRANT)``, or
+        a checkpointed MLP) each use's recompute accumulates the gradients in a backward of
+        its own, so the first use completes every pack. Freed then, the weights were gone
+        when the other use's recompute read them (``NotHeldError`` or ``setStorage ... out of
+        bounds`` on some ranks, the others waiting in the next collective). So a boundary with
+        several reduce points in the graph is freed at the last of them that this backward
+        runs (``at_point``), once its packs all left; one with a single use is freed as its
+        last pack leaves, as before."""
         sent_a_pack = False
         for item in items:
             if not isinstance(item, Pack):
@@ -483,10 +501,11 @@ class BoundaryHooks:
             if self._syncing:
                 self.reduce_queue.submit(item)
         if (
-            sent_a_pack
+            (sent_a_pack or at_point)
             and group.all_packs_sent
             and (self.reshard_after_forward or self._syncing)
             and not self._creates_graph
+            and not _uses_pending(group)
         ):
             group.reshard()
 
@@ -723,6 +742,16 @@ def _replicated_grad(
     elif not hooks._is_late(place[0], param, place[1]):
         hooks._replicated_complete.add(id(param))  # sent with its boundary's bucket
         hooks.groups[place[0]].replicated_grad_seen = True  # even if its backward never runs
+
+
+def _uses_pending(group: DedicatedGroup) -> bool:
+    """Whether a boundary with several reduce points in the graph has some of them still to
+    come in this backward (see [Note: a boundary used again after its packs left])."""
+    live = sum(1 for ref in group.points if ref() is not None)
+    if live < 2:
+        return False
+    due = group.points_due if group.points_reached else live
+    return group.points_reached < due
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
