@@ -60,6 +60,24 @@ def _model(seed: int, mesh):
     return model
 
 
+def _two_mesh_model(seed: int, mesh):
+    """``_model`` with the root's parameters on a second mesh of the same ranks: the
+    Trainer finds its gradients on several meshes and clips them without its accelerator."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = _plain_model(seed)
+    dmuon.dedicate_params(model, mesh, predicate=lambda name, p: ".layers." in name and p.ndim == 2)
+    dedicated = dmuon.dedicated_params_of(model)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=dedicated)
+    root_mesh = init_device_mesh("cpu", (mesh.size(),), mesh_dim_names=("root",))
+    fully_shard(model, mesh=root_mesh, ignored_params=dedicated)
+    return model
+
+
 def _moe_model(seed: int, mesh):
     """A transformers 5 Qwen3-MoE (its experts stacked (E, out, in)), every matrix on Muon:
     ``save_pretrained`` writes each expert under its own name."""
@@ -328,11 +346,15 @@ def _moe_resume(rank: int, world_size: int, root: str) -> dict:
         max_grad_norm=math.inf,
         earlier=True,
     )
+    # Gradients on two meshes, max_grad_norm=0.5: the Trainer clips them by their own norm,
+    # without its accelerator.
+    two_mesh, _, _ = _train(root, "two-mesh", seed=0, build=_two_mesh_model)
     return {
         "losses": losses,
         "resumed": resumed,
         "grad_norms": first.grad_norms,
         "earlier_freed": second.earlier_freed,
+        "two_mesh": (two_mesh.grad_norms, two_mesh.clipped_norms),
     }
 
 
@@ -349,6 +371,11 @@ def test_a_mixture_of_experts_run_resumes_bit_for_bit(tmp_path) -> None:
     # Measured, not clipped: every step logs a finite norm of every gradient.
     norms = out["grad_norms"]
     assert len(norms) == STEPS and all(0 < n < math.inf for n in norms), norms
+    # Every gradient by one norm, the logged one, as on one mesh (the Trainer's clip and the
+    # dedicated weights' each scaled their own kind by its norm: 0.511 at the first step).
+    logged, clipped = out["two_mesh"]
+    assert len(clipped) == STEPS and any(n > MAX_GRAD_NORM for n in logged), logged
+    assert clipped == pytest.approx([min(n, MAX_GRAD_NORM) for n in logged], rel=1e-5)
 
 
 def test_the_default_decay_rule_is_the_trainers() -> None:

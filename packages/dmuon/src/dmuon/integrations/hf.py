@@ -47,9 +47,14 @@ public extension point; no underscored ``Trainer`` method is overridden.
   (``dmuon.clip_grad_norm_(muon, max_norm, params=parameters)``): every gradient by one
   norm, as the Trainer clips a model without dmuon, and that norm is the one logged. Where the
   Trainer clips without its accelerator (its gradients on several device meshes, which it
-  clips by their norm itself), a callback's ``on_pre_optimizer_step`` (after that clip,
-  before ``step()``) clips the dedicated weights' gradients by theirs, every gradient once,
-  and ``log`` reports the norm of both kinds together.
+  clips by their norm itself), ``training_step`` clips every gradient by one norm with the
+  same function after the last micro-batch's backward, so that the Trainer's clip finds their
+  norm within ``max_grad_norm`` and scales nothing, and ``log`` reports the norm before
+  clipping. The Trainer's clip alone, followed by the dedicated weights' by their own norm,
+  scaled each kind by its own coefficient, which left up to ``max_grad_norm * sqrt(2)``.
+  Unclipped (``max_grad_norm`` 0 or ``inf``), the Trainer measures its gradients, a callback's
+  ``on_pre_optimizer_step`` (before ``step()``) measures the dedicated weights', and ``log``
+  reports the norm of both kinds together.
 - Checkpoints. The Trainer writes a checkpoint with ``save_model(checkpoint, _internal_call=
   True)``, then rank 0's ``optimizer.state_dict()`` (``optimizer.pt``), the scheduler, the RNG
   states and the trainer state. ``save_model`` writes the model and the optimizer with
@@ -275,6 +280,8 @@ class DmuonTrainer(Trainer):
         self.muon_kwargs = dict(muon_kwargs or {})
         self.held_grad_norm: Tensor | None = None  # the dedicated weights', before clipping
         self.clipped_every_gradient = False  # this step, through the accelerator's clip
+        # This step's norm where training_step clipped every gradient before the Trainer.
+        self.pre_clipped_grad_norm: Tensor | None = None
         self.resuming_from: str | None = None  # the checkpoint train() resumes from
         self.saving_to: str | None = None  # the checkpoint being written
         super().__init__(model=model, args=args, **kwargs)
@@ -308,10 +315,17 @@ class DmuonTrainer(Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> Tensor:
-        if self.accelerator.sync_gradients:
-            return super().training_step(model, inputs, num_items_in_batch)
-        with dmuon.no_sync(_model(self)):  # a micro-batch before the last of an accumulation
-            return super().training_step(model, inputs, num_items_in_batch)
+        if not self.accelerator.sync_gradients:
+            with dmuon.no_sync(_model(self)):  # a micro-batch before the last of an accumulation
+                return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        max_norm = self.args.max_grad_norm
+        self.pre_clipped_grad_norm = None
+        if 0 < max_norm < math.inf and _on_several_meshes(_model(self)):
+            # See [Note: the Trainer's public hooks under dmuon], optimizer and gradients.
+            params = _model(self).parameters()
+            self.pre_clipped_grad_norm = _clip_every_gradient(self, params, max_norm)
+        return loss
 
     def train(
         self,
@@ -361,7 +375,9 @@ class DmuonTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "grad_norm" in logs and self.held_grad_norm is not None:
+        if "grad_norm" in logs and self.pre_clipped_grad_norm is not None:
+            logs["grad_norm"] = self.pre_clipped_grad_norm.item()  # the Trainer's saw them clipped
+        elif "grad_norm" in logs and self.held_grad_norm is not None:
             # See [Note: the Trainer's public hooks under dmuon], optimizer and gradients.
             logs["grad_norm"] = math.hypot(logs["grad_norm"], self.held_grad_norm.item())
         super().log(logs, start_time)
@@ -421,6 +437,14 @@ class _DmuonEvents(TrainerCallback):
             optimizer_file = os.path.join(folder, OPTIMIZER_NAME)
             if os.path.isfile(optimizer_file):
                 os.remove(optimizer_file)
+
+
+def _on_several_meshes(model: nn.Module) -> bool:
+    """Whether ``model``'s ``param.grad`` lie on several device meshes (plain tensors as one
+    more), where the Trainer clips them by their norm itself rather than through its
+    accelerator."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return len({g.device_mesh if isinstance(g, DTensor) else None for g in grads}) > 1
 
 
 def _clip_every_gradient(
