@@ -369,17 +369,17 @@ class BoundaryHooks:
         a later forward gathers again, so every rank calls them alike.
 
         Every boundary's kept weights are dropped at the first such hook, not only the
-        module's, and every ``fully_shard`` module of the model is resharded with them: a
-        ``state_dict()`` on a rank that is a peer of some weight raises ``NotHeldError`` at
-        that weight, the first it does not own, which differs from rank to rank, while the
-        pre-hooks that drop what a forward left gathered (FSDP2's, per module, and this one)
-        run as the traversal reaches them. Dropping only what the modules visited so far hold,
-        a rank that raised early kept a later layer's weights (dmuon's and FSDP2's) that a
-        rank that got further dropped, and the next forward gathered on some ranks only and
-        hung. Every rank that raises has passed one of these hooks (a read of a dedicated
-        weight comes after its module's), so every rank ends in the same state. The first
-        hook after a forward or backward does it; the others of the traversal find nothing
-        gathered (a state dict costs one pass over the groups, not one per module)."""
+        module's, and every ``fully_shard`` module of the model is resharded with them, so
+        that a traversal that stops partway leaves every rank in the same state whatever
+        point it stopped at. (It once stopped at a different weight on each rank: a peer's
+        ``state_dict()`` raised ``NotHeldError`` at the first weight it did not own, and with
+        only the visited modules' weights dropped, the ranks held different layers and the
+        next forward hung. ``state_dict()`` is now refused on every rank alike before a read,
+        see [Note: torch's paths that cannot reach a dedicated weight] in ``holder/_guard``,
+        and a read of a ``keep_vars=True`` dictionary comes after the whole traversal; this
+        keeps the state the same on every rank for any other exception a traversal meets.)
+        The first hook after a forward or backward does it; the others of the traversal find
+        nothing gathered (a state dict costs one pass over the groups, not one per module)."""
         if in_backward() or self._resharded_for_state_dict:
             return
         for group in self.groups:
