@@ -202,6 +202,17 @@ def validate_plan(plan: Plan, items: Iterable[WorkItem]) -> None:
         if item.name in by_name:
             raise ValueError(f"validate_plan: duplicate WorkItem name {item.name!r}")
         by_name[item.name] = item
+    _check_grid(plan)
+    owners = _check_units(plan, by_name)
+    _check_items(plan, by_name, owners)
+
+
+def _inside(plan: Plan, shard: int, replicate: int) -> bool:
+    return 0 <= shard < plan.shard_size and 0 <= replicate < plan.replicate_size
+
+
+def _check_grid(plan: Plan) -> None:
+    """The plan's per-slot loads and its expert sources fit its grid."""
     if len(plan.loads) != plan.world_size:
         raise ValueError(
             f"validate_plan: plan has {len(plan.loads)} loads for a "
@@ -213,17 +224,19 @@ def validate_plan(plan: Plan, items: Iterable[WorkItem]) -> None:
             f"{plan.world_size} slots"
         )
     for source in plan.expert_sources:
-        if not (
-            0 <= source.shard < plan.shard_size and 0 <= source.replicate < plan.replicate_size
-        ):
+        if not _inside(plan, source.shard, source.replicate):
             raise ValueError(
                 f"validate_plan: expert source {source} lies outside the {plan.shard_size} x "
                 f"{plan.replicate_size} (shard x replicate) grid"
             )
-    seen: dict[str, Owner] = {}
+
+
+def _check_units(plan: Plan, by_name: dict[str, WorkItem]) -> dict[str, Owner]:
+    """Each owned name's owner: every unit inside the grid, every name an owned WorkItem of
+    the unit's boundary, owned once."""
+    owners: dict[str, Owner] = {}
     for unit in plan.units:
-        shard, replicate = unit.owner
-        if not (0 <= shard < plan.shard_size and 0 <= replicate < plan.replicate_size):
+        if not _inside(plan, *unit.owner):
             raise ValueError(
                 f"validate_plan: parameter {unit.names[0] if unit.names else '?'!r} is owned by "
                 f"{unit.owner}, outside the {plan.shard_size} x {plan.replicate_size} "
@@ -232,9 +245,9 @@ def validate_plan(plan: Plan, items: Iterable[WorkItem]) -> None:
         for name in unit.names:
             if name not in by_name:
                 raise ValueError(f"validate_plan: plan owns {name!r}, which is not a WorkItem")
-            if name in seen:
+            if name in owners:
                 raise ValueError(
-                    f"validate_plan: parameter {name!r} is owned twice ({seen[name]} and "
+                    f"validate_plan: parameter {name!r} is owned twice ({owners[name]} and "
                     f"{unit.owner})"
                 )
             if by_name[name].route is Route.SHARDED_ADAMW:
@@ -247,7 +260,13 @@ def validate_plan(plan: Plan, items: Iterable[WorkItem]) -> None:
                     f"validate_plan: parameter {name!r} has boundary "
                     f"{by_name[name].boundary!r} but sits in a unit of {unit.boundary!r}"
                 )
-            seen[name] = unit.owner
+            owners[name] = unit.owner
+    return owners
+
+
+def _check_items(plan: Plan, by_name: dict[str, WorkItem], owners: dict[str, Owner]) -> None:
+    """Every item has its place: ``"sharded_adamw"`` ones in ``plan.sharded`` (and only
+    items there), the others an owner and, with ``tp > 1``, a TP owner."""
     sharded = set(plan.sharded)
     tp_owners = dict(plan.tp_owners)
     for name, item in by_name.items():
@@ -258,7 +277,7 @@ def validate_plan(plan: Plan, items: Iterable[WorkItem]) -> None:
                     "plan.sharded"
                 )
             continue
-        if name not in seen:
+        if name not in owners:
             raise ValueError(f"validate_plan: parameter {name!r} has no owner in the plan")
         if item.tp > 1:
             rank = tp_owners.get(name)
