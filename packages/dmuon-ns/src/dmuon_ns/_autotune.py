@@ -200,9 +200,7 @@ def measure(
     """Measure ``x``'s problem now, whatever verdict exists, and return the verdict (with
     ``"seconds"``, the time the measurement took); nothing is committed. For the table
     builder, ``benchmarks/ns_tables.py``."""
-    coeffs, restarts, names = _normalised(candidates, coefficients, restart_iterations)
-    key = _problem_key(op, x, coeffs, restarts, names)
-    problem = _Problem(key, x.shape, x.dtype, x.device, op, coeffs, restarts)
+    problem = _problem(candidates, x, op, coefficients, restart_iterations)
     start = time.perf_counter()
     with torch.no_grad():
         verdict, _, _ = _measured(problem, tuple(candidates))
@@ -227,13 +225,23 @@ def clear_cache(*, disk: bool = False) -> None:
         _verdict_cache.delete()
 
 
-def _normalised(
+def _problem(
     candidates: Sequence[NSKernel],
+    x: Problem,
+    op: str,
     coefficients: CoefficientRows,
     restart_iterations: Sequence[int],
-) -> tuple[Coefficients, tuple[int, ...], tuple[str, ...]]:
+) -> _Problem:
+    """``x``'s problem, keyed (see [Note: what a verdict is]), its coefficients as floats."""
     coeffs = tuple((float(a), float(b), float(c)) for a, b, c in coefficients)
-    return coeffs, tuple(int(i) for i in restart_iterations), tuple(k.name for k in candidates)
+    restarts = tuple(int(i) for i in restart_iterations)
+    key = _problem_key(op, x, coeffs, restarts, tuple(k.name for k in candidates))
+    return _Problem(key, x.shape, x.dtype, x.device, op, coeffs, restarts)
+
+
+def _provisional(candidates: Sequence[NSKernel]) -> NSKernel:
+    """The kernel that runs a problem without a verdict: torch, else the first candidate."""
+    return {kernel.name: kernel for kernel in candidates}.get(_PROVISIONAL, candidates[0])
 
 
 def _choice(
@@ -245,87 +253,80 @@ def _choice(
 ) -> _Choice:
     """The problem's choice, made at its first call (see [Note: where a verdict comes
     from])."""
-    fast_key = (
-        op,
-        tuple(x.shape),
-        x.dtype,
-        x.device,
-        coefficients if isinstance(coefficients, tuple) else None,
-        tuple(restart_iterations),
-        candidates,
-    )
-    if fast_key[4] is not None:
+    fast_key: tuple[Any, ...] | None = None
+    if isinstance(coefficients, tuple):  # hashable as given
+        restarts = tuple(restart_iterations)
+        fast_key = (op, tuple(x.shape), x.dtype, x.device, coefficients, restarts, candidates)
         with _lock:
             known = _fast.get(fast_key)
         if known is not None:
             return known
-    coeffs, restarts, names = _normalised(candidates, coefficients, restart_iterations)
-    key = _problem_key(op, x, coeffs, restarts, names)
+    problem = _problem(candidates, x, op, coefficients, restart_iterations)
     with _lock:
-        existing = _choices.get(key)
-    if existing is None:
-        by_name = {kernel.name: kernel for kernel in candidates}
-        provisional = by_name.get(_PROVISIONAL, candidates[0])
-        verdict, source = _verdict(key, x, op, names, by_name)
-        if verdict is None:
-            logger.info(
-                "dmuon-ns autotune %s: no verdict; %r runs until tune() or tune_pending()"
-                " measures %s",
-                key,
-                provisional.name,
-                ", ".join(repr(name) for name in names),
-            )
-        kernel = provisional if verdict is None else by_name[verdict["kernel"]]
-        problem = _Problem(key, x.shape, x.dtype, x.device, op, coeffs, restarts)
-        made = _Choice(problem, candidates, provisional, kernel, source)
+        choice = _choices.get(problem.key)
+    if choice is None:
+        choice = _first_choice(problem, candidates)
+    if fast_key is not None:
         with _lock:
-            if verdict is not None:
-                _memory.setdefault(key, verdict)
-            existing = _choices.setdefault(key, made)  # another thread may have been first
-    if fast_key[4] is not None:
-        with _lock:
-            _fast[fast_key] = existing
-    return existing
+            _fast[fast_key] = choice
+    return choice
+
+
+def _first_choice(problem: _Problem, candidates: tuple[NSKernel, ...]) -> _Choice:
+    """The choice of a problem seen for the first time: its verdict's kernel, or the
+    provisional one; committed unless another thread committed one first (then that one)."""
+    names = tuple(kernel.name for kernel in candidates)
+    by_name = {kernel.name: kernel for kernel in candidates}
+    provisional = _provisional(candidates)
+    verdict, source = _verdict(problem, names, by_name)
+    if verdict is None:
+        logger.info(
+            "dmuon-ns autotune %s: no verdict; %r runs until tune() or tune_pending() measures %s",
+            problem.key,
+            provisional.name,
+            ", ".join(repr(name) for name in names),
+        )
+    kernel = provisional if verdict is None else by_name[verdict["kernel"]]
+    made = _Choice(problem, candidates, provisional, kernel, source)
+    with _lock:
+        if verdict is not None:
+            _memory.setdefault(problem.key, verdict)
+        return _choices.setdefault(problem.key, made)
 
 
 def _verdict(
-    key: str, x: Problem, op: str, names: tuple[str, ...], by_name: dict[str, NSKernel]
+    problem: _Problem, names: tuple[str, ...], by_name: dict[str, NSKernel]
 ) -> tuple[AutotuneVerdict | None, str | None]:
     """The problem's verdict, one whose kernel is among the candidates (``by_name``), and its
     source, from the first of memory, the on-disk cache and the device's table that answers
     (see [Note: where a verdict comes from]); ``(None, None)`` when none does."""
     with _lock:
-        verdict, source = _memory.get(key), "memory"
+        verdict, source = _memory.get(problem.key), "memory"
     if verdict is None:
-        verdict, source = _verdict_cache.read().get(key), "disk"  # file I/O outside the lock
+        verdict, source = _verdict_cache.read().get(problem.key), "disk"  # I/O outside the lock
     if verdict is None or verdict.get("kernel") not in by_name:
-        verdict, source = _table_verdict(x, op, names)
+        verdict, source = _table_verdict(problem, names), "table"
     return (verdict, source) if verdict is not None else (None, None)
 
 
-def _table_verdict(
-    x: Problem, op: str, names: tuple[str, ...]
-) -> tuple[AutotuneVerdict | None, str]:
+def _table_verdict(problem: _Problem, names: tuple[str, ...]) -> AutotuneVerdict | None:
     """The shipped table's verdict for the problem, when the device has a table that answers
     for it (``_tables``' note; only measured CUDA cards have one)."""
-    if len(x.shape) != 3:
-        return None, "table"
-    entries = _tables.load(_device_name(x.device))
-    dtype = str(x.dtype).removeprefix("torch.")
-    batch, m, n = (int(s) for s in x.shape)
-    entry = _tables.entry_for(entries, op, batch, m, n, dtype)
-    if entry is None:
-        return None, "table"
-    kernel = _tables.verdict_kernel(entry, names)
-    if kernel is None:
-        return None, "table"
-    verdict: AutotuneVerdict = {
+    if len(problem.shape) != 3:
+        return None
+    entries = _tables.load(_device_name(problem.device))
+    dtype = str(problem.dtype).removeprefix("torch.")
+    batch, m, n = (int(s) for s in problem.shape)
+    entry = _tables.entry_for(entries, problem.op, batch, m, n, dtype)
+    kernel = None if entry is None else _tables.verdict_kernel(entry, names)
+    if entry is None or kernel is None:
+        return None
+    return {
         "kernel": kernel,
         "times_ms": {name: entry.ms[name] for name in names if name in entry.ms},
         "rejected": {name: entry.rejected[name] for name in names if name in entry.rejected},
-        "table": f"{op} {entry.batch}x{entry.m}x{entry.n} {entry.dtype}",
+        "table": f"{problem.op} {entry.batch}x{entry.m}x{entry.n} {entry.dtype}",
     }
-    return verdict, "table"
 
 
 def _settle(choice: _Choice) -> None:
@@ -358,29 +359,24 @@ def _measured(
 ) -> tuple[AutotuneVerdict, NSKernel, bool]:
     """Cross-check and time every candidate on one sample of the problem; the verdict, its
     kernel and whether a candidate could not be measured (no memory)."""
-    by_name = {kernel.name: kernel for kernel in candidates}
-    provisional = by_name.get(_PROVISIONAL, candidates[0])
+    provisional = _provisional(candidates)
     times: dict[str, float] = {}
     provisional_ms: list[float] = []
     ratios: dict[str, float] = {}
     errors: dict[str, float | None] = {}
     rejected: dict[str, str] = {}
-    unmeasured = False
-    torch_error = math.inf
-    sample: _measure.Sample | None
+    others = [kernel for kernel in candidates if kernel is not provisional]
     try:
         sample = _measure.sample(problem, problem.op, problem.coefficients, problem.restarts)
         base_error = sample.error(sample.run(provisional))
         torch_error = base_error if provisional.name == "torch" else sample.torch_error()
         errors[provisional.name] = base_error if math.isfinite(base_error) else None
+        unmeasured = False
     except torch.OutOfMemoryError as err:  # the sample and its reference
-        for kernel in candidates:
-            if kernel is not provisional:
-                _no_memory(problem, kernel, err, rejected)
-        sample, unmeasured = None, True
-    for kernel in candidates:
-        if sample is None or kernel is provisional:
-            continue
+        for kernel in others:
+            _no_memory(problem, kernel, err, rejected)
+        others, unmeasured = [], True  # no sample to measure them on
+    for kernel in others:
         try:
             ms = _cross_check_and_time(sample, kernel, provisional, torch_error, errors, rejected)
         except torch.OutOfMemoryError as err:
@@ -395,14 +391,7 @@ def _measured(
         ratios[_PROVISIONAL] = 1.0  # the bar itself: sound by definition
     if provisional_ms and provisional.name not in times:
         times[provisional.name] = statistics.median(provisional_ms)
-    best: NSKernel | None = None
-    for kernel in candidates:  # ties go to the earlier in priority order
-        if kernel.name in ratios and (best is None or ratios[kernel.name] < ratios[best.name]):
-            best = kernel
-    if best is None:
-        # Nothing passed (a provisional kernel other than torch failed too): the first
-        # candidate by priority, which the dispatcher lists as the most trusted.
-        best = candidates[0]
+    best = _fastest(candidates, ratios)
     verdict: AutotuneVerdict = {
         "kernel": best.name,
         "times_ms": {name: round(ms, 5) for name, ms in times.items()},
@@ -411,6 +400,14 @@ def _measured(
         "rejected": rejected,
     }
     return verdict, best, unmeasured
+
+
+def _fastest(candidates: tuple[NSKernel, ...], ratios: dict[str, float]) -> NSKernel:
+    """The candidate of least time relative to torch's (ties: the earlier in priority order).
+    Where nothing passed (a provisional kernel other than torch failed too), the first
+    candidate by priority, which the dispatcher lists as the most trusted."""
+    passed = [kernel for kernel in candidates if kernel.name in ratios]
+    return min(passed, key=lambda kernel: ratios[kernel.name]) if passed else candidates[0]
 
 
 def _cross_check_and_time(
