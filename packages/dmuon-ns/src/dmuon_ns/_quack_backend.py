@@ -68,12 +68,10 @@ from torch import Tensor
 
 from dmuon_ns._iterations import TORCH_PRODUCTS, LoopKernel, Products, TorchProducts
 from dmuon_ns._prepare import ScalePass, scale_with_torch
-from dmuon_ns._registry import cuda_capability_reason, register_kernel
+from dmuon_ns._registry import cuda_capability_reason, install_hint, register_kernel
 
 __all__ = ["QUACK_KERNEL", "QuackKernel"]
 
-# What dmuon-ns's ``cute`` extra installs.
-_INSTALL_HINT = "pip install 'quack-kernels>=0.6.5' 'nvidia-cutlass-dsl>=4.8.1'"
 _SMALL_GRAM_SIDE = 256
 _TMA_ALIGN_BYTES = 16
 # quack-kernels releases whose dispatch-level ``gemm_symmetric`` takes the tile arguments used
@@ -267,7 +265,7 @@ class QuackKernel(LoopKernel):
     def unavailable_reason(self, device: torch.device) -> str | None:
         for module in ("quack", "cutlass"):
             if importlib.util.find_spec(module) is None:
-                return f"{module} is not installed: {_INSTALL_HINT}"
+                return f"{module} is not installed: {install_hint('quack')}"
         if device.type != "cuda":
             return f"needs a CUDA device of SM90 or newer (got {device.type})"
         return cuda_capability_reason(device, 9)

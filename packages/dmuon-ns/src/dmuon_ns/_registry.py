@@ -51,6 +51,7 @@ __all__ = [
     "Resolution",
     "clear_resolution_cache",
     "cuda_capability_reason",
+    "install_hint",
     "kernel_names",
     "kernel_status",
     "register_kernel",
@@ -73,7 +74,7 @@ def unknown_kernel(source: str, name: str) -> ValueError:
     )
 
 
-# Optional kernels: name -> (module that registers it on import, install hint).
+# Optional kernels: name -> (module that registers it on import, install hint: dmuon-ns's extra).
 _OPTIONAL_KERNELS: dict[str, tuple[str, str]] = {
     "triton": ("dmuon_ns._triton_backend", "pip install 'triton>=3.4'"),
     "quack": (
@@ -138,6 +139,11 @@ class NSKernel(Protocol):
         """Direct Newton–Schulz of ``x``: one step ``X ← aX + (bA + cA²)X``, ``A = XXᵀ``, per
         row ``(a, b, c)`` of ``coefficients``."""
         ...
+
+
+def install_hint(name: str) -> str:
+    """How to install what the optional kernel ``name`` needs (for its ``unavailable_reason``)."""
+    return _OPTIONAL_KERNELS[name][1]
 
 
 def cuda_capability_reason(device: torch.device, min_major: int) -> str | None:

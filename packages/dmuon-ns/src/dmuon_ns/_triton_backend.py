@@ -21,11 +21,9 @@ from torch import Tensor
 from dmuon_ns._environment import triton_interpreting
 from dmuon_ns._iterations import LoopKernel, Products
 from dmuon_ns._prepare import ScalePass, scale_with_torch
-from dmuon_ns._registry import cuda_capability_reason, register_kernel
+from dmuon_ns._registry import cuda_capability_reason, install_hint, register_kernel
 
 __all__ = ["TRITON_KERNEL", "TritonKernel", "triton_scale_pass"]
-
-_INSTALL_HINT = "pip install 'triton>=3.4'"  # dmuon-ns's ``triton`` extra
 
 
 class TritonKernel(LoopKernel):
@@ -35,7 +33,7 @@ class TritonKernel(LoopKernel):
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if importlib.util.find_spec("triton") is None:
-            return f"triton is not installed: {_INSTALL_HINT}"
+            return f"triton is not installed: {install_hint('triton')}"
         if device.type == "cuda":
             return cuda_capability_reason(device, 8)
         if device.type == "cpu" and triton_interpreting():
