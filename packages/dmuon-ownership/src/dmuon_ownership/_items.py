@@ -6,13 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ._checks import int_at_least
 from ._route import Route, parse_route
 
 __all__ = ["Owner", "WorkItem"]
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class Owner(NamedTuple):
@@ -54,9 +51,7 @@ class WorkItem:
             shape = tuple(self.shape)
         except TypeError:
             shape = None
-        if shape is None or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if shape is None or not all(int_at_least(d, 0) for d in shape):
             raise ValueError(
                 f"{who}: shape must be a sequence of non-negative ints, got {self.shape!r}"
             )
@@ -74,7 +69,7 @@ class WorkItem:
             )
         for field_name in ("itemsize", "tp"):
             value = getattr(self, field_name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not int_at_least(value, 1):
                 raise ValueError(f"{who}: {field_name} must be an int >= 1, got {value!r}")
         self._check_matrices(who)
 
@@ -84,7 +79,7 @@ class WorkItem:
         except TypeError:
             stacks = None
         if stacks is None or not all(
-            len(stack) == 3 and all(_positive(d) for d in stack) for stack in stacks
+            len(stack) == 3 and all(int_at_least(d, 1) for d in stack) for stack in stacks
         ):
             raise ValueError(
                 f"{who}: matrices must be (count, rows, cols) triples of ints >= 1, got "

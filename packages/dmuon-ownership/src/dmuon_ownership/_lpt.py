@@ -57,6 +57,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ._checks import int_at_least
 from ._cost import CostFn, ExpertStack, expert_base_loads, expert_work, ns_cost
 from ._expert_sources import ExpertSource, expert_sources
 from ._items import Owner, WorkItem
@@ -82,7 +83,7 @@ class _Atom:
 
 
 def _check_size(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not int_at_least(value, 1):
         raise ValueError(f"plan_owners: {name} must be an int >= 1, got {value!r}")
     return value
 
@@ -112,11 +113,7 @@ def plan_owners(
     """
     shard_size = _check_size("shard_size", shard_size)
     replicate_size = _check_size("replicate_size", replicate_size)
-    if (
-        not isinstance(small_param_threshold, int)
-        or isinstance(small_param_threshold, bool)
-        or small_param_threshold < 0
-    ):
+    if not int_at_least(small_param_threshold, 0):
         raise ValueError(
             "plan_owners: small_param_threshold must be an int >= 0 (elements; 0 disables "
             f"packing), got {small_param_threshold!r}"
@@ -223,7 +220,7 @@ def _check_experts(
         raise ValueError("plan_owners: two expert stacks share a name; names must be unique")
     for name, stack in stacks:
         for field_name, value in zip(stack._fields, stack, strict=True):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not int_at_least(value, 1):
                 raise ValueError(
                     f"plan_owners: expert stack {name!r}: {field_name} must be an int >= 1, got "
                     f"{value!r} (ExpertStack(experts, rows, cols, per_expert) counts experts "

@@ -41,11 +41,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ._checks import int_at_least
+
 __all__ = ["MatrixSplit", "RowBlock"]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class RowBlock(NamedTuple):
@@ -104,7 +102,7 @@ class MatrixSplit:
             raise ValueError(f"MatrixSplit.per_head must be True or False, got {self.per_head!r}")
         for name in ("heads", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and not int_at_least(value, 1):
                 raise ValueError(f"MatrixSplit.{name} must be an int >= 1, got {value!r}")
         if self.rows is not None:
             self._check_rows()
@@ -124,7 +122,7 @@ class MatrixSplit:
             rows = tuple(self.rows)  # type: ignore[arg-type]
         except TypeError:
             rows = ()
-        if not rows or not all(_is_int(r) and r >= 1 for r in rows):
+        if not rows or not all(int_at_least(r, 1) for r in rows):
             raise ValueError(
                 f"MatrixSplit.rows must be a non-empty sequence of ints >= 1 (consecutive row "
                 f"blocks), got {self.rows!r}"
