@@ -7,7 +7,7 @@ processes it does not control the code of:
 - ``DMUON_NS_KERNEL`` names the kernel that ``kernel="auto"`` runs (``"auto"`` or empty:
   unset). Where it stands among the other rules is ``_registry``'s [Note: kernel precedence].
 - ``DMUON_NS_CACHE_DIR`` is the directory of the autotune verdicts (empty: unset, the default
-  ``~/.cache/dmuon/ns-autotune``); see ``_autotune``'s [Note: the on-disk cache].
+  ``~/.cache/dmuon/ns-autotune``); see ``_verdict_cache``'s [Note: the on-disk cache].
 - ``TRITON_INTERPRET`` is Triton's own switch: on, Triton runs kernels in its CPU interpreter,
   which is how the Triton kernel is tested without a GPU. One rule here: any value but ``""``
   and ``"0"`` means on. (Triton itself takes ``1``, ``true`` and ``on``; set it to ``1``.)

@@ -21,9 +21,9 @@ before the new one is formed, ``R·Z'`` right after, ``Z'`` at the end of its st
 became the first ``Q``), and ``R`` after the step before a restart or the last step, which do
 not update it. So each product is formed beside three m×m matrices at most (``R``, ``Q`` and
 ``Z'``, or ``Q``, ``Z'`` and ``R·Z'``), and a restart's ``Q·X`` beside ``Q`` alone: then the
-iterate, the restarted iterate and one m×m matrix are alive, where stale references used to
-keep three more (for a stack of 768×2048 experts, 1.1 times the input's size;
-``tests/test_iterations.py`` counts them).
+iterate, the restarted iterate and one m×m matrix are alive. Three more m×m matrices kept alive
+there would be 1.1 times the input's size for a stack of 768×2048 experts
+(``tests/test_iterations.py`` counts them).
 
 [Note: fused epilogues]
 ``aI + Z'`` with ``Z' = bR + cR²`` is never formed in half precision where it can be avoided:

@@ -12,9 +12,8 @@ then runs the fastest candidate of the nearest measured product of the same kind
 dtype (distance: the sum of the absolute log-ratios of ``m``, ``n`` and ``k``, a quarter of
 the batch's, and 1 for another output dtype: the table measures bf16 NS inputs, and an fp32
 input's last product writes fp32), launched directly: one compile per tile it uses, no timing
-inside a call. A card without a
-table, or a table whose candidates are not the kernels' current ones, leaves every product to
-the autotuner as before.
+inside a call. A card without a table, or a table whose candidates are not the kernels'
+current ones, leaves every product to Triton's autotuner.
 
 Tiles never change a bit of a product (``_triton_kernels``' [Note: symmetric products]: the
 same K order whatever the tile), so the table decides speed only.

@@ -106,10 +106,10 @@ def plan_owners(
     loads]; ``slot = replicate * shard_size + shard``). ``experts`` names the expert stacks
     FSDP2 splits over the shard axis (and replicates over the replicate axis): their work is
     the base load, and with replicas the plan also picks ``expert_sources`` (see [Note: expert
-    sources]); give ``experts`` or ``base_loads``, not both. See [Note: the assignment] for the
-    algorithm. Raises ``ValueError`` for duplicate names, mixed tensor-parallel degrees, a cost
-    that is not a finite number >= 0, or ``base_loads`` of the wrong length or with a value
-    that is not a finite number >= 0.
+    sources] in ``_expert_sources``); give ``experts`` or ``base_loads``, not both. See [Note:
+    the assignment] for the algorithm. Raises ``ValueError`` for duplicate names, mixed
+    tensor-parallel degrees, a cost that is not a finite number >= 0, or ``base_loads`` of the
+    wrong length or with a value that is not a finite number >= 0.
     """
     shard_size = _check_size("shard_size", shard_size)
     replicate_size = _check_size("replicate_size", replicate_size)

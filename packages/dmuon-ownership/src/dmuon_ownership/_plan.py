@@ -43,8 +43,8 @@ class Plan:
     (empty when ``tp_size == 1``). ``base_loads[slot]`` is the work that was on each slot before
     planning (``plan_owners(base_loads=...)`` or the work of ``plan_owners(experts=...)``,
     empty when neither is given); ``loads`` and ``tp_loads`` include it. ``expert_sources``
-    lists the expert stack shards that one replica steps for all (see [Note: expert sources]);
-    ``loads`` and ``tp_loads`` count their work on the source only.
+    lists the expert stack shards that one replica steps for all (see [Note: expert sources]
+    in ``_expert_sources``); ``loads`` and ``tp_loads`` count their work on the source only.
     """
 
     shard_size: int
@@ -82,7 +82,8 @@ class Plan:
 
     def expert_source(self, stack: str, shard: int) -> int | None:
         """The replica that steps ``stack``'s experts at shard index ``shard`` for all of them,
-        or ``None`` when every replica steps its own (see [Note: expert sources])."""
+        or ``None`` when every replica steps its own (see [Note: expert sources] in
+        ``_expert_sources``)."""
         for source in self.expert_sources:
             if source.stack == stack and source.shard == shard:
                 return source.replicate

@@ -102,7 +102,7 @@ class ResolvedPolicy:
     cast_forward_inputs: bool = True
     # A fused GLU expert stack: see GLU_MODES.
     glu: str | None = None
-    # A fused 2-D weight's pieces, orthogonalised apart: see [Note: declared splits].
+    # A fused 2-D weight's pieces, orthogonalised apart: see [Note: declared splits] in _split.
     split: MatrixSplit | None = None
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ split is the same matrices whatever the order (``per_head=True``, which only nee
 ``d`` rows consecutive); its q, k and v as whole matrices are not blocks of rows, and no split
 here declares them.
 
-Momentum and weight decay are elementwise, so they act on the whole weight as before; the
+Momentum and weight decay are elementwise, so they act on the whole weight, split or not; the
 learning-rate scale is each piece's (Moonlight's ``0.2·√max(m, n)`` of the piece's matrix). The
 planner charges a split weight the sum of its pieces' Newton–Schulz costs
 (``WorkItem.matrices``), since that is what its owner runs. A model with a split fused weight
