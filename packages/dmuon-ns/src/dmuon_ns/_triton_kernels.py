@@ -385,14 +385,14 @@ def matmul(
     flags = dict(SYMMETRIC=symmetric, HAS_C=c is not None, HAS_DIAG=diag != 0.0)
     if config is None and not _INTERPRETING:
         config = _shipped_tile(a, out, symmetric, c is not None, diag != 0.0)
-    if config is None and not _INTERPRETING:
-        tuned = _sym_tuned if symmetric else _mm_tuned
+        if config is None:  # no shipped tile: Triton's autotuner picks one
+            tuned = _sym_tuned if symmetric else _mm_tuned
 
-        def grid(meta: dict[str, int]) -> tuple[int, int]:
-            return (_programs(m, n, meta, symmetric), batch)
+            def grid(meta: dict[str, int]) -> tuple[int, int]:
+                return (_programs(m, n, meta, symmetric), batch)
 
-        tuned[grid](*args, **flags, K_TILES=0, INTERPRET=False)
-        return out
+            tuned[grid](*args, **flags, K_TILES=0, INTERPRET=False)
+            return out
     cfg = config or _INTERPRETER_CONFIG
     meta = cfg.meta(symmetric)
     _product_kernel[(_programs(m, n, meta, symmetric), batch)](
