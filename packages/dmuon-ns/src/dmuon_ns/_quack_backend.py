@@ -239,14 +239,10 @@ def _tiled_symmetric() -> Any:
     return gemm_symmetric
 
 
-_quack_products: _QuackProducts | None = None
-
-
+@functools.cache
 def _quack() -> Products:
-    global _quack_products
-    if _quack_products is None:
-        _quack_products = _QuackProducts()
-    return _quack_products
+    """quack's products, made (and quack imported) at the first problem that runs on them."""
+    return _QuackProducts()
 
 
 def _products_for(x: Tensor) -> Products:
