@@ -201,10 +201,8 @@ def measure(
     ``"seconds"``, the time the measurement took); nothing is committed. For the table
     builder, ``benchmarks/ns_tables.py``."""
     problem = _problem(candidates, x, op, coefficients, restart_iterations)
-    start = time.perf_counter()
     with torch.no_grad():
         verdict, _, _ = _measured(problem, tuple(candidates))
-    verdict["seconds"] = round(time.perf_counter() - start, 3)
     return verdict
 
 
@@ -334,10 +332,8 @@ def _settle(choice: _Choice) -> None:
     with choice.lock:
         if not choice.open:
             return
-        start = time.perf_counter()
         with span("dmuon::ns_autotune"), torch.no_grad():
             verdict, best, unmeasured = _measured(choice.problem, choice.candidates)
-        verdict["seconds"] = round(time.perf_counter() - start, 3)
         key = choice.problem.key
         logger.info(
             "dmuon-ns autotune %s: chose %r (ms %s, rejected %s)",
@@ -357,8 +353,10 @@ def _settle(choice: _Choice) -> None:
 def _measured(
     problem: _Problem, candidates: tuple[NSKernel, ...]
 ) -> tuple[AutotuneVerdict, NSKernel, bool]:
-    """Cross-check and time every candidate on one sample of the problem; the verdict, its
-    kernel and whether a candidate could not be measured (no memory)."""
+    """Cross-check and time every candidate on one sample of the problem; the verdict (with
+    ``"seconds"``, the time this took), its kernel and whether a candidate could not be
+    measured (no memory)."""
+    start = time.perf_counter()
     provisional = _provisional(candidates)
     times: dict[str, float] = {}
     provisional_ms: list[float] = []
@@ -398,6 +396,7 @@ def _measured(
         "ratios": {name: round(ratio, 4) for name, ratio in ratios.items()},
         "errors": errors,
         "rejected": rejected,
+        "seconds": round(time.perf_counter() - start, 3),
     }
     return verdict, best, unmeasured
 
