@@ -153,19 +153,33 @@ def run_graphed(
     with _lock:
         entry = _graphs.get(full_key)
     if entry is None or entry.variant != variant:
-        with _lock:
-            _graphs.pop(full_key, None)  # another variant's buffers go before the capture
-        pool = _pool(source.device)
-        with pool.lock:  # the capture may reuse what the pool's graphs read and write
-            pool.after_last_call()
-            result = finished(fn(source.write()))
-            entry = _capture_or_eager(fn, source, full_key, variant, pool)
-            pool.call_enqueued()
-        with _lock:
-            _graphs[full_key] = entry
-        return result
+        return _run_then_capture(fn, source, full_key, variant)
     if isinstance(entry, _Eager):
         return finished(fn(source.write()))
+    return _replay(entry, source)
+
+
+def _run_then_capture(
+    fn: Callable[[Tensor], Output], source: GraphInput, key: Hashable, variant: Hashable
+) -> Tensor:
+    """A key's first call with this variant: run eagerly, then capture for the calls after
+    (see [Note: one pool for every graph] and [Note: one graph per key])."""
+    with _lock:
+        _graphs.pop(key, None)  # another variant's buffers go before the capture
+    pool = _pool(source.device)
+    with pool.lock:  # the capture may reuse what the pool's graphs read and write
+        pool.after_last_call()
+        result = finished(fn(source.write()))
+        entry = _capture_or_eager(fn, source, key, variant, pool)
+        pool.call_enqueued()
+    with _lock:
+        _graphs[key] = entry
+    return result
+
+
+def _replay(entry: _Captured, source: GraphInput) -> Tensor:
+    """A later call: the input written into the graph's, the graph replayed, a fresh result
+    (see [Note: input and output])."""
     pool = _pool(source.device)
     with pool.lock:
         pool.after_last_call()
