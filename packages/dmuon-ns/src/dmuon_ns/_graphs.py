@@ -45,13 +45,13 @@ anew.
 
 [Note: capture failures]
 Capture can fail for reasons outside our control (a kernel that synchronises, an allocator
-setting, a capture already running on the stream, no CUDA at all); CUDA and torch report all
-of them as ``RuntimeError``. The first failure for a key is reported once, through both
-``logging`` and ``warnings``, and that key runs eagerly from then on; other keys still try to
-capture. Any other exception (a kernel library's own error type, a wrong return type) is not
-a capture problem and propagates. A capture makes the pool's handle before anything else on
-the device: without a usable CUDA that is the call that fails, with a ``RuntimeError`` on
-every torch build (a CPU build's allocator would raise ``AssertionError`` for a CUDA tensor).
+setting, a capture already running on the stream); CUDA and torch report all of them as
+``RuntimeError``. The first failure for a key is reported once, through both ``logging`` and
+``warnings``, and that key runs eagerly from then on; other keys still try to capture. Any
+other exception (a kernel library's own error type, a wrong return type) is not a capture
+problem and propagates. Only CUDA inputs reach a capture, so the device works by then: the
+pool's handle, made before the call's eager run, is not a capture step and its errors
+propagate like any other CUDA call's.
 """
 
 from __future__ import annotations
@@ -192,8 +192,7 @@ def _replay(entry: _Captured, source: GraphInput) -> Tensor:
 
 
 def _pool(device: torch.device) -> _Pool:
-    """The device's pool; making its handle is the first CUDA call of a capture (see [Note:
-    capture failures])."""
+    """The device's pool, made at its first capture."""
     with _lock:
         pool = _pools.get(device)
         if pool is None:
@@ -218,8 +217,8 @@ def _capture_or_eager(
     fn: Callable[[Tensor], Output],
     source: GraphInput,
     key: Hashable,
-    variant: Hashable = None,
-    pool: _Pool | None = None,
+    variant: Hashable,
+    pool: _Pool,
 ) -> _Captured | _Eager:
     try:
         with span("dmuon::ns_graph_capture"):
@@ -235,11 +234,10 @@ def _capture_or_eager(
 
 
 def _capture(
-    fn: Callable[[Tensor], Output], source: GraphInput, variant: Hashable, pool: _Pool | None
+    fn: Callable[[Tensor], Output], source: GraphInput, variant: Hashable, pool: _Pool
 ) -> _Captured:
     """Capture ``fn`` on a static input, after the call's eager run (see [Note: one pool for
     every graph]); the input's contents do not matter to a capture, which runs nothing."""
-    pool = pool if pool is not None else _pool(source.device)  # first: see the note
     static_input = torch.empty(source.shape, dtype=source.dtype, device=source.device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool.handle):
