@@ -95,7 +95,8 @@ _TABLES_BODY = textwrap.dedent(
     from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
     from dmuon_fsdp import Muon, StepOptions, dedicate_params
     from dmuon_fsdp.optim._fused import static_tables
-    from dmuon_fsdp.optim._graphed_step import _Buffers, muon_phase
+    from dmuon_fsdp.optim._graphed_step import _Buffers
+    from dmuon_fsdp.optim._muon_math import muon_phase
 
     tmp = tempfile.mkdtemp()
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=0, world_size=1)
@@ -106,7 +107,7 @@ _TABLES_BODY = textwrap.dedent(
         tables = _Buffers("signature", parts, skip is not None)
         flag = tables.write(items, skip)
         with static_tables(tables.tables):
-            muon_phase(work.batches, work.momentum_only, flag, mark, tables)
+            muon_phase(work.batches, work.momentum_only, flag, mark, scalars=tables.scalars)
 
     def train(tabled, cap):
         model = build(0, 2)

@@ -54,48 +54,13 @@ from torch import Tensor
 
 from dmuon_ns import kernel_choices_version
 
-from .._matrix import NSFunction
 from .._profile import no_mark
 from ._fused import kernels_ready, static_tables
-from ._muon_math import (
-    MuonItem,
-    StagedWindow,
-    StepScalars,
-    grad_matrices,
-    momentum_only,
-    muon_batch,
-    scalar_rows,
-)
+from ._muon_math import Batches, MuonItem, StepScalars, grad_matrices, muon_phase, scalar_rows
 
-__all__ = ["GraphedMuonPhase", "muon_phase"]
+__all__ = ["GraphedMuonPhase"]
 
 logger = logging.getLogger(__name__)
-
-Batches = Sequence[tuple[int, list[MuonItem], NSFunction | None]]
-
-
-def muon_phase(
-    batches: Batches,
-    momentum: Sequence[list[MuonItem]],
-    skip: Tensor | None,
-    mark: Callable[[str], None],
-    tables: _Buffers | None = None,
-    window_bytes: int | None = None,
-) -> None:
-    """Momentum, NS and update of every batch (staged ones side by side, up to
-    ``window_bytes`` on each holder: [Note: Newton–Schulz that waits for peers] in
-    _muon_math), then the momentum-only stacks; with ``tables``, the kernels read the items'
-    scalars and gradient offsets there (rows in this order)."""
-    parts = len(batches)
-    window = StagedWindow(window_bytes, skip, mark)
-    for index, (_, items, ns) in enumerate(batches):
-        assert ns is not None
-        scalars = None if tables is None else tables.scalars(index)
-        if not window.add(items, ns, scalars):
-            muon_batch(items, ns, skip=skip, mark=mark, scalars=scalars)
-    window.flush()
-    for index, items in enumerate(momentum, parts):
-        momentum_only(items, skip, None if tables is None else tables.scalars(index))
 
 
 @functools.cache
@@ -201,7 +166,7 @@ class GraphedMuonPhase:
             warm = self._warm = _Buffers(signature, parts, skip is not None)
         flag = warm.write(items, skip)
         with static_tables(warm.tables):
-            muon_phase(batches, momentum, flag, mark, warm)
+            muon_phase(batches, momentum, flag, mark, scalars=warm.scalars)
         if seen:
             self._capture(batches, momentum, warm)
 
@@ -212,7 +177,7 @@ class GraphedMuonPhase:
         graph = torch.cuda.CUDAGraph()
         try:
             with static_tables(warm.tables), torch.cuda.graph(graph):
-                muon_phase(batches, momentum, warm.skip, no_mark, warm)
+                muon_phase(batches, momentum, warm.skip, no_mark, scalars=warm.scalars)
         except RuntimeError as err:  # how CUDA reports a capture it cannot make
             self._failed = True
             self._warm = None

@@ -84,6 +84,7 @@ from ..holder import DedicatedParam
 from ._fused import DeviceScalars, advance_momentum, momentum_into, ns_input_into, update_weight
 
 __all__ = [
+    "Batches",
     "MuonItem",
     "NSFunction",
     "StagedNS",
@@ -98,6 +99,7 @@ __all__ = [
     "momentum_only",
     "momentum_update",
     "muon_batch",
+    "muon_phase",
     "muon_step",
     "ns_inputs",
     "optim_dtype",
@@ -260,6 +262,42 @@ def muon_step(
     for part in shape_batches(items, _item_key, _item_size, max_batch_bytes):
         muon_batch(part, ns, skip=skip, mark=mark)
     mark("muon_update")
+
+
+# The NS batches of a step, each with its plan index, items and NS function.
+Batches = Sequence[tuple[int, list[MuonItem], NSFunction | None]]
+
+
+def muon_phase(
+    batches: Batches,
+    momentum: Sequence[list[MuonItem]],
+    skip: Tensor | None,
+    mark: Callable[[str], None],
+    *,
+    window_bytes: int | None = None,
+    scalars: Callable[[int], StepScalars] | None = None,
+    early: Callable[[int, list[MuonItem]], Tensor | None] | None = None,
+) -> None:
+    """The Muon phase of a step: momentum, NS and update of every batch (staged ones side by
+    side, up to ``window_bytes`` on each holder: [Note: Newton–Schulz that waits for peers]),
+    then the momentum-only stacks. ``scalars(i)``: where the passes of the phase's ``i``-th
+    part read their scalars and gradient offsets (the graphed phase's tables, parts in this
+    order). ``early(index, items)``: the NS result of plan batch ``index`` computed during
+    backward (``ns_overlap``), or ``None``; a batch that has one only advances its momentum
+    and takes its update."""
+    window = StagedWindow(window_bytes, skip, mark)
+    for position, (index, items, ns) in enumerate(batches):
+        assert ns is not None
+        updates = None if early is None else early(index, items)
+        if updates is not None:
+            finish_batch(items, updates, skip=skip)
+            continue
+        part_scalars = None if scalars is None else scalars(position)
+        if not window.add(items, ns, part_scalars):
+            muon_batch(items, ns, skip=skip, mark=mark, scalars=part_scalars)
+    window.flush()
+    for position, items in enumerate(momentum, len(batches)):
+        momentum_only(items, skip, None if scalars is None else scalars(position))
 
 
 def muon_batch(

@@ -65,17 +65,8 @@ from ..holder import (
 )
 from ..runtime import DedicatedRuntime, get_runtime
 from ._fused import FusedLayout, compile_in_background
-from ._graphed_step import GraphedMuonPhase, muon_phase
-from ._muon_math import (
-    MuonItem,
-    StagedWindow,
-    adamw_step,
-    finish_batch,
-    fresh_state,
-    make_newton_schulz,
-    momentum_only,
-    muon_batch,
-)
+from ._graphed_step import GraphedMuonPhase
+from ._muon_math import MuonItem, adamw_step, fresh_state, make_newton_schulz, muon_phase
 from ._ns_overlap import NSOverlap
 from ._param_groups import GroupDefaults, build_param_groups, peeked_numbers, take_group_edits
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
@@ -707,43 +698,24 @@ class Muon(torch.optim.Optimizer):
         self, work: _StepWork, skip: Tensor | None, mark: Callable[[str], None]
     ) -> None:
         """Momentum, NS (one call per batch, with the batch's NS) and the update of every
-        matrix this rank steps; the momentum alone of those another replica steps."""
+        matrix this rank steps; the momentum alone of those another replica steps. With
+        ``ns_overlap`` a batch whose NS ran during backward takes that result."""
         with span("dmuon::muon_step"):
-            if self._overlap is not None:
-                self._overlap_phase(work, self._overlap, skip, mark)
-            elif self._graphed is not None:
+            if self._graphed is not None:
                 self._graphed.run(work.batches, work.momentum_only, skip, mark)
             else:
+                overlap = self._overlap
                 muon_phase(
                     work.batches,
                     work.momentum_only,
                     skip,
                     mark,
                     window_bytes=self._options.ns_batch_bytes,
+                    early=None if overlap is None else overlap.take,
                 )
+                if overlap is not None:
+                    overlap.end_step()
         mark("muon_update")
-
-    def _overlap_phase(
-        self,
-        work: _StepWork,
-        overlap: NSOverlap,
-        skip: Tensor | None,
-        mark: Callable[[str], None],
-    ) -> None:
-        """The Muon phase with ``ns_overlap``: each batch whose NS ran during backward only
-        advances its momentum and takes its update; the others run whole."""
-        window = StagedWindow(self._options.ns_batch_bytes, skip, mark)
-        for index, items, ns in work.batches:
-            assert ns is not None
-            early = overlap.take(index, items)
-            if early is not None:
-                finish_batch(items, early, skip=skip)
-            elif not window.add(items, ns):
-                muon_batch(items, ns, skip=skip, mark=mark)
-        window.flush()
-        for items in work.momentum_only:
-            momentum_only(items, skip=skip)
-        overlap.end_step()
 
     def _post_update(self, mark: Callable[[str], None]) -> BaseException | None:
         """The post-update hooks; the exception one raised, which the step raises once it has
