@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -163,6 +163,24 @@ def _unfit(entry: Any, route: Route, shape: tuple[int, ...]) -> str:
     return ", ".join(problems)
 
 
+def _paired(
+    groups: list[dict[str, Any]], saved_groups: Sequence[Any]
+) -> dict[Any, tuple[Tensor, str, Route]] | None:
+    """Each saved parameter index with its live parameter, name and route, paired by position
+    as torch's load pairs them; ``None`` where torch's load would refuse the groups (another
+    structure or group sizes)."""
+    try:
+        saved_ids = [list(g["params"]) for g in saved_groups]
+    except (KeyError, TypeError):
+        return None
+    if [len(ids) for ids in saved_ids] != [len(g["params"]) for g in groups]:
+        return None
+    live = [
+        (p, name, g["optimizer"]) for g in groups for p, name in zip(g["params"], g["param_names"])
+    ]
+    return dict(zip(chain.from_iterable(saved_ids), live))
+
+
 def split_for_load(
     optimizer: torch.optim.Optimizer,
     dedicated: Mapping[int, DedicatedParam],
@@ -192,17 +210,9 @@ def split_for_load(
     if not isinstance(saved_state, Mapping) or not isinstance(saved_groups, list | tuple):
         return torch_part, {}
     groups = optimizer.param_groups
-    try:
-        saved_ids = [list(g["params"]) for g in saved_groups]
-    except (KeyError, TypeError):
+    id_map = _paired(groups, saved_groups)
+    if id_map is None:
         return torch_part, {}
-    if [len(ids) for ids in saved_ids] != [len(g["params"]) for g in groups]:
-        return torch_part, {}
-    # Saved index -> live parameter, by position, as torch's load pairs them.
-    live = [
-        (p, name, g["optimizer"]) for g in groups for p, name in zip(g["params"], g["param_names"])
-    ]
-    id_map = dict(zip(chain.from_iterable(saved_ids), live))
     torch_part["param_groups"] = _routes_back(groups, saved_groups)
     recorded = state_dict.get(HOLDINGS_KEY)
     if not isinstance(recorded, Mapping):
@@ -239,35 +249,47 @@ def split_for_load(
         else:
             state[saved_id] = entry
     if misshapen:
-        shown = ", ".join(misshapen[:4]) + (" ..." if len(misshapen) > 4 else "")
-        raise ValueError(
-            f"Muon.load_state_dict on rank {_rank()}: the state of {len(misshapen)} "
-            f"parameter(s) does not fit what this rank steps: {shown}. A dictionary of "
-            "another topology (world size, mesh or tensor parallelism) has another shape than "
-            "this rank steps: optimizer.state_dict() only loads where it was saved. Across "
-            "topologies save with dmuon.get_optimizer_state_dict(model, optimizer) and load "
-            "with dmuon.set_optimizer_state_dict(model, optimizer, state_dict) (or DCP: "
-            "dmuon.save_checkpoint / dmuon.load_checkpoint). Nothing was loaded"
-        )
+        _refuse_misshapen(misshapen)
     if lacking:
-        saver, size = recorded.get("rank"), recorded.get("world_size")
-        source = "another rank" if saver is None else f"rank {saver}"
-        if saver is not None and size is not None and size != _world_size():
-            source += f" of {size} (this is rank {_rank()} of {_world_size()})"
-        shown = ", ".join(repr(n) for n in lacking[:6]) + (" ..." if len(lacking) > 6 else "")
-        raise ValueError(
-            f"Muon.load_state_dict on rank {_rank()}: this optimizer state dict was saved on "
-            f"{source} and does not hold the state this rank steps for {len(lacking)} "
-            f"parameter(s): {shown}. optimizer.state_dict() holds only its own rank's state (a "
-            "dedicated matrix's on its owner, an FSDP2 parameter's shard on its rank), so "
-            "loading rank 0's dictionary on every rank would restart the others' parameters "
-            "from fresh state. Save the full state with dmuon.get_optimizer_state_dict(model, "
-            "optimizer) and load it with dmuon.set_optimizer_state_dict(model, optimizer, "
-            "state_dict) (both collective: call them on every rank), or load each rank's own "
-            "optimizer.state_dict() on that rank. Nothing was loaded"
-        )
+        _refuse_lacking(lacking, recorded)
     torch_part["state"] = state
     return torch_part, owned
+
+
+def _refuse_misshapen(misshapen: Sequence[str]) -> NoReturn:
+    """``split_for_load``'s refusal of states (``misshapen``: each parameter's name and what
+    does not fit) that do not fit what this rank steps."""
+    shown = ", ".join(misshapen[:4]) + (" ..." if len(misshapen) > 4 else "")
+    raise ValueError(
+        f"Muon.load_state_dict on rank {_rank()}: the state of {len(misshapen)} "
+        f"parameter(s) does not fit what this rank steps: {shown}. A dictionary of "
+        "another topology (world size, mesh or tensor parallelism) has another shape than "
+        "this rank steps: optimizer.state_dict() only loads where it was saved. Across "
+        "topologies save with dmuon.get_optimizer_state_dict(model, optimizer) and load "
+        "with dmuon.set_optimizer_state_dict(model, optimizer, state_dict) (or DCP: "
+        "dmuon.save_checkpoint / dmuon.load_checkpoint). Nothing was loaded"
+    )
+
+
+def _refuse_lacking(lacking: Sequence[str], recorded: Mapping[str, Any]) -> NoReturn:
+    """``split_for_load``'s refusal of a dictionary without the state this rank steps for the
+    parameters ``lacking``, naming the rank that saved it (from its ``recorded`` holdings)."""
+    saver, size = recorded.get("rank"), recorded.get("world_size")
+    source = "another rank" if saver is None else f"rank {saver}"
+    if saver is not None and size is not None and size != _world_size():
+        source += f" of {size} (this is rank {_rank()} of {_world_size()})"
+    shown = ", ".join(repr(n) for n in lacking[:6]) + (" ..." if len(lacking) > 6 else "")
+    raise ValueError(
+        f"Muon.load_state_dict on rank {_rank()}: this optimizer state dict was saved on "
+        f"{source} and does not hold the state this rank steps for {len(lacking)} "
+        f"parameter(s): {shown}. optimizer.state_dict() holds only its own rank's state (a "
+        "dedicated matrix's on its owner, an FSDP2 parameter's shard on its rank), so "
+        "loading rank 0's dictionary on every rank would restart the others' parameters "
+        "from fresh state. Save the full state with dmuon.get_optimizer_state_dict(model, "
+        "optimizer) and load it with dmuon.set_optimizer_state_dict(model, optimizer, "
+        "state_dict) (both collective: call them on every rank), or load each rank's own "
+        "optimizer.state_dict() on that rank. Nothing was loaded"
+    )
 
 
 def install_dedicated_state(
