@@ -23,13 +23,13 @@ left it:
   ([Note: hyperparameters on the device] in _fused), so a learning-rate schedule never
   invalidates the graph; the skip flag is copied into the graph's own.
 
-A signature is captured at the second step in a row that has it (the first runs eagerly on
-the graph's tables: it compiles what a capture may not and makes the offset tables), and
-replayed from the third; the capture records and runs nothing, the step's work is the eager
-run's. The graph stays until another signature is captured, so a step that differs once (a
-matrix without a gradient) runs eagerly and the next one replays again. A capture that fails (CUDA and torch report that as
-``RuntimeError``) is reported once, through ``logging`` and ``warnings``, and the phase runs
-eagerly from then on.
+A signature is captured at the second step in a row that has it (the first runs eagerly on the
+graph's tables: it compiles what a capture may not and makes the offset tables), and replayed
+from the third; the capture records and runs nothing, the step's work is the eager run's. The
+graph stays until another signature is captured, so a step that differs once (a matrix without
+a gradient) runs eagerly and the next one replays again. A capture that fails (CUDA and torch
+report that as ``RuntimeError``) is reported once, through ``logging`` and ``warnings``, and
+the phase runs eagerly from then on.
 
 The eager runs of a graphed optimizer read their scalars and gradients through the same tables
 as the replays, and the scalar table holds the fp32 numbers the scalar arguments round to:

@@ -17,21 +17,19 @@ earlier layers. With ``ns_overlap`` the step is split in two around that moment:
 The batches are the step plan's, so every NS call sees the same stack as without the option,
 and the two halves perform the arithmetic of the one-pass kernels exactly (``ns_input_into``
 and ``advance_momentum`` in ``_fused``): the result is bit for bit that of
-``ns_overlap=False``. A result is used only if everything it was computed from is unchanged
-at the step: each gradient and momentum buffer (the same tensor at the same version: torch's
+``ns_overlap=False``. A result is used only if everything it was computed from is unchanged at
+the step: each gradient and momentum buffer (the same tensor at the same version: torch's
 in-place writes bump ``Tensor._version``) and the momentum and Nesterov of its group. A
 gradient scaled in place by torch ops after backward, a second backward that adds to the
-gradients before the step, a checkpoint loaded into the momentum: each makes the step
-recompute that batch, so the option never changes a result, only when it is computed. A
-write without torch's count bumps no version: one through ``grad.data`` (the docs tell users
-to write in place on the tensor) or a kernel's (a Triton launch). Muon-aware
-clipping, whose CUDA path scales the gradients so, gets them through
-``Muon.grads_for_clip()`` (``muon_grads_for_clip()`` included), which, for a selection with a
-Muon gradient, drops every early result and turns the option off with
-a warning (a clip needs the global norm, known only after backward, so nothing can run
-early). The
-non-finite skip needs every gradient, so it is decided in the step as before; a skipped step
-keeps weights and momentum exactly (the early half wrote neither).
+gradients before the step, a checkpoint loaded into the momentum: each makes the step recompute
+that batch, so the option never changes a result, only when it is computed. A write without
+torch's count bumps no version: one through ``grad.data`` (the docs tell users to write in
+place on the tensor) or a kernel's (a Triton launch). Muon-aware clipping, whose CUDA path
+scales the gradients so, gets them through ``Muon.grads_for_clip()`` (``muon_grads_for_clip()``
+included), which, for a selection with a Muon gradient, drops every early result and turns the
+option off with a warning (a clip needs the global norm, known only after backward, so nothing
+can run early). The non-finite skip needs every gradient, so it is decided in the step as
+before; a skipped step keeps weights and momentum exactly (the early half wrote neither).
 
 A model's runtime has one listener: the ``Muon`` built last on the model sets its own (or none,
 without the option), and holds it only weakly, so that a deleted optimizer is freed with its

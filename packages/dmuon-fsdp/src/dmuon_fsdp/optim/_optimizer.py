@@ -911,11 +911,11 @@ class Muon(torch.optim.Optimizer):
     # [Note: the optimizer's state dict hooks]
     # torch runs ``register_state_dict_pre_hook`` / ``_post_hook`` and
     # ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks inside its own method, which
-    # here is only part of the work: called so, a state_dict post-hook saw the dictionary
-    # without its ``dmuon_holdings`` (a dictionary saved from it was refused at its load), a
-    # load pre-hook ran after dmuon had checked the dictionary (a hook that deletes a key
-    # no step reads, torch's way to convert an old dictionary, came too late) and a load
-    # post-hook ran before the owned matrices' states were installed (it saw none of them).
+    # here is only part of the work: run there, a state_dict post-hook would see the dictionary
+    # without its ``dmuon_holdings`` (a dictionary saved from it would be refused at its load),
+    # a load pre-hook would run after dmuon had checked the dictionary (too late for a hook that
+    # deletes a key no step reads, torch's way to convert an old dictionary) and a load
+    # post-hook before the owned matrices' states are installed (it would see none of them).
     # So the hooks are taken out of torch's call and run around dmuon's whole method, as torch
     # runs them around its own.
 

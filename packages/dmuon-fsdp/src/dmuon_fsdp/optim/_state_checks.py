@@ -5,9 +5,10 @@
 
 ``optimizer.state_dict()`` is torch's per-rank dictionary: it holds the state this rank steps, a
 dedicated matrix's only on its owner and an FSDP2 parameter's as this rank's shard. The usual
-DDP checkpoint (rank 0 saves ``optimizer.state_dict()``, every rank loads it) therefore restored
-momentum only for the matrices rank 0 owns; every other owner restarted its matrices from zero
-state and the resumed run drifted from the uninterrupted one without an error. Gathering every
+DDP checkpoint (rank 0 saves ``optimizer.state_dict()``, every rank loads it) would therefore
+restore momentum only for the matrices rank 0 owns; every other owner would restart its
+matrices from zero state and the resumed run drift from the uninterrupted one without an
+error. Gathering every
 owner's state in ``state_dict()`` would need a collective in a call that DDP scripts make on
 rank 0 alone, where it would hang.
 
@@ -22,8 +23,8 @@ and raises, naming ``dmuon.get_optimizer_state_dict`` / ``dmuon.set_optimizer_st
 collective, full-state functions), when some state this rank steps is not the one in the
 dictionary. Every state tensor is also checked against the shape this rank steps (a dictionary
 built by hand has no holdings to compare): torch's load does not compare shapes, and its fused
-AdamW then wrote past the end of a smaller shard (a heap corruption on the CPU) where a
-dictionary saved on 3 ranks was loaded on 2. A dictionary loaded on the rank that saved it (or,
+AdamW would write past the end of a smaller shard (a heap corruption on the CPU; a dictionary
+saved on 3 ranks and loaded on 2 did). A dictionary loaded on the rank that saved it (or,
 on the replicated path, any rank whose owned matrices the saver also owned, such as a world of
 one) resumes bit for bit. A dictionary without the entry (built by hand, or by an older dmuon)
 is refused when it holds some state but none for a dedicated matrix this rank owns.

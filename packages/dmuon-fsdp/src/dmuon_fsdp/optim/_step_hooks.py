@@ -2,13 +2,13 @@
 after the update and before the publish, and what happens when one of them raises.
 
 [Note: a hook that raises]
-A post-update hook runs on every rank between the update and the publish, so a hook that
-raised used to skip the publish: owners kept the new weights, their replicas the old ones, and
-a run that caught the error went on with replicas that differed. Now the step is applied
-everywhere: when a hook raises, the step still publishes (the weights as the update and the
-hooks that ran left them, so every replica equals its owner) and then re-raises on the rank
-where it raised, whatever it raised (a ``KeyboardInterrupt`` from Ctrl-C in a hook too).
-Changes a raising hook made before it raised stay, as with any exception in place.
+A post-update hook runs on every rank between the update and the publish. When one raises,
+the step still publishes (the weights as the update and the hooks that ran left them, so every
+replica equals its owner) and then re-raises on the rank where it raised, whatever it raised (a
+``KeyboardInterrupt`` from Ctrl-C in a hook too): a step that stopped before its publish would
+leave the owners with the new weights and their replicas with the old ones, and a run that
+caught the error would go on with replicas that differ. Changes a raising hook made before it
+raised stay, as with any exception in place.
 
 The other ranks learn of it without waiting for the device: every step with post-update hooks
 launches one SUM all-reduce of "a hook raised here" over every rank on the host (a CPU tensor
