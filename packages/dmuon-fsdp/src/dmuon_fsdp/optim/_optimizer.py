@@ -649,7 +649,7 @@ class Muon(torch.optim.Optimizer):
         (states made on first use), with the group's hyperparameters of this step."""
         self._runtime.wait_all_reduces()
         if self._overlap is not None and self._runtime.grad_listener is not self._overlap:
-            self._overlap.stop(
+            self._stop_overlap(
                 "a dmuon.Muon built after this one on the same model took its place (the"
                 " model's runtime runs Newton–Schulz during backward for the optimizer built"
                 " last)",
@@ -659,7 +659,6 @@ class Muon(torch.optim.Optimizer):
                 # wrappers, then the call.
                 stacklevel=5,
             )
-            self._overlap = None
         if self._overlap is not None:
             self._overlap.begin_step()
         mark("wait_reduces")
@@ -678,6 +677,15 @@ class Muon(torch.optim.Optimizer):
             if (work := self._adamw_work(numbers[id(group)], entries))
         ]
         return _StepWork(batches, momentum, adamw)
+
+    def _stop_overlap(self, why: str, advice: str, stacklevel: int) -> None:
+        """Turn ``ns_overlap`` off for good: drop the early results with a warning
+        (``NSOverlap.stop``; ``stacklevel`` counted from the caller) and stop listening."""
+        assert self._overlap is not None
+        self._overlap.stop(why, advice, stacklevel=stacklevel + 1)
+        if self._runtime.grad_listener is self._overlap:
+            self._runtime.set_grad_listener(None)
+        self._overlap = None
 
     def _nonfinite(
         self, work: _StepWork, mark: Callable[[str], None]
@@ -1008,15 +1016,12 @@ class Muon(torch.optim.Optimizer):
         sharded = self._clip_sharded(chosen)
         self._runtime.wait_all_reduces()
         if self._overlap is not None and not chosen.isdisjoint(self._route_ids(Route.MUON)):
-            self._overlap.stop(
+            self._stop_overlap(
                 "the gradients were handed to a clip (grads_for_clip)",
                 "Clipping needs every gradient's norm, known only once backward is done; drop"
                 " ns_overlap when you clip",
                 stacklevel=2,
             )
-            if self._runtime.grad_listener is self._overlap:
-                self._runtime.set_grad_listener(None)
-            self._overlap = None
         layout = self._runtime.layout
         grads: list[Tensor] = []
         copies: list[Tensor] = []
