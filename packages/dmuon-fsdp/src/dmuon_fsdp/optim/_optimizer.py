@@ -456,14 +456,7 @@ class Muon(torch.optim.Optimizer):
         # decides whether the forwards are timed, for as long as it lives.
         runtime.hooks.time_forward_waits(device if options.profile else None, self)
         # A torch optimizer over what it steps would step it twice: its step() raises.
-        register_dmuon_optimizer(
-            self,
-            {
-                id(p): name
-                for group in self.param_groups
-                for p, name in zip(group["params"], group["param_names"], strict=True)
-            },
-        )
+        register_dmuon_optimizer(self, self._plan.names)
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -849,20 +842,13 @@ class Muon(torch.optim.Optimizer):
             target, grad = view.step_tensors()
             if grad is None or target is None:
                 continue
-            state = self._state_for(p, Route.ADAMW, target, view.optim_dtype)
+            state = self.state[p]
+            if not state:
+                state.update(fresh_state(Route.ADAMW, target, view.optim_dtype))
             params.append(target)
             grads.append(grad)
             states.append(state)
         return (group, params, grads, states) if params else None
-
-    def _state_for(
-        self, param: Tensor, route: Route, like: Tensor, dtype: torch.dtype | None
-    ) -> dict[str, Any]:
-        """``param``'s optimizer state, made for ``route`` like ``like`` at its first step."""
-        state = self.state[param]
-        if not state:
-            state.update(fresh_state(route, like, dtype))
-        return state
 
     def _find_nonfinite(self, work: _StepWork) -> Tensor:
         """1.0 when any gradient any rank is about to step with holds a NaN or an infinity, on
