@@ -269,9 +269,8 @@ def _no_scalars_by_value(hp: DeviceScalars | None) -> None:
 
 
 def _use_kernels(*tensors: Tensor) -> bool:
-    if _background and not _background_done():
-        return False
-    return fused_available(*tensors)
+    """Whether the passes run as kernels on ``tensors``: they can, and are compiled."""
+    return kernels_ready() and fused_available(*tensors)
 
 
 def _background_done() -> bool:
