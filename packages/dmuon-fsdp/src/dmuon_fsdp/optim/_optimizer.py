@@ -84,6 +84,7 @@ from ._usage_checks import (
     check_none_unfrozen,
     check_params_current,
     refuse_added_group,
+    refuse_clip_after_no_sync,
     refuse_step_while_lent,
     warn_frozen_dedicated,
 )
@@ -985,20 +986,7 @@ class Muon(torch.optim.Optimizer):
         """
         chosen = self._clip_selection(params)
         if self._runtime.hooks.unsynced_backward:
-            # [Note: a step after no_sync] in the runtime: the accumulation is each rank's
-            # own until a synced backward reduces it, so the owners hold no gradient yet (a
-            # clip measured 0) and the replicated path's .grad is a rank's part (a clip scaled
-            # it, and the reduce then summed scaled and unscaled parts).
-            raise RuntimeError(
-                "Muon.grads_for_clip() (dmuon.clip_grad_norm_, clip_grad_value_): the last"
-                " backward ran inside dmuon.no_sync(model) (or with FSDP2's"
-                " model.set_requires_gradient_sync(False)), and no synced backward followed,"
-                " so the accumulated gradients are each rank's own part, not yet reduced: a"
-                " clip would measure a part of them, or nothing, and scale that part. Clip"
-                " after the last micro-batch's backward, which runs outside no_sync and"
-                " reduces the whole accumulation, right before optimizer.step(); nothing was"
-                " clipped"
-            )
+            refuse_clip_after_no_sync()
         sharded = self._clip_sharded(chosen)
         self._runtime.wait_all_reduces()
         if self._overlap is not None and not chosen.isdisjoint(self._route_ids(Route.MUON)):

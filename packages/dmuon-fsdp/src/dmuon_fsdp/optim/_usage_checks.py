@@ -1,11 +1,12 @@
 """The checks that refuse a wrong use of :class:`Muon` (the optimizer of ``_optimizer``): at
 construction (a keyword dmuon does not take, a model that is not the wrapped one, a trainable
-parameter nothing synchronises or FSDP2 holds unsharded, ``fully_shard`` options dmuon does
-not follow, a ``fully_shard`` mesh that does not cover dmuon's data-parallel grid, dedicated
+parameter nothing synchronises or FSDP2 holds unsharded, ``fully_shard`` options dmuon does not
+follow, a ``fully_shard`` mesh that does not cover dmuon's data-parallel grid, dedicated
 parameters frozen since ``dedicate_params``, a ``cuda_graph`` that cannot apply), on
-``add_param_group``, and at each step (a step inside ``ema.applied()``, parameters FSDP2
-replaced or holds unsharded, a ``GradScaler``, a parameter unfrozen since construction). Each
-raises (or warns) naming what is wrong and the fix; none changes anything first.
+``add_param_group``, at each step (a step inside ``ema.applied()``, parameters FSDP2 replaced
+or holds unsharded, a ``GradScaler``, a parameter unfrozen since construction), and at a clip
+right after a backward under ``no_sync``. Each raises (or warns) naming what is wrong and the
+fix; none changes anything first.
 """
 
 from __future__ import annotations
@@ -391,6 +392,24 @@ def refuse_step_while_lent(lent_to: str) -> NoReturn:
         " EMA's average for the block and gets its own weights back on exit, so this"
         " step's update would be lost while its momentum and the average moved on."
         " Step outside the block (evaluate inside it); nothing was stepped"
+    )
+
+
+def refuse_clip_after_no_sync() -> NoReturn:
+    """Refuse ``Muon.grads_for_clip`` right after a backward under ``no_sync``: see [Note: a
+    step after no_sync] in the runtime. The accumulation is each rank's own until a synced
+    backward reduces it, so the owners hold no gradient yet (a clip would measure 0) and the
+    replicated path's ``.grad`` is a rank's part (a clip would scale it, and the reduce then
+    sum scaled and unscaled parts)."""
+    raise RuntimeError(
+        "Muon.grads_for_clip() (dmuon.clip_grad_norm_, clip_grad_value_): the last"
+        " backward ran inside dmuon.no_sync(model) (or with FSDP2's"
+        " model.set_requires_gradient_sync(False)), and no synced backward followed,"
+        " so the accumulated gradients are each rank's own part, not yet reduced: a"
+        " clip would measure a part of them, or nothing, and scale that part. Clip"
+        " after the last micro-batch's backward, which runs outside no_sync and"
+        " reduces the whole accumulation, right before optimizer.step(); nothing was"
+        " clipped"
     )
 
 
