@@ -87,10 +87,10 @@ class _Buffers:
         self.anchors = {item.grad.dtype: _anchor(device, item.grad.dtype) for item in items}
         # Each gradient matrix's item and its element offset in the item's gradient: fixed by
         # the signature (the gradients' layouts), unlike the gradients' addresses.
-        # Where each part (an NS batch or a momentum-only stack, in the phase's order) starts
-        # among the items and among the gradient matrices.
         owner: list[int] = []
         within: list[int] = []
+        # Where each part (an NS batch or a momentum-only stack, in the phase's order) starts
+        # among the items and among the gradient matrices.
         self._starts: list[tuple[int, int]] = []
         first = 0
         for part in parts:
@@ -142,18 +142,18 @@ class GraphedMuonPhase:
     def run(
         self,
         batches: Batches,
-        momentum: Sequence[list[MuonItem]],
+        momentum_parts: Sequence[list[MuonItem]],
         skip: Tensor | None,
         mark: Callable[[str], None],
     ) -> None:
         """This step's Muon phase: replayed, eager on the graph's buffers, or (before the
         fused kernels are compiled, or after a failed capture) eager as without the option."""
-        if self._failed or not kernels_ready() or not (batches or momentum):
-            muon_phase(batches, momentum, skip, mark)  # nothing to step: nothing to capture
+        if self._failed or not kernels_ready() or not (batches or momentum_parts):
+            muon_phase(batches, momentum_parts, skip, mark)  # nothing to step: nothing to capture
             return
-        parts = [items for _, items, _ in batches] + list(momentum)
+        parts = [items for _, items, _ in batches] + list(momentum_parts)
         items = [item for part in parts for item in part]
-        signature = _signature(batches, momentum, skip)
+        signature = _signature(batches, momentum_parts, skip)
         captured = self._captured
         if self._graph is not None and captured is not None and captured.signature == signature:
             captured.write(items, skip)
@@ -166,18 +166,18 @@ class GraphedMuonPhase:
             warm = self._warm = _Buffers(signature, parts, skip is not None)
         flag = warm.write(items, skip)
         with static_tables(warm.tables):
-            muon_phase(batches, momentum, flag, mark, scalars=warm.scalars)
+            muon_phase(batches, momentum_parts, flag, mark, scalars=warm.scalars)
         if seen:
-            self._capture(batches, momentum, warm)
+            self._capture(batches, momentum_parts, warm)
 
     def _capture(
-        self, batches: Batches, momentum: Sequence[list[MuonItem]], warm: _Buffers
+        self, batches: Batches, momentum_parts: Sequence[list[MuonItem]], warm: _Buffers
     ) -> None:
         self._graph = self._captured = None  # the old graph's memory goes first
         graph = torch.cuda.CUDAGraph()
         try:
             with static_tables(warm.tables), torch.cuda.graph(graph):
-                muon_phase(batches, momentum, warm.skip, no_mark, scalars=warm.scalars)
+                muon_phase(batches, momentum_parts, warm.skip, no_mark, scalars=warm.scalars)
         except RuntimeError as err:  # how CUDA reports a capture it cannot make
             self._failed = True
             self._warm = None
@@ -193,15 +193,15 @@ class GraphedMuonPhase:
 
 
 def _signature(
-    batches: Batches, momentum: Sequence[list[MuonItem]], skip: Tensor | None
+    batches: Batches, momentum_parts: Sequence[list[MuonItem]], skip: Tensor | None
 ) -> Hashable:
     """What a replay needs unchanged (see [Note: the graphed Muon phase])."""
-    parts = [(index, id(ns), _items(items)) for index, items, ns in batches]
-    parts += [(-1, 0, _items(items)) for items in momentum]
+    parts = [(index, id(ns), _items_signature(items)) for index, items, ns in batches]
+    parts += [(-1, 0, _items_signature(items)) for items in momentum_parts]
     return (tuple(parts), skip is None, kernel_choices_version())
 
 
-def _items(items: Sequence[MuonItem]) -> tuple[Hashable, ...]:
+def _items_signature(items: Sequence[MuonItem]) -> tuple[Hashable, ...]:
     """Each item's weight and momentum (addresses, dtypes), its gradient's layout (dtype,
     strides, alignment: not its address) and the hyperparameter groups it falls in
     (first-seen indices: the passes launch once per group, whatever the values)."""

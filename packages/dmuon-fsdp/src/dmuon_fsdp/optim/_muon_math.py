@@ -270,7 +270,7 @@ Batches = Sequence[tuple[int, list[MuonItem], NSFunction | None]]
 
 def muon_phase(
     batches: Batches,
-    momentum: Sequence[list[MuonItem]],
+    momentum_parts: Sequence[list[MuonItem]],
     skip: Tensor | None,
     mark: Callable[[str], None],
     *,
@@ -280,11 +280,12 @@ def muon_phase(
 ) -> None:
     """The Muon phase of a step: momentum, NS and update of every batch (staged ones side by
     side, up to ``window_bytes`` on each holder: [Note: Newton–Schulz that waits for peers]),
-    then the momentum-only stacks. ``scalars(i)``: where the passes of the phase's ``i``-th
-    part read their scalars and gradient offsets (the graphed phase's tables, parts in this
-    order). ``early(index, items)``: the NS result of plan batch ``index`` computed during
-    backward (``ns_overlap``), or ``None``; a batch that has one only advances its momentum
-    and takes its update."""
+    then the stacks of ``momentum_parts``, whose momentum alone advances here (another replica
+    steps them). ``scalars(i)``: where the passes of the phase's ``i``-th part read their
+    scalars and gradient offsets (the graphed phase's tables, parts in this order).
+    ``early(index, items)``: the NS result of plan batch ``index`` computed during backward
+    (``ns_overlap``), or ``None``; a batch that has one only advances its momentum and takes
+    its update."""
     window = StagedWindow(window_bytes, skip, mark)
     for position, (index, items, ns) in enumerate(batches):
         assert ns is not None
@@ -296,7 +297,7 @@ def muon_phase(
         if not window.add(items, ns, part_scalars):
             muon_batch(items, ns, skip=skip, mark=mark, scalars=part_scalars)
     window.flush()
-    for position, items in enumerate(momentum, len(batches)):
+    for position, items in enumerate(momentum_parts, len(batches)):
         momentum_only(items, skip, None if scalars is None else scalars(position))
 
 
