@@ -304,6 +304,7 @@ def test_bind_checks_every_weight_against_the_model() -> None:
         ((), "the QKClip has no attention"),
         ((("layers.0.attn.q.weight", "layers.0.attn.k_proj.weight", 4),), "is not a parameter"),
         ((("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight", 3),), "not a multiple"),
+        ((("norm.weight", "layers.0.attn.k_proj.weight", 4),), "not a projection matrix"),
         (
             (
                 (

@@ -541,13 +541,7 @@ class QKClip:
         slot = 0
         for index, attention in enumerate(self._attentions):
             for fqn in (attention.q, attention.k):
-                _check_param(fqn, params, dedicated)
-                if not is_single_matrix(params[fqn].shape):
-                    raise ValueError(
-                        f"QKClip: {fqn!r} has shape {tuple(params[fqn].shape)}, not a projection "
-                        "matrix; pass the q and k projections' weights (a norm's weight would be "
-                        "scaled as a head's rows)"
-                    )
+                _check_projection(fqn, params, dedicated)
             if _uses_qk_norm(model, attention):
                 warnings.warn(
                     f"QKClip: the attention of {attention.q!r} normalises q and k (QK-norm), so"
@@ -559,14 +553,7 @@ class QKClip:
                 for fqn, table in _attention_rows(attention, params, slot, self.alpha):
                     if fqn not in (attention.q, attention.k):  # a bias (q and k: above)
                         _check_param(fqn, params, dedicated)
-                    if fqn in weights:  # a fused weight: its q and k rows in one table
-                        if bool((weights[fqn].covered & table.covered).any()):
-                            raise ValueError(
-                                f"QKClip: the q and k row maps of {fqn!r} overlap; each row is"
-                                " a query row, a key row or neither"
-                            )
-                        table = weights[fqn].merge(table)
-                    weights[fqn] = table
+                    weights[fqn] = _with_rows(weights.get(fqn), table, fqn)
                 bases[index] = slot
                 slot += attention.kv_heads
             dp = dedicated.get(attention.q)
@@ -706,6 +693,32 @@ def _check_param(
                     " Shard/Replicate placements. Dedicate the weight to an owner (select it"
                     " in dedicate_params' predicate) or shard it with fully_shard alone"
                 )
+
+
+def _check_projection(
+    fqn: str, params: Mapping[str, nn.Parameter], dedicated: Mapping[str, DedicatedParam]
+) -> None:
+    """A q or k projection weight: a parameter :func:`_check_param` accepts, and a matrix."""
+    _check_param(fqn, params, dedicated)
+    if not is_single_matrix(params[fqn].shape):
+        raise ValueError(
+            f"QKClip: {fqn!r} has shape {tuple(params[fqn].shape)}, not a projection "
+            "matrix; pass the q and k projections' weights (a norm's weight would be "
+            "scaled as a head's rows)"
+        )
+
+
+def _with_rows(known: _Rows | None, table: _Rows, fqn: str) -> _Rows:
+    """The rows of weight ``fqn``: ``table``, merged with the ``known`` rows of a fused weight
+    (its q and k rows in one table), which must cover other rows."""
+    if known is None:
+        return table
+    if bool((known.covered & table.covered).any()):
+        raise ValueError(
+            f"QKClip: the q and k row maps of {fqn!r} overlap; each row is"
+            " a query row, a key row or neither"
+        )
+    return known.merge(table)
 
 
 def _attention_rows(
