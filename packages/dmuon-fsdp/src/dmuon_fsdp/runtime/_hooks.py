@@ -116,7 +116,6 @@ class BoundaryHooks:
         reshard_after_forward: bool,
         on_first_forward: Callable[[], None],
         fsdp_sync_off: Callable[[], bool],
-        reshard_fsdp: Callable[[], None] = lambda: None,
     ) -> None:
         self.groups = list(groups)
         self.params = list(params)
@@ -124,9 +123,6 @@ class BoundaryHooks:
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self._fsdp_sync_off = fsdp_sync_off
-        self._reshard_fsdp = reshard_fsdp  # reshard() on every fully_shard module of the model
-        # A state dict's pre-hook resharded everything and no forward or backward ran since.
-        self._resharded_for_state_dict = False
         # Whether the backward under way reduces: both flags, read once at its first hook.
         self._syncing = True
         # Whether a backward accumulated a dedicated gradient since the last step's check (see
@@ -247,7 +243,6 @@ class BoundaryHooks:
         self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         group = self.groups[index]
-        self._resharded_for_state_dict = False
         ddp = active_ddp()
         if ddp is not None and ddp not in self._ddp_checked:
             # At every forward, not only the first: the first may have run outside it (an
@@ -359,41 +354,36 @@ class BoundaryHooks:
 
     def _state_dict(self, index: int, *args: Any) -> None:
         """[Note: state dicts see the parameters]
-        Z2 keeps a boundary's weights after a forward without a backward (an evaluation)
-        until the next step, as FSDP2 keeps its own gathered: each module then holds the
-        compute copy, in the compute dtype, on peers and owner alike. ``state_dict()`` and
-        ``load_state_dict()`` of a module holding dedicated parameters first drop those kept
-        weights, as FSDP2's own pre-hooks put its sharded parameters back: a read sees what
-        it sees after a step (the owner's master; a peer's raises ``NotHeldError``), never
-        the compute copy, and a load never writes into a copy about to be freed. Like FSDP2's,
-        a later forward gathers again, so every rank calls them alike.
+        A boundary can hold its weights outside its forward and backward: under Z2 after a
+        forward that no backward followed (an evaluation), under either mode after a forward
+        that raised or a backward that creates a graph. Each module then holds the compute
+        copy, in the compute dtype, on peers and owner alike. ``state_dict()`` and
+        ``load_state_dict()`` of a module holding dedicated parameters first drop the kept
+        weights of that module's boundary, as FSDP2's own pre-hooks put its sharded
+        parameters back: a read sees what it sees after a step (the owner's master; a peer's
+        raises ``NotHeldError``), never the compute copy, and a load never writes into a copy
+        about to be freed. Like FSDP2's, a later forward gathers again, so every rank calls
+        them alike.
 
-        Every boundary's kept weights are dropped at the first such hook, not only the
-        module's, and every ``fully_shard`` module of the model is resharded with them, so
-        that a traversal that stops partway leaves every rank in the same state whatever
-        point it stopped at. (It once stopped at a different weight on each rank: a peer's
-        ``state_dict()`` raised ``NotHeldError`` at the first weight it did not own, and with
-        only the visited modules' weights dropped, the ranks held different layers and the
-        next forward hung. ``state_dict()`` is now refused on every rank alike before a read,
-        see [Note: torch's paths that cannot reach a dedicated weight] in ``holder/_guard``,
-        and a read of a ``keep_vars=True`` dictionary comes after the whole traversal; this
-        keeps the state the same on every rank for any other exception a traversal meets.)
-        The first hook after a forward or backward does it; the others of the traversal find
-        nothing gathered (a state dict costs one pass over the groups, not one per module)."""
-        if in_backward() or self._resharded_for_state_dict:
-            return
-        for group in self.groups:
-            group.reshard()
-        if self._initialised:  # before the first forward nothing was gathered
-            self._reshard_fsdp()
-        self._resharded_for_state_dict = True
+        Where a read of the values could fail on some ranks only, no traversal gets here: with
+        more than one rank per shard group ``state_dict()`` is refused on every rank at the
+        first module that holds a dedicated parameter, before this hook, and ``load_state_dict``
+        likewise at the first with a dedicated key in the dictionary (see [Note: torch's paths
+        that cannot reach a dedicated weight] in ``holder/_guard``); ``state_dict(keep_vars=True)``,
+        which dmuon's checkpoints list the keys with, reads no value. So a traversal reaches the
+        same modules on every rank, and dropping each visited module's boundary (FSDP2's hooks
+        do the same for its modules) leaves every rank holding the same layers. Where every rank
+        holds every weight (one rank per shard group) this drops an owner's compute copy of
+        mixed precision; on the replicated path a boundary keeps its weights resident and this
+        does nothing."""
+        if not in_backward():
+            self.groups[index].reshard()
 
     # -- backward --------------------------------------------------------------------------------
 
     def _pre_backward(self, group: DedicatedGroup, grad: torch.Tensor) -> None:
         if group.backward_started:
             return
-        self._resharded_for_state_dict = False
         with span("dmuon::pre_backward"):
             self._queue_final_callback()
             group.backward_started = True

@@ -116,8 +116,6 @@ class DedicatedRuntime:
         self._model = weakref.ref(model)
         # Reads FSDP2's gradient sync flags; made at the first backward (see _fsdp_sync_off).
         self._fsdp_sync_reader: Callable[[], bool] | None = None
-        # The model's fully_shard modules, found at the first state dict after a forward.
-        self._fsdp_modules: list[Any] | None = None
         # Where each pack's gradient divisors come from, set at its first reduce (see
         # _grad_divisors): the readers of its parameters' factors (None: the world size), one
         # per module, and each parameter's reader in that list.
@@ -135,7 +133,6 @@ class DedicatedRuntime:
             reshard_after_forward=config.reshard_after_forward,
             on_first_forward=self._init_at_first_forward,
             fsdp_sync_off=self._fsdp_sync_off,
-            reshard_fsdp=self._reshard_fsdp,
         )
         if not any(dp.param.is_meta for dp in params):
             self._pack(dict(model.named_modules()), final=False)
@@ -196,17 +193,6 @@ class DedicatedRuntime:
             modules = [module for _, module in fsdp_modules(model)]
             self._fsdp_sync_reader = fsdp_gradient_sync_reader(modules)
         return self._fsdp_sync_reader()
-
-    def _reshard_fsdp(self) -> None:
-        """``reshard()`` every ``fully_shard`` module of the model (see [Note: state dicts
-        see the parameters]); called after the first forward, by which ``fully_shard`` has
-        run, so the modules are found once."""
-        if self._fsdp_modules is None:
-            model = self._model()
-            assert model is not None, "the model this runtime belongs to was deleted"
-            self._fsdp_modules = [module for _, module in fsdp_modules(model)]
-        for module in self._fsdp_modules:
-            module.reshard()
 
     def _grad_divisors(self, pack: Pack) -> float | list[float]:
         """What the owner divides ``pack``'s summed gradients by (see [Note: gradient
