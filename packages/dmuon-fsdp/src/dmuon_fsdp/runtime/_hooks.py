@@ -9,8 +9,8 @@ every output that requires grad, the first of which to fire is the boundary's pr
 and per dedicated parameter a post-accumulate-grad hook (count the pack's gradients; a
 complete pack leaves in the boundary's order, a boundary whose packs all left is freed). The
 reduce point's backward sends what is left of the boundary (see [Note: reduce points] in
-:mod:`._order`). Each module that holds a dedicated parameter also gets a state-dict and a
-load-state-dict pre-hook (see [Note: state dicts see the parameters]), and on the replicated
+:mod:`._order`). Each module that holds a dedicated parameter also gets a state-dict pre-hook
+(see [Note: state dicts see the parameters]), and on the replicated
 path each replicated parameter a post-accumulate-grad hook (``hook_replicated``). The first
 pre-backward of a backward pass queues a final callback on the autograd engine that sends what
 no reduce point sent, frees what is left, and issues the last replicate-axis reductions.
@@ -194,7 +194,6 @@ class BoundaryHooks:
                 id(dp.module): dp.module for dps in group.members for dp in dps
             }.values():
                 self._handles.append(module.register_state_dict_pre_hook(before_state_dict))
-                self._handles.append(module.register_load_state_dict_pre_hook(before_state_dict))
         self._grad_handles = [self._grad_hook(index) for index in range(len(self.params))]
 
     def _grad_hook(self, index: int) -> RemovableHandle:
@@ -357,25 +356,25 @@ class BoundaryHooks:
         A boundary can hold its weights outside its forward and backward: under Z2 after a
         forward that no backward followed (an evaluation), under either mode after a forward
         that raised or a backward that creates a graph. Each module then holds the compute
-        copy, in the compute dtype, on peers and owner alike. ``state_dict()`` and
-        ``load_state_dict()`` of a module holding dedicated parameters first drop the kept
-        weights of that module's boundary, as FSDP2's own pre-hooks put its sharded
-        parameters back: a read sees what it sees after a step (the owner's master; a peer's
-        raises ``NotHeldError``), never the compute copy, and a load never writes into a copy
-        about to be freed. Like FSDP2's, a later forward gathers again, so every rank calls
-        them alike.
+        copy, in the compute dtype, on peers and owner alike. ``state_dict()`` of a module
+        holding dedicated parameters first drops the kept weights of that module's boundary,
+        as FSDP2's own pre-hooks put its sharded parameters back: a read sees what it sees
+        after a step (the owner's master; a peer's raises ``NotHeldError``), never the compute
+        copy. Like FSDP2's, a later forward gathers again, so every rank calls it alike.
 
-        Where a read of the values could fail on some ranks only, no traversal gets here: with
-        more than one rank per shard group ``state_dict()`` is refused on every rank at the
-        first module that holds a dedicated parameter, before this hook, and ``load_state_dict``
-        likewise at the first with a dedicated key in the dictionary (see [Note: torch's paths
-        that cannot reach a dedicated weight] in ``holder/_guard``); ``state_dict(keep_vars=True)``,
-        which dmuon's checkpoints list the keys with, reads no value. So a traversal reaches the
-        same modules on every rank, and dropping each visited module's boundary (FSDP2's hooks
-        do the same for its modules) leaves every rank holding the same layers. Where every rank
-        holds every weight (one rank per shard group) this drops an owner's compute copy of
-        mixed precision; on the replicated path a boundary keeps its weights resident and this
-        does nothing."""
+        Which calls get here: with one rank per shard group (one process, HSDP with a shard
+        size of one) ``state_dict()``, where this drops an owner's compute copy of mixed
+        precision, which it would read otherwise; with more than one, only
+        ``state_dict(keep_vars=True)`` (dmuon's checkpoints list the keys with it; a caller
+        reads the parameters after it), since ``state_dict()`` is refused on every rank at
+        the first module that holds a dedicated parameter, before this hook (see [Note:
+        torch's paths that cannot reach a dedicated weight] in ``holder/_guard``). Neither
+        reads a value that some rank lacks, so a traversal reaches the same modules on every
+        rank, and dropping each visited module's boundary (FSDP2's hooks do the same for its
+        modules) leaves every rank holding the same layers. On the replicated path a boundary
+        keeps its weights resident and this does nothing. ``load_state_dict`` needs no such
+        hook: on the sharded path it is refused for a dictionary that holds a dedicated
+        weight, and one that does not writes none."""
         if not in_backward():
             self.groups[index].reshard()
 
