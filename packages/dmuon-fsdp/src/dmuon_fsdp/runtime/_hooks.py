@@ -172,28 +172,22 @@ class BoundaryHooks:
         self._replicated_unsynced: set[int] = set()
         self._root_replicated: list[nn.Parameter] = []
         self._root_replicated_sent: set[int] = set()
-        self._handles: list[RemovableHandle] = []
         # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
         # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
         # the groups, the model and its weights) would keep a deleted model alive forever.
         # Every hook holds only a weak reference to this object and an index.
         weak_self = weakref.ref(self)
         for index, group in enumerate(self.groups):
-            self._handles.append(
-                group.module.register_forward_pre_hook(
-                    _untraced_hook(weak_self, "_pre_forward", index), with_kwargs=True
-                )
+            group.module.register_forward_pre_hook(
+                _untraced_hook(weak_self, "_pre_forward", index), with_kwargs=True
             )
-            self._handles.append(
-                group.module.register_forward_hook(
-                    _untraced_hook(weak_self, "_post_forward", index)
-                )
-            )
+            group.module.register_forward_hook(_untraced_hook(weak_self, "_post_forward", index))
             before_state_dict = functools.partial(_weak_hook, weak_self, "_state_dict", index)
             for module in {
                 id(dp.module): dp.module for dps in group.members for dp in dps
             }.values():
-                self._handles.append(module.register_state_dict_pre_hook(before_state_dict))
+                module.register_state_dict_pre_hook(before_state_dict)
+        # Each dedicated parameter's gradient hook, by index (``rebind`` moves it).
         self._grad_handles = [self._grad_hook(index) for index in range(len(self.params))]
 
     def _grad_hook(self, index: int) -> RemovableHandle:
@@ -211,10 +205,8 @@ class BoundaryHooks:
         self._replicated = list(params)
         weak_self = weakref.ref(self)
         for param in params:
-            self._grad_handles.append(
-                param.register_post_accumulate_grad_hook(
-                    functools.partial(_replicated_grad, weak_self, weakref.ref(queue))
-                )
+            param.register_post_accumulate_grad_hook(
+                functools.partial(_replicated_grad, weak_self, weakref.ref(queue))
             )
 
     def rebind(self, index: int) -> None:
@@ -222,12 +214,6 @@ class BoundaryHooks:
         move its gradient hook there."""
         self._grad_handles[index].remove()
         self._grad_handles[index] = self._grad_hook(index)
-
-    def remove(self) -> None:
-        for handle in [*self._handles, *self._grad_handles]:
-            handle.remove()
-        self._handles.clear()
-        self._grad_handles.clear()
 
     # -- forward ---------------------------------------------------------------------------------
 

@@ -577,10 +577,6 @@ class DedicatedRuntime:
         for group in self.groups:
             group.wait_for_publish()
 
-    def remove(self) -> None:
-        """Remove every hook (the parameters keep their current storage)."""
-        self.hooks.remove()
-
     def __deepcopy__(self, memo: dict[int, Any]) -> DedicatedRuntime:
         """Refuse, naming the fix: ``copy.deepcopy`` of the model reaches its runtime (the
         model's attribute) last, after every weight, so this is what the replicated path, whose
