@@ -172,10 +172,6 @@ class DedicatedParam(ParamHolder):
     # -- state: see [Note: a holder's states] --------------------------------------------------
 
     @property
-    def state(self) -> HolderState:
-        return self._current
-
-    @property
     def unplaced(self) -> bool:
         return self._current is HolderState.UNPLACED
 
