@@ -46,12 +46,12 @@ them on peers): every module above a dedicated parameter carries a
 a message that names dmuon's replicated path (``dedicate_params_ddp`` + ``replicate``).
 
 [Note: torch's paths that cannot reach a dedicated weight]
-Three of torch's own paths would touch dedicated weights only where they happen to be held, and
+Four of torch's own paths would touch dedicated weights only where they happen to be held, and
 fail or do nothing elsewhere, without a word:
 
 - ``model.load_state_dict(state_dict)`` copies each value into its parameter module by module
-  and reports the failures at the end: on the owner a dedicated weight took the new value,
-  while FSDP2's shards refused theirs, and the model was left a mix of two checkpoints
+  and reports the failures at the end: on the owner a dedicated weight would take the new
+  value while FSDP2's shards refuse theirs, leaving the model a mix of two checkpoints
   (torch's ``set_model_state_dict`` reaches the same copies). So on the sharded path
   (``dedicate_params``) every module that holds dedicated parameters has a load pre-hook
   (``refuse_module_load``) that raises when the dictionary has a value for one of them, before
@@ -67,30 +67,32 @@ fail or do nothing elsewhere, without a word:
 - the functions of ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``,
   ``get_optimizer_state_dict``, ``get_state_dict`` and their ``set_`` twins) read and write
   each weight and its optimizer state where it is held, and start a fresh optimizer with a
-  step of their own at lr 0 after setting every ``.grad``. The ranks that did not hold a
-  weight raised ``NotHeldError`` there, while a rank that owned every matrix went on into that
-  step's collectives (or a full state dict's gathers), which the others never reached, with
-  its learning rates left at 0; ``set_model_state_dict(broadcast_from_rank0=True)`` wrote every
-  FSDP2 shard before the first dedicated module's load refused. Every module that holds
-  dedicated parameters therefore carries a ``_fqn_modifiers`` (``refuse_torch_state_dict``):
-  each of those functions calls it for every parameter name as its first step
-  (``_verify_options``), on every rank alike, before anything is read, changed or
-  communicated, and it raises there, naming dmuon's function. On the replicated path, where
-  every rank holds every weight, torch's model functions go on; those that take the
+  step of their own at lr 0 after setting every ``.grad``. The ranks that do not hold a
+  weight would raise ``NotHeldError`` there, while a rank that owns every matrix would go on
+  into that step's collectives (or a full state dict's gathers), which the others never
+  reach, with its learning rates left at 0; ``set_model_state_dict(broadcast_from_rank0=True)``
+  would write every FSDP2 shard before the first dedicated module's load refused. Every
+  module that holds dedicated parameters therefore carries a ``_fqn_modifiers``
+  (``refuse_torch_state_dict``): each of those functions calls it for every parameter name as
+  its first step (``_verify_options``), on every rank alike, before anything is read, changed
+  or communicated, and it raises there, naming dmuon's function. On the replicated path,
+  where every rank holds every weight, torch's model functions go on; those that take the
   optimizer raise there too.
 - ``model.state_dict()`` is what a hand-written ``dcp.save({"model": model.state_dict()})``
-  (or ``dcp.save({"model": model})``, a ``Stateful``) saves. The ranks that did not hold a
-  weight raised ``NotHeldError`` at it, while a rank that owned every matrix got a dictionary
-  and went on into ``dcp.save``'s collectives alone (a hang until the timeout). No value of
-  a state dict can stand for "whole on one rank, absent elsewhere" as FSDP2's ``DTensor``
-  shards do for theirs, so where some rank does not hold the dedicated weights (more than one
-  rank per shard group, on the sharded path) every module that holds one has a state-dict
-  pre-hook (``refuse_module_state_dict``) that raises ``NotHeldError`` on every rank alike,
-  its owner's included, before the module reads anything, naming ``dmuon.AppState`` and
-  ``dmuon.save_checkpoint`` (and, where a known caller such as ``save_pretrained`` made the
-  call, what to do there). ``state_dict(keep_vars=True)`` reads no value (it hands back the
-  parameters, whose metadata a peer can read) and goes on: dmuon's own checkpoints list the
-  keys through it.
+  (or ``dcp.save({"model": model})``, a ``Stateful``) saves. The ranks that do not hold a
+  weight would raise ``NotHeldError`` at it, while a rank that owns every matrix would get a
+  dictionary and go on into ``dcp.save``'s collectives alone (a hang until the timeout). No
+  value of a state dict can stand for "whole on one rank, absent elsewhere" as FSDP2's
+  ``DTensor`` shards do for theirs, so where some rank does not hold the dedicated weights
+  (more than one rank per shard group, on the sharded path) every module that holds one has a
+  state-dict pre-hook (``refuse_module_state_dict``) that raises ``NotHeldError`` on every
+  rank alike, its owner's included, before the module reads anything, naming
+  ``dmuon.AppState`` and ``dmuon.save_checkpoint`` (and, where a known caller such as
+  ``save_pretrained`` made the call, what to do there). ``state_dict(keep_vars=True)`` reads no
+  value (it hands back the parameters, whose metadata a peer can read) and goes on: dmuon's
+  own checkpoints list the keys through it. ``dedicate_params`` registers these hooks before
+  the runtime registers its own state-dict pre-hook on the same modules (see [Note: state
+  dicts see the parameters] in ``runtime/_hooks``), so a refused call changes nothing.
 
 The optimizers' step pre-hook (``refuse_foreign_optimizers``) also refuses a torch optimizer over a parameter that a ``dmuon.Muon`` alive steps
 (``register_dmuon_optimizer``), FSDP2's included: ``Muon(model)`` steps every trainable

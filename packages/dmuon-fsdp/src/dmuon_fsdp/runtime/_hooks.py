@@ -182,7 +182,9 @@ class BoundaryHooks:
                 _untraced_hook(weak_self, "_pre_forward", index), with_kwargs=True
             )
             group.module.register_forward_hook(_untraced_hook(weak_self, "_post_forward", index))
-            before_state_dict = functools.partial(_weak_hook, weak_self, "_state_dict", index)
+            before_state_dict = functools.partial(
+                _weak_hook, weak_self, "_before_state_dict", index
+            )
             for module in {
                 id(dp.module): dp.module for dps in group.members for dp in dps
             }.values():
@@ -337,7 +339,7 @@ class BoundaryHooks:
                 tensor.register_hook(functools.partial(self._pre_backward, group))
         return output
 
-    def _state_dict(self, index: int, *args: Any) -> None:
+    def _before_state_dict(self, index: int, *args: Any) -> None:
         """[Note: state dicts see the parameters]
         A boundary can hold its weights outside its forward and backward: under Z2 after a
         forward that no backward followed (an evaluation), under either mode after a forward
@@ -348,19 +350,22 @@ class BoundaryHooks:
         after a step (the owner's master; a peer's raises ``NotHeldError``), never the compute
         copy. Like FSDP2's, a later forward gathers again, so every rank calls it alike.
 
-        Which calls get here: with one rank per shard group (one process, HSDP with a shard
-        size of one) ``state_dict()``, where this drops an owner's compute copy of mixed
-        precision, which it would read otherwise; with more than one, only
-        ``state_dict(keep_vars=True)`` (dmuon's checkpoints list the keys with it; a caller
-        reads the parameters after it), since ``state_dict()`` is refused on every rank at
-        the first module that holds a dedicated parameter, before this hook (see [Note:
-        torch's paths that cannot reach a dedicated weight] in ``holder/_guard``). Neither
-        reads a value that some rank lacks, so a traversal reaches the same modules on every
-        rank, and dropping each visited module's boundary (FSDP2's hooks do the same for its
-        modules) leaves every rank holding the same layers. On the replicated path a boundary
-        keeps its weights resident and this does nothing. ``load_state_dict`` needs no such
-        hook: on the sharded path it is refused for a dictionary that holds a dedicated
-        weight, and one that does not writes none."""
+        Which calls get here on the sharded path: with one rank per shard group (one
+        process, HSDP with a shard size of one) ``state_dict()``, where this drops an owner's
+        compute copy of mixed precision, which it would read otherwise; with more than one,
+        only ``state_dict(keep_vars=True)`` (dmuon's checkpoints list the keys with it; a
+        caller reads the parameters after it), since ``state_dict()`` is refused on every
+        rank at the first module that holds a dedicated parameter, before this hook, and the
+        functions of ``torch.distributed.checkpoint.state_dict`` before any traversal (see
+        [Note: torch's paths that cannot reach a dedicated weight] in ``holder/_guard``).
+        Neither reads a value that some rank lacks, so a traversal reaches the same modules on
+        every rank, and dropping each visited module's boundary (FSDP2's hooks do the same for
+        its modules) leaves every rank holding the same layers. On the replicated path a
+        boundary keeps its weights resident and this does nothing. ``load_state_dict`` needs
+        no such hook: on the sharded path it is refused for a dictionary that holds a
+        dedicated weight, and one that does not writes none. Inside a backward (a state dict
+        taken in one of its hooks) nothing is dropped: the backward under way reads those
+        weights."""
         if not in_backward():
             self.groups[index].reshard()
 

@@ -421,6 +421,7 @@ def _dedicate(
                 shard = local_shard(packed[item.name][0].param).detach()
                 dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
     params, groups = _build_groups(modules, plan, packed, tp_dims, layout, comm, config, checked)
+    # Before the runtime, whose state-dict pre-hooks then run after the refusals.
     _refuse_torch_paths(model, modules, params, config, layout)
     stacks = [_held_in_place(claim, plan, layout) for claim in in_place]
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
