@@ -5,7 +5,7 @@ registry that picks a parameter's kind (``_kinds``), what a parameter's class sa
 tensor dmuon does not take over (``_tensors``: a shard, or the whole tensor)."""
 
 from ._dedicated import DedicatedParam, TensorParallelParam
-from ._experts import ExpertStack, SourcedExpertStack, check_expert_split
+from ._experts import ExpertStack, SourcedExpertStack
 from ._guard import (
     DEEPCOPY_FIX,
     FULLY_SHARD_FIX,
@@ -13,7 +13,6 @@ from ._guard import (
     NotHeldError,
     check_guardable,
     compiled_autograd_error,
-    holder_of,
     is_dedicated,
     refuse_accelerate_clip,
     refuse_ddp,
@@ -69,14 +68,12 @@ __all__ = [
     "WeightPart",
     "WholeTensor",
     "boundary_mp_policy",
-    "check_expert_split",
     "check_guardable",
     "choose_tp_mode",
     "compiled_autograd_error",
     "fsdp_modules",
     "fsdp_modules_above",
     "gram_of",
-    "holder_of",
     "is_dedicated",
     "kind_of",
     "refuse_accelerate_clip",
