@@ -193,7 +193,8 @@ def _torch_state_dict_functions(rank: int, world_size: int) -> list[str]:
     replicated path the model functions work (every rank holds every weight). So does
     ``model.state_dict()``, which a hand-written ``dcp.save({"model": model.state_dict()})``
     saves: the rank that owned every matrix got its dictionary and went on into dcp.save's
-    collectives while the other raised ``NotHeldError``."""
+    collectives while the other raised ``NotHeldError``; and a head tied to a dedicated
+    embedding refuses its own ``state_dict()``, ``load_state_dict`` and DDP alike."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dsd
 
@@ -260,6 +261,25 @@ def _torch_state_dict_functions(rank: int, world_size: int) -> list[str]:
                 messages.append(str(caught.value))
             assert not os.path.exists(os.path.join(path, ".metadata"))
             assert model.state_dict(keep_vars=True).keys() == weights.keys()
+    # A head tied to a dedicated embedding: its module refuses as the embedding's does (before,
+    # lm_head.state_dict() returned the weight on its owner and raised on the other rank, and
+    # lm_head.load_state_dict wrote the owner's weight alone). DDP(model.lm_head) as well.
+    model = build(0, tie=True)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, lambda n, p: p.ndim == 2)
+    shard_layers_then_root(model, mesh)
+    weights = get_model_state_dict(model)
+    with pytest.raises(NotHeldError, match="refused on every rank") as caught:
+        model.lm_head.state_dict()
+    messages.append(str(caught.value))
+    with pytest.raises(RuntimeError, match="is the dedicated parameter") as caught:
+        model.lm_head.load_state_dict({"weight": torch.zeros_like(weights["lm_head.weight"])})
+    messages.append(str(caught.value))
+    with pytest.raises(RuntimeError, match="DistributedDataParallel cannot wrap") as caught:
+        DistributedDataParallel(model.lm_head)
+    messages.append(str(caught.value))
+    now = get_model_state_dict(model)
+    assert all(torch.equal(now[k], v) for k, v in weights.items())
     return messages
 
 
@@ -267,7 +287,7 @@ def _torch_state_dict_functions(rank: int, world_size: int) -> list[str]:
 def test_torch_state_dict_functions_raise_the_same_error_on_every_rank() -> None:
     messages = run_distributed(_torch_state_dict_functions, 2)
     assert messages[0] == messages[1]
-    assert len(messages[0]) == 2 * ((6 + 2) + (6 + 2) + 4)
+    assert len(messages[0]) == 2 * ((6 + 2) + (6 + 2) + 4) + 3
 
 
 class _ViTBlock(torch.nn.Module):

@@ -94,6 +94,11 @@ fail or do nothing elsewhere, without a word:
   the runtime registers its own state-dict pre-hook on the same modules (see [Note: state
   dicts see the parameters] in ``runtime/_hooks``), so a refused call changes nothing.
 
+A module that registers a dedicated weight under another name (a head tied to a dedicated
+embedding) holds it as much as the module it was dedicated under: ``model.lm_head.state_dict()``
+or ``load_state_dict`` reaches the weight through it alone. It carries the same refusals, and
+``DistributedDataParallel`` around it is refused too.
+
 The optimizers' step pre-hook (``refuse_foreign_optimizers``) also refuses a torch optimizer over a parameter that a ``dmuon.Muon`` alive steps
 (``register_dmuon_optimizer``), FSDP2's included: ``Muon(model)`` steps every trainable
 parameter, the ones it does not orthogonalise with AdamW, so a second optimizer beside it (the

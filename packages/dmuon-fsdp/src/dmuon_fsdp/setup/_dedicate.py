@@ -422,7 +422,7 @@ def _dedicate(
                 dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
     params, groups = _build_groups(modules, plan, packed, tp_dims, layout, comm, config, checked)
     # Before the runtime, whose state-dict pre-hooks then run after the refusals.
-    _refuse_torch_paths(model, modules, params, config, layout)
+    _refuse_torch_paths(model, modules, params, aliases, config, layout)
     stacks = [_held_in_place(claim, plan, layout) for claim in in_place]
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
     runtime.local_muon = stacks
@@ -897,6 +897,7 @@ def _refuse_torch_paths(
     model: nn.Module,
     modules: Mapping[str, nn.Module],
     params: list[DedicatedParam],
+    aliases: Mapping[int, list[str]],
     config: DedicateConfig,
     layout: MeshLayout,
 ) -> None:
@@ -906,20 +907,35 @@ def _refuse_torch_paths(
     loads through it), ``state_dict()`` there where some rank does not hold them, the functions
     of ``torch.distributed.checkpoint.state_dict`` (on the replicated path those that take the
     optimizer) and torch's optimizers (see [Note: torch's paths that cannot reach a dedicated
-    weight]), accelerate's clip among them once accelerate is imported."""
-    for name in _ancestors_of({dp.fqn for dp in params}):
+    weight]), accelerate's clip among them once accelerate is imported. Each module that
+    registers a dedicated weight is refused, under every name of a tied one (``aliases``: the
+    names of each parameter by ``id``), so that a head tied to a dedicated embedding refuses
+    ``lm_head.state_dict()`` and ``lm_head.load_state_dict`` as the embedding does."""
+    above = _ancestors_of({dp.fqn for dp in params})
+    for name in above:
         refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
+    refused = {id(modules[name]) for name in above}
+    tied = {alias for dp in params for alias in aliases.get(id(dp.param), ()) if alias != dp.fqn}
+    for name in sorted(_ancestors_of(tied)):
+        # A module shared by two paths is one object, refused under its first path already.
+        if id(module := model.get_submodule(name)) not in refused:
+            refused.add(id(module))
+            refuse_ddp(module, f"module {name!r}")
     held: dict[nn.Module, dict[str, DedicatedParam]] = defaultdict(dict)
     for dp in params:
         held[dp.module][dp.name] = dp
+    for dp in params:
+        for alias in aliases.get(id(dp.param), ()):
+            prefix, _, attribute = alias.rpartition(".")
+            held[model.get_submodule(prefix)].setdefault(attribute, dp)
     for module, dps in held.items():
-        names = {name: dp.fqn for name, dp in dps.items()}
-        first = next(iter(dps.values()))
+        names = {attribute: dp.fqn for attribute, dp in dps.items()}
+        attribute, first = next(iter(dps.items()))
         if not config.replicated:
             refuse_module_load(module, names)
             if layout.shard_size > 1:  # a peer of every dedicated weight exists
                 owner = layout.global_rank(first.owner)
-                refuse_module_state_dict(module, first.name, first.fqn, owner)
+                refuse_module_state_dict(module, attribute, first.fqn, owner)
         refuse_torch_state_dict(module, first.fqn, replicated=config.replicated)
     refuse_foreign_optimizers()
     refuse_accelerate_clip()
