@@ -208,6 +208,12 @@ def _group_edits(rank: int, world_size: int):
         # ... and those that choose its kernel: dmuon's AdamW always runs the fused one (they
         # were taken and changed nothing).
         (1, {"foreach": True, "fused": False}),
+        # A misspelt key, and the other optimizer's key (a loop over every group reaches
+        # both kinds), which torch's optimizers would take without a word.
+        (0, {"weight_decy": 0.1}),
+        (1, {"learning_rate": 0.1}),
+        (0, {"betas": (0.5, 0.999)}),
+        (1, {"nesterov": False}),
     ]
     errors = []
     for index, edit in edits:
@@ -279,8 +285,20 @@ def test_group_edits_reach_the_step():
         assert "group 'adamw' holds ['maximize'], which no step reads" in errors[9]
         assert "group 'adamw' holds ['foreach', 'fused'], which no step reads" in errors[10]
         assert "torch's fused AdamW kernel" in errors[10]
-        assert "set_optimizer_state_dict: param_groups['muon'] holds ['ns_steps']" in errors[11]
-        assert "load_state_dict: param group 'adamw' holds ['adamw_lr']" in errors[12]
+        assert (
+            "group 'muon' holds ['weight_decy'], which no step reads (the step would go on"
+            " without them): weight_decy is 'weight_decay' misspelt: set group['weight_decay']"
+            " instead" in errors[11]
+        )
+        assert "learning_rate is 'lr' misspelt: set group['lr'] instead" in errors[12]
+        assert (
+            "group 'muon' holds ['betas'], which no step reads (the step would go on without"
+            " them): betas is adamw's, and this group steps with 'muon': write it into the"
+            " '.../adamw' groups only (if group['optimizer'] == 'adamw')" in errors[13]
+        )
+        assert "group 'adamw' holds ['nesterov'], which no step reads" in errors[14]
+        assert "set_optimizer_state_dict: param_groups['muon'] holds ['ns_steps']" in errors[15]
+        assert "load_state_dict: param group 'adamw' holds ['adamw_lr']" in errors[16]
         for name, value in runs["in_place"].items():
             assert torch.equal(runs["replaced"][name], value), name
             assert torch.equal(runs["one_cycle"][name], value), name

@@ -263,7 +263,7 @@ def check_param_groups(where: str, optimizer: Muon, saved_groups: Any) -> None:
             )
         group_numbers(saved, group["optimizer"], f"{where}: param_groups[{name!r}]")
         # Loaded, it would make every step raise (see take_group_edits).
-        check_no_inert_keys(saved, f"{where}: param_groups[{name!r}]")
+        check_no_inert_keys(saved, f"{where}: param_groups[{name!r}]", group["optimizer"])
 
 
 _ALL_FIELDS = frozenset(f for fields in STATE_FIELDS.values() for f in fields)

@@ -56,11 +56,19 @@ A key that no step reads but that means something elsewhere (``_INERT_KEYS``: to
 raises instead, in place or in a replacement,
 before anything is replaced, and in a loaded group (``Muon.load_state_dict``,
 ``dmuon.set_optimizer_state_dict``, ``dmuon.load_checkpoint``), before anything is loaded:
-written silently it would change nothing.
+written silently it would change nothing. So do the other optimizer's hyperparameters
+(``betas`` or ``eps`` in a Muon group, ``nesterov`` in an AdamW group: a loop over
+``param_groups`` reaches both kinds) and a key that looks like a misspelt hyperparameter (a
+near miss, ``weight_decy``, or another library's name, ``learning_rate``, ``wd``, ``beta1``),
+which torch's optimizers would take without a word. Any other key is left alone: schedulers
+keep their own in the groups (``initial_lr``, ``max_momentum``, ``swa_lr``, ...), and so may
+a user.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -181,6 +189,9 @@ def _check_betas(value: Any, where: str) -> tuple[Any, Any]:
     return tuple(map(_kept, value, _betas(value, where)))  # type: ignore[return-value]
 
 
+# The keys construction puts in every group besides its hyperparameters.
+_KNOWN_KEYS = frozenset({"params", "param_names", "group_name", "optimizer"})
+
 # The hyperparameters each route's group steps with.
 GROUP_REQUIRED: dict[Route, tuple[str, ...]] = {
     Route.MUON: ("lr", "weight_decay", "momentum", "nesterov"),
@@ -268,14 +279,69 @@ _INERT_KEYS = {
 }
 
 
-def check_no_inert_keys(group: Mapping[str, Any], where: str) -> None:
-    """Raise ``ValueError`` naming every key of ``group`` that no step reads (``_INERT_KEYS``):
-    in a group written or replaced, and in a group a state dict or checkpoint would load."""
-    inert = [key for key in _INERT_KEYS if key in group]
+# The hyperparameters of the other route that a group holds without reading them: AdamW's in a
+# Muon group, Muon's in an AdamW group ("momentum" there is its beta1, see take_group_edits).
+# A loop over param_groups that sets one optimizer's key reaches both kinds of group.
+_OTHER_ROUTE_KEYS = {Route.MUON: ("betas", "eps"), Route.ADAMW: ("nesterov",)}
+# Every hyperparameter a step reads (either route's), which a misspelt key is compared with,
+# and the names other libraries give some of them.
+_READ_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps")
+_ALIASES = {
+    "learning_rate": "lr",
+    "wd": "weight_decay",
+    "beta1": "betas",
+    "beta2": "betas",
+    "epsilon": "eps",
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _meant(key: str) -> str | None:
+    """The hyperparameter a group key that no step reads looks meant for (a case-insensitive
+    near miss, ``"weight_decy"``, or another library's name, ``"learning_rate"``), else
+    ``None``; see [Note: edits to the groups]. Cached: a scheduler's own keys (``initial_lr``,
+    ``max_momentum``, ...) are looked at once per name, not at every step."""
+    folded = key.casefold()
+    if folded in _ALIASES:
+        return _ALIASES[folded]
+    close = difflib.get_close_matches(folded, _READ_KEYS, n=1, cutoff=0.85)
+    return close[0] if close else None
+
+
+def _unread_keys(group: Mapping[str, Any], route: Route) -> dict[str, str]:
+    """Each key of a ``route`` group that no step reads although it names a hyperparameter,
+    with where its meaning lives: ``_INERT_KEYS``, the other route's hyperparameters
+    (``_OTHER_ROUTE_KEYS``) and misspelt ones (``_meant``)."""
+    other = Route.ADAMW if route is Route.MUON else Route.MUON
+    only = (
+        f"{other.value}'s, and this group steps with {route.value!r}: write it into the"
+        f" '.../{other.value}' groups only (if group['optimizer'] == {other.value!r})"
+    )
+    found = {key: _INERT_KEYS[key] for key in _INERT_KEYS if key in group}
+    for key in group:
+        if key in found or not isinstance(key, str):
+            continue
+        if key in _OTHER_ROUTE_KEYS[route]:
+            found[key] = only
+        elif key not in _READ_KEYS and key not in _KNOWN_KEYS:
+            meant = _meant(key)
+            if meant in GROUP_REQUIRED[route]:
+                found[key] = f"{meant!r} misspelt: set group[{meant!r}] instead"
+            elif meant is not None:
+                found[key] = f"{meant!r} misspelt, which is " + only
+    return found
+
+
+def check_no_inert_keys(group: Mapping[str, Any], where: str, route: Route) -> None:
+    """Raise ``ValueError`` naming every key of a ``route`` group that no step reads although
+    it names a hyperparameter (``_unread_keys``): in a group written or replaced, and in a
+    group a state dict or checkpoint would load."""
+    inert = _unread_keys(group, route)
     if inert:
         raise ValueError(
-            f"{where} holds {inert}, which no step reads (the step would go on without them):"
-            + ";".join(f" {key} is {_INERT_KEYS[key]}" for key in inert)
+            f"{where} holds {list(inert)}, which no step reads (the step would go on without"
+            " them):"
+            + ";".join(f" {key} is {meaning}" for key, meaning in inert.items())
             + ". Delete the key from the group"
         )
 
@@ -304,7 +370,7 @@ def take_group_edits(
             own.update(group)
             groups[i] = own
         where = f"Muon.param_groups: group {own['group_name']!r}"
-        check_no_inert_keys(own, where)
+        check_no_inert_keys(own, where, own["optimizer"])
         if own["optimizer"] == Route.ADAMW and "momentum" in own:
             beta1 = _check_fraction(own.pop("momentum"), "momentum", where)
             own["betas"] = (beta1, own["betas"][1])
@@ -337,7 +403,7 @@ def _check_replacement(group: Any, own: Mapping[str, Any]) -> None:
             f"{where} steps with {route.value!r}; the dict that replaced it says"
             f" {group['optimizer']!r}: a group's optimizer is fixed at construction"
         )
-    check_no_inert_keys(group, where)  # before it replaces anything
+    check_no_inert_keys(group, where, route)  # before it replaces anything
     group_numbers(group, route, where)
 
 

@@ -129,7 +129,7 @@ def _routes_back(groups: list[dict[str, Any]], saved_groups: Sequence[Any]) -> l
             raise ValueError(
                 f"{where} lacks {absent}; load a state dict of this optimizer's state_dict()"
             )
-        check_no_inert_keys(saved, where)  # every step would raise for it
+        check_no_inert_keys(saved, where, group["optimizer"])  # every step would raise for it
         values = checked_group_values(saved, group["optimizer"], where)
         restored.append({**saved, **values, "optimizer": Route(route)})
     return restored
