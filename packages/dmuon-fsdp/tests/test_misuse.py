@@ -181,10 +181,19 @@ def _untied_after_dedicate(mesh: DeviceMesh, root: str) -> None:
 
 def _deepcopy_after_dedicate(mesh: DeviceMesh, root: str) -> None:
     """AveragedModel's deepcopy, built after dedicate_params (before fully_shard): a rank
-    reaches a weight it does not hold."""
+    would reach a weight it does not hold, another rank another one."""
     model = build(0)
     dedicate_params(model, mesh, muon_predicate)
     copy.deepcopy(model)
+
+
+def _averaged_model_after_fully_shard(mesh: DeviceMesh, root: str) -> None:
+    """torch's SWA recipe, AveragedModel(model), once the model is wrapped: FSDP2's own
+    refusal of a copy would come first, pointing at state dicts."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    torch.optim.swa_utils.AveragedModel(model)
 
 
 def _deepcopy_on_the_replicated_path(mesh: DeviceMesh, root: str) -> None:
@@ -444,8 +453,13 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
     ),
     "copy.deepcopy after dedicate_params": (
         _deepcopy_after_dedicate,
-        r"NotHeldError: .*copy\.deepcopy cannot copy a model after dedicate_params.*"
-        r"dmuon\.EMA\(optimizer\)",
+        r"TypeError: copy\.deepcopy cannot copy a model after dedicate_params.*nothing was"
+        r" copied.*dmuon\.EMA\(optimizer\)",
+    ),
+    "AveragedModel after fully_shard": (
+        _averaged_model_after_fully_shard,
+        r"TypeError: copy\.deepcopy cannot copy a model after dedicate_params \(torch\.optim"
+        r"\.swa_utils\.AveragedModel copies its model so\).*dmuon\.EMA\(optimizer\)",
     ),
     "copy.deepcopy on the replicated path": (
         _deepcopy_on_the_replicated_path,

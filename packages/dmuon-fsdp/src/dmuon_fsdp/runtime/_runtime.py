@@ -26,7 +26,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Never
 
 import torch
 from torch import Tensor, nn
@@ -578,14 +578,9 @@ class DedicatedRuntime:
             group.wait_for_publish()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DedicatedRuntime:
-        """Refuse, naming the fix: ``copy.deepcopy`` of the model reaches its runtime (the
-        model's attribute) last, after every weight, so this is what the replicated path, whose
-        ranks hold every weight, meets first."""
-        raise TypeError(
-            "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
-            f"AveragedModel copies its model so): its runtime holds dmuon's process groups. "
-            f"{DEEPCOPY_FIX}"
-        )
+        """Refuse, naming the fix: the runtime alone, copied (the model's copy is refused
+        before it reaches it: see [Note: copying a model after dedicate_params])."""
+        _refuse_deepcopy(memo)
 
 
 class _CheckedApply:
@@ -672,6 +667,28 @@ class _CheckedApply:
         return applied
 
 
+def _refuse_deepcopy(memo: dict[int, Any]) -> Never:
+    """[Note: copying a model after dedicate_params]
+    ``copy.deepcopy(model)`` (and ``torch.optim.swa_utils.AveragedModel(model)``, which copies
+    its model) cannot copy a model after ``dedicate_params``: each dedicated weight lives on
+    its owner alone (on the FSDP2 path), and the runtime holds dmuon's process groups. Left to
+    itself the copy failed in three ways: between ``dedicate_params`` and ``fully_shard`` it
+    stopped at the first weight a rank does not hold (a different one on each rank); after
+    ``fully_shard`` FSDP2's own refusal came first ("FSDP does not support deepcopy. Please use
+    state dict for serialization.", an ``AssertionError`` that points away from what an
+    average of the weights needs); on the replicated path it reached the runtime last. So
+    the model given to ``dedicate_params`` carries a ``__deepcopy__`` of its own (an instance
+    attribute, which ``copy.deepcopy`` looks up before the class's, FSDP2's included) that
+    refuses at once, on every rank alike, before anything is copied, naming ``dmuon.EMA`` and
+    the other fixes. Its submodules are left as they were: a copy of a block on the replicated
+    path, where every rank holds every weight, goes on working."""
+    raise TypeError(
+        "copy.deepcopy cannot copy a model after dedicate_params (torch.optim.swa_utils."
+        "AveragedModel copies its model so): its dedicated weights live on their owners, and "
+        f"its runtime holds dmuon's process groups; nothing was copied. {DEEPCOPY_FIX}"
+    )
+
+
 def _materialised_without_storage(
     fn: Callable[[Tensor], Tensor], dp: DedicatedParam
 ) -> nn.Parameter | None:
@@ -698,7 +715,8 @@ def _materialised_without_storage(
 def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
     """Install :class:`_CheckedApply` on every module above a dedicated parameter of
     ``runtime`` or one of its other names (tied); after a conversion it adopts what
-    ``to_empty`` materialised."""
+    ``to_empty`` materialised. ``model`` refuses ``copy.deepcopy`` too (see [Note: copying a
+    model after dedicate_params])."""
     params = runtime.params
     weak = weakref.WeakMethod(runtime._adopt_materialised)
     weak_holds_nothing = weakref.WeakMethod(runtime._holds_nothing)
@@ -727,6 +745,7 @@ def check_conversions(model: nn.Module, runtime: DedicatedRuntime) -> None:
         module = model.get_submodule(path)
         # An instance attribute: nn.Module's conversions call self._apply.
         object.__setattr__(module, "_apply", _CheckedApply(module, dps, adopt, holds_nothing))
+    object.__setattr__(model, "__deepcopy__", _refuse_deepcopy)
 
 
 def _check_materialised(dp: DedicatedParam) -> None:
