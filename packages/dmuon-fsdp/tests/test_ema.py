@@ -77,16 +77,25 @@ def _run(rank: int, world_size: int, case: str) -> None:
     with pytest.raises(TypeError, match=r"EMA takes the dmuon\.Muon"):
         EMA(model)  # type: ignore[arg-type]
     ema = EMA(optimizer, decay=DECAY)
+    # A decay set during training is checked as the constructor checks it (a NaN would turn
+    # the average NaN at the next step), and a refused one leaves the rate as it was.
+    for bad in (1.5, float("nan"), -0.1, True):
+        with pytest.raises(ValueError, match=r"EMA\.decay must be a float in \(0, 1\)"):
+            ema.decay = bad
+    assert ema.decay == DECAY
     # The recurrence on the full weights, with the factor the EMA uses (a device tensor: the
-    # default skip_nonfinite hands the hook each step's skip decision).
+    # default skip_nonfinite hands the hook each step's skip decision); the third step at a
+    # decay set in between (a warm-up of the decay).
     reference = {k: v.float() for k, v in _params(model).items()}
-    rate = torch.tensor(1 - DECAY)
     for step in range(3):
+        ema.decay = DECAY if step < 2 else 0.5
+        rate = torch.tensor(1 - ema.decay)
         # The second step is skipped (a NaN gradient): the average stays too.
         _step(model, optimizer, step, rank, world_size, nan=step == 1)
         weights = _params(model)
         factor = torch.zeros(()) if step == 1 else rate
         torch._foreach_lerp_(list(reference.values()), [weights[k] for k in reference], factor)
+    ema.decay = DECAY
     saved = ema.state_dict()
     averaged = saved["weights"]
     assert all(torch.equal(averaged[k], reference[k].to(averaged[k].dtype)) for k in reference)

@@ -102,6 +102,24 @@ class EMA:
         self._handle = optimizer.register_post_update_hook(self._update)
 
     @property
+    def decay(self) -> float:
+        """The weight of the old average at each step. Set it between steps to change the rate
+        (a warm-up of the decay); every rank must set the same value. A value outside (0, 1)
+        raises ``ValueError`` and leaves the rate as it was: the average would grow without
+        bound, or turn NaN, and the next step writes it."""
+        return self._decay
+
+    @decay.setter
+    def decay(self, value: float) -> None:
+        decay = _valid_decay(value)
+        if decay is None:
+            raise ValueError(
+                f"EMA.decay must be a float in (0, 1), e.g. 0.999, got {value!r}; the average"
+                " keeps its rate (set the same value on every rank)"
+            )
+        self._decay = decay
+
+    @property
     def average(self) -> Mapping[str, Tensor]:
         """This rank's part of the average of each weight it steps, by name (the parts'
         layout: see :class:`WeightPart`)."""
