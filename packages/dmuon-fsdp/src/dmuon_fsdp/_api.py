@@ -119,7 +119,10 @@ def broadcast_all_updates_async(model: nn.Module) -> None:
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
-    """Wait for every pending HSDP publish (e.g. before reading or saving weights).
+    """Wait for every pending publish (HSDP and the replicated path) at once. A read or an
+    in-place write of a published weight waits for its own publish by itself, and the
+    checkpoint functions wait too, so this is only needed to wait for all of them in one place
+    (before timing the next forward, say).
 
     Args:
         model: the model given to ``dedicate_params`` (that object: another one, a submodule

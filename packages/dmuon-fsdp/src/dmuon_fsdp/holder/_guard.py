@@ -213,8 +213,10 @@ _WHERE = "_dmuon_where"
 
 
 class NotHeldError(RuntimeError):
-    """A dedicated weight was read on a rank that does not hold it right now (or, by
-    ``state_dict()``, on any rank while some rank does not hold it)."""
+    """A dedicated weight (or its ``.grad``) was read or written on a rank that does not hold
+    it right now; or ``state_dict()`` was called on a module that holds one where some rank
+    does not hold it (the sharded path with more than one rank per shard group), which raises
+    on every rank, its owner's included."""
 
 
 FULLY_SHARD_FIX = (

@@ -588,6 +588,10 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Muon on owned matrices, AdamW on the rest; see [Note: step order].
 
+        Refuses, before changing anything, a dedicated parameter whose ``.grad`` no backward
+        sent to its owner (``p.grad = g`` written by hand; see [Note: a gradient set by
+        hand]): ``RuntimeError`` naming it and the fix (``loss.backward()`` on every rank).
+
         Args:
             closure: ``None``, or a callable that recomputes the loss (run with gradients
                 enabled before the step) and returns it; ``step`` returns what it returned.

@@ -140,7 +140,12 @@ def dedicate_params(
     ``patch_fully_shard=False`` pass ``ignored_params=dmuon.dedicated_params_of(model)`` to each
     ``fully_shard`` call (layers and root), FSDP2's public way (see [Note: FSDP2 integration] in
     ``_fsdp_integration``). A dedicated parameter that ``fully_shard`` took anyway raises, on
-    every rank, at that ``fully_shard`` or at ``Muon(model)``.
+    every rank, at that ``fully_shard`` or at ``Muon(model)``. ``model.load_state_dict`` with
+    a value for a dedicated parameter raises (load with :func:`set_model_state_dict` or
+    :func:`load_checkpoint`); with more than one rank per shard group, where a peer holds a
+    dedicated weight only inside its layer's forward and backward, ``model.state_dict()``
+    raises :class:`NotHeldError` on every rank (save with :func:`save_checkpoint` or
+    :class:`AppState`, gather with :func:`get_model_state_dict`).
 
     The options that shape the runtime (every keyword but ``replicate_mesh`` and
     ``param_policy``: the fields of :class:`DedicateConfig`) may instead come whole as
@@ -258,6 +263,12 @@ def dedicate_params_ddp(
     recognised by their DTensor placements. The options but ``param_policy`` may instead come
     whole as ``config=DedicateConfig(...)`` (its ``reshard_after_forward`` does not apply).
     Collective.
+
+    Every rank then holds every weight: ``model.state_dict()`` and ``model.load_state_dict``
+    work as on a plain model, and in-place writes made on every rank between steps (right
+    after ``step()`` too, and into a lower-precision compute copy, which reaches the owner's
+    master) are what the next forward and step use. ``load_state_dict(..., assign=True)`` with
+    a value for a parameter dmuon took raises (see [Note: loads that replace parameters]).
 
     Args:
         model: the model to train, built and, with tensor parallelism, already parallelised;
