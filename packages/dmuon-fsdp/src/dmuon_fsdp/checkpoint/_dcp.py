@@ -156,6 +156,8 @@ class AppState(Stateful):
 
         dcp.save({"dmuon": dmuon.AppState(model, optimizer), "data": loader}, checkpoint_id=path)
 
+    It takes the place of ``model.state_dict()`` there, which raises :class:`NotHeldError` on
+    every rank of a sharded run with more than one rank per shard group.
     See [Note: the DCP layout] for what it writes; each rank writes only what it holds.
     ``state_dict()`` and ``load_state_dict()`` are collective (they first finish dmuon's
     collectives in flight; a load ends by publishing the loaded weights to the ranks that keep
