@@ -9,9 +9,14 @@ every output that requires grad, the first of which to fire is the boundary's pr
 and per dedicated parameter a post-accumulate-grad hook (count the pack's gradients; a
 complete pack leaves in the boundary's order, a boundary whose packs all left is freed). The
 reduce point's backward sends what is left of the boundary (see [Note: reduce points] in
-:mod:`._order`). Each module that holds a dedicated parameter also gets a state-dict pre-hook
-(see [Note: state dicts see the parameters]), and on the replicated
-path each replicated parameter a post-accumulate-grad hook (``hook_replicated``). The first
+:mod:`._order`). Each module that holds a dedicated parameter also gets a state-dict
+pre-hook (see [Note: state dicts see the parameters]) and the refusals of torch's paths
+([Note: torch's paths that cannot reach a dedicated weight] in holder/_guard):
+``_fqn_modifiers``, and on the sharded path a load pre-hook and, with more than one rank per
+shard group, a state-dict pre-hook. On the replicated path each replicated parameter gets a
+post-accumulate-grad hook (``hook_replicated``), every module a load pre-hook that refuses
+``assign=True`` ([Note: loads that replace parameters] in setup/_replicate), and each module
+that holds dedicated parameters a load pre- and post-hook for the owners' masters. The first
 pre-backward of a backward pass queues a final callback on the autograd engine that sends what
 no reduce point sent, frees what is left, and issues the last replicate-axis reductions.
 
