@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import build, muon_numel, reduce_numel, shard_layers_then_root
-from _sgd_train import RunResult, merge_owned, reference_sgd, sgd_run
+from _sgd_train import RunResult, ddp_model, merge_owned, reference_sgd, sgd_run
 
 from dmuon_testing.distributed import run_distributed
 
@@ -90,3 +90,23 @@ def test_deleted_model_is_freed(shard: bool, train: bool) -> None:
     # model that ran a forward alive in torch 2.13, with or without dmuon, so the two halves
     # (wrapped by FSDP2; trained) are checked separately.
     assert run_distributed(_model_is_freed, 2, shard, train) == [True, True]
+
+
+def _points_kept(rank: int, world_size: int) -> tuple[list[int], int]:
+    from _models import batch, loss_fn
+
+    model, runtime = ddp_model(world_size)
+    kept = []
+    for step in range(4):
+        loss_fn(model, batch(step, rows=2)).item()  # no backward: the graph is dropped here
+        kept.append(sum(len(group.points) for group in runtime.hooks.groups))
+    return kept, len(runtime.hooks.groups)
+
+
+@pytest.mark.distributed
+def test_forwards_without_a_backward_keep_no_reduce_point_per_forward() -> None:
+    # Forwards with gradients enabled and no backward (an evaluation without no_grad, rollouts)
+    # kept a dead reference per boundary per forward until the next backward: one boundary's
+    # reduce points are those of the graphs still alive.
+    ((kept, boundaries),) = run_distributed(_points_kept, 1)
+    assert kept == [boundaries] * 4

@@ -280,7 +280,12 @@ class BoundaryHooks:
             return args, kwargs
         reached = functools.partial(_weak_hook, weakref.ref(self), "_reduce_point", index)
         passed = _ReducePoint.apply(reached, *tensors)
-        self.groups[index].points.append(weakref.ref(passed[0].grad_fn))
+        # The points of forwards whose graph was dropped never run (nor count): forwards that
+        # no backward follows (an evaluation with gradients enabled) would otherwise leave one
+        # per forward until the next backward.
+        points = self.groups[index].points
+        points[:] = [ref for ref in points if ref() is not None]
+        points.append(weakref.ref(passed[0].grad_fn))
         outputs = iter(passed)
         return tree_map_tensors(lambda t: next(outputs) if t.requires_grad else t, inputs)
 
