@@ -127,16 +127,31 @@ def _qk_norm_is_skipped(rank: int, world_size: int) -> dict[str, bool]:
         warnings.simplefilter("always")
         optimizer = Muon(model, **ZERO_LR)
         clip.attach(optimizer)
-    messages = [str(w.message) for w in caught if "QK-norm" in str(w.message)]
+    messages = [w.filename for w in caught if "QK-norm" in str(w.message)]
     tokens = batch(0, ROWS).chunk(dp_size)[dp_index]
-    logits = model(tokens[:, :-1])
-    F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
-    optimizer.step()
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+
+    step()
     state = get_model_state_dict(model)
+    recorded = bool((clip.last_max_logits() > 1e-3).all())
+    # Forwards that observe nothing: warned once, at the line that stepped (a pre-step hook
+    # warns, inside Muon.step and its hooks).
+    for layer in model.layers:
+        layer.attn.clip = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+        step()
+    unobserved = [w.filename for w in caught if "no attention was observed" in str(w.message)]
     return {
-        "warned for each attention": len(messages) == 2,
+        "warned for each attention, at attach's line": messages == [__file__] * 2,
         "unchanged": all(torch.equal(state[k], v) for k, v in initial.items()),
-        "recorded": bool((clip.last_max_logits() > 1e-3).all()),
+        "recorded": recorded,
+        "unobserved warned once, at step's line": unobserved == [__file__],
     }
 
 

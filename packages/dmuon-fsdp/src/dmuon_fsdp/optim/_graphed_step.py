@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -55,6 +54,7 @@ from torch import Tensor
 from dmuon_ns import kernel_choices_version
 
 from .._profile import no_mark
+from .._warnings import warn
 from ._fused import kernels_ready, static_tables
 from ._muon_math import Batches, MuonItem, StepScalars, grad_matrices, muon_phase, scalar_rows
 
@@ -186,7 +186,7 @@ class GraphedMuonPhase:
                 f" {err}); the phase runs eagerly from now on"
             )
             logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn(message, RuntimeWarning)
             return
         self._graph, self._captured, self._warm = graph, warm, None
         self.captures += 1

@@ -44,7 +44,6 @@ owns; without the option a batch's update lives only while its NS runs.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -52,6 +51,7 @@ import torch
 from torch import Tensor
 
 from .._profile import span
+from .._warnings import warn
 from ..holder import MuonEntry
 from ..runtime import GradListener
 from ._muon_math import MuonItem, ns_inputs, orthogonalized
@@ -178,15 +178,14 @@ class NSOverlap(GradListener):
             early.updates.record_stream(torch.cuda.current_stream(self._device))
         return early.updates
 
-    def stop(self, why: str, advice: str, stacklevel: int) -> None:
+    def stop(self, why: str, advice: str) -> None:
         """Drop every early result and say once why NS no longer runs during backward, and
-        what to do (``advice``); ``stacklevel`` is the warning's, counted from the caller."""
+        what to do (``advice``), at the user's line (see [Note: a warning's line])."""
         self._results.clear()
-        warnings.warn(
+        warn(
             f"StepOptions(ns_overlap=True) is off from now on: {why}, so Newton–Schulz runs in "
             f"the step, where it sees the final gradients. {advice}",
             RuntimeWarning,
-            stacklevel=stacklevel + 1,
         )
 
     def end_step(self) -> None:

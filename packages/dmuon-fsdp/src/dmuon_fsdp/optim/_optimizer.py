@@ -653,9 +653,6 @@ class Muon(torch.optim.Optimizer):
                 " last)",
                 "The results are the same. Step the optimizer built last and delete this one,"
                 " or build this one again to have its Newton–Schulz run during backward",
-                # The caller of step(): _collect, step, torch.no_grad's and torch's step hook
-                # wrappers, then the call.
-                stacklevel=5,
             )
         if self._overlap is not None:
             self._overlap.begin_step()
@@ -676,11 +673,11 @@ class Muon(torch.optim.Optimizer):
         ]
         return _StepWork(batches, momentum, adamw)
 
-    def _stop_overlap(self, why: str, advice: str, stacklevel: int) -> None:
+    def _stop_overlap(self, why: str, advice: str) -> None:
         """Turn ``ns_overlap`` off for good: drop the early results with a warning
-        (``NSOverlap.stop``; ``stacklevel`` counted from the caller) and stop listening."""
+        (``NSOverlap.stop``) and stop listening."""
         assert self._overlap is not None
-        self._overlap.stop(why, advice, stacklevel=stacklevel + 1)
+        self._overlap.stop(why, advice)
         if self._runtime.grad_listener is self._overlap:
             self._runtime.set_grad_listener(None)
         self._overlap = None
@@ -998,7 +995,6 @@ class Muon(torch.optim.Optimizer):
                 "the gradients were handed to a clip (grads_for_clip)",
                 "Clipping needs every gradient's norm, known only once backward is done; drop"
                 " ns_overlap when you clip",
-                stacklevel=2,
             )
         layout = self._runtime.layout
         grads: list[Tensor] = []

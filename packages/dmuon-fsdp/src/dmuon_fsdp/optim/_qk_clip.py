@@ -61,7 +61,6 @@ not act in it.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -76,6 +75,7 @@ from .._checks import is_int, is_number
 from .._matrix import is_single_matrix
 from .._profile import span
 from .._torch_internals import foreach_mul_
+from .._warnings import warn
 from ..holder import DedicatedParam, WeightPart, tensor_view
 from ..runtime import DedicatedRuntime
 
@@ -543,11 +543,10 @@ class QKClip:
             for fqn in (attention.q, attention.k):
                 _check_projection(fqn, params, dedicated)
             if _uses_qk_norm(model, attention):
-                warnings.warn(
+                warn(
                     f"QKClip: the attention of {attention.q!r} normalises q and k (QK-norm), so"
                     " scaling W_q and W_k cannot change its logits; it is not clipped (its"
-                    " maxima are still recorded)",
-                    stacklevel=3,
+                    " maxima are still recorded)"
                 )
             else:
                 for fqn, table in _attention_rows(attention, params, slot, self.alpha):
@@ -576,11 +575,10 @@ class QKClip:
         assert self._stats is not None and self._reduced is not None, "QKClip is not bound"
         if not self._observed and not self._warned_unobserved:
             self._warned_unobserved = True
-            warnings.warn(
+            warn(
                 "QKClip: no attention was observed in this step, so nothing can be clipped;"
                 " call clip.observe(q_name, max_logits) in each attention's forward"
-                " (see dmuon.max_logits)",
-                stacklevel=3,
+                " (see dmuon.max_logits)"
             )
         self._observed = False
         self._reduced.copy_(self._stats)

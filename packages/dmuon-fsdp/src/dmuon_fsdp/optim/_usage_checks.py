@@ -11,7 +11,6 @@ fix; none changes anything first.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -29,6 +28,7 @@ from .._torch_internals import (
     fsdp_offloads_to_cpu,
     fsdp_reshards_after_forward,
 )
+from .._warnings import warn
 from ..holder import DedicatedParam, fsdp_modules, is_dedicated
 from ..runtime import DedicatedRuntime
 
@@ -145,13 +145,12 @@ def check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> No
             inner.append(fsdp_reshards_after_forward(module))
     reshards = [flag for flag in inner if flag is not None]
     if runtime.reshard_after_forward and reshards and not any(reshards):
-        warnings.warn(
+        warn(
             "every fully_shard below the root was given reshard_after_forward=False (Z2), but"
             " dedicate_params was not: dmuon frees each layer's dedicated matrices after its"
             " forward and broadcasts them again for backward (Z3). For Z2 pass"
             " reshard_after_forward=False to dedicate_params too (the results are the same"
-            " either way)",
-            stacklevel=3,
+            " either way)"
         )
 
 
@@ -274,13 +273,12 @@ def warn_frozen_dedicated(runtime: DedicatedRuntime) -> None:
             if runtime.config.replicated
             else "it is still kept whole on its owner and broadcast for its layer's forward"
         )
-        warnings.warn(
+        warn(
             f"{len(frozen)} dedicated parameter(s) were frozen between dedicate_params and"
             f" Muon(model) (first: {frozen[:3]}): {kept}, and no step will ever train it"
             " (Muon takes the trainable parameters when it is built). To keep it frozen,"
             " freeze it before dedicate_params, which then leaves it alone; to train it"
-            " later, freeze it after Muon(model)",
-            stacklevel=3,
+            " later, freeze it after Muon(model)"
         )
 
 

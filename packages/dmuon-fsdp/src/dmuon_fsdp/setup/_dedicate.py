@@ -66,6 +66,7 @@ from dmuon_ownership import (
 
 from .._matrix import MatrixView, describe_pieces, pieces_of
 from .._torch_internals import ddp_modules, local_shard
+from .._warnings import warn
 from ..holder import (
     DedicatedParam,
     ExpertStack,
@@ -380,12 +381,11 @@ def _dedicate(
     unmatched = policy.unmatched_tokens(name for names in aliases.values() for name in names)
     if unmatched:
         # Likely typos: an override that matches nothing changes nothing.
-        warnings.warn(
+        warn(
             f"param_policy: the override name(s) {list(unmatched)} match no parameter of the "
             f"{type(model).__name__}, so they change nothing; a name matches whole "
             "dot-separated components of a parameter's FQN (see the routing guide)",
             UserWarning,
-            stacklevel=3,
         )
     _refuse_inner_ddp(model)
     modules = dict(model.named_modules())
@@ -553,7 +553,7 @@ def _select(
             "p.ndim == 2)"
         )
         logger.warning(message)
-        warnings.warn(message, stacklevel=3)
+        warn(message)
     return selected
 
 
@@ -616,14 +616,13 @@ def _warn_muon_biases(claims: list[_Claim]) -> None:
         if view is not None and (found.name == "bias" or found.name.endswith("_bias"))
     ]
     if biases:
-        warnings.warn(
+        warn(
             f"dedicate_params: the predicate put {len(biases)} bias(es) on the Muon route"
             f" (first: {biases[:3]}): Muon orthogonalises each as one matrix (an expert"
             " bias stack across its experts), where biases train with AdamW; leave them out"
             " of the predicate (and 'bias' not in name), or route them to 'adamw' with"
             " param_policy",
             UserWarning,
-            stacklevel=5,
         )
 
 
@@ -726,7 +725,7 @@ def _warn_nested_boundaries(boundaries: set[str], modules: Mapping[str, nn.Modul
             f" outer layer instead: hook_boundary_predicate=lambda m: isinstance(m, {layer})"
         )
         logger.warning(message)
-        warnings.warn(message, stacklevel=4)
+        warn(message)
 
 
 def _boundary_of(
