@@ -131,8 +131,9 @@ class KernelWithOwnFailures(FakeKernel):
 def test_a_kernel_names_the_exceptions_that_reject_it():
     own = KernelWithOwnFailures("own")
     reference = FakeKernel("torch", delay=0.02)
-    with pytest.warns(RuntimeWarning, match="no tile config fits"):
+    with pytest.warns(RuntimeWarning, match="no tile config fits") as caught:
         chosen = _autotune.choose([own, reference], _x(), "gram", COEFFS, RESTARTS, now=True)
+    assert [w.filename for w in caught] == [__file__]  # the caller's line, not dmuon-ns's
     assert chosen is reference
     (verdict,) = _autotune.verdicts().values()
     assert verdict["rejected"]["own"].startswith("raised KeyError")

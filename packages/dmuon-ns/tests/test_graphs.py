@@ -51,8 +51,9 @@ def test_failed_capture_warns_once_and_falls_back_to_eager(monkeypatch, caplog):
     monkeypatch.setattr(_graphs, "_capture", broken_capture)
     source = prepare(torch.randn(1, 2, 2), torch.float32, 1e-7)
     with caplog.at_level(logging.WARNING, logger="dmuon_ns._graphs"):
-        with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
+        with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed") as caught:
             entry = _graphs._capture_or_eager(lambda t: t, source, ("k", (2, 2)), None, _no_pool())
+        assert [w.filename for w in caught] == [__file__]  # the caller's line
     assert isinstance(entry, _graphs._Eager)
     assert sum("capture failed" in r.getMessage() for r in caplog.records) == 1
     assert "operation not permitted" in caplog.records[0].getMessage()

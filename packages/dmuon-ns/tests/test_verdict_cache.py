@@ -59,8 +59,9 @@ def test_a_failed_write_leaves_the_file_as_it_was(_cache_dir, monkeypatch, caplo
 
     monkeypatch.setattr(_verdict_cache.os, "replace", interrupted)
     with caplog.at_level(logging.WARNING, logger="dmuon_ns._verdict_cache"):
-        with pytest.warns(RuntimeWarning, match="No space left on device"):
+        with pytest.warns(RuntimeWarning, match="No space left on device") as caught:
             _verdict_cache.write({"b": _verdict("quack")})
+        assert [w.filename for w in caught] == [__file__]  # the caller's line
     assert (_cache_dir / "verdicts.json").read_bytes() == before
     assert sorted(p.name for p in _cache_dir.iterdir()) == ["verdicts.json", "verdicts.lock"]
     assert "No space left on device" in caplog.text

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -69,6 +68,7 @@ from torch import Tensor
 from dmuon_ns._iterations import LastProduct, finished
 from dmuon_ns._profiling import span
 from dmuon_ns._registry import Problem
+from dmuon_ns._warnings import warn
 
 __all__ = ["GraphInput", "clear_graphs", "graph_keys", "run_graphed"]
 
@@ -229,7 +229,7 @@ def _capture_or_eager(
             "running this shape eagerly from now on"
         )
         logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warn(message, RuntimeWarning)
         return _Eager(variant)
 
 

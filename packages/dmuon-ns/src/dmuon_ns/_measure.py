@@ -39,7 +39,6 @@ import logging
 import math
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -48,6 +47,7 @@ from torch import Tensor
 
 from dmuon_ns._coefficients import Coefficients
 from dmuon_ns._registry import NSKernel, Problem
+from dmuon_ns._warnings import warn
 
 __all__ = [
     "CHECKED",
@@ -169,7 +169,7 @@ def failure_types(kernel: NSKernel) -> tuple[type[Exception], ...]:
 def report(message: str) -> None:
     """A deliberate degradation, made visible in logs and to the user."""
     logger.warning("%s", message)
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    warn(message, RuntimeWarning)
 
 
 def compare_ms(

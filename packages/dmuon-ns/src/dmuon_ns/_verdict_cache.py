@@ -30,12 +30,12 @@ import logging
 import os
 import tempfile
 import threading
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from dmuon_ns._environment import cache_dir_override
+from dmuon_ns._warnings import warn
 
 try:
     import fcntl
@@ -159,4 +159,4 @@ def _warn_once(kind: str, message: str) -> None:
         _warned.add(kind)
     message = f"dmuon-ns autotune: {message}; verdicts are kept in memory"
     logger.warning("%s", message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warn(message, RuntimeWarning)
