@@ -175,6 +175,15 @@ def test_the_core_workflow_names_exist() -> None:
         assert name in dmuon.__all__
 
 
+def test_muon_step_has_torch_optimizers_overloads() -> None:
+    # As torch.optim.Optimizer.step: None without a closure, the closure's float with one. A
+    # single ``-> float | None`` made ``loss: float = optimizer.step(closure)`` a type error.
+    import typing
+
+    overloads = typing.get_overloads(dmuon.Muon.step)
+    assert [typing.get_type_hints(f)["return"] for f in overloads] == [type(None), float]
+
+
 _NO_WORK = textwrap.dedent(
     """
     import sys

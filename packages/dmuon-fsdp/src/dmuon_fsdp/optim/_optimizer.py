@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple, Never
+from typing import Any, NamedTuple, Never, overload
 
 import torch
 import torch.distributed as dist
@@ -584,8 +584,12 @@ class Muon(torch.optim.Optimizer):
 
     # -- the step -----------------------------------------------------------------------------
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Muon on owned matrices, AdamW on the rest; see [Note: step order].
 
         Refuses, before changing anything, a dedicated parameter whose ``.grad`` no backward
