@@ -412,6 +412,21 @@ def test_no_underscored_transformers_method_is_overridden() -> None:
     assert overridden["DmuonTrainingArguments"] >= {"__post_init__", "place_model_on_device"}
 
 
+def test_the_trainers_overrides_return_what_the_trainers_methods_declare() -> None:
+    # A user's type checker reads DmuonTrainer's annotations: train() said Any where
+    # Trainer.train says TrainOutput.
+    import typing
+
+    for name in ("train", "training_step", "create_optimizer", "save_model", "log"):
+        ours = typing.get_type_hints(getattr(hf.DmuonTrainer, name))["return"]
+        base = getattr(Trainer, name)  # its other hints name optuna, which may be missing
+        theirs = base.__annotations__.get("return", ours)
+        if isinstance(theirs, str):
+            theirs = eval(theirs, base.__globals__)
+        theirs = type(None) if theirs is None else theirs
+        assert ours == theirs, (name, ours, theirs)
+
+
 def test_bad_arguments_name_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match="unset torch_compile"):
         hf.DmuonTrainingArguments(output_dir=str(tmp_path), use_cpu=True, torch_compile=True)

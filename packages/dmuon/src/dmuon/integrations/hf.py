@@ -106,7 +106,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_pt_utils import get_parameter_names
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 import dmuon
 
@@ -332,7 +332,7 @@ class DmuonTrainer(Trainer):
         resume_from_checkpoint: str | bool | None = None,
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
-    ) -> Any:
+    ) -> TrainOutput:
         """The Trainer's ``train``; ``resume_from_checkpoint`` (a ``checkpoint-N`` folder, or
         ``True`` for the last one in ``output_dir``) must hold a dmuon checkpoint."""
         checkpoint = _checkpoint_to_resume(resume_from_checkpoint, str(self.args.output_dir))
