@@ -440,13 +440,15 @@ def test_a_per_rank_dict_of_another_world_size_is_refused() -> None:
         assert without is not None and "Nothing was loaded" in without, without
 
 
-def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
+def _z2_after_evaluation(rank: int, world_size: int, tie: bool) -> dict[str, object]:
     """Z2 with FSDP2 computing in bf16 keeps the compute copies after an evaluation forward
     ([Note: state dicts see the parameters]): a layer's ``state_dict(keep_vars=True)`` then
     holds what it holds after a step (the owner's fp32 master, a peer's ``NotHeldError`` at a
     read), its refused ``state_dict()`` and the whole model's change nothing and leave every
     rank holding the same layers, and training goes on bit for bit like a run without the
-    evaluation and the reads."""
+    evaluation and the reads. With ``tie`` the matrix read is the embedding that the head is
+    tied to, through the head's own ``state_dict`` (before, that name alone read the bf16
+    compute copy on every rank, while the embedding's dropped it)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -454,9 +456,10 @@ def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
 
     runs = {}
     for evaluate in (True, False):
-        model = build(0)
+        model = build(0, tie=tie)
         mesh = init_device_mesh("cpu", (world_size,))
-        dedicate_params(model, mesh, muon_predicate, reshard_after_forward=False)
+        predicate = lambda n, p: muon_predicate(n, p) or (tie and n == "lm_head.weight")  # noqa: E731
+        dedicate_params(model, mesh, predicate, reshard_after_forward=False)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         ignored = dedicated_params_of(model)
         for layer in model.layers:
@@ -466,7 +469,8 @@ def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
         fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
         optimizer = Muon(model, **HYPER.muon_kwargs())
         _step(model, optimizer, 0, rank, world_size)
-        name = "layers.0.attn.q_proj.weight"
+        name = "embed_tokens.weight" if tie else "layers.0.attn.q_proj.weight"
+        module, key = (model.lm_head, "weight") if tie else (model.layers[0], "attn.q_proj.weight")
         if evaluate:
             with torch.no_grad():
                 lm_loss(model, shard(make_batch(9, ROWS, SEQ, VOCAB), rank, world_size))
@@ -474,10 +478,9 @@ def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
             # rank (some rank does not hold them); keep_vars lists the parameters, which the
             # owner reads.
             with pytest.raises(NotHeldError, match="refused on every rank"):
-                model.layers[0].state_dict()
+                module.state_dict()
             try:
-                kept = model.layers[0].state_dict(keep_vars=True)
-                read = kept[name.removeprefix("layers.0.")].detach().clone()
+                read = module.state_dict(keep_vars=True)[key].detach().clone()
             except NotHeldError:
                 read = None
             full = get_model_state_dict(model)[name]
@@ -509,6 +512,7 @@ def _z2_after_evaluation(rank: int, world_size: int) -> dict[str, object]:
 
 
 @pytest.mark.distributed
-def test_z2_state_dict_after_an_evaluation_reads_as_after_a_step() -> None:
-    for result in run_distributed(_z2_after_evaluation, 2):
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied-head"])
+def test_z2_state_dict_after_an_evaluation_reads_as_after_a_step(tie: bool) -> None:
+    for result in run_distributed(_z2_after_evaluation, 2, tie):
         assert all(result.values()), result

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -121,6 +121,7 @@ class BoundaryHooks:
         reshard_after_forward: bool,
         on_first_forward: Callable[[], None],
         fsdp_sync_off: Callable[[], bool],
+        tied_modules: Mapping[str, Sequence[nn.Module]] | None = None,
     ) -> None:
         self.groups = list(groups)
         self.params = list(params)
@@ -190,9 +191,14 @@ class BoundaryHooks:
             before_state_dict = functools.partial(
                 _weak_hook, weak_self, "_before_state_dict", index
             )
-            for module in {
-                id(dp.module): dp.module for dps in group.members for dp in dps
-            }.values():
+            # A tied weight's other modules too (a head tied to a dedicated embedding).
+            modules = [
+                module
+                for dps in group.members
+                for dp in dps
+                for module in (dp.module, *(tied_modules or {}).get(dp.fqn, ()))
+            ]
+            for module in {id(module): module for module in modules}.values():
                 module.register_state_dict_pre_hook(before_state_dict)
         # Each dedicated parameter's gradient hook, by index (``rebind`` moves it).
         self._grad_handles = [self._grad_hook(index) for index in range(len(self.params))]
@@ -358,7 +364,11 @@ class BoundaryHooks:
         holding dedicated parameters first drops the kept weights of that module's boundary,
         as FSDP2's own pre-hooks put its sharded parameters back: a read sees what it sees
         after a step (the owner's master; a peer's raises ``NotHeldError``), never the compute
-        copy. Like FSDP2's, a later forward gathers again, so every rank calls it alike.
+        copy. Like FSDP2's, a later forward gathers again, so every rank calls it alike. A
+        module that registers a tied dedicated weight under another name (a head tied to a
+        dedicated embedding) carries the hook too: without it ``lm_head.state_dict(keep_vars=
+        True)`` alone read the compute copy on every rank, while the embedding's module read
+        the owner's master and raised on a peer.
 
         Which calls get here on the sharded path: with one rank per shard group (one
         process, HSDP with a shard size of one) ``state_dict()``, where this drops an owner's

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Never
 
 import torch
@@ -86,6 +86,7 @@ class DedicatedRuntime:
         plan: Plan,
         params: list[DedicatedParam],
         groups: list[DedicatedGroup],
+        tied_names: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -111,7 +112,7 @@ class DedicatedRuntime:
         self.local_muon: list[ExpertStack] = []
         # The other names of each tied dedicated weight (alias -> its name): to_empty keeps
         # them tied (see _adopt_materialised), and Muon(model) refuses one replaced since.
-        self.tied_names: dict[str, str] = {}
+        self.tied_names: dict[str, str] = dict(tied_names or {})
         self.param_policy: ParamPolicy | None = None
         self._model = weakref.ref(model)
         # Reads FSDP2's gradient sync flags; made at the first backward (see _fsdp_sync_off).
@@ -126,6 +127,10 @@ class DedicatedRuntime:
         self._zeroed_grads: dict[int, torch.Tensor] = {}
         # The root's reset_iter_state follows FSDP2's with dmuon's (see _follow_fsdp_reset).
         self._follows_fsdp_reset = False
+        # The modules that register a tied dedicated weight under another name, by its name.
+        tied_modules: dict[str, list[nn.Module]] = {}
+        for alias, fqn in self.tied_names.items():
+            tied_modules.setdefault(fqn, []).append(model.get_submodule(alias.rpartition(".")[0]))
         self.hooks = BoundaryHooks(
             groups,
             params,
@@ -133,6 +138,7 @@ class DedicatedRuntime:
             reshard_after_forward=config.reshard_after_forward,
             on_first_forward=self._init_at_first_forward,
             fsdp_sync_off=self._fsdp_sync_off,
+            tied_modules=tied_modules,
         )
         if not any(dp.param.is_meta for dp in params):
             self._pack(dict(model.named_modules()), final=False)

@@ -435,12 +435,12 @@ def _dedicate(
     # Before the runtime, whose state-dict pre-hooks then run after the refusals.
     _refuse_torch_paths(model, modules, params, aliases, config, layout)
     stacks = [_held_in_place(claim, plan, layout) for claim in in_place]
-    runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups)
-    runtime.local_muon = stacks
-    runtime.param_policy = policy
-    runtime.tied_names = {
+    tied_names = {
         alias: dp.fqn for dp in params for alias in aliases[id(dp.param)] if alias != dp.fqn
     }
+    runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups, tied_names)
+    runtime.local_muon = stacks
+    runtime.param_policy = policy
     if config.patch_fully_shard:
         install_patch()
     setattr(model, RUNTIME_ATTR, runtime)
