@@ -4,6 +4,7 @@ the test's timeout (no hang, and no rank that goes on alone while another stoppe
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import warnings
@@ -176,6 +177,21 @@ def _untied_after_dedicate(mesh: DeviceMesh, root: str) -> None:
     shard_layers_then_root(model, mesh)
     model.to_empty(device="cpu")
     model.lm_head.weight = nn.Parameter(torch.zeros(model.lm_head.weight.shape))
+    Muon(model)
+
+
+def _tied_after_dedicate(mesh: DeviceMesh, root: str, after_shard: bool = False) -> None:
+    """An embedding dedicated untied, then the head tied to it (HF's tie_weights() does this
+    assignment) before or after fully_shard: the head's module had none of the refusals (its
+    state_dict() went on alone on the owner) or FSDP2's forward failed on '_local_tensor'."""
+    model = build(0)
+    predicate = lambda n, p: muon_predicate(n, p) or n == "embed_tokens.weight"  # noqa: E731
+    dedicate_params(model, mesh, predicate, hook_boundary_strict=False)
+    if not after_shard:
+        model.lm_head.weight = model.embed_tokens.weight
+    shard_layers_then_root(model, mesh)
+    if after_shard:
+        model.lm_head.weight = model.embed_tokens.weight
     Muon(model)
 
 
@@ -451,6 +467,14 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         r"ValueError: 'lm_head\.weight' was tied to the dedicated weight 'embed_tokens\.weight'"
         r".*Tie it again, as for any model: model\.lm_head\.weight = model\.embed_tokens\.weight",
     ),
+    **{
+        f"a weight tied after dedicate_params{where}": (
+            functools.partial(_tied_after_dedicate, after_shard=bool(where)),
+            r"RuntimeError: dedicated parameter 'embed_tokens\.weight' is registered as "
+            r"'lm_head\.weight' too \(on module 'lm_head'\).*Tie the weights first",
+        )
+        for where in ("", " and fully_shard")
+    },
     "copy.deepcopy after dedicate_params": (
         _deepcopy_after_dedicate,
         r"TypeError: copy\.deepcopy cannot copy a model after dedicate_params.*nothing was"

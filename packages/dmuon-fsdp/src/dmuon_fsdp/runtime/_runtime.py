@@ -129,8 +129,12 @@ class DedicatedRuntime:
         self._follows_fsdp_reset = False
         # The modules that register a tied dedicated weight under another name, by its name.
         tied_modules: dict[str, list[nn.Module]] = {}
+        # The same, with the attribute each registers it under (see _check_no_new_names).
+        self._tied_places: dict[str, list[tuple[nn.Module, str]]] = {}
         for alias, fqn in self.tied_names.items():
-            tied_modules.setdefault(fqn, []).append(model.get_submodule(alias.rpartition(".")[0]))
+            prefix, _, attribute = alias.rpartition(".")
+            tied_modules.setdefault(fqn, []).append(model.get_submodule(prefix))
+            self._tied_places.setdefault(fqn, []).append((model.get_submodule(prefix), attribute))
         self.hooks = BoundaryHooks(
             groups,
             params,
@@ -375,6 +379,7 @@ class DedicatedRuntime:
                     "torchao's convert_to_float8_training (or any other module swap) first, "
                     "then dedicate_params and fully_shard"
                 )
+        self._check_no_new_names(model)
         for dp in self.params:
             current = dp.module._parameters.get(dp.name)
             if current is dp.param:
@@ -389,9 +394,49 @@ class DedicatedRuntime:
             raise RuntimeError(
                 f"dedicated parameter {dp.fqn!r} is no longer registered on its module: "
                 "something replaced it after dedicate_params (an assignment to the attribute, "
-                "or a fully_shard that took it through another module sharing it). "
-                f"{FULLY_SHARD_FIX}; do not reassign dedicated parameters"
+                "such as a tie made after it, or a fully_shard that took it through another "
+                f"module sharing it). {FULLY_SHARD_FIX}; do not reassign dedicated parameters "
+                "(tie weights before dedicate_params)"
             )
+
+    def _check_no_new_names(self, model: nn.Module) -> None:
+        """[Note: a tie made after dedicate_params]
+        ``dedicate_params`` plans, hooks and refuses torch's paths for each dedicated weight
+        under the names it has then (a tied one under all of them, see [Note: shared
+        parameters] in ``setup/_dedicate``). A weight registered under one more name since
+        (``model.lm_head.weight = model.embed_tokens.weight``, or ``tie_weights()``, after
+        ``dedicate_params``) trained the same values when the tie came before ``fully_shard``
+        (its boundary held it for the new use too), but the new name's module had none of
+        the refusals: its ``state_dict()`` returned the weight on the owner alone and raised
+        on the peers, its ``load_state_dict`` wrote the owner's weight alone. Made after
+        ``fully_shard``, it failed inside FSDP2's forward (an ``AttributeError`` about
+        ``_local_tensor``). So a dedicated weight found under a name it did not have at
+        ``dedicate_params`` raises, naming both; the walk reads the module tree only, alike
+        on every rank."""
+        # By module object and attribute, not by name: a wrapper added since (activation
+        # checkpointing, torch.compile) changes the names, not the modules.
+        known = {(id(dp), id(dp.module), dp.name) for dp in self.params} | {
+            (id(dp), id(module), attribute)
+            for dp in self.params
+            for module, attribute in self._tied_places.get(dp.fqn, ())
+        }
+        by_id = {id(dp.param): dp for dp in self.params}
+        for path, module in model.named_modules():
+            for attribute, param in module._parameters.items():
+                dp = by_id.get(id(param))
+                if dp is None or (id(dp), id(module), attribute) in known:
+                    continue
+                name = f"{path}.{attribute}" if path else attribute
+                module_name = path or type(model).__name__
+                raise RuntimeError(
+                    f"dedicated parameter {dp.fqn!r} is registered as {name!r} too (on module "
+                    f"{module_name!r}), a name it did not have at dedicate_params: a weight tied "
+                    f"after dedicate_params (model.{name} = model.{dp.fqn}, or tie_weights()). "
+                    "dmuon hooks a tied weight and refuses torch's state dict, load and DDP "
+                    "paths under every name it has at dedicate_params, and none of that "
+                    "reaches the new one. Tie the weights first (build the model tied, or call "
+                    "model.tie_weights()), then dedicate_params and fully_shard"
+                )
 
     def _taken_by_fully_shard(self, dp: DedicatedParam) -> bool:
         """Whether a ``fully_shard`` module at or above ``dp``'s manages it."""
