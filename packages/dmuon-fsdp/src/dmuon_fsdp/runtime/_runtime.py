@@ -405,14 +405,14 @@ class DedicatedRuntime:
         under the names it has then (a tied one under all of them, see [Note: shared
         parameters] in ``setup/_dedicate``). A weight registered under one more name since
         (``model.lm_head.weight = model.embed_tokens.weight``, or ``tie_weights()``, after
-        ``dedicate_params``) trained the same values when the tie came before ``fully_shard``
-        (its boundary held it for the new use too), but the new name's module had none of
-        the refusals: its ``state_dict()`` returned the weight on the owner alone and raised
-        on the peers, its ``load_state_dict`` wrote the owner's weight alone. Made after
-        ``fully_shard``, it failed inside FSDP2's forward (an ``AttributeError`` about
-        ``_local_tensor``). So a dedicated weight found under a name it did not have at
-        ``dedicate_params`` raises, naming both; the walk reads the module tree only, alike
-        on every rank."""
+        ``dedicate_params``) would train the same values when the tie comes before
+        ``fully_shard`` (its boundary holds it for the new use too), but the new name's module
+        has none of the refusals: its ``state_dict()`` would return the weight on the owner
+        alone and raise on the peers, its ``load_state_dict`` write the owner's weight alone.
+        Made after ``fully_shard``, the tie fails inside FSDP2's forward (an
+        ``AttributeError`` about ``_local_tensor``). So a dedicated weight found under a name
+        it did not have at ``dedicate_params`` raises, naming both; the walk reads the module
+        tree only, alike on every rank."""
         # By module object and attribute, not by name: a wrapper added since (activation
         # checkpointing, torch.compile) changes the names, not the modules.
         known = {(id(dp), id(dp.module), dp.name) for dp in self.params} | {
