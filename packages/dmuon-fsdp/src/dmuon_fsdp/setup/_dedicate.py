@@ -51,6 +51,7 @@ from typing import Any, NamedTuple, TypedDict, Unpack, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import dmuon_ownership
 from dmuon_ownership import (
@@ -113,11 +114,11 @@ _LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+$")
 
 def dedicate_params(
     model: nn.Module,
-    mesh: Any,
+    mesh: DeviceMesh,
     predicate: Predicate,
     *,
     reshard_after_forward: bool = True,
-    replicate_mesh: Any = None,
+    replicate_mesh: DeviceMesh | None = None,
     hook_boundary_predicate: BoundaryPredicate | None = None,
     hook_boundary_strict: bool = True,
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
@@ -246,7 +247,7 @@ class SharedOptions(TypedDict, total=False):
 
 def dedicate_params_ddp(
     model: nn.Module,
-    mesh: Any,
+    mesh: DeviceMesh,
     predicate: Predicate,
     *,
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
@@ -315,7 +316,7 @@ def dedicate_params_ddp(
 
 def dedicate_params_ddp_tp(
     model: nn.Module,
-    mesh: Any,
+    mesh: DeviceMesh,
     predicate: Predicate,
     *,
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
@@ -356,10 +357,10 @@ def _check_config(entry: str, config: object) -> None:
 
 def _dedicate(
     model: nn.Module,
-    mesh: Any,
+    mesh: DeviceMesh,
     predicate: Predicate,
     config: DedicateConfig,
-    replicate_mesh: Any,
+    replicate_mesh: DeviceMesh | None,
     param_policy: Mapping[str, Any] | ParamPolicy | None,
 ) -> DedicatedRuntime:
     """What both entry points do; see [Note: what dedicate_params does, in order]."""
