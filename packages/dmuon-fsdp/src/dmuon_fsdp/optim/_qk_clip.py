@@ -78,6 +78,7 @@ from .._torch_internals import foreach_mul_
 from .._warnings import warn
 from ..holder import DedicatedParam, WeightPart, tensor_view
 from ..runtime import DedicatedRuntime
+from ._optimizer import Muon
 
 __all__ = ["QKClip", "QKRowMap"]
 
@@ -501,7 +502,7 @@ class QKClip:
 
     # -- inside Muon --------------------------------------------------------------------------
 
-    def attach(self, optimizer: Any) -> RemovableHandles:
+    def attach(self, optimizer: Muon) -> RemovableHandles:
         """Clip inside every ``step()`` of ``optimizer`` (a ``dmuon.Muon``): a pre-step hook
         launches the all-reduce of the statistic, a post-update hook scales the rows (see
         [Note: where the statistic is reduced]). The clip is part of the update: its post-update
