@@ -306,3 +306,33 @@ def _two_forwards_reentrant_inside(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_two_forwards_under_reentrant_checkpointing_inside_the_boundary() -> None:
     run_distributed(_two_forwards_reentrant_inside, 2)
+
+
+def _reentrant_after_a_dropped_forward(rank: int, world_size: int) -> None:
+    """A forward with gradients enabled whose graph is dropped (an evaluation without
+    ``no_grad``), then a training step under reentrant checkpointing: its real forward adds no
+    reduce point (it runs without grad), so the recompute must add one although the dropped
+    forward's dead point is still listed. The owners' gradients are the reference's."""
+    model, runtime = _setup(world_size, True, "reentrant", 0)
+    tokens = batch(0, ROWS)
+    model.checkpoint = False
+    loss_fn(model, _local(tokens, rank, world_size))  # graph dropped at once
+    model.checkpoint = "reentrant"
+    hooks = runtime.hooks
+    reached: list[int] = []
+    point = hooks._reduce_point
+    hooks._reduce_point = lambda index: (reached.append(index), point(index))[1]  # type: ignore[method-assign]
+    loss_fn(model, _local(tokens, rank, world_size)).backward()
+    runtime.wait_all_reduces()
+    assert sorted(reached) == list(range(len(hooks.groups))), reached
+    ref = build(0)
+    loss_fn(ref, tokens).backward()
+    ref_params = dict(ref.named_parameters())
+    assert runtime.owned
+    for dp in runtime.owned:
+        torch.testing.assert_close(dp.grad, ref_params[dp.fqn].grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_reentrant_checkpointing_after_a_forward_whose_graph_was_dropped() -> None:
+    run_distributed(_reentrant_after_a_dropped_forward, 2)

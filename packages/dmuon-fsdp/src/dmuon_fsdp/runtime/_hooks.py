@@ -253,10 +253,11 @@ class BoundaryHooks:
             # Activation checkpointing recomputes this forward inside backward: the weights
             # are needed again; order, counters and freeing belong to the real forward. A
             # forward that ran without grad (reentrant checkpointing) left the reduce point
-            # to this recompute, whose graph the backward runs.
+            # to this recompute, whose graph the backward runs (a dead point, of a forward
+            # whose graph was dropped, is not one).
             with span("dmuon::pre_forward_recompute"):
                 group.unshard()
-            adds_point = not group.points
+            adds_point = not any(ref() is not None for ref in group.points)
         else:
             if self._final_queued:
                 self._recover_from_aborted_backward()
