@@ -97,6 +97,7 @@ __all__ = [
     "PendingReduce",
     "ReduceQueue",
     "ReplicatedBucket",
+    "all_reduce_sum",
     "broadcast",
     "finish_reduce",
     "keep_local_grads",
@@ -171,6 +172,18 @@ def reduce_sum(
     """Sum ``tensor`` over ``group`` in place into global rank ``dst`` (others: undefined)."""
     counter.record(axis, CommKind.REDUCE, tensor.numel() * tensor.element_size())
     return _issue(tensor, stream, "reduce", dst=dst, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce_sum(
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    stream: torch.cuda.Stream | None,
+    counter: CommCounter,
+    axis: Axis,
+) -> CollectiveResult:
+    """Sum ``tensor`` over ``group`` in place, on every rank."""
+    counter.record(axis, CommKind.ALL_REDUCE, tensor.numel() * tensor.element_size())
+    return _issue(tensor, stream, "all_reduce", op=dist.ReduceOp.SUM, group=group)
 
 
 def wait(result: CollectiveResult) -> torch.Tensor:
@@ -507,10 +520,8 @@ class AllReduceQueue:
         stream = comm.reduce_stream
         if stream is not None:
             grad.record_stream(stream)
-        nbytes = grad.numel() * grad.element_size()
-        comm.counter.record(Axis.SHARD, CommKind.ALL_REDUCE, nbytes)
         self._pending.append(
-            _issue(grad, stream, "all_reduce", op=dist.ReduceOp.SUM, group=comm.shard_group)
+            all_reduce_sum(grad, comm.shard_group, stream, comm.counter, Axis.SHARD)
         )
 
     def submit_bucket(self, bucket: ReplicatedBucket, new: Sequence[bool]) -> None:
@@ -543,8 +554,7 @@ class AllReduceQueue:
         if copied is not None:
             # A late gradient adds to .grad in place: not before the copy has read it.
             torch.cuda.current_stream(device).wait_event(copied)
-        comm.counter.record(Axis.SHARD, CommKind.ALL_REDUCE, flat.numel() * flat.element_size())
-        result = _issue(flat, stream, "all_reduce", op=dist.ReduceOp.SUM, group=comm.shard_group)
+        result = all_reduce_sum(flat, comm.shard_group, stream, comm.counter, Axis.SHARD)
         numel = flat.numel() - len(params)
         return _SentBucket(params, list(new), numel, result)
 
