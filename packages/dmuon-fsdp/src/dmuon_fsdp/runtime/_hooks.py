@@ -280,9 +280,7 @@ class BoundaryHooks:
         """The boundary's forward inputs passed through its reduce point (see [Note: reduce
         points] in :mod:`._order`); unchanged when none of them needs a gradient."""
         inputs = (args, kwargs)
-        tensors = [
-            t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        tensors = _needing_grad(inputs)
         if not tensors:
             return args, kwargs
         reached = functools.partial(_weak_hook, weakref.ref(self), "_reduce_point", index)
@@ -347,9 +345,7 @@ class BoundaryHooks:
                 group.reshard()
             if not torch.is_grad_enabled():
                 return output
-            tensors = [
-                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
+            tensors = _needing_grad(output)
             if tensors:
                 group.needs_backward = True
             for tensor in tensors:
@@ -753,6 +749,12 @@ def _uses_pending(group: DedicatedGroup) -> bool:
         return False
     due = group.points_due if group.points_reached else live
     return group.points_reached < due
+
+
+def _needing_grad(tree: Any) -> list[torch.Tensor]:
+    """The tensors of ``tree`` (searched as FSDP2 searches a forward's inputs and outputs)
+    that require grad."""
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
