@@ -260,7 +260,9 @@ class BoundaryHooks:
             adds_point = not any(ref() is not None for ref in group.points)
         else:
             if self._final_queued:
-                self._recover_from_aborted_backward()
+                # The last backward raised: the autograd engine dropped its final callback
+                # (see [Note: a backward that raised]).
+                self._free_iteration()
             if self._backward_ended:
                 self._backward_ended = False
                 for each in self.groups:
@@ -619,7 +621,7 @@ class BoundaryHooks:
         if in_backward() or not (self._final_queued or self._forwards_open):
             return
         self._current = []  # the forward that raised recorded part of an order
-        self._recover_from_aborted_backward()
+        self._free_iteration()
 
     def reset_iteration(self) -> None:
         """FSDP2's ``reset_iter_state`` ran on the root: free every boundary's gathered
@@ -628,12 +630,13 @@ class BoundaryHooks:
         if in_backward():
             return
         self._current = []
-        self._recover_from_aborted_backward()
+        self._free_iteration()
 
-    def _recover_from_aborted_backward(self) -> None:
-        """A forward (not a recompute) begins while the final callback of the last backward
-        is still due: that backward raised, and the autograd engine dropped the callbacks
-        queued on it (see [Note: a backward that raised])."""
+    def _free_iteration(self) -> None:
+        """Free every boundary's gathered weights and reset the per-iteration state (the
+        end-of-backward flag, the backward counters, what waits to be sent late): what an
+        iteration cut short left (see [Note: a backward that raised] and [Note: a forward that
+        raised]). The forward order recorded before stays."""
         self._final_queued = False
         self._backward_ended = True
         self._forwards_open = 0
