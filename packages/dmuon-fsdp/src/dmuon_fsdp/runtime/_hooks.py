@@ -536,6 +536,18 @@ class BoundaryHooks:
                 self._send_replicated(item, late=True)
         self._late.clear()
 
+    def _replicated_grad_in(self, param: torch.Tensor) -> None:
+        """The replicated path: ``param``'s gradient is accumulated. One outside every
+        boundary is all-reduced now; one inside a boundary leaves with the boundary's bucket,
+        or, where the bucket left already, again at the end of backward."""
+        self._queue_final_callback()  # which waits for the queue (see hook_replicated)
+        place = self._bucket_of_replicated.get(id(param))
+        if place is None:
+            self._send_replicated(param)
+        elif not self._is_late(place[0], param, place[1]):
+            self._replicated_complete.add(id(param))  # sent with its boundary's bucket
+            self.groups[place[0]].replicated_grad_seen = True  # even if its backward never runs
+
     def _send_replicated(self, param: torch.Tensor, late: bool = False) -> None:
         """All-reduce the gradient this backward gave ``param`` (a parameter outside every
         boundary, or, ``late``, one whose boundary sent its bucket already: the whole
@@ -735,13 +747,7 @@ def _replicated_grad(
     hooks, queue = weak_hooks(), weak_queue()
     if hooks is None or queue is None or param.grad is None:
         return
-    hooks._queue_final_callback()  # which waits for the queue (see hook_replicated)
-    place = hooks._bucket_of_replicated.get(id(param))
-    if place is None:
-        hooks._send_replicated(param)
-    elif not hooks._is_late(place[0], param, place[1]):
-        hooks._replicated_complete.add(id(param))  # sent with its boundary's bucket
-        hooks.groups[place[0]].replicated_grad_seen = True  # even if its backward never runs
+    hooks._replicated_grad_in(param)
 
 
 def _uses_pending(group: DedicatedGroup) -> bool:
