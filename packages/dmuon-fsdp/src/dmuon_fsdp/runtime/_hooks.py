@@ -663,7 +663,7 @@ class BoundaryHooks:
     def _first_forward(self) -> None:
         """The runtime's first-forward init (it checks that ``fully_shard`` left every
         dedicated parameter registered, and packs them), then learn which pack each
-        parameter's gradient goes to."""
+        parameter's gradient goes to, and the order each boundary's collectives leave in."""
         self._on_first_forward()
         where = {
             id(dp): (index, pack)
@@ -672,6 +672,14 @@ class BoundaryHooks:
             for dp in pack.params
         }
         self._pack_of_param = [where[id(dp)] for dp in self.params]
+        self._set_reduce_orders()
+        self._initialised = True
+
+    def _set_reduce_orders(self) -> None:
+        """Each boundary's fixed order (see [Note: reduce points] in :mod:`._order`): its
+        packs, latest-used first, then on the replicated path one bucket of the replicated
+        parameters inside it, latest-used first too; the replicated parameters outside every
+        boundary are sent alone."""
         placed = _place_replicated(self.groups, self._replicated)
         for index, group in enumerate(self.groups):
             packs = _latest_used_first(group)
@@ -684,7 +692,6 @@ class BoundaryHooks:
             for param in mine:
                 self._bucket_of_replicated[id(param)] = (index, bucket[0])
         self._root_replicated = [p for p in self._replicated if id(p) not in placed]
-        self._initialised = True
 
 
 def _refuse_outer_ddp(ddp: nn.Module, params: Sequence[DedicatedParam]) -> None:
