@@ -192,14 +192,19 @@ class DedicatedRuntime:
         model.reset_iter_state = reset_iter_state  # type: ignore[method-assign]
         self._follows_fsdp_reset = True
 
+    def _live_model(self) -> nn.Module:
+        """The model this runtime belongs to (held weakly: the model holds the runtime)."""
+        model = self._model()
+        assert model is not None, "the model this runtime belongs to was deleted"
+        return model
+
     def _fsdp_sync_off(self) -> bool:
         """Whether FSDP2's gradient sync is off on every ``fully_shard`` module of the model
         (see [Note: FSDP2's gradient sync] in :mod:`._no_sync`). The modules are found at the
         first backward, after the first forward, by which ``fully_shard`` has run, and with
         them their FSDP2 parameter groups, whose flags each backward reads."""
         if self._fsdp_sync_reader is None:
-            model = self._model()
-            assert model is not None, "the model this runtime belongs to was deleted"
+            model = self._live_model()
             modules = [module for _, module in fsdp_modules(model)]
             self._fsdp_sync_reader = fsdp_gradient_sync_reader(modules)
         return self._fsdp_sync_reader()
@@ -227,8 +232,7 @@ class DedicatedRuntime:
         """The readers of the factors of ``pack``'s parameters, one per module (``None`` where
         no ``fully_shard`` module with parameters is above: the world size), and each
         parameter's index among them (see :meth:`_grad_divisors`)."""
-        model = self._model()
-        assert model is not None, "the model this runtime belongs to was deleted"
+        model = self._live_model()
         modules = dict(model.named_modules())
         readers: list[Reader | None] = []
         found: dict[int, int] = {}  # id of the module (0: none) -> its index in readers
@@ -249,8 +253,7 @@ class DedicatedRuntime:
     def _finish_packing(self) -> None:
         if self._final:
             return
-        model = self._model()
-        assert model is not None, "the model this runtime belongs to was deleted"
+        model = self._live_model()
         self._pack(dict(model.named_modules()), final=True)
 
     def _pack(self, modules: dict[str, nn.Module], final: bool) -> None:
@@ -363,8 +366,7 @@ class DedicatedRuntime:
         holder's module must still be one of the model's modules (a wrapper around it, as
         activation checkpointing adds, keeps it there); the check reads the module tree
         only, alike on every rank."""
-        model = self._model()
-        assert model is not None, "the model this runtime belongs to was deleted"
+        model = self._live_model()
         present = {id(m) for m in model.modules()}
         for dp in self.params:
             if id(dp.module) not in present:
@@ -440,8 +442,7 @@ class DedicatedRuntime:
 
     def _taken_by_fully_shard(self, dp: DedicatedParam) -> bool:
         """Whether a ``fully_shard`` module at or above ``dp``'s manages it."""
-        model = self._model()
-        assert model is not None, "the model this runtime belongs to was deleted"
+        model = self._live_model()
         above = fsdp_modules_above(model.get_submodule, dp.fqn.rpartition(".")[0])
         return any(fsdp_manages(m, dp.module, dp.name) for m in above)
 
