@@ -352,35 +352,9 @@ class DedicatedRuntime:
         ``ignored_params``) already fails on most ranks: sharding reads the weight, which a
         peer does not hold, and the guard raises (see [Note: reads on a peer]). Both places
         raise the same error with the same fixes (``FULLY_SHARD_FIX``), so every rank stops, at ``fully_shard`` or at ``Muon(model)`` at the latest,
-        before any of dmuon's collectives could wait for a rank that stopped.
-
-        [Note: a module swapped after dedicate_params]
-        A swap of the module that holds a dedicated parameter (torchao's
-        ``convert_to_float8_training`` replaces each ``nn.Linear`` with a ``Float8Linear``
-        that takes the same weight object) leaves the holder's module out of the model while
-        the parameter lives on in the new one: the old module keeps dmuon's refusals of
-        ``load_state_dict``, of torch's state dict functions and of DDP (the new one would
-        load into the owner's weight alone), and the parameter check above would read the
-        old module and pass. A swap that wraps the weight too (float8 all-gather) registers a
-        new parameter that dmuon never sees, which FSDP2 then takes and AdamW steps. So a
-        holder's module must still be one of the model's modules (a wrapper around it, as
-        activation checkpointing adds, keeps it there); the check reads the module tree
-        only, alike on every rank."""
+        before any of dmuon's collectives could wait for a rank that stopped."""
         model = self._live_model()
-        present = {id(m) for m in model.modules()}
-        for dp in self.params:
-            if id(dp.module) not in present:
-                path = dp.fqn.rpartition(".")[0]
-                now = dict(model.named_modules()).get(path)
-                instead = f" (now a {type(now).__name__})" if now is not None else ""
-                raise RuntimeError(
-                    f"the {type(dp.module).__name__} that holds dedicated parameter "
-                    f"{dp.fqn!r} was replaced after dedicate_params{instead}: dmuon's hooks and "
-                    "its refusals of load_state_dict, torch's state dict functions and DDP "
-                    "stay on the old module. Swap modules before dedicate_params: call "
-                    "torchao's convert_to_float8_training (or any other module swap) first, "
-                    "then dedicate_params and fully_shard"
-                )
+        self._check_modules_present(model)
         self._check_no_new_names(model)
         for dp in self.params:
             current = dp.module._parameters.get(dp.name)
@@ -400,6 +374,36 @@ class DedicatedRuntime:
                 f"module sharing it). {FULLY_SHARD_FIX}; do not reassign dedicated parameters "
                 "(tie weights before dedicate_params)"
             )
+
+    def _check_modules_present(self, model: nn.Module) -> None:
+        """Raise where the module that holds a dedicated parameter is no longer in ``model``.
+
+        [Note: a module swapped after dedicate_params]
+        A swap of the module that holds a dedicated parameter (torchao's
+        ``convert_to_float8_training`` replaces each ``nn.Linear`` with a ``Float8Linear``
+        that takes the same weight object) leaves the holder's module out of the model while
+        the parameter lives on in the new one: the old module keeps dmuon's refusals of
+        ``load_state_dict``, of torch's state dict functions and of DDP (the new one would
+        load into the owner's weight alone), and the check that the parameter is still
+        registered (:meth:`_check_registered`) would read the old module and pass. A swap that
+        wraps the weight too (float8 all-gather) registers a new parameter that dmuon never
+        sees, which FSDP2 then takes and AdamW steps. So a holder's module must still be one
+        of the model's modules (a wrapper around it, as activation checkpointing adds, keeps
+        it there); the check reads the module tree only, alike on every rank."""
+        present = {id(m) for m in model.modules()}
+        for dp in self.params:
+            if id(dp.module) not in present:
+                path = dp.fqn.rpartition(".")[0]
+                now = dict(model.named_modules()).get(path)
+                instead = f" (now a {type(now).__name__})" if now is not None else ""
+                raise RuntimeError(
+                    f"the {type(dp.module).__name__} that holds dedicated parameter "
+                    f"{dp.fqn!r} was replaced after dedicate_params{instead}: dmuon's hooks and "
+                    "its refusals of load_state_dict, torch's state dict functions and DDP "
+                    "stay on the old module. Swap modules before dedicate_params: call "
+                    "torchao's convert_to_float8_training (or any other module swap) first, "
+                    "then dedicate_params and fully_shard"
+                )
 
     def _check_no_new_names(self, model: nn.Module) -> None:
         """[Note: a tie made after dedicate_params]
