@@ -643,9 +643,9 @@ class _CheckedApply:
     """[Note: conversions after packing] Once a dedicated weight lives in a pack (a view into
     a packed buffer on its owner, nothing on a peer), ``model.to(dtype)``, ``.half()``,
     ``.to(other device)`` or ``.to_empty()`` cannot convert it: on a peer it is not even there,
-    so such a call used to convert the rest of the model, stop at the first weight the rank
+    so such a call would convert the rest of the model, stop at the first weight the rank
     does not hold (a different one on each rank) and leave the ranks with different dtypes,
-    which the next collective turned into a crash. So every module above a dedicated parameter
+    which the next collective turns into a crash. So every module above a dedicated parameter
     checks first, in its ``_apply`` (what ``nn.Module``'s conversions all go through), whether
     the conversion would change any dedicated parameter under it, and refuses it before
     anything is converted, on every rank alike. Conversions that change nothing (``.to()`` the
@@ -668,6 +668,22 @@ class _CheckedApply:
     def __call__(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
         module = self._module()
         assert module is not None, "_apply of a deleted module"
+        self._refuse_conversion(module, fn)
+        held = self._held_apart(module)
+        materialised = self._materialised_apart(module, fn, held)
+        hidden = {**held, **{name: module._parameters[name] for name in materialised}}
+        module._parameters.update(dict.fromkeys(hidden))
+        try:
+            applied = type(module)._apply(module, fn, recurse)
+        finally:
+            module._parameters.update(hidden)
+        module._parameters.update(materialised)
+        self._on_applied()  # a meta model's to_empty: adopt the new parameters now
+        return applied
+
+    def _refuse_conversion(self, module: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:
+        """Raise, before anything is converted, if ``fn`` would change a packed dedicated
+        parameter under ``module``."""
         for dp in self._params:
             if dp.precision is None:  # not packed yet
                 continue
@@ -685,25 +701,34 @@ class _CheckedApply:
                     "may be materialised with to_empty until its first forward); for a lower "
                     "compute dtype use FSDP2's MixedPrecisionPolicy or param_policy"
                 )
-        # Every packed dedicated parameter stays as it is: keep nn.Module._apply away from
-        # those this module holds (it would re-set or swap each, which a tensor-parallel
-        # peer's cannot be), and put them back in their places.
+
+    def _held_apart(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters of ``module`` that ``nn.Module._apply`` must not see (they are put
+        back after it), by attribute: every packed dedicated parameter stays as it is
+        (``_apply`` would re-set or swap each, which a tensor-parallel peer's cannot be), and a
+        tied weight's other names are never converted on their own: they follow its own name
+        (see ``DedicatedRuntime._adopt_materialised``)."""
         packed = [dp.param for dp in self._params if dp.precision is not None]
         held = {
             name: p
             for name, p in module._parameters.items()
             if p is not None and any(p is q for q in packed)
         }
-        # A tied weight's other names are never converted on their own: they follow its own
-        # name (see _adopt_materialised).
         held |= {
             name: p
             for name, p in module._parameters.items()
             if p is not None
             and any(d.param is p and (d.module, d.name) != (module, name) for d in self._params)
         }
-        # A peer's meta weight comes out of to_empty without storage, so that no rank but the
-        # ones keeping it ever holds it (see [Note: meta-device models]).
+        return held
+
+    def _materialised_apart(
+        self, module: nn.Module, fn: Callable[[Tensor], Tensor], held: Mapping[str, nn.Parameter]
+    ) -> dict[str, nn.Parameter]:
+        """What ``fn`` makes of each meta weight of ``module`` this rank keeps none of, made
+        without storage, by attribute: a peer's meta weight comes out of ``to_empty`` without
+        storage, so that no rank but the ones keeping it ever holds it (see [Note: meta-device
+        models])."""
         materialised: dict[str, nn.Parameter] = {}
         for name, p in module._parameters.items():
             found = next((d for d in self._params if p is not None and d.param is p), None)
@@ -712,15 +737,7 @@ class _CheckedApply:
             empty = _materialised_without_storage(fn, found)
             if empty is not None:
                 materialised[name] = empty
-        hidden = {**held, **{name: module._parameters[name] for name in materialised}}
-        module._parameters.update(dict.fromkeys(hidden))
-        try:
-            applied = type(module)._apply(module, fn, recurse)
-        finally:
-            module._parameters.update(hidden)
-        module._parameters.update(materialised)
-        self._on_applied()  # a meta model's to_empty: adopt the new parameters now
-        return applied
+        return materialised
 
 
 def _refuse_deepcopy(memo: dict[int, Any]) -> Never:
