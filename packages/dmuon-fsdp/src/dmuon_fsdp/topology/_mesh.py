@@ -67,14 +67,6 @@ class MeshLayout:
     def global_rank(self, owner: Owner) -> int:
         return self.rank_of[owner.replicate][owner.shard]
 
-    def row(self, replicate: int) -> tuple[int, ...]:
-        """Global ranks of one replicate row (one shard group), in shard order."""
-        return self.rank_of[replicate]
-
-    def column(self, shard: int) -> tuple[int, ...]:
-        """Global ranks of one shard column (one replicate group), in replicate order."""
-        return tuple(row[shard] for row in self.rank_of)
-
     def coord_of(self, rank: int) -> Owner:
         for r, row in enumerate(self.rank_of):
             for s, g in enumerate(row):
