@@ -159,43 +159,13 @@ def resolve_layout(
         raise RuntimeError(
             "dedicate_params needs torch.distributed: call dist.init_process_group(...) first"
         )
-    rep_mesh: DeviceMesh | None
-    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
-        shard_mesh, rep_mesh = _split_2d(mesh, replicate_mesh)
-    else:
-        shard_mesh = _check_1d(mesh, "mesh")
-        rep_mesh = None if replicate_mesh is None else _check_1d(replicate_mesh, "replicate_mesh")
-    if rep_mesh is not None and rep_mesh.device_type != shard_mesh.device_type:
-        raise ValueError(
-            f"replicate_mesh is on {rep_mesh.device_type!r} but mesh is on "
-            f"{shard_mesh.device_type!r}; take both from one mesh: {_HSDP_HINT}"
-        )
-    # See [Note: degree-1 mesh dimensions].
-    if rep_mesh is not None and rep_mesh.size() == 1:
-        rep_mesh = None
-    if tp_mesh is not None and tp_mesh.size() == 1:
+    shard_mesh, rep_mesh = _data_parallel_meshes(mesh, replicate_mesh)
+    if tp_mesh is not None and tp_mesh.size() == 1:  # see [Note: degree-1 mesh dimensions]
         tp_mesh = None
     shard_size = shard_mesh.size()
     replicate_size = 1 if rep_mesh is None else rep_mesh.size()
     tp_size = 1 if tp_mesh is None else tp_mesh.size()
-    world = dist.get_world_size()
-    if shard_size * replicate_size * tp_size != world:
-        tp = f" x tensor-parallel {tp_size}" if tp_size > 1 else ""
-        no_tp = (
-            ""
-            if tp_size > 1
-            else " If the model is tensor-parallel, parallelize it first (torch's"
-            " parallelize_module, then dedicate_params): dmuon reads the tensor-parallel mesh"
-            " from the model's DTensor weights, and found none."
-        )
-        raise ValueError(
-            f"mesh sizes do not multiply to the world size: shard {shard_size} x replicate "
-            f"{replicate_size}{tp} != {world} ranks; dmuon's data-parallel grid must cover every "
-            f"rank (pass the full data-parallel mesh, or replicate_mesh for HSDP).{no_tp} A mesh"
-            " over part of the ranks, as each stage of pipeline parallelism has, is not"
-            " supported; nor is a pipeline dimension as replicate_mesh (replicas must hold the"
-            " same model)"
-        )
+    _check_covers_world(shard_size, replicate_size, tp_size)
     coord = Owner(shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank())
     tp_index = 0 if tp_mesh is None else tp_mesh.get_local_rank()
     if shard_mesh.device_type == "cuda":
@@ -208,6 +178,79 @@ def resolve_layout(
     gathered = all_gather_numbers(
         [coord.shard, coord.replicate, tp_index, dist.get_rank(), in_order], device
     )
+    _check_rank_order(listed, gathered)
+    all_rank_of = _grids(gathered, shard_size, replicate_size, tp_size)
+    rank_of = all_rank_of[tp_index]
+    if listed != rank_of[coord.replicate]:
+        raise ValueError(
+            f"replicate_mesh does not match mesh: this rank's shard group is {listed} but the "
+            f"grid row is {rank_of[coord.replicate]}: {_HSDP_HINT}"
+        )
+    return MeshLayout(
+        shard_size,
+        replicate_size,
+        coord,
+        rank_of,
+        device,
+        shard_mesh,
+        rep_mesh,
+        tp_size=tp_size,
+        tp_index=tp_index,
+        all_rank_of=all_rank_of,
+        tp_mesh=tp_mesh,
+    )
+
+
+def _data_parallel_meshes(
+    mesh: object, replicate_mesh: object
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The shard mesh and the replicate mesh (``None``: no HSDP) that ``mesh`` and
+    ``replicate_mesh`` give, checked; a replicate mesh of one rank is none (see [Note: degree-1
+    mesh dimensions])."""
+    rep_mesh: DeviceMesh | None
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2:
+        shard_mesh, rep_mesh = _split_2d(mesh, replicate_mesh)
+    else:
+        shard_mesh = _check_1d(mesh, "mesh")
+        rep_mesh = None if replicate_mesh is None else _check_1d(replicate_mesh, "replicate_mesh")
+    if rep_mesh is not None and rep_mesh.device_type != shard_mesh.device_type:
+        raise ValueError(
+            f"replicate_mesh is on {rep_mesh.device_type!r} but mesh is on "
+            f"{shard_mesh.device_type!r}; take both from one mesh: {_HSDP_HINT}"
+        )
+    if rep_mesh is not None and rep_mesh.size() == 1:
+        rep_mesh = None
+    return shard_mesh, rep_mesh
+
+
+def _check_covers_world(shard_size: int, replicate_size: int, tp_size: int) -> None:
+    """Raise unless the grids (``tp_size`` of them, ``shard_size x replicate_size`` each) hold
+    every rank of the world."""
+    world = dist.get_world_size()
+    if shard_size * replicate_size * tp_size == world:
+        return
+    tp = f" x tensor-parallel {tp_size}" if tp_size > 1 else ""
+    no_tp = (
+        ""
+        if tp_size > 1
+        else " If the model is tensor-parallel, parallelize it first (torch's"
+        " parallelize_module, then dedicate_params): dmuon reads the tensor-parallel mesh"
+        " from the model's DTensor weights, and found none."
+    )
+    raise ValueError(
+        f"mesh sizes do not multiply to the world size: shard {shard_size} x replicate "
+        f"{replicate_size}{tp} != {world} ranks; dmuon's data-parallel grid must cover every "
+        f"rank (pass the full data-parallel mesh, or replicate_mesh for HSDP).{no_tp} A mesh"
+        " over part of the ranks, as each stage of pipeline parallelism has, is not"
+        " supported; nor is a pipeline dimension as replicate_mesh (replicas must hold the"
+        " same model)"
+    )
+
+
+def _check_rank_order(listed: tuple[int, ...], gathered: list[list[Any]]) -> None:
+    """Raise on every rank where some rank's shard group lists its ranks out of increasing
+    order (``gathered``: every rank's ``[shard, replicate, tp index, rank, in order]``; see
+    [Note: a mesh's rank order])."""
     out_of_order = sorted({rank for *_, rank, ordered in gathered if not ordered})
     if out_of_order:
         raise ValueError(
@@ -218,6 +261,14 @@ def resolve_layout(
             "on which rank holds which shard. Build the mesh with init_device_mesh(device, "
             "shape, mesh_dim_names=...), or list each dimension's ranks in increasing order"
         )
+
+
+def _grids(
+    gathered: list[list[Any]], shard_size: int, replicate_size: int, tp_size: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The global rank at every coordinate of every TP index's grid, ``[t][replicate][shard]``,
+    from every rank's ``[shard, replicate, tp index, rank, in order]``; raises where two ranks
+    claim one coordinate (meshes that are not the dimensions of one mesh)."""
     grids: list[list[list[int | None]]] = [
         [[None] * shard_size for _ in range(replicate_size)] for _ in range(tp_size)
     ]
@@ -236,26 +287,6 @@ def resolve_layout(
                 f"2-D mesh: {_HSDP_HINT}"
             )
         grids[t][r][s] = rank
-    all_rank_of = tuple(
+    return tuple(
         tuple(tuple(int(g) for g in row if g is not None) for row in grid) for grid in grids
-    )
-    rank_of = all_rank_of[tp_index]
-    mine = listed
-    if mine != rank_of[coord.replicate]:
-        raise ValueError(
-            f"replicate_mesh does not match mesh: this rank's shard group is {mine} but the "
-            f"grid row is {rank_of[coord.replicate]}: {_HSDP_HINT}"
-        )
-    return MeshLayout(
-        shard_size,
-        replicate_size,
-        coord,
-        rank_of,
-        device,
-        shard_mesh,
-        rep_mesh,
-        tp_size=tp_size,
-        tp_index=tp_index,
-        all_rank_of=all_rank_of,
-        tp_mesh=tp_mesh,
     )
