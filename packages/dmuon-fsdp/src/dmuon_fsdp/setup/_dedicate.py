@@ -66,7 +66,7 @@ from dmuon_ownership import (
 )
 
 from .._matrix import MatrixView, describe_pieces, pieces_of
-from .._torch_internals import ddp_modules, local_shard
+from .._torch_internals import ddp_modules
 from .._warnings import warn
 from ..holder import (
     DedicatedParam,
@@ -100,6 +100,7 @@ from ..topology import (
     resolve_layout,
 )
 from ._fsdp_integration import check_call_order, install_patch
+from ._replicate import broadcast_from_first_rank
 
 __all__ = ["dedicate_params", "dedicate_params_ddp", "dedicate_params_ddp_tp"]
 
@@ -426,12 +427,10 @@ def _dedicate(
 
     checked = _checked_before_taking(plan, packed, layout)
     comm = DedicatedCommContext.build(layout, config.process_group_policy)
-    if config.replicated and layout.world_size > 1:
-        # As DistributedDataParallel does: every copy starts from its grid's first rank.
-        with torch.no_grad():
-            for item in items:
-                shard = local_shard(packed[item.name][0].param).detach()
-                dist.broadcast(shard, src=layout.rank_of[0][0], group=comm.world_group)
+    if config.replicated:
+        # Every copy starts from its grid's first rank.
+        weights = [packed[item.name][0].param for item in items]
+        broadcast_from_first_rank(weights, layout, comm.world_group)
     params, groups = _build_groups(modules, plan, packed, tp_dims, layout, comm, config, checked)
     # Before the runtime, whose state-dict pre-hooks then run after the refusals.
     _refuse_torch_paths(model, modules, params, aliases, config, layout)

@@ -41,18 +41,21 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch_internals import local_shard
 from ..holder import DedicatedParam, is_dedicated
 from ..runtime import get_runtime
+from ..topology import MeshLayout
 
-__all__ = ["replicate", "replicate_tp"]
+__all__ = ["broadcast_from_first_rank", "replicate", "replicate_tp"]
 
 
 def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -110,12 +113,7 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     taken = {id(p) for p in params} | {id(dp.param) for dp in runtime.params}
     for module in model.modules():  # before every other load hook: see _refuse_assign
         module.register_load_state_dict_pre_hook(functools.partial(_refuse_assign, taken))
-    source = runtime.layout.rank_of[0][0]  # the grid's first rank, global rank 0 on a 1-D mesh
-    if runtime.layout.world_size > 1:
-        with torch.no_grad():
-            for tensor in [*params, *model.buffers()]:
-                local = local_shard(tensor).detach()  # a TP shard: its grid's copies
-                dist.broadcast(local, src=source, group=runtime.world_group)
+    broadcast_from_first_rank([*params, *model.buffers()], runtime.layout, runtime.world_group)
     runtime.replicate(params)
     held: dict[nn.Module, list[DedicatedParam]] = {}
     for dp in runtime.params:
@@ -123,6 +121,20 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> None:
     for module, dps in held.items():
         module.register_load_state_dict_pre_hook(functools.partial(_load_masters, dps))
         module.register_load_state_dict_post_hook(functools.partial(_loaded, dps))
+
+
+def broadcast_from_first_rank(
+    tensors: Iterable[Tensor], layout: MeshLayout, group: ProcessGroup
+) -> None:
+    """Give every rank of the grid (``group``) the values of ``tensors`` that the grid's first
+    rank holds, as ``DistributedDataParallel`` does when it is built: global rank 0 on a 1-D
+    mesh; of a tensor-parallel shard, its own grid's copies. Nothing on a grid of one rank."""
+    if layout.world_size == 1:
+        return
+    source = layout.rank_of[0][0]
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(local_shard(tensor).detach(), src=source, group=group)
 
 
 def _refuse_assign(
