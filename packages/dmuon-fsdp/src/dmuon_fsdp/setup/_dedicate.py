@@ -365,30 +365,10 @@ def _dedicate(
     param_policy: Mapping[str, Any] | ParamPolicy | None,
 ) -> DedicatedRuntime:
     """What both entry points do; see [Note: what dedicate_params does, in order]."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if getattr(model, RUNTIME_ATTR, None) is not None:
-        raise RuntimeError(
-            f"dedicate_params was already called on this {type(model).__name__}; call it once "
-            "per model"
-        )
-    if not callable(predicate):
-        raise TypeError(
-            "predicate must be a callable (fqn, param) -> bool, e.g. "
-            "lambda n, p: 'proj' in n and p.ndim == 2"
-        )
+    _check_model_and_predicate(model, predicate)
     policy = validate_param_policy(param_policy)
     aliases = parameter_names(model)
-    # Every name, a tied parameter's second one too: an override may route it by either.
-    unmatched = policy.unmatched_tokens(name for names in aliases.values() for name in names)
-    if unmatched:
-        # Likely typos: an override that matches nothing changes nothing.
-        warn(
-            f"param_policy: the override name(s) {list(unmatched)} match no parameter of the "
-            f"{type(model).__name__}, so they change nothing; a name matches whole "
-            "dot-separated components of a parameter's FQN (see the routing guide)",
-            UserWarning,
-        )
+    _warn_unmatched_overrides(policy, aliases, model)
     _refuse_inner_ddp(model)
     modules = dict(model.named_modules())
     claimed = _claim(_select(model, aliases, predicate), policy, modules, aliases)
@@ -441,19 +421,63 @@ def _dedicate(
     runtime = DedicatedRuntime(model, config, layout, comm, plan, params, groups, tied_names)
     runtime.local_muon = stacks
     runtime.param_policy = policy
+    _attach(model, runtime, config)
+    comm.counter.reset()
+    if dist.get_rank() == 0:
+        _log_plan(plan, stacks, params)
+    return runtime
+
+
+def _check_model_and_predicate(model: nn.Module, predicate: Predicate) -> None:
+    """Refuse a model that is no module or has a runtime already, and a predicate that cannot
+    be called."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, RUNTIME_ATTR, None) is not None:
+        raise RuntimeError(
+            f"dedicate_params was already called on this {type(model).__name__}; call it once "
+            "per model"
+        )
+    if not callable(predicate):
+        raise TypeError(
+            "predicate must be a callable (fqn, param) -> bool, e.g. "
+            "lambda n, p: 'proj' in n and p.ndim == 2"
+        )
+
+
+def _warn_unmatched_overrides(
+    policy: ParamPolicy, aliases: Mapping[int, list[str]], model: nn.Module
+) -> None:
+    """Warn of ``param_policy`` override names that match no parameter (likely typos: an
+    override that matches nothing changes nothing), against every name of each parameter (a
+    tied one's second too: an override may route it by either)."""
+    unmatched = policy.unmatched_tokens(name for names in aliases.values() for name in names)
+    if unmatched:
+        warn(
+            f"param_policy: the override name(s) {list(unmatched)} match no parameter of the "
+            f"{type(model).__name__}, so they change nothing; a name matches whole "
+            "dot-separated components of a parameter's FQN (see the routing guide)",
+            UserWarning,
+        )
+
+
+def _attach(model: nn.Module, runtime: DedicatedRuntime, config: DedicateConfig) -> None:
+    """Step 7 of [Note: what dedicate_params does, in order]: the ``fully_shard`` patch, the
+    runtime on the model, the model's ``zero_grad`` and conversions wrapped."""
     if config.patch_fully_shard:
         install_patch()
     setattr(model, RUNTIME_ATTR, runtime)
     _zero_grad_clears_owner_grads(model, runtime)
     check_conversions(model, runtime)
-    comm.counter.reset()
-    if dist.get_rank() == 0:
-        logger.info("dedicate_params: %s", plan.summary())
-        split = [f"{s.fqn} ({s.view.split})" for s in stacks if s.view.split is not None]
-        split += [f"{dp.fqn} ({describe_pieces(dp.pieces)})" for dp in params if dp.pieces]
-        if split:
-            logger.info("dedicate_params: Muon orthogonalises apart: %s", ", ".join(split))
-    return runtime
+
+
+def _log_plan(plan: Plan, stacks: list[ExpertStack], params: list[DedicatedParam]) -> None:
+    """Log the plan's summary and the parameters Muon orthogonalises in pieces."""
+    logger.info("dedicate_params: %s", plan.summary())
+    split = [f"{s.fqn} ({s.view.split})" for s in stacks if s.view.split is not None]
+    split += [f"{dp.fqn} ({describe_pieces(dp.pieces)})" for dp in params if dp.pieces]
+    if split:
+        logger.info("dedicate_params: Muon orthogonalises apart: %s", ", ".join(split))
 
 
 def _zero_grad_clears_owner_grads(model: nn.Module, runtime: DedicatedRuntime) -> None:
