@@ -538,7 +538,7 @@ class TensorParallelParam(DedicatedParam):
             return None
         if self.tp_dim is None:
             return ("owner", 0)
-        return ("owner", self.tp_index, "of", cast(DTensor, self.param).device_mesh.size())
+        return ("owner", self.tp_index, "of", self.tp_size)
 
 
 def _stores_in_out(module: nn.Module, name: str, shape: Sequence[int]) -> bool:
