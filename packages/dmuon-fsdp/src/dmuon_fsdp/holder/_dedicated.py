@@ -456,8 +456,8 @@ class TensorParallelParam(DedicatedParam):
     whole matrix on a one-rank TP mesh, ``tp_dim`` None). It travels in a pack of its own:
     dynamo cannot fake a ``DTensor`` whose local shard shares its storage or starts at an
     offset into it (torch 2.13: "Attempted to set the storage of a tensor on device cpu to a
-    storage on different device meta"), so a compiled block holding packed TP shards failed
-    to trace; its bytes are the same, at one more broadcast per matrix. Its Newton–Schulz is
+    storage on different device meta"), so a compiled block holding packed TP shards would
+    fail to trace; its bytes are the same, at one more broadcast per matrix. Its Newton–Schulz is
     :class:`~._tp_ns.TensorParallelNS` (see [Note: Newton–Schulz under tensor parallelism])."""
 
     classes: ClassVar[Mapping[HolderState, type[Tensor]]] = {

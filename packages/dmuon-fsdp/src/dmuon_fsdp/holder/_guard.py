@@ -4,8 +4,9 @@
 
 Between uses a peer's dedicated parameter keeps its full shape but its storage is resized to
 zero (see [Note: storage of a dedicated parameter] in :mod:`._dedicated`). Any kernel that read it
-then would read out of bounds: ``p.norm()`` or ``parameters_to_vector`` crashed the process
-with SIGSEGV, ``print(p)`` and ``torch.save(model.state_dict())`` failed deep inside torch.
+then would read out of bounds: ``p.norm()`` or ``parameters_to_vector`` would crash the
+process with SIGSEGV, ``print(p)`` and ``torch.save(model.state_dict())`` fail deep inside
+torch.
 
 So while its weight is not held on this rank, a dedicated parameter is a
 :class:`GuardedParameter`: the same object the module registered (its class is switched in
@@ -32,7 +33,7 @@ would read the values, and is refused like any other read.
 A tensor-parallel dedicated parameter is a ``DTensor`` whose local shard is freed the same
 way; its operations reach that shard through ``DTensor``'s dispatch, below any check on the
 shard, and its methods ``to_local``, ``redistribute`` and ``full_tensor`` reach it without an
-operation at all (reading it crashed with SIGSEGV). So while it is not held it is a
+operation at all (reading it would crash with SIGSEGV). So while it is not held it is a
 :class:`GuardedDTensor`, the same check in front of ``DTensor``'s dispatch and in those three
 methods, and while it is held (on its owner, and on a peer during its layer's forward and
 backward) it is a plain ``DTensor`` again: compiled code asserts the exact class of its

@@ -391,7 +391,7 @@ class ReduceQueue:
     listener's stream, which waits for the reduce's event, so backward never waits), then
     tells the listener the parameters of those packs. It only finishes sooner what
     ``wait_all`` would finish: the same division, the same ``.grad``, the same collectives in
-    the same order on every rank (stage two is issued exactly as before).
+    the same order on every rank (stage two is issued exactly as without a listener).
 
     The queue holds its listener weakly: an optimizer deleted (``del optimizer``) is freed with
     its early results and stops hearing, as if it had never listened."""

@@ -472,9 +472,9 @@ class BoundaryHooks:
         A backward with ``create_graph=True`` (a gradient penalty's
         ``torch.autograd.grad(loss, inputs, create_graph=True)``, the first half of a double
         backward) builds a graph whose nodes read the boundary's weights, and the backward of
-        that graph runs later. Freed at the end of the first backward, a peer's weights have no
-        storage there: the second backward raised ``setStorage ... out of bounds for storage of
-        size 0`` or crashed with SIGSEGV, with FSDP2's own fix in place
+        that graph runs later. Freed at the end of the first backward, a peer's weights would
+        have no storage there: the second backward would raise ``setStorage ... out of bounds
+        for storage of size 0`` or crash with SIGSEGV, with FSDP2's own fix in place
         (``set_reshard_after_backward(False)`` around the first backward). So a backward that
         creates a graph leaves its boundaries gathered, on every rank alike; the next backward
         that sends them frees them, as ``step()`` and, under Z3, the next forward do.
@@ -485,12 +485,12 @@ class BoundaryHooks:
         its last use's backward ran: under reentrant activation checkpointing inside the
         boundary (``checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.REENTRANT)``, or
         a checkpointed MLP) each use's recompute accumulates the gradients in a backward of
-        its own, so the first use completes every pack. Freed then, the weights were gone
-        when the other use's recompute read them (``NotHeldError`` or ``setStorage ... out of
+        its own, so the first use completes every pack. Freed then, the weights would be gone
+        when the other use's recompute reads them (``NotHeldError`` or ``setStorage ... out of
         bounds`` on some ranks, the others waiting in the next collective). So a boundary with
         several reduce points in the graph is freed at the last of them that this backward
         runs (``at_point``), once its packs all left; one with a single use is freed as its
-        last pack leaves, as before."""
+        last pack leaves."""
         sent_a_pack = False
         for item in items:
             if not isinstance(item, Pack):

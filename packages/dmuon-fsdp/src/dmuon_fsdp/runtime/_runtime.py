@@ -488,9 +488,10 @@ class DedicatedRuntime:
         on the replicated path] in ``setup/_replicate``) the parameter every rank reads and
         writes is the bf16 compute copy, and the owner steps its fp32 master apart. An in-place
         write between steps (``p.mul_(0.5)``, ``p.copy_(ema)``, ``reset_parameters()``, on every
-        rank) changed the copies only: the next forward computed with it, then the step updated
-        the unwritten master and published it over the write, without a word (halving every
-        weight left them 0.50 away from the halved weights after the next step). The owner
+        rank) changes the copies only: left there, the next forward would compute with it, then
+        the step would update the unwritten master and publish it over the write, without a
+        word (halving every weight would leave them 0.50 away from the halved weights after the
+        next step). The owner
         cannot see the write when it happens (a plain parameter costs nothing per operation),
         but it bumps the parameter's version counter, which nothing of dmuon's does (its casts
         and publishes write the pack buffer, a tensor of its own). So here, before every step
@@ -599,8 +600,8 @@ class DedicatedRuntime:
         accumulation: the hook that sends it takes ``.grad`` (and drops it), and the step reads
         the owner's reduced gradient alone. A ``.grad`` written otherwise, the pattern
         ``grads = torch.autograd.grad(loss, params)`` then ``p.grad = g`` (``autograd.grad``
-        accumulates nothing), is never sent: the step left the weight as it was, without a
-        word, where every rank holds its weights (one rank; the owner under Z2, whose peers
+        accumulates nothing), is never sent: the step would leave the weight as it is, without
+        a word, where every rank holds its weights (one rank; the owner under Z2, whose peers
         refuse the write). A ``.grad`` still there at the step is such a gradient (one left
         under ``no_sync`` is refused before, by :meth:`check_gradients_synced`); every rank
         that wrote one raises here. The parameters are looked at only where no backward
@@ -745,11 +746,11 @@ def _refuse_deepcopy(memo: dict[int, Any]) -> Never:
     ``copy.deepcopy(model)`` (and ``torch.optim.swa_utils.AveragedModel(model)``, which copies
     its model) cannot copy a model after ``dedicate_params``: each dedicated weight lives on
     its owner alone (on the FSDP2 path), and the runtime holds dmuon's process groups. Left to
-    itself the copy failed in three ways: between ``dedicate_params`` and ``fully_shard`` it
-    stopped at the first weight a rank does not hold (a different one on each rank); after
-    ``fully_shard`` FSDP2's own refusal came first ("FSDP does not support deepcopy. Please use
-    state dict for serialization.", an ``AssertionError`` that points away from what an
-    average of the weights needs); on the replicated path it reached the runtime last. So
+    itself the copy would fail in three ways: between ``dedicate_params`` and ``fully_shard`` it
+    would stop at the first weight a rank does not hold (a different one on each rank); after
+    ``fully_shard`` FSDP2's own refusal would come first ("FSDP does not support deepcopy.
+    Please use state dict for serialization.", an ``AssertionError`` that points away from what
+    an average of the weights needs); on the replicated path it would reach the runtime last. So
     the model given to ``dedicate_params`` carries a ``__deepcopy__`` of its own (an instance
     attribute, which ``copy.deepcopy`` looks up before the class's, FSDP2's included) that
     refuses at once, on every rank alike, before anything is copied, naming ``dmuon.EMA`` and

@@ -985,9 +985,9 @@ def _refuse_childless_root(
     ``_fqn_modifiers``, where dmuon refuses them (see [Note: torch's paths that cannot reach a
     dedicated weight] in holder/_guard), only while they walk a dotted parameter name or a
     module's children. A parameter of a childless root has neither: ``get_model_state_dict``
-    returned the matrix on its owner and raised ``NotHeldError`` on the other ranks (its full
-    state dict, the ``set_`` functions and the optimizer's went on into their collectives on
-    the owner alone). Nothing of such a root is asked before they read, so the parameter must
+    would return the matrix on its owner and raise ``NotHeldError`` on the other ranks (its
+    full state dict, the ``set_`` functions and the optimizer's would go on into their
+    collectives on the owner alone). Nothing of such a root is asked before they read, so the parameter must
     live in a submodule; asked before anything changes (step 4 of [Note: what dedicate_params
     does, in order])."""
     if next(model.children(), None) is not None:
