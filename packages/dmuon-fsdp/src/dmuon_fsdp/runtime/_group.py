@@ -14,7 +14,8 @@ FSDP2's ``FSDPParamGroup`` does:
 - :meth:`DedicatedGroup.wait_for_unshard` waits for broadcasts in flight;
 - :meth:`DedicatedGroup.reshard` waits if needed, then frees the peer packs;
 - :meth:`DedicatedGroup.publish` / :meth:`DedicatedGroup.wait_for_publish` do the same for the
-  HSDP publish of the owners' updated packs to their shard column.
+  publish of the owners' updated packs: in HSDP to their shard column, on the replicated path
+  to every rank of the shard group.
 
 A group with no transient pack (a shard size of one and no separate master) never frees or
 broadcasts anything and stays ``UNSHARDED``. With a shard size of one but an owner's compute
@@ -161,7 +162,7 @@ class DedicatedGroup:
                 )
         self._state = GroupState.UNSHARDING
 
-    # -- HSDP publish ---------------------------------------------------------------------------
+    # -- publish: HSDP and the replicated path --------------------------------------------------
 
     def publish(self) -> None:
         """Send the owners' updated packs to the ranks that keep a copy: in HSDP the owner's
