@@ -70,16 +70,16 @@ class Pack:
         precision = params[0].precision
         assert precision is not None, "resolve the precision before packing"
         numel = sum(dp.numel for dp in params)
-        if role is Role.PEER and not resident:
+        keeps = role is not Role.PEER or resident  # this rank keeps the weights
+        if keeps:
+            buffer = torch.empty(numel, dtype=precision.compute, device=layout.device)
+        else:
             # Freed at once below: never allocate it (see [Note: meta-device models]).
             buffer = without_storage((numel,), precision.compute, layout.device)
-        else:
-            buffer = torch.empty(numel, dtype=precision.compute, device=layout.device)
         masters: list[torch.Tensor] | None = [] if role is Role.OWNER and precision.mixed else None
         offset = 0
         for dp in params:
             view = buffer[offset : offset + dp.numel].view(dp.local_shape)
-            keeps = role is not Role.PEER or resident
             master = dp.place(view, offset, keeps=keeps, resident=resident)
             if masters is not None:
                 assert master is not None
