@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import (
     POLICY_FIELDS,
@@ -25,7 +24,7 @@ from ._checks import is_int
 from ._matrix import MatrixView, describe_pieces
 from ._torch_internals import local_shard
 from .checkpoint import check_optimizer
-from .holder import DedicatedParam, TPMode, choose_tp_mode, gram_of, tensor_view
+from .holder import DedicatedParam, TPMode, gram_of, tensor_view
 from .optim import Muon
 from .runtime import DedicatedGroup, DedicatedRuntime, get_runtime, replicated_payload
 from .setup import parameter_names
@@ -401,13 +400,13 @@ def _tp_ns_payload(runtime: DedicatedRuntime, optimizer: Muon) -> dict[str, int]
     out = {"tp/gather": 0, "tp/scatter": 0, "tp/all_reduce": 0}
     ns, mode = optimizer.newton_schulz, optimizer.options.tp_ns
     for dp in runtime.params:
-        if dp.tp_dim is None or dp.route is not Route.MUON:
+        tp_mode = dp.tp_mode(mode, ns) if dp.route is Route.MUON else None
+        if tp_mode is None:
             continue
         assert dp.precision is not None, f"{dp.fqn}: packed by lazy_init"
         shape = MatrixView.of(dp.shape, dp.fqn).matrix_shape
-        tp = cast(DTensor, dp.param).device_mesh.size()
         itemsize = dp.precision.optim.itemsize
-        if choose_tp_mode(mode, shape, dp.tp_dim, ns, tp, itemsize) is TPMode.GRAM:
+        if tp_mode is TPMode.GRAM:
             gram = gram_of(ns)
             assert gram is not None, "choose() takes gram only for a Gram NewtonSchulz"
             # fp32 Gram matrices: the input's, then one per restart.

@@ -41,7 +41,7 @@ from ._guard import (
 from ._holder import Found, HolderState, MuonEntry, ParamHolder, Role, StepContext, WeightPart
 from ._pending import PendingDTensor, PendingParameter
 from ._precision import Precision
-from ._tp_ns import TensorParallelNS, choose
+from ._tp_ns import TensorParallelNS, TPMode, choose
 
 __all__ = ["DedicatedParam", "TensorParallelParam"]
 
@@ -361,6 +361,12 @@ class DedicatedParam(ParamHolder):
         only where their kinds return the same function object."""
         return context.ns
 
+    def tp_mode(self, tp_ns: TPMode, ns: NSFunction) -> TPMode | None:
+        """How its Newton–Schulz runs over its TP group under ``StepOptions(tp_ns=tp_ns)`` and
+        the optimizer's ``ns`` (see [Note: Newton–Schulz under tensor parallelism]); ``None``:
+        it is not split over TP ranks."""
+        return None
+
     def muon_entries(self, group: dict[str, Any], context: StepContext) -> tuple[MuonEntry, ...]:
         """Its owner's entry, or one per piece of a declared split: each piece's matrices go
         into the NS batch of their shape, scaled for their shape (see [Note: what Muon
@@ -489,23 +495,27 @@ class TensorParallelParam(DedicatedParam):
         return super().view_of(found)
 
     def newton_schulz(self, context: StepContext) -> NSFunction:
-        if self.tp_dim is None:
+        mode = self.tp_mode(context.tp_ns, context.ns)
+        if mode is None:
             return context.ns
         comm = context.comm
-        assert comm.tp_group is not None
-        shape = MatrixView.of(self.shape, self.fqn).matrix_shape
+        assert comm.tp_group is not None and self.tp_dim is not None
         owner = context.layout.tp_ranks(self.owner)[context.plan.tp_owner_of(self.fqn)]
         return TensorParallelNS(
             context.ns,
-            shape=shape,
+            shape=MatrixView.of(self.shape, self.fqn).matrix_shape,
             tp_dim=self.tp_dim,
-            mode=choose(
-                context.tp_ns, shape, self.tp_dim, context.ns, self.tp_size, self.ns_itemsize
-            ),
+            mode=mode,
             group=comm.tp_group,
             tp_owner=owner,
             counter=comm.counter,
         )
+
+    def tp_mode(self, tp_ns: TPMode, ns: NSFunction) -> TPMode | None:
+        if self.tp_dim is None:
+            return None
+        shape = MatrixView.of(self.shape, self.fqn).matrix_shape
+        return choose(tp_ns, shape, self.tp_dim, ns, self.tp_size, self.ns_itemsize)
 
     @property
     def tp_size(self) -> int:
