@@ -140,7 +140,7 @@ class DedicatedRuntime:
             params,
             self.reduce_queue,
             reshard_after_forward=config.reshard_after_forward,
-            on_first_forward=self._init_at_first_forward,
+            on_first_forward=self._finish_init,
             fsdp_sync_off=self._fsdp_sync_off,
             tied_modules=tied_modules,
         )
@@ -148,24 +148,23 @@ class DedicatedRuntime:
             self._pack(dict(model.named_modules()), final=False)
 
     def lazy_init(self) -> None:
-        """Check that every dedicated parameter is still the one registered on its module
-        (see [Note: a fully_shard that takes a dedicated parameter]), then finish packing (once): resolve each
-        dedicated parameter's precision with the ``MixedPrecisionPolicy`` of the
-        ``fully_shard`` that now encloses it and repack the groups whose precision changed; a
-        model built on the meta device is packed here for the first time. Runs at the first
-        forward, ``Muon(...)``, and every checkpoint or diagnostics call; the packing happens at
-        whichever comes first (see [Note: mixed precision] and [Note: meta-device models]).
-        Collective in HSDP: every rank reaches it at the same point."""
+        """Adopt what ``to_empty`` materialised, check that every dedicated parameter is still
+        the one registered on its module (see [Note: a fully_shard that takes a dedicated
+        parameter]), then finish packing (once): resolve each dedicated parameter's precision
+        with the ``MixedPrecisionPolicy`` of the ``fully_shard`` that now encloses it and
+        repack the groups whose precision changed; a model built on the meta device is packed
+        here for the first time. Runs at ``Muon(...)`` and every checkpoint or diagnostics
+        call, and at the first forward without the adoption (:meth:`_finish_init`); the
+        packing happens at whichever comes first (see [Note: mixed precision] and [Note:
+        meta-device models]). Collective in HSDP: every rank reaches it at the same point."""
         self._adopt_materialised()
-        self._check_registered()
-        self._finish_packing()
-        self._follow_fsdp_reset()
+        self._finish_init()
 
-    def _init_at_first_forward(self) -> None:
-        """:meth:`lazy_init` at the first forward, where nothing is adopted: ``fully_shard``
-        has put its unsharded parameters on the modules running now, and a meta parameter
-        replaced by one of those must raise, not be taken for a materialised one
-        (``to_empty``'s replacements were adopted when it ran)."""
+    def _finish_init(self) -> None:
+        """:meth:`lazy_init` after the adoption; all of it at the first forward, where nothing
+        is adopted: ``fully_shard`` has put its unsharded parameters on the modules running
+        now, and a meta parameter replaced by one of those must raise, not be taken for a
+        materialised one (``to_empty``'s replacements were adopted when it ran)."""
         self._check_registered()
         self._finish_packing()
         self._follow_fsdp_reset()
