@@ -281,25 +281,27 @@ class DedicatedCommContext:
         """Collective over the default group when ``policy`` is isolated (``new_group`` must
         be entered by every rank for every group, in the same order)."""
         coord, t = layout.coord, layout.tp_index
-        if policy is ProcessGroupPolicy.ISOLATED or layout.tp_size > 1:
+        isolated = policy is ProcessGroupPolicy.ISOLATED
+        # A grid and every rank: dmuon's own groups, also under "shared" with tensor
+        # parallelism (no mesh dimension spans one TP index's grid); else the default group.
+        if isolated or layout.tp_size > 1:
             groups = _isolated_groups(layout)
             world_group, global_group = groups.grids[t], groups.all
-            tp_group = groups.tp.get((coord.replicate, coord.shard))
-        if policy is ProcessGroupPolicy.ISOLATED:
+        else:
+            world = dist.group.WORLD
+            assert world is not None
+            world_group = global_group = world
+        tp_group: ProcessGroup | None
+        if isolated:
             shard_group = groups.rows[t][coord.replicate]
             replicate_group = groups.cols[t][coord.shard] if layout.is_hsdp else None
+            tp_group = groups.tp.get((coord.replicate, coord.shard))
         else:
             shard_group = layout.shard_mesh.get_group()
             replicate_group = (
                 None if layout.replicate_mesh is None else layout.replicate_mesh.get_group()
             )
-            if layout.tp_size == 1:
-                world = dist.group.WORLD
-                assert world is not None
-                world_group = global_group = world
-                tp_group = None
-            elif layout.tp_mesh is not None:
-                tp_group = layout.tp_mesh.get_group()
+            tp_group = None if layout.tp_mesh is None else layout.tp_mesh.get_group()
         ctx = cls(layout, policy, shard_group, replicate_group, world_group, tp_group, global_group)
         if layout.device.type == "cuda":
             high = -1  # the highest priority CUDA exposes through torch
