@@ -34,9 +34,9 @@ from ._holder import (
 from ._kinds import KINDS, KindRegistration, kind_of, register_kind
 from ._precision import (
     Precision,
-    boundary_mp_policy,
     fsdp_modules,
     fsdp_modules_above,
+    mp_policy_above,
     resolve_precision,
 )
 from ._tensors import ShardedTensor, TensorView, WholeTensor, tensor_view
@@ -67,7 +67,6 @@ __all__ = [
     "TensorView",
     "WeightPart",
     "WholeTensor",
-    "boundary_mp_policy",
     "check_guardable",
     "choose_tp_mode",
     "compiled_autograd_error",
@@ -76,6 +75,7 @@ __all__ = [
     "gram_of",
     "is_dedicated",
     "kind_of",
+    "mp_policy_above",
     "refuse_accelerate_clip",
     "refuse_ddp",
     "refuse_foreign_optimizers",

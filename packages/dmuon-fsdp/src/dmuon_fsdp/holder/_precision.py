@@ -54,9 +54,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Precision",
-    "boundary_mp_policy",
     "fsdp_modules",
     "fsdp_modules_above",
+    "mp_policy_above",
     "resolve_precision",
 ]
 
@@ -98,10 +98,10 @@ def fsdp_modules_above(
             yield module
 
 
-def boundary_mp_policy(modules: Mapping[str, nn.Module], boundary: str) -> Any:
+def mp_policy_above(modules: Mapping[str, nn.Module], path: str) -> Any:
     """The ``MixedPrecisionPolicy`` of the nearest ``fully_shard`` module at or above the
-    module ``boundary`` (``None`` when there is none)."""
-    nearest = next(fsdp_modules_above(modules.get, boundary), None)
+    module ``path`` (``None`` when there is none)."""
+    nearest = next(fsdp_modules_above(modules.get, path), None)
     return None if nearest is None else fsdp_mp_policy(nearest)
 
 

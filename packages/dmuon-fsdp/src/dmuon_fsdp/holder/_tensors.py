@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .._torch_internals import dtensor_shard_offsets, local_shard, local_tensor
 from ..topology import MeshLayout
 from ._holder import WeightPart
-from ._precision import boundary_mp_policy
+from ._precision import mp_policy_above
 
 __all__ = ["ShardedTensor", "TensorView", "WholeTensor", "tensor_view"]
 
@@ -159,7 +159,7 @@ class ShardedTensor(TensorView):
 
     def mp_policy(self, modules: Mapping[str, nn.Module], fqn: str) -> Any:
         """That of the nearest ``fully_shard`` module above the parameter ``fqn``."""
-        return boundary_mp_policy(modules, fqn.rpartition(".")[0])
+        return mp_policy_above(modules, fqn.rpartition(".")[0])
 
     def gathered(self) -> tuple[Tensor, bool]:
         """All shards gathered (collective over its mesh)."""

@@ -51,10 +51,10 @@ from ..holder import (
     NotHeldError,
     ParamHolder,
     Role,
-    boundary_mp_policy,
     fsdp_modules,
     fsdp_modules_above,
     is_dedicated,
+    mp_policy_above,
     resolve_precision,
 )
 from ..topology import CommCounter, DedicatedCommContext, MeshLayout
@@ -271,7 +271,7 @@ class DedicatedRuntime:
                 # boundary's, or that of a fully_shard module inside the boundary, which casts
                 # the inputs of the module that reads the weight.
                 path = dp.fqn.rpartition(".")[0]
-                mp = boundary_mp_policy(modules, path) if final else None
+                mp = mp_policy_above(modules, path) if final else None
                 precisions.append(resolve_precision(param_dtype, dp.policy, mp))
             if group.packs and precisions == [dp.precision for dp in members]:
                 continue
