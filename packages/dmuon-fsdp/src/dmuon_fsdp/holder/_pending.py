@@ -6,20 +6,19 @@ After ``step()`` each owner publishes its updated weights to the ranks that keep
 rank of the shard group on the replicated (DDP) path, the owner's shard column in HSDP. The
 publish is asynchronous by default (``replicate_async``) and each boundary's next forward waits
 for it, so it overlaps with whatever runs before that layer. Until then a receiving rank's copy
-still holds the previous step's values, and a read there returned them without a word:
-``model.state_dict()`` right after ``step()`` on two ranks gave the old values of the matrices
-the other rank owns (6 of 16 in one run, a different count in the next), and so would an EMA
+still holds the previous step's values, and a read there would return them without a word:
+``model.state_dict()`` right after ``step()`` on two ranks would give the old values of some
+of the matrices the other rank owns (a different count from run to run), and so would an EMA
 over ``model.parameters()``, ``p.data``, ``p.detach()``, a weight norm logged after the step or
 ``torch.save`` of a parameter.
 
 The owner's side of a publish has the mirror problem: the broadcast reads the owner's buffer
 while the step has already returned, so a write there (``p.mul_(0.5)``, ``p.copy_(ema)``,
 ``p.clamp_(...)`` or a re-initialisation right after ``step()``, on every rank) could land
-before the broadcast read it. On gloo it nearly always did: the other ranks received the
-written weight and wrote it again (halving every weight after each of eight steps on two
-ranks left a quarter of it on the receiver in 13 (step, matrix) pairs on the replicated path,
-8 under HSDP), and the next forward computed with weights that differed across ranks, without
-a word.
+before the broadcast reads it, as it nearly always does on gloo: the other ranks would receive
+the written weight and write it again (halving every weight after each of eight steps on two
+ranks would leave a quarter of it on the receiver in some (step, matrix) pairs), and the next
+forward would compute with weights that differ across ranks, without a word.
 
 A ``state_dict`` pre-hook would cover the first of those reads and none of the others. So from
 the publish until it is waited on, each parameter the publish reads or writes (the senders'
