@@ -133,14 +133,12 @@ def summarize_param_groups(
             dp = optimizer.dedicated_param(p)
             full = p.numel()  # the whole parameter's (a DTensor's is its global shape's)
             numel += full
-            if dp is None:
-                stepped.append(name)
-                stepped_numel += full
-                local_numel += local_shard(p).numel()
-            elif dp.is_owner:
-                stepped.append(name)
-                stepped_numel += full
-                local_numel += dp.numel  # its TP shard under tensor parallelism
+            if dp is not None and not dp.is_owner:
+                continue  # its owner steps it
+            stepped.append(name)
+            stepped_numel += full
+            # A dedicated one's TP shard under tensor parallelism; an FSDP2 one's shard.
+            local_numel += local_shard(p).numel() if dp is None else dp.numel
         out.append(
             {
                 "name": group["group_name"],
