@@ -1,4 +1,6 @@
-"""Every hook dmuon registers, and the forward order it prefetches by.
+"""The hooks of the hook boundaries and of the parameters' gradients, and the forward order
+they prefetch by; [Note: hooks and prefetch] lists every hook dmuon registers, those
+``dedicate_params`` and ``replicate`` register for torch's paths too.
 
 [Note: hooks and prefetch]
 
