@@ -180,10 +180,20 @@ class BoundaryHooks:
         self._replicated_unsynced: set[int] = set()
         self._root_replicated: list[nn.Parameter] = []
         self._root_replicated_sent: set[int] = set()
-        # [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
-        # collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
-        # the groups, the model and its weights) would keep a deleted model alive forever.
-        # Every hook holds only a weak reference to this object and an index.
+        self._register_boundary_hooks(tied_modules or {})
+        # Each dedicated parameter's gradient hook, by index (``rebind`` moves it).
+        self._grad_handles = [self._grad_hook(index) for index in range(len(self.params))]
+
+    def _register_boundary_hooks(self, tied_modules: Mapping[str, Sequence[nn.Module]]) -> None:
+        """Each boundary's forward pre-hook and forward hook, and the state-dict pre-hook of
+        each module that registers one of its weights (``tied_modules``: a tied weight's other
+        modules, by its name).
+
+        [Note: weak hooks] Not every container a hook lands in is visible to Python's cycle
+        collector (a tensor's hook dict is not), so a hook that held ``self`` (and through it
+        the groups, the model and its weights) would keep a deleted model alive forever.
+        Every hook on a module or a parameter holds only a weak reference to this object and
+        an index (the pre-backward hook on a forward's outputs holds it while they live)."""
         weak_self = weakref.ref(self)
         for index, group in enumerate(self.groups):
             group.module.register_forward_pre_hook(
@@ -198,12 +208,10 @@ class BoundaryHooks:
                 module
                 for dps in group.members
                 for dp in dps
-                for module in (dp.module, *(tied_modules or {}).get(dp.fqn, ()))
+                for module in (dp.module, *tied_modules.get(dp.fqn, ()))
             ]
             for module in {id(module): module for module in modules}.values():
                 module.register_state_dict_pre_hook(before_state_dict)
-        # Each dedicated parameter's gradient hook, by index (``rebind`` moves it).
-        self._grad_handles = [self._grad_hook(index) for index in range(len(self.params))]
 
     def _grad_hook(self, index: int) -> RemovableHandle:
         return self.params[index].param.register_post_accumulate_grad_hook(
