@@ -169,9 +169,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over every package's src/."""
+    """mypy over every package's src/, then, under ``--strict`` as a user's project would run it,
+    the typing checks of the public API (packages/dmuon/tests/typecheck: ``assert_type`` lines,
+    never run)."""
     session.install(*_group("typecheck"), TORCH, *_editable(*PACKAGES))
     session.run("mypy", *[str(ROOT / "packages" / p / "src") for p in PACKAGES])
+    session.run("mypy", "--strict", str(ROOT / "packages" / "dmuon" / "tests" / "typecheck"))
 
 
 @nox.session

@@ -41,6 +41,7 @@ from dmuon_fsdp import (
     summarize_param_groups,
 )
 from dmuon_testing.distributed import run_distributed
+from dmuon_testing.typed_dicts import check_returns
 
 BF16, FP32 = torch.bfloat16, torch.float32
 POLICY = {
@@ -104,6 +105,7 @@ def _diagnose(rank: int, world_size: int):
         ignored_params=dedicated,
     )
     optimizer = Muon(model, lr=0.02, adamw_lr=1e-3, options=StepOptions(profile=True))
+    before = summarize_param_groups(model, optimizer)  # before the first forward
 
     # The counter and the wait times: cleared after a snapshot, counted afresh by the next step.
     profiles = []
@@ -147,7 +149,7 @@ def _diagnose(rank: int, world_size: int):
         with pytest.raises(ValueError) as info:
             call()
         errors.append(str(info.value))
-    return groups, unknown, held, plans, profiles, errors
+    return groups, unknown, held, plans, profiles, errors, before
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +181,7 @@ def test_rows_report_every_dtype_and_the_overrides_that_matched(diagnosed):
 def test_comm_plan_payload_is_what_a_step_moves(diagnosed):
     # Weights broadcast in bf16, gradients reduced in fp32 (bf16 for layers.1), whichever
     # rank owns them: the same plan on every rank, equal to the runtime's own count.
-    for _, _, _, plans, _, _ in diagnosed:
+    for _, _, _, plans, _, _, _ in diagnosed:
         assert plans[64]["payload_bytes_per_step"] == plans["moved"]
     assert (
         diagnosed[0][3][64]["payload_bytes_per_step"]
@@ -189,7 +191,7 @@ def test_comm_plan_payload_is_what_a_step_moves(diagnosed):
 
 @pytest.mark.distributed
 def test_comm_plan_row_limit_says_how_many_rows_were_left_out(diagnosed):
-    for *_, plans, _, _ in diagnosed:
+    for *_, plans, _, _, _ in diagnosed:
         full = plans[64]
         packs = [pack for b in full["boundaries"] for pack in b["packs"]]
         total = sum(b["num_packs"] for b in full["boundaries"])
@@ -210,7 +212,7 @@ def test_comm_plan_row_limit_says_how_many_rows_were_left_out(diagnosed):
 
 @pytest.mark.distributed
 def test_forward_unshard_profile_clears(diagnosed):
-    for *_, profiles, _ in diagnosed:
+    for *_, profiles, _, _ in diagnosed:
         first, cleared, second, third, accumulated = profiles
         assert first["collectives"] and second["collectives"]
         # Right after a clear: no collective counted, no wait recorded.
@@ -229,7 +231,7 @@ def test_forward_unshard_profile_clears(diagnosed):
 
 @pytest.mark.distributed
 def test_diagnostics_errors_name_the_argument(diagnosed):
-    for *_, errors in diagnosed:
+    for *_, errors, _ in diagnosed:
         policy, rows, clear = errors
         # The first dedicated name in order whose resolution differs, and how.
         assert policy.startswith(
@@ -239,6 +241,23 @@ def test_diagnostics_errors_name_the_argument(diagnosed):
         assert "pass the param_policy that dedicate_params was given" in policy
         assert rows == "max_rows must be an int >= 0, got -1"
         assert clear == "clear must be True or False, got 'yes'"
+
+
+@pytest.mark.distributed
+def test_diagnostics_are_of_their_declared_types(diagnosed, counted_on_two, counted_on_four):
+    # Each declares a TypedDict (what a user's mypy reads): the dicts hold exactly its keys,
+    # of its value types, before the first forward, after steps, and on every layout.
+    for groups, unknown, _, plans, profiles, _, before in diagnosed:
+        for summary in (groups, unknown, before):
+            check_returns(summarize_param_groups, summary)
+        for rows in (0, 1, 64):
+            check_returns(summarize_comm_plan, plans[rows])
+        for profile in profiles:
+            check_returns(collect_forward_unshard_profile, profile)
+    for counted in (*counted_on_two, *counted_on_four):
+        for case in counted.values():
+            check_returns(summarize_comm_plan, case["plan"])
+            check_returns(summarize_comm_plan, case["without"])
 
 
 # -- bytes per step, counted where they cross a process group -------------------------------------

@@ -29,6 +29,7 @@ from dmuon_fsdp import (
 )
 from dmuon_ns import NewtonSchulz
 from dmuon_testing.distributed import run_distributed
+from dmuon_testing.typed_dicts import check_returns
 
 HYPER = Hyper()
 
@@ -93,6 +94,10 @@ def _overrides_and_scheduler(rank: int, world_size: int):
 def test_overrides_scheduler_and_diagnostics():
     results = run_distributed(_overrides_and_scheduler, 2)
     groups, summary, plan, profile, _ = results[0]
+    # User groups and a scheduler's initial_lr: still of the declared types.
+    check_returns(summarize_param_groups, summary)
+    check_returns(summarize_comm_plan, plan)
+    check_returns(collect_forward_unshard_profile, profile)
     body_muon, body_adamw = groups["body/muon"], groups["body/adamw"]
     head_muon, head_adamw = groups["head/muon"], groups["head/adamw"]
     # lr applies to both subgroups unless overridden; the scheduler scaled each by 0.25.

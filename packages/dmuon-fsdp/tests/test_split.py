@@ -44,6 +44,7 @@ from dmuon_fsdp import (
 )
 from dmuon_ownership import ns_cost
 from dmuon_testing.distributed import run_distributed
+from dmuon_testing.typed_dicts import check_returns
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM = 32, 16, 4, 2, 4
 Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM  # 16 and 8 rows
@@ -137,11 +138,9 @@ def _train(layout: str, predicate: Any, policy: Any = None) -> dict[str, Any]:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
-    rows = {
-        row["name"]: row["matrices"]
-        for group in summarize_param_groups(model, optimizer)
-        for row in group["rows"]
-    }
+    groups = summarize_param_groups(model, optimizer)
+    check_returns(summarize_param_groups, groups)  # a declared split's pieces too
+    rows = {row["name"]: row["matrices"] for group in groups for row in group["rows"]}
     return {
         "losses": losses,
         "weights": get_model_state_dict(model),

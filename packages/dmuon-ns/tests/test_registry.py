@@ -22,6 +22,7 @@ from dmuon_ns import (
     register_kernel,
 )
 from dmuon_ns._torch_kernel import TORCH_KERNEL
+from dmuon_testing.typed_dicts import check_returns
 
 CPU = torch.device("cpu")
 
@@ -218,6 +219,8 @@ def test_backend_status_on_cpu(broken: RecordingKernel) -> None:
     for name in ("triton", "quack"):
         assert kernels[name]["available"] is False
         assert isinstance(kernels[name]["reason"], str) and kernels[name]["reason"]
+    # Its declared type (a TypedDict) names every key and its value's type, for mypy.
+    check_returns(get_backend_status, status)
 
 
 def test_backend_status_reports_the_override(monkeypatch: pytest.MonkeyPatch) -> None:

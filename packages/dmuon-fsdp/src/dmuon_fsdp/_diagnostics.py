@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 from torch import nn
@@ -29,7 +29,176 @@ from .optim import Muon
 from .runtime import DedicatedGroup, DedicatedRuntime, get_runtime, replicated_payload
 from .setup import parameter_names
 
-__all__ = ["collect_forward_unshard_profile", "summarize_comm_plan", "summarize_param_groups"]
+__all__ = [
+    "BoundaryPlan",
+    "BoundaryUnshard",
+    "CommPlanSummary",
+    "ForwardUnshardProfile",
+    "Hyperparameters",
+    "Matrices",
+    "MatrixPiece",
+    "PackRow",
+    "ParamGroupSummary",
+    "ParamRow",
+    "collect_forward_unshard_profile",
+    "summarize_comm_plan",
+    "summarize_param_groups",
+]
+
+
+# The shapes of what the diagnostics return: plain dicts (JSON-friendly), typed for checkers.
+# A key only some dicts hold is declared in a total=False subclass, not as NotRequired: under
+# ``from __future__ import annotations`` Python 3.11 does not see NotRequired at run time, and
+# its ``__required_keys__`` would list the key.
+
+
+class _EveryGroupHyperparameters(TypedDict):
+    lr: float
+    weight_decay: float
+
+
+class Hyperparameters(_EveryGroupHyperparameters, total=False):
+    """A group's hyperparameters as plain numbers (a tensor as its float, a pair as a list):
+    every group holds ``lr`` and ``weight_decay``, Muon groups ``momentum`` and ``nesterov``,
+    AdamW groups ``betas`` and ``eps``, and ``initial_lr`` is there once an LR scheduler set
+    it."""
+
+    momentum: float
+    nesterov: bool
+    betas: list[float]
+    eps: float
+    initial_lr: float
+
+
+class MatrixPiece(TypedDict):
+    """One piece of a declared split (``MatrixSplit``): its rows ``[start, stop)`` of the
+    weight and the matrices Muon orthogonalises of it."""
+
+    name: str
+    rows: list[int]
+    count: int
+    shape: list[int]
+
+
+class Matrices(TypedDict):
+    """What Muon orthogonalises of a Muon-route parameter: ``count`` matrices of ``shape``
+    (``None`` where a declared split's pieces differ), cut out of it as ``split`` says in
+    words (``None``: each 2-D slice is one matrix); ``pieces``: a declared split's pieces,
+    else ``None``."""
+
+    count: int
+    shape: list[int] | None
+    split: str | None
+    pieces: list[MatrixPiece] | None
+
+
+class _EveryParamRow(TypedDict):
+    name: str
+    route: str
+    shape: list[int]
+    owner_rank: int | None
+    matrices: Matrices | None
+    dtype: str
+    master_dtype: str
+    compute_dtype: str
+    reduce_dtype: str
+    optim_dtype: str
+    output_dtype: str | None
+    policy_overrides: list[int] | None
+
+
+class ParamRow(_EveryParamRow, total=False):
+    """One parameter of a :class:`ParamGroupSummary` (see :func:`summarize_param_groups`):
+    ``role`` only for a dedicated one, ``owner_rank`` ``None`` for an FSDP2 one, ``matrices``
+    ``None`` off the Muon route; dtypes by name (``"bfloat16"``), ``output_dtype`` ``None``
+    where outputs are not cast."""
+
+    role: str  #: this rank's: ``"owner"``, ``"replica"`` (HSDP) or ``"peer"``
+
+
+class ParamGroupSummary(TypedDict):
+    """One optimizer group, as :func:`summarize_param_groups` describes it."""
+
+    name: str
+    optimizer: str  #: ``"muon"`` or ``"adamw"``
+    hyperparameters: Hyperparameters
+    params: list[str]
+    numel: int
+    stepped_here: list[str]
+    stepped_numel_here: int
+    local_numel_here: int
+    lr_scaling: str | None  #: a Muon group's ``StepOptions.lr_scaling``; ``None`` for AdamW
+    rows: list[ParamRow]
+    rows_omitted: int
+
+
+class PackRow(TypedDict):
+    """One pack of a boundary in a :class:`CommPlanSummary`: ``owner`` its grid coordinate,
+    ``owner_rank`` and ``sender`` (in this rank's row) global ranks, ``role`` this rank's."""
+
+    owner: list[int]
+    owner_rank: int
+    sender: int
+    role: str
+    params: list[str]
+    numel: int
+    bytes: int
+    dtype: str
+
+
+class BoundaryPlan(TypedDict):
+    """One hook boundary of a :class:`CommPlanSummary`: its listed packs and how many were
+    left out."""
+
+    name: str
+    num_packs: int
+    packs: list[PackRow]
+    packs_omitted: int
+
+
+class CommPlanSummary(TypedDict):
+    """What :func:`summarize_comm_plan` returns."""
+
+    coord: list[int]
+    tp_ns: str | None
+    shard_size: int
+    replicate_size: int
+    world_size: int
+    reshard_after_forward: bool
+    fingerprint: str
+    num_params: int
+    owned_here: list[str]
+    owned_numel_here: int
+    loads: list[float]
+    imbalance_pct: float
+    #: bytes by axis and kind, keyed like ``CommCounter``: ``"shard/broadcast"``, ...
+    payload_bytes_per_step: dict[str, int]
+    boundaries: list[BoundaryPlan]
+    rows_omitted: int
+
+
+class BoundaryUnshard(TypedDict):
+    """One hook boundary of a :class:`ForwardUnshardProfile`."""
+
+    name: str
+    state: str  #: ``"resharded"``, ``"unsharding"`` or ``"unsharded"``
+    packs: int
+    recv_bytes_per_broadcast: int
+    send_bytes_per_broadcast: int
+    resident: bool
+    forward_wait_ms: float | None
+
+
+class ForwardUnshardProfile(TypedDict):
+    """What :func:`collect_forward_unshard_profile` returns."""
+
+    coord: list[int]
+    reshard_after_forward: bool
+    broadcast_rounds_per_step: int
+    boundaries: list[BoundaryUnshard]
+    #: ``CommCounter.snapshot()``: ``{"shard/broadcast": {"bytes": ..., "calls": ...}, ...}``
+    collectives: dict[str, dict[str, int]]
+
 
 _HYPER_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps", "initial_lr")
 
@@ -81,17 +250,19 @@ def summarize_param_groups(
     *,
     max_rows: int = 64,
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
-) -> list[dict[str, Any]]:
-    """One dict per optimizer group: name, optimizer, hyperparameters, the parameters it
-    holds (all ranks) and steps (this rank), with element counts (``numel``: of the whole
-    parameters; ``stepped_numel_here``: of the whole parameters this rank steps;
-    ``local_numel_here``: of their parts this rank holds, FSDP2 and TP shards), and up to
-    ``max_rows`` rows per group describing each parameter (``rows_omitted`` counts the rest).
+) -> list[ParamGroupSummary]:
+    """One dict (a :class:`ParamGroupSummary`) per optimizer group: name, optimizer,
+    hyperparameters, the parameters it holds (all ranks) and steps (this rank), with element
+    counts (``numel``: of the whole parameters; ``stepped_numel_here``: of the whole
+    parameters this rank steps; ``local_numel_here``: of their parts this rank holds, FSDP2
+    and TP shards), and up to ``max_rows`` rows per group describing each parameter
+    (``rows_omitted`` counts the rest).
 
-    A row holds the parameter's route, shape, owner and its dtypes: ``master_dtype`` (the
-    weight the optimizer updates; also ``dtype``), ``compute_dtype`` (forward and backward),
-    ``reduce_dtype`` (the gradient's reduce), ``optim_dtype`` (its optimizer states) and
-    ``output_dtype`` (what its boundary's outputs are cast to; ``None``: no cast). For a
+    A row (a :class:`ParamRow`) holds the parameter's route, shape, owner and its dtypes:
+    ``master_dtype`` (the weight the optimizer updates; also ``dtype``), ``compute_dtype``
+    (forward and backward), ``reduce_dtype`` (the gradient's reduce), ``optim_dtype`` (its
+    optimizer states) and ``output_dtype`` (what its boundary's outputs are cast to; ``None``:
+    no cast). For a
     dedicated parameter they are dmuon's (see [Note: mixed precision]; the output cast is
     ``param_policy``'s ``output_dtype``), for an FSDP2 one those of the
     ``MixedPrecisionPolicy`` of its nearest ``fully_shard`` module. ``policy_overrides`` lists
@@ -120,7 +291,7 @@ def summarize_param_groups(
         else _check_policy(param_policy, runtime, aliases)
     )
     modules = dict(model.named_modules())
-    out = []
+    out: list[ParamGroupSummary] = []
     for group in optimizer.param_groups:
         names: list[str] = list(group["param_names"])
         rows = [
@@ -143,7 +314,9 @@ def summarize_param_groups(
             {
                 "name": group["group_name"],
                 "optimizer": str(group["optimizer"]),
-                "hyperparameters": {k: _plain(group[k]) for k in _HYPER_KEYS if k in group},
+                "hyperparameters": cast(
+                    Hyperparameters, {k: _plain(group[k]) for k in _HYPER_KEYS if k in group}
+                ),
                 "params": names,
                 "numel": numel,
                 "stepped_here": stepped,
@@ -159,13 +332,13 @@ def summarize_param_groups(
     return out
 
 
-def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _matrices(
     p: torch.Tensor, dp: DedicatedParam | None, runtime: DedicatedRuntime
-) -> dict[str, Any] | None:
+) -> Matrices | None:
     """What Muon orthogonalises of a Muon-route parameter: how many matrices, their shape
     (``None`` where a declared split's pieces differ), how they are cut out of it and, for a
     declared split, each piece's rows, matrices and shape (``None``: not on the Muon route)."""
@@ -192,8 +365,12 @@ def _matrices(
         view = MatrixView.of(dp.shape, dp.fqn)
     else:
         return None
-    shape = list(view.matrix_shape)
-    return {"count": view.batch, "shape": shape, "split": view.split, "pieces": None}
+    return {
+        "count": view.batch,
+        "shape": list(view.matrix_shape),
+        "split": view.split,
+        "pieces": None,
+    }
 
 
 def _param_row(
@@ -204,54 +381,45 @@ def _param_row(
     modules: Mapping[str, nn.Module],
     policy: ParamPolicy | None,
     aliases: Sequence[str] = (),
-) -> dict[str, Any]:
+) -> ParamRow:
     dp: DedicatedParam | None = optimizer.dedicated_param(p)
-    dtypes: tuple[Any, ...]
-    row: dict[str, Any]
+    output: torch.dtype | str | None
     if dp is None:
         # FSDP2 resolves its own policy: compute is param_dtype (else the sharded parameter's
         # dtype), reduce is reduce_dtype (else compute). AdamW keeps the moments of a
         # parameter that is not dedicated in that parameter's dtype, as torch's AdamW does.
         view = tensor_view(p)
         mp = view.mp_policy(modules, name)
-        fsdp_compute = getattr(mp, "param_dtype", None) or p.dtype
-        fsdp_reduce = getattr(mp, "reduce_dtype", None) or fsdp_compute
-        dtypes = (p.dtype, fsdp_compute, fsdp_reduce, p.dtype, getattr(mp, "output_dtype", None))
-        row = {
-            "name": name,
-            "route": view.route,
-            "shape": list(p.shape),
-            "owner_rank": None,
-        }
+        route, shape, owner_rank = view.route, list(p.shape), None
+        master = optim = p.dtype
+        compute = getattr(mp, "param_dtype", None) or p.dtype
+        reduce = getattr(mp, "reduce_dtype", None) or compute
+        output = getattr(mp, "output_dtype", None)
     else:
-        precision = dp.precision
-        dtypes = ((dp.dtype, None, None, None) if precision is None else tuple(precision)) + (
-            dp.policy.output_dtype,
-        )
-        row = {
-            "name": name,
-            "route": dp.route.value,
-            "shape": list(dp.shape),
-            "owner_rank": runtime.global_rank(dp.owner),
-            "role": dp.role.value,
-        }
-    master, compute, reduce, optim, output = (_dtype_name(d) for d in dtypes)
-    row["matrices"] = _matrices(p, dp, runtime)
-    row.update(
-        {
-            "dtype": master,
-            "master_dtype": master,
-            "compute_dtype": compute,
-            "reduce_dtype": reduce,
-            "optim_dtype": optim,
-            "output_dtype": output,
-            "policy_overrides": None if policy is None else list(policy.matching(name, aliases)),
-        }
-    )
+        assert dp.precision is not None, f"{dp.fqn}: packed by Muon(...)'s lazy_init"
+        route, shape, owner_rank = dp.route.value, list(dp.shape), runtime.global_rank(dp.owner)
+        master, compute, reduce, optim = dp.precision
+        output = dp.policy.output_dtype
+    row: ParamRow = {
+        "name": name,
+        "route": route,
+        "shape": shape,
+        "owner_rank": owner_rank,
+        "matrices": _matrices(p, dp, runtime),
+        "dtype": _dtype_name(master),
+        "master_dtype": _dtype_name(master),
+        "compute_dtype": _dtype_name(compute),
+        "reduce_dtype": _dtype_name(reduce),
+        "optim_dtype": _dtype_name(optim),
+        "output_dtype": None if output is None else _dtype_name(output),
+        "policy_overrides": None if policy is None else list(policy.matching(name, aliases)),
+    }
+    if dp is not None:
+        row["role"] = dp.role.value
     return row
 
 
-def _pack_info(group: DedicatedGroup, limit: int) -> list[dict[str, Any]]:
+def _pack_info(group: DedicatedGroup, limit: int) -> list[PackRow]:
     """Rows for the first ``limit`` packs of ``group``."""
     return [
         {
@@ -262,7 +430,7 @@ def _pack_info(group: DedicatedGroup, limit: int) -> list[dict[str, Any]]:
             "params": [dp.fqn for dp in pack.params],
             "numel": pack.numel,
             "bytes": pack.nbytes,
-            "dtype": str(pack.buffer.dtype).removeprefix("torch."),
+            "dtype": _dtype_name(pack.buffer.dtype),
         }
         for pack in group.packs[:limit]
     ]
@@ -270,11 +438,11 @@ def _pack_info(group: DedicatedGroup, limit: int) -> list[dict[str, Any]]:
 
 def summarize_comm_plan(
     model: nn.Module, optimizer: Muon | None = None, *, max_rows: int = 64
-) -> dict[str, Any]:
-    """The ownership plan as this rank sees it: grid, per-slot loads and imbalance, each hook
-    boundary's packs (owner, sender in this rank's row, role, bytes), and the bytes one
-    training step moves on each axis (``payload_bytes_per_step``, under the keys of the
-    runtime's ``CommCounter``).
+) -> CommPlanSummary:
+    """The ownership plan as this rank sees it (a :class:`CommPlanSummary`): grid, per-slot
+    loads and imbalance, each hook boundary's packs (owner, sender in this rank's row, role,
+    bytes), and the bytes one training step moves on each axis (``payload_bytes_per_step``,
+    under the keys of the runtime's ``CommCounter``).
 
     A payload is the size of the tensor a collective carries (the whole matrix for a TP gather
     or scatter), each collective counted once, over those the ranks of this rank's grid take
@@ -345,7 +513,7 @@ def summarize_comm_plan(
     if optimizer is not None:
         tp = _tp_ns_payload(runtime, optimizer)
         per_step.update({key: nbytes for key, nbytes in tp.items() if nbytes})
-    boundaries = []
+    boundaries: list[BoundaryPlan] = []
     left = max_rows
     for group in runtime.groups:
         listed = _pack_info(group, left)
@@ -418,10 +586,11 @@ def _tp_ns_payload(runtime: DedicatedRuntime, optimizer: Muon) -> dict[str, int]
 
 def collect_forward_unshard_profile(
     model: nn.Module, synchronize: bool = False, *, clear: bool = False
-) -> dict[str, Any]:
-    """What forward unsharding costs on this rank: per boundary, the bytes it receives
-    (packs it neither owns nor replicates) and sends, whether its weights are resident now,
-    and the collectives counted since the runtime's counter was last reset.
+) -> ForwardUnshardProfile:
+    """What forward unsharding costs on this rank (a :class:`ForwardUnshardProfile`): per
+    boundary, the bytes it receives (packs it neither owns nor replicates) and sends, whether
+    its weights are resident now, and the collectives counted since the runtime's counter was
+    last reset.
 
     The runtime records payloads and call counts, and, while the ``Muon`` built last on the
     model has ``StepOptions(profile=True)``, each boundary's wait for its broadcasts before its
@@ -448,7 +617,7 @@ def collect_forward_unshard_profile(
     if synchronize and torch.cuda.is_available() and runtime.layout.device.type == "cuda":
         torch.cuda.synchronize(runtime.layout.device)
     waits = runtime.hooks.wait_timers
-    boundaries = []
+    boundaries: list[BoundaryUnshard] = []
     for group in runtime.groups:
         recv = sum(p.nbytes for p in group.packs if not p.is_sender)
         sent = sum(p.nbytes for p in group.packs if p.is_sender)
@@ -467,7 +636,7 @@ def collect_forward_unshard_profile(
                 ),
             }
         )
-    out = {
+    out: ForwardUnshardProfile = {
         "coord": list(runtime.coord),
         "reshard_after_forward": runtime.reshard_after_forward,
         "broadcast_rounds_per_step": 2 if runtime.reshard_after_forward else 1,

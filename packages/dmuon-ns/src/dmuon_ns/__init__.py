@@ -30,7 +30,12 @@ from dmuon_ns._registry import (
     kernel_choices_version,
     register_kernel,
 )
-from dmuon_ns._status import get_backend_status, get_ns_backend
+from dmuon_ns._status import (
+    BackendStatus,
+    KernelAvailability,
+    get_backend_status,
+    get_ns_backend,
+)
 
 __version__ = "0.1.0"
 
@@ -40,6 +45,8 @@ __all__ = [
     "QUINTIC_COEFFICIENTS",
     "YOU_COEFFICIENTS",
     "YOU_SIX_STEP_COEFFICIENTS",
+    "BackendStatus",
+    "KernelAvailability",
     "NSBackend",
     "NSKernel",
     "NSKernelUnavailableError",

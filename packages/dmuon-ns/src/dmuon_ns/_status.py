@@ -6,7 +6,7 @@ else the CPU. They query the device when called, never at import.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -21,7 +21,27 @@ from dmuon_ns._environment import kernel_override
 from dmuon_ns._prepare import iteration_dtype
 from dmuon_ns._registry import NSKernelUnavailableError, kernel_status, resolve
 
-__all__ = ["get_backend_status", "get_ns_backend"]
+__all__ = ["BackendStatus", "KernelAvailability", "get_backend_status", "get_ns_backend"]
+
+
+class KernelAvailability(TypedDict):
+    """Whether one NS kernel runs on the device: ``reason`` is ``None`` where it does, else
+    why not (with an install hint where one helps)."""
+
+    available: bool
+    reason: str | None
+
+
+class BackendStatus(TypedDict):
+    """What :func:`get_backend_status` returns (a plain ``dict``, JSON-friendly)."""
+
+    device: str  #: the device answered for, e.g. ``"cuda:0"`` or ``"cpu"``
+    sm: int | None  #: its compute capability as ``10 * major + minor``; ``None`` off CUDA
+    env_override: str | None  #: the kernel ``DMUON_NS_KERNEL`` names; ``None``: unset or ``"auto"``
+    auto_choice: str  #: the kernel ``kernel="auto"`` runs, or ``"autotune"``
+    auto_candidates: list[str]  #: the kernels auto chooses among
+    auto_reason: str
+    kernels: dict[str, KernelAvailability]  #: every registered kernel, by name
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -45,16 +65,17 @@ def _sm(device: torch.device) -> int | None:
     return 10 * major + minor
 
 
-def get_backend_status(device: torch.device | str | None = None) -> dict[str, Any]:
+def get_backend_status(device: torch.device | str | None = None) -> BackendStatus:
     """Availability of every NS kernel on ``device`` and what ``kernel="auto"`` runs there.
 
-    Returns ``{"device": str, "sm": int | None, "env_override": str | None,
-    "auto_choice": str, "auto_candidates": [str, ...], "auto_reason": str,
-    "kernels": {name: {"available": bool, "reason": str | None}}}``. ``auto_choice`` is the
-    kernel auto runs, or ``"autotune"`` when several are candidates: each problem then runs the
-    kernel of its verdict (measured by ``tune``/``tune_pending`` or shipped in the device's
-    table), torch where there is none. It describes ``kernel="auto"`` without
-    ``DMUON_NS_KERNEL`` (``env_override`` shows that variable).
+    Returns a :class:`BackendStatus` (a plain ``dict``): ``{"device": str, "sm": int | None,
+    "env_override": str | None, "auto_choice": str, "auto_candidates": [str, ...],
+    "auto_reason": str, "kernels": {name: {"available": bool, "reason": str | None}}}``.
+    ``sm`` is the compute capability as ``10 * major + minor`` (``None`` off CUDA).
+    ``auto_choice`` is the kernel auto runs, or ``"autotune"`` when several are candidates:
+    each problem then runs the kernel of its verdict (measured by ``tune``/``tune_pending`` or
+    shipped in the device's table), torch where there is none. It describes ``kernel="auto"``
+    without ``DMUON_NS_KERNEL`` (``env_override`` shows that variable).
 
     Args:
         device: the device to answer for (a ``torch.device`` or a string such as ``"cuda:1"``);
@@ -72,7 +93,7 @@ def get_backend_status(device: torch.device | str | None = None) -> dict[str, An
         "auto_candidates": names,
         "auto_reason": auto.reason,
         "kernels": {
-            name: {"available": reason is None, "reason": reason}
+            name: KernelAvailability(available=reason is None, reason=reason)
             for name, reason in reasons.items()
         },
     }

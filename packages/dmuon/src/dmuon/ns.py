@@ -9,6 +9,8 @@ A kernel of your own (an ``NSKernel``) joins the built-in ones through ``registe
 from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS as POLAR_EXPRESS_COEFFICIENTS
 from dmuon_ns import QUINTIC_COEFFICIENTS as QUINTIC_COEFFICIENTS
 from dmuon_ns import YOU_COEFFICIENTS as YOU_COEFFICIENTS
+from dmuon_ns import BackendStatus as BackendStatus
+from dmuon_ns import KernelAvailability as KernelAvailability
 from dmuon_ns import NewtonSchulz as NewtonSchulz
 from dmuon_ns import NSKernel as NSKernel
 from dmuon_ns import direct_newton_schulz as direct_newton_schulz

@@ -1,12 +1,24 @@
 """The runtime, for code that drives or inspects it beyond a training loop: explicit
 synchronisation, who owns what, the comm context and its streams, the forward profile, the
-``fully_shard`` patch (re-exported from ``dmuon_fsdp``).
+``fully_shard`` patch, and the types of the dicts the diagnostics return
+(``summarize_param_groups``, ``summarize_comm_plan``, ``collect_forward_unshard_profile``),
+re-exported from ``dmuon_fsdp``.
 
     from dmuon.runtime import wait_all_reduces, get_owned_params
 """
 
 from dmuon_fsdp import CHECKPOINT_KEY as CHECKPOINT_KEY
+from dmuon_fsdp import BoundaryPlan as BoundaryPlan
+from dmuon_fsdp import BoundaryUnshard as BoundaryUnshard
+from dmuon_fsdp import CommPlanSummary as CommPlanSummary
 from dmuon_fsdp import DedicatedCommContext as DedicatedCommContext
+from dmuon_fsdp import ForwardUnshardProfile as ForwardUnshardProfile
+from dmuon_fsdp import Hyperparameters as Hyperparameters
+from dmuon_fsdp import Matrices as Matrices
+from dmuon_fsdp import MatrixPiece as MatrixPiece
+from dmuon_fsdp import PackRow as PackRow
+from dmuon_fsdp import ParamGroupSummary as ParamGroupSummary
+from dmuon_fsdp import ParamRow as ParamRow
 from dmuon_fsdp import broadcast_all_updates as broadcast_all_updates
 from dmuon_fsdp import broadcast_all_updates_async as broadcast_all_updates_async
 from dmuon_fsdp import collect_forward_unshard_profile as collect_forward_unshard_profile
