@@ -19,7 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 from dmuon_fsdp import Muon, StepOptions, dedicate_params, no_sync
+from dmuon_fsdp._warnings import warn
 from dmuon_testing.distributed import one_gpu_world, run_distributed
+from dmuon_testing.warning_line import check_warning_line
 
 ROWS = 8
 STEPS = 5
@@ -163,6 +165,13 @@ def test_optimizers_built_one_after_another_on_one_model() -> None:
         assert out["third_warnings"] == []
         assert out["first"] + out["third"] == out["plain"], out
     assert sum(out["used"] for out in outs) > 0
+
+
+def test_the_stop_warning_names_the_callers_line_through_training_libraries() -> None:
+    # Under DmuonTrainer the clip that stops the option is reached through the Trainer's loop
+    # (and Muon.step through accelerate's optimizer wrapper): the warning named the Trainer's
+    # line, not the user's trainer.train().
+    check_warning_line(warn, "dmuon_fsdp.optim._ns_overlap")
 
 
 def _model_on(path: str, world_size: int):

@@ -20,6 +20,8 @@ from torch import Tensor
 from dmuon_ns import POLAR_EXPRESS_COEFFICIENTS, _autotune, _tables, _verdict_cache
 from dmuon_ns._environment import CACHE_DIR_ENV
 from dmuon_ns._torch_kernel import TORCH_KERNEL
+from dmuon_ns._warnings import warn
+from dmuon_testing.warning_line import check_warning_line
 
 COEFFS = tuple(tuple(row) for row in POLAR_EXPRESS_COEFFICIENTS[:5])
 RESTARTS = (2,)
@@ -126,6 +128,12 @@ class KernelWithOwnFailures(FakeKernel):
 
     def _finish(self, out: Tensor) -> Tensor:
         raise KeyError("no tile config fits")
+
+
+def test_a_warning_names_the_callers_line_through_training_libraries():
+    # Reached through the Trainer's loop and accelerate's optimizer wrapper (Muon.step under
+    # DmuonTrainer), a warning named accelerate's line, not the user's trainer.train().
+    check_warning_line(warn, "dmuon_ns._autotune")
 
 
 def test_a_kernel_names_the_exceptions_that_reject_it():

@@ -10,6 +10,7 @@ import gc
 import itertools
 import math
 import os
+import warnings
 import weakref
 
 import pytest
@@ -132,6 +133,7 @@ def _train(
     build=_model,
     max_grad_norm=MAX_GRAD_NORM,
     earlier: bool = False,
+    muon_kwargs=None,
 ):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -170,14 +172,19 @@ def _train(
         args,
         train_dataset=rows,
         eval_dataset=rows[: 2 * ROWS_PER_RANK * args.world_size],
-        muon_kwargs={"lr": 0.05},
+        muon_kwargs={"lr": 0.05, **(muon_kwargs or {})},
     )
     trainer.add_callback(_NormAfterClip())  # after DmuonTrainer's own
     if resume is None:
         # A baseline evaluation first, as usual: it left the root's parameters unsharded, and
         # train() then refused to build dmuon.Muon ('neither dedicated nor managed by FSDP2').
         trainer.evaluate()
-    trainer.train(resume_from_checkpoint=resume)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
+    trainer.warned = [
+        (str(w.message), w.filename) for w in caught if "ns_overlap" in str(w.message)
+    ]
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
     trainer.grad_norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
     trainer.clipped_norms = next(
@@ -195,7 +202,9 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
         os.environ[key] = str(value)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
 
-    trainer, losses, eval_loss = _train(root, "run", seed=0)
+    # ns_overlap: the Trainer's clip stops it at the first step (same bits), with a warning.
+    overlap = {"options": dmuon.StepOptions(ns_overlap=True)}
+    trainer, losses, eval_loss = _train(root, "run", seed=0, muon_kwargs=overlap)
     muon = trainer.muon
     optimizer_state = dmuon.get_optimizer_state_dict(trainer.model, muon, rank0_only=True)
     trained = dmuon.get_model_state_dict(trainer.model, rank0_only=True)
@@ -263,6 +272,7 @@ def _train_save_resume(rank: int, world_size: int, root: str) -> dict:
         "custom_decay": custom_decay,
         "clip": (every, routed, refused, adamw),
         "grad_norms": (trainer.grad_norms, trainer.clipped_norms),
+        "warned": trainer.warned,
         "muon_names": names,
         "momentum": {n: float(state[n]["momentum_buffer"].norm()) for n in names},
         "moved": {n: not torch.equal(initial[n], trained[n]) for n in names},
@@ -306,6 +316,10 @@ def test_trainer_trains_checkpoints_and_resumes_bit_for_bit(tmp_path) -> None:
     logged, clipped = out["grad_norms"]
     assert len(clipped) == STEPS and any(n > MAX_GRAD_NORM for n in logged), logged
     assert clipped == pytest.approx([min(n, MAX_GRAD_NORM) for n in logged], rel=1e-5)
+    # The clip stopped ns_overlap with one warning, at the user's trainer.train() line (it
+    # named the Trainer's loop in transformers).
+    ((message, filename),) = out["warned"]
+    assert "ns_overlap=True) is off" in message and filename == __file__, out["warned"]
     assert out["custom_decay"] == {
         "body/muon": 0.1,
         "body/adamw": 0.1,

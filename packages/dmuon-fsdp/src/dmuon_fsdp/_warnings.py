@@ -9,8 +9,12 @@ or by dmuon-clip's functions; ``Muon(model)`` built by the user or by
 ``dmuon.integrations.hf.dmuon_optimizer``; ``dedicate_params`` or the deprecated entry that
 calls it. A fixed count names dmuon's or torch's line on every route but one. ``warn`` counts
 instead the frames up to the first one whose module lies outside dmuon's packages and torch
-(what Python 3.12's ``skip_file_prefixes`` does; 3.11 has no such argument). dmuon-ns keeps a
-twin of it (``dmuon_ns._warnings``), as it imports no sibling package.
+(what Python 3.12's ``skip_file_prefixes`` does; 3.11 has no such argument). Hugging Face's
+``transformers`` and ``accelerate`` count as inside too: under ``DmuonTrainer`` the user's
+line is ``trainer.train()``, with the Trainer's loop, its callbacks and accelerate's optimizer
+wrapper between it and dmuon, and a transformers model's forward lies between the user's call
+and dmuon's hooks. dmuon-ns keeps a twin of it (``dmuon_ns._warnings``), as it imports no
+sibling package.
 """
 
 from __future__ import annotations
@@ -22,12 +26,23 @@ from types import FrameType
 __all__ = ["warn"]
 
 # The top-level modules whose frames lie between a warning and the user's line.
-_LIBRARY = frozenset({"dmuon", "dmuon_clip", "dmuon_fsdp", "dmuon_ns", "dmuon_ownership", "torch"})
+_LIBRARY = frozenset(
+    {
+        "dmuon",
+        "dmuon_clip",
+        "dmuon_fsdp",
+        "dmuon_ns",
+        "dmuon_ownership",
+        "torch",
+        "transformers",
+        "accelerate",
+    }
+)
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message, category)`` at the first caller outside dmuon and torch (the
-    outermost frame if every one is inside)."""
+    """``warnings.warn(message, category)`` at the first caller outside dmuon, torch and the
+    Hugging Face training libraries (the outermost frame if every one is inside)."""
     frame, level = sys._getframe(0), 1
     while frame.f_back is not None and _inside(frame):
         frame, level = frame.f_back, level + 1
