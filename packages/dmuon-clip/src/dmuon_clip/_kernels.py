@@ -33,18 +33,9 @@ try:
 except ImportError:  # the fast path reports "triton is not installed"
     triton = None  # type: ignore[assignment]
 
-__all__ = ["TRITON_DTYPES", "bucket_reduce", "finalize", "partial_norm", "scale"]
-
-TRITON_DTYPES: dict = {}  # torch dtype -> triton dtype; empty without triton
+__all__ = ["bucket_reduce", "finalize", "partial_norm", "scale"]
 
 if triton is not None:
-    import torch
-
-    TRITON_DTYPES = {
-        torch.float16: tl.float16,
-        torch.bfloat16: tl.bfloat16,
-        torch.float32: tl.float32,
-    }
 
     @triton.jit
     def partial_norm(
