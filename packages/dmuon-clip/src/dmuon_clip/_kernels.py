@@ -9,7 +9,7 @@ table ``(offset, body_len, tail_len, slot)``:
 - ``offset``: element offset of the chunk from ``base`` (the first tensor of the launch). Every
   tensor is 16-byte aligned, so offsets are multiples of ``VEC = 16 // itemsize`` and the
   compiler may issue 16-byte vector loads (the ``multiple_of`` hints below are true by
-  construction, see ``_fastpath._build_table``).
+  construction, see ``_fastpath._build_plan``).
 - ``body_len``: a multiple of ``VEC`` (≤ ``CHUNK``), so the mask ``idx < body_len`` is constant
   over each vector; ``tail_len`` (< ``VEC``) covers the ragged end of a tensor's last chunk.
 - ``slot``: the bucket the chunk belongs to.
