@@ -1,9 +1,11 @@
 """Muon clipping strategies: a registry of named functions and the two built in.
 
 A strategy is ``fn(grads, max_norm, norm_type, process_group, device) -> MuonGradClipStats``: it
-receives the full averaged Muon gradients this rank owns, scales them in place, and returns
-device-tensor stats without a host sync. ``"global_norm"`` (the default) clips all Muon matrices
-by their joint norm across owners; ``"per_matrix"`` clips each matrix by its own norm.
+receives this rank's part of the gradients ``clip_grad_norm_`` selected (the Muon matrices
+this rank owns by default; with its ``params``, AdamW gradients too, FSDP2 shards among them),
+scales them in place, and returns device-tensor stats without a host sync. ``"global_norm"``
+(the default) clips them all by their joint norm across ranks; ``"per_matrix"`` clips each
+matrix by its own norm.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def register_muon_grad_clip_strategy(
         name: the strategy's name, a non-empty string (the built-in ones are ``"global_norm"``
             and ``"per_matrix"``).
         fn: ``fn(grads, max_norm, norm_type, process_group, device) -> MuonGradClipStats``:
-            it gets the list of Muon gradients this rank owns, the validated ``max_norm``
+            it gets the list of this rank's gradients to clip (the Muon matrices it owns, or
+            those ``clip_grad_norm_``'s ``params`` selects), the validated ``max_norm``
             (``None``: measure only) and ``norm_type``, the group over which a sum counts every
             element once (``None``: not distributed) and the accumulator's device; it scales
             the gradients in place and returns device-tensor stats, without a host sync.
@@ -151,7 +154,7 @@ def _builtin(
 
 @_builtin("global_norm")
 def global_norm_strategy(request: ClipRequest) -> MuonGradClipStats:
-    """All Muon matrices clipped by their joint p-norm over every owner: one bucket, one
+    """Every gradient clipped by their joint p-norm over every rank: one bucket, one
     collective (sum of ``|g|^p``; max for the inf-norm) over ``process_group``."""
     grads, max_norm, norm_type, process_group, device = request
     try:
