@@ -50,8 +50,9 @@ public extension point; no underscored ``Trainer`` method is overridden.
   clips by their norm itself), ``training_step`` clips every gradient by one norm with the
   same function after the last micro-batch's backward, so that the Trainer's clip finds their
   norm within ``max_grad_norm`` and scales nothing, and ``log`` reports the norm before
-  clipping. The Trainer's clip alone, followed by the dedicated weights' by their own norm,
-  scaled each kind by its own coefficient, which left up to ``max_grad_norm * sqrt(2)``.
+  clipping. Clipping the Trainer's gradients and the dedicated weights' each by their own norm
+  would scale each kind by its own coefficient and leave a norm of up to
+  ``max_grad_norm * sqrt(2)``.
   Unclipped (``max_grad_norm`` 0 or ``inf``), the Trainer measures its gradients, a callback's
   ``on_pre_optimizer_step`` (before ``step()``) measures the dedicated weights', and ``log``
   reports the norm of both kinds together.
@@ -83,9 +84,9 @@ public extension point; no underscored ``Trainer`` method is overridden.
   ``generation_config`` and the weights as for a model without dmuon (without ``state_dict``
   it reads every weight, and a rank does not hold them all). The gathered copies of tied
   weights share no storage, by which ``save_pretrained`` finds them: each tied name is given
-  one tensor first, so the file holds it once, as for the model's own weights. A copy of the
-  model built on the meta device (as before) wrote a ``generation_config`` made from the
-  config, losing the model's own.
+  one tensor first, so the file holds it once, as for the model's own weights. The model's own
+  ``save_pretrained`` is called, not a copy's built on the meta device, which would write a
+  ``generation_config`` made from the config instead of the model's.
 """
 
 from __future__ import annotations
@@ -471,9 +472,9 @@ class _FullStateLoad:
     each expert apart where the model holds them stacked.
 
     One per model (:meth:`of`), whatever the number of trainers built on it, and holding none
-    of them: each trainer's own hooks (as before) piled up on the model, the first one loaded
-    the file that a later trainer's resume leaves out, and they kept every trainer, with its
-    optimizer's states, alive as long as the model."""
+    of them: hooks of each trainer's own would pile up on the model, the first one would load
+    the file that a later trainer's resume leaves out, and they would keep every trainer, with
+    its optimizer's states, alive as long as the model."""
 
     def __init__(self) -> None:
         self.loaded: set[str] = set()
