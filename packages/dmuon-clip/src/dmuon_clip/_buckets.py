@@ -46,6 +46,7 @@ from dmuon_clip._types import (
 )
 
 __all__ = [
+    "clip_coefficient",
     "clip_grad_norm_buckets_",
     "scale_",
     "try_clip_optimizer_grad_norm_buckets_",
@@ -202,6 +203,13 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor) -> None:
             torch._foreach_mul_(group, c)
 
 
+def clip_coefficient(norm: Tensor, max_norm: Tensor | float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient, ``min(max_norm / (norm + 1e-6), 1)``,
+    elementwise, with its arithmetic (the reciprocal, then the product); the callers decide
+    what a non-finite norm gets."""
+    return torch.clamp(torch.reciprocal(norm + _EPS) * max_norm, max=1.0)
+
+
 def _torch_finalize(
     sums: Tensor, max_norms: Tensor, p: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -216,7 +224,7 @@ def _torch_finalize(
         totals = sums.pow(1.0 / p)
         combined = sums.sum().pow(1.0 / p)
     found_inf = ~torch.isfinite(totals)
-    coef = torch.clamp(torch.reciprocal(totals + _EPS) * max_norms, max=1.0)
+    coef = clip_coefficient(totals, max_norms)
     clipped = ~found_inf & (max_norms >= 0.0) & (coef < 1.0)
     applied = torch.where(clipped, coef, 1.0)
     return totals, applied, clipped, found_inf, combined

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from dmuon_clip._buckets import _EPS, scale_, validate_max_norm, validate_norm_type
+from dmuon_clip._buckets import clip_coefficient, scale_, validate_max_norm, validate_norm_type
 from dmuon_clip._profiling import span
 from dmuon_clip._strategy import clips_per_matrix, get_muon_grad_clip_strategy
 from dmuon_clip._types import (
@@ -193,7 +193,7 @@ def clip_grads_with_norm_(
             # copied there: a copy from pageable host memory would wait for the stream.
             norm = torch.full((), float(norm), dtype=torch.float32, device=device)
         norm = norm.to(device)
-        coef = torch.clamp(torch.reciprocal(norm + _EPS) * threshold, max=1.0)
+        coef = clip_coefficient(norm, threshold)
         coef = torch.where(torch.isfinite(norm), coef, 1.0)
         scale_([*muon.grads, *clip_copies(muon)], coef)
 

@@ -18,7 +18,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dmuon_clip._buckets import clip_grad_norm_buckets_, validate_max_norm, validate_norm_type
+from dmuon_clip._buckets import (
+    clip_coefficient,
+    clip_grad_norm_buckets_,
+    validate_max_norm,
+    validate_norm_type,
+)
 from dmuon_clip._types import GradClipBucket, MuonGradClipStats, is_dtensor
 
 __all__ = [
@@ -211,7 +216,7 @@ def per_matrix_strategy(request: ClipRequest) -> MuonGradClipStats:
             coefs = torch.ones_like(norms)
             clipped = torch.zeros_like(finite)
         else:
-            coefs = torch.clamp(torch.reciprocal(norms + 1e-6) * max_norm, max=1.0)
+            coefs = clip_coefficient(norms, max_norm)
             clipped = finite & (coefs < 1.0)
             coefs = torch.where(clipped, coefs, 1.0)
             for g, c in zip(grads, coefs.split([n.numel() for n in per_grad])):
