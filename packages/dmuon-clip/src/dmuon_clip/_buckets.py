@@ -325,8 +325,7 @@ def _run(
                 scale_(tensors, coefs[slot])
 
     stats = []
-    for i in range(len(plan.slot_of)):
-        slot = plan.slot_of[i]
+    for slot in plan.slot_of:  # in the order given
         bucket = plan.buckets[slot]
         stats.append(
             GradClipBucketStats(
@@ -340,11 +339,12 @@ def _run(
                 fastpath=use_kernel and not fallback[slot],
             )
         )
+    fastpath = use_kernel and n_fallback == 0
     return SegmentedGradClipResult(
         total_norm=combined,
         bucket_stats=tuple(stats),
-        fastpath=use_kernel and n_fallback == 0,
-        fallback_reason=reason if not (use_kernel and n_fallback == 0) else None,
+        fastpath=fastpath,
+        fallback_reason=None if fastpath else reason,
     )
 
 
