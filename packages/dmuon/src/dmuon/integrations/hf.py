@@ -501,13 +501,7 @@ class _FullStateLoad:
         full = dict(state_dict)
         # save_pretrained writes one name of tied weights (lm_head.weight tied to the
         # embedding): give every name of a tensor the value saved under another of its names.
-        names: dict[int, list[str]] = {}
-        for name, tensor in [
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
-        ]:
-            names.setdefault(id(tensor), []).append(name)
-        for group in names.values():
+        for group in _names_of_each_tensor(module):
             given = [name for name in group if name in full]
             for name in group:
                 if given and name not in full:
@@ -571,18 +565,24 @@ def _tied_as_one(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with every name of a tensor the model shares (``lm_head.weight`` tied to the
     embedding) holding one tensor, the first name's: ``save_pretrained`` tells tied weights by
     their storage, and writes the gathered copies, which share none, under every name."""
+    state = dict(state)
+    for group in _names_of_each_tensor(model):
+        given = [name for name in group if name in state]
+        for name in given[1:]:
+            state[name] = state[given[0]]
+    return state
+
+
+def _names_of_each_tensor(model: nn.Module) -> list[list[str]]:
+    """Every name of each parameter and buffer of ``model``, one list per tensor (several for
+    a tied one, such as ``lm_head.weight`` and ``model.embed_tokens.weight``)."""
     names: dict[int, list[str]] = {}
     for name, tensor in [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
     ]:
         names.setdefault(id(tensor), []).append(name)
-    state = dict(state)
-    for group in names.values():
-        given = [name for name in group if name in state]
-        for name in given[1:]:
-            state[name] = state[given[0]]
-    return state
+    return list(names.values())
 
 
 def _pretrained_model(model: nn.Module) -> PreTrainedModel:
