@@ -161,3 +161,28 @@ def _step_after_no_sync_only(rank: int, world_size: int, how: str) -> None:
 @pytest.mark.parametrize("how", UNSYNCED)
 def test_a_step_after_backwards_only_inside_no_sync_is_refused(how: str) -> None:
     run_distributed(_step_after_no_sync_only, 2, how)
+
+
+def _nested_and_inside_fsdp2s_own(rank: int, world_size: int) -> None:
+    """``no_sync`` leaves every flag as it found it: nested in itself, or entered while FSDP2's
+    own sync is off (an accumulation loop around a helper that uses it), a backward after
+    the inner exit still reduces nothing, dmuon's or FSDP2's."""
+    rows = ROWS * world_size
+    model, runtime = _wrapped(world_size, reshard=True)
+    dedicated = {dp.fqn for dp in runtime.params}
+    fsdp_params = [p for n, p in model.named_parameters() if n not in dedicated]
+    for outer in UNSYNCED.values():
+        with outer(model):
+            with no_sync(model):
+                loss_fn(model, batch(0, rows).chunk(world_size)[rank]).backward()
+            loss_fn(model, batch(1, rows).chunk(world_size)[rank]).backward()
+            runtime.wait_all_reduces()
+            assert all(dp.grad is None for dp in runtime.owned)
+            # FSDP2 reduce-scatters into the sharded .grad only when its sync is on.
+            assert all(p.grad is None for p in fsdp_params)
+        model.zero_grad()
+
+
+@pytest.mark.distributed
+def test_no_sync_restores_the_flags_it_found() -> None:
+    run_distributed(_nested_and_inside_fsdp2s_own, 2)

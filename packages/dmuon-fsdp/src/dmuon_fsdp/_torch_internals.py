@@ -54,6 +54,7 @@ __all__ = [
     "fsdp_all_reduce_hook_reader",
     "fsdp_forward_method_running",
     "fsdp_gradient_divide_factor",
+    "fsdp_gradient_sync",
     "fsdp_gradient_sync_reader",
     "fsdp_init_module",
     "fsdp_init_running",
@@ -199,6 +200,14 @@ def _fsdp_param_groups(modules: Sequence[FSDPModule]) -> list[Any]:
         elif state._fsdp_param_group is not None:
             groups.append(state._fsdp_param_group)
     return groups
+
+
+def fsdp_gradient_sync(module: FSDPModule) -> bool:
+    """Whether ``module``'s own FSDP2 parameter groups reduce their gradients (what
+    ``module.set_requires_gradient_sync(flag, recurse=False)`` set last; ``True`` for a module
+    without parameters). Reads ``FSDPParamGroup.reduce_grads``, as
+    :func:`fsdp_gradient_sync_reader` does."""
+    return all(group.reduce_grads for group in _fsdp_param_groups([module]))
 
 
 def fsdp_gradient_sync_reader(modules: Sequence[FSDPModule]) -> Callable[[], bool]:

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from .._torch_internals import fsdp_gradient_sync
 from ..holder import fsdp_modules
 from ._runtime import get_runtime
 
@@ -34,7 +35,9 @@ __all__ = ["no_sync"]
 
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Skip gradient synchronisation for the backward passes run inside the context.
+    """Skip gradient synchronisation for the backward passes run inside the context; on exit
+    dmuon's and FSDP2's flags are as the context found them (it nests, also in FSDP2's own
+    ``set_requires_gradient_sync(False)``).
 
     Args:
         model: the model given to ``dedicate_params`` (that object; another raises
@@ -42,14 +45,16 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             skip their gradient reduce until the context exits.
     """
     runtime = get_runtime(model)
-    sharded = [module for _, module in fsdp_modules(model)]
+    # Each flag as found, restored on exit: a no_sync nested in another, or entered while
+    # FSDP2's own sync is off, leaves the outer one in force.
+    sharded = [(module, fsdp_gradient_sync(module)) for _, module in fsdp_modules(model)]
     previous = runtime.requires_gradient_sync
     runtime.set_requires_gradient_sync(False)
-    for module in sharded:
+    for module, _ in sharded:
         module.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
         runtime.set_requires_gradient_sync(previous)
-        for module in sharded:
-            module.set_requires_gradient_sync(True, recurse=False)
+        for module, synced in sharded:
+            module.set_requires_gradient_sync(synced, recurse=False)
