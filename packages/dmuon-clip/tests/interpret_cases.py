@@ -16,7 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 import pytest
 import torch
 import torch.distributed as dist
-from _fake import FakeMuon
+from _fake import FakeMuon, FakeMuonWithoutProbe
 from _reference import assert_close, float64_norm, torch_clip
 
 from dmuon_clip import (
@@ -205,6 +205,22 @@ def test_try_clip_scales_muon_copies_with_the_muon_bucket() -> None:
     assert_close(result["muon"].total_norm, total, rtol=RTOL)
     assert_close(copy, ref[1], rtol=RTOL)
     assert torch.equal(copy, muon[1])  # the copy stays equal to its original
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_try_clip_declines_a_muon_device_other_than_the_gradients(probe: bool) -> None:
+    # An optimizer of the protocol may keep the Muon accumulator on another device than the
+    # gradients (MuonClipGradsLike.device: where its group can reduce); the fused clip runs
+    # on one device, so it declines: before the take with clip_group_and_device, after it
+    # without (it ran on the gradients' device then).
+    muon, regular = [_rand((16, 16), 47, scale=3.0)], [_rand((300,), 48)]
+    before = [g.clone() for g in [*muon, *regular]]
+    optimizer = (FakeMuon if probe else FakeMuonWithoutProbe)(muon, device="cuda:0")
+    result = try_clip_optimizer_grad_norm_buckets_(
+        optimizer, regular_grads=regular, adamw_grads=[], max_norm=1.0
+    )
+    assert result is None and optimizer.calls == (0 if probe else 1)
+    assert all(torch.equal(a, b) for a, b in zip([*muon, *regular], before, strict=True))
 
 
 def test_muon_clip_through_the_kernel_is_deterministic() -> None:

@@ -464,11 +464,10 @@ def _declined(tensors: Sequence[Tensor], muon_device: torch.device) -> str | Non
 def _declined_or_device(
     tensors: Sequence[Tensor], muon_device: torch.device
 ) -> torch.device | None:
-    """The one device the fused clip runs on for ``tensors`` (with none, ``muon_device``), or
-    ``None`` when it declines them."""
-    device = _resolve_device(tensors[0].device if tensors else muon_device, ())
-    reason = _declined(tensors, device)
+    """The one device the fused clip runs on for ``tensors`` and the Muon gradients on
+    ``muon_device`` (their accumulator's), or ``None`` when it declines them."""
+    reason = _declined(tensors, muon_device)
     if reason is not None:
         logger.debug("try_clip_optimizer_grad_norm_buckets_: %s", reason)
         return None
-    return device
+    return _resolve_device(muon_device, ())
