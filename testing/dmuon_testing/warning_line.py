@@ -1,6 +1,6 @@
 """The rule every dmuon package's ``warn`` follows: a warning names the first caller outside
-dmuon's packages, torch and the Hugging Face training libraries (``transformers``,
-``accelerate``), whatever lies between (see [Note: a warning's line] in
+dmuon's packages, torch and the training libraries of Hugging Face (``transformers``,
+``accelerate``) and Lightning, whatever lies between (see [Note: a warning's line] in
 ``dmuon_fsdp._warnings``).
 
     from dmuon_testing.warning_line import check_warning_line
@@ -31,6 +31,36 @@ _ROUTES: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("transformers.models.llama.modeling_llama", "torch.nn.modules.module"), None),
     # The user's own code within the Trainer's loop (a callback of theirs) is their line.
     (("transformers.trainer", "my_callbacks", "accelerate.optimizer"), "<my_callbacks>"),
+    # trainer.fit() of Lightning: Muon.step() from the precision plugin, and the backward
+    # that the step's closure runs (dmuon's hooks, NS during backward).
+    (
+        (
+            "lightning.pytorch.trainer.trainer",
+            "lightning.pytorch.loops.fit_loop",
+            "lightning.pytorch.core.optimizer",
+            "lightning.pytorch.plugins.precision.precision",
+            "torch.optim.optimizer",
+        ),
+        None,
+    ),
+    (
+        (
+            "pytorch_lightning.trainer.trainer",
+            "pytorch_lightning.plugins.precision.precision",
+            "dmuon_fsdp.optim._optimizer",
+            "pytorch_lightning.loops.optimization.automatic",
+            "pytorch_lightning.core.module",
+            "torch._tensor",
+        ),
+        None,
+    ),
+    # Fabric: the user's optimizer.step() on the optimizer fabric.setup() wrapped.
+    (("lightning_fabric.wrappers", "lightning_fabric.plugins.precision.precision"), None),
+    # The user's own LightningModule hook (optimizer_step) within the loop is their line.
+    (
+        ("lightning.pytorch.trainer.call", "my_module", "lightning.pytorch.core.optimizer"),
+        "<my_module>",
+    ),
 )
 
 

@@ -13,8 +13,12 @@ instead the frames up to the first one whose module lies outside dmuon's package
 ``transformers`` and ``accelerate`` count as inside too: under ``DmuonTrainer`` the user's
 line is ``trainer.train()``, with the Trainer's loop, its callbacks and accelerate's optimizer
 wrapper between it and dmuon, and a transformers model's forward lies between the user's call
-and dmuon's hooks. dmuon-ns keeps a twin of it (``dmuon_ns._warnings``), as it imports no
-sibling package.
+and dmuon's hooks. Lightning counts as inside too (``lightning``, and ``pytorch_lightning``
+and ``lightning_fabric``, the same code under its standalone packages' names): under its
+``Trainer`` the user's line is ``trainer.fit()``, with the loops, the ``LightningOptimizer``,
+the strategy and the precision plugin between it and ``Muon.step()``, and the step's closure
+runs backward inside that step. dmuon-ns keeps a twin of it (``dmuon_ns._warnings``), as it
+imports no sibling package.
 """
 
 from __future__ import annotations
@@ -36,13 +40,17 @@ _LIBRARY = frozenset(
         "torch",
         "transformers",
         "accelerate",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
     }
 )
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` at the first caller outside dmuon, torch and the
-    Hugging Face training libraries (the outermost frame if every one is inside)."""
+    training libraries of Hugging Face and Lightning (the outermost frame if every one is
+    inside)."""
     frame, level = sys._getframe(0), 1
     while frame.f_back is not None and _inside(frame):
         frame, level = frame.f_back, level + 1

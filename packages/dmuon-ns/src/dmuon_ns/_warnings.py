@@ -3,8 +3,9 @@
 dmuon-ns warns deep inside a call (an autotune verdict, a failed CUDA-graph capture), reached
 from ``newton_schulz``, a ``NewtonSchulz`` call or ``dmuon.Muon.step()``: a fixed
 ``stacklevel`` names dmuon-ns's own line on every route. ``warn`` counts instead the frames up
-to the first one whose module lies outside dmuon's packages, torch, ``transformers`` and
-``accelerate`` (what Python 3.12's ``skip_file_prefixes`` does; 3.11 has no such argument).
+to the first one whose module lies outside dmuon's packages, torch, ``transformers``,
+``accelerate`` and Lightning's (what Python 3.12's ``skip_file_prefixes`` does; 3.11 has no
+such argument).
 The twin of dmuon-fsdp's (see [Note: a warning's line] in ``dmuon_fsdp._warnings``), kept here
 as dmuon-ns imports no sibling package.
 """
@@ -28,13 +29,17 @@ _LIBRARY = frozenset(
         "torch",
         "transformers",
         "accelerate",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
     }
 )
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` at the first caller outside dmuon, torch and the
-    Hugging Face training libraries (the outermost frame if every one is inside)."""
+    training libraries of Hugging Face and Lightning (the outermost frame if every one is
+    inside)."""
     frame, level = sys._getframe(0), 1
     while frame.f_back is not None and _inside(frame):
         frame, level = frame.f_back, level + 1
