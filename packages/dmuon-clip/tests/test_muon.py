@@ -382,6 +382,25 @@ def test_try_clip_returns_none_on_cpu_and_touches_nothing(monkeypatch, probe, gr
     assert optimizer.calls == 0
 
 
+@pytest.mark.parametrize("kernels_may_run", [False, True])
+def test_try_clip_refuses_an_optimizer_without_the_protocol(monkeypatch, kernels_may_run) -> None:
+    # accelerate's AcceleratedOptimizer around dmuon's Muon has no muon_grads_for_clip(): the
+    # call returned None in a process without CUDA or the interpreter (as if the fast path
+    # were merely unavailable) and raised AttributeError where the kernels may run.
+    reason = None if kernels_may_run else "neither CUDA nor the Triton interpreter"
+    monkeypatch.setattr(dmuon_clip._fastpath, "unavailable_in_process", lambda: reason)
+    regular = _matrices(1)
+    before = [g.clone() for g in regular]
+    with pytest.raises(TypeError, match=r"has no muon_grads_for_clip\(\).*its \.optimizer"):
+        try_clip_optimizer_grad_norm_buckets_(
+            object(),  # type: ignore[arg-type]
+            regular_grads=regular,
+            adamw_grads=[],
+            max_norm=0.1,
+        )
+    assert all(torch.equal(a, b) for a, b in zip(regular, before, strict=True))
+
+
 def test_try_clip_group_mismatch_is_an_error() -> None:
     # Raised before the Muon gradients are taken, whether the fast path runs or not.
     optimizer = FakeMuon([], process_group=object())

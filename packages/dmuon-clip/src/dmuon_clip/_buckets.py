@@ -371,7 +371,8 @@ def try_clip_optimizer_grad_norm_buckets_(
     nothing]). Otherwise it clips, and tensors outside the kernel's contract (non-contiguous,
     float64, ...) go through torch inside the call, as reported by ``fallback_reason``. A bad
     ``max_norm``, gradient list or ``process_group`` raises ``ValueError`` either way, before
-    anything is taken (the group: where the optimizer has ``clip_group_and_device``).
+    anything is taken (the group: where the optimizer has ``clip_group_and_device``), and an
+    optimizer without ``muon_grads_for_clip()`` ``TypeError``.
 
     Groups: the Muon segment is reduced over the optimizer's group. ``process_group=None`` keeps
     the regular and AdamW norms rank-local (replicated grads, as under DDP); a group reduces them
@@ -381,8 +382,9 @@ def try_clip_optimizer_grad_norm_buckets_(
     mapping with the keys ``"regular"``, ``"muon"``, ``"adamw"``.
 
     Args:
-        optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``):
-            its owned Muon gradients are the ``"muon"`` segment.
+        optimizer: dmuon's :class:`~dmuon.Muon` (any object with ``muon_grads_for_clip()``;
+            another, such as accelerate's ``AcceleratedOptimizer``, raises ``TypeError``): its
+            owned Muon gradients are the ``"muon"`` segment.
         regular_grads: the gradients of the ``"regular"`` segment (ordinary ``param.grad``,
             or this rank's local shards of them), clipped by their own norm; ``None`` entries
             are skipped.
@@ -404,6 +406,13 @@ def try_clip_optimizer_grad_norm_buckets_(
     # the optimizer's clip_group_and_device(), which takes nothing. Bad input raises either
     # way: the two buckets check their gradients once, here, and the plan of this call checks
     # max_norm against all three names.
+    if not callable(getattr(optimizer, "muon_grads_for_clip", None)):
+        raise TypeError(
+            f"{type(optimizer).__name__} has no muon_grads_for_clip();"
+            " dmuon_clip.try_clip_optimizer_grad_norm_buckets_ takes dmuon's Muon optimizer (of"
+            " accelerate's AcceleratedOptimizer, its .optimizer); on a model without dmuon,"
+            " clip plain param.grad with dmuon_clip.clip_grad_norm_buckets_"
+        )
     regular = GradClipBucket(
         "regular", [g for g in regular_grads if g is not None], reduce=process_group is not None
     )
