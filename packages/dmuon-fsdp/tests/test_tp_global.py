@@ -319,9 +319,9 @@ def test_gram_is_chosen_only_where_the_shards_split_the_long_side() -> None:
 WIDE_MLP = 96  # gate/up 96x16 (row shards), down 16x96 (column shards): auto takes gram there
 
 
-def _ns_modes(rank: int, world_size: int) -> dict:
+def _ns_modes(rank: int, world_size: int, modes: tuple[str, ...]) -> dict:
     out = {}
-    for mode in ("gram", "gather", "auto"):
+    for mode in modes:
         model, runtime, dp_index = _build("tp", hidden=WIDE_MLP)
         optimizer = Muon(model, **HYPER.muon_kwargs(), options=StepOptions(tp_ns=mode))
         runtime.counter.reset()
@@ -333,8 +333,19 @@ def _ns_modes(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.distributed
-def test_every_tp_ns_mode_trains_like_the_reference() -> None:
-    results = run_distributed(_ns_modes, 4)
+@pytest.mark.parametrize(
+    "modes",
+    [
+        # 'auto' runs distributed Gram NS (the MLP) and the gather (attention) in one model.
+        pytest.param(("auto",), id="auto"),
+        # Extended: each mode forced on every matrix. Their parts run in CI: 'auto' above,
+        # Gram NS of every aspect and shard direction against float64 NS (the two Gram tests
+        # above), and each mode trained against the reference (test_tp's 2-D test).
+        pytest.param(("gram", "gather"), id="gram-gather", marks=pytest.mark.extended),
+    ],
+)
+def test_every_tp_ns_mode_trains_like_the_reference(modes: tuple[str, ...]) -> None:
+    results = run_distributed(_ns_modes, 4, modes)
     plain = build(0, hidden=WIDE_MLP)
     names = [n for n, p in plain.named_parameters() if muon_predicate(n, p)]
     ref = train_reference(plain, names, HYPER, STEPS, ROWS, SEQ, VOCAB)
