@@ -80,33 +80,49 @@ def _train(rank, world_size, replicate, reshard, overlap, cap, device="cpu"):
     return owned, counts
 
 
-def _same_bits(world_size: int, replicate: int, run=run_distributed, device="cpu") -> None:
-    for cap in (None, 1):  # one NS call per shape; one matrix per call
-        for reshard in (True, False):  # Z3, Z2
-            runs = {
-                overlap: run(_train, world_size, replicate, reshard, overlap, cap, device)
-                for overlap in (False, True)
-            }
-            used = sum(counts[0] for _, counts in runs[True])
-            stale = sum(counts[1] for _, counts in runs[True])
-            where = f"cap={cap} reshard={reshard}"
-            # Early results were used (plain steps) and some found stale (the gradients
-            # scaled by a torch op after backward) and recomputed.
-            assert used > 0 and stale > 0, (where, used, stale)
-            assert sum(len(plain) for plain, _ in runs[False]) == 21, where  # 3 layers x 7
-            for (plain, _), (early, _) in zip(runs[False], runs[True]):
-                assert plain.keys() == early.keys(), where
-                for fqn, (weight, buf) in plain.items():
-                    assert torch.equal(weight, early[fqn][0]), (where, fqn)
-                    assert torch.equal(buf, early[fqn][1]), (where, fqn)
+# (NS batch cap, reshard): one NS call per shape or one matrix per call, Z3 or Z2.
+EVERY_OPTION = ((None, True), (None, False), (1, True), (1, False))
+
+
+def _same_bits(
+    world_size: int, replicate: int, run=run_distributed, device="cpu", options=EVERY_OPTION
+) -> None:
+    for cap, reshard in options:
+        runs = {
+            overlap: run(_train, world_size, replicate, reshard, overlap, cap, device)
+            for overlap in (False, True)
+        }
+        used = sum(counts[0] for _, counts in runs[True])
+        stale = sum(counts[1] for _, counts in runs[True])
+        where = f"cap={cap} reshard={reshard}"
+        # Early results were used (plain steps) and some found stale (the gradients
+        # scaled by a torch op after backward) and recomputed.
+        assert used > 0 and stale > 0, (where, used, stale)
+        assert sum(len(plain) for plain, _ in runs[False]) == 21, where  # 3 layers x 7
+        for (plain, _), (early, _) in zip(runs[False], runs[True]):
+            assert plain.keys() == early.keys(), where
+            for fqn, (weight, buf) in plain.items():
+                assert torch.equal(weight, early[fqn][0]), (where, fqn)
+                assert torch.equal(buf, early[fqn][1]), (where, fqn)
 
 
 def test_ns_overlap_is_bit_for_bit_on_a_1d_mesh() -> None:
     _same_bits(2, replicate=1)
 
 
-def test_ns_overlap_is_bit_for_bit_under_hsdp() -> None:
-    _same_bits(4, replicate=2)
+@pytest.mark.parametrize(
+    "options",
+    [
+        # Each value of each option once; the 1-D test above runs every pair.
+        pytest.param(((None, True), (1, False)), id="z3-per-shape,z2-per-matrix"),
+        # Extended: the other two pairs, the HSDP ranks of a pair the 1-D test runs.
+        pytest.param(
+            ((None, False), (1, True)), id="z2-per-shape,z3-per-matrix", marks=pytest.mark.extended
+        ),
+    ],
+)
+def test_ns_overlap_is_bit_for_bit_under_hsdp(options) -> None:
+    _same_bits(4, replicate=2, options=options)
 
 
 def _optimizers_on_one_model(rank, world_size):
