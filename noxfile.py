@@ -147,8 +147,8 @@ NO_TESTS_COLLECTED = 5
 @nox.session
 def extended(session: nox.Session) -> None:
     """The tests marked ``extended`` in every package, CPU only: slow ones (eight gloo ranks,
-    torch.compile under tensor parallelism or on one rank) whose parts faster tests in the
-    ``tests`` sessions cover, left out of CI for its time."""
+    torch.compile under tensor parallelism or on one rank, the rest of a few option matrices)
+    whose parts faster tests in the ``tests`` sessions cover, left out of CI for its time."""
     deps = {dep for package in PACKAGES for dep in _test_deps(package)}
     session.install(*sorted(deps), *_editable(*PACKAGES))
     for package in PACKAGES:
