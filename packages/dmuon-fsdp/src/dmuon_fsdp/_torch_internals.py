@@ -69,6 +69,7 @@ __all__ = [
     "parse_to_args",
     "profiler_enabled",
     "queue_backward_callback",
+    "refused_by_compiled_autograd",
     "set_fqn_modifiers",
     "torch_optim_state_dict_running",
     "torch_state_dict_function",
@@ -166,6 +167,30 @@ def compiled_autograd_on() -> bool:
     return module is not None and bool(
         module.compiled_autograd_enabled or module.in_compiled_autograd_region
     )
+
+
+_Function = TypeVar("_Function", bound=type[torch.autograd.Function])
+
+
+def refused_by_compiled_autograd(
+    refusal: Callable[[], BaseException],
+) -> Callable[[_Function], _Function]:
+    """A class decorator: torch's compiled autograd raises ``refusal()`` for a backward whose
+    graph holds a node of the decorated custom autograd function, before it captures the graph
+    (on every rank alike: nothing runs yet); eager backward is unaffected.
+
+    Overrides ``Function._compiled_autograd_key``, the cache key compiled autograd asks of every
+    custom node as it walks the graph before capturing it, and nothing else calls: torch has no
+    public hook at the start of a compiled-autograd backward."""
+
+    def key(ctx: Any) -> tuple[int, ...]:
+        raise refusal()
+
+    def decorate(function: _Function) -> _Function:
+        function._compiled_autograd_key = staticmethod(key)  # type: ignore[method-assign]
+        return function
+
+    return decorate
 
 
 def disable_dynamo(fn: Callable[_P, _T]) -> Callable[_P, _T]:

@@ -61,9 +61,21 @@ dedicated weight gathered on a peer, whatever raised.
 torch's compiled autograd cannot run dmuon's backward: its capture turns every leaf of the
 graph into a fake tensor, reading each dedicated weight, which a peer does not hold between
 forward and backward (Z3), and the captured graph calls the hooks, whose first queues the final
-callback, which the autograd engine refuses inside a compiled-autograd graph (Z2). Both places
-raise one error that names compiled autograd (the capture's own error carries it as its cause),
-before the hook changes anything: the recovery is that of [Note: a backward that raised].
+callback, which the autograd engine refuses inside a compiled-autograd graph (Z2). Those two
+places alone would not refuse on every rank alike: the rank that holds every weight a graph
+reads (one owner of a small model) passes the capture and runs the captured graph, where
+FSDP2's pre-backward hook of the root, which runs before any of dmuon's, all-gathers the next
+layer and waits for the peers that raised. So the refusal comes first from a point that every
+rank reaches with the same graph and that issues nothing: before capturing, compiled autograd
+asks every custom autograd node of the graph for its cache key (eager autograd never does),
+and a boundary whose forward inputs need a gradient puts one of dmuon's there, its reduce
+point, whose key raises one error that names compiled autograd. The two later checks stay for a
+graph without one (a single boundary fed inputs that need no gradient, such as one layer after
+a frozen embedding; the capture's own error then carries dmuon's as its cause). A marker on
+such a boundary's outputs would cover it, but a custom function's outputs are views of its
+inputs, which FSDP2 warns of (an in-place operation on one drops its pre-backward hook). Every
+place raises before a hook changes anything: the recovery is that of [Note: a backward that
+raised].
 
 Prefetch follows the forward order recorded by the previous forward (the first forward has no
 prefetch): forward prefetches the next boundary, backward the previous one. All ranks run the
@@ -91,6 +103,7 @@ from .._torch_internals import (
     in_backward,
     local_shard,
     queue_backward_callback,
+    refused_by_compiled_autograd,
     tree_leaves,
     tree_map_tensors,
     will_run,
@@ -788,10 +801,11 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
+@refused_by_compiled_autograd(compiled_autograd_error)  # see [Note: compiled autograd]
 class _ReducePoint(torch.autograd.Function):
     """The identity on a boundary's forward inputs; its backward, which the autograd engine
     runs once their gradients are computed, calls ``reached`` (see [Note: reduce points] in
-    :mod:`._order`)."""
+    :mod:`._order`). Compiled autograd refuses a graph that holds one."""
 
     @staticmethod
     def forward(  # type: ignore[override]
