@@ -618,13 +618,15 @@ class Muon(torch.optim.Optimizer):
     # -- the phases of a step: each closes its step-profile phase with ``mark`` ----------------
 
     def _begin(self) -> tuple[Callable[[str], None], dict[int, dict[str, Any]]]:
-        """Start the step profile, check that the gradients were reduced, take the param-group
+        """Start the step profile, check that the process groups are alive and that the
+        gradients were reduced, take the param-group
         edits, check the parameters (all of them at the first step) and run the pre-step
         hooks; returns the profile's ``mark`` (see [Note: the step profile]) and each group's
         hyperparameters of this step (``take_group_edits``)."""
         mark = no_mark if self._timer is None else self._timer.mark
         if self._timer is not None:
             self._timer.start()
+        self._runtime.comm_ctx.check_alive()
         self._runtime.check_gradients_synced()
         self._runtime.check_no_grad_set_by_hand()
         check_no_all_reduce_hook(self._all_reduce_hooked)

@@ -135,6 +135,7 @@ class BoundaryHooks:
         *,
         reshard_after_forward: bool,
         on_first_forward: Callable[[], None],
+        check_alive: Callable[[], None],
         fsdp_sync_off: Callable[[], bool],
         tied_modules: Mapping[str, Sequence[nn.Module]] | None = None,
     ) -> None:
@@ -163,6 +164,9 @@ class BoundaryHooks:
         # see [Note: boundaries the synced backward does not reach].
         self._unsynced: set[int] = set()
         self._on_first_forward = on_first_forward
+        # Raises where the process groups were destroyed since (see [Note: a destroyed process
+        # group] in topology._comm): every forward checks it first.
+        self._check_alive = check_alive
         self.wait_timers: dict[str, PhaseTimer] | None = None
         # Per dedicated parameter: its boundary's index and its pack (set at the first forward).
         self._pack_of_param: list[tuple[int, Pack]] = []
@@ -263,6 +267,7 @@ class BoundaryHooks:
     def _pre_forward(
         self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self._check_alive()
         group = self.groups[index]
         ddp = active_ddp()
         if ddp is not None and ddp not in self._ddp_checked:

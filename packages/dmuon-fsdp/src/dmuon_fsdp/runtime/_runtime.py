@@ -141,6 +141,7 @@ class DedicatedRuntime:
             self.reduce_queue,
             reshard_after_forward=config.reshard_after_forward,
             on_first_forward=self._finish_init,
+            check_alive=comm.check_alive,
             fsdp_sync_off=self._fsdp_sync_off,
             tied_modules=tied_modules,
         )
@@ -156,7 +157,10 @@ class DedicatedRuntime:
         here for the first time. Runs at ``Muon(...)`` and every checkpoint or diagnostics
         call, and at the first forward without the adoption (:meth:`_finish_init`); the
         packing happens at whichever comes first (see [Note: mixed precision] and [Note:
-        meta-device models]). Collective in HSDP: every rank reaches it at the same point."""
+        meta-device models]). Collective in HSDP: every rank reaches it at the same point.
+        First it checks that the process groups are still alive (see [Note: a destroyed
+        process group] in ``topology._comm``)."""
+        self.comm_ctx.check_alive()
         self._adopt_materialised()
         self._finish_init()
 

@@ -275,6 +275,8 @@ class DedicatedCommContext:
     # first broadcast of its boundary.
     publish_stream: torch.cuda.Stream | None = None
     counter: CommCounter = field(default_factory=CommCounter)
+    # The default process group it was built under (see [Note: a destroyed process group]).
+    made_under: ProcessGroup | None = field(default_factory=lambda: dist.group.WORLD)
 
     @classmethod
     def build(cls, layout: MeshLayout, policy: ProcessGroupPolicy) -> DedicatedCommContext:
@@ -310,6 +312,35 @@ class DedicatedCommContext:
             ctx.replicate_reduce_stream = torch.cuda.Stream(layout.device)
             ctx.publish_stream = torch.cuda.Stream(layout.device)
         return ctx
+
+    def check_alive(self) -> None:
+        """Raise unless the default process group it was built under is still the current one.
+
+        [Note: a destroyed process group]
+        ``destroy_process_group()`` destroys every process group, dmuon's own (``"isolated"``)
+        and the mesh's (``"shared"``) with the default one, and a later ``init_process_group``
+        (a notebook re-running its setup cell, a sweep) makes new ones that a model built
+        before cannot reach: its collectives would stop in torch with ``Process group <object
+        at 0x...> is not initialized in the world group map``, which names neither the cause
+        nor the fix. A 1-D FSDP2 model may even go on (its mesh finds its group by name, and
+        the new default group has the old one's), so the dmuon half of a model would be the
+        only one to fail. The forward, ``step()``, ``Muon(model)`` and every checkpoint and
+        diagnostics call check this first, on every rank alike (each rank destroyed and made
+        its default group), so they stop with one error naming the fix before a collective is
+        issued. The model is then to be built again under the new group; its weights come
+        from a checkpoint saved before the destroy. The check is an identity comparison (the
+        kept group cannot be freed, so a new one cannot take its place).
+        """
+        if dist.group.WORLD is self.made_under:
+            return
+        raise RuntimeError(
+            "this dmuon model was built under a default process group that has since been"
+            " destroyed (torch.distributed.destroy_process_group()), and with it every process"
+            " group the model communicates over, so it can no longer run. Build the model"
+            " again under the current process group (dmuon.dedicate_params, fully_shard or"
+            " dmuon.replicate, dmuon.Muon), from a checkpoint saved before the destroy to go"
+            " on from its weights (dmuon.save_checkpoint, dmuon.get_model_state_dict)"
+        )
 
     def host_group(self) -> ProcessGroup | None:
         """A group over every rank that sums CPU tensors (gloo), for agreeing on the host
