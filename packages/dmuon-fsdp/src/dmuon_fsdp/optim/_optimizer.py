@@ -619,10 +619,10 @@ class Muon(torch.optim.Optimizer):
 
     def _begin(self) -> tuple[Callable[[str], None], dict[int, dict[str, Any]]]:
         """Start the step profile, check that the process groups are alive and that the
-        gradients were reduced, take the param-group
-        edits, check the parameters (all of them at the first step) and run the pre-step
-        hooks; returns the profile's ``mark`` (see [Note: the step profile]) and each group's
-        hyperparameters of this step (``take_group_edits``)."""
+        gradients were reduced, take the param-group edits, check the parameters (all of them
+        at the first step) and run the pre-step hooks; returns the profile's ``mark`` (see
+        [Note: the step profile]) and each group's hyperparameters of this step
+        (``take_group_edits``)."""
         mark = no_mark if self._timer is None else self._timer.mark
         if self._timer is not None:
             self._timer.start()
