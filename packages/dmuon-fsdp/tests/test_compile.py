@@ -8,6 +8,7 @@ import pytest
 import torch
 from _reference import Hyper, lm_loss, make_batch, shard
 from _sgd_train import setup_model
+from torch.distributed.fsdp import FSDPModule
 
 from dmuon_fsdp import Muon
 from dmuon_testing.distributed import run_distributed
@@ -97,11 +98,14 @@ def _one_layer_cases(world_size: int, reshard: bool) -> list[tuple[str, dict]]:
 
 def _all_modes(rank: int, world_size: int, reshards: tuple[bool, ...], traced: bool):
     out = {}
+    # The recovery after the refused backward is FSDP2's reset_iter_state (torch 2.13 on).
+    recovers = hasattr(FSDPModule, "reset_iter_state")
     for reshard in reshards:
         eager = _losses(rank, world_size, reshard, None)[0]
-        refused = _compiled_autograd(rank, world_size, reshard, traced)
-        out[(reshard, "compiled autograd")] = (eager, refused)
-        for name, shape in _one_layer_cases(world_size, reshard):
+        if recovers:
+            refused = _compiled_autograd(rank, world_size, reshard, traced)
+            out[(reshard, "compiled autograd")] = (eager, refused)
+        for name, shape in _one_layer_cases(world_size, reshard) if recovers else ():
             out[(reshard, f"compiled autograd, {name}")] = (
                 _losses(rank, world_size, reshard, None, **shape)[0],
                 _compiled_autograd(rank, world_size, reshard, traced, **shape),

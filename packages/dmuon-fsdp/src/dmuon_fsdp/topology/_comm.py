@@ -252,6 +252,9 @@ class DedicatedCommContext:
         counter: the payload bytes and call counts of every dmuon collective, per axis and
             kind (``counter.snapshot()``, ``counter.bytes(axis)``, ``counter.reset()``);
             default: a new, empty ``CommCounter``.
+        made_under: the default process group current when it was built (default: the one
+            current now); ``check_alive`` raises once another has replaced it (see [Note: a
+            destroyed process group]).
     """
 
     layout: MeshLayout
