@@ -227,6 +227,10 @@ class DedicatedGroup:
 
     # -- per-backward bookkeeping ---------------------------------------------------------------
 
+    def live_points(self) -> list[weakref.ref[Any]]:
+        """``points`` less those of forwards whose graph was dropped (never run, nor counted)."""
+        return [ref for ref in self.points if ref() is not None]
+
     def reset_backward(self) -> None:
         self.backward_started = False
         self.needs_backward = False

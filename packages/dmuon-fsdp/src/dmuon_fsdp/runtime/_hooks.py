@@ -285,7 +285,7 @@ class BoundaryHooks:
             # whose graph was dropped, is not one).
             with span("dmuon::pre_forward_recompute"):
                 group.unshard()
-            adds_point = not any(ref() is not None for ref in group.points)
+            adds_point = not group.live_points()
         else:
             if self._final_queued:
                 # The last backward raised: the autograd engine dropped its final callback
@@ -318,9 +318,8 @@ class BoundaryHooks:
         # The points of forwards whose graph was dropped never run (nor count): forwards that
         # no backward follows (an evaluation with gradients enabled) would otherwise leave one
         # per forward until the next backward.
-        points = self.groups[index].points
-        points[:] = [ref for ref in points if ref() is not None]
-        points.append(weakref.ref(passed[0].grad_fn))
+        group = self.groups[index]
+        group.points = [*group.live_points(), weakref.ref(passed[0].grad_fn)]
         outputs = iter(passed)
         return tree_map_tensors(lambda t: next(outputs) if t.requires_grad else t, inputs)
 
@@ -788,7 +787,7 @@ def _replicated_grad(
 def _uses_pending(group: DedicatedGroup) -> bool:
     """Whether a boundary with several reduce points in the graph has some of them still to
     come in this backward (see [Note: a boundary used again after its packs left])."""
-    live = sum(1 for ref in group.points if ref() is not None)
+    live = len(group.live_points())
     if live < 2:
         return False
     due = group.points_due if group.points_reached else live
