@@ -34,6 +34,7 @@ TRANSLATED = [
     "guides/hsdp.md",
     "guides/ddp.md",
     "guides/tp.md",
+    "guides/pipeline.md",
     "guides/grad-accumulation.md",
     "guides/clipping.md",
     "guides/checkpoints.md",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -225,6 +226,26 @@ def _fsdp_param_groups(modules: Sequence[FSDPModule]) -> list[Any]:
         elif state._fsdp_param_group is not None:
             groups.append(state._fsdp_param_group)
     return groups
+
+
+def after_fsdp_root_post_backward(module: FSDPModule, after: Callable[[], None]) -> None:
+    """Make ``module``'s FSDP2 state call ``after()`` each time its root post-backward callback
+    has run (on this state only: an instance attribute over the bound method).
+
+    Wraps ``fully_shard.state(module)._root_post_backward_final_callback``: FSDP2 queues it
+    at the end of each backward, and ``torch.distributed.pipelining``'s schedules call it by
+    hand after the last micro-batch (``_PipelineStageBase.perform_reduce_grad``), once they have
+    turned gradient sync back on and run FSDP2's post-backward; nothing public tells a
+    module that this end of backward ran (see [Note: the pipeline schedule's reduce])."""
+    state = module._get_fsdp_state()
+    final = state._root_post_backward_final_callback
+
+    def callback() -> None:
+        final()
+        after()
+
+    functools.update_wrapper(callback, final)
+    state._root_post_backward_final_callback = callback  # type: ignore[method-assign]
 
 
 def fsdp_gradient_sync(module: FSDPModule) -> bool:

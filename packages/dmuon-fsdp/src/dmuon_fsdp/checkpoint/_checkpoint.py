@@ -105,6 +105,7 @@ __all__ = [
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "group_state",
+    "refuse_under_pipeline",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "shard_like",
@@ -112,6 +113,32 @@ __all__ = [
 
 
 Entry = tuple[str, Tensor, DedicatedParam | None]
+
+
+def refuse_under_pipeline(runtime: DedicatedRuntime, call: str, why: str) -> None:
+    """Raise, on every rank alike, where ``runtime`` is a pipeline stage's.
+
+    [Note: checkpoints of pipeline stages]
+    Under pipeline parallelism the full state dicts work per stage: :func:`get_model_state_dict`
+    and :func:`get_optimizer_state_dict` gather a stage module's tensors over the stage's ranks,
+    and the ``set_`` functions load them there. What names one rank of the world does not:
+    ``rank0_only`` and ``broadcast_from_rank0`` mean global rank 0, which sits in the first
+    stage only. Nor does a DCP checkpoint (``save_checkpoint``, ``load_checkpoint``,
+    ``AppState``): every stage writes into one checkpoint, where the stages' optimizer param
+    groups, one entry each under the same key, would overwrite each other, and a stage would
+    find the other stages' entries on load. Those are refused, naming the per-stage way."""
+    if runtime.layout.pp_size > 1:
+        raise RuntimeError(
+            f"{call} is not supported under pipeline parallelism (dedicate_params("
+            f"pipeline_mesh=...)): {why}. Save each stage module with "
+            "dmuon.get_model_state_dict(stage_module) and dmuon.get_optimizer_state_dict("
+            "stage_module, optimizer), gathered over the stage's ranks, into a file per stage "
+            "(torch.save on one rank of each stage), and load them with set_model_state_dict "
+            "and set_optimizer_state_dict; nothing was done"
+        )
+
+
+_RANK0 = "global rank 0 belongs to the first stage only"
 
 
 class _Gather:
@@ -225,6 +252,8 @@ def get_model_state_dict(
     check_bool("rank0_only", rank0_only)
     check_bool("cpu_offload", cpu_offload)
     runtime = get_runtime(model)
+    if rank0_only:
+        refuse_under_pipeline(runtime, "get_model_state_dict(rank0_only=True)", _RANK0)
     with record_function("dmuon::checkpoint_get_model"):
         runtime.drain()
         gather = _Gather(runtime, cpu_offload=cpu_offload, rank0_only=rank0_only)
@@ -274,6 +303,8 @@ def set_model_state_dict(
     """
     check_bool("broadcast_from_rank0", broadcast_from_rank0)
     runtime = get_runtime(model)
+    if broadcast_from_rank0:
+        refuse_under_pipeline(runtime, "set_model_state_dict(broadcast_from_rank0=True)", _RANK0)
     with record_function("dmuon::checkpoint_set_model"):
         runtime.drain()
         entries = model_entries(model, runtime)
@@ -539,6 +570,8 @@ def get_optimizer_state_dict(
     check_bool("cpu_offload", cpu_offload)
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)
+    if rank0_only:
+        refuse_under_pipeline(runtime, "get_optimizer_state_dict(rank0_only=True)", _RANK0)
     with record_function("dmuon::checkpoint_get_optimizer"):
         runtime.drain()
         gather = _Gather(runtime, cpu_offload=cpu_offload, rank0_only=rank0_only)

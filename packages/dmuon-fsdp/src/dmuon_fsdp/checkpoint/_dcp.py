@@ -92,7 +92,13 @@ from ..optim import Muon
 from ..runtime import DedicatedRuntime, get_runtime
 from . import _integrity as integrity
 from . import _state_layout as layout
-from ._checkpoint import apply_param_groups, as_step, checked_on_every_rank, group_state
+from ._checkpoint import (
+    apply_param_groups,
+    as_step,
+    checked_on_every_rank,
+    group_state,
+    refuse_under_pipeline,
+)
 
 __all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
 
@@ -100,6 +106,13 @@ logger = logging.getLogger(__name__)
 
 # The key of the AppState in the dictionary save_checkpoint hands to DCP.
 CHECKPOINT_KEY = "dmuon"
+
+# Why a DCP checkpoint of pipeline stages is refused (see [Note: checkpoints of pipeline
+# stages]).
+_STAGES_WHY = (
+    "every stage would write into one checkpoint, where the stages' optimizer param groups "
+    "(one entry each, under one key) overwrite each other"
+)
 
 
 def _as_saved(runtime: DedicatedRuntime, dp: DedicatedParam | None, t: Tensor) -> Tensor:
@@ -174,6 +187,7 @@ class AppState(Stateful):
         self.optimizer = layout.check_optimizer(model, optimizer)
         self.model = model
         self.runtime = get_runtime(model)
+        refuse_under_pipeline(self.runtime, "a DCP checkpoint (AppState)", _STAGES_WHY)
 
     def state_dict(self) -> dict[str, Any]:
         """The live tensors this rank holds, keyed topology-independently."""
@@ -296,6 +310,7 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: M
         optimizer: the :class:`Muon` built on ``model`` (another object raises
             ``ValueError``).
     """
+    refuse_under_pipeline(get_runtime(model), "save_checkpoint", _STAGES_WHY)
     _check_not_a_file("save_checkpoint", path)
     with record_function("dmuon::save_checkpoint"):
         writer = integrity.ChecksumWriter(path)
@@ -472,6 +487,7 @@ def _load_model(where: str, path: str | os.PathLike[str], model: nn.Module) -> N
     """:func:`load_checkpoint` without an optimizer: the model's tensors alone, checked and read
     as there, then published as a step's weights are."""
     runtime = get_runtime(model)
+    refuse_under_pipeline(runtime, "load_checkpoint", _STAGES_WHY)
     with record_function("dmuon::load_checkpoint"):
         checksums, metadata = _read_checked(
             where,

@@ -82,10 +82,13 @@ from ._usage_checks import (
     check_no_loss_scaling,
     check_no_other_keywords,
     check_none_unfrozen,
+    check_one_stage_per_rank,
     check_params_current,
+    check_pipeline_stage,
     refuse_added_group,
     refuse_clip_after_no_sync,
     refuse_step_while_lent,
+    stage_steps_so_far,
     warn_frozen_dedicated,
 )
 
@@ -392,6 +395,9 @@ class Muon(torch.optim.Optimizer):
             id(dp.param): dp for dp in self._runtime.params
         }
         self._holders: dict[int, ParamHolder] = self._runtime.holders_by_param()
+        check_pipeline_stage(model, self._runtime)
+        # See [Note: one stage module per rank]; None: no pipeline stage.
+        self._stage_mark = stage_steps_so_far() if self._runtime.layout.pp_size > 1 else None
         check_every_param_is_synchronised(model, self._runtime)
         check_fully_shard_options(model, self._runtime)
         check_fully_shard_mesh(model, self._runtime)
@@ -405,7 +411,7 @@ class Muon(torch.optim.Optimizer):
         device = self._runtime.layout.device
         self._skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
         # Fixed for the runtime's life; asked once (the query costs host time every step).
-        self._global_size = dist.get_world_size(self._runtime.global_group)
+        self._global_size = dist.get_world_size(self._runtime.step_group)
         self._timer = PhaseTimer(device) if options.profile else None
         self._last_skip = torch.zeros((), dtype=torch.bool, device=device)
         self._hooks = StepHooks(self._runtime.comm_ctx.host_group)
@@ -627,6 +633,8 @@ class Muon(torch.optim.Optimizer):
         if self._timer is not None:
             self._timer.start()
         self._runtime.comm_ctx.check_alive()
+        if self._stage_mark is not None:
+            self._stage_mark = check_one_stage_per_rank(self, self._stage_mark)
         self._runtime.check_gradients_synced()
         self._runtime.check_no_grad_set_by_hand()
         check_no_all_reduce_hook(self._all_reduce_hooked)
@@ -880,10 +888,10 @@ class Muon(torch.optim.Optimizer):
             # a widening is exact, and fp32 is the same narrowing either way).
             stacked = torch.stack(peaks).float()
             found = (~torch.isfinite(stacked).all()).float()
-        # Every rank, TP grids included: one decision for the step (see [Note: global
-        # quantities] in _comm).
+        # Every rank, TP grids and pipeline stages included: one decision for the step (see
+        # [Note: global quantities] in _comm, [Note: pipeline stages] in _mesh).
         if self._global_size > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.global_group)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.step_group)
         return found
 
     @property
@@ -992,6 +1000,7 @@ class Muon(torch.optim.Optimizer):
                 ``ValueError``).
         """
         chosen = self._clip_selection(params)
+        self._runtime.finish_pipeline_backward()
         if self._runtime.hooks.unsynced_backward:
             refuse_clip_after_no_sync()
         sharded = self._clip_sharded(chosen)
@@ -1034,9 +1043,10 @@ class Muon(torch.optim.Optimizer):
         return self._clip_group(), self._clip_device()
 
     def _clip_group(self) -> ProcessGroup | None:
-        """The group over which the clip's sums count every element once: every rank."""
+        """The group over which the clip's sums count every element once: every rank (of every
+        pipeline stage)."""
         distributed = dist.is_available() and dist.is_initialized()
-        return self._runtime.global_group if distributed else None
+        return self._runtime.step_group if distributed else None
 
     def _clip_device(self) -> torch.device:
         """Where this rank's gradients to clip live: its parameters' device (CPU with none)."""

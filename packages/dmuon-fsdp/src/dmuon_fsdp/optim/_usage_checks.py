@@ -11,6 +11,7 @@ fix; none changes anything first.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -151,6 +152,29 @@ def check_fully_shard_options(model: nn.Module, runtime: DedicatedRuntime) -> No
             " forward and broadcasts them again for backward (Z3). For Z2 pass"
             " reshard_after_forward=False to dedicate_params too (the results are the same"
             " either way)"
+        )
+
+
+def check_pipeline_stage(model: nn.Module, runtime: DedicatedRuntime) -> None:
+    """Refuse a pipeline stage module that is not itself a ``fully_shard`` module.
+
+    [Note: a pipeline stage that is not an FSDP2 module]
+    A schedule of ``torch.distributed.pipelining`` turns gradient sync off for its
+    micro-batches and reduces once at their end only for a stage module that is an
+    ``FSDPModule`` (see [Note: the pipeline schedule's reduce] in ``runtime._runtime``).
+    Any other stage runs plain synced backwards: dmuon would send each micro-batch's dedicated
+    gradients to their owners at once, and the schedule's division of ``.grad`` by the number
+    of micro-batches, which comes after, would miss them, so the owners would step gradients
+    that many times too large. Raised at ``Muon(model)`` on every rank of the pipeline alike
+    (they all shard their stages the same way), before anything is built."""
+    if runtime.layout.pp_size > 1 and not isinstance(model, FSDPModule):
+        raise ValueError(
+            f"dedicate_params(pipeline_mesh=...) was given a stage module ({type(model).__name__})"
+            " that is not a fully_shard module: torch's pipeline schedules reduce gradients at"
+            " the end of the micro-batches only for an FSDP2 stage module, and for any other"
+            " the dedicated gradients would be reduced per micro-batch and never divided by"
+            " their number. Call fully_shard(stage_module, mesh=...) after its layers, before"
+            " dmuon.Muon(stage_module); nothing was built"
         )
 
 
@@ -380,6 +404,53 @@ def _instead_of(keywords: Iterable[str], option_fields: Collection[str]) -> str:
 
 
 # -- at each step ------------------------------------------------------------------------------
+
+
+class _StageSteps:
+    """The steps of pipeline stages' optimizers in this process: how many, and whose last."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: weakref.ref[object] | None = None
+
+
+_STAGE_STEPS = _StageSteps()
+
+
+def stage_steps_so_far() -> int:
+    """The mark a pipeline stage's ``Muon`` starts from (see :func:`check_one_stage_per_rank`)."""
+    return _STAGE_STEPS.count
+
+
+def check_one_stage_per_rank(optimizer: object, mark: int) -> int:
+    """Refuse the step of a pipeline stage's ``optimizer`` when another stage's optimizer,
+    still alive, stepped on this rank since ``mark`` (its construction or its last step);
+    returns its next mark.
+
+    [Note: one stage module per rank]
+    The step's non-finite decision and the clip norm are reduced over every rank by each
+    ``Muon`` (see [Note: pipeline stages] in ``topology._mesh``), once per step. With one stage
+    module per rank (GPipe, 1F1B) that covers the whole pipeline. With several per rank (one
+    ``Muon`` per model part, as torchtitan builds for an interleaved or looped schedule) the
+    k-th optimizer of every rank would reduce with the k-th of the others: a NaN in one stage
+    would skip the parts that share its position and not the others, and each part would be
+    clipped by a norm of its own. Two stages' optimizers stepping in turn on one rank are that
+    case (an optimizer of a stage module rebuilt or resumed, whose predecessor steps no more,
+    is not), so the second of them raises at its first step, on every rank alike (every rank
+    of such a pipeline holds as many stages as the others), before it changes anything."""
+    last = None if _STAGE_STEPS.last is None else _STAGE_STEPS.last()
+    if last is not None and last is not optimizer and _STAGE_STEPS.count > mark:
+        raise RuntimeError(
+            "Muon.step(): another pipeline stage's optimizer stepped on this rank since this"
+            " one was built or last stepped, and dmuon takes one stage module per rank"
+            " (ScheduleGPipe, Schedule1F1B): with several (an interleaved or looped schedule's"
+            " model parts, one Muon each) each Muon would decide the step's non-finite skip"
+            " and clip norm over the stages at its position only, not over the whole"
+            " pipeline. Use a schedule with one stage per rank; nothing was stepped"
+        )
+    _STAGE_STEPS.count += 1
+    _STAGE_STEPS.last = weakref.ref(optimizer)
+    return _STAGE_STEPS.count
 
 
 def refuse_step_while_lent(lent_to: str) -> NoReturn:

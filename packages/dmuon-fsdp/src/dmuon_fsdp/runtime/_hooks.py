@@ -156,6 +156,10 @@ class BoundaryHooks:
         # The last backward ran under no_sync and no synced one followed: its gradients are
         # accumulated on each rank but not reduced (see [Note: a step after no_sync]).
         self.unsynced_backward = False
+        # A pipeline schedule ended its backward with gradient sync back on (FSDP2's
+        # post-backward run by hand): the next step reduces what the backwards under no_sync
+        # accumulated (see [Note: the pipeline schedule's reduce] in :mod:`._runtime`).
+        self.reduce_due = False
         # A backward ended on this rank since the last step (``after_step`` clears it): the
         # refusal of a step that finds FSDP2's weights gathered tells an evaluation after
         # backward from a rank that ran no backward at all (its data ran out first).
@@ -646,9 +650,31 @@ class BoundaryHooks:
         self._replicated_unsynced.clear()
         self._root_replicated_sent.clear()
 
+    def reduce_unsynced(self) -> None:
+        """Reduce, as a synced backward's end would, every boundary that backwards under
+        ``no_sync`` reached since the last synced one, in the boundaries' order (on every
+        rank alike): the pipeline schedule's end of backward (see [Note: the pipeline
+        schedule's reduce] in :mod:`._runtime`)."""
+        self.reduce_due = False
+        if not self.unsynced_backward:
+            return
+        with span("dmuon::post_backward_final"):
+            self._syncing = True
+            self.unsynced_backward = False
+            for index, group in enumerate(self.groups):
+                if index in self._unsynced:
+                    self._send(group, group.order.rest())
+                    group.reset_backward()
+            self._unsynced.clear()
+            self._send_replicated_left()
+            self.reduce_queue.issue_replicate_stages()
+            if self._all_reduces is not None:
+                self._all_reduces.wait_all()
+
     def forget_unsynced(self) -> None:
         """The local gradients of the backwards under ``no_sync`` were dropped (``zero_grad``):
         no boundary waits for a synced backward any more."""
+        self.reduce_due = False
         self.unsynced_backward = False
         self._unsynced.clear()
         self._replicated_unsynced.clear()

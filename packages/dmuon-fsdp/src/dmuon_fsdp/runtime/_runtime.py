@@ -39,9 +39,11 @@ from dmuon_ownership import Owner, ParamPolicy, Plan
 from .._checks import check_bool
 from .._profile import span
 from .._torch_internals import (
+    after_fsdp_root_post_backward,
     fsdp_gradient_divide_factor,
     fsdp_gradient_sync_reader,
     fsdp_manages,
+    in_backward,
 )
 from ..holder import (
     DEEPCOPY_FIX,
@@ -94,9 +96,12 @@ class DedicatedRuntime:
         # The contract surface (ARCHITECTURE.md), kept as plain attributes.
         self.coord: Owner = layout.coord
         self.world_group: ProcessGroup = comm.world_group
-        # Every rank, TP grids included: where global quantities are reduced (see [Note:
-        # global quantities] in _comm).
+        # Every rank of the model, TP grids included: where quantities of the model are
+        # reduced (see [Note: global quantities] in _comm).
         self.global_group: ProcessGroup = comm.global_group
+        # Every rank of every pipeline stage (global_group without pipeline parallelism): the
+        # step's non-finite decision and clip norm (see [Note: pipeline stages] in _mesh).
+        self.step_group: ProcessGroup = comm.everyone
         self.counter: CommCounter = comm.counter
         self.reshard_after_forward = config.reshard_after_forward
         self.plan = plan
@@ -127,6 +132,7 @@ class DedicatedRuntime:
         self._zeroed_grads: dict[int, torch.Tensor] = {}
         # The root's reset_iter_state follows FSDP2's with dmuon's (see _follow_fsdp_reset).
         self._follows_fsdp_reset = False
+        self._follows_pipeline = False
         # The modules that register a tied dedicated weight under another name, by its name.
         tied_modules: dict[str, list[nn.Module]] = {}
         # The same, with the attribute each registers it under (see _check_no_new_names).
@@ -172,6 +178,7 @@ class DedicatedRuntime:
         self._check_registered()
         self._finish_packing()
         self._follow_fsdp_reset()
+        self._follow_pipeline_schedule()
 
     def _follow_fsdp_reset(self) -> None:
         """Once the model is a ``fully_shard`` root, make its ``reset_iter_state`` reset
@@ -194,6 +201,61 @@ class DedicatedRuntime:
         functools.update_wrapper(reset_iter_state, fsdp_reset)
         model.reset_iter_state = reset_iter_state  # type: ignore[method-assign]
         self._follows_fsdp_reset = True
+
+    def _follow_pipeline_schedule(self) -> None:
+        """With pipeline parallelism, once the stage module is a ``fully_shard`` root, learn
+        when a pipeline schedule ends its backward (see [Note: the pipeline schedule's
+        reduce])."""
+        model = self._model()
+        if self._follows_pipeline or self.layout.pp_size == 1 or not isinstance(model, FSDPModule):
+            return
+        runtime = weakref.ref(self)
+
+        def after() -> None:
+            live = runtime()
+            if live is not None:
+                live._pipeline_backward_ended()
+
+        after_fsdp_root_post_backward(model, after)
+        self._follows_pipeline = True
+
+    def _pipeline_backward_ended(self) -> None:
+        """FSDP2's root post-backward ran: outside a backward, with gradient sync on (FSDP2's
+        and dmuon's own: a schedule run inside ``dmuon.no_sync`` is not reduced) and gradients
+        accumulated under ``no_sync``, it is a pipeline schedule's end of backward, and the
+        next step (or clip) reduces them (see [Note: the pipeline schedule's reduce])."""
+        hooks = self.hooks
+        if (
+            not in_backward()
+            and hooks.unsynced_backward
+            and hooks.requires_gradient_sync
+            and not self._fsdp_sync_off()
+        ):
+            hooks.reduce_due = True
+
+    def finish_pipeline_backward(self) -> None:
+        """Reduce what the backwards of a pipeline schedule accumulated, if its end of backward
+        ran since (collective over the stage's ranks, which all reach it at their step or
+        clip).
+
+        [Note: the pipeline schedule's reduce]
+        A schedule of ``torch.distributed.pipelining`` runs each micro-batch's backward on an
+        FSDP2 stage module with gradient sync off (``set_requires_gradient_sync(False)``), so
+        dmuon, which follows that flag (see [Note: FSDP2's gradient sync] in ``_no_sync``),
+        accumulates each dedicated gradient on its rank as under ``no_sync``. After the last
+        micro-batch the schedule turns sync back on and runs FSDP2's post-backward and root
+        callback by hand, outside any backward (``perform_reduce_grad``), then divides every
+        ``.grad`` of the stage by the number of micro-batches (``scale_grads``). dmuon sees the
+        hand-run callback (:func:`after_fsdp_root_post_backward`), but it reduces nothing
+        there: its gradients would leave ``.grad`` before that division, and the owners would
+        step a gradient the number of micro-batches times too large. It marks the reduce as
+        due instead, and the next ``step()``, clip or ``wait_all_reduces`` issues it first: the
+        reduces a synced backward would have issued, of the divided local sums, on every rank
+        of the stage in the boundaries' order. A backward under ``no_sync`` that no such
+        callback followed (the user's own loop) is still refused at the step (see [Note: a
+        step after no_sync]); ``zero_grad`` drops a due reduce with the gradients."""
+        if self.hooks.reduce_due:
+            self.hooks.reduce_unsynced()
 
     def _live_model(self) -> nn.Module:
         """The model this runtime belongs to (held weakly: the model holds the runtime)."""
@@ -504,6 +566,7 @@ class DedicatedRuntime:
         shows (the bf16 ones; ``model.load_state_dict`` writes the fp32 master itself). A look
         at one counter per owned matrix, only where the copies are resident and the dtypes
         differ."""
+        self.finish_pipeline_backward()
         with span("dmuon::wait_reduces"):
             self.reduce_queue.wait_all()
             self.all_reduce_queue.wait_all()
@@ -584,6 +647,7 @@ class DedicatedRuntime:
         too, got none either. The flag that decides it is set at the end of every backward,
         which every rank runs, so all ranks raise together; ``zero_grad`` (which discards the
         accumulation) clears it."""
+        self.finish_pipeline_backward()
         if self.hooks.unsynced_backward:
             raise RuntimeError(
                 "Muon.step(): the last backward ran inside dmuon.no_sync(model) (or with "

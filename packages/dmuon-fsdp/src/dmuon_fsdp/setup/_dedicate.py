@@ -120,6 +120,7 @@ def dedicate_params(
     *,
     reshard_after_forward: bool = True,
     replicate_mesh: DeviceMesh | None = None,
+    pipeline_mesh: DeviceMesh | None = None,
     hook_boundary_predicate: BoundaryPredicate | None = None,
     hook_boundary_strict: bool = True,
     param_policy: Mapping[str, Any] | ParamPolicy | None = None,
@@ -150,8 +151,13 @@ def dedicate_params(
     raises :class:`NotHeldError` on every rank (save with :func:`save_checkpoint` or
     :class:`AppState`, gather with :func:`get_model_state_dict`).
 
-    The options that shape the runtime (every keyword but ``replicate_mesh`` and
-    ``param_policy``: the fields of :class:`DedicateConfig`) may instead come whole as
+    With pipeline parallelism call it on each stage module with the stage's data-parallel mesh
+    and ``pipeline_mesh``, then ``fully_shard`` the stage module (its layers, then the stage
+    module itself) and build one ``Muon`` per stage module (see the pipeline guide).
+
+    The options that shape the runtime (every keyword but ``replicate_mesh``,
+    ``pipeline_mesh`` and ``param_policy``: the fields of :class:`DedicateConfig`) may
+    instead come whole as
     ``config=DedicateConfig(...)``; then leave those keywords at their defaults (one that
     differs raises a ``ValueError``).
     Returns the runtime it attached to ``model``, whose ``.plan`` is the owner plan (its
@@ -178,6 +184,14 @@ def dedicate_params(
             (``hsdp['replicate']``); each owner's weights are then kept by one rank per
             replica. ``None``: no replicas, or they come from a 2-D ``mesh`` (giving both
             raises ``ValueError``). A replicate mesh of one rank is no replication.
+        pipeline_mesh: with pipeline parallelism (``torch.distributed.pipelining``), the 1-D
+            ``DeviceMesh`` of the pipeline dimension (``mesh['pp']``), whose other dimensions
+            give ``mesh`` (and ``replicate_mesh``); ``model`` is then this rank's stage module.
+            Owners are planned and agreed on inside each stage; the step's non-finite skip
+            and the clip norm are reduced over every stage. One stage module per rank: the
+            optimizers of two stages stepping in turn on one rank (an interleaved schedule)
+            raise ``RuntimeError`` at the second one's step. ``None``: no pipeline
+            parallelism (a pipeline mesh of one rank is none).
         hook_boundary_predicate: which module a dedicated parameter is gathered and reduced
             with; ``None``: the nearest layer-stack item. See :class:`DedicateConfig`.
         hook_boundary_strict: whether a dedicated parameter without a hook boundary raises
@@ -201,7 +215,8 @@ def dedicate_params(
             ``ignored_params=dmuon.dedicated_params_of(model)``.
         debug_fence: ``True`` drains dmuon's collectives and runs a barrier after every step
             (diagnosis only); see :class:`DedicateConfig`.
-        config: all of the options above but ``replicate_mesh`` and ``param_policy`` as one
+        config: all of the options above but ``replicate_mesh``, ``pipeline_mesh`` and
+            ``param_policy`` as one
             :class:`DedicateConfig` (its ``replicated`` must be ``False``); ``None``: the
             keywords give them.
     """
@@ -231,7 +246,7 @@ def dedicate_params(
                 "(DDP) path: call dmuon.dedicate_params_ddp(model, mesh, predicate, config=...) "
                 "instead"
             )
-    return _dedicate(model, mesh, predicate, config, replicate_mesh, param_policy)
+    return _dedicate(model, mesh, predicate, config, replicate_mesh, param_policy, pipeline_mesh)
 
 
 class SharedOptions(TypedDict, total=False):
@@ -363,6 +378,7 @@ def _dedicate(
     config: DedicateConfig,
     replicate_mesh: DeviceMesh | None,
     param_policy: Mapping[str, Any] | ParamPolicy | None,
+    pipeline_mesh: DeviceMesh | None = None,
 ) -> DedicatedRuntime:
     """What both entry points do; see [Note: what dedicate_params does, in order]."""
     _check_model_and_predicate(model, predicate)
@@ -377,7 +393,7 @@ def _dedicate(
     in_place = [claim for claim in claimed if claim.kind and not claim.kind.dedicated]
     selected = [(f.fqn, f.param) for f, kind, _ in claimed if not kind or kind.dedicated]
     tp_mesh, tp_dims = check_call_order(model, selected, mesh)
-    layout = resolve_layout(mesh, replicate_mesh, tp_mesh)
+    layout = resolve_layout(mesh, replicate_mesh, tp_mesh, pipeline_mesh)
     if config.replicated and layout.is_hsdp:
         raise ValueError(
             "dedicate_params_ddp takes the 1-D data-parallel mesh (every rank keeps every "
@@ -826,14 +842,19 @@ def _check_fingerprint(plan: Plan, model: nn.Module, layout: MeshLayout) -> None
     mine = hashlib.sha256(f"{plan.fingerprint()}|{params}".encode()).hexdigest()
     # The sha256 hex digest as 16 ints of 16 bits each, compared across ranks.
     digits = [int(mine[i : i + 4], 16) for i in range(0, len(mine), 4)]
-    everyone = all_gather_numbers(digits, layout.device)
-    differing = sorted({"".join(f"{d:04x}" for d in row) for row in everyone} - {mine})
+    # Compared inside each pipeline stage: the stages hold different models.
+    everyone = all_gather_numbers([layout.pp_index, *digits], layout.device)
+    differing = sorted(
+        {"".join(f"{d:04x}" for d in row[1:]) for row in everyone if row[0] == layout.pp_index}
+        - {mine}
+    )
     if differing:
         raise RuntimeError(
             f"dmuon's owner plan differs across ranks (this rank {mine[:12]}, others "
             f"{[d[:12] for d in differing]}): every rank must build the same model and call "
             "dedicate_params with the same predicate, policy and meshes (the stages of "
-            "pipeline parallelism hold different models: dmuon does not support them)"
+            "pipeline parallelism hold different models: pass the pipeline dimension as "
+            "pipeline_mesh, never as replicate_mesh)"
         )
 
 

@@ -108,18 +108,20 @@ class ProcessGroupPolicy(StrEnum):
 
 
 class _Groups(NamedTuple):
-    """dmuon's process groups of every TP index's grid (see [Note: tensor-parallel grids])."""
+    """dmuon's process groups of every TP index's grid of one pipeline stage (see [Note:
+    tensor-parallel grids] and [Note: pipeline stages])."""
 
     rows: list[list[ProcessGroup]]  # [t][replicate]: one shard group per replicate row
     cols: list[list[ProcessGroup]]  # [t][shard]: one replicate group per shard column (HSDP)
     grids: list[ProcessGroup]  # [t]: every rank of one grid
     tp: dict[tuple[int, int], ProcessGroup]  # (replicate, shard): the TP group of a coordinate
-    all: ProcessGroup  # every rank
+    all: ProcessGroup  # every rank of the stage (the world without pipeline parallelism)
+    step: ProcessGroup  # every rank of every stage
 
 
 # Isolated groups per layout, and the gloo group ``host_group`` makes, kept for the default
 # group they were made under (see [Note: isolated groups are made once]).
-_ISOLATED: dict[tuple[object, ...], _Groups] = {}
+_ISOLATED: dict[tuple[object, ...], tuple[_Groups, ...]] = {}
 _HOST_GROUP: dict[str, ProcessGroup] = {}
 _MADE_UNDER: list[ProcessGroup | None] = [None]
 
@@ -156,7 +158,8 @@ def _new_group(ranks: list[int]) -> ProcessGroup:
 def _isolated_groups(layout: MeshLayout) -> _Groups:
     """dmuon's own process groups for ``layout``: per TP index's grid one per replicate row,
     one per shard column (HSDP) and one over the grid; with TP one per grid coordinate across
-    the grids; and one over every rank.
+    the grids; one over every rank of the pipeline stage and one over every rank (the same
+    group without pipeline parallelism).
 
     [Note: isolated groups are made once] A process group holds communicators, threads and
     sockets, and torch frees them only in ``destroy_process_group``, which is not safe to call
@@ -169,28 +172,38 @@ def _isolated_groups(layout: MeshLayout) -> _Groups:
     create. A new default process group (``destroy_process_group``, then
     ``init_process_group``) starts afresh on every rank alike."""
     _groups_of_this_world()
-    key = (layout.is_hsdp, layout.all_rank_of)
+    stages = layout.stage_rank_of or (layout.all_rank_of,)
+    key = (layout.is_hsdp, stages)
     found = _ISOLATED.get(key)
     if found is None:
-        grids = layout.all_rank_of
-        rows = [[_new_group(list(row)) for row in grid] for grid in grids]
-        cols = [
-            [_new_group([row[s] for row in grid]) for s in range(layout.shard_size)]
-            if layout.is_hsdp
-            else []
-            for grid in grids
-        ]
-        whole = [_new_group(sorted(g for row in grid for g in row)) for grid in grids]
-        tp = {}
-        if layout.tp_size > 1:
-            for r in range(layout.replicate_size):
-                for s in range(layout.shard_size):
-                    tp[(r, s)] = _new_group([grid[r][s] for grid in grids])
-        everyone = (
-            whole[0] if layout.tp_size == 1 else _new_group(list(range(dist.get_world_size())))
-        )
-        found = _ISOLATED[key] = _Groups(rows, cols, whole, tp, everyone)
-    return found
+        # Every rank makes every stage's groups, in stage order (see [Note: pipeline stages]).
+        made = [_stage_groups(layout, grids) for grids in stages]
+        everyone = made[0].all if len(made) == 1 else _new_group(list(range(dist.get_world_size())))
+        found = _ISOLATED[key] = tuple(groups._replace(step=everyone) for groups in made)
+    return found[layout.pp_index]
+
+
+def _stage_groups(layout: MeshLayout, grids: tuple[tuple[tuple[int, ...], ...], ...]) -> _Groups:
+    """The groups of one pipeline stage's grids (every TP index's), made collectively."""
+    rows = [[_new_group(list(row)) for row in grid] for grid in grids]
+    cols = [
+        [_new_group([row[s] for row in grid]) for s in range(layout.shard_size)]
+        if layout.is_hsdp
+        else []
+        for grid in grids
+    ]
+    whole = [_new_group(sorted(g for row in grid for g in row)) for grid in grids]
+    tp = {}
+    if layout.tp_size > 1:
+        for r in range(layout.replicate_size):
+            for s in range(layout.shard_size):
+                tp[(r, s)] = _new_group([grid[r][s] for grid in grids])
+    stage = (
+        whole[0]
+        if layout.tp_size == 1
+        else _new_group(sorted(g for grid in grids for row in grid for g in row))
+    )
+    return _Groups(rows, cols, whole, tp, stage, stage)
 
 
 @dataclass(eq=False)
@@ -238,8 +251,12 @@ class DedicatedCommContext:
         tp_group: with tensor parallelism, the ranks at this rank's grid coordinate in every
             TP index's grid, which Newton–Schulz of a sharded matrix runs over; ``None``
             without.
-        global_group: every rank dmuon runs on (``world_group`` itself without tensor
-            parallelism), for quantities that must agree over the whole step.
+        global_group: every rank of the model dmuon runs on (``world_group`` itself without
+            tensor parallelism; with pipeline parallelism every rank of this stage), for
+            quantities that must agree over the whole model.
+        step_group: every rank of every pipeline stage, for what must agree over the whole
+            step (the non-finite skip, the clip norm; see [Note: pipeline stages]); ``None``
+            (the default): ``global_group``, without pipeline parallelism.
         broadcast_stream: the owners' weight broadcasts, at high priority (a forward or Z3
             backward waits for them); ``None`` off CUDA.
         reduce_stream: the shard-axis gradient reduces, at high priority (they free a
@@ -265,8 +282,12 @@ class DedicatedCommContext:
     # Tensor parallelism: the ranks of this rank's grid coordinate in every TP index's grid
     # (None without TP).
     tp_group: ProcessGroup | None
-    # Every rank (the world_group itself without TP); see [Note: global quantities].
+    # Every rank of the model: its pipeline stage's (the world_group itself without TP); see
+    # [Note: global quantities].
     global_group: ProcessGroup
+    # Every rank of every pipeline stage (None: global_group, no pipeline parallelism); see
+    # [Note: pipeline stages].
+    step_group: ProcessGroup | None = None
     # High priority: a forward (or Z3 backward) of the boundary waits for its broadcast.
     broadcast_stream: torch.cuda.Stream | None = None
     # High priority: the shard-axis reduce frees the local gradient memory of a boundary.
@@ -287,11 +308,15 @@ class DedicatedCommContext:
         be entered by every rank for every group, in the same order)."""
         coord, t = layout.coord, layout.tp_index
         isolated = policy is ProcessGroupPolicy.ISOLATED
-        # A grid and every rank: dmuon's own groups, also under "shared" with tensor
-        # parallelism (no mesh dimension spans one TP index's grid); else the default group.
-        if isolated or layout.tp_size > 1:
+        # A grid and every rank: dmuon's own groups, also under "shared" with tensor or
+        # pipeline parallelism (no mesh dimension spans one TP index's grid, or one stage);
+        # else the default group.
+        step_group = None
+        if isolated or layout.tp_size > 1 or layout.pp_size > 1:
             groups = _isolated_groups(layout)
             world_group, global_group = groups.grids[t], groups.all
+            if layout.pp_size > 1:
+                step_group = groups.step
         else:
             world = dist.group.WORLD
             assert world is not None
@@ -307,7 +332,16 @@ class DedicatedCommContext:
                 None if layout.replicate_mesh is None else layout.replicate_mesh.get_group()
             )
             tp_group = None if layout.tp_mesh is None else layout.tp_mesh.get_group()
-        ctx = cls(layout, policy, shard_group, replicate_group, world_group, tp_group, global_group)
+        ctx = cls(
+            layout,
+            policy,
+            shard_group,
+            replicate_group,
+            world_group,
+            tp_group,
+            global_group,
+            step_group,
+        )
         if layout.device.type == "cuda":
             high = -1  # the highest priority CUDA exposes through torch
             ctx.broadcast_stream = torch.cuda.Stream(layout.device, priority=high)
@@ -345,16 +379,23 @@ class DedicatedCommContext:
             " on from its weights (dmuon.save_checkpoint, dmuon.get_model_state_dict)"
         )
 
+    @property
+    def everyone(self) -> ProcessGroup:
+        """Every rank of every pipeline stage: ``step_group``, or ``global_group`` without
+        pipeline parallelism."""
+        return self.global_group if self.step_group is None else self.step_group
+
     def host_group(self) -> ProcessGroup | None:
-        """A group over every rank that sums CPU tensors (gloo), for agreeing on the host
-        without waiting for the device (``None`` on one rank): ``global_group`` itself when its
-        backend serves CPU tensors, otherwise a gloo group over the default group's ranks, made
-        once per process at the first call. Collective at that first call: every rank makes it
-        at the same point of the run (see [Note: isolated groups are made once])."""
-        if dist.get_world_size(self.global_group) == 1:
+        """A group over every rank (of every pipeline stage) that sums CPU tensors (gloo), for
+        agreeing on the host without waiting for the device (``None`` on one rank):
+        ``everyone`` itself when its backend serves CPU tensors, otherwise a gloo group over
+        the default group's ranks, made once per process at the first call. Collective at that
+        first call: every rank makes it at the same point of the run (see [Note: isolated
+        groups are made once])."""
+        if dist.get_world_size(self.everyone) == 1:
             return None
-        if "gloo" in str(dist.get_backend(self.global_group)):
-            return self.global_group
+        if "gloo" in str(dist.get_backend(self.everyone)):
+            return self.everyone
         _groups_of_this_world()
         if _HOST_GROUP.get("group") is None:
             _HOST_GROUP["group"] = _new_gloo_group()

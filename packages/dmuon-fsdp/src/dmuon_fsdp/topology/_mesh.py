@@ -50,6 +50,13 @@ class MeshLayout:
     tp_index: int = 0
     all_rank_of: tuple[tuple[tuple[int, ...], ...], ...] = ()
     tp_mesh: DeviceMesh | None = None
+    # Pipeline parallelism: the world is pp_size stages, each with grids of its own
+    # (stage_rank_of[p] is stage p's all_rank_of; this rank's stage is pp_index). See [Note:
+    # pipeline stages].
+    pp_size: int = 1
+    pp_index: int = 0
+    stage_rank_of: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...] = ()
+    pipeline_mesh: DeviceMesh | None = None
 
     @property
     def world_size(self) -> int:
@@ -125,11 +132,27 @@ def _split_2d(mesh: DeviceMesh, replicate_mesh: object) -> tuple[DeviceMesh, Dev
 
 
 def resolve_layout(
-    mesh: object, replicate_mesh: object = None, tp_mesh: DeviceMesh | None = None
+    mesh: object,
+    replicate_mesh: object = None,
+    tp_mesh: DeviceMesh | None = None,
+    pipeline_mesh: object = None,
 ) -> MeshLayout:
-    """Validate ``mesh`` (1-D shard mesh, or a 2-D mesh named ('replicate', 'shard')) and
-    ``replicate_mesh``; ``tp_mesh`` is the tensor-parallel mesh of the selected parameters
-    (``None``: no TP). Collective over the default group (see [Note: the grid]).
+    """Validate ``mesh`` (1-D shard mesh, or a 2-D mesh named ('replicate', 'shard')),
+    ``replicate_mesh`` and ``pipeline_mesh``; ``tp_mesh`` is the tensor-parallel mesh of the
+    selected parameters (``None``: no TP). Collective over the default group (see [Note: the
+    grid]).
+
+    [Note: pipeline stages]
+    With pipeline parallelism of degree P (``pipeline_mesh``, torchtitan's 'pp' dimension) the
+    world is P stages, each a model of its own over its own data-parallel ranks (and TP grids):
+    every rank calls ``dedicate_params`` on its stage module with its stage's meshes, at the
+    same point of the program. Each stage plans its owners and agrees on the plan among its own
+    ranks; its process groups, its checkpoints and everything per model stay inside it. What
+    must hold for the whole step, the non-finite skip and the clip norm, is reduced over every
+    rank of every stage (``DedicatedCommContext.step_group``), so every rank skips alike and
+    scales by one coefficient, as torchtitan's clip reduces its norm over the 'pp' mesh.
+    Process groups are made by every rank for every stage in the same order (``new_group`` is
+    collective over the default group), each rank keeping its stage's.
 
     [Note: tensor-parallel grids]
     With tensor parallelism of degree T the world is T data-parallel grids of G × R ranks: the
@@ -160,14 +183,19 @@ def resolve_layout(
             "dedicate_params needs torch.distributed: call dist.init_process_group(...) first"
         )
     shard_mesh, rep_mesh = _data_parallel_meshes(mesh, replicate_mesh)
+    pp_mesh = None if pipeline_mesh is None else _check_1d(pipeline_mesh, "pipeline_mesh")
+    if pp_mesh is not None and pp_mesh.size() == 1:  # see [Note: degree-1 mesh dimensions]
+        pp_mesh = None
     if tp_mesh is not None and tp_mesh.size() == 1:  # see [Note: degree-1 mesh dimensions]
         tp_mesh = None
     shard_size = shard_mesh.size()
     replicate_size = 1 if rep_mesh is None else rep_mesh.size()
     tp_size = 1 if tp_mesh is None else tp_mesh.size()
-    _check_covers_world(shard_size, replicate_size, tp_size)
+    pp_size = 1 if pp_mesh is None else pp_mesh.size()
+    _check_covers_world(shard_size, replicate_size, tp_size, pp_size)
     coord = Owner(shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank())
     tp_index = 0 if tp_mesh is None else tp_mesh.get_local_rank()
+    pp_index = 0 if pp_mesh is None else pp_mesh.get_local_rank()
     if shard_mesh.device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -176,10 +204,14 @@ def resolve_layout(
     listed = tuple(int(g) for g in shard_mesh.mesh.tolist())
     in_order = int(list(listed) == sorted(listed))
     gathered = all_gather_numbers(
-        [coord.shard, coord.replicate, tp_index, dist.get_rank(), in_order], device
+        [coord.shard, coord.replicate, tp_index, pp_index, dist.get_rank(), in_order], device
     )
     _check_rank_order(listed, gathered)
-    all_rank_of = _grids(gathered, shard_size, replicate_size, tp_size)
+    stage_rank_of = tuple(
+        _grids([g for g in gathered if g[3] == p], shard_size, replicate_size, tp_size, pp_size)
+        for p in range(pp_size)
+    )
+    all_rank_of = stage_rank_of[pp_index]
     rank_of = all_rank_of[tp_index]
     if listed != rank_of[coord.replicate]:
         raise ValueError(
@@ -198,6 +230,10 @@ def resolve_layout(
         tp_index=tp_index,
         all_rank_of=all_rank_of,
         tp_mesh=tp_mesh,
+        pp_size=pp_size,
+        pp_index=pp_index,
+        stage_rank_of=stage_rank_of,
+        pipeline_mesh=pp_mesh,
     )
 
 
@@ -223,13 +259,14 @@ def _data_parallel_meshes(
     return shard_mesh, rep_mesh
 
 
-def _check_covers_world(shard_size: int, replicate_size: int, tp_size: int) -> None:
-    """Raise unless the grids (``tp_size`` of them, ``shard_size x replicate_size`` each) hold
-    every rank of the world."""
+def _check_covers_world(shard_size: int, replicate_size: int, tp_size: int, pp_size: int) -> None:
+    """Raise unless the grids (``tp_size`` of them per pipeline stage, ``pp_size`` stages,
+    ``shard_size x replicate_size`` each) hold every rank of the world."""
     world = dist.get_world_size()
-    if shard_size * replicate_size * tp_size == world:
+    if shard_size * replicate_size * tp_size * pp_size == world:
         return
     tp = f" x tensor-parallel {tp_size}" if tp_size > 1 else ""
+    tp += f" x pipeline {pp_size}" if pp_size > 1 else ""
     no_tp = (
         ""
         if tp_size > 1
@@ -240,16 +277,17 @@ def _check_covers_world(shard_size: int, replicate_size: int, tp_size: int) -> N
     raise ValueError(
         f"mesh sizes do not multiply to the world size: shard {shard_size} x replicate "
         f"{replicate_size}{tp} != {world} ranks; dmuon's data-parallel grid must cover every "
-        f"rank (pass the full data-parallel mesh, or replicate_mesh for HSDP).{no_tp} A mesh"
-        " over part of the ranks, as each stage of pipeline parallelism has, is not"
-        " supported; nor is a pipeline dimension as replicate_mesh (replicas must hold the"
-        " same model)"
+        f"rank (pass the full data-parallel mesh, or replicate_mesh for HSDP).{no_tp} With"
+        " pipeline parallelism pass each stage's data-parallel mesh as mesh and the pipeline"
+        " dimension as pipeline_mesh (mesh['dp_shard'], pipeline_mesh=mesh['pp']), never as"
+        " replicate_mesh (replicas must hold the same model)"
     )
 
 
 def _check_rank_order(listed: tuple[int, ...], gathered: list[list[Any]]) -> None:
     """Raise on every rank where some rank's shard group lists its ranks out of increasing
-    order (``gathered``: every rank's ``[shard, replicate, tp index, rank, in order]``; see
+    order (``gathered``: every rank's ``[shard, replicate, tp index, pp index, rank, in
+    order]``; see
     [Note: a mesh's rank order])."""
     out_of_order = sorted({rank for *_, rank, ordered in gathered if not ordered})
     if out_of_order:
@@ -264,15 +302,24 @@ def _check_rank_order(listed: tuple[int, ...], gathered: list[list[Any]]) -> Non
 
 
 def _grids(
-    gathered: list[list[Any]], shard_size: int, replicate_size: int, tp_size: int
+    gathered: list[list[Any]], shard_size: int, replicate_size: int, tp_size: int, pp_size: int
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The global rank at every coordinate of every TP index's grid, ``[t][replicate][shard]``,
-    from every rank's ``[shard, replicate, tp index, rank, in order]``; raises where two ranks
-    claim one coordinate (meshes that are not the dimensions of one mesh)."""
+    from every rank's ``[shard, replicate, tp index, pp index, rank, in order]`` (one pipeline
+    stage's, ``pp_size`` stages in all); raises where two ranks claim one coordinate (meshes
+    that are not the dimensions of one mesh)."""
     grids: list[list[list[int | None]]] = [
         [[None] * shard_size for _ in range(replicate_size)] for _ in range(tp_size)
     ]
-    for s, r, t, rank, _ in gathered:
+    for s, r, t, p, rank, _ in gathered:
+        if grids[t][r][s] is not None and pp_size > 1:
+            raise ValueError(
+                f"pipeline_mesh does not match mesh: ranks {grids[t][r][s]} and {rank} both sit "
+                f"at (shard={s}, replicate={r}, tp={t}) of pipeline stage {p}; take the "
+                "data-parallel and the pipeline dimensions from one mesh, e.g. "
+                "init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp')), and pass "
+                "mesh['dp'] with pipeline_mesh=mesh['pp']"
+            )
         if grids[t][r][s] is not None and tp_size > 1:
             raise ValueError(
                 f"the tensor-parallel mesh does not match mesh: ranks {grids[t][r][s]} and {rank} "

@@ -1,0 +1,307 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``) × FSDP2: pp=2 × dp=2 on 4 ranks, each
+stage module ``fully_shard``-ed over its data-parallel mesh, trained by torch's schedules. Held
+to an independent reference: the whole model trained in one process on the whole batch with
+the same Muon + AdamW math (``_reference``). Also: the non-finite skip and the clip norm are
+global over both stages, and what dmuon refuses under a pipeline."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _reference import Hyper, ReferenceMuonAdamW
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+
+from dmuon_fsdp import (
+    Muon,
+    dedicate_params,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    no_sync,
+    save_checkpoint,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from dmuon_ns.testing import relative_error
+from dmuon_testing.distributed import run_distributed
+
+HYPER = Hyper()
+STEPS = 3
+ROWS, IN, WIDTH, OUT = 8, 8, 16, 4
+LAYERS = 4  # two per stage
+SCHEDULES = {"gpipe": (ScheduleGPipe, 2), "1f1b": (Schedule1F1B, 4)}
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class _Net(nn.Module):
+    """The whole model; a stage keeps its layers (torchtitan's way: the others are deleted,
+    the names stay) and the first or the last projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp: nn.Module | None = nn.Linear(IN, WIDTH)
+        self.layers = nn.ModuleDict({str(i): _Block() for i in range(LAYERS)})
+        self.out: nn.Module | None = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inp is not None:
+            x = self.inp(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return x if self.out is None else self.out(x)
+
+
+def _muon(name: str, p: torch.Tensor) -> bool:
+    return name.startswith("layers.") and p.ndim == 2
+
+
+def _net() -> _Net:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, IN, generator=gen), torch.randn(ROWS, OUT, generator=gen)
+
+
+def _stage_module(pp: int) -> _Net:
+    model = _net()
+    mine = range(pp * LAYERS // 2, (pp + 1) * LAYERS // 2)
+    for i in range(LAYERS):
+        if i not in mine:
+            del model.layers[str(i)]
+    if pp == 0:
+        model.out = None
+    else:
+        model.inp = None
+    return model
+
+
+def _stage(reshard: bool, *, root: bool = True):
+    """This rank's stage module of the (pp 2, dp 2) mesh, dedicated and sharded (``root``:
+    the stage module too, not only its layers)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    model = _stage_module(mesh["pp"].get_local_rank())
+    runtime = dedicate_params(
+        model,
+        mesh["dp"],
+        _muon,
+        pipeline_mesh=mesh["pp"],
+        reshard_after_forward=reshard,
+        small_param_threshold=0,
+    )
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+    if root:
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
+    return model, runtime, mesh
+
+
+def _schedule(model, mesh, name: str):
+    kind, microbatches = SCHEDULES[name]
+    pp = mesh["pp"].get_local_rank()
+    stage = PipelineStage(model, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    return kind(stage, n_microbatches=microbatches, loss_fn=nn.functional.mse_loss)
+
+
+def _run(schedule, mesh, step: int) -> None:
+    """One schedule step on this rank's share of the batch (the data-parallel split)."""
+    x, y = _batch(step)
+    dp = mesh["dp"].get_local_rank()
+    per = ROWS // mesh["dp"].size()
+    x, y = x[dp * per : (dp + 1) * per], y[dp * per : (dp + 1) * per]
+    if mesh["pp"].get_local_rank() == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y)
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in get_model_state_dict(model).items()}
+
+
+def _train(name: str, reshard: bool) -> dict[str, torch.Tensor]:
+    """``STEPS`` steps; GPipe resumes the last one on a new stage module from the full state
+    dicts of the first (the momenta included: a lost one shows in the reference check)."""
+    model, _, mesh = _stage(reshard)
+    schedule = _schedule(model, mesh, name)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    for step in range(STEPS):
+        if name == "gpipe" and step == STEPS - 1:
+            weights = get_model_state_dict(model)
+            state = get_optimizer_state_dict(model, optimizer)
+            # The first optimizer lives on and steps no more: not two stages per rank.
+            model, _, mesh = _stage(reshard)
+            schedule = _schedule(model, mesh, name)
+            optimizer = Muon(model, **HYPER.muon_kwargs())
+            set_model_state_dict(model, weights)
+            set_optimizer_state_dict(model, optimizer, state)
+        optimizer.zero_grad()
+        _run(schedule, mesh, step)
+        optimizer.step()
+    return _state(model)
+
+
+def _global_checks() -> dict:
+    """The non-finite skip and the clip norm, over both stages."""
+    model, runtime, mesh = _stage(True)
+    schedule = _schedule(model, mesh, "gpipe")
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    out: dict = {}
+    # The clip's group sums this rank's gradients, each element counted once in the world.
+    _run(schedule, mesh, 0)
+    clip = optimizer.grads_for_clip("all")
+    squares = torch.zeros((), dtype=torch.float64)
+    for g in clip.grads:
+        squares += g.double().square().sum()
+    dist.all_reduce(squares, group=clip.process_group)
+    out["norm"] = math.sqrt(float(squares))
+    optimizer.zero_grad()
+    # A NaN in one owner's dedicated gradient, on one rank of stage 1 only: every rank skips.
+    before = _state(model)
+    _run(schedule, mesh, 1)
+    runtime.wait_all_reduces()
+    owned = [dp for dp in runtime.owned if dp.grad is not None]
+    if dist.get_rank() == 3:
+        owned[0].grad[0, 0] = math.nan
+    optimizer.step()
+    out["nan_skipped"] = bool(optimizer.last_step_stats.skipped)
+    out["nan_unchanged"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
+    optimizer.zero_grad()
+    # An infinity in an FSDP2 shard's gradient on rank 0 (stage 0).
+    _run(schedule, mesh, 2)
+    grad = model.inp.weight.grad if model.inp is not None else model.out.weight.grad
+    if dist.get_rank() == 0:
+        (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = math.inf
+    optimizer.step()
+    out["inf_skipped"] = bool(optimizer.last_step_stats.skipped)
+    out["inf_unchanged"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
+    # A backward of the user's own under no_sync, which no schedule's end of backward
+    # followed: the step is still refused.
+    optimizer.zero_grad()
+    x = torch.randn(2, IN if model.inp is not None else WIDTH)
+    with no_sync(model):
+        model(x).sum().backward()
+    out["no_sync"] = _error(optimizer.step)
+    return out
+
+
+def _error(call, *args, **kwargs) -> str:
+    try:
+        call(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "nothing raised"
+
+
+def _refusals(path: str) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp = mesh["pp"].get_local_rank()
+    out = {
+        # A stage's mesh without pipeline_mesh covers half the world.
+        "no_pipeline_mesh": _error(dedicate_params, _stage_module(pp), mesh["dp"], _muon),
+        # The pipeline dimension given for both: two ranks sit at one coordinate of a stage.
+        "mismatch": _error(
+            dedicate_params, _stage_module(pp), mesh["dp"], _muon, pipeline_mesh=mesh["dp"]
+        ),
+    }
+    # A stage module that fully_shard did not wrap itself: the schedule would not defer the
+    # reduce to its end, and the division by the micro-batches would miss the dedicated ones.
+    model, _, _ = _stage(True, root=False)
+    out["not_fsdp"] = _error(Muon, model, **HYPER.muon_kwargs())
+    # Two stage modules per rank whose optimizers step in turn (an interleaved schedule's).
+    first, second = _stage(True)[0], _stage(True)[0]
+    optimizers = Muon(first, **HYPER.muon_kwargs()), Muon(second, **HYPER.muon_kwargs())
+    optimizers[0].step()
+    out["second"] = _error(optimizers[1].step)
+    # What names one rank or one checkpoint of the world (see [Note: checkpoints of pipeline
+    # stages]).
+    out["rank0_only"] = _error(get_model_state_dict, model, rank0_only=True)
+    out["dcp"] = _error(save_checkpoint, path, model, None)
+    return out
+
+
+def _pipeline(rank: int, world_size: int, variants: list[tuple[str, bool]], path: str) -> dict:
+    out: dict = {v: _train(*v) for v in variants}
+    out["global"] = _global_checks()
+    out["refusals"] = _refusals(path)
+    return out
+
+
+def _reference(steps: int) -> tuple[dict[str, torch.Tensor], float]:
+    """The whole model trained in one process on the whole batch; and step 0's gradient norm."""
+    model = _net()
+    names = [n for n, p in model.named_parameters() if _muon(n, p)]
+    optimizer = ReferenceMuonAdamW(model, names, HYPER)
+    norm = 0.0
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = _batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+        optimizer.step()
+    return {n: p.detach() for n, p in model.named_parameters()}, norm
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory) -> list[dict]:
+    path = str(tmp_path_factory.mktemp("pipeline") / "checkpoint")
+    return run_distributed(_pipeline, 4, [("gpipe", True), ("1f1b", False)], path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("variant", [("gpipe", True), ("1f1b", False)], ids=["gpipe-z3", "1f1b-z2"])
+def test_pipeline_stages_train_like_the_whole_model(pipeline_runs, variant):
+    want, _ = _reference(STEPS)
+    seen: set[str] = set()
+    for rank, result in enumerate(pipeline_runs):
+        got = result[variant]
+        peer = pipeline_runs[rank ^ 1][variant]  # the other data-parallel rank of the stage
+        assert got.keys() == peer.keys()
+        for name, value in got.items():
+            assert torch.equal(value, peer[name]), f"rank {rank}: {name} differs in its stage"
+            err = relative_error(value, want[name])
+            assert err < 1e-4, f"rank {rank}: {name} is {err:.1e} away from the reference"
+            seen.add(name)
+    assert seen == set(want), "the stages together hold every parameter"
+
+
+@pytest.mark.distributed
+def test_nonfinite_skip_and_clip_norm_cover_every_stage(pipeline_runs):
+    _, norm = _reference(1)
+    for result in pipeline_runs:
+        got = result["global"]
+        assert got["norm"] == pytest.approx(norm, rel=1e-5)
+        assert got["nan_skipped"] and got["nan_unchanged"]
+        assert got["inf_skipped"] and got["inf_unchanged"]
+
+
+@pytest.mark.distributed
+def test_what_a_pipeline_refuses(pipeline_runs):
+    for result in pipeline_runs:
+        got = result["refusals"]
+        assert "mesh sizes do not multiply to the world size" in got["no_pipeline_mesh"]
+        assert "pipeline_mesh=mesh['pp']" in got["no_pipeline_mesh"]
+        assert got["mismatch"].startswith("ValueError: pipeline_mesh does not match mesh")
+        assert got["not_fsdp"].startswith("ValueError: dedicate_params(pipeline_mesh=...) was")
+        assert "one stage module per rank" in got["second"], got["second"]
+        for call in ("get_model_state_dict(rank0_only=True)", "save_checkpoint"):
+            key = "dcp" if call == "save_checkpoint" else "rank0_only"
+            assert got[key].startswith(f"RuntimeError: {call} is not supported under pipeline")
+        assert "the last backward ran inside dmuon.no_sync" in result["global"]["no_sync"]
