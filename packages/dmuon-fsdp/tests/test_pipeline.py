@@ -7,13 +7,14 @@ global over both stages, and what dmuon refuses under a pipeline."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
 from _reference import Hyper, ReferenceMuonAdamW
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
@@ -92,53 +93,70 @@ def _stage_module(pp: int) -> _Net:
     return model
 
 
-def _stage(reshard: bool, *, root: bool = True):
-    """This rank's stage module of the (pp 2, dp 2) mesh, dedicated and sharded (``root``:
-    the stage module too, not only its layers)."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+class _Place(NamedTuple):
+    """This rank's place: its pipeline mesh, and its index among the data-parallel ranks."""
+
+    pp: DeviceMesh
+    dp_index: int
+    dp_size: int
+
+
+def _stage(reshard: bool, *, root: bool = True, hsdp: bool = False):
+    """This rank's stage module of the (pp 2, dp 2) mesh, or with ``hsdp`` of the (pp 2,
+    replicate 2, shard 1) mesh, dedicated and sharded (``root``: the stage module too, not only
+    its layers)."""
+    if hsdp:
+        names = ("pp", "dp_replicate", "dp_shard")
+        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=names)
+        dp, replicas, fsdp_mesh = mesh["dp_shard"], mesh["dp_replicate"], mesh[names[1:]]
+        place = _Place(mesh["pp"], replicas.get_local_rank(), replicas.size())
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        dp, replicas, fsdp_mesh = mesh["dp"], None, mesh["dp"]
+        place = _Place(mesh["pp"], dp.get_local_rank(), dp.size())
     model = _stage_module(mesh["pp"].get_local_rank())
     runtime = dedicate_params(
         model,
-        mesh["dp"],
+        dp,
         _muon,
+        replicate_mesh=replicas,
         pipeline_mesh=mesh["pp"],
         reshard_after_forward=reshard,
         small_param_threshold=0,
     )
     for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard)
     if root:
-        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard)
-    return model, runtime, mesh
+        fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard)
+    return model, runtime, place
 
 
-def _schedule(model, mesh, name: str):
+def _schedule(model, place: _Place, name: str):
     kind, microbatches = SCHEDULES[name]
-    pp = mesh["pp"].get_local_rank()
-    stage = PipelineStage(model, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    pp = place.pp.get_local_rank()
+    stage = PipelineStage(model, pp, 2, torch.device("cpu"), group=place.pp.get_group())
     return kind(stage, n_microbatches=microbatches, loss_fn=nn.functional.mse_loss)
 
 
-def _run(schedule, mesh, step: int) -> None:
+def _run(schedule, place: _Place, step: int) -> None:
     """One schedule step on this rank's share of the batch (the data-parallel split)."""
     x, y = _batch(step)
-    dp = mesh["dp"].get_local_rank()
-    per = ROWS // mesh["dp"].size()
-    x, y = x[dp * per : (dp + 1) * per], y[dp * per : (dp + 1) * per]
-    if mesh["pp"].get_local_rank() == 0:
-        schedule.step(x)
+    per = ROWS // place.dp_size
+    rows = slice(place.dp_index * per, (place.dp_index + 1) * per)
+    if place.pp.get_local_rank() == 0:
+        schedule.step(x[rows])
     else:
-        schedule.step(target=y)
+        schedule.step(target=y[rows])
 
 
 def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_model_state_dict(model).items()}
 
 
-def _train(name: str, reshard: bool) -> dict[str, torch.Tensor]:
+def _train(name: str, reshard: bool, hsdp: bool = False) -> dict[str, torch.Tensor]:
     """``STEPS`` steps; GPipe resumes the last one on a new stage module from the full state
     dicts of the first (the momenta included: a lost one shows in the reference check)."""
-    model, _, mesh = _stage(reshard)
+    model, _, mesh = _stage(reshard, hsdp=hsdp)
     schedule = _schedule(model, mesh, name)
     optimizer = Muon(model, **HYPER.muon_kwargs())
     for step in range(STEPS):
@@ -146,7 +164,7 @@ def _train(name: str, reshard: bool) -> dict[str, torch.Tensor]:
             weights = get_model_state_dict(model)
             state = get_optimizer_state_dict(model, optimizer)
             # The first optimizer lives on and steps no more: not two stages per rank.
-            model, _, mesh = _stage(reshard)
+            model, _, mesh = _stage(reshard, hsdp=hsdp)
             schedule = _schedule(model, mesh, name)
             optimizer = Muon(model, **HYPER.muon_kwargs())
             set_model_state_dict(model, weights)
@@ -265,14 +283,11 @@ def pipeline_runs(tmp_path_factory) -> list[dict]:
     return run_distributed(_pipeline, 4, [("gpipe", True), ("1f1b", False)], path)
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("variant", [("gpipe", True), ("1f1b", False)], ids=["gpipe-z3", "1f1b-z2"])
-def test_pipeline_stages_train_like_the_whole_model(pipeline_runs, variant):
+def _check_against_reference(per_rank: list[dict[str, torch.Tensor]]) -> None:
     want, _ = _reference(STEPS)
     seen: set[str] = set()
-    for rank, result in enumerate(pipeline_runs):
-        got = result[variant]
-        peer = pipeline_runs[rank ^ 1][variant]  # the other data-parallel rank of the stage
+    for rank, got in enumerate(per_rank):
+        peer = per_rank[rank ^ 1]  # the other data-parallel rank of the stage
         assert got.keys() == peer.keys()
         for name, value in got.items():
             assert torch.equal(value, peer[name]), f"rank {rank}: {name} differs in its stage"
@@ -280,6 +295,23 @@ def test_pipeline_stages_train_like_the_whole_model(pipeline_runs, variant):
             assert err < 1e-4, f"rank {rank}: {name} is {err:.1e} away from the reference"
             seen.add(name)
     assert seen == set(want), "the stages together hold every parameter"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("variant", [("gpipe", True), ("1f1b", False)], ids=["gpipe-z3", "1f1b-z2"])
+def test_pipeline_stages_train_like_the_whole_model(pipeline_runs, variant):
+    _check_against_reference([result[variant] for result in pipeline_runs])
+
+
+def _hsdp(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    return _train("1f1b", True, hsdp=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_hsdp_stages_train_like_the_whole_model():
+    """pp 2 x (replicate 2 x shard 1): each stage's owners publish to its replica."""
+    _check_against_reference(run_distributed(_hsdp, 4))
 
 
 @pytest.mark.distributed

@@ -278,9 +278,10 @@ def _check_covers_world(shard_size: int, replicate_size: int, tp_size: int, pp_s
         f"mesh sizes do not multiply to the world size: shard {shard_size} x replicate "
         f"{replicate_size}{tp} != {world} ranks; dmuon's data-parallel grid must cover every "
         f"rank (pass the full data-parallel mesh, or replicate_mesh for HSDP).{no_tp} With"
-        " pipeline parallelism pass each stage's data-parallel mesh as mesh and the pipeline"
-        " dimension as pipeline_mesh (mesh['dp_shard'], pipeline_mesh=mesh['pp']), never as"
-        " replicate_mesh (replicas must hold the same model)"
+        " pipeline parallelism call dedicate_params on each stage module with the stage's"
+        " data-parallel mesh and the pipeline dimension as pipeline_mesh (mesh['dp'],"
+        " pipeline_mesh=mesh['pp']; dedicate_params_ddp takes none), never as replicate_mesh"
+        " (replicas must hold the same model)"
     )
 
 
