@@ -24,6 +24,7 @@ from dmuon_fsdp import (
     dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
+    load_checkpoint,
     no_sync,
     save_checkpoint,
     set_model_state_dict,
@@ -153,25 +154,52 @@ def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_model_state_dict(model).items()}
 
 
-def _train(name: str, reshard: bool, hsdp: bool = False) -> dict[str, torch.Tensor]:
-    """``STEPS`` steps; GPipe resumes the last one on a new stage module from the full state
-    dicts of the first (the momenta included: a lost one shows in the reference check)."""
+def _train(
+    name: str, reshard: bool, hsdp: bool = False, path: str | None = None
+) -> dict[str, torch.Tensor]:
+    """``STEPS`` steps, the last one resumed on a new stage module (whose first optimizer lives
+    on and steps no more: not two stages per rank): with ``path`` from a DCP checkpoint of the
+    first (``save_checkpoint``, ``load_checkpoint``), else from its full state dicts. A lost
+    momentum shows in the reference check."""
     model, _, mesh = _stage(reshard, hsdp=hsdp)
     schedule = _schedule(model, mesh, name)
     optimizer = Muon(model, **HYPER.muon_kwargs())
     for step in range(STEPS):
-        if name == "gpipe" and step == STEPS - 1:
-            weights = get_model_state_dict(model)
-            state = get_optimizer_state_dict(model, optimizer)
-            # The first optimizer lives on and steps no more: not two stages per rank.
+        if step == STEPS - 1:
+            if path is not None:
+                save_checkpoint(path, model, optimizer)
+            else:
+                weights = get_model_state_dict(model)
+                state = get_optimizer_state_dict(model, optimizer)
             model, _, mesh = _stage(reshard, hsdp=hsdp)
             schedule = _schedule(model, mesh, name)
             optimizer = Muon(model, **HYPER.muon_kwargs())
-            set_model_state_dict(model, weights)
-            set_optimizer_state_dict(model, optimizer, state)
+            if path is not None:
+                load_checkpoint(path, model, optimizer)
+            else:
+                set_model_state_dict(model, weights)
+                set_optimizer_state_dict(model, optimizer, state)
         optimizer.zero_grad()
         _run(schedule, mesh, step)
         optimizer.step()
+    return _state(model)
+
+
+def _without_pipeline(path: str) -> dict[str, torch.Tensor]:
+    """The whole model on 4 data-parallel ranks, no pipeline, resumed from the stages'
+    checkpoint at ``path`` for the last step (the stages' param groups merged)."""
+    mesh = init_device_mesh("cpu", (4,))
+    model = _net()
+    dedicate_params(model, mesh, _muon, small_param_threshold=0)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    load_checkpoint(path, model, optimizer)
+    x, y = _batch(STEPS - 1)
+    rows = slice(dist.get_rank() * ROWS // 4, (dist.get_rank() + 1) * ROWS // 4)
+    nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+    optimizer.step()
     return _state(model)
 
 
@@ -227,7 +255,7 @@ def _error(call, *args, **kwargs) -> str:
     return "nothing raised"
 
 
-def _refusals(path: str) -> dict[str, str]:
+def _refusals() -> dict[str, str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp = mesh["pp"].get_local_rank()
     out = {
@@ -247,17 +275,19 @@ def _refusals(path: str) -> dict[str, str]:
     optimizers = Muon(first, **HYPER.muon_kwargs()), Muon(second, **HYPER.muon_kwargs())
     optimizers[0].step()
     out["second"] = _error(optimizers[1].step)
-    # What names one rank or one checkpoint of the world (see [Note: checkpoints of pipeline
-    # stages]).
+    # What names one rank of the world (see [Note: checkpoints of pipeline stages]).
     out["rank0_only"] = _error(get_model_state_dict, model, rank0_only=True)
-    out["dcp"] = _error(save_checkpoint, path, model, None)
     return out
 
 
-def _pipeline(rank: int, world_size: int, variants: list[tuple[str, bool]], path: str) -> dict:
-    out: dict = {v: _train(*v) for v in variants}
-    out["global"] = _global_checks()
-    out["refusals"] = _refusals(path)
+def _pipeline(rank: int, world_size: int, path: str) -> dict:
+    out: dict = {
+        ("gpipe", True): _train("gpipe", True, path=path),
+        ("1f1b", False): _train("1f1b", False),
+        "without_pipeline": _without_pipeline(path),
+        "global": _global_checks(),
+        "refusals": _refusals(),
+    }
     return out
 
 
@@ -280,14 +310,14 @@ def _reference(steps: int) -> tuple[dict[str, torch.Tensor], float]:
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory) -> list[dict]:
     path = str(tmp_path_factory.mktemp("pipeline") / "checkpoint")
-    return run_distributed(_pipeline, 4, [("gpipe", True), ("1f1b", False)], path)
+    return run_distributed(_pipeline, 4, path)
 
 
-def _check_against_reference(per_rank: list[dict[str, torch.Tensor]]) -> None:
+def _check_against_reference(per_rank: list[dict[str, torch.Tensor]], peer_of=1) -> None:
     want, _ = _reference(STEPS)
     seen: set[str] = set()
     for rank, got in enumerate(per_rank):
-        peer = per_rank[rank ^ 1]  # the other data-parallel rank of the stage
+        peer = per_rank[rank ^ peer_of]  # another data-parallel rank of the stage
         assert got.keys() == peer.keys()
         for name, value in got.items():
             assert torch.equal(value, peer[name]), f"rank {rank}: {name} differs in its stage"
@@ -303,8 +333,15 @@ def test_pipeline_stages_train_like_the_whole_model(pipeline_runs, variant):
     _check_against_reference([result[variant] for result in pipeline_runs])
 
 
+@pytest.mark.distributed
+def test_a_checkpoint_of_the_stages_loads_without_a_pipeline(pipeline_runs):
+    """The DCP checkpoint the stages wrote (step 2 of 3), loaded into the whole model on 4
+    data-parallel ranks, trains the last step like the reference."""
+    _check_against_reference([result["without_pipeline"] for result in pipeline_runs], 2)
+
+
 def _hsdp(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    return _train("1f1b", True, hsdp=True)
+    return _train("1f1b", True, hsdp=True)  # resumed from the full state dicts
 
 
 @pytest.mark.distributed
@@ -333,7 +370,6 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         assert got["mismatch"].startswith("ValueError: pipeline_mesh does not match mesh")
         assert got["not_fsdp"].startswith("ValueError: dedicate_params(pipeline_mesh=...) was")
         assert "one stage module per rank" in got["second"], got["second"]
-        for call in ("get_model_state_dict(rank0_only=True)", "save_checkpoint"):
-            key = "dcp" if call == "save_checkpoint" else "rank0_only"
-            assert got[key].startswith(f"RuntimeError: {call} is not supported under pipeline")
+        call = "get_model_state_dict(rank0_only=True)"
+        assert got["rank0_only"].startswith(f"RuntimeError: {call} is not supported under")
         assert "the last backward ran inside dmuon.no_sync" in result["global"]["no_sync"]

@@ -77,6 +77,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from .._checks import check_bool
@@ -115,30 +116,31 @@ __all__ = [
 Entry = tuple[str, Tensor, DedicatedParam | None]
 
 
-def refuse_under_pipeline(runtime: DedicatedRuntime, call: str, why: str) -> None:
+def refuse_under_pipeline(runtime: DedicatedRuntime, call: str) -> None:
     """Raise, on every rank alike, where ``runtime`` is a pipeline stage's.
 
     [Note: checkpoints of pipeline stages]
-    Under pipeline parallelism the full state dicts work per stage: :func:`get_model_state_dict`
-    and :func:`get_optimizer_state_dict` gather a stage module's tensors over the stage's ranks,
-    and the ``set_`` functions load them there. What names one rank of the world does not:
-    ``rank0_only`` and ``broadcast_from_rank0`` mean global rank 0, which sits in the first
-    stage only. Nor does a DCP checkpoint (``save_checkpoint``, ``load_checkpoint``,
-    ``AppState``): every stage writes into one checkpoint, where the stages' optimizer param
-    groups, one entry each under the same key, would overwrite each other, and a stage would
-    find the other stages' entries on load. Those are refused, naming the per-stage way."""
+    Under pipeline parallelism every checkpoint function works on a stage module. The full
+    state dicts (:func:`get_model_state_dict`, :func:`get_optimizer_state_dict`, the ``set_``
+    functions) gather and load a stage's tensors over the stage's ranks. A DCP checkpoint
+    (``save_checkpoint``, ``AppState``) is one checkpoint of every stage, written by every rank
+    at once: the tensors' keys are FQNs, which the stages do not share, and each stage writes
+    its optimizer's param groups under a key of its own (``optim.param_groups`` for the first,
+    ``optim.param_groups_<p>`` for stage ``p``), since DCP keeps one of the values written
+    under one key. ``load_checkpoint`` takes from it what the stage module holds (the other
+    stages' keys are theirs, not unexpected), merges every stage's param groups and keeps this
+    optimizer's parameters, so a checkpoint loads on another pipeline layout too, or without a
+    pipeline; its checks agree over every rank of every stage before DCP's read, which is
+    collective over the world. What is refused: ``rank0_only`` and ``broadcast_from_rank0``,
+    which mean global rank 0, a rank of the first stage only."""
     if runtime.layout.pp_size > 1:
         raise RuntimeError(
             f"{call} is not supported under pipeline parallelism (dedicate_params("
-            f"pipeline_mesh=...)): {why}. Save each stage module with "
-            "dmuon.get_model_state_dict(stage_module) and dmuon.get_optimizer_state_dict("
-            "stage_module, optimizer), gathered over the stage's ranks, into a file per stage "
-            "(torch.save on one rank of each stage), and load them with set_model_state_dict "
-            "and set_optimizer_state_dict; nothing was done"
+            "pipeline_mesh=...)): global rank 0 belongs to the first stage only. Call it without"
+            " the option (every rank of the stage gets or passes the stage module's full"
+            " tensors; save them from one rank of each stage), or save and load every stage at"
+            " once with dmuon.save_checkpoint and dmuon.load_checkpoint; nothing was done"
         )
-
-
-_RANK0 = "global rank 0 belongs to the first stage only"
 
 
 class _Gather:
@@ -253,7 +255,7 @@ def get_model_state_dict(
     check_bool("cpu_offload", cpu_offload)
     runtime = get_runtime(model)
     if rank0_only:
-        refuse_under_pipeline(runtime, "get_model_state_dict(rank0_only=True)", _RANK0)
+        refuse_under_pipeline(runtime, "get_model_state_dict(rank0_only=True)")
     with record_function("dmuon::checkpoint_get_model"):
         runtime.drain()
         gather = _Gather(runtime, cpu_offload=cpu_offload, rank0_only=rank0_only)
@@ -304,7 +306,7 @@ def set_model_state_dict(
     check_bool("broadcast_from_rank0", broadcast_from_rank0)
     runtime = get_runtime(model)
     if broadcast_from_rank0:
-        refuse_under_pipeline(runtime, "set_model_state_dict(broadcast_from_rank0=True)", _RANK0)
+        refuse_under_pipeline(runtime, "set_model_state_dict(broadcast_from_rank0=True)")
     with record_function("dmuon::checkpoint_set_model"):
         runtime.drain()
         entries = model_entries(model, runtime)
@@ -326,26 +328,31 @@ def set_model_state_dict(
         runtime.after_step(async_=False)
 
 
-def checked_on_every_rank(runtime: DedicatedRuntime, where: str, check: Callable[[], None]) -> None:
+def checked_on_every_rank(
+    runtime: DedicatedRuntime, where: str, check: Callable[[], None], *, everyone: bool = False
+) -> None:
     """Run ``check`` (it raises ``ValueError`` for what does not fit: a dictionary, a
-    checkpoint's files) and agree across ranks before anything is changed (:func:`_agree`).
-    Each rank checks its own dictionary or its own view of the files, and a rank that went on
-    alone would write its part and then wait for the others in the next collective."""
+    checkpoint's files) and agree across ranks before anything is changed (:func:`_agree`):
+    the model's ranks, or with ``everyone`` every rank of every pipeline stage (before a
+    collective over the world, as DCP's). Each rank checks its own dictionary or its own view
+    of the files, and a rank that went on alone would write its part and then wait for the
+    others in the next collective."""
     error: ValueError | None = None
     try:
         check()
     except ValueError as e:
         error = e
-    _agree(runtime, where, error)
+    _agree(runtime, where, error, runtime.step_group if everyone else runtime.global_group)
 
 
-def _agree(runtime: DedicatedRuntime, where: str, error: ValueError | None) -> None:
+def _agree(
+    runtime: DedicatedRuntime, where: str, error: ValueError | None, group: ProcessGroup
+) -> None:
     """Return on every rank when no rank has an ``error``; else raise on every rank: a failed
     rank its own error, the others the first failed rank's text (it travels as bytes, so
     nothing is pickled, its first byte saying whether to raise a
     :class:`CheckpointIntegrityError` or a ``ValueError``), naming the ranks that failed.
-    Collective over the global group."""
-    group = runtime.global_group
+    Collective over ``group``."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
@@ -472,7 +479,7 @@ class _Scatter:
                 _check_model_dict(entries, state_dict)
             except ValueError as e:
                 error = e
-        _agree(self.runtime, "set_model_state_dict", error)
+        _agree(self.runtime, "set_model_state_dict", error, self.runtime.global_group)
 
     def _to_owner(self, dp: DedicatedParam, value: Tensor | None) -> None:
         """``value`` (rank 0's full weight) to the owner coordinate of every TP grid, each
@@ -571,7 +578,7 @@ def get_optimizer_state_dict(
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)
     if rank0_only:
-        refuse_under_pipeline(runtime, "get_optimizer_state_dict(rank0_only=True)", _RANK0)
+        refuse_under_pipeline(runtime, "get_optimizer_state_dict(rank0_only=True)")
     with record_function("dmuon::checkpoint_get_optimizer"):
         runtime.drain()
         gather = _Gather(runtime, cpu_offload=cpu_offload, rank0_only=rank0_only)

@@ -19,6 +19,9 @@ flattens with dots (``dmuon.model.<fqn>`` under :func:`save_checkpoint`'s key ``
   optimizer state] in :mod:`._state_layout`).
 - ``optim.param_groups``: one value, ``((group name, {hyperparameters..., "params": [fqn,
   ...]}), ...)``; a tuple, so that DCP stores it whole instead of one entry per hyperparameter.
+  Under pipeline parallelism each stage's optimizer has groups of its own: the first stage
+  writes them there, stage ``p`` under ``optim.param_groups_<p>`` (see [Note: checkpoints of
+  pipeline stages]).
 
 No key names a rank, a shard, a mesh or an owner, so the layout does not depend on the
 topology. On load each rank asks for exactly the tensors it holds now: its FSDP2 shards (DCP
@@ -73,6 +76,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Set
 from typing import Any
 
@@ -97,7 +101,6 @@ from ._checkpoint import (
     as_step,
     checked_on_every_rank,
     group_state,
-    refuse_under_pipeline,
 )
 
 __all__ = ["CHECKPOINT_KEY", "AppState", "load_checkpoint", "save_checkpoint"]
@@ -106,13 +109,6 @@ logger = logging.getLogger(__name__)
 
 # The key of the AppState in the dictionary save_checkpoint hands to DCP.
 CHECKPOINT_KEY = "dmuon"
-
-# Why a DCP checkpoint of pipeline stages is refused (see [Note: checkpoints of pipeline
-# stages]).
-_STAGES_WHY = (
-    "every stage would write into one checkpoint, where the stages' optimizer param groups "
-    "(one entry each, under one key) overwrite each other"
-)
 
 
 def _as_saved(runtime: DedicatedRuntime, dp: DedicatedParam | None, t: Tensor) -> Tensor:
@@ -187,7 +183,6 @@ class AppState(Stateful):
         self.optimizer = layout.check_optimizer(model, optimizer)
         self.model = model
         self.runtime = get_runtime(model)
-        refuse_under_pipeline(self.runtime, "a DCP checkpoint (AppState)", _STAGES_WHY)
 
     def state_dict(self) -> dict[str, Any]:
         """The live tensors this rank holds, keyed topology-independently."""
@@ -239,7 +234,7 @@ class AppState(Stateful):
                 field: _as_saved(self.runtime, dp, live[field])
                 for field in layout.STATE_FIELDS[route]
             }
-        return {"state": state, "param_groups": tuple(group_state(optimizer).items())}
+        return {"state": state, _groups_key(self.runtime): tuple(group_state(optimizer).items())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install what DCP read into the tensors of :meth:`state_dict` (an optimizer state
@@ -259,7 +254,7 @@ class AppState(Stateful):
                     " 'model' and 'optim'; load it with dcp.load({'dmuon': app_state})"
                 )
             optim = state_dict["optim"]
-            groups = dict(optim["param_groups"])
+            groups = dict(optim[_groups_key(self.runtime)])
             layout.check_param_groups(where, self.optimizer, groups)
             self._install_model(state_dict["model"])
             self._install_optimizer(optim["state"], groups)
@@ -310,7 +305,6 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: M
         optimizer: the :class:`Muon` built on ``model`` (another object raises
             ``ValueError``).
     """
-    refuse_under_pipeline(get_runtime(model), "save_checkpoint", _STAGES_WHY)
     _check_not_a_file("save_checkpoint", path)
     with record_function("dmuon::save_checkpoint"):
         writer = integrity.ChecksumWriter(path)
@@ -352,10 +346,14 @@ def _check_model_metadata(
             f" {sorted({k.split('.')[0] for k in metadata.state_dict_metadata})}); write it with"
             f" dmuon.save_checkpoint or dcp.save({{{CHECKPOINT_KEY!r}: dmuon.AppState(...)}})"
         )
+    specs = layout.model_specs(layout.model_entries(model, runtime))
+    saved = _prefixed(f"{root}model.", metadata)
+    if runtime.layout.pp_size > 1:  # the other stages' keys are theirs
+        saved = {key: spec for key, spec in saved.items() if key in specs}
     layout.check_model(
         where,
-        layout.model_specs(layout.model_entries(model, runtime)),
-        _prefixed(f"{root}model.", metadata),
+        specs,
+        saved,
         "the checkpoint must hold exactly the keys of model.state_dict() (same model definition)",
     )
 
@@ -379,7 +377,61 @@ def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bo
         }
         if entry:
             got[fqn] = entry
+    if app.runtime.layout.pp_size > 1:  # the other stages' parameters are theirs
+        saved = {key: v for key, v in saved.items() if key.rpartition(".")[0] in specs}
     return layout.check_optimizer_state(where, specs, got, sorted(saved), strict=strict)
+
+
+def _groups_key(runtime: DedicatedRuntime) -> str:
+    """The key of this model's param groups in the optimizer's dictionary: ``param_groups``,
+    or ``param_groups_<p>`` for pipeline stage ``p > 0`` (see [Note: checkpoints of pipeline
+    stages])."""
+    stage = runtime.layout.pp_index
+    return "param_groups" if stage == 0 else f"param_groups_{stage}"
+
+
+def _groups_keys(metadata: Metadata) -> list[str]:
+    """The optimizer dictionary's param-groups keys the checkpoint holds, in stage order."""
+    prefix = f"{CHECKPOINT_KEY}.optim."
+    found = {
+        key[len(prefix) :]
+        for key in metadata.state_dict_metadata
+        if re.fullmatch(rf"{re.escape(prefix)}param_groups(_[1-9][0-9]*)?", key)
+    }
+    return sorted(found, key=lambda k: int(k.rpartition("_")[2]) if k[-1].isdigit() else 0)
+
+
+def _merged_groups(
+    where: str, values: list[Any], optimizer: Muon, runtime: DedicatedRuntime
+) -> dict[str, Any]:
+    """The checkpoint's param groups, one value per pipeline stage it was saved with, as one
+    ``{group name: group}``: a group's parameters are its lists of every stage in stage
+    order. For a pipeline stage, only this optimizer's parameters stay, and a group takes its
+    hyperparameters from the first value that lists one of them (see [Note: checkpoints of
+    pipeline stages])."""
+    entries = [_param_groups(where, value) for value in values]
+    stage = runtime.layout.pp_size > 1
+    if len(entries) == 1 and not stage:
+        return entries[0]
+    mine = {name for name, _, _ in layout.optimizer_params(optimizer)} if stage else None
+    merged: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        for name, group in entry.items():
+            if not isinstance(group, Mapping):
+                raise ValueError(f"{where}: param_groups[{name!r}] must be a dict")
+            params = list(group.get("params", []))
+            if mine is not None:
+                params = [fqn for fqn in params if fqn in mine]
+            held = merged.get(name)
+            if held is None or (params and not held["params"]):
+                before = [] if held is None else held["params"]
+                merged[name] = {**group, "params": [*before, *params]}
+            else:
+                held["params"] += params
+    if mine is not None:
+        names = {group["group_name"] for group in optimizer.param_groups}
+        merged = {name: g for name, g in merged.items() if name in names or g["params"]}
+    return merged
 
 
 def _param_groups(where: str, value: Any) -> dict[str, Any]:
@@ -443,11 +495,18 @@ def load_checkpoint(
             lambda metadata: absent.update(_check_metadata(app, metadata, where, strict=strict)),
         )
         target, direct = app._load_target(absent)
+        # Every stage's param groups the checkpoint holds (one without a pipeline), merged.
+        optim = target["optim"]
+        own = _groups_key(app.runtime)
+        del optim[own]
+        keys = _groups_keys(metadata)
+        optim.update(dict.fromkeys(keys, ()))
         state = {CHECKPOINT_KEY: target}
         scratch = integrity.load_verified(where, path, state, metadata, checksums, direct)
-        layout.check_param_groups(
-            where, app.optimizer, _param_groups(where, target["optim"]["param_groups"])
-        )
+        values = [optim.pop(key) for key in keys]
+        groups = _merged_groups(where, values, app.optimizer, app.runtime)
+        optim[own] = tuple(groups.items())
+        layout.check_param_groups(where, app.optimizer, groups)
         scratch.install()
         app.load_state_dict(target)
 
@@ -479,7 +538,8 @@ def _read_checked(
         check_tensors(metadata)
         read.extend((checksums, metadata))
 
-    checked_on_every_rank(runtime, where, check)
+    # Over every rank of every pipeline stage: DCP's read is collective over the world.
+    checked_on_every_rank(runtime, where, check, everyone=True)
     return read[0], read[1]
 
 
@@ -487,7 +547,6 @@ def _load_model(where: str, path: str | os.PathLike[str], model: nn.Module) -> N
     """:func:`load_checkpoint` without an optimizer: the model's tensors alone, checked and read
     as there, then published as a step's weights are."""
     runtime = get_runtime(model)
-    refuse_under_pipeline(runtime, "load_checkpoint", _STAGES_WHY)
     with record_function("dmuon::load_checkpoint"):
         checksums, metadata = _read_checked(
             where,
