@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dmuon_fsdp import (
     Muon,
@@ -43,10 +44,11 @@ SCHEDULES = {"gpipe": (ScheduleGPipe, 2), "1f1b": (Schedule1F1B, 4)}
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
+        return x + self.down(torch.tanh(self.up(x)))
 
 
 class _Net(nn.Module):
@@ -102,20 +104,29 @@ class _Place(NamedTuple):
     dp_size: int
 
 
-def _stage(reshard: bool, *, root: bool = True, hsdp: bool = False):
-    """This rank's stage module of the (pp 2, dp 2) mesh, or with ``hsdp`` of the (pp 2,
-    replicate 2, shard 1) mesh, dedicated and sharded (``root``: the stage module too, not only
-    its layers)."""
+def _stage(reshard: bool, *, root: bool = True, hsdp: bool = False, tp: bool = False):
+    """This rank's stage module of the (pp 2, dp 2) mesh, with ``hsdp`` of the (pp 2,
+    replicate 2, shard 1) mesh, with ``tp`` of the (pp 2, dp 1, tp 2) mesh (each block's up
+    column-wise, down row-wise), dedicated and sharded (``root``: the stage module too, not
+    only its layers)."""
     if hsdp:
         names = ("pp", "dp_replicate", "dp_shard")
         mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=names)
         dp, replicas, fsdp_mesh = mesh["dp_shard"], mesh["dp_replicate"], mesh[names[1:]]
         place = _Place(mesh["pp"], replicas.get_local_rank(), replicas.size())
+    elif tp:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+        dp, replicas, fsdp_mesh = mesh["dp"], None, mesh["dp"]
+        place = _Place(mesh["pp"], 0, 1)
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         dp, replicas, fsdp_mesh = mesh["dp"], None, mesh["dp"]
         place = _Place(mesh["pp"], dp.get_local_rank(), dp.size())
     model = _stage_module(mesh["pp"].get_local_rank())
+    if tp:
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        for layer in model.layers.values():
+            parallelize_module(layer, mesh["tp"], plan)
     runtime = dedicate_params(
         model,
         dp,
@@ -155,13 +166,13 @@ def _state(model) -> dict[str, torch.Tensor]:
 
 
 def _train(
-    name: str, reshard: bool, hsdp: bool = False, path: str | None = None
+    name: str, reshard: bool, hsdp: bool = False, path: str | None = None, tp: bool = False
 ) -> dict[str, torch.Tensor]:
     """``STEPS`` steps, the last one resumed on a new stage module (whose first optimizer lives
     on and steps no more: not two stages per rank): with ``path`` from a DCP checkpoint of the
     first (``save_checkpoint``, ``load_checkpoint``), else from its full state dicts. A lost
     momentum shows in the reference check."""
-    model, _, mesh = _stage(reshard, hsdp=hsdp)
+    model, _, mesh = _stage(reshard, hsdp=hsdp, tp=tp)
     schedule = _schedule(model, mesh, name)
     optimizer = Muon(model, **HYPER.muon_kwargs())
     for step in range(STEPS):
@@ -171,7 +182,7 @@ def _train(
             else:
                 weights = get_model_state_dict(model)
                 state = get_optimizer_state_dict(model, optimizer)
-            model, _, mesh = _stage(reshard, hsdp=hsdp)
+            model, _, mesh = _stage(reshard, hsdp=hsdp, tp=tp)
             schedule = _schedule(model, mesh, name)
             optimizer = Muon(model, **HYPER.muon_kwargs())
             if path is not None:
@@ -344,6 +355,10 @@ def _hsdp(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return _train("1f1b", True, hsdp=True)  # resumed from the full state dicts
 
 
+def _tp(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    return _train("gpipe", False, tp=True)  # resumed from the full state dicts
+
+
 @pytest.mark.distributed
 @pytest.mark.extended
 def test_hsdp_stages_train_like_the_whole_model():
@@ -373,3 +388,10 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         call = "get_model_state_dict(rank0_only=True)"
         assert got["rank0_only"].startswith(f"RuntimeError: {call} is not supported under")
         assert "the last backward ran inside dmuon.no_sync" in result["global"]["no_sync"]
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_tensor_parallel_stages_train_like_the_whole_model():
+    """pp 2 x dp 1 x tp 2: each stage's TP grids, with their TP groups, inside the stage."""
+    _check_against_reference(run_distributed(_tp, 4))
