@@ -400,6 +400,9 @@ class ReduceQueue:
         self._comm = comm
         self._divisors = divisors
         self._pending: deque[PendingReduce] = deque()
+        # How many of them wait for stage two (each call of issue_replicate_stages issues all
+        # but at most the newest).
+        self._unstaged = 0
         self._undecided = Undecided()
         self._listener: weakref.ref[GradListener] | None = None
         # The CUDA stream older reduces were finished on since the last wait_all (kept here:
@@ -427,7 +430,9 @@ class ReduceQueue:
                 if listener is not None:
                     listener(pack.params)
                 return
-            self._pending.append(reduce_over_shards(pack, self._comm))
+            pending = reduce_over_shards(pack, self._comm)
+            self._pending.append(pending)
+            self._unstaged += pending.needs_replicate_stage
             self.issue_replicate_stages(keep_newest=True)
         listener = self.listener
         if listener is not None:
@@ -448,12 +453,19 @@ class ReduceQueue:
     def issue_replicate_stages(self, *, keep_newest: bool = False) -> None:
         """Issue stage two of the queued reductions that need it, oldest first; with
         ``keep_newest`` the newest of them waits for the next call (see [Note: gradient
-        reduction])."""
-        due = [i for i, pending in enumerate(self._pending) if pending.needs_replicate_stage]
+        reduction]). The waiting ones are the newest that need it, so only the queue's end is
+        read: a backward's submissions cost time linear in its packs, not quadratic."""
+        due: list[int] = []
+        index = len(self._pending)
+        while len(due) < self._unstaged:
+            index -= 1
+            if self._pending[index].needs_replicate_stage:
+                due.insert(0, index)
         if keep_newest:
             due = due[:-1]
         for index in due:
             self._pending[index] = reduce_over_replicas(self._pending[index], self._comm)
+            self._unstaged -= 1
 
     def wait_all(self) -> None:
         """Finish every pending reduction: owned gradients are final afterwards."""
