@@ -4,6 +4,7 @@ FSDP2 + torch.optim.Muon on the same model, on the CPU (gloo).
     python benchmarks/host_overhead_bench.py                   # world size 1 and 2
     python benchmarks/host_overhead_bench.py --world-sizes 2 --iters 200 --layers 48
     python benchmarks/host_overhead_bench.py --variants dmuon  # one of them
+    python benchmarks/host_overhead_bench.py --process-group-policy shared  # dmuon on FSDP2's
 
 On a GPU the step of a model with small matrices is bound by the host: what the device does per
 matrix takes less time than launching it, so every microsecond of Python per layer hook and per
@@ -70,11 +71,16 @@ class _Both:
             part.zero_grad()
 
 
-def _build(variant: str, cfg: LlamaConfig, mesh: Any) -> tuple[torch.nn.Module, Any]:
+def _build(variant: str, cfg: LlamaConfig, mesh: Any, args: Any) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = TinyLlama(cfg)
     if variant == "dmuon":
-        dmuon.dedicate_params(model, mesh, predicate=muon_predicate)
+        dmuon.dedicate_params(
+            model,
+            mesh,
+            predicate=muon_predicate,
+            process_group_policy=args.process_group_policy,
+        )
         dedicated = dmuon.dedicated_params_of(model)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, ignored_params=dedicated)
@@ -125,7 +131,7 @@ def _rank(rank: int, world_size: int, init: str, args: Any, out: Any) -> None:
     tokens = tokens.chunk(world_size)[rank]
     results = {}
     for variant in args.variants:
-        model, optimizer = _build(variant, cfg, mesh)
+        model, optimizer = _build(variant, cfg, mesh, args)
         results[variant] = _time(model, optimizer, tokens, args)
         del model, optimizer
     out.put((rank, results))
@@ -166,11 +172,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--process-group-policy",
+        choices=("isolated", "shared"),
+        default="isolated",
+        help="dedicate_params' process_group_policy (dmuon's own groups, or the mesh's)",
+    )
     args = parser.parse_args()
     print(
         f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {cpu_name()},"
         f" {os.cpu_count()} cores | torch {torch.__version__} | {args.layers} layers, hidden"
-        f" {args.hidden}, median of {args.iters} iterations after {args.warmup}"
+        f" {args.hidden}, median of {args.iters} iterations after {args.warmup}, dmuon's"
+        f" process groups {args.process_group_policy}"
     )
     print(
         "| ranks | variant | iter ms | fwd+bwd ms | step ms | iter / dmuon's |\n"
