@@ -288,6 +288,14 @@ def _refusals() -> dict[str, str]:
     out["second"] = _error(optimizers[1].step)
     # What names one rank of the world (see [Note: checkpoints of pipeline stages]).
     out["rank0_only"] = _error(get_model_state_dict, model, rank0_only=True)
+    # Stage 1 forgets pipeline_mesh: stage 0, whose meshes cover the world, raises too.
+    out["one_stage_forgot"] = _error(
+        dedicate_params,
+        _stage_module(pp),
+        mesh["dp"],
+        _muon,
+        pipeline_mesh=mesh["pp"] if pp == 0 else None,
+    )
     return out
 
 
@@ -388,6 +396,8 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         call = "get_model_state_dict(rank0_only=True)"
         assert got["rank0_only"].startswith(f"RuntimeError: {call} is not supported under")
         assert "the last backward ran inside dmuon.no_sync" in result["global"]["no_sync"]
+        forgot = got["one_stage_forgot"]
+        assert forgot.startswith("ValueError: mesh sizes do not multiply to the world size"), forgot
 
 
 @pytest.mark.distributed

@@ -192,7 +192,6 @@ def resolve_layout(
     replicate_size = 1 if rep_mesh is None else rep_mesh.size()
     tp_size = 1 if tp_mesh is None else tp_mesh.size()
     pp_size = 1 if pp_mesh is None else pp_mesh.size()
-    _check_covers_world(shard_size, replicate_size, tp_size, pp_size)
     coord = Owner(shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank())
     tp_index = 0 if tp_mesh is None else tp_mesh.get_local_rank()
     pp_index = 0 if pp_mesh is None else pp_mesh.get_local_rank()
@@ -203,9 +202,12 @@ def resolve_layout(
     # See [Note: a mesh's rank order].
     listed = tuple(int(g) for g in shard_mesh.mesh.tolist())
     in_order = int(list(listed) == sorted(listed))
+    covered = shard_size * replicate_size * tp_size * pp_size
     gathered = all_gather_numbers(
-        [coord.shard, coord.replicate, tp_index, pp_index, dist.get_rank(), in_order], device
+        [coord.shard, coord.replicate, tp_index, pp_index, dist.get_rank(), in_order, covered],
+        device,
     )
+    _check_covers_world(shard_size, replicate_size, tp_size, pp_size, [g.pop() for g in gathered])
     _check_rank_order(listed, gathered)
     stage_rank_of = tuple(
         _grids([g for g in gathered if g[3] == p], shard_size, replicate_size, tp_size, pp_size)
@@ -259,11 +261,24 @@ def _data_parallel_meshes(
     return shard_mesh, rep_mesh
 
 
-def _check_covers_world(shard_size: int, replicate_size: int, tp_size: int, pp_size: int) -> None:
-    """Raise unless the grids (``tp_size`` of them per pipeline stage, ``pp_size`` stages,
-    ``shard_size x replicate_size`` each) hold every rank of the world."""
+def _check_covers_world(
+    shard_size: int, replicate_size: int, tp_size: int, pp_size: int, covered: list[int]
+) -> None:
+    """Raise, on every rank alike, unless the grids (``tp_size`` of them per pipeline stage,
+    ``pp_size`` stages, ``shard_size x replicate_size`` each) hold every rank of the world on
+    every rank (``covered``: every rank's product of its sizes, from the one gather; a rank
+    that raised alone, a stage that forgot ``pipeline_mesh``, would leave the others waiting
+    in their next collective)."""
     world = dist.get_world_size()
     if shard_size * replicate_size * tp_size * pp_size == world:
+        short = sorted(rank for rank, size in enumerate(covered) if size != world)
+        if short:
+            raise ValueError(
+                f"mesh sizes do not multiply to the world size on ranks {short} (this rank's"
+                f" meshes cover the {world} ranks): every rank must call dedicate_params with"
+                " meshes of the same shape; with pipeline parallelism every stage passes"
+                " pipeline_mesh=mesh['pp'] with its mesh['dp']"
+            )
         return
     tp = f" x tensor-parallel {tp_size}" if tp_size > 1 else ""
     tp += f" x pipeline {pp_size}" if pp_size > 1 else ""
@@ -288,8 +303,7 @@ def _check_covers_world(shard_size: int, replicate_size: int, tp_size: int, pp_s
 def _check_rank_order(listed: tuple[int, ...], gathered: list[list[Any]]) -> None:
     """Raise on every rank where some rank's shard group lists its ranks out of increasing
     order (``gathered``: every rank's ``[shard, replicate, tp index, pp index, rank, in
-    order]``; see
-    [Note: a mesh's rank order])."""
+    order]``; see [Note: a mesh's rank order])."""
     out_of_order = sorted({rank for *_, rank, ordered in gathered if not ordered})
     if out_of_order:
         raise ValueError(
