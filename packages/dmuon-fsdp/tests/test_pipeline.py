@@ -16,7 +16,12 @@ from _reference import Hyper, ReferenceMuonAdamW
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -286,6 +291,7 @@ def _refusals() -> dict[str, str]:
     optimizers = Muon(first, **HYPER.muon_kwargs()), Muon(second, **HYPER.muon_kwargs())
     optimizers[0].step()
     out["second"] = _error(optimizers[1].step)
+    out.update(_interleaved(mesh))
     # What names one rank of the world (see [Note: checkpoints of pipeline stages]).
     out["rank0_only"] = _error(get_model_state_dict, model, rank0_only=True)
     # Stage 1 forgets pipeline_mesh: stage 0, whose meshes cover the world, raises too.
@@ -296,6 +302,41 @@ def _refusals() -> dict[str, str]:
         _muon,
         pipeline_mesh=mesh["pp"] if pp == 0 else None,
     )
+    return out
+
+
+def _interleaved(mesh: DeviceMesh) -> dict[str, str]:
+    """An interleaved schedule's run: layer ``i`` is stage ``i`` of 4, two per rank, one Muon
+    each. The first part's clip and step are refused, before either part changes."""
+    pp = mesh["pp"].get_local_rank()
+    parts, stages = [], []
+    for index in (pp, pp + 2):
+        part = _net()
+        for i in range(LAYERS):
+            if i != index:
+                del part.layers[str(i)]
+        part.inp = part.inp if index == 0 else None
+        part.out = part.out if index == LAYERS - 1 else None
+        dedicate_params(part, mesh["dp"], _muon, pipeline_mesh=mesh["pp"], small_param_threshold=0)
+        fully_shard(part.layers[str(index)], mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+        parts.append(part)
+        group = mesh["pp"].get_group()
+        stages.append(PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group))
+    optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=nn.functional.mse_loss)
+    _run(schedule, _Place(mesh["pp"], mesh["dp"].get_local_rank(), 2), 0)
+    before = [_state(part) for part in parts]
+    out = {
+        "interleaved_clip": _error(optimizers[0].grads_for_clip),
+        "interleaved_step": _error(optimizers[0].step),
+    }
+    unchanged = all(
+        torch.equal(v, old[k])
+        for part, old in zip(parts, before, strict=True)
+        for k, v in _state(part).items()
+    )
+    out["interleaved_unchanged"] = str(unchanged)
     return out
 
 
@@ -396,6 +437,9 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         call = "get_model_state_dict(rank0_only=True)"
         assert got["rank0_only"].startswith(f"RuntimeError: {call} is not supported under")
         assert "the last backward ran inside dmuon.no_sync" in result["global"]["no_sync"]
+        for call in ("clip", "step"):
+            assert "one stage module per rank" in got[f"interleaved_{call}"], (call, got)
+        assert got["interleaved_unchanged"] == "True"
         forgot = got["one_stage_forgot"]
         assert forgot.startswith("ValueError: mesh sizes do not multiply to the world size"), forgot
 

@@ -81,6 +81,7 @@ from ._usage_checks import (
     check_no_all_reduce_hook,
     check_no_loss_scaling,
     check_no_other_keywords,
+    check_no_other_stage_pending,
     check_none_unfrozen,
     check_one_stage_per_rank,
     check_params_current,
@@ -397,7 +398,10 @@ class Muon(torch.optim.Optimizer):
         self._holders: dict[int, ParamHolder] = self._runtime.holders_by_param()
         check_pipeline_stage(model, self._runtime)
         # See [Note: one stage module per rank]; None: no pipeline stage.
-        self._stage_mark = stage_steps_so_far() if self._runtime.layout.pp_size > 1 else None
+        self._stage_mark: int | None = None
+        if self._runtime.layout.pp_size > 1:
+            hooks = self._runtime.hooks
+            self._stage_mark = stage_steps_so_far(self, lambda: hooks.backward_since_step)
         check_every_param_is_synchronised(model, self._runtime)
         check_fully_shard_options(model, self._runtime)
         check_fully_shard_mesh(model, self._runtime)
@@ -1000,6 +1004,8 @@ class Muon(torch.optim.Optimizer):
                 ``ValueError``).
         """
         chosen = self._clip_selection(params)
+        if self._stage_mark is not None:
+            check_no_other_stage_pending(self, "dmuon.clip_grad_norm_ (grads_for_clip)")
         self._runtime.finish_pipeline_backward()
         if self._runtime.hooks.unsynced_backward:
             refuse_clip_after_no_sync()

@@ -407,19 +407,45 @@ def _instead_of(keywords: Iterable[str], option_fields: Collection[str]) -> str:
 
 
 class _StageSteps:
-    """The steps of pipeline stages' optimizers in this process: how many, and whose last."""
+    """The steps of pipeline stages' optimizers in this process: how many, and whose last;
+    and every live one, with whether its stage module ran a backward since its last step."""
 
     def __init__(self) -> None:
         self.count = 0
         self.last: weakref.ref[object] | None = None
+        self.pending: weakref.WeakKeyDictionary[object, Callable[[], bool]] = (
+            weakref.WeakKeyDictionary()
+        )
 
 
 _STAGE_STEPS = _StageSteps()
 
 
-def stage_steps_so_far() -> int:
-    """The mark a pipeline stage's ``Muon`` starts from (see :func:`check_one_stage_per_rank`)."""
+def stage_steps_so_far(optimizer: object, pending: Callable[[], bool]) -> int:
+    """Register a pipeline stage's ``optimizer`` (``pending()``: whether its stage module ran a
+    backward since its last step; it must not hold ``optimizer``) and return the mark it
+    starts from (see :func:`check_one_stage_per_rank`)."""
+    _STAGE_STEPS.pending[optimizer] = pending
     return _STAGE_STEPS.count
+
+
+def check_no_other_stage_pending(optimizer: object, call: str) -> None:
+    """Refuse ``call`` (a step or a clip of a pipeline stage's ``optimizer``) while another
+    live stage optimizer of this rank has a backward it has not stepped: the first model part
+    of an interleaved schedule, whose step or clip would otherwise change it before the second
+    part's step raises (see [Note: one stage module per rank])."""
+    if any(
+        pending() for other, pending in list(_STAGE_STEPS.pending.items()) if other is not optimizer
+    ):
+        raise RuntimeError(
+            f"{call}: another pipeline stage module on this rank ran a backward that its"
+            " optimizer has not stepped, and dmuon takes one stage module per rank"
+            " (ScheduleGPipe, Schedule1F1B): with several (an interleaved or looped schedule's"
+            " model parts, one Muon each) each Muon would decide the step's non-finite skip"
+            " and clip norm over the stages at its position only, not over the whole"
+            " pipeline. Use a schedule with one stage per rank (a stage module trained no more:"
+            " drop it and its optimizer); nothing was changed"
+        )
 
 
 def check_one_stage_per_rank(optimizer: object, mark: int) -> int:
@@ -437,7 +463,12 @@ def check_one_stage_per_rank(optimizer: object, mark: int) -> int:
     clipped by a norm of its own. Two stages' optimizers stepping in turn on one rank are that
     case (an optimizer of a stage module rebuilt or resumed, whose predecessor steps no more,
     is not), so the second of them raises at its first step, on every rank alike (every rank
-    of such a pipeline holds as many stages as the others), before it changes anything."""
+    of such a pipeline holds as many stages as the others), before it changes anything. The
+    first part's clip or step is refused already where another part of this rank ran a backward
+    not yet stepped (:func:`check_no_other_stage_pending`): an interleaved schedule
+    runs every part's backward before the first optimizer clips or steps, so nothing of any
+    part changes."""
+    check_no_other_stage_pending(optimizer, "Muon.step()")
     last = None if _STAGE_STEPS.last is None else _STAGE_STEPS.last()
     if last is not None and last is not optimizer and _STAGE_STEPS.count > mark:
         raise RuntimeError(
