@@ -420,6 +420,14 @@ class _StageSteps:
 
 _STAGE_STEPS = _StageSteps()
 
+# Why two stage modules per rank are refused, and the fix (see [Note: one stage module per rank]).
+_ONE_STAGE_PER_RANK = (
+    "and dmuon takes one stage module per rank (ScheduleGPipe, Schedule1F1B): with several (an"
+    " interleaved or looped schedule's model parts, one Muon each) each Muon would decide the"
+    " step's non-finite skip and clip norm over the stages at its position only, not over the"
+    " whole pipeline. Use a schedule with one stage per rank"
+)
+
 
 def stage_steps_so_far(optimizer: object, pending: Callable[[], bool]) -> int:
     """Register a pipeline stage's ``optimizer`` (``pending()``: whether its stage module ran a
@@ -439,12 +447,8 @@ def check_no_other_stage_pending(optimizer: object, call: str) -> None:
     ):
         raise RuntimeError(
             f"{call}: another pipeline stage module on this rank ran a backward that its"
-            " optimizer has not stepped, and dmuon takes one stage module per rank"
-            " (ScheduleGPipe, Schedule1F1B): with several (an interleaved or looped schedule's"
-            " model parts, one Muon each) each Muon would decide the step's non-finite skip"
-            " and clip norm over the stages at its position only, not over the whole"
-            " pipeline. Use a schedule with one stage per rank (a stage module trained no more:"
-            " drop it and its optimizer); nothing was changed"
+            f" optimizer has not stepped, {_ONE_STAGE_PER_RANK} (a stage module trained no"
+            " more: drop it and its optimizer); nothing was changed"
         )
 
 
@@ -473,11 +477,7 @@ def check_one_stage_per_rank(optimizer: object, mark: int) -> int:
     if last is not None and last is not optimizer and _STAGE_STEPS.count > mark:
         raise RuntimeError(
             "Muon.step(): another pipeline stage's optimizer stepped on this rank since this"
-            " one was built or last stepped, and dmuon takes one stage module per rank"
-            " (ScheduleGPipe, Schedule1F1B): with several (an interleaved or looped schedule's"
-            " model parts, one Muon each) each Muon would decide the step's non-finite skip"
-            " and clip norm over the stages at its position only, not over the whole"
-            " pipeline. Use a schedule with one stage per rank; nothing was stepped"
+            f" one was built or last stepped, {_ONE_STAGE_PER_RANK}; nothing was stepped"
         )
     _STAGE_STEPS.count += 1
     _STAGE_STEPS.last = weakref.ref(optimizer)
