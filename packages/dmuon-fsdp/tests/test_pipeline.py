@@ -219,9 +219,10 @@ def _without_pipeline(path: str) -> dict[str, torch.Tensor]:
     return _state(model)
 
 
-def _global_checks() -> dict:
-    """The non-finite skip and the clip norm, over both stages."""
-    model, runtime, mesh = _stage(True)
+def _global_checks(hsdp: bool = False, tp: bool = False) -> dict:
+    """The non-finite skip and the clip norm, over both stages (of the (pp, dp) mesh, or the
+    ``hsdp`` or ``tp`` one of :func:`_stage`)."""
+    model, runtime, mesh = _stage(True, hsdp=hsdp, tp=tp)
     schedule = _schedule(model, mesh, "gpipe")
     optimizer = Muon(model, **HYPER.muon_kwargs())
     out: dict = {}
@@ -239,8 +240,11 @@ def _global_checks() -> dict:
     _run(schedule, mesh, 1)
     runtime.wait_all_reduces()
     owned = [dp for dp in runtime.owned if dp.grad is not None]
-    if dist.get_rank() == 3:
-        owned[0].grad[0, 0] = math.nan
+    holds = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(holds, torch.tensor([float(bool(owned))]))
+    # The last rank (of stage 1) that holds an owned gradient: rank 3 on the (pp, dp) mesh.
+    if dist.get_rank() == max(r for r, held in enumerate(holds) if held.item()):
+        owned[0].grad.view(-1)[0] = math.nan
     optimizer.step()
     out["nan_skipped"] = bool(optimizer.last_step_stats.skipped)
     out["nan_unchanged"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
@@ -400,25 +404,34 @@ def test_a_checkpoint_of_the_stages_loads_without_a_pipeline(pipeline_runs):
     _check_against_reference([result["without_pipeline"] for result in pipeline_runs], 2)
 
 
-def _hsdp(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    return _train("1f1b", True, hsdp=True)  # resumed from the full state dicts
+def _hsdp(rank: int, world_size: int) -> dict:
+    # Resumed from the full state dicts.
+    return {"train": _train("1f1b", True, hsdp=True), "global": _global_checks(hsdp=True)}
 
 
-def _tp(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    return _train("gpipe", False, tp=True)  # resumed from the full state dicts
+def _tp(rank: int, world_size: int) -> dict:
+    # Resumed from the full state dicts.
+    return {"train": _train("gpipe", False, tp=True), "global": _global_checks(tp=True)}
 
 
 @pytest.mark.distributed
 @pytest.mark.extended
 def test_hsdp_stages_train_like_the_whole_model():
-    """pp 2 x (replicate 2 x shard 1): each stage's owners publish to its replica."""
-    _check_against_reference(run_distributed(_hsdp, 4))
+    """pp 2 x (replicate 2 x shard 1): each stage's owners publish to its replica; the skip
+    and the clip norm cover every rank."""
+    results = run_distributed(_hsdp, 4)
+    _check_against_reference([result["train"] for result in results])
+    _check_global(results)
 
 
 @pytest.mark.distributed
 def test_nonfinite_skip_and_clip_norm_cover_every_stage(pipeline_runs):
+    _check_global(pipeline_runs)
+
+
+def _check_global(results: list[dict]) -> None:
     _, norm = _reference(1)
-    for result in pipeline_runs:
+    for result in results:
         got = result["global"]
         assert got["norm"] == pytest.approx(norm, rel=1e-5)
         assert got["nan_skipped"] and got["nan_unchanged"]
@@ -447,5 +460,8 @@ def test_what_a_pipeline_refuses(pipeline_runs):
 @pytest.mark.distributed
 @pytest.mark.extended
 def test_tensor_parallel_stages_train_like_the_whole_model():
-    """pp 2 x dp 1 x tp 2: each stage's TP grids, with their TP groups, inside the stage."""
-    _check_against_reference(run_distributed(_tp, 4))
+    """pp 2 x dp 1 x tp 2: each stage's TP grids, with their TP groups, inside the stage; the
+    skip and the clip norm cover every rank."""
+    results = run_distributed(_tp, 4)
+    _check_against_reference([result["train"] for result in results])
+    _check_global(results)
