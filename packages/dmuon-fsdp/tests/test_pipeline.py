@@ -465,3 +465,184 @@ def test_tensor_parallel_stages_train_like_the_whole_model():
     results = run_distributed(_tp, 4)
     _check_against_reference([result["train"] for result in results])
     _check_global(results)
+
+
+# -- a plain dcp.load of an AppState on another pipeline layout ---------------------------------
+# (see [Note: checkpoints of pipeline stages]): the layouts of the 4 ranks are the whole model on
+# 4 data-parallel ranks (1 stage), (pp 2, dp 2), and (pp 4, dp 1) with one layer per stage.
+
+
+def _part(index: int, stages: int) -> _Net:
+    """Stage ``index`` of ``stages``: its ``LAYERS // stages`` layers, and the first or the last
+    projection."""
+    model = _net()
+    per = LAYERS // stages
+    for i in range(LAYERS):
+        if not index * per <= i < (index + 1) * per:
+            del model.layers[str(i)]
+    if index > 0:
+        model.inp = None
+    if index < stages - 1:
+        model.out = None
+    return model
+
+
+def _laid_out(stages: int):
+    """This rank's model of the layout of ``stages`` stages, dedicated, sharded and with its
+    ``Muon``; and a function that trains it one step (the step's batch, split as in
+    :func:`_run`)."""
+    if stages == 1:
+        dp = init_device_mesh("cpu", (4,))
+        model, pp_mesh, index = _net(), None, 0
+    else:
+        mesh = init_device_mesh("cpu", (stages, 4 // stages), mesh_dim_names=("pp", "dp"))
+        dp, pp_mesh = mesh["dp"], mesh["pp"]
+        index = pp_mesh.get_local_rank()
+        model = _part(index, stages)
+    dedicate_params(model, dp, _muon, pipeline_mesh=pp_mesh, small_param_threshold=0)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    schedule = None
+    if pp_mesh is not None:
+        stage = PipelineStage(model, index, stages, torch.device("cpu"), group=pp_mesh.get_group())
+        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=nn.functional.mse_loss)
+
+    def train(step: int) -> None:
+        optimizer.zero_grad()
+        x, y = _batch(step)
+        per = ROWS // dp.size()
+        rows = slice(dp.get_local_rank() * per, (dp.get_local_rank() + 1) * per)
+        if schedule is None:
+            nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        elif index == 0:
+            schedule.step(x[rows])
+        elif index == stages - 1:
+            schedule.step(target=y[rows])
+        else:
+            schedule.step()
+        optimizer.step()
+
+    return model, optimizer, train
+
+
+def _relayouts(rank: int, world_size: int, root: str) -> dict:
+    """Checkpoints of ``STEPS - 1`` steps written by a plain ``dcp.save`` of an ``AppState``
+    (pp 2, and the whole model), each read by a plain ``dcp.load`` on another layout, which
+    trains the last step; the format an earlier dmuon wrote for stages (each stage's param
+    groups under a key of its own), which ``load_checkpoint`` reads on any layout; and stages
+    whose groups of one name hold different hyperparameters."""
+    import torch.distributed.checkpoint as dcp
+
+    from dmuon_fsdp import CHECKPOINT_KEY, AppState
+    from dmuon_fsdp.checkpoint._checkpoint import group_state
+
+    class _PerStageKeys(AppState):
+        """``AppState`` as an earlier dmuon wrote stages: the first stage's param groups under
+        ``optim.param_groups``, stage ``p``'s under ``optim.param_groups_<p>``."""
+
+        def state_dict(self) -> dict:
+            out = super().state_dict()
+            p = self.runtime.layout.pp_index
+            del out["optim"]["param_groups"]
+            key = "param_groups" if p == 0 else f"param_groups_{p}"
+            out["optim"][key] = tuple(group_state(self.optimizer).items())
+            return out
+
+    def save(stages: int, path: str, app=AppState) -> None:
+        model, optimizer, train = _laid_out(stages)
+        for step in range(STEPS - 1):
+            train(step)
+        dcp.save({CHECKPOINT_KEY: app(model, optimizer)}, checkpoint_id=path)
+
+    def resume(stages: int, path: str, load=None) -> dict[str, torch.Tensor]:
+        model, optimizer, train = _laid_out(stages)
+        if load is None:
+            dcp.load({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=path)
+        else:
+            load(path, model, optimizer)
+        train(STEPS - 1)
+        return _state(model)
+
+    pp2, whole, old = f"{root}/pp2", f"{root}/whole", f"{root}/per-stage-keys"
+    save(2, pp2)
+    save(1, whole)
+    out: dict = {
+        "pp2_into_pp4": resume(4, pp2),
+        "pp2_into_whole": resume(1, pp2),
+        "whole_into_pp2": resume(2, whole),
+    }
+    save(2, old, _PerStageKeys)
+    out["per_stage_keys_into_pp4"] = resume(4, old, load_checkpoint)
+    out["per_stage_keys_into_whole"] = resume(1, old, load_checkpoint)
+    # Without a pipeline the format is as before: the groups under one key, as they are.
+    model, optimizer, _ = _laid_out(1)
+    optim = AppState(model, optimizer).state_dict()["optim"]
+    out["whole_format"] = set(optim) == {"state", "param_groups"} and optim["param_groups"] == (
+        tuple(group_state(optimizer).items())
+    )
+    # The earlier format, plainly loaded on its own layout: stage 1 finds the first stage's
+    # groups only, after DCP read the tensors; every rank raises.
+    model, optimizer, _ = _laid_out(2)
+    out["per_stage_keys_plain"] = _error(
+        dcp.load, {CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=old
+    )
+    # Stage 1's groups with another lr than stage 0's of the same names.
+    model, optimizer, _ = _laid_out(2)
+    index = model.out is not None
+    for group in optimizer.param_groups:
+        group["lr"] = 0.5 if index else 0.25
+    dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=f"{root}/two_lrs")
+    model, optimizer, _ = _laid_out(2)  # its own layout: each stage gets its own lr back
+    dcp.load({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=f"{root}/two_lrs")
+    out["two_lrs_pp2"] = [group["lr"] for group in optimizer.param_groups]
+    model, optimizer, _ = _laid_out(1)  # one group would hold both: refused, nothing changed
+    before = _state(model)
+    out["two_lrs_whole"] = _error(load_checkpoint, f"{root}/two_lrs", model, optimizer)
+    out["two_lrs_unchanged"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
+    out["two_lrs_plain"] = _error(
+        dcp.load, {CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=f"{root}/two_lrs"
+    )
+    return out
+
+
+@pytest.mark.distributed
+def test_a_plain_dcp_load_of_an_app_state_reads_any_pipeline_layout(tmp_path):
+    """pp 2 -> pp 4, pp 2 -> the whole model, the whole model -> pp 2, each by a plain
+    ``dcp.load``, train the last step like the reference (and alike on the ranks that hold a
+    parameter); so does the per-stage format of an earlier dmuon, through load_checkpoint."""
+    results = run_distributed(_relayouts, 4, str(tmp_path))
+    want, _ = _reference(STEPS)
+    for case in (
+        "pp2_into_pp4",
+        "pp2_into_whole",
+        "whole_into_pp2",
+        "per_stage_keys_into_pp4",
+        "per_stage_keys_into_whole",
+    ):
+        seen: dict[str, torch.Tensor] = {}
+        for rank, result in enumerate(results):
+            for name, value in result[case].items():
+                if name in seen:
+                    assert torch.equal(value, seen[name]), f"{case}, rank {rank}: {name} differs"
+                seen[name] = value
+                err = relative_error(value, want[name])
+                assert err < 1e-4, f"{case}, rank {rank}: {name} is {err:.1e} away"
+        assert set(seen) == set(want), case
+    for rank, result in enumerate(results):
+        assert result["whole_format"]
+        plain = result["per_stage_keys_plain"]
+        assert "param_groups['muon']['params']: missing key(s)" in plain or "rank(s) [2, 3]" in (
+            plain
+        ), plain
+        assert "dmuon.load_checkpoint" in plain, plain
+        lr = 0.5 if rank >= 2 else 0.25
+        assert result["two_lrs_pp2"] == [lr, lr], result["two_lrs_pp2"]
+        for call in ("two_lrs_whole", "two_lrs_plain"):
+            got = result[call]
+            assert got.startswith("ValueError: "), got
+            assert "param_groups['muon'] holds parameters saved with different" in got, got
+        assert "lr: 0.25 and 0.5" in result["two_lrs_whole"], result["two_lrs_whole"]
+        assert "load_checkpoint" in result["two_lrs_plain"]
+        assert result["two_lrs_unchanged"]

@@ -124,14 +124,30 @@ def refuse_under_pipeline(runtime: DedicatedRuntime, call: str) -> None:
     state dicts (:func:`get_model_state_dict`, :func:`get_optimizer_state_dict`, the ``set_``
     functions) gather and load a stage's tensors over the stage's ranks. A DCP checkpoint
     (``save_checkpoint``, ``AppState``) is one checkpoint of every stage, written by every rank
-    at once: the tensors' keys are FQNs, which the stages do not share, and each stage writes
-    its optimizer's param groups under a key of its own (``optim.param_groups`` for the first,
-    ``optim.param_groups_<p>`` for stage ``p``), since DCP keeps one of the values written
-    under one key. ``load_checkpoint`` takes from it what the stage module holds (the other
-    stages' keys are theirs, not unexpected), merges every stage's param groups and keeps this
-    optimizer's parameters, so a checkpoint loads on another pipeline layout too, or without a
-    pipeline; its checks agree over every rank of every stage before DCP's read, which is
-    collective over the world. What is refused: ``rank0_only`` and ``broadcast_from_rank0``,
+    at once: the tensors' keys are FQNs, which the stages do not share. The param groups are
+    one value under one key, ``optim.param_groups``, as without a pipeline, since DCP keeps
+    one of the values written under one key: ``AppState.state_dict()`` gathers every stage's
+    groups over its pipeline group (one object all-gather) and merges them into the whole
+    model's, the same on every rank. A group name's groups merge in stage order, their
+    parameters joined, where their hyperparameters agree or one of them holds no parameter
+    (a stage without Muon matrices keeps an empty ``muon`` group); where two stages' groups of
+    one name hold parameters and differ (another lr per stage), the name gets an entry per run
+    of stages. A load, plain ``dcp.load`` or ``load_checkpoint``, reads that key on any
+    layout: a stage keeps its own parameters of each group (the other stages' are theirs),
+    and takes the hyperparameters of the entries that hold them, which must agree; the whole
+    model takes every parameter. So a checkpoint loads on another pipeline layout, or without
+    one, and one written without a pipeline (the format is unchanged there) loads on stages.
+    A group of one name whose stages were saved with different hyperparameters loads on a
+    layout that keeps them apart, and raises where one group would hold both. The tensors'
+    checks ignore the other stages' keys (they are not unexpected), and agree over every rank
+    of every stage before DCP's read, which is collective over the world; so does the param
+    groups' check, before any rank installs anything.
+
+    A checkpoint of stages written before the groups were merged holds each stage's groups
+    under a key of its own (``optim.param_groups`` the first stage's, ``optim.param_groups_<p>``
+    stage ``p``'s): ``load_checkpoint`` reads every such key and merges them the same way, on
+    any layout; a plain ``dcp.load`` reads the first stage's only, which the other stages'
+    param groups check refuses. What is refused: ``rank0_only`` and ``broadcast_from_rank0``,
     which mean global rank 0, a rank of the first stage only."""
     if runtime.layout.pp_size > 1:
         raise RuntimeError(
@@ -329,24 +345,37 @@ def set_model_state_dict(
 
 
 def checked_on_every_rank(
-    runtime: DedicatedRuntime, where: str, check: Callable[[], None], *, everyone: bool = False
+    runtime: DedicatedRuntime,
+    where: str,
+    check: Callable[[], None],
+    *,
+    everyone: bool = False,
+    read_in_place: bool = False,
 ) -> None:
     """Run ``check`` (it raises ``ValueError`` for what does not fit: a dictionary, a
     checkpoint's files) and agree across ranks before anything is changed (:func:`_agree`):
     the model's ranks, or with ``everyone`` every rank of every pipeline stage (before a
     collective over the world, as DCP's). Each rank checks its own dictionary or its own view
     of the files, and a rank that went on alone would write its part and then wait for the
-    others in the next collective."""
+    others in the next collective. ``read_in_place``: the check runs after ``dcp.load`` read
+    into the live tensors (``AppState.load_state_dict``), which the other ranks' message says
+    instead of "nothing was loaded"."""
     error: ValueError | None = None
     try:
         check()
     except ValueError as e:
         error = e
-    _agree(runtime, where, error, runtime.step_group if everyone else runtime.global_group)
+    group = runtime.step_group if everyone else runtime.global_group
+    _agree(runtime, where, error, group, read_in_place=read_in_place)
 
 
 def _agree(
-    runtime: DedicatedRuntime, where: str, error: ValueError | None, group: ProcessGroup
+    runtime: DedicatedRuntime,
+    where: str,
+    error: ValueError | None,
+    group: ProcessGroup,
+    *,
+    read_in_place: bool = False,
 ) -> None:
     """Return on every rank when no rank has an ``error``; else raise on every rank: a failed
     rank its own error, the others the first failed rank's text (it travels as bytes, so
@@ -376,9 +405,16 @@ def _agree(
     if error is not None:
         raise error
     sent = bytes(data.cpu().tolist())
-    named = ValueError(
-        f"{sent[1:].decode()} [{where} failed on rank(s) {failed}; nothing was loaded on any rank]"
-    )
+    shown = sent[1:].decode()
+    if read_in_place:
+        named = ValueError(
+            f"{shown} [{where} failed on rank(s) {failed}; every rank stopped before installing"
+            " the param groups, after dcp.load had read the tensors]"
+        )
+    else:
+        named = ValueError(
+            f"{shown} [{where} failed on rank(s) {failed}; nothing was loaded on any rank]"
+        )
     if sent[:1] == b"I":
         raise CheckpointIntegrityError(str(named))
     raise named

@@ -19,9 +19,8 @@ flattens with dots (``dmuon.model.<fqn>`` under :func:`save_checkpoint`'s key ``
   optimizer state] in :mod:`._state_layout`).
 - ``optim.param_groups``: one value, ``((group name, {hyperparameters..., "params": [fqn,
   ...]}), ...)``; a tuple, so that DCP stores it whole instead of one entry per hyperparameter.
-  Under pipeline parallelism each stage's optimizer has groups of its own: the first stage
-  writes them there, stage ``p`` under ``optim.param_groups_<p>`` (see [Note: checkpoints of
-  pipeline stages]).
+  It holds the whole model's groups: under pipeline parallelism every stage's, gathered and
+  merged, the same value on every rank (see [Note: checkpoints of pipeline stages]).
 
 No key names a rank, a shard, a mesh or an owner, so the layout does not depend on the
 topology. On load each rank asks for exactly the tensors it holds now: its FSDP2 shards (DCP
@@ -46,10 +45,21 @@ tensor, and the state of a parameter the optimizer has not stepped yet into the 
 that will hold it, which nothing else sees until the install. Only after the whole read
 succeeded on every rank and the param groups passed their check are the scratch tensors copied
 into the model and the optimizer and the new states installed. So a checkpoint that does not
-fit, a damaged file or an exception inside DCP leaves both bit for bit as they were. A user's
-own ``dcp.load`` of an :class:`AppState` reads into the live tensors: DCP's planner checks keys
-and shapes before reading (it converts dtypes), :meth:`AppState.load_state_dict` checks the
-param groups after the read, and nothing checks the bytes.
+fit, a damaged file or an exception inside DCP leaves both bit for bit as they were.
+
+A user's own ``dcp.load`` of an :class:`AppState` reads into the live tensors: DCP's planner
+checks keys and shapes before reading (it converts dtypes; a key missing on any rank, such
+as a parameter's state under another route, raises on every rank before anything is read),
+:meth:`AppState.load_state_dict` checks the param groups after the read (on every rank of
+every stage alike, before any installs them), and nothing checks the bytes. The param
+groups cannot be checked before: DCP reads a non-tensor value in the same pass as the
+tensors, file by file, into the dictionary ``state_dict()`` returned, and hands it to
+``load_state_dict`` only after the whole read; a ``Stateful`` never sees the checkpoint's
+``.metadata``, and ``state_dict()``, which cannot tell a save from a load, returns the live
+tensors so that a save copies nothing. So a checkpoint whose groups do not fit (other
+``param_groups``, stages saved with different hyperparameters under one group name, see
+[Note: checkpoints of pipeline stages]) raises after DCP wrote into the model, and the
+message says so; :func:`load_checkpoint` refuses it with everything unchanged.
 
 [Note: what a load holds]
 During :func:`load_checkpoint` a rank holds, besides what it keeps afterwards:
@@ -200,7 +210,7 @@ class AppState(Stateful):
         load holds])."""
         self.runtime.drain()
         fresh: list[str] = []
-        optim = self._optimizer_state(absent, fresh)
+        optim = self._optimizer_state(absent, fresh, gather=False)
         direct = [
             f"{CHECKPOINT_KEY}.optim.state.{name}.{field}"
             for name in fresh
@@ -209,11 +219,12 @@ class AppState(Stateful):
         return {"model": self._model_tensors(), "optim": optim}, direct
 
     def _optimizer_state(
-        self, absent: Set[str] = frozenset(), fresh: list[str] | None = None
+        self, absent: Set[str] = frozenset(), fresh: list[str] | None = None, *, gather: bool = True
     ) -> dict[str, Any]:
         """The optimizer's state by parameter name, a parameter not stepped yet with its fresh
         state; with ``fresh`` (a load's target) that state holds no storage and its names are
-        appended to ``fresh``. Parameters in ``absent`` are left out."""
+        appended to ``fresh``. Parameters in ``absent`` are left out. Without ``gather`` (a
+        load's target, whose param groups are read) the param groups are a placeholder."""
         optimizer = self.optimizer
         state: dict[str, dict[str, Tensor]] = {}
         for name, p, group in layout.optimizer_params(optimizer):
@@ -234,12 +245,27 @@ class AppState(Stateful):
                 field: _as_saved(self.runtime, dp, live[field])
                 for field in layout.STATE_FIELDS[route]
             }
-        return {"state": state, _groups_key(self.runtime): tuple(group_state(optimizer).items())}
+        return {"state": state, "param_groups": self._saved_groups() if gather else ()}
+
+    def _saved_groups(self) -> tuple[tuple[str, dict[str, Any]], ...]:
+        """The value of ``optim.param_groups``: this optimizer's groups, or under a pipeline
+        every stage's, gathered over this rank's pipeline group and merged (see [Note:
+        checkpoints of pipeline stages]); the same on every rank."""
+        mine = tuple(group_state(self.optimizer).items())
+        layout_ = self.runtime.layout
+        if layout_.pp_size == 1:
+            return mine
+        assert layout_.pipeline_mesh is not None
+        stages: list[Any] = [None] * layout_.pp_size
+        dist.all_gather_object(stages, mine, group=layout_.pipeline_mesh.get_group())
+        return _merge_stage_groups(stages)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install what DCP read into the tensors of :meth:`state_dict` (an optimizer state
         entry left out, as ``load_checkpoint(strict=False)`` does for one the checkpoint lacks,
-        starts from fresh state).
+        starts from fresh state). The param groups are checked first, on every rank of every
+        pipeline stage alike; but ``dcp.load`` has read the tensors into the live ones before
+        it calls this (see [Note: a failed load changes nothing]).
 
         Args:
             state_dict: the dictionary :meth:`state_dict` returned, with the values DCP read
@@ -254,12 +280,29 @@ class AppState(Stateful):
                     " 'model' and 'optim'; load it with dcp.load({'dmuon': app_state})"
                 )
             optim = state_dict["optim"]
-            groups = dict(optim[_groups_key(self.runtime)])
-            layout.check_param_groups(where, self.optimizer, groups)
-            self._install_model(state_dict["model"])
-            self._install_optimizer(optim["state"], groups)
-            # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
-            self.runtime.after_step(async_=False)
+            found: list[dict[str, Any]] = []
+
+            def check() -> None:
+                try:
+                    groups = _loaded_groups(
+                        where, [optim["param_groups"]], self.optimizer, self.runtime
+                    )
+                    layout.check_param_groups(where, self.optimizer, groups)
+                except ValueError as error:
+                    raise ValueError(f"{error}. {_READ_IN_PLACE}") from error
+                found.append(groups)
+
+            # Every rank raises alike: a stage whose groups do not fit must not leave the
+            # others installing and publishing alone.
+            checked_on_every_rank(self.runtime, where, check, everyone=True, read_in_place=True)
+            self._install(state_dict, found[0])
+
+    def _install(self, state_dict: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
+        """Install checked values: the model's, the optimizer's state and ``groups``."""
+        self._install_model(state_dict["model"])
+        self._install_optimizer(state_dict["optim"]["state"], groups)
+        # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
+        self.runtime.after_step(async_=False)
 
     def _install_model(self, loaded: Mapping[str, Tensor]) -> None:
         _install_model(self.model, self.runtime, loaded)
@@ -382,16 +425,10 @@ def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bo
     return layout.check_optimizer_state(where, specs, got, sorted(saved), strict=strict)
 
 
-def _groups_key(runtime: DedicatedRuntime) -> str:
-    """The key of this model's param groups in the optimizer's dictionary: ``param_groups``,
-    or ``param_groups_<p>`` for pipeline stage ``p > 0`` (see [Note: checkpoints of pipeline
-    stages])."""
-    stage = runtime.layout.pp_index
-    return "param_groups" if stage == 0 else f"param_groups_{stage}"
-
-
 def _groups_keys(metadata: Metadata) -> list[str]:
-    """The optimizer dictionary's param-groups keys the checkpoint holds, in stage order."""
+    """The optimizer dictionary's param-groups keys the checkpoint holds, in stage order:
+    ``param_groups``, and in a checkpoint of stages written before the groups were merged,
+    ``param_groups_<p>`` of stage ``p`` (see [Note: checkpoints of pipeline stages])."""
     prefix = f"{CHECKPOINT_KEY}.optim."
     found = {
         key[len(prefix) :]
@@ -401,43 +438,125 @@ def _groups_keys(metadata: Metadata) -> list[str]:
     return sorted(found, key=lambda k: int(k.rpartition("_")[2]) if k[-1].isdigit() else 0)
 
 
-def _merged_groups(
+# What an AppState's own error adds: dcp.load has already read into the live tensors.
+_READ_IN_PLACE = (
+    "dcp.load read the checkpoint's tensors into the model and the optimizer before this check"
+    " (it reads in place): load it with dmuon.load_checkpoint, which checks everything before it"
+    " changes anything, or load a checkpoint that fits"
+)
+
+_Pairs = tuple[tuple[str, dict[str, Any]], ...]
+
+
+def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two saved hyperparameters are equal (tensors by dtype, shape and value)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and (a.dtype, a.shape) == (b.dtype, b.shape)
+            and torch.equal(a.detach().cpu(), b.detach().cpu())
+        )
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == is not a bool
+        return False
+
+
+def _difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    """The first hyperparameter in which ``a`` and ``b`` differ, as a message names it."""
+    for key in [*a, *(k for k in b if k not in a)]:
+        if key not in a or key not in b or not _same_value(a[key], b[key]):
+            absent = "<absent>"
+            return f"{key}: {a.get(key, absent)!r} and {b.get(key, absent)!r}"
+    return None
+
+
+def _merge_stage_groups(stages: list[Any]) -> _Pairs:
+    """The pipeline stages' param groups (each ``((name, group), ...)``, in stage order) as
+    one value of the same form, the same on every rank (see [Note: checkpoints of pipeline
+    stages]). A group name's groups merge in stage order, their ``params`` joined, where they
+    hold the same hyperparameters or one of them holds no parameter (an empty group adds no
+    parameter; its hyperparameters give way to those of a group with parameters). Where two
+    groups of one name hold parameters and differ, the name gets a second entry."""
+    entries: list[tuple[str, dict[str, Any]]] = []
+    last: dict[str, dict[str, Any]] = {}
+    for stage in stages:
+        for name, group in stage:
+            params = list(group["params"])
+            held = last.get(name)
+            if held is None or (
+                params and held["params"] and _difference(_hyperparameters(held), group)
+            ):
+                entry = {**group, "params": params}
+                entries.append((name, entry))
+                last[name] = entry
+            elif params and not held["params"]:
+                held.clear()
+                held.update(group, params=params)
+            elif params:
+                held["params"] += params
+    return tuple(entries)
+
+
+def _pairs(where: str, value: Any) -> _Pairs:
+    if not isinstance(value, tuple) or not all(
+        isinstance(pair, tuple) and len(pair) == 2 for pair in value
+    ):
+        raise ValueError(f"{where}: 'optim.param_groups' is not dmuon's ((name, group), ...)")
+    for name, group in value:
+        if not isinstance(group, Mapping):
+            raise ValueError(f"{where}: param_groups[{name!r}] must be a dict")
+    return value
+
+
+def _loaded_groups(
     where: str, values: list[Any], optimizer: Muon, runtime: DedicatedRuntime
 ) -> dict[str, Any]:
-    """The checkpoint's param groups, one value per pipeline stage it was saved with, as one
-    ``{group name: group}``: a group's parameters are its lists of every stage in stage
-    order. For a pipeline stage, only this optimizer's parameters stay, and a group takes its
-    hyperparameters from the first value that lists one of them (see [Note: checkpoints of
-    pipeline stages])."""
-    entries = [_param_groups(where, value) for value in values]
+    """This optimizer's ``{group name: group}`` from the checkpoint's param-groups values
+    (one, or one per stage of a checkpoint written before the stages' groups were merged):
+    a group name's entries joined in order, their parameters kept where this optimizer holds
+    them under a pipeline (the other stages' are theirs); the hyperparameters of the entries
+    that hold this optimizer's parameters, which must agree (see [Note: checkpoints of
+    pipeline stages]). :func:`~._state_layout.check_param_groups` checks the result."""
+    entries: dict[str, list[dict[str, Any]]] = {}
+    for value in values:
+        for name, group in _pairs(where, value):
+            entries.setdefault(name, []).append(dict(group))
     stage = runtime.layout.pp_size > 1
-    if len(entries) == 1 and not stage:
-        return entries[0]
-    mine = {name for name, _, _ in layout.optimizer_params(optimizer)} if stage else None
-    merged: dict[str, dict[str, Any]] = {}
-    for entry in entries:
-        for name, group in entry.items():
-            if not isinstance(group, Mapping):
-                raise ValueError(f"{where}: param_groups[{name!r}] must be a dict")
-            params = list(group.get("params", []))
-            if mine is not None:
-                params = [fqn for fqn in params if fqn in mine]
-            held = merged.get(name)
-            if held is None or (params and not held["params"]):
-                before = [] if held is None else held["params"]
-                merged[name] = {**group, "params": [*before, *params]}
-            else:
-                held["params"] += params
-    if mine is not None:
-        names = {group["group_name"] for group in optimizer.param_groups}
-        merged = {name: g for name, g in merged.items() if name in names or g["params"]}
-    return merged
-
-
-def _param_groups(where: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, tuple):
-        raise ValueError(f"{where}: 'optim.param_groups' is not dmuon's ((name, group), ...)")
-    return dict(value)
+    mine = {name for name, _, _ in layout.optimizer_params(optimizer)}
+    names = {group["group_name"] for group in optimizer.param_groups}
+    out: dict[str, Any] = {}
+    for name, groups in entries.items():
+        if len(groups) == 1 and not stage:
+            out[name] = groups[0]  # the whole model's group, checked as it is
+            continue
+        kept = [
+            [fqn for fqn in group.get("params", []) if not stage or fqn in mine] for group in groups
+        ]
+        holding = [i for i, params in enumerate(kept) if params]
+        if not holding and name not in names:
+            continue  # another stage's group
+        source = groups[holding[0]] if holding else groups[0]
+        for i in holding[1:]:
+            differ = _difference(_hyperparameters(source), _hyperparameters(groups[i]))
+            if differ is not None:
+                raise ValueError(
+                    f"{where}: param_groups[{name!r}] holds parameters saved with different"
+                    f" hyperparameters ({differ}, for {kept[holding[0]][0]!r} and"
+                    f" {kept[i][0]!r}): pipeline stages whose groups of one name differ, and"
+                    " this optimizer's group holds parameters of both. Give each stage's group"
+                    " a name of its own (Muon(model, param_groups=[{'group_name': ...}])), or"
+                    " load it on the pipeline layout it was saved with"
+                )
+        out[name] = {**_hyperparameters(source), "params": [f for params in kept for f in params]}
+    return out
 
 
 def load_checkpoint(
@@ -495,20 +614,26 @@ def load_checkpoint(
             lambda metadata: absent.update(_check_metadata(app, metadata, where, strict=strict)),
         )
         target, direct = app._load_target(absent)
-        # Every stage's param groups the checkpoint holds (one without a pipeline), merged.
+        # The param groups (and a checkpoint's of stages written before they were merged,
+        # every stage's key), read beside the tensors and checked before anything changes.
         optim = target["optim"]
-        own = _groups_key(app.runtime)
-        del optim[own]
+        del optim["param_groups"]
         keys = _groups_keys(metadata)
         optim.update(dict.fromkeys(keys, ()))
         state = {CHECKPOINT_KEY: target}
         scratch = integrity.load_verified(where, path, state, metadata, checksums, direct)
         values = [optim.pop(key) for key in keys]
-        groups = _merged_groups(where, values, app.optimizer, app.runtime)
-        optim[own] = tuple(groups.items())
-        layout.check_param_groups(where, app.optimizer, groups)
+        found: list[dict[str, Any]] = []
+
+        def check() -> None:
+            groups = _loaded_groups(where, values, app.optimizer, app.runtime)
+            layout.check_param_groups(where, app.optimizer, groups)
+            found.append(groups)
+
+        # On every rank of every stage alike, before any rank installs anything.
+        checked_on_every_rank(app.runtime, where, check, everyone=True)
         scratch.install()
-        app.load_state_dict(target)
+        app._install(target, found[0])
 
 
 def _read_checked(
