@@ -604,6 +604,14 @@ def _relayouts(rank: int, world_size: int, root: str) -> dict:
     out["two_lrs_plain"] = _error(
         dcp.load, {CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=f"{root}/two_lrs"
     )
+    # An lr tensor, the same on both stages: one group of the whole model takes it.
+    model, optimizer, _ = _laid_out(2)
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(0.125)
+    dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=f"{root}/lr_tensor")
+    model, optimizer, _ = _laid_out(1)
+    dcp.load({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=f"{root}/lr_tensor")
+    out["lr_tensor_whole"] = [group["lr"] for group in optimizer.param_groups]
     return out
 
 
@@ -646,3 +654,5 @@ def test_a_plain_dcp_load_of_an_app_state_reads_any_pipeline_layout(tmp_path):
         assert "lr: 0.25 and 0.5" in result["two_lrs_whole"], result["two_lrs_whole"]
         assert "load_checkpoint" in result["two_lrs_plain"]
         assert result["two_lrs_unchanged"]
+        for lr in result["lr_tensor_whole"]:
+            assert isinstance(lr, torch.Tensor) and lr.item() == 0.125, lr

@@ -250,14 +250,19 @@ class AppState(Stateful):
     def _saved_groups(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The value of ``optim.param_groups``: this optimizer's groups, or under a pipeline
         every stage's, gathered over this rank's pipeline group and merged (see [Note:
-        checkpoints of pipeline stages]); the same on every rank."""
+        checkpoints of pipeline stages]); the same on every rank. A tensor hyperparameter (an
+        ``lr`` tensor) travels as a CPU copy: unpickled, a device tensor would land on the
+        sender's device index."""
         mine = tuple(group_state(self.optimizer).items())
         layout_ = self.runtime.layout
         if layout_.pp_size == 1:
             return mine
         assert layout_.pipeline_mesh is not None
+        sent = tuple(
+            (name, {key: _on_cpu(value) for key, value in group.items()}) for name, group in mine
+        )
         stages: list[Any] = [None] * layout_.pp_size
-        dist.all_gather_object(stages, mine, group=layout_.pipeline_mesh.get_group())
+        dist.all_gather_object(stages, sent, group=layout_.pipeline_mesh.get_group())
         return _merge_stage_groups(stages)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -446,6 +451,10 @@ _READ_IN_PLACE = (
 )
 
 _Pairs = tuple[tuple[str, dict[str, Any]], ...]
+
+
+def _on_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, Tensor) else value
 
 
 def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
