@@ -550,11 +550,14 @@ def _relayouts(rank: int, world_size: int, root: str) -> dict:
             out["optim"][key] = tuple(group_state(self.optimizer).items())
             return out
 
-    def save(stages: int, path: str, app=AppState) -> None:
+    def save(stages: int, path: str, app=AppState) -> dict[str, torch.Tensor]:
+        """Save after ``STEPS - 1`` steps; the uninterrupted run's weights after the last."""
         model, optimizer, train = _laid_out(stages)
         for step in range(STEPS - 1):
             train(step)
         dcp.save({CHECKPOINT_KEY: app(model, optimizer)}, checkpoint_id=path)
+        train(STEPS - 1)
+        return _state(model)
 
     def resume(stages: int, path: str, load=None) -> dict[str, torch.Tensor]:
         model, optimizer, train = _laid_out(stages)
@@ -566,9 +569,9 @@ def _relayouts(rank: int, world_size: int, root: str) -> dict:
         return _state(model)
 
     pp2, whole, old = f"{root}/pp2", f"{root}/whole", f"{root}/per-stage-keys"
-    save(2, pp2)
+    out: dict = {"pp2_uninterrupted": save(2, pp2), "pp2_into_pp2": resume(2, pp2)}
     save(1, whole)
-    out: dict = {
+    out |= {
         "pp2_into_pp4": resume(4, pp2),
         "pp2_into_whole": resume(1, pp2),
         "whole_into_pp2": resume(2, whole),
@@ -619,10 +622,12 @@ def _relayouts(rank: int, world_size: int, root: str) -> dict:
 def test_a_plain_dcp_load_of_an_app_state_reads_any_pipeline_layout(tmp_path):
     """pp 2 -> pp 4, pp 2 -> the whole model, the whole model -> pp 2, each by a plain
     ``dcp.load``, train the last step like the reference (and alike on the ranks that hold a
-    parameter); so does the per-stage format of an earlier dmuon, through load_checkpoint."""
+    parameter), pp 2 -> pp 2 bit for bit like the uninterrupted run; so does the per-stage
+    format of an earlier dmuon, through load_checkpoint."""
     results = run_distributed(_relayouts, 4, str(tmp_path))
     want, _ = _reference(STEPS)
     for case in (
+        "pp2_into_pp2",
         "pp2_into_pp4",
         "pp2_into_whole",
         "whole_into_pp2",
@@ -639,6 +644,11 @@ def test_a_plain_dcp_load_of_an_app_state_reads_any_pipeline_layout(tmp_path):
                 assert err < 1e-4, f"{case}, rank {rank}: {name} is {err:.1e} away"
         assert set(seen) == set(want), case
     for rank, result in enumerate(results):
+        # On its own layout the merged groups resume bit for bit.
+        uninterrupted = result["pp2_uninterrupted"]
+        assert result["pp2_into_pp2"].keys() == uninterrupted.keys()
+        for name, value in result["pp2_into_pp2"].items():
+            assert torch.equal(value, uninterrupted[name]), f"rank {rank}: {name}"
         assert result["whole_format"]
         plain = result["per_stage_keys_plain"]
         assert "param_groups['muon']['params']: missing key(s)" in plain or "rank(s) [2, 3]" in (
