@@ -47,19 +47,28 @@ succeeded on every rank and the param groups passed their check are the scratch 
 into the model and the optimizer and the new states installed. So a checkpoint that does not
 fit, a damaged file or an exception inside DCP leaves both bit for bit as they were.
 
-A user's own ``dcp.load`` of an :class:`AppState` reads into the live tensors: DCP's planner
-checks keys and shapes before reading (it converts dtypes; a key missing on any rank, such
-as a parameter's state under another route, raises on every rank before anything is read),
-:meth:`AppState.load_state_dict` checks the param groups after the read (on every rank of
-every stage alike, before any installs them), and nothing checks the bytes. The param
-groups cannot be checked before: DCP reads a non-tensor value in the same pass as the
-tensors, file by file, into the dictionary ``state_dict()`` returned, and hands it to
-``load_state_dict`` only after the whole read; a ``Stateful`` never sees the checkpoint's
-``.metadata``, and ``state_dict()``, which cannot tell a save from a load, returns the live
-tensors so that a save copies nothing. So a checkpoint whose groups do not fit (other
+A user's own ``dcp.load`` of an :class:`AppState` reads into the live tensors, and nothing
+checks the bytes. DCP's planner checks keys and shapes before reading (it converts dtypes; a
+key missing on any rank, such as a parameter's state under another route, raises on every
+rank before anything is read). The param groups are a non-tensor value, which DCP reads in
+the same pass as the tensors, file by file, into the dictionary ``state_dict()`` returned; a
+``Stateful`` never sees the checkpoint's ``.metadata``, and ``state_dict()``, which cannot
+tell a save from a load, returns the live tensors so that a save copies nothing. So they are
+checked as DCP writes them into that dictionary (:class:`_GroupsCheckedOnRead`), which ends
+the read with a ``CheckpointException`` on every rank; and they are the first of the
+AppState's entries. DCP's ``FileSystemReader`` reads a rank's entries file by file, each file
+whole, in the order in which the rank's plan first names it, and the plan follows the
+dictionary handed to ``dcp.load`` in sorted key order. So where the AppState's entries come
+first (``dcp.load({"dmuon": app_state})``), a rank whose groups do not fit (other
 ``param_groups``, stages saved with different hyperparameters under one group name, see
-[Note: checkpoints of pipeline stages]) raises after DCP wrote into the model, and the
-message says so; :func:`load_checkpoint` refuses it with everything unchanged.
+[Note: checkpoints of pipeline stages]) raises before it reads any tensor. That is as far as
+DCP lets it go: an entry whose key sorts before (``{"data": loader, "dmuon": ...}``) has its
+file read first, with this rank's tensors in that file; ranks whose groups fit (the other
+pipeline stages) read their tensors before DCP gathers the failure; another storage reader may
+read in another order. :meth:`AppState.load_state_dict` checks the groups again on every rank
+of every stage alike before any rank installs them (a ``dcp.load`` with a planner that does
+not write into the dictionary), and its message says that the tensors were read.
+:func:`load_checkpoint` refuses all of these with everything unchanged on every rank.
 
 [Note: what a load holds]
 During :func:`load_checkpoint` a rank holds, besides what it keeps afterwards:
@@ -167,6 +176,44 @@ def _install_model(
                 local_shard(target).copy_(local_shard(source))
 
 
+class _GroupsCheckedOnRead(dict[str, Any]):
+    """The optimizer's part of :meth:`AppState.state_dict`, which checks the param groups
+    when ``dcp.load`` writes them into it (DCP's ``set_element``), as it reads them: the
+    first of the AppState's entries, so before this rank's tensors (see [Note: a failed load
+    changes nothing]). Saving never writes into it."""
+
+    def __init__(self, items: Any = (), *, check: Callable[[Any], None] | None = None) -> None:
+        super().__init__(items)
+        self._check = check
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "param_groups" and self._check is not None:
+            self._check(value)
+        super().__setitem__(key, value)
+
+
+def _read_check(optimizer: Muon, runtime: DedicatedRuntime) -> Callable[[Any], None]:
+    """The check of the param groups a ``dcp.load`` reads, for :class:`_GroupsCheckedOnRead`
+    (a closure, not a bound method: a deep copy of the dictionary copies no model)."""
+
+    def check(value: Any) -> None:
+        where = "dcp.load of dmuon.AppState"
+        try:
+            groups = _loaded_groups(where, [value], optimizer, runtime)
+            layout.check_param_groups(where, optimizer, groups)
+        except ValueError as error:
+            raise ValueError(
+                f"{error}. dcp.load stopped reading at the param groups, the first of the"
+                " AppState's entries; the tensors it read before are loaded (none on this rank"
+                " where the AppState's key sorts first in the dictionary given to dcp.load; a"
+                " pipeline stage whose groups fit reads its own). Load a checkpoint that fits,"
+                " or load with dmuon.load_checkpoint, which checks everything before any rank"
+                " changes anything"
+            ) from error
+
+    return check
+
+
 class AppState(Stateful):
     """A dmuon model and its :class:`Muon` optimizer as one DCP ``Stateful``.
 
@@ -195,10 +242,17 @@ class AppState(Stateful):
         self.runtime = get_runtime(model)
 
     def state_dict(self) -> dict[str, Any]:
-        """The live tensors this rank holds, keyed topology-independently."""
+        """The live tensors this rank holds, keyed topology-independently; the param groups
+        first, checked as a ``dcp.load`` reads them (see [Note: a failed load changes
+        nothing])."""
         with record_function("dmuon::dcp_state_dict"):
             self.runtime.drain()
-            return {"model": self._model_tensors(), "optim": self._optimizer_state()}
+            optim = self._optimizer_state()
+            checked = _GroupsCheckedOnRead(
+                (("param_groups", optim["param_groups"]), ("state", optim["state"])),
+                check=_read_check(self.optimizer, self.runtime),
+            )
+            return {"optim": checked, "model": self._model_tensors()}
 
     def _model_tensors(self) -> dict[str, Tensor]:
         return _model_tensors(self.model, self.runtime)
@@ -294,7 +348,12 @@ class AppState(Stateful):
                     )
                     layout.check_param_groups(where, self.optimizer, groups)
                 except ValueError as error:
-                    raise ValueError(f"{error}. {_READ_IN_PLACE}") from error
+                    raise ValueError(
+                        f"{error}. dcp.load read the checkpoint's tensors into the model and the"
+                        " optimizer before this check (it reads in place): load it with"
+                        " dmuon.load_checkpoint, which checks everything before it changes"
+                        " anything, or load a checkpoint that fits"
+                    ) from error
                 found.append(groups)
 
             # Every rank raises alike: a stage whose groups do not fit must not leave the
@@ -442,13 +501,6 @@ def _groups_keys(metadata: Metadata) -> list[str]:
     }
     return sorted(found, key=lambda k: int(k.rpartition("_")[2]) if k[-1].isdigit() else 0)
 
-
-# What an AppState's own error adds: dcp.load has already read into the live tensors.
-_READ_IN_PLACE = (
-    "dcp.load read the checkpoint's tensors into the model and the optimizer before this check"
-    " (it reads in place): load it with dmuon.load_checkpoint, which checks everything before it"
-    " changes anything, or load a checkpoint that fits"
-)
 
 _Pairs = tuple[tuple[str, dict[str, Any]], ...]
 
