@@ -533,7 +533,10 @@ def _relayouts(rank: int, world_size: int, root: str) -> dict:
     trains the last step; the format an earlier dmuon wrote for stages (each stage's param
     groups under a key of its own), which ``load_checkpoint`` reads on any layout; and stages
     whose groups of one name hold different hyperparameters."""
+    import shutil
+
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
     from dmuon_fsdp import CHECKPOINT_KEY, AppState
@@ -617,6 +620,31 @@ def _relayouts(rank: int, world_size: int, root: str) -> dict:
     out["two_lrs_whole"] = _error(load_checkpoint, f"{root}/two_lrs", model, optimizer)
     out["two_lrs_plain"] = load_plainly(f"{root}/two_lrs", model, optimizer)
     out["two_lrs_unchanged"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
+    # save_checkpoint's checksums cover the merged groups, one chunk written by one rank: the
+    # checkpoint loads into pp 4 with every chunk checked, and a changed byte in that chunk
+    # is refused, nothing changed.
+    model, optimizer, _ = _laid_out(2)
+    save_checkpoint(f"{root}/checked", model, optimizer)
+    model, optimizer, train = _laid_out(4)
+    load_checkpoint(f"{root}/checked", model, optimizer)
+    train(0)  # weights the damaged checkpoint's would change
+    if rank == 0:
+        shutil.copytree(f"{root}/checked", f"{root}/flipped")
+        metadata = FileSystemReader(f"{root}/flipped").read_metadata()
+        (info,) = [
+            info
+            for index, info in metadata.storage_data.items()
+            if index.fqn == f"{CHECKPOINT_KEY}.optim.param_groups"
+        ]
+        with open(f"{root}/flipped/{info.relative_path}", "r+b") as f:
+            f.seek(info.offset + info.length // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    before = _state(model)
+    out["flipped_groups"] = _error(load_checkpoint, f"{root}/flipped", model, optimizer)
+    out["flipped_unchanged"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
     # An lr tensor, the same on both stages: one group of the whole model takes it.
     model, optimizer, _ = _laid_out(2)
     for group in optimizer.param_groups:
@@ -675,5 +703,8 @@ def test_a_plain_dcp_load_of_an_app_state_reads_any_pipeline_layout(tmp_path):
         assert result["two_lrs_whole"].startswith("ValueError: load_checkpoint: ")
         assert result["two_lrs_plain"].startswith("CheckpointException")
         assert result["two_lrs_unchanged"]  # after both
+        flipped = result["flipped_groups"]
+        assert "checksum mismatch in dmuon.optim.param_groups" in flipped, flipped
+        assert result["flipped_unchanged"]
         for lr in result["lr_tensor_whole"]:
             assert isinstance(lr, torch.Tensor) and lr.item() == 0.125, lr
