@@ -606,11 +606,16 @@ def _relayouts(rank: int, world_size: int, root: str) -> dict:
     out["per_stage_keys_unchanged"] = all(
         torch.equal(v, before[k]) for k, v in _state(model).items()
     )
-    # Stage 1's groups with another lr than stage 0's of the same names.
+    # The stages' groups merged: one entry per group name, every stage's parameters.
     model, optimizer, _ = _laid_out(2)
+    merged = AppState(model, optimizer).state_dict()["optim"]["param_groups"]
+    out["merged"] = [(name, len(group["params"])) for name, group in merged]
+    # Stage 1's groups with another lr than stage 0's of the same names: an entry each.
     index = model.out is not None
     for group in optimizer.param_groups:
         group["lr"] = 0.5 if index else 0.25
+    merged = AppState(model, optimizer).state_dict()["optim"]["param_groups"]
+    out["merged_two_lrs"] = [(name, group["lr"]) for name, group in merged]
     dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=f"{root}/two_lrs")
     model, optimizer, _ = _laid_out(2)  # its own layout: each stage gets its own lr back
     dcp.load({CHECKPOINT_KEY: AppState(model, optimizer)}, checkpoint_id=f"{root}/two_lrs")
@@ -694,6 +699,10 @@ def test_a_plain_dcp_load_of_an_app_state_reads_any_pipeline_layout(tmp_path):
         assert "dmuon.load_checkpoint" in plain, plain
         if rank >= 2:  # stage 1 stopped at the param groups
             assert result["per_stage_keys_unchanged"]
+        # 8 matrices of the 4 blocks; 8 biases and the 2 projections' weights and biases.
+        assert result["merged"] == [("muon", 8), ("adamw", 12)], result["merged"]
+        two_lrs = [("muon", 0.25), ("adamw", 0.25), ("muon", 0.5), ("adamw", 0.5)]
+        assert result["merged_two_lrs"] == two_lrs, result["merged_two_lrs"]
         lr = 0.5 if rank >= 2 else 0.25
         assert result["two_lrs_pp2"] == [lr, lr], result["two_lrs_pp2"]
         for call in ("two_lrs_whole", "two_lrs_plain"):

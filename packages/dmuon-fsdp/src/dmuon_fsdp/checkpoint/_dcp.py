@@ -553,7 +553,9 @@ def _merge_stage_groups(stages: list[Any]) -> _Pairs:
             params = list(group["params"])
             held = last.get(name)
             if held is None or (
-                params and held["params"] and _difference(_hyperparameters(held), group)
+                params
+                and held["params"]
+                and _difference(_hyperparameters(held), _hyperparameters(group))
             ):
                 entry = {**group, "params": params}
                 entries.append((name, entry))
@@ -602,7 +604,7 @@ def _loaded_groups(
             [fqn for fqn in group.get("params", []) if not stage or fqn in mine] for group in groups
         ]
         holding = [i for i, params in enumerate(kept) if params]
-        if not holding and name not in names:
+        if not holding and stage and name not in names:
             continue  # another stage's group
         source = groups[holding[0]] if holding else groups[0]
         for i in holding[1:]:
