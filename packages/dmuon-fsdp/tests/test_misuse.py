@@ -117,6 +117,35 @@ def _torch_optimizer_beside_muon(mesh: DeviceMesh, root: str) -> None:
         optimizer.step()
 
 
+class _OptimizersContainer(torch.optim.Optimizer):
+    """torchtitan's ``OptimizersContainer``: an optimizer whose ``step()`` steps each of its
+    ``optimizers`` and whose own groups hold all of their parameters (``Optimizer.__init__``
+    over them, for the step hooks torchtitan registers on it)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+        params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+        super().__init__(params, {})
+
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def _torch_optimizer_beside_muon_in_a_container(mesh: DeviceMesh, root: str) -> None:
+    """torchtitan's optimizer container: around dmuon.Muon alone it steps (its own groups hold
+    Muon's parameters, which it steps through Muon); around torch's Adam beside Muon the Adam
+    raises at its own step."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    loss_fn(model, batch(0, ROWS)).backward()
+    _OptimizersContainer([optimizer]).step()
+    rest = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
+    _OptimizersContainer([torch.optim.Adam(rest, lr=0.1)]).step()
+
+
 def _grad_scaler(mesh: DeviceMesh, root: str) -> None:
     """torch's GradScaler: its unscale_ and inf check read param.grad only."""
     model = build(0)
@@ -436,6 +465,11 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         r"ValueError: Adam\.step\(\): its param_groups hold '[\w.]+', which dmuon\.Muon steps "
         r"already.*Adam would step it a second time.*replaces both optimizers.*adamw_lr=.*"
         r"nothing was stepped",
+    ),
+    "torch's Adam beside dmuon.Muon, both in torchtitan's optimizer container": (
+        _torch_optimizer_beside_muon_in_a_container,
+        r"ValueError: Adam\.step\(\): its param_groups hold '[\w.]+', which dmuon\.Muon steps "
+        r"already.*Adam would step it a second time",
     ),
     "model.load_state_dict of a full state dict": (
         _torch_load_of_a_full_state_dict,

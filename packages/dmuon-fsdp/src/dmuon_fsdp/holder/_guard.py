@@ -105,7 +105,10 @@ The optimizers' step pre-hook (``refuse_foreign_optimizers``) also refuses a tor
 parameter, the ones it does not orthogonalise with AdamW, so a second optimizer beside it (the
 Adam of a Muon + Adam recipe such as modded-nanogpt's, kept for the embeddings and the head)
 would step them twice per step, without a word. It raises again when its groups change size or
-a ``dmuon.Muon`` is built after its last check.
+a ``dmuon.Muon`` is built after its last check. An optimizer that holds others in
+``optimizers`` (torchtitan's ``OptimizersContainer``, whose own groups hold all of its members'
+parameters, dmuon.Muon's too) is left to them: its ``step()`` steps each member, whose own
+``step()`` the hook checks.
 
 The empty ``.grad`` of a dedicated weight also makes accelerate's
 ``Accelerator.clip_grad_norm_(model.parameters(), ...)`` (and ``clip_grad_value_``) silently
@@ -861,6 +864,13 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         if getattr(inner, STEPS_DEDICATED, False):
             return
         inner = getattr(inner, "optimizer", None)
+    members = getattr(optimizer, "optimizers", None)
+    if (
+        isinstance(members, list | tuple)
+        and members
+        and all(isinstance(member, torch.optim.Optimizer) for member in members)
+    ):
+        return  # a container (torchtitan's): its groups are its members', each checked at its step
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _CHECKED_OPTIMIZERS.get(optimizer) == (count, _registered):
         return
