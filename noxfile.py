@@ -8,7 +8,7 @@ nox -s smoke                         # install as a user would, train 2 ranks, c
 nox -s root                          # `pytest` at the root, the `uv run pytest` route
 nox -s extended                      # the slow tests CI leaves out (marked extended)
 nox -s demo -- --steps 20            # the main job (extra args go to dmuon-demo)
-nox -s integrations                  # training frameworks' recipes on 2 gloo ranks (not in CI)
+nox -s integrations                  # training frameworks' recipes on 2 gloo ranks
 
 Every tool version comes from the dependency groups of pyproject.toml, torch's and Triton's from
 its ``[tool.uv]`` table: the same pins serve nox, ``uv sync`` and CI.
@@ -79,7 +79,16 @@ TEST_EXTRAS: dict[str, list[str]] = {
 }
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "isolation", "typecheck", "docs", "smoke", "root", "tests"]
+nox.options.sessions = [
+    "lint",
+    "isolation",
+    "typecheck",
+    "docs",
+    "smoke",
+    "integrations",
+    "root",
+    "tests",
+]
 nox.options.error_on_missing_interpreters = True
 
 
@@ -281,17 +290,23 @@ INTEGRATIONS: dict[str, list[str]] = {
     # torchtitan 0.3 imports Triton at import time (its expert-parallel kernels).
     "torchtitan_train.py": ["torchtitan==0.3.0", TRITON],
 }
+# A recipe's further runs, each with its own arguments and checks (one run without by default).
+INTEGRATION_ARGS: dict[str, list[list[str]]] = {
+    "torchtitan_train.py": [[], ["--pp", "2"]],  # and in 2 pipeline stages
+}
 
 
 @nox.session
 def integrations(session: nox.Session) -> None:
     """Each framework recipe's example on 2 gloo ranks, after installing the framework at its
-    pinned version and the five packages; left out of the default sessions (CI time)."""
+    pinned version and the five packages; in CI since a framework's release or a change of
+    dmuon's can break a recipe that no package test runs."""
     frameworks = sorted({pin for pins in INTEGRATIONS.values() for pin in pins})
     session.install(TORCH, *frameworks, *_editable(*INSTALL_ORDER))
     session.chdir(ROOT)
     for script in INTEGRATIONS:
-        session.run("python", str(EXAMPLES / "integrations" / script))
+        for args in INTEGRATION_ARGS.get(script, [[]]):
+            session.run("python", str(EXAMPLES / "integrations" / script), *args)
 
 
 @nox.session

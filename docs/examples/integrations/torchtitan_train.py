@@ -40,7 +40,8 @@ comparing the pipeline in fp32]), then resumes the run without a pipeline from i
 checkpoint in P stages and exits non-zero unless step 6's loss equals that run's and steps 7
 to 10 lie within ``ACROSS_RTOL`` of it. On 2 CPU ranks (pp=2, one data-parallel rank per
 stage) the default run takes about 15 s and ``--pp 2`` about 17 s, ``--pp 2 --world-size 4``
-(2 stages x 2 data-parallel ranks) about 30 s; ``nox -s integrations`` runs the default.
+(2 stages x 2 data-parallel ranks) about 30 s; ``nox -s integrations`` runs the default and
+``--pp 2``.
 """
 
 from __future__ import annotations
