@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from dmuon_ownership import MatrixSplit, Owner, ResolvedPolicy, Route
 
 from .._matrix import MatrixView, NSFunction, Piece, matrix_shape, pieces_of
-from .._torch_internals import local_shard
+from .._torch_internals import disable_torch_function_subclass, local_shard
 from ..topology import DedicatedCommContext, MeshLayout
 from ._guard import (
     GuardedDTensor,
@@ -343,6 +343,19 @@ class DedicatedParam(ParamHolder):
         self.param.grad = None
         self.saw_grad = True
         return local_shard(grad)
+
+    def widen_local_grad(self) -> None:
+        """A backward under ``no_sync`` left this rank's local gradient in ``.grad``: from now
+        on it accumulates in the reduce dtype where that is wider than the gradient's (see
+        [Note: accumulating in the reduce dtype] in :mod:`._precision`); nothing otherwise."""
+        grad = self.param.grad
+        precision = self.precision
+        if grad is None or precision is None or precision.reduce.itemsize <= grad.dtype.itemsize:
+            return
+        # .grad is metadata of the holder, set in any state (a guarded class refuses a write).
+        with disable_torch_function_subclass():
+            self.param.grad_dtype = None
+            self.param.grad = grad.to(precision.reduce)
 
     def accumulate_grad(self, grad: Tensor) -> None:
         """Add ``grad``, this backward's averaged gradient, to the owner's ``grad`` (a view of

@@ -14,7 +14,9 @@ it is and builds its holder once the owner plan is made. The verbs, by who calls
   backward);
 - the collectives: ``take_local_grad`` and ``accumulate_grad``, the two ends of a gradient's
   way to its owner, which also record whether the parameter got one this step (see [Note: a
-  parameter without a gradient] in ``runtime/_collectives``);
+  parameter without a gradient] in ``runtime/_collectives``); before them, the gradient hook
+  of a backward under ``no_sync``: ``widen_local_grad`` (see [Note: accumulating in the reduce
+  dtype] in :mod:`._precision`);
 - the group's publish: ``receive`` and ``landed`` (a copy being sent, or overwritten by its
   owner's);
 - the step plan (``optim/_step_plan``): ``muon_entries``, the holder's step view (the tensors

@@ -32,6 +32,36 @@ FSDP2 upcasts its reduce-scattered gradient to the parameter's dtype; torch's fu
 one dtype for weight and gradient), and the Muon momentum pass reads it as it is and computes
 in the momentum's dtype.
 
+[Note: accumulating in the reduce dtype]
+Under ``no_sync`` (and a pipeline schedule, whose backwards run with gradient sync off) each
+rank sums its micro-batches' local gradients before one reduce sends the sum. autograd adds
+each backward's gradient into ``.grad``, in the compute dtype: with bf16 compute that rounds the
+sum to bf16 at every micro-batch (1.5e-3 to 1.9e-3 relative for four micro-batches of the tiny
+test model), while FSDP2 keeps its own unsharded sums in its ``reduce_dtype`` between unsynced
+backwards (``FSDPParam.unsharded_accumulated_grad``). So the post-accumulate-grad hook of a
+backward under ``no_sync`` replaces a local gradient whose dtype is narrower than the reduce
+dtype with its cast (``DedicatedParam.widen_local_grad``), once per accumulation: the parameter
+then takes a ``.grad`` of another dtype (``param.grad_dtype = None``, which also stops the
+autograd engine casting an incoming gradient to the parameter's dtype; incoming gradients are
+in the compute dtype anyway), and autograd adds each later micro-batch, the synced one too,
+into that ``.grad`` in place, computing in the reduce dtype (``fp32 += bf16``: FSDP2's
+arithmetic, no copy of the incoming gradient). The sum stays in ``.grad``, so whatever acts on
+``.grad`` before the reduce still reaches it: a pipeline schedule's ``scale_grads`` divides
+it, ``zero_grad`` drops it; the reduce takes it as it takes any local gradient (``pack_grads``
+copies it into the reduce buffer, in the reduce dtype already, and drops it). The result is
+the micro-batches' gradients summed in the reduce dtype one after the other, then over the
+ranks: bit for bit what the reduces of synced micro-batches give where that arithmetic is
+exact in the reduce dtype (bf16 gradients summed in fp32 usually are, and a division by a
+power-of-two world size is), as FSDP2's own gradients are. Nothing changes
+where the dtypes match (fp32 compute, the common case: no copy, no check beyond one dtype
+comparison per gradient under ``no_sync``), nor where the reduce dtype is the narrower one (a
+bf16 ``grad_dtype`` under fp32 compute: the sum stays fp32 until the reduce casts it, where
+FSDP2 would accumulate in its bf16 ``reduce_dtype``). The cost: between the first backward
+under ``no_sync`` and the reduce, every rank holds the local gradient of each dedicated matrix
+in the reduce dtype rather than the compute dtype (4 instead of 2 bytes an element for bf16 and
+fp32: the same as FSDP2's unsharded fp32 sums of its own parameters), and a cast holds both
+dtypes of one gradient at a time.
+
 The dtypes are resolved when the runtime packs its parameters (the first forward,
 ``Muon(...)`` or a checkpoint call, whichever comes first), because ``fully_shard`` and its
 policy come after ``dedicate_params``.

@@ -450,6 +450,8 @@ class BoundaryHooks:
         # (reentrant activation checkpointing) and only the recompute built the graph.
         self._queue_final_callback()
         self.accumulated = True
+        if not self._syncing:  # [Note: accumulating in the reduce dtype] in holder/_precision
+            self.params[index].widen_local_grad()
         boundary, pack = self._pack_of_param[index]
         if self._is_late(boundary, pack, pack):
             return

@@ -1,8 +1,9 @@
 """``no_sync``: gradient accumulation without communication, for dmuon and FSDP2 together.
 
 Inside the context dmuon issues no gradient reduce: every rank keeps accumulating its local
-gradient in ``param.grad`` (Z2 also keeps its broadcast weights, so later micro-batches do not
-broadcast again), and FSDP2 modules of the model skip their reduce-scatter
+gradient in ``param.grad``, in the reduce dtype where that is wider than the compute dtype (see
+[Note: accumulating in the reduce dtype] in holder/_precision; Z2 also keeps its broadcast
+weights, so later micro-batches do not broadcast again), and FSDP2 modules of the model skip their reduce-scatter
 (``set_requires_gradient_sync(False)``). The first backward after the context reduces the
 accumulated sum, so k micro-batches under ``no_sync`` plus one synced micro-batch give the
 gradient of their union (the mean over micro-batches if each loss is divided by k + 1).

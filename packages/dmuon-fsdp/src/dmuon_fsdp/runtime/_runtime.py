@@ -251,7 +251,9 @@ class DedicatedRuntime:
         step a gradient the number of micro-batches times too large. It marks the reduce as
         due instead, and the next ``step()``, clip or ``wait_all_reduces`` issues it first: the
         reduces a synced backward would have issued, of the divided local sums, on every rank
-        of the stage in the boundaries' order. A backward under ``no_sync`` that no such
+        of the stage in the boundaries' order. (Under mixed precision those sums are kept in
+        ``.grad`` in the reduce dtype, so the division reaches them there: see [Note:
+        accumulating in the reduce dtype] in holder/_precision.) A backward under ``no_sync`` that no such
         callback followed (the user's own loop) is still refused at the step (see [Note: a
         step after no_sync]); ``zero_grad`` drops a due reduce with the gradients."""
         if self.hooks.reduce_due:
