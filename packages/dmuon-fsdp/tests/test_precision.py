@@ -26,6 +26,7 @@ from dmuon_fsdp import (
     dedicated_params_of,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_runtime,
     no_sync,
     replicate,
     set_model_state_dict,
@@ -236,6 +237,72 @@ def test_no_sync_accumulates_dedicated_gradients_in_the_reduce_dtype() -> None:
     add up in fp32, as FSDP2 accumulates its own in its ``reduce_dtype`` (they used to add up
     in bf16 in ``.grad``: 1.5e-3 to 1.9e-3 away from the fp32 sums)."""
     run_distributed(_accumulation, 2)
+
+
+def _pipeline_stage(dedicated: bool, reshard: bool) -> tuple[nn.Module, Any]:
+    """This rank's stage (two bf16 linear layers, fp32 reduce) of a (pp 2, dp 2) mesh, its
+    matrices dedicated or FSDP2's, and a 1F1B schedule of ``MICRO`` micro-batches over it."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh["pp"].get_local_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))[2 * stage : 2 * stage + 2]
+    if dedicated:
+        dedicate_params(
+            model,
+            mesh["dp"],
+            lambda n, p: p.ndim == 2,
+            hook_boundary_predicate=lambda m: isinstance(m, nn.Linear),
+            pipeline_mesh=mesh["pp"],
+            reshard_after_forward=reshard,
+            small_param_threshold=0,
+        )
+    for layer in model:
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=MP, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=MP, reshard_after_forward=reshard)
+    pipe = PipelineStage(model, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(
+        pipe, n_microbatches=MICRO, loss_fn=lambda out, y: F.mse_loss(out.float(), y)
+    )
+    return model, schedule
+
+
+def _pipeline_accumulation(rank: int, world_size: int) -> None:
+    """A pipeline schedule's micro-batches add up in fp32 and its division by their number
+    reaches the sum once: the owners' gradients equal FSDP2's of the same matrices bit for bit
+    (powers of two divide exactly)."""
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
+    index = rank % 2  # in the data-parallel group
+    rows = slice(8 * index, 8 * index + 8)
+    for reshard in (False, True):
+        grads = []
+        for dedicated in (False, True):
+            model, schedule = _pipeline_stage(dedicated, reshard)
+            if rank < 2:
+                schedule.step(x[rows])
+            else:
+                schedule.step(target=y[rows])
+            if dedicated:
+                runtime = get_runtime(model)
+                runtime.wait_all_reduces()
+                grads.append({dp.fqn: dp.grad for dp in runtime.owned})
+            else:
+                named = model.named_parameters()
+                grads.append({n: p.grad.full_tensor() for n, p in named if p.ndim == 2})
+        fsdp, owned = grads
+        assert owned
+        for name, grad in owned.items():
+            assert torch.equal(grad, fsdp[name]), (reshard, name)
+
+
+@pytest.mark.distributed
+def test_a_pipeline_schedule_accumulates_dedicated_gradients_in_the_reduce_dtype() -> None:
+    """bf16 compute, fp32 reduce under a 1F1B schedule on (pp 2, dp 2): the dedicated
+    gradients equal FSDP2's of the same matrices (they used to add up, and be divided by the
+    schedule, in bf16: 1.7e-3 to 3.2e-3 away)."""
+    run_distributed(_pipeline_accumulation, 4)
 
 
 def _autocast(rank: int, world_size: int, reshard: bool):
