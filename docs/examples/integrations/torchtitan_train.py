@@ -727,11 +727,13 @@ def train_and_resume(
     [Note: comparing the pipeline in fp32]
     Resumed in pipeline stages from the step-5 checkpoint of the run without one, the job
     trains on the same rows in the same micro-batches, so its losses can be held to that run's
-    tightly (``ACROSS_RTOL``). In bf16 they cannot, yet: dmuon sums a dedicated matrix's
-    gradients over the micro-batches of a pipeline schedule (as under ``dmuon.no_sync``) in the
-    compute dtype, where FSDP2 sums its own in the reduce dtype (fp32), and the runs drift
-    apart by about 1e-3 after a few steps. So with ``pp`` every run of the job computes in fp32
-    (``training.mixed_precision_param``); without it, in torchtitan's bf16."""
+    tightly (``ACROSS_RTOL``). In bf16 they cannot: both sum the same gradients in the fp32
+    reduce dtype (dmuon's dedicated matrices as FSDP2's parameters), but in another order (over
+    the micro-batches, then over the stage's ranks), and a last-bit difference of such a sum now
+    and then flips a weight's bf16 rounding: with 2 data-parallel ranks per stage the runs
+    drift apart by about 3e-4 within five steps (with one they stay equal bit for bit). So with
+    ``pp`` every run of the job computes in fp32 (``training.mixed_precision_param``); without
+    it, in torchtitan's bf16."""
     if directory is None:  # one temporary directory for all ranks, rank 0's
         made = [tempfile.mkdtemp(prefix="dmuon-torchtitan-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(made, src=0)
