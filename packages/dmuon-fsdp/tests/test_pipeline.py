@@ -2,7 +2,9 @@
 stage module ``fully_shard``-ed over its data-parallel mesh, trained by torch's schedules. Held
 to an independent reference: the whole model trained in one process on the whole batch with
 the same Muon + AdamW math (``_reference``). Also: the non-finite skip and the clip norm are
-global over both stages, and what dmuon refuses under a pipeline."""
+global over both stages, and what dmuon refuses under a pipeline. An interleaved schedule
+(two model parts per rank, four stages, one ``Muon`` each tied by ``MuonParts``) is held to the
+same reference, with its checkpoint resume, its one clip norm and its one skip over every part."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from dmuon_fsdp import (
     Muon,
+    MuonParts,
     dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -309,38 +312,123 @@ def _refusals() -> dict[str, str]:
     return out
 
 
-def _interleaved(mesh: DeviceMesh) -> dict[str, str]:
-    """An interleaved schedule's run: layer ``i`` is stage ``i`` of 4, two per rank, one Muon
-    each. The first part's clip and step are refused, before either part changes."""
+def _part(mesh: DeviceMesh, index: int, reshard: bool = True) -> _Net:
+    """Model part ``index`` of an interleaved schedule's four stages: layer ``index``, with
+    the first projection on stage 0 and the last on stage 3, dedicated and sharded over the
+    stage's data-parallel mesh."""
+    part = _net()
+    for i in range(LAYERS):
+        if i != index:
+            del part.layers[str(i)]
+    part.inp = part.inp if index == 0 else None
+    part.out = part.out if index == LAYERS - 1 else None
+    dedicate_params(
+        part,
+        mesh["dp"],
+        _muon,
+        pipeline_mesh=mesh["pp"],
+        reshard_after_forward=reshard,
+        small_param_threshold=0,
+    )
+    fully_shard(part.layers[str(index)], mesh=mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(part, mesh=mesh["dp"], reshard_after_forward=reshard)
+    return part
+
+
+def _parts(mesh: DeviceMesh, reshard: bool = True):
+    """This rank's model parts of an interleaved schedule (stages ``pp`` and ``pp + 2`` of 4,
+    torch's "loop" order), their schedule, and this rank's place."""
     pp = mesh["pp"].get_local_rank()
-    parts, stages = [], []
-    for index in (pp, pp + 2):
-        part = _net()
-        for i in range(LAYERS):
-            if i != index:
-                del part.layers[str(i)]
-        part.inp = part.inp if index == 0 else None
-        part.out = part.out if index == LAYERS - 1 else None
-        dedicate_params(part, mesh["dp"], _muon, pipeline_mesh=mesh["pp"], small_param_threshold=0)
-        fully_shard(part.layers[str(index)], mesh=mesh["dp"])
-        fully_shard(part, mesh=mesh["dp"])
-        parts.append(part)
-        group = mesh["pp"].get_group()
-        stages.append(PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group))
+    parts = [_part(mesh, index, reshard) for index in (pp, pp + 2)]
+    group = mesh["pp"].get_group()
+    stages = [
+        PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group)
+        for part, index in zip(parts, (pp, pp + 2), strict=True)
+    ]
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    return parts, schedule, _Place(mesh["pp"], mesh["dp"].get_local_rank(), 2)
+
+
+def _parts_state(parts) -> dict[str, torch.Tensor]:
+    return {k: v for part in parts for k, v in _state(part).items()}
+
+
+def _train_parts(path: str) -> dict[str, torch.Tensor]:
+    """``STEPS`` steps of the interleaved schedule, one ``Muon`` per part stepped by one
+    ``MuonParts`` (Z2), the last step resumed on new parts from a DCP checkpoint of the first."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    parts, schedule, place = _parts(mesh, reshard=False)
+    optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
+    for step in range(STEPS):
+        if step == STEPS - 1:
+            save_checkpoint(path, parts, optimizer)
+            parts, schedule, place = _parts(mesh, reshard=False)
+            optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
+            load_checkpoint(path, parts, optimizer)
+        optimizer.zero_grad()
+        _run(schedule, place, step)
+        optimizer.step()
+    return _parts_state(parts)
+
+
+def _parts_global() -> dict:
+    """The clip norm and the non-finite skip of an interleaved schedule: one over every part
+    of every rank."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    parts, schedule, place = _parts(mesh)
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
-    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=nn.functional.mse_loss)
-    _run(schedule, _Place(mesh["pp"], mesh["dp"].get_local_rank(), 2), 0)
-    before = [_state(part) for part in parts]
+    optimizer = MuonParts(optimizers)
+    out: dict = {}
+    _run(schedule, place, 0)
+    clip = optimizer.grads_for_clip("all")
+    squares = torch.zeros((), dtype=torch.float64)
+    for g in clip.grads:
+        squares += g.double().square().sum()
+    dist.all_reduce(squares, group=clip.process_group)
+    out["norm"] = math.sqrt(float(squares))
+    # A part stepped (or clipped) alone would decide over the parts at its position only.
+    out["alone_step"] = _error(optimizers[0].step)
+    out["alone_clip"] = _error(optimizers[1].grads_for_clip)
+    optimizer.zero_grad()
+    # A NaN in one owned gradient of the second part of one rank: every part of every rank
+    # skips.
+    before = _parts_state(parts)
+    _run(schedule, place, 1)
+    runtime = optimizers[1].runtime
+    runtime.wait_all_reduces()
+    owned = [dp for dp in runtime.owned if dp.grad is not None]
+    holds = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(holds, torch.tensor([float(bool(owned))]))
+    if dist.get_rank() == max(r for r, held in enumerate(holds) if held.item()):
+        owned[0].grad.view(-1)[0] = math.nan
+    optimizer.step()
+    out["nan_skipped"] = [bool(o.last_step_stats.skipped) for o in (optimizer, *optimizers)]
+    out["nan_unchanged"] = all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items())
+    optimizer.zero_grad()
+    # The next step, finite, changes every part.
+    _run(schedule, place, 2)
+    optimizer.step()
+    out["finite_stepped"] = not bool(optimizer.last_step_stats.skipped) and all(
+        not torch.equal(v, before[k]) for k, v in _parts_state(parts).items()
+    )
+    return out
+
+
+def _interleaved(mesh: DeviceMesh) -> dict[str, str]:
+    """An interleaved schedule's run with one Muon per part and no ``MuonParts``: the first
+    part's clip and step are refused, before either part changes."""
+    parts, schedule, place = _parts(mesh)
+    optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
+    _run(schedule, place, 0)
+    before = _parts_state(parts)
     out = {
         "interleaved_clip": _error(optimizers[0].grads_for_clip),
         "interleaved_step": _error(optimizers[0].step),
     }
-    unchanged = all(
-        torch.equal(v, old[k])
-        for part, old in zip(parts, before, strict=True)
-        for k, v in _state(part).items()
-    )
+    unchanged = all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items())
     out["interleaved_unchanged"] = str(unchanged)
+    out["parts_of_one_model"] = _error(MuonParts, [optimizers[0], optimizers[0]])
+    out["parts_empty"] = _error(MuonParts, [])
     return out
 
 
@@ -351,6 +439,8 @@ def _pipeline(rank: int, world_size: int, path: str) -> dict:
         "without_pipeline": _without_pipeline(path),
         "global": _global_checks(),
         "refusals": _refusals(),
+        "interleaved": _train_parts(f"{path}_parts"),
+        "parts_global": _parts_global(),
     }
     return out
 
@@ -446,13 +536,15 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         assert "pipeline_mesh=mesh['pp']" in got["no_pipeline_mesh"]
         assert got["mismatch"].startswith("ValueError: pipeline_mesh does not match mesh")
         assert got["not_fsdp"].startswith("ValueError: dedicate_params(pipeline_mesh=...) was")
-        assert "one stage module per rank" in got["second"], got["second"]
+        assert "dmuon.MuonParts" in got["second"], got["second"]
         call = "get_model_state_dict(rank0_only=True)"
         assert got["rank0_only"].startswith(f"RuntimeError: {call} is not supported under")
         assert "the last backward ran inside dmuon.no_sync" in result["global"]["no_sync"]
         for call in ("clip", "step"):
-            assert "one stage module per rank" in got[f"interleaved_{call}"], (call, got)
+            assert "dmuon.MuonParts" in got[f"interleaved_{call}"], (call, got)
         assert got["interleaved_unchanged"] == "True"
+        assert got["parts_of_one_model"].startswith("ValueError: MuonParts: optimizers 0 and 1")
+        assert got["parts_empty"].startswith("ValueError: MuonParts takes"), got["parts_empty"]
         forgot = got["one_stage_forgot"]
         assert forgot.startswith("ValueError: mesh sizes do not multiply to the world size"), forgot
 
@@ -472,7 +564,7 @@ def test_tensor_parallel_stages_train_like_the_whole_model():
 # 4 data-parallel ranks (1 stage), (pp 2, dp 2), and (pp 4, dp 1) with one layer per stage.
 
 
-def _part(index: int, stages: int) -> _Net:
+def _stage_of(index: int, stages: int) -> _Net:
     """Stage ``index`` of ``stages``: its ``LAYERS // stages`` layers, and the first or the last
     projection."""
     model = _net()
@@ -498,7 +590,7 @@ def _laid_out(stages: int):
         mesh = init_device_mesh("cpu", (stages, 4 // stages), mesh_dim_names=("pp", "dp"))
         dp, pp_mesh = mesh["dp"], mesh["pp"]
         index = pp_mesh.get_local_rank()
-        model = _part(index, stages)
+        model = _stage_of(index, stages)
     dedicate_params(model, dp, _muon, pipeline_mesh=pp_mesh, small_param_threshold=0)
     for layer in model.layers.values():
         fully_shard(layer, mesh=dp)
@@ -717,3 +809,23 @@ def test_a_plain_dcp_load_of_an_app_state_reads_any_pipeline_layout(tmp_path):
         assert result["flipped_unchanged"]
         for lr in result["lr_tensor_whole"]:
             assert isinstance(lr, torch.Tensor) and lr.item() == 0.125, lr
+
+
+@pytest.mark.distributed
+def test_an_interleaved_schedule_trains_like_the_whole_model(pipeline_runs):
+    """ScheduleInterleaved1F1B: 4 stages on pp 2 x dp 2, two parts per rank, one Muon each,
+    stepped by one MuonParts; the last step resumed from a DCP checkpoint of the parts."""
+    _check_against_reference([result["interleaved"] for result in pipeline_runs])
+
+
+@pytest.mark.distributed
+def test_muon_parts_clip_and_skip_cover_every_part(pipeline_runs):
+    _, norm = _reference(1)
+    for result in pipeline_runs:
+        got = result["parts_global"]
+        assert got["norm"] == pytest.approx(norm, rel=1e-5)
+        assert got["nan_skipped"] == [True, True, True], got["nan_skipped"]
+        assert got["nan_unchanged"]
+        assert got["finite_stepped"]
+        for call in ("step", "clip"):
+            assert "Call the MuonParts' own" in got[f"alone_{call}"], (call, got)
