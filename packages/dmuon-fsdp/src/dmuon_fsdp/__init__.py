@@ -47,7 +47,7 @@ from .checkpoint import (
     set_optimizer_state_dict,
 )
 from .holder import DedicatedParam, NotHeldError, Role, WeightPart
-from .optim import Muon, MuonClipGrads, MuonStepStats, QKClip, QKRowMap, StepOptions
+from .optim import Muon, MuonClipGrads, MuonParts, MuonStepStats, QKClip, QKRowMap, StepOptions
 from .runtime import DedicateConfig, DedicatedRuntime, get_runtime, no_sync
 from .setup import (
     dedicate_params,
@@ -84,6 +84,7 @@ __all__ = [
     "MatrixSplit",
     "Muon",
     "MuonClipGrads",
+    "MuonParts",
     "MuonStepStats",
     "NotHeldError",
     "PackRow",

@@ -29,6 +29,7 @@ from dmuon_fsdp import CheckpointIntegrityError as CheckpointIntegrityError
 from dmuon_fsdp import DedicateConfig as DedicateConfig
 from dmuon_fsdp import MatrixSplit as MatrixSplit
 from dmuon_fsdp import Muon as Muon
+from dmuon_fsdp import MuonParts as MuonParts
 from dmuon_fsdp import NotHeldError as NotHeldError
 from dmuon_fsdp import QKClip as QKClip
 from dmuon_fsdp import StepOptions as StepOptions

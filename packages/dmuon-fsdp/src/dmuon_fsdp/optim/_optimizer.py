@@ -32,6 +32,7 @@ parameter's holder answers for it, see [Note: the step plan] in _step_plan):
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Never, overload
@@ -88,6 +89,7 @@ from ._usage_checks import (
     check_pipeline_stage,
     refuse_added_group,
     refuse_clip_after_no_sync,
+    refuse_part_used_alone,
     refuse_step_while_lent,
     stage_steps_so_far,
     warn_frozen_dedicated,
@@ -399,6 +401,9 @@ class Muon(torch.optim.Optimizer):
         check_pipeline_stage(model, self._runtime)
         # See [Note: one stage module per rank]; None: no pipeline stage.
         self._stage_mark: int | None = None
+        # The MuonParts this optimizer is a part of (see [Note: the parts of a rank] in
+        # _parts); held weakly: the MuonParts holds its parts.
+        self._joint: weakref.ref[Any] | None = None
         if self._runtime.layout.pp_size > 1:
             hooks = self._runtime.hooks
             self._stage_mark = stage_steps_so_far(self, lambda: hooks.backward_since_step)
@@ -610,35 +615,33 @@ class Muon(torch.optim.Optimizer):
             closure: ``None``, or a callable that recomputes the loss (run with gradients
                 enabled before the step) and returns it; ``step`` returns what it returned.
         """
+        if self._parts():
+            refuse_part_used_alone("Muon.step()")
         if self._weights_lent_to is not None:
             refuse_step_while_lent(self._weights_lent_to)
         loss = _closure_loss(closure)
-        mark, numbers = self._begin()
-        with span("dmuon::optimizer_step"):
-            work = self._collect(numbers, mark)
-            found, skip = self._nonfinite(work, mark)
-            self._muon_update(work, skip, mark)
-            self._adamw_update(work, found, skip, mark)
-            error = self._post_update(mark)
-            self._publish(mark)
-        if error is not None:
-            raise error
+        step_together((self,))
         return loss
+
+    def _parts(self) -> tuple[Muon, ...]:
+        """The parts of the live ``MuonParts`` this optimizer is one of (itself among them),
+        ``()`` where none is."""
+        joint = None if self._joint is None else self._joint()
+        return () if joint is None else joint.optimizers
 
     # -- the phases of a step: each closes its step-profile phase with ``mark`` ----------------
 
     def _begin(self) -> tuple[Callable[[str], None], dict[int, dict[str, Any]]]:
         """Start the step profile, check that the process groups are alive and that the
-        gradients were reduced, take the param-group edits, check the parameters (all of them
-        at the first step) and run the pre-step hooks; returns the profile's ``mark`` (see
-        [Note: the step profile]) and each group's hyperparameters of this step
-        (``take_group_edits``)."""
+        gradients were reduced, take the param-group edits and check the parameters (all of
+        them at the first step); returns the profile's ``mark`` (see [Note: the step profile])
+        and each group's hyperparameters of this step (``take_group_edits``)."""
         mark = no_mark if self._timer is None else self._timer.mark
         if self._timer is not None:
             self._timer.start()
         self._runtime.comm_ctx.check_alive()
         if self._stage_mark is not None:
-            self._stage_mark = check_one_stage_per_rank(self, self._stage_mark)
+            self._stage_mark = check_one_stage_per_rank(self, self._stage_mark, self._parts())
         self._runtime.check_gradients_synced()
         self._runtime.check_no_grad_set_by_hand()
         check_no_all_reduce_hook(self._all_reduce_hooked)
@@ -652,11 +655,19 @@ class Muon(torch.optim.Optimizer):
         )
         check_no_loss_scaling(self)
         check_none_unfrozen(self._frozen)
+        return mark, numbers
+
+    def _before_step(
+        self, mark: Callable[[str], None], numbers: dict[int, dict[str, Any]]
+    ) -> dict[int, dict[str, Any]]:
+        """Run the pre-step hooks (after :meth:`_begin`'s checks, those of every part of a
+        ``MuonParts``); returns the groups' hyperparameters of this step, which a hook may
+        have set."""
         self._hooks.before_step(self)
         if self._hooks.pre_step:  # a hook may set this step's values (an adaptive lr)
             numbers = take_group_edits(self.param_groups, self._built_groups)
         mark("pre_step")
-        return mark, numbers
+        return numbers
 
     def _collect(
         self, numbers: dict[int, dict[str, Any]], mark: Callable[[str], None]
@@ -701,14 +712,14 @@ class Muon(torch.optim.Optimizer):
         self._overlap = None
 
     def _nonfinite(
-        self, work: _StepWork, mark: Callable[[str], None]
+        self, found: Tensor | None, mark: Callable[[str], None]
     ) -> tuple[Tensor | None, Tensor | None]:
-        """The non-finite decision (``found`` for torch's fused AdamW, ``skip`` for the Muon
-        passes), counted in the step stats, or ``(None, None)`` without ``skip_nonfinite``."""
-        if not self._options.skip_nonfinite:
+        """The non-finite decision (``found``, agreed over every rank by
+        :func:`_agreed_nonfinite`, for torch's fused AdamW; ``skip`` for the Muon passes),
+        counted in the step stats, or ``(None, None)`` without ``skip_nonfinite``."""
+        if found is None:
             mark("nonfinite_check")
             return None, None
-        found = self._find_nonfinite(work)
         skip = found > 0
         self._skipped_steps.add_(skip.to(self._skipped_steps.device))
         self._last_skip = skip
@@ -871,9 +882,9 @@ class Muon(torch.optim.Optimizer):
         return (group, params, grads, states) if params else None
 
     def _find_nonfinite(self, work: _StepWork) -> Tensor:
-        """1.0 when any gradient any rank is about to step with holds a NaN or an infinity, on
-        the device and agreed across ranks without a host sync; see [Note: non-finite
-        gradients] in _muon_math."""
+        """1.0 when any gradient this rank is about to step with holds a NaN or an infinity, on
+        the device without a host sync (:func:`_agreed_nonfinite` agrees on it across ranks);
+        see [Note: non-finite gradients] in _muon_math."""
         device = self._runtime.layout.device
         found = torch.zeros((), dtype=torch.float32, device=device)
         grads = [item.grad for _, items, _ in work.batches for item in items]
@@ -892,10 +903,6 @@ class Muon(torch.optim.Optimizer):
             # a widening is exact, and fp32 is the same narrowing either way).
             stacked = torch.stack(peaks).float()
             found = (~torch.isfinite(stacked).all()).float()
-        # Every rank, TP grids and pipeline stages included: one decision for the step (see
-        # [Note: global quantities] in _comm, [Note: pipeline stages] in _mesh).
-        if self._global_size > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._runtime.step_group)
         return found
 
     @property
@@ -1003,9 +1010,17 @@ class Muon(torch.optim.Optimizer):
                 iterable of them (frozen ones are skipped; another tensor raises
                 ``ValueError``).
         """
-        chosen = self._clip_selection(params)
+        if self._parts():
+            refuse_part_used_alone("Muon.grads_for_clip() (dmuon.clip_grad_norm_)")
+        return self._grads_for_clip(self._clip_selection(params))
+
+    def _grads_for_clip(self, chosen: set[int]) -> MuonClipGrads:
+        """:meth:`grads_for_clip` of the parameters ``chosen`` (ids), also for a part of a
+        ``MuonParts``, whose other parts are clipped with it."""
         if self._stage_mark is not None:
-            check_no_other_stage_pending(self, "dmuon.clip_grad_norm_ (grads_for_clip)")
+            check_no_other_stage_pending(
+                self, "dmuon.clip_grad_norm_ (grads_for_clip)", self._parts()
+            )
         self._runtime.finish_pipeline_backward()
         if self._runtime.hooks.unsynced_backward:
             refuse_clip_after_no_sync()
@@ -1140,3 +1155,54 @@ class Muon(torch.optim.Optimizer):
             if group["optimizer"] == Route.MUON
             for name in group["param_names"]
         ]
+
+
+def step_together(optimizers: Sequence[Muon]) -> None:
+    """One ``step()`` of each of ``optimizers`` (one ``Muon``, or the parts of a ``MuonParts``
+    in their order, the same on every rank) with one non-finite decision over all of them (see
+    [Note: the parts of a rank] in _parts). Every check of every optimizer runs before any
+    pre-step hook, and a post-update hook's exception is raised once every optimizer has
+    published."""
+    for optimizer in optimizers:
+        if optimizer._weights_lent_to is not None:
+            refuse_step_while_lent(optimizer._weights_lent_to)
+    begun = [optimizer._begin() for optimizer in optimizers]
+    begun = [
+        (mark, optimizer._before_step(mark, numbers))
+        for optimizer, (mark, numbers) in zip(optimizers, begun, strict=True)
+    ]
+    errors: list[BaseException] = []
+    with span("dmuon::optimizer_step"):
+        works = [
+            optimizer._collect(numbers, mark)
+            for optimizer, (mark, numbers) in zip(optimizers, begun, strict=True)
+        ]
+        agreed = _agreed_nonfinite(optimizers, works)
+        for optimizer, (mark, _), work in zip(optimizers, begun, works, strict=True):
+            found, skip = optimizer._nonfinite(agreed, mark)
+            optimizer._muon_update(work, skip, mark)
+            optimizer._adamw_update(work, found, skip, mark)
+            error = optimizer._post_update(mark)
+            if error is not None:
+                errors.append(error)
+            optimizer._publish(mark)
+    if errors:
+        raise errors[0]
+
+
+def _agreed_nonfinite(optimizers: Sequence[Muon], works: Sequence[_StepWork]) -> Tensor | None:
+    """1.0 when any gradient that any of ``optimizers`` on any rank is about to step with holds
+    a NaN or an infinity, agreed in one all-reduce (``None`` without ``skip_nonfinite``, which
+    the parts of a ``MuonParts`` share). Every rank, TP grids, pipeline stages and model parts
+    included: one decision for the step (see [Note: global quantities] in _comm, [Note:
+    pipeline stages] in _mesh)."""
+    first = optimizers[0]
+    if not first._options.skip_nonfinite:
+        return None
+    found = [
+        optimizer._find_nonfinite(work) for optimizer, work in zip(optimizers, works, strict=True)
+    ]
+    agreed = found[0] if len(found) == 1 else torch.stack(found).amax()
+    if first._global_size > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=first._runtime.step_group)
+    return agreed

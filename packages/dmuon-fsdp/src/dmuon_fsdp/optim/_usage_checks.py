@@ -420,12 +420,14 @@ class _StageSteps:
 
 _STAGE_STEPS = _StageSteps()
 
-# Why two stage modules per rank are refused, and the fix (see [Note: one stage module per rank]).
+# Why two untied stage modules per rank are refused, and the fix (see [Note: one stage module
+# per rank]).
 _ONE_STAGE_PER_RANK = (
-    "and dmuon takes one stage module per rank (ScheduleGPipe, Schedule1F1B): with several (an"
-    " interleaved or looped schedule's model parts, one Muon each) each Muon would decide the"
-    " step's non-finite skip and clip norm over the stages at its position only, not over the"
-    " whole pipeline. Use a schedule with one stage per rank"
+    "and each Muon alone decides the step's non-finite skip and clip norm over the stages at its"
+    " position only, not over the whole pipeline (an interleaved or looped schedule's model"
+    " parts, one Muon each). Tie this rank's optimizers, in the order of its parts, into one"
+    " optimizer and step and clip that: optimizer = dmuon.MuonParts([dmuon.Muon(part, ...) for"
+    " part in model_parts])"
 )
 
 
@@ -437,44 +439,57 @@ def stage_steps_so_far(optimizer: object, pending: Callable[[], bool]) -> int:
     return _STAGE_STEPS.count
 
 
-def check_no_other_stage_pending(optimizer: object, call: str) -> None:
+def check_no_other_stage_pending(
+    optimizer: object, call: str, together: Collection[object] = ()
+) -> None:
     """Refuse ``call`` (a step or a clip of a pipeline stage's ``optimizer``) while another
-    live stage optimizer of this rank has a backward it has not stepped: the first model part
-    of an interleaved schedule, whose step or clip would otherwise change it before the second
-    part's step raises (see [Note: one stage module per rank])."""
+    live stage optimizer of this rank, not one of ``together`` (the parts of its
+    ``MuonParts``), has a backward it has not stepped: the first model part of an interleaved
+    schedule without ``MuonParts``, whose step or clip would otherwise change it before the
+    second part's step raises (see [Note: one stage module per rank])."""
     if any(
-        pending() for other, pending in list(_STAGE_STEPS.pending.items()) if other is not optimizer
+        pending()
+        for other, pending in list(_STAGE_STEPS.pending.items())
+        if other is not optimizer and all(other is not mine for mine in together)
     ):
         raise RuntimeError(
             f"{call}: another pipeline stage module on this rank ran a backward that its"
-            f" optimizer has not stepped, {_ONE_STAGE_PER_RANK} (a stage module trained no"
-            " more: drop it and its optimizer); nothing was changed"
+            f" optimizer has not stepped, {_ONE_STAGE_PER_RANK}. A stage module trained no"
+            " more: drop it and its optimizer; nothing was changed"
         )
 
 
-def check_one_stage_per_rank(optimizer: object, mark: int) -> int:
+def check_one_stage_per_rank(
+    optimizer: object, mark: int, together: Collection[object] = ()
+) -> int:
     """Refuse the step of a pipeline stage's ``optimizer`` when another stage's optimizer,
-    still alive, stepped on this rank since ``mark`` (its construction or its last step);
-    returns its next mark.
+    still alive and not one of ``together`` (the parts of its ``MuonParts``), stepped on this
+    rank since ``mark`` (its construction or its last step); returns its next mark.
 
     [Note: one stage module per rank]
-    The step's non-finite decision and the clip norm are reduced over every rank by each
-    ``Muon`` (see [Note: pipeline stages] in ``topology._mesh``), once per step. With one stage
-    module per rank (GPipe, 1F1B) that covers the whole pipeline. With several per rank (one
-    ``Muon`` per model part, as torchtitan builds for an interleaved or looped schedule) the
-    k-th optimizer of every rank would reduce with the k-th of the others: a NaN in one stage
-    would skip the parts that share its position and not the others, and each part would be
-    clipped by a norm of its own. Two stages' optimizers stepping in turn on one rank are that
-    case (an optimizer of a stage module rebuilt or resumed, whose predecessor steps no more,
-    is not), so the second of them raises at its first step, on every rank alike (every rank
-    of such a pipeline holds as many stages as the others), before it changes anything. The
-    first part's clip or step is refused already where another part of this rank ran a backward
-    not yet stepped (:func:`check_no_other_stage_pending`): an interleaved schedule
-    runs every part's backward before the first optimizer clips or steps, so nothing of any
-    part changes."""
-    check_no_other_stage_pending(optimizer, "Muon.step()")
+    The step's non-finite decision and the clip norm are reduced over every rank (see [Note:
+    pipeline stages] in ``topology._mesh``), once per step. With one stage module per rank
+    (GPipe, 1F1B) each ``Muon`` does that itself. With several per rank (one ``Muon`` per
+    model part, as torchtitan builds for an interleaved or looped schedule) the k-th optimizer
+    of every rank would reduce with the k-th of the others: a NaN in one stage would skip the
+    parts that share its position and not the others, and each part would be clipped by a
+    norm of its own. ``MuonParts`` ties a rank's optimizers so that they reduce once, together
+    (see [Note: the parts of a rank] in ``_parts``). Two stages' untied optimizers stepping in
+    turn on one rank are the wrong case (an optimizer of a stage module rebuilt or resumed,
+    whose predecessor steps no more, is not), so the second of them raises at its first step,
+    on every rank alike (every rank of such a pipeline holds as many stages as the others),
+    before it changes anything. The first part's clip or step is refused already where another
+    part of this rank ran a backward not yet stepped (:func:`check_no_other_stage_pending`): an
+    interleaved schedule runs every part's backward before the first optimizer clips or steps,
+    so nothing of any part changes."""
+    check_no_other_stage_pending(optimizer, "Muon.step()", together)
     last = None if _STAGE_STEPS.last is None else _STAGE_STEPS.last()
-    if last is not None and last is not optimizer and _STAGE_STEPS.count > mark:
+    if (
+        last is not None
+        and last is not optimizer
+        and all(last is not mine for mine in together)
+        and _STAGE_STEPS.count > mark
+    ):
         raise RuntimeError(
             "Muon.step(): another pipeline stage's optimizer stepped on this rank since this"
             f" one was built or last stepped, {_ONE_STAGE_PER_RANK}; nothing was stepped"
@@ -482,6 +497,18 @@ def check_one_stage_per_rank(optimizer: object, mark: int) -> int:
     _STAGE_STEPS.count += 1
     _STAGE_STEPS.last = weakref.ref(optimizer)
     return _STAGE_STEPS.count
+
+
+def refuse_part_used_alone(call: str) -> NoReturn:
+    """Refuse ``call`` (a step or a clip) of one part of a ``MuonParts``: it would decide the
+    non-finite skip or the clip norm over that part alone (see [Note: the parts of a rank])."""
+    raise RuntimeError(
+        f"{call}: this Muon is a part of a dmuon.MuonParts, which steps and clips every model"
+        " part of this rank with one non-finite decision and one clip norm over all of them;"
+        " this part alone would decide over the stages at its position only. Call the"
+        " MuonParts' own step() and clip it (dmuon.clip_grad_norm_(parts, ...)); nothing was"
+        " changed"
+    )
 
 
 def refuse_step_while_lent(lent_to: str) -> NoReturn:

@@ -1,0 +1,263 @@
+"""``MuonParts``: the :class:`Muon` optimizers of a rank's pipeline model parts, stepped and
+clipped as one.
+
+[Note: the parts of a rank]
+Interleaved and looped schedules (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
+``ScheduleInterleavedZeroBubble``, V schedules) give every rank several model parts, stages
+``p`` and ``p + P`` of ``2P`` say, each a stage module of its own: ``dedicate_params`` (with
+the same ``pipeline_mesh``) and ``fully_shard`` per part, and one ``Muon`` per part, as
+torchtitan builds one optimizer per part behind its ``OptimizersContainer``. Each part plans
+and agrees on its owners over its stage's data-parallel ranks, which hold the part at the same
+place in their lists (the k-th ``dedicate_params`` of every rank is the k-th part of its
+position), and its collectives run in the process groups of that position, in the schedule's
+order, which is the same on every rank of the position.
+
+What must hold for the whole step is reduced once over every part of every rank:
+``MuonParts.step()`` checks every part, runs their pre-step hooks, collects their gradients,
+takes each part's local non-finite verdict and agrees on their maximum in one all-reduce over
+every rank, then steps every part with that one decision. Its clip protocol
+(``grads_for_clip``) hands every part's gradients to one norm over the same ranks, so one
+coefficient scales every part (torchtitan's clip reduces one norm over the ``pp`` mesh). A part
+stepped or clipped alone raises: it would decide over the parts at its position only (see
+[Note: one stage module per rank] in ``_usage_checks``). Every rank ties as many parts, in the
+order of its stages; ``MuonParts()`` checks both, collectively, and raises on every rank alike.
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import overload
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from ..topology import all_gather_numbers
+from ._optimizer import Muon, MuonClipGrads, MuonStepStats, step_together
+
+__all__ = ["MuonParts"]
+
+
+class MuonParts:
+    """The :class:`Muon` optimizers of this rank's model parts (an interleaved, looped or V
+    pipeline schedule's stage modules), stepped and clipped as one: one non-finite skip
+    decision and one clip norm over every part of every rank (see [Note: the parts of a rank]).
+
+    ``step()`` steps every part; ``dmuon.clip_grad_norm_(parts, ...)`` clips every part's
+    gradients by one norm; ``dmuon.save_checkpoint(path, model_parts, parts)`` and
+    ``load_checkpoint`` take the parts' modules as a list. A part's own ``step()`` or
+    ``grads_for_clip()`` raises ``RuntimeError`` while it belongs to a live ``MuonParts``.
+
+    Args:
+        optimizers: one :class:`Muon` per model part of this rank, in the order of the parts
+            (their stage indices, as torchtitan lists ``model_parts``), each built on a stage
+            module given to ``dedicate_params`` with the same ``pipeline_mesh``; every rank
+            passes as many. Collective over every rank (a check that the ranks agree on the
+            parts). Empty, not ``Muon`` objects, two of one model, a part of another live
+            ``MuonParts``, other pipeline meshes, or ``skip_nonfinite`` differing between parts
+            raise ``ValueError`` before anything changes.
+    """
+
+    def __init__(self, optimizers: Sequence[Muon]) -> None:
+        if (
+            isinstance(optimizers, Muon)
+            or not isinstance(optimizers, Sequence)
+            or not optimizers
+            or not all(isinstance(o, Muon) for o in optimizers)
+        ):
+            got = type(optimizers).__name__
+            if isinstance(optimizers, Sequence) and not isinstance(optimizers, str):
+                got = f"{got} of {[type(o).__name__ for o in optimizers]}"
+            raise ValueError(
+                "MuonParts takes a non-empty list of dmuon.Muon, one per model part of this"
+                " rank in the order of the parts, got"
+                f" {got}: dmuon.MuonParts([dmuon.Muon(part, ...) for part in model_parts])"
+            )
+        parts = tuple(optimizers)
+        for j, later in enumerate(parts):
+            for i, earlier in enumerate(parts[:j]):
+                if earlier.model is later.model:
+                    raise ValueError(
+                        f"MuonParts: optimizers {i} and {j} step the same model part"
+                        f" ({type(later.model).__name__}); pass one Muon per model part"
+                    )
+        for k, optimizer in enumerate(parts):
+            if optimizer._parts():
+                raise ValueError(
+                    f"MuonParts: optimizer {k} is a part of another live MuonParts already;"
+                    " tie each rank's optimizers once, and drop the old MuonParts first"
+                )
+        places = {(o.runtime.layout.pp_size, o.runtime.layout.pp_index) for o in parts}
+        if len(places) > 1:
+            raise ValueError(
+                "MuonParts: the parts were given other pipeline meshes (pipeline size, index):"
+                f" {sorted(places)}; pass every part's dedicate_params the same"
+                " pipeline_mesh=mesh['pp']"
+            )
+        if len({o.options.skip_nonfinite for o in parts}) > 1:
+            raise ValueError(
+                "MuonParts: the parts differ in StepOptions(skip_nonfinite=...), but the step"
+                " takes one non-finite decision for all of them; build every part's Muon with"
+                " the same skip_nonfinite"
+            )
+        _check_ranks_agree(parts)
+        self._optimizers = parts
+        for k, optimizer in enumerate(parts):
+            optimizer._joint = weakref.ref(self)
+            optimizer.runtime.pipeline_part = k
+
+    @property
+    def optimizers(self) -> tuple[Muon, ...]:
+        """The parts' optimizers, in the order given (one LR scheduler each, say)."""
+        return self._optimizers
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step every part, with one non-finite decision over every part of every rank (see
+        [Note: the parts of a rank]); collective.
+
+        Args:
+            closure: ``None``, or a callable that recomputes the loss (run once, with
+                gradients enabled, before the step) and returns it; ``step`` returns what it
+                returned.
+        """
+        loss = None
+        if closure is not None:
+            if not callable(closure):
+                raise TypeError(
+                    "MuonParts.step: closure must be None or a callable returning the loss, got"
+                    f" {type(closure).__name__}"
+                )
+            with torch.enable_grad():
+                loss = closure()
+        step_together(self._optimizers)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``zero_grad`` of every part.
+
+        Args:
+            set_to_none: as :meth:`Muon.zero_grad`: ``True`` frees the gradients, ``False``
+                fills them with zeros.
+        """
+        for optimizer in self._optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    @property
+    def last_step_stats(self) -> MuonStepStats:
+        """:attr:`Muon.last_step_stats` of the last ``step()``: every part took the same
+        decision, so the first part's."""
+        return self._optimizers[0].last_step_stats
+
+    # -- the dmuon-clip protocol: one norm over every part -------------------------------------
+
+    def muon_grads_for_clip(self) -> MuonClipGrads:
+        """``grads_for_clip("muon")``."""
+        return self.grads_for_clip("muon")
+
+    def grads_for_clip(self, params: str | Iterable[Tensor] = "muon") -> MuonClipGrads:
+        """:meth:`Muon.grads_for_clip` of every part, as one: their gradients and copies in the
+        order of the parts, summed over the group of every rank (every element of every part
+        counted once).
+
+        Args:
+            params: ``"muon"``, ``"adamw"``, ``"all"``, a parameter of one of the parts, or an
+                iterable of them (frozen ones are skipped; another tensor raises
+                ``ValueError``).
+        """
+        chosen = self._selections(params)
+        taken = [
+            optimizer._grads_for_clip(ids)
+            for optimizer, ids in zip(self._optimizers, chosen, strict=True)
+        ]
+        grads = [g for got in taken for g in got.grads]
+        copies = tuple(c for got in taken for c in got.copies)
+        device = next((got.device for got in taken if got.grads or got.copies), taken[0].device)
+        sharded = any(got.sharded for got in taken)
+        return MuonClipGrads(grads, taken[0].process_group, device, copies, sharded=sharded)
+
+    def clip_group_and_device(
+        self, params: str | Iterable[Tensor] = "muon"
+    ) -> tuple[ProcessGroup | None, torch.device]:
+        """:meth:`Muon.clip_group_and_device`: the group of every rank and the first part's
+        device; nothing is waited for or changed.
+
+        Args:
+            params: the selection :meth:`grads_for_clip` takes.
+        """
+        self._selections(params)
+        return self._optimizers[0].clip_group_and_device()
+
+    def grads_split_over_ranks(self, params: str | Iterable[Tensor] = "muon") -> bool:
+        """:meth:`Muon.grads_split_over_ranks` of any part; nothing is waited for or changed.
+
+        Args:
+            params: the selection :meth:`grads_for_clip` takes.
+        """
+        chosen = self._selections(params)
+        return any(
+            optimizer._clip_sharded(ids)
+            for optimizer, ids in zip(self._optimizers, chosen, strict=True)
+        )
+
+    def _selections(self, params: str | Iterable[Tensor]) -> list[set[int]]:
+        """Each part's ids of the parameters ``params`` selects (checked as
+        :meth:`Muon.grads_for_clip` checks them: a tensor of no part raises)."""
+        if isinstance(params, str) or isinstance(params, nn.Module):
+            return [optimizer._clip_selection(params) for optimizer in self._optimizers]
+        if isinstance(params, Tensor):
+            params = [params]
+        given = list(params)
+        chosen = []
+        for optimizer in self._optimizers:
+            names = optimizer._plan.names
+            chosen.append(optimizer._clip_selection([p for p in given if id(p) in names]))
+        known = set().union(*chosen)
+        # A tensor of no part: the first part's check refuses it as not its parameter.
+        self._optimizers[0]._clip_selection(
+            [p for p in given if id(p) not in known and not _frozen(p)]
+        )
+        return chosen
+
+
+def _frozen(p: object) -> bool:
+    return isinstance(p, nn.Parameter) and not p.requires_grad
+
+
+def _check_ranks_agree(parts: tuple[Muon, ...]) -> None:
+    """Raise on every rank alike unless every rank ties as many parts and the ranks of one
+    pipeline position list the same parts in the same order (the FQNs of each part's
+    parameters); collective over every rank."""
+    runtime = parts[0].runtime
+    device = runtime.layout.device
+    group = runtime.step_group
+    counts = [row[0] for row in all_gather_numbers([len(parts)], device, group=group)]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"MuonParts: the ranks tie different numbers of model parts ({counts}, by rank of"
+            " the pipeline), so their steps would not meet; every rank passes one Muon per"
+            " model part, as many as the others (an interleaved schedule gives each rank the"
+            " same number of stages)"
+        )
+    mine = [runtime.layout.pp_index] + [
+        zlib.crc32(" ".join(sorted(n for n, _ in o.model.named_parameters())).encode())
+        for o in parts
+    ]
+    rows = all_gather_numbers(mine, device, group=group)
+    by_position: dict[int, list[int]] = {}
+    for row in rows:  # every rank sees every row, so every rank raises alike
+        listed = by_position.setdefault(row[0], row[1:])
+        if listed != row[1:]:
+            k = next(k for k, (a, b) in enumerate(zip(listed, row[1:], strict=True)) if a != b)
+            raise ValueError(
+                f"MuonParts: part {k} holds other parameters on some rank than on another rank"
+                f" of the same pipeline position ({row[0]}), so their collectives would pair"
+                " other stages; list the optimizers in the order of the model parts (their"
+                " stage indices) on every rank"
+            )
