@@ -24,6 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -299,6 +300,7 @@ def _refusals() -> dict[str, str]:
     optimizers[0].step()
     out["second"] = _error(optimizers[1].step)
     out.update(_interleaved(mesh))
+    out.update(_dual_pipe_v(mesh))  # the untied parts above are dropped
     # What names one rank of the world (see [Note: checkpoints of pipeline stages]).
     out["rank0_only"] = _error(get_model_state_dict, model, rank0_only=True)
     # Stage 1 forgets pipeline_mesh: stage 0, whose meshes cover the world, raises too.
@@ -432,6 +434,34 @@ def _interleaved(mesh: DeviceMesh) -> dict[str, str]:
     return out
 
 
+def _dual_pipe_v(mesh: DeviceMesh) -> dict[str, str]:
+    """A V schedule (ScheduleDualPipeV: stages pp and 3 - pp) writes weight gradients by hand
+    on some stages: refused on every rank at the step, before any part changes (it trained
+    1e-3 to 7e-2 away from the reference before the refusal)."""
+    pp = mesh["pp"].get_local_rank()
+    indices = (pp, LAYERS - 1 - pp)
+    parts = [_part(mesh, index, reshard=False) for index in indices]
+    group = mesh["pp"].get_group()
+    stages = [
+        PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group)
+        for part, index in zip(parts, indices, strict=True)
+    ]
+    schedule = ScheduleDualPipeV(stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
+    x, y = _batch(0)
+    rows = slice(mesh["dp"].get_local_rank() * 4, mesh["dp"].get_local_rank() * 4 + 4)
+    if pp == 0:  # the first and the last stage
+        schedule.step(x[rows], target=y[rows])
+    else:
+        schedule.step()
+    before = _parts_state(parts)
+    out = {"dual_pipe_v": _error(optimizer.step)}
+    unchanged = all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items())
+    out["dual_pipe_v_unchanged"] = str(unchanged)
+    optimizer.zero_grad()
+    return out
+
+
 def _pipeline(rank: int, world_size: int, path: str) -> dict:
     out: dict = {
         ("gpipe", True): _train("gpipe", True, path=path),
@@ -545,6 +575,8 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         assert got["interleaved_unchanged"] == "True"
         assert got["parts_of_one_model"].startswith("ValueError: MuonParts: optimizers 0 and 1")
         assert got["parts_empty"].startswith("ValueError: MuonParts takes"), got["parts_empty"]
+        assert "as the zero-bubble and V schedules do" in got["dual_pipe_v"], got["dual_pipe_v"]
+        assert got["dual_pipe_v_unchanged"] == "True"
         forgot = got["one_stage_forgot"]
         assert forgot.startswith("ValueError: mesh sizes do not multiply to the world size"), forgot
 
