@@ -355,22 +355,52 @@ def _parts_state(parts) -> dict[str, torch.Tensor]:
     return {k: v for part in parts for k, v in _state(part).items()}
 
 
-def _train_parts(path: str) -> dict[str, torch.Tensor]:
+def _train_parts(path: str, stages_path: str) -> dict:
     """``STEPS`` steps of the interleaved schedule, one ``Muon`` per part stepped by one
-    ``MuonParts`` (Z2), the last step resumed on new parts from a DCP checkpoint of the first."""
+    ``MuonParts`` (Z2), the last step resumed on new parts from a DCP checkpoint of the first;
+    the param groups it saved (the whole model's); and the last step resumed on new parts by a
+    plain ``dcp.load`` of an ``AppState`` of the parts from the checkpoint at ``stages_path``
+    (one stage per rank, step 2 of 3)."""
+    import torch.distributed.checkpoint as dcp
+
+    from dmuon_fsdp import CHECKPOINT_KEY, AppState
+
+    def last_step(load) -> dict[str, torch.Tensor]:
+        parts, schedule, place = _parts(mesh, reshard=False)
+        optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
+        load(parts, optimizer)
+        optimizer.zero_grad()
+        _run(schedule, place, STEPS - 1)
+        optimizer.step()
+        return _parts_state(parts)
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     parts, schedule, place = _parts(mesh, reshard=False)
     optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
-    for step in range(STEPS):
-        if step == STEPS - 1:
-            save_checkpoint(path, parts, optimizer)
-            parts, schedule, place = _parts(mesh, reshard=False)
-            optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
-            load_checkpoint(path, parts, optimizer)
+    for step in range(STEPS - 1):
         optimizer.zero_grad()
         _run(schedule, place, step)
         optimizer.step()
-    return _parts_state(parts)
+    save_checkpoint(path, parts, optimizer)
+    groups = AppState(parts, optimizer).state_dict()["optim"]["param_groups"]
+    # The second part's groups do not fit (another group name): refused on every rank before
+    # either part changes.
+    parts, _, _ = _parts(mesh, reshard=False)
+    optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
+    optimizers[1].param_groups[0]["group_name"] = "renamed"
+    before = _parts_state(parts)
+    unfit = _error(load_checkpoint, path, parts, MuonParts(optimizers))
+    return {
+        "unfit": unfit,
+        "unfit_unchanged": all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items()),
+        "train": last_step(lambda parts, o: load_checkpoint(path, parts, o)),
+        "groups": [(name, group["params"]) for name, group in groups],
+        "from_stages": last_step(
+            lambda parts, o: dcp.load(
+                {CHECKPOINT_KEY: AppState(parts, o)}, checkpoint_id=stages_path
+            )
+        ),
+    }
 
 
 def _parts_global() -> dict:
@@ -469,7 +499,8 @@ def _pipeline(rank: int, world_size: int, path: str) -> dict:
         "without_pipeline": _without_pipeline(path),
         "global": _global_checks(),
         "refusals": _refusals(),
-        "interleaved": _train_parts(f"{path}_parts"),
+        "interleaved": _train_parts(f"{path}_parts", path),
+        "interleaved_into_whole": _without_pipeline(f"{path}_parts"),
         "parts_global": _parts_global(),
     }
     return out
@@ -846,8 +877,21 @@ def test_a_plain_dcp_load_of_an_app_state_reads_any_pipeline_layout(tmp_path):
 @pytest.mark.distributed
 def test_an_interleaved_schedule_trains_like_the_whole_model(pipeline_runs):
     """ScheduleInterleaved1F1B: 4 stages on pp 2 x dp 2, two parts per rank, one Muon each,
-    stepped by one MuonParts; the last step resumed from a DCP checkpoint of the parts."""
-    _check_against_reference([result["interleaved"] for result in pipeline_runs])
+    stepped by one MuonParts; the last step resumed from a DCP checkpoint of the parts. Its
+    param groups are the whole model's, so it loads into the whole model (load_checkpoint), and
+    a plain dcp.load of the parts reads the checkpoint of one stage per rank."""
+    _check_against_reference([result["interleaved"]["train"] for result in pipeline_runs])
+    _check_against_reference([result["interleaved"]["from_stages"] for result in pipeline_runs])
+    _check_against_reference([result["interleaved_into_whole"] for result in pipeline_runs], 2)
+    names = [name for name, _ in _net().named_parameters()]
+    muon = [name for name, p in _net().named_parameters() if _muon(name, p)]
+    whole = [("muon", muon), ("adamw", [name for name in names if name not in muon])]
+    for result in pipeline_runs:
+        got = result["interleaved"]
+        assert got["groups"] == whole, got["groups"]
+        # The second part's groups do not fit: no part changed.
+        assert "param_groups: missing key(s) ['renamed']" in got["unfit"], got["unfit"]
+        assert got["unfit_unchanged"]
 
 
 @pytest.mark.distributed

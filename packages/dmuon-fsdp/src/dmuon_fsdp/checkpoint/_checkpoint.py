@@ -132,16 +132,22 @@ def refuse_under_pipeline(runtime: DedicatedRuntime, call: str) -> None:
     parameters joined, where their hyperparameters agree or one of them holds no parameter
     (a stage without Muon matrices keeps an empty ``muon`` group); where two stages' groups of
     one name hold parameters and differ (another lr per stage), the name gets an entry per run
-    of stages. A load, plain ``dcp.load`` or ``load_checkpoint``, reads that key on any
-    layout: a stage keeps its own parameters of each group (the other stages' are theirs),
-    and takes the hyperparameters of the entries that hold them, which must agree; the whole
-    model takes every parameter. So a checkpoint loads on another pipeline layout, or without
-    one, and one written without a pipeline (the format is unchanged there) loads on stages.
-    A group of one name whose stages were saved with different hyperparameters loads on a
+    of stages. A rank with several model parts (a ``MuonParts``, interleaved and looped
+    schedules) is one ``AppState`` of every part: each part's tensors under their FQNs, and
+    one param-groups value, for which each part's groups are gathered over the pipeline group
+    in turn; part ``k`` of position ``p`` is stage ``p + k * P`` (torch's "loop" order), so
+    the gathers in part order list every stage in order, merged once. A load, plain
+    ``dcp.load`` or ``load_checkpoint``, reads that key on any layout: a stage (each part of a
+    rank) keeps its own parameters of each group (the other stages' are theirs), and takes the
+    hyperparameters of the entries that hold them, which must agree; the whole model takes
+    every parameter. So a checkpoint loads on another pipeline layout (one part per rank or
+    several), or without one, and one written without a pipeline (the format is unchanged
+    there) loads on stages. A group of one name whose stages were saved with different hyperparameters loads on a
     layout that keeps them apart, and raises where one group would hold both. The tensors'
     checks ignore the other stages' keys (they are not unexpected), and agree over every rank
-    of every stage before DCP's read, which is collective over the world; so does the param
-    groups' check, before any rank installs anything.
+    of every stage before DCP's read, which is collective over the world (one read of every
+    part of a rank); so does the param groups' check, of every part, before any rank installs
+    anything.
 
     A checkpoint of stages written before the groups were merged holds each stage's groups
     under a key of its own (``optim.param_groups`` the first stage's, ``optim.param_groups_<p>``

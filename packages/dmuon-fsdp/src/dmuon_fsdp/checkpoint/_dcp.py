@@ -19,8 +19,12 @@ flattens with dots (``dmuon.model.<fqn>`` under :func:`save_checkpoint`'s key ``
   optimizer state] in :mod:`._state_layout`).
 - ``optim.param_groups``: one value, ``((group name, {hyperparameters..., "params": [fqn,
   ...]}), ...)``; a tuple, so that DCP stores it whole instead of one entry per hyperparameter.
-  It holds the whole model's groups: under pipeline parallelism every stage's, gathered and
-  merged, the same value on every rank (see [Note: checkpoints of pipeline stages]).
+  It holds the whole model's groups: under pipeline parallelism every stage's (every model
+  part's of a ``MuonParts``), gathered and merged, the same value on every rank (see [Note:
+  checkpoints of pipeline stages]).
+
+With a ``MuonParts`` the AppState is one of every model part of the rank: one dictionary of
+these keys, which the parts' FQNs keep apart.
 
 No key names a rank, a shard, a mesh or an owner, so the layout does not depend on the
 topology. On load each rank asks for exactly the tensors it holds now: its FSDP2 shards (DCP
@@ -96,7 +100,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -111,7 +115,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .._checks import check_bool
 from .._torch_internals import local_shard
 from ..holder import DedicatedParam
-from ..optim import Muon
+from ..optim import Muon, MuonParts
 from ..runtime import DedicatedRuntime, get_runtime
 from . import _integrity as integrity
 from . import _state_layout as layout
@@ -192,15 +196,18 @@ class _GroupsCheckedOnRead(dict[str, Any]):
         super().__setitem__(key, value)
 
 
-def _read_check(optimizer: Muon, runtime: DedicatedRuntime) -> Callable[[Any], None]:
-    """The check of the param groups a ``dcp.load`` reads, for :class:`_GroupsCheckedOnRead`
-    (a closure, not a bound method: a deep copy of the dictionary copies no model)."""
+def _read_check(parts: Sequence[tuple[Muon, DedicatedRuntime]]) -> Callable[[Any], None]:
+    """The check of the param groups a ``dcp.load`` reads, for :class:`_GroupsCheckedOnRead`,
+    for every model part (a closure, not a bound method: a deep copy of the dictionary copies
+    no model)."""
+    several = len(parts) > 1
 
     def check(value: Any) -> None:
         where = "dcp.load of dmuon.AppState"
         try:
-            groups = _loaded_groups(where, [value], optimizer, runtime)
-            layout.check_param_groups(where, optimizer, groups)
+            for optimizer, runtime in parts:
+                groups = _loaded_groups(where, [value], optimizer, runtime, several=several)
+                layout.check_param_groups(where, optimizer, groups)
         except ValueError as error:
             raise ValueError(
                 f"{error}. dcp.load stopped reading at the param groups, the first of the"
@@ -231,54 +238,74 @@ class AppState(Stateful):
 
     Args:
         model: the model given to ``dedicate_params`` (that object; another raises
-            ``ValueError``).
+            ``ValueError``); with a :class:`MuonParts`, the list of its parts' modules, in its
+            order.
         optimizer: the :class:`Muon` built on ``model`` (another object raises
-            ``ValueError``).
+            ``ValueError``), or the :class:`MuonParts` of this rank's model parts.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Muon) -> None:
-        self.optimizer = layout.check_optimizer(model, optimizer)
-        self.model = model
-        self.runtime = get_runtime(model)
+    def __init__(self, model: nn.Module | Sequence[nn.Module], optimizer: Muon | MuonParts) -> None:
+        # With a MuonParts, an AppState per model part: one Stateful, whose dictionary holds
+        # every part's tensors (their FQNs are the stages') and the one param-groups value.
+        self.parts: tuple[AppState, ...] = ()
+        if isinstance(optimizer, MuonParts):
+            pairs = _pair_parts(model, optimizer)
+            self.parts = tuple(AppState(m, o) for m, o in pairs)
+            model, optimizer = pairs[0]
+        assert isinstance(model, nn.Module)
+        self.optimizer: Muon = layout.check_optimizer(model, optimizer)
+        self.model: nn.Module = model
+        self.runtime: DedicatedRuntime = get_runtime(model)
+
+    def _each(self) -> tuple[AppState, ...]:
+        """The AppState of every model part: this one's parts, or itself."""
+        return self.parts or (self,)
 
     def state_dict(self) -> dict[str, Any]:
         """The live tensors this rank holds, keyed topology-independently; the param groups
         first, checked as a ``dcp.load`` reads them (see [Note: a failed load changes
         nothing])."""
         with record_function("dmuon::dcp_state_dict"):
-            self.runtime.drain()
-            optim = self._optimizer_state()
+            model: dict[str, Tensor] = {}
+            state: dict[str, Any] = {}
+            for part in self._each():
+                part.runtime.drain()
+                model |= part._model_tensors()
+                state |= part._optimizer_state()
             checked = _GroupsCheckedOnRead(
-                (("param_groups", optim["param_groups"]), ("state", optim["state"])),
-                check=_read_check(self.optimizer, self.runtime),
+                (("param_groups", self._saved_groups()), ("state", state)),
+                check=_read_check([(part.optimizer, part.runtime) for part in self._each()]),
             )
-            return {"optim": checked, "model": self._model_tensors()}
+            return {"optim": checked, "model": model}
 
     def _model_tensors(self) -> dict[str, Tensor]:
         return _model_tensors(self.model, self.runtime)
 
     def _load_target(self, absent: set[str]) -> tuple[dict[str, Any], list[str]]:
-        """What :func:`load_checkpoint` reads into: :meth:`state_dict` without the optimizer
-        entries of ``absent``, each entry the optimizer does not hold yet without storage
-        until DCP reads into it; and the flattened keys of those entries (see [Note: what a
-        load holds])."""
-        self.runtime.drain()
+        """What :func:`load_checkpoint` reads into: :meth:`state_dict` of every part without
+        the param groups and the optimizer entries of ``absent``, each entry an optimizer does
+        not hold yet without storage until DCP reads into it; and the flattened keys of those
+        entries (see [Note: what a load holds])."""
         fresh: list[str] = []
-        optim = self._optimizer_state(absent, fresh, gather=False)
+        model: dict[str, Tensor] = {}
+        state: dict[str, Any] = {}
+        for part in self._each():
+            part.runtime.drain()
+            model |= part._model_tensors()
+            state |= part._optimizer_state(absent, fresh)
         direct = [
             f"{CHECKPOINT_KEY}.optim.state.{name}.{field}"
             for name in fresh
-            for field in optim["state"][name]
+            for field in state[name]
         ]
-        return {"model": self._model_tensors(), "optim": optim}, direct
+        return {"model": model, "optim": {"state": state}}, direct
 
     def _optimizer_state(
-        self, absent: Set[str] = frozenset(), fresh: list[str] | None = None, *, gather: bool = True
-    ) -> dict[str, Any]:
+        self, absent: Set[str] = frozenset(), fresh: list[str] | None = None
+    ) -> dict[str, dict[str, Tensor]]:
         """The optimizer's state by parameter name, a parameter not stepped yet with its fresh
         state; with ``fresh`` (a load's target) that state holds no storage and its names are
-        appended to ``fresh``. Parameters in ``absent`` are left out. Without ``gather`` (a
-        load's target, whose param groups are read) the param groups are a placeholder."""
+        appended to ``fresh``. Parameters in ``absent`` are left out."""
         optimizer = self.optimizer
         state: dict[str, dict[str, Tensor]] = {}
         for name, p, group in layout.optimizer_params(optimizer):
@@ -299,24 +326,30 @@ class AppState(Stateful):
                 field: _as_saved(self.runtime, dp, live[field])
                 for field in layout.STATE_FIELDS[route]
             }
-        return {"state": state, "param_groups": self._saved_groups() if gather else ()}
+        return state
 
     def _saved_groups(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The value of ``optim.param_groups``: this optimizer's groups, or under a pipeline
-        every stage's, gathered over this rank's pipeline group and merged (see [Note:
-        checkpoints of pipeline stages]); the same on every rank. A tensor hyperparameter (an
-        ``lr`` tensor) travels as a CPU copy: unpickled, a device tensor would land on the
-        sender's device index."""
-        mine = tuple(group_state(self.optimizer).items())
+        every stage's, each part's gathered over this rank's pipeline group and all merged in
+        stage order (see [Note: checkpoints of pipeline stages]); the same on every rank. A
+        tensor hyperparameter (an ``lr`` tensor) travels as a CPU copy: unpickled, a device
+        tensor would land on the sender's device index."""
         layout_ = self.runtime.layout
-        if layout_.pp_size == 1:
-            return mine
-        assert layout_.pipeline_mesh is not None
-        sent = tuple(
-            (name, {key: _on_cpu(value) for key, value in group.items()}) for name, group in mine
-        )
-        stages: list[Any] = [None] * layout_.pp_size
-        dist.all_gather_object(stages, sent, group=layout_.pipeline_mesh.get_group())
+        if layout_.pp_size == 1 and not self.parts:
+            return tuple(group_state(self.optimizer).items())
+        # Part k of position p is stage p + k * P: the gathers in part order list the stages
+        # in order.
+        stages: list[Any] = []
+        for part in self._each():
+            sent = tuple(
+                (name, {key: _on_cpu(value) for key, value in group.items()})
+                for name, group in group_state(part.optimizer).items()
+            )
+            gathered: list[Any] = [sent]
+            if layout_.pipeline_mesh is not None:
+                gathered = [None] * layout_.pp_size
+                dist.all_gather_object(gathered, sent, group=layout_.pipeline_mesh.get_group())
+            stages += gathered
         return _merge_stage_groups(stages)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -338,15 +371,18 @@ class AppState(Stateful):
                     f"{where}: expected the dictionary AppState.state_dict() returned, with"
                     " 'model' and 'optim'; load it with dcp.load({'dmuon': app_state})"
                 )
-            optim = state_dict["optim"]
+            value = state_dict["optim"]["param_groups"]
+            parts = self._each()
             found: list[dict[str, Any]] = []
 
             def check() -> None:
                 try:
-                    groups = _loaded_groups(
-                        where, [optim["param_groups"]], self.optimizer, self.runtime
-                    )
-                    layout.check_param_groups(where, self.optimizer, groups)
+                    for part in parts:
+                        groups = _loaded_groups(
+                            where, [value], part.optimizer, part.runtime, several=len(parts) > 1
+                        )
+                        layout.check_param_groups(where, part.optimizer, groups)
+                        found.append(groups)
                 except ValueError as error:
                     raise ValueError(
                         f"{error}. dcp.load read the checkpoint's tensors into the model and the"
@@ -354,15 +390,16 @@ class AppState(Stateful):
                         " dmuon.load_checkpoint, which checks everything before it changes"
                         " anything, or load a checkpoint that fits"
                     ) from error
-                found.append(groups)
 
-            # Every rank raises alike: a stage whose groups do not fit must not leave the
-            # others installing and publishing alone.
+            # Every rank raises alike, every part checked before any installs: a stage whose
+            # groups do not fit must not leave the others installing and publishing alone.
             checked_on_every_rank(self.runtime, where, check, everyone=True, read_in_place=True)
-            self._install(state_dict, found[0])
+            for part, groups in zip(parts, found, strict=True):
+                part._install(state_dict, groups)
 
     def _install(self, state_dict: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
-        """Install checked values: the model's, the optimizer's state and ``groups``."""
+        """Install checked values: this model's and its optimizer's of ``state_dict`` (which
+        may hold other parts' too) and ``groups``."""
         self._install_model(state_dict["model"])
         self._install_optimizer(state_dict["optim"]["state"], groups)
         # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
@@ -396,7 +433,11 @@ class AppState(Stateful):
             }
 
 
-def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: Muon) -> None:
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: Muon | MuonParts,
+) -> None:
     """Write a sharded checkpoint of ``model`` and ``optimizer`` to the directory ``path``
     with ``dcp.save`` (see [Note: the DCP layout]), and next to it ``dmuon_checksums.json``,
     the CRC32 of every chunk written, which :func:`load_checkpoint` verifies (see [Note:
@@ -408,9 +449,10 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: M
         path: the checkpoint directory, the same on every rank (DCP's ``FileSystemWriter``
             writes there); a checksum record of an earlier save into it is removed first.
         model: the model given to ``dedicate_params`` (that object; another raises
-            ``ValueError``).
+            ``ValueError``); with a :class:`MuonParts`, the list of its parts' modules, in
+            its order.
         optimizer: the :class:`Muon` built on ``model`` (another object raises
-            ``ValueError``).
+            ``ValueError``), or the :class:`MuonParts` of this rank's model parts.
     """
     _check_not_a_file("save_checkpoint", path)
     with record_function("dmuon::save_checkpoint"):
@@ -418,6 +460,28 @@ def save_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: M
         integrity.clear_checksums(path)
         dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, storage_writer=writer)
         integrity.record_checksums(writer, "save_checkpoint")
+
+
+def _pair_parts(model: object, optimizer: MuonParts) -> list[tuple[nn.Module, Muon]]:
+    """Each model part of ``model`` (a list of the parts' modules) with its optimizer of
+    ``optimizer``, in order; raises ``ValueError`` where they do not match."""
+    parts = optimizer.optimizers
+    if isinstance(model, nn.Module) or not isinstance(model, Sequence):
+        raise ValueError(
+            f"with a MuonParts of {len(parts)} part(s) pass the model parts' modules as a list"
+            f" in the order of its optimizers, got {type(model).__name__}: e.g."
+            " dmuon.save_checkpoint(path, model_parts, parts)"
+        )
+    modules = list(model)
+    if len(modules) != len(parts) or any(
+        m is not o.model for m, o in zip(modules, parts, strict=False)
+    ):
+        raise ValueError(
+            f"the {len(modules)} model part(s) given are not the {len(parts)} modules the"
+            " MuonParts' optimizers were built on, in their order; pass [o.model for o in"
+            " parts.optimizers]"
+        )
+    return list(zip(modules, parts, strict=True))
 
 
 def _check_not_a_file(where: str, path: str | os.PathLike[str]) -> None:
@@ -442,10 +506,15 @@ def _prefixed(prefix: str, metadata: Metadata) -> dict[str, layout.TensorSpec | 
 
 
 def _check_model_metadata(
-    model: nn.Module, runtime: DedicatedRuntime, metadata: Metadata, where: str
+    model: nn.Module,
+    runtime: DedicatedRuntime,
+    metadata: Metadata,
+    where: str,
+    *,
+    several: bool = False,
 ) -> None:
     """Check the checkpoint's model tensors against the model (see [Note: a failed load
-    changes nothing])."""
+    changes nothing]); ``several``: it is one of this rank's model parts."""
     root = f"{CHECKPOINT_KEY}."
     if not any(key.startswith(root) for key in metadata.state_dict_metadata):
         raise ValueError(
@@ -455,7 +524,7 @@ def _check_model_metadata(
         )
     specs = layout.model_specs(layout.model_entries(model, runtime))
     saved = _prefixed(f"{root}model.", metadata)
-    if runtime.layout.pp_size > 1:  # the other stages' keys are theirs
+    if runtime.layout.pp_size > 1 or several:  # the other stages' keys are theirs
         saved = {key: spec for key, spec in saved.items() if key in specs}
     layout.check_model(
         where,
@@ -466,27 +535,33 @@ def _check_model_metadata(
 
 
 def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bool) -> list[str]:
-    """Check every tensor of the checkpoint against the model and optimizer (see [Note: a
-    failed load changes nothing]); returns the parameters without optimizer state."""
+    """Check every tensor of the checkpoint against the model and optimizer, of every part
+    (see [Note: a failed load changes nothing]); returns the parameters without optimizer
+    state."""
     root = f"{CHECKPOINT_KEY}."
-    _check_model_metadata(app.model, app.runtime, metadata, where)
+    several = len(app._each()) > 1
+    for part in app._each():
+        _check_model_metadata(part.model, part.runtime, metadata, where, several=several)
     if f"{root}optim.param_groups" not in metadata.state_dict_metadata:
         raise ValueError(
             f"{where}: the checkpoint has no {root}optim.param_groups entry; it was not written"
             " by dmuon.save_checkpoint / AppState, or it is damaged"
         )
-    specs = layout.optimizer_specs(app.optimizer)
-    saved = _prefixed(f"{root}optim.state.", metadata)
-    got: dict[str, dict[str, layout.TensorSpec | None]] = {}
-    for fqn, fields in specs.items():
-        entry = {
-            field: saved.pop(f"{fqn}.{field}") for field in fields if f"{fqn}.{field}" in saved
-        }
-        if entry:
-            got[fqn] = entry
-    if app.runtime.layout.pp_size > 1:  # the other stages' parameters are theirs
-        saved = {key: v for key, v in saved.items() if key.rpartition(".")[0] in specs}
-    return layout.check_optimizer_state(where, specs, got, sorted(saved), strict=strict)
+    absent: list[str] = []
+    for part in app._each():
+        specs = layout.optimizer_specs(part.optimizer)
+        saved = _prefixed(f"{root}optim.state.", metadata)
+        got: dict[str, dict[str, layout.TensorSpec | None]] = {}
+        for fqn, fields in specs.items():
+            entry = {
+                field: saved.pop(f"{fqn}.{field}") for field in fields if f"{fqn}.{field}" in saved
+            }
+            if entry:
+                got[fqn] = entry
+        if part.runtime.layout.pp_size > 1 or several:  # the other stages' are theirs
+            saved = {key: v for key, v in saved.items() if key.rpartition(".")[0] in specs}
+        absent += layout.check_optimizer_state(where, specs, got, sorted(saved), strict=strict)
+    return absent
 
 
 def _groups_keys(metadata: Metadata) -> list[str]:
@@ -580,19 +655,25 @@ def _pairs(where: str, value: Any) -> _Pairs:
 
 
 def _loaded_groups(
-    where: str, values: list[Any], optimizer: Muon, runtime: DedicatedRuntime
+    where: str,
+    values: list[Any],
+    optimizer: Muon,
+    runtime: DedicatedRuntime,
+    *,
+    several: bool = False,
 ) -> dict[str, Any]:
     """This optimizer's ``{group name: group}`` from the checkpoint's param-groups values
     (one, or one per stage of a checkpoint written before the stages' groups were merged):
     a group name's entries joined in order, their parameters kept where this optimizer holds
-    them under a pipeline (the other stages' are theirs); the hyperparameters of the entries
-    that hold this optimizer's parameters, which must agree (see [Note: checkpoints of
-    pipeline stages]). :func:`~._state_layout.check_param_groups` checks the result."""
+    them under a pipeline or as one of ``several`` model parts of a rank (the other stages'
+    are theirs); the hyperparameters of the entries that hold this optimizer's parameters,
+    which must agree (see [Note: checkpoints of pipeline stages]).
+    :func:`~._state_layout.check_param_groups` checks the result."""
     entries: dict[str, list[dict[str, Any]]] = {}
     for value in values:
         for name, group in _pairs(where, value):
             entries.setdefault(name, []).append(dict(group))
-    stage = runtime.layout.pp_size > 1
+    stage = runtime.layout.pp_size > 1 or several
     mine = {name for name, _, _ in layout.optimizer_params(optimizer)}
     names = {group["group_name"] for group in optimizer.param_groups}
     out: dict[str, Any] = {}
@@ -624,8 +705,8 @@ def _loaded_groups(
 
 def load_checkpoint(
     path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: Muon | None,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: Muon | MuonParts | None,
     *,
     strict: bool = True,
 ) -> None:
@@ -647,11 +728,12 @@ def load_checkpoint(
             file checks but not the chunk checksums, and logs a warning (rank 0); one that
             :func:`save_checkpoint` wrote raises :class:`CheckpointIntegrityError` without it.
         model: the model given to ``dedicate_params`` (that object; another raises
-            ``ValueError``).
+            ``ValueError``); with a :class:`MuonParts`, the list of its parts' modules, in
+            its order (every part is read and checked before any changes).
         optimizer: the :class:`Muon` built on ``model`` (another object raises
-            ``ValueError``); ``None``: the model alone is loaded (logged on rank 0), the
-            checkpoint's optimizer state is not read, and a ``Muon`` built before keeps its
-            state.
+            ``ValueError``), or the :class:`MuonParts` of this rank's model parts; ``None``:
+            the model alone is loaded (logged on rank 0), the checkpoint's optimizer state is
+            not read, and a ``Muon`` built before keeps its state.
         strict: ``True``: a parameter without optimizer state in the checkpoint raises
             ``ValueError``; ``False``: such parameters start from fresh state, as before
             their first step; everything else loads. ``False`` with ``optimizer=None`` raises
@@ -665,9 +747,10 @@ def load_checkpoint(
                 f"{where}: strict=False applies to the optimizer state, and optimizer=None loads"
                 " the model alone; pass the optimizer, or leave strict at True"
             )
-        _load_model(where, path, model)
+        _load_model(where, path, [model] if isinstance(model, nn.Module) else list(model))
         return
     app = AppState(model, optimizer)
+    parts = app._each()
     with record_function("dmuon::load_checkpoint"):
         absent: set[str] = set()
         checksums, metadata = _read_checked(
@@ -680,7 +763,6 @@ def load_checkpoint(
         # The param groups (and a checkpoint's of stages written before they were merged,
         # every stage's key), read beside the tensors and checked before anything changes.
         optim = target["optim"]
-        del optim["param_groups"]
         keys = _groups_keys(metadata)
         optim.update(dict.fromkeys(keys, ()))
         state = {CHECKPOINT_KEY: target}
@@ -689,14 +771,18 @@ def load_checkpoint(
         found: list[dict[str, Any]] = []
 
         def check() -> None:
-            groups = _loaded_groups(where, values, app.optimizer, app.runtime)
-            layout.check_param_groups(where, app.optimizer, groups)
-            found.append(groups)
+            for part in parts:
+                groups = _loaded_groups(
+                    where, values, part.optimizer, part.runtime, several=len(parts) > 1
+                )
+                layout.check_param_groups(where, part.optimizer, groups)
+                found.append(groups)
 
-        # On every rank of every stage alike, before any rank installs anything.
+        # On every rank of every stage alike, every part, before any rank installs anything.
         checked_on_every_rank(app.runtime, where, check, everyone=True)
         scratch.install()
-        app._install(target, found[0])
+        for part, groups in zip(parts, found, strict=True):
+            part._install(target, groups)
 
 
 def _read_checked(
@@ -731,26 +817,30 @@ def _read_checked(
     return read[0], read[1]
 
 
-def _load_model(where: str, path: str | os.PathLike[str], model: nn.Module) -> None:
-    """:func:`load_checkpoint` without an optimizer: the model's tensors alone, checked and read
-    as there, then published as a step's weights are."""
-    runtime = get_runtime(model)
+def _load_model(where: str, path: str | os.PathLike[str], models: list[nn.Module]) -> None:
+    """:func:`load_checkpoint` without an optimizer: the tensors of the model (or of a rank's
+    model parts) alone, checked and read as there, then published as a step's weights are."""
+    runtimes = [get_runtime(model) for model in models]
+    several = len(models) > 1
+
+    def check(metadata: Metadata) -> None:
+        for model, runtime in zip(models, runtimes, strict=True):
+            _check_model_metadata(model, runtime, metadata, where, several=several)
+
     with record_function("dmuon::load_checkpoint"):
-        checksums, metadata = _read_checked(
-            where,
-            path,
-            runtime,
-            lambda metadata: _check_model_metadata(model, runtime, metadata, where),
-        )
-        runtime.drain()
-        target = {"model": _model_tensors(model, runtime)}
+        checksums, metadata = _read_checked(where, path, runtimes[0], check)
+        target: dict[str, Any] = {"model": {}}
+        for model, runtime in zip(models, runtimes, strict=True):
+            runtime.drain()
+            target["model"] |= _model_tensors(model, runtime)
         scratch = integrity.load_verified(
             where, path, {CHECKPOINT_KEY: target}, metadata, checksums
         )
         scratch.install()
-        _install_model(model, runtime, target["model"])
-        # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
-        runtime.after_step(async_=False)
+        for model, runtime in zip(models, runtimes, strict=True):
+            _install_model(model, runtime, target["model"])
+            # Owned weights changed: drop kept copies (Z2) and publish to replicas (HSDP).
+            runtime.after_step(async_=False)
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(
             "%s: loaded the model's weights and buffers from %r; optimizer=None, so no"

@@ -104,9 +104,8 @@ class MuonParts:
             )
         _check_ranks_agree(parts)
         self._optimizers = parts
-        for k, optimizer in enumerate(parts):
+        for optimizer in parts:
             optimizer._joint = weakref.ref(self)
-            optimizer.runtime.pipeline_part = k
 
     @property
     def optimizers(self) -> tuple[Muon, ...]:

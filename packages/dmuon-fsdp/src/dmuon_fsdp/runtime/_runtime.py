@@ -103,10 +103,6 @@ class DedicatedRuntime:
         # Every rank of every pipeline stage (global_group without pipeline parallelism): the
         # step's non-finite decision and clip norm (see [Note: pipeline stages] in _mesh).
         self.step_group: ProcessGroup = comm.everyone
-        # This stage module's place among its rank's model parts (set by ``MuonParts``; 0 with
-        # one stage module per rank): with the pipeline index it numbers the param groups of
-        # the module's optimizer in a checkpoint (see [Note: checkpoints of pipeline stages]).
-        self.pipeline_part = 0
         self.counter: CommCounter = comm.counter
         self.reshard_after_forward = config.reshard_after_forward
         self.plan = plan
