@@ -9,6 +9,7 @@ same reference, with its checkpoint resume, its one clip norm and its one skip o
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -422,6 +423,13 @@ def _parts_global() -> dict:
     out["alone_step"] = _error(optimizers[0].step)
     out["alone_clip"] = _error(optimizers[1].grads_for_clip)
     optimizer.zero_grad()
+    # An LR scheduler and a torch step post-hook per part: the MuonParts' step goes through
+    # each part's step(), so the hooks run and the schedulers count the steps.
+    hooked: list[int] = []
+    for k, part_optimizer in enumerate(optimizers):
+        part_optimizer.register_step_post_hook(lambda o, args, kwargs, k=k: hooked.append(k))
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5**s) for o in optimizers]
+    lrs = [group["lr"] for o in optimizers for group in o.param_groups]
     # A NaN in one owned gradient of the second part of one rank: every part of every rank
     # skips.
     before = _parts_state(parts)
@@ -443,6 +451,15 @@ def _parts_global() -> dict:
     out["finite_stepped"] = not bool(optimizer.last_step_stats.skipped) and all(
         not torch.equal(v, before[k]) for k, v in _parts_state(parts).items()
     )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for scheduler in schedulers:
+            scheduler.step()
+    out["scheduler_warnings"] = [str(w.message) for w in caught]
+    out["hooked"] = hooked
+    out["lrs_halved"] = [g["lr"] for o in optimizers for g in o.param_groups] == [
+        lr / 2 for lr in lrs
+    ]
     return out
 
 
@@ -903,5 +920,10 @@ def test_muon_parts_clip_and_skip_cover_every_part(pipeline_runs):
         assert got["nan_skipped"] == [True, True, True], got["nan_skipped"]
         assert got["nan_unchanged"]
         assert got["finite_stepped"]
+        # Two steps: each part's post-hook ran in each (the last part's step returns first),
+        # and its LR scheduler took them as its optimizer's, without a warning.
+        assert got["hooked"] == [1, 0, 1, 0], got["hooked"]
+        assert got["scheduler_warnings"] == [], got["scheduler_warnings"]
+        assert got["lrs_halved"]
         for call in ("step", "clip"):
             assert "Call the MuonParts' own" in got[f"alone_{call}"], (call, got)

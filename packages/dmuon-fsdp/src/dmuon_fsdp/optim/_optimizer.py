@@ -615,8 +615,20 @@ class Muon(torch.optim.Optimizer):
             closure: ``None``, or a callable that recomputes the loss (run with gradients
                 enabled before the step) and returns it; ``step`` returns what it returned.
         """
-        if self._parts():
-            refuse_part_used_alone("Muon.step()")
+        parts = self._parts()
+        if parts:
+            joint = self._joint() if self._joint is not None else None
+            if not getattr(joint, "_stepping", False) or closure is not None:
+                refuse_part_used_alone("Muon.step()")
+            # Inside MuonParts.step(): each part's step() (torch's wrapper runs its step hooks
+            # and counts it for an LR scheduler) calls the next part's; the last steps them all
+            # (see [Note: the parts of a rank]).
+            k = next(i for i, part in enumerate(parts) if part is self)
+            if k + 1 < len(parts):
+                parts[k + 1].step()
+            else:
+                step_together(parts)
+            return None
         if self._weights_lent_to is not None:
             refuse_step_while_lent(self._weights_lent_to)
         loss = _closure_loss(closure)

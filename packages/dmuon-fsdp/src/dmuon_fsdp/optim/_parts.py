@@ -19,7 +19,12 @@ every rank, then steps every part with that one decision. Its clip protocol
 (``grads_for_clip``) hands every part's gradients to one norm over the same ranks, so one
 coefficient scales every part (torchtitan's clip reduces one norm over the ``pp`` mesh). A part
 stepped or clipped alone raises: it would decide over the parts at its position only (see
-[Note: one stage module per rank] in ``_usage_checks``). Every rank ties as many parts, in the
+[Note: one stage module per rank] in ``_usage_checks``). ``MuonParts.step()`` still goes
+through every part's own ``step()``, each calling the next part's and the last stepping them
+all (``step_together``): so torch's wrapper of each part's ``step`` runs that part's step
+hooks (every pre-hook before the step, every post-hook after it) and counts the step for the
+part's LR scheduler, which would otherwise warn that ``lr_scheduler.step()`` came before
+``optimizer.step()``. Every rank ties as many parts, in the
 order of its stages; ``MuonParts()`` checks both, collectively, and raises on every rank alike.
 """
 
@@ -35,7 +40,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from ..topology import all_gather_numbers
-from ._optimizer import Muon, MuonClipGrads, MuonStepStats, step_together
+from ._optimizer import Muon, MuonClipGrads, MuonStepStats
 
 __all__ = ["MuonParts"]
 
@@ -104,6 +109,7 @@ class MuonParts:
             )
         _check_ranks_agree(parts)
         self._optimizers = parts
+        self._stepping = False
         for optimizer in parts:
             optimizer._joint = weakref.ref(self)
 
@@ -135,7 +141,11 @@ class MuonParts:
                 )
             with torch.enable_grad():
                 loss = closure()
-        step_together(self._optimizers)
+        self._stepping = True
+        try:
+            self._optimizers[0].step()
+        finally:
+            self._stepping = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
