@@ -391,7 +391,11 @@ def _train_parts(path: str, stages_path: str) -> dict:
     optimizers[1].param_groups[0]["group_name"] = "renamed"
     before = _parts_state(parts)
     unfit = _error(load_checkpoint, path, parts, MuonParts(optimizers))
+    # Two parts with the same FQNs (one stage built twice): one dictionary cannot hold both.
+    twins = [_part(mesh, mesh["pp"].get_local_rank(), reshard=False) for _ in range(2)]
+    twin_parts = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in twins])
     return {
+        "twins": _error(save_checkpoint, f"{path}_twins", twins, twin_parts),
         "unfit": unfit,
         "unfit_unchanged": all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items()),
         "train": last_step(lambda parts, o: load_checkpoint(path, parts, o)),
@@ -909,6 +913,8 @@ def test_an_interleaved_schedule_trains_like_the_whole_model(pipeline_runs):
         # The second part's groups do not fit: no part changed.
         assert "param_groups: missing key(s) ['renamed']" in got["unfit"], got["unfit"]
         assert got["unfit_unchanged"]
+        assert got["twins"].startswith("ValueError: model parts 0 and 1 both hold '"), got["twins"]
+        assert "the parts' state-dict keys must be apart" in got["twins"], got["twins"]
 
 
 @pytest.mark.distributed

@@ -481,6 +481,18 @@ def _pair_parts(model: object, optimizer: MuonParts) -> list[tuple[nn.Module, Mu
             " MuonParts' optimizers were built on, in their order; pass [o.model for o in"
             " parts.optimizers]"
         )
+    # One dictionary holds every part's entries, keyed by FQN: a key two parts share would
+    # keep one part's tensor for both.
+    seen: dict[str, int] = {}
+    for k, m in enumerate(modules):
+        for key in m.state_dict(keep_vars=True):
+            if seen.setdefault(key, k) != k:
+                raise ValueError(
+                    f"model parts {seen[key]} and {k} both hold {key!r}, and a checkpoint keeps"
+                    " one value per key: the parts' state-dict keys must be apart, the whole"
+                    " model's FQNs as a pipeline split keeps them (delete the other stages'"
+                    " layers from the whole model instead of building each part anew)"
+                )
     return list(zip(modules, parts, strict=True))
 
 
