@@ -233,12 +233,7 @@ def _global_checks(hsdp: bool = False, tp: bool = False) -> dict:
     out: dict = {}
     # The clip's group sums this rank's gradients, each element counted once in the world.
     _run(schedule, mesh, 0)
-    clip = optimizer.grads_for_clip("all")
-    squares = torch.zeros((), dtype=torch.float64)
-    for g in clip.grads:
-        squares += g.double().square().sum()
-    dist.all_reduce(squares, group=clip.process_group)
-    out["norm"] = math.sqrt(float(squares))
+    out["norm"] = _clip_norm(optimizer)
     optimizer.zero_grad()
     # A NaN in one owner's dedicated gradient, on one rank of stage 1 only: every rank skips.
     before = _state(model)
@@ -408,6 +403,17 @@ def _train_parts(path: str, stages_path: str) -> dict:
     }
 
 
+def _clip_norm(optimizer: Muon | MuonParts) -> float:
+    """The norm ``dmuon.clip_grad_norm_`` takes of every gradient, summed here in float64 over
+    the clip's group (each element counted once in the world)."""
+    clip = optimizer.grads_for_clip("all")
+    squares = torch.zeros((), dtype=torch.float64)
+    for g in clip.grads:
+        squares += g.double().square().sum()
+    dist.all_reduce(squares, group=clip.process_group)
+    return math.sqrt(float(squares))
+
+
 def _parts_global() -> dict:
     """The clip norm and the non-finite skip of an interleaved schedule: one over every part
     of every rank."""
@@ -417,12 +423,7 @@ def _parts_global() -> dict:
     optimizer = MuonParts(optimizers)
     out: dict = {}
     _run(schedule, place, 0)
-    clip = optimizer.grads_for_clip("all")
-    squares = torch.zeros((), dtype=torch.float64)
-    for g in clip.grads:
-        squares += g.double().square().sum()
-    dist.all_reduce(squares, group=clip.process_group)
-    out["norm"] = math.sqrt(float(squares))
+    out["norm"] = _clip_norm(optimizer)
     # A part stepped (or clipped) alone would decide over the parts at its position only.
     out["alone_step"] = _error(optimizers[0].step)
     out["alone_clip"] = _error(optimizers[1].grads_for_clip)
