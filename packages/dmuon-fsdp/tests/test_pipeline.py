@@ -238,13 +238,8 @@ def _global_checks(hsdp: bool = False, tp: bool = False) -> dict:
     # A NaN in one owner's dedicated gradient, on one rank of stage 1 only: every rank skips.
     before = _state(model)
     _run(schedule, mesh, 1)
-    runtime.wait_all_reduces()
-    owned = [dp for dp in runtime.owned if dp.grad is not None]
-    holds = [torch.zeros(1) for _ in range(dist.get_world_size())]
-    dist.all_gather(holds, torch.tensor([float(bool(owned))]))
     # The last rank (of stage 1) that holds an owned gradient: rank 3 on the (pp, dp) mesh.
-    if dist.get_rank() == max(r for r, held in enumerate(holds) if held.item()):
-        owned[0].grad.view(-1)[0] = math.nan
+    _nan_in_last_owned_gradient(runtime)
     optimizer.step()
     out["nan_skipped"] = bool(optimizer.last_step_stats.skipped)
     out["nan_unchanged"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
@@ -403,6 +398,17 @@ def _train_parts(path: str, stages_path: str) -> dict:
     }
 
 
+def _nan_in_last_owned_gradient(runtime) -> None:
+    """Reduce the gradients, then put a NaN into one owned gradient of the last rank that holds
+    one (of ``runtime``'s model), on that rank only."""
+    runtime.wait_all_reduces()
+    owned = [dp for dp in runtime.owned if dp.grad is not None]
+    holds = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(holds, torch.tensor([float(bool(owned))]))
+    if dist.get_rank() == max(r for r, held in enumerate(holds) if held.item()):
+        owned[0].grad.view(-1)[0] = math.nan
+
+
 def _clip_norm(optimizer: Muon | MuonParts) -> float:
     """The norm ``dmuon.clip_grad_norm_`` takes of every gradient, summed here in float64 over
     the clip's group (each element counted once in the world)."""
@@ -440,12 +446,7 @@ def _parts_global() -> dict:
     before = _parts_state(parts)
     _run(schedule, place, 1)
     runtime = optimizers[1].runtime
-    runtime.wait_all_reduces()
-    owned = [dp for dp in runtime.owned if dp.grad is not None]
-    holds = [torch.zeros(1) for _ in range(dist.get_world_size())]
-    dist.all_gather(holds, torch.tensor([float(bool(owned))]))
-    if dist.get_rank() == max(r for r, held in enumerate(holds) if held.item()):
-        owned[0].grad.view(-1)[0] = math.nan
+    _nan_in_last_owned_gradient(runtime)
     optimizer.step()
     out["nan_skipped"] = [bool(o.last_step_stats.skipped) for o in (optimizer, *optimizers)]
     out["nan_unchanged"] = all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items())
