@@ -18,14 +18,18 @@ import torch.distributed as dist
 from _reference import Hyper, ReferenceMuonAdamW
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -291,7 +295,7 @@ def _refusals() -> dict[str, str]:
     optimizers[0].step()
     out["second"] = _error(optimizers[1].step)
     out.update(_interleaved(mesh))
-    out.update(_dual_pipe_v(mesh))  # the untied parts above are dropped
+    out["split_under_zero3"] = _split_under_zero3()
     # What names one rank of the world (see [Note: checkpoints of pipeline stages]).
     out["rank0_only"] = _error(get_model_state_dict, model, rank0_only=True)
     # Stage 1 forgets pipeline_mesh: stage 0, whose meshes cover the world, raises too.
@@ -305,10 +309,12 @@ def _refusals() -> dict[str, str]:
     return out
 
 
-def _part(mesh: DeviceMesh, index: int, reshard: bool = True) -> _Net:
+def _part(
+    mesh: DeviceMesh, index: int, reshard: bool = True, mp: MixedPrecisionPolicy | None = None
+) -> _Net:
     """Model part ``index`` of an interleaved schedule's four stages: layer ``index``, with
     the first projection on stage 0 and the last on stage 3, dedicated and sharded over the
-    stage's data-parallel mesh."""
+    stage's data-parallel mesh (with FSDP2's ``mp`` policy, if any)."""
     part = _net()
     for i in range(LAYERS):
         if i != index:
@@ -323,8 +329,11 @@ def _part(mesh: DeviceMesh, index: int, reshard: bool = True) -> _Net:
         reshard_after_forward=reshard,
         small_param_threshold=0,
     )
-    fully_shard(part.layers[str(index)], mesh=mesh["dp"], reshard_after_forward=reshard)
-    fully_shard(part, mesh=mesh["dp"], reshard_after_forward=reshard)
+    precision = {} if mp is None else {"mp_policy": mp}
+    fully_shard(
+        part.layers[str(index)], mesh=mesh["dp"], reshard_after_forward=reshard, **precision
+    )
+    fully_shard(part, mesh=mesh["dp"], reshard_after_forward=reshard, **precision)
     return part
 
 
@@ -487,32 +496,60 @@ def _interleaved(mesh: DeviceMesh) -> dict[str, str]:
     return out
 
 
-def _dual_pipe_v(mesh: DeviceMesh) -> dict[str, str]:
-    """A V schedule (ScheduleDualPipeV: stages pp and 3 - pp) writes weight gradients by hand
-    on some stages: refused on every rank at the step, before any part changes (it trained
-    1e-3 to 7e-2 away from the reference before the refusal)."""
+SPLIT_SCHEDULES = {
+    "dual_pipe_v": ScheduleDualPipeV,
+    "zbv": ScheduleZBVZeroBubble,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+}
+
+
+def _train_split(
+    name: str, steps: int = STEPS, mp: MixedPrecisionPolicy | None = None
+) -> dict[str, torch.Tensor]:
+    """``steps`` steps of a schedule that splits each backward into the inputs' gradients and
+    the weights' (written to ``.grad`` by hand; see [Note: weight gradients a schedule
+    writes]), on two model parts per rank under ZeRO-2, one ``MuonParts``: the V schedules
+    hold stages ``pp`` and ``3 - pp``, the interleaved one ``pp`` and ``pp + 2``. With ``mp``,
+    also the dtypes of the dedicated local sums each schedule left for the step's reduce
+    (under ``"local_sums"``)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp = mesh["pp"].get_local_rank()
-    indices = (pp, LAYERS - 1 - pp)
-    parts = [_part(mesh, index, reshard=False) for index in indices]
+    v_shaped = name != "interleaved_zero_bubble"
+    indices = (pp, LAYERS - 1 - pp) if v_shaped else (pp, pp + 2)
+    parts = [_part(mesh, index, reshard=False, mp=mp) for index in indices]
     group = mesh["pp"].get_group()
     stages = [
         PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group)
         for part, index in zip(parts, indices, strict=True)
     ]
-    schedule = ScheduleDualPipeV(stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
-    optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
-    x, y = _batch(0)
-    rows = slice(mesh["dp"].get_local_rank() * 4, mesh["dp"].get_local_rank() * 4 + 4)
-    if pp == 0:  # the first and the last stage
-        schedule.step(x[rows], target=y[rows])
-    else:
-        schedule.step()
-    before = _parts_state(parts)
-    out = {"dual_pipe_v": _error(optimizer.step)}
-    unchanged = all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items())
-    out["dual_pipe_v_unchanged"] = str(unchanged)
-    optimizer.zero_grad()
-    return out
+    schedule = SPLIT_SCHEDULES[name](stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
+    optimizer = MuonParts(optimizers)
+    place = _Place(mesh["pp"], mesh["dp"].get_local_rank(), 2)
+    local_sums: set[str] = set()
+    for step in range(steps):
+        optimizer.zero_grad()
+        if v_shaped and pp == 0:  # the first and the last stage
+            x, y = _batch(step)
+            rows = slice(place.dp_index * 4, place.dp_index * 4 + 4)
+            schedule.step(x[rows], target=y[rows])
+        elif v_shaped:
+            schedule.step()
+        else:
+            _run(schedule, place, step)
+        for dp in (dp for o in optimizers for dp in o.runtime.params):
+            local_sums |= {str(dp.param.grad.dtype)} if dp.param.grad is not None else set()
+        optimizer.step()
+    state = _parts_state(parts)
+    return state if mp is None else {"local_sums": sorted(local_sums)}
+
+
+def _split_under_zero3() -> str:
+    """What a split backward's first look-up of a weight's gradient accumulator finds on a
+    ZeRO-3 peer: the weight is not held, and the error names the fix."""
+    _model, runtime, _ = _stage(True)  # the model holds its runtime
+    peer = next(dp.param for dp in runtime.params if not dp.is_owner)
+    return _error(peer.view_as, peer)
 
 
 def _pipeline(rank: int, world_size: int, path: str) -> dict:
@@ -525,6 +562,8 @@ def _pipeline(rank: int, world_size: int, path: str) -> dict:
         "interleaved": _train_parts(f"{path}_parts", path),
         "interleaved_into_whole": _without_pipeline(f"{path}_parts"),
         "parts_global": _parts_global(),
+        "dual_pipe_v": _train_split("dual_pipe_v"),
+        "zbv_bf16": _train_split("zbv", 1, MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
     }
     return out
 
@@ -629,8 +668,9 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         assert got["interleaved_unchanged"] == "True"
         assert got["parts_of_one_model"].startswith("ValueError: MuonParts: optimizers 0 and 1")
         assert got["parts_empty"].startswith("ValueError: MuonParts takes"), got["parts_empty"]
-        assert "as the zero-bubble and V schedules do" in got["dual_pipe_v"], got["dual_pipe_v"]
-        assert got["dual_pipe_v_unchanged"] == "True"
+        zero3 = got["split_under_zero3"]
+        assert "A zero-bubble or V pipeline schedule" in zero3, zero3
+        assert "dedicate_params(..., reshard_after_forward=False)" in zero3, zero3
         forgot = got["one_stage_forgot"]
         assert forgot.startswith("ValueError: mesh sizes do not multiply to the world size"), forgot
 
@@ -917,6 +957,32 @@ def test_an_interleaved_schedule_trains_like_the_whole_model(pipeline_runs):
         assert got["unfit_unchanged"]
         assert got["twins"].startswith("ValueError: model parts 0 and 1 both hold '"), got["twins"]
         assert "the parts' state-dict keys must be apart" in got["twins"], got["twins"]
+
+
+@pytest.mark.distributed
+def test_a_v_schedule_trains_like_the_whole_model(pipeline_runs):
+    """ScheduleDualPipeV splits each backward into the inputs' gradients and the weights'
+    (written to .grad by hand), which the step's reduce takes wherever they came from."""
+    _check_against_reference([result["dual_pipe_v"] for result in pipeline_runs])
+
+
+@pytest.mark.distributed
+def test_weight_gradients_a_schedule_writes_add_up_in_the_reduce_dtype(pipeline_runs):
+    """bf16 weights, fp32 reduce: the local sums a split schedule leaves are fp32."""
+    for result in pipeline_runs:
+        assert result["zbv_bf16"]["local_sums"] == ["torch.float32"]
+
+
+def _zero_bubble(rank: int, world_size: int) -> dict:
+    return {name: _train_split(name) for name in ("zbv", "interleaved_zero_bubble")}
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_zero_bubble_schedules_train_like_the_whole_model():
+    results = run_distributed(_zero_bubble, 4)
+    for name in ("zbv", "interleaved_zero_bubble"):
+        _check_against_reference([result[name] for result in results])
 
 
 @pytest.mark.distributed

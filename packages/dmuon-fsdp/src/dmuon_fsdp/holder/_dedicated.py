@@ -95,6 +95,9 @@ class DedicatedParam(ParamHolder):
     tp_dim: int | None = None
     # Names the parameter, its owner and this rank's role in errors (see _guard).
     where: str = ""
+    # A pipeline stage's: its local gradient leaves from ``.grad`` at the step, whatever wrote
+    # it (see [Note: weight gradients a schedule writes] in runtime/_hooks).
+    reduced_at_step: bool = False
     # A declared split (see [Note: declared splits] in dmuon_ownership): its owner steps each
     # piece as a matrix of its own (None: the weight is one matrix).
     split: MatrixSplit | None = None

@@ -251,6 +251,12 @@ def _drops_grad(func: Any, args: tuple[Any, ...]) -> bool:
     return name == "__delete__" or (len(args) > 1 and args[1] is None)
 
 
+def _accumulator_view(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether ``func`` is ``p.view_as(p)``, the idiom that finds a parameter's gradient
+    accumulator (``.grad_fn.next_functions[0][0]`` of the view)."""
+    return _name(func) == "view_as" and len(args) == 2 and args[1] is args[0]
+
+
 def _name(func: Any) -> str:
     return getattr(func, "__name__", "")
 
@@ -388,6 +394,8 @@ class _Guard(StateClass):
         operation = _qualname(func)
         if operation in _AUTOGRAD_CALLS:
             hint = _AUTOGRAD
+        elif _accumulator_view(func, args) and holder.reduced_at_step:
+            hint = _SPLIT_BACKWARD
         elif operation == "set .grad":
             hint = _GRAD_BY_HAND
         else:
@@ -523,6 +531,19 @@ _GRAD_BY_HAND = (
     "A .grad written by hand (p.grad = g after torch.autograd.grad(loss, params)) never reaches "
     "the owner: a dedicated gradient travels only from a backward's gradient accumulation. "
     "Compute the gradients with loss.backward() on every rank."
+)
+
+
+# A zero-bubble or V schedule's backward of the stage's inputs looks up every weight's gradient
+# accumulator first (see [Note: weight gradients a schedule writes] in runtime/_hooks).
+_SPLIT_BACKWARD = (
+    "A zero-bubble or V pipeline schedule (ScheduleInterleavedZeroBubble, "
+    "ScheduleZBVZeroBubble, ScheduleDualPipeV) computes the weights' gradients apart from the "
+    "inputs', after the layer's backward, when ZeRO-3 has freed a peer's weights again. Keep "
+    "them gathered through the schedule: dedicate_params(..., reshard_after_forward=False) "
+    "(ZeRO-2), with fully_shard(..., reshard_after_forward=False) as torchtitan sets under a "
+    "pipeline; or use a schedule without a split backward (ScheduleGPipe, Schedule1F1B, "
+    "ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
 )
 
 

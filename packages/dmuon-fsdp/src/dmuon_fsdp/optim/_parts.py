@@ -3,7 +3,7 @@ clipped as one.
 
 [Note: the parts of a rank]
 Interleaved and looped schedules (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
-``ScheduleInterleavedZeroBubble``, V schedules) give every rank several model parts, stages
+``ScheduleInterleavedZeroBubble``, the V schedules) give every rank several model parts, stages
 ``p`` and ``p + P`` of ``2P`` say, each a stage module of its own: ``dedicate_params`` (with
 the same ``pipeline_mesh``) and ``fully_shard`` per part, and one ``Muon`` per part, as
 torchtitan builds one optimizer per part behind its ``OptimizersContainer``. Each part plans

@@ -622,6 +622,7 @@ class BoundaryHooks:
                     continue
                 if not self._syncing:
                     self._unsynced.add(index)
+                    self._widen_written(group)
                 self._send(group, group.order.rest())
                 group.reset_backward()
             self._send_late()
@@ -636,6 +637,16 @@ class BoundaryHooks:
             # Before any clip of this backward's gradients, however late accelerate was
             # imported: see [Note: torch's paths that cannot reach a dedicated weight].
             refuse_accelerate_clip()
+
+    @staticmethod
+    def _widen_written(group: DedicatedGroup) -> None:
+        """Widen the ``.grad`` a pipeline schedule wrote by hand on ``group``'s weights to the
+        reduce dtype, so that the next ones add up in it (see [Note: weight gradients a
+        schedule writes]); ``.grad`` of other weights is widened as it accumulates."""
+        for pack in group.packs:
+            for dp in pack.params:
+                if dp.reduced_at_step:
+                    dp.widen_local_grad()
 
     def _send_replicated_left(self) -> None:
         """The replicated path's part of [Note: boundaries the synced backward does not
@@ -656,7 +667,34 @@ class BoundaryHooks:
         """Reduce, as a synced backward's end would, every boundary that backwards under
         ``no_sync`` reached since the last synced one, in the boundaries' order (on every
         rank alike): the pipeline schedule's end of backward (see [Note: the pipeline
-        schedule's reduce] in :mod:`._runtime`)."""
+        schedule's reduce] in :mod:`._runtime`).
+
+        [Note: weight gradients a schedule writes]
+        The zero-bubble and V schedules (``ScheduleInterleavedZeroBubble``,
+        ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) split each micro-batch's backward in
+        two: the inputs' gradients first (``torch.autograd.grad`` of the stage's inputs, which
+        passes every boundary's hooks and reduce point but accumulates no weight gradient),
+        then, later, the weights' (``torch.autograd.grad`` of the weights from the saved
+        intermediate gradients, added to ``.grad`` by hand). So the weights' gradients reach
+        ``.grad`` outside any backward dmuon follows, some after the last backward of the
+        step, and a boundary's order can be left part-way by those split backwards. This
+        reduce does not depend on either: it sends every pack of each boundary the schedule's
+        backwards reached, from its first, and each pack takes its parameters' ``.grad`` as it
+        is at the step, whatever wrote it, after the schedule divided it by the number of
+        micro-batches. Under mixed precision a weight's first by-hand gradient lands in the
+        parameter dtype, and each backward's end widens it to the reduce dtype (the schedule's
+        next ones then add up in that), as [Note: accumulating in the reduce dtype] in
+        holder/_precision does for the others.
+
+        The weights' backward needs the weights its layer's forward saved, after that layer's
+        backward is over. ZeRO-2 (``reshard_after_forward=False``) keeps them gathered from a
+        step's first forward to its reduce, as it keeps them across ``no_sync`` micro-batches.
+        ZeRO-3 frees them after each forward and backward: there the backward of the stage's
+        inputs, which looks up every weight's gradient accumulator first (``p.view_as(p)``),
+        is refused on a peer, naming the fix (ZeRO-2 for ``dedicate_params`` and
+        ``fully_shard`` alike, torchtitan's setting under a pipeline; FSDP2's own ZeRO-3
+        trained 4e-2 to 9e-2 away from the whole model under ``ScheduleDualPipeV`` and
+        ``ScheduleZBVZeroBubble`` in ``test_pipeline``'s setup, with torch 2.13)."""
         self.reduce_due = False
         if not self.unsynced_backward:
             return
@@ -665,6 +703,7 @@ class BoundaryHooks:
             self.unsynced_backward = False
             for index, group in enumerate(self.groups):
                 if index in self._unsynced:
+                    group.reset_backward()  # every pack, wherever backwards left the order
                     self._send(group, group.order.rest())
                     group.reset_backward()
             self._unsynced.clear()

@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, Never
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
@@ -678,43 +677,11 @@ class DedicatedRuntime:
         accumulated a dedicated gradient since the last step (``autograd.grad`` accumulates
         none): a ``.grad`` read costs about 60 ns, which every step would pay per matrix.
 
-        A pipeline stage's are looked at every step: a zero-bubble or V schedule
-        (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``)
-        splits each backward in two, the gradients of the inputs, then those of the weights,
-        which torch computes with ``torch.autograd.grad`` and adds to ``.grad`` by hand
-        (``stage_backward_weight``). The part written after a micro-batch's last accumulation
-        never reaches the owner, while other micro-batches' backwards accumulate as usual, so
-        the steps would be silently wrong (``ScheduleDualPipeV``'s were 1e-3 to 7e-2 away from
-        the whole model's in ``test_pipeline``'s setup). The stages' verdicts are agreed on the
-        host over every rank (one small CPU collective per step, under a pipeline only), so
-        every rank raises alike: the schedule writes on some stages only."""
-        pipeline = self.layout.pp_size > 1
-        if self.hooks.accumulated and not pipeline:
+        Under a pipeline none is left: the schedule's reduce at the step takes every
+        ``.grad`` of the stage's weights, however it was written (see [Note: weight gradients
+        a schedule writes] in :mod:`._hooks`)."""
+        if self.hooks.accumulated:
             self.hooks.accumulated = False
-            return
-        self.hooks.accumulated = False
-        if pipeline:
-            written = next((dp.fqn for dp in self.params if dp.param.grad is not None), None)
-            flag = torch.tensor([float(written is not None)])
-            group = self.comm_ctx.host_group()
-            if group is not None:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            if flag.item():
-                where = (
-                    "a dedicated parameter of another rank"
-                    if written is None
-                    else f"dedicated parameter {written!r}"
-                )
-                raise RuntimeError(
-                    f"Muon.step(): {where} holds a pipeline schedule's"
-                    " .grad that no backward sent to its owner: the schedule computed weight"
-                    " gradients outside the backward dmuon follows, as the zero-bubble and V"
-                    " schedules do (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,"
-                    " ScheduleDualPipeV: torch.autograd.grad, then .grad written by hand),"
-                    " which dmuon does not support. Use ScheduleGPipe or Schedule1F1B (one"
-                    " stage per rank), or ScheduleInterleaved1F1B or ScheduleLoopedBFS with"
-                    " dmuon.MuonParts (several); nothing was stepped"
-                )
             return
         for dp in self.params:
             if dp.param.grad is not None:

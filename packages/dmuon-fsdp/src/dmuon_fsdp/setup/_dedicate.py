@@ -935,6 +935,7 @@ def _build_groups(
                 tp_dim=tp_dims.get(fqn),
                 split=found.split,
                 where=where[fqn],
+                reduced_at_step=layout.pp_size > 1,
             )
             params.append(dp)
             members[unit.boundary].setdefault(unit.owner, []).append(dp)
