@@ -4,7 +4,8 @@ to an independent reference: the whole model trained in one process on the whole
 the same Muon + AdamW math (``_reference``). Also: the non-finite skip and the clip norm are
 global over both stages, and what dmuon refuses under a pipeline. An interleaved schedule
 (two model parts per rank, four stages, one ``Muon`` each tied by ``MuonParts``) is held to the
-same reference, with its checkpoint resume, its one clip norm and its one skip over every part."""
+same reference, with its checkpoint resume, its one clip norm and its one skip over every part,
+also with HSDP or tensor parallelism inside each stage."""
 
 from __future__ import annotations
 
@@ -118,43 +119,72 @@ class _Place(NamedTuple):
     dp_size: int
 
 
-def _stage(reshard: bool, *, root: bool = True, hsdp: bool = False, tp: bool = False):
-    """This rank's stage module of the (pp 2, dp 2) mesh, with ``hsdp`` of the (pp 2,
-    replicate 2, shard 1) mesh, with ``tp`` of the (pp 2, dp 1, tp 2) mesh (each block's up
-    column-wise, down row-wise), dedicated and sharded (``root``: the stage module too, not
-    only its layers)."""
+class _Meshes(NamedTuple):
+    """This rank's meshes: the stage's data-parallel shard mesh (``dedicate_params``' mesh), its
+    replicate mesh (HSDP), the mesh ``fully_shard`` takes, the TP mesh, and this rank's place."""
+
+    dp: DeviceMesh
+    replicas: DeviceMesh | None
+    fsdp: DeviceMesh
+    tp: DeviceMesh | None
+    place: _Place
+
+
+def _meshes(*, hsdp: bool = False, tp: bool = False) -> _Meshes:
+    """The (pp 2, dp 2) mesh, with ``hsdp`` the (pp 2, replicate 2, shard 1) one, with ``tp``
+    the (pp 2, dp 1, tp 2) one."""
     if hsdp:
         names = ("pp", "dp_replicate", "dp_shard")
         mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=names)
-        dp, replicas, fsdp_mesh = mesh["dp_shard"], mesh["dp_replicate"], mesh[names[1:]]
+        replicas = mesh["dp_replicate"]
         place = _Place(mesh["pp"], replicas.get_local_rank(), replicas.size())
-    elif tp:
-        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
-        dp, replicas, fsdp_mesh = mesh["dp"], None, mesh["dp"]
-        place = _Place(mesh["pp"], 0, 1)
-    else:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-        dp, replicas, fsdp_mesh = mesh["dp"], None, mesh["dp"]
-        place = _Place(mesh["pp"], dp.get_local_rank(), dp.size())
-    model = _stage_module(mesh["pp"].get_local_rank())
+        return _Meshes(mesh["dp_shard"], replicas, mesh[names[1:]], None, place)
     if tp:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+        return _Meshes(mesh["dp"], None, mesh["dp"], mesh["tp"], _Place(mesh["pp"], 0, 1))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    place = _Place(mesh["pp"], mesh["dp"].get_local_rank(), mesh["dp"].size())
+    return _Meshes(mesh["dp"], None, mesh["dp"], None, place)
+
+
+def _shard(
+    model: _Net,
+    meshes: _Meshes,
+    reshard: bool,
+    *,
+    root: bool = True,
+    mp: MixedPrecisionPolicy | None = None,
+):
+    """Dedicate and shard a stage module (or a model part) over its stage's meshes: each
+    block's up column-wise and down row-wise over the TP mesh if any, ``fully_shard`` per
+    layer and (``root``) of the module too, with FSDP2's ``mp`` policy, if any; its runtime."""
+    if meshes.tp is not None:
         plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         for layer in model.layers.values():
-            parallelize_module(layer, mesh["tp"], plan)
+            parallelize_module(layer, meshes.tp, plan)
     runtime = dedicate_params(
         model,
-        dp,
+        meshes.dp,
         _muon,
-        replicate_mesh=replicas,
-        pipeline_mesh=mesh["pp"],
+        replicate_mesh=meshes.replicas,
+        pipeline_mesh=meshes.place.pp,
         reshard_after_forward=reshard,
         small_param_threshold=0,
     )
+    precision = {} if mp is None else {"mp_policy": mp}
     for layer in model.layers.values():
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=meshes.fsdp, reshard_after_forward=reshard, **precision)
     if root:
-        fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard)
-    return model, runtime, place
+        fully_shard(model, mesh=meshes.fsdp, reshard_after_forward=reshard, **precision)
+    return runtime
+
+
+def _stage(reshard: bool, *, root: bool = True, hsdp: bool = False, tp: bool = False):
+    """This rank's stage module of :func:`_meshes`' mesh (``hsdp``, ``tp``), dedicated and
+    sharded (``root``: the stage module too, not only its layers)."""
+    meshes = _meshes(hsdp=hsdp, tp=tp)
+    model = _stage_module(meshes.place.pp.get_local_rank())
+    return model, _shard(model, meshes, reshard, root=root), meshes.place
 
 
 def _schedule(model, place: _Place, name: str):
@@ -294,7 +324,7 @@ def _refusals() -> dict[str, str]:
     optimizers = Muon(first, **HYPER.muon_kwargs()), Muon(second, **HYPER.muon_kwargs())
     optimizers[0].step()
     out["second"] = _error(optimizers[1].step)
-    out.update(_interleaved(mesh))
+    out.update(_interleaved())
     out["split_under_zero3"] = _split_under_zero3()
     # What names one rank of the world (see [Note: checkpoints of pipeline stages]).
     out["rank0_only"] = _error(get_model_state_dict, model, rank0_only=True)
@@ -310,49 +340,52 @@ def _refusals() -> dict[str, str]:
 
 
 def _part(
-    mesh: DeviceMesh, index: int, reshard: bool = True, mp: MixedPrecisionPolicy | None = None
+    meshes: _Meshes, index: int, reshard: bool = True, mp: MixedPrecisionPolicy | None = None
 ) -> _Net:
     """Model part ``index`` of an interleaved schedule's four stages: layer ``index``, with
     the first projection on stage 0 and the last on stage 3, dedicated and sharded over the
-    stage's data-parallel mesh (with FSDP2's ``mp`` policy, if any)."""
+    stage's meshes (:func:`_shard`)."""
     part = _net()
     for i in range(LAYERS):
         if i != index:
             del part.layers[str(i)]
     part.inp = part.inp if index == 0 else None
     part.out = part.out if index == LAYERS - 1 else None
-    dedicate_params(
-        part,
-        mesh["dp"],
-        _muon,
-        pipeline_mesh=mesh["pp"],
-        reshard_after_forward=reshard,
-        small_param_threshold=0,
-    )
-    precision = {} if mp is None else {"mp_policy": mp}
-    fully_shard(
-        part.layers[str(index)], mesh=mesh["dp"], reshard_after_forward=reshard, **precision
-    )
-    fully_shard(part, mesh=mesh["dp"], reshard_after_forward=reshard, **precision)
+    _shard(part, meshes, reshard, mp=mp)
     return part
 
 
-def _parts(mesh: DeviceMesh, reshard: bool = True):
+def _parts(meshes: _Meshes, reshard: bool = True):
     """This rank's model parts of an interleaved schedule (stages ``pp`` and ``pp + 2`` of 4,
     torch's "loop" order), their schedule, and this rank's place."""
-    pp = mesh["pp"].get_local_rank()
-    parts = [_part(mesh, index, reshard) for index in (pp, pp + 2)]
-    group = mesh["pp"].get_group()
+    pp = meshes.place.pp.get_local_rank()
+    parts = [_part(meshes, index, reshard) for index in (pp, pp + 2)]
+    group = meshes.place.pp.get_group()
     stages = [
         PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group)
         for part, index in zip(parts, (pp, pp + 2), strict=True)
     ]
     schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
-    return parts, schedule, _Place(mesh["pp"], mesh["dp"].get_local_rank(), 2)
+    return parts, schedule, meshes.place
 
 
 def _parts_state(parts) -> dict[str, torch.Tensor]:
     return {k: v for part in parts for k, v in _state(part).items()}
+
+
+def _trained_parts(meshes: _Meshes, steps: range, reshard: bool = False, load=None):
+    """This rank's parts of :func:`_parts` on ``meshes``, one ``Muon`` per part tied by one
+    ``MuonParts``, given ``load(parts, optimizer)`` first if any, trained on the batches of
+    ``steps``; the parts and their ``MuonParts``."""
+    parts, schedule, place = _parts(meshes, reshard)
+    optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
+    if load is not None:
+        load(parts, optimizer)
+    for step in steps:
+        optimizer.zero_grad()
+        _run(schedule, place, step)
+        optimizer.step()
+    return parts, optimizer
 
 
 def _train_parts(path: str, stages_path: str) -> dict:
@@ -366,32 +399,21 @@ def _train_parts(path: str, stages_path: str) -> dict:
     from dmuon_fsdp import CHECKPOINT_KEY, AppState
 
     def last_step(load) -> dict[str, torch.Tensor]:
-        parts, schedule, place = _parts(mesh, reshard=False)
-        optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
-        load(parts, optimizer)
-        optimizer.zero_grad()
-        _run(schedule, place, STEPS - 1)
-        optimizer.step()
-        return _parts_state(parts)
+        return _parts_state(_trained_parts(meshes, range(STEPS - 1, STEPS), False, load)[0])
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    parts, schedule, place = _parts(mesh, reshard=False)
-    optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
-    for step in range(STEPS - 1):
-        optimizer.zero_grad()
-        _run(schedule, place, step)
-        optimizer.step()
+    meshes = _meshes()
+    parts, optimizer = _trained_parts(meshes, range(STEPS - 1), reshard=False)
     save_checkpoint(path, parts, optimizer)
     groups = AppState(parts, optimizer).state_dict()["optim"]["param_groups"]
     # The second part's groups do not fit (another group name): refused on every rank before
     # either part changes.
-    parts, _, _ = _parts(mesh, reshard=False)
+    parts, _, _ = _parts(meshes, reshard=False)
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
     optimizers[1].param_groups[0]["group_name"] = "renamed"
     before = _parts_state(parts)
     unfit = _error(load_checkpoint, path, parts, MuonParts(optimizers))
     # Two parts with the same FQNs (one stage built twice): one dictionary cannot hold both.
-    twins = [_part(mesh, mesh["pp"].get_local_rank(), reshard=False) for _ in range(2)]
+    twins = [_part(meshes, meshes.place.pp.get_local_rank(), reshard=False) for _ in range(2)]
     twin_parts = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in twins])
     return {
         "twins": _error(save_checkpoint, f"{path}_twins", twins, twin_parts),
@@ -429,11 +451,10 @@ def _clip_norm(optimizer: Muon | MuonParts) -> float:
     return math.sqrt(float(squares))
 
 
-def _parts_global() -> dict:
+def _parts_global(hsdp: bool = False, tp: bool = False) -> dict:
     """The clip norm and the non-finite skip of an interleaved schedule: one over every part
-    of every rank."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    parts, schedule, place = _parts(mesh)
+    of every rank (of the (pp, dp) mesh, or the ``hsdp`` or ``tp`` one of :func:`_meshes`)."""
+    parts, schedule, place = _parts(_meshes(hsdp=hsdp, tp=tp))
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
     optimizer = MuonParts(optimizers)
     out: dict = {}
@@ -478,10 +499,10 @@ def _parts_global() -> dict:
     return out
 
 
-def _interleaved(mesh: DeviceMesh) -> dict[str, str]:
+def _interleaved() -> dict[str, str]:
     """An interleaved schedule's run with one Muon per part and no ``MuonParts``: the first
     part's clip and step are refused, before either part changes."""
-    parts, schedule, place = _parts(mesh)
+    parts, schedule, place = _parts(_meshes())
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
     _run(schedule, place, 0)
     before = _parts_state(parts)
@@ -512,12 +533,13 @@ def _train_split(
     hold stages ``pp`` and ``3 - pp``, the interleaved one ``pp`` and ``pp + 2``. With ``mp``,
     also the dtypes of the dedicated local sums each schedule left for the step's reduce
     (under ``"local_sums"``)."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp = mesh["pp"].get_local_rank()
+    meshes = _meshes()
+    place = meshes.place
+    pp = place.pp.get_local_rank()
     v_shaped = name != "interleaved_zero_bubble"
     indices = (pp, LAYERS - 1 - pp) if v_shaped else (pp, pp + 2)
-    parts = [_part(mesh, index, reshard=False, mp=mp) for index in indices]
-    group = mesh["pp"].get_group()
+    parts = [_part(meshes, index, reshard=False, mp=mp) for index in indices]
+    group = place.pp.get_group()
     stages = [
         PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group)
         for part, index in zip(parts, indices, strict=True)
@@ -525,7 +547,6 @@ def _train_split(
     schedule = SPLIT_SCHEDULES[name](stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
     optimizer = MuonParts(optimizers)
-    place = _Place(mesh["pp"], mesh["dp"].get_local_rank(), 2)
     local_sums: set[str] = set()
     for step in range(steps):
         optimizer.zero_grad()
@@ -987,8 +1008,48 @@ def test_zero_bubble_schedules_train_like_the_whole_model():
 
 @pytest.mark.distributed
 def test_muon_parts_clip_and_skip_cover_every_part(pipeline_runs):
+    _check_parts_global(pipeline_runs)
+
+
+def _parts_inside_stages(rank: int, world_size: int, path: str, **inside: bool) -> dict:
+    """``MuonParts`` of the interleaved schedule on :func:`_meshes`' ``hsdp`` or ``tp`` mesh
+    (``inside``), under ZeRO-2: ``STEPS`` steps; the last step resumed on new parts from a DCP
+    checkpoint of the first, and on the whole model without a pipeline; the clip norm and the
+    non-finite skip (under ZeRO-3)."""
+    meshes = _meshes(**inside)
+    parts, optimizer = _trained_parts(meshes, range(STEPS - 1))
+    save_checkpoint(path, parts, optimizer)
+    resumed, _ = _trained_parts(
+        meshes, range(STEPS - 1, STEPS), load=lambda parts, o: load_checkpoint(path, parts, o)
+    )
+    return {
+        "train": _parts_state(_trained_parts(meshes, range(STEPS))[0]),
+        "resumed": _parts_state(resumed),
+        "into_whole": _without_pipeline(path),
+        "parts_global": _parts_global(**inside),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.parametrize("inside", ["hsdp", "tp"])
+def test_muon_parts_train_like_the_whole_model_with_hsdp_or_tp_in_each_stage(tmp_path, inside):
+    """Two parts per rank on pp 2 x (replicate 2 x shard 1), where each part's owners publish
+    to its replica, and on pp 2 x dp 1 x tp 2, each part's TP grids inside its stage: trained,
+    and resumed from a DCP checkpoint (into new parts, and into the whole model on 4
+    data-parallel ranks), like the reference; one clip norm and one skip over every part of
+    every rank."""
+    path = str(tmp_path / "checkpoint")
+    results = run_distributed(_parts_inside_stages, 4, path, **{inside: True})
+    _check_against_reference([result["train"] for result in results])
+    _check_against_reference([result["resumed"] for result in results])
+    _check_against_reference([result["into_whole"] for result in results], 2)
+    _check_parts_global(results)
+
+
+def _check_parts_global(results: list[dict]) -> None:
     _, norm = _reference(1)
-    for result in pipeline_runs:
+    for result in results:
         got = result["parts_global"]
         assert got["norm"] == pytest.approx(norm, rel=1e-5)
         assert got["nan_skipped"] == [True, True, True], got["nan_skipped"]
