@@ -280,9 +280,7 @@ def _global_checks(hsdp: bool = False, tp: bool = False) -> dict:
     optimizer.zero_grad()
     # An infinity in an FSDP2 shard's gradient on rank 0 (stage 0).
     _run(schedule, mesh, 2)
-    grad = model.inp.weight.grad if model.inp is not None else model.out.weight.grad
-    if dist.get_rank() == 0:
-        (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = math.inf
+    _inf_in_a_projection_gradient([model])
     optimizer.step()
     out["inf_skipped"] = bool(optimizer.last_step_stats.skipped)
     out["inf_unchanged"] = all(torch.equal(v, before[k]) for k, v in _state(model).items())
@@ -294,6 +292,15 @@ def _global_checks(hsdp: bool = False, tp: bool = False) -> dict:
         model(x).sum().backward()
     out["no_sync"] = _error(optimizer.step)
     return out
+
+
+def _inf_in_a_projection_gradient(models: list[_Net]) -> None:
+    """Put an infinity into the FSDP2 shard of the first or the last projection's weight
+    gradient (of the first of ``models`` that holds one), on rank 0 only."""
+    model = next(m for m in models if m.inp is not None or m.out is not None)
+    grad = model.inp.weight.grad if model.inp is not None else model.out.weight.grad
+    if dist.get_rank() == 0:
+        (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = math.inf
 
 
 def _error(call, *args, **kwargs) -> str:
@@ -458,11 +465,18 @@ def _parts_global(hsdp: bool = False, tp: bool = False) -> dict:
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
     optimizer = MuonParts(optimizers)
     out: dict = {}
+    before = _parts_state(parts)
     _run(schedule, place, 0)
     out["norm"] = _clip_norm(optimizer)
     # A part stepped (or clipped) alone would decide over the parts at its position only.
     out["alone_step"] = _error(optimizers[0].step)
     out["alone_clip"] = _error(optimizers[1].grads_for_clip)
+    # An infinity in an FSDP2 shard's gradient of the first part of rank 0: every part of
+    # every rank skips.
+    _inf_in_a_projection_gradient(parts)
+    optimizer.step()
+    out["inf_skipped"] = bool(optimizer.last_step_stats.skipped)
+    out["inf_unchanged"] = all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items())
     optimizer.zero_grad()
     # An LR scheduler and a torch step post-hook per part: the MuonParts' step goes through
     # each part's step(), so the hooks run and the schedulers count the steps.
@@ -473,7 +487,6 @@ def _parts_global(hsdp: bool = False, tp: bool = False) -> dict:
     lrs = [group["lr"] for o in optimizers for group in o.param_groups]
     # A NaN in one owned gradient of the second part of one rank: every part of every rank
     # skips.
-    before = _parts_state(parts)
     _run(schedule, place, 1)
     runtime = optimizers[1].runtime
     _nan_in_last_owned_gradient(runtime)
@@ -525,15 +538,15 @@ SPLIT_SCHEDULES = {
 
 
 def _train_split(
-    name: str, steps: int = STEPS, mp: MixedPrecisionPolicy | None = None
+    name: str, steps: int = STEPS, mp: MixedPrecisionPolicy | None = None, **inside: bool
 ) -> dict[str, torch.Tensor]:
     """``steps`` steps of a schedule that splits each backward into the inputs' gradients and
     the weights' (written to ``.grad`` by hand; see [Note: weight gradients a schedule
     writes]), on two model parts per rank under ZeRO-2, one ``MuonParts``: the V schedules
     hold stages ``pp`` and ``3 - pp``, the interleaved one ``pp`` and ``pp + 2``. With ``mp``,
     also the dtypes of the dedicated local sums each schedule left for the step's reduce
-    (under ``"local_sums"``)."""
-    meshes = _meshes()
+    (under ``"local_sums"``). On :func:`_meshes`' ``hsdp`` or ``tp`` mesh with ``inside``."""
+    meshes = _meshes(**inside)
     place = meshes.place
     pp = place.pp.get_local_rank()
     v_shaped = name != "interleaved_zero_bubble"
@@ -552,7 +565,8 @@ def _train_split(
         optimizer.zero_grad()
         if v_shaped and pp == 0:  # the first and the last stage
             x, y = _batch(step)
-            rows = slice(place.dp_index * 4, place.dp_index * 4 + 4)
+            per = ROWS // place.dp_size
+            rows = slice(place.dp_index * per, (place.dp_index + 1) * per)
             schedule.step(x[rows], target=y[rows])
         elif v_shaped:
             schedule.step()
@@ -1014,8 +1028,8 @@ def test_muon_parts_clip_and_skip_cover_every_part(pipeline_runs):
 def _parts_inside_stages(rank: int, world_size: int, path: str, **inside: bool) -> dict:
     """``MuonParts`` of the interleaved schedule on :func:`_meshes`' ``hsdp`` or ``tp`` mesh
     (``inside``), under ZeRO-2: ``STEPS`` steps; the last step resumed on new parts from a DCP
-    checkpoint of the first, and on the whole model without a pipeline; the clip norm and the
-    non-finite skip (under ZeRO-3)."""
+    checkpoint of the first, and on the whole model without a pipeline; ``STEPS`` steps of the
+    zero-bubble V schedule; the clip norm and the non-finite skip (under ZeRO-3)."""
     meshes = _meshes(**inside)
     parts, optimizer = _trained_parts(meshes, range(STEPS - 1))
     save_checkpoint(path, parts, optimizer)
@@ -1026,6 +1040,7 @@ def _parts_inside_stages(rank: int, world_size: int, path: str, **inside: bool) 
         "train": _parts_state(_trained_parts(meshes, range(STEPS))[0]),
         "resumed": _parts_state(resumed),
         "into_whole": _without_pipeline(path),
+        "zbv": _train_split("zbv", **inside),
         "parts_global": _parts_global(**inside),
     }
 
@@ -1037,13 +1052,14 @@ def test_muon_parts_train_like_the_whole_model_with_hsdp_or_tp_in_each_stage(tmp
     """Two parts per rank on pp 2 x (replicate 2 x shard 1), where each part's owners publish
     to its replica, and on pp 2 x dp 1 x tp 2, each part's TP grids inside its stage: trained,
     and resumed from a DCP checkpoint (into new parts, and into the whole model on 4
-    data-parallel ranks), like the reference; one clip norm and one skip over every part of
-    every rank."""
+    data-parallel ranks), like the reference, and so does ScheduleZBVZeroBubble (its weight
+    gradients written by hand); one clip norm and one skip over every part of every rank."""
     path = str(tmp_path / "checkpoint")
     results = run_distributed(_parts_inside_stages, 4, path, **{inside: True})
     _check_against_reference([result["train"] for result in results])
     _check_against_reference([result["resumed"] for result in results])
     _check_against_reference([result["into_whole"] for result in results], 2)
+    _check_against_reference([result["zbv"] for result in results])
     _check_parts_global(results)
 
 
@@ -1054,6 +1070,7 @@ def _check_parts_global(results: list[dict]) -> None:
         assert got["norm"] == pytest.approx(norm, rel=1e-5)
         assert got["nan_skipped"] == [True, True, True], got["nan_skipped"]
         assert got["nan_unchanged"]
+        assert got["inf_skipped"] and got["inf_unchanged"]
         assert got["finite_stepped"]
         # Two steps: each part's post-hook ran in each (the last part's step returns first),
         # and its LR scheduler took them as its optimizer's, without a warning.
