@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dmuon_fsdp import (
@@ -156,12 +156,15 @@ def _shard(
     mp: MixedPrecisionPolicy | None = None,
 ):
     """Dedicate and shard a stage module (or a model part) over its stage's meshes: each
-    block's up column-wise and down row-wise over the TP mesh if any, ``fully_shard`` per
-    layer and (``root``) of the module too, with FSDP2's ``mp`` policy, if any; its runtime."""
+    block's up column-wise and down row-wise over the TP mesh if any (and the last projection
+    column-wise, its output replicated, as torchtitan's head), ``fully_shard`` per layer and
+    (``root``) of the module too, with FSDP2's ``mp`` policy, if any; its runtime."""
     if meshes.tp is not None:
         plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         for layer in model.layers.values():
             parallelize_module(layer, meshes.tp, plan)
+        if model.out is not None:
+            parallelize_module(model.out, meshes.tp, ColwiseParallel(output_layouts=Replicate()))
     runtime = dedicate_params(
         model,
         meshes.dp,
@@ -347,14 +350,23 @@ def _refusals() -> dict[str, str]:
 
 
 def _part(
-    meshes: _Meshes, index: int, reshard: bool = True, mp: MixedPrecisionPolicy | None = None
+    meshes: _Meshes,
+    index: int,
+    reshard: bool = True,
+    mp: MixedPrecisionPolicy | None = None,
+    head_apart: bool = False,
 ) -> _Net:
     """Model part ``index`` of an interleaved schedule's four stages: layer ``index``, with
     the first projection on stage 0 and the last on stage 3, dedicated and sharded over the
-    stage's meshes (:func:`_shard`)."""
+    stage's meshes (:func:`_shard`); with ``head_apart`` stage 3 holds the last projection
+    alone (no Muon matrix: torchtitan's part of the norm and the head) and stage 2 the last
+    two layers."""
+    mine = {index}
+    if head_apart:
+        mine = {LAYERS - 2: {LAYERS - 2, LAYERS - 1}, LAYERS - 1: set()}.get(index, mine)
     part = _net()
     for i in range(LAYERS):
-        if i != index:
+        if i not in mine:
             del part.layers[str(i)]
     part.inp = part.inp if index == 0 else None
     part.out = part.out if index == LAYERS - 1 else None
@@ -362,11 +374,12 @@ def _part(
     return part
 
 
-def _parts(meshes: _Meshes, reshard: bool = True):
+def _parts(meshes: _Meshes, reshard: bool = True, head_apart: bool = False):
     """This rank's model parts of an interleaved schedule (stages ``pp`` and ``pp + 2`` of 4,
-    torch's "loop" order), their schedule, and this rank's place."""
+    torch's "loop" order; ``head_apart`` as :func:`_part`), their schedule, and this rank's
+    place."""
     pp = meshes.place.pp.get_local_rank()
-    parts = [_part(meshes, index, reshard) for index in (pp, pp + 2)]
+    parts = [_part(meshes, index, reshard, head_apart=head_apart) for index in (pp, pp + 2)]
     group = meshes.place.pp.get_group()
     stages = [
         PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group)
@@ -380,11 +393,13 @@ def _parts_state(parts) -> dict[str, torch.Tensor]:
     return {k: v for part in parts for k, v in _state(part).items()}
 
 
-def _trained_parts(meshes: _Meshes, steps: range, reshard: bool = False, load=None):
-    """This rank's parts of :func:`_parts` on ``meshes``, one ``Muon`` per part tied by one
-    ``MuonParts``, given ``load(parts, optimizer)`` first if any, trained on the batches of
-    ``steps``; the parts and their ``MuonParts``."""
-    parts, schedule, place = _parts(meshes, reshard)
+def _trained_parts(
+    meshes: _Meshes, steps: range, reshard: bool = False, load=None, head_apart: bool = False
+):
+    """This rank's parts of :func:`_parts` on ``meshes`` (``head_apart``), one ``Muon`` per
+    part tied by one ``MuonParts``, given ``load(parts, optimizer)`` first if any, trained on
+    the batches of ``steps``; the parts and their ``MuonParts``."""
+    parts, schedule, place = _parts(meshes, reshard, head_apart)
     optimizer = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in parts])
     if load is not None:
         load(parts, optimizer)
@@ -1029,7 +1044,8 @@ def _parts_inside_stages(rank: int, world_size: int, path: str, **inside: bool) 
     """``MuonParts`` of the interleaved schedule on :func:`_meshes`' ``hsdp`` or ``tp`` mesh
     (``inside``), under ZeRO-2: ``STEPS`` steps; the last step resumed on new parts from a DCP
     checkpoint of the first, and on the whole model without a pipeline; ``STEPS`` steps of the
-    zero-bubble V schedule; the clip norm and the non-finite skip (under ZeRO-3)."""
+    parts with the head apart (a part without Muon matrices), and of the zero-bubble V
+    schedule; the clip norm and the non-finite skip (under ZeRO-3)."""
     meshes = _meshes(**inside)
     parts, optimizer = _trained_parts(meshes, range(STEPS - 1))
     save_checkpoint(path, parts, optimizer)
@@ -1040,6 +1056,7 @@ def _parts_inside_stages(rank: int, world_size: int, path: str, **inside: bool) 
         "train": _parts_state(_trained_parts(meshes, range(STEPS))[0]),
         "resumed": _parts_state(resumed),
         "into_whole": _without_pipeline(path),
+        "head_apart": _parts_state(_trained_parts(meshes, range(STEPS), head_apart=True)[0]),
         "zbv": _train_split("zbv", **inside),
         "parts_global": _parts_global(**inside),
     }
@@ -1052,13 +1069,15 @@ def test_muon_parts_train_like_the_whole_model_with_hsdp_or_tp_in_each_stage(tmp
     """Two parts per rank on pp 2 x (replicate 2 x shard 1), where each part's owners publish
     to its replica, and on pp 2 x dp 1 x tp 2, each part's TP grids inside its stage: trained,
     and resumed from a DCP checkpoint (into new parts, and into the whole model on 4
-    data-parallel ranks), like the reference, and so does ScheduleZBVZeroBubble (its weight
+    data-parallel ranks), like the reference, and so do parts whose last holds the head alone
+    (under TP its grids come from the head's TP weight) and ScheduleZBVZeroBubble (its weight
     gradients written by hand); one clip norm and one skip over every part of every rank."""
     path = str(tmp_path / "checkpoint")
     results = run_distributed(_parts_inside_stages, 4, path, **{inside: True})
     _check_against_reference([result["train"] for result in results])
     _check_against_reference([result["resumed"] for result in results])
     _check_against_reference([result["into_whole"] for result in results], 2)
+    _check_against_reference([result["head_apart"] for result in results])
     _check_against_reference([result["zbv"] for result in results])
     _check_parts_global(results)
 

@@ -392,7 +392,7 @@ def _dedicate(
     # parameter is dedicated (or, routed to sharded_adamw, left to FSDP2 as it is).
     in_place = [claim for claim in claimed if claim.kind and not claim.kind.dedicated]
     selected = [(f.fqn, f.param) for f, kind, _ in claimed if not kind or kind.dedicated]
-    tp_mesh, tp_dims = check_call_order(model, selected, mesh)
+    tp_mesh, tp_dims = check_call_order(model, selected, mesh, replicate_mesh)
     layout = resolve_layout(mesh, replicate_mesh, tp_mesh, pipeline_mesh)
     if config.replicated and layout.is_hsdp:
         raise ValueError(

@@ -134,14 +134,18 @@ def is_installed() -> bool:
 
 
 def check_call_order(
-    model: nn.Module, selected: Iterable[tuple[str, nn.Parameter]], mesh: object
+    model: nn.Module,
+    selected: Iterable[tuple[str, nn.Parameter]],
+    mesh: object,
+    replicate_mesh: object = None,
 ) -> tuple[DeviceMesh | None, dict[str, int]]:
     """Raise when FSDP2 (or any DTensor wrapper on the data-parallel ``mesh``) got to the
     model before dedicate_params; return the tensor-parallel mesh of the selected parameters
-    that are TP shards (DTensors on another mesh of more than one rank), or ``None``, and the
-    dim each TP shard splits, by FQN. Raises when they do not fit dmuon's tensor parallelism
-    (see [Note: tensor-parallel grids] in _mesh); a DTensor on a one-rank mesh is a whole
-    matrix (see [Note: degree-1 mesh dimensions] in _mesh)."""
+    that are TP shards (DTensors on another mesh of more than one rank), or where none is, of
+    the model's other weights (:func:`_other_tp_mesh`), or ``None``, and the dim each TP shard
+    splits, by FQN. Raises when they do not fit dmuon's tensor parallelism (see [Note:
+    tensor-parallel grids] in _mesh); a DTensor on a one-rank mesh is a whole matrix (see
+    [Note: degree-1 mesh dimensions] in _mesh)."""
     sharded = fsdp_modules(model)
     if sharded:
         name = sharded[0][0]
@@ -153,6 +157,7 @@ def check_call_order(
         )
     tp_mesh: DeviceMesh | None = None
     tp_dims: dict[str, int] = {}
+    selected = list(selected)
     for fqn, param in selected:
         if not isinstance(param, DTensor):
             continue
@@ -173,7 +178,36 @@ def check_call_order(
                 f"tensor-parallel parameter {fqn!r} lives on another mesh than the other selected "
                 "ones; dmuon's tensor parallelism takes one TP mesh for every dedicated matrix"
             )
+    if tp_mesh is None:
+        tp_mesh = _other_tp_mesh(model, {id(p) for _, p in selected}, (mesh, replicate_mesh))
     return tp_mesh, tp_dims
+
+
+def _other_tp_mesh(
+    model: nn.Module, selected: set[int], data_parallel: tuple[object, ...]
+) -> DeviceMesh | None:
+    """The TP mesh of a model whose selected matrices are no TP shards: a pipeline stage or
+    model part of a tensor-parallel world that holds only weights outside the Muon route
+    (torchtitan's part of the embedding alone, or of the norm and the head, each parallelized
+    on the TP mesh). Its grids are still the world's TP grids, so the mesh is the one 1-D mesh
+    of more than one rank that the model's other DTensor weights lie on and that meets the
+    ``data_parallel`` meshes at this rank only, as a TP dimension does; an expert-parallel mesh
+    taken from the data-parallel ranks meets them elsewhere too, and is no TP mesh. ``None``
+    where there is no such mesh, or more than one."""
+    dp_ranks: set[int] = set()
+    for dp in data_parallel:
+        if isinstance(dp, DeviceMesh):
+            dp_ranks.update(dp.mesh.flatten().tolist())
+    found: list[DeviceMesh] = []
+    for param in model.parameters():
+        if id(param) in selected or not isinstance(param, DTensor):
+            continue
+        other = param.device_mesh
+        if other.ndim != 1 or other.size() == 1 or any(other == m for m in found):
+            continue
+        if len(dp_ranks.intersection(other.mesh.flatten().tolist())) == 1:
+            found.append(other)
+    return found[0] if len(found) == 1 else None
 
 
 def _tp_dim(fqn: str, param: DTensor) -> int:
