@@ -542,6 +542,10 @@ def _interleaved() -> dict[str, str]:
     out["interleaved_unchanged"] = str(unchanged)
     out["parts_of_one_model"] = _error(MuonParts, [optimizers[0], optimizers[0]])
     out["parts_empty"] = _error(MuonParts, [])
+    # Stage indices that are not each stage once over the positions (every rank passes its
+    # position twice): refused on every rank.
+    pp = mesh["pp"].get_local_rank()
+    out["stage_indices_twice"] = _error(MuonParts, optimizers, stage_indices=(pp, pp))
     return out
 
 
@@ -553,14 +557,20 @@ SPLIT_SCHEDULES = {
 
 
 def _train_split(
-    name: str, steps: int = STEPS, mp: MixedPrecisionPolicy | None = None, **inside: bool
+    name: str,
+    steps: int = STEPS,
+    mp: MixedPrecisionPolicy | None = None,
+    path: str | None = None,
+    **inside: bool,
 ) -> dict[str, torch.Tensor]:
     """``steps`` steps of a schedule that splits each backward into the inputs' gradients and
     the weights' (written to ``.grad`` by hand; see [Note: weight gradients a schedule
-    writes]), on two model parts per rank under ZeRO-2, one ``MuonParts``: the V schedules
-    hold stages ``pp`` and ``3 - pp``, the interleaved one ``pp`` and ``pp + 2``. With ``mp``,
-    also the dtypes of the dedicated local sums each schedule left for the step's reduce
-    (under ``"local_sums"``). On :func:`_meshes`' ``hsdp`` or ``tp`` mesh with ``inside``."""
+    writes]), on two model parts per rank under ZeRO-2, one ``MuonParts`` given the parts'
+    stage indices: the V schedules hold stages ``pp`` and ``3 - pp``, the interleaved one
+    ``pp`` and ``pp + 2``. With ``mp``, also the dtypes of the dedicated local sums each
+    schedule left for the step's reduce (under ``"local_sums"``); with ``path``, a DCP
+    checkpoint there before the last step. On :func:`_meshes`' ``hsdp`` or ``tp`` mesh with
+    ``inside``."""
     meshes = _meshes(**inside)
     place = meshes.place
     pp = place.pp.get_local_rank()
@@ -574,9 +584,11 @@ def _train_split(
     ]
     schedule = SPLIT_SCHEDULES[name](stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
-    optimizer = MuonParts(optimizers)
+    optimizer = MuonParts(optimizers, stage_indices=indices)
     local_sums: set[str] = set()
     for step in range(steps):
+        if path is not None and step == steps - 1:
+            save_checkpoint(path, parts, optimizer)
         optimizer.zero_grad()
         if v_shaped and pp == 0:  # the first and the last stage
             x, y = _batch(step)
@@ -612,7 +624,8 @@ def _pipeline(rank: int, world_size: int, path: str) -> dict:
         "interleaved": _train_parts(f"{path}_parts", path),
         "interleaved_into_whole": _without_pipeline(f"{path}_parts"),
         "parts_global": _parts_global(),
-        "dual_pipe_v": _train_split("dual_pipe_v"),
+        "dual_pipe_v": _train_split("dual_pipe_v", path=f"{path}_v"),
+        "v_into_whole": _without_pipeline(f"{path}_v"),
         "zbv_bf16": _train_split("zbv", 1, MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
     }
     return out
@@ -718,6 +731,8 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         assert got["interleaved_unchanged"] == "True"
         assert got["parts_of_one_model"].startswith("ValueError: MuonParts: optimizers 0 and 1")
         assert got["parts_empty"].startswith("ValueError: MuonParts takes"), got["parts_empty"]
+        twice = got["stage_indices_twice"]
+        assert "stage indices by pipeline position, {0: [0, 0], 1: [1, 1]}" in twice, twice
         zero3 = got["split_under_zero3"]
         assert "A zero-bubble or V pipeline schedule" in zero3, zero3
         assert "dedicate_params(..., reshard_after_forward=False)" in zero3, zero3
@@ -1012,8 +1027,11 @@ def test_an_interleaved_schedule_trains_like_the_whole_model(pipeline_runs):
 @pytest.mark.distributed
 def test_a_v_schedule_trains_like_the_whole_model(pipeline_runs):
     """ScheduleDualPipeV splits each backward into the inputs' gradients and the weights'
-    (written to .grad by hand), which the step's reduce takes wherever they came from."""
+    (written to .grad by hand), which the step's reduce takes wherever they came from. Its
+    parts are stages p and 3 - p, given to MuonParts: the checkpoint's param groups list the
+    stages in order, so it loads into the whole model (which refuses another order)."""
     _check_against_reference([result["dual_pipe_v"] for result in pipeline_runs])
+    _check_against_reference([result["v_into_whole"] for result in pipeline_runs], 2)
 
 
 @pytest.mark.distributed

@@ -135,8 +135,9 @@ def refuse_under_pipeline(runtime: DedicatedRuntime, call: str) -> None:
     of stages. A rank with several model parts (a ``MuonParts``, interleaved and looped
     schedules) is one ``AppState`` of every part: each part's tensors under their FQNs, and
     one param-groups value, for which each part's groups are gathered over the pipeline group
-    in turn; part ``k`` of position ``p`` is stage ``p + k * P`` (torch's "loop" order), so
-    the gathers in part order list every stage in order, merged once. A load, plain
+    in turn with the part's stage index (``MuonParts.stage_indices``: torch's "loop" order,
+    part ``k`` of position ``p`` being stage ``p + k * P``, unless given, as a V schedule's
+    must be), and every stage's are merged once, in stage order. A load, plain
     ``dcp.load`` or ``load_checkpoint``, reads that key on any layout: a stage (each part of a
     rank) keeps its own parameters of each group (the other stages' are theirs), and takes the
     hyperparameters of the entries that hold them, which must agree; the whole model takes

@@ -248,9 +248,12 @@ class AppState(Stateful):
         # With a MuonParts, an AppState per model part: one Stateful, whose dictionary holds
         # every part's tensors (their FQNs are the stages') and the one param-groups value.
         self.parts: tuple[AppState, ...] = ()
+        # Each part's pipeline stage index, which orders the saved param groups.
+        self.stage_indices: tuple[int, ...] = ()
         if isinstance(optimizer, MuonParts):
             pairs = _pair_parts(model, optimizer)
             self.parts = tuple(AppState(m, o) for m, o in pairs)
+            self.stage_indices = optimizer.stage_indices
             model, optimizer = pairs[0]
         assert isinstance(model, nn.Module)
         self.optimizer: Muon = layout.check_optimizer(model, optimizer)
@@ -337,20 +340,24 @@ class AppState(Stateful):
         layout_ = self.runtime.layout
         if layout_.pp_size == 1 and not self.parts:
             return tuple(group_state(self.optimizer).items())
-        # Part k of position p is stage p + k * P: the gathers in part order list the stages
-        # in order.
+        # Each part's groups with its stage index (a MuonParts' stage_indices; one stage per
+        # rank: the position), gathered over the pipeline group, merged in stage order.
         stages: list[Any] = []
-        for part in self._each():
-            sent = tuple(
-                (name, {key: _on_cpu(value) for key, value in group.items()})
-                for name, group in group_state(part.optimizer).items()
+        for k, part in enumerate(self._each()):
+            index = self.stage_indices[k] if self.parts else layout_.pp_index
+            sent = (
+                index,
+                tuple(
+                    (name, {key: _on_cpu(value) for key, value in group.items()})
+                    for name, group in group_state(part.optimizer).items()
+                ),
             )
             gathered: list[Any] = [sent]
             if layout_.pipeline_mesh is not None:
                 gathered = [None] * layout_.pp_size
                 dist.all_gather_object(gathered, sent, group=layout_.pipeline_mesh.get_group())
             stages += gathered
-        return _merge_stage_groups(stages)
+        return _merge_stage_groups([groups for _, groups in sorted(stages, key=lambda s: s[0])])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Install what DCP read into the tensors of :meth:`state_dict` (an optimizer state

@@ -26,6 +26,17 @@ hooks (every pre-hook before the step, every post-hook after it) and counts the 
 part's LR scheduler, which would otherwise warn that ``lr_scheduler.step()`` came before
 ``optimizer.step()``. Every rank ties as many parts, in the
 order of its stages; ``MuonParts()`` checks both, collectively, and raises on every rank alike.
+
+The parts' stage indices (``stage_indices``) order the stages of a checkpoint's param groups,
+which list the whole model's parameters stage by stage (see [Note: checkpoints of pipeline
+stages]): by default torch's "loop" order, part ``k`` of position ``p`` being stage
+``p + k * P`` (the interleaved and looped schedules); a V schedule (``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``) gives position ``p`` stages ``p`` and ``2P - 1 - p``, which must be
+passed. With the loop order there, the groups would list stage ``2P - 1`` before stage ``P``,
+and the checkpoint would load only on the same V layout (the whole model, or one stage per
+rank, refuses groups that list its parameters in another order). ``MuonParts()`` checks,
+collectively, that the ranks of one position pass the same indices and that the positions'
+indices are each stage once.
 """
 
 from __future__ import annotations
@@ -63,9 +74,20 @@ class MuonParts:
             parts). Empty, not ``Muon`` objects, two of one model, a part of another live
             ``MuonParts``, other pipeline meshes, or ``skip_nonfinite`` differing between parts
             raise ``ValueError`` before anything changes.
+        stage_indices: each part's pipeline stage index (its ``PipelineStage``'s
+            ``stage_index``), in the order of ``optimizers``; ``None`` (the default) for
+            torch's "loop" order of the interleaved and looped schedules, where part ``k`` of
+            pipeline position ``p`` is stage ``p + k * P``. Pass them for a V schedule
+            (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: stages ``p`` and
+            ``2P - 1 - p``), or a checkpoint's param groups list the stages out of order (see
+            [Note: the parts of a rank]). Another length than ``optimizers``, indices that are
+            not ints, that differ between the ranks of a position or are not each stage once
+            over the positions raise ``ValueError``.
     """
 
-    def __init__(self, optimizers: Sequence[Muon]) -> None:
+    def __init__(
+        self, optimizers: Sequence[Muon], *, stage_indices: Sequence[int] | None = None
+    ) -> None:
         if (
             isinstance(optimizers, Muon)
             or not isinstance(optimizers, Sequence)
@@ -107,8 +129,24 @@ class MuonParts:
                 " takes one non-finite decision for all of them; build every part's Muon with"
                 " the same skip_nonfinite"
             )
-        _check_ranks_agree(parts)
+        layout = parts[0].runtime.layout
+        if stage_indices is None:
+            indices = tuple(layout.pp_index + k * layout.pp_size for k in range(len(parts)))
+        elif (
+            isinstance(stage_indices, (str, bytes))
+            or not isinstance(stage_indices, Sequence)
+            or len(stage_indices) != len(parts)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in stage_indices)
+        ):
+            raise ValueError(
+                f"MuonParts: stage_indices must list one int per part ({len(parts)}), each"
+                f" part's PipelineStage stage_index, got {stage_indices!r}"
+            )
+        else:
+            indices = tuple(stage_indices)
+        _check_ranks_agree(parts, indices)
         self._optimizers = parts
+        self._stage_indices = indices
         self._stepping = False
         for optimizer in parts:
             optimizer._joint = weakref.ref(self)
@@ -117,6 +155,12 @@ class MuonParts:
     def optimizers(self) -> tuple[Muon, ...]:
         """The parts' optimizers, in the order given (one LR scheduler each, say)."""
         return self._optimizers
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        """Each part's pipeline stage index, in the order of the parts: as given, or torch's
+        "loop" order (part ``k`` of position ``p`` is stage ``p + k * P``)."""
+        return self._stage_indices
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -239,10 +283,11 @@ def _frozen(p: object) -> bool:
     return isinstance(p, nn.Parameter) and not p.requires_grad
 
 
-def _check_ranks_agree(parts: tuple[Muon, ...]) -> None:
-    """Raise on every rank alike unless every rank ties as many parts and the ranks of one
+def _check_ranks_agree(parts: tuple[Muon, ...], indices: tuple[int, ...]) -> None:
+    """Raise on every rank alike unless every rank ties as many parts, the ranks of one
     pipeline position list the same parts in the same order (the FQNs of each part's
-    parameters); collective over every rank."""
+    parameters) with the same stage ``indices``, and the positions' indices are each stage
+    once; collective over every rank."""
     runtime = parts[0].runtime
     device = runtime.layout.device
     group = runtime.step_group
@@ -254,19 +299,39 @@ def _check_ranks_agree(parts: tuple[Muon, ...]) -> None:
             " model part, as many as the others (an interleaved schedule gives each rank the"
             " same number of stages)"
         )
-    mine = [runtime.layout.pp_index] + [
-        zlib.crc32(" ".join(sorted(n for n, _ in o.model.named_parameters())).encode())
-        for o in parts
-    ]
+    count = len(parts)
+    mine = (
+        [runtime.layout.pp_index]
+        + [
+            zlib.crc32(" ".join(sorted(n for n, _ in o.model.named_parameters())).encode())
+            for o in parts
+        ]
+        + list(indices)
+    )
     rows = all_gather_numbers(mine, device, group=group)
     by_position: dict[int, list[int]] = {}
     for row in rows:  # every rank sees every row, so every rank raises alike
         listed = by_position.setdefault(row[0], row[1:])
-        if listed != row[1:]:
-            k = next(k for k, (a, b) in enumerate(zip(listed, row[1:], strict=True)) if a != b)
+        if listed[:count] != row[1 : count + 1]:
+            k = next(k for k, (a, b) in enumerate(zip(listed, row[1:], strict=False)) if a != b)
             raise ValueError(
                 f"MuonParts: part {k} holds other parameters on some rank than on another rank"
                 f" of the same pipeline position ({row[0]}), so their collectives would pair"
                 " other stages; list the optimizers in the order of the model parts (their"
                 " stage indices) on every rank"
             )
+        if listed[count:] != row[count + 1 :]:
+            raise ValueError(
+                f"MuonParts: the ranks of pipeline position {row[0]} pass other stage_indices"
+                f" ({listed[count:]} and {row[count + 1 :]}); pass every rank its parts'"
+                " PipelineStage stage_index, the same on the ranks of a position"
+            )
+    stages = {p: listed[count:] for p, listed in sorted(by_position.items())}
+    given = sorted(i for listed in stages.values() for i in listed)
+    if given != list(range(len(stages) * count)):
+        raise ValueError(
+            f"MuonParts: the parts' stage indices by pipeline position, {stages}, are not each"
+            f" of the {len(stages) * count} stages once; pass stage_indices=(each part's"
+            " PipelineStage stage_index), or leave it out for torch's loop order (part k of"
+            " position p is stage p + k * P)"
+        )
