@@ -53,11 +53,12 @@ import os
 import shutil
 import sys
 import tempfile
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
     PipelineScheduleSingle,
     ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
@@ -231,6 +233,9 @@ def parallelize_llama_dmuon(
 # The schedules that split each backward into the inputs' gradients and the weights' (see
 # [Note: the model parts of a rank]).
 SPLIT_BACKWARD = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
+# Each model part's pipeline stage index, noted by pipeline_llm_dmuon for the optimizer
+# container's MuonParts (see [Note: the model parts of a rank]).
+STAGE_INDEX: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def pipeline_llm_dmuon(
@@ -258,6 +263,13 @@ def pipeline_llm_dmuon(
     ``fsdp_reshard_after_forward`` ``"default"`` or ``"never"``), and ``"always"`` is refused
     here before anything is built.
 
+    The parts' stage indices order the stages of a checkpoint's param groups, which list the
+    whole model's parameters stage by stage: torch's "loop" order (``r + k * P``) is
+    ``MuonParts``' default, but a V schedule's rank holds stages ``r`` and ``2P - 1 - r``.
+    So each part's ``PipelineStage.stage_index`` is noted here (``STAGE_INDEX``) and the
+    optimizer container passes them as ``MuonParts(..., stage_indices=...)``: a V schedule's
+    checkpoint then loads on any layout, as the others' do.
+
     [Note: the dedicated gradients after the schedule]
     The schedule runs each micro-batch's backward with FSDP2's gradient sync off, and dmuon
     keeps each dedicated matrix's local sum over the micro-batches in its ``.grad`` until the
@@ -282,6 +294,10 @@ def pipeline_llm_dmuon(
     schedule, model_parts, first_stage, last_stage = pipeline_llm(
         model, parallelism=parallelism, **kwargs
     )
+    stages = schedule._stages if isinstance(schedule, PipelineScheduleMulti) else [schedule._stage]
+    for stage, part in zip(stages, model_parts, strict=True):
+        assert stage.submod is part
+        STAGE_INDEX[part] = stage.stage_index
     step = schedule.step
 
     def step_then_reduce(*args: Any, **step_kwargs: Any) -> Any:
@@ -364,8 +380,15 @@ class DmuonOptimizersContainer(OptimizersContainer):
             for model in model_parts
         ]
         # Several parts are stepped and clipped as one: see [Note: one step of several parts].
+        # Their stage indices as pipeline_llm_dmuon noted them (MuonParts' loop order for
+        # parts it did not build).
+        indices = [STAGE_INDEX.get(model) for model in model_parts]
         self.muon: dmuon.Muon | dmuon.MuonParts = (
-            parts[0] if len(parts) == 1 else dmuon.MuonParts(parts)
+            parts[0]
+            if len(parts) == 1
+            else dmuon.MuonParts(
+                parts, stage_indices=None if None in indices else cast(list[int], indices)
+            )
         )
         self.optimizers = parts
         self.muon_max_norm = config.muon_max_norm
@@ -828,30 +851,44 @@ def train_and_resume(
     staged = os.path.join(directory, "pp")
     pp_uninterrupted = run(job(staged, None, pp), seed=0, device=device)
     pp_resumed = run(job(staged, SAVE_AT, pp), seed=1, device=device)
-    # The run without a pipeline's step-5 checkpoint, resumed in pipeline stages.
+    # The run without a pipeline's step-5 checkpoint, resumed in pipeline stages; and the
+    # pipeline's, resumed without one.
     across = run(job(directory, SAVE_AT, pp), seed=1, device=device)
+    back = run(job(staged, SAVE_AT), seed=1, device=device)
     if dist.get_rank() != 0:
         return
     check(f"pp={pp}", pp_uninterrupted, pp_resumed)
-    want = {s: x for s, x in uninterrupted.items() if s > SAVE_AT}
-    if sorted(across) != sorted(want):
-        raise SystemExit(f"FAILED: resumed in {pp} pipeline stages, the steps {sorted(across)}")
-    apart = {s: abs(across[s] - x) / abs(x) for s, x in want.items()}
-    first = SAVE_AT + 1
     # Step 6's loss is the same sum of the same rows' losses where a micro-batch is a rank's
     # batch of the run without a pipeline; under DualPipeV's half-size micro-batches it sums
     # them in another order, so that step too is held to ACROSS_RTOL.
     exact = microbatch_rows(schedule) == ROWS_PER_RANK
-    if (exact and across[first] != want[first]) or max(apart.values()) > ACROSS_RTOL:
+    where = f"{pp} pipeline stages ({schedule})"
+    check_across(
+        f"resumed in {where} from the checkpoint without a pipeline", across, uninterrupted, exact
+    )
+    check_across(
+        f"resumed without a pipeline from the checkpoint in {where}", back, pp_uninterrupted, exact
+    )
+
+
+def check_across(what: str, got: dict[int, float], run: dict[int, float], exact: bool) -> None:
+    """Raise ``SystemExit`` unless ``got``, a run resumed from the step-``SAVE_AT`` checkpoint
+    of ``run`` on another layout, has the losses of ``run``'s later steps: the first equal
+    bit for bit if ``exact``, every one within ``ACROSS_RTOL``."""
+    want = {s: x for s, x in run.items() if s > SAVE_AT}
+    if sorted(got) != sorted(want):
+        raise SystemExit(f"FAILED: {what}, the steps {sorted(got)}")
+    apart = {s: abs(got[s] - x) / abs(x) for s, x in want.items()}
+    first = SAVE_AT + 1
+    if (exact and got[first] != want[first]) or max(apart.values()) > ACROSS_RTOL:
         raise SystemExit(
-            f"FAILED: resumed in {pp} pipeline stages from the step-{SAVE_AT} checkpoint without a"
-            f" pipeline, the losses {across} differ from that run's {want} (relative: {apart});"
-            f" step {first} must be {'equal' if exact else f'within {ACROSS_RTOL:g}'}, the later"
-            f" ones within {ACROSS_RTOL:g}"
+            f"FAILED: {what} (step {SAVE_AT}), the losses {got} differ from that run's {want}"
+            f" (relative: {apart}); step {first} must be"
+            f" {'equal' if exact else f'within {ACROSS_RTOL:g}'}, the later ones within"
+            f" {ACROSS_RTOL:g}"
         )
     print(
-        f"OK: resumed in {pp} pipeline stages ({schedule}) from the step-{SAVE_AT} checkpoint"
-        f" without a pipeline, losses {list(across.values())}: step {first}"
+        f"OK: {what} (step {SAVE_AT}), losses {list(got.values())}: step {first}"
         f" {'equal' if exact else f'{apart[first]:.1e} apart'}, then relative differences"
         f" {' '.join(f'{apart[s]:.1e}' for s in sorted(apart) if s > first)}",
         flush=True,
