@@ -3,6 +3,7 @@
     python docs/examples/integrations/torchtitan_train.py             # 2 CPU ranks (gloo)
     python docs/examples/integrations/torchtitan_train.py --pp 2      # and in 2 pipeline stages
     python docs/examples/integrations/torchtitan_train.py --pp 2 --world-size 4  # 2 stages x 2
+    python docs/examples/integrations/torchtitan_train.py --pp 2 --schedule ZBVZeroBubble
     torchrun --nproc-per-node 2 docs/examples/integrations/torchtitan_train.py --dir /shared/ckpt
     torchrun --nproc-per-node 1 docs/examples/integrations/torchtitan_train.py --device cuda
 
@@ -10,10 +11,11 @@ The recipe is the first half of this file, four pieces a torchtitan job plugs in
 ``Trainer.Config``: :func:`parallelize_llama_dmuon` (torchtitan's ``parallelize_llama`` with
 ``dmuon.dedicate_params`` between tensor parallelism and FSDP2, registered as the
 ``ModelSpec``'s ``parallelize_fn``), :func:`pipeline_llm_dmuon` (torchtitan's ``pipeline_llm``,
-the ``pipelining_fn``, for schedules of one stage per rank: 1F1B and GPipe),
-:class:`DmuonOptimizersContainer` (one ``dmuon.Muon`` behind torchtitan's optimizer container,
-which its LR scheduler wraps) and :class:`DmuonCheckpointManager` (torchtitan's DCP
-checkpointer with the model and the optimizer in one ``dmuon.AppState``, loaded by
+the ``pipelining_fn``, for schedules of one stage per rank, 1F1B and GPipe, or of several:
+the interleaved, looped, zero-bubble and V ones), :class:`DmuonOptimizersContainer` (one
+``dmuon.Muon`` per model part behind torchtitan's optimizer container, several tied by one
+``dmuon.MuonParts``, each part's ``Muon`` wrapped by its LR scheduler) and
+:class:`DmuonCheckpointManager` (torchtitan's DCP checkpointer with the model and the optimizer in one ``dmuon.AppState``, loaded by
 ``dmuon.load_checkpoint`` on any layout). :func:`llama3_debugmodel_dmuon` is torchtitan's own
 ``llama3_debugmodel`` job with the four swapped in, for
 ``torchrun ... -m torchtitan.train --module torchtitan_train --config llama3_debugmodel_dmuon``
@@ -25,23 +27,31 @@ NCCL when it finds none, ``torchtitan/tools/utils.py`` line 55, and calls
 ``torch.cuda.set_device`` at ``torchtitan/trainer.py`` line 301). So the second half runs the
 same config through the same calls as ``Trainer.__init__``, ``Trainer.train`` and
 ``Trainer.train_step``, in a short loop of its own, on gloo (or, with ``--device cuda`` under
-``torchrun``, on NCCL and the GPUs): build the two-layer debug model on the meta device,
-``parallelize_fn`` (or, with a pipeline, the ``pipelining_fn``, which splits it into stage
-modules and parallelizes this rank's), ``to_empty``, ``init_weights``, the optimizer,
-LR-scheduler and checkpoint builders, then 10 steps with a checkpoint at step 5 (with a
+``torchrun``, on NCCL and the GPUs): build the debug model (two blocks, or one per pipeline
+stage) on the meta device, ``parallelize_fn`` (or, with a pipeline, the ``pipelining_fn``,
+which splits it into stage modules and parallelizes this rank's), ``to_empty``,
+``init_weights``, the optimizer, LR-scheduler and checkpoint builders, then 10 steps with a checkpoint at step 5 (with a
 pipeline, ``pp_schedule.step`` in place of the forward and backward, the loss from the last
 stage, the clip's norm reduced over the ``pp`` mesh). It then builds everything again from
 other initial weights, resumes from step 5 with ``checkpointer.load`` and exits non-zero
 unless the loss fell and the resumed steps' losses equal the uninterrupted run's bit for bit.
 
-``--pp P`` (P dividing the world size) runs those two checks also in P pipeline stages (one
-transformer block each; ``--schedule GPipe`` for GPipe), computing in fp32 (see [Note:
-comparing the pipeline in fp32]), then resumes the run without a pipeline from its step-5
-checkpoint in P stages and exits non-zero unless step 6's loss equals that run's and steps 7
-to 10 lie within ``ACROSS_RTOL`` of it. On 2 CPU ranks (pp=2, one data-parallel rank per
-stage) the default run takes about 15 s and ``--pp 2`` about 17 s, ``--pp 2 --world-size 4``
-(2 stages x 2 data-parallel ranks) about 30 s; ``nox -s integrations`` runs the default and
-``--pp 2``.
+``--pp P`` (P dividing the world size) runs those two checks also on P pipeline ranks under
+``--schedule`` (1F1B by default; GPipe; or two stages per rank: Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), one transformer block per stage (the whole
+job's model has P or 2P blocks), computing in fp32 (see [Note: comparing the pipeline in
+fp32]). It then resumes the run without a pipeline from its step-5 checkpoint in the pipeline,
+and the pipeline's without one, and exits non-zero unless each run's step 6 loss equals that
+of the run it resumed and steps 7 to 10 lie within ``ACROSS_RTOL`` of it (DualPipeV, which needs
+a micro-batch per stage, cuts each rank's batch into half-size micro-batches, whose losses sum
+in another order: its step 6 is held to ``ACROSS_RTOL`` too). The split-backward schedules
+(InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) run with torchtitan's full activation
+checkpointing in place of the debug job's selective one, whose regions torch refuses to run
+backward through twice ("Trying to backward an extra time"). On 2 CPU ranks (pp=2, one
+data-parallel rank per stage) the default run takes about 15 s and ``--pp 2`` about 17 s
+(19 s and 20 s on a busier machine, where a schedule of two stages per rank took 26 to 28 s),
+``--pp 2 --world-size 4`` (2 stages x 2 data-parallel ranks) about 30 s; ``nox -s
+integrations`` runs the default, ``--pp 2`` and ``--pp 2 --schedule ZBVZeroBubble``.
 """
 
 from __future__ import annotations
@@ -665,7 +675,15 @@ def sum_gradients_on_gloo(model: nn.Module) -> None:
 def run(config: Trainer.Config, seed: int, device: torch.device) -> dict[int, float]:
     """``Trainer.__init__`` and ``Trainer.train`` for ``config`` on this rank, on ``device``;
     returns the loss of every step it trained (the sum over ranks of each rank's share, as the
-    Trainer logs; under a pipeline the last stage's, on every rank)."""
+    Trainer logs; under a pipeline the last stage's, on every rank).
+
+    [Note: the logged loss in float64]
+    The loss is summed over the micro-batches and the ranks in float64, where the sum of a few
+    fp32 losses of like size is exact, so its value does not depend on the order of the sums:
+    the run without a pipeline all-reduces one loss per rank, the pipeline sums each rank's
+    micro-batches and then all-reduces, and gloo adds four ranks' losses in another order than
+    (2 micro-batches) + (2 micro-batches); in fp32 the same rows' losses then came out one ulp
+    apart. So equal losses of the same rows give the same step loss on every layout."""
     assert config.model_spec is not None
     parallel_dims = parallel_dims_on(config, device)
     dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
@@ -758,10 +776,11 @@ def run(config: Trainer.Config, seed: int, device: torch.device) -> dict[int, fl
                         loss_kwargs={"global_valid_tokens": global_valid_tokens},
                         return_outputs=False,
                     )
+                    # Summed in float64: see [Note: the logged loss in float64].
                     loss = (
-                        torch.stack(mb_losses).sum()
+                        torch.stack(mb_losses).double().sum()
                         if last_stage
-                        else torch.zeros((), device=device)
+                        else torch.zeros((), dtype=torch.float64, device=device)
                     )
                 else:
                     loss, _ = loss_fn(model_parts[0](inputs), labels, global_valid_tokens)
@@ -774,7 +793,7 @@ def run(config: Trainer.Config, seed: int, device: torch.device) -> dict[int, fl
             )
             optimizers.step()
             lr_schedulers.step()
-            loss = loss.detach()
+            loss = loss.detach().double()
             if pp_mesh is not None:  # the last stage's loss, on every rank (others add 0)
                 dist.all_reduce(loss, group=pp_mesh.get_group())
             losses[state.step] = dist_utils.dist_sum(loss, loss_mesh)
