@@ -292,7 +292,9 @@ INTEGRATIONS: dict[str, list[str]] = {
 }
 # A recipe's further runs, each with its own arguments and checks (one run without by default).
 INTEGRATION_ARGS: dict[str, list[list[str]]] = {
-    "torchtitan_train.py": [[], ["--pp", "2"]],  # and in 2 pipeline stages
+    # and in 2 pipeline stages, one per rank and two per rank (a V schedule: MuonParts and the
+    # split backward)
+    "torchtitan_train.py": [[], ["--pp", "2"], ["--pp", "2", "--schedule", "ZBVZeroBubble"]],
 }
 
 
