@@ -304,6 +304,8 @@ def pipeline_llm_dmuon(
     schedule, model_parts, first_stage, last_stage = pipeline_llm(
         model, parallelism=parallelism, **kwargs
     )
+    # torch's schedules keep their PipelineStages, in the order of model_parts, in _stages (a
+    # single-stage schedule its one in _stage); each stage's submod is its part.
     stages = schedule._stages if isinstance(schedule, PipelineScheduleMulti) else [schedule._stage]
     for stage, part in zip(stages, model_parts, strict=True):
         assert stage.submod is part
