@@ -544,7 +544,7 @@ def _interleaved() -> dict[str, str]:
     out["parts_empty"] = _error(MuonParts, [])
     # Stage indices that are not each stage once over the positions (every rank passes its
     # position twice): refused on every rank.
-    pp = mesh["pp"].get_local_rank()
+    pp = place.pp.get_local_rank()
     out["stage_indices_twice"] = _error(MuonParts, optimizers, stage_indices=(pp, pp))
     return out
 
