@@ -202,7 +202,7 @@ class BoundaryHooks:
         self._root_replicated: list[nn.Parameter] = []
         self._root_replicated_sent: set[int] = set()
         self._register_boundary_hooks(tied_modules or {})
-        # Each dedicated parameter's gradient hook, by index (``rebind`` moves it).
+        # Each dedicated parameter's gradient hooks, by index (``rebind`` moves them).
         self._grad_handles = [self._grad_hook(index) for index in range(len(self.params))]
 
     def _register_boundary_hooks(self, tied_modules: Mapping[str, Sequence[nn.Module]]) -> None:
@@ -234,10 +234,30 @@ class BoundaryHooks:
             for module in {id(module): module for module in modules}.values():
                 module.register_state_dict_pre_hook(before_state_dict)
 
-    def _grad_hook(self, index: int) -> RemovableHandle:
-        return self.params[index].param.register_post_accumulate_grad_hook(
-            functools.partial(_weak_hook, weakref.ref(self), "_post_accumulate_grad", index)
-        )
+    def _grad_hook(self, index: int) -> tuple[RemovableHandle, ...]:
+        """Parameter ``index``'s post-accumulate-grad hook; under a pipeline also a hook on
+        each gradient computed for it, which widens the ``.grad`` that the gradient is about
+        to be added to (see [Note: weight gradients a schedule writes])."""
+        param = self.params[index].param
+        weak_self = weakref.ref(self)
+        handles = [
+            param.register_post_accumulate_grad_hook(
+                functools.partial(_weak_hook, weak_self, "_post_accumulate_grad", index)
+            )
+        ]
+        if self.params[index].reduced_at_step:
+            handles.append(
+                param.register_hook(
+                    functools.partial(_weak_hook, weak_self, "_widen_before", index)
+                )
+            )
+        return tuple(handles)
+
+    def _widen_before(self, index: int, grad: torch.Tensor) -> None:
+        """A gradient of parameter ``index`` was computed (by a backward, or by a schedule's
+        ``torch.autograd.grad`` of the weights): widen the ``.grad`` it will be added to."""
+        del grad  # left as it is
+        self.params[index].widen_local_grad()
 
     def hook_replicated(self, params: list[nn.Parameter], queue: AllReduceQueue) -> None:
         """The replicated path: each of ``params`` joins ``queue`` once its gradient is
@@ -255,8 +275,9 @@ class BoundaryHooks:
 
     def rebind(self, index: int) -> None:
         """``params[index].param`` is a new object (``to_empty`` replaced a meta parameter):
-        move its gradient hook there."""
-        self._grad_handles[index].remove()
+        move its gradient hooks there."""
+        for handle in self._grad_handles[index]:
+            handle.remove()
         self._grad_handles[index] = self._grad_hook(index)
 
     # -- forward ---------------------------------------------------------------------------------
@@ -682,9 +703,18 @@ class BoundaryHooks:
         backwards reached, from its first, and each pack takes its parameters' ``.grad`` as it
         is at the step, whatever wrote it, after the schedule divided it by the number of
         micro-batches. Under mixed precision a weight's first by-hand gradient lands in the
-        parameter dtype, and each backward's end widens it to the reduce dtype (the schedule's
-        next ones then add up in that), as [Note: accumulating in the reduce dtype] in
-        holder/_precision does for the others.
+        parameter dtype; a hook on every gradient computed for the weight (``register_hook``,
+        which fires in the schedule's ``torch.autograd.grad`` of the weights as in a backward)
+        widens that ``.grad`` to the reduce dtype before the next one is added, and so does each
+        backward's end, so the micro-batches add up in the reduce dtype, as [Note: accumulating
+        in the reduce dtype] in holder/_precision does for the others: bit for bit the local sums
+        of ``ScheduleInterleaved1F1B`` on the same stages (``test_pipeline_split``). The end of a
+        backward alone would not do: ``ScheduleDualPipeV`` and ``ScheduleInterleavedZeroBubble``
+        run several micro-batches' weight backwards in a row, with no backward between them,
+        and those summed in bf16 (a local sum 2.4e-4 away in that test). FSDP2's own parameters
+        (norms, embedding, head, expert stacks) are FSDP2's to sum: under these schedules in
+        bf16 their reduced gradients came 1e-3 to 3e-3 (relative) away from those of
+        ``ScheduleInterleaved1F1B`` in a user trial (torch 2.13), and dmuon leaves them so.
 
         The weights' backward needs the weights its layer's forward saved, after that layer's
         backward is over. ZeRO-2 (``reshard_after_forward=False``) keeps them gathered from a
