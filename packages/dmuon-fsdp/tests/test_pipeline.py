@@ -19,7 +19,7 @@ import torch.distributed as dist
 from _reference import Hyper, ReferenceMuonAdamW
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -153,12 +153,11 @@ def _shard(
     reshard: bool,
     *,
     root: bool = True,
-    mp: MixedPrecisionPolicy | None = None,
 ):
     """Dedicate and shard a stage module (or a model part) over its stage's meshes: each
     block's up column-wise and down row-wise over the TP mesh if any (and the last projection
     column-wise, its output replicated, as torchtitan's head), ``fully_shard`` per layer and
-    (``root``) of the module too, with FSDP2's ``mp`` policy, if any; its runtime."""
+    (``root``) of the module too; its runtime."""
     if meshes.tp is not None:
         plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
         for layer in model.layers.values():
@@ -174,11 +173,10 @@ def _shard(
         reshard_after_forward=reshard,
         small_param_threshold=0,
     )
-    precision = {} if mp is None else {"mp_policy": mp}
     for layer in model.layers.values():
-        fully_shard(layer, mesh=meshes.fsdp, reshard_after_forward=reshard, **precision)
+        fully_shard(layer, mesh=meshes.fsdp, reshard_after_forward=reshard)
     if root:
-        fully_shard(model, mesh=meshes.fsdp, reshard_after_forward=reshard, **precision)
+        fully_shard(model, mesh=meshes.fsdp, reshard_after_forward=reshard)
     return runtime
 
 
@@ -353,7 +351,6 @@ def _part(
     meshes: _Meshes,
     index: int,
     reshard: bool = True,
-    mp: MixedPrecisionPolicy | None = None,
     head_apart: bool = False,
 ) -> _Net:
     """Model part ``index`` of an interleaved schedule's four stages: layer ``index``, with
@@ -370,7 +367,7 @@ def _part(
             del part.layers[str(i)]
     part.inp = part.inp if index == 0 else None
     part.out = part.out if index == LAYERS - 1 else None
-    _shard(part, meshes, reshard, mp=mp)
+    _shard(part, meshes, reshard)
     return part
 
 
@@ -556,27 +553,19 @@ SPLIT_SCHEDULES = {
 }
 
 
-def _train_split(
-    name: str,
-    steps: int = STEPS,
-    mp: MixedPrecisionPolicy | None = None,
-    path: str | None = None,
-    **inside: bool,
-) -> dict[str, torch.Tensor]:
-    """``steps`` steps of a schedule that splits each backward into the inputs' gradients and
+def _train_split(name: str, path: str | None = None, **inside: bool) -> dict[str, torch.Tensor]:
+    """``STEPS`` steps of a schedule that splits each backward into the inputs' gradients and
     the weights' (written to ``.grad`` by hand; see [Note: weight gradients a schedule
     writes]), on two model parts per rank under ZeRO-2, one ``MuonParts`` given the parts'
     stage indices: the V schedules hold stages ``pp`` and ``3 - pp``, the interleaved one
-    ``pp`` and ``pp + 2``. With ``mp``, also the dtypes of the dedicated local sums each
-    schedule left for the step's reduce (under ``"local_sums"``); with ``path``, a DCP
-    checkpoint there before the last step. On :func:`_meshes`' ``hsdp`` or ``tp`` mesh with
+    ``pp`` and ``pp + 2``. With ``path``, a DCP checkpoint there before the last step. On :func:`_meshes`' ``hsdp`` or ``tp`` mesh with
     ``inside``."""
     meshes = _meshes(**inside)
     place = meshes.place
     pp = place.pp.get_local_rank()
     v_shaped = name != "interleaved_zero_bubble"
     indices = (pp, LAYERS - 1 - pp) if v_shaped else (pp, pp + 2)
-    parts = [_part(meshes, index, reshard=False, mp=mp) for index in indices]
+    parts = [_part(meshes, index, reshard=False) for index in indices]
     group = place.pp.get_group()
     stages = [
         PipelineStage(part, index, LAYERS, torch.device("cpu"), group=group)
@@ -585,9 +574,8 @@ def _train_split(
     schedule = SPLIT_SCHEDULES[name](stages, n_microbatches=4, loss_fn=nn.functional.mse_loss)
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
     optimizer = MuonParts(optimizers, stage_indices=indices)
-    local_sums: set[str] = set()
-    for step in range(steps):
-        if path is not None and step == steps - 1:
+    for step in range(STEPS):
+        if path is not None and step == STEPS - 1:
             save_checkpoint(path, parts, optimizer)
         optimizer.zero_grad()
         if v_shaped and pp == 0:  # the first and the last stage
@@ -599,11 +587,8 @@ def _train_split(
             schedule.step()
         else:
             _run(schedule, place, step)
-        for dp in (dp for o in optimizers for dp in o.runtime.params):
-            local_sums |= {str(dp.param.grad.dtype)} if dp.param.grad is not None else set()
         optimizer.step()
-    state = _parts_state(parts)
-    return state if mp is None else {"local_sums": sorted(local_sums)}
+    return _parts_state(parts)
 
 
 def _split_under_zero3() -> str:
@@ -626,7 +611,6 @@ def _pipeline(rank: int, world_size: int, path: str) -> dict:
         "parts_global": _parts_global(),
         "dual_pipe_v": _train_split("dual_pipe_v", path=f"{path}_v"),
         "v_into_whole": _without_pipeline(f"{path}_v"),
-        "zbv_bf16": _train_split("zbv", 1, MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
     }
     return out
 
@@ -1032,13 +1016,6 @@ def test_a_v_schedule_trains_like_the_whole_model(pipeline_runs):
     stages in order, so it loads into the whole model (which refuses another order)."""
     _check_against_reference([result["dual_pipe_v"] for result in pipeline_runs])
     _check_against_reference([result["v_into_whole"] for result in pipeline_runs], 2)
-
-
-@pytest.mark.distributed
-def test_weight_gradients_a_schedule_writes_add_up_in_the_reduce_dtype(pipeline_runs):
-    """bf16 weights, fp32 reduce: the local sums a split schedule leaves are fp32."""
-    for result in pipeline_runs:
-        assert result["zbv_bf16"]["local_sums"] == ["torch.float32"]
 
 
 def _zero_bubble(rank: int, world_size: int) -> dict:

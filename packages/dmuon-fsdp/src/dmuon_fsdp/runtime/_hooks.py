@@ -643,7 +643,6 @@ class BoundaryHooks:
                     continue
                 if not self._syncing:
                     self._unsynced.add(index)
-                    self._widen_written(group)
                 self._send(group, group.order.rest())
                 group.reset_backward()
             self._send_late()
@@ -658,16 +657,6 @@ class BoundaryHooks:
             # Before any clip of this backward's gradients, however late accelerate was
             # imported: see [Note: torch's paths that cannot reach a dedicated weight].
             refuse_accelerate_clip()
-
-    @staticmethod
-    def _widen_written(group: DedicatedGroup) -> None:
-        """Widen the ``.grad`` a pipeline schedule wrote by hand on ``group``'s weights to the
-        reduce dtype, so that the next ones add up in it (see [Note: weight gradients a
-        schedule writes]); ``.grad`` of other weights is widened as it accumulates."""
-        for pack in group.packs:
-            for dp in pack.params:
-                if dp.reduced_at_step:
-                    dp.widen_local_grad()
 
     def _send_replicated_left(self) -> None:
         """The replicated path's part of [Note: boundaries the synced backward does not
@@ -705,16 +694,16 @@ class BoundaryHooks:
         micro-batches. Under mixed precision a weight's first by-hand gradient lands in the
         parameter dtype; a hook on every gradient computed for the weight (``register_hook``,
         which fires in the schedule's ``torch.autograd.grad`` of the weights as in a backward)
-        widens that ``.grad`` to the reduce dtype before the next one is added, and so does each
-        backward's end, so the micro-batches add up in the reduce dtype, as [Note: accumulating
-        in the reduce dtype] in holder/_precision does for the others: bit for bit the local sums
-        of ``ScheduleInterleaved1F1B`` on the same stages (``test_pipeline_split``). The end of a
-        backward alone would not do: ``ScheduleDualPipeV`` and ``ScheduleInterleavedZeroBubble``
-        run several micro-batches' weight backwards in a row, with no backward between them,
-        and those summed in bf16 (a local sum 2.4e-4 away in that test). FSDP2's own parameters
-        (norms, embedding, head, expert stacks) are FSDP2's to sum: under these schedules in
-        bf16 their reduced gradients came 1e-3 to 3e-3 (relative) away from those of
-        ``ScheduleInterleaved1F1B`` in a user trial (torch 2.13), and dmuon leaves them so.
+        widens that ``.grad`` to the reduce dtype before the next one is added, so the
+        micro-batches add up in the reduce dtype, as [Note: accumulating in the reduce dtype]
+        in holder/_precision does for the others: bit for bit the local sums of
+        ``ScheduleInterleaved1F1B`` on the same stages (``test_pipeline_split``). A widening at
+        each backward's end would not do: ``ScheduleDualPipeV`` and
+        ``ScheduleInterleavedZeroBubble`` run several micro-batches' weight backwards in a row,
+        with no backward between them (a local sum came 2.4e-4 away in that test). FSDP2's own
+        parameters (norms, embedding, head, expert stacks) are FSDP2's to sum: under these
+        schedules in bf16 their reduced gradients came 1e-3 to 3e-3 (relative) away from those
+        of ``ScheduleInterleaved1F1B`` in a user trial (torch 2.13), and dmuon leaves them so.
 
         The weights' backward needs the weights its layer's forward saved, after that layer's
         backward is over. ZeRO-2 (``reshard_after_forward=False``) keeps them gathered from a
