@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pipeline import WIDTH, _Block
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -22,22 +23,12 @@ from torch.distributed.pipelining.schedules import (
 from dmuon_fsdp import dedicate_params
 from dmuon_testing.distributed import run_distributed
 
-ROWS, WIDTH, STAGES = 8, 16, 4
+ROWS, STAGES = 8, 4
 SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "dual_pipe_v": ScheduleDualPipeV,
     "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
 }
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
 
 
 class _Part(nn.Module):
