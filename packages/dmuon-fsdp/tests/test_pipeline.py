@@ -5,7 +5,8 @@ the same Muon + AdamW math (``_reference``). Also: the non-finite skip and the c
 global over both stages, and what dmuon refuses under a pipeline. An interleaved schedule
 (two model parts per rank, four stages, one ``Muon`` each tied by ``MuonParts``) is held to the
 same reference, with its checkpoint resume, its one clip norm and its one skip over every part,
-also with HSDP or tensor parallelism inside each stage."""
+also with HSDP or tensor parallelism inside each stage; and HSDP with TP inside each stage on 8
+ranks (extended)."""
 
 from __future__ import annotations
 
@@ -132,13 +133,15 @@ class _Meshes(NamedTuple):
 
 def _meshes(*, hsdp: bool = False, tp: bool = False) -> _Meshes:
     """The (pp 2, dp 2) mesh, with ``hsdp`` the (pp 2, replicate 2, shard 1) one, with ``tp``
-    the (pp 2, dp 1, tp 2) one."""
+    the (pp 2, dp 1, tp 2) one, with both the (pp 2, replicate 2, shard 1, tp 2) one (8
+    ranks)."""
     if hsdp:
-        names = ("pp", "dp_replicate", "dp_shard")
-        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=names)
+        names = ("pp", "dp_replicate", "dp_shard", "tp")[: 4 if tp else 3]
+        mesh = init_device_mesh("cpu", (2, 2, 1, 2)[: len(names)], mesh_dim_names=names)
         replicas = mesh["dp_replicate"]
         place = _Place(mesh["pp"], replicas.get_local_rank(), replicas.size())
-        return _Meshes(mesh["dp_shard"], replicas, mesh[names[1:]], None, place)
+        fsdp = mesh["dp_replicate", "dp_shard"]
+        return _Meshes(mesh["dp_shard"], replicas, fsdp, mesh["tp"] if tp else None, place)
     if tp:
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
         return _Meshes(mesh["dp"], None, mesh["dp"], mesh["tp"], _Place(mesh["pp"], 0, 1))
@@ -731,6 +734,24 @@ def test_tensor_parallel_stages_train_like_the_whole_model():
     skip and the clip norm cover every rank."""
     results = run_distributed(_tp, 4)
     _check_against_reference([result["train"] for result in results])
+    _check_global(results)
+
+
+def _hsdp_tp(rank: int, world_size: int) -> dict:
+    return {
+        "train": _train("1f1b", False, hsdp=True, tp=True),
+        "global": _global_checks(hsdp=True, tp=True),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_hsdp_and_tensor_parallel_stages_train_like_the_whole_model():
+    """pp 2 x (replicate 2 x shard 1) x tp 2 on 8 ranks: HSDP and TP together inside each
+    stage; the skip and the clip norm cover every rank."""
+    results = run_distributed(_hsdp_tp, 8)
+    # Rank (pp, replicate, shard, tp): its other replica is rank ^ 2.
+    _check_against_reference([result["train"] for result in results], 2)
     _check_global(results)
 
 
