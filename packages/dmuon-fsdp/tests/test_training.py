@@ -3,13 +3,17 @@ once per matrix per step across the world, and the dmuon-clip gradient protocol.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 from _models import build, muon_predicate
 from _reference import Hyper, lm_loss, make_batch, shard, train_reference
 from _sgd_train import make_mesh, setup_model
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from dmuon_fsdp import (
     Muon,
@@ -17,6 +21,7 @@ from dmuon_fsdp import (
     dedicate_params,
     dedicated_params_of,
     get_model_state_dict,
+    no_sync,
     uninstall_patch,
 )
 from dmuon_fsdp.holder import is_dedicated
@@ -208,3 +213,76 @@ def test_the_non_finite_check_changes_no_bit_of_a_finite_step():
     for checked, unchecked in run_distributed(_with_and_without_the_check, 2):
         for name, value in checked.items():
             assert torch.equal(unchecked[name], value), name
+
+
+def _layout_run(rank: int, world_size: int, layout: str) -> tuple[list[float], dict]:
+    """Three steps of two micro-batches each, the FSDP2 layout and scheduling options of
+    ``layout`` applied as torchtitan applies them; ``"plain"``: every layer, then the root,
+    and ``dmuon.no_sync`` for the first micro-batch."""
+    model = build(0, n_layers=3)
+    mesh, _, _ = make_mesh(world_size, 1)
+    dedicate_params(model, mesh, muon_predicate, small_param_threshold=0, patch_fully_shard=False)
+    shard = functools.partial(fully_shard, mesh=mesh, ignored_params=dedicated_params_of(model))
+    layers = list(model.layers)
+    if layout == "torchtitan":  # the embedding alone, reshard per layer, [norm, head] as one
+        shard(model.embed_tokens)
+        model.embed_tokens.set_unshard_in_backward(False)  # its backward reads no weight
+        for layer, reshard in zip(layers, (False, True, 2), strict=True):
+            shard(layer, reshard_after_forward=reshard)
+        shard([model.norm, model.lm_head], reshard_after_forward=False)
+    else:
+        for layer in layers:
+            if layout == "nested":  # attention and MLP their own units inside each layer
+                shard(layer.attn)
+                shard(layer.mlp)
+            shard(layer)
+    shard(model)
+    if layout == "prefetch":
+        for before, after in itertools.pairwise(layers):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+        # The loop calls a method of the root's other than forward, which calls the layers.
+        model.loss_of = functools.partial(lm_loss, model)
+        register_fsdp_forward_method(model, "loss_of")
+    loss_of = model.loss_of if layout == "prefetch" else functools.partial(lm_loss, model)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    losses = []
+    for step in range(3):
+        optimizer.zero_grad()
+        total = 0.0
+        for micro in range(2):
+            last = micro == 1
+            if layout == "prefetch":
+                model.unshard(async_op=last)
+            if layout == "torchtitan":  # FSDP2's own accumulation flags, not dmuon.no_sync
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+            tokens = make_batch(2 * step + micro, ROWS, SEQ, VOCAB).chunk(world_size)[rank]
+            with contextlib.nullcontext() if last or layout == "torchtitan" else no_sync(model):
+                loss = loss_of(tokens) / 2
+                loss.backward()
+            total += global_loss(loss, world_size)
+        optimizer.step()
+        losses.append(total)
+    return losses, get_model_state_dict(model)
+
+
+@pytest.mark.distributed
+def test_fsdp2_layouts_and_scheduling_options_train_bit_for_bit_alike() -> None:
+    """Explicit prefetching and ``unshard()``, ``register_fsdp_forward_method`` on the root,
+    nested ``fully_shard`` units, per-layer ``reshard_after_forward`` (an int among them), a
+    group of modules as one unit, ``set_unshard_in_backward(False)``, and accumulation through
+    FSDP2's flags with ``set_reshard_after_backward(False)`` change when FSDP2 moves its own
+    parameters, never dmuon's math: every layout trains bit for bit as the plain one (which
+    ``test_losses_match_single_process_reference`` holds to the reference)."""
+    runs = {
+        layout: run_distributed(_layout_run, 4, layout)
+        for layout in ("plain", "prefetch", "nested", "torchtitan")
+    }
+    plain_losses, plain_state = runs["plain"][0]
+    assert plain_losses[-1] < plain_losses[0]
+    for layout, results in runs.items():
+        for losses, state in results:
+            assert losses == plain_losses, layout
+            assert state.keys() == plain_state.keys(), layout
+            assert all(torch.equal(state[k], plain_state[k]) for k in state), layout
