@@ -286,3 +286,38 @@ def test_fsdp2_layouts_and_scheduling_options_train_bit_for_bit_alike() -> None:
             assert losses == plain_losses, layout
             assert state.keys() == plain_state.keys(), layout
             assert all(torch.equal(state[k], plain_state[k]) for k in state), layout
+
+
+def _evaluating_run(rank: int, world_size: int, reshard: bool) -> dict[str, tuple]:
+    """Three steps, after each an evaluation forward on another batch: none, under
+    ``model.eval()`` and ``torch.no_grad()``, or under ``torch.inference_mode()`` (after the
+    first training forward: FSDP2's first forward must not run under it)."""
+    runs = {}
+    for how in ("none", "no_grad", "inference_mode"):
+        model, _ = setup_model(world_size, reshard=reshard, small_param_threshold=0)
+        optimizer = Muon(model, **HYPER.muon_kwargs())
+        losses = train_steps(model, optimizer, rank, world_size, 1)
+        evaluations = []
+        for step in range(1, 4):
+            if how != "none":
+                model.eval()
+                with torch.no_grad() if how == "no_grad" else torch.inference_mode():
+                    tokens = shard(make_batch(100 + step, ROWS, SEQ, VOCAB), rank, world_size)
+                    evaluations.append(global_loss(lm_loss(model, tokens), world_size))
+                model.train()
+            losses += train_steps(model, optimizer, rank, world_size, 1, start=step)
+        runs[how] = (losses, evaluations, get_model_state_dict(model))
+    return runs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("reshard", [True, False], ids=["z3", "z2"])
+def test_an_evaluation_between_steps_changes_no_bit_of_training(reshard: bool) -> None:
+    for runs in run_distributed(_evaluating_run, 2, reshard):
+        losses, _, state = runs["none"]
+        for how in ("no_grad", "inference_mode"):
+            assert runs[how][0] == losses, how
+            assert all(torch.equal(runs[how][2][k], v) for k, v in state.items()), how
+        # Both evaluations read the weights of the same steps.
+        assert runs["no_grad"][1] == runs["inference_mode"][1]
+        assert len(runs["no_grad"][1]) == 3
