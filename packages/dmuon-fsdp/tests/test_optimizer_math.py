@@ -124,6 +124,8 @@ def test_torch_keywords_and_step_options_are_refused_with_what_dmuon_takes():
         with pytest.raises(TypeError, match=f"Muon\\(\\) takes no keyword '{name}'") as error:
             Muon(model, **{name: None})
         assert "is not a keyword of dmuon.Muon" not in str(error.value), name
+        if name == "params":  # torch's param groups, passed as params=[{...}, {...}]
+            assert "go in param_groups=[{'params': [...], 'weight_decay': 0.0}" in str(error.value)
     for name in StepOptions.__dataclass_fields__:
         with pytest.raises(TypeError, match=f"options=dmuon.StepOptions\\({name}=...\\)"):
             Muon(model, **{name: None})

@@ -360,7 +360,11 @@ _TORCH_KEYWORDS = {
         " ns_backend=dmuon.NewtonSchulz(eps=...), torch.optim.AdamW's is adamw_eps"
     ),
     "betas": "torch.optim.AdamW's betas are adamw_betas",
-    "params": "Muon takes the model itself (its first argument), not its parameters",
+    "params": (
+        "Muon takes the model itself (its first argument), not its parameters; groups of your"
+        " own (a no-decay group of the norms and biases, say) go in param_groups=[{'params':"
+        " [...], 'weight_decay': 0.0}, ...]"
+    ),
 }
 
 
