@@ -1,7 +1,9 @@
 """The Hugging Face export recipe of the README: train a tiny ``LlamaForCausalLM`` with dmuon
 (its ``*_proj`` matrices dedicated, layers ``model.layers.N`` under FSDP2), take
 ``get_model_state_dict(rank0_only=True)``, ``save_pretrained``, reload with
-``from_pretrained``: the same weights and the same logits, with and without tied embeddings."""
+``from_pretrained``: the same weights and the same logits, with and without tied embeddings.
+PEFT LoRA adapters train and save; ``generate()`` between steps, with Hugging Face's gradient
+checkpointing, leaves training as it was."""
 
 from __future__ import annotations
 
@@ -174,3 +176,80 @@ def test_peft_lora_adapters_train_and_save(tmp_path):
         # only the adapters (3 targets x 2 layers x A, B), not the frozen bases
         assert kinds == ["lora_A", "lora_B"] and dedicated == 12
         assert same_logits
+
+
+def _generate_between_steps(rank: int, world_size: int):
+    """The FAQ's evaluation habits on a tiny ``LlamaForCausalLM``: ``generate()`` on every rank
+    between two steps, each rank its own prompt and the ranks stopping at different lengths
+    (transformers syncs them itself for a model with ``fully_shard`` applied), in a model with
+    Hugging Face's ``gradient_checkpointing_enable()``. Returns whether each rank's tokens are
+    those of a single-process model with the same weights, whether they stopped at different
+    lengths, and whether the weights after the next step equal those of a run without either,
+    bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    from dmuon_fsdp import Muon, dedicate_params, get_model_state_dict
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def run(habits: bool):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(_config(False))
+        if habits:
+            model.gradient_checkpointing_enable()
+        dedicate_params(model, mesh, lambda n, p: n.endswith("_proj.weight"))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = Muon(model, adamw_lr=3e-3)
+        generated = None
+        for step in range(3):
+            if habits and step == 2:
+                generated = _generate_on_every_rank(model, rank)
+            optimizer.zero_grad()
+            tokens = shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size)
+            lm_loss(lambda t: _logits(model, t), tokens).backward()
+            optimizer.step()
+        return generated, get_model_state_dict(model)
+
+    (tokens, want, stop), with_habits = run(True)
+    _, without = run(False)
+    return (
+        torch.equal(tokens, want),
+        stop,
+        all(torch.equal(with_habits[k], v) for k, v in without.items()),
+    )
+
+
+def _generate_on_every_rank(model, rank: int):
+    """Greedy ``generate()`` of this rank's prompt on the sharded model (in eval mode, as
+    around an evaluation), what a single-process model with the gathered weights generates, and
+    how many tokens this rank generated. Rank 0 stops at its second new token (its eos), rank 1
+    runs to ``max_new_tokens``."""
+    from transformers import LlamaForCausalLM
+
+    from dmuon_fsdp import get_model_state_dict
+
+    prompt = make_batch(50 + rank, 1, SEQ, VOCAB)[:, :3]
+    plain = LlamaForCausalLM(_config(False))
+    plain.load_state_dict(get_model_state_dict(model))
+    plain.eval()
+    free = plain.generate(prompt, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    new = free[0, 3:].tolist()
+    eos = new[1] if rank == 0 else next(t for t in range(VOCAB) if t not in new)
+    want = plain.generate(prompt, max_new_tokens=5, do_sample=False, eos_token_id=eos)
+    model.eval()
+    tokens = model.generate(prompt, max_new_tokens=5, do_sample=False, eos_token_id=eos)
+    model.train()
+    return tokens, want, tokens.shape[1] - 3
+
+
+@pytest.mark.distributed
+def test_generate_between_steps_with_gradient_checkpointing():
+    results = run_distributed(_generate_between_steps, 2)
+    assert [r[0] for r in results] == [True, True], "generate() = a plain model's tokens"
+    # rank 0 stopped at its eos (the second new token unless the first is the same token)
+    assert results[0][1] <= 2 and results[1][1] == 5
+    assert [r[2] for r in results] == [True, True], "training after it is bit for bit as without"
