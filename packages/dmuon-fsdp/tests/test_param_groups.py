@@ -311,6 +311,53 @@ def test_group_edits_reach_the_step():
     assert results[0][0]["in_place"].keys() == results[1][0]["in_place"].keys()
 
 
+def _params_edited(rank: int, world_size: int) -> list[str]:
+    """A group's ``"params"`` edited in place, as a torch optimizer's would be to stop stepping
+    a parameter (or to step another): the step plan would go on stepping what Muon was built
+    with. Each edit is refused at the next step before anything changes; with the list put
+    back, training goes on."""
+    model, _ = setup_model(world_size)
+    optimizer = Muon(model, lr=0.02, adamw_lr=0.01)
+    train_steps(model, optimizer, rank, world_size, 1)
+    muon, adamw = optimizer.param_groups
+    edits = [
+        (muon, lambda params: params.pop()),  # a matrix removed in place
+        (adamw, lambda params: params.insert(0, torch.nn.Parameter(torch.zeros(2)))),
+    ]
+    errors = []
+    for group, edit in edits:
+        kept = list(group["params"])
+        edit(group["params"])
+        before = {k: v.clone() for k, v in get_model_state_dict(model).items()}
+        with pytest.raises(ValueError) as info:
+            train_steps(model, optimizer, rank, world_size, 1, start=1)
+        errors.append(str(info.value))
+        after = get_model_state_dict(model)
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+        group["params"][:] = kept
+    # The key assigned a shorter list.
+    muon["params"], kept = muon["params"][1:], muon["params"]
+    with pytest.raises(ValueError) as info:
+        train_steps(model, optimizer, rank, world_size, 1, start=1)
+    errors.append(str(info.value))
+    muon["params"] = kept
+    train_steps(model, optimizer, rank, world_size, 1, start=1)
+    return errors
+
+
+@pytest.mark.distributed
+def test_a_groups_params_edited_in_place_are_refused():
+    for errors in run_distributed(_params_edited, 2):
+        assert (
+            "group 'muon': its 'params' list was changed since Muon was built (without"
+            " ['layers.1.mlp.down_proj.weight'])" in errors[0]
+        ), errors[0]
+        assert "p.requires_grad_(False)" in errors[0]
+        assert "group 'adamw': its 'params' list was changed" in errors[1]
+        assert "(with 1 tensor(s) it was not built with)" in errors[1]
+        assert "(without ['layers.0.attn.q_proj.weight'])" in errors[2], errors[2]
+
+
 def _one_lr_tensor(rank: int, world_size: int):
     """One user group's lr as a float and as a tensor, under a scheduler with a factor per
     optimizer group (the tuning guide's LambdaLR([f_muon, f_adamw]))."""

@@ -69,7 +69,13 @@ from ._fused import FusedLayout, compile_in_background
 from ._graphed_step import GraphedMuonPhase
 from ._muon_math import MuonItem, adamw_step, fresh_state, make_newton_schulz, muon_phase
 from ._ns_overlap import NSOverlap
-from ._param_groups import GroupDefaults, build_param_groups, peeked_numbers, take_group_edits
+from ._param_groups import (
+    BuiltParams,
+    GroupDefaults,
+    build_param_groups,
+    peeked_numbers,
+    take_group_edits,
+)
 from ._state_checks import for_saving, install_dedicated_state, split_for_load
 from ._step_hooks import PostUpdateHook, PreStepHook, StepHooks
 from ._step_plan import AdamWEntry, StepPlan
@@ -438,6 +444,7 @@ class Muon(torch.optim.Optimizer):
         self._constructing = False
         # The group dicts the step plan reads; see [Note: edits to the groups].
         self._built_groups = tuple(self.param_groups)
+        self._built_params = tuple(BuiltParams.of(group) for group in self._built_groups)
         # For introspection only: every group carries its own values, so nothing is merged.
         self.defaults = {f.name: getattr(group_defaults, f.name) for f in fields(group_defaults)}
         self.defaults["ns_steps"] = getattr(self._ns, "steps", None)
@@ -657,7 +664,7 @@ class Muon(torch.optim.Optimizer):
         self._runtime.check_gradients_synced()
         self._runtime.check_no_grad_set_by_hand()
         check_no_all_reduce_hook(self._all_reduce_hooked)
-        numbers = take_group_edits(self.param_groups, self._built_groups)
+        numbers = take_group_edits(self.param_groups, self._built_groups, self._built_params)
         self._fsdp_probes = check_params_current(
             self._fsdp_probes,
             self.param_groups,
@@ -677,7 +684,7 @@ class Muon(torch.optim.Optimizer):
         have set."""
         self._hooks.before_step(self)
         if self._hooks.pre_step:  # a hook may set this step's values (an adaptive lr)
-            numbers = take_group_edits(self.param_groups, self._built_groups)
+            numbers = take_group_edits(self.param_groups, self._built_groups, self._built_params)
         mark("pre_step")
         return numbers
 

@@ -51,6 +51,13 @@ step. Two edits the user (or a scheduler) makes outside them are taken in at the
   follow the cycle, as a ``torch.optim.Muon`` and a ``torch.optim.AdamW`` would each under their
   own scheduler.
 
+A group's parameters are the step plan's, fixed at construction: a ``"params"`` list edited
+(a parameter removed, as a torch optimizer would then stop stepping it, or added; the key
+assigned another list) raises at the next step, before anything changes, naming what was
+removed and the fix (``requires_grad_(False)`` stops a parameter's training), as a replacement
+that holds other parameters does; without it the step would go on stepping the parameters it
+was built with, without a word.
+
 A key that no step reads but that means something elsewhere (``_INERT_KEYS``: torch.optim.Muon's
 ``ns_steps``, a user group's ``adamw_lr``, torch.optim.AdamW's ``foreach`` and ``fused``, ...)
 raises instead, in place or in a replacement,
@@ -85,6 +92,7 @@ from .._matrix import MatrixView
 
 __all__ = [
     "GROUP_REQUIRED",
+    "BuiltParams",
     "GroupDefaults",
     "RoutedParam",
     "build_param_groups",
@@ -346,15 +354,32 @@ def check_no_inert_keys(group: Mapping[str, Any], where: str, route: Route) -> N
         )
 
 
+class BuiltParams(NamedTuple):
+    """The parameters of one optimizer group as construction made it, and their names: what
+    the step plan steps, whatever the group's ``"params"`` holds later."""
+
+    params: tuple[Tensor, ...]
+    names: tuple[str, ...]
+    ids: tuple[int, ...]  # the parameters' ids, compared at every step (the step holds them)
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any]) -> BuiltParams:
+        params = tuple(group["params"])
+        return cls(params, tuple(group["param_names"]), tuple(map(id, params)))
+
+
 def take_group_edits(
-    groups: list[dict[str, Any]], built: Sequence[dict[str, Any]]
+    groups: list[dict[str, Any]],
+    built: Sequence[dict[str, Any]],
+    built_params: Sequence[BuiltParams],
 ) -> dict[int, dict[str, Any]]:
     """Bring what the user changed in ``groups`` (the optimizer's ``param_groups``) into the
-    group dicts the step plan reads (``built``, the ones construction made), in place; see
-    [Note: edits to the groups]. Returns each built group's ``group_numbers`` by the group's
-    ``id``: the values this step computes with, read once. Raises ``ValueError`` for a
-    replaced group that is not the same group (other parameters, another optimizer, a
-    hyperparameter missing)."""
+    group dicts the step plan reads (``built``, the ones construction made, with the
+    parameters ``built_params``), in place; see [Note: edits to the groups]. Returns each
+    built group's ``group_numbers`` by the group's ``id``: the values this step computes with,
+    read once. Raises ``ValueError`` for a group whose parameters changed (its ``"params"``
+    edited, or the group replaced by one that holds others) and for a replaced group that is
+    not the same group (another optimizer, a hyperparameter missing)."""
     if len(groups) != len(built):
         raise ValueError(
             f"Muon.param_groups holds {len(groups)} groups but Muon was built with"
@@ -362,10 +387,14 @@ def take_group_edits(
             " hyperparameters in place (param_groups[i]['lr'] = ...), or build Muon with the"
             " groups you need (Muon(model, param_groups=[...]))"
         )
+    # Every group's parameters first, so that a refused edit leaves every group as it was.
+    for group, own, made in zip(groups, built, built_params, strict=True):
+        if group is own:
+            _check_params_unchanged(own, made)
     numbers: dict[int, dict[str, Any]] = {}
-    for i, (group, own) in enumerate(zip(groups, built)):
+    for i, (group, own, made) in enumerate(zip(groups, built, built_params, strict=True)):
         if group is not own:
-            _check_replacement(group, own)
+            _check_replacement(group, own, made)
             own.clear()
             own.update(group)
             groups[i] = own
@@ -380,11 +409,42 @@ def take_group_edits(
     return numbers
 
 
-def _check_replacement(group: Any, own: Mapping[str, Any]) -> None:
+def _check_params_unchanged(group: Mapping[str, Any], made: BuiltParams) -> None:
+    """Refuse a group whose ``"params"`` changed in place (a parameter removed or added, the
+    key assigned another list): torch would step what the list holds, the step plan steps
+    what construction gave it."""
+    params = group.get("params")
+    if isinstance(params, (list, tuple)) and tuple(map(id, params)) == made.ids:
+        return
+    try:
+        now = {id(p) for p in params} if params is not None else set()
+    except TypeError:  # not a collection of tensors at all
+        now = set()
+    kept = {id(p) for p in made.params}
+    dropped = [n for p, n in zip(made.params, made.names, strict=True) if id(p) not in now]
+    added = len(now - kept)
+    what = []
+    if dropped:
+        what.append(
+            f"without {dropped[:3]}" + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "")
+        )
+    if added:
+        what.append(f"with {added} tensor(s) it was not built with")
+    raise ValueError(
+        f"Muon.param_groups: group {group['group_name']!r}: its 'params' list was changed since"
+        f" Muon was built ({', '.join(what) or 'reordered'}), and the step would go on stepping"
+        " the parameters it was built with. Muon's groups are fixed at construction: put the"
+        " list back; to stop training a parameter, freeze it (p.requires_grad_(False): a"
+        " parameter without a gradient is not stepped and keeps its value); to train other"
+        " ones, build Muon with the groups you need (Muon(model, param_groups=[...]))"
+    )
+
+
+def _check_replacement(group: Any, own: Mapping[str, Any], made: BuiltParams) -> None:
     name, route = own["group_name"], own["optimizer"]
     where = f"Muon.param_groups: group {name!r}"
     params = group.get("params", ()) if isinstance(group, Mapping) else ()
-    if [id(p) for p in params] != [id(p) for p in own["params"]]:
+    if tuple(map(id, params)) != made.ids:
         raise ValueError(
             f"{where} was replaced by a dict that holds other parameters; Muon's groups are"
             " fixed at construction: change a group's hyperparameters in place"
