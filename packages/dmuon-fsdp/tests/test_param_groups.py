@@ -314,8 +314,8 @@ def test_group_edits_reach_the_step():
 def _params_edited(rank: int, world_size: int) -> list[str]:
     """A group's ``"params"`` edited in place, as a torch optimizer's would be to stop stepping
     a parameter (or to step another): the step plan would go on stepping what Muon was built
-    with. Each edit is refused at the next step before anything changes; with the list put
-    back, training goes on."""
+    with. Each edit is refused at the next step before anything changes (so are the other keys
+    the plan does not follow); with the list put back, training goes on."""
     model, _ = setup_model(world_size)
     optimizer = Muon(model, lr=0.02, adamw_lr=0.01)
     train_steps(model, optimizer, rank, world_size, 1)
@@ -335,18 +335,35 @@ def _params_edited(rank: int, world_size: int) -> list[str]:
         after = get_model_state_dict(model)
         assert all(torch.equal(after[k], v) for k, v in before.items())
         group["params"][:] = kept
-    # The key assigned a shorter list.
-    muon["params"], kept = muon["params"][1:], muon["params"]
+    # The key assigned a shorter list; the other keys the step plan does not follow: the
+    # names a checkpoint saves the states under, the optimizer, a hyperparameter deleted.
+    for key, value in [
+        ("params", muon["params"][1:]),
+        ("param_names", muon["param_names"][:-1]),
+        ("optimizer", "adamw"),
+        ("momentum", None),
+    ]:
+        kept = muon[key]
+        if value is None:
+            del muon[key]
+        else:
+            muon[key] = value
+        with pytest.raises(ValueError) as info:
+            train_steps(model, optimizer, rank, world_size, 1, start=1)
+        errors.append(str(info.value))
+        muon[key] = kept
+    # ... and a replacement whose names are not the group's.
+    optimizer.param_groups[0] = {**muon, "param_names": muon["param_names"][::-1]}
     with pytest.raises(ValueError) as info:
         train_steps(model, optimizer, rank, world_size, 1, start=1)
     errors.append(str(info.value))
-    muon["params"] = kept
+    optimizer.param_groups[0] = muon
     train_steps(model, optimizer, rank, world_size, 1, start=1)
     return errors
 
 
 @pytest.mark.distributed
-def test_a_groups_params_edited_in_place_are_refused():
+def test_a_groups_params_and_fixed_keys_edited_in_place_are_refused():
     for errors in run_distributed(_params_edited, 2):
         assert (
             "group 'muon': its 'params' list was changed since Muon was built (without"
@@ -356,6 +373,10 @@ def test_a_groups_params_edited_in_place_are_refused():
         assert "group 'adamw': its 'params' list was changed" in errors[1]
         assert "(with 1 tensor(s) it was not built with)" in errors[1]
         assert "(without ['layers.0.attn.q_proj.weight'])" in errors[2], errors[2]
+        assert "group 'muon': its 'param_names' were changed" in errors[3], errors[3]
+        assert "its 'optimizer' was changed to 'adamw': a group's optimizer is fixed" in errors[4]
+        assert "group 'muon' lacks ['momentum'], deleted since Muon was built" in errors[5]
+        assert "replaced by a dict whose 'param_names' were changed" in errors[6]
 
 
 def _one_lr_tensor(rank: int, world_size: int):

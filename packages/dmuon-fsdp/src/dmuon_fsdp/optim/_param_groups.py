@@ -56,7 +56,10 @@ A group's parameters are the step plan's, fixed at construction: a ``"params"`` 
 assigned another list) raises at the next step, before anything changes, naming what was
 removed and the fix (``requires_grad_(False)`` stops a parameter's training), as a replacement
 that holds other parameters does; without it the step would go on stepping the parameters it
-was built with, without a word.
+was built with, without a word. So do the group's other keys the plan fixes: its
+``"param_names"`` (a checkpoint saves each state under them: one left out would be saved
+without its state), its ``"optimizer"``, and a hyperparameter deleted (it raised ``KeyError``
+in the step).
 
 A key that no step reads but that means something elsewhere (``_INERT_KEYS``: torch.optim.Muon's
 ``ns_steps``, a user group's ``adamw_lr``, torch.optim.AdamW's ``foreach`` and ``fused``, ...)
@@ -361,11 +364,13 @@ class BuiltParams(NamedTuple):
     params: tuple[Tensor, ...]
     names: tuple[str, ...]
     ids: tuple[int, ...]  # the parameters' ids, compared at every step (the step holds them)
+    optimizer: Route
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> BuiltParams:
         params = tuple(group["params"])
-        return cls(params, tuple(group["param_names"]), tuple(map(id, params)))
+        names = tuple(group["param_names"])
+        return cls(params, names, tuple(map(id, params)), Route(group["optimizer"]))
 
 
 def take_group_edits(
@@ -387,10 +392,10 @@ def take_group_edits(
             " hyperparameters in place (param_groups[i]['lr'] = ...), or build Muon with the"
             " groups you need (Muon(model, param_groups=[...]))"
         )
-    # Every group's parameters first, so that a refused edit leaves every group as it was.
+    # Every group's fixed keys first, so that a refused edit leaves every group as it was.
     for group, own, made in zip(groups, built, built_params, strict=True):
         if group is own:
-            _check_params_unchanged(own, made)
+            _check_fixed_keys(own, made)
     numbers: dict[int, dict[str, Any]] = {}
     for i, (group, own, made) in enumerate(zip(groups, built, built_params, strict=True)):
         if group is not own:
@@ -407,6 +412,37 @@ def take_group_edits(
         # reads it, as a replaced group is.
         numbers[id(own)] = group_numbers(own, own["optimizer"], where)
     return numbers
+
+
+def _check_fixed_keys(group: dict[str, Any], made: BuiltParams) -> None:
+    """Refuse a group changed in place where the step plan does not follow it: its
+    ``"params"`` (``_check_params_unchanged``), its ``"param_names"`` (the checkpoints' names
+    of its parameters), its ``"optimizer"``, or a hyperparameter deleted; each raised
+    ``KeyError`` or ``AttributeError`` in the step, or went on without a word."""
+    where = f"Muon.param_groups: group {group.get('group_name')!r}"
+    _check_params_unchanged(group, made)
+    names = group.get("param_names")
+    if not isinstance(names, (list, tuple)) or tuple(names) != made.names:
+        raise ValueError(
+            f"{where}: its 'param_names' were changed since Muon was built; they name the"
+            " group's parameters in its checkpoints (a parameter left out would be saved"
+            " without its state): put them back"
+        )
+    if group.get("optimizer") != made.optimizer:
+        raise ValueError(
+            f"{where} steps with {made.optimizer.value!r}, and its 'optimizer' was changed to"
+            f" {group.get('optimizer')!r}: a group's optimizer is fixed at construction; put"
+            f" {made.optimizer.value!r} back. To step parameters with the other optimizer,"
+            " route them when Muon is built (Muon(model, param_groups=[{'params': [...],"
+            " 'dmuon_route': 'adamw'}]))"
+        )
+    group["optimizer"] = made.optimizer  # the same route written back as a plain str
+    absent = [k for k in GROUP_REQUIRED[made.optimizer] if k not in group]
+    if absent:
+        raise ValueError(
+            f"{where} lacks {absent}, deleted since Muon was built, which its step reads: set"
+            f" them again (group[{absent[0]!r}] = ...)"
+        )
 
 
 def _check_params_unchanged(group: Mapping[str, Any], made: BuiltParams) -> None:
@@ -457,6 +493,13 @@ def _check_replacement(group: Any, own: Mapping[str, Any], made: BuiltParams) ->
         raise ValueError(
             f"{where} was replaced by a dict without {absent}; copy the group with its keys"
             " ({**group, 'lr': ...}) or set the value in place"
+        )
+    names = group["param_names"]
+    if not isinstance(names, (list, tuple)) or tuple(names) != made.names:
+        raise ValueError(
+            f"{where} was replaced by a dict whose 'param_names' were changed; they name the"
+            " group's parameters in its checkpoints: copy the group with its keys"
+            " ({**group, 'lr': ...})"
         )
     if group["optimizer"] != route:
         raise ValueError(
