@@ -186,7 +186,8 @@ def _bad_checkpoints(rank: int, world_size: int):
         "dtype": (
             {"state": {**state, proj: {"momentum_buffer": state[proj]["momentum_buffer"].half()}},
              "param_groups": groups},
-            f"{proj}.*'momentum_buffer'.*torch.float16.*keeps torch.float32",
+            f"{proj}.*'momentum_buffer'.*torch.float16.*keeps torch.float32"
+            ".*cast the dictionary's tensors to torch.float32",
         ),
     }  # fmt: skip
     for label, (sd, match) in bad_optims.items():

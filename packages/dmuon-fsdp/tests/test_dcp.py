@@ -272,11 +272,27 @@ def _bad_dcp_checkpoints(rank: int, world_size: int, root: str):
         if proj.is_owner:
             state["model"][proj.fqn] = state["model"][proj.fqn].double()
 
+    def momentum_dtype(state):
+        # As saved by an optimizer whose param_policy kept its state in another optim_dtype.
+        if proj.is_owner:
+            entry = state["optim"]["state"][proj.fqn]
+            entry["momentum_buffer"] = entry["momentum_buffer"].bfloat16()
+
     cases = {
         "truncated": (drop_momentum, f"no optimizer state for 1 of .*{proj.fqn}.*strict=False"),
         "model_shape": (norm_shape, f"{norm}.*shape \\(3,\\).*expects \\(16,\\)"),
         "state_shape": (moment_shape, f"{norm}.*'exp_avg'.*shape \\(5,\\).*expects \\(16,\\)"),
-        "dtype": (weight_dtype, f"{proj.fqn}.*torch.float64.*keeps torch.float32"),
+        "dtype": (
+            weight_dtype,
+            f"{proj.fqn}.*torch.float64.*keeps torch.float32.*master_dtype.*dtypes it was saved"
+            " with.*set_model_state_dict",
+        ),
+        # A sharded checkpoint cannot be cast before the load: the fix names what can be done.
+        "state_dtype": (
+            momentum_dtype,
+            f"{proj.fqn}.*'momentum_buffer'.*torch.bfloat16.*keeps torch.float32.*optim_dtype"
+            ".*dtypes it was saved with.*load_checkpoint\\(path, model, None\\)",
+        ),
     }
     errors = {}
     for name, (damage, match) in cases.items():

@@ -196,9 +196,25 @@ def _check_tensor(
             f" {want.shape}; the checkpoint is from a different model definition"
         )
     if want.dtype is not None and got.dtype != want.dtype:
+        # [Note: a dtype that changed since the save] A sharded checkpoint's tensors cannot be
+        # cast before load_checkpoint reads them, so its fix is a build that keeps the saved
+        # dtypes (or, for the optimizer, fresh state); a full-state dictionary can be cast.
+        if holder == "the optimizer":
+            kept = "param_policy's optim_dtype, else the weight's master dtype"
+            other = (
+                ", or take the weights alone with load_checkpoint(path, model, None) and"
+                " start the optimizer's state afresh"
+            )
+        else:
+            kept = "the model's dtype, or param_policy's master_dtype for a dedicated weight"
+            other = (
+                ", or convert it (dcp_to_torch_save), cast it and load it with set_model_state_dict"
+            )
+        if not where.startswith("load_checkpoint"):
+            other = f", or cast the dictionary's tensors to {want.dtype} before loading"
         raise ValueError(
-            f"{where}: {key} is {got.dtype} in the checkpoint but {holder} keeps {want.dtype};"
-            f" cast the checkpoint's tensors to {want.dtype} before loading"
+            f"{where}: {key} is {got.dtype} in the checkpoint but {holder} keeps {want.dtype}"
+            f" ({kept}); build it with the dtypes it was saved with{other}"
         )
 
 
