@@ -456,6 +456,35 @@ def _bias_stack_on_muon(rank: int, world_size: int) -> None:
         )
 
 
+def _expert_stack_dtypes(rank: int, world_size: int) -> None:
+    # param_policy's dtypes never reach an expert stack (FSDP2 or replicate holds it, in its
+    # own dtypes): the blocks' inputs went bf16 and the fp32 experts' matmul failed in the
+    # forward ("expected scalar type Float but found BFloat16"), naming nothing. Refused on
+    # the replicated path on every rank alike, naming the stack; a warning on the sharded path
+    # (FSDP2's MixedPrecisionPolicy may give the stack that dtype).
+    from _moe import build_moe, moe_predicate
+
+    from dmuon_fsdp import dedicate_params_ddp
+
+    bf16 = {"defaults": {"param_dtype": "bfloat16", "master_dtype": "float32"}}
+    with pytest.raises(
+        ValueError,
+        match=r"dedicate_params_ddp: .*expert stack.*'layers\.0\.experts\.w1' \(float32\):"
+        r" param_dtype='bfloat16'.*torch\.autocast",
+    ):
+        dedicate_params_ddp(build_moe(4), _mesh(world_size), moe_predicate, param_policy=bf16)
+    with pytest.warns(UserWarning, match=r"layers\.0\.experts\.w1.*MixedPrecisionPolicy"):
+        dedicate_params(build_moe(4), _mesh(world_size), moe_predicate, param_policy=bf16)
+    # The fix the message names: the stacks' dtypes left out (or equal to their own).
+    fixed = {**bf16, "overrides": [{"name": ["experts"], "set": {"param_dtype": None}}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model = build_moe(4)
+        dedicate_params_ddp(model, _mesh(world_size), moe_predicate, param_policy=fixed)
+        assert model.layers[0].q_proj.weight.dtype == torch.bfloat16
+        assert model.layers[0].experts.w1.dtype == torch.float32
+
+
 def _plan_differs(rank: int, world_size: int) -> None:
     # A rank-dependent predicate gives each rank another plan: caught before any weight moves.
     def predicate(n, p):
@@ -609,6 +638,7 @@ def _fully_shard_mesh_errors(hsdp) -> None:
         _routes,
         _policy_typo,
         _bias_stack_on_muon,
+        _expert_stack_dtypes,
         _plan_differs,
         _config_argument,
     ],

@@ -391,6 +391,7 @@ def _dedicate(
     # A kind FSDP2 holds (an expert stack) is stepped where it lies; every other selected
     # parameter is dedicated (or, routed to sharded_adamw, left to FSDP2 as it is).
     in_place = [claim for claim in claimed if claim.kind and not claim.kind.dedicated]
+    _check_stack_dtypes(in_place, config)
     selected = [(f.fqn, f.param) for f, kind, _ in claimed if not kind or kind.dedicated]
     tp_mesh, tp_dims = check_call_order(model, selected, mesh, replicate_mesh)
     layout = resolve_layout(mesh, replicate_mesh, tp_mesh, pipeline_mesh)
@@ -664,6 +665,62 @@ def _warn_muon_biases(claims: list[_Claim]) -> None:
             " param_policy",
             UserWarning,
         )
+
+
+_STACK_DTYPE_FIELDS = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype")
+
+
+def _check_stack_dtypes(in_place: list[_Claim], config: DedicateConfig) -> None:
+    """Refuse (replicated path) or warn of (sharded path) ``param_policy`` dtypes that an
+    expert stack cannot take.
+
+    [Note: expert stacks keep their own dtypes]
+    An expert stack is not dedicated (see [Note: expert stacks] in holder/_experts): it stays
+    the parameter FSDP2 (or, on the replicated path, ``replicate``) holds, in the dtypes that
+    holder gives it, so ``param_policy``'s dtype fields never reach it. Left unsaid, a policy
+    that computes the blocks in bf16 (``defaults: {"param_dtype": "bfloat16"}``, the mixed
+    precision guide's pattern) casts each block's inputs to bf16 while its stacks stay fp32,
+    and the experts' matmul fails deep in the forward (``expected scalar type Float but found
+    BFloat16``), or a ``master_dtype``/``optim_dtype`` asked for is silently not used. On the
+    replicated path nothing else can give a stack another dtype, so it is refused; on the
+    sharded path FSDP2's ``MixedPrecisionPolicy``, applied after ``dedicate_params``, may give
+    the stack the same compute dtype, so it is a warning. A field equal to the stack's own
+    dtype changes nothing and passes.
+    """
+    asked = []
+    for found, _, _ in in_place:
+        own = str(found.param.dtype).removeprefix("torch.")
+        fields_ = [
+            f"{name}={getattr(found.policy, name)!r}"
+            for name in _STACK_DTYPE_FIELDS
+            if getattr(found.policy, name) not in (None, own)
+        ]
+        if fields_:
+            asked.append(f"{found.fqn!r} ({own}): {', '.join(fields_)}")
+    if not asked:
+        return
+    where = (
+        "keep the model in one dtype (model.to(torch.bfloat16)) or use torch.autocast"
+        if config.replicated
+        else "give it FSDP2's MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) on the"
+        " fully_shard that holds it"
+    )
+    detail = (
+        f"{'; '.join(asked[:2])}): an expert stack is stepped where it lies, not dedicated, and keeps the"
+        f" dtypes of the parameter that holds it: {where}, and leave its dtypes out of"
+        " param_policy (an override such as {'name': ['experts'], 'set': {'param_dtype': None,"
+        " 'master_dtype': None}}"
+    )
+    if config.replicated:
+        raise ValueError(
+            f"dedicate_params_ddp: param_policy sets dtypes that an expert stack cannot take,"
+            f" for {len(asked)} stack(s) (first: {detail}"
+        )
+    warn(
+        f"dedicate_params: param_policy sets dtypes that an expert stack cannot take, for"
+        f" {len(asked)} stack(s) (first: {detail}",
+        UserWarning,
+    )
 
 
 def _split_of(
