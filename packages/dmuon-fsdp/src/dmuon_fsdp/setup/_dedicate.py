@@ -706,19 +706,18 @@ def _check_stack_dtypes(in_place: list[_Claim], config: DedicateConfig) -> None:
         " fully_shard that holds it"
     )
     detail = (
-        f"{'; '.join(asked[:2])}): an expert stack is stepped where it lies, not dedicated, and keeps the"
-        f" dtypes of the parameter that holds it: {where}, and leave its dtypes out of"
-        " param_policy (an override such as {'name': ['experts'], 'set': {'param_dtype': None,"
-        " 'master_dtype': None}}"
+        f"for {len(asked)} stack(s), e.g. {'; '.join(asked[:2])}. An expert stack is stepped"
+        " where it lies, not dedicated, and keeps the dtypes of the parameter that holds it:"
+        f" {where}, and leave its dtypes out of param_policy (an override such as"
+        " {'name': ['experts'], 'set': {'param_dtype': None, 'master_dtype': None}})"
     )
     if config.replicated:
         raise ValueError(
             f"dedicate_params_ddp: param_policy sets dtypes that an expert stack cannot take,"
-            f" for {len(asked)} stack(s) (first: {detail}"
+            f" {detail}"
         )
     warn(
-        f"dedicate_params: param_policy sets dtypes that an expert stack cannot take, for"
-        f" {len(asked)} stack(s) (first: {detail}",
+        f"dedicate_params: param_policy sets dtypes that an expert stack cannot take, {detail}",
         UserWarning,
     )
 
