@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from dmuon_fsdp import (
     Muon,
     MuonParts,
+    QKClip,
     dedicate_params,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -1114,3 +1115,85 @@ def _check_parts_global(results: list[dict]) -> None:
         assert got["lrs_halved"]
         for call in ("step", "clip"):
             assert "Call the MuonParts' own" in got[f"alone_{call}"], (call, got)
+
+
+class _Attention(nn.Module):
+    """Reports to ``clip``, as its one head's largest logit, how far the rows of its input lie
+    from ``rows`` (the real batch's, by hand): the real micro-batches give 0 (up to rounding), a
+    stand-in input of zeros, NaN or garbage more."""
+
+    def __init__(self, clip: QKClip, name: str) -> None:
+        super().__init__()
+        self.q = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.k = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.clip, self.name = clip, name
+        self.rows = torch.zeros(0, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clip.observe(self.name, torch.cdist(x.detach(), self.rows).amin(1).amax()[None])
+        return x + torch.tanh(self.q(x) * self.k(x))
+
+
+class _AttentionStage(nn.Module):
+    """Stage ``p`` of two: the attention ``layers.p`` (``checkpointed``: under activation
+    checkpointing), with the first projection on stage 0 and the last on stage 1."""
+
+    def __init__(self, p: int, inp: nn.Module, attention: _Attention, checkpointed: bool) -> None:
+        super().__init__()
+        self.inp = inp if p == 0 else None
+        self.layers = nn.ModuleDict({str(p): attention})
+        self.out = nn.Linear(WIDTH, OUT) if p == 1 else None
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = x if self.inp is None else self.inp(x)
+        for layer in self.layers.values():
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
+        return x if self.out is None else self.out(x)
+
+
+def _qk_clip_stages(rank: int, world_size: int) -> list[list[float]]:
+    return [_qk_clip_stage(checkpointed) for checkpointed in (False, True)]
+
+
+def _qk_clip_stage(checkpointed: bool) -> list[float]:
+    """pp 2 x dp 1, each stage's QKClip recording only (τ = inf): the maximum after one GPipe
+    step (``checkpointed``: the recompute of backward observes too)."""
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    pp = mesh["pp"].get_local_rank()
+    clip = QKClip(tau=math.inf)
+    name = f"layers.{pp}.q.weight"
+    torch.manual_seed(0)
+    inp, attentions = nn.Linear(IN, WIDTH), [_Attention(clip, name) for _ in range(2)]
+    x, y = _batch(0)
+    with torch.no_grad():
+        attentions[0].rows = inp(x)
+        attentions[1].rows = attentions[0](attentions[0].rows)
+    model = _AttentionStage(pp, inp, attentions[pp], checkpointed)
+    clip.add(name, f"layers.{pp}.k.weight", num_heads=1)
+    dedicate_params(model, mesh["dp"], _muon, pipeline_mesh=mesh["pp"], small_param_threshold=0)
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    clip.attach(optimizer)
+    stage = PipelineStage(model, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=nn.functional.mse_loss)
+    if pp == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y)
+    optimizer.step()
+    return clip.last_max_logits().flatten().tolist()
+
+
+@pytest.mark.distributed
+def test_qk_clip_ignores_the_stages_metadata_inference():
+    """Before its first micro-batch each stage runs its module once on stand-in inputs (torch's
+    metadata inference: ``torch.empty`` on every stage but the first), forward and backward;
+    what its attention reports there, also from an activation checkpoint's recompute, is not
+    recorded (see [Note: a pipeline stage's metadata inference]): each stage's maximum is that
+    of the real batch."""
+    for plain, checkpointed in run_distributed(_qk_clip_stages, 2):
+        assert plain == pytest.approx([0.0], abs=1e-5), plain
+        assert checkpointed == pytest.approx([0.0], abs=1e-5), checkpointed

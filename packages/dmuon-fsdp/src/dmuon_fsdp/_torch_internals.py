@@ -68,6 +68,7 @@ __all__ = [
     "local_tensor",
     "optimizer_state_dict_hooks_taken",
     "parse_to_args",
+    "pipeline_metadata_inference_running",
     "profiler_enabled",
     "queue_backward_callback",
     "refused_by_compiled_autograd",
@@ -76,6 +77,7 @@ __all__ = [
     "torch_state_dict_function",
     "tree_leaves",
     "tree_map_tensors",
+    "watch_pipeline_metadata_inference",
     "will_run",
 ]
 
@@ -541,6 +543,55 @@ def fsdp_init_module() -> ModuleType:
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     return _fsdp_init
+
+
+# How many of torch's pipeline metadata inferences are running (see
+# :func:`pipeline_metadata_inference_running`).
+_METADATA_INFERENCES = [0]
+# The private methods of ``torch.distributed.pipelining``'s ``PipelineStage`` that run the
+# stage's module on stand-in inputs before the first micro-batch: torch 2.13's dynamic metadata
+# inference, forward and backward (whose backward runs the recompute of an activation
+# checkpoint), and the shape inference of earlier releases.
+_METADATA_INFERENCE_METHODS = (
+    "_forward_metadata_inference",
+    "_backward_metadata_inference",
+    "_shape_inference",
+)
+
+
+def watch_pipeline_metadata_inference() -> None:
+    """Make :func:`pipeline_metadata_inference_running` true while a ``PipelineStage`` of
+    ``torch.distributed.pipelining`` runs its module to infer the shapes it sends (once per
+    schedule, before the first micro-batch, and again after a switch between training and
+    evaluation), forward or backward (an activation checkpoint's recompute runs the forward
+    again there). Wraps the class's private :data:`_METADATA_INFERENCE_METHODS` (once: a
+    second call changes nothing); the wrapper only counts. No public API tells a module's
+    forward that it runs on a stage's stand-in inputs: torch 2.13 runs it with gradients on,
+    the first stage on its real first micro-batch, the others on ``torch.empty`` tensors,
+    whose values are whatever the memory held."""
+    from torch.distributed.pipelining import PipelineStage
+
+    for name in _METADATA_INFERENCE_METHODS:
+        method = getattr(PipelineStage, name, None)
+        if method is None or getattr(method, "_dmuon_counted", False):
+            continue
+
+        def counted(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            _METADATA_INFERENCES[0] += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                _METADATA_INFERENCES[0] -= 1
+
+        functools.update_wrapper(counted, method)
+        counted._dmuon_counted = True  # type: ignore[attr-defined]
+        setattr(PipelineStage, name, counted)
+
+
+def pipeline_metadata_inference_running() -> bool:
+    """Whether a pipeline stage's metadata inference is running (once
+    :func:`watch_pipeline_metadata_inference` was called)."""
+    return _METADATA_INFERENCES[0] > 0
 
 
 _FSDP_SOURCES = ("torch/distributed/fsdp/_fully_shard/", "torch\\distributed\\fsdp\\_fully_shard\\")

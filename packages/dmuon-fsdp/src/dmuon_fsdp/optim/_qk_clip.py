@@ -41,6 +41,19 @@ Nothing waits on the host: a NCCL work's ``wait()`` only orders the current stre
 scale factors are computed on the device (``last_max_logits()`` is the one call that copies to
 the host).
 
+[Note: a pipeline stage's metadata inference]
+Before its first micro-batch (and after a switch between training and evaluation) a
+``PipelineStage`` of ``torch.distributed.pipelining`` runs its module once to learn the shapes
+it sends, with gradients on (torch 2.13's dynamic metadata inference, what a stage built
+without ``input_args``, as torchtitan builds it, runs): the first stage on its real inputs,
+every other stage on ``torch.empty`` tensors, and then a backward of it (which runs an
+activation checkpoint's recompute, the forward again). An attention there reports the logits
+of whatever that memory held, NaN or finite garbage, and the step's maximum would take them: a
+NaN left every head of the stage unclipped in the first step, a large value would shrink its
+heads for nothing. ``observe`` ignores what is reported while a stage's inference runs, forward
+or backward, which ``attach`` watches for (``watch_pipeline_metadata_inference``) on a pipeline
+stage's model; the micro-batches themselves, the real data, follow it.
+
 [Note: the row scale]
 The scaling is a post-update hook (see [Note: the post-update hook] in _step_plan): every rank
 scales the rows it steps, in place, between the update and the publish, so no byte goes on the
@@ -74,7 +87,11 @@ from torch.utils.hooks import RemovableHandle
 from .._checks import is_int, is_number
 from .._matrix import is_single_matrix
 from .._profile import span
-from .._torch_internals import foreach_mul_
+from .._torch_internals import (
+    foreach_mul_,
+    pipeline_metadata_inference_running,
+    watch_pipeline_metadata_inference,
+)
 from .._warnings import warn
 from ..holder import DedicatedParam, WeightPart, tensor_view
 from ..runtime import DedicatedRuntime
@@ -441,7 +458,8 @@ class QKClip:
         """
         if training is None:
             training = torch.is_grad_enabled()
-        if not training:
+        if not training or pipeline_metadata_inference_running():
+            # See [Note: a pipeline stage's metadata inference].
             return
         row = self._rows.get(q)
         if row is None:
@@ -568,6 +586,8 @@ class QKClip:
             self._stats = self._stats.to(device)
         self._statistic(device)
         self._reduced = torch.full(self._shape(), -math.inf, device=device)
+        if runtime.layout.pp_size > 1:
+            watch_pipeline_metadata_inference()
         self._bound = True
 
     def launch(self) -> None:
