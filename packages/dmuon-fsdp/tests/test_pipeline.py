@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dmuon_fsdp import (
+    EMA,
     Muon,
     MuonParts,
     QKClip,
@@ -311,7 +312,7 @@ def _inf_in_a_projection_gradient(models: list[_Net]) -> None:
 def _error(call, *args, **kwargs) -> str:
     try:
         call(*args, **kwargs)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, TypeError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return "nothing raised"
 
@@ -547,6 +548,12 @@ def _interleaved() -> dict[str, str]:
     # position twice): refused on every rank.
     pp = place.pp.get_local_rank()
     out["stage_indices_twice"] = _error(MuonParts, optimizers, stage_indices=(pp, pp))
+    # An EMA or a QKClip takes one part's Muon, not the MuonParts: the error names the fix.
+    tied = MuonParts(optimizers)
+    out["ema_of_parts"] = _error(EMA, tied)
+    clip = QKClip()
+    clip.add(f"layers.{pp}.up.weight", f"layers.{pp}.down.weight", num_heads=1)
+    out["qk_clip_of_parts"] = _error(clip.attach, tied)
     return out
 
 
@@ -719,6 +726,8 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         assert got["interleaved_unchanged"] == "True"
         assert got["parts_of_one_model"].startswith("ValueError: MuonParts: optimizers 0 and 1")
         assert got["parts_empty"].startswith("ValueError: MuonParts takes"), got["parts_empty"]
+        assert "[dmuon.EMA(o, decay) for o in optimizer.optimizers]" in got["ema_of_parts"]
+        assert "to each part's Muon in optimizer.optimizers" in got["qk_clip_of_parts"]
         twice = got["stage_indices_twice"]
         assert "stage indices by pipeline position, {0: [0, 0], 1: [1, 1]}" in twice, twice
         zero3 = got["split_under_zero3"]

@@ -40,7 +40,7 @@ from ._profile import no_mark
 from ._torch_internals import foreach_lerp_
 from .checkpoint import checked_on_every_rank, get_model_state_dict, set_model_state_dict
 from .holder import WeightPart, fsdp_modules
-from .optim import Muon
+from .optim import Muon, MuonParts
 from .topology import all_gather_numbers
 
 __all__ = ["EMA"]
@@ -67,8 +67,15 @@ class EMA:
         self, optimizer: Muon, decay: float = 0.999, *, dtype: torch.dtype = torch.float32
     ) -> None:
         if not isinstance(optimizer, Muon):
+            parts = (
+                "; with several model parts per rank build one EMA per part's Muon:"
+                " [dmuon.EMA(o, decay) for o in optimizer.optimizers]"
+                if isinstance(optimizer, MuonParts)
+                else ""
+            )
             raise TypeError(
-                f"EMA takes the dmuon.Muon whose weights it averages, got {type(optimizer).__name__}"
+                "EMA takes the dmuon.Muon whose weights it averages, got"
+                f" {type(optimizer).__name__}{parts}"
             )
 
         def check() -> None:

@@ -96,6 +96,7 @@ from .._warnings import warn
 from ..holder import DedicatedParam, WeightPart, tensor_view
 from ..runtime import DedicatedRuntime
 from ._optimizer import Muon
+from ._parts import MuonParts
 
 __all__ = ["QKClip", "QKRowMap"]
 
@@ -530,9 +531,15 @@ class QKClip:
         attached if that raises). Returns a handle whose ``remove()`` detaches both hooks; a
         QKClip serves one optimizer."""
         if not callable(getattr(optimizer, "register_post_update_hook", None)):
+            parts = (
+                "; with several model parts per rank attach one QKClip, of the part's own"
+                " attentions, to each part's Muon in optimizer.optimizers"
+                if isinstance(optimizer, MuonParts)
+                else ""
+            )
             raise TypeError(
                 f"QKClip.attach takes dmuon's Muon optimizer, got {type(optimizer).__name__}: "
-                "the clip runs inside Muon.step, as a post-update hook"
+                f"the clip runs inside Muon.step, as a post-update hook{parts}"
             )
         self.bind(optimizer.model, optimizer.runtime)
         return RemovableHandles(
