@@ -44,8 +44,8 @@ the host).
 [Note: a pipeline stage's metadata inference]
 Before its first micro-batch (and after a switch between training and evaluation) a
 ``PipelineStage`` of ``torch.distributed.pipelining`` runs its module once to learn the shapes
-it sends, with gradients on (torch 2.13's dynamic metadata inference, what a stage built
-without ``input_args``, as torchtitan builds it, runs): the first stage on its real inputs,
+it sends, with gradients on (torch 2.13's dynamic metadata inference, which a stage runs
+unless built with both ``input_args`` and ``output_args``; torchtitan's is not): the first stage on its real inputs,
 every other stage on ``torch.empty`` tensors, and then a backward of it (which runs an
 activation checkpoint's recompute, the forward again). An attention there reports the logits
 of whatever that memory held, NaN or finite garbage, and the step's maximum would take them: a
