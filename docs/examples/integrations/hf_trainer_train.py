@@ -171,11 +171,15 @@ def main(argv: list[str] | None = None) -> None:
         try:
             run(args.dir, args.device)
         finally:
-            # Stop gloo's threads while the interpreter still runs: at its exit they could abort
-            # the process after the work is done (docs/faq.md).
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-        return
+        # The work is done. A gloo worker thread may still be letting go of a finished
+        # collective when the interpreter shuts down, which aborts the process ("terminate
+        # called without an active exception", PyTorch's own; docs/faq.md): leave without the
+        # interpreter's shutdown. A failure above raised and never gets here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     directory = args.dir or tempfile.mkdtemp(prefix="dmuon-hf-trainer-")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(args.nproc), __file__, "--device", args.device]
