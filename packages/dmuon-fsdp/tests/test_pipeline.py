@@ -309,6 +309,17 @@ def _inf_in_a_projection_gradient(models: list[_Net]) -> None:
         (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = math.inf
 
 
+def _same(a, b) -> bool:
+    """``a`` and ``b`` (state dicts) hold equal values, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _error(call, *args, **kwargs) -> str:
     try:
         call(*args, **kwargs)
@@ -429,6 +440,19 @@ def _train_parts(path: str, stages_path: str) -> dict:
     parts, optimizer = _trained_parts(meshes, range(STEPS - 1), reshard=False)
     save_checkpoint(path, parts, optimizer)
     groups = AppState(parts, optimizer).state_dict()["optim"]["param_groups"]
+    # The parts' own state dict (torch.save per rank): a second part that refuses its state
+    # leaves the first as it was; with the state fit, every part takes its saved state.
+    saved = optimizer.state_dict()
+    fresh = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in _parts(meshes, False)[0]])
+    own = [o.state_dict()["state"] for o in fresh.optimizers]
+    second = saved["parts"][1]
+    lacking_lr = [{k: v for k, v in g.items() if k != "lr"} for g in second["param_groups"]]
+    unfit_part = {**saved, "parts": [saved["parts"][0], {**second, "param_groups": lacking_lr}]}
+    part_refused = _error(fresh.load_state_dict, unfit_part)
+    first_kept = _same(fresh.optimizers[0].state_dict()["state"], own[0])
+    other_stages = _error(fresh.load_state_dict, {**saved, "stage_indices": [0, 0]})
+    fresh.load_state_dict(saved)
+    round_trip = _same(fresh.state_dict()["parts"], saved["parts"])
     # The second part's groups do not fit (another group name): refused on every rank before
     # either part changes.
     parts, _, _ = _parts(meshes, reshard=False)
@@ -440,6 +464,10 @@ def _train_parts(path: str, stages_path: str) -> dict:
     twins = [_part(meshes, meshes.place.pp.get_local_rank(), reshard=False) for _ in range(2)]
     twin_parts = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in twins])
     return {
+        "part_refused": part_refused,
+        "first_kept": first_kept,
+        "other_stages": other_stages,
+        "round_trip": round_trip,
         "twins": _error(save_checkpoint, f"{path}_twins", twins, twin_parts),
         "unfit": unfit,
         "unfit_unchanged": all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items()),
@@ -1035,6 +1063,11 @@ def test_an_interleaved_schedule_trains_like_the_whole_model(pipeline_runs):
         # The second part's groups do not fit: no part changed.
         assert "param_groups: missing key(s) ['renamed']" in got["unfit"], got["unfit"]
         assert got["unfit_unchanged"]
+        # MuonParts.state_dict / load_state_dict: all parts or none.
+        assert got["round_trip"]
+        assert got["first_kept"], got["part_refused"]
+        assert "lacks ['lr']" in got["part_refused"], got["part_refused"]
+        assert "these parts are stages" in got["other_stages"], got["other_stages"]
         assert got["twins"].startswith("ValueError: model parts 0 and 1 both hold '"), got["twins"]
         assert "the parts' state-dict keys must be apart" in got["twins"], got["twins"]
 

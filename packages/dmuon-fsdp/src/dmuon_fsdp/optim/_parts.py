@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import weakref
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from typing import overload
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
@@ -63,7 +63,8 @@ class MuonParts:
 
     ``step()`` steps every part; ``dmuon.clip_grad_norm_(parts, ...)`` clips every part's
     gradients by one norm; ``dmuon.save_checkpoint(path, model_parts, parts)`` and
-    ``load_checkpoint`` take the parts' modules as a list. A part's own ``step()`` or
+    ``load_checkpoint`` take the parts' modules as a list; ``state_dict()`` is this rank's
+    alone (a ``torch.save`` per rank, loaded on the same layout). A part's own ``step()`` or
     ``grads_for_clip()`` raises ``RuntimeError`` while it belongs to a live ``MuonParts``.
 
     Args:
@@ -201,6 +202,58 @@ class MuonParts:
         """
         for optimizer in self._optimizers:
             optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: each part's :meth:`Muon.state_dict` in the order of the parts,
+        with their stage indices, for ``torch.save`` per rank and :meth:`load_state_dict` on
+        the same layout. A checkpoint that loads on another layout is
+        ``dmuon.save_checkpoint(path, model_parts, parts)``."""
+        return {
+            "stage_indices": list(self._stage_indices),
+            "parts": [optimizer.state_dict() for optimizer in self._optimizers],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load this rank's :meth:`state_dict` into every part: all of them or, when a part
+        refuses its state, none (the parts already loaded get their own state back).
+
+        Args:
+            state_dict: what :meth:`state_dict` returned on this rank's place (the same stage
+                indices); another structure or other stage indices raise ``ValueError``
+                before any part changes.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                "MuonParts.load_state_dict: state_dict must be the dict MuonParts.state_dict()"
+                f" returns, got {type(state_dict).__name__}"
+            )
+        states, indices = state_dict.get("parts"), state_dict.get("stage_indices")
+        if not isinstance(states, Sequence) or len(states) != len(self._optimizers):
+            got = len(states) if isinstance(states, Sequence) else type(states).__name__
+            raise ValueError(
+                f"MuonParts.load_state_dict: the state dict holds {got} parts under 'parts',"
+                f" this MuonParts {len(self._optimizers)}; load what MuonParts.state_dict()"
+                " returned on this rank (a single Muon's state dict loads into that part's"
+                " Muon, a checkpoint of another layout with dmuon.load_checkpoint)"
+            )
+        if list(indices or ()) != list(self._stage_indices):
+            raise ValueError(
+                f"MuonParts.load_state_dict: the state dict is of stages {indices}, these parts"
+                f" are stages {list(self._stage_indices)}; load the state dict this rank's place"
+                " saved, or a checkpoint of another layout with dmuon.load_checkpoint"
+            )
+        before = [optimizer.state_dict() for optimizer in self._optimizers]
+        loaded: list[Muon] = []
+        try:
+            for optimizer, state in zip(self._optimizers, states, strict=True):
+                optimizer.load_state_dict(state)
+                loaded.append(optimizer)
+        except BaseException:
+            # Loading replaces the state's tensors, it writes none of them: the parts loaded
+            # take back the tensors they held.
+            for optimizer, own in zip(loaded, before, strict=False):
+                optimizer.load_state_dict(own)
+            raise
 
     @property
     def last_step_stats(self) -> MuonStepStats:
