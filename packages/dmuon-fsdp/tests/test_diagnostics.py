@@ -295,8 +295,11 @@ def _collectives_of_dmuon(runtime) -> Iterator[Counter]:
     originals = {name: getattr(dist, name) for name in _COLLECTIVES}
 
     def counting(name: str, call: Callable) -> Callable:
-        def wrapper(tensor, *args, **kwargs):
+        # Any signature: torch's own callers (FSDP2's reduce-scatter on torch 2.11) pass
+        # their tensors by keyword; dmuon passes the tensor first.
+        def wrapper(*args, **kwargs):
             if sys._getframe(1).f_globals.get("__name__", "").startswith("dmuon"):
+                tensor = args[0]
                 group = kwargs.get("group")
                 axis = next((a for a, g in axes if g is not None and g is group), None)
                 if group not in (comm.world_group, comm.global_group) or axis is not None:
@@ -304,7 +307,7 @@ def _collectives_of_dmuon(runtime) -> Iterator[Counter]:
                     if name in ("gather", "scatter"):
                         nbytes *= dist.get_world_size(group)
                     moved[(axis or repr(group), name)] += nbytes
-            return call(tensor, *args, **kwargs)
+            return call(*args, **kwargs)
 
         return wrapper
 
