@@ -115,7 +115,8 @@ def test_a_momentum_warmup_matches_torch_muon_once_the_buffers_are_rescaled(monk
 
 def test_torch_keywords_and_step_options_are_refused_with_what_dmuon_takes():
     """Every keyword of torch.optim.Muon that dmuon.Muon does not take, torch.optim.AdamW's
-    betas and each StepOptions field passed to Muon() raise a TypeError naming dmuon's way."""
+    betas and flags and each StepOptions field passed to Muon() raise a TypeError naming
+    dmuon's way."""
     ours = set(inspect.signature(Muon).parameters)
     torch_only = set(inspect.signature(torch.optim.Muon).parameters) - ours
     assert torch_only  # adjust_lr_fn, ns_coefficients, eps, params
@@ -129,6 +130,17 @@ def test_torch_keywords_and_step_options_are_refused_with_what_dmuon_takes():
     for name in StepOptions.__dataclass_fields__:
         with pytest.raises(TypeError, match=f"options=dmuon.StepOptions\\({name}=...\\)"):
             Muon(model, **{name: None})
+    # torch.optim.Muon's eps is a floor, not NewtonSchulz's added eps: no value to carry over.
+    with pytest.raises(TypeError, match=r"a floor on the norm.*leave it at its default, 1e-7"):
+        Muon(model, eps=1e-3)
+    # its ns_coefficients, one flat row, is a list of one row to NewtonSchulz
+    with pytest.raises(TypeError, match=r"coefficients=\[\(a, b, c\)\]"):
+        Muon(model, ns_coefficients=(3.4445, -4.775, 2.0315))
+    # torch.optim.AdamW's flags, each named with what dmuon's AdamW does instead.
+    adamw = set(inspect.signature(torch.optim.AdamW).parameters) - ours
+    for name in sorted(adamw - {"params", "betas", "eps"}):
+        with pytest.raises(TypeError, match=f"'{name}': torch.optim.AdamW's {name} is not an"):
+            Muon(model, **{name: True})
     with pytest.raises(TypeError, match=r"'foo': foo is not a keyword of dmuon\.Muon$"):
         Muon(model, foo=1)
     # torch.optim.Muon's first argument, the matrices: dmuon's optimizer steps the whole model.

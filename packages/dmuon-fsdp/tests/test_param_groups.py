@@ -27,7 +27,9 @@ from dmuon_fsdp import (
     summarize_comm_plan,
     summarize_param_groups,
 )
+from dmuon_fsdp.optim._param_groups import check_no_inert_keys
 from dmuon_ns import NewtonSchulz
+from dmuon_ownership import Route
 from dmuon_testing.distributed import run_distributed
 from dmuon_testing.typed_dicts import check_returns
 
@@ -269,6 +271,18 @@ def _assert_same_state(got, want, skip):
         assert {k: v for k, v in got["param_groups"][name].items() if k != skip} == {
             k: v for k, v in group.items() if k != skip
         }, name
+
+
+def test_eps_in_a_muon_group_names_adamw_and_torch_muons_meaning():
+    """A loop that writes "eps" into every group reaches the Muon ones, where it is either
+    AdamW's (write it into the AdamW groups) or torch.optim.Muon's per-group NS eps, a floor
+    dmuon has no key for: the refusal names both."""
+    with pytest.raises(ValueError) as info:
+        check_no_inert_keys({"lr": 0.02, "eps": 1e-3}, "group 'muon'", Route.MUON)
+    assert "write it into the '.../adamw' groups only" in str(info.value)
+    assert "torch.optim.Muon's eps is a floor on the norm" in str(info.value)
+    with pytest.raises(ValueError, match=r"coefficients=\[\(a, b, c\)\]"):
+        check_no_inert_keys({"ns_coefficients": (3.4, -4.7, 2.0)}, "group 'muon'", Route.MUON)
 
 
 @pytest.mark.distributed

@@ -82,3 +82,14 @@ def test_validate_accepts_lists_and_numpy() -> None:
 def test_validate_rejects(bad, match) -> None:
     with pytest.raises(ValueError, match=match):
         validate_coefficients(bad)
+
+
+def test_a_flat_triple_is_refused_naming_the_one_row_it_means() -> None:
+    """torch.optim.Muon's ns_coefficients is one flat (a, b, c) for every step; given as
+    dmuon's coefficients it is refused with the row to pass instead. A set of two numbers
+    is no such row and gets no such hint."""
+    with pytest.raises(ValueError, match=r"pass \[\(3\.4445, -4\.775, 2\.0315\)\], which"):
+        validate_coefficients((3.4445, -4.775, 2.0315))
+    with pytest.raises(ValueError, match=r"coefficients\[0\] must be a triple") as error:
+        validate_coefficients([1.0, 2.0])
+    assert "flat" not in str(error.value)

@@ -93,7 +93,7 @@ def validate_coefficients(
         if isinstance(row, str | bytes) or not isinstance(row, Sequence) or len(row) != 3:
             raise ValueError(
                 f"{name}[{i}] must be a triple (a, b, c) of floats, got {row!r};"
-                " each row gives one step's quintic a·x + b·x³ + c·x⁵"
+                " each row gives one step's quintic a·x + b·x³ + c·x⁵" + _one_flat_row(coefficients)
             )
         values: list[float] = []
         for value in row:
@@ -104,6 +104,20 @@ def validate_coefficients(
             values.append(float(value))
         rows.append((values[0], values[1], values[2]))
     return tuple(rows)
+
+
+def _one_flat_row(coefficients: Sequence[object]) -> str:
+    """The fix for a set given as one flat ``(a, b, c)``, as ``torch.optim.Muon`` takes its
+    ``ns_coefficients`` (one row for every step); ``""`` for anything else."""
+    row = [
+        float(v) for v in coefficients if isinstance(v, numbers.Real) and not isinstance(v, bool)
+    ]
+    if len(coefficients) != 3 or len(row) != 3:
+        return ""
+    return (
+        f". A flat (a, b, c) is one row, the form of torch.optim.Muon's ns_coefficients: pass"
+        f" [{tuple(row)!r}], which every step repeats"
+    )
 
 
 def coefficients_for_steps(coefficients: Coefficients, steps: int) -> Coefficients:

@@ -92,7 +92,10 @@ class NewtonSchulz:
             captured once per problem shape (fewer launches); ``False`` always runs eagerly.
             No effect off CUDA.
         eps: a finite float > 0: each matrix is scaled by ``1 / (‖G‖_F + eps)`` before the
-            iterations, so that a zero matrix stays zero.
+            iterations, so that a zero matrix stays zero. Added to the norm, as in Keller
+            Jordan's Muon: ``torch.optim.Muon``'s ``eps`` is a floor, ``1 / max(‖G‖_F, eps)``,
+            and its value does not carry over (leave this one at its default; the tuning
+            guide's "Moving from torch.optim.Muon").
     """
 
     backend: NSBackend | str = NSBackend.GRAM

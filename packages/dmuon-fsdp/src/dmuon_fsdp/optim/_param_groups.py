@@ -257,23 +257,9 @@ def checked_group_values(group: Mapping[str, Any], route: Route, where: str) -> 
     return kept
 
 
-# Keys a step never reads that mean something elsewhere, with where that is: torch.optim.Muon's
-# per-group options, which dmuon fixes at construction for every group, the keys of a user
-# group, which construction turns into the optimizer groups' own, and two of AdamW's flags.
-# Written into an optimizer group they would change nothing without a word (see
-# take_group_edits).
-_INERT_KEYS = {
-    "ns_steps": "Muon(ns_steps=...) or ns_backend=dmuon.NewtonSchulz(steps=...), fixed when"
-    " Muon is built",
-    "ns_coefficients": "ns_backend=dmuon.NewtonSchulz(coefficients=...), fixed when Muon is built",
-    "adjust_lr_fn": "options=dmuon.StepOptions(lr_scaling=...), fixed when Muon is built",
-    "muon_lr": "'lr' of the '.../muon' group",
-    "adamw_lr": "'lr' of the '.../adamw' group",
-    "muon_weight_decay": "'weight_decay' of the '.../muon' group",
-    "adamw_weight_decay": "'weight_decay' of the '.../adamw' group",
-    "adamw_betas": "'betas' of the '.../adamw' group",
-    "adamw_eps": "'eps' of the '.../adamw' group",
-    **{key: "Muon(model, param_groups=[...]), fixed when Muon is built" for key in _ROUTE_KEYS},
+# torch.optim.AdamW's flags, which dmuon's AdamW does not take, with why (Muon() refuses them
+# as keywords, a group refuses them as keys).
+TORCH_ADAMW_FLAGS = {
     # torch.optim.AdamW's flags that change its arithmetic: dmuon's AdamW has neither.
     "maximize": "not an option of dmuon's optimizers (negate the loss instead)",
     "amsgrad": "not an option of dmuon's AdamW",
@@ -287,6 +273,37 @@ _INERT_KEYS = {
     "differentiable": "not an option of dmuon's optimizers, whose step runs without autograd",
     "decoupled_weight_decay": "not an option of dmuon's AdamW, whose weight decay is always"
     " decoupled (torch.optim.AdamW's)",
+}
+
+# torch.optim.Muon's eps, which Muon() refuses as a keyword and a Muon group as a key: not the
+# number NewtonSchulz's eps is (see [Note: torch.optim.Muon's eps] in _usage_checks).
+TORCH_MUON_EPS = (
+    "torch.optim.Muon's eps is a floor on the norm its Newton–Schulz divides by (max(‖X‖, eps):"
+    " only a momentum of a smaller norm feels it), not a value to carry over:"
+    " dmuon.NewtonSchulz(eps=...) is added to the norm (‖X‖ + eps), which scales every input"
+    " down; leave it at its default, 1e-7"
+)
+
+
+# Keys a step never reads that mean something elsewhere, with where that is: torch.optim.Muon's
+# per-group options, which dmuon fixes at construction for every group, the keys of a user
+# group, which construction turns into the optimizer groups' own, and torch.optim.AdamW's flags.
+# Written into an optimizer group they would change nothing without a word (see
+# take_group_edits).
+_INERT_KEYS = {
+    "ns_steps": "Muon(ns_steps=...) or ns_backend=dmuon.NewtonSchulz(steps=...), fixed when"
+    " Muon is built",
+    "ns_coefficients": "ns_backend=dmuon.NewtonSchulz(coefficients=[(a, b, c)]) (torch's one"
+    " row, in a list of rows), fixed when Muon is built",
+    "adjust_lr_fn": "options=dmuon.StepOptions(lr_scaling=...), fixed when Muon is built",
+    "muon_lr": "'lr' of the '.../muon' group",
+    "adamw_lr": "'lr' of the '.../adamw' group",
+    "muon_weight_decay": "'weight_decay' of the '.../muon' group",
+    "adamw_weight_decay": "'weight_decay' of the '.../adamw' group",
+    "adamw_betas": "'betas' of the '.../adamw' group",
+    "adamw_eps": "'eps' of the '.../adamw' group",
+    **{key: "Muon(model, param_groups=[...]), fixed when Muon is built" for key in _ROUTE_KEYS},
+    **TORCH_ADAMW_FLAGS,
 }
 
 
@@ -334,6 +351,8 @@ def _unread_keys(group: Mapping[str, Any], route: Route) -> dict[str, str]:
             continue
         if key in _OTHER_ROUTE_KEYS[route]:
             found[key] = only
+            if key == "eps":  # what it is to a torch.optim.Muon recipe, too
+                found[key] += f" ({TORCH_MUON_EPS})"
         elif key not in _READ_KEYS and key not in _KNOWN_KEYS:
             meant = _meant(key)
             if meant in GROUP_REQUIRED[route]:

@@ -32,6 +32,7 @@ from .._torch_internals import (
 from .._warnings import warn
 from ..holder import DedicatedParam, fsdp_modules, is_dedicated
 from ..runtime import DedicatedRuntime
+from ._param_groups import TORCH_ADAMW_FLAGS, TORCH_MUON_EPS
 
 # -- at construction ---------------------------------------------------------------------------
 
@@ -346,19 +347,31 @@ def refuse_added_group(model: nn.Module, param_group: Any) -> NoReturn:
 
 
 # What a keyword of torch's optimizers is called here (see _instead_of).
+# [Note: torch.optim.Muon's eps]
+# torch.optim.Muon divides its NS input, the running mean of the gradients, by
+# max(‖X‖_F, eps): eps is a floor that only a momentum of a smaller norm reaches (a zero or
+# near-zero gradient), and every other input is divided by its norm exactly. dmuon's NS
+# divides by ‖X‖_F + eps (Keller Jordan's form, which dmuon_ns's kernels share), and its input
+# is the plain sum, 1/(1 − momentum) times torch's mean: the same as torch's
+# ‖X_mean‖_F + (1 − momentum)·eps, which scales every input down by (1 − momentum)·eps/‖X‖.
+# With the default 1e-7 that is below fp32 rounding wherever the momentum's norm is above about
+# 0.05 (at momentum 0.95), so the two agree whatever torch's eps was, as long as no momentum
+# falls below that floor; a torch eps carried over as NewtonSchulz(eps=...) would
+# instead move every update (measured on 2 gloo ranks, fp32 NS on both sides, 6 steps of a
+# 2-layer model: eps=1e-3 put the Muon weights 1.5e-3 of their largest entry from torch's,
+# eps=0.1 7.5 %, where the default gave 8e-7). So a torch eps maps to no keyword: Muon(eps=)
+# names TORCH_MUON_EPS, and so does "eps" written into a Muon group.
 _TORCH_KEYWORDS = {
     "adjust_lr_fn": (
         "torch.optim.Muon's adjust_lr_fn is options=dmuon.StepOptions(lr_scaling=...):"
         ' "original" for None or "original", "moonlight" (the default) for "match_rms_adamw"'
     ),
     "ns_coefficients": (
-        "torch.optim.Muon's ns_coefficients go to ns_backend=dmuon.NewtonSchulz("
-        "coefficients=...), its own being dmuon.ns.QUINTIC_COEFFICIENTS"
+        "torch.optim.Muon's ns_coefficients=(a, b, c), one row for every step, go to"
+        " ns_backend=dmuon.NewtonSchulz(backend='direct', coefficients=[(a, b, c)]), its own"
+        " being dmuon.ns.QUINTIC_COEFFICIENTS"
     ),
-    "eps": (
-        "torch.optim.Muon's eps (the NS normalisation's) is"
-        " ns_backend=dmuon.NewtonSchulz(eps=...), torch.optim.AdamW's is adamw_eps"
-    ),
+    "eps": f"{TORCH_MUON_EPS}; torch.optim.AdamW's eps is adamw_eps",
     "betas": "torch.optim.AdamW's betas are adamw_betas",
     "params": (
         "Muon takes the model itself (its first argument), not its parameters; groups of your"
@@ -400,6 +413,8 @@ def _instead_of(keywords: Iterable[str], option_fields: Collection[str]) -> str:
         elif name in _TORCH_KEYWORDS:
             hints.append(_TORCH_KEYWORDS[name])
             guide = True
+        elif name in TORCH_ADAMW_FLAGS:
+            hints.append(f"torch.optim.AdamW's {name} is {TORCH_ADAMW_FLAGS[name]}")
         else:
             hints.append(f"{name} is not a keyword of dmuon.Muon")
     if guide:
