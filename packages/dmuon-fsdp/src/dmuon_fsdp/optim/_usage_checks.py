@@ -354,13 +354,15 @@ def refuse_added_group(model: nn.Module, param_group: Any) -> NoReturn:
 # divides by ‖X‖_F + eps (Keller Jordan's form, which dmuon_ns's kernels share), and its input
 # is the plain sum, 1/(1 − momentum) times torch's mean: the same as torch's
 # ‖X_mean‖_F + (1 − momentum)·eps, which scales every input down by (1 − momentum)·eps/‖X‖.
-# With the default 1e-7 that is below fp32 rounding wherever the momentum's norm is above about
-# 0.05 (at momentum 0.95), so the two agree whatever torch's eps was, as long as no momentum
-# falls below that floor; a torch eps carried over as NewtonSchulz(eps=...) would
-# instead move every update (measured on 2 gloo ranks, fp32 NS on both sides, 6 steps of a
-# 2-layer model: eps=1e-3 put the Muon weights 1.5e-3 of their largest entry from torch's,
-# eps=0.1 7.5 %, where the default gave 8e-7). So a torch eps maps to no keyword: Muon(eps=)
-# names TORCH_MUON_EPS, and so does "eps" written into a Muon group.
+# With the default 1e-7 that is below fp32 rounding wherever the momentum's norm is above
+# about 0.05 (at momentum 0.95), so the two agree whatever torch's eps was, as long as no
+# momentum falls below that floor (a run with tiny gradients, reproduced in fp32, takes a
+# negligible NewtonSchulz(eps=1e-30), which divides by the norm itself). A torch eps carried
+# over as NewtonSchulz(eps=...) would instead move every update (measured on 2 gloo ranks,
+# fp32 NS on both sides, 6 steps of a 2-layer model: eps=1e-3 put the Muon weights 1.5e-3 of
+# their largest entry from torch's, eps=0.1 7.5 %, where the default gave 8e-7). So a torch
+# eps maps to no keyword: Muon(eps=) names TORCH_MUON_EPS, and so does "eps" written into a
+# Muon group.
 _TORCH_KEYWORDS = {
     "adjust_lr_fn": (
         "torch.optim.Muon's adjust_lr_fn is options=dmuon.StepOptions(lr_scaling=...):"
