@@ -180,6 +180,8 @@ def test_the_tuning_page_runs_after_the_setup(tmp_path: Path) -> None:
     assert "step 4 loss" in output and "'muon_update'" in output
     # The port from torch.optim.Muon ran its warm-up to the end, on the Muon group only.
     assert "momentum [0.95]" in output, output[-8000:]
+    # ... and a torch.optim.Muon + AdamW run carried over mid-way, its momentum rescaled.
+    assert "carried over True" in output, output[-8000:]
 
 
 @pytest.mark.distributed
