@@ -346,7 +346,6 @@ def refuse_added_group(model: nn.Module, param_group: Any) -> NoReturn:
     )
 
 
-# What a keyword of torch's optimizers is called here (see _instead_of).
 # [Note: torch.optim.Muon's eps]
 # torch.optim.Muon divides its NS input, the running mean of the gradients, by
 # max(‖X‖_F, eps): eps is a floor that only a momentum of a smaller norm reaches (a zero or
@@ -363,6 +362,8 @@ def refuse_added_group(model: nn.Module, param_group: Any) -> NoReturn:
 # their largest entry from torch's, eps=0.1 7.5 %, where the default gave 8e-7). So a torch
 # eps maps to no keyword: Muon(eps=) names TORCH_MUON_EPS, and so does "eps" written into a
 # Muon group.
+
+# What a keyword of torch's optimizers is called here (see _instead_of).
 _TORCH_KEYWORDS = {
     "adjust_lr_fn": (
         "torch.optim.Muon's adjust_lr_fn is options=dmuon.StepOptions(lr_scaling=...):"
