@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import warnings
 from typing import NamedTuple
+from unittest import mock
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from dmuon_fsdp.optim._parts import _warmup_sends_to_self
 from dmuon_ns.testing import relative_error
 from dmuon_testing.distributed import run_distributed
 
@@ -57,6 +59,12 @@ STEPS = 3
 ROWS, IN, WIDTH, OUT = 8, 8, 16, 4
 LAYERS = 4  # two per stage
 SCHEDULES = {"gpipe": (ScheduleGPipe, 2), "1f1b": (Schedule1F1B, 4)}
+# Whether the V schedules (ScheduleDualPipeV, ScheduleZBVZeroBubble) run here over gloo: torch
+# 2.11's schedules warm their last position's two neighbouring stages up with a send from the
+# rank to itself, which gloo refuses ("Pair is not connected"), and MuonParts refuses them
+# there (see [Note: V schedules over gloo] in dmuon_fsdp/optim/_parts).
+V_ON_GLOO = not _warmup_sends_to_self()
+V_SKIP = "torch 2.11's pipeline warm-up sends from a rank to itself, which gloo refuses"
 
 
 class _Block(nn.Module):
@@ -630,6 +638,19 @@ def _train_split(name: str, path: str | None = None, **inside: bool) -> dict[str
     return _parts_state(parts)
 
 
+def _v_refusal() -> str:
+    """``MuonParts`` of a V schedule's parts over gloo on a torch whose schedules warm them up
+    with a send to itself (this torch, or one as if it were): refused on every rank, before the
+    schedule's first step."""
+    meshes = _meshes()
+    pp = meshes.place.pp.get_local_rank()
+    indices = (pp, LAYERS - 1 - pp)
+    parts = [_part(meshes, index, reshard=False) for index in indices]
+    optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
+    with mock.patch("dmuon_fsdp.optim._parts._warmup_sends_to_self", return_value=True):
+        return _error(MuonParts, optimizers, stage_indices=indices)
+
+
 def _split_under_zero3() -> str:
     """What a split backward's first look-up of a weight's gradient accumulator finds on a
     ZeRO-3 peer: the weight is not held, and the error names the fix."""
@@ -648,9 +669,11 @@ def _pipeline(rank: int, world_size: int, path: str) -> dict:
         "interleaved": _train_parts(f"{path}_parts", path),
         "interleaved_into_whole": _without_pipeline(f"{path}_parts"),
         "parts_global": _parts_global(),
-        "dual_pipe_v": _train_split("dual_pipe_v", path=f"{path}_v"),
-        "v_into_whole": _without_pipeline(f"{path}_v"),
+        "v_refused": _v_refusal(),
     }
+    if V_ON_GLOO:
+        out["dual_pipe_v"] = _train_split("dual_pipe_v", path=f"{path}_v")
+        out["v_into_whole"] = _without_pipeline(f"{path}_v")
     return out
 
 
@@ -756,6 +779,10 @@ def test_what_a_pipeline_refuses(pipeline_runs):
         assert got["parts_empty"].startswith("ValueError: MuonParts takes"), got["parts_empty"]
         assert "[dmuon.EMA(o, decay) for o in optimizer.optimizers]" in got["ema_of_parts"]
         assert "to each part's Muon in optimizer.optimizers" in got["qk_clip_of_parts"]
+        v_refused = result["v_refused"]
+        assert v_refused.startswith("RuntimeError: MuonParts: pipeline position 1 holds"), v_refused
+        assert "neighbouring stages 1 and 2 (a V schedule: ScheduleDualPipeV" in v_refused
+        assert "Upgrade torch to 2.13 or newer" in v_refused, v_refused
         twice = got["stage_indices_twice"]
         assert "stage indices by pipeline position, {0: [0, 0], 1: [1, 1]}" in twice, twice
         zero3 = got["split_under_zero3"]
@@ -1073,6 +1100,7 @@ def test_an_interleaved_schedule_trains_like_the_whole_model(pipeline_runs):
 
 
 @pytest.mark.distributed
+@pytest.mark.skipif(not V_ON_GLOO, reason=V_SKIP)
 def test_a_v_schedule_trains_like_the_whole_model(pipeline_runs):
     """ScheduleDualPipeV splits each backward into the inputs' gradients and the weights'
     (written to .grad by hand), which the step's reduce takes wherever they came from. Its
@@ -1082,15 +1110,19 @@ def test_a_v_schedule_trains_like_the_whole_model(pipeline_runs):
     _check_against_reference([result["v_into_whole"] for result in pipeline_runs], 2)
 
 
+ZERO_BUBBLE = ("zbv", "interleaved_zero_bubble") if V_ON_GLOO else ("interleaved_zero_bubble",)
+
+
 def _zero_bubble(rank: int, world_size: int) -> dict:
-    return {name: _train_split(name) for name in ("zbv", "interleaved_zero_bubble")}
+    return {name: _train_split(name) for name in ZERO_BUBBLE}
 
 
 @pytest.mark.distributed
 @pytest.mark.extended
 def test_zero_bubble_schedules_train_like_the_whole_model():
+    """ScheduleZBVZeroBubble (where V_ON_GLOO) and ScheduleInterleavedZeroBubble."""
     results = run_distributed(_zero_bubble, 4)
-    for name in ("zbv", "interleaved_zero_bubble"):
+    for name in ZERO_BUBBLE:
         _check_against_reference([result[name] for result in results])
 
 
@@ -1111,14 +1143,16 @@ def _parts_inside_stages(rank: int, world_size: int, path: str, **inside: bool) 
     resumed, _ = _trained_parts(
         meshes, range(STEPS - 1, STEPS), load=lambda parts, o: load_checkpoint(path, parts, o)
     )
-    return {
+    out = {
         "train": _parts_state(_trained_parts(meshes, range(STEPS))[0]),
         "resumed": _parts_state(resumed),
         "into_whole": _without_pipeline(path),
         "head_apart": _parts_state(_trained_parts(meshes, range(STEPS), head_apart=True)[0]),
-        "zbv": _train_split("zbv", **inside),
-        "parts_global": _parts_global(**inside),
     }
+    if V_ON_GLOO:
+        out["zbv"] = _train_split("zbv", **inside)
+    out["parts_global"] = _parts_global(**inside)
+    return out
 
 
 @pytest.mark.distributed
@@ -1130,14 +1164,15 @@ def test_muon_parts_train_like_the_whole_model_with_hsdp_or_tp_in_each_stage(tmp
     and resumed from a DCP checkpoint (into new parts, and into the whole model on 4
     data-parallel ranks), like the reference, and so do parts whose last holds the head alone
     (under TP its grids come from the head's TP weight) and ScheduleZBVZeroBubble (its weight
-    gradients written by hand); one clip norm and one skip over every part of every rank."""
+    gradients written by hand; where V_ON_GLOO); one clip norm and one skip over every part of every rank."""
     path = str(tmp_path / "checkpoint")
     results = run_distributed(_parts_inside_stages, 4, path, **{inside: True})
     _check_against_reference([result["train"] for result in results])
     _check_against_reference([result["resumed"] for result in results])
     _check_against_reference([result["into_whole"] for result in results], 2)
     _check_against_reference([result["head_apart"] for result in results])
-    _check_against_reference([result["zbv"] for result in results])
+    if V_ON_GLOO:  # else torch 2.11 over gloo: see V_SKIP
+        _check_against_reference([result["zbv"] for result in results])
     _check_parts_global(results)
 
 

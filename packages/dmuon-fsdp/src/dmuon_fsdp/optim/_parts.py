@@ -37,20 +37,34 @@ and the checkpoint would load only on the same V layout (the whole model, or one
 rank, refuses groups that list its parameters in another order). ``MuonParts()`` checks,
 collectively, that the ranks of one position pass the same indices and that the positions'
 indices are each stage once.
+
+[Note: V schedules over gloo]
+A V schedule's last position holds two neighbouring stages, ``P - 1`` and ``P``. torch 2.11's
+``PipelineScheduleMulti`` warms every stage up, at its first ``step()``, with one
+``batch_isend_irecv`` of a send to and a receive from each neighbour's rank: for that pair the
+rank's own, and gloo has no connection from a rank to itself ("Pair is not connected"), so
+those ranks fail while the others wait in the same warm-up until their timeout. The same V
+schedule on plain modules, without dmuon, fails alike, and torch 2.13's warm-up
+(``PipelineStage._warmup_forward_vote``) passes a neighbour on the same rank without a send.
+``MuonParts()`` sees every position's stages once it has checked them, so it raises on every
+rank alike, before the first ``step()``, where the position's stages are neighbours, the
+pipeline mesh is gloo's and the torch is older than 2.13 without that warm-up.
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from ..topology import all_gather_numbers
+from ..topology import MeshLayout, all_gather_numbers
 from ._optimizer import Muon, MuonClipGrads, MuonStepStats
 
 __all__ = ["MuonParts"]
@@ -83,7 +97,9 @@ class MuonParts:
             ``2P - 1 - p``), or a checkpoint's param groups list the stages out of order (see
             [Note: the parts of a rank]). Another length than ``optimizers``, indices that are
             not ints, that differ between the ranks of a position or are not each stage once
-            over the positions raise ``ValueError``.
+            over the positions raise ``ValueError``; a position's neighbouring stages (a V
+            schedule's) over gloo on torch 2.11 raise ``RuntimeError`` on every rank (see
+            [Note: V schedules over gloo]).
     """
 
     def __init__(
@@ -145,7 +161,8 @@ class MuonParts:
             )
         else:
             indices = tuple(stage_indices)
-        _check_ranks_agree(parts, indices)
+        stages = _check_ranks_agree(parts, indices)
+        _check_neighbours_apart(stages, layout)
         self._optimizers = parts
         self._stage_indices = indices
         self._stepping = False
@@ -336,11 +353,12 @@ def _frozen(p: object) -> bool:
     return isinstance(p, nn.Parameter) and not p.requires_grad
 
 
-def _check_ranks_agree(parts: tuple[Muon, ...], indices: tuple[int, ...]) -> None:
+def _check_ranks_agree(parts: tuple[Muon, ...], indices: tuple[int, ...]) -> dict[int, list[int]]:
     """Raise on every rank alike unless every rank ties as many parts, the ranks of one
     pipeline position list the same parts in the same order (the FQNs of each part's
     parameters) with the same stage ``indices``, and the positions' indices are each stage
-    once; collective over every rank."""
+    once; collective over every rank. Returns the stage indices by pipeline position (the
+    same on every rank)."""
     runtime = parts[0].runtime
     device = runtime.layout.device
     group = runtime.step_group
@@ -388,3 +406,39 @@ def _check_ranks_agree(parts: tuple[Muon, ...], indices: tuple[int, ...]) -> Non
             " PipelineStage stage_index), or leave it out for torch's loop order (part k of"
             " position p is stage p + k * P)"
         )
+    return stages
+
+
+def _warmup_sends_to_self() -> bool:
+    """Whether this torch's pipeline schedules warm up a stage and its neighbour on the same
+    rank with a send and a receive (torch 2.11; see [Note: V schedules over gloo])."""
+    from torch.distributed.pipelining import PipelineStage
+
+    version = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])
+    return version < (2, 13) and not hasattr(PipelineStage, "_warmup_forward_vote")
+
+
+def _check_neighbours_apart(stages: dict[int, list[int]], layout: MeshLayout) -> None:
+    """Raise on every rank alike where a pipeline position holds two neighbouring stages (a V
+    schedule's last position) over gloo on a torch whose schedules would warm them up with a
+    send to itself, which gloo refuses (see [Note: V schedules over gloo])."""
+    mesh = layout.pipeline_mesh
+    if mesh is None or not _warmup_sends_to_self():
+        return
+    backend = str(dist.get_backend(mesh.get_group()))
+    if backend != "gloo" and f"{layout.device.type}:gloo" not in backend:
+        return
+    for position, held in stages.items():
+        pair = next(((i, i + 1) for i in sorted(held) if i + 1 in held), None)
+        if pair is not None:
+            raise RuntimeError(
+                f"MuonParts: pipeline position {position} holds neighbouring stages {pair[0]}"
+                f" and {pair[1]} (a V schedule: ScheduleDualPipeV, ScheduleZBVZeroBubble),"
+                f" over gloo: torch {torch.__version__}'s schedules warm every stage up with a"
+                " send to its neighbours, here from a rank to itself, which gloo refuses (the"
+                " first step() fails with 'Pair is not connected' on that position while the"
+                " others wait); torch 2.13 passes a neighbour on the same rank without a send."
+                " Upgrade torch to 2.13 or newer, or use a schedule that puts neighbouring"
+                " stages on other ranks (ScheduleInterleaved1F1B,"
+                " ScheduleInterleavedZeroBubble)"
+            )
