@@ -132,6 +132,41 @@ class _OptimizersContainer(torch.optim.Optimizer):
             optimizer.step()
 
 
+def _two_muons_on_one_model(mesh: DeviceMesh, root: str) -> None:
+    """Two dmuon.Muon on one model, both stepped after a backward: each steps every trainable
+    parameter, so every weight moved twice per backward, without a word. One optimizer stepped
+    twice on the same gradients (as torch allows), and one built later that takes over on a
+    backward of its own while the first still lives, are not refused."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    first = Muon(model)
+    loss_fn(model, batch(0, ROWS)).backward()
+    first.step()
+    first.step()
+    second = Muon(model)
+    second.zero_grad()
+    loss_fn(model, batch(1, ROWS)).backward()
+    second.step()
+    before = {
+        (id(p), key): value.clone()
+        for p, state in first.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+    try:
+        first.step()
+    finally:
+        after = {
+            (id(p), key): value
+            for p, state in first.state.items()
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor)
+        }
+        assert after.keys() == before.keys() and before, "the refused step changed the states"
+        assert all(torch.equal(after[k], v) for k, v in before.items()), "it changed a state"
+
+
 def _torch_optimizer_beside_muon_in_a_container(mesh: DeviceMesh, root: str) -> None:
     """torchtitan's optimizer container: around dmuon.Muon alone it steps (its own groups hold
     Muon's parameters, which it steps through Muon); around torch's Adam beside Muon the Adam
@@ -470,6 +505,12 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _torch_optimizer_beside_muon_in_a_container,
         r"ValueError: Adam\.step\(\): its param_groups hold '[\w.]+', which dmuon\.Muon steps "
         r"already.*Adam would step it a second time",
+    ),
+    "two dmuon.Muon on one model, both stepped": (
+        _two_muons_on_one_model,
+        r"RuntimeError: Muon\.step\(\): another dmuon\.Muon on this FSDPTinyLlama already "
+        r"stepped the gradients of its last backward.*'[\w.]+' among them.*nothing was "
+        r"stepped.*Step one dmuon\.Muon per model.*del optimizer",
     ),
     "model.load_state_dict of a full state dict": (
         _torch_load_of_a_full_state_dict,

@@ -90,6 +90,7 @@ from ._usage_checks import (
     check_no_other_keywords,
     check_no_other_stage_pending,
     check_none_unfrozen,
+    check_one_muon_per_backward,
     check_one_stage_per_rank,
     check_params_current,
     check_pipeline_stage,
@@ -659,6 +660,7 @@ class Muon(torch.optim.Optimizer):
         if self._timer is not None:
             self._timer.start()
         self._runtime.comm_ctx.check_alive()
+        check_one_muon_per_backward(self, self._runtime, self._model, self._plan.names.values())
         if self._stage_mark is not None:
             self._stage_mark = check_one_stage_per_rank(self, self._stage_mark, self._parts())
         self._runtime.check_gradients_synced()
@@ -782,6 +784,8 @@ class Muon(torch.optim.Optimizer):
         """The holders' own publish (expert sources), then the runtime's: replicas and peers
         get the new weights (see [Note: step order])."""
         self._plan.publish(self._runtime.comm_ctx, mark)
+        if self._runtime.hooks.backward_since_step:  # see [Note: one Muon per model]
+            self._runtime.stepped_by = weakref.ref(self)
         self._runtime.after_step(async_=self._options.replicate_async)
         mark("publish")
 

@@ -3,7 +3,8 @@ construction (a keyword dmuon does not take, a model that is not the wrapped one
 parameter nothing synchronises or FSDP2 holds unsharded, ``fully_shard`` options dmuon does not
 follow, a ``fully_shard`` mesh that does not cover dmuon's data-parallel grid, dedicated
 parameters frozen since ``dedicate_params``, a ``cuda_graph`` that cannot apply), on
-``add_param_group``, at each step (a step inside ``ema.applied()``, parameters FSDP2 replaced
+``add_param_group``, at each step (a second ``Muon`` stepping the gradients another ``Muon``
+on the model stepped, a step inside ``ema.applied()``, parameters FSDP2 replaced
 or holds unsharded, a ``GradScaler``, a parameter unfrozen since construction), and at a clip
 right after a backward under ``no_sync``. Each raises (or warns) naming what is wrong and the
 fix; none changes anything first.
@@ -684,3 +685,46 @@ def check_none_unfrozen(frozen: Iterable[tuple[str, Tensor]]) -> None:
             " requires_grad_(False) for the steps they should not train (a parameter"
             " without a gradient is skipped and keeps its value)"
         )
+
+
+def check_one_muon_per_backward(
+    optimizer: object, runtime: DedicatedRuntime, model: nn.Module, names: Iterable[str]
+) -> None:
+    """Refuse the step of ``optimizer`` (a ``Muon`` over ``model``, stepping ``names``) when
+    another ``Muon`` alive on the same model stepped the gradients of the last backward.
+
+    [Note: one Muon per model]
+    ``Muon(model)`` steps every trainable parameter of the model, the dedicated matrices with
+    Muon and all the others with AdamW, with states of its own. Two of them on one model, both
+    stepped after a backward (``for opt in optimizers: opt.step()``, or a second
+    ``Muon(model)`` built for a group of its own as a torch recipe builds a second
+    optimizer), step every parameter twice with the same gradients: the weights move twice as
+    far and training goes on without a word (on the tests' tiny model, the loss of the second
+    step 0.07 off a single optimizer's). A torch optimizer beside ``Muon`` is refused for the
+    same reason (see [Note: torch's paths that cannot reach a dedicated weight] in
+    ``holder._guard``). So the runtime records, weakly, the ``Muon`` that stepped after a
+    backward (``stepped_by``, at its publish), and another one alive that steps before the next
+    backward raises, on every rank alike (every rank runs the same backwards and steps), before
+    it changes anything. What stays allowed: one optimizer stepping twice on the same gradients,
+    as torch allows; one built later that takes over (rebuilt, or resumed from the first one's
+    state) on gradients of its own, while the first still lives; a freed one, which no longer
+    counts. Two models, each with its own ``dedicate_params`` and ``Muon`` (a GAN's generator
+    and discriminator, a student beside a teacher), have a runtime each and never meet here,
+    even where one's backward runs through the other."""
+    if runtime.hooks.backward_since_step or runtime.stepped_by is None:
+        return
+    other = runtime.stepped_by()
+    if other is None or other is optimizer:
+        return
+    first = next(iter(names), None)
+    among = "" if first is None else f" ({first!r} among them)"
+    raise RuntimeError(
+        f"Muon.step(): another dmuon.Muon on this {type(model).__name__} already stepped the"
+        f" gradients of its last backward, and this one steps the same parameters{among}:"
+        " each dmuon.Muon(model) steps every trainable parameter of the model (Muon for the"
+        " dedicated matrices, AdamW for the others, with states of its own), so each would"
+        " move twice per backward; nothing was stepped. Step one dmuon.Muon per model: delete"
+        " the one you no longer step (del optimizer), give parameters values of their own"
+        " with Muon(model, param_groups=[...]), and give each of several models (a generator"
+        " and a discriminator) its own dedicate_params and dmuon.Muon"
+    )

@@ -119,6 +119,9 @@ class DedicatedRuntime:
         # them tied (see _adopt_materialised), and Muon(model) refuses one replaced since.
         self.tied_names: dict[str, str] = dict(tied_names or {})
         self.param_policy: ParamPolicy | None = None
+        # The dmuon.Muon that stepped the gradients of the last backward (held weakly), None
+        # before the first such step (see [Note: one Muon per model] in optim._usage_checks).
+        self.stepped_by: weakref.ref[Any] | None = None
         self._model = weakref.ref(model)
         # Reads FSDP2's gradient sync flags; made at the first backward (see _fsdp_sync_off).
         self._fsdp_sync_reader: Callable[[], bool] | None = None
