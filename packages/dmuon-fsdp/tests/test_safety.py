@@ -561,6 +561,18 @@ def _silent_cases(rank: int, world_size: int) -> None:
         dedicate_params(build(0), mesh, lambda n, p: "no such name" in n)
     # Once, at this line (not dedicate_params' call of the common path).
     assert [w.filename for w in caught if "selected none of the" in str(w.message)] == [__file__]
+    # A model frozen whole (a distillation teacher) is told apart: no predicate would help.
+    teacher = build(0).requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dedicate_params(teacher, mesh, muon_predicate)
+    assert [str(w.message) for w in caught if "no trainable parameter" in str(w.message)] == [
+        "dedicate_params: TinyLlama has no trainable parameter (every one is frozen, and"
+        " dedicate_params selects trainable parameters only), so dmuon dedicates nothing and"
+        " will run no Muon step. A model that only runs forward, such as a frozen teacher for"
+        " distillation, needs no dedicate_params: shard it with fully_shard alone; to train it,"
+        " make its parameters trainable before dedicate_params"
+    ]
     # Dedicating a submodule, then the whole model.
     whole = build(0)
     dedicate_params(whole.layers[0], mesh, muon_predicate, hook_boundary_strict=False)

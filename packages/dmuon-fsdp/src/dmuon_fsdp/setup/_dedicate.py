@@ -593,6 +593,16 @@ def _select(
             "predicate against model.named_parameters() (e.g. lambda n, p: 'proj' in n and "
             "p.ndim == 2)"
         )
+        if trainable == 0 and any(True for _ in model.parameters()):
+            # Frozen whole (a distillation teacher): no predicate would select anything.
+            message = (
+                f"dedicate_params: {type(model).__name__} has no trainable parameter (every"
+                " one is frozen, and dedicate_params selects trainable parameters only), so"
+                " dmuon dedicates nothing and will run no Muon step. A model that only runs"
+                " forward, such as a frozen teacher for distillation, needs no dedicate_params:"
+                " shard it with fully_shard alone; to train it, make its parameters trainable"
+                " before dedicate_params"
+            )
         logger.warning(message)
         warn(message)
     return selected
