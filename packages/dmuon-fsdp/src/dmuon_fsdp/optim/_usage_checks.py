@@ -708,9 +708,9 @@ def check_one_muon_per_backward(
     it changes anything. What stays allowed: one optimizer stepping twice on the same gradients,
     as torch allows; one built later that takes over (rebuilt, or resumed from the first one's
     state) on gradients of its own, while the first still lives; a freed one, which no longer
-    counts. A backward counts where it reaches a dedicated weight (``backward_since_step``):
-    one that reaches none (every dedicated matrix frozen for a phase) leaves the last step's
-    record, so a taking-over optimizer stepped after it is refused while the first lives,
+    counts. A backward counts where it runs through a layer that holds dedicated weights (a
+    hook boundary: ``backward_since_step``, frozen weights or not): one that stops before every
+    such layer (only the head trains for a phase) leaves the last step's record, so a taking-over optimizer stepped after it is refused while the first lives,
     with the fix its message names (``del`` the first); a step of the first optimizer's
     gradients again by a second one, which the record cannot tell apart from it, would
     otherwise pass without a word. Two models, each with its own ``dedicate_params`` and ``Muon`` (a GAN's generator
