@@ -710,12 +710,13 @@ def check_one_muon_per_backward(
     state) on gradients of its own, while the first still lives; a freed one, which no longer
     counts. A backward counts where it runs through a layer that holds dedicated weights (a
     hook boundary: ``backward_since_step``, frozen weights or not): one that stops before every
-    such layer (only the head trains for a phase) leaves the last step's record, so a taking-over optimizer stepped after it is refused while the first lives,
-    with the fix its message names (``del`` the first); a step of the first optimizer's
-    gradients again by a second one, which the record cannot tell apart from it, would
-    otherwise pass without a word. Two models, each with its own ``dedicate_params`` and ``Muon`` (a GAN's generator
-    and discriminator, a student beside a teacher), have a runtime each and never meet here,
-    even where one's backward runs through the other."""
+    such layer (only the head trains for a phase) leaves the last step's record, so a
+    taking-over optimizer stepped after it is refused while the first lives, with the fix its
+    message names (``del`` the first); the record cannot tell that case from a second step of
+    the first optimizer's gradients by another one, which must not pass without a word. Two
+    models, each with its own ``dedicate_params`` and ``Muon`` (a GAN's generator and
+    discriminator, a student beside a teacher), have a runtime each and never meet here, even
+    where one's backward runs through the other."""
     if runtime.hooks.backward_since_step or runtime.stepped_by is None:
         return
     other = runtime.stepped_by()
