@@ -292,8 +292,10 @@ def test_the_checkpoint_page_runs_after_the_usual_wrap(tmp_path: Path) -> None:
     # pretrained model's files, a transformers model) are left out.
     page = python_blocks(DOCS / "guides" / "checkpoints.md")
     blocks = [*python_blocks(INDEX), *[b for b in page if "transformers" not in b]]
-    assert len(blocks) == len(python_blocks(INDEX)) + 5
-    # The page's export of the async save (nothing trained since) holds the model's weights.
+    assert len(blocks) == len(python_blocks(INDEX)) + 8
+    # The page's export of the async save (nothing trained since) holds the model's weights,
+    # and so do the plain model read in one process and the model that went through a plain
+    # FSDP2 model's checkpoint and back.
     ending = (
         "dist.barrier()\n"
         "export = full if dist.get_rank() == 0 else None\n"
@@ -303,6 +305,8 @@ def test_the_checkpoint_page_runs_after_the_usual_wrap(tmp_path: Path) -> None:
         "    same = export.keys() == ckpt_sd.keys() and all(\n"
         "        torch.equal(export[k], v) for k, v in ckpt_sd.items()\n"
         "    )\n"
+        "    local_sd = local.state_dict()\n"
+        "    same = same and all(torch.equal(export[k], v) for k, v in local_sd.items())\n"
         "    print('export equal', same, len(export))\n"
     )
     output = _run_after_the_setup(tmp_path, [*blocks, ending], ranks=2)

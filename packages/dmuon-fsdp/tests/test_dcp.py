@@ -10,6 +10,7 @@ one pool per world size, so loading on another topology takes another call.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import defaultdict
 
@@ -23,6 +24,7 @@ from test_training import setup_model, train_steps
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -35,6 +37,7 @@ from dmuon_fsdp import (
     get_optimizer_state_dict,
     load_checkpoint,
     save_checkpoint,
+    set_model_state_dict,
 )
 from dmuon_fsdp.checkpoint._state_layout import STATE_FIELDS
 from dmuon_testing.distributed import run_distributed
@@ -381,3 +384,44 @@ def test_load_checkpoint_without_the_optimizer_takes_the_weights_alone(tmp_path)
         assert weights, "the loaded weights are not the saved ones"
         assert state_kept, "a model-only load changed the optimizer's state"
         assert trains
+
+
+def _from_plain_fsdp2(rank: int, world_size: int, root: str):
+    """A plain FSDP2 run's checkpoint (torch's DCP tutorial's keys, ``model.<fqn>``, and
+    torchtitan's top-level ones) into a dmuon model: ``load_checkpoint`` refuses it before
+    anything changes, naming the prefix and the way in; that way loads its weights bit for
+    bit."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict as torch_get
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    plain = build(0)
+    shard_layers_then_root(plain, mesh)
+    paths = {"model.": os.path.join(root, "plain"), "": os.path.join(root, "titan")}
+    dcp.save({"model": torch_get(plain)}, checkpoint_id=paths["model."])
+    dcp.save(torch_get(plain), checkpoint_id=paths[""])
+    saved = torch_get(plain, options=StateDictOptions(full_state_dict=True))
+    model = build(1)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    before = get_model_state_dict(model)
+    for prefix, path in paths.items():
+        nested = "{'model': full}" if prefix else "full"
+        with pytest.raises(
+            ValueError, match=rf"under '{prefix}<fqn>'.*dcp\.load\({re.escape(nested)}, .*no_dist"
+        ):
+            load_checkpoint(path, model, None)
+    unchanged = _equal(get_model_state_dict(model), before)
+    full = {}
+    if rank == 0:
+        full = {
+            k: torch.empty(v.shape, dtype=v.dtype)
+            for k, v in model.state_dict(keep_vars=True).items()
+        }
+        dcp.load({"model": full}, checkpoint_id=paths["model."], no_dist=True)
+    set_model_state_dict(model, full, broadcast_from_rank0=True)
+    return unchanged, _equal(get_model_state_dict(model), saved)
+
+
+@pytest.mark.distributed
+def test_a_plain_fsdp2_checkpoint_is_refused_naming_the_way_to_its_weights(tmp_path) -> None:
+    assert run_distributed(_from_plain_fsdp2, 2, str(tmp_path)) == [(True, True)] * 2

@@ -535,13 +535,16 @@ def _check_model_metadata(
     """Check the checkpoint's model tensors against the model (see [Note: a failed load
     changes nothing]); ``several``: it is one of this rank's model parts."""
     root = f"{CHECKPOINT_KEY}."
+    specs = layout.model_specs(layout.model_entries(model, runtime))
     if not any(key.startswith(root) for key in metadata.state_dict_metadata):
+        tops = sorted({key.split(".")[0] for key in metadata.state_dict_metadata})
         raise ValueError(
             f"{where}: the checkpoint holds no {CHECKPOINT_KEY!r} entries (its keys start with"
-            f" {sorted({k.split('.')[0] for k in metadata.state_dict_metadata})}); write it with"
-            f" dmuon.save_checkpoint or dcp.save({{{CHECKPOINT_KEY!r}: dmuon.AppState(...)}})"
+            f" {tops}), so it was not written by dmuon.save_checkpoint or"
+            f" dcp.save({{{CHECKPOINT_KEY!r}: dmuon.AppState(...)}}), which write"
+            f" '{CHECKPOINT_KEY}.model.<fqn>' and the optimizer's state"
+            + _plain_checkpoint_hint(list(specs), metadata)
         )
-    specs = layout.model_specs(layout.model_entries(model, runtime))
     saved = _prefixed(f"{root}model.", metadata)
     if runtime.layout.pp_size > 1 or several:  # the other stages' keys are theirs
         saved = {key: spec for key, spec in saved.items() if key in specs}
@@ -551,6 +554,49 @@ def _check_model_metadata(
         saved,
         "the checkpoint must hold exactly the keys of model.state_dict() (same model definition)",
     )
+
+
+def _plain_prefix(fqns: Sequence[str], metadata: Metadata) -> str | None:
+    """The prefix under which a checkpoint holds a tensor for every one of ``fqns`` (the
+    model's state-dict keys): ``"model."`` for a plain FSDP2 run's ``dcp.save({"model":
+    get_model_state_dict(model), ...})``, ``""`` for torchtitan's top-level keys; the shortest
+    where several fit, ``None`` where none does."""
+    keys = metadata.state_dict_metadata
+    if not fqns:
+        return None
+    first = fqns[0]
+    candidates = [
+        key[: len(key) - len(first)] for key in keys if key == first or key.endswith(f".{first}")
+    ]
+    fitting = [c for c in candidates if all(f"{c}{fqn}" in keys for fqn in fqns)]
+    return min(fitting, key=len) if fitting else None
+
+
+def _plain_checkpoint_hint(fqns: Sequence[str], metadata: Metadata) -> str:
+    """The end of the error for a checkpoint without dmuon's entries: where it holds this
+    model's weights under a prefix of its own (a plain FSDP2 or torchtitan run's checkpoint),
+    how to start from them."""
+    prefix = _plain_prefix(fqns, metadata)
+    if prefix is None:
+        return "; save it through dmuon"
+    return (
+        f". It holds this model's weights under '{prefix}<fqn>' (e.g. '{prefix}{fqns[0]}'), as"
+        " a run without dmuon saves them (plain FSDP2, torchtitan): to start from them, read"
+        " them into full tensors on rank 0, full = {k: torch.empty(v.shape, dtype=v.dtype) for"
+        " k, v in model.state_dict(keep_vars=True).items()} and"
+        f" dcp.load({_nested(prefix, 'full')}, checkpoint_id=path, no_dist=True) (other ranks:"
+        " full = {}), then dmuon.set_model_state_dict(model, full, broadcast_from_rank0=True) on"
+        " every rank, and train with a fresh optimizer (see the Checkpoints guide, 'Plain FSDP2"
+        " checkpoints')"
+    )
+
+
+def _nested(prefix: str, name: str) -> str:
+    """The dictionary whose flattened keys are ``prefix`` + the keys of ``name``, as code."""
+    out = name
+    for part in reversed(prefix.split(".")[:-1]):
+        out = f"{{{part!r}: {out}}}"
+    return out
 
 
 def _check_metadata(app: AppState, metadata: Metadata, where: str, *, strict: bool) -> list[str]:
