@@ -1,7 +1,8 @@
 """Sharded DCP checkpoints: a world-4 Z3 checkpoint resumes bit for bit at world size 4 and
 loads at world sizes 2 and 1 and as HSDP 2x2 with every optimizer state intact; each rank
 writes only what it owns; ``dcp.async_save`` overlaps with training; a damaged checkpoint
-raises before anything changes.
+raises before anything changes; a plain FSDP2 run's checkpoint and a model without dmuon are
+refused, naming the way to the weights.
 
 The world-4 call saves into a temporary directory that the world-2 and world-1 calls read:
 one pool per world size, so loading on another topology takes another call.
@@ -425,3 +426,9 @@ def _from_plain_fsdp2(rank: int, world_size: int, root: str):
 @pytest.mark.distributed
 def test_a_plain_fsdp2_checkpoint_is_refused_naming_the_way_to_its_weights(tmp_path) -> None:
     assert run_distributed(_from_plain_fsdp2, 2, str(tmp_path)) == [(True, True)] * 2
+
+
+def test_load_checkpoint_into_a_plain_model_names_the_way_without_dmuon(tmp_path) -> None:
+    # One process, no process group: evaluation on a laptop. The refusal names DCP's own read.
+    with pytest.raises(ValueError, match=r"has no dmuon runtime.*'dmuon': \{'model': weights\}"):
+        load_checkpoint(str(tmp_path), build(0), None)

@@ -114,9 +114,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .._checks import check_bool
 from .._torch_internals import local_shard
-from ..holder import DedicatedParam
+from ..holder import DedicatedParam, is_dedicated
 from ..optim import Muon, MuonParts
-from ..runtime import DedicatedRuntime, get_runtime
+from ..runtime import RUNTIME_ATTR, DedicatedRuntime, get_runtime
 from . import _integrity as integrity
 from . import _state_layout as layout
 from ._checkpoint import (
@@ -806,6 +806,7 @@ def load_checkpoint(
     """
     where = "load_checkpoint"
     check_bool(f"{where}: strict", strict)
+    _check_not_plain(where, model)
     if optimizer is None:
         if not strict:
             raise ValueError(
@@ -848,6 +849,30 @@ def load_checkpoint(
         scratch.install()
         for part, groups in zip(parts, found, strict=True):
             part._install(target, groups)
+
+
+def _check_not_plain(where: str, model: object) -> None:
+    """Refuse a model that :func:`dedicate_params` never saw (a plain model for evaluation, in
+    one process without a process group), naming both ways: build it as for training, or read
+    the checkpoint's weights with DCP alone."""
+    models = [model] if isinstance(model, nn.Module) else model
+    if not isinstance(models, Sequence):
+        return
+    for m in models:
+        if (
+            isinstance(m, nn.Module)
+            and getattr(m, RUNTIME_ATTR, None) is None
+            and not any(is_dedicated(p) for p in m.parameters())
+        ):
+            raise ValueError(
+                f"{where}: {type(m).__name__} has no dmuon runtime (dmuon.dedicate_params was"
+                " not called on it). To resume training, build the model as for the save"
+                " (dedicate_params, fully_shard, Muon, on any number of ranks) and load into it;"
+                " to read the weights into a plain model, without dmuon or a process group"
+                " (evaluation, inference): weights = model.state_dict();"
+                f" dcp.load({{{CHECKPOINT_KEY!r}: {{'model': weights}}}}, checkpoint_id=path,"
+                " no_dist=True); model.load_state_dict(weights) (see the Checkpoints guide)"
+            )
 
 
 def _read_checked(
