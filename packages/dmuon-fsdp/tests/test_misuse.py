@@ -15,7 +15,12 @@ import torch
 from _models import batch, build, loss_fn, muon_predicate, shard_layers_then_root
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    FullyShardedDataParallel,
+    fully_shard,
+)
 
 from dmuon_fsdp import (
     Muon,
@@ -95,6 +100,48 @@ def _torch_optimizer(mesh: DeviceMesh, root: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     loss_fn(model, batch(0, ROWS)).backward()
     optimizer.step()
+
+
+def _torch_clip(mesh: DeviceMesh, root: str, how: str) -> None:
+    """torch's clip over model.parameters(), an FSDP2 script's line: it took the norm of the
+    FSDP2 gradients alone and left the Muon ones unclipped, without a word. ``how``:
+    ``"norm"``, ``"value"``, or ``"bound early"``: torch's own clip_grad_norm_, as a script
+    that imported it before dedicate_params holds it. Nothing is clipped."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    loss_fn(model, batch(0, ROWS)).backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    clip_norm = torch.nn.utils.clip_grad_norm_
+    try:
+        if how == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-6)
+        elif how == "norm":
+            clip_norm(model.parameters(), 1e-6)
+        else:
+            getattr(clip_norm, "__wrapped__", clip_norm)(model.parameters(), 1e-6)
+    finally:
+        after = [p.grad for p in model.parameters() if p.grad is not None]
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+        optimizer.zero_grad()
+
+
+def _fsdp1(mesh: DeviceMesh, root: str, after: bool) -> None:
+    """torch's FSDP1 around a layer before dedicate_params (the predicate saw its flat shards:
+    "owner plan differs across ranks"), or around the model after it (a peer's weight read,
+    with the advice of reading weights)."""
+    model = build(0)
+    if after:
+        dedicate_params(model, mesh, muon_predicate)
+    else:
+        model.layers[0] = FullyShardedDataParallel(
+            model.layers[0], device_id=torch.device("cpu"), device_mesh=mesh, use_orig_params=True
+        )
+    if after:
+        FullyShardedDataParallel(model, device_id=torch.device("cpu"), device_mesh=mesh)
+    else:
+        dedicate_params(model, mesh, muon_predicate)
 
 
 def _torch_optimizer_beside_muon(mesh: DeviceMesh, root: str) -> None:
@@ -494,6 +541,33 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         _torch_optimizer,
         r"ValueError: AdamW\.step\(\): its param_groups hold the dedicated parameter "
         r"'layers\.\d\.\w+\.\w+_proj\.weight'.*never reaches \.grad.*dmuon\.Muon\(model",
+    ),
+    **{
+        f"torch.nn.utils.clip_grad_{how}": (
+            functools.partial(_torch_clip, how=how),
+            rf"ValueError: torch\.nn\.utils\.clip_grad_{how.split()[0]}_: its parameters hold the "
+            r"dedicated parameter 'layers\.0\.attn\.q_proj\.weight'.*leave it (out of the norm "
+            r"and unclipped|unclamped).*dmuon\.clip(_grad_norm_|\.clip_grad_value_)\(optimizer, \w+, "
+            r"params='all'\).*Nothing was clipped",
+        )
+        for how in ("norm", "value")
+    },
+    "torch.nn.utils.clip_grad_norm_ imported before dedicate_params": (
+        functools.partial(_torch_clip, how="bound early"),
+        r"ValueError: torch\.nn\.utils\.clip_grad_norm_: its parameters hold the dedicated "
+        r"parameter 'layers\.0\.attn\.q_proj\.weight'.*Nothing was clipped",
+    ),
+    "FSDP1 around a layer before dedicate_params": (
+        functools.partial(_fsdp1, after=False),
+        r"RuntimeError: FullyShardedDataParallel \(FSDP1\) already wraps 'layers\.0' of the.*"
+        r"dmuon works with FSDP2's fully_shard.*dmuon\.dedicate_params\(model, mesh, "
+        r"predicate\) -> fully_shard\(layer, mesh=mesh\)",
+    ),
+    "FSDP1 around the model after dedicate_params": (
+        functools.partial(_fsdp1, after=True),
+        r"NotHeldError: dedicated parameter '[\w.]+' .* is not held on this rank right now.*"
+        r"torch's FSDP1 \(FullyShardedDataParallel\) flattens every weight.*Replace "
+        r"FullyShardedDataParallel\(model, \.\.\.\) by fully_shard\(layer, mesh=mesh\)",
     ),
     "torch's Adam beside dmuon.Muon over the other parameters": (
         _torch_optimizer_beside_muon,

@@ -19,6 +19,7 @@ from ._guard import (
     refuse_foreign_optimizers,
     refuse_module_load,
     refuse_module_state_dict,
+    refuse_torch_clip,
     refuse_torch_state_dict,
     register_dmuon_optimizer,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "refuse_foreign_optimizers",
     "refuse_module_load",
     "refuse_module_state_dict",
+    "refuse_torch_clip",
     "refuse_torch_state_dict",
     "register_dmuon_optimizer",
     "register_kind",

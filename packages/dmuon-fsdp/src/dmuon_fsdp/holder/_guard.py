@@ -119,8 +119,18 @@ called by ``dedicate_params`` and at the end of every backward (a clip follows o
 check costs a dictionary lookup), wraps those two methods once accelerate is imported, so
 that given a dedicated parameter they raise on every rank alike, before anything is clipped,
 naming dmuon's clip; other parameters go to accelerate's own.
-(``torch.nn.utils.clip_grad_norm_`` misses them the same way; the clipping guide says so, and
-torch's function is left as it is.)
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` and ``clip_grad_value_`` miss them
+the same way, the first line of clipping in an FSDP2 script that gains dmuon.
+``refuse_torch_clip``, called by ``dedicate_params``, wraps both, in ``torch.nn.utils`` and
+``torch.nn.utils.clip_grad``, so that given a dedicated parameter they raise on every rank alike
+before anything is clipped; other parameters go to torch's own. A script that bound
+``clip_grad_norm_`` before (``from torch.nn.utils import clip_grad_norm_`` at its top) calls
+torch's function itself, which takes the norm and then calls ``_clip_grads_with_norm_`` by its
+module's name: that name is wrapped too, so the clip still raises, alike on every rank, after a
+norm that every rank took alike and before anything is scaled. ``clip_grads_with_norm_`` (the
+public name of the same function) is left as it is: torchtitan's clip hands it every
+parameter and clips the FSDP2 gradients by a norm it took over them, beside the Muon clip of
+the torchtitan integration.
 """
 
 from __future__ import annotations
@@ -169,6 +179,7 @@ __all__ = [
     "refuse_foreign_optimizers",
     "refuse_module_load",
     "refuse_module_state_dict",
+    "refuse_torch_clip",
     "refuse_torch_state_dict",
     "register_dmuon_optimizer",
 ]
@@ -488,7 +499,14 @@ _FLOAT8_AFTER = (
     "are on: call it before dedicate_params, with enable_fsdp_float8_all_gather=False for the "
     "modules of the Muon matrices (the torchtitan guide, 'Float8 training')."
 )
+_FSDP1 = (
+    "torch's FSDP1 (FullyShardedDataParallel) flattens every weight of the model it wraps into "
+    "its own shards, dedicated ones too: dmuon works with FSDP2's fully_shard, not FSDP1. "
+    "Replace FullyShardedDataParallel(model, ...) by fully_shard(layer, mesh=mesh) for each "
+    "layer, then fully_shard(model, mesh=mesh), after dedicate_params."
+)
 _WHOLE_MODEL_READERS = (
+    ("__init__", "torch/distributed/fsdp/fully_sharded_data_parallel.py", _FSDP1),
     ("from_float", "torchao/float8/float8_linear.py", _FLOAT8_AFTER),
     ("save_pretrained", "transformers/modeling_utils.py", _SAVE_PRETRAINED),
     ("save_pretrained", "peft/peft_model.py", _PEFT_SAVE_PRETRAINED),
@@ -955,6 +973,58 @@ def refuse_accelerate_clip() -> None:
         original = getattr(accelerator, name, None)
         if callable(original) and not getattr(original, _REFUSES_DEDICATED, False):
             setattr(accelerator, name, _refusing_dedicated(original, name))
+
+
+# torch's clip functions refused a dedicated parameter (see [Note: torch's paths that cannot
+# reach a dedicated weight]): the public ones by name, and the one torch's clip_grad_norm_ calls
+# through its module after taking the norm.
+_TORCH_CLIPS = {
+    "clip_grad_norm_": "dmuon.clip_grad_norm_(optimizer, max_norm, params='all')",
+    "clip_grad_value_": "dmuon.clip.clip_grad_value_(optimizer, clip_value, params='all')",
+    "_clip_grads_with_norm_": "dmuon.clip_grad_norm_(optimizer, max_norm, params='all')",
+}
+
+
+def refuse_torch_clip() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` raise when their
+    parameters hold a dedicated one (once installed, a no-op); see [Note: torch's paths that
+    cannot reach a dedicated weight]."""
+    from torch.nn import utils
+    from torch.nn.utils import clip_grad
+
+    for module in (utils, clip_grad):
+        for name in _TORCH_CLIPS:
+            original = getattr(module, name, None)
+            if name.startswith("_") and module is utils:
+                continue  # the private name lives in clip_grad only
+            if callable(original) and not getattr(original, _REFUSES_DEDICATED, False):
+                setattr(module, name, _torch_clip_refusing_dedicated(original, name))
+
+
+def _torch_clip_refusing_dedicated(original: Any, name: str) -> Any:
+    """torch's clip function ``original``, raising first when given a dedicated parameter."""
+
+    @functools.wraps(original)
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(parameters, torch.Tensor):
+            parameters = list(parameters)  # model.parameters(): read here and by torch
+        for p in [parameters] if isinstance(parameters, torch.Tensor) else parameters:
+            if is_dedicated(p):
+                value = name == "clip_grad_value_"
+                public = "clip_grad_value_" if value else "clip_grad_norm_"
+                missed = "unclamped" if value else "out of the norm and unclipped"
+                raise ValueError(
+                    f"torch.nn.utils.{public}: its parameters hold the dedicated parameter"
+                    f" {holder_of(p).fqn!r}, whose gradient lives on its owner rank, not in"
+                    f" .grad, so torch would leave it {missed} (it sees the FSDP2 gradients"
+                    f" alone). Clip with {_TORCH_CLIPS[name]}, where optimizer is the"
+                    " dmuon.Muon: it reaches every gradient the optimizer steps, wherever it"
+                    " lives. Nothing was clipped"
+                )
+        return original(parameters, *args, **kwargs)
+
+    setattr(clip, _REFUSES_DEDICATED, True)
+    return clip
 
 
 def _refusing_dedicated(original: Any, name: str) -> Any:

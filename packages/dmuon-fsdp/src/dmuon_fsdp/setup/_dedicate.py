@@ -33,7 +33,9 @@ refused before anything changes (see [Note: conversions after packing] in ``_run
 DTensor on the data-parallel mesh (FSDP2 got there first) is refused; a tensor-parallel one
 must be an equal ``Shard`` split on one 1-D TP mesh (``check_call_order``);
 ``DistributedDataParallel`` over a dedicated model raises
-(``dedicate_params_ddp`` + ``replicate`` is the replicated path). On NCCL the broadcasts of one boundary's packs are issued one after
+(``dedicate_params_ddp`` + ``replicate`` is the replicated path), and so does torch's FSDP1
+(``FullyShardedDataParallel``): around the model before ``dedicate_params`` (``_refuse_fsdp1``),
+or after it, where its flattening reads a weight a peer does not hold. On NCCL the broadcasts of one boundary's packs are issued one after
 another on the broadcast stream (not in one coalesced group call).
 """
 
@@ -52,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 import dmuon_ownership
 from dmuon_ownership import (
@@ -82,6 +85,7 @@ from ..holder import (
     refuse_foreign_optimizers,
     refuse_module_load,
     refuse_module_state_dict,
+    refuse_torch_clip,
     refuse_torch_state_dict,
 )
 from ..runtime import (
@@ -386,6 +390,7 @@ def _dedicate(
     aliases = parameter_names(model)
     _warn_unmatched_overrides(policy, aliases, model)
     _refuse_inner_ddp(model)
+    _refuse_fsdp1(model)
     modules = dict(model.named_modules())
     claimed = _claim(_select(model, aliases, predicate), policy, modules, aliases)
     # A kind FSDP2 holds (an expert stack) is stepped where it lies; every other selected
@@ -534,6 +539,27 @@ def _refuse_inner_ddp(model: nn.Module) -> None:
             "dedicate_params: dmuon.dedicate_params_ddp(model, mesh, predicate) + "
             "dmuon.replicate(model, mesh) is the replicated path; to shard, dedicate_params + "
             "fully_shard"
+        )
+
+
+def _refuse_fsdp1(model: nn.Module) -> None:
+    """A model that torch's FSDP1 (``FullyShardedDataParallel``) wrapped before this call: its
+    parameters are FSDP1's flat shards (or, under ``use_orig_params=True``, views of them of
+    another size on each rank), so the predicate sees no matrix, or plans that differ across
+    ranks. dmuon composes with FSDP2's ``fully_shard`` only. The module tree is the same on
+    every rank, so every rank raises alike, before the predicate runs."""
+    wrapped = [
+        repr(name) if name else "the root module"
+        for name, module in model.named_modules()
+        if isinstance(module, FullyShardedDataParallel)
+    ]
+    if wrapped:
+        raise RuntimeError(
+            f"FullyShardedDataParallel (FSDP1) already wraps {', '.join(wrapped[:3])} of the "
+            "model given to dedicate_params: dmuon works with FSDP2's fully_shard, not FSDP1, whose flat "
+            "shards hide the matrices. Build the model unwrapped, then dmuon.dedicate_params("
+            "model, mesh, predicate) -> fully_shard(layer, mesh=mesh) for each layer -> "
+            "fully_shard(model, mesh=mesh) -> dmuon.Muon(model)"
         )
 
 
@@ -1029,7 +1055,8 @@ def _refuse_torch_paths(
     loads through it), ``state_dict()`` there where some rank does not hold them, the functions
     of ``torch.distributed.checkpoint.state_dict`` (on the replicated path those that take the
     optimizer) and torch's optimizers (see [Note: torch's paths that cannot reach a dedicated
-    weight]), accelerate's clip among them once accelerate is imported. Each module that
+    weight]), torch's clip functions and accelerate's among them (accelerate's once it is
+    imported). Each module that
     registers a dedicated weight is refused, under every name of a tied one (``aliases``: the
     names of each parameter by ``id``), so that a head tied to a dedicated embedding refuses
     ``lm_head.state_dict()`` and ``lm_head.load_state_dict`` as the embedding does."""
@@ -1061,6 +1088,7 @@ def _refuse_torch_paths(
         refuse_torch_state_dict(module, first.fqn, replicated=config.replicated)
     refuse_foreign_optimizers()
     refuse_accelerate_clip()
+    refuse_torch_clip()
 
 
 def _refuse_childless_root(
