@@ -12,6 +12,7 @@ import gc
 import io
 import math
 import os
+import re
 import tempfile
 import warnings
 
@@ -33,6 +34,7 @@ from dmuon_fsdp import (
     dedicated_params_of,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_runtime,
     replicate,
     set_model_state_dict,
     summarize_param_groups,
@@ -695,6 +697,46 @@ def test_dmuons_own_groups_time_out_as_the_default_group_does() -> None:
     # own groups must fail after it too, not after torch's half-hour default.
     for ratios in run_distributed(_timeouts, 4):
         assert ratios == [1.0, 1.0, 1.0, 1.0], ratios
+
+
+def _step_rendezvous_timed_out(rank: int, world_size: int) -> list[str]:
+    """The step's first collective of its own, timed out (a rank skipped optimizer.step(), as
+    in a loop whose data ran out on one rank: the others waited in it until gloo's timeout,
+    which named no cause). Its error now says what the collective is and what to do."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model)
+    loss_fn(model, batch(0, 4)).backward()
+    step_group = get_runtime(model).step_group
+    all_reduce = dist.all_reduce
+
+    def timed_out(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+        if kwargs.get("group") is step_group:
+            raise RuntimeError("Timed out waiting 45000ms for recv operation to complete")
+        return all_reduce(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+    dist.all_reduce = timed_out  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError, match="Timed out") as caught:
+            optimizer.step()
+    finally:
+        dist.all_reduce = all_reduce
+    optimizer.zero_grad()
+    return getattr(caught.value, "__notes__", [])
+
+
+@pytest.mark.distributed
+def test_a_step_rendezvous_that_times_out_names_its_cause() -> None:
+    for notes in run_distributed(_step_rendezvous_timed_out, 2):
+        assert len(notes) == 1 and re.match(
+            r"dmuon: this collective is optimizer\.step\(\)'s agreement.*skipped "
+            r"optimizer\.step\(\).*DistributedSampler\(\.\.\., drop_last=True\).*"
+            r"'A step hangs in optimizer\.step\(\)'",
+            notes[0],
+            re.DOTALL,
+        ), notes
 
 
 def _tied_head_routed_by_its_alias(rank: int, world_size: int) -> tuple[list[str], list[str]]:

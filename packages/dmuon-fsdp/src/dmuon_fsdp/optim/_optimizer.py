@@ -1227,5 +1227,21 @@ def _agreed_nonfinite(optimizers: Sequence[Muon], works: Sequence[_StepWork]) ->
     ]
     agreed = found[0] if len(found) == 1 else torch.stack(found).amax()
     if first._global_size > 1:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=first._runtime.step_group)
+        try:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=first._runtime.step_group)
+        except RuntimeError as exc:  # gloo's timeout (NCCL's watchdog ends the process instead)
+            exc.add_note(_STEP_RENDEZVOUS)
+            raise
     return agreed
+
+
+# What a failed (timed out) rendezvous of the step tells, under the collective's own message.
+_STEP_RENDEZVOUS = (
+    "dmuon: this collective is optimizer.step()'s agreement on non-finite gradients, which "
+    "every rank joins once per step. A rank that did not reach it (it skipped "
+    "optimizer.step(), called it once more than the others, or ran out of data and left the "
+    "loop) leaves the others waiting here until the process group's timeout, as under FSDP2 "
+    "alone. Run the same forward, backward and step on every rank (DistributedSampler(..., "
+    "drop_last=True) and DataLoader(..., drop_last=True) for uneven data; a skip decided alike "
+    "on every rank); see the FAQ, 'A step hangs in optimizer.step()'."
+)
