@@ -35,8 +35,9 @@ must be an equal ``Shard`` split on one 1-D TP mesh (``check_call_order``);
 ``DistributedDataParallel`` over a dedicated model raises
 (``dedicate_params_ddp`` + ``replicate`` is the replicated path), and so does torch's FSDP1
 (``FullyShardedDataParallel``): around the model before ``dedicate_params`` (``_refuse_fsdp1``),
-or after it, where its flattening reads a weight a peer does not hold. On NCCL the broadcasts of one boundary's packs are issued one after
-another on the broadcast stream (not in one coalesced group call).
+or after it, where its flattening reads a weight a peer does not hold. On NCCL the broadcasts
+of one boundary's packs are issued one after another on the broadcast stream (not in one
+coalesced group call).
 """
 
 from __future__ import annotations
@@ -556,8 +557,8 @@ def _refuse_fsdp1(model: nn.Module) -> None:
     if wrapped:
         raise RuntimeError(
             f"FullyShardedDataParallel (FSDP1) already wraps {', '.join(wrapped[:3])} of the "
-            "model given to dedicate_params: dmuon works with FSDP2's fully_shard, not FSDP1, whose flat "
-            "shards hide the matrices. Build the model unwrapped, then dmuon.dedicate_params("
+            "model given to dedicate_params: dmuon works with FSDP2's fully_shard, not FSDP1, "
+            "whose flat shards hide the matrices. Build the model unwrapped, then dmuon.dedicate_params("
             "model, mesh, predicate) -> fully_shard(layer, mesh=mesh) for each layer -> "
             "fully_shard(model, mesh=mesh) -> dmuon.Muon(model)"
         )
@@ -1056,10 +1057,10 @@ def _refuse_torch_paths(
     of ``torch.distributed.checkpoint.state_dict`` (on the replicated path those that take the
     optimizer) and torch's optimizers (see [Note: torch's paths that cannot reach a dedicated
     weight]), torch's clip functions and accelerate's among them (accelerate's once it is
-    imported). Each module that
-    registers a dedicated weight is refused, under every name of a tied one (``aliases``: the
-    names of each parameter by ``id``), so that a head tied to a dedicated embedding refuses
-    ``lm_head.state_dict()`` and ``lm_head.load_state_dict`` as the embedding does."""
+    imported). Each module that registers a dedicated weight is refused, under every name of a
+    tied one (``aliases``: the names of each parameter by ``id``), so that a head tied to a
+    dedicated embedding refuses ``lm_head.state_dict()`` and ``lm_head.load_state_dict`` as the
+    embedding does."""
     above = _ancestors_of({dp.fqn for dp in params})
     for name in above:
         refuse_ddp(modules[name], f"module {name!r}" if name else f"this {type(model).__name__}")
