@@ -50,7 +50,7 @@ from dmuon_fsdp import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from dmuon_fsdp.optim._parts import _warmup_sends_to_self
+from dmuon_fsdp._torch_internals import pipeline_warmup_sends_to_self
 from dmuon_ns.testing import relative_error
 from dmuon_testing.distributed import run_distributed
 
@@ -63,7 +63,7 @@ SCHEDULES = {"gpipe": (ScheduleGPipe, 2), "1f1b": (Schedule1F1B, 4)}
 # 2.11's schedules warm their last position's two neighbouring stages up with a send from the
 # rank to itself, which gloo refuses ("Pair is not connected"), and MuonParts refuses them
 # there (see [Note: V schedules over gloo] in dmuon_fsdp/optim/_parts).
-V_ON_GLOO = not _warmup_sends_to_self()
+V_ON_GLOO = not pipeline_warmup_sends_to_self()
 V_SKIP = "torch 2.11's pipeline warm-up sends from a rank to itself, which gloo refuses"
 
 
@@ -647,7 +647,7 @@ def _v_refusal() -> str:
     indices = (pp, LAYERS - 1 - pp)
     parts = [_part(meshes, index, reshard=False) for index in indices]
     optimizers = [Muon(part, **HYPER.muon_kwargs()) for part in parts]
-    with mock.patch("dmuon_fsdp.optim._parts._warmup_sends_to_self", return_value=True):
+    with mock.patch("dmuon_fsdp.optim._parts.pipeline_warmup_sends_to_self", return_value=True):
         return _error(MuonParts, optimizers, stage_indices=indices)
 
 

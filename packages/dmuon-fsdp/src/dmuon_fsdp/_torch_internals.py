@@ -23,6 +23,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import re
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +70,7 @@ __all__ = [
     "optimizer_state_dict_hooks_taken",
     "parse_to_args",
     "pipeline_metadata_inference_running",
+    "pipeline_warmup_sends_to_self",
     "profiler_enabled",
     "queue_backward_callback",
     "refused_by_compiled_autograd",
@@ -586,6 +588,17 @@ def watch_pipeline_metadata_inference() -> None:
         functools.update_wrapper(counted, method)
         counted._dmuon_counted = True  # type: ignore[attr-defined]
         setattr(PipelineStage, name, counted)
+
+
+def pipeline_warmup_sends_to_self() -> bool:
+    """Whether this torch's pipeline schedules warm up a stage and its neighbour on the same
+    rank with a send and a receive (torch 2.11; see [Note: V schedules over gloo] in
+    ``optim/_parts.py``). torch 2.13 warms up with ``PipelineStage._warmup_forward_vote``,
+    which skips a neighbour on the same rank; no public API says which a torch does."""
+    from torch.distributed.pipelining import PipelineStage
+
+    version = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])
+    return version < (2, 13) and not hasattr(PipelineStage, "_warmup_forward_vote")
 
 
 def pipeline_metadata_inference_running() -> bool:

@@ -53,7 +53,6 @@ pipeline mesh is gloo's and the torch is older than 2.13 without that warm-up.
 
 from __future__ import annotations
 
-import re
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -64,6 +63,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from .._torch_internals import pipeline_warmup_sends_to_self
 from ..topology import MeshLayout, all_gather_numbers
 from ._optimizer import Muon, MuonClipGrads, MuonStepStats
 
@@ -409,21 +409,12 @@ def _check_ranks_agree(parts: tuple[Muon, ...], indices: tuple[int, ...]) -> dic
     return stages
 
 
-def _warmup_sends_to_self() -> bool:
-    """Whether this torch's pipeline schedules warm up a stage and its neighbour on the same
-    rank with a send and a receive (torch 2.11; see [Note: V schedules over gloo])."""
-    from torch.distributed.pipelining import PipelineStage
-
-    version = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])
-    return version < (2, 13) and not hasattr(PipelineStage, "_warmup_forward_vote")
-
-
 def _check_neighbours_apart(stages: dict[int, list[int]], layout: MeshLayout) -> None:
     """Raise on every rank alike where a pipeline position holds two neighbouring stages (a V
     schedule's last position) over gloo on a torch whose schedules would warm them up with a
     send to itself, which gloo refuses (see [Note: V schedules over gloo])."""
     mesh = layout.pipeline_mesh
-    if mesh is None or not _warmup_sends_to_self():
+    if mesh is None or not pipeline_warmup_sends_to_self():
         return
     backend = str(dist.get_backend(mesh.get_group()))
     if backend != "gloo" and f"{layout.device.type}:gloo" not in backend:
