@@ -994,9 +994,9 @@ def refuse_torch_clip() -> None:
 
     for module in (utils, clip_grad):
         for name in _TORCH_CLIPS:
-            original = getattr(module, name, None)
             if name.startswith("_") and module is utils:
                 continue  # the private name lives in clip_grad only
+            original = getattr(module, name, None)
             if callable(original) and not getattr(original, _REFUSES_DEDICATED, False):
                 setattr(module, name, _torch_clip_refusing_dedicated(original, name))
 
@@ -1006,25 +1006,33 @@ def _torch_clip_refusing_dedicated(original: Any, name: str) -> Any:
 
     @functools.wraps(original)
     def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(parameters, torch.Tensor):
-            parameters = list(parameters)  # model.parameters(): read here and by torch
-        for p in [parameters] if isinstance(parameters, torch.Tensor) else parameters:
-            if is_dedicated(p):
-                value = name == "clip_grad_value_"
-                public = "clip_grad_value_" if value else "clip_grad_norm_"
-                missed = "unclamped" if value else "out of the norm and unclipped"
-                raise ValueError(
-                    f"torch.nn.utils.{public}: its parameters hold the dedicated parameter"
-                    f" {holder_of(p).fqn!r}, whose gradient lives on its owner rank, not in"
-                    f" .grad, so torch would leave it {missed} (it sees the FSDP2 gradients"
-                    f" alone). Clip with {_TORCH_CLIPS[name]}, where optimizer is the"
-                    " dmuon.Muon: it reaches every gradient the optimizer steps, wherever it"
-                    " lives. Nothing was clipped"
-                )
+        parameters, dedicated = _with_first_dedicated(parameters)
+        if dedicated is not None:
+            value = name == "clip_grad_value_"
+            public = "clip_grad_value_" if value else "clip_grad_norm_"
+            missed = "unclamped" if value else "out of the norm and unclipped"
+            raise ValueError(
+                f"torch.nn.utils.{public}: its parameters hold the dedicated parameter"
+                f" {holder_of(dedicated).fqn!r}, whose gradient lives on its owner rank, not in"
+                f" .grad, so torch would leave it {missed} (it sees the FSDP2 gradients"
+                f" alone). Clip with {_TORCH_CLIPS[name]}, where optimizer is the"
+                " dmuon.Muon: it reaches every gradient the optimizer steps, wherever it"
+                " lives. Nothing was clipped"
+            )
         return original(parameters, *args, **kwargs)
 
     setattr(clip, _REFUSES_DEDICATED, True)
     return clip
+
+
+def _with_first_dedicated(parameters: Any) -> tuple[Any, torch.Tensor | None]:
+    """A clip's ``parameters`` as the clip then takes them (an iterator such as
+    ``model.parameters()`` read into a list, read here and by the clip), and the first
+    dedicated parameter among them, ``None`` if there is none."""
+    if isinstance(parameters, torch.Tensor):
+        return parameters, parameters if is_dedicated(parameters) else None
+    parameters = list(parameters)
+    return parameters, next((p for p in parameters if is_dedicated(p)), None)
 
 
 def _refusing_dedicated(original: Any, name: str) -> Any:
@@ -1032,19 +1040,17 @@ def _refusing_dedicated(original: Any, name: str) -> Any:
 
     @functools.wraps(original)
     def clip(self: Any, parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(parameters, torch.Tensor):
-            parameters = list(parameters)  # model.parameters(): read here and by accelerate
-        for p in [parameters] if isinstance(parameters, torch.Tensor) else parameters:
-            if is_dedicated(p):
-                raise ValueError(
-                    f"accelerator.{name}: its parameters hold the dedicated parameter"
-                    f" {holder_of(p).fqn!r}, whose gradient lives on its owner rank, not in"
-                    " .grad, so accelerate would leave it out of the norm and unclipped (it"
-                    f" sees the FSDP2 gradients alone). Clip with {_DMUON_CLIPS[name]}, where"
-                    " muon is the dmuon.Muon (optimizer.optimizer under accelerate's"
-                    " AcceleratedOptimizer); under the Trainer, DmuonTrainer does it for"
-                    " max_grad_norm. Nothing was clipped"
-                )
+        parameters, dedicated = _with_first_dedicated(parameters)
+        if dedicated is not None:
+            raise ValueError(
+                f"accelerator.{name}: its parameters hold the dedicated parameter"
+                f" {holder_of(dedicated).fqn!r}, whose gradient lives on its owner rank, not in"
+                " .grad, so accelerate would leave it out of the norm and unclipped (it"
+                f" sees the FSDP2 gradients alone). Clip with {_DMUON_CLIPS[name]}, where"
+                " muon is the dmuon.Muon (optimizer.optimizer under accelerate's"
+                " AcceleratedOptimizer); under the Trainer, DmuonTrainer does it for"
+                " max_grad_norm. Nothing was clipped"
+            )
         return original(self, parameters, *args, **kwargs)
 
     setattr(clip, _REFUSES_DEDICATED, True)
