@@ -1,7 +1,8 @@
 """Where one call's GPU time goes: a ``torch.profiler`` trace of ``fn`` summed per kernel name,
-with the call's busy time (the union of its kernel intervals). Wall minus busy is the host's
-launch cost and the gaps between kernels, the part a CUDA graph could take away; busy is what
-faster kernels must shorten. Shared by the benchmarks' ``--trace`` options.
+with the call's busy time (the union of its kernel intervals) and where the device sat idle
+between kernels (by the kernels on either side). Wall minus busy is the host's launch cost and
+the gaps between kernels, the part a CUDA graph could take away; busy is what faster kernels
+must shorten. Shared by the benchmarks' ``--trace`` options.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ def trace(name: str, fn: Callable[[], object], *, top: int = 12) -> dict[str, fl
     wall = start.elapsed_time(end)
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
     intervals: list[tuple[float, float]] = []
+    named: list[tuple[float, float, str]] = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            per_kernel[_kernel_family(event.name)].append(event.device_time / 1e3)
+            family = _kernel_family(event.name)
+            per_kernel[family].append(event.device_time / 1e3)
             intervals.append((event.time_range.start, event.time_range.end))
+            named.append((event.time_range.start, event.time_range.end, family))
     total = sum(sum(v) for v in per_kernel.values())
     busy = union_us(intervals) / 1e3
     launches = sum(len(v) for v in per_kernel.values())
@@ -68,7 +72,27 @@ def trace(name: str, fn: Callable[[], object], *, top: int = 12) -> dict[str, fl
     if rest:
         calls = sum(len(t) for _, t in rest)
         print(f"| ({len(rest)} others) | {calls} | {sum(sum(t) for _, t in rest):.3f} |")
+    _print_gaps(named, top)
     return {kname: sum(times) for kname, times in per_kernel.items()}
+
+
+def _print_gaps(named: list[tuple[float, float, str]], top: int) -> None:
+    """Where the device sat idle: each gap between the end of the kernels so far and the next
+    kernel's start, summed by the pair of kernel families around it."""
+    gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    reach, last = None, ""
+    for start, end, family in sorted(named):
+        if reach is not None and start > reach:
+            gaps[(last[:40], family[:40])].append((start - reach) / 1e3)
+        if reach is None or end > reach:
+            reach, last = end, family
+    if not gaps:
+        return
+    total = sum(sum(v) for v in gaps.values())
+    print(f"\nidle between kernels: {total:.3f} ms in {sum(len(v) for v in gaps.values())} gaps")
+    print("| before | after | gaps | ms |\n|---|---|---|---|")
+    for (before, after), times in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"| `{before}` | `{after}` | {len(times)} | {sum(times):.3f} |")
 
 
 # Kernel families that are matrix products (dmuon's Triton products, cuBLAS, CUTLASS/quack).
