@@ -221,15 +221,23 @@ def test_per_matrix_is_refused_under_tensor_parallelism() -> None:
 def test_per_matrix_is_refused_before_the_gradients_are_taken() -> None:
     # An optimizer that answers grads_split_over_ranks is asked first: taking its gradients
     # has an effect (dmuon's turns ns_overlap off), which a refused call must not have.
+    # The refusal names the parameter the optimizer says is split, when it can say.
     class Probed(FakeMuon):
         def grads_split_over_ranks(self, params: object) -> bool:
             return params == "all"
+
+        def param_split_over_ranks(self, params: object) -> str | None:
+            return "embed.weight" if params == "all" else None
 
         def grads_for_clip(self, params: object) -> object:
             return self.muon_grads_for_clip()
 
     opt = Probed(_matrices(2))
-    with pytest.raises(ValueError, match="strategy='per_matrix' clips each tensor by the norm"):
+    with pytest.raises(
+        ValueError,
+        match=r"strategy='per_matrix' clips each tensor by the norm .* a shard of the gradient"
+        r" of 'embed\.weight' \(a tensor-parallel matrix, .*strategy='global_norm'",
+    ):
         clip_grad_norm_(opt, 0.1, strategy="per_matrix", params="all")
     assert opt.calls == 0
     clip_grad_norm_(opt, 0.1, strategy="per_matrix")

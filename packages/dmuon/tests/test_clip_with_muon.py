@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
 from dmuon_clip import MuonGradClipStats, register_muon_grad_clip_strategy
@@ -184,9 +185,14 @@ def _clip_tp_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, 
         optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
         rows = ROWS // 2
         _loss(model, _tokens()[dp_index * rows : (dp_index + 1) * rows]).backward()
-        # A matrix's own norm needs its TP shards: refused before anything is scaled.
+        # A matrix's own norm needs its TP shards: refused before anything is scaled, naming
+        # the first (in group order) Muon matrix split over the TP ranks.
         before = [g.clone() for g in optimizer.muon_grads_for_clip().grads]
-        with pytest.raises(ValueError, match="a tensor-parallel matrix"):
+        split = {dp.fqn for dp in runtime.params if dp.tp_dim is not None}
+        first = next(name for name in optimizer.muon_param_names() if name in split)
+        assert optimizer.param_split_over_ranks() == first
+        named = rf"the gradient of '{re.escape(first)}' \(a tensor-parallel matrix"
+        with pytest.raises(ValueError, match=named):
             dmuon.clip_grad_norm_(optimizer, max_norm, strategy="per_matrix")
         after = optimizer.muon_grads_for_clip().grads
         untouched = all(torch.equal(a, b) for a, b in zip(before, after))
@@ -440,8 +446,19 @@ def _bad_params(rank: int, world_size: int) -> None:
                 dmuon.clip.clip_grads_with_norm_(optimizer, math.inf, 1.0, params=wrong)
         with pytest.raises(ValueError, match=r"pass params=module\.parameters\(\)"):
             dmuon.clip_grad_norm_(optimizer, 1.0, params=model)
-        for params in ("adamw", "all"):
-            with pytest.raises(ValueError, match="clips each tensor by the norm this rank sees"):
+        # FSDP2 shards every AdamW parameter: the refusal names the first (in group order).
+        assert optimizer.param_split_over_ranks("muon") is None
+        for params, routes in (("adamw", ("adamw",)), ("all", ("muon", "adamw"))):
+            name = next(
+                n
+                for g in optimizer.param_groups
+                if g["optimizer"] in routes
+                for n in g["param_names"]
+                if isinstance(model.get_parameter(n), DTensor)
+            )
+            assert optimizer.param_split_over_ranks(params) == name
+            named = rf"this rank sees .* the gradient of '{re.escape(name)}'"
+            with pytest.raises(ValueError, match=named):
                 dmuon.clip_grad_norm_(optimizer, 1.0, params=params, strategy="per_matrix")
         # No fast path on the CPU: declined before the take, with the Muon group or without;
         # another group is refused there too.

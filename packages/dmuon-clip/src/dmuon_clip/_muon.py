@@ -96,7 +96,7 @@ def clip_grad_norm_(
     per_matrix = clips_per_matrix(strategy)
     if per_matrix and _split_over_ranks(optimizer, params):
         # Before the gradients are taken: taking them turns ns_overlap off.
-        raise _per_matrix_refused(strategy)
+        raise _per_matrix_refused(strategy, _split_param(optimizer, params))
     with span("dmuon::clip_grad_norm"):
         muon = take()
         if per_matrix and is_sharded(muon):  # an optimizer without grads_split_over_ranks
@@ -298,12 +298,21 @@ def _split_over_ranks(optimizer: object, params: str | Iterable[Tensor]) -> bool
     return callable(probe) and bool(probe(params))
 
 
-def _per_matrix_refused(strategy: str) -> ValueError:
+def _split_param(optimizer: object, params: str | Iterable[Tensor]) -> str | None:
+    """``optimizer.param_split_over_ranks(params)``: the name of the first selected parameter
+    whose gradient ranks hold parts of (``None`` for an optimizer without it)."""
+    probe = getattr(optimizer, "param_split_over_ranks", None)
+    return probe(params) if callable(probe) else None
+
+
+def _per_matrix_refused(strategy: str, name: str | None = None) -> ValueError:
+    which = "some of these gradients" if name is None else f"the gradient of {name!r}"
     return ValueError(
         f"strategy={strategy!r} clips each tensor by the norm this rank sees of it, but"
-        " a rank holds only a shard of some of these gradients (a tensor-parallel"
-        " matrix, or FSDP2's shard of an AdamW parameter); use"
-        " strategy='global_norm' (the default), which reduces over every rank"
+        f" a rank holds only a shard of {which} (a tensor-parallel matrix, or FSDP2's shard"
+        " of an AdamW parameter); use strategy='global_norm' (the default), which reduces"
+        " over every rank (without tensor parallelism params='muon' selects whole matrices"
+        " only: each on its owner)"
     )
 
 

@@ -63,7 +63,9 @@ class SupportsMuonGradsForClip(Protocol):
     :func:`dmuon_clip.clip_grad_norm_` needs for any other ``params``, those ``params`` names.
     Optional, read with ``getattr``: ``grads_split_over_ranks(params) -> bool``, the
     ``sharded`` of ``grads_for_clip(params)`` without taking the gradients (which has effects:
-    dmuon's turns ``ns_overlap`` off), so that a rank-local strategy is refused first."""
+    dmuon's turns ``ns_overlap`` off), so that a rank-local strategy is refused first;
+    ``param_split_over_ranks(params) -> str | None``, the name of the first such parameter,
+    which the refusal names."""
 
     def muon_grads_for_clip(self) -> MuonClipGradsLike: ...
 

@@ -1113,15 +1113,39 @@ class Muon(torch.optim.Optimizer):
         """
         return self._clip_sharded(self._clip_selection(params))
 
+    def param_split_over_ranks(self, params: str | Iterable[Tensor] = "muon") -> str | None:
+        """The FQN of the first parameter ``params`` selects (in the order of the param groups)
+        whose gradient ranks hold parts of: a tensor-parallel matrix, an AdamW parameter FSDP2
+        shards; ``None`` where there is none. From the layout alone, as
+        :meth:`grads_split_over_ranks` (nothing is waited for or changed), and the same answer
+        on every rank, so that a clip refusing a rank-local strategy names the parameter.
+
+        Args:
+            params: the selection :meth:`grads_for_clip` takes: ``"muon"``, ``"adamw"``,
+                ``"all"``, or an iterable of this optimizer's parameters (another tensor
+                raises ``ValueError``).
+        """
+        return self._split_param(self._clip_selection(params))
+
     def _clip_sharded(self, chosen: set[int]) -> bool:
         """``grads_split_over_ranks`` of the parameters ``chosen`` (ids). The same answer on
-        every rank (the clip refuses "per_matrix" on all of them alike): TP splits matrices,
-        and every rank holds a view of each FSDP2 parameter."""
-        if self._runtime.layout.tp_size > 1:
-            return True
-        return any(
-            view.split_over_ranks for param, view in self._plan.clip_views() if id(param) in chosen
-        )
+        every rank (the clip refuses "per_matrix" on all of them alike): under TP on every
+        rank, whatever this rank's model part holds (a matrix's TP shards are split), else
+        where a chosen parameter is split (:meth:`_split_param`)."""
+        return self._runtime.layout.tp_size > 1 or self._split_param(chosen) is not None
+
+    def _split_param(self, chosen: set[int]) -> str | None:
+        """``param_split_over_ranks`` of the parameters ``chosen`` (ids). Every rank asks the
+        same views: each parameter's holder (every rank has one of every dedicated matrix,
+        whoever owns it) or the view of a tensor dmuon does not take over (every rank steps
+        its part), not only those this rank steps."""
+        views = {id(p): view for _, entries in self._plan.adamw for p, view in entries}
+        for group in self.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                view = self._holders.get(id(p), views.get(id(p)))
+                if id(p) in chosen and view is not None and view.split_over_ranks:
+                    return name
+        return None
 
     def _clip_selection(self, params: str | Iterable[Tensor]) -> set[int]:
         """The ids of the parameters ``grads_for_clip(params)`` takes (the same on every rank).

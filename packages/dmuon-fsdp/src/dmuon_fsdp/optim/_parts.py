@@ -329,6 +329,20 @@ class MuonParts:
             for optimizer, ids in zip(self._optimizers, chosen, strict=True)
         )
 
+    def param_split_over_ranks(self, params: str | Iterable[Tensor] = "muon") -> str | None:
+        """:meth:`Muon.param_split_over_ranks` of the first part that has one; nothing is
+        waited for or changed.
+
+        Args:
+            params: the selection :meth:`grads_for_clip` takes.
+        """
+        chosen = self._selections(params)
+        names = (
+            optimizer._split_param(ids)
+            for optimizer, ids in zip(self._optimizers, chosen, strict=True)
+        )
+        return next((name for name in names if name is not None), None)
+
     def _selections(self, params: str | Iterable[Tensor]) -> list[set[int]]:
         """Each part's ids of the parameters ``params`` selects (checked as
         :meth:`Muon.grads_for_clip` checks them: a tensor of no part raises)."""
