@@ -32,6 +32,7 @@ parameter's holder answers for it, see [Note: the step plan] in _step_plan):
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -1253,10 +1254,37 @@ def _agreed_nonfinite(optimizers: Sequence[Muon], works: Sequence[_StepWork]) ->
     if first._global_size > 1:
         try:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=first._runtime.step_group)
-        except RuntimeError as exc:  # gloo's timeout (NCCL's watchdog ends the process instead)
-            exc.add_note(_STEP_RENDEZVOUS)
+        except RuntimeError as exc:
+            if _peers_out_of_step(exc):
+                exc.add_note(_STEP_RENDEZVOUS)
             raise
     return agreed
+
+
+# [Note: a step rendezvous that failed]
+# The step's agreement on non-finite gradients is the first collective of its own that every
+# rank joins once per step, so it is where a rank that skipped ``step()`` (or called it once
+# more, or left the loop) leaves the others: its error gets a note saying so. Only the errors
+# that mean a peer did not come: torch raises a plain ``RuntimeError`` for gloo and a
+# ``DistBackendError`` (a ``RuntimeError``) for NCCL, for a timeout and for any other failure
+# alike, so the note goes by the backends' wording of a timeout (gloo's "Timed out waiting
+# <n>ms for recv operation to complete"; NCCL's watchdog "caught collective operation
+# timeout", under ``TORCH_NCCL_BLOCKING_WAIT=1``, elsewhere its watchdog ends the process) and
+# of a peer that ended its process (gloo's connection "closed"/"reset by peer", NCCL's
+# "remote process exited"). Any other error of that collective (a device error, a CUDA launch
+# that "timed out", an invalid argument) keeps its own message, unlabelled.
+_OUT_OF_STEP = re.compile(
+    r"Timed out waiting \d+ ?ms for \w+ operation to complete"  # gloo
+    r"|Watchdog caught collective operation timeout|timed out in blocking wait"  # NCCL
+    r"|Connection (?:closed|reset) by peer"  # gloo: the peer's process ended
+    r"|remote process exited or there was a network error"  # NCCL: likewise
+)
+
+
+def _peers_out_of_step(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a collective, says that a peer never joined it (see [Note: a
+    step rendezvous that failed])."""
+    return _OUT_OF_STEP.search(str(exc)) is not None
 
 
 # What a failed (timed out) rendezvous of the step tells, under the collective's own message.
@@ -1265,7 +1293,9 @@ _STEP_RENDEZVOUS = (
     "every rank joins once per step. A rank that did not reach it (it skipped "
     "optimizer.step(), called it once more than the others, or ran out of data and left the "
     "loop) leaves the others waiting here until the process group's timeout, as under FSDP2 "
-    "alone. Run the same forward, backward and step on every rank (DistributedSampler(..., "
-    "drop_last=True) and DataLoader(..., drop_last=True) for uneven data; a skip decided alike "
-    "on every rank); see the FAQ, 'A step hangs in optimizer.step()'."
+    "alone (or, where it ended its process, fails it at once; if it stopped on an error, its "
+    "own log names it). Run the same forward, backward and step on every rank "
+    "(DistributedSampler(..., drop_last=True) and DataLoader(..., drop_last=True) for uneven "
+    "data; a skip decided alike on every rank); see the FAQ, 'A step hangs in "
+    "optimizer.step()'."
 )
