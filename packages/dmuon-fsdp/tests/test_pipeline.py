@@ -453,6 +453,13 @@ def _train_parts(path: str, stages_path: str) -> dict:
     saved = optimizer.state_dict()
     fresh = MuonParts([Muon(part, **HYPER.muon_kwargs()) for part in _parts(meshes, False)[0]])
     own = [o.state_dict()["state"] for o in fresh.optimizers]
+    # A part's state dict hooks run where its own methods are called (as torch's, once per
+    # call), not when MuonParts keeps and gives back its state around a refused load.
+    calls: list[str] = []
+    first = fresh.optimizers[0]
+    first.register_state_dict_pre_hook(lambda o: calls.append("state_dict"))
+    first.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_state_dict"))
+    first.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
     second = saved["parts"][1]
     lacking_lr = [{k: v for k, v in g.items() if k != "lr"} for g in second["param_groups"]]
     unfit_part = {**saved, "parts": [saved["parts"][0], {**second, "param_groups": lacking_lr}]}
@@ -461,6 +468,8 @@ def _train_parts(path: str, stages_path: str) -> dict:
     other_stages = _error(fresh.load_state_dict, {**saved, "stage_indices": [0, 0]})
     fresh.load_state_dict(saved)
     round_trip = _same(fresh.state_dict()["parts"], saved["parts"])
+    # Each: the refused load's first part, first_kept's state_dict(), the load, the round trip.
+    hooks = calls == ["load_state_dict", "loaded", "state_dict"] * 2
     # The second part's groups do not fit (another group name): refused on every rank before
     # either part changes.
     parts, _, _ = _parts(meshes, reshard=False)
@@ -476,6 +485,7 @@ def _train_parts(path: str, stages_path: str) -> dict:
         "first_kept": first_kept,
         "other_stages": other_stages,
         "round_trip": round_trip,
+        "hooks": (hooks, calls),
         "twins": _error(save_checkpoint, f"{path}_twins", twins, twin_parts),
         "unfit": unfit,
         "unfit_unchanged": all(torch.equal(v, before[k]) for k, v in _parts_state(parts).items()),
@@ -1092,6 +1102,7 @@ def test_an_interleaved_schedule_trains_like_the_whole_model(pipeline_runs):
         assert got["unfit_unchanged"]
         # MuonParts.state_dict / load_state_dict: all parts or none.
         assert got["round_trip"]
+        assert got["hooks"][0], got["hooks"][1]
         assert got["first_kept"], got["part_refused"]
         assert "lacks ['lr']" in got["part_refused"], got["part_refused"]
         assert "these parts are stages" in got["other_stages"], got["other_stages"]

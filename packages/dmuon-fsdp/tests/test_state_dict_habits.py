@@ -341,7 +341,49 @@ def _optimizer_dicts(rank: int, world_size: int):
     assert _load(hooked, older) is None
     assert _same_state(hooked, optimizer)
     assert seen["states"] and all(cast(list, seen["states"])), seen["states"]
-    return errors, resumes
+    return errors, resumes, _hook_calls(optimizer)
+
+
+def _hook_calls(optimizer: torch.optim.Optimizer) -> list[tuple]:
+    """torch's four state dict hooks on ``optimizer``, each twice (one ``prepend``), around a
+    ``state_dict()`` and a ``load_state_dict()`` of what it returned (a key added): the calls,
+    in order, and what each hook saw of the dictionary and of the values hooks before it
+    returned."""
+    calls: list[tuple] = []
+
+    def added(o: torch.optim.Optimizer, sd: dict) -> dict:  # a new dictionary, used
+        calls.append(("state_dict post", o is optimizer, "in_place" in sd))
+        return {**sd, "added": 1}
+
+    def in_place(o: torch.optim.Optimizer, sd: dict) -> None:  # changes the dictionary
+        calls.append(("state_dict post, prepended", o is optimizer, "added" in sd))
+        sd["in_place"] = 2
+
+    def stripped(o: torch.optim.Optimizer, sd: dict) -> dict:  # torch's key conversion
+        calls.append(("load pre", o is optimizer, "given" in sd, sd is given))
+        return {k: v for k, v in sd.items() if k not in ("added", "in_place")}
+
+    def popped(o: torch.optim.Optimizer, sd: dict) -> None:  # on torch's copy, not on `given`
+        calls.append(("load pre, prepended", o is optimizer, sorted({"added", "given"} & set(sd))))
+        sd.pop("given")
+
+    optimizer.register_state_dict_pre_hook(lambda o: calls.append(("pre", o is optimizer)))
+    optimizer.register_state_dict_pre_hook(
+        lambda o: calls.append(("pre, prepended", o is optimizer)), prepend=True
+    )
+    optimizer.register_state_dict_post_hook(added)
+    optimizer.register_state_dict_post_hook(in_place, prepend=True)
+    optimizer.register_load_state_dict_pre_hook(stripped)
+    optimizer.register_load_state_dict_pre_hook(popped, prepend=True)
+    optimizer.register_load_state_dict_post_hook(
+        lambda o: calls.append(("load post", o is optimizer, bool(o.state)))
+    )
+    saved = optimizer.state_dict()
+    calls.append(("returned", sorted({"added", "in_place"} & set(saved))))
+    given = {**saved, "given": 3}
+    optimizer.load_state_dict(given)
+    calls.append(("given kept", "given" in given))
+    return calls
 
 
 def _without_ns_steps(optimizer: Muon, state_dict: dict) -> dict:
@@ -353,7 +395,16 @@ def _without_ns_steps(optimizer: Muon, state_dict: dict) -> dict:
 @pytest.mark.distributed
 def test_rank0_optimizer_state_dict_loaded_everywhere_resumes_or_raises() -> None:
     results = run_distributed(_optimizer_dicts, 2)
-    for rank, (errors, resumes) in enumerate(results):
+    # torch's state dict hooks run on Muon as on torch's AdamW: the same calls, in the same
+    # order, with the same arguments, the dictionaries they return used alike.
+    model = nn.Linear(4, 4)
+    adamw = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    adamw.step()
+    torch_calls = _hook_calls(adamw)
+    for *_, calls in results:
+        assert calls == torch_calls, (calls, torch_calls)
+    for rank, (errors, resumes, _) in enumerate(results):
         assert resumes, f"rank {rank}: its own optimizer.state_dict() did not resume bit for bit"
         for case, error in errors.items():
             if rank == 0:

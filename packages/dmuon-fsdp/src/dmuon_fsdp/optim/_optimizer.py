@@ -962,7 +962,11 @@ class Muon(torch.optim.Optimizer):
     # deletes a key no step reads, torch's way to convert an old dictionary) and a load
     # post-hook before the owned matrices' states are installed (it would see none of them).
     # So the hooks are taken out of torch's call and run around dmuon's whole method, as torch
-    # runs them around its own.
+    # runs them around its own: where the user's call is, once per call. dmuon's own uses of
+    # the dictionary (``MuonParts.load_state_dict`` keeps each part's state to give it back
+    # when another part refuses its own) go through ``_own_state_dict`` and
+    # ``_load_own_state_dict``, which run none: torch runs no hook that its caller did not
+    # ask for, and a hook that strips a key would have broken the state given back.
 
     def state_dict(self) -> dict[str, Any]:
         if torch_optim_state_dict_running():
@@ -979,12 +983,18 @@ class Muon(torch.optim.Optimizer):
         with optimizer_state_dict_hooks_taken(self, load=False) as (pre_hooks, post_hooks):
             for pre_hook in pre_hooks:
                 pre_hook(self)
-            state_dict = for_saving(self, self._dedicated, super().state_dict())
+            state_dict = self._own_state_dict()
             for post_hook in post_hooks:
                 returned = post_hook(self, state_dict)
                 if returned is not None:
                     state_dict = returned
         return state_dict
+
+    def _own_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without its hooks (see [Note: the optimizer's state dict
+        hooks])."""
+        with optimizer_state_dict_hooks_taken(self, load=False):
+            return for_saving(self, self._dedicated, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``, for this rank's ``state_dict()``; its hooks run around
@@ -996,6 +1006,14 @@ class Muon(torch.optim.Optimizer):
                 returned = pre_hook(self, state_dict)
                 if returned is not None:
                     state_dict = returned
+            self._load_own_state_dict(state_dict)
+            for post_hook in post_hooks:
+                post_hook(self)
+
+    def _load_own_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`load_state_dict` without its hooks (see [Note: the optimizer's state dict
+        hooks])."""
+        with optimizer_state_dict_hooks_taken(self, load=True):
             torch_part, owned = split_for_load(self, self._dedicated, state_dict)
             groups = self.param_groups
             super().load_state_dict(torch_part)
@@ -1006,8 +1024,6 @@ class Muon(torch.optim.Optimizer):
                 group.update(loaded)
             self.param_groups = groups
             install_dedicated_state(self, owned)
-            for post_hook in post_hooks:
-                post_hook(self)
 
     # -- the dmuon-clip protocol --------------------------------------------------------------
 

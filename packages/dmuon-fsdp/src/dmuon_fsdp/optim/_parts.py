@@ -259,7 +259,9 @@ class MuonParts:
                 f" are stages {list(self._stage_indices)}; load the state dict this rank's place"
                 " saved, or a checkpoint of another layout with dmuon.load_checkpoint"
             )
-        before = [optimizer.state_dict() for optimizer in self._optimizers]
+        # Kept and given back without the parts' state dict hooks, which run once, around
+        # each part's load (see [Note: the optimizer's state dict hooks]).
+        before = [optimizer._own_state_dict() for optimizer in self._optimizers]
         loaded: list[Muon] = []
         try:
             for optimizer, state in zip(self._optimizers, states, strict=True):
@@ -269,7 +271,7 @@ class MuonParts:
             # Loading replaces the state's tensors, it writes none of them: the parts loaded
             # take back the tensors they held.
             for optimizer, own in zip(loaded, before, strict=False):
-                optimizer.load_state_dict(own)
+                optimizer._load_own_state_dict(own)
             raise
 
     @property
