@@ -531,6 +531,18 @@ def _parts_global(hsdp: bool = False, tp: bool = False) -> dict:
     before = _parts_state(parts)
     _run(schedule, place, 0)
     out["norm"] = _clip_norm(optimizer)
+    if not (hsdp or tp):
+        # A per-matrix clip is refused naming the first parameter of the first part whose
+        # gradient ranks split: an FSDP2 shard (every DTensor here); none of "muon"'s.
+        first = next(
+            name
+            for part, o in zip(parts, optimizers, strict=True)
+            for group in o.param_groups
+            for name in group["param_names"]
+            if isinstance(part.get_parameter(name), DTensor)
+        )
+        named = (optimizer.param_split_over_ranks("all"), optimizer.param_split_over_ranks())
+        out["split_named"] = named == (first, None), named, first
     # A part stepped (or clipped) alone would decide over the parts at its position only.
     out["alone_step"] = _error(optimizers[0].step)
     out["alone_clip"] = _error(optimizers[1].grads_for_clip)
@@ -1196,6 +1208,7 @@ def _check_parts_global(results: list[dict]) -> None:
         assert got["nan_unchanged"]
         assert got["inf_skipped"] and got["inf_unchanged"]
         assert got["finite_stepped"]
+        assert got.get("split_named", (True,))[0], got["split_named"]
         # Two steps: each part's post-hook ran in each (the last part's step returns first),
         # and its LR scheduler took them as its optimizer's, without a warning.
         assert got["hooked"] == [1, 0, 1, 0], got["hooked"]
