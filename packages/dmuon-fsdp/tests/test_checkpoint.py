@@ -8,6 +8,7 @@ import torch
 from _models import build, muon_predicate, shard_layers_then_root, wrap_all_gather
 from _reference import Hyper, lm_loss, make_batch
 from test_training import ROWS, SEQ, VOCAB, counting_muon, make_mesh, setup_model, train_steps
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
@@ -351,7 +352,68 @@ def _rank0_only(rank: int, world_size: int):
         mode.peak,
         largest_param,
         cpu,
+        _torch_options(model, optimizer, got, everywhere),
     )
+
+
+def _torch_options(model, optimizer, rank0_only, everywhere) -> list[str]:
+    """torch's ``StateDictOptions`` passed as a script moved from torch passes them (see
+    [Note: torch's options]): what they return and load, and the refusals, which raise before
+    any collective. Returns what went wrong on this rank."""
+    wrong = []
+    full = StateDictOptions(full_state_dict=True)
+    offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # torch: cpu_offload with full_state_dict is rank 0's dictionary alone, on the CPU.
+    if not _equal(
+        (
+            get_model_state_dict(model, options=offload),
+            get_optimizer_state_dict(model, optimizer, options=offload),
+        ),
+        rank0_only,
+    ):
+        wrong.append("cpu_offload is not rank 0 alone")
+    if not _equal(
+        (
+            get_model_state_dict(model, options=full),
+            get_optimizer_state_dict(model, optimizer, options=full),
+        ),
+        everywhere,
+    ):
+        wrong.append("full_state_dict is not every rank's dictionary")
+    # Loaded back from rank 0's dictionary (broadcast) and from every rank's, nothing moves.
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, rank0_only[0] or {}, options=broadcast)
+    set_optimizer_state_dict(model, optimizer, everywhere[1], options=full)
+    if not _equal(_snapshot(model, optimizer), everywhere):
+        wrong.append("the loads changed the state")
+    refused = [
+        (ValueError, "sharded", lambda: get_model_state_dict(model, options=StateDictOptions())),
+        (TypeError, "not both", lambda: get_model_state_dict(model, rank0_only=True, options=full)),
+        (
+            ValueError,
+            "every key of the model or none",
+            lambda: set_model_state_dict(
+                model, everywhere[0], options=StateDictOptions(full_state_dict=True, strict=False)
+            ),
+        ),
+        (
+            ValueError,
+            "flatten_optimizer_state_dict",
+            lambda: get_optimizer_state_dict(
+                model,
+                optimizer,
+                options=StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True),
+            ),
+        ),
+    ]
+    for error, phrase, call in refused:
+        try:
+            call()
+            wrong.append(f"no {error.__name__} ({phrase})")
+        except error as exc:
+            if phrase not in str(exc):
+                wrong.append(f"{phrase!r} not in {exc}")
+    return wrong
 
 
 @pytest.mark.distributed
@@ -360,8 +422,9 @@ def test_rank0_only_holds_one_full_tensor_at_a_time():
     got, everywhere, *_ = results[0]
     assert _equal(got, everywhere), "rank 0's dictionaries differ from the gathered-everywhere ones"
     assert all(r[0] is True for r in results[1:]), "ranks 1-3 must get {} and {}"
-    for rank, (_, _, largest, peak, largest_param, cpu) in enumerate(results):
+    for rank, (_, _, largest, peak, largest_param, cpu, options_wrong) in enumerate(results):
         assert cpu
+        assert options_wrong == [], (rank, options_wrong)
         # No tensor larger than one full parameter was ever made, and on ranks 1-3 (which keep
         # nothing) the transients alive at once never exceeded one full parameter.
         assert 0 < largest <= largest_param, (rank, largest, largest_param)

@@ -78,6 +78,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from .._checks import check_bool
@@ -101,6 +102,7 @@ from ._state_layout import (
     optimizer_specs,
     state_keys,
 )
+from ._torch_options import from_torch_options
 
 __all__ = [
     "get_model_state_dict",
@@ -114,6 +116,8 @@ __all__ = [
 
 
 Entry = tuple[str, Tensor, DedicatedParam | None]
+# The getters' keyword defaults, which ``options`` must leave alone ([Note: torch's options]).
+_GET_DEFAULTS = {"cpu_offload": True, "rank0_only": False}
 
 
 def refuse_under_pipeline(runtime: DedicatedRuntime, call: str) -> None:
@@ -256,7 +260,11 @@ def shard_like(full: Tensor, like: Tensor) -> Tensor:
 
 
 def get_model_state_dict(
-    model: nn.Module, *, cpu_offload: bool = True, rank0_only: bool = False
+    model: nn.Module,
+    *,
+    cpu_offload: bool = True,
+    rank0_only: bool = False,
+    options: StateDictOptions | None = None,
 ) -> dict[str, Tensor]:
     """``{fqn: full tensor}`` for every entry of ``model.state_dict()``; collective.
 
@@ -273,7 +281,19 @@ def get_model_state_dict(
         rank0_only: ``True``: only rank 0 keeps (and returns) the tensors, the other ranks
             return ``{}``; ``False``: every rank returns the whole dictionary. A bool
             (anything else raises ``TypeError``).
+        options: torch's ``StateDictOptions`` in place of the two above, read as torch's
+            ``get_model_state_dict`` reads them: ``full_state_dict=True`` (else
+            ``ValueError``), and ``cpu_offload=True`` returns the CPU dictionary on rank 0
+            alone (see [Note: torch's options]).
     """
+    if options is not None:
+        chosen = from_torch_options(
+            "get_model_state_dict",
+            options,
+            {"cpu_offload": cpu_offload, "rank0_only": rank0_only},
+            _GET_DEFAULTS,
+        )
+        cpu_offload, rank0_only = chosen["cpu_offload"], chosen["rank0_only"]
     check_bool("rank0_only", rank0_only)
     check_bool("cpu_offload", cpu_offload)
     runtime = get_runtime(model)
@@ -303,7 +323,11 @@ def get_model_state_dict(
 
 
 def set_model_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Tensor], *, broadcast_from_rank0: bool = False
+    model: nn.Module,
+    state_dict: Mapping[str, Tensor],
+    *,
+    broadcast_from_rank0: bool = False,
+    options: StateDictOptions | None = None,
 ) -> None:
     """Load a full ``{fqn: tensor}`` dictionary (as :func:`get_model_state_dict` returns, or a
     plain model's ``state_dict()``); raises before modifying anything when a key is missing or
@@ -325,7 +349,18 @@ def set_model_state_dict(
         broadcast_from_rank0: ``True``: read the dictionary on global rank 0 only and send
             each tensor to where it is kept; ``False``: every rank passes the whole dictionary.
             A bool (anything else raises ``TypeError``).
+        options: torch's ``StateDictOptions`` in place of ``broadcast_from_rank0``, read as
+            torch's ``set_model_state_dict`` reads them (``full_state_dict=True``; ``strict``
+            must stay ``True``: see [Note: torch's options]).
     """
+    if options is not None:
+        chosen = from_torch_options(
+            "set_model_state_dict",
+            options,
+            {"broadcast_from_rank0": broadcast_from_rank0},
+            {"broadcast_from_rank0": False},
+        )
+        broadcast_from_rank0 = chosen["broadcast_from_rank0"]
     check_bool("broadcast_from_rank0", broadcast_from_rank0)
     runtime = get_runtime(model)
     if broadcast_from_rank0:
@@ -597,7 +632,12 @@ def group_state(optimizer: Muon) -> dict[str, dict[str, Any]]:
 
 
 def get_optimizer_state_dict(
-    model: nn.Module, optimizer: Muon, *, cpu_offload: bool = True, rank0_only: bool = False
+    model: nn.Module,
+    optimizer: Muon,
+    *,
+    cpu_offload: bool = True,
+    rank0_only: bool = False,
+    options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
     """Full, FQN-keyed optimizer state (see [Note: the checkpoint format]); collective.
 
@@ -615,7 +655,17 @@ def get_optimizer_state_dict(
             AdamW keeps it, on the device with the fused kernel).
         rank0_only: ``True``: only rank 0 returns the state, every other rank ``{}``;
             ``False``: every rank returns it. A bool (anything else raises ``TypeError``).
+        options: torch's ``StateDictOptions`` in place of the two above, as in
+            :func:`get_model_state_dict`.
     """
+    if options is not None:
+        chosen = from_torch_options(
+            "get_optimizer_state_dict",
+            options,
+            {"cpu_offload": cpu_offload, "rank0_only": rank0_only},
+            _GET_DEFAULTS,
+        )
+        cpu_offload, rank0_only = chosen["cpu_offload"], chosen["rank0_only"]
     check_bool("rank0_only", rank0_only)
     check_bool("cpu_offload", cpu_offload)
     optimizer = check_optimizer(model, optimizer)
@@ -685,7 +735,12 @@ def _saved_specs(where: str, saved_state: Mapping[str, Any]) -> dict[str, dict[s
 
 
 def set_optimizer_state_dict(
-    model: nn.Module, optimizer: Muon, state_dict: Mapping[str, Any], *, strict: bool = True
+    model: nn.Module,
+    optimizer: Muon,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    options: StateDictOptions | None = None,
 ) -> None:
     """Restore momentum buffers, Adam moments, steps and group hyperparameters from a full
     optimizer state dict; raises before modifying anything when it does not fit. A parameter
@@ -702,8 +757,13 @@ def set_optimizer_state_dict(
             it.
         strict: ``True``: a parameter without an entry in ``state_dict["state"]`` raises
             ``ValueError``; ``False``: it starts from fresh state.
+        options: torch's ``StateDictOptions`` in place of ``strict``, read as torch's
+            ``set_optimizer_state_dict`` reads them (``full_state_dict=True``; see [Note:
+            torch's options]).
     """
     where = "set_optimizer_state_dict"
+    if options is not None:
+        strict = from_torch_options(where, options, {"strict": strict}, {"strict": True})["strict"]
     check_bool(f"{where}: strict", strict)
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)

@@ -863,7 +863,9 @@ class _RefuseTorchStateDict:
                 " a step of their own, so the ranks that own every matrix would go on into"
                 " a collective the others never reach. Nothing was read or changed, on any"
                 f" rank (each raises this). Use {instead} instead (full state dicts,"
-                " collective: call them on every rank), or for a sharded checkpoint"
+                " collective: call them on every rank; they read torch's"
+                " options=StateDictOptions(full_state_dict=True, ...) as torch does), or for a"
+                " sharded checkpoint"
                 " dmuon.save_checkpoint / dmuon.load_checkpoint, or dmuon.AppState(model,"
                 " optimizer) in your own dcp.save / dcp.load"
             )
