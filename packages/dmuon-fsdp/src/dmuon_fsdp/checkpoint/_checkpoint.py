@@ -116,8 +116,17 @@ __all__ = [
 
 
 Entry = tuple[str, Tensor, DedicatedParam | None]
-# The getters' keyword defaults, which ``options`` must leave alone ([Note: torch's options]).
-_GET_DEFAULTS = {"cpu_offload": True, "rank0_only": False}
+
+
+def _getter_options(
+    function: str, options: StateDictOptions, cpu_offload: bool, rank0_only: bool
+) -> tuple[bool, bool]:
+    """A getter's ``cpu_offload`` and ``rank0_only`` as torch's ``options`` set them; the
+    call's own must be at their defaults (see [Note: torch's options])."""
+    given = {"cpu_offload": cpu_offload, "rank0_only": rank0_only}
+    defaults = {"cpu_offload": True, "rank0_only": False}
+    chosen = from_torch_options(function, options, given, defaults)
+    return chosen["cpu_offload"], chosen["rank0_only"]
 
 
 def refuse_under_pipeline(runtime: DedicatedRuntime, call: str) -> None:
@@ -287,13 +296,9 @@ def get_model_state_dict(
             alone (see [Note: torch's options]).
     """
     if options is not None:
-        chosen = from_torch_options(
-            "get_model_state_dict",
-            options,
-            {"cpu_offload": cpu_offload, "rank0_only": rank0_only},
-            _GET_DEFAULTS,
+        cpu_offload, rank0_only = _getter_options(
+            "get_model_state_dict", options, cpu_offload, rank0_only
         )
-        cpu_offload, rank0_only = chosen["cpu_offload"], chosen["rank0_only"]
     check_bool("rank0_only", rank0_only)
     check_bool("cpu_offload", cpu_offload)
     runtime = get_runtime(model)
@@ -659,13 +664,9 @@ def get_optimizer_state_dict(
             :func:`get_model_state_dict`.
     """
     if options is not None:
-        chosen = from_torch_options(
-            "get_optimizer_state_dict",
-            options,
-            {"cpu_offload": cpu_offload, "rank0_only": rank0_only},
-            _GET_DEFAULTS,
+        cpu_offload, rank0_only = _getter_options(
+            "get_optimizer_state_dict", options, cpu_offload, rank0_only
         )
-        cpu_offload, rank0_only = chosen["cpu_offload"], chosen["rank0_only"]
     check_bool("rank0_only", rank0_only)
     check_bool("cpu_offload", cpu_offload)
     optimizer = check_optimizer(model, optimizer)
