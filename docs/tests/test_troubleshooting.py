@@ -8,7 +8,8 @@ or ``SomethingError(f"...")`` call in ``packages/*/src`` whose first argument is
 literal with a fixed run of at least ``MIN_FIXED`` characters (shorter ones, such as
 ``f"{name} must be {bound}, got {value!r}"``, hold no phrase that could single them out; their
 entries name them in prose). ``AssertionError`` marks an internal invariant, not a user error,
-and is left out.
+and is left out. A module-level string named ``*_REASON`` counts as a message too: the reason
+given to ``torch.compiler.disable``, which dynamo quotes in its own ``Unsupported`` error.
 
 When a message changes, the test names it (file:line and its fixed text) if no phrase matches
 it any more, and names every phrase that no longer matches any message: change the phrase in
@@ -65,12 +66,18 @@ def error_messages() -> list[Message]:
     found = []
     for path in sorted(ROOT.glob("packages/*/src/**/*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.Call) or not node.args:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id.endswith("_REASON")
+                for target in node.targets
+            ):
+                name, text = "Unsupported", _fixed_text(node.value)
+            elif not isinstance(node, ast.Call) or not node.args:
                 continue
-            name = _callee(node)
-            if not re.fullmatch(r"[A-Z]\w*(Error|Exception)", name) or name in INTERNAL:
-                continue
-            text = _fixed_text(node.args[0])
+            else:
+                name = _callee(node)
+                if not re.fullmatch(r"[A-Z]\w*(Error|Exception)", name) or name in INTERNAL:
+                    continue
+                text = _fixed_text(node.args[0])
             if text is None or max(len(run) for run in text.split(HOLE)) < MIN_FIXED:
                 continue
             where = f"{path.relative_to(ROOT)}:{node.lineno}"

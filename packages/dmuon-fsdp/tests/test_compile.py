@@ -1,11 +1,18 @@
 """torch.compile with dedicated parameters (inductor on CPU): per-block compile (also with
 ``fullgraph=True``, as torchtitan compiles), whole-model compile and a compiled loss function
-match eager, compile once, and dmuon adds no graph break inside a block."""
+match eager, compile once, and dmuon adds no graph break inside a block. A compiled train step
+that calls ``zero_grad()`` and ``step()`` runs them (and dmuon's backward hooks) eagerly and
+matches eager; ``fullgraph=True`` refuses them, and blocks wrapped in ``checkpoint_wrapper``
+after ``dedicate_params``, naming the fix."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import pytest
 import torch
+from _models import build, muon_predicate, shard_layers_then_root
 from _reference import Hyper, lm_loss, make_batch, shard
 from _sgd_train import setup_model
 from torch.distributed.fsdp import FSDPModule
@@ -164,3 +171,87 @@ def test_compiled_blocks_and_models_match_eager_and_compile_once(world_size, res
                 assert not others, (where, breaks)
             if mode.startswith("block"):
                 assert graphs[-1] == 1, (where, graphs)
+
+
+def _traced_into_dmuon(traced: list[str]):
+    """A ``torch.compile`` backend that runs each graph as traced (no inductor: fast) and
+    appends to ``traced`` the stack of every graph node that comes from dmuon's sources."""
+    import dmuon_fsdp
+
+    sources = os.path.dirname(dmuon_fsdp.__file__)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        for node in gm.graph.nodes:
+            stack = node.meta.get("stack_trace") or ""
+            if sources in stack:
+                traced.append(stack)
+        return gm.forward
+
+    return backend
+
+
+def _compiled_train_step(rank: int, world_size: int) -> dict:
+    """The train-step habits of torch's own optimizers: ``torch.compile(optimizer.step)``
+    under ``fullgraph=True``, and a compiled function that calls ``zero_grad()``, the model,
+    ``backward()`` and ``step()``; then ``checkpoint_wrapper`` put around the blocks after
+    ``dedicate_params`` and compiled with ``fullgraph=True``. What each raised, the compiled
+    loop's and the eager loop's losses, and the graph nodes dynamo traced from dmuon's code."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon_fsdp import dedicate_params
+
+    out: dict = {"traced": []}
+    torch._dynamo.reset()
+    backend = _traced_into_dmuon(out["traced"])
+    model = _model(world_size, reshard=True)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    for name, fn in (("step", optimizer.step), ("zero_grad", optimizer.zero_grad)):
+        try:
+            torch.compile(fn, backend=backend, fullgraph=True)()
+        except Exception as error:  # dynamo's Unsupported
+            out[name] = str(error)
+
+    @torch.compile(backend=backend)
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = lm_loss(model, tokens)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    batches = [shard(make_batch(step, 8, 8, 32), rank, world_size) for step in range(2)]
+    out["compiled"] = [float(train_step(tokens)) for tokens in batches]
+    model = _model(world_size, reshard=True)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    out["eager"] = [_step(model, optimizer, lm_loss, s, rank, world_size) for s in range(2)]
+
+    torch._dynamo.reset()
+    model = build(0, 2)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dedicate_params(model, mesh, muon_predicate)
+    for i, layer in model.layers.named_children():  # after dedicate_params: hooks inside
+        model.layers.register_module(i, checkpoint_wrapper(layer))
+    shard_layers_then_root(model, mesh)
+    for layer in model.layers:
+        layer.compile(backend=backend, fullgraph=True)
+    try:
+        lm_loss(model, batches[0])
+    except Exception as error:  # dynamo's Unsupported
+        out["wrapped after"] = str(error)
+    return out
+
+
+@pytest.mark.distributed
+def test_compiled_step_runs_eagerly_and_fullgraph_names_the_fix():
+    # [Note: the step under torch.compile], [Note: a hook inside a checkpointed region]
+    for result in run_distributed(_compiled_train_step, 2):
+        # Before: 21 graphs of dmuon's step, pieces of its backward hooks traced, and errors
+        # under fullgraph=True that named a private torch call or a skipped torch function.
+        for name in ("step", "zero_grad"):
+            assert f"dmuon.Muon.{name} runs eagerly under torch.compile" in result[name]
+            assert "outside the compiled function" in result[name]
+        assert not result["traced"], result["traced"][:3]
+        assert result["compiled"] == result["eager"], (result["compiled"], result["eager"])
+        message = result["wrapped after"]
+        assert "wrap the layers in checkpoint_wrapper before dmuon.dedicate_params" in message

@@ -198,13 +198,22 @@ def refused_by_compiled_autograd(
     return decorate
 
 
-def disable_dynamo(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+def disable_dynamo(fn: Callable[_P, _T], reason: str | None = None) -> Callable[_P, _T]:
     """``fn``, never traced by ``torch.compile``: a compiled caller runs it eagerly.
 
     Uses ``torch._disable_dynamo``, which imports the compiler only when ``fn`` is first called.
     The public ``torch.compiler.disable`` imports it when applied, and the decorator is applied
-    at import (importing dmuon must not import the compiler)."""
-    return torch._disable_dynamo(fn)
+    at import (importing dmuon must not import the compiler).
+
+    With a ``reason`` it is the public ``torch.compiler.disable``, which dynamo quotes wherever
+    it meets ``fn`` (a graph-break log, the error of ``fullgraph=True``): what
+    ``torch._disable_dynamo`` makes is, to dynamo, an anonymous function of a file it skips.
+    That imports the compiler now, so a reason is only for functions made at run time (a
+    boundary's hooks at ``dedicate_params``, ``Muon``'s entry points at ``Muon(model)``), which
+    FSDP2's ``fully_shard`` imports it for anyway."""
+    if reason is None:
+        return torch._disable_dynamo(fn)
+    return torch.compiler.disable(fn, reason=reason)
 
 
 def fsdp_mp_policy(module: FSDPModule) -> Any:

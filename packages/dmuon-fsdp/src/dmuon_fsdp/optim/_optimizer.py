@@ -50,6 +50,7 @@ from .._checks import check_bool, is_int
 from .._matrix import LrScaling, NSFunction
 from .._profile import PhaseTimer, no_mark, span
 from .._torch_internals import (
+    disable_dynamo,
     foreach_max_abs,
     fsdp_all_reduce_hook_reader,
     local_shard,
@@ -284,6 +285,42 @@ def _closure_loss(closure: Callable[[], float] | None) -> float | None:
         return closure()
 
 
+# [Note: the step under torch.compile]
+# ``step()`` and ``zero_grad()`` wait for the gradient reduces, issue collectives and read the
+# runtime's Python state. Traced by dynamo (``torch.compile(optimizer.step)``, or a compiled
+# train step that calls them, a habit with torch's own optimizers) they split into some twenty
+# graphs at as many graph breaks inside dmuon (measured on 2 gloo ranks, torch 2.13: 21 graphs
+# for the step), and ``fullgraph=True`` refused them with an error that named a private torch
+# call inside dmuon, neither the cause nor the fix, for nothing worth compiling: the step
+# already runs batched Newton–Schulz and fused updates. So a compiled caller runs each of them
+# eagerly, one graph break, which dynamo's log and ``fullgraph=True``'s error name with the
+# reason and the fix (``_UNTRACED_REASON``); torch keeps its own ``Optimizer.zero_grad`` out of
+# graphs the same way. Applying ``torch.compiler.disable`` (the public one, which takes the
+# reason) imports the compiler, so the first ``Muon(model)`` makes them, not ``import dmuon``.
+# Such a compiled function also leaves dynamo on during its eager ``backward()``, where dynamo
+# traces every Python hook the autograd engine calls: dmuon's backward hooks and its
+# end-of-backward callback are untraced callables too (they were traced into graphs of
+# dmuon's bookkeeping, between breaks at each collective, measured with torch 2.13).
+_UNTRACED_REASON = (
+    "dmuon.Muon.{} runs eagerly under torch.compile (one graph break): it waits for the "
+    "gradient reduces and issues collectives, and the step already runs batched Newton-Schulz "
+    "and fused updates. Call optimizer.zero_grad() and optimizer.step() outside the compiled "
+    "function (compile the model, its blocks or the loss), or compile it without "
+    "fullgraph=True; see dmuon's torch.compile guide"
+)
+_untraced: dict[str, Callable[..., Any]] = {}
+
+
+def _make_untraced() -> None:
+    """``Muon.step`` and ``Muon.zero_grad`` as a compiled caller runs them (once per process);
+    see [Note: the step under torch.compile]."""
+    if not _untraced:
+        _untraced["step"] = disable_dynamo(Muon._eager_step, reason=_UNTRACED_REASON.format("step"))
+        _untraced["zero_grad"] = disable_dynamo(
+            Muon._eager_zero_grad, reason=_UNTRACED_REASON.format("zero_grad")
+        )
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for dmuon's dedicated matrices (owner only), AdamW for everything else.
 
@@ -401,6 +438,7 @@ class Muon(torch.optim.Optimizer):
         self._ns = make_newton_schulz(ns_backend, ns_steps)
         self._runtime: DedicatedRuntime = get_runtime(model)
         self._runtime.lazy_init()
+        _make_untraced()
         self._model = model
         self._dedicated: dict[int, DedicatedParam] = {
             id(dp.param): dp for dp in self._runtime.params
@@ -623,7 +661,15 @@ class Muon(torch.optim.Optimizer):
         Args:
             closure: ``None``, or a callable that recomputes the loss (run with gradients
                 enabled before the step) and returns it; ``step`` returns what it returned.
+
+        Under ``torch.compile`` it runs eagerly, one graph break (see [Note: the step under
+        torch.compile]).
         """
+        if torch.compiler.is_compiling():
+            return _untraced["step"](self, closure)
+        return self._eager_step(closure)
+
+    def _eager_step(self, closure: Callable[[], float] | None) -> float | None:
         parts = self._parts()
         if parts:
             joint = self._joint() if self._joint is not None else None
@@ -943,7 +989,16 @@ class Muon(torch.optim.Optimizer):
                 ``False`` fills it with zeros, as ``torch.optim.Optimizer.zero_grad`` does (a
                 dedicated matrix's owner gradient too), so a parameter that the next backward
                 gives no gradient (frozen mid-run) is stepped on zeros, as torch steps it.
+
+        Under ``torch.compile`` it runs eagerly, one graph break (see [Note: the step under
+        torch.compile]).
         """
+        if torch.compiler.is_compiling():
+            _untraced["zero_grad"](self, set_to_none)
+            return
+        self._eager_zero_grad(set_to_none)
+
+    def _eager_zero_grad(self, set_to_none: bool) -> None:
         # First the runtime: an all-reduce still in flight would write a replicated gradient
         # after torch's zero_grad cleared it.
         self._runtime.clear_grads(set_to_none)

@@ -402,8 +402,11 @@ class BoundaryHooks:
             tensors = _needing_grad(output)
             if tensors:
                 group.needs_backward = True
+            # Untraced, as all of dmuon's hooks: a compiled function that calls backward()
+            # leaves dynamo on during it (see [Note: the step under torch.compile]).
+            pre_backward = functools.partial(_untraced, self._pre_backward, group)
             for tensor in tensors:
-                tensor.register_hook(functools.partial(self._pre_backward, group))
+                tensor.register_hook(pre_backward)
         return output
 
     def _before_state_dict(self, index: int, *args: Any) -> None:
@@ -464,7 +467,8 @@ class BoundaryHooks:
             # Grad mode inside a backward is its create_graph.
             self._creates_graph = torch.is_grad_enabled()
             self._order = list(self._current)
-            queue_backward_callback(self._post_backward_final)
+            # Untraced, as the pre-backward hook (see [Note: the step under torch.compile]).
+            queue_backward_callback(functools.partial(_untraced, self._post_backward_final))
 
     def _post_accumulate_grad(self, index: int, param: torch.Tensor) -> None:
         # Usually queued by a pre-backward already; not when the forward ran without grad
@@ -850,13 +854,32 @@ def _untraced_hook(
     A block compiled in place (``block.compile(fullgraph=True)``, torchtitan's per-block
     compile) traces its own ``_call_impl`` and with it the block's hooks. Dynamo runs a hook
     that is itself disabled eagerly around the graph, as it runs FSDP2's, but a traced hook
-    that calls a disabled function is a graph break, which ``fullgraph=True`` refuses. (The
-    first call imports the compiler, as FSDP2's own hooks do in eager mode.)"""
+    that calls a disabled function is a graph break, which ``fullgraph=True`` refuses. (Made
+    with a reason, the hook imports the compiler at ``dedicate_params``; FSDP2's
+    ``fully_shard`` imports it next.)
+
+    [Note: a hook inside a checkpointed region] A boundary wrapped in activation checkpointing
+    after ``dedicate_params`` (``checkpoint_wrapper`` put around ``layers.N``) has its hooks
+    inside the checkpointed region: eager and ``fullgraph=False`` run them (dynamo runs that
+    region eagerly), but under ``fullgraph=True`` dynamo must trace the region into one graph
+    and refuses the hook. Its error quoted a skipped function of torch's file and advised
+    against calling it; it quotes ``_HOOK_REASON`` instead, which names the fix: wrap before
+    ``dedicate_params``, and the hooks go on the wrapper, outside the region."""
 
     def untraced(*args: Any) -> Any:
         return _weak_hook(weak_hooks, method, index, *args)
 
-    return disable_dynamo(untraced)
+    return disable_dynamo(untraced, reason=_HOOK_REASON)
+
+
+_HOOK_REASON = (
+    "dmuon's forward hook of a hook boundary (the layer whose dedicated weights it gathers "
+    "from their owners) runs eagerly, outside compiled graphs. A compiled graph that must hold "
+    "it (fullgraph=True around activation checkpointing applied to the layer after "
+    "dedicate_params) cannot: wrap the layers in checkpoint_wrapper before "
+    "dmuon.dedicate_params, so that dmuon's hooks go on the wrapper, outside the checkpointed "
+    "region; see dmuon's torch.compile guide"
+)
 
 
 def _replicated_grad(
