@@ -40,7 +40,8 @@ class Hyper:
 
 
 class ReferenceMuonAdamW:
-    """Muon on the named matrices, torch.optim.AdamW on every other trainable parameter."""
+    """Muon on the named matrices (a convolution kernel flattened to ``(out, in·k)``),
+    torch.optim.AdamW on every other trainable parameter."""
 
     def __init__(self, model: nn.Module, muon_names: Iterable[str], hyper: Hyper) -> None:
         names = set(muon_names)
@@ -70,8 +71,10 @@ class ReferenceMuonAdamW:
             # here are separate ops too (torch.add with alpha would round once).
             buf.mul_(h.momentum).add_(p.grad)
             x = p.grad + buf * h.momentum if h.nesterov else buf
-            update = self.ns(x)
-            rows, cols = p.shape
+            # a convolution kernel is one (out, in·k) matrix, as Keller Jordan's Muon has it
+            x = x.flatten(1)
+            update = self.ns(x).view_as(p)
+            rows, cols = x.shape
             p.mul_(1 - h.lr * h.weight_decay)
             p.add_(update * (-h.lr * 0.2 * math.sqrt(max(rows, cols))))
         self.adamw.step()

@@ -456,6 +456,30 @@ def _bias_stack_on_muon(rank: int, world_size: int) -> None:
         )
 
 
+class _TinyViT(nn.Module):
+    """A class token and a position embedding, held with a leading dim of one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, 8))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 5, 8))
+        self.layers = nn.ModuleList([nn.Linear(8, 8)])
+
+
+def _stack_of_one_on_muon(rank: int, world_size: int) -> None:
+    # p.ndim >= 2 takes a ViT's class token and position embedding, which dmuon would take as
+    # stacks of one expert and Muon would orthogonalise: a warning names them.
+    with pytest.warns(
+        UserWarning,
+        match=r"2 3-D parameter\(s\) with a leading dim of 1.*"
+        r"'cls_token \(1, 1, 8\)', 'pos_embed \(1, 5, 8\)'",
+    ):
+        dedicate_params(_TinyViT(), _mesh(world_size), lambda n, p: p.ndim >= 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        dedicate_params(_TinyViT(), _mesh(world_size), lambda n, p: p.ndim == 2)
+
+
 def _expert_stack_dtypes(rank: int, world_size: int) -> None:
     # param_policy's dtypes never reach an expert stack (FSDP2 or replicate holds it, in its
     # own dtypes): the blocks' inputs went bf16 and the fp32 experts' matmul failed in the
@@ -638,6 +662,7 @@ def _fully_shard_mesh_errors(hsdp) -> None:
         _routes,
         _policy_typo,
         _bias_stack_on_muon,
+        _stack_of_one_on_muon,
         _expert_stack_dtypes,
         _plan_differs,
         _config_argument,

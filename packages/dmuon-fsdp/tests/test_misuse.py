@@ -254,7 +254,7 @@ def _unfrozen_after_muon(mesh: DeviceMesh, root: str) -> None:
 class _ConvBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv1d(4, 4, 3)
+        self.conv = nn.ConvTranspose1d(4, 4, 3)
 
 
 class _BilinearBlock(nn.Module):
@@ -270,7 +270,8 @@ class _Stacked(nn.Module):
 
 
 def _conv_kernel_selected(mesh: DeviceMesh, root: str) -> None:
-    """A predicate that takes every parameter of two or more dims takes a Conv1d kernel."""
+    """A predicate that takes every parameter of two or more dims takes a ConvTranspose1d
+    kernel (a Conv1d's is one matrix)."""
     dedicate_params(_Stacked(_ConvBlock()), mesh, lambda n, p: p.ndim >= 2)
 
 
@@ -601,9 +602,10 @@ SCENARIOS: dict[str, tuple[Callable[[DeviceMesh, str], None], str]] = {
         r"ValueError: 1 parameter\(s\) require grad but were frozen when Muon\(model\) was built"
         r".*'norm\.weight'.*before dedicate_params and Muon\(model\)",
     ),
-    "a Conv1d kernel selected": (
+    "a ConvTranspose1d kernel selected": (
         _conv_kernel_selected,
-        r"ValueError: 'layers\.0\.conv\.weight' \(shape \(4, 4, 3\)\) is the kernel of a Conv1d, not"
+        r"ValueError: 'layers\.0\.conv\.weight' \(shape \(4, 4, 3\)\) is the kernel of a "
+        r"ConvTranspose1d, not"
         r" a stack of experts.*route it to 'adamw'",
     ),
     "a Bilinear weight selected": (

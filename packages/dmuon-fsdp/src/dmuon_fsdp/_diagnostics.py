@@ -362,7 +362,7 @@ def _matrices(
             ],
         }
     elif dp is not None and dp.route is Route.MUON:
-        view = MatrixView.of(dp.shape, dp.fqn)
+        view = dp.view
     else:
         return None
     return {

@@ -15,6 +15,11 @@ at the number of dimensions of a Muon parameter:
   Face's ``Conv1D``, GPT-2's): NS does not care (NS of a transpose is the transpose of NS), the
   learning-rate scale uses the logical ``(out, in)``; a declared split still cuts the stored
   rows;
+- a convolution kernel (``nn.Conv1d``/``Conv2d``/``Conv3d``'s ``(out, in/groups, *k)``) is
+  one matrix ``(out, in/groups·∏k)``, each output channel's filter bank a row, as Keller
+  Jordan's Muon flattens conv filters (``kernel``): its NS input and update are views of the
+  flattened kernel, and its learning-rate scale is the flattened matrix's. A 3-D kernel
+  (``Conv1d``) is told from an expert stack by its module, never by its shape;
 - a 2-D weight with a declared split (a fused ``[q; k; v]`` or ``[gate; up]`` projection, see
   [Note: declared splits] in ``dmuon_ownership``) is its *pieces* (:func:`pieces_of`):
   consecutive row blocks, each a view of its own (``rows × cols`` matrices, one or one per
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from dmuon_ownership import MatrixSplit
 
@@ -51,6 +56,7 @@ __all__ = [
     "NSFunction",
     "Piece",
     "describe_pieces",
+    "is_conv_kernel",
     "lr_scale",
     "matrices_of",
     "matrix_shape",
@@ -97,6 +103,7 @@ class MatrixView:
     cols: int
     glu: Glu = Glu.NONE
     transposed: bool = False  # stored (in, out): the learning-rate scale swaps rows and cols
+    kernel: bool = False  # a convolution kernel (out, in/groups, *k): one (out, rest) matrix
 
     @classmethod
     def of(
@@ -106,11 +113,15 @@ class MatrixView:
         *,
         glu: Glu | str = Glu.NONE,
         transposed: bool = False,
+        kernel: bool = False,
     ) -> MatrixView:
-        """The view of a parameter of ``shape``; raises a ``ValueError`` naming ``name`` when
-        Muon cannot step it."""
+        """The view of a parameter of ``shape`` (``kernel``: a convolution kernel, see
+        :func:`is_conv_kernel`); raises a ``ValueError`` naming ``name`` when Muon cannot step
+        it."""
         dims = tuple(int(d) for d in shape)
         glu = Glu(glu)
+        if kernel:
+            return cls(dims, 1, dims[0], math.prod(dims[1:]), kernel=True)
         if len(dims) not in (2, 3) and not name:
             raise ValueError(f"Muon needs a 2-D shape (m, n), got {dims}")
         if len(dims) not in (2, 3):
@@ -118,6 +129,8 @@ class MatrixView:
                 f"predicate selected {name!r} (shape {dims}) for the Muon route, but Muon needs "
                 "a 2-D matrix (out, in) or a 3-D expert stack (E, out, in); exclude it in the "
                 "predicate (e.g. add `and p.ndim == 2`) or route it to 'adamw' with param_policy"
+                " (the kernel of an nn.Conv1d, Conv2d or Conv3d is taken as one matrix (out,"
+                " in/groups·∏kernel))"
             )
         experts, rows, cols = (1, *dims) if len(dims) == 2 else dims
         if glu is Glu.NONE:
@@ -137,7 +150,7 @@ class MatrixView:
     def experts(self) -> int | None:
         """The number of experts of a 3-D stack (experts on dim 0); ``None`` for a 2-D
         weight."""
-        return self.shape[0] if len(self.shape) == 3 else None
+        return self.shape[0] if len(self.shape) == 3 and not self.kernel else None
 
     @property
     def split(self) -> str | None:
@@ -182,6 +195,13 @@ class MatrixView:
             halves = t.unflatten(-1, (self.cols, 2)).unbind(-1)  # gate, up: strided views
             return [m for half in halves for m in half.view(-1, self.rows, self.cols).unbind(0)]
         return list(t.view(-1, self.rows, self.cols).unbind(0))
+
+
+def is_conv_kernel(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` is the kernel of an ``nn.Conv1d``, ``Conv2d`` or ``Conv3d``,
+    which Muon steps as one matrix (see [Note: what Muon steps]). Transposed convolutions store
+    ``(in, out/groups, *k)`` and are not taken."""
+    return name == "weight" and isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d)
 
 
 def lr_scale(shape: Sequence[int], scaling: LrScaling | str) -> float:

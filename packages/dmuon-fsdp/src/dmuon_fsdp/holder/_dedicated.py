@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_ownership import MatrixSplit, Owner, ResolvedPolicy, Route
 
-from .._matrix import MatrixView, NSFunction, Piece, matrix_shape, pieces_of
+from .._matrix import MatrixView, NSFunction, Piece, is_conv_kernel, matrix_shape, pieces_of
 from .._torch_internals import disable_torch_function_subclass, local_shard
 from ..topology import DedicatedCommContext, MeshLayout
 from ._guard import (
@@ -108,6 +108,9 @@ class DedicatedParam(ParamHolder):
     # Stored (in, out), as Hugging Face's Conv1D (GPT-2) stores its weight: the learning-rate
     # scale reads it the other way round (MatrixView.transposed); NS does not care.
     stored_in_out: bool = field(init=False)
+    # The kernel of an nn.Conv1d/2d/3d: Muon steps it as one (out, in/groups·∏k) matrix (see
+    # [Note: what Muon steps]).
+    conv_kernel: bool = field(init=False)
     _current: HolderState = field(default=HolderState.HELD, init=False, repr=False)
     _wait: Waiter | None = field(default=None, init=False, repr=False)
     # The parameter's version when its resident compute copy last matched the owner's master
@@ -120,6 +123,7 @@ class DedicatedParam(ParamHolder):
         self.dtype = self.param.dtype
         self.pieces = () if self.split is None else pieces_of(self.shape, self.fqn, self.split)
         self.stored_in_out = _stores_in_out(self.module, self.name, self.shape)
+        self.conv_kernel = is_conv_kernel(self.module, self.name)
         self.attach(self.param)
 
     @classmethod
@@ -139,7 +143,8 @@ class DedicatedParam(ParamHolder):
                     "orthogonalises; declare it only for Muon-route weights"
                 )
             return None
-        view = MatrixView.of(found.param.shape, found.fqn)
+        kernel = is_conv_kernel(found.module, found.name)
+        view = MatrixView.of(found.param.shape, found.fqn, kernel=kernel)
         if found.split is not None:
             if _stores_in_out(found.module, found.name, found.param.shape):
                 raise ValueError(
@@ -151,6 +156,14 @@ class DedicatedParam(ParamHolder):
                 )
             pieces_of(found.param.shape, found.fqn, found.split)
         return view
+
+    @property
+    def view(self) -> MatrixView:
+        """The matrix Muon steps of the whole weight (see [Note: what Muon steps]); a
+        declared split's pieces have views of their own (``pieces``)."""
+        return MatrixView.of(
+            self.shape, self.fqn, transposed=self.stored_in_out, kernel=self.conv_kernel
+        )
 
     @property
     def tensor(self) -> Tensor:
@@ -392,11 +405,26 @@ class DedicatedParam(ParamHolder):
         assert self.precision is not None, f"{self.fqn}: the runtime has not packed its parameters"
         ns = self.newton_schulz(context)
         if not self.pieces:
-            view = MatrixView.of(self.shape, self.fqn, transposed=self.stored_in_out)
+            view = self.view
             scale = view.lr_scale(context.lr_scaling)
-            shape = matrix_shape(self.local_shape)
+            # a TP shard's matrix is its local one; a whole weight's (a conv kernel's
+            # flattened) is the view's
+            shape = view.matrix_shape if self.tp_dim is None else matrix_shape(self.local_shape)
+            # a conv kernel's tensors are cut as its view says; a 2-D weight is its own matrix
+            cut = view if view.kernel else None
             return (
-                MuonEntry(group, self.param, self, view, scale, 1, shape, ns, self.precision.optim),
+                MuonEntry(
+                    group,
+                    self.param,
+                    self,
+                    view,
+                    scale,
+                    1,
+                    shape,
+                    ns,
+                    self.precision.optim,
+                    cut=cut,
+                ),
             )
         return tuple(
             MuonEntry(
@@ -501,6 +529,14 @@ class TensorParallelParam(DedicatedParam):
         """As a plain matrix's; a declared split is refused where the matrix is sharded over
         more than one TP rank (its shards cut across the pieces)."""
         mesh = cast(DTensor, found.param).device_mesh
+        if is_conv_kernel(found.module, found.name) and mesh.size() > 1:
+            raise ValueError(
+                f"{found.fqn!r} (shape {tuple(found.param.shape)}) is the kernel of a"
+                f" tensor-parallel {type(found.module).__name__} (sharded over {mesh.size()} TP"
+                " ranks); Muon steps a convolution kernel as one flattened matrix, which dmuon"
+                " does not split over TP ranks: leave the convolution out of the TP plan, or"
+                " route its kernel to 'adamw' with param_policy"
+            )
         if found.split is not None and mesh.size() > 1:
             raise ValueError(
                 f"{found.fqn!r} has a declared split {found.split}, but it is a tensor-parallel "

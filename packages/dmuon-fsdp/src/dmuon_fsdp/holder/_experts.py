@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import Placement
 import dmuon_ownership
 from dmuon_ownership import Plan, ResolvedPolicy, Route
 
-from .._matrix import Glu, MatrixView, NSFunction
+from .._matrix import Glu, MatrixView, NSFunction, is_conv_kernel
 from .._torch_internals import local_shard
 from ..topology import Axis, CommKind, DedicatedCommContext, MeshLayout
 from ._holder import Found, MuonEntry, ParamHolder, StepContext, WeightPart
@@ -81,8 +81,8 @@ class ExpertStack(ParamHolder):
     @classmethod
     def claims(cls, found: Found) -> bool:
         """A Muon-route stack of matrices, experts on dim 0."""
-        if found.policy.route is not Route.MUON:
-            return False
+        if found.policy.route is not Route.MUON or is_conv_kernel(found.module, found.name):
+            return False  # a Conv1d's 3-D kernel is one matrix (see [Note: what Muon steps])
         return MatrixView.of(found.param.shape, found.fqn).experts is not None
 
     @classmethod
@@ -90,7 +90,7 @@ class ExpertStack(ParamHolder):
         """Its experts' matrices (see [Note: fused gate and up]); raises for a stack split
         where its experts cannot be stepped whole, and for a declared split (which cuts the
         rows of a 2-D weight; a fused gate and up stack says so with ``glu``)."""
-        if isinstance(found.module, (nn.Conv1d, nn.ConvTranspose1d, nn.Bilinear)):
+        if isinstance(found.module, (nn.ConvTranspose1d, nn.Bilinear)):
             what = "weight" if isinstance(found.module, nn.Bilinear) else "kernel"
             raise ValueError(
                 f"{found.fqn!r} (shape {tuple(found.param.shape)}) is the {what} of a"

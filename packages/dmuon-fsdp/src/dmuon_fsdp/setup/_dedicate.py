@@ -64,12 +64,13 @@ from dmuon_ownership import (
     ParamPolicy,
     Plan,
     ResolvedPolicy,
+    Route,
     WorkItem,
     plan_owners,
     validate_param_policy,
 )
 
-from .._matrix import MatrixView, describe_pieces, pieces_of
+from .._matrix import MatrixView, describe_pieces, is_conv_kernel, pieces_of
 from .._torch_internals import ddp_modules
 from .._warnings import warn
 from ..holder import (
@@ -183,6 +184,9 @@ def dedicate_params(
             split: a fused 2-D weight (``[q; k; v]``, ``[gate; up]``) whose pieces Muon
             orthogonalises apart, checked against its shape here (``ValueError`` naming the
             parameter when it does not fit). Accepting none warns (no Muon step will run).
+            On the Muon route a 2-D weight is one matrix, the kernel of an ``nn.Conv1d``,
+            ``Conv2d`` or ``Conv3d`` one flattened ``(out, in/groups·∏k)`` matrix, any other
+            3-D parameter a stack of experts on dim 0; anything else raises ``ValueError``.
         reshard_after_forward: Z3 (``True``) or Z2 (``False``); see
             :class:`DedicateConfig`. Pass ``fully_shard`` the same value.
         replicate_mesh: for HSDP with a 1-D ``mesh``, the 1-D ``DeviceMesh`` of the replicas
@@ -680,6 +684,7 @@ def _claim(
             )
         claims.append(_Claim(found, kind, None if kind is None else kind.view_of(found)))
     _warn_muon_biases(claims)
+    _warn_stacks_of_one(claims)
     return claims
 
 
@@ -700,6 +705,29 @@ def _warn_muon_biases(claims: list[_Claim]) -> None:
             " bias stack across its experts), where biases train with AdamW; leave them out"
             " of the predicate (and 'bias' not in name), or route them to 'adamw' with"
             " param_policy",
+            UserWarning,
+        )
+
+
+def _warn_stacks_of_one(claims: list[_Claim]) -> None:
+    """Warn of 3-D parameters of one expert on the Muon route: a predicate that takes every
+    parameter of two or more dims (``p.ndim >= 2``) takes a vision transformer's class token
+    ``(1, 1, D)`` and position embedding ``(1, N, D)``, held on the model with a leading dim
+    of one for broadcasting, which dmuon would take as a stack of one expert and Muon would
+    orthogonalise (a ``(1, D)`` row: normalise), where Muon recipes train them with AdamW. A
+    stack of one expert is rare enough that a real one can bear the warning."""
+    ones = [
+        f"{found.fqn} {tuple(found.param.shape)}"
+        for found, _, view in claims
+        if view is not None and view.experts == 1
+    ]
+    if ones:
+        warn(
+            f"dedicate_params: the predicate put {len(ones)} 3-D parameter(s) with a leading"
+            f" dim of 1 on the Muon route (first: {ones[:3]}): dmuon takes a 3-D parameter as a"
+            " stack of experts on dim 0, so Muon orthogonalises its one (N, D) slice; a class"
+            " token or position embedding (1, N, D) trains with AdamW: leave it out of the"
+            " predicate (and p.ndim == 2), or route it to 'adamw' with param_policy",
             UserWarning,
         )
 
@@ -812,6 +840,11 @@ def _work_items(
         param = found.param
         boundary = _shared_boundary(aliases[id(param)], modules, config)
         pieces = () if found.split is None else pieces_of(param.shape, found.fqn, found.split)
+        # A split weight's owner runs NS on its pieces, a convolution kernel's on its one
+        # flattened matrix: the planner weighs those.
+        matrices = tuple(piece.view.stack_shape for piece in pieces)
+        if found.policy.route is Route.MUON and is_conv_kernel(found.module, found.name):
+            matrices = (MatrixView.of(param.shape, found.fqn, kernel=True).stack_shape,)
         items.append(
             WorkItem(
                 found.fqn,
@@ -820,8 +853,7 @@ def _work_items(
                 found.policy.route,
                 param.element_size(),
                 tp.get(found.fqn, 1),
-                # A split weight's owner runs NS on its pieces: the planner weighs those.
-                tuple(piece.view.stack_shape for piece in pieces),
+                matrices,
             )
         )
     return items
