@@ -13,6 +13,7 @@ from _models import shard_layers_then_root
 from _reference import Hyper, ReferenceMuonAdamW
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dmuon_fsdp import Muon, dedicate_params, get_model_state_dict, summarize_param_groups
 from dmuon_fsdp._matrix import LrScaling, MatrixView
@@ -68,7 +69,22 @@ def _muon(name: str, p: nn.Parameter) -> bool:
     return name.startswith("layers.") and p.ndim >= 2
 
 
+def _refuse_tensor_parallel(world_size: int) -> None:
+    """A convolution's kernel sharded over TP ranks is refused before anything is set up."""
+    model = ConvNet()
+    conv = model.layers[0].conv
+    tp_mesh = init_device_mesh("cpu", (world_size,))
+    conv.weight = nn.Parameter(distribute_tensor(conv.weight.detach(), tp_mesh, [Shard(0)]))
+    with pytest.raises(
+        ValueError,
+        match=r"'layers\.0\.conv\.weight' \(shape \(4, 2, 3, 3\)\) is the kernel of a "
+        r"tensor-parallel Conv2d \(sharded over 2 TP ranks\).*route its kernel to 'adamw'",
+    ):
+        dedicate_params(model, tp_mesh, lambda n, p: n == "layers.0.conv.weight")
+
+
 def _train(rank: int, world_size: int) -> dict:
+    _refuse_tensor_parallel(world_size)
     torch.manual_seed(0)
     model = ConvNet()
     reference = ConvNet()
@@ -115,7 +131,8 @@ def _train(rank: int, world_size: int) -> dict:
 @pytest.mark.distributed
 def test_conv_kernels_train_as_flattened_matrices_like_the_reference() -> None:
     """Conv2d (grouped) and Conv1d kernels on 2 ranks against the single-process reference
-    that flattens each by hand; a Conv1d's 3-D kernel is dedicated, not an expert stack."""
+    that flattens each by hand; a Conv1d's 3-D kernel is dedicated, not an expert stack; a
+    tensor-parallel kernel is refused, naming the fix."""
     got = run_distributed(_train, 2)[0]
     assert got["routes"]["layers.0.conv1d.weight"] == "muon"  # dedicated, not left to FSDP2
     for a, b in zip(got["losses"], got["ref_losses"], strict=True):
