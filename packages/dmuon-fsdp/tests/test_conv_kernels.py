@@ -15,7 +15,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dmuon_fsdp import Muon, dedicate_params, get_model_state_dict, summarize_param_groups
+from dmuon_fsdp import (
+    Muon,
+    dedicate_params,
+    get_model_state_dict,
+    get_owned_params,
+    summarize_param_groups,
+)
 from dmuon_fsdp._matrix import LrScaling, MatrixView
 from dmuon_ownership import ns_cost
 from dmuon_testing.distributed import run_distributed
@@ -112,6 +118,20 @@ def _train(rank: int, world_size: int) -> dict:
         ref_loss.backward()
         ref_opt.step()
         ref_losses.append(ref_loss.item())
+    # The clip gets each kernel's gradient as the one matrix Muon steps (a per-matrix clip
+    # takes a gradient of more dims as a batch of (kh, kw) slices), a view it scales in place.
+    loss = F.cross_entropy(
+        model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]
+    )
+    loss.backward()
+    handed = optimizer.grads_for_clip("muon").grads
+    owned = get_owned_params(model, rank)
+    clip = {
+        "handed": sorted(tuple(g.shape) for g in handed),
+        "owned": sorted((dp.shape[0], dp.grad.numel() // dp.shape[0]) for dp in owned),
+        "in_place": all(any(g.data_ptr() == dp.grad.data_ptr() for g in handed) for dp in owned),
+    }
+    optimizer.zero_grad()
     rows = {
         row["name"]: row["matrices"]
         for group in summarize_param_groups(model, optimizer)
@@ -125,6 +145,7 @@ def _train(rank: int, world_size: int) -> dict:
         "matrices": rows["layers.0.conv.weight"],
         "loads": runtime.plan.loads,
         "routes": {dp.fqn: dp.route.value for dp in runtime.params},
+        "clip": clip,
     }
 
 
@@ -132,8 +153,13 @@ def _train(rank: int, world_size: int) -> dict:
 def test_conv_kernels_train_as_flattened_matrices_like_the_reference() -> None:
     """Conv2d (grouped) and Conv1d kernels on 2 ranks against the single-process reference
     that flattens each by hand; a Conv1d's 3-D kernel is dedicated, not an expert stack; a
-    tensor-parallel kernel is refused, naming the fix."""
-    got = run_distributed(_train, 2)[0]
+    tensor-parallel kernel is refused, naming the fix; the clip gets each kernel's gradient as
+    its flattened matrix."""
+    results = run_distributed(_train, 2)
+    got = results[0]
+    for result in results:
+        assert result["clip"]["handed"] == result["clip"]["owned"] and result["clip"]["in_place"]
+    assert sum(len(r["clip"]["owned"]) for r in results) == 6
     assert got["routes"]["layers.0.conv1d.weight"] == "muon"  # dedicated, not left to FSDP2
     for a, b in zip(got["losses"], got["ref_losses"], strict=True):
         assert abs(a - b) <= 1e-6, (got["losses"], got["ref_losses"])

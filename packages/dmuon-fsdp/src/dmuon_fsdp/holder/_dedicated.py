@@ -465,10 +465,15 @@ class DedicatedParam(ParamHolder):
 
     def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
         """The owner's averaged gradient; a whole matrix (not tensor-parallel) is kept in every
-        TP grid and counted in grid 0 (see [Note: global quantities] in ``topology/_comm``)."""
-        if self.grad is None:
+        TP grid and counted in grid 0 (see [Note: global quantities] in ``topology/_comm``). A
+        convolution kernel's is handed over as the one matrix Muon steps (a view, scaled in
+        place), so that a per-matrix clip does not clip each ``(kh, kw)`` slice apart."""
+        grad = self.grad
+        if grad is None:
             return None
-        return self.grad, layout.tp_index > 0 and self.tp_dim is None
+        if self.conv_kernel:
+            grad = grad.view(grad.shape[0], -1)
+        return grad, layout.tp_index > 0 and self.tp_dim is None
 
     @property
     def split_over_ranks(self) -> bool:
