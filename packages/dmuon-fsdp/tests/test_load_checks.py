@@ -189,6 +189,11 @@ def _misuses(rank: int, world_size: int, directory: str) -> None:
     for call in (save_checkpoint, load_checkpoint):
         with pytest.raises(ValueError, match="is a file; a checkpoint is a directory"):
             call(a_file, model, optimizer)
+        # the directory last, as some libraries take it: named, with the order
+        with pytest.raises(
+            TypeError, match=r"got FSDPTinyLlama; the directory comes first: \w+_checkpoint\(path,"
+        ):
+            call(model, optimizer, directory)  # type: ignore[arg-type]
     q = "layers.0.attn.q_proj.weight"
     clip = QKClip()
     clip.add(q, "layers.0.attn.k_proj.weight", 2)

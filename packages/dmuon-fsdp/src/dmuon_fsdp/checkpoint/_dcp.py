@@ -461,6 +461,7 @@ def save_checkpoint(
         optimizer: the :class:`Muon` built on ``model`` (another object raises
             ``ValueError``), or the :class:`MuonParts` of this rank's model parts.
     """
+    _check_path_type("save_checkpoint", path)
     _check_not_a_file("save_checkpoint", path)
     with record_function("dmuon::save_checkpoint"):
         writer = integrity.ChecksumWriter(path)
@@ -501,6 +502,17 @@ def _pair_parts(model: object, optimizer: MuonParts) -> list[tuple[nn.Module, Mu
                     " layers from the whole model instead of building each part anew)"
                 )
     return list(zip(modules, parts, strict=True))
+
+
+def _check_path_type(where: str, path: object) -> None:
+    """Refuse a ``path`` that is no path (the model, given first as some libraries take it),
+    before anything reads the other arguments; the same on every rank."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"{where}: path must be the checkpoint directory (a str or os.PathLike), got"
+            f" {type(path).__name__}; the directory comes first: {where}(path, model,"
+            " optimizer)"
+        )
 
 
 def _check_not_a_file(where: str, path: str | os.PathLike[str]) -> None:
@@ -805,6 +817,7 @@ def load_checkpoint(
             ``ValueError`` (there is no optimizer state to be strict about).
     """
     where = "load_checkpoint"
+    _check_path_type(where, path)
     check_bool(f"{where}: strict", strict)
     _check_not_plain(where, model)
     if optimizer is None:
