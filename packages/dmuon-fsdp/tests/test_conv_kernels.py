@@ -87,6 +87,16 @@ def _refuse_tensor_parallel(world_size: int) -> None:
         r"tensor-parallel Conv2d \(sharded over 2 TP ranks\).*route its kernel to 'adamw'",
     ):
         dedicate_params(model, tp_mesh, lambda n, p: n == "layers.0.conv.weight")
+    # the fix it names: on the AdamW route the kernel is taken (data parallel over one rank)
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    model = ConvNet()
+    conv = model.layers[0].conv
+    conv.weight = nn.Parameter(distribute_tensor(conv.weight.detach(), mesh["tp"], [Shard(0)]))
+    policy = {"defaults": {"route": "adamw"}}
+    runtime = dedicate_params(
+        model, mesh["dp"], lambda n, p: n == "layers.0.conv.weight", param_policy=policy
+    )
+    assert [dp.route.value for dp in runtime.params] == ["adamw"]
 
 
 def _train(rank: int, world_size: int) -> dict:

@@ -534,7 +534,8 @@ class TensorParallelParam(DedicatedParam):
         """As a plain matrix's; a declared split is refused where the matrix is sharded over
         more than one TP rank (its shards cut across the pieces)."""
         mesh = cast(DTensor, found.param).device_mesh
-        if is_conv_kernel(found.module, found.name) and mesh.size() > 1:
+        muon = found.policy.route is Route.MUON
+        if muon and is_conv_kernel(found.module, found.name) and mesh.size() > 1:
             raise ValueError(
                 f"{found.fqn!r} (shape {tuple(found.param.shape)}) is the kernel of a"
                 f" tensor-parallel {type(found.module).__name__} (sharded over {mesh.size()} TP"
