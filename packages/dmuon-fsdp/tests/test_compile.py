@@ -8,6 +8,7 @@ after ``dedicate_params``, naming the fix."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 
 import pytest
@@ -190,6 +191,12 @@ def _traced_into_dmuon(traced: list[str]):
     return backend
 
 
+# A compiled function that calls backward() on an FSDP2 model fails inside FSDP2 on torch 2.11
+# ("modified by an inplace operation", plain FSDP2 + torch.optim.AdamW alike) and trains on
+# 2.13; the compile guide says so.
+BACKWARD_COMPILES = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 13)
+
+
 def _compiled_train_step(rank: int, world_size: int) -> dict:
     """The train-step habits of torch's own optimizers: ``torch.compile(optimizer.step)``
     under ``fullgraph=True``, and a compiled function that calls ``zero_grad()``, the model,
@@ -221,10 +228,11 @@ def _compiled_train_step(rank: int, world_size: int) -> dict:
         return loss.detach()
 
     batches = [shard(make_batch(step, 8, 8, 32), rank, world_size) for step in range(2)]
-    out["compiled"] = [float(train_step(tokens)) for tokens in batches]
-    model = _model(world_size, reshard=True)
-    optimizer = Muon(model, **HYPER.muon_kwargs())
-    out["eager"] = [_step(model, optimizer, lm_loss, s, rank, world_size) for s in range(2)]
+    if BACKWARD_COMPILES:
+        out["compiled"] = [float(train_step(tokens)) for tokens in batches]
+        model = _model(world_size, reshard=True)
+        optimizer = Muon(model, **HYPER.muon_kwargs())
+        out["eager"] = [_step(model, optimizer, lm_loss, s, rank, world_size) for s in range(2)]
 
     torch._dynamo.reset()
     model = build(0, 2)
@@ -252,6 +260,7 @@ def test_compiled_step_runs_eagerly_and_fullgraph_names_the_fix():
             assert f"dmuon.Muon.{name} runs eagerly under torch.compile" in result[name]
             assert "outside the compiled function" in result[name]
         assert not result["traced"], result["traced"][:3]
-        assert result["compiled"] == result["eager"], (result["compiled"], result["eager"])
+        if BACKWARD_COMPILES:
+            assert result["compiled"] == result["eager"], (result["compiled"], result["eager"])
         message = result["wrapped after"]
         assert "wrap the layers in checkpoint_wrapper before dmuon.dedicate_params" in message
