@@ -24,7 +24,7 @@ from dmuon_fsdp import (
 )
 from dmuon_fsdp._matrix import LrScaling, MatrixView
 from dmuon_ownership import ns_cost
-from dmuon_testing.distributed import run_distributed
+from dmuon_testing.distributed import one_gpu_world, run_distributed
 
 HYPER = Hyper()
 STEPS = 3
@@ -182,3 +182,63 @@ def test_conv_kernels_train_as_flattened_matrices_like_the_reference() -> None:
     # The planner weighs the flattened matrices' Newton–Schulz, not (kh, kw) slices'.
     muon = 2 * (ns_cost((4, 18)) + ns_cost((4, 12)) + ns_cost((4, 4)))
     assert math.fsum(got["loads"]) == muon
+
+
+class _GpuNet(nn.Module):
+    """Kernels flattened wide, tall ((64, 16): its NS result is a transposed view) and grouped,
+    and a Conv1d under the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        convs = [nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 64, 1)]
+        convs.append(nn.Conv2d(64, 8, 3, padding=1, groups=2))
+        self.layers = nn.ModuleList(
+            [nn.Sequential(convs[0], nn.ReLU(), convs[1], nn.ReLU(), convs[2])]
+        )
+        self.conv1d = nn.Conv1d(8, 8, 5, padding=2)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.conv1d(x.flatten(2)).mean(-1))
+
+
+def _gpu_steps(device: torch.device, kernels: bool) -> dict[str, Tensor]:
+    from dmuon_fsdp.optim import _fused
+
+    torch.manual_seed(0)
+    model = _GpuNet().to(device)
+    mesh = init_device_mesh("cuda", (1,))
+    dedicate_params(
+        model, mesh, lambda n, p: p.ndim >= 2 and "head" not in n, hook_boundary_strict=False
+    )
+    shard_layers_then_root(model, mesh)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    _fused._join_background()
+    use_kernels = _fused._use_kernels
+    if not kernels:
+        _fused._use_kernels = lambda *tensors: False
+    try:
+        g = torch.Generator(device=device).manual_seed(1)
+        for _ in range(4):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8, 12, 12, device=device, generator=g)).square().mean().backward()
+            optimizer.step()
+    finally:
+        _fused._use_kernels = use_kernels
+    return get_model_state_dict(model)
+
+
+@pytest.mark.gpu
+def test_kernels_through_the_fused_passes_give_the_torch_ops_bits() -> None:
+    """The fused Triton passes read and write a kernel through its flattened views (a tall one
+    tiled, [Note: transposed updates] in optim/_fused) with the torch ops' bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    with one_gpu_world() as device:
+        fused, plain = _gpu_steps(device, True), _gpu_steps(device, False)
+    kernels = sorted(k for k, v in fused.items() if v.ndim >= 3)
+    assert len(kernels) == 4, kernels
+    for key, value in fused.items():
+        assert torch.equal(value, plain[key]), key
