@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
+import dmuon
 from dmuon._demo_model import LlamaConfig, TinyLlama, muon_predicate
 from dmuon_clip import MuonGradClipStats, register_muon_grad_clip_strategy
 from dmuon_testing.distributed import run_distributed
@@ -44,10 +45,16 @@ def _reference_muon_norm() -> float:
 
 
 def _backward_on_ranks(
-    cfg: LlamaConfig, rank: int, world_size: int, hsdp: bool = False, options=None
+    cfg: LlamaConfig,
+    rank: int,
+    world_size: int,
+    hsdp: bool = False,
+    options=None,
+    predicate=muon_predicate,
 ):
     """The demo model under dmuon and FSDP2 (1-D, or HSDP 2 × world/2) after one backward of
-    this rank's rows, its Muon built with ``options``; (model, runtime, optimizer)."""
+    this rank's rows, its Muon built with ``options``, its weights chosen by ``predicate``;
+    (model, runtime, optimizer)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -58,11 +65,11 @@ def _backward_on_ranks(
     if hsdp:
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
         runtime = dmuon.dedicate_params(
-            model, mesh["shard"], muon_predicate, replicate_mesh=mesh["replicate"]
+            model, mesh["shard"], predicate, replicate_mesh=mesh["replicate"]
         )
     else:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
-        runtime = dmuon.dedicate_params(model, mesh, muon_predicate)
+        runtime = dmuon.dedicate_params(model, mesh, predicate)
     dedicated = dmuon.dedicated_params_of(model)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=dedicated)
@@ -246,9 +253,22 @@ def test_tensor_parallel_clip_counts_each_element_once_and_clips_like_one_proces
 MOE = dataclasses.replace(CFG, experts=4)
 
 
+# Two q projections (32, 32) declared as fused [q; k; v] weights (2 query heads, 1 key/value
+# head of 8 rows): Muon steps their pieces as matrices of their own, and so does the clip. The
+# row blocks each piece's matrices span, in order: q, k and v, or one matrix per head.
+SPLITS = {
+    "layers.0.self_attn.q_proj.weight": (dmuon.MatrixSplit(2, 1), (16, 8, 8)),
+    "layers.1.self_attn.q_proj.weight": (dmuon.MatrixSplit(2, 1, per_head=True), (8,) * 4),
+}
+
+
+def _split_predicate(name: str, p: torch.Tensor) -> bool | dmuon.MatrixSplit:
+    return SPLITS[name][0] if name in SPLITS else muon_predicate(name, p)
+
+
 def _per_matrix_reference(max_norm: float) -> dict[str, torch.Tensor]:
-    """The full-batch Muon gradients of one process, each matrix (each expert of a stack)
-    clipped by its own norm."""
+    """The full-batch Muon gradients of one process, each matrix (each expert of a stack,
+    each piece of a split weight, cut by hand) clipped by its own norm."""
     torch.manual_seed(0)
     model = TinyLlama(MOE)
     _loss(model, _tokens()).backward()
@@ -256,15 +276,19 @@ def _per_matrix_reference(max_norm: float) -> dict[str, torch.Tensor]:
     for n, p in model.named_parameters():
         if muon_predicate(n, p):
             g = p.grad.double()
-            norms = torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True)
-            out[n] = g * torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+            blocks = g.split(list(SPLITS[n][1])) if n in SPLITS else [g]
+            clipped = []
+            for block in blocks:
+                norms = torch.linalg.vector_norm(block, dim=(-2, -1), keepdim=True)
+                clipped.append(block * torch.clamp(max_norm / (norms + 1e-6), max=1.0))
+            out[n] = torch.cat(clipped)
     return out
 
 
 def _per_matrix_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[str, torch.Tensor]:
-    import dmuon
-
-    model, runtime, optimizer = _backward_on_ranks(MOE, rank, world_size, hsdp=True)
+    model, runtime, optimizer = _backward_on_ranks(
+        MOE, rank, world_size, hsdp=True, predicate=_split_predicate
+    )
     dmuon.clip_grad_norm_(optimizer, max_norm, strategy="per_matrix")
     # Each replica's expert gradients as that replica holds them (gathered over its shards),
     # and the dense matrices this rank owns.
@@ -278,9 +302,10 @@ def _per_matrix_on_ranks(rank: int, world_size: int, max_norm: float) -> dict[st
 
 
 @pytest.mark.distributed
-def test_per_matrix_clips_every_expert_alone_on_every_replica() -> None:
+def test_per_matrix_clips_every_expert_and_every_piece_alone_on_every_replica() -> None:
     # Every rank holds two of a stack's four experts; the second replica's shards are copies
-    # (the first counts them). Each expert must end as one process clips it alone.
+    # (the first counts them). Each expert must end as one process clips it alone, and each
+    # piece of a split weight (q, k, v; or each head) as if it were a weight of its own.
     want = _per_matrix_reference(1.0)
     norms = sorted(float(torch.linalg.vector_norm(g)) for g in want.values())
     max_norm = norms[len(norms) // 2] / 20  # clips most matrices, by different factors

@@ -23,7 +23,8 @@ class MuonClipGradsLike(Protocol):
     """What ``optimizer.grads_for_clip(params)`` returns (ARCHITECTURE.md, dmuon-fsdp contract).
 
     ``grads``: this rank's part of the gradients to clip (possibly none): whole matrices on
-    their owners, or shards. ``process_group``: the group over which a sum of ``grads``'
+    their owners, or shards; a weight Muon steps as several matrices (a fused projection with
+    a declared split) hands each piece over as a tensor of its own, a view of its gradient. ``process_group``: the group over which a sum of ``grads``'
     elements counts every element of every selected gradient exactly once; ``None`` when not
     distributed. ``device``: where the norm accumulator lives (it must be a device the group's
     backend can reduce, e.g. CUDA for NCCL).
@@ -82,7 +83,8 @@ class MuonGradClipStats:
         clipped: bool 0-dim, whether the grads were scaled down.
         found_inf: bool 0-dim, whether the norm was non-finite (the grads are then untouched).
         param_count: a Python ``int``, the number of gradient tensors this rank clipped
-            (rank-local; no collective counts them).
+            (rank-local; no collective counts them): a weight with a declared split counts
+            once per piece.
     """
 
     total_norm: Tensor

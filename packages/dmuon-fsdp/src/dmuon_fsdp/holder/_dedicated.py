@@ -463,17 +463,24 @@ class DedicatedParam(ParamHolder):
             offsets[self.tp_dim] = layout.tp_index * int(self.local_shape[self.tp_dim])
         return WeightPart(self.full, tuple(offsets), tuple(self.shape))
 
-    def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
-        """The owner's averaged gradient; a whole matrix (not tensor-parallel) is kept in every
-        TP grid and counted in grid 0 (see [Note: global quantities] in ``topology/_comm``). A
-        convolution kernel's is handed over as the one matrix Muon steps (a view, scaled in
-        place), so that a per-matrix clip does not clip each ``(kh, kw)`` slice apart."""
+    def clip_grad(self, layout: MeshLayout) -> tuple[tuple[Tensor, ...], bool] | None:
+        """The owner's averaged gradient as the matrices Muon steps, views that a clip scales
+        in place; a whole matrix (not tensor-parallel) is kept in every TP grid and counted in
+        grid 0 (see [Note: global quantities] in ``topology/_comm``). A convolution kernel's is
+        the one flattened matrix, so that a per-matrix clip does not clip each ``(kh, kw)``
+        slice apart; a declared split's is one view per piece (its rows, a ``(rows, cols)``
+        matrix or a ``(count, rows, cols)`` stack of per-head matrices), so that a per-matrix
+        clip clips q, k and v apart, as it clips separate modules (a split weight is never a
+        TP shard: ``TensorParallelParam.view_of`` refuses that)."""
         grad = self.grad
         if grad is None:
             return None
+        copy = layout.tp_index > 0 and self.tp_dim is None
+        if self.pieces:
+            return tuple(_piece_grad(grad, piece) for piece in self.pieces), copy
         if self.conv_kernel:
             grad = grad.view(grad.shape[0], -1)
-        return grad, layout.tp_index > 0 and self.tp_dim is None
+        return (grad,), copy
 
     @property
     def split_over_ranks(self) -> bool:
@@ -621,3 +628,11 @@ def _stores_in_out(module: nn.Module, name: str, shape: Sequence[int]) -> bool:
         and len(shape) == 2
         and getattr(module, "nf", None) == shape[1]
     )
+
+
+def _piece_grad(grad: Tensor, piece: Piece) -> Tensor:
+    """``piece``'s rows of a split weight's gradient as its matrices (one ``(rows, cols)``, or a
+    ``(count, rows, cols)`` stack): a view, so that scaling it scales ``grad``."""
+    rows = grad[piece.start : piece.stop]
+    view = piece.view
+    return rows if view.batch == 1 else rows.view(view.batch, view.rows, view.cols)

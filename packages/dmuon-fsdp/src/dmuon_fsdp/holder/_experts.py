@@ -176,7 +176,7 @@ class ExpertStack(ParamHolder):
     def weight_part(self, layout: MeshLayout) -> WeightPart:
         return tensor_view(self.param).weight_part(layout)
 
-    def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
+    def clip_grad(self, layout: MeshLayout) -> tuple[tuple[Tensor, ...], bool] | None:
         """This rank's shard of the gradient; it counts once, on the first replica of every
         mesh dim that replicates it (the others pass it as a copy)."""
         return tensor_view(self.param).clip_grad(layout)

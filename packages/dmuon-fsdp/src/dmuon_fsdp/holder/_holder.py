@@ -219,9 +219,10 @@ class ParamHolder:
         """What this rank steps of the parameter, for the post-update hooks."""
         raise NotImplementedError
 
-    def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
-        """The gradient this rank hands to the clip and whether another rank counts it (a
-        copy: scaled, not counted); ``None``: none here."""
+    def clip_grad(self, layout: MeshLayout) -> tuple[tuple[Tensor, ...], bool] | None:
+        """The gradients this rank hands to the clip (the parameter's, or views of the matrices
+        Muon steps, which the clip scales in place) and whether another rank counts them
+        (copies: scaled, not counted); ``None``: none here."""
         raise NotImplementedError
 
     @property

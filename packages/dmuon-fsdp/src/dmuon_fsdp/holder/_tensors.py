@@ -45,14 +45,14 @@ class TensorView:
     def step_tensors(self) -> tuple[Tensor | None, Tensor | None]:
         return self.tensor, self.tensor.grad
 
-    def clip_grad(self, layout: MeshLayout) -> tuple[Tensor, bool] | None:
+    def clip_grad(self, layout: MeshLayout) -> tuple[tuple[Tensor, ...], bool] | None:
         """This rank's part of the gradient and whether another rank counts it (a copy: scaled,
         not counted; see [Note: global quantities] in ``topology/_comm``); ``None``: no
         gradient."""
         grad = self.tensor.grad
         if grad is None:
             return None
-        return local_shard(grad), not (self.counts_once() and self.counted_in_grid(layout))
+        return (local_shard(grad),), not (self.counts_once() and self.counted_in_grid(layout))
 
     def counted_in_grid(self, layout: MeshLayout) -> bool:
         """Whether this rank's TP grid counts it in a sum over every grid."""

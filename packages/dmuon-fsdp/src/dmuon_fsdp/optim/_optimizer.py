@@ -1089,7 +1089,8 @@ class Muon(torch.optim.Optimizer):
     def grads_for_clip(self, params: str | Iterable[Tensor] = "muon") -> MuonClipGrads:
         """This rank's part of the final gradients (pending reduces waited) of the parameters
         ``params`` names, for clipping: scaling them in place changes what the next ``step()``
-        reads. Scale ``.copies`` by the same factor too: they are the gradients other ranks
+        reads. A Muon weight's come as the matrices Muon steps, views of its gradient: a
+        convolution kernel's flattened, a declared split's one per piece. Scale ``.copies`` by the same factor too: they are the gradients other ranks
         count and this rank steps as well (HSDP replicas, TP grids), and left unscaled they
         make the replicas diverge. Summed over every rank ``.grads`` count each element once (see [Note: global
         quantities] in _comm). Where a Muon gradient is among them, the NS results that
@@ -1134,10 +1135,12 @@ class Muon(torch.optim.Optimizer):
             if id(param) not in chosen:
                 continue
             # A whole matrix is held in every TP grid (counted in grid 0), an expert shard or
-            # an FSDP2 shard by every replica of its mesh (counted on the first).
+            # an FSDP2 shard by every replica of its mesh (counted on the first). A conv kernel
+            # comes as its flattened matrix, a split weight as one view per piece: the
+            # matrices Muon steps, so that a per-matrix clip clips those.
             got = view.clip_grad(layout)
             if got is not None:
-                (copies if got[1] else grads).append(got[0])
+                (copies if got[1] else grads).extend(got[0])
         device = (grads or copies)[0].device if grads or copies else self._clip_device()
         return MuonClipGrads(grads, self._clip_group(), device, tuple(copies), sharded=sharded)
 
