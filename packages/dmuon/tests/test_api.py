@@ -219,6 +219,8 @@ _NO_WORK = textwrap.dedent(
     assert "triton" not in sys.modules, "import dmuon imported triton"
     assert "transformers" not in sys.modules, "import dmuon imported transformers"
     assert "dmuon.integrations" not in sys.modules, "import dmuon imported its integrations"
+    # dmuon's untraced functions (Muon's step, the clips) must not import the compiler here.
+    assert "torch._dynamo" not in sys.modules, "import dmuon imported the compiler (torch._dynamo)"
     assert not torch.cuda.is_initialized(), "import dmuon initialised CUDA"
     changed = [n for n, f in before.items() if getattr(_fsdp_init, n) is not f]
     assert not changed, f"import dmuon patched FSDP2: {changed}"

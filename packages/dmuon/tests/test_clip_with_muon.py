@@ -594,3 +594,106 @@ def test_per_matrix_clips_each_adamw_tensor_whole_on_the_replicated_path(strateg
         assert got.keys() == want.keys()
         for name, grad in got.items():
             torch.testing.assert_close(grad.double(), want[name], rtol=1e-5, atol=1e-9)
+
+
+# A compiled function that calls backward() on an FSDP2 model fails inside FSDP2 on torch 2.11
+# (plain FSDP2 + torch.optim.AdamW alike) and trains on 2.13, as dmuon-fsdp's test_compile says.
+BACKWARD_COMPILES = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 13)
+COMPILED_MAX_NORM = 0.05  # below the Muon-grad norm of both steps: the clip scales
+# dmuon-clip's entry points that take the optimizer.
+CLIP_ENTRY_POINTS = (
+    "clip_grad_norm_",
+    "clip_grads_with_norm_",
+    "clip_grad_value_",
+    "try_clip_optimizer_grad_norm_buckets_",
+)
+
+
+def _clip_train_step(model, optimizer):
+    """The train step of torch's clip habit: zero_grad, backward, clip, step; (loss, the Muon
+    norm the clip measured)."""
+    import dmuon
+
+    def step(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        optimizer.zero_grad()
+        loss = _loss(model, tokens)
+        loss.backward()
+        total = dmuon.clip_grad_norm_(optimizer, COMPILED_MAX_NORM).total_norm
+        optimizer.step()
+        return loss.detach(), total
+
+    return step
+
+
+def _compiled_clip_on_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """Each entry point that takes the optimizer, compiled with ``fullgraph=True`` (what it
+    raised), and a compiled train step that clips (its and the eager step's losses and norms,
+    dynamo's graph breaks, and the graph nodes traced from dmuon-clip's or dmuon-fsdp's code)."""
+    import os
+
+    import torch._dynamo.utils as dynamo_utils
+
+    import dmuon
+    import dmuon_clip
+    import dmuon_fsdp
+
+    sources = [os.path.dirname(m.__file__) for m in (dmuon_clip, dmuon_fsdp)]
+    out: dict[str, Any] = {"traced": []}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        for node in gm.graph.nodes:
+            stack = node.meta.get("stack_trace") or ""
+            if any(source in stack for source in sources):
+                out["traced"].append(stack)
+        return gm.forward
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    _, _, optimizer = _backward_on_ranks(CFG, rank, world_size)
+    calls = {
+        "clip_grad_norm_": lambda: dmuon.clip_grad_norm_(optimizer, 1.0),
+        "clip_grads_with_norm_": lambda: dmuon.clip.clip_grads_with_norm_(optimizer, 1.0, 2.0),
+        "clip_grad_value_": lambda: dmuon.clip.clip_grad_value_(optimizer, 1.0),
+        "try_clip_optimizer_grad_norm_buckets_": lambda: (
+            dmuon.clip.try_clip_optimizer_grad_norm_buckets_(
+                optimizer, regular_grads=[], adamw_grads=[], max_norm=1.0
+            )
+        ),
+    }
+    for name, call in calls.items():
+        try:
+            torch.compile(call, backend=backend, fullgraph=True)()
+            out[name] = "did not raise"
+        except Exception as error:  # dynamo's Unsupported
+            out[name] = str(error)
+    if BACKWARD_COMPILES:
+        rows = ROWS // world_size
+        shares = [_tokens()[r * rows : (r + 1) * rows] for r in range(world_size)]
+        batches = [shares[rank], shares[world_size - 1 - rank]]  # two steps, two batches
+        model, _, optimizer = _backward_on_ranks(CFG, rank, world_size)
+        compiled = torch.compile(_clip_train_step(model, optimizer), backend=backend)
+        out["compiled"] = [[float(t) for t in compiled(tokens)] for tokens in batches]
+        out["breaks"] = dict(dynamo_utils.counters["graph_break"])
+        model, _, optimizer = _backward_on_ranks(CFG, rank, world_size)
+        eager = _clip_train_step(model, optimizer)
+        out["eager"] = [[float(t) for t in eager(tokens)] for tokens in batches]
+    return out
+
+
+@pytest.mark.distributed
+def test_the_clip_runs_eagerly_under_compile_and_fullgraph_names_the_fix() -> None:
+    # [Note: the clip under torch.compile]. Before: a compiled train step traced the clip and
+    # the optimizer's muon_grads_for_clip in pieces (16 graph breaks on non-tensor values and 2
+    # at Work.wait over two steps, 63 graph nodes from dmuon-clip's and dmuon-fsdp's code), and
+    # fullgraph=True raised an error that named a private torch call inside dmuon-clip.
+    for got in run_distributed(_compiled_clip_on_ranks, 2):
+        for name in CLIP_ENTRY_POINTS:
+            shown = "dmuon.clip_grad_norm_" if name == "clip_grad_norm_" else f"dmuon.clip.{name}"
+            assert f"{shown} runs eagerly under torch.compile" in got[name], (name, got[name])
+            assert "outside the compiled function" in got[name], (name, got[name])
+        assert not got["traced"], got["traced"][:3]
+        if BACKWARD_COMPILES:
+            assert got["compiled"] == got["eager"], (got["compiled"], got["eager"])
+            assert all(norm > COMPILED_MAX_NORM for _, norm in got["eager"]), got["eager"]
+            ours = [r for r in got["breaks"] if "dmuon_clip" in r or "dmuon.clip" in r]
+            assert len(ours) == 1 and "runs eagerly under torch.compile" in ours[0], ours

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon_clip import _fastpath
+from dmuon_clip._compile import eager_under_compile
 from dmuon_clip._profiling import span
 from dmuon_clip._types import (
     GradClipBucket,
@@ -348,6 +349,7 @@ def _run(
     )
 
 
+@eager_under_compile("dmuon.clip.try_clip_optimizer_grad_norm_buckets_")
 def try_clip_optimizer_grad_norm_buckets_(
     optimizer: SupportsMuonGradsForClip,
     *,
@@ -397,6 +399,10 @@ def try_clip_optimizer_grad_norm_buckets_(
             gradients); otherwise the group their norms are summed over (each rank passing its
             disjoint shard), which must be the optimizer's Muon group (``ValueError``
             otherwise).
+
+    Under ``torch.compile`` it runs eagerly, one graph break (see [Note: the clip under
+    torch.compile]): call it outside the compiled function, or compile without
+    ``fullgraph=True``, which refuses it naming this.
     """
     # [Note: a declined call takes nothing]
     # Taking the Muon gradients is not free of effects: dmuon's Muon waits for its reduces and

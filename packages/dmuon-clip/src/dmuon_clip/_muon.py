@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from dmuon_clip._buckets import clip_coefficient, scale_, validate_max_norm, validate_norm_type
+from dmuon_clip._compile import eager_under_compile
 from dmuon_clip._profiling import span
 from dmuon_clip._strategy import clips_per_matrix, get_muon_grad_clip_strategy
 from dmuon_clip._types import (
@@ -40,6 +41,7 @@ from dmuon_clip._types import (
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"]
 
 
+@eager_under_compile("dmuon.clip_grad_norm_")
 def clip_grad_norm_(
     optimizer: SupportsMuonGradsForClip,
     max_norm: float | None,
@@ -84,6 +86,10 @@ def clip_grad_norm_(
             ``model.parameters()`` on a model without dmuon), one of the optimizer's
             parameters or an iterable of them (as torch takes ``parameters``). All but
             ``"muon"`` need ``optimizer.grads_for_clip(params)``.
+
+    Under ``torch.compile`` it runs eagerly, one graph break (see [Note: the clip under
+    torch.compile]): call it outside the compiled function, or compile without
+    ``fullgraph=True``, which refuses it naming this.
     """
     max_norm = validate_max_norm(max_norm)
     norm_type = validate_norm_type(norm_type)
@@ -134,6 +140,7 @@ def clip_grad_norm_(
     return stats
 
 
+@eager_under_compile("dmuon.clip.clip_grads_with_norm_")
 def clip_grads_with_norm_(
     optimizer: SupportsMuonGradsForClip,
     max_norm: float,
@@ -162,6 +169,10 @@ def clip_grads_with_norm_(
             value raises ``TypeError``.
         params: which gradients, as for :func:`clip_grad_norm_`: ``"muon"``, ``"adamw"``,
             ``"all"``, one of the optimizer's parameters or an iterable of them.
+
+    Under ``torch.compile`` it runs eagerly, one graph break (see [Note: the clip under
+    torch.compile]): call it outside the compiled function, or compile without
+    ``fullgraph=True``, which refuses it naming this.
     """
     if max_norm is None:  # measuring is clip_grad_norm_'s, with max_norm=None
         raise ValueError(
@@ -198,6 +209,7 @@ def clip_grads_with_norm_(
         scale_([*muon.grads, *clip_copies(muon)], coef)
 
 
+@eager_under_compile("dmuon.clip.clip_grad_value_")
 def clip_grad_value_(
     optimizer: SupportsMuonGradsForClip,
     clip_value: float,
@@ -223,6 +235,10 @@ def clip_grad_value_(
         params: which gradients, as for :func:`clip_grad_norm_`: ``"muon"``, ``"adamw"``,
             ``"all"`` (as torch's ``clip_grad_value_`` of ``model.parameters()`` on a model
             without dmuon), one of the optimizer's parameters or an iterable of them.
+
+    Under ``torch.compile`` it runs eagerly, one graph break (see [Note: the clip under
+    torch.compile]): call it outside the compiled function, or compile without
+    ``fullgraph=True``, which refuses it naming this.
     """
     if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)):
         raise TypeError(f"clip_value must be a number, got {clip_value!r}")
