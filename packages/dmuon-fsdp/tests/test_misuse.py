@@ -38,6 +38,14 @@ ROWS = 8
 _O_PROJ_ON_ADAMW = {"overrides": [{"name": ["*o_proj*"], "set": {"route": "adamw"}}]}
 
 
+def _built(mesh: DeviceMesh) -> tuple[nn.Module, Muon]:
+    """The test model dedicated over ``mesh``, its layers and root sharded, and its Muon."""
+    model = build(0)
+    dedicate_params(model, mesh, muon_predicate)
+    shard_layers_then_root(model, mesh)
+    return model, Muon(model)
+
+
 def _plain_fully_shard_without_the_patch(mesh: DeviceMesh, root: str) -> None:
     """The first public DMuon's script with the patch turned off: most ranks find out inside
     fully_shard, the others at Muon(model)."""
@@ -65,10 +73,7 @@ def _dedicated_twice(mesh: DeviceMesh, root: str) -> None:
 
 
 def _changed_after_muon(mesh: DeviceMesh, root: str) -> None:
-    model = build(0)
-    dedicate_params(model, mesh, muon_predicate)
-    shard_layers_then_root(model, mesh)
-    optimizer = Muon(model)
+    model, optimizer = _built(mesh)
     model.layers[1].mlp.up_proj.weight = nn.Parameter(torch.zeros(24, 16))
     loss_fn(model, batch(0, ROWS)).backward()
     optimizer.step()
@@ -107,10 +112,7 @@ def _torch_clip(mesh: DeviceMesh, root: str, how: str) -> None:
     FSDP2 gradients alone and left the Muon ones unclipped, without a word. ``how``:
     ``"norm"``, ``"value"``, or ``"bound early"``: torch's own clip_grad_norm_, as a script
     that imported it before dedicate_params holds it. Nothing is clipped."""
-    model = build(0)
-    dedicate_params(model, mesh, muon_predicate)
-    shard_layers_then_root(model, mesh)
-    optimizer = Muon(model)
+    model, optimizer = _built(mesh)
     loss_fn(model, batch(0, ROWS)).backward()
     before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     clip_norm = torch.nn.utils.clip_grad_norm_
@@ -184,10 +186,7 @@ def _two_muons_on_one_model(mesh: DeviceMesh, root: str) -> None:
     parameter, so every weight moved twice per backward, without a word. One optimizer stepped
     twice on the same gradients (as torch allows), and one built later that takes over on a
     backward of its own while the first still lives, are not refused."""
-    model = build(0)
-    dedicate_params(model, mesh, muon_predicate)
-    shard_layers_then_root(model, mesh)
-    first = Muon(model)
+    model, first = _built(mesh)
     loss_fn(model, batch(0, ROWS)).backward()
     first.step()
     first.step()
@@ -218,10 +217,7 @@ def _torch_optimizer_beside_muon_in_a_container(mesh: DeviceMesh, root: str) -> 
     """torchtitan's optimizer container: around dmuon.Muon alone it steps (its own groups hold
     Muon's parameters, which it steps through Muon); around torch's Adam beside Muon the Adam
     raises at its own step."""
-    model = build(0)
-    dedicate_params(model, mesh, muon_predicate)
-    shard_layers_then_root(model, mesh)
-    optimizer = Muon(model)
+    model, optimizer = _built(mesh)
     loss_fn(model, batch(0, ROWS)).backward()
     _OptimizersContainer([optimizer]).step()
     rest = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
@@ -230,10 +226,7 @@ def _torch_optimizer_beside_muon_in_a_container(mesh: DeviceMesh, root: str) -> 
 
 def _grad_scaler(mesh: DeviceMesh, root: str) -> None:
     """torch's GradScaler: its unscale_ and inf check read param.grad only."""
-    model = build(0)
-    dedicate_params(model, mesh, muon_predicate)
-    shard_layers_then_root(model, mesh)
-    optimizer = Muon(model)
+    model, optimizer = _built(mesh)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(loss_fn(model, batch(0, ROWS))).backward()
     scaler.step(optimizer)
@@ -426,10 +419,7 @@ def _all_reduce_hook(mesh: DeviceMesh, root: str) -> None:
 
 def _all_reduce_hook_after_muon(mesh: DeviceMesh, root: str) -> None:
     """The same hook set after Muon(model): refused at the step, before anything changes."""
-    model = build(0)
-    dedicate_params(model, mesh, muon_predicate)
-    shard_layers_then_root(model, mesh)
-    optimizer = Muon(model)
+    model, optimizer = _built(mesh)
     model.set_all_reduce_hook(lambda grad: grad.mul_(0.5))
     loss_fn(model, batch(0, 4)).backward()
     optimizer.step()
@@ -442,10 +432,7 @@ def _state_lookups_of_an_iteration(rank: int, world_size: int) -> list[int]:
     FSDP2's gradient sync flags, read the parameter groups found once (before, each looked
     every fully_shard module up again: 3 look-ups each here, about 0.8 µs apiece)."""
     mesh = init_device_mesh("cpu", (world_size,))
-    model = build(0)
-    dedicate_params(model, mesh, muon_predicate)
-    shard_layers_then_root(model, mesh)
-    optimizer = Muon(model)
+    model, optimizer = _built(mesh)
     original = FSDPModule._get_fsdp_state
     lookups = []
     for step in range(3):
@@ -499,10 +486,7 @@ def _fully_shard_on_the_replicated_path(mesh: DeviceMesh, root: str) -> None:
 def _optimizer_copied(mesh: DeviceMesh, root: str) -> None:
     """copy.deepcopy of the optimizer after a step (it raised 'Attempted to call copy_() on an
     invalid python storage')."""
-    model = build(0)
-    dedicate_params(model, mesh, muon_predicate)
-    shard_layers_then_root(model, mesh)
-    optimizer = Muon(model)
+    model, optimizer = _built(mesh)
     loss_fn(model, batch(0, ROWS)).backward()
     optimizer.step()
     copy.deepcopy(optimizer)
