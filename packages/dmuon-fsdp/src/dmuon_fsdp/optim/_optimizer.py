@@ -1090,9 +1090,10 @@ class Muon(torch.optim.Optimizer):
         """This rank's part of the final gradients (pending reduces waited) of the parameters
         ``params`` names, for clipping: scaling them in place changes what the next ``step()``
         reads. A Muon weight's come as the matrices Muon steps, views of its gradient: a
-        convolution kernel's flattened, a declared split's one per piece. Scale ``.copies`` by the same factor too: they are the gradients other ranks
-        count and this rank steps as well (HSDP replicas, TP grids), and left unscaled they
-        make the replicas diverge. Summed over every rank ``.grads`` count each element once (see [Note: global
+        convolution kernel's flattened, a declared split's one per piece. Scale ``.copies`` by
+        the same factor too: they are the gradients other ranks count and this rank steps as
+        well (HSDP replicas, TP grids), and left unscaled they make the replicas diverge.
+        Summed over every rank ``.grads`` count each element once (see [Note: global
         quantities] in _comm). Where a Muon gradient is among them, the NS results that
         ``ns_overlap`` computed during backward are dropped (a clip may scale every gradient,
         by a kernel torch does not see) and the next steps compute NS in the step (see [Note:
