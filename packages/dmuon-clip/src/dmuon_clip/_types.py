@@ -24,8 +24,9 @@ class MuonClipGradsLike(Protocol):
 
     ``grads``: this rank's part of the gradients to clip (possibly none): whole matrices on
     their owners, or shards; a weight Muon steps as several matrices (a fused projection with
-    a declared split) hands each piece over as a tensor of its own, a view of its gradient. ``process_group``: the group over which a sum of ``grads``'
-    elements counts every element of every selected gradient exactly once; ``None`` when not
+    a declared split) hands each piece over as a tensor of its own, a view of its gradient.
+    ``process_group``: the group over which a sum of ``grads``' elements counts every element
+    of every selected gradient exactly once; ``None`` when not
     distributed. ``device``: where the norm accumulator lives (it must be a device the group's
     backend can reduce, e.g. CUDA for NCCL).
 
