@@ -42,11 +42,11 @@ def global_loss(loss: torch.Tensor, world_size: int) -> float:
     return float(total) / world_size
 
 
-def train_steps(model, optimizer, rank, world_size, steps, start=0, scheduler=None):
+def train_steps(model, optimizer, rank, world_size, steps, start=0, scheduler=None, rows=ROWS):
     losses = []
     for step in range(start, start + steps):
         optimizer.zero_grad()
-        tokens = shard(make_batch(step, ROWS, SEQ, VOCAB), rank, world_size)
+        tokens = shard(make_batch(step, rows, SEQ, VOCAB), rank, world_size)
         loss = lm_loss(model, tokens)
         loss.backward()
         optimizer.step()
@@ -97,7 +97,9 @@ def _plain_fully_shard_model(world_size: int, reshard: bool):
     return model, runtime
 
 
-def _train_vs_reference(rank: int, world_size: int, reshard: bool, plain: bool = False):
+def _train_vs_reference(
+    rank: int, world_size: int, reshard: bool, plain: bool = False, rows: int = ROWS
+):
     uninstall_patch()  # the worker process outlives the tests it ran before
     try:
         if plain:
@@ -106,29 +108,31 @@ def _train_vs_reference(rank: int, world_size: int, reshard: bool, plain: bool =
             model, runtime = setup_model(world_size, reshard=reshard, patch_fully_shard=False)
             assert not is_installed(), "patch_fully_shard=False leaves torch unpatched"
         optimizer, counting = counting_muon(model)
-        losses = train_steps(model, optimizer, rank, world_size, STEPS)
+        losses = train_steps(model, optimizer, rank, world_size, STEPS, rows=rows)
     finally:
         uninstall_patch()
     owned_muon = sum(1 for dp in runtime.owned if dp.route == "muon")
     ref = None
     if rank == 0:
         reference = build(0)
-        ref = train_reference(reference, _muon_names(reference), HYPER, STEPS, ROWS, SEQ, VOCAB)
+        ref = train_reference(reference, _muon_names(reference), HYPER, STEPS, rows, SEQ, VOCAB)
     weights = {k: v.clone() for k, v in get_model_state_dict(model).items()}
     return losses, ref, counting.matrices, owned_muon, len(runtime.params), weights
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("world_size", "reshard", "rtol"),
-    [(1, True, 1e-4), (2, False, 2e-3), (4, True, 2e-3)],
-    ids=["w1-z3", "w2-z2", "w4-z3"],
+    ("world_size", "reshard", "rtol", "rows"),
+    [(1, True, 1e-4, ROWS), (2, False, 2e-3, ROWS), (3, True, 2e-3, 6), (4, True, 2e-3, ROWS)],
+    ids=["w1-z3", "w2-z2", "w3-z3", "w4-z3"],
 )
-def test_losses_match_single_process_reference(world_size, reshard, rtol):
+def test_losses_match_single_process_reference(world_size, reshard, rtol, rows):
     """Through the patch-free route (``ignored_params`` on every ``fully_shard``); at world
     size 2 also through plain ``fully_shard`` calls (the default patch), which must train bit
-    for bit alike."""
-    results = run_distributed(_train_vs_reference, world_size, reshard)
+    for bit alike. World size 3 divides no dim FSDP2 shards (the embedding's and the head's 32
+    rows, the norms' 16: the last shard is shorter), and the plan puts each layer's pack on an
+    owner of its own, so one rank owns no matrix; its global batch is 6 rows, 2 per rank."""
+    results = run_distributed(_train_vs_reference, world_size, reshard, rows=rows)
     losses = results[0][0]
     ref = results[0][1]
     assert all(r[0] == losses for r in results), "ranks disagree on the global loss"
@@ -142,6 +146,8 @@ def test_losses_match_single_process_reference(world_size, reshard, rtol):
     assert sum(r[2] for r in results) == n_matrices * STEPS
     for r in results:
         assert r[2] == r[3] * STEPS
+    if world_size == 3:  # one owner per layer's pack, and a rank that owns nothing
+        assert sorted(r[3] for r in results) == [0, n_matrices // 2, n_matrices // 2]
     if world_size == 2:
         plain = run_distributed(_train_vs_reference, world_size, reshard, True)
         for got, want in zip(plain, results):
