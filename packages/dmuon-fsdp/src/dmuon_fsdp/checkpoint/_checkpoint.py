@@ -118,15 +118,20 @@ __all__ = [
 Entry = tuple[str, Tensor, DedicatedParam | None]
 
 
-def _getter_options(
-    function: str, options: StateDictOptions, cpu_offload: bool, rank0_only: bool
+def _getter_flags(
+    function: str, options: StateDictOptions | None, cpu_offload: bool, rank0_only: bool
 ) -> tuple[bool, bool]:
-    """A getter's ``cpu_offload`` and ``rank0_only`` as torch's ``options`` set them; the
-    call's own must be at their defaults (see [Note: torch's options])."""
-    given = {"cpu_offload": cpu_offload, "rank0_only": rank0_only}
-    defaults = {"cpu_offload": True, "rank0_only": False}
-    chosen = from_torch_options(function, options, given, defaults)
-    return chosen["cpu_offload"], chosen["rank0_only"]
+    """A getter's ``cpu_offload`` and ``rank0_only``, checked to be bools: its own, or as
+    torch's ``options`` set them, when given, where its own must be at their defaults (see
+    [Note: torch's options]). Both getters read the two flags alike."""
+    if options is not None:
+        given = {"cpu_offload": cpu_offload, "rank0_only": rank0_only}
+        defaults = {"cpu_offload": True, "rank0_only": False}
+        chosen = from_torch_options(function, options, given, defaults)
+        cpu_offload, rank0_only = chosen["cpu_offload"], chosen["rank0_only"]
+    check_bool("rank0_only", rank0_only)
+    check_bool("cpu_offload", cpu_offload)
+    return cpu_offload, rank0_only
 
 
 def refuse_under_pipeline(runtime: DedicatedRuntime, call: str) -> None:
@@ -295,12 +300,9 @@ def get_model_state_dict(
             ``ValueError``), and ``cpu_offload=True`` returns the CPU dictionary on rank 0
             alone (see [Note: torch's options]).
     """
-    if options is not None:
-        cpu_offload, rank0_only = _getter_options(
-            "get_model_state_dict", options, cpu_offload, rank0_only
-        )
-    check_bool("rank0_only", rank0_only)
-    check_bool("cpu_offload", cpu_offload)
+    cpu_offload, rank0_only = _getter_flags(
+        "get_model_state_dict", options, cpu_offload, rank0_only
+    )
     runtime = get_runtime(model)
     if rank0_only:
         refuse_under_pipeline(runtime, "get_model_state_dict(rank0_only=True)")
@@ -663,12 +665,9 @@ def get_optimizer_state_dict(
         options: torch's ``StateDictOptions`` in place of the two above, as in
             :func:`get_model_state_dict`.
     """
-    if options is not None:
-        cpu_offload, rank0_only = _getter_options(
-            "get_optimizer_state_dict", options, cpu_offload, rank0_only
-        )
-    check_bool("rank0_only", rank0_only)
-    check_bool("cpu_offload", cpu_offload)
+    cpu_offload, rank0_only = _getter_flags(
+        "get_optimizer_state_dict", options, cpu_offload, rank0_only
+    )
     optimizer = check_optimizer(model, optimizer)
     runtime = get_runtime(model)
     if rank0_only:
