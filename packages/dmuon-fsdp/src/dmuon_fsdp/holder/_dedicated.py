@@ -479,7 +479,7 @@ class DedicatedParam(ParamHolder):
         if self.pieces:
             return tuple(_piece_grad(grad, piece) for piece in self.pieces), copy
         if self.conv_kernel:
-            grad = grad.view(grad.shape[0], -1)
+            grad = grad.view(self.view.matrix_shape)
         return (grad,), copy
 
     @property

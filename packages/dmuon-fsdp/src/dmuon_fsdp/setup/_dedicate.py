@@ -64,13 +64,12 @@ from dmuon_ownership import (
     ParamPolicy,
     Plan,
     ResolvedPolicy,
-    Route,
     WorkItem,
     plan_owners,
     validate_param_policy,
 )
 
-from .._matrix import MatrixView, describe_pieces, is_conv_kernel, pieces_of
+from .._matrix import MatrixView, describe_pieces, pieces_of
 from .._torch_internals import ddp_modules
 from .._warnings import warn
 from ..holder import (
@@ -413,14 +412,11 @@ def _dedicate(
         )
 
     # The plan's parameters are all of dedicated kinds.
-    packed = {
-        f.fqn: (f, cast("type[DedicatedParam]", kind))
-        for f, kind, _ in claimed
-        if kind and kind.dedicated
-    }
+    dedicated = [claim for claim in claimed if claim.kind and claim.kind.dedicated]
+    packed = {f.fqn: (f, cast("type[DedicatedParam]", kind)) for f, kind, _ in dedicated}
     _refuse_childless_root(model, packed)
     tp = 1 if tp_mesh is None else tp_mesh.size()
-    items = _work_items(packed.values(), aliases, modules, config, {n: tp for n in tp_dims})
+    items = _work_items(dedicated, aliases, modules, config, {n: tp for n in tp_dims})
     if config.hook_boundary_predicate is None:
         _warn_nested_boundaries({item.boundary for item in items}, modules)
     plan = plan_owners(
@@ -827,7 +823,7 @@ def _held_in_place(claim: _Claim, plan: Plan, layout: MeshLayout) -> ExpertStack
 
 
 def _work_items(
-    packed: Iterable[tuple[Found, type[DedicatedParam]]],
+    claims: Iterable[_Claim],
     aliases: Mapping[int, list[str]],
     modules: Mapping[str, nn.Module],
     config: DedicateConfig,
@@ -836,15 +832,15 @@ def _work_items(
     """What the planner sees of each dedicated parameter (``tp``: the TP degree of the
     tensor-parallel ones)."""
     items: list[WorkItem] = []
-    for found, _ in packed:
+    for found, _, view in claims:
         param = found.param
         boundary = _shared_boundary(aliases[id(param)], modules, config)
         pieces = () if found.split is None else pieces_of(param.shape, found.fqn, found.split)
         # A split weight's owner runs NS on its pieces, a convolution kernel's on its one
-        # flattened matrix: the planner weighs those.
+        # flattened matrix (its kind's view): the planner weighs those.
         matrices = tuple(piece.view.stack_shape for piece in pieces)
-        if found.policy.route is Route.MUON and is_conv_kernel(found.module, found.name):
-            matrices = (MatrixView.of(param.shape, found.fqn, kernel=True).stack_shape,)
+        if view is not None and view.kernel:
+            matrices = (view.stack_shape,)
         items.append(
             WorkItem(
                 found.fqn,
