@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from step_bench import _add_ns_batch_mib, _step_options, _wait_for_fused_compile
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -72,17 +73,6 @@ class Separate(nn.Module):
         self.matrices = nn.ParameterList(
             nn.Parameter(m.detach().clone()) for p in stack.parameters() for m in p.unbind(0)
         )
-
-
-def _wait_for_fused_compile() -> None:
-    """Wait for ``Muon(model)``'s background compile of the fused step kernels: until it ends
-    the step runs their per-matrix torch-op fallback, and the timed steps are meant to run the
-    kernels."""
-    try:
-        from dmuon_fsdp.optim._fused import _join_background
-    except ImportError:  # a version without the background compile
-        return
-    _join_background()
 
 
 def _time(step, grads_of, iters: int, warmup: int, device: torch.device, tune=None):
@@ -155,12 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="after timing, profile one more dmuon step: GPU time per kernel, busy and wall",
     )
-    p.add_argument(
-        "--ns-batch-mib",
-        type=int,
-        metavar="MIB",
-        help="dmuon's StepOptions(ns_batch_bytes=MIB MiB); 0: no cap (default: dmuon's default)",
-    )
+    _add_ns_batch_mib(p)
     args = p.parse_args(argv)
     if args.cuda_graph and args.device == "cpu":
         p.error("--cuda-graph needs --device cuda (the Muon phase as a CUDA graph)")
@@ -193,10 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     params = list(stack.parameters())
     rows = []
     for graphed in (False, True) if args.cuda_graph else (False,):
-        batching = {}
-        if args.ns_batch_mib is not None:
-            batching["ns_batch_bytes"] = args.ns_batch_mib * 2**20 or None
-        options = dmuon.StepOptions(cuda_graph=graphed, **batching)
+        options = dmuon.StepOptions(cuda_graph=graphed, **_step_options(args.ns_batch_mib))
         optimizer = dmuon.Muon(stack, lr=0.02, weight_decay=0.0, options=options)
         ms, peak = _time(
             optimizer.step,

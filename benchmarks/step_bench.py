@@ -286,6 +286,17 @@ def _build(
     return _Built(model, optimizers, autocast=mixed and not sharded)
 
 
+def _add_ns_batch_mib(p: argparse.ArgumentParser) -> None:
+    """Add ``--ns-batch-mib``, which :func:`_step_options` reads (``moe_bench`` takes it too, so
+    that both benchmarks batch NS alike for one flag)."""
+    p.add_argument(
+        "--ns-batch-mib",
+        type=int,
+        metavar="MIB",
+        help="dmuon's StepOptions(ns_batch_bytes=MIB MiB); 0: no cap (default: dmuon's default)",
+    )
+
+
 def _step_options(ns_batch_mib: int | None) -> dict[str, Any]:
     """The ``dmuon.StepOptions`` fields the command line sets (``--ns-batch-mib``; 0: no cap)."""
     if ns_batch_mib is None:
@@ -295,7 +306,8 @@ def _step_options(ns_batch_mib: int | None) -> dict[str, Any]:
 
 def _wait_for_fused_compile() -> None:
     """Wait for ``Muon(model)``'s background compile of the fused step kernels: until it ends
-    the step runs their torch-op fallback, and the timed steps are meant to run the kernels."""
+    the step runs their torch-op fallback, and the timed steps are meant to run the kernels
+    (``moe_bench`` waits with it too)."""
     try:
         from dmuon_fsdp.optim._fused import _join_background
     except ImportError:  # a version without the background compile
@@ -568,12 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         help="after timing, profile one more step of each dmuon variant: GPU time per kernel,"
         " busy and wall",
     )
-    p.add_argument(
-        "--ns-batch-mib",
-        type=int,
-        metavar="MIB",
-        help="dmuon's StepOptions(ns_batch_bytes=MIB MiB); 0: no cap (default: dmuon's default)",
-    )
+    _add_ns_batch_mib(p)
     args = p.parse_args(argv)
     if args.warmup < 1:
         p.error("--warmup must be >= 1: the first iteration runs before autotuning settles")
