@@ -196,14 +196,24 @@ def _auto_kernel(g: list[Tensor] | Tensor) -> str:
     return ", ".join(sorted(set(found)))
 
 
-def _versions() -> dict[str, str]:
-    out = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    for dist in ("triton", "quack-kernels", "nvidia-cutlass-dsl", "gram-newton-schulz"):
+def _installed(dists: tuple[str, ...]) -> dict[str, str]:
+    """Each distribution's installed version, ``"absent"`` where it is not installed (what a
+    log or a table records it ran with; ``ns_tables`` records its own with it)."""
+    out = {}
+    for dist in dists:
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[dist] = "absent"
     return out
+
+
+def _versions() -> dict[str, str]:
+    return {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        **_installed(("triton", "quack-kernels", "nvidia-cutlass-dsl", "gram-newton-schulz")),
+    }
 
 
 def main() -> None:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from ns_bench import _installed
 
 # (op, batch, m, n). Square matrices run direct NS, others Gram NS.
 PROBLEMS: list[tuple[str, int, int, int]] = [
@@ -88,13 +88,11 @@ PROBLEMS: list[tuple[str, int, int, int]] = [
 
 
 def _versions() -> dict[str, str]:
-    out = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
-    for dist in ("triton", "quack-kernels", "nvidia-cutlass-dsl", "dmuon-ns"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = "absent"
-    return out
+    return {
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        **_installed(("triton", "quack-kernels", "nvidia-cutlass-dsl", "dmuon-ns")),
+    }
 
 
 def main() -> None:
