@@ -72,6 +72,7 @@ SUBMODULES = {
         "KernelAvailability",
         "NSKernel",
         "register_kernel",
+        "tune_pending",
     },
     "clip": {
         "clip_grad_norm_",
