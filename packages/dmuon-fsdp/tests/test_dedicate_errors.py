@@ -543,6 +543,15 @@ def _mesh_errors(rank: int, world_size: int) -> None:
         dedicate_params(build(0), hsdp["shard"], muon_predicate)
     with pytest.raises(ValueError, match=r"replicate_mesh must be a 1-D DeviceMesh"):
         dedicate_params(build(0), hsdp["shard"], muon_predicate, replicate_mesh=hsdp)
+    # A mesh over fewer ranks than the world (its size taken from a world of one, as Hugging
+    # Face's TrainingArguments on CPU ranks without use_cpu=True report): the ranks it leaves
+    # out once failed alone inside torch (IndexError), the others went on; now every rank
+    # raises, naming the sizes.
+    one = init_device_mesh("cpu", (1,))
+    with pytest.raises(
+        ValueError, match=r"do not multiply to the world size: shard 1 x replicate 1 != 4"
+    ):
+        dedicate_params(build(0), one, muon_predicate)
     # A mesh built from ranks listed out of order: its process group (and FSDP2) numbers the
     # ranks in increasing order, its coordinates in the listed one. Refused on every rank, and
     # said so (it once read "replicate_mesh does not match mesh" with no replicate_mesh given).

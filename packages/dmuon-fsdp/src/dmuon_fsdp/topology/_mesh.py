@@ -192,9 +192,9 @@ def resolve_layout(
     replicate_size = 1 if rep_mesh is None else rep_mesh.size()
     tp_size = 1 if tp_mesh is None else tp_mesh.size()
     pp_size = 1 if pp_mesh is None else pp_mesh.size()
-    coord = Owner(shard_mesh.get_local_rank(), 0 if rep_mesh is None else rep_mesh.get_local_rank())
-    tp_index = 0 if tp_mesh is None else tp_mesh.get_local_rank()
-    pp_index = 0 if pp_mesh is None else pp_mesh.get_local_rank()
+    coord = Owner(_local_rank(shard_mesh), 0 if rep_mesh is None else _local_rank(rep_mesh))
+    tp_index = 0 if tp_mesh is None else _local_rank(tp_mesh)
+    pp_index = 0 if pp_mesh is None else _local_rank(pp_mesh)
     if shard_mesh.device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -237,6 +237,14 @@ def resolve_layout(
         stage_rank_of=stage_rank_of,
         pipeline_mesh=pp_mesh,
     )
+
+
+def _local_rank(mesh: DeviceMesh) -> int:
+    """This rank's index in the 1-D ``mesh``, or -1 where the mesh leaves this rank out (one built
+    over fewer ranks than the world, ``init_device_mesh(..., (1,))`` with a world size read
+    from one process's view): torch's ``get_local_rank`` fails there with an ``IndexError`` on
+    those ranks alone, while ``_check_covers_world`` refuses such meshes on every rank."""
+    return -1 if mesh.get_coordinate() is None else mesh.get_local_rank()
 
 
 def _data_parallel_meshes(
