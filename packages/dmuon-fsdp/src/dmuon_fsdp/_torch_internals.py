@@ -64,6 +64,7 @@ __all__ = [
     "fsdp_mp_policy",
     "fsdp_offloads_to_cpu",
     "fsdp_reshards_after_forward",
+    "fsdp_unreduced_grads_dropper",
     "in_backward",
     "local_shard",
     "local_tensor",
@@ -278,6 +279,27 @@ def fsdp_gradient_sync_reader(modules: Sequence[FSDPModule]) -> Callable[[], boo
     on them, so the groups are found here once and the reader reads only their flags."""
     groups = _fsdp_param_groups(modules)
     return lambda: bool(groups) and not any(group.reduce_grads for group in groups)
+
+
+def fsdp_unreduced_grads_dropper(modules: Sequence[FSDPModule]) -> Callable[[], None]:
+    """How to drop the gradients FSDP2 holds on its unsharded parameters between a backward
+    that did not reduce-scatter them and the one that does (see [Note: FSDP2's held
+    gradients] in ``runtime/_runtime``).
+
+    FSDP2 keeps them in ``FSDPParam._unsharded_param.grad``, or, with a ``reduce_dtype`` other
+    than the parameter's, in ``FSDPParam.unsharded_accumulated_grad``; it has no public way to
+    clear either (``model.zero_grad()`` reaches the first only while the module is gathered).
+    The groups are found here once, as in :func:`fsdp_gradient_sync_reader`."""
+    params = [p for group in _fsdp_param_groups(modules) for p in group.fsdp_params]
+
+    def drop() -> None:
+        for fsdp_param in params:
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
+    return drop
 
 
 def fsdp_all_reduce_hook_reader(

@@ -43,6 +43,7 @@ from .._torch_internals import (
     fsdp_gradient_divide_factor,
     fsdp_gradient_sync_reader,
     fsdp_manages,
+    fsdp_unreduced_grads_dropper,
     in_backward,
 )
 from ..holder import (
@@ -125,6 +126,8 @@ class DedicatedRuntime:
         self._model = weakref.ref(model)
         # Reads FSDP2's gradient sync flags; made at the first backward (see _fsdp_sync_off).
         self._fsdp_sync_reader: Callable[[], bool] | None = None
+        # Drops FSDP2's held unsharded gradients; made at the first clear_grads (see there).
+        self._fsdp_grad_dropper: Callable[[], None] | None = None
         # Where each pack's gradient divisors come from, set at its first reduce (see
         # _grad_divisors): the readers of its parameters' factors (None: the world size), one
         # per module, and each parameter's reader in that list.
@@ -639,6 +642,30 @@ class DedicatedRuntime:
                 dp.grad = torch.zeros_like(dp.grad)
             self._zeroed_grads[id(dp)] = dp.grad
         self.hooks.forget_unsynced()
+        self._drop_fsdp_unreduced_grads()
+
+    def _drop_fsdp_unreduced_grads(self) -> None:
+        """Drop the gradients FSDP2 holds on its unsharded parameters, unreduced.
+
+        [Note: FSDP2's held gradients]
+        A backward under ``no_sync`` (FSDP2's ``set_requires_gradient_sync(False)``) leaves each
+        FSDP2 parameter's local gradient on its unsharded parameter for the next synced
+        backward to add to and reduce-scatter; so does a backward that raised before a module's
+        reduce-scatter. ``optimizer.zero_grad()`` clears the sharded ``.grad`` only, so an
+        accumulation abandoned there (an exception after a micro-batch, then ``zero_grad`` and a
+        new accumulation) would carry its first micro-batches into the next step's FSDP2
+        gradients while dmuon's own, cleared above, start afresh: the two kinds of parameter
+        would train on different batches. ``zero_grad`` means every gradient, so dmuon drops
+        FSDP2's held ones here too (no collective: they were never reduced). At a
+        ``zero_grad`` after a step they are already ``None``. The FSDP2 modules are found at
+        the first call on more than one rank (the ``Muon`` was built after ``fully_shard``),
+        on one rank once one is found (``fully_shard`` may come after the ``Muon`` there)."""
+        if self._fsdp_grad_dropper is None:
+            modules = [module for _, module in fsdp_modules(self._live_model())]
+            if not modules and self.layout.world_size == 1:
+                return
+            self._fsdp_grad_dropper = fsdp_unreduced_grads_dropper(modules)
+        self._fsdp_grad_dropper()
 
     def check_gradients_synced(self) -> None:
         """Refuse a step whose gradients were accumulated under ``no_sync`` and never reduced.
