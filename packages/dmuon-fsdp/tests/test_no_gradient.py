@@ -251,16 +251,9 @@ def _after_an_iteration_that_raised(rank: int, world_size: int, where: str) -> l
                 loss_fn(model, batch(1, ROWS).chunk(world_size)[rank]).backward()
             handle.remove()
             model.reset_iter_state()
-            if where == "backward":
-                # The FAQ's step for FSDP2's own gradients, which a backward that raised left
-                # on its gathered weights (the root's norm and head here): without it they go
-                # into the retry, without dmuon as well.
-                fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
-                for module in fsdp:
-                    module.unshard()
-                model.zero_grad()
-                for module in fsdp:
-                    module.reshard()
+            # A backward that raised left FSDP2's own gradients on its gathered weights (the
+            # root's norm and head here), which FSDP2's recovery keeps: zero_grad drops them
+            # ([Note: FSDP2's held gradients]), else the retry's backward adds them in.
             optimizer.zero_grad()
             held = _peer_bytes(model)
         _step(model, optimizer, 1, rank, world_size)
@@ -288,7 +281,7 @@ def _after_an_iteration_that_raised(rank: int, world_size: int, where: str) -> l
 def test_training_goes_on_after_an_iteration_that_raised(where: str) -> None:
     for clean, recovered in run_distributed(_after_an_iteration_that_raised, 2, where):
         # The retried step's dedicated weights are the clean run's, and every weight after the
-        # step that follows (FSDP2's too: after a backward that raised, with the FAQ's step).
+        # step that follows (FSDP2's too).
         assert clean["retried"].keys() == recovered["retried"].keys()
         assert FROZEN not in clean["retried"]
         for name, value in clean["retried"].items():
