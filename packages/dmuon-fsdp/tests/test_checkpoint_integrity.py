@@ -12,7 +12,9 @@ checkpoint and one damaged copy of it on another topology.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import pickle
 import re
@@ -23,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from test_checkpoint import HYPER, _equal
 from test_training import setup_model, train_steps
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dmuon_fsdp import (
     CHECKPOINT_KEY,
@@ -292,3 +294,44 @@ def test_checksums_verify_on_another_topology(damaged):
     assert sorted(record["files"]) == ["__0_0.distcp", "__1_0.distcp"]
     # The world-2 checkpoint, loaded whole by one rank, is what the two ranks saved.
     assert _equal(state, saved_at_two[0][5])
+
+
+def _failed_save(rank: int, world_size: int, root: str) -> tuple[str, bool, bool]:
+    """Rank 1's write fails (a full disk): every rank gets the same ``RuntimeError``, not DCP's
+    ``CheckpointException`` (a ``BaseException`` a loop's ``except Exception`` would miss),
+    nothing changes, the directory does not load, and training goes on (see [Note: a save
+    that failed])."""
+    model, _ = setup_model(world_size)
+    optimizer = Muon(model, **HYPER.muon_kwargs())
+    train_steps(model, optimizer, rank, world_size, 1)
+    before = _state(model, optimizer)
+    path = os.path.join(root, "full")
+    write = FileSystemWriter.write_data
+
+    def disk_full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(path, VICTIM))
+
+    if rank == 1:
+        FileSystemWriter.write_data = disk_full  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            save_checkpoint(path, model, optimizer)
+    finally:
+        FileSystemWriter.write_data = write  # type: ignore[method-assign]
+    unchanged = _equal(_state(model, optimizer), before)
+    with pytest.raises(CheckpointIntegrityError, match="no finished DCP checkpoint at"):
+        load_checkpoint(path, model, optimizer)
+    losses = train_steps(model, optimizer, rank, world_size, 1, start=1)
+    return str(failed.value), unchanged, all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.distributed
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path):
+    results = run_distributed(_failed_save, 2, str(tmp_path))
+    assert results[0][0] == results[1][0]
+    message, unchanged, trains = results[0]
+    assert message.startswith(f"save_checkpoint: saving the checkpoint {str(tmp_path / 'full')!r}")
+    assert f"rank 1: OSError: [Errno {errno.ENOSPC}] No space left on device" in message
+    assert VICTIM in message and "rank 0" not in message
+    assert "the model and the optimizer are unchanged" in message.lower()
+    assert unchanged and trains

@@ -108,6 +108,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Shard
@@ -452,6 +453,10 @@ def save_checkpoint(
     ``dcp.async_save({dmuon.runtime.CHECKPOINT_KEY: dmuon.AppState(model, optimizer)}, ...)``, which
     records no checksums.
 
+    A write that fails on some rank (a full disk, a directory a node cannot write) raises
+    ``RuntimeError`` on every rank, naming each rank's error (see [Note: a save that failed]);
+    the model and the optimizer are unchanged and training can go on.
+
     Args:
         path: the checkpoint directory, the same on every rank (DCP's ``FileSystemWriter``
             writes there); a checksum record of an earlier save into it is removed first.
@@ -466,8 +471,38 @@ def save_checkpoint(
     with record_function("dmuon::save_checkpoint"):
         writer = integrity.ChecksumWriter(path)
         integrity.clear_checksums(path)
-        dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, storage_writer=writer)
+        try:
+            dcp.save({CHECKPOINT_KEY: AppState(model, optimizer)}, storage_writer=writer)
+        except CheckpointException as exc:
+            raise _save_failed(path, exc) from exc
         integrity.record_checksums(writer, "save_checkpoint")
+
+
+def _save_failed(path: str | os.PathLike[str], exc: CheckpointException) -> RuntimeError:
+    """The error of a ``dcp.save`` that failed on some rank.
+
+    [Note: a save that failed]
+    DCP gathers each rank's exception of a step of its save (the plan, the write, ``.metadata``)
+    and raises them together on every rank as a ``CheckpointException``, which derives from
+    ``BaseException``: a training loop's ``except Exception`` around the save, written to log a
+    failed save and train on, does not catch it, and its message is each rank's traceback,
+    with the error itself last. ``save_checkpoint`` raises a ``RuntimeError`` instead, on every
+    rank alike, that names each rank's error first and says what state is left; DCP's exception
+    is its cause. A save reads the model and the optimizer and changes neither; the directory
+    holds no finished checkpoint: the record of an earlier save into it was removed before the
+    write, and ``.metadata`` is written only after every rank's files, so ``load_checkpoint``
+    refuses it (``no finished DCP checkpoint at``, or ``and that file is missing`` where an
+    earlier save's ``.metadata`` is left)."""
+    failures = "; ".join(
+        f"rank {rank}: {type(error).__name__}: {error}"
+        for rank, (error, _) in sorted(exc.failures.items())
+    )
+    return RuntimeError(
+        f"save_checkpoint: saving the checkpoint {os.fspath(path)!r} failed ({failures}). The"
+        " model and the optimizer are unchanged, and the directory holds no finished checkpoint"
+        " (load_checkpoint refuses it): fix the cause (free disk space, a directory every rank"
+        " can write) and save again, or train on and save later"
+    )
 
 
 def _pair_parts(model: object, optimizer: MuonParts) -> list[tuple[nn.Module, Muon]]:
