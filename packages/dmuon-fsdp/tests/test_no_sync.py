@@ -19,6 +19,7 @@ from _models import (
     shard_layers_then_root,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dmuon_fsdp import Muon, dedicate_params, get_model_state_dict, no_sync
 from dmuon_testing.distributed import run_distributed
@@ -27,13 +28,19 @@ MICRO = 4
 ROWS = 4  # rows per micro-batch on each rank
 
 
-def _wrapped(world_size: int, reshard: bool):
+def _wrapped(world_size: int, reshard: bool, bf16: bool = False):
     model = build(0)
     mesh = init_device_mesh("cpu", (world_size,))
     runtime = dedicate_params(
         model, mesh, muon_predicate, reshard_after_forward=reshard, small_param_threshold=0
     )
-    shard_layers_then_root(model, mesh)
+    if bf16:  # FSDP2 accumulates its unreduced gradients in fp32, apart from .grad
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    else:
+        shard_layers_then_root(model, mesh)
     return model, runtime
 
 
@@ -103,10 +110,10 @@ def test_no_sync_matches_one_large_batch(reshard: bool, how: str) -> None:
     assert counts[0] == {"broadcast": rounds * p_m, "reduce": reduce_numel(build(0)) * 4}
 
 
-def _discarded_micro_batch(rank: int, world_size: int, clear: str) -> None:
+def _discarded_micro_batch(rank: int, world_size: int, clear: str, bf16: bool) -> None:
     rows = ROWS * world_size
     tokens = batch(0, rows).chunk(world_size)[rank]
-    model, runtime = _wrapped(world_size, reshard=True)
+    model, runtime = _wrapped(world_size, reshard=True, bf16=bf16)
     optimizer = Muon(model, lr=0.02)
     with no_sync(model):
         loss_fn(model, batch(1, rows).chunk(world_size)[rank]).backward()
@@ -123,7 +130,7 @@ def _discarded_micro_batch(rank: int, world_size: int, clear: str) -> None:
     loss_fn(model, tokens).backward()
     runtime.wait_all_reduces()
 
-    clean_model, clean = _wrapped(world_size, reshard=True)
+    clean_model, clean = _wrapped(world_size, reshard=True, bf16=bf16)
     loss_fn(clean_model, tokens).backward()
     clean.wait_all_reduces()
     clean_grads = {dp.fqn: dp.grad for dp in clean.owned}
@@ -139,9 +146,10 @@ def _discarded_micro_batch(rank: int, world_size: int, clear: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("clear", ["optimizer", "model"])
-def test_a_discarded_no_sync_micro_batch_leaves_no_gradient(clear: str) -> None:
-    run_distributed(_discarded_micro_batch, 2, clear)
+def test_a_discarded_no_sync_micro_batch_leaves_no_gradient(clear: str, bf16: bool) -> None:
+    run_distributed(_discarded_micro_batch, 2, clear, bf16)
 
 
 def _step_after_no_sync_only(rank: int, world_size: int, how: str) -> None:
