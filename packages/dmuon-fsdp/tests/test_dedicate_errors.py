@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -424,9 +425,23 @@ def _routes(rank: int, world_size: int) -> None:
 
 def _policy_typo(rank: int, world_size: int) -> None:
     # An override that matches no parameter changes nothing: a warning names it.
-    policy = {"overrides": [{"name": ["mpl", "down_proj"], "set": {"route": "adamw"}}]}
-    with pytest.warns(UserWarning, match=r"override name\(s\) \['mpl'\] match no parameter"):
+    policy = {
+        "overrides": [
+            {"name": ["mpl", "down_proj"], "set": {"route": "adamw"}},
+            {"contains": ["norm", "ln_"], "set": {"route": "adamw"}},
+        ]
+    }
+    with pytest.warns(UserWarning) as caught:
         dedicate_params(build(0), _mesh(world_size), muon_predicate, param_policy=policy)
+    messages = [str(w.message) for w in caught]
+    # Each selector's miss gets its own rule: components for a name, substrings for contains.
+    assert any(
+        re.search(r"override name\(s\) \['mpl'\] match no parameter.*whole", m) for m in messages
+    ), messages
+    assert any(
+        re.search(r"'contains' substring\(s\) \['ln_'\] occur in no parameter name.*plain", m)
+        for m in messages
+    ), messages
 
 
 def _bias_stack_on_muon(rank: int, world_size: int) -> None:

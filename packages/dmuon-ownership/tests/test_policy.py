@@ -329,6 +329,20 @@ def test_reference_style_recipe_routes_norms_biases_and_embeddings() -> None:
         {"overrides": [{"name": ["bias", "ln_", "norm"], "set": {"route": "adamw"}}]}
     )
     assert as_names.unmatched_tokens(GPT2_NAMES) == ("ln_", "norm")
+    # One token missed by each selector's rule: selector says which rule missed which.
+    mixed = validate_param_policy(
+        {
+            "overrides": [
+                {"contains": ["ln_", "nrom"], "set": {"route": "adamw"}},
+                {"name": ["ln_", "wte"], "set": {"route": "sharded_adamw"}},
+            ]
+        }
+    )
+    assert mixed.unmatched_tokens(GPT2_NAMES) == ("nrom", "ln_")
+    assert mixed.unmatched_tokens(GPT2_NAMES, selector="contains") == ("nrom",)
+    assert mixed.unmatched_tokens(GPT2_NAMES, selector="name") == ("ln_",)
+    with pytest.raises(ValueError, match="selector must be None, 'name' or 'contains'"):
+        mixed.unmatched_tokens(GPT2_NAMES, selector="names")
     assert as_names.resolve("transformer.h.0.ln_1.weight").route is Route.MUON
 
 

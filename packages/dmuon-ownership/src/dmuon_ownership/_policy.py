@@ -294,12 +294,22 @@ class ParamPolicy:
                     _check_one_intent(field, earlier, later)
         return dataclasses.replace(self.defaults, **fields) if fields else self.defaults
 
-    def unmatched_tokens(self, names: Iterable[str]) -> tuple[str, ...]:
+    def unmatched_tokens(
+        self, names: Iterable[str], *, selector: str | None = None
+    ) -> tuple[str, ...]:
         """Override tokens (``name`` and ``contains``) that match none of ``names`` (likely
-        typos), in policy order."""
+        typos), in policy order; ``selector`` (``"name"`` or ``"contains"``) keeps the tokens
+        of that selector's overrides only, which match by different rules (whole dotted
+        components; plain substrings) and so want different advice."""
+        if selector not in (None, *_SELECTORS):
+            raise ValueError(
+                f"unmatched_tokens: selector must be None, 'name' or 'contains', not {selector!r}"
+            )
         split = [(name, name.split(".")) for name in names]
         out: list[str] = []
         for override in self.overrides:
+            if selector is not None and override.substring != (selector == "contains"):
+                continue
             for token in override.tokens:
                 single = dataclasses.replace(override, tokens=(token,))
                 if token not in out and not any(single.matches(n, c) for n, c in split):

@@ -474,12 +474,23 @@ def _warn_unmatched_overrides(
     """Warn of ``param_policy`` override names that match no parameter (likely typos: an
     override that matches nothing changes nothing), against every name of each parameter (a
     tied one's second too: an override may route it by either)."""
-    unmatched = policy.unmatched_tokens(name for names in aliases.values() for name in names)
+    names = [name for aliases_of in aliases.values() for name in aliases_of]
+    unmatched = policy.unmatched_tokens(names, selector="name")
     if unmatched:
         warn(
             f"param_policy: the override name(s) {list(unmatched)} match no parameter of the "
             f"{type(model).__name__}, so they change nothing; a name matches whole "
             "dot-separated components of a parameter's FQN (see the routing guide)",
+            UserWarning,
+        )
+    # A ``contains`` token is a plain substring: the advice about components would mislead.
+    unmatched = policy.unmatched_tokens(names, selector="contains")
+    if unmatched:
+        warn(
+            f"param_policy: the override 'contains' substring(s) {list(unmatched)} occur in no "
+            f"parameter name of the {type(model).__name__}, so they change nothing; a "
+            "'contains' token is a plain, case-sensitive substring of a parameter's FQN "
+            "(see the routing guide)",
             UserWarning,
         )
 
